@@ -1,0 +1,163 @@
+"""Named, seeded conformance cases. Each case is a function of nothing that returns a :class:`Case`.
+
+A case's cache (and scale) is pre-filled with seeded random "history", so loads of positions stored
+by earlier calls are exercised too; expected outputs are what the reference computes.
+"""
+
+import dataclasses
+import zlib
+
+import numpy as np
+
+from ..reference.dtypes import BFLOAT16, CACHE_TYPE_FOR_QUANT_BIT, QMAX
+from ..reference.layout import cache_shape
+
+_T1 = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
+
+
+@dataclasses.dataclass
+class Case:
+    """Inputs (node input name -> array, ``scale`` may be None) and the node's attributes."""
+
+    name: str
+    inputs: dict
+    attributes: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Seq:
+    """One sequence of the batch: store ``seqlen`` tokens at ``start_pos``, load ``kvlen`` (default all)."""
+
+    start_pos: int
+    seqlen: int
+    kvlen: int = -1
+    share_pages_of: int = -1  # paged mode: reuse the first ``shared_pages`` pages of that sequence
+    shared_pages: int = 0
+
+    def loaded(self) -> int:
+        return self.start_pos + self.seqlen if self.kvlen < 0 else self.kvlen
+
+
+def _fill(rng, shape, dtype, quant_bit):
+    if quant_bit:
+        q = QMAX[quant_bit]
+        return rng.integers(-q, q + 1, size=shape).astype(dtype)
+    return (rng.standard_normal(shape) * 2).astype(dtype)
+
+
+def build(name, seqs, *, heads=2, head_dim=8, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
+          num_repeat=1, cache_mode=0, cache_layout=0, page_size=128, t1="float16", t3="float32", max_t=None,
+          max_pages=None, scalar_max=True, extra_max=0, seed=None):
+    """Builds a case: sequences laid out disjointly in the cache (or sharing pages when asked).
+
+    Random data comes from ``seed`` (default: derived from ``name``), so a case is reproducible.
+    """
+    rng = np.random.default_rng(zlib.crc32(name.encode()) if seed is None else seed)
+    t1 = _T1[t1]
+    spans = [max(s.start_pos + s.seqlen, s.loaded()) for s in seqs]
+    if cache_mode == 0:
+        starts, cursor = [], 0
+        for span in spans:
+            starts.append(cursor)
+            cursor += span + 1  # a one-slot gap keeps sequences apart
+        max_t = max_t or cursor + 2
+        cachestarts = np.asarray(starts, np.int64).reshape(len(seqs))
+    else:
+        needed = [-(-span // page_size) for span in spans]
+        max_pages = max_pages or max(needed, default=0) + 1
+        total_pages = max(sum(needed), 1) + 2
+        max_t = max_t or total_pages * page_size
+        free = list(rng.permutation(max_t // page_size))
+        table = np.full((len(seqs), max_pages), -1, np.int64)  # unused entries stay -1
+        for b, (s, n) in enumerate(zip(seqs, needed)):
+            for p in range(n):
+                if s.share_pages_of >= 0 and p < s.shared_pages:
+                    table[b, p] = table[s.share_pages_of, p]
+                else:
+                    table[b, p] = int(free.pop()) * page_size
+        cachestarts = table
+    cache_dtype = CACHE_TYPE_FOR_QUANT_BIT[quant_bit] or t1
+    cache = _fill(rng, cache_shape(cache_layout, num_layer, max_t, heads, head_dim), cache_dtype, quant_bit)
+    scale = None
+    if quant_bit:
+        shape = cache_shape(cache_layout, num_layer, max_t, heads, head_dim // quant_group)
+        scale = rng.uniform(0.001, 0.05, size=shape).astype(_T1[t3])
+    tokens = sum(s.seqlen for s in seqs)
+    seqlens = [s.seqlen for s in seqs]
+    kvlens = [s.loaded() for s in seqs]
+
+    def scalar(v):
+        return np.array(v, np.int64) if scalar_max else np.array([v], np.int64)
+
+    inputs = {
+        "current_key": (rng.standard_normal((tokens, heads, head_dim)) * 3).astype(t1),
+        "current_value": (rng.standard_normal((tokens, heads, head_dim)) * 3).astype(t1),
+        "seqstarts": np.concatenate([[0], np.cumsum(seqlens)]).astype(np.int64),
+        "kvstarts": np.concatenate([[0], np.cumsum(kvlens)]).astype(np.int64),
+        "cachestarts": cachestarts,
+        "start_pos": np.asarray([s.start_pos for s in seqs], np.int64).reshape(len(seqs)),
+        "max_seqlen": scalar(max(seqlens, default=0) + extra_max),
+        "max_kvlen": scalar(max(kvlens, default=0) + extra_max),
+        "cache": cache,
+        "scale": scale,
+    }
+    attributes = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
+                      num_repeat=num_repeat, cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
+    return Case(name, inputs, attributes)
+
+
+MIXED = [Seq(0, 5), Seq(7, 1), Seq(3, 4)]  # a prefill, a decode, a chunk of a chunked prefill
+DECODE = [Seq(p, 1) for p in (0, 4, 9, 2, 15, 6)]
+
+
+def _registry():
+    cases = {}
+
+    def case(name, seqs, **kw):
+        cases[name] = lambda: build(name, seqs, **kw)
+
+    for layout in range(4):
+        case(f"offset_layout{layout}", MIXED, cache_layout=layout)
+        case(f"paged_layout{layout}", MIXED, cache_layout=layout, cache_mode=1, page_size=4)
+        case(f"int8_layout{layout}", MIXED, cache_layout=layout, cache_mode=layout % 2, page_size=4, quant_bit=8)
+        case(f"int4_layout{layout}", MIXED, cache_layout=layout, cache_mode=1 - layout % 2, page_size=4, quant_bit=4)
+    case("t1_float32", MIXED, t1="float32")
+    case("t1_bfloat16", MIXED, t1="bfloat16", cache_mode=1, page_size=4)
+    case("t1_float32_int8", MIXED, t1="float32", quant_bit=8)
+    case("t1_bfloat16_int8_scale_float16", MIXED, t1="bfloat16", quant_bit=8, t3="float16", cache_mode=1, page_size=4)
+    case("int8_scale_float16", MIXED, quant_bit=8, t3="float16")
+    case("int4_scale_float16", MIXED, quant_bit=4, t3="float16", cache_mode=1, page_size=4)
+    case("t1_float32_int4", MIXED, t1="float32", quant_bit=4, cache_layout=3)
+    case("gqa_repeat2", MIXED, num_repeat=2)
+    case("gqa_repeat4_int8_paged", MIXED, num_repeat=4, quant_bit=8, cache_mode=1, page_size=2)
+    case("gqa_repeat3_heads1", MIXED, num_repeat=3, heads=1)
+    case("layers3_layer_idx2", MIXED, num_layer=3, layer_idx=2, cache_layout=1)
+    case("layers3_layer_idx1_paged_layout3", MIXED, num_layer=3, layer_idx=1, cache_layout=3, cache_mode=1, page_size=4)
+    case("quant_group1", MIXED, quant_bit=8, quant_group=1)
+    case("quant_group2_int4", MIXED, quant_bit=4, quant_group=2)
+    case("quant_group16_dh32", MIXED, quant_bit=8, quant_group=16, head_dim=32)
+    case("quant_group_whole_head", MIXED, quant_bit=8, quant_group=8)
+    case("page_size1", MIXED, cache_mode=1, page_size=1)
+    case("page_size_default128", [Seq(0, 3), Seq(126, 4)], cache_mode=1)
+    case("page_size16_int8_layout3", [Seq(10, 9), Seq(30, 1)], cache_mode=1, page_size=16, quant_bit=8, cache_layout=3)
+    case("batch0", [])
+    case("batch0_paged_int8", [], cache_mode=1, page_size=4, quant_bit=8)
+    case("empty_sequence_between", [Seq(0, 3), Seq(0, 0, kvlen=0), Seq(2, 2)], quant_bit=8)
+    case("load_only_sequence", [Seq(5, 0), Seq(0, 2)], cache_mode=1, page_size=4)
+    case("store_only_kvlen0", [Seq(0, 3, kvlen=0), Seq(4, 1)])
+    case("all_sequences_empty", [Seq(0, 0), Seq(3, 0, kvlen=0)], quant_bit=4)
+    case("partial_load_kvlen_lt_end", [Seq(0, 6, kvlen=4), Seq(2, 1, kvlen=1)], cache_mode=1, page_size=4)
+    case("prefix_shared_pages", [Seq(8, 2), Seq(8, 1, share_pages_of=0, shared_pages=2)], cache_mode=1, page_size=4)
+    case("prefix_shared_pages_int8", [Seq(8, 3), Seq(9, 1, share_pages_of=0, shared_pages=2), Seq(8, 1, share_pages_of=0, shared_pages=2)],
+         cache_mode=1, page_size=4, quant_bit=8)
+    case("chunked_prefill_offset", [Seq(16, 8), Seq(0, 8)])
+    case("chunked_prefill_paged_int4", [Seq(12, 8), Seq(20, 4)], cache_mode=1, page_size=4, quant_bit=4, cache_layout=2)
+    case("decode_batch_paged", DECODE, cache_mode=1, page_size=4, cache_layout=3)
+    case("decode_batch_int8_gqa", DECODE, quant_bit=8, num_repeat=2, cache_layout=2)
+    case("max_len_shape1", MIXED, scalar_max=False)
+    case("max_len_larger_than_needed", MIXED, extra_max=5, cache_mode=1, page_size=4)
+    case("wide_heads_dh64", [Seq(0, 4), Seq(3, 2)], heads=4, head_dim=64, quant_bit=8, quant_group=32)
+    return cases
+
+
+CASES = _registry()

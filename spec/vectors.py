@@ -1,0 +1,89 @@
+"""Conformance vectors in the ONNX backend-test layout.
+
+``<out>/<case>/model.onnx`` and ``<out>/<case>/test_data_set_0/``: ``input_<i>.pb`` (node input order),
+``output_0.pb`` (key), ``output_1.pb`` (value), and the in-place results ``cache_after.pb`` and,
+with quantization, ``scale_after.pb``. A backend passes a case when its outputs equal
+``output_*.pb`` and its cache/scale after the call equal ``*_after.pb`` (exactly, or within the
+tolerance table of spec/KeyValueCache.md for backends with other quantization arithmetic).
+"""
+
+import pathlib
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from ..reference import key_value_cache
+from .cases import CASES, Case
+from .model import make_model
+
+DATA_SET = "test_data_set_0"
+
+
+def expected(case: Case) -> dict:
+    """Runs the reference on copies of the case's inputs: key, value, cache and scale after the call."""
+    inputs = {k: (None if v is None else v.copy()) for k, v in case.inputs.items()}
+    key, value = key_value_cache(**inputs, **case.attributes)
+    return {"key": key, "value": value, "cache": inputs["cache"], "scale": inputs["scale"]}
+
+
+def _save(array, name, path: pathlib.Path):
+    path.write_bytes(numpy_helper.from_array(np.asarray(array), name).SerializeToString())
+
+
+def write_case(case: Case, out_dir) -> pathlib.Path:
+    """Writes one case under ``out_dir/case.name`` and returns that folder."""
+    folder = pathlib.Path(out_dir) / case.name
+    data = folder / DATA_SET
+    data.mkdir(parents=True, exist_ok=True)
+    model = make_model(case.inputs, **case.attributes)
+    onnx.save_model(model, folder / "model.onnx")
+    for i, name in enumerate(model.graph.input):
+        _save(case.inputs[name.name], name.name, data / f"input_{i}.pb")
+    result = expected(case)
+    _save(result["key"], "key", data / "output_0.pb")
+    _save(result["value"], "value", data / "output_1.pb")
+    _save(result["cache"], "cache", data / "cache_after.pb")
+    if result["scale"] is not None:
+        _save(result["scale"], "scale", data / "scale_after.pb")
+    return folder
+
+
+def write_all(out_dir, names=None, progress=print) -> list:
+    """Writes the named cases (all by default); returns the folders written."""
+    names = list(CASES) if names is None else list(names)
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise ValueError(f"unknown conformance case(s) {unknown}; known: {list(CASES)}")
+    folders = []
+    for i, name in enumerate(names, 1):
+        folders.append(write_case(CASES[name](), out_dir))
+        if progress:
+            progress(f"[{i}/{len(names)}] {name}")
+    return folders
+
+
+def _load(path: pathlib.Path):
+    tensor = onnx.TensorProto()
+    tensor.ParseFromString(path.read_bytes())
+    return numpy_helper.to_array(tensor)
+
+
+def read_case(folder) -> dict:
+    """Reads a case folder: ``model``, ``inputs`` (name -> array, in node order), ``key``, ``value``,
+    ``cache`` and ``scale`` (after the call; ``scale`` None without quantization)."""
+    folder = pathlib.Path(folder)
+    data = folder / DATA_SET
+    model = onnx.load_model(folder / "model.onnx")
+    inputs = {}
+    for i, info in enumerate(model.graph.input):
+        inputs[info.name] = _load(data / f"input_{i}.pb")
+    scale_path = data / "scale_after.pb"
+    return {
+        "model": model,
+        "inputs": inputs,
+        "key": _load(data / "output_0.pb"),
+        "value": _load(data / "output_1.pb"),
+        "cache": _load(data / "cache_after.pb"),
+        "scale": _load(scale_path) if scale_path.exists() else None,
+    }

@@ -1,0 +1,55 @@
+"""Hypothesis strategies for valid KeyValueCache calls, over every attribute value the spec allows."""
+
+from hypothesis import strategies as st
+
+from kvcache_op.spec.cases import Seq, build
+
+
+@st.composite
+def sequences(draw, max_batch=4, max_pos=12, max_len=6):
+    """A batch of (start_pos, seqlen, kvlen) with kvlen <= start_pos + seqlen; empty ones included."""
+    seqs = []
+    for _ in range(draw(st.integers(0, max_batch))):
+        start = draw(st.integers(0, max_pos))
+        seqlen = draw(st.integers(0, max_len))
+        kvlen = draw(st.one_of(st.just(-1), st.integers(0, start + seqlen)))
+        seqs.append(Seq(start, seqlen, kvlen))
+    return seqs
+
+
+@st.composite
+def calls(draw, quant_bits=(0, 4, 8), modes=(0, 1), layouts=(0, 1, 2, 3), t1s=("float32", "float16", "bfloat16"),
+          max_batch=4):
+    """A valid call: returns a spec.cases.Case (inputs + attributes)."""
+    quant_bit = draw(st.sampled_from(quant_bits))
+    head_dim = draw(st.sampled_from((2, 4, 8, 16) if quant_bit == 4 else (1, 2, 3, 4, 6, 8, 16)))
+    quant_group = draw(st.sampled_from([g for g in (1, 2, 3, 4, 8, 16) if head_dim % g == 0]))
+    num_layer = draw(st.integers(1, 3))
+    mode = draw(st.sampled_from(modes))
+    page_size = draw(st.sampled_from((1, 2, 3, 4, 8))) if mode == 1 else 128
+    seqs = draw(sequences(max_batch=max_batch))
+    if mode == 1:  # share read-only prefix pages between sequences (prefix caching)
+        for b in range(1, len(seqs)):
+            owner = draw(st.integers(0, b - 1))
+            shareable = min(seqs[b].start_pos, seqs[owner].start_pos) // page_size
+            if seqs[owner].share_pages_of < 0 and shareable and draw(st.booleans()):
+                s = seqs[b]
+                seqs[b] = Seq(s.start_pos, s.seqlen, s.kvlen, owner, draw(st.integers(1, shareable)))
+    return build(
+        "hypothesis", seqs, heads=draw(st.integers(1, 3)), head_dim=head_dim, num_layer=num_layer,
+        layer_idx=draw(st.integers(0, num_layer - 1)), quant_bit=quant_bit, quant_group=quant_group,
+        num_repeat=draw(st.integers(1, 3)), cache_mode=mode, cache_layout=draw(st.sampled_from(layouts)),
+        page_size=page_size, t1=draw(st.sampled_from(t1s)), t3=draw(st.sampled_from(("float32", "float16"))),
+        scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+#: (quant_bit, cache_mode, cache_layout): property tests are parametrized over all of them so every
+#: combination gets its own examples, whatever hypothesis's search prefers.
+COMBINATIONS = [(q, m, lay) for q in (0, 4, 8) for m in (0, 1) for lay in range(4)]
+
+
+def calls_for(combo, **kw):
+    """:func:`calls` pinned to one (quant_bit, cache_mode, cache_layout)."""
+    q, m, lay = combo
+    return calls(quant_bits=(q,), modes=(m,), layouts=(lay,), **kw)
