@@ -18,6 +18,11 @@ from .cases import CASES, Case
 from .model import make_model
 
 DATA_SET = "test_data_set_0"
+#: The small set committed under spec/conformance/ (a test regenerates it and checks it is unchanged).
+COMMITTED = ["offset_layout0", "paged_layout3", "int8_layout1", "int4_layout2", "t1_bfloat16_int8_scale_float16",
+             "gqa_repeat2", "prefix_shared_pages_int8", "chunked_prefill_paged_int4", "empty_sequence_between",
+             "batch0"]
+COMMITTED_DIR = pathlib.Path(__file__).parent / "conformance"
 
 
 def expected(case: Case) -> dict:
