@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--backend", choices=("auto", "ort", "reference"), default="auto",
                       help="ort: ONNX Runtime with the custom-op library; reference: onnx ReferenceEvaluator; "
                            "auto: ort when the library is built, else reference (said so in the output)")
-    demo.add_argument("--steps", type=int, default=6, help="number of scheduler steps")
+    demo.add_argument("--steps", type=int, default=8, help="number of scheduler steps")
     demo.set_defaults(func=_demo)
     conf = sub.add_parser("conformance", help="write the conformance vectors (ONNX backend-test layout)")
     conf.add_argument("--out", required=True, help="output folder")

@@ -1,0 +1,26 @@
+"""The command line: demo and conformance jobs."""
+
+import subprocess
+import sys
+
+from kvcache_op.cli import main
+from kvcache_op.demo import run_demo
+
+
+def test_demo_runs_and_every_step_checks_out(capsys):
+    assert run_demo(backend="reference", steps=8) == 0
+    out = capsys.readouterr().out
+    assert "MISMATCH" not in out and out.count(" ok") >= 20
+    assert "req 1 finished" in out
+
+
+def test_conformance_command_writes_cases(tmp_path, capsys):
+    assert main(["conformance", "--out", str(tmp_path), "--case", "paged_layout0", "--case", "int4_layout1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int4_layout1", "paged_layout0"]
+    assert main(["validate", str(tmp_path)]) == 0
+    assert "2 passed, 0 failed" in capsys.readouterr().out
+
+
+def test_python_dash_m_entry_point():
+    result = subprocess.run([sys.executable, "-m", "kvcache_op", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0 and "demo" in result.stdout

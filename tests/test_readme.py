@@ -1,0 +1,10 @@
+"""The README's usage example runs as written."""
+
+import pathlib
+import re
+
+
+def test_readme_usage_example_runs():
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"## Usage\n\n```python\n(.*?)```", text, re.S).group(1)
+    exec(compile(block, "README.md", "exec"), {})
