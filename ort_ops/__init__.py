@@ -6,14 +6,34 @@ import pathlib
 LIBRARY_NAME = "libkvcache_op_ort.so"
 
 
+def _find_library():
+    # An editable install keeps the built library in site-packages and the sources here: search both.
+    for folder in __path__:
+        candidate = pathlib.Path(folder).resolve() / LIBRARY_NAME
+        if candidate.exists():
+            return candidate
+    return None
+
+
 def library_path() -> str:
     """Absolute path of the custom-op shared library; ``FileNotFoundError`` if this install has none."""
-    path = pathlib.Path(__file__).resolve().parent / LIBRARY_NAME
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: the custom-op library was not built in this install")
+    path = _find_library()
+    if path is None:
+        raise FileNotFoundError(f"{LIBRARY_NAME} not found in {list(__path__)}: the custom-op library was not built "
+                                "in this install (reinstall with 'pip install .' and read the build log)")
     return str(path)
 
 
 def library_available() -> bool:
     """True when :func:`library_path` would succeed."""
-    return (pathlib.Path(__file__).resolve().parent / LIBRARY_NAME).exists()
+    return _find_library() is not None
+
+
+def __getattr__(name):
+    # The session helpers import onnxruntime; load them on first use only.
+    if name in ("session_options", "make_session", "run_model", "ortvalue_for", "int4_ortvalue", "packed_view",
+                "to_numpy"):
+        from . import session
+
+        return getattr(session, name)
+    raise AttributeError(name)

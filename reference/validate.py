@@ -100,6 +100,17 @@ def _starts(name: str, starts: list, total_name: str, total=None) -> list:
     return lengths
 
 
+def _check_max(name: str, what: str, given: int, lengths: list) -> None:
+    """A launch bound must cover the longest sequence (and be >= 0 for an empty batch)."""
+    if not lengths:
+        if given < 0:
+            fail(f"{name} = {given} must be >= 0")
+        return
+    longest = max(lengths)
+    if given < longest:
+        fail(f"{name} = {given} is smaller than {what} of sequence {lengths.index(longest)} = {longest}")
+
+
 def check_tensors(current_key, current_value, cache, scale, a: Attributes) -> tuple:
     """Ranks, dtypes and shape relations of the data tensors; returns (H, Dh, MaxT)."""
     for name, x in (("current_key", current_key), ("current_value", current_value)):
@@ -217,12 +228,8 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
     max_kvlen = _scalar("max_kvlen", max_kvlen)
     seq_len = _starts("seqstarts", seq, "current_key.shape[0]", current_key.shape[0])
     kv_len = _starts("kvstarts", kv, "", None)
-    if max_seqlen < max(seq_len, default=0):
-        b = seq_len.index(max(seq_len))
-        fail(f"max_seqlen = {max_seqlen} is smaller than seqlen of sequence {b} = {seq_len[b]}")
-    if max_kvlen < max(kv_len, default=0):
-        b = kv_len.index(max(kv_len))
-        fail(f"max_kvlen = {max_kvlen} is smaller than kvlen of sequence {b} = {kv_len[b]}")
+    _check_max("max_seqlen", "seqlen", max_seqlen, seq_len)
+    _check_max("max_kvlen", "kvlen", max_kvlen, kv_len)
     table = cachestarts.tolist()
     store_slots, load_slots = [], []
     for b in range(batch):

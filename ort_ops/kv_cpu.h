@@ -1,0 +1,30 @@
+// CPU compute of a validated KeyValueCache call: all stores, then all loads.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+#include "kv_validate.h"
+
+namespace kvcache {
+
+struct ComputeArgs {
+  const Attrs* attrs;
+  const CallPlan* plan;
+  int32_t t1;           // element type of current_key/value and outputs
+  int32_t scale_type;   // element type of scale (quant_bit != 0)
+  const void* key;      // [tokens, H, Dh]
+  const void* value;    // [tokens, H, Dh]
+  void* cache;          // rank 5, layout attrs->cache_layout; int4 packed
+  void* scale;          // rank 5, last dim G; nullptr without quantization
+  void* out_key;        // [kv_tokens, H * num_repeat, Dh]
+  void* out_value;      // [kv_tokens, H * num_repeat, Dh]
+};
+
+// Runs fn(i) for i in [0, count), possibly in parallel; returns when all are done.
+using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
+
+// Stores then gathers. The plan must come from ValidateCall on the same inputs.
+void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
+
+}  // namespace kvcache

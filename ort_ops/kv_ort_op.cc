@@ -1,0 +1,142 @@
+#include "kv_ort_op.h"
+
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "kv_cpu.h"
+
+namespace kvcache {
+
+namespace {
+
+int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
+  if (status != nullptr) {  // absent: the spec's default
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }
+
+}  // namespace
+
+Attrs ReadAttrs(const OrtKernelInfo* info) {
+  Attrs a;
+  a.num_layer = AttrOr(info, "num_layer", a.num_layer);
+  a.layer_idx = AttrOr(info, "layer_idx", a.layer_idx);
+  a.quant_bit = AttrOr(info, "quant_bit", a.quant_bit);
+  a.quant_group = AttrOr(info, "quant_group", a.quant_group);
+  a.num_repeat = AttrOr(info, "num_repeat", a.num_repeat);
+  a.cache_mode = AttrOr(info, "cache_mode", a.cache_mode);
+  a.cache_layout = AttrOr(info, "cache_layout", a.cache_layout);
+  a.page_size = AttrOr(info, "page_size", a.page_size);
+  CheckAttrs(a);
+  return a;
+}
+
+void RejectConstantCache(const OrtKernelInfo* info) {
+  Ort::ConstKernelInfo kernel_info(info);
+  const size_t count = kernel_info.GetInputCount();
+  for (size_t i : {size_t{8}, kScaleInput}) {
+    if (i >= count) continue;
+    int is_constant = 0;
+    kernel_info.GetTensorConstantInput(i, &is_constant);
+    if (is_constant)
+      throw KvError(std::string(i == 8 ? "cache" : "scale") +
+                    " is a constant initializer, but KeyValueCache writes it in place: make it a graph input "
+                    "(and bind your own buffer) so the writes land where you read them");
+  }
+}
+
+void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs) {
+  const size_t count = ctx.GetInputCount();
+  for (size_t i = 0; i < kNumInputs; ++i) {
+    inputs[i] = TensorArg{};
+    if (i >= count) continue;
+    Ort::ConstValue value = ctx.GetInput(i);
+    if (!value) continue;
+    auto info = value.GetTensorTypeAndShapeInfo();
+    inputs[i].present = true;
+    inputs[i].type = info.GetElementType();
+    inputs[i].shape = info.GetShape();
+    inputs[i].data = value.GetTensorRawData();
+  }
+}
+
+OrtStatusPtr StatusFromCurrentException() {
+  try {
+    throw;
+  } catch (const KvError& e) {
+    return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), e.what());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, e.what());
+  } catch (...) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, "KeyValueCache: unknown error");
+  }
+}
+
+OrtStatusPtr CpuKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Ort::KernelContext ctx(context);
+    TensorArg in[kNumInputs];
+    ReadInputs(ctx, in);
+    const CallPlan plan = ValidateCall(attrs, in);  // throws before anything is written
+    const std::vector<int64_t> out_shape{plan.kv_tokens, plan.heads * attrs.num_repeat, plan.head_dim};
+    auto key = ctx.GetOutput(0, out_shape);
+    auto value = ctx.GetOutput(1, out_shape);
+    ComputeArgs args{&attrs, &plan, in[0].type, in[kScaleInput].type, in[0].data, in[1].data,
+                     const_cast<void*>(in[8].data),  // the cache is written in place (spec: in-out input)
+                     in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,
+                     key.GetTensorMutableRawData(), value.GetTensorMutableRawData()};
+    ComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) {
+      if (n == 1) return fn(0);
+      if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
+    });
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  OrtTensorTypeAndShapeInfo* key_info = nullptr;  // owned by the context
+  if (OrtStatus* s = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &key_info)) return s;
+  ONNXTensorElementDataType type;
+  size_t rank = 0;
+  if (OrtStatus* s = api.GetTensorElementType(key_info, &type)) return s;
+  if (OrtStatus* s = api.GetDimensionsCount(key_info, &rank)) return s;
+  std::vector<int64_t> dims(rank);
+  if (rank && (api.GetDimensions(key_info, dims.data(), rank) != nullptr)) dims.assign(rank, -1);
+  int64_t repeat = 1;
+  const OrtOpAttr* attr = nullptr;
+  if (api.ShapeInferContext_GetAttribute(ctx, "num_repeat", &attr) == nullptr && attr != nullptr) {
+    size_t size = 0;
+    if (OrtStatus* s = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &repeat, sizeof(repeat), &size)) api.ReleaseStatus(s);
+  }
+  std::vector<int64_t> out{-1, -1, -1};
+  if (rank == 3) {
+    out[1] = dims[1] >= 0 ? dims[1] * repeat : -1;
+    out[2] = dims[2];
+  }
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  if (OrtStatus* s = api.CreateTensorTypeAndShapeInfo(&info)) return s;
+  OrtStatus* status = api.SetTensorElementType(info, type);
+  if (!status) status = api.SetDimensions(info, out.data(), out.size());
+  // Unknown dims get names: a bare -1 would be taken as a fixed (and then mismatching) size.
+  const char* symbols[3] = {"kv_tokens", out[1] < 0 ? "kv_heads" : "", out[2] < 0 ? "head_dim" : ""};
+  if (!status) status = api.SetSymbolicDimensions(info, symbols, 3);
+  if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
+  if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, 1, info);
+  api.ReleaseTensorTypeAndShapeInfo(info);
+  return status;
+}
+
+}  // namespace kvcache

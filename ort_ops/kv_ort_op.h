@@ -1,0 +1,71 @@
+// ONNX Runtime glue of KeyValueCache: the kernel (attributes, inputs, outputs) and the custom-op
+// definitions for the CPU EP (and, in a CUDA build, the CUDA EP).
+#pragma once
+
+#define ORT_API_MANUAL_INIT
+#include "onnxruntime_cxx_api.h"
+#undef ORT_API_MANUAL_INIT
+
+#include "kv_validate.h"
+
+namespace kvcache {
+
+constexpr const char* kDomain = "opmx.dynamic_batching";
+constexpr const char* kOpName = "KeyValueCache";
+constexpr size_t kNumInputs = 10;
+constexpr size_t kScaleInput = 9;
+
+// Reads the attributes (spec defaults for absent ones) and rejects invalid values (KvError).
+Attrs ReadAttrs(const OrtKernelInfo* info);
+
+// Rejects a cache or scale that is a constant initializer: in-place writes to it would be lost
+// or would corrupt a constant shared by sessions.
+void RejectConstantCache(const OrtKernelInfo* info);
+
+// The inputs of a call as TensorArgs (shape, type, raw data pointer).
+void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs);
+
+// OrtStatus for an exception caught at the C boundary.
+OrtStatusPtr StatusFromCurrentException();
+
+struct CpuKernel {
+  explicit CpuKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) { RejectConstantCache(info); }
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+  Attrs attrs;
+};
+
+// Shape/type inference shared by both EPs: outputs get current_key's type and (?, H*num_repeat, Dh).
+OrtStatusPtr InferOutputShapes(const OrtCustomOp* op, OrtShapeInferContext* ctx);
+
+template <typename TOp, typename TKernel>
+struct KeyValueCacheOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
+  KeyValueCacheOpBase() { OrtCustomOp::InferOutputShapeFn = InferOutputShapes; }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new TKernel(info);
+      return nullptr;
+    } catch (...) {
+      return StatusFromCurrentException();
+    }
+  }
+  const char* GetName() const { return kOpName; }
+  size_t GetInputTypeCount() const { return kNumInputs; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return (i >= 2 && i <= 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == kScaleInput ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // The small index inputs live on the host, so every bound is checked there before any write.
+  OrtMemType GetInputMemoryType(size_t i) const {
+    return (i >= 2 && i <= 7) ? OrtMemTypeCPUInput : OrtMemTypeDefault;
+  }
+  size_t GetOutputTypeCount() const { return 2; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+};
+
+struct CpuOp : KeyValueCacheOpBase<CpuOp, CpuKernel> {
+  const char* GetExecutionProviderType() const { return nullptr; }  // nullptr: the CPU EP
+};
+
+}  // namespace kvcache

@@ -1,0 +1,319 @@
+#include "kv_validate.h"
+
+#include <algorithm>
+#include <sstream>
+#include <tuple>
+
+#include "kv_types.h"
+
+namespace kvcache {
+namespace {
+
+using Big = __int128;  // exact arithmetic for positions: start_pos may be INT64_MAX
+
+std::string BigStr(Big v) {
+  if (v == 0) return "0";
+  const bool negative = v < 0;
+  std::string digits;
+  while (v != 0) {
+    const int d = static_cast<int>(v % 10);
+    digits.push_back(static_cast<char>('0' + (d < 0 ? -d : d)));
+    v /= 10;
+  }
+  if (negative) digits.push_back('-');
+  std::reverse(digits.begin(), digits.end());
+  return digits;
+}
+
+// Python-tuple rendering of a shape: (), (3,), (1, 2).
+std::string ShapeStr(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+const char* LayoutAxes(int64_t layout) {
+  static const char* axes[] = {"('MaxT', 'L', 'KV', 'H', 'Dh')", "('L', 'MaxT', 'KV', 'H', 'Dh')",
+                               "('L', 'KV', 'MaxT', 'H', 'Dh')", "('L', 'KV', 'H', 'MaxT', 'Dh')"};
+  return axes[layout];
+}
+
+std::vector<int64_t> LayoutShape(int64_t layout, int64_t L, int64_t max_t, int64_t H, int64_t last) {
+  switch (layout) {
+    case 0: return {max_t, L, 2, H, last};
+    case 1: return {L, max_t, 2, H, last};
+    case 2: return {L, 2, max_t, H, last};
+    default: return {L, 2, H, max_t, last};
+  }
+}
+
+template <typename... Parts>
+[[noreturn]] void Fail(const Parts&... parts) {
+  std::ostringstream s;
+  (s << ... << parts);
+  throw KvError(s.str());
+}
+
+bool IsT1(int32_t t) {
+  return t == int32_t(Elem::kFloat32) || t == int32_t(Elem::kFloat16) || t == int32_t(Elem::kBFloat16);
+}
+
+int64_t Count(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+struct Dims {
+  int64_t heads, head_dim, max_t;
+};
+
+Dims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, const TensorArg& cache,
+                  const TensorArg& scale) {
+  for (auto [name, x] : {std::pair<const char*, const TensorArg*>{"current_key", &key}, {"current_value", &value}}) {
+    if (!IsT1(x->type)) Fail(name, " dtype must be float32, float16 or bfloat16, got ", ElemName(x->type));
+    if (x->shape.size() != 3) Fail(name, " must have rank 3 (tokens, H, Dh), got shape ", ShapeStr(x->shape));
+  }
+  if (value.type != key.type || value.shape != key.shape)
+    Fail("current_value (", ElemName(value.type), ShapeStr(value.shape), ") must match current_key (",
+         ElemName(key.type), ShapeStr(key.shape), ")");
+  const int64_t heads = key.shape[1], head_dim = key.shape[2];
+  if (heads < 1 || head_dim < 1) Fail("current_key must have H >= 1 and Dh >= 1, got shape ", ShapeStr(key.shape));
+  const int32_t want = a.quant_bit == 8 ? int32_t(Elem::kInt8) : a.quant_bit == 4 ? int32_t(Elem::kInt4) : key.type;
+  if (cache.type != want)
+    Fail("cache dtype must be ", ElemName(want), " for quant_bit=", a.quant_bit, " and current_key ",
+         ElemName(key.type), ", got ", ElemName(cache.type));
+  if (cache.shape.size() != 5)
+    Fail("cache must have rank 5 ", LayoutAxes(a.cache_layout), ", got shape ", ShapeStr(cache.shape));
+  const int64_t max_t = cache.shape[a.cache_layout];  // in layout k, MaxT is axis k
+  const auto expected = LayoutShape(a.cache_layout, a.num_layer, max_t, heads, head_dim);
+  if (cache.shape != expected)
+    Fail("cache shape must be ", ShapeStr(expected), " for cache_layout=", a.cache_layout, " ",
+         LayoutAxes(a.cache_layout), ", num_layer=", a.num_layer, ", H=", heads, ", Dh=", head_dim, "; got ",
+         ShapeStr(cache.shape));
+  if (a.quant_bit == 0) {
+    if (scale.present) Fail("scale must be absent when quant_bit is 0");
+    return {heads, head_dim, max_t};
+  }
+  if (head_dim % a.quant_group) Fail("quant_group=", a.quant_group, " must divide Dh=", head_dim);
+  if (cache.type == int32_t(Elem::kInt4) && head_dim % 2)
+    Fail("int4 cache needs an even Dh (whole bytes per row), got Dh=", head_dim);
+  if (!scale.present) Fail("scale is required when quant_bit is ", a.quant_bit);
+  if (scale.type != int32_t(Elem::kFloat32) && scale.type != int32_t(Elem::kFloat16))
+    Fail("scale dtype must be float32 or float16, got ", ElemName(scale.type));
+  const auto scale_shape = LayoutShape(a.cache_layout, a.num_layer, max_t, heads, head_dim / a.quant_group);
+  if (scale.shape != scale_shape)
+    Fail("scale shape must be ", ShapeStr(scale_shape), " (cache shape with last dim Dh/quant_group), got ",
+         ShapeStr(scale.shape));
+  return {heads, head_dim, max_t};
+}
+
+const int64_t* IndexVector(const char* name, const TensorArg& t, int64_t length) {
+  if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be int64, got ", ElemName(t.type));
+  if (t.shape.size() != 1) Fail(name, " must be 1-D, got shape ", ShapeStr(t.shape));
+  if (length >= 0 && t.shape[0] != length) Fail(name, " must have shape (", length, ",), got ", ShapeStr(t.shape));
+  return static_cast<const int64_t*>(t.data);
+}
+
+int64_t Scalar(const char* name, const TensorArg& t) {
+  if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be an int64 scalar, got ", ElemName(t.type));
+  if (Count(t.shape) != 1 || t.shape.size() > 1) Fail(name, " must be a scalar or shape (1,), got shape ", ShapeStr(t.shape));
+  return *static_cast<const int64_t*>(t.data);
+}
+
+// Lengths of a starts vector; checks starts[0] == 0, non-decreasing, and the total when given.
+std::vector<int64_t> Lengths(const char* name, const int64_t* starts, int64_t batch, const char* total_name,
+                             const int64_t* total) {
+  if (starts[0] != 0) Fail(name, "[0] must be 0, got ", starts[0]);
+  std::vector<int64_t> lengths(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    if (starts[b + 1] < starts[b])
+      Fail(name, " must be non-decreasing: ", name, "[", b + 1, "] = ", starts[b + 1], " < ", name, "[", b,
+           "] = ", starts[b]);
+    lengths[b] = starts[b + 1] - starts[b];
+  }
+  if (total && starts[batch] != *total)
+    Fail(name, "[B=", batch, "] = ", starts[batch], " must equal ", total_name, " = ", *total);
+  return lengths;
+}
+
+void CheckMax(const char* name, const char* what, int64_t given, const std::vector<int64_t>& lengths) {
+  if (lengths.empty()) {
+    if (given < 0) Fail(name, " = ", given, " must be >= 0");
+    return;
+  }
+  const auto it = std::max_element(lengths.begin(), lengths.end());  // first maximum, as Python's index()
+  if (given < *it)
+    Fail(name, " = ", given, " is smaller than ", what, " of sequence ", it - lengths.begin(), " = ", *it);
+}
+
+struct Owner {
+  int64_t slot, b, pos;
+};
+
+// No slot stored twice; a stored slot loaded only by its own sequence at its own position.
+void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>& seq_len,
+                   const std::vector<int64_t>& kv_len) {
+  std::vector<Owner> stores;
+  stores.reserve(p.tokens);
+  for (int64_t b = 0; b < p.batch; ++b)
+    for (int64_t i = 0; i < seq_len[b]; ++i) {
+      const int64_t pos = p.start_pos[b] + i;
+      stores.push_back({SlotOf(p, a, b, pos), b, pos});
+    }
+  if (stores.empty()) return;
+  std::stable_sort(stores.begin(), stores.end(), [](const Owner& x, const Owner& y) { return x.slot < y.slot; });
+  // Report the duplicate whose second store comes first in (b, position) order, as the reference does.
+  const Owner* first = nullptr;
+  const Owner* second = nullptr;
+  for (size_t k = 1; k < stores.size(); ++k) {
+    if (stores[k].slot != stores[k - 1].slot) continue;
+    size_t start = k - 1;
+    while (start > 0 && stores[start - 1].slot == stores[k].slot) --start;
+    if (!second || std::tie(stores[k].b, stores[k].pos) < std::tie(second->b, second->pos)) {
+      first = &stores[start];
+      second = &stores[k];
+    }
+  }
+  if (second)
+    Fail("cachestarts: slot ", second->slot, " is stored twice in one call, by sequence ", first->b, " position ",
+         first->pos, " and by sequence ", second->b, " position ", second->pos);
+  // Loads: runs of consecutive positions map to consecutive slots (one run per page in mode 1).
+  for (int64_t b = 0; b < p.batch; ++b) {
+    int64_t t = 0;
+    while (t < kv_len[b]) {
+      const int64_t run_end = a.cache_mode == 0 ? kv_len[b] : std::min(kv_len[b], (t / a.page_size + 1) * a.page_size);
+      const int64_t slot0 = SlotOf(p, a, b, t);
+      auto it = std::lower_bound(stores.begin(), stores.end(), slot0,
+                                 [](const Owner& o, int64_t s) { return o.slot < s; });
+      for (; it != stores.end() && it->slot < slot0 + (run_end - t); ++it) {
+        const int64_t pos = t + (it->slot - slot0);
+        if (it->b != b || it->pos != pos)
+          Fail("cachestarts: slot ", it->slot, " is stored by sequence ", it->b, " position ", it->pos,
+               " and loaded in the same call by sequence ", b, " position ", pos,
+               "; a stored slot may only be loaded by its own sequence at its own position");
+      }
+      t = run_end;
+    }
+  }
+}
+
+}  // namespace
+
+const char* ElemName(int32_t t) {
+  switch (t) {
+    case 1: return "float32";
+    case 2: return "uint8";
+    case 3: return "int8";
+    case 4: return "uint16";
+    case 5: return "int16";
+    case 6: return "int32";
+    case 7: return "int64";
+    case 9: return "bool";
+    case 10: return "float16";
+    case 11: return "float64";
+    case 12: return "uint32";
+    case 13: return "uint64";
+    case 16: return "bfloat16";
+    case 21: return "uint4";
+    case 22: return "int4";
+    default: return "an unsupported type";
+  }
+}
+
+void CheckAttrs(const Attrs& a) {
+  if (a.num_layer < 1) Fail("num_layer must be >= 1, got ", a.num_layer);
+  if (a.layer_idx < 0 || a.layer_idx >= a.num_layer)
+    Fail("layer_idx must be in [0, num_layer=", a.num_layer, "), got ", a.layer_idx);
+  if (a.quant_bit != 0 && a.quant_bit != 4 && a.quant_bit != 8) Fail("quant_bit must be 0, 4 or 8, got ", a.quant_bit);
+  if (a.quant_group < 1) Fail("quant_group must be >= 1, got ", a.quant_group);
+  if (a.num_repeat < 1) Fail("num_repeat must be >= 1, got ", a.num_repeat);
+  if (a.cache_mode != 0 && a.cache_mode != 1) Fail("cache_mode must be 0 (offset) or 1 (paged), got ", a.cache_mode);
+  if (a.cache_layout < 0 || a.cache_layout > 3) Fail("cache_layout must be 0, 1, 2 or 3, got ", a.cache_layout);
+  if (a.page_size < 1) Fail("page_size must be >= 1, got ", a.page_size);
+}
+
+RowStrides LayoutRowStrides(int64_t layout, int64_t L, int64_t max_t, int64_t H, int64_t last) {
+  // Strides of (L, KV, H, MaxT) rows, in elements, for each layout's axis order.
+  switch (layout) {
+    case 0: return {2 * H * last, H * last, last, L * 2 * H * last};
+    case 1: return {max_t * 2 * H * last, H * last, last, 2 * H * last};
+    case 2: return {2 * max_t * H * last, max_t * H * last, last, H * last};
+    default: return {2 * H * max_t * last, H * max_t * last, max_t * last, last};
+  }
+}
+
+CallPlan ValidateCall(const Attrs& a, const TensorArg* in) {
+  CheckAttrs(a);
+  const Dims dims = CheckTensors(a, in[0], in[1], in[8], in[9]);
+  CallPlan p;
+  const TensorArg& seq = in[2];
+  p.seqstarts = IndexVector("seqstarts", seq, -1);
+  if (seq.shape[0] < 1) Fail("seqstarts must have B + 1 >= 1 elements, got 0");
+  p.batch = seq.shape[0] - 1;
+  p.kvstarts = IndexVector("kvstarts", in[3], p.batch + 1);
+  p.start_pos = IndexVector("start_pos", in[5], p.batch);
+  const TensorArg& cs = in[4];
+  if (cs.type != int32_t(Elem::kInt64)) Fail("cachestarts must be int64, got ", ElemName(cs.type));
+  const size_t want_rank = a.cache_mode == 0 ? 1 : 2;
+  if (cs.shape.size() != want_rank || cs.shape[0] != p.batch)
+    Fail("cachestarts must have shape ", a.cache_mode == 0 ? "(B,)" : "(B, MaxP)", " with B = ", p.batch,
+         " for cache_mode=", a.cache_mode, ", got ", ShapeStr(cs.shape));
+  p.cachestarts = static_cast<const int64_t*>(cs.data);
+  p.max_p = a.cache_mode == 1 ? cs.shape[1] : 0;
+  const int64_t max_seqlen = Scalar("max_seqlen", in[6]);
+  const int64_t max_kvlen = Scalar("max_kvlen", in[7]);
+  const int64_t tokens = in[0].shape[0];
+  const auto seq_len = Lengths("seqstarts", p.seqstarts, p.batch, "current_key.shape[0]", &tokens);
+  const auto kv_len = Lengths("kvstarts", p.kvstarts, p.batch, "", nullptr);
+  CheckMax("max_seqlen", "seqlen", max_seqlen, seq_len);
+  CheckMax("max_kvlen", "kvlen", max_kvlen, kv_len);
+  p.heads = dims.heads;
+  p.head_dim = dims.head_dim;
+  p.max_t = dims.max_t;
+  p.tokens = tokens;
+  p.kv_tokens = p.kvstarts[p.batch];
+  p.groups = a.quant_bit ? dims.head_dim / a.quant_group : 0;
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t pos = p.start_pos[b];
+    if (pos < 0) Fail("start_pos[", b, "] = ", pos, " must be >= 0");
+    const Big end = Big(pos) + seq_len[b];
+    if (Big(kv_len[b]) > end)
+      Fail("kvstarts: kvlen of sequence ", b, " = ", kv_len[b], " exceeds start_pos[", b, "] + seqlen = ", pos,
+           " + ", seq_len[b], " = ", BigStr(end), "; only positions stored by this or earlier calls can be loaded");
+    const Big touched_end = seq_len[b] ? end : Big(kv_len[b]);
+    if (touched_end == 0) continue;
+    if (a.cache_mode == 0) {
+      const int64_t base = p.cachestarts[b];
+      if (base < 0 || Big(base) > Big(p.max_t) - touched_end)
+        Fail("cachestarts[", b, "] = ", base, ": sequence ", b, " touches positions [0, ", BigStr(touched_end),
+             ") so it needs 0 <= cachestarts[", b, "] and cachestarts[", b, "] + ", BigStr(touched_end),
+             " <= MaxT = ", p.max_t);
+      continue;
+    }
+    const Big last_page = (touched_end - 1) / a.page_size;
+    if (last_page >= p.max_p)
+      Fail("cachestarts: sequence ", b, " touches position ", BigStr(touched_end - 1), ", which is in page ",
+           BigStr(last_page), ", but cachestarts has MaxP = ", p.max_p, " pages per sequence");
+    // Touched pages, ascending: store pages [pos/ps, (end-1)/ps] and load pages [0, (kvlen-1)/ps].
+    const int64_t store_lo = seq_len[b] ? pos / a.page_size : 1, store_hi = seq_len[b] ? int64_t((end - 1) / a.page_size) : 0;
+    const int64_t load_hi = kv_len[b] ? (kv_len[b] - 1) / a.page_size : -1;
+    for (int64_t page = 0; page <= int64_t(last_page); ++page) {
+      if (!(page <= load_hi || (page >= store_lo && page <= store_hi))) continue;
+      const int64_t start = p.cachestarts[b * p.max_p + page];
+      if (start < 0 || start > p.max_t - a.page_size)
+        Fail("cachestarts[", b, ", ", page, "] = ", start, ": page ", page, " of sequence ", b,
+             " is used, so it needs 0 <= cachestarts[", b, ", ", page, "] and cachestarts[", b, ", ", page,
+             "] + page_size (", a.page_size, ") <= MaxT = ", p.max_t);
+    }
+  }
+  p.cache_rows = LayoutRowStrides(a.cache_layout, a.num_layer, p.max_t, p.heads, p.head_dim);
+  p.scale_rows = LayoutRowStrides(a.cache_layout, a.num_layer, p.max_t, p.heads, p.groups);
+  CheckAliasing(a, p, seq_len, kv_len);
+  return p;
+}
+
+}  // namespace kvcache

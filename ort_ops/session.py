@@ -1,0 +1,114 @@
+"""Running KeyValueCache models in ONNX Runtime with the cache written in place.
+
+In-place semantics (what the op needs from its caller):
+
+* CPU EP, ``InferenceSession.run`` with C-contiguous numpy arrays of a numpy-native dtype (float32,
+  float16, int8, int64): ORT wraps the caller's memory, so the op's writes land in the caller's
+  ``cache``/``scale``. A non-contiguous array is copied by ORT first: the writes would be lost, so
+  :func:`run_model` refuses it.
+* bfloat16 and int4 have no numpy-native dtype: pass them through IOBinding. :func:`ortvalue_for`
+  wraps a bfloat16 array without copying; an int4 cache lives in an ORT-allocated tensor
+  (:func:`int4_ortvalue`), read and written through :func:`packed_view`.
+* CUDA EP: bind device ``OrtValue``s with ``IOBinding.bind_ortvalue_input``; a numpy feed would be
+  copied to the device and the writes would land in that temporary copy.
+* A cache given as a constant initializer is rejected when the session is created.
+"""
+
+import ctypes
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto
+
+from ..reference.dtypes import BFLOAT16, INT4
+from ..reference.quantize import pack_int4, unpack_int4
+from . import library_path
+
+
+def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
+    """SessionOptions with the custom-op library registered (0 threads: ORT's default)."""
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(library_path())
+    options.intra_op_num_threads = intra_op_num_threads
+    return options
+
+
+def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_threads: int = 0,
+                 disable_cpu_fallback: bool = False) -> ort.InferenceSession:
+    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded."""
+    options = session_options(intra_op_num_threads)
+    if disable_cpu_fallback:
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    source = model.SerializeToString() if hasattr(model, "SerializeToString") else model
+    return ort.InferenceSession(source, options, providers=list(providers))
+
+
+def packed_view(value: ort.OrtValue) -> np.ndarray:
+    """A writable uint8 numpy view of an int4 OrtValue's packed bytes in host memory (no copy)."""
+    count = int(np.prod(value.shape()))
+    buffer = (ctypes.c_uint8 * ((count + 1) // 2)).from_address(value.data_ptr())
+    return np.ctypeslib.as_array(buffer)
+
+
+def int4_ortvalue(codes: np.ndarray) -> ort.OrtValue:
+    """An ORT-owned int4 tensor (CPU) holding ``codes`` (an ``ml_dtypes.int4`` array)."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(codes.shape), TensorProto.INT4, "cpu", 0)
+    packed_view(value)[:] = pack_int4(codes)
+    return value
+
+
+def ortvalue_for(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue on ``array``'s memory (bfloat16 reinterpreted without a copy); int4 is copied."""
+    if array.dtype == INT4:
+        return int4_ortvalue(array)
+    if not array.flags.c_contiguous:
+        raise ValueError("KeyValueCache inputs must be C-contiguous for the in-place cache writes to land "
+                         "in the caller's array (np.ascontiguousarray makes a copy you then keep)")
+    if array.dtype == BFLOAT16:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), TensorProto.BFLOAT16)
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+def to_numpy(value: ort.OrtValue) -> np.ndarray:
+    """A numpy copy of a CPU OrtValue, bfloat16 and int4 included."""
+    kind = value.data_type()
+    if kind == "tensor(bfloat16)":
+        count = int(np.prod(value.shape()))
+        raw = np.ctypeslib.as_array((ctypes.c_uint16 * max(count, 1)).from_address(value.data_ptr()))[:count]
+        return raw.copy().view(BFLOAT16).reshape(value.shape())
+    if kind == "tensor(int4)":
+        count = int(np.prod(value.shape()))
+        return unpack_int4(packed_view(value), count).astype(INT4).reshape(value.shape())
+    return value.numpy()
+
+
+_SESSIONS = {}
+
+
+def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
+    """Runs a KeyValueCache model on the CPU EP through IOBinding; returns (key, value).
+
+    ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
+    (an int4 cache through a packed ORT tensor, copied back after the run). Sessions are cached
+    per model for repeated calls.
+    """
+    if session is None:
+        key = (model.SerializeToString(), intra_op_num_threads)
+        session = _SESSIONS.get(key)
+        if session is None:
+            session = _SESSIONS[key] = make_session(model, intra_op_num_threads=intra_op_num_threads)
+    binding = session.io_binding()
+    values = {}
+    for info in session.get_inputs():
+        values[info.name] = ortvalue_for(np.asarray(inputs[info.name]))
+        binding.bind_ortvalue_input(info.name, values[info.name])
+    for info in session.get_outputs():
+        binding.bind_output(info.name, "cpu")
+    try:
+        session.run_with_iobinding(binding)
+    finally:
+        for name, value in values.items():  # copy int4 caches back (also after an error: unchanged then)
+            if value.data_type() == "tensor(int4)":
+                inputs[name][...] = to_numpy(value)
+    key, value = (to_numpy(v) for v in binding.get_outputs())
+    return key, value
