@@ -41,6 +41,11 @@ def _apply(fn):
     return mutate
 
 
+def _reshape(key, fn):
+    """Replaces an input by a (contiguous) reshaped copy: these rows test shapes, not memory order."""
+    return _apply(lambda i, a: i.__setitem__(key, np.ascontiguousarray(fn(i[key]))))
+
+
 def _retype(key, dtype):
     return _apply(lambda i, a: i.__setitem__(key, None if i[key] is None else i[key].astype(dtype)))
 
@@ -58,18 +63,18 @@ INVALID = [
     ("page_size_zero", "paged", _set("page_size", 0), "page_size must be >= 1"),
     # data tensors
     ("current_key_int8", "offset", _retype("current_key", np.int8), "current_key dtype must be"),
-    ("current_key_rank2", "offset", _apply(lambda i, a: i.__setitem__("current_key", i["current_key"][:, 0])),
+    ("current_key_rank2", "offset", _reshape("current_key", lambda x: x[:, 0]),
      "current_key must have rank 3"),
-    ("current_value_shape", "offset", _apply(lambda i, a: i.__setitem__("current_value", i["current_value"][:, :, :4])),
+    ("current_value_shape", "offset", _reshape("current_value", lambda x: x[:, :, :4]),
      "current_value .* must match current_key"),
     ("current_value_dtype", "offset", _retype("current_value", np.float32), "current_value .* must match"),
     ("cache_dtype_not_t1", "offset", _retype("cache", np.float32), "cache dtype must be float16"),
     ("cache_dtype_not_int8", "offset_int8", _retype("cache", np.int16), "cache dtype must be int8"),
-    ("cache_rank4", "offset", _apply(lambda i, a: i.__setitem__("cache", i["cache"][0])), "cache must have rank 5"),
+    ("cache_rank4", "offset", _reshape("cache", lambda x: x[0]), "cache must have rank 5"),
     ("cache_wrong_num_layer", "offset", _set("num_layer", 2), r"cache shape must be .*num_layer=2"),
-    ("cache_wrong_heads", "offset", _apply(lambda i, a: i.__setitem__("cache", i["cache"][:, :, :, :1])),
+    ("cache_wrong_heads", "offset", _reshape("cache", lambda x: x[:, :, :, :1]),
      "cache shape must be"),
-    ("cache_wrong_head_dim", "offset", _apply(lambda i, a: i.__setitem__("cache", i["cache"][..., :4])),
+    ("cache_wrong_head_dim", "offset", _reshape("cache", lambda x: x[..., :4]),
      "cache shape must be"),
     ("scale_with_quant0", "offset", _apply(lambda i, a: i.__setitem__("scale", np.zeros(1, np.float32))),
      "scale must be absent when quant_bit is 0"),

@@ -1,0 +1,79 @@
+"""Every validity condition through ONNX Runtime: a clear error, and the cache byte-for-byte unchanged."""
+
+import numpy as np
+import pytest
+
+from kvcache_op import spec
+from kvcache_op.ort_ops import make_session, run_model
+from invalid_calls import INVALID, make_invalid
+
+# Wrong dtypes of the index inputs never reach the kernel: the op declares them int64, so ONNX Runtime
+# refuses the model when the session is created. Attribute values are refused there too, by the kernel.
+AT_SESSION_CREATION = {"seqstarts_int32", "cachestarts_int32", "max_kvlen_float"}
+ATTRIBUTE_ROWS = {"num_layer_zero", "layer_idx_too_big", "layer_idx_negative", "quant_bit_unsupported",
+                  "quant_group_zero", "num_repeat_zero", "cache_mode_2", "cache_layout_4", "page_size_zero"}
+
+
+@pytest.mark.parametrize("row", INVALID, ids=[r[0] for r in INVALID])
+def test_invalid_input_fails_through_ort_and_writes_nothing(row):
+    inputs, attrs = make_invalid(row)
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    before = {k: feeds[k].tobytes() for k in ("cache", "scale") if k in feeds}
+    model = spec.make_model(inputs, **attrs)
+    if row[0] in AT_SESSION_CREATION | ATTRIBUTE_ROWS:
+        with pytest.raises(Exception) as error:
+            make_session(model)
+        if row[0] in ATTRIBUTE_ROWS:
+            assert error.match(row[3])
+        return
+    session = make_session(model)
+    with pytest.raises(Exception, match=row[3]):
+        run_model(model, feeds, session=session)
+    assert {k: feeds[k].tobytes() for k in before} == before
+
+
+def test_attribute_error_comes_at_session_creation_with_the_reason():
+    inputs, attrs = make_invalid(next(r for r in INVALID if r[0] == "cache_layout_4"))
+    with pytest.raises(Exception, match="cache_layout must be 0, 1, 2 or 3, got 4"):
+        make_session(spec.make_model(inputs, **attrs))
+
+
+def test_plain_run_with_numpy_feeds_writes_the_callers_cache():
+    """CPU EP + InferenceSession.run with C-contiguous numpy arrays: writes land in the caller's array."""
+    from kvcache_op.spec.cases import CASES
+
+    case = CASES["int8_layout0"]()
+    feeds = {k: v.copy() for k, v in case.inputs.items() if v is not None}
+    want = {k: v.copy() for k, v in case.inputs.items()}
+    from kvcache_op.reference import key_value_cache
+
+    key, _ = key_value_cache(**want, **case.attributes)
+    session = make_session(spec.make_model(case.inputs, **case.attributes))
+    got_key, _ = session.run(None, feeds)
+    assert got_key.tobytes() == key.tobytes()
+    assert feeds["cache"].tobytes() == want["cache"].tobytes()
+    assert feeds["scale"].tobytes() == want["scale"].tobytes()
+
+
+def test_non_contiguous_cache_is_refused_before_running():
+    from kvcache_op.spec.cases import CASES
+
+    case = CASES["offset_layout0"]()
+    model = spec.make_model(case.inputs, **case.attributes)
+    feeds = {k: v for k, v in case.inputs.items() if v is not None}
+    feeds["cache"] = np.asfortranarray(feeds["cache"])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        run_model(model, feeds)
+
+
+def test_constant_cache_is_refused_at_session_creation():
+    import onnx
+
+    from kvcache_op.spec.cases import CASES
+
+    case = CASES["offset_layout0"]()
+    model = spec.make_model(case.inputs, **case.attributes)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(case.inputs["cache"], "cache"))
+    del model.graph.input[8]
+    with pytest.raises(Exception, match="cache is a constant initializer"):
+        make_session(model)
