@@ -1,12 +1,20 @@
 """ONNX Runtime custom-op library for opmx.dynamic_batching::KeyValueCache (CPU EP, and CUDA EP when built
 with CUDA)."""
 
+import os
 import pathlib
 
 LIBRARY_NAME = "libkvcache_op_ort.so"
+#: Environment variable naming another build of the library (tools/sanitize_tests.sh uses it).
+LIBRARY_ENV = "KVCACHE_OP_LIBRARY"
 
 
 def _find_library():
+    override = os.environ.get(LIBRARY_ENV)
+    if override:
+        if not pathlib.Path(override).is_file():
+            raise FileNotFoundError(f"{LIBRARY_ENV}={override} is not a file")
+        return pathlib.Path(override).resolve()
     # An editable install keeps the built library in site-packages and the sources here: search both.
     for folder in __path__:
         candidate = pathlib.Path(folder).resolve() / LIBRARY_NAME

@@ -123,7 +123,7 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   }
   std::vector<int64_t> out{-1, -1, -1};
   if (rank == 3) {
-    out[1] = dims[1] >= 0 ? dims[1] * repeat : -1;
+    out[1] = (dims[1] >= 0 && repeat >= 1) ? dims[1] * repeat : -1;  // a bad num_repeat is reported by the kernel
     out[2] = dims[2];
   }
   OrtTensorTypeAndShapeInfo* info = nullptr;
