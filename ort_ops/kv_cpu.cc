@@ -4,10 +4,13 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_cpu_rows.h"
 #include "kv_quant.h"
 #include "kv_types.h"
 
+// Built once per instruction set; KV_CPU_ISA names the namespace (see kv_cpu_dispatch.cc).
 namespace kvcache {
+namespace KV_CPU_ISA {
 namespace {
 
 constexpr int64_t kRowsPerTask = 64;  // tokens per parallel task: large enough to amortize scheduling
@@ -22,9 +25,8 @@ struct Codes<8> {
   static void Write(int8_t* row, const int32_t* codes, int64_t n) {
     for (int64_t i = 0; i < n; ++i) row[i] = static_cast<int8_t>(codes[i]);
   }
-  static void Read(const int8_t* row, int32_t* codes, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) codes[i] = row[i];
-  }
+  // int8 codes are used where they lie.
+  static const int8_t* ReadInt8(const int8_t* row, int8_t*, int64_t) { return row; }
 };
 template <>
 struct Codes<4> {
@@ -33,11 +35,12 @@ struct Codes<4> {
   static void Write(uint8_t* row, const int32_t* codes, int64_t n) {
     for (int64_t i = 0; i < n / 2; ++i) row[i] = Int4Pack(codes[2 * i], codes[2 * i + 1]);
   }
-  static void Read(const uint8_t* row, int32_t* codes, int64_t n) {
+  static const int8_t* ReadInt8(const uint8_t* row, int8_t* codes, int64_t n) {
     for (int64_t i = 0; i < n / 2; ++i) {
-      codes[2 * i] = Int4Low(row[i]);
-      codes[2 * i + 1] = Int4High(row[i]);
+      codes[2 * i] = static_cast<int8_t>(Int4Low(row[i]));
+      codes[2 * i + 1] = static_cast<int8_t>(Int4High(row[i]));
     }
+    return codes;
   }
 };
 
@@ -52,6 +55,7 @@ struct Kernel {
   const ComputeArgs& args;
   const Attrs& a;
   const CallPlan& p;
+  bool stream;  // streaming stores for outputs too large to stay in cache
 
   // cache rows of this call's layer, kv half `kv`
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -81,23 +85,27 @@ struct Kernel {
   void StoreQuantized(const T* src, int64_t cache_row, int64_t scale_row, float* x, int32_t* codes) const {
     const int64_t D = p.head_dim, n = a.quant_group;
     auto* scale = static_cast<typename T3::Storage*>(args.scale) + scale_row;
-    for (int64_t d = 0; d < D; ++d) x[d] = T1::ToFloat(src[d]);
+    ToFloatRow<T1>(src, x, D);
     for (int64_t g = 0; g < p.groups; ++g) {
-      float amax = 0.0f;
-      for (int64_t e = 0; e < n; ++e) amax = AbsMaxStep(amax, x[g * n + e]);
-      const auto stored = T3::FromFloat(GroupScale(amax, Codes<QBits>::kMax));
+      const auto stored = T3::FromFloat(GroupScale(GroupAbsMax(x + g * n, n), Codes<QBits>::kMax));
       scale[g] = stored;
-      const float s = T3::ToFloat(stored);
-      for (int64_t e = 0; e < n; ++e) codes[g * n + e] = QuantizeValue(x[g * n + e], s, Codes<QBits>::kMax);
+      QuantizeGroup(x + g * n, T3::ToFloat(stored), Codes<QBits>::kMax, codes + g * n, n);
     }
     Codes<QBits>::Write(Codes<QBits>::Row(args.cache, cache_row), codes, D);
   }
+
+  // Per-task scratch for the dequantized rows.
+  struct Scratch {
+    std::vector<int8_t> codes;
+    std::vector<float> scales;
+    std::vector<T> row;
+  };
 
   void GatherRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat;
     // Layouts 0-2 keep a slot's H heads contiguous: one copy per token when nothing is repeated.
     const bool whole_token = QBits == 0 && R == 1 && p.cache_rows.head == D;
-    std::vector<int32_t> codes(D);
+    Scratch scratch{std::vector<int8_t>(D), std::vector<float>(p.groups), std::vector<T>(D)};
     int64_t b = SequenceOf(p.kvstarts, p.batch, row_begin);
     for (int64_t r = row_begin; r < row_end; ++r) {
       while (r >= p.kvstarts[b + 1]) ++b;
@@ -105,30 +113,28 @@ struct Kernel {
       for (int kv = 0; kv < 2; ++kv) {
         T* out = static_cast<T*>(kv ? args.out_value : args.out_key) + r * H * R * D;
         if (whole_token) {
-          std::memcpy(out, static_cast<const T*>(args.cache) + CacheRow(kv, 0, slot), H * D * sizeof(T));
+          StoreRow(out, static_cast<const T*>(args.cache) + CacheRow(kv, 0, slot), H * D * sizeof(T), stream);
           continue;
         }
         for (int64_t h = 0; h < H; ++h) {
-          T* dst = out + h * R * D;
+          const T* row;
           if constexpr (QBits == 0) {
-            std::memcpy(dst, static_cast<const T*>(args.cache) + CacheRow(kv, h, slot), D * sizeof(T));
+            row = static_cast<const T*>(args.cache) + CacheRow(kv, h, slot);
           } else {
-            Dequantize(CacheRow(kv, h, slot), ScaleRow(kv, h, slot), dst, codes.data());
+            Dequantize(CacheRow(kv, h, slot), ScaleRow(kv, h, slot), scratch);
+            row = scratch.row.data();
           }
-          for (int64_t k = 1; k < R; ++k) std::memcpy(dst + k * D, dst, D * sizeof(T));
+          for (int64_t k = 0; k < R; ++k) StoreRow(out + (h * R + k) * D, row, D * sizeof(T), stream);
         }
       }
     }
+    StoreFence();
   }
 
-  void Dequantize(int64_t cache_row, int64_t scale_row, T* dst, int32_t* codes) const {
-    const int64_t n = a.quant_group;
-    const auto* scale = static_cast<const typename T3::Storage*>(args.scale) + scale_row;
-    Codes<QBits>::Read(Codes<QBits>::Row(args.cache, cache_row), codes, p.head_dim);
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const float s = T3::ToFloat(scale[g]);
-      for (int64_t e = 0; e < n; ++e) dst[g * n + e] = T1::FromFloat(static_cast<float>(codes[g * n + e]) * s);
-    }
+  void Dequantize(int64_t cache_row, int64_t scale_row, Scratch& s) const {
+    ToFloatRow<T3>(static_cast<const typename T3::Storage*>(args.scale) + scale_row, s.scales.data(), p.groups);
+    const int8_t* codes = Codes<QBits>::ReadInt8(Codes<QBits>::Row(args.cache, cache_row), s.codes.data(), p.head_dim);
+    DequantizeRow<T1>(codes, s.scales.data(), a.quant_group, s.row.data(), p.head_dim);
   }
 
   void Run(const ParallelFor& parallel_for) const {
@@ -143,9 +149,15 @@ struct Kernel {
   }
 };
 
+// Outputs above this size are written with streaming stores.
+constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
+
 template <class T1, class T3, int QBits>
 void Launch(const ComputeArgs& args, const ParallelFor& parallel_for) {
-  Kernel<T1, T3, QBits>{args, *args.attrs, *args.plan}.Run(parallel_for);
+  const CallPlan& p = *args.plan;
+  const int64_t out_bytes = 2 * p.kv_tokens * p.heads * args.attrs->num_repeat * p.head_dim *
+                            int64_t(sizeof(typename T1::Storage));
+  Kernel<T1, T3, QBits>{args, *args.attrs, p, out_bytes > kStreamOutputBytes}.Run(parallel_for);
 }
 
 template <class T1>
@@ -168,4 +180,5 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for) {
   }
 }
 
+}  // namespace KV_CPU_ISA
 }  // namespace kvcache

@@ -24,7 +24,11 @@ struct ComputeArgs {
 // Runs fn(i) for i in [0, count), possibly in parallel; returns when all are done.
 using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
 
-// Stores then gathers. The plan must come from ValidateCall on the same inputs.
+// Stores then gathers. The plan must come from ValidateCall on the same inputs. Runs the AVX2+F16C
+// build of the kernel where the processor has it, else the generic build (same bits).
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
+
+// True when $KVCACHE_OP_CPU_KERNEL is "generic": tests use it to check both builds agree.
+bool ForceGenericCpuKernel();
 
 }  // namespace kvcache

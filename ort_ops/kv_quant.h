@@ -19,14 +19,15 @@ KV_HD float AbsMaxStep(float amax, float v) {
 // max(amax / qmax, eps) in float32; NaN stays NaN.
 KV_HD float GroupScale(float amax, float qmax) {
   const float s = amax / qmax;
-  return s != s ? s : fmaxf(s, kScaleEps);
+  return (s != s || s > kScaleEps) ? s : kScaleEps;  // comparisons, not fmaxf: no libm call
 }
 
 // clamp(rint(v / scale), -qmax, qmax); 0 for a NaN quotient.
 KV_HD int32_t QuantizeValue(float v, float stored_scale, float qmax) {
   const float q = v / stored_scale;
   if (q != q) return 0;
-  return static_cast<int32_t>(fminf(fmaxf(rintf(q), -qmax), qmax));
+  const float r = rintf(q);  // default rounding mode: to nearest, ties to even
+  return static_cast<int32_t>(r < -qmax ? -qmax : (r > qmax ? qmax : r));
 }
 
 }  // namespace kvcache

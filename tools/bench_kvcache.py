@@ -1,0 +1,216 @@
+"""Benchmark of the KeyValueCache op: bytes moved, GB/s, and ratios measured side by side in one run.
+
+Per shape: the ORT op (CPU EP, intra_op_num_threads 1 and 2), ``numpy.copyto`` of the same number of
+bytes (a copy of N bytes moves 2N: it reads N and writes N, so the baseline copies half the op's
+traffic), and the numpy reference. Warm-up, then the median of repeats.
+
+    python -m kvcache_op.tools.bench_kvcache --out benchmarks/cpu
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    name: str
+    batch: int
+    seqlen: int
+    start_pos: int
+    heads: int = 8
+    head_dim: int = 128
+    page_size: int = 64
+
+
+SHAPES = [Shape("decode", 64, 1, 1023), Shape("prefill", 4, 512, 0)]
+#: --quick: the same mix, tiny (a smoke run of the tool, not a measurement).
+QUICK_SHAPES = [Shape("decode", 4, 1, 63, heads=2, head_dim=32, page_size=16),
+                Shape("prefill", 2, 32, 0, heads=2, head_dim=32, page_size=16)]
+
+
+def make_inputs(shape: Shape, quant_bit: int, layout: int, seed: int = 0):
+    """Inputs of one call: every sequence owns its pages, in a shuffled page table."""
+    from ..reference import cache_shape
+
+    rng = np.random.default_rng(seed)
+    kvlen = shape.start_pos + shape.seqlen
+    pages_per_seq = -(-kvlen // shape.page_size)
+    pages = shape.batch * pages_per_seq
+    table = rng.permutation(pages).reshape(shape.batch, pages_per_seq).astype(np.int64) * shape.page_size
+    tokens = shape.batch * shape.seqlen
+    cache_dtype = np.int8 if quant_bit else np.float16
+    max_t = pages * shape.page_size
+    inputs = {
+        "current_key": rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16),
+        "current_value": rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16),
+        "seqstarts": np.arange(shape.batch + 1, dtype=np.int64) * shape.seqlen,
+        "kvstarts": np.arange(shape.batch + 1, dtype=np.int64) * kvlen,
+        "cachestarts": table,
+        "start_pos": np.full(shape.batch, shape.start_pos, np.int64),
+        "max_seqlen": np.array(shape.seqlen, np.int64),
+        "max_kvlen": np.array(kvlen, np.int64),
+        "cache": rng.integers(-127, 128, cache_shape(layout, 1, max_t, shape.heads, shape.head_dim)).astype(cache_dtype),
+        "scale": None,
+    }
+    if quant_bit:
+        inputs["scale"] = rng.uniform(0.001, 0.02, cache_shape(layout, 1, max_t, shape.heads, shape.head_dim // 8)
+                                      ).astype(np.float16)
+    return inputs
+
+
+def bytes_moved(shape: Shape, quant_bit: int) -> int:
+    """Bytes read plus bytes written by one call (stores and gathers, keys and values)."""
+    tokens = shape.batch * shape.seqlen
+    kv_tokens = shape.batch * (shape.start_pos + shape.seqlen)
+    row = shape.heads * shape.head_dim
+    cache_row = row * (1 if quant_bit else 2) + (row // 8 * 2 if quant_bit else 0)
+    store = 2 * tokens * (row * 2 + cache_row)
+    gather = 2 * kv_tokens * (cache_row + row * 2)
+    return store + gather
+
+
+def median_seconds(fn, warmup: int, repeats: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ort_runner(inputs, attrs, threads):
+    """A zero-overhead call: inputs and outputs bound once as OrtValues, then run_with_iobinding."""
+    import onnxruntime as ort
+
+    from .. import spec
+    from ..ort_ops import make_session
+
+    model = spec.make_model(inputs, **attrs)
+    session = make_session(model, intra_op_num_threads=threads)
+    binding = session.io_binding()
+    keep = []
+    for info in session.get_inputs():
+        value = ort.OrtValue.ortvalue_from_numpy(inputs[info.name])
+        keep.append(value)
+        binding.bind_ortvalue_input(info.name, value)
+    kv_tokens = int(inputs["kvstarts"][-1])
+    out_shape = (kv_tokens, inputs["current_key"].shape[1], inputs["current_key"].shape[2])
+    for name in ("key", "value"):
+        out = np.empty(out_shape, np.float16)
+        keep.append(out)
+        binding.bind_output(name, "cpu", 0, np.float16, list(out_shape), out.ctypes.data)
+
+    def run():
+        session.run_with_iobinding(binding)
+
+    run.keep = keep
+    return run
+
+
+def bench_cpu(args) -> list:
+    from ..reference import key_value_cache
+
+    rows = []
+    for shape in QUICK_SHAPES if args.quick else SHAPES:
+        for quant_bit in (0, 8):
+            for layout in (0, 3):
+                attrs = dict(quant_bit=quant_bit, quant_group=8, cache_mode=1, cache_layout=layout,
+                             page_size=shape.page_size)
+                inputs = make_inputs(shape, quant_bit, layout)
+                moved = bytes_moved(shape, quant_bit)
+                src = np.ones(moved // 2, np.uint8)
+                dst = np.empty_like(src)
+                copy_s = median_seconds(lambda: np.copyto(dst, src), args.warmup, args.repeats)
+                feeds = {k: v for k, v in inputs.items() if v is not None}
+                ref_s = median_seconds(lambda: key_value_cache(**inputs, **attrs), 1, args.reference_repeats)
+                for threads in args.threads:
+                    run = ort_runner(feeds, attrs, threads)
+                    op_s = median_seconds(run, args.warmup, args.repeats)
+                    copy_again = median_seconds(lambda: np.copyto(dst, src), args.warmup, args.repeats)
+                    copy_best = min(copy_s, copy_again)  # the copy measured around the op, same run
+                    row = {
+                        "shape": shape.name, "B": shape.batch, "seqlen": shape.seqlen,
+                        "kvlen": shape.start_pos + shape.seqlen, "H": shape.heads, "Dh": shape.head_dim,
+                        "page_size": shape.page_size, "quant_bit": quant_bit, "layout": layout, "threads": threads,
+                        "bytes_moved": moved, "op_ms": op_s * 1e3, "copy_ms": copy_best * 1e3,
+                        "reference_ms": ref_s * 1e3, "op_GBps": moved / op_s / 1e9,
+                        "copy_GBps": moved / copy_best / 1e9, "vs_copy": copy_best / op_s, "vs_reference": ref_s / op_s,
+                    }
+                    rows.append(row)
+                    print(f"{shape.name:8s} q{quant_bit} layout{layout} threads={threads}: {moved / 1e6:8.1f} MB "
+                          f"op {row['op_ms']:8.3f} ms {row['op_GBps']:6.2f} GB/s | copy {row['copy_GBps']:6.2f} GB/s "
+                          f"| op/copy {row['vs_copy']:5.2f}x | vs reference {row['vs_reference']:6.1f}x", flush=True)
+    return rows
+
+
+def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
+    """Writes results.json, results.md (table + command) and, with matplotlib, chart.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"command": command, "device": device, "rows": rows}, indent=1))
+    lines = [f"# KeyValueCache benchmark ({device})", "", f"Command: `{command}`", "",
+             "Bytes moved = bytes read + bytes written by the op. The copy baseline copies half as many bytes "
+             "(a copy reads and writes each), measured in the same run.", "",
+             "| shape | quant | layout | threads | MB moved | op ms | op GB/s | copy GB/s | op / copy | vs reference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['shape']} B={r['B']} seqlen={r['seqlen']} kvlen={r['kvlen']} | {r['quant_bit']} | "
+                     f"{r['layout']} | {r['threads']} | {r['bytes_moved'] / 1e6:.1f} | {r['op_ms']:.3f} | "
+                     f"{r['op_GBps']:.2f} | {r['copy_GBps']:.2f} | {r['vs_copy']:.2f}x | {r['vs_reference']:.1f}x |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install '.[bench]'): no chart written", file=sys.stderr)
+        return
+    labels = [f"{r['shape']}\nq{r['quant_bit']} L{r['layout']} t{r['threads']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4.5))
+    x = np.arange(len(rows))
+    ax.bar(x - 0.2, [r["op_GBps"] for r in rows], 0.4, label="KeyValueCache op")
+    ax.bar(x + 0.2, [r["copy_GBps"] for r in rows], 0.4, label="plain copy, same bytes")
+    ax.set_xticks(x, labels, fontsize=7)
+    ax.set_ylabel("GB/s (read + written)")
+    ax.set_title(f"KeyValueCache vs copy bandwidth — {device}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "chart.png", dpi=110)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra_op_num_threads values")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--reference-repeats", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
+    args = parser.parse_args(argv)
+    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv if argv is not None else sys.argv[1:])
+    if args.device == "cuda":
+        from .bench_kvcache_cuda import bench_cuda
+
+        rows, device = bench_cuda(args)
+    else:
+        rows = bench_cpu(args)
+        device = f"CPU {platform.processor() or platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores"
+    if args.out:
+        write_results(rows, args.out, command, device)
+        print(f"wrote {args.out}/results.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
