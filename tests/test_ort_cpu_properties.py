@@ -22,8 +22,12 @@ def test_ort_cpu_matches_reference(combo):
 @pytest.mark.parametrize("quant_bit,t1,t3", [(0, "float16", "float32"), (8, "bfloat16", "float16"), (4, "float32", "float32")])
 @pytest.mark.parametrize("mode,layout", [(0, 0), (1, 3), (1, 1), (0, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_ort_cpu_matches_reference_on_large_batches(quant_bit, t1, t3, mode, layout, threads):
-    """Big enough for many parallel tasks (store and gather are split in 64-token tasks)."""
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
+def test_ort_cpu_matches_reference_on_large_batches(quant_bit, t1, t3, mode, layout, threads, kernel, monkeypatch):
+    """Big enough for many parallel tasks (store and gather are split in 64-token tasks); both kernel
+    builds (AVX2+F16C where the CPU has it, and the generic one) give the reference's bits."""
+    if kernel == "generic":
+        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
     import numpy as np
 
     from kvcache_op.spec.cases import Seq, build
