@@ -17,6 +17,11 @@ def quantize(x: np.ndarray, quant_bit: int, quant_group: int, scale_dtype) -> tu
     """
     qmax = np.float32(QMAX[quant_bit])
     x32 = np.asarray(x).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf/NaN outcomes are defined by the spec
+        return _quantize(x32, qmax, quant_group, scale_dtype)
+
+
+def _quantize(x32, qmax, quant_group, scale_dtype):
     groups = x32.reshape(*x32.shape[:-1], x32.shape[-1] // quant_group, quant_group)
     amax = np.max(np.abs(groups), axis=-1)  # NaN propagates, as the spec says
     scale = np.maximum(amax / qmax, SCALE_EPS).astype(scale_dtype)
@@ -30,7 +35,8 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, quant_group: int, out_dtype
     """``float32(code) * float32(scale)`` per group, then one rounding to ``out_dtype``."""
     c32 = np.asarray(codes).astype(np.float32)
     groups = c32.reshape(*c32.shape[:-1], c32.shape[-1] // quant_group, quant_group)
-    values = groups * np.asarray(scale).astype(np.float32)[..., None]
+    with np.errstate(over="ignore", invalid="ignore"):  # 0 * inf = NaN is the defined result
+        values = groups * np.asarray(scale).astype(np.float32)[..., None]
     return values.reshape(c32.shape).astype(out_dtype)
 
 
