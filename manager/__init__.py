@@ -1,0 +1,11 @@
+"""Host-side KV-cache manager feeding the KeyValueCache op: paged allocation, prefix caching with
+LRU eviction, sliding window, and the attention mask that matches the gathered keys."""
+
+from .errors import OutOfPages, UnknownRequest
+from .kv_manager import KVCacheManager, StepPlan
+from .masks import block_diagonal_causal_mask
+from .page_pool import PagePool
+from .prefix_index import PrefixIndex, chained_hash
+
+__all__ = ["KVCacheManager", "OutOfPages", "PagePool", "PrefixIndex", "StepPlan", "UnknownRequest",
+           "block_diagonal_causal_mask", "chained_hash"]

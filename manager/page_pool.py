@@ -1,0 +1,80 @@
+"""Pages of one cache tensor: reference counts, a free list, and an LRU of cached unreferenced pages.
+
+A page is in exactly one state: referenced (ref count > 0), cached (ref count 0, registered in the
+prefix index, evictable, in LRU order), or free (ref count 0, not cached). ``take`` hands out free
+pages first, so releasing unhashed pages never flushes cached prefixes, then evicts the least recently
+used cached page. Every operation is O(1).
+"""
+
+import collections
+
+
+class PagePool:
+    """Page ids 0..num_pages-1. ``on_evict(page)`` is called when a cached page is evicted."""
+
+    def __init__(self, num_pages: int, on_evict=None):
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.num_pages = num_pages
+        self.ref_count = [0] * num_pages
+        self.free = collections.deque(range(num_pages))
+        self.cached = collections.OrderedDict()  # page -> None, least recently used first
+        self.on_evict = on_evict
+        self.evictions = 0
+
+    def available(self) -> int:
+        """Pages ``take`` can hand out without failing."""
+        return len(self.free) + len(self.cached)
+
+    def take(self) -> int:
+        """A page with ref count 1: a free one, else the LRU cached one (evicted). Raises IndexError if none."""
+        if self.free:
+            page = self.free.popleft()
+        elif self.cached:
+            page, _ = self.cached.popitem(last=False)
+            self.evictions += 1
+            if self.on_evict:
+                self.on_evict(page)
+        else:
+            raise IndexError("no free or evictable page")
+        self.ref_count[page] = 1
+        return page
+
+    def acquire(self, page: int) -> None:
+        """One more reference to a page (a cached page leaves the LRU)."""
+        if self.ref_count[page] == 0:
+            if page not in self.cached:
+                raise ValueError(f"page {page} is free; only referenced or cached pages can be shared")
+            del self.cached[page]
+        self.ref_count[page] += 1
+
+    def release(self, page: int, cached: bool) -> None:
+        """Drops one reference; at zero the page becomes cached (most recently used) or free."""
+        if self.ref_count[page] <= 0:
+            raise ValueError(f"page {page} released more often than acquired")
+        self.ref_count[page] -= 1
+        if self.ref_count[page] == 0:
+            if cached:
+                self.cached[page] = None
+            else:
+                self.free.append(page)
+
+    def uncache(self, page: int) -> None:
+        """A cached, unreferenced page stops being cached (its prefix entry is gone): it becomes free."""
+        if page in self.cached:
+            del self.cached[page]
+            self.free.append(page)
+
+    def counts(self) -> dict:
+        in_use = sum(1 for c in self.ref_count if c > 0)
+        return {"pages_free": len(self.free), "pages_cached": len(self.cached), "pages_in_use": in_use}
+
+    def check(self) -> None:
+        """Asserts the invariants (tests): every page in exactly one state."""
+        free, cached = set(self.free), set(self.cached)
+        assert len(free) == len(self.free), "a page is twice in the free list"
+        assert not free & cached, "a page is both free and cached"
+        for page, count in enumerate(self.ref_count):
+            assert count >= 0
+            states = (count > 0) + (page in free) + (page in cached)
+            assert states == 1, f"page {page}: ref count {count}, free {page in free}, cached {page in cached}"

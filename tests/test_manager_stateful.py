@@ -1,0 +1,150 @@
+"""Stateful tests of the cache manager against a simple model, checked through a real cache tensor.
+
+After every step the op's reference runs on the manager's inputs; every live request must get back
+exactly the keys and values it wrote, for the positions it should see, with prefix sharing, LRU
+eviction, sliding windows, tenants and out-of-pages steps in play. Dedicated long runs:
+``HYPOTHESIS_PROFILE=long``.
+"""
+
+import copy
+import zlib
+
+import numpy as np
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
+                                 run_state_machine_as_test)
+
+from kvcache_op.manager import KVCacheManager, OutOfPages, block_diagonal_causal_mask
+from kvcache_op.reference import cache_shape, key_value_cache
+
+PAGE, PAGES, MAX_PAGES, HEADS, DH = 4, 20, 8, 1, 2
+FAMILIES = [[7, 7, 1, 2, 3, 4, 5, 6, 9, 9], [7, 7, 1, 2, 8, 8, 8, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
+
+
+COVERAGE = {"steps": 0, "gathered": 0, "hit_tokens": 0, "evictions": 0, "out_of_pages": 0, "window_releases": 0}
+
+
+def key_of(salt, prefix) -> float:
+    """The key a model would compute at the last position of ``prefix``: a function of the salt and the
+    whole prefix, so equal cached prefixes (and only those) hold equal keys."""
+    return float(zlib.crc32(repr((salt, tuple(prefix))).encode()) % 100003) + 0.25
+
+
+class ManagerMachine(RuleBasedStateMachine):
+    window = None
+
+    @initialize()
+    def setup(self):
+        self.m = KVCacheManager(PAGES, PAGE, MAX_PAGES, sliding_window=self.window, cache_key=("float32",))
+        self.cache = np.zeros(cache_shape(0, 1, PAGES * PAGE, HEADS, DH), np.float32)
+        self.live = {}  # rid -> (salt, prompt)
+        self.next_id = 0
+        self.steps = 0
+
+    def capacity(self, rid):
+        return MAX_PAGES * PAGE if self.window is None else 10_000
+
+    @rule(family=st.integers(0, 2), cut=st.integers(1, 12), suffix=st.lists(st.integers(0, 3), max_size=6),
+          salt=st.sampled_from([None, "tenant-b"]))
+    def admit(self, family, cut, suffix, salt):
+        prompt = FAMILIES[family][:cut] + suffix
+        rid = self.next_id
+        self.next_id += 1
+        hit = self.m.add_request(rid, prompt, salt=salt)
+        assert hit % PAGE == 0 and hit < len(prompt)
+        self.live[rid] = (salt, prompt)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.m.finish(rid)
+        del self.live[rid]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def step(self, data):
+        chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
+        feeds = {}
+        for rid in chosen:
+            r = self.m.requests[rid]
+            remaining = len(r.tokens) - r.computed
+            if remaining > 0:
+                feeds[rid] = r.tokens[r.computed:r.computed + data.draw(st.integers(1, remaining))]
+            elif r.computed < self.capacity(rid):
+                feeds[rid] = [data.draw(st.integers(0, 3))]
+        if not feeds:
+            return
+        before = copy.deepcopy((self.m.pool.ref_count, list(self.m.pool.free), list(self.m.pool.cached),
+                                {k: vars(v) for k, v in self.m.requests.items()}))
+        try:
+            plan = self.m.schedule(feeds)
+        except OutOfPages:
+            after = (self.m.pool.ref_count, list(self.m.pool.free), list(self.m.pool.cached),
+                     {k: vars(v) for k, v in self.m.requests.items()})
+            assert after == before, "OutOfPages changed the manager's state"
+            COVERAGE["out_of_pages"] += 1
+            return
+        self.steps += 1
+        current = []
+        for rid in plan.request_ids:
+            r = self.m.requests[rid]
+            salt = self.live[rid][0]
+            for pos in range(r.computed - len(feeds[rid]), r.computed):
+                current.append(np.full((HEADS, DH), key_of(salt, r.tokens[:pos + 1]), np.float32))
+        current = np.stack(current)
+        key, value = key_value_cache(current, -current, **plan.op_inputs(), cache=self.cache, cache_mode=1,
+                                     page_size=PAGE)
+        for b, rid in enumerate(plan.request_ids):
+            r, salt = self.m.requests[rid], self.live[rid][0]
+            rows = slice(plan.kvstarts[b], plan.kvstarts[b + 1])
+            positions = plan.key_positions[rows]
+            want = [key_of(salt, r.tokens[:p + 1]) for p in positions]
+            assert key[rows, 0, 0].tolist() == want, f"request {rid} got another prompt's keys"
+            assert np.array_equal(value[rows], -key[rows])
+            if self.window is not None:
+                first_query = plan.query_positions[plan.seqstarts[b]]
+                assert positions[0] <= max(0, first_query - self.window + 1), "a needed key was released"
+        COVERAGE["steps"] += 1
+        COVERAGE["gathered"] += key.shape[0]
+        COVERAGE["window_releases"] += sum(r.first_page for r in self.m.requests.values())
+        mask = block_diagonal_causal_mask(plan.seqstarts, plan.kvstarts, plan.query_positions,
+                                          plan.key_positions, self.window)
+        assert mask.any(axis=1).all(), "every query sees at least its own key"
+
+    def teardown(self):
+        if hasattr(self, "m"):
+            COVERAGE["hit_tokens"] += self.m.metrics()["hit_tokens"]
+            COVERAGE["evictions"] += self.m.metrics()["evictions"]
+
+    @invariant()
+    def bookkeeping(self):
+        if hasattr(self, "m"):
+            self.m.check()
+            if self.window is not None:
+                for r in self.m.requests.values():  # memory per sequence bounded by the window (+ one chunk)
+                    assert len(r.pages) - r.first_page <= -(-(self.window + 12) // PAGE) + 1
+
+
+class WindowedManagerMachine(ManagerMachine):
+    window = 6
+
+
+TestManager = ManagerMachine.TestCase
+TestManager.settings = settings(stateful_step_count=40, deadline=None)
+TestWindowedManager = WindowedManagerMachine.TestCase
+TestWindowedManager.settings = settings(stateful_step_count=40, deadline=None)
+
+
+def test_the_machines_exercise_sharing_eviction_windows_and_out_of_pages():
+    """Guards the tests above: the random runs really reach every mechanism they claim to check."""
+    for key in COVERAGE:
+        COVERAGE[key] = 0
+    run_state_machine_as_test(ManagerMachine, settings=settings(max_examples=30, stateful_step_count=40,
+                                                                deadline=None, derandomize=True))
+    run_state_machine_as_test(WindowedManagerMachine, settings=settings(max_examples=30, stateful_step_count=40,
+                                                                        deadline=None, derandomize=True))
+    assert COVERAGE["steps"] > 100 and COVERAGE["gathered"] > 1000, COVERAGE
+    assert COVERAGE["hit_tokens"] > 0 and COVERAGE["evictions"] > 0, COVERAGE
+    assert COVERAGE["out_of_pages"] > 0 and COVERAGE["window_releases"] > 0, COVERAGE

@@ -1,0 +1,117 @@
+"""Unit tests of the manager: collisions, tenants, LRU order, out-of-pages, sliding window, masks."""
+
+import numpy as np
+import pytest
+
+from kvcache_op.manager import (KVCacheManager, OutOfPages, PagePool, UnknownRequest,
+                                block_diagonal_causal_mask)
+
+
+def run_prompt(m, rid, prompt, salt=None):
+    hit = m.add_request(rid, prompt, salt=salt)
+    m.schedule({rid: prompt[hit:]})
+    return hit
+
+
+def test_prefix_is_reused_and_the_last_token_is_always_computed():
+    m = KVCacheManager(16, 4, 8)
+    run_prompt(m, "a", list(range(12)))
+    assert m.add_request("b", list(range(12))) == 8  # 2 full pages; the 3rd holds the last token
+    assert m.page_table("b")[:2] == m.page_table("a")[:2]
+    assert m.add_request("c", list(range(9))) == 8
+    assert m.metrics()["hit_tokens"] == 16
+
+
+def test_a_weak_hash_never_returns_another_prompts_pages():
+    m = KVCacheManager(16, 4, 8, hash_fn=lambda parent, tokens, extra: 0)  # every page collides
+    run_prompt(m, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert m.add_request("b", [9, 9, 9, 9, 5, 6, 7, 8, 9]) == 0  # same hash, other tokens: a miss
+    assert m.add_request("c", [1, 2, 3, 4, 5, 6, 7, 8, 9]) == 4  # only the first page could be registered
+    m.check()
+
+
+def test_a_re_inserted_parent_does_not_adopt_stale_children():
+    """A parent page is evicted while its child stays cached; other content is registered under the
+    parent's hash. The old child hashes the same under the new parent but holds keys computed after the
+    old content: it must not match."""
+    weak = lambda parent, tokens, extra: 1 if parent is None else hash((parent, tokens))  # all roots collide
+    m = KVCacheManager(3, 2, 4, hash_fn=weak)
+    run_prompt(m, "a", [1, 1, 2, 2, 5])  # pages [1,1] -> [2,2] registered
+    m.finish("a")  # both cached; [1,1] is the least recently used
+    run_prompt(m, "b", [7, 7, 2])  # evicts [1,1] only; registers [7,7] under the freed root hash
+    m.finish("b")
+    hit = m.add_request("c", [7, 7, 2, 2, 9])
+    assert hit == 2, "the stale [2,2] page (computed after [1,1]) was matched after [7,7]"
+    m.check()
+
+
+def test_tenants_with_different_salts_never_share():
+    m = KVCacheManager(16, 4, 8)
+    run_prompt(m, "a", list(range(9)), salt="tenant-a")
+    assert m.add_request("b", list(range(9)), salt="tenant-b") == 0
+    assert m.add_request("c", list(range(9)), salt="tenant-a") == 8
+
+
+def test_cache_settings_are_part_of_the_page_identity():
+    a = KVCacheManager(16, 4, 8, cache_key=("int8", 8))
+    run_prompt(a, "a", list(range(9)))
+    entry = next(iter(a.index.by_hash.values()))
+    assert entry.extra == (None, ("int8", 8))
+
+
+def test_free_pages_are_used_before_cached_ones_and_eviction_is_lru():
+    pool = PagePool(4)
+    evicted = []
+    pool.on_evict = evicted.append
+    pages = [pool.take() for _ in range(4)]
+    pool.release(pages[0], cached=True)
+    pool.release(pages[1], cached=True)
+    pool.release(pages[2], cached=False)
+    assert pool.take() == pages[2] and evicted == []  # the unhashed page first
+    pool.acquire(pages[0])  # touched again: now the most recently used
+    pool.release(pages[0], cached=True)
+    assert pool.take() == pages[1] and evicted == [pages[1]]
+    pool.check()
+
+
+def test_out_of_pages_is_typed_and_changes_nothing():
+    m = KVCacheManager(4, 4, 8)
+    m.add_request("a", list(range(20)))
+    before = (list(m.pool.ref_count), list(m.pool.free))
+    with pytest.raises(OutOfPages) as error:
+        m.schedule({"a": list(range(20))})
+    assert error.value.needed == 5 and error.value.available == 4
+    assert (list(m.pool.ref_count), list(m.pool.free)) == before and m.requests["a"].computed == 0
+
+
+def test_unknown_requests_and_bad_feeds_are_clear_errors():
+    m = KVCacheManager(4, 4, 2)
+    with pytest.raises(UnknownRequest):
+        m.schedule({"x": [1]})
+    m.add_request("a", [1, 2, 3])
+    with pytest.raises(ValueError, match="differ from the prompt"):
+        m.schedule({"a": [1, 9]})
+    with pytest.raises(ValueError, match="exceed max_pages=2"):
+        m.schedule({"a": [1, 2, 3] + [0] * 6})
+
+
+def test_sliding_window_bounds_memory_and_reports_absolute_positions():
+    m = KVCacheManager(8, 4, 3, sliding_window=5)
+    m.add_request("a", [1] * 3)
+    m.schedule({"a": [1] * 3})
+    for _ in range(40):
+        plan = m.schedule({"a": [0]})
+        assert len(m.page_table("a")) <= 3
+    q = int(plan.query_positions[0])
+    assert q == 42 and plan.key_positions[-1] == 42
+    assert plan.key_positions[0] <= q - 4  # everything inside the window is still gathered
+    assert plan.start_pos[0] == q - plan.key_positions[0]  # the op's view starts at the first kept page
+
+
+def test_block_diagonal_causal_mask_with_window():
+    # Two sequences: 2 queries at positions 3, 4 over keys 0..4; 1 query at position 1 over keys 0..1.
+    mask = block_diagonal_causal_mask([0, 2, 3], [0, 5, 7], [3, 4, 1], [0, 1, 2, 3, 4, 0, 1], sliding_window=3)
+    expected = np.array([[0, 1, 1, 1, 0, 0, 0],
+                         [0, 0, 1, 1, 1, 0, 0],
+                         [0, 0, 0, 0, 0, 1, 1]], bool)
+    assert np.array_equal(mask, expected)
