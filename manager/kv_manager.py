@@ -78,7 +78,7 @@ class KVCacheManager:
         and never the last prompt token: a step must compute at least one token to produce logits)."""
         if rid in self.requests:
             raise ValueError(f"request {rid!r} is already active")
-        prompt = [int(t) for t in prompt]
+        prompt = list(map(int, prompt))
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
         r = _Request(rid, (salt, self.cache_key), prompt)
@@ -114,7 +114,7 @@ class KVCacheManager:
         released, new_pages = [], 0
         for rid, tokens in feeds.items():
             r = self._get(rid)
-            tokens = [int(t) for t in tokens]
+            tokens = list(map(int, tokens))
             if not tokens:
                 raise ValueError(f"request {rid!r}: a step must feed at least one token")
             known = r.tokens[r.computed:r.computed + len(tokens)]

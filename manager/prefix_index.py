@@ -5,7 +5,6 @@ neither a hash collision nor a parent that was evicted and re-inserted with othe
 return another prompt's cache.
 """
 
-import dataclasses
 import itertools
 
 
@@ -14,13 +13,13 @@ def chained_hash(parent_hash, tokens: tuple, extra) -> int:
     return hash((parent_hash, tokens, extra))
 
 
-@dataclasses.dataclass(frozen=True)
 class Entry:
-    page: int
-    node: int  # unique id of this entry (never reused)
-    parent_node: int  # 0 for the first page of a prompt
-    tokens: tuple
-    extra: object
+    """A registered page: ``node`` is unique (never reused); ``parent_node`` is 0 for a first page."""
+
+    __slots__ = ("page", "node", "parent_node", "tokens", "extra")
+
+    def __init__(self, page: int, node: int, parent_node: int, tokens: tuple, extra):
+        self.page, self.node, self.parent_node, self.tokens, self.extra = page, node, parent_node, tokens, extra
 
 
 class PrefixIndex:
