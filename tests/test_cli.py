@@ -24,3 +24,9 @@ def test_conformance_command_writes_cases(tmp_path, capsys):
 def test_python_dash_m_entry_point():
     result = subprocess.run([sys.executable, "-m", "kvcache_op", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "demo" in result.stdout
+
+
+def test_bench_subcommand_dispatches(tmp_path, capsys):
+    assert main(["bench", "op", "--quick", "--repeats", "1", "--warmup", "0", "--reference-repeats", "1",
+                 "--threads", "1"]) == 0
+    assert "op/copy" in capsys.readouterr().out

@@ -24,6 +24,14 @@ def _demo(args) -> int:
     return run_demo(backend=args.backend, steps=args.steps)
 
 
+def _bench(args) -> int:
+    if args.what == "manager":
+        from .tools.bench_manager import main as bench_main
+    else:
+        from .tools.bench_kvcache import main as bench_main
+    return bench_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvcache-op", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     val.add_argument("dir", help="folder written by 'kvcache-op conformance'")
     val.add_argument("--backend", choices=("reference", "ort"), default="reference")
     val.set_defaults(func=_validate)
+    bench = sub.add_parser("bench", help="benchmarks: 'bench op [...]' or 'bench manager [...]' (--help for each)")
+    bench.add_argument("what", choices=("op", "manager"))
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
+    bench.set_defaults(func=_bench)
     return parser
 
 
