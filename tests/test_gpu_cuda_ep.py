@@ -1,0 +1,75 @@
+"""The ORT CUDA EP variant against the reference: the hypothesis space of the CPU op, conformance vectors,
+multi-step serving, and every error with the device cache unchanged. Skipped centrally without a GPU."""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+
+from kvcache_op import spec
+from kvcache_op.spec.cases import CASES
+from invalid_calls import INVALID, make_invalid
+from ort_helpers import assert_same_bits, reference_result
+from strategies import COMBINATIONS, calls_for
+
+pytestmark = pytest.mark.gpu
+
+
+def cuda_result(inputs, attrs):
+    from gpu_support import run_on_cuda
+
+    model = spec.make_model(inputs, **attrs)
+    return run_on_cuda(model, {k: v for k, v in inputs.items() if v is not None})
+
+
+@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
+def test_cuda_matches_reference(combo):
+    @given(calls_for(combo, max_batch=5))
+    def check(case):
+        assert_same_bits(cuda_result(case.inputs, case.attributes), reference_result(case.inputs, case.attributes))
+
+    check()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_conformance_case_on_cuda(name):
+    case = CASES[name]()
+    assert_same_bits(cuda_result(case.inputs, case.attributes), reference_result(case.inputs, case.attributes))
+
+
+@pytest.mark.parametrize("row", [r for r in INVALID if r[0] not in {"seqstarts_int32", "cachestarts_int32",
+                                                                     "max_kvlen_float"}], ids=lambda r: r[0])
+def test_invalid_input_on_cuda_fails_and_leaves_the_device_cache_unchanged(row):
+    inputs, attrs = make_invalid(row)
+    try:
+        cuda_result(inputs, attrs)
+    except Exception as error:  # noqa: BLE001
+        assert re.search(row[3], str(error)), str(error)
+        if hasattr(error, "cache_after"):
+            assert error.cache_after.tobytes() == inputs["cache"].tobytes()
+        return
+    pytest.fail("the CUDA op accepted an invalid call")
+
+
+def test_multi_step_serving_on_cuda():
+    from scenario import initial_cache, steps
+
+    from kvcache_op.reference import key_value_cache
+
+    attrs = dict(quant_bit=8, quant_group=4, cache_mode=1, cache_layout=3, page_size=4)
+    ref_cache, ref_scale = initial_cache(8, "float16", 3, 64, 4, 2, 8, 4)
+    gpu_cache, gpu_scale = ref_cache.copy(), ref_scale.copy()
+    for inputs in steps(seed=11):
+        want = key_value_cache(**inputs, cache=ref_cache, scale=ref_scale, **attrs)
+        key, value, gpu_cache, gpu_scale = cuda_result({**inputs, "cache": gpu_cache, "scale": gpu_scale}, attrs)
+        assert key.tobytes() == want[0].tobytes() and value.tobytes() == want[1].tobytes()
+        assert gpu_cache.tobytes() == ref_cache.tobytes() and gpu_scale.tobytes() == ref_scale.tobytes()
+
+
+def test_fuzz_on_cuda_in_a_subprocess():
+    """Malformed calls on the GPU run in their own process: one illegal access would poison this one."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_gpu_fuzz_worker.py"], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
