@@ -25,16 +25,6 @@ std::string BigStr(Big v) {
   return digits;
 }
 
-// Python-tuple rendering of a shape: (), (3,), (1, 2).
-std::string ShapeStr(const std::vector<int64_t>& shape) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  if (shape.size() == 1) s << ",";
-  s << ")";
-  return s.str();
-}
-
 const char* LayoutAxes(int64_t layout) {
   static const char* axes[] = {"('MaxT', 'L', 'KV', 'H', 'Dh')", "('L', 'MaxT', 'KV', 'H', 'Dh')",
                                "('L', 'KV', 'MaxT', 'H', 'Dh')", "('L', 'KV', 'H', 'MaxT', 'Dh')"};
@@ -50,12 +40,6 @@ std::vector<int64_t> LayoutShape(int64_t layout, int64_t L, int64_t max_t, int64
   }
 }
 
-template <typename... Parts>
-[[noreturn]] void Fail(const Parts&... parts) {
-  std::ostringstream s;
-  (s << ... << parts);
-  throw KvError(s.str());
-}
 
 bool IsT1(int32_t t) {
   return t == int32_t(Elem::kFloat32) || t == int32_t(Elem::kFloat16) || t == int32_t(Elem::kBFloat16);
@@ -67,12 +51,19 @@ int64_t Count(const std::vector<int64_t>& shape) {
   return n;
 }
 
-struct Dims {
-  int64_t heads, head_dim, max_t;
-};
+}  // namespace
 
-Dims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, const TensorArg& cache,
-                  const TensorArg& scale) {
+std::string ShapeStr(const std::vector<int64_t>& shape) {
+  std::ostringstream s;
+  s << "(";
+  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
+  if (shape.size() == 1) s << ",";
+  s << ")";
+  return s.str();
+}
+
+CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, const TensorArg& cache,
+                       const TensorArg& scale) {
   for (auto [name, x] : {std::pair<const char*, const TensorArg*>{"current_key", &key}, {"current_value", &value}}) {
     if (!IsT1(x->type)) Fail(name, " dtype must be float32, float16 or bfloat16, got ", ElemName(x->type));
     if (x->shape.size() != 3) Fail(name, " must have rank 3 (tokens, H, Dh), got shape ", ShapeStr(x->shape));
@@ -110,6 +101,8 @@ Dims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, 
          ShapeStr(scale.shape));
   return {heads, head_dim, max_t};
 }
+
+namespace {
 
 const int64_t* IndexVector(const char* name, const TensorArg& t, int64_t length) {
   if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be int64, got ", ElemName(t.type));
@@ -248,7 +241,7 @@ RowStrides LayoutRowStrides(int64_t layout, int64_t L, int64_t max_t, int64_t H,
 
 CallPlan ValidateCall(const Attrs& a, const TensorArg* in) {
   CheckAttrs(a);
-  const Dims dims = CheckTensors(a, in[0], in[1], in[8], in[9]);
+  const CacheDims dims = CheckTensors(a, in[0], in[1], in[8], in[9]);
   CallPlan p;
   const TensorArg& seq = in[2];
   p.seqstarts = IndexVector("seqstarts", seq, -1);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -12,6 +13,14 @@ namespace kvcache {
 struct KvError : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
+
+// Throws KvError with the parts streamed together (the reference's message format).
+template <typename... Parts>
+[[noreturn]] void Fail(const Parts&... parts) {
+  std::ostringstream s;
+  (s << ... << parts);
+  throw KvError(s.str());
+}
 
 struct Attrs {
   int64_t num_layer = 1, layer_idx = 0, quant_bit = 0, quant_group = 8, num_repeat = 1, cache_mode = 0,
@@ -47,6 +56,18 @@ struct CallPlan {
   const int64_t* start_pos = nullptr;    // [B]
   const int64_t* cachestarts = nullptr;  // [B] or [B, MaxP]
 };
+
+// Dtype/shape checks of current_key/value (t1 tensors), cache and scale; returns {H, Dh, MaxT}.
+struct CacheDims {
+  int64_t heads, head_dim, max_t;
+};
+CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, const TensorArg& cache,
+                       const TensorArg& scale);
+
+// Python-tuple rendering of a shape, as the reference's messages print it: (), (3,), (1, 2).
+std::string ShapeStr(const std::vector<int64_t>& shape);
+
+const char* ElemName(int32_t onnx_type);
 
 // inputs: the op's 10 inputs in order (scale may be absent). Throws KvError; returns the plan.
 CallPlan ValidateCall(const Attrs& a, const TensorArg* inputs);

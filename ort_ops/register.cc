@@ -1,10 +1,11 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
-// CPU EP (and the CUDA EP in a CUDA build).
+// CPU EP (and the CUDA EP in a CUDA build), and KeyCacheRotaryShift for the CPU EP.
 #include <memory>
 #include <mutex>
 #include <vector>
 
 #include "kv_ort_op.h"
+#include "rotary_ort_op.h"
 
 #ifdef KVCACHE_WITH_CUDA
 #include "kv_ort_cuda_op.h"
@@ -15,6 +16,7 @@ namespace {
 // Ops and domains must outlive every session that uses them: kept for the life of the process.
 struct Registry {
   kvcache::CpuOp cpu_op;
+  kvcache::RotaryCpuOp rotary_cpu_op;
 #ifdef KVCACHE_WITH_CUDA
   kvcache::CudaOp cuda_op;
 #endif
@@ -42,6 +44,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     std::lock_guard<std::mutex> lock(registry.mutex);
     Ort::CustomOpDomain domain(kvcache::kDomain);
     domain.Add(&registry.cpu_op);
+    domain.Add(&registry.rotary_cpu_op);
 #ifdef KVCACHE_WITH_CUDA
     domain.Add(&registry.cuda_op);
 #endif

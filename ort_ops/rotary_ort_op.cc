@@ -1,0 +1,87 @@
+#include "rotary_ort_op.h"
+
+#include <cstring>
+#include <vector>
+
+namespace kvcache {
+
+namespace {
+
+void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }
+
+int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  if (OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value)) {
+    Ort::GetApi().ReleaseStatus(status);  // absent: the spec's default
+    return fallback;
+  }
+  return value;
+}
+
+}  // namespace
+
+RotaryCpuKernel::RotaryCpuKernel(const OrtKernelInfo* info) {
+  attrs.base.num_layer = AttrOr(info, "num_layer", 1);
+  attrs.base.layer_idx = AttrOr(info, "layer_idx", 0);
+  attrs.base.cache_layout = AttrOr(info, "cache_layout", 0);
+  attrs.base.quant_bit = AttrOr(info, "quant_bit", 0);
+  attrs.base.quant_group = AttrOr(info, "quant_group", 8);
+  attrs.rotary_dim = AttrOr(info, "rotary_dim", 0);
+  attrs.rotary_interleaved = AttrOr(info, "rotary_interleaved", 0);
+  CheckRotaryAttrs(attrs);
+  Ort::ConstKernelInfo kernel_info(info);
+  for (size_t i : {size_t{0}, size_t{1}}) {
+    if (i >= kernel_info.GetInputCount()) continue;
+    int is_constant = 0;
+    kernel_info.GetTensorConstantInput(i, &is_constant);
+    if (is_constant)
+      throw KvError(std::string(i == 0 ? "cache" : "scale") +
+                    " is a constant initializer, but KeyCacheRotaryShift writes it in place: make it a graph input");
+  }
+}
+
+OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Ort::KernelContext ctx(context);
+    TensorArg in[5];
+    const size_t count = ctx.GetInputCount();
+    for (size_t i = 0; i < 5 && i < count; ++i) {
+      Ort::ConstValue value = ctx.GetInput(i);
+      if (!value) continue;
+      auto info = value.GetTensorTypeAndShapeInfo();
+      in[i] = TensorArg{true, info.GetElementType(), info.GetShape(), value.GetTensorRawData()};
+    }
+    RotaryShiftCpu(attrs, in, [&ctx](size_t n, const std::function<void(size_t)>& fn) {
+      if (n == 1) return fn(0);
+      if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
+    });
+    auto out = ctx.GetOutput(0, in[2].shape);
+    const size_t n = in[2].shape.empty() ? 0 : static_cast<size_t>(in[2].shape[0]);
+    if (n) std::memcpy(out.GetTensorMutableRawData(), in[2].data, n * sizeof(int64_t));
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+RotaryCpuOp::RotaryCpuOp() = default;
+
+OrtStatusPtr RotaryCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+  try {
+    *kernel = new RotaryCpuKernel(info);
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+ONNXTensorElementDataType RotaryCpuOp::GetInputType(size_t i) const {
+  switch (i) {
+    case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    case 3:
+    case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+}
+
+}  // namespace kvcache

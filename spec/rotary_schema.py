@@ -1,0 +1,74 @@
+"""The ONNX OpSchema of opmx.dynamic_batching::KeyCacheRotaryShift, version 1, and a model helper."""
+
+import numpy as np
+import onnx
+from onnx import defs, helper
+
+from .model import DEFAULT_OPSET, IR_VERSION
+from .schema import DOMAIN, VERSION, _formal
+
+OP_TYPE = "KeyCacheRotaryShift"
+INPUTS = ("cache", "scale", "slots", "cos", "sin")
+ATTRIBUTE_DEFAULTS = {"num_layer": 1, "layer_idx": 0, "cache_layout": 0, "quant_bit": 0, "quant_group": 8,
+                      "rotary_dim": 0, "rotary_interleaved": 0}
+
+
+def _infer(ctx) -> None:
+    """slots_out: int64 with the shape of slots."""
+    slots = ctx.get_input_type(2)
+    if slots is not None and slots.HasField("tensor_type"):
+        ctx.set_output_type(0, slots)
+    else:
+        ctx.set_output_type(0, helper.make_tensor_type_proto(onnx.TensorProto.INT64, None))
+
+
+def _build_schema() -> defs.OpSchema:
+    attrs = [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
+             for name, default in ATTRIBUTE_DEFAULTS.items()]
+    schema = defs.OpSchema(
+        OP_TYPE, DOMAIN, VERSION,
+        "Rotates the keys stored in given cache slots by per-slot RoPE tables, in place (shift-RoPE-K). "
+        "Normative text: spec/KeyCacheRotaryShift.md.",
+        inputs=[_formal("cache", "T2", "KeyValueCache's cache; written in place"),
+                _formal("scale", "T3", "KeyValueCache's scale; written in place", optional=True),
+                _formal("slots", "I", "(N,) distinct slots"),
+                _formal("cos", "F", "(N, rotary_dim/2)"),
+                _formal("sin", "F", "(N, rotary_dim/2)")],
+        outputs=[_formal("slots_out", "I", "(N,) = slots")],
+        type_constraints=[
+            ("T2", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)", "tensor(int4)"], "cache"),
+            ("T3", ["tensor(float)", "tensor(float16)"], "scales"),
+            ("I", ["tensor(int64)"], "slots"),
+            ("F", ["tensor(float)"], "rotation tables"),
+        ],
+        attributes=attrs,
+    )
+    schema.set_type_and_shape_inference_function(_infer)
+    return schema
+
+
+def register() -> defs.OpSchema:
+    """Register once per process (idempotent)."""
+    if not defs.has(OP_TYPE, VERSION, DOMAIN):
+        defs.register_schema(_build_schema())
+    return defs.get_schema(OP_TYPE, VERSION, DOMAIN)
+
+
+def make_rotary_shift_model(inputs: dict, **attributes) -> onnx.ModelProto:
+    """A single-node KeyCacheRotaryShift model; ``inputs`` name -> example array (``scale`` may be None)."""
+    unknown = set(attributes) - set(ATTRIBUTE_DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown KeyCacheRotaryShift attribute(s) {sorted(unknown)}")
+    names = [n for n in INPUTS if inputs.get(n) is not None]
+    node_inputs = [n if inputs.get(n) is not None else "" for n in INPUTS]
+    node = helper.make_node(OP_TYPE, node_inputs, ["slots_out"], domain=DOMAIN,
+                            **{**ATTRIBUTE_DEFAULTS, **{k: int(v) for k, v in attributes.items()}})
+    graph_inputs = []
+    for name in names:
+        array = np.asarray(inputs[name])
+        shape = list(array.shape) if name in ("cache", "scale") else [f"{name}_d{i}" for i in range(array.ndim)]
+        graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), shape))
+    output = helper.make_tensor_value_info("slots_out", onnx.TensorProto.INT64, ["n"])
+    graph = helper.make_graph([node], "key_cache_rotary_shift", graph_inputs, [output])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET), helper.make_opsetid(DOMAIN, VERSION)],
+                             ir_version=IR_VERSION, producer_name="kvcache-op")
