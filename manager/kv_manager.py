@@ -28,6 +28,27 @@ class _Request:
     chain_open: bool = True  # False once a page could not be registered: no later page can be
 
 
+@dataclasses.dataclass(frozen=True)
+class StreamingPolicy:
+    """StreamingLLM: keep ``sinks`` first tokens (rounded up to whole pages) plus the most recent ones
+    within ``budget_pages`` pages per request. When a step would exceed the budget, at least half of the
+    pages after the sinks (and at least what the step needs) are dropped, then either
+
+    * ``"shift"``: the kept keys are re-rotated to their new positions — the step's plan carries
+      ``shift_slots``/``shift_deltas`` for KeyCacheRotaryShift, to run (every layer) before the op; or
+    * ``"reevaluate"``: the kept tokens are fed again at their new positions in this step
+      (``StepPlan.fed_tokens``), and their old pages are released.
+
+    Positions are cache positions (contiguous after a discard), as StreamingLLM defines them. Prefix
+    reuse and registration cover only the sink pages: later pages are shifted or dropped in place, so
+    they are never shared.
+    """
+
+    sinks: int
+    budget_pages: int
+    mode: str = "shift"
+
+
 @dataclasses.dataclass
 class StepPlan:
     """One step: the op's index inputs plus the absolute positions RoPE and the mask need."""
@@ -41,6 +62,9 @@ class StepPlan:
     max_kvlen: np.ndarray  # scalar
     query_positions: np.ndarray  # [seqstarts[B]] absolute position of every fed token
     key_positions: np.ndarray  # [kvstarts[B]] absolute position of every gathered key
+    fed_tokens: dict = dataclasses.field(default_factory=dict)  # rid -> tokens fed (re-evaluated ones first)
+    shift_slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [S]
+    shift_deltas: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [S] positions
 
     def op_inputs(self) -> dict:
         """The op's index inputs by name (cache_mode 1)."""
@@ -57,11 +81,22 @@ class KVCacheManager:
     """
 
     def __init__(self, num_pages: int, page_size: int, max_pages: int, *, sliding_window=None, cache_key=(),
-                 hash_fn=chained_hash):
+                 hash_fn=chained_hash, streaming: StreamingPolicy = None):
         if page_size < 1 or max_pages < 1:
             raise ValueError(f"page_size and max_pages must be >= 1, got {page_size}, {max_pages}")
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        self.sink_pages = 0
+        if streaming is not None:
+            self.sink_pages = -(-streaming.sinks // page_size)
+            if sliding_window is not None:
+                raise ValueError("streaming and sliding_window are alternatives; configure one")
+            if streaming.mode not in ("shift", "reevaluate"):
+                raise ValueError(f"streaming mode must be 'shift' or 'reevaluate', got {streaming.mode!r}")
+            if not self.sink_pages + 1 < streaming.budget_pages <= max_pages:
+                raise ValueError(f"streaming budget_pages must be in ({self.sink_pages + 1}, max_pages={max_pages}], "
+                                 f"got {streaming.budget_pages}")
+        self.streaming = streaming
         self.page_size = page_size
         self.max_pages = max_pages
         self.sliding_window = sliding_window
@@ -83,7 +118,10 @@ class KVCacheManager:
             raise ValueError("a request needs at least one prompt token")
         r = _Request(rid, (salt, self.cache_key), prompt)
         parent_hash, parent_node = None, PrefixIndex.ROOT
-        for j in range((len(prompt) - 1) // self.page_size):
+        reusable = (len(prompt) - 1) // self.page_size
+        if self.streaming is not None:
+            reusable = min(reusable, self.sink_pages)  # later pages get shifted or dropped in place
+        for j in range(reusable):
             tokens = tuple(prompt[j * self.page_size:(j + 1) * self.page_size])
             h, entry = self.index.lookup(parent_hash, parent_node, tokens, r.extra)
             if entry is None:
@@ -117,10 +155,14 @@ class KVCacheManager:
             tokens = list(map(int, tokens))
             if not tokens:
                 raise ValueError(f"request {rid!r}: a step must feed at least one token")
+            discard = self._streaming_discard(r, len(tokens))
+            if discard:
+                kept_from = self.sink_pages + discard
+                released += r.pages[self.sink_pages:kept_from if self.streaming.mode == "shift" else None]
             known = r.tokens[r.computed:r.computed + len(tokens)]
             if tokens[:len(known)] != known:
                 raise ValueError(f"request {rid!r}: fed tokens differ from the prompt at positions {r.computed}..")
-            end = r.computed + len(tokens)
+            end = r.computed + len(tokens) - discard * self.page_size
             first = r.first_page
             if self.sliding_window is not None:
                 first = max(first, max(0, r.computed - self.sliding_window + 1) // self.page_size)
@@ -128,8 +170,10 @@ class KVCacheManager:
             if pages_total - first > self.max_pages:
                 raise ValueError(f"request {rid!r}: {pages_total - first} pages exceed max_pages={self.max_pages}")
             released += [p for p in r.pages[r.first_page:first]]
-            new_pages += pages_total - len(r.pages)
-            plans.append((r, tokens, end, first))
+            held = len(r.pages) - (discard if self.streaming is None or self.streaming.mode == "shift" else
+                                   (len(r.pages) - self.sink_pages if discard else 0))
+            new_pages += pages_total - held
+            plans.append((r, tokens, end, first, discard))
         freed = sum(1 for p in released if self.pool.ref_count[p] == 1)
         if new_pages > self.pool.available() + freed:
             raise OutOfPages(new_pages, self.pool.available() + freed)
@@ -137,12 +181,20 @@ class KVCacheManager:
 
     def _commit(self, plans) -> StepPlan:
         seqstarts, kvstarts, start_pos, tables, qpos, kpos = [0], [0], [], [], [], []
-        for r, _, _, first in plans:  # every release before any allocation: schedule() counted on them
+        fed, shift_slots, shift_deltas = {}, [], []
+        for r, tokens, _, first, discard in plans:  # every release before any allocation: schedule() counted on them
             for j in range(r.first_page, first):
                 self.pool.release(r.pages[j], cached=self.index.is_cached(r.pages[j]))
                 r.pages[j] = None
             r.first_page = first
-        for r, tokens, end, first in plans:
+            fed[r.rid] = tokens
+            if discard:
+                slots, delta, refeed = self._discard(r, discard)
+                shift_slots.append(slots)
+                shift_deltas.append(np.full(len(slots), delta, np.int64))
+                fed[r.rid] = refeed + tokens
+        for r, _, end, first, _ in plans:
+            tokens = fed[r.rid]
             while len(r.pages) * self.page_size < end:
                 r.pages.append(self.pool.take())
             offset = first * self.page_size
@@ -167,10 +219,51 @@ class KVCacheManager:
             max_kvlen=np.array(np.diff(kvstarts).max(initial=0), np.int64),
             query_positions=np.concatenate(qpos) if qpos else np.zeros(0, np.int64),
             key_positions=np.concatenate(kpos) if kpos else np.zeros(0, np.int64),
+            fed_tokens=fed,
+            shift_slots=np.concatenate(shift_slots) if shift_slots else np.zeros(0, np.int64),
+            shift_deltas=np.concatenate(shift_deltas) if shift_deltas else np.zeros(0, np.int64),
         )
+
+    # ---- StreamingLLM --------------------------------------------------------------------------------
+    def _streaming_discard(self, r: _Request, n_new: int) -> int:
+        """Pages after the sinks to drop before feeding ``n_new`` tokens (0: none)."""
+        if self.streaming is None:
+            return 0
+        needed = -(-(r.computed + n_new) // self.page_size)
+        if needed <= self.streaming.budget_pages:
+            return 0
+        recent = len(r.pages) - self.sink_pages
+        discard = max(needed - self.streaming.budget_pages, (recent + 1) // 2)
+        if recent <= 0 or discard > recent:
+            raise ValueError(f"request {r.rid!r}: {n_new} new tokens do not fit the streaming budget of "
+                             f"{self.streaming.budget_pages} pages even after dropping every page after the sinks")
+        return discard
+
+    def _discard(self, r: _Request, discard: int) -> tuple:
+        """Drops ``discard`` pages after the sinks. Returns (slots to shift, delta, tokens to re-feed)."""
+        ps, first_kept = self.page_size, self.sink_pages + discard
+        delta = -discard * ps
+        old_computed = r.computed
+        kept_positions = np.arange(first_kept * ps, old_computed)
+        del r.tokens[self.sink_pages * ps:first_kept * ps]
+        if self.streaming.mode == "shift":
+            pages = np.asarray(r.pages, np.int64)
+            slots = pages[kept_positions // ps] * ps + kept_positions % ps
+            for page in r.pages[self.sink_pages:first_kept]:
+                self.pool.release(page, cached=False)
+            del r.pages[self.sink_pages:first_kept]
+            r.computed = old_computed + delta
+            return slots, delta, []
+        for page in r.pages[self.sink_pages:]:
+            self.pool.release(page, cached=False)
+        del r.pages[self.sink_pages:]
+        r.computed = self.sink_pages * ps
+        return np.zeros(0, np.int64), delta, r.tokens[r.computed:old_computed + delta]
 
     def _register_full_pages(self, r: _Request) -> None:
         while r.chain_open and (len(r.chain) + 1) * self.page_size <= r.computed:
+            if self.streaming is not None and len(r.chain) >= self.sink_pages:
+                return  # only sink pages are ever shared under StreamingLLM
             j = len(r.chain)
             if r.pages[j] is None:  # released by the window before it could be registered
                 r.chain_open = False
