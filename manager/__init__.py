@@ -4,8 +4,9 @@ LRU eviction, sliding window, and the attention mask that matches the gathered k
 from .errors import OutOfPages, UnknownRequest
 from .kv_manager import KVCacheManager, StepPlan, StreamingPolicy
 from .masks import block_diagonal_causal_mask
+from .offset_manager import OffsetCacheManager, OutOfSlots
 from .page_pool import PagePool
 from .prefix_index import PrefixIndex, chained_hash
 
-__all__ = ["KVCacheManager", "OutOfPages", "PagePool", "PrefixIndex", "StepPlan", "StreamingPolicy", "UnknownRequest",
+__all__ = ["KVCacheManager", "OffsetCacheManager", "OutOfPages", "OutOfSlots", "PagePool", "PrefixIndex", "StepPlan", "StreamingPolicy", "UnknownRequest",
            "block_diagonal_causal_mask", "chained_hash"]

@@ -1,0 +1,63 @@
+"""Offset-mode (cache_mode 0) allocation, checked through the op's reference on a real cache."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvcache_op.manager import OffsetCacheManager, OutOfSlots
+from kvcache_op.reference import cache_shape, key_value_cache
+
+
+@given(st.lists(st.tuples(st.sampled_from(["admit", "step", "finish"]), st.integers(1, 12), st.integers(0, 10)),
+                max_size=60))
+def test_random_admit_step_finish_keeps_every_request_its_own_tokens(actions):
+    max_t = 48
+    m = OffsetCacheManager(max_t)
+    cache = np.zeros(cache_shape(0, 1, max_t, 1, 2), np.float32)
+    written = {}  # rid -> values written in order
+    next_id = 0
+    for kind, size, pick in actions:
+        live = sorted(m.regions)
+        if kind == "admit":
+            try:
+                m.add_request(next_id, size)
+                written[next_id] = []
+            except OutOfSlots:
+                pass
+            next_id += 1
+        elif kind == "finish" and live:
+            rid = live[pick % len(live)]
+            m.finish(rid)
+            del written[rid]
+        elif kind == "step" and live:
+            counts = {}
+            for rid in live[pick % len(live):]:
+                room = m.regions[rid].length - m.regions[rid].computed
+                if room:
+                    counts[rid] = min(room, 1 + pick % 3)
+            if not counts:
+                continue
+            plan = m.schedule(counts)
+            values = []
+            for rid, n in counts.items():
+                new = [1000.0 * rid + len(written[rid]) + i for i in range(n)]
+                written[rid] += new
+                values += new
+            current = np.repeat(np.array(values, np.float32)[:, None, None], 2, axis=2)
+            key, _ = key_value_cache(current, current, **plan.op_inputs(), cache=cache)
+            for b, rid in enumerate(plan.request_ids):
+                assert key[plan.kvstarts[b]:plan.kvstarts[b + 1], 0, 0].tolist() == written[rid]
+        m.check()
+
+
+def test_out_of_slots_is_typed_and_merging_restores_room():
+    m = OffsetCacheManager(10)
+    assert [m.add_request(i, 3) for i in range(3)] == [0, 3, 6]
+    with pytest.raises(OutOfSlots) as error:
+        m.add_request("big", 5)
+    assert error.value.largest == 1
+    m.finish(0)
+    m.finish(1)  # merged with the freed run before it
+    assert m.add_request("big", 6) == 0
+    m.check()
