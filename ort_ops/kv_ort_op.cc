@@ -11,6 +11,10 @@ namespace kvcache {
 
 namespace {
 
+void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }
+
+}  // namespace
+
 int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback) {
   int64_t value = fallback;
   OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
@@ -21,9 +25,10 @@ int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback) {
   return value;
 }
 
-void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }
-
-}  // namespace
+void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn) {
+  if (n == 1) return fn(0);
+  if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
+}
 
 Attrs ReadAttrs(const OrtKernelInfo* info) {
   Attrs a;
@@ -95,10 +100,7 @@ OrtStatusPtr CpuKernel::ComputeV2(OrtKernelContext* context) {
                      const_cast<void*>(in[8].data),  // the cache is written in place (spec: in-out input)
                      in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,
                      key.GetTensorMutableRawData(), value.GetTensorMutableRawData()};
-    ComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) {
-      if (n == 1) return fn(0);
-      if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
-    });
+    ComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
     return nullptr;
   } catch (...) {
     return StatusFromCurrentException();

@@ -6,6 +6,8 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <functional>
+
 #include "kv_validate.h"
 
 namespace kvcache {
@@ -17,6 +19,12 @@ constexpr size_t kScaleInput = 9;
 
 // Reads the attributes (spec defaults for absent ones) and rejects invalid values (KvError).
 Attrs ReadAttrs(const OrtKernelInfo* info);
+
+// An int attribute, or `fallback` (the spec's default) when the node does not set it.
+int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback);
+
+// Runs fn(i), i in [0, n), on ORT's intra-op thread pool.
+void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn);
 
 // Rejects a cache or scale that is a constant initializer: in-place writes to it would be lost
 // or would corrupt a constant shared by sessions.

@@ -5,20 +5,6 @@
 
 namespace kvcache {
 
-namespace {
-
-void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }
-
-int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = fallback;
-  if (OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value)) {
-    Ort::GetApi().ReleaseStatus(status);  // absent: the spec's default
-    return fallback;
-  }
-  return value;
-}
-
-}  // namespace
 
 RotaryCpuKernel::RotaryCpuKernel(const OrtKernelInfo* info) {
   attrs.base.num_layer = AttrOr(info, "num_layer", 1);
@@ -51,10 +37,7 @@ OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
       auto info = value.GetTensorTypeAndShapeInfo();
       in[i] = TensorArg{true, info.GetElementType(), info.GetShape(), value.GetTensorRawData()};
     }
-    RotaryShiftCpu(attrs, in, [&ctx](size_t n, const std::function<void(size_t)>& fn) {
-      if (n == 1) return fn(0);
-      if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
-    });
+    RotaryShiftCpu(attrs, in, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
     auto out = ctx.GetOutput(0, in[2].shape);
     const size_t n = in[2].shape.empty() ? 0 : static_cast<size_t>(in[2].shape[0]);
     if (n) std::memcpy(out.GetTensorMutableRawData(), in[2].data, n * sizeof(int64_t));
