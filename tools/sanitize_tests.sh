@@ -15,6 +15,6 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 cd "$root"
 if [ "$#" -eq 0 ]; then
   set -- tests/test_ort_cpu_properties.py tests/test_ort_cpu_errors.py tests/test_ort_cpu_scenarios.py \
-    tests/test_ort_cpu_fuzz.py -q -p no:cacheprovider
+    tests/test_ort_cpu_fuzz.py tests/test_rotary_shift.py -q -p no:cacheprovider
 fi
 python3 -m pytest "$@"
