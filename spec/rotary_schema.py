@@ -5,7 +5,7 @@ import onnx
 from onnx import defs, helper
 
 from .model import DEFAULT_OPSET, IR_VERSION
-from .schema import DOMAIN, VERSION, _formal
+from .schema import DOMAIN, VERSION, _formal, int_attributes, register_once
 
 OP_TYPE = "KeyCacheRotaryShift"
 INPUTS = ("cache", "scale", "slots", "cos", "sin")
@@ -23,8 +23,6 @@ def _infer(ctx) -> None:
 
 
 def _build_schema() -> defs.OpSchema:
-    attrs = [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
-             for name, default in ATTRIBUTE_DEFAULTS.items()]
     schema = defs.OpSchema(
         OP_TYPE, DOMAIN, VERSION,
         "Rotates the keys stored in given cache slots by per-slot RoPE tables, in place (shift-RoPE-K). "
@@ -41,7 +39,7 @@ def _build_schema() -> defs.OpSchema:
             ("I", ["tensor(int64)"], "slots"),
             ("F", ["tensor(float)"], "rotation tables"),
         ],
-        attributes=attrs,
+        attributes=int_attributes(ATTRIBUTE_DEFAULTS),
     )
     schema.set_type_and_shape_inference_function(_infer)
     return schema
@@ -49,9 +47,7 @@ def _build_schema() -> defs.OpSchema:
 
 def register() -> defs.OpSchema:
     """Register once per process (idempotent)."""
-    if not defs.has(OP_TYPE, VERSION, DOMAIN):
-        defs.register_schema(_build_schema())
-    return defs.get_schema(OP_TYPE, VERSION, DOMAIN)
+    return register_once(OP_TYPE, _build_schema)
 
 
 def make_rotary_shift_model(inputs: dict, **attributes) -> onnx.ModelProto:

@@ -50,9 +50,21 @@ def _infer(ctx) -> None:
     ctx.set_output_type(1, out)
 
 
+def int_attributes(defaults: dict) -> list:
+    """Optional int attributes with their defaults, as OpSchema wants them."""
+    return [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
+            for name, default in defaults.items()]
+
+
+def register_once(op_type: str, build) -> defs.OpSchema:
+    """Registers ``build()`` for ``op_type`` in our domain unless already there; returns the schema."""
+    if not defs.has(op_type, VERSION, DOMAIN):
+        defs.register_schema(build())
+    return defs.get_schema(op_type, VERSION, DOMAIN)
+
+
 def _build_schema() -> defs.OpSchema:
-    attrs = [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
-             for name, default in ATTRIBUTE_DEFAULTS.items()]
+    attrs = int_attributes(ATTRIBUTE_DEFAULTS)
     schema = defs.OpSchema(
         OP_TYPE, DOMAIN, VERSION, _DOC,
         inputs=[
@@ -84,7 +96,5 @@ def _build_schema() -> defs.OpSchema:
 
 def register() -> defs.OpSchema:
     """Register the schema once per process (idempotent) and return it."""
-    if not defs.has(OP_TYPE, VERSION, DOMAIN):
-        defs.register_schema(_build_schema())
-    return defs.get_schema(OP_TYPE, VERSION, DOMAIN)
+    return register_once(OP_TYPE, _build_schema)
 
