@@ -5,7 +5,7 @@ import onnx
 from onnx import defs, helper
 
 from .model import DEFAULT_OPSET, IR_VERSION
-from .schema import DOMAIN, VERSION, _formal, int_attributes, register_once
+from .schema import DOMAIN, VERSION, formal_parameter, int_attributes, register_once
 
 OP_TYPE = "KeyCacheRotaryShift"
 INPUTS = ("cache", "scale", "slots", "cos", "sin")
@@ -27,12 +27,12 @@ def _build_schema() -> defs.OpSchema:
         OP_TYPE, DOMAIN, VERSION,
         "Rotates the keys stored in given cache slots by per-slot RoPE tables, in place (shift-RoPE-K). "
         "Normative text: spec/KeyCacheRotaryShift.md.",
-        inputs=[_formal("cache", "T2", "KeyValueCache's cache; written in place"),
-                _formal("scale", "T3", "KeyValueCache's scale; written in place", optional=True),
-                _formal("slots", "I", "(N,) distinct slots"),
-                _formal("cos", "F", "(N, rotary_dim/2)"),
-                _formal("sin", "F", "(N, rotary_dim/2)")],
-        outputs=[_formal("slots_out", "I", "(N,) = slots")],
+        inputs=[formal_parameter("cache", "T2", "KeyValueCache's cache; written in place"),
+                formal_parameter("scale", "T3", "KeyValueCache's scale; written in place", optional=True),
+                formal_parameter("slots", "I", "(N,) distinct slots"),
+                formal_parameter("cos", "F", "(N, rotary_dim/2)"),
+                formal_parameter("sin", "F", "(N, rotary_dim/2)")],
+        outputs=[formal_parameter("slots_out", "I", "(N,) = slots")],
         type_constraints=[
             ("T2", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)", "tensor(int4)"], "cache"),
             ("T3", ["tensor(float)", "tensor(float16)"], "scales"),

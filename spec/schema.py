@@ -18,7 +18,7 @@ _DOC = ("Stores this step's keys/values of a dynamic batch into a (paged) KV cac
         "every sequence's keys/values (dequantized, GQA-repeated). Normative text: spec/KeyValueCache.md.")
 
 
-def _formal(name, type_str, doc, optional=False):
+def formal_parameter(name, type_str, doc, optional=False):
     option = defs.OpSchema.FormalParameterOption.Optional if optional else defs.OpSchema.FormalParameterOption.Single
     return defs.OpSchema.FormalParameter(name, type_str, doc, param_option=option)
 
@@ -68,19 +68,19 @@ def _build_schema() -> defs.OpSchema:
     schema = defs.OpSchema(
         OP_TYPE, DOMAIN, VERSION, _DOC,
         inputs=[
-            _formal("current_key", "T1", "(seqstarts[B], H, Dh)"),
-            _formal("current_value", "T1", "(seqstarts[B], H, Dh)"),
-            _formal("seqstarts", "I", "(B+1,) int64"),
-            _formal("kvstarts", "I", "(B+1,) int64"),
-            _formal("cachestarts", "I", "(B,) in cache_mode 0, (B, MaxP) in cache_mode 1"),
-            _formal("start_pos", "I", "(B,)"),
-            _formal("max_seqlen", "I", "scalar or (1,)"),
-            _formal("max_kvlen", "I", "scalar or (1,)"),
-            _formal("cache", "T2", "rank 5, order given by cache_layout; written in place"),
-            _formal("scale", "T3", "cache shape with last dim Dh/quant_group; written in place", optional=True),
+            formal_parameter("current_key", "T1", "(seqstarts[B], H, Dh)"),
+            formal_parameter("current_value", "T1", "(seqstarts[B], H, Dh)"),
+            formal_parameter("seqstarts", "I", "(B+1,) int64"),
+            formal_parameter("kvstarts", "I", "(B+1,) int64"),
+            formal_parameter("cachestarts", "I", "(B,) in cache_mode 0, (B, MaxP) in cache_mode 1"),
+            formal_parameter("start_pos", "I", "(B,)"),
+            formal_parameter("max_seqlen", "I", "scalar or (1,)"),
+            formal_parameter("max_kvlen", "I", "scalar or (1,)"),
+            formal_parameter("cache", "T2", "rank 5, order given by cache_layout; written in place"),
+            formal_parameter("scale", "T3", "cache shape with last dim Dh/quant_group; written in place", optional=True),
         ],
-        outputs=[_formal("key", "T1", "(kvstarts[B], H*num_repeat, Dh)"),
-                 _formal("value", "T1", "(kvstarts[B], H*num_repeat, Dh)")],
+        outputs=[formal_parameter("key", "T1", "(kvstarts[B], H*num_repeat, Dh)"),
+                 formal_parameter("value", "T1", "(kvstarts[B], H*num_repeat, Dh)")],
         type_constraints=[
             ("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "keys and values"),
             ("T2", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)", "tensor(int4)"],
