@@ -32,21 +32,6 @@ inline void ToFloatRow(const typename T1::Storage* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = T1::ToFloat(src[i]);
 }
 
-// dst[i] = T1(src[i]) (round to nearest even).
-template <class T1>
-inline void FromFloatRow(const float* src, typename T1::Storage* dst, int64_t n) {
-  int64_t i = 0;
-#if KV_SIMD
-  if constexpr (T1::kElem == Elem::kFloat16) {
-    for (; i + 8 <= n; i += 8) {
-      const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
-    }
-  }
-#endif
-  for (; i < n; ++i) dst[i] = T1::FromFloat(src[i]);
-}
-
 #if KV_SIMD
 // T1(f) for 8 floats, stored at dst (round to nearest even; bfloat16 NaN kept quiet).
 template <class T1>
