@@ -156,9 +156,9 @@ class KVCacheManager:
             if not tokens:
                 raise ValueError(f"request {rid!r}: a step must feed at least one token")
             discard = self._streaming_discard(r, len(tokens))
+            dropped = []  # pages a StreamingLLM discard gives back (re-evaluation drops every page after the sinks)
             if discard:
-                kept_from = self.sink_pages + discard
-                released += r.pages[self.sink_pages:kept_from if self.streaming.mode == "shift" else None]
+                dropped = r.pages[self.sink_pages:self.sink_pages + discard if self.streaming.mode == "shift" else None]
             known = r.tokens[r.computed:r.computed + len(tokens)]
             if tokens[:len(known)] != known:
                 raise ValueError(f"request {rid!r}: fed tokens differ from the prompt at positions {r.computed}..")
@@ -169,10 +169,8 @@ class KVCacheManager:
             pages_total = -(-end // self.page_size)
             if pages_total - first > self.max_pages:
                 raise ValueError(f"request {rid!r}: {pages_total - first} pages exceed max_pages={self.max_pages}")
-            released += [p for p in r.pages[r.first_page:first]]
-            held = len(r.pages) - (discard if self.streaming is None or self.streaming.mode == "shift" else
-                                   (len(r.pages) - self.sink_pages if discard else 0))
-            new_pages += pages_total - held
+            released += dropped + r.pages[r.first_page:first]
+            new_pages += pages_total - (len(r.pages) - len(dropped))
             plans.append((r, tokens, end, first, discard))
         freed = sum(1 for p in released if self.pool.ref_count[p] == 1)
         if new_pages > self.pool.available() + freed:

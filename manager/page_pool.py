@@ -59,12 +59,6 @@ class PagePool:
             else:
                 self.free.append(page)
 
-    def uncache(self, page: int) -> None:
-        """A cached, unreferenced page stops being cached (its prefix entry is gone): it becomes free."""
-        if page in self.cached:
-            del self.cached[page]
-            self.free.append(page)
-
     def counts(self) -> dict:
         in_use = sum(1 for c in self.ref_count if c > 0)
         return {"pages_free": len(self.free), "pages_cached": len(self.cached), "pages_in_use": in_use}

@@ -82,20 +82,23 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
     return value.numpy()
 
 
-_SESSIONS = {}
+_SESSIONS = {}  # model bytes + threads -> session, the most recent few only
+_MAX_CACHED_SESSIONS = 8
 
 
 def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
     """Runs a KeyValueCache model on the CPU EP through IOBinding; returns (key, value).
 
     ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
-    (an int4 cache through a packed ORT tensor, copied back after the run). Sessions are cached
-    per model for repeated calls.
+    (an int4 cache through a packed ORT tensor, copied back after the run). The sessions of the last
+    few models are kept for repeated calls.
     """
     if session is None:
         key = (model.SerializeToString(), intra_op_num_threads)
         session = _SESSIONS.get(key)
         if session is None:
+            if len(_SESSIONS) >= _MAX_CACHED_SESSIONS:
+                del _SESSIONS[next(iter(_SESSIONS))]
             session = _SESSIONS[key] = make_session(model, intra_op_num_threads=intra_op_num_threads)
     binding = session.io_binding()
     values = {}

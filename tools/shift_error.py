@@ -26,6 +26,7 @@ def _rope64(raw, positions, theta=10000.0):
 def _store(cache_kind, keys):
     """A layout-0 single-layer cache holding ``keys[N, H, Dh]`` in slots 0..N-1."""
     from ..reference import cache_shape, quantize
+    from ..reference.dtypes import CACHE_TYPE_FOR_QUANT_BIT
 
     n, heads, dh = keys.shape
     if cache_kind == "float16":
@@ -33,8 +34,6 @@ def _store(cache_kind, keys):
         cache[:, 0, 0] = keys.astype(np.float16)
         return cache, None, 0
     bits = 8 if cache_kind == "int8" else 4
-    from ..reference.dtypes import CACHE_TYPE_FOR_QUANT_BIT
-
     codes, scale = quantize(keys.astype(np.float32), bits, 32, np.float32)
     cache = np.zeros(cache_shape(0, 1, n, heads, dh), CACHE_TYPE_FOR_QUANT_BIT[bits])
     scales = np.zeros(cache_shape(0, 1, n, heads, dh // 32), np.float32)
