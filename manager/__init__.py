@@ -6,7 +6,7 @@ from .kv_manager import KVCacheManager, StepPlan, StreamingPolicy
 from .masks import block_diagonal_causal_mask
 from .offset_manager import OffsetCacheManager, OutOfSlots
 from .page_pool import PagePool
-from .prefix_index import PrefixIndex, chained_hash
+from .prefix_index import PrefixIndex, keyed_page_hash
 
 __all__ = ["KVCacheManager", "OffsetCacheManager", "OutOfPages", "OutOfSlots", "PagePool", "PrefixIndex", "StepPlan", "StreamingPolicy", "UnknownRequest",
-           "block_diagonal_causal_mask", "chained_hash"]
+           "block_diagonal_causal_mask", "keyed_page_hash"]

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 
 from .errors import UnknownRequest
+from .identity import check_int
 from .kv_manager import StepPlan
 
 
@@ -31,6 +32,7 @@ class OffsetCacheManager:
     """Contiguous regions in ``max_t`` slots: first fit, freed runs merged with their neighbours."""
 
     def __init__(self, max_t: int):
+        max_t = check_int("max_t", max_t)
         if max_t < 1:
             raise ValueError(f"max_t must be >= 1, got {max_t}")
         self.max_t = max_t
@@ -39,9 +41,11 @@ class OffsetCacheManager:
         self.regions = {}
 
     def add_request(self, rid, max_tokens: int) -> int:
-        """Reserves ``max_tokens`` contiguous slots (prompt + generation); returns the first slot."""
+        """Reserves ``max_tokens`` contiguous slots (prompt + generation); returns the first slot.
+        ``TypeError`` for a non-integer size (nothing is truncated)."""
         if rid in self.regions:
             raise ValueError(f"request {rid!r} is already active")
+        max_tokens = check_int("max_tokens", max_tokens)
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         for start in self.free_starts:
@@ -75,12 +79,14 @@ class OffsetCacheManager:
         self.free_lengths[start] = length
 
     def schedule(self, counts: dict) -> StepPlan:
-        """``counts`` maps request id -> tokens fed this step; returns the op's inputs for cache_mode 0."""
+        """``counts`` maps request id -> tokens fed this step; returns the op's inputs for cache_mode 0.
+        Every count is checked (an integer that fits the reservation) before anything changes."""
         plans = []
         for rid, n in counts.items():
             region = self.regions.get(rid)
             if region is None:
                 raise UnknownRequest(rid)
+            n = check_int(f"request {rid!r}: token count", n)
             if n < 1 or region.computed + n > region.length:
                 raise ValueError(f"request {rid!r}: {n} tokens at position {region.computed} overflow its "
                                  f"reservation of {region.length}")

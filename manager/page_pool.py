@@ -59,6 +59,29 @@ class PagePool:
             else:
                 self.free.append(page)
 
+    def untake(self, page: int) -> None:
+        """Undoes ``take``: the page (ref count 1, never registered) goes back to the front of the free
+        list, where ``take`` found it (an evicted page is not re-cached: it may have been written)."""
+        if self.ref_count[page] != 1:
+            raise ValueError(f"page {page} has ref count {self.ref_count[page]}; only a page just taken can go back")
+        self.ref_count[page] = 0
+        self.free.appendleft(page)
+
+    def reclaim(self, page: int) -> None:
+        """One more reference to a page, wherever it is: referenced, cached or free (used to roll a step
+        back: a page the step released gets its reference back). O(free pages) for a free page."""
+        if self.ref_count[page] == 0:
+            if page in self.cached:
+                del self.cached[page]
+            else:
+                self.free.remove(page)
+        self.ref_count[page] += 1
+
+    def drop_cached(self) -> None:
+        """Every cached page becomes free (the prefix index was cleared)."""
+        self.free.extend(self.cached)
+        self.cached.clear()
+
     def counts(self) -> dict:
         in_use = sum(1 for c in self.ref_count if c > 0)
         return {"pages_free": len(self.free), "pages_cached": len(self.cached), "pages_in_use": in_use}

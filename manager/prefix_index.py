@@ -1,60 +1,91 @@
-"""Full pages identified by a chained hash of (parent, tokens, extra keys).
+"""Full pages identified by a keyed, chained hash of (parent, tokens, identity).
 
-A hit is verified token by token *and* against the exact parent entry (by a unique node id), so
-neither a hash collision nor a parent that was evicted and re-inserted with other content can ever
-return another prompt's cache.
+The default page hash is BLAKE2b keyed with a per-manager random secret, over an injective byte
+encoding, so nobody can construct a page whose hash collides with another prompt's page (and so
+squat its chain). A hit is still verified token by token *and* against the exact parent entry (by a
+unique node id), so even a replaced, weak hash function can never return another prompt's cache.
 """
 
+import hashlib
 import itertools
+import secrets
+import struct
 
 
-def chained_hash(parent_hash, tokens: tuple, extra) -> int:
-    """Default block hash: Python's tuple hash of (parent hash, tokens, extra); stable within a process."""
-    return hash((parent_hash, tokens, extra))
+def keyed_page_hash(key: bytes = None):
+    """A page hash function ``(parent_hash, tokens, identity) -> bytes`` keyed with ``key`` (default: 32
+    fresh random bytes). ``parent_hash`` is ``None`` or an earlier result; ``identity`` is bytes."""
+    key = secrets.token_bytes(32) if key is None else bytes(key)
+    if not 16 <= len(key) <= 64:
+        raise ValueError(f"the page hash key must have 16..64 bytes, got {len(key)}")
+
+    def page_hash(parent_hash, tokens, identity: bytes) -> bytes:
+        h = hashlib.blake2b(key=key, digest_size=32)
+        h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash)  # digests have a fixed size
+        h.update(len(identity).to_bytes(8, "little"))
+        h.update(identity)
+        h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+        return h.digest()
+
+    return page_hash
 
 
 class Entry:
     """A registered page: ``node`` is unique (never reused); ``parent_node`` is 0 for a first page."""
 
-    __slots__ = ("page", "node", "parent_node", "tokens", "extra")
+    __slots__ = ("page", "node", "parent_node", "tokens", "identity")
 
-    def __init__(self, page: int, node: int, parent_node: int, tokens: tuple, extra):
-        self.page, self.node, self.parent_node, self.tokens, self.extra = page, node, parent_node, tokens, extra
+    def __init__(self, page: int, node: int, parent_node: int, tokens: tuple, identity: bytes):
+        self.page, self.node, self.parent_node, self.tokens, self.identity = page, node, parent_node, tokens, identity
+
+    def holds(self, parent_node: int, tokens: tuple, identity: bytes) -> bool:
+        """True iff this entry is exactly the page of ``tokens`` after ``parent_node`` for ``identity``."""
+        return self.parent_node == parent_node and self.tokens == tokens and self.identity == identity
 
 
 class PrefixIndex:
-    """hash -> cached page. ``hash_fn(parent_hash, tokens, extra)`` is replaceable (tests use a weak one)."""
+    """hash -> registered page. ``hash_fn(parent_hash, tokens, identity)`` is replaceable (tests use weak
+    ones); the default is :func:`keyed_page_hash` with a fresh key."""
 
     ROOT = 0
 
-    def __init__(self, hash_fn=chained_hash):
-        self.hash_fn = hash_fn
+    def __init__(self, hash_fn=None):
+        self.hash_fn = hash_fn if hash_fn is not None else keyed_page_hash()
         self.by_hash = {}
         self.by_page = {}
         self._nodes = itertools.count(1)
 
-    def lookup(self, parent_hash, parent_node: int, tokens: tuple, extra):
+    def lookup(self, parent_hash, parent_node: int, tokens: tuple, identity: bytes):
         """(hash, entry or None) for the page holding ``tokens`` right after ``parent_node``."""
-        h = self.hash_fn(parent_hash, tokens, extra)
+        h = self.hash_fn(parent_hash, tokens, identity)
         entry = self.by_hash.get(h)
-        if entry is not None and entry.parent_node == parent_node and entry.tokens == tokens and entry.extra == extra:
-            return h, entry
-        return h, None
+        return h, (entry if entry is not None and entry.holds(parent_node, tokens, identity) else None)
 
-    def insert(self, h, page: int, parent_node: int, tokens: tuple, extra):
-        """Registers a full page under hash ``h``; returns its Entry, or None when ``h`` is taken (a
-        collision or the same prefix computed twice): the page then stays private to its sequence."""
-        if h in self.by_hash or page in self.by_page:
-            return None
-        entry = Entry(page, next(self._nodes), parent_node, tokens, extra)
+    def register(self, h, page: int, parent_node: int, tokens: tuple, identity: bytes):
+        """The entry for this page content: a new one holding ``page``, or the entry that already holds
+        the same content (another request computed the same prefix: ``page`` then stays private, and the
+        caller's chain goes on through that entry). None only when ``h`` is taken by *other* content (a
+        collision of a weak hash function)."""
+        entry = self.by_hash.get(h)
+        if entry is not None:
+            return entry if entry.holds(parent_node, tokens, identity) else None
+        if page in self.by_page:
+            raise AssertionError(f"page {page} is registered twice")
+        entry = Entry(page, next(self._nodes), parent_node, tokens, identity)
         self.by_hash[h] = entry
         self.by_page[page] = h
         return entry
 
     def remove_page(self, page: int) -> None:
+        """Forgets the page (it was evicted); no-op for a page that is not registered."""
         h = self.by_page.pop(page, None)
         if h is not None:
             del self.by_hash[h]
+
+    def clear(self) -> None:
+        """Forgets every page."""
+        self.by_hash.clear()
+        self.by_page.clear()
 
     def is_cached(self, page: int) -> bool:
         return page in self.by_page

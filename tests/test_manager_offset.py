@@ -61,3 +61,20 @@ def test_out_of_slots_is_typed_and_merging_restores_room():
     m.finish(1)  # merged with the freed run before it
     assert m.add_request("big", 6) == 0
     m.check()
+
+
+def test_sizes_must_be_integers_and_nothing_is_truncated():
+    with pytest.raises(TypeError, match="max_t must be an integer"):
+        OffsetCacheManager(10.5)
+    m = OffsetCacheManager(10)
+    for bad in (2.9, "3", True):
+        with pytest.raises(TypeError):
+            m.add_request("a", bad)
+    assert not m.regions
+    m.add_request("a", 4)
+    m.add_request("b", 4)
+    with pytest.raises(TypeError):
+        m.schedule({"a": 2, "b": 1.5})
+    assert [r.computed for r in m.regions.values()] == [0, 0]
+    plan = m.schedule({"a": np.int64(2)})
+    assert plan.seqstarts.tolist() == [0, 2]

@@ -2,7 +2,9 @@
 
 After every step the op's reference runs on the manager's inputs; every live request must get back
 exactly the keys and values it wrote, for the positions it should see, with prefix sharing, LRU
-eviction, sliding windows, tenants and out-of-pages steps in play. Dedicated long runs:
+eviction, sliding windows, tenants, out-of-pages steps and aborted steps (the op never ran: its
+pages must never be served as a prefix) in play; every step stores only into pages its request holds
+alone. The test keeps its own record of each request's tokens. Dedicated long runs:
 ``HYPOTHESIS_PROFILE=long``.
 """
 
@@ -17,12 +19,14 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvcache_op.manager import KVCacheManager, OutOfPages, block_diagonal_causal_mask
 from kvcache_op.reference import cache_shape, key_value_cache
+from manager_checks import assert_stores_are_private
 
 PAGE, PAGES, MAX_PAGES, HEADS, DH = 4, 20, 8, 1, 2
 FAMILIES = [[7, 7, 1, 2, 3, 4, 5, 6, 9, 9], [7, 7, 1, 2, 8, 8, 8, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
 
 
-COVERAGE = {"steps": 0, "gathered": 0, "hit_tokens": 0, "evictions": 0, "out_of_pages": 0, "window_releases": 0}
+COVERAGE = {"steps": 0, "gathered": 0, "hit_tokens": 0, "evictions": 0, "out_of_pages": 0, "window_releases": 0,
+            "aborts": 0}
 
 
 def key_of(salt, prefix) -> float:
@@ -38,7 +42,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def setup(self):
         self.m = KVCacheManager(PAGES, PAGE, MAX_PAGES, sliding_window=self.window, cache_key=("float32",))
         self.cache = np.zeros(cache_shape(0, 1, PAGES * PAGE, HEADS, DH), np.float32)
-        self.live = {}  # rid -> (salt, prompt)
+        self.live = {}  # rid -> (salt, every token id of the request: prompt, then generated)
         self.next_id = 0
         self.steps = 0
 
@@ -53,7 +57,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         hit = self.m.add_request(rid, prompt, salt=salt)
         assert hit % PAGE == 0 and hit < len(prompt)
-        self.live[rid] = (salt, prompt)
+        self.live[rid] = (salt, list(prompt))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -62,45 +66,70 @@ class ManagerMachine(RuleBasedStateMachine):
         self.m.finish(rid)
         del self.live[rid]
 
-    @precondition(lambda self: self.live)
-    @rule(data=st.data())
-    def step(self, data):
+    def draw_feeds(self, data):
         chosen = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, unique=True))
         feeds = {}
         for rid in chosen:
-            r = self.m.requests[rid]
-            remaining = len(r.tokens) - r.computed
-            if remaining > 0:
-                feeds[rid] = r.tokens[r.computed:r.computed + data.draw(st.integers(1, remaining))]
-            elif r.computed < self.capacity(rid):
+            remaining = self.m.pending_tokens(rid)
+            if remaining:
+                feeds[rid] = remaining[:data.draw(st.integers(1, len(remaining)))]
+            elif self.m.computed(rid) < self.capacity(rid):
                 feeds[rid] = [data.draw(st.integers(0, 3))]
+        return feeds
+
+    def state(self):
+        return copy.deepcopy((self.m.pool.ref_count, list(self.m.pool.free), list(self.m.pool.cached),
+                              {k: vars(v) for k, v in self.m.requests.items()}))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def failed_step(self, data):
+        """The op of a planned step never runs (or fails): abort restores the manager exactly, and
+        nothing the step would have written is ever served as a prefix (later steps check the keys)."""
+        feeds = self.draw_feeds(data)
         if not feeds:
             return
-        before = copy.deepcopy((self.m.pool.ref_count, list(self.m.pool.free), list(self.m.pool.cached),
-                                {k: vars(v) for k, v in self.m.requests.items()}))
+        before, evictions = self.state(), self.m.pool.evictions
         try:
             plan = self.m.schedule(feeds)
         except OutOfPages:
-            after = (self.m.pool.ref_count, list(self.m.pool.free), list(self.m.pool.cached),
-                     {k: vars(v) for k, v in self.m.requests.items()})
-            assert after == before, "OutOfPages changed the manager's state"
+            return
+        self.m.abort(plan)
+        if self.m.pool.evictions == evictions:  # an evicted page stays evicted (it may have been written)
+            assert self.state() == before, "abort did not restore the manager"
+        COVERAGE["aborts"] += 1
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def step(self, data):
+        feeds = self.draw_feeds(data)
+        if not feeds:
+            return
+        before = self.state()
+        try:
+            plan = self.m.schedule(feeds)
+        except OutOfPages:
+            assert self.state() == before, "OutOfPages changed the manager's state"
             COVERAGE["out_of_pages"] += 1
             return
+        assert_stores_are_private(self.m, plan, PAGE)
         self.steps += 1
         current = []
         for rid in plan.request_ids:
-            r = self.m.requests[rid]
-            salt = self.live[rid][0]
-            for pos in range(r.computed - len(feeds[rid]), r.computed):
-                current.append(np.full((HEADS, DH), key_of(salt, r.tokens[:pos + 1]), np.float32))
+            salt, tokens = self.live[rid]
+            end = self.m.computed(rid)
+            tokens[end - len(feeds[rid]):end] = feeds[rid]
+            for pos in range(end - len(feeds[rid]), end):
+                current.append(np.full((HEADS, DH), key_of(salt, tokens[:pos + 1]), np.float32))
         current = np.stack(current)
         key, value = key_value_cache(current, -current, **plan.op_inputs(), cache=self.cache, cache_mode=1,
                                      page_size=PAGE)
+        self.m.commit(plan)
         for b, rid in enumerate(plan.request_ids):
-            r, salt = self.m.requests[rid], self.live[rid][0]
+            salt, tokens = self.live[rid]
             rows = slice(plan.kvstarts[b], plan.kvstarts[b + 1])
             positions = plan.key_positions[rows]
-            want = [key_of(salt, r.tokens[:p + 1]) for p in positions]
+            want = [key_of(salt, tokens[:p + 1]) for p in positions]
             assert key[rows, 0, 0].tolist() == want, f"request {rid} got another prompt's keys"
             assert np.array_equal(value[rows], -key[rows])
             if self.window is not None:
@@ -123,8 +152,8 @@ class ManagerMachine(RuleBasedStateMachine):
         if hasattr(self, "m"):
             self.m.check()
             if self.window is not None:
-                for r in self.m.requests.values():  # memory per sequence bounded by the window (+ one chunk)
-                    assert len(r.pages) - r.first_page <= -(-(self.window + 12) // PAGE) + 1
+                for rid in self.m.requests:  # memory per sequence bounded by the window (+ one chunk)
+                    assert len(self.m.page_table(rid)) <= -(-(self.window + 12) // PAGE) + 1
 
 
 class WindowedManagerMachine(ManagerMachine):
@@ -148,3 +177,4 @@ def test_the_machines_exercise_sharing_eviction_windows_and_out_of_pages():
     assert COVERAGE["steps"] > 100 and COVERAGE["gathered"] > 1000, COVERAGE
     assert COVERAGE["hit_tokens"] > 0 and COVERAGE["evictions"] > 0, COVERAGE
     assert COVERAGE["out_of_pages"] > 0 and COVERAGE["window_releases"] > 0, COVERAGE
+    assert COVERAGE["aborts"] > 0, COVERAGE

@@ -9,7 +9,7 @@ from kvcache_op.manager import (KVCacheManager, OutOfPages, PagePool, UnknownReq
 
 def run_prompt(m, rid, prompt, salt=None):
     hit = m.add_request(rid, prompt, salt=salt)
-    m.schedule({rid: prompt[hit:]})
+    m.commit(m.schedule({rid: prompt[hit:]}))
     return hit
 
 
@@ -53,10 +53,15 @@ def test_tenants_with_different_salts_never_share():
 
 
 def test_cache_settings_are_part_of_the_page_identity():
-    a = KVCacheManager(16, 4, 8, cache_key=("int8", 8))
+    seen = []
+    a = KVCacheManager(16, 4, 8, cache_key=("int8", 8), hash_fn=lambda p, t, identity: seen.append(identity) or
+                       hash((p, t, identity)))
     run_prompt(a, "a", list(range(9)))
-    entry = next(iter(a.index.by_hash.values()))
-    assert entry.extra == (None, ("int8", 8))
+    b = KVCacheManager(16, 4, 8, cache_key=("int4", 8), hash_fn=lambda p, t, identity: seen.append(identity) or
+                       hash((p, t, identity)))
+    run_prompt(b, "a", list(range(9)))
+    identities = set(seen)
+    assert len(identities) == 2 and {b"int8" in x for x in identities} == {True, False}
 
 
 def test_free_pages_are_used_before_cached_ones_and_eviction_is_lru():
@@ -81,7 +86,7 @@ def test_out_of_pages_is_typed_and_changes_nothing():
     with pytest.raises(OutOfPages) as error:
         m.schedule({"a": list(range(20))})
     assert error.value.needed == 5 and error.value.available == 4
-    assert (list(m.pool.ref_count), list(m.pool.free)) == before and m.requests["a"].computed == 0
+    assert (list(m.pool.ref_count), list(m.pool.free)) == before and m.computed("a") == 0
 
 
 def test_unknown_requests_and_bad_feeds_are_clear_errors():
@@ -98,9 +103,10 @@ def test_unknown_requests_and_bad_feeds_are_clear_errors():
 def test_sliding_window_bounds_memory_and_reports_absolute_positions():
     m = KVCacheManager(8, 4, 3, sliding_window=5)
     m.add_request("a", [1] * 3)
-    m.schedule({"a": [1] * 3})
+    m.commit(m.schedule({"a": [1] * 3}))
     for _ in range(40):
         plan = m.schedule({"a": [0]})
+        m.commit(plan)
         assert len(m.page_table("a")) <= 3
     q = int(plan.query_positions[0])
     assert q == 42 and plan.key_positions[-1] == 42

@@ -1,0 +1,96 @@
+"""What the manager accepts from its callers, checked before anything changes: token ids (integers
+only, in ``[0, vocab_size)``), tenant salts (``str`` or ``bytes``) and cache keys, each turned into the
+exact bytes that enter a page's identity.
+
+Nothing is coerced: ``1.9``, ``"123"``, ``True`` and integers beyond int64 are refused with a
+``TypeError``/``ValueError`` instead of becoming other tokens or other tenants.
+"""
+
+import numbers
+
+import numpy as np
+
+#: Default bound on token ids (``0 <= t < DEFAULT_VOCAB_SIZE``); configurable per manager.
+DEFAULT_VOCAB_SIZE = 2**31
+_INT64_LIMIT = 2**63
+
+
+def check_vocab_size(vocab_size) -> int:
+    """``vocab_size`` as a Python int in ``[1, 2**63]``; ``TypeError``/``ValueError`` otherwise."""
+    size = check_int("vocab_size", vocab_size)
+    if not 1 <= size <= _INT64_LIMIT:
+        raise ValueError(f"vocab_size must be in [1, 2**63], got {size}")
+    return size
+
+
+def check_int(name: str, value) -> int:
+    """``value`` as a Python int if it is an integer (Python or numpy, not bool); else ``TypeError``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (numbers.Integral, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def token_ids(tokens, vocab_size: int, what: str) -> list:
+    """The token ids of ``tokens`` as a list of Python ints, each ``0 <= t < vocab_size``.
+
+    Accepts a sequence of Python/numpy integers or an integer numpy array; a ``str``/``bytes`` (a
+    sequence of characters, not of tokens), floats and bools are ``TypeError``s.
+    """
+    if isinstance(tokens, (str, bytes, bytearray)):
+        raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"{what} must hold integer token ids, got an array of {tokens.dtype}")
+        if tokens.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got shape {tokens.shape}")
+        ids = tokens.tolist()
+    else:
+        ids = [check_int(f"{what}[{i}]", t) for i, t in enumerate(tokens)]
+    if ids:
+        low, high = min(ids), max(ids)
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
+    return ids
+
+
+def salt_bytes(salt) -> bytes:
+    """The identity bytes of a tenant salt: ``None`` (the shared tenant), a ``str`` or ``bytes``.
+
+    Type-tagged, so ``"1"`` and ``b"1"`` are different tenants; anything else is a ``TypeError``
+    (``1``, ``True`` and ``1.0`` would otherwise be one tenant).
+    """
+    if salt is None:
+        return b"n"
+    if isinstance(salt, str):
+        return b"s" + salt.encode("utf-8", "surrogatepass")
+    if isinstance(salt, (bytes, bytearray)):
+        return b"b" + bytes(salt)
+    raise TypeError(f"salt must be None, str or bytes, got {type(salt).__name__} {salt!r}")
+
+
+def key_bytes(value) -> bytes:
+    """Injective, type-tagged bytes of a cache key: ``None``, ``bool``, ``int``, ``str``, ``bytes`` or a
+    tuple/list of those (nested). Anything else (a float, a dict, an object) is a ``TypeError``."""
+    if value is None:
+        return b"N"
+    if isinstance(value, (bool, np.bool_)):
+        return b"T" if value else b"F"
+    if isinstance(value, (numbers.Integral, np.integer)):
+        text = str(int(value)).encode()
+        return b"i" + len(text).to_bytes(2, "little") + text
+    if isinstance(value, str):
+        value = value.encode("utf-8", "surrogatepass")
+        return b"s" + len(value).to_bytes(8, "little") + value
+    if isinstance(value, (bytes, bytearray)):
+        return b"b" + len(value).to_bytes(8, "little") + bytes(value)
+    if isinstance(value, (tuple, list)):
+        return b"(" + len(value).to_bytes(8, "little") + b"".join(key_bytes(v) for v in value)
+    raise TypeError(f"cache_key must be built of None, bool, int, str, bytes and tuples of them, "
+                    f"got {type(value).__name__} {value!r}")
+
+
+def page_identity(salt, cache_key) -> bytes:
+    """The bytes every page of a request is keyed by: its tenant salt and the cache's settings."""
+    salt_part, key_part = salt_bytes(salt), key_bytes(cache_key)
+    return len(salt_part).to_bytes(8, "little") + salt_part + key_part

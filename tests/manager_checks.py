@@ -1,0 +1,18 @@
+"""Checks of the cache manager's plans that tests share, written independently of the manager."""
+
+import numpy as np
+
+
+def assert_stores_are_private(m, plan, page_size):
+    """Every slot the plan stores into lies in a page that only this request holds and that is not
+    published for prefix reuse: a step can never overwrite keys that another request reads."""
+    for b, rid in enumerate(plan.request_ids):
+        starts = plan.cachestarts[b]
+        stored = np.arange(plan.start_pos[b], plan.start_pos[b] + plan.seqstarts[b + 1] - plan.seqstarts[b])
+        assert stored.size == 0 or stored[0] >= 0, f"request {rid!r}: negative start_pos {plan.start_pos[b]}"
+        for page_index in sorted(set((stored // page_size).tolist())):
+            start = int(starts[page_index])
+            assert start >= 0 and start % page_size == 0, f"request {rid!r}: page {page_index} has slot {start}"
+            page = start // page_size
+            assert m.pool.ref_count[page] == 1, f"request {rid!r} stores into page {page}, which others hold too"
+            assert not m.index.is_cached(page), f"request {rid!r} stores into published page {page}"

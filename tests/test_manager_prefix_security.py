@@ -1,0 +1,76 @@
+"""Prefix caching under attack: nobody can block another tenant's chain, and a stream's host memory stays
+bounded."""
+
+import tracemalloc
+
+from kvcache_op.manager import KVCacheManager
+
+SYSTEM = list(range(1000, 1016))  # a 16-token system prompt: 4 pages of 4
+
+
+def serve(m, rid, prompt, salt=None):
+    hit = m.add_request(rid, prompt, salt=salt)
+    m.commit(m.schedule({rid: prompt[hit:]}))
+    return hit
+
+
+def test_tokens_that_alias_a_real_page_under_a_modular_hash_cannot_squat_it():
+    """Python's int hash is modulo 2**61 - 1: ``t + (2**61 - 1)`` hashed like ``t``. Such ids are refused
+    (out of range), and in-range ids cannot be made to collide with a keyed hash."""
+    m = KVCacheManager(64, 4, 8)
+    squatter = [t + (2**61 - 1) for t in SYSTEM[:4]] + [7]
+    try:
+        serve(m, "squat", squatter)
+    except ValueError:
+        pass
+    serve(m, "owner", SYSTEM + [1])
+    assert serve(m, "user", SYSTEM + [2]) == 16
+
+
+def test_a_concurrent_partial_copy_of_a_prefix_does_not_close_the_real_chain():
+    """A squatter computes the first page of a shared system prompt in the same step as the tenant that
+    computes all of it. Later requests must still get every page of the system prompt."""
+    m = KVCacheManager(64, 4, 8)
+    m.add_request("squat", SYSTEM[:4] + [7])
+    m.add_request("owner", SYSTEM + [1])
+    m.commit(m.schedule({"squat": SYSTEM[:4] + [7], "owner": SYSTEM + [1]}))
+    m.finish("squat")
+    assert serve(m, "user", SYSTEM + [2]) == 16
+    m.check()
+
+
+def test_other_tenants_cannot_touch_a_salted_chain():
+    m = KVCacheManager(64, 4, 8)
+    m.add_request("squat", SYSTEM + [7], salt="mallory")
+    m.add_request("owner", SYSTEM + [1], salt="alice")
+    m.commit(m.schedule({"squat": SYSTEM + [7], "owner": SYSTEM + [1]}))
+    assert serve(m, "alice-2", SYSTEM + [2], salt="alice") == 16
+    assert serve(m, "bob", SYSTEM + [3], salt="bob") == 0
+
+
+def test_the_page_hash_is_keyed_per_manager():
+    a, b = KVCacheManager(8, 4, 4), KVCacheManager(8, 4, 4)
+    tokens, identity = (1, 2, 3, 4), b"x"
+    assert a.index.hash_fn(None, tokens, identity) != b.index.hash_fn(None, tokens, identity)
+    assert a.index.hash_fn(None, tokens, identity) == a.index.hash_fn(None, tokens, identity)
+
+
+def test_a_long_sliding_window_stream_keeps_host_memory_bounded():
+    """100k tokens through a window of 64: the request's token history, page table and chain stay
+    O(window + chunk), and so does the manager's memory."""
+    m = KVCacheManager(64, 16, 8, sliding_window=64)
+    m.add_request("s", list(range(100)))
+    m.commit(m.schedule({"s": list(range(100))}))
+    tracemalloc.start()
+    sizes = []
+    for step in range(100_000 // 8):
+        m.commit(m.schedule({"s": [step % 50_000] * 8}))
+        if step in (2_000, 12_000):
+            sizes.append(tracemalloc.get_traced_memory()[0])
+    tracemalloc.stop()
+    r = m.requests["s"]
+    assert m.computed("s") == 100 + 100_000
+    assert len(r.tokens) <= 64 + 16 + 8, len(r.tokens)
+    assert len(r.pages) <= -(-(64 + 8) // 16) + 1
+    assert len(m.index.by_hash) <= 64
+    assert sizes[1] - sizes[0] < 64 * 1024, f"memory grew by {sizes[1] - sizes[0]} bytes over 80k tokens"

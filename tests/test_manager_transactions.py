@@ -1,0 +1,136 @@
+"""Steps are transactions: pages are published for prefix reuse only on commit; abort rolls a step back;
+a failing call (bad salt, bad token, out of pages) changes nothing."""
+
+import copy
+
+import pytest
+
+from kvcache_op.manager import KVCacheManager, OutOfPages
+
+
+def state(m):
+    return copy.deepcopy((m.pool.ref_count, list(m.pool.free), list(m.pool.cached), dict(m.index.by_page),
+                          {k: vars(v) for k, v in m.requests.items()}))
+
+
+def test_a_step_that_never_ran_is_never_served_as_a_prefix():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", list(range(9)))
+    plan = m.schedule({"a": list(range(9))})  # the op is never run for this plan
+    assert m.add_request("x", list(range(9))) == 0, "pages of an uncommitted step were offered"
+    m.abort(plan)
+    m.finish("a")
+    assert m.add_request("b", list(range(9))) == 0, "pages of an aborted step were offered as a prefix"
+    m.check()
+
+
+def test_commit_publishes_the_full_pages():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", list(range(9)))
+    m.commit(m.schedule({"a": list(range(9))}))
+    assert m.add_request("b", list(range(9))) == 8
+
+
+def test_abort_restores_the_manager_exactly():
+    m = KVCacheManager(16, 4, 8, sliding_window=5)
+    m.add_request("a", list(range(6)))
+    m.add_request("b", list(range(3)))
+    m.commit(m.schedule({"a": list(range(6)), "b": [0, 1]}))
+    before = state(m)
+    plan = m.schedule({"a": [7, 7, 7, 7, 7], "b": [2]})  # a releases a page (window) and takes new ones
+    assert state(m) != before
+    m.abort(plan)
+    assert state(m) == before
+    replay = m.schedule({"a": [7, 7, 7, 7, 7], "b": [2]})  # the same step plans the same way again
+    assert (replay.cachestarts == plan.cachestarts).all() and (replay.start_pos == plan.start_pos).all()
+
+
+def test_one_step_is_outstanding_at_a_time():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", [1, 2, 3])
+    plan = m.schedule({"a": [1]})
+    with pytest.raises(RuntimeError, match="outstanding"):
+        m.schedule({"a": [2]})
+    with pytest.raises(RuntimeError, match="outstanding"):
+        m.finish("a")
+    m.commit(plan)
+    with pytest.raises(ValueError, match="not the outstanding step"):
+        m.commit(plan)
+    with pytest.raises(ValueError, match="not the outstanding step"):
+        m.abort(plan)
+
+
+def test_reset_prefix_cache_forgets_every_published_page():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", list(range(9)))
+    m.commit(m.schedule({"a": list(range(9))}))
+    m.add_request("live", list(range(13)))
+    m.commit(m.schedule({"live": list(range(8, 13))}))
+    m.finish("a")
+    m.reset_prefix_cache()
+    assert not m.index.by_hash and not m.pool.cached
+    assert m.add_request("b", list(range(9))) == 0
+    m.check()
+
+
+@pytest.mark.parametrize("bad", [
+    {"salt": 1}, {"salt": True}, {"salt": 1.0}, {"salt": ["unhashable"]}, {"salt": {"a": 1}},
+    {"prompt": [1.9, 2]}, {"prompt": "123"}, {"prompt": [True, 2]}, {"prompt": [2**63]}, {"prompt": [-1]},
+    {"prompt": [2**31]}, {"prompt": [2**31 + 5 + 2**61 - 1]},
+])
+def test_hostile_admissions_are_refused_before_any_change(bad):
+    m = KVCacheManager(16, 4, 8)
+    run = {"prompt": [5, 6, 7, 8, 9], "salt": None, **bad}
+    m.add_request("ok", [1, 2, 3, 4, 5])
+    m.commit(m.schedule({"ok": [1, 2, 3, 4, 5]}))
+    before = state(m)
+    with pytest.raises((TypeError, ValueError)):
+        m.add_request("x", **run)
+    assert state(m) == before and m.queried_tokens == 5
+
+
+def test_a_bad_feed_late_in_the_batch_changes_nothing():
+    m = KVCacheManager(16, 4, 8)
+    for rid in ("a", "b"):
+        m.add_request(rid, [1, 2, 3])
+    before = state(m)
+    for bad in ([1.5], ["7"], [2**40], [None]):
+        with pytest.raises((TypeError, ValueError)):
+            m.schedule({"a": [1, 2, 3], "b": bad})
+        assert state(m) == before
+
+
+def test_an_unhashable_cache_key_is_refused_at_construction():
+    for key in ({"dtype": "int8"}, [1.5], object()):
+        with pytest.raises(TypeError, match="cache_key"):
+            KVCacheManager(16, 4, 8, cache_key=key)
+
+
+def test_salts_compare_by_type_and_value():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", list(range(9)), salt="1")
+    m.commit(m.schedule({"a": list(range(9))}))
+    assert m.add_request("b", list(range(9)), salt=b"1") == 0
+    assert m.add_request("c", list(range(9)), salt="1") == 8
+
+
+def test_token_range_is_configurable():
+    m = KVCacheManager(16, 4, 8, vocab_size=10)
+    with pytest.raises(ValueError, match=r"outside \[0, vocab_size=10\)"):
+        m.add_request("a", [3, 10])
+    m.add_request("a", [3, 9])
+    with pytest.raises(ValueError, match="vocab_size"):
+        m.schedule({"a": [3, 9, 11]})
+    with pytest.raises(TypeError):
+        KVCacheManager(16, 4, 8, vocab_size=10.0)
+
+
+def test_out_of_pages_changes_nothing_even_after_window_releases():
+    m = KVCacheManager(3, 4, 3, sliding_window=4)
+    m.add_request("a", list(range(8)))
+    m.commit(m.schedule({"a": list(range(8))}))
+    m.add_request("b", list(range(30, 35)))
+    before = state(m)
+    with pytest.raises(OutOfPages):
+        m.schedule({"a": [1, 1, 1, 1, 1], "b": list(range(30, 35))})
+    assert state(m) == before
