@@ -163,24 +163,31 @@ def _offset_slots(b, base, max_t, touched_end, positions):
     return [base + p for p in positions()]
 
 
-def _paged_slots(b, pages, a, max_t, touched_end, positions):
-    """cache_mode 1: slot = cachestarts[b, p // page_size] + p % page_size."""
+def _paged_slots(b, pages, a, max_t, seq_len, kv_len, start, touched_end, positions):
+    """cache_mode 1: slot = cachestarts[b, p // page_size] + p % page_size.
+
+    Every touched page is bounds-checked from page numbers alone (store pages
+    [start // page_size, (start + seq_len - 1) // page_size], load pages [0, (kv_len - 1) // page_size])
+    before any array of positions is built, so a huge page_size or start_pos is the spec's error, not
+    an allocation of every position it names."""
     if touched_end == 0:
         return [np.zeros(0, np.int64) for _ in positions()]
     last_page = (touched_end - 1) // a.page_size
     if last_page >= len(pages):
         fail(f"cachestarts: sequence {b} touches position {touched_end - 1}, which is in page {last_page}, "
              f"but cachestarts has MaxP = {len(pages)} pages per sequence")
-    arrays = positions()
-    touched = set(np.concatenate([p // a.page_size for p in arrays]).tolist())
-    for page in sorted(touched):
-        start = pages[page]
-        if start < 0 or start > max_t - a.page_size:
-            fail(f"cachestarts[{b}, {page}] = {start}: page {page} of sequence {b} is used, so it needs "
+    load_last = (kv_len - 1) // a.page_size if kv_len else -1
+    store_first, store_last = (start // a.page_size, (start + seq_len - 1) // a.page_size) if seq_len else (1, 0)
+    for page in range(last_page + 1):
+        if page > load_last and not store_first <= page <= store_last:
+            continue
+        first_slot = pages[page]
+        if first_slot < 0 or first_slot > max_t - a.page_size:
+            fail(f"cachestarts[{b}, {page}] = {first_slot}: page {page} of sequence {b} is used, so it needs "
                  f"0 <= cachestarts[{b}, {page}] and cachestarts[{b}, {page}] + page_size ({a.page_size}) "
                  f"<= MaxT = {max_t}")
     table = np.asarray(pages, dtype=np.int64)
-    return [table[p // a.page_size] + p % a.page_size for p in arrays]
+    return [table[p // a.page_size] + p % a.page_size for p in positions()]
 
 
 def check_aliasing(plan_store, plan_load, start_pos) -> None:
@@ -203,6 +210,19 @@ def check_aliasing(plan_store, plan_load, start_pos) -> None:
                 fail(f"cachestarts: slot {int(slots[t])} is stored by sequence {ob} position {op} and loaded in the "
                      f"same call by sequence {b} position {t}; a stored slot may only be loaded by its own "
                      f"sequence at its own position")
+
+
+#: Largest tensor size in bytes: sizes are int64 in ONNX Runtime and in the kernels.
+MAX_TENSOR_BYTES = 2**63 - 1
+
+
+def check_output_size(kv_tokens: int, heads: int, head_dim: int, num_repeat: int, dtype) -> None:
+    """The outputs ``(kv_tokens, H * num_repeat, Dh)`` must be addressable: no size product may overflow."""
+    itemsize = np.dtype(dtype).itemsize
+    nbytes = kv_tokens * heads * num_repeat * head_dim * itemsize
+    if nbytes > MAX_TENSOR_BYTES:
+        fail(f"outputs key and value would have shape ({kv_tokens}, {heads} * num_repeat={num_repeat}, {head_dim}) "
+             f"of {dtype_name(dtype)}: {nbytes} bytes each, more than 2**63 - 1")
 
 
 def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
@@ -230,6 +250,7 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
     kv_len = _starts("kvstarts", kv, "", None)
     _check_max("max_seqlen", "seqlen", max_seqlen, seq_len)
     _check_max("max_kvlen", "kvlen", max_kvlen, kv_len)
+    check_output_size(kv[-1], current_key.shape[1], current_key.shape[2], a.num_repeat, current_key.dtype)
     table = cachestarts.tolist()
     store_slots, load_slots = [], []
     for b in range(batch):
@@ -247,7 +268,7 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
         if a.cache_mode == 0:
             s, l = _offset_slots(b, table[b], max_t, touched_end, positions)
         else:
-            s, l = _paged_slots(b, table[b], a, max_t, touched_end, positions)
+            s, l = _paged_slots(b, table[b], a, max_t, seq_len[b], kv_len[b], pos[b], touched_end, positions)
         store_slots.append(s)
         load_slots.append(l)
     check_aliasing(store_slots, load_slots, pos)

@@ -50,6 +50,17 @@ def _retype(key, dtype):
     return _apply(lambda i, a: i.__setitem__(key, None if i[key] is None else i[key].astype(dtype)))
 
 
+def _far_positions_in_one_huge_page(i, a):
+    """Sequence 0 stores at [2**40 - 3, 2**40) and loads [0, 2**40), all in page 0 of a 2**40-slot page: a
+    page bounds error, found from page numbers (no array of 2**40 positions is ever built)."""
+    a["page_size"] = 2**40
+    i["start_pos"] = i["start_pos"].copy()
+    i["start_pos"][0] = 2**40 - 3
+    i["kvstarts"] = i["kvstarts"].copy()
+    i["kvstarts"][1:] += 2**40 - 3
+    i["max_kvlen"] = np.array(2**40, np.int64)
+
+
 INVALID = [
     # attributes
     ("num_layer_zero", "offset", _set("num_layer", 0), "num_layer must be >= 1"),
@@ -120,6 +131,11 @@ INVALID = [
     ("paged_page_past_end", "paged", _apply(lambda i, a: i["cachestarts"].__setitem__((2, 0), i["cache"].shape[0] - 2)),
      "page_size \\(4\\) <= MaxT"),
     ("paged_start_pos_int64_max", "paged", _item("start_pos", 1, I64_MAX), "but cachestarts has MaxP"),
+    ("paged_huge_page_size_far_positions", "paged", _apply(_far_positions_in_one_huge_page),
+     r"cachestarts\[0, 0\] = \d+: page 0 of sequence 0 is used"),
+    ("num_repeat_output_overflow", "offset", _set("num_repeat", 2**62),
+     r"outputs key and value would have shape \(13, 2 \* num_repeat=4611686018427387904, 8\) of float16: "
+     r"\d+ bytes each, more than 2\*\*63 - 1"),
     ("slot_stored_twice", "offset", _apply(lambda i, a: i["cachestarts"].__setitem__(2, i["cachestarts"][0])),
      "is stored twice in one call"),
     ("stored_slot_loaded_by_other_sequence", "paged", _apply(lambda i, a: i["cachestarts"].__setitem__((2, 0), i["cachestarts"][1, 0])),
