@@ -11,7 +11,11 @@ In-place semantics (what the op needs from its caller):
   (:func:`int4_ortvalue`), read and written through :func:`packed_view`.
 * CUDA EP: bind device ``OrtValue``s with ``IOBinding.bind_ortvalue_input``; a numpy feed would be
   copied to the device and the writes would land in that temporary copy.
-* A cache given as a constant initializer is rejected when the session is created.
+* The cache must be writable: a read-only array (``np.memmap(mode="r")``, ``np.frombuffer`` of
+  ``bytes``) is refused by :func:`ortvalue_for` and :func:`run_model` (ONNX Runtime would write into it).
+* ``cache``/``scale`` must come straight from a graph input without an initializer
+  (:mod:`.graph_rules`): :func:`make_session` refuses other models; the library itself refuses a
+  constant initializer when the session is created.
 """
 
 import ctypes
@@ -23,6 +27,7 @@ from onnx import TensorProto
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
 from . import library_path
+from .graph_rules import in_place_inputs
 
 
 def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
@@ -35,7 +40,11 @@ def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
 
 def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_threads: int = 0,
                  disable_cpu_fallback: bool = False) -> ort.InferenceSession:
-    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded."""
+    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded.
+
+    ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input
+    (see :mod:`.graph_rules`)."""
+    in_place_inputs(model)
     options = session_options(intra_op_num_threads)
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
@@ -58,9 +67,16 @@ def int4_ortvalue(codes: np.ndarray) -> ort.OrtValue:
 
 
 def ortvalue_for(array: np.ndarray) -> ort.OrtValue:
-    """An OrtValue on ``array``'s memory (bfloat16 reinterpreted without a copy); int4 is copied."""
+    """An OrtValue on ``array``'s memory (bfloat16 reinterpreted without a copy); int4 is copied.
+
+    The OrtValue shares the array's memory, so ONNX Runtime may write it (the ops' caches): a
+    read-only array is refused with ``ValueError`` (pass a copy for an input that is only read)."""
     if array.dtype == INT4:
         return int4_ortvalue(array)
+    if not array.flags.writeable:
+        raise ValueError("this array is read-only (e.g. np.memmap(mode='r') or np.frombuffer of bytes), but an "
+                         "OrtValue on its memory can be written in place (KeyValueCache writes its cache and "
+                         "scale): pass a writable array, or a copy (np.array(x)) for an input that is only read")
     if not array.flags.c_contiguous:
         raise ValueError("KeyValueCache inputs must be C-contiguous for the in-place cache writes to land "
                          "in the caller's array (np.ascontiguousarray makes a copy you then keep)")
@@ -90,9 +106,11 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     """Runs a KeyValueCache model on the CPU EP through IOBinding; returns (key, value).
 
     ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
-    (an int4 cache through a packed ORT tensor, copied back after the run). The sessions of the last
-    few models are kept for repeated calls.
+    (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable;
+    read-only arrays of other inputs are copied. The sessions of the last few models are kept for
+    repeated calls.
     """
+    written = in_place_inputs(model)
     if session is None:
         key = (model.SerializeToString(), intra_op_num_threads)
         session = _SESSIONS.get(key)
@@ -103,7 +121,10 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     binding = session.io_binding()
     values = {}
     for info in session.get_inputs():
-        values[info.name] = ortvalue_for(np.asarray(inputs[info.name]))
+        array = np.asarray(inputs[info.name])
+        if not array.flags.writeable and info.name not in written:
+            array = array.copy()  # only read: a copy is as good, and keeps ONNX Runtime off read-only memory
+        values[info.name] = ortvalue_for(array)
         binding.bind_ortvalue_input(info.name, values[info.name])
     for info in session.get_outputs():
         binding.bind_output(info.name, "cpu")

@@ -67,8 +67,11 @@ def test_non_contiguous_cache_is_refused_before_running():
 
 
 def test_constant_cache_is_refused_at_session_creation():
+    """By the library itself (a plain InferenceSession), not only by the project's session helpers."""
     import onnx
+    import onnxruntime as ort
 
+    from kvcache_op.ort_ops import session_options
     from kvcache_op.spec.cases import CASES
 
     case = CASES["offset_layout0"]()
@@ -76,4 +79,6 @@ def test_constant_cache_is_refused_at_session_creation():
     model.graph.initializer.append(onnx.numpy_helper.from_array(case.inputs["cache"], "cache"))
     del model.graph.input[8]
     with pytest.raises(Exception, match="cache is a constant initializer"):
+        ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ValueError, match="is an initializer"):
         make_session(model)

@@ -1,0 +1,64 @@
+"""The graph-input rule for the ops' in-place inputs, checked on a model before a session runs it.
+
+KeyValueCache writes its ``cache`` and ``scale`` inputs, KeyCacheRotaryShift its ``cache`` and
+``scale``, in place. Those inputs must be fed directly by a graph input that has no initializer of
+the same name: only then do the writes land in the caller's buffer. Anything else — a constant
+initializer, an initializer behind ``Identity``/``Reshape`` (with graph optimizations off ONNX
+Runtime keeps such a node, and the "constant" then keeps the previous run's writes), an initializer
+that is also a graph input (its default), or any other node's output — is refused.
+"""
+
+import onnx
+
+#: (domain, op type) -> positions of the inputs the op writes in place.
+IN_PLACE_INPUTS = {
+    ("opmx.dynamic_batching", "KeyValueCache"): {8: "cache", 9: "scale"},
+    ("opmx.dynamic_batching", "KeyCacheRotaryShift"): {0: "cache", 1: "scale"},
+}
+
+
+def load_model(model) -> onnx.ModelProto:
+    """A ModelProto from a ModelProto, serialized bytes or a path (external data is not loaded)."""
+    if isinstance(model, onnx.ModelProto):
+        return model
+    if isinstance(model, (bytes, bytearray)):
+        return onnx.load_from_string(bytes(model))
+    return onnx.load(str(model), load_external_data=False)
+
+
+def _nodes(graph):
+    """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
+    for node in graph.node:
+        yield node
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _nodes(attribute.g)
+            for sub in attribute.graphs:
+                yield from _nodes(sub)
+
+
+def in_place_inputs(model) -> set:
+    """Names of the graph inputs the model's ops write in place. Raises ``ValueError`` naming the node
+    and input when one of those inputs is not fed directly by a graph input without an initializer."""
+    model = load_model(model)
+    graph = model.graph
+    initializers = {init.name for init in graph.initializer} | {init.name for init in graph.sparse_initializer}
+    graph_inputs = {value.name for value in graph.input}
+    names = set()
+    for node in _nodes(graph):
+        positions = IN_PLACE_INPUTS.get((node.domain, node.op_type))
+        if not positions:
+            continue
+        for position, role in positions.items():
+            if position >= len(node.input) or not node.input[position]:
+                continue  # an absent optional scale
+            name = node.input[position]
+            where = f"{node.op_type} node {node.name or '(unnamed)'}: {role} {name!r}"
+            if name in initializers:
+                raise ValueError(f"{where} is an initializer, but the op writes it in place: make it a graph input "
+                                 "without an initializer and bind your own buffer")
+            if name not in graph_inputs:
+                raise ValueError(f"{where} is computed by another node, but the op writes it in place: feed it "
+                                 "directly from a graph input (the writes would land in an intermediate tensor)")
+            names.add(name)
+    return names

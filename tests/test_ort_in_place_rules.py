@@ -1,0 +1,123 @@
+"""The cache is written in place, so the session helpers refuse what cannot take the writes: read-only
+arrays, and caches that do not come straight from a graph input (constants behind Identity/Reshape,
+initializers that double as graph inputs, computed tensors)."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from kvcache_op import spec
+from kvcache_op.ort_ops import make_session, ortvalue_for, run_model
+from kvcache_op.ort_ops.graph_rules import in_place_inputs
+from kvcache_op.spec.cases import CASES
+
+
+def kv_case(name="offset_layout0"):
+    case = CASES[name]()
+    return case, spec.make_model(case.inputs, **case.attributes)
+
+
+def feeds_of(case):
+    return {k: v.copy() for k, v in case.inputs.items() if v is not None}
+
+
+def test_a_read_only_cache_is_refused_and_stays_intact():
+    case, model = kv_case()
+    feeds = feeds_of(case)
+    frozen = bytes(feeds["cache"].tobytes())
+    feeds["cache"] = np.frombuffer(frozen, feeds["cache"].dtype).reshape(feeds["cache"].shape)
+    with pytest.raises(ValueError, match="read-only"):
+        run_model(model, feeds)
+    assert frozen == case.inputs["cache"].tobytes()
+    with pytest.raises(ValueError, match="read-only"):
+        ortvalue_for(feeds["cache"])
+
+
+def test_a_read_only_memmap_cache_is_a_clear_error_not_a_crash(tmp_path):
+    """np.memmap(mode="r") maps the file read-only: a write through it is a SIGSEGV. Run in a child so
+    a crash fails this test instead of the whole session."""
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from kvcache_op import spec
+        from kvcache_op.ort_ops import run_model
+        from kvcache_op.spec.cases import CASES
+        case = CASES["offset_layout0"]()
+        feeds = {{k: v.copy() for k, v in case.inputs.items() if v is not None}}
+        path = {str(tmp_path / "cache.bin")!r}
+        feeds["cache"].tofile(path)
+        feeds["cache"] = np.memmap(path, feeds["cache"].dtype, mode="r", shape=feeds["cache"].shape)
+        try:
+            run_model(spec.make_model(case.inputs, **case.attributes), feeds)
+        except ValueError as error:
+            assert "read-only" in str(error), error
+            print("refused")
+    """)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and "refused" in child.stdout, (child.returncode, child.stderr[-2000:])
+
+
+def test_read_only_inputs_that_are_only_read_are_fine():
+    case, model = kv_case()
+    feeds = feeds_of(case)
+    for name in ("current_key", "seqstarts"):
+        feeds[name] = feeds[name].copy()
+        feeds[name].flags.writeable = False
+    key, _ = run_model(model, feeds)
+    assert key.shape[0] == case.inputs["kvstarts"][-1]
+
+
+def with_cache_behind(model, op_type, extra_inputs=()):
+    """``model`` with its ``cache`` graph input replaced by an initializer reached through ``op_type``."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    cache_info = next(v for v in graph.input if v.name == "cache")
+    cache = np.zeros([d.dim_value for d in cache_info.type.tensor_type.shape.dim],
+                     onnx.helper.tensor_dtype_to_np_dtype(cache_info.type.tensor_type.elem_type))
+    graph.input.remove(cache_info)
+    graph.initializer.append(onnx.numpy_helper.from_array(cache, "cache_const"))
+    for name, value in extra_inputs:
+        graph.initializer.append(onnx.numpy_helper.from_array(value, name))
+    graph.node.insert(0, helper.make_node(op_type, ["cache_const", *[n for n, _ in extra_inputs]], ["cache"]))
+    return model
+
+
+@pytest.mark.parametrize("op_type", ["Identity", "Reshape"])
+def test_a_constant_cache_behind_a_node_is_refused(op_type):
+    case, model = kv_case()
+    extra = [("shape", np.array(case.inputs["cache"].shape, np.int64))] if op_type == "Reshape" else []
+    bad = with_cache_behind(model, op_type, extra)
+    with pytest.raises(ValueError, match="computed by another node"):
+        make_session(bad)
+    with pytest.raises(ValueError, match="computed by another node"):
+        run_model(bad, {k: v for k, v in feeds_of(case).items() if k != "cache"})
+
+
+def test_an_initializer_that_is_also_a_graph_input_is_refused():
+    case, model = kv_case()
+    model.graph.initializer.append(onnx.numpy_helper.from_array(case.inputs["cache"], "cache"))
+    with pytest.raises(ValueError, match="is an initializer"):
+        make_session(model)
+
+
+def test_the_rotary_shift_cache_follows_the_same_rule():
+    cache = np.zeros((8, 1, 2, 1, 4), np.float32)
+    inputs = dict(cache=cache, scale=None, slots=np.array([1, 2]), cos=np.ones((2, 2), np.float32),
+                  sin=np.zeros((2, 2), np.float32))
+    model = spec.make_rotary_shift_model(inputs)
+    assert in_place_inputs(model) == {"cache"}
+    bad = with_cache_behind(model, "Identity")
+    with pytest.raises(ValueError, match="KeyCacheRotaryShift node .* computed by another node"):
+        in_place_inputs(bad)
+
+
+def test_in_place_inputs_of_a_model_from_a_path(tmp_path):
+    case, model = kv_case("int8_layout1")
+    path = tmp_path / "model.onnx"
+    onnx.save(model, path)
+    assert in_place_inputs(str(path)) == {"cache", "scale"}
+    assert in_place_inputs(model.SerializeToString()) == {"cache", "scale"}
