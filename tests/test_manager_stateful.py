@@ -12,6 +12,7 @@ import copy
 import zlib
 
 import numpy as np
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
@@ -26,7 +27,9 @@ FAMILIES = [[7, 7, 1, 2, 3, 4, 5, 6, 9, 9], [7, 7, 1, 2, 8, 8, 8, 8], [3, 1, 4, 
 
 
 COVERAGE = {"steps": 0, "gathered": 0, "hit_tokens": 0, "evictions": 0, "out_of_pages": 0, "window_releases": 0,
-            "aborts": 0}
+            "aborts": 0, "hostile_refused": 0}
+HOSTILE_SALTS = [1, True, 1.0, ("tenant-b",), ["x"], {"tenant": "b"}]
+HOSTILE_TOKENS = [[1.9], "123", [True], [2**31], [-1], [2**63], [7 + 2**61 - 1], [None]]
 
 
 def key_of(salt, prefix) -> float:
@@ -58,6 +61,23 @@ class ManagerMachine(RuleBasedStateMachine):
         hit = self.m.add_request(rid, prompt, salt=salt)
         assert hit % PAGE == 0 and hit < len(prompt)
         self.live[rid] = (salt, list(prompt))
+
+    @rule(data=st.data(), bad_salt=st.booleans())
+    def hostile_request(self, data, bad_salt):
+        """A hostile admission or feed (wrong salt type, non-integer or out-of-range token, late in a
+        batch) is a TypeError/ValueError and changes nothing."""
+        before = self.state()
+        with pytest.raises((TypeError, ValueError)):
+            if bad_salt or not self.live:
+                self.m.add_request(self.next_id, [7, 7, 1], salt=data.draw(st.sampled_from(HOSTILE_SALTS)))
+            else:
+                feeds = self.draw_feeds(data)
+                victim = data.draw(st.sampled_from(sorted(self.live)))
+                feeds.pop(victim, None)
+                feeds[victim] = data.draw(st.sampled_from(HOSTILE_TOKENS))  # the last of the batch
+                self.m.schedule(feeds)
+        assert self.state() == before, "a refused call changed the manager"
+        COVERAGE["hostile_refused"] += 1
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -170,11 +190,11 @@ def test_the_machines_exercise_sharing_eviction_windows_and_out_of_pages():
     """Guards the tests above: the random runs really reach every mechanism they claim to check."""
     for key in COVERAGE:
         COVERAGE[key] = 0
-    run_state_machine_as_test(ManagerMachine, settings=settings(max_examples=30, stateful_step_count=40,
+    run_state_machine_as_test(ManagerMachine, settings=settings(max_examples=40, stateful_step_count=40,
                                                                 deadline=None, derandomize=True))
-    run_state_machine_as_test(WindowedManagerMachine, settings=settings(max_examples=30, stateful_step_count=40,
+    run_state_machine_as_test(WindowedManagerMachine, settings=settings(max_examples=40, stateful_step_count=40,
                                                                         deadline=None, derandomize=True))
     assert COVERAGE["steps"] > 100 and COVERAGE["gathered"] > 1000, COVERAGE
     assert COVERAGE["hit_tokens"] > 0 and COVERAGE["evictions"] > 0, COVERAGE
     assert COVERAGE["out_of_pages"] > 0 and COVERAGE["window_releases"] > 0, COVERAGE
-    assert COVERAGE["aborts"] > 0, COVERAGE
+    assert COVERAGE["aborts"] > 0 and COVERAGE["hostile_refused"] > 0, COVERAGE
