@@ -130,6 +130,10 @@ class _Step:
     taken: list  # pages taken from the pool, in order
     released: list  # pages released to the pool, in order
 
+    def holds(self, rid) -> bool:
+        """True iff the step schedules request ``rid`` (kept here: the caller may change the plan)."""
+        return any(u.r.rid == rid for u in self.undo)
+
 
 class KVCacheManager:
     """Pages of ``page_size`` slots out of ``num_pages``; page tables up to ``max_pages`` wide.
@@ -148,16 +152,19 @@ class KVCacheManager:
         max_pages = check_int("max_pages", max_pages)
         if page_size < 1 or max_pages < 1:
             raise ValueError(f"page_size and max_pages must be >= 1, got {page_size}, {max_pages}")
-        if sliding_window is not None and check_int("sliding_window", sliding_window) < 1:
-            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        if sliding_window is not None:
+            sliding_window = check_int("sliding_window", sliding_window)
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         self.vocab_size = check_vocab_size(vocab_size)
         key_bytes(cache_key)  # a TypeError now rather than at the first request
         self.sink_pages = 0
         if streaming is not None:
             if sliding_window is not None:
                 raise ValueError("streaming and sliding_window are alternatives; configure one")
-            sinks = check_int("streaming sinks", streaming.sinks)
-            check_int("streaming budget_pages", streaming.budget_pages)
+            streaming = StreamingPolicy(check_int("streaming sinks", streaming.sinks),
+                                        check_int("streaming budget_pages", streaming.budget_pages), streaming.mode)
+            sinks = streaming.sinks
             if sinks < 0:
                 raise ValueError(f"streaming sinks must be >= 0, got {sinks}")
             if streaming.mode not in ("shift", "reevaluate"):
@@ -188,20 +195,29 @@ class KVCacheManager:
         prompt = token_ids(prompt, self.vocab_size, f"request {rid!r}: prompt")
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
+        if self.sliding_window is None and self.streaming is None and \
+                -(-len(prompt) // self.page_size) > self.max_pages:
+            raise ValueError(f"request {rid!r}: a prompt of {len(prompt)} tokens needs more than "
+                             f"max_pages={self.max_pages} pages of {self.page_size}")
         r = _Request(rid, page_identity(salt, self.cache_key), prompt)
         reusable = (len(prompt) - 1) // self.page_size
         if self.streaming is not None:
             reusable = min(reusable, self.sink_pages)  # later pages get shifted or dropped in place
+        hits = []
         for j in range(reusable):
             tokens = tuple(prompt[j * self.page_size:(j + 1) * self.page_size])
             h, entry = self.index.lookup(r.chain_tail[0], r.chain_tail[1], tokens, r.identity)
             if entry is None:
                 break
-            self.pool.acquire(entry.page)
-            r.pages.append(entry.page)
+            hits.append(entry.page)
             r.chain_tail = (h, entry.node)
-            r.registered += 1
-        r.computed = len(r.pages) * self.page_size
+        r.registered = len(hits)
+        r.computed = len(hits) * self.page_size
+        if self.sliding_window is not None:  # hit pages wholly before the first query's window are not held
+            r.first_page = max(0, r.computed - self.sliding_window + 1) // self.page_size
+        r.pages = hits[r.first_page:]
+        for page in r.pages:
+            self.pool.acquire(page)
         self.queried_tokens += len(prompt)
         self.hit_tokens += r.computed
         self.requests[rid] = r
@@ -210,9 +226,9 @@ class KVCacheManager:
     def finish(self, rid) -> None:
         """Releases a request's pages (registered ones stay cached for reuse until evicted)."""
         r = self._get(rid)
-        if self._pending is not None and rid in self._pending.plan.fed_tokens:
+        if self._pending is not None and self._pending.holds(rid):
             raise RuntimeError(f"request {rid!r} is in the outstanding step: commit(plan) or abort(plan) first")
-        for page in r.pages:
+        for page in reversed(r.pages):  # tail first: eviction (LRU) then takes a chain's end before its root
             self.pool.release(page, cached=self.index.is_cached(page))
         del self.requests[rid]
 

@@ -74,3 +74,29 @@ def test_a_long_sliding_window_stream_keeps_host_memory_bounded():
     assert len(r.pages) <= -(-(64 + 8) // 16) + 1
     assert len(m.index.by_hash) <= 64
     assert sizes[1] - sizes[0] < 64 * 1024, f"memory grew by {sizes[1] - sizes[0]} bytes over 80k tokens"
+
+
+def test_a_windowed_prefix_hit_holds_only_the_pages_of_the_window():
+    """A long cached prompt re-admitted under a small window: only the pages the first query's window
+    needs are held, so a queued request cannot pin the whole prompt."""
+    m = KVCacheManager(22, 2, 4, sliding_window=4)
+    prompt = list(range(41))
+    m.add_request("a", prompt)
+    for start in range(0, 41, 3):
+        m.commit(m.schedule({"a": prompt[start:start + 3]}))
+    m.finish("a")
+    assert m.add_request("b", prompt) == 40
+    assert len(m.page_table("b")) <= 2 and m.pool.counts()["pages_in_use"] <= 2
+    plan = m.schedule({"b": [40]})
+    assert plan.key_positions[0] <= 40 - 3  # the window (37, 40] is still gathered
+    m.commit(plan)
+    m.check()
+
+
+def test_finished_chains_are_evicted_tail_first():
+    m = KVCacheManager(4, 2, 4)
+    serve(m, "a", [1, 2, 3, 4, 5, 6, 7])  # pages [1,2] -> [3,4] -> [5,6] registered, [7] private
+    m.finish("a")
+    serve(m, "x", [9, 9, 9])  # needs 2 pages: the free one, then one eviction
+    m.finish("x")
+    assert m.add_request("b", [1, 2, 3, 4, 5, 6, 8]) == 4, "the chain's root was evicted before its tail"

@@ -134,3 +134,34 @@ def test_out_of_pages_changes_nothing_even_after_window_releases():
     with pytest.raises(OutOfPages):
         m.schedule({"a": [1, 1, 1, 1, 1], "b": list(range(30, 35))})
     assert state(m) == before
+
+
+def test_finish_during_a_step_is_refused_whatever_the_caller_does_to_the_plan():
+    m = KVCacheManager(8, 4, 4)
+    m.add_request("a", list(range(9)))
+    plan = m.schedule({"a": list(range(9))})
+    plan.fed_tokens.clear()  # the plan is the caller's object; the manager must not depend on it
+    with pytest.raises(RuntimeError, match="outstanding"):
+        m.finish("a")
+    m.commit(plan)
+    m.check()
+
+
+def test_numpy_integer_settings_are_plain_integers():
+    import numpy as np
+
+    m = KVCacheManager(np.int64(8), np.int32(2), np.uint8(8), sliding_window=np.uint64(4))
+    m.add_request("a", list(range(5)))
+    plan = m.schedule({"a": list(range(5))})
+    assert plan.cachestarts[0, :3].tolist() == [p * 2 for p in m.page_table("a")]
+    m.commit(plan)
+    m.commit(m.schedule({"a": [1, 2]}))  # the window now releases a page; no wrap-around
+    assert len(m.page_table("a")) == 3
+    m.check()
+
+
+def test_a_prompt_no_page_table_can_hold_is_refused_at_admission():
+    m = KVCacheManager(64, 4, 2)
+    with pytest.raises(ValueError, match="needs more than max_pages=2"):
+        m.add_request("a", list(range(9)))
+    assert not m.requests

@@ -35,9 +35,10 @@ def test_a_re_inserted_parent_does_not_adopt_stale_children():
     parent's hash. The old child hashes the same under the new parent but holds keys computed after the
     old content: it must not match."""
     weak = lambda parent, tokens, extra: 1 if parent is None else hash((parent, tokens))  # all roots collide
-    m = KVCacheManager(3, 2, 4, hash_fn=weak)
+    m = KVCacheManager(3, 2, 4, hash_fn=weak, sliding_window=2)
     run_prompt(m, "a", [1, 1, 2, 2, 5])  # pages [1,1] -> [2,2] registered
-    m.finish("a")  # both cached; [1,1] is the least recently used
+    m.finish("a")
+    assert m.add_request("keep", [1, 1, 2, 2, 9]) == 4  # the window holds only the child page [2,2]
     run_prompt(m, "b", [7, 7, 2])  # evicts [1,1] only; registers [7,7] under the freed root hash
     m.finish("b")
     hit = m.add_request("c", [7, 7, 2, 2, 9])
