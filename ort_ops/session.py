@@ -107,10 +107,11 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
 
     ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
     (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable;
-    read-only arrays of other inputs are copied. The sessions of the last few models are kept for
-    repeated calls.
+    read-only arrays of other inputs are copied (all read-only arrays are refused when only a
+    ``session`` is given: its graph cannot be checked). The sessions of the last few models are kept
+    for repeated calls.
     """
-    written = in_place_inputs(model)
+    written = in_place_inputs(model) if model is not None else None
     if session is None:
         key = (model.SerializeToString(), intra_op_num_threads)
         session = _SESSIONS.get(key)
@@ -122,7 +123,7 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     values = {}
     for info in session.get_inputs():
         array = np.asarray(inputs[info.name])
-        if not array.flags.writeable and info.name not in written:
+        if not array.flags.writeable and written is not None and info.name not in written:
             array = array.copy()  # only read: a copy is as good, and keeps ONNX Runtime off read-only memory
         values[info.name] = ortvalue_for(array)
         binding.bind_ortvalue_input(info.name, values[info.name])

@@ -212,24 +212,36 @@ def check_aliasing(plan_store, plan_load, start_pos) -> None:
                      f"sequence at its own position")
 
 
-#: Largest tensor size in bytes: sizes are int64 in ONNX Runtime and in the kernels.
-MAX_TENSOR_BYTES = 2**63 - 1
+#: Largest size (elements or bytes) of a tensor: sizes are int64 in ONNX Runtime and in the kernels.
+MAX_SIZE = 2**63 - 1
+
+
+def check_output_heads(current_key, num_repeat: int) -> None:
+    """``H * num_repeat`` must fit int64 (checked with the attributes: a static H fails at session
+    creation in ONNX Runtime)."""
+    shape = np.shape(current_key)
+    if len(shape) == 3 and shape[1] * num_repeat > MAX_SIZE:
+        fail(f"KeyValueCache output key would have H*num_repeat={shape[1]}*{num_repeat} heads: "
+             f"H*num_repeat does not fit in int64")
 
 
 def check_output_size(kv_tokens: int, heads: int, head_dim: int, num_repeat: int, dtype) -> None:
-    """The outputs ``(kv_tokens, H * num_repeat, Dh)`` must be addressable: no size product may overflow."""
-    itemsize = np.dtype(dtype).itemsize
-    nbytes = kv_tokens * heads * num_repeat * head_dim * itemsize
-    if nbytes > MAX_TENSOR_BYTES:
-        fail(f"outputs key and value would have shape ({kv_tokens}, {heads} * num_repeat={num_repeat}, {head_dim}) "
-             f"of {dtype_name(dtype)}: {nbytes} bytes each, more than 2**63 - 1")
+    """The outputs ``(kv_tokens, H * num_repeat, Dh)`` must be addressable: one row, and all rows, in
+    fewer than 2**63 bytes (checked last, when ``kv_tokens`` is known to be valid)."""
+    row_bytes = heads * num_repeat * head_dim * np.dtype(dtype).itemsize
+    why = ("a single row would be 2^63 bytes or more" if row_bytes > MAX_SIZE else
+           "2^63 bytes or more" if kv_tokens * row_bytes > MAX_SIZE else None)
+    if why:
+        fail(f"KeyValueCache output key would be (kv_tokens={kv_tokens}, H*num_repeat={heads}*{num_repeat}, "
+             f"Dh={head_dim}) elements of {dtype_name(dtype)}: {why}")
 
 
 def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                   max_kvlen, cache, scale, a: Attributes) -> CallPlan:
     """All checks of the spec, in its order; returns the plan of a valid call."""
     check_attributes(a)
-    _, _, max_t = check_tensors(current_key, current_value, cache, scale, a)
+    check_output_heads(current_key, a.num_repeat)
+    heads, head_dim, max_t = check_tensors(current_key, current_value, cache, scale, a)
     seq = _index_vector("seqstarts", seqstarts)
     if not seq:
         fail("seqstarts must have B + 1 >= 1 elements, got 0")
@@ -250,7 +262,6 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
     kv_len = _starts("kvstarts", kv, "", None)
     _check_max("max_seqlen", "seqlen", max_seqlen, seq_len)
     _check_max("max_kvlen", "kvlen", max_kvlen, kv_len)
-    check_output_size(kv[-1], current_key.shape[1], current_key.shape[2], a.num_repeat, current_key.dtype)
     table = cachestarts.tolist()
     store_slots, load_slots = [], []
     for b in range(batch):
@@ -272,4 +283,5 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
         store_slots.append(s)
         load_slots.append(l)
     check_aliasing(store_slots, load_slots, pos)
+    check_output_size(kv[-1], heads, head_dim, a.num_repeat, current_key.dtype)
     return CallPlan(seq[:-1], seq_len, kv[:-1], kv_len, store_slots, load_slots)

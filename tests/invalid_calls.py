@@ -133,9 +133,15 @@ INVALID = [
     ("paged_start_pos_int64_max", "paged", _item("start_pos", 1, I64_MAX), "but cachestarts has MaxP"),
     ("paged_huge_page_size_far_positions", "paged", _apply(_far_positions_in_one_huge_page),
      r"cachestarts\[0, 0\] = \d+: page 0 of sequence 0 is used"),
-    ("num_repeat_output_overflow", "offset", _set("num_repeat", 2**62),
-     r"outputs key and value would have shape \(13, 2 \* num_repeat=4611686018427387904, 8\) of float16: "
-     r"\d+ bytes each, more than 2\*\*63 - 1"),
+    ("num_repeat_heads_overflow", "offset", _set("num_repeat", 2**62),
+     r"KeyValueCache output key would have H\*num_repeat=2\*4611686018427387904 heads: H\*num_repeat does not "
+     r"fit in int64"),
+    ("num_repeat_row_bytes_overflow", "offset", _set("num_repeat", 2**58),
+     r"KeyValueCache output key would be \(kv_tokens=13, H\*num_repeat=2\*288230376151711744, Dh=8\) elements "
+     r"of float16: a single row would be 2\^63 bytes or more"),
+    ("num_repeat_output_bytes_overflow", "offset", _set("num_repeat", 2**55),
+     r"KeyValueCache output key would be \(kv_tokens=13, H\*num_repeat=2\*36028797018963968, Dh=8\) elements "
+     r"of float16: 2\^63 bytes or more"),
     ("slot_stored_twice", "offset", _apply(lambda i, a: i["cachestarts"].__setitem__(2, i["cachestarts"][0])),
      "is stored twice in one call"),
     ("stored_slot_loaded_by_other_sequence", "paged", _apply(lambda i, a: i["cachestarts"].__setitem__((2, 0), i["cachestarts"][1, 0])),
