@@ -1,9 +1,5 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
 // CPU EP (and the CUDA EP in a CUDA build), and KeyCacheRotaryShift for the CPU EP.
-#include <memory>
-#include <mutex>
-#include <vector>
-
 #include "kv_ort_op.h"
 #include "rotary_ort_op.h"
 
@@ -13,17 +9,34 @@
 
 namespace {
 
-// Ops and domains must outlive every session that uses them: kept for the life of the process.
+// The ops and their one domain, created on the first registration and kept for the life of the process:
+// sessions keep pointers to the ops, and every SessionOptions that the library was registered in keeps
+// a pointer to the domain until a session is created from it.
+//
+// One domain serves every registration. ONNX Runtime reads a domain only while creating a session:
+// CreateCustomRegistry (onnxruntime/core/session/custom_ops.cc) copies the domain's name into the
+// session's CustomRegistry, builds schemas and kernel definitions from its ops, and keeps only the op
+// pointers (CustomOpKernel holds `const OrtCustomOp&`), noting there that "two sessions using the same
+// session_options should not add the same custom op domain ... twice". A domain per registration, as
+// before, grew the heap by one domain for every SessionOptions ever registered.
 struct Registry {
   kvcache::CpuOp cpu_op;
   kvcache::RotaryCpuOp rotary_cpu_op;
 #ifdef KVCACHE_WITH_CUDA
   kvcache::CudaOp cuda_op;
 #endif
-  std::vector<Ort::CustomOpDomain> domains;
-  std::mutex mutex;
+  Ort::CustomOpDomain domain{kvcache::kDomain};
+
+  Registry() {
+    domain.Add(&cpu_op);
+    domain.Add(&rotary_cpu_op);
+#ifdef KVCACHE_WITH_CUDA
+    domain.Add(&cuda_op);
+#endif
+  }
 };
 
+// Thread-safe (a function-local static); the Ort API must be initialized first.
 Registry& GetRegistry() {
   static Registry* registry = new Registry();  // never destroyed: sessions may outlive static teardown
   return *registry;
@@ -31,6 +44,8 @@ Registry& GetRegistry() {
 
 }  // namespace
 
+// Registers the ops in `options` (ONNX Runtime calls this from register_custom_ops_library). Adds the
+// process-wide domain: repeated registrations allocate nothing that outlives the SessionOptions.
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
@@ -40,16 +55,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   }
   Ort::InitApi(api);
   try {
-    Registry& registry = GetRegistry();
-    std::lock_guard<std::mutex> lock(registry.mutex);
-    Ort::CustomOpDomain domain(kvcache::kDomain);
-    domain.Add(&registry.cpu_op);
-    domain.Add(&registry.rotary_cpu_op);
-#ifdef KVCACHE_WITH_CUDA
-    domain.Add(&registry.cuda_op);
-#endif
-    Ort::UnownedSessionOptions(options).Add(domain);
-    registry.domains.push_back(std::move(domain));
+    Ort::UnownedSessionOptions(options).Add(GetRegistry().domain);
     return nullptr;
   } catch (...) {
     return kvcache::StatusFromCurrentException();
