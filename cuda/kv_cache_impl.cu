@@ -14,9 +14,11 @@ constexpr int kThreads = 256;
 constexpr int64_t kTokensPerBlock = 8;
 constexpr int kVec = 8;  // elements per thread unit when Dh % 8 == 0 (16-byte fp16 accesses)
 
-__device__ __forceinline__ int64_t SlotOf(const Params& p, int64_t b, int64_t pos) {
-  if (p.cache_mode == 0) return p.cachestarts[b] + pos;
-  return p.cachestarts[b * p.max_p + pos / p.page_size] + pos % p.page_size;
+// pos is unsigned: start_pos[b] + i may exceed INT64_MAX; the page index and the slot fit (validated).
+__device__ __forceinline__ int64_t SlotOf(const Params& p, int64_t b, uint64_t pos) {
+  if (p.cache_mode == 0) return p.cachestarts[b] + static_cast<int64_t>(pos);
+  const uint64_t page_size = static_cast<uint64_t>(p.page_size);
+  return p.cachestarts[b * p.max_p + static_cast<int64_t>(pos / page_size)] + static_cast<int64_t>(pos % page_size);
 }
 
 template <int QBits>
@@ -73,7 +75,7 @@ __global__ void StoreKernel(Params p, int64_t unit) {
     const int kv = static_cast<int>(rest % 2);
     const int64_t i = blockIdx.x * kTokensPerBlock + rest / 2;
     if (i >= seqlen) continue;
-    const int64_t slot = SlotOf(p, b, p.start_pos[b] + i);
+    const int64_t slot = SlotOf(p, b, static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(i));
     const T* src = static_cast<const T*>(kv ? p.value : p.key) + ((begin + i) * p.heads + h) * p.head_dim + u * unit;
     const int64_t row = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * kv + p.cache_rows.head * h +
                         p.cache_rows.slot * slot;
@@ -112,7 +114,7 @@ __global__ void GatherKernel(Params p, int64_t unit) {
   using T = typename T1::Storage;
   const int64_t b = blockIdx.y;
   const int64_t begin = p.kvstarts[b], kvlen = p.kvstarts[b + 1] - begin;
-  const int64_t out_heads = p.heads * p.num_repeat;
+  const int64_t out_heads = p.out_heads;
   const int64_t units = p.head_dim / unit;
   const int64_t work = kTokensPerBlock * 2 * out_heads * units;
   for (int64_t w = threadIdx.x; w < work; w += blockDim.x) {
@@ -124,7 +126,7 @@ __global__ void GatherKernel(Params p, int64_t unit) {
     const int64_t t = blockIdx.x * kTokensPerBlock + rest / 2;
     if (t >= kvlen) continue;
     const int64_t h = j / p.num_repeat;
-    const int64_t slot = SlotOf(p, b, t);
+    const int64_t slot = SlotOf(p, b, static_cast<uint64_t>(t));
     const int64_t row = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * kv + p.cache_rows.head * h +
                         p.cache_rows.slot * slot;
     T* dst = static_cast<T*>(kv ? p.out_value : p.out_key) + ((begin + t) * out_heads + j) * p.head_dim + u * unit;

@@ -16,6 +16,7 @@ struct Rows {  // element offset of (layer, kv, head, slot) rows: l*layer + kv*k
 struct Params {
   // attributes
   int64_t layer_idx, quant_group, num_repeat, cache_mode, page_size;
+  int64_t out_heads;  // H * num_repeat, checked on the host to fit (as are all output offsets)
   // sizes
   int64_t batch, heads, head_dim, max_p, max_seqlen, max_kvlen;
   Rows cache_rows, scale_rows;

@@ -65,10 +65,12 @@ struct Kernel {
     const int64_t H = p.heads, D = p.head_dim;
     std::vector<float> x(D);
     std::vector<int32_t> codes(D);
-    int64_t b = SequenceOf(p.seqstarts, p.batch, row_begin);
+    int64_t b = SequenceOf(p.seqstarts.data(), p.batch, row_begin);
     for (int64_t r = row_begin; r < row_end; ++r) {
       while (r >= p.seqstarts[b + 1]) ++b;
-      const int64_t slot = SlotOf(p, a, b, p.start_pos[b] + (r - p.seqstarts[b]));
+      // start_pos >= 0 (validated); the sum may exceed INT64_MAX but not UINT64_MAX.
+      const uint64_t pos = static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(r - p.seqstarts[b]);
+      const int64_t slot = SlotOf(p, a, b, pos);
       for (int kv = 0; kv < 2; ++kv) {
         const T* src = static_cast<const T*>(kv ? args.value : args.key) + r * H * D;
         for (int64_t h = 0; h < H; ++h) {
@@ -106,12 +108,12 @@ struct Kernel {
     // Layouts 0-2 keep a slot's H heads contiguous: one copy per token when nothing is repeated.
     const bool whole_token = QBits == 0 && R == 1 && p.cache_rows.head == D;
     Scratch scratch{std::vector<int8_t>(D), std::vector<float>(p.groups), std::vector<T>(D)};
-    int64_t b = SequenceOf(p.kvstarts, p.batch, row_begin);
+    int64_t b = SequenceOf(p.kvstarts.data(), p.batch, row_begin);
     for (int64_t r = row_begin; r < row_end; ++r) {
       while (r >= p.kvstarts[b + 1]) ++b;
-      const int64_t slot = SlotOf(p, a, b, r - p.kvstarts[b]);
+      const int64_t slot = SlotOf(p, a, b, static_cast<uint64_t>(r - p.kvstarts[b]));
       for (int kv = 0; kv < 2; ++kv) {
-        T* out = static_cast<T*>(kv ? args.out_value : args.out_key) + r * H * R * D;
+        T* out = static_cast<T*>(kv ? args.out_value : args.out_key) + r * p.out_heads * D;
         if (whole_token) {
           StoreRow(out, static_cast<const T*>(args.cache) + CacheRow(kv, 0, slot), H * D * sizeof(T), stream);
           continue;
@@ -149,15 +151,13 @@ struct Kernel {
   }
 };
 
-// Outputs above this size are written with streaming stores.
+// Outputs (key + value) above this size are written with streaming stores.
 constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
 
 template <class T1, class T3, int QBits>
 void Launch(const ComputeArgs& args, const ParallelFor& parallel_for) {
-  const CallPlan& p = *args.plan;
-  const int64_t out_bytes = 2 * p.kv_tokens * p.heads * args.attrs->num_repeat * p.head_dim *
-                            int64_t(sizeof(typename T1::Storage));
-  Kernel<T1, T3, QBits>{args, *args.attrs, p, out_bytes > kStreamOutputBytes}.Run(parallel_for);
+  const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
+  Kernel<T1, T3, QBits>{args, *args.attrs, p, p.out_bytes > kStreamOutputBytes / 2}.Run(parallel_for);
 }
 
 template <class T1>

@@ -5,10 +5,12 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
 #include "kv_cache_impl.cuh"
+#include "kv_checked.h"
 
 namespace kvcache {
 
@@ -28,6 +30,26 @@ struct DeviceBuffer {  // scratch from ORT's allocator for the device, returned 
   }
 };
 
+// Length of the longest sequence of a validated starts vector.
+int64_t Longest(const std::vector<int64_t>& starts) {
+  int64_t longest = 0;
+  for (size_t b = 0; b + 1 < starts.size(); ++b) longest = std::max(longest, starts[b + 1] - starts[b]);
+  return longest;
+}
+
+// The grids of the kernels (kv_cache_impl.cu): x = ceil(longest sequence / 8) < 2^31, y = batch <= 65535,
+// and the per-block work counter 16 * H * num_repeat * Dh fits in int64. Checked before the first
+// launch, so a call that cannot run fails with the cache unchanged instead of after the stores.
+void CheckLaunchable(const CallPlan& plan, int64_t longest) {
+  if (plan.batch > 65535)
+    Fail("KeyValueCache on CUDA runs at most 65535 sequences per call, got B = ", plan.batch);
+  if ((longest + 7) / 8 > 0x7fffffff)
+    Fail("KeyValueCache on CUDA runs sequences of at most 2^34 tokens, got ", longest);
+  int64_t work = 0;
+  if (!MulFits(plan.out_heads, plan.head_dim, &work) || !MulFits(work, 16, &work))
+    Fail("KeyValueCache on CUDA: H*num_repeat*Dh = ", plan.out_heads, "*", plan.head_dim, " is too large");
+}
+
 }  // namespace
 
 OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
@@ -35,20 +57,20 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
     TensorArg in[kNumInputs];
     ReadInputs(ctx, in);
-    const CallPlan plan = ValidateCall(attrs, in);  // host data only: throws before anything is written
-    const std::vector<int64_t> out_shape{plan.kv_tokens, plan.heads * attrs.num_repeat, plan.head_dim};
-    auto key = ctx.GetOutput(0, out_shape);
-    auto value = ctx.GetOutput(1, out_shape);
+    // Host data only; the plan owns the snapshots of the index inputs. Throws before anything is written.
+    const CallPlan plan = ValidateCall(attrs, in);
+    auto key = AllocateOutput(ctx, 0, plan, in[0].type);
+    auto value = AllocateOutput(ctx, 1, plan, in[0].type);
     if (plan.batch == 0) return nullptr;
+    // Launch bounds: the longest sequence (validated <= max_seqlen / max_kvlen).
+    const int64_t longest_seq = Longest(plan.seqstarts), longest_kv = Longest(plan.kvstarts);
+    CheckLaunchable(plan, std::max(longest_seq, longest_kv));
 
-    // One host buffer with every index array, copied once.
-    const int64_t table = attrs.cache_mode == 0 ? plan.batch : plan.batch * plan.max_p;
+    // One host buffer with every index array (from the plan's snapshots), copied to the device once.
     std::vector<int64_t> host;
-    host.reserve(3 * plan.batch + 2 + table);
-    host.insert(host.end(), plan.seqstarts, plan.seqstarts + plan.batch + 1);
-    host.insert(host.end(), plan.kvstarts, plan.kvstarts + plan.batch + 1);
-    host.insert(host.end(), plan.start_pos, plan.start_pos + plan.batch);
-    host.insert(host.end(), plan.cachestarts, plan.cachestarts + table);
+    host.reserve(plan.seqstarts.size() + plan.kvstarts.size() + plan.start_pos.size() + plan.cachestarts.size());
+    for (const auto* part : {&plan.seqstarts, &plan.kvstarts, &plan.start_pos, &plan.cachestarts})
+      host.insert(host.end(), part->begin(), part->end());
 
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
@@ -59,16 +81,11 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
           "copying the index inputs");
     const auto* d = static_cast<const int64_t*>(indices.data);
 
-    // Launch bounds: the longest sequence (validated <= max_seqlen / max_kvlen).
-    int64_t longest_seq = 0, longest_kv = 0;
-    for (int64_t b = 0; b < plan.batch; ++b) {
-      longest_seq = std::max(longest_seq, plan.seqstarts[b + 1] - plan.seqstarts[b]);
-      longest_kv = std::max(longest_kv, plan.kvstarts[b + 1] - plan.kvstarts[b]);
-    }
     cuda::Params p{};
     p.layer_idx = attrs.layer_idx;
     p.quant_group = attrs.quant_group;
     p.num_repeat = attrs.num_repeat;
+    p.out_heads = plan.out_heads;
     p.cache_mode = attrs.cache_mode;
     p.page_size = attrs.page_size;
     p.batch = plan.batch;

@@ -6,7 +6,10 @@
 namespace kvcache {
 
 struct CudaKernel {
-  explicit CudaKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) { RejectConstantCache(info); }
+  explicit CudaKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) {
+    RejectConstantCache(info);
+    CheckStaticHeads(info, attrs);
+  }
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
   Attrs attrs;
 };

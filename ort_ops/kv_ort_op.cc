@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kv_checked.h"
 #include "kv_cpu.h"
 
 namespace kvcache {
@@ -73,6 +74,26 @@ void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs) {
   }
 }
 
+void CheckStaticHeads(const OrtKernelInfo* info, const Attrs& attrs) {
+  Ort::ConstKernelInfo kernel_info(info);
+  if (kernel_info.GetInputCount() < 1) return;
+  const auto shape = kernel_info.GetInputTypeInfo(0).GetTensorTypeAndShapeInfo().GetShape();
+  int64_t out_heads = 0;
+  if (shape.size() == 3 && shape[1] >= 0 && !MulFits(shape[1], attrs.num_repeat, &out_heads))
+    throw KvError(OutputHeadsMessage(shape[1], attrs.num_repeat));
+}
+
+Ort::UnownedValue AllocateOutput(Ort::KernelContext& ctx, size_t index, const CallPlan& plan, int32_t t1) {
+  try {
+    return ctx.GetOutput(index, {plan.kv_tokens, plan.out_heads, plan.head_dim});
+  } catch (const Ort::Exception& e) {
+    // ORT's own message ("Failed to allocate ...") names neither the op's inputs nor the shape.
+    Fail("KeyValueCache output ", index == 0 ? "key" : "value", " of shape ",
+         ShapeStr({plan.kv_tokens, plan.out_heads, plan.head_dim}), " ", ElemName(t1), " (", plan.out_bytes,
+         " bytes) could not be allocated: ", e.what());
+  }
+}
+
 OrtStatusPtr StatusFromCurrentException() {
   try {
     throw;
@@ -93,9 +114,8 @@ OrtStatusPtr CpuKernel::ComputeV2(OrtKernelContext* context) {
     TensorArg in[kNumInputs];
     ReadInputs(ctx, in);
     const CallPlan plan = ValidateCall(attrs, in);  // throws before anything is written
-    const std::vector<int64_t> out_shape{plan.kv_tokens, plan.heads * attrs.num_repeat, plan.head_dim};
-    auto key = ctx.GetOutput(0, out_shape);
-    auto value = ctx.GetOutput(1, out_shape);
+    auto key = AllocateOutput(ctx, 0, plan, in[0].type);
+    auto value = AllocateOutput(ctx, 1, plan, in[0].type);
     ComputeArgs args{&attrs, &plan, in[0].type, in[kScaleInput].type, in[0].data, in[1].data,
                      const_cast<void*>(in[8].data),  // the cache is written in place (spec: in-out input)
                      in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,
@@ -125,8 +145,9 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   }
   std::vector<int64_t> out{-1, -1, -1};
   if (rank == 3) {
-    out[1] = (dims[1] >= 0 && repeat >= 1) ? dims[1] * repeat : -1;  // a bad num_repeat is reported by the kernel
     out[2] = dims[2];
+    if (dims[1] < 0 || repeat < 1 || !MulFits(dims[1], repeat, &out[1]))
+      out[1] = -1;  // a bad num_repeat, or a product that would wrap: reported by the kernel (CheckStaticHeads)
   }
   OrtTensorTypeAndShapeInfo* info = nullptr;
   if (OrtStatus* s = api.CreateTensorTypeAndShapeInfo(&info)) return s;
@@ -138,6 +159,10 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
   if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, 1, info);
   api.ReleaseTensorTypeAndShapeInfo(info);
+  if (!status && rank == 3 && out[1] < 0 && dims[1] >= 0 && repeat >= 1)
+    // ONNX Runtime (custom_ops.cc, CreateSchema) ignores this status, so the kernel constructor makes the
+    // same check to fail session creation; the status is for runtimes that do read it.
+    status = api.CreateStatus(ORT_INVALID_ARGUMENT, OutputHeadsMessage(dims[1], repeat).c_str());
   return status;
 }
 

@@ -7,6 +7,7 @@
 #undef ORT_API_MANUAL_INIT
 
 #include <functional>
+#include <string>
 
 #include "kv_validate.h"
 
@@ -30,19 +31,32 @@ void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<voi
 // or would corrupt a constant shared by sessions.
 void RejectConstantCache(const OrtKernelInfo* info);
 
+// At session creation: throws KvError (OutputHeadsMessage) when current_key's H is static in the graph and
+// H * num_repeat does not fit in int64. A symbolic H is checked when the op runs (ValidateCall).
+void CheckStaticHeads(const OrtKernelInfo* info, const Attrs& attrs);
+
 // The inputs of a call as TensorArgs (shape, type, raw data pointer).
 void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs);
+
+// Output `index` (0 key, 1 value) of shape (kv_tokens, H * num_repeat, Dh). An allocation failure is
+// rethrown as KvError naming the shape and byte count; nothing has been written at that point.
+Ort::UnownedValue AllocateOutput(Ort::KernelContext& ctx, size_t index, const CallPlan& plan, int32_t t1);
 
 // OrtStatus for an exception caught at the C boundary.
 OrtStatusPtr StatusFromCurrentException();
 
 struct CpuKernel {
-  explicit CpuKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) { RejectConstantCache(info); }
+  explicit CpuKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) {
+    RejectConstantCache(info);
+    CheckStaticHeads(info, attrs);
+  }
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
   Attrs attrs;
 };
 
 // Shape/type inference shared by both EPs: outputs get current_key's type and (?, H*num_repeat, Dh).
+// When H*num_repeat does not fit in int64 the dim is left unknown (never a wrapped value) and an error
+// status is returned.
 OrtStatusPtr InferOutputShapes(const OrtCustomOp* op, OrtShapeInferContext* ctx);
 
 template <typename TOp, typename TKernel>

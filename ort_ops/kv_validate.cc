@@ -4,6 +4,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "kv_checked.h"
 #include "kv_types.h"
 
 namespace kvcache {
@@ -45,12 +46,6 @@ bool IsT1(int32_t t) {
   return t == int32_t(Elem::kFloat32) || t == int32_t(Elem::kFloat16) || t == int32_t(Elem::kBFloat16);
 }
 
-int64_t Count(const std::vector<int64_t>& shape) {
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
-  return n;
-}
-
 }  // namespace
 
 std::string ShapeStr(const std::vector<int64_t>& shape) {
@@ -77,6 +72,11 @@ CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& va
   if (cache.type != want)
     Fail("cache dtype must be ", ElemName(want), " for quant_bit=", a.quant_bit, " and current_key ",
          ElemName(key.type), ", got ", ElemName(cache.type));
+  return {heads, head_dim, CheckCacheAndScale(a, cache, scale, heads, head_dim)};
+}
+
+int64_t CheckCacheAndScale(const Attrs& a, const TensorArg& cache, const TensorArg& scale, int64_t heads,
+                           int64_t head_dim) {
   if (cache.shape.size() != 5)
     Fail("cache must have rank 5 ", LayoutAxes(a.cache_layout), ", got shape ", ShapeStr(cache.shape));
   const int64_t max_t = cache.shape[a.cache_layout];  // in layout k, MaxT is axis k
@@ -87,7 +87,7 @@ CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& va
          ShapeStr(cache.shape));
   if (a.quant_bit == 0) {
     if (scale.present) Fail("scale must be absent when quant_bit is 0");
-    return {heads, head_dim, max_t};
+    return max_t;
   }
   if (head_dim % a.quant_group) Fail("quant_group=", a.quant_group, " must divide Dh=", head_dim);
   if (cache.type == int32_t(Elem::kInt4) && head_dim % 2)
@@ -99,26 +99,36 @@ CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& va
   if (scale.shape != scale_shape)
     Fail("scale shape must be ", ShapeStr(scale_shape), " (cache shape with last dim Dh/quant_group), got ",
          ShapeStr(scale.shape));
-  return {heads, head_dim, max_t};
+  return max_t;
+}
+
+std::vector<int64_t> SnapshotInt64(const TensorArg& t) {
+  int64_t count = 0;
+  if (!CountFits(t.shape, &count)) Fail("an index input has more than 2^63 - 1 elements, shape ", ShapeStr(t.shape));
+  const auto* data = static_cast<const int64_t*>(t.data);
+  return std::vector<int64_t>(data, data + count);
 }
 
 namespace {
 
-const int64_t* IndexVector(const char* name, const TensorArg& t, int64_t length) {
+// Type and shape checks of a 1-D index input, then its snapshot (the only read of its data).
+std::vector<int64_t> IndexVector(const char* name, const TensorArg& t, int64_t length) {
   if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be int64, got ", ElemName(t.type));
   if (t.shape.size() != 1) Fail(name, " must be 1-D, got shape ", ShapeStr(t.shape));
   if (length >= 0 && t.shape[0] != length) Fail(name, " must have shape (", length, ",), got ", ShapeStr(t.shape));
-  return static_cast<const int64_t*>(t.data);
+  return SnapshotInt64(t);
 }
 
+// The value of a scalar index input, read once.
 int64_t Scalar(const char* name, const TensorArg& t) {
   if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be an int64 scalar, got ", ElemName(t.type));
-  if (Count(t.shape) != 1 || t.shape.size() > 1) Fail(name, " must be a scalar or shape (1,), got shape ", ShapeStr(t.shape));
+  if (t.shape.size() > 1 || (t.shape.size() == 1 && t.shape[0] != 1))
+    Fail(name, " must be a scalar or shape (1,), got shape ", ShapeStr(t.shape));
   return *static_cast<const int64_t*>(t.data);
 }
 
 // Lengths of a starts vector; checks starts[0] == 0, non-decreasing, and the total when given.
-std::vector<int64_t> Lengths(const char* name, const int64_t* starts, int64_t batch, const char* total_name,
+std::vector<int64_t> Lengths(const char* name, const std::vector<int64_t>& starts, int64_t batch, const char* total_name,
                              const int64_t* total) {
   if (starts[0] != 0) Fail(name, "[0] must be 0, got ", starts[0]);
   std::vector<int64_t> lengths(batch);
@@ -144,7 +154,8 @@ void CheckMax(const char* name, const char* what, int64_t given, const std::vect
 }
 
 struct Owner {
-  int64_t slot, b, pos;
+  int64_t slot, b;
+  uint64_t pos;  // start_pos[b] + i may exceed INT64_MAX
 };
 
 // No slot stored twice; a stored slot loaded only by its own sequence at its own position.
@@ -154,7 +165,7 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
   stores.reserve(p.tokens);
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t i = 0; i < seq_len[b]; ++i) {
-      const int64_t pos = p.start_pos[b] + i;
+      const uint64_t pos = static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(i);  // start_pos >= 0
       stores.push_back({SlotOf(p, a, b, pos), b, pos});
     }
   if (stores.empty()) return;
@@ -178,13 +189,15 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
   for (int64_t b = 0; b < p.batch; ++b) {
     int64_t t = 0;
     while (t < kv_len[b]) {
-      const int64_t run_end = a.cache_mode == 0 ? kv_len[b] : std::min(kv_len[b], (t / a.page_size + 1) * a.page_size);
+      // End of t's page, or kv_len; t + page_size may exceed INT64_MAX, so compare in 128 bits.
+      const int64_t run_end =
+          a.cache_mode == 0 ? kv_len[b] : int64_t(std::min(Big(kv_len[b]), (Big(t / a.page_size) + 1) * a.page_size));
       const int64_t slot0 = SlotOf(p, a, b, t);
       auto it = std::lower_bound(stores.begin(), stores.end(), slot0,
                                  [](const Owner& o, int64_t s) { return o.slot < s; });
       for (; it != stores.end() && it->slot < slot0 + (run_end - t); ++it) {
         const int64_t pos = t + (it->slot - slot0);
-        if (it->b != b || it->pos != pos)
+        if (it->b != b || it->pos != static_cast<uint64_t>(pos))
           Fail("cachestarts: slot ", it->slot, " is stored by sequence ", it->b, " position ", it->pos,
                " and loaded in the same call by sequence ", b, " position ", pos,
                "; a stored slot may only be loaded by its own sequence at its own position");
@@ -192,6 +205,18 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
       t = run_end;
     }
   }
+}
+
+// Sets out_heads and out_bytes, or throws when an output's dim or byte count does not fit in int64
+// (the count would wrap and the output would be allocated too small for the gather's writes). One row
+// must fit even when kv_tokens is 0: no array library can describe a shape whose other dims overflow.
+void CheckOutputSize(const Attrs& a, int32_t t1, CallPlan& p) {
+  if (!MulFits(p.heads, a.num_repeat, &p.out_heads)) throw KvError(OutputHeadsMessage(p.heads, a.num_repeat));
+  const int64_t elem_bytes = t1 == int32_t(Elem::kFloat32) ? 4 : 2;
+  int64_t row_bytes = 0;
+  if (!CountFits({p.out_heads, p.head_dim, elem_bytes}, &row_bytes))
+    throw KvError(OutputSizeMessage(p, a, t1, "a single row would be 2^63 bytes or more"));
+  if (!MulFits(p.kv_tokens, row_bytes, &p.out_bytes)) throw KvError(OutputSizeMessage(p, a, t1, "2^63 bytes or more"));
 }
 
 }  // namespace
@@ -230,6 +255,11 @@ void CheckAttrs(const Attrs& a) {
 }
 
 RowStrides LayoutRowStrides(int64_t layout, int64_t L, int64_t max_t, int64_t H, int64_t last) {
+  if (max_t == 0) return {};
+  // Every stride below is a product of a subset of the dims, so it fits once their product does.
+  int64_t count = 0;
+  if (!CountFits({L, 2, max_t, H, std::max<int64_t>(last, 1)}, &count))  // last = 0: scale of no quantization
+    Fail("cache has more than 2^63 - 1 elements: L=", L, ", MaxT=", max_t, ", H=", H, ", last dim ", last);
   // Strides of (L, KV, H, MaxT) rows, in elements, for each layout's axis order.
   switch (layout) {
     case 0: return {2 * H * last, H * last, last, L * 2 * H * last};
@@ -239,11 +269,23 @@ RowStrides LayoutRowStrides(int64_t layout, int64_t L, int64_t max_t, int64_t H,
   }
 }
 
+std::string OutputHeadsMessage(int64_t heads, int64_t num_repeat) {
+  std::ostringstream s;
+  s << "KeyValueCache output key would have H*num_repeat=" << heads << "*" << num_repeat
+    << " heads: H*num_repeat does not fit in int64";
+  return s.str();
+}
+
 CallPlan ValidateCall(const Attrs& a, const TensorArg* in) {
   CheckAttrs(a);
+  int64_t out_heads = 0;
+  if (in[0].shape.size() == 3 && in[0].shape[1] >= 0 && !MulFits(in[0].shape[1], a.num_repeat, &out_heads))
+    throw KvError(OutputHeadsMessage(in[0].shape[1], a.num_repeat));
   const CacheDims dims = CheckTensors(a, in[0], in[1], in[8], in[9]);
   CallPlan p;
   const TensorArg& seq = in[2];
+  // Each index input is copied into the plan right after its type and shape are checked, before any of
+  // its values is looked at; nothing below reads the caller's index memory again.
   p.seqstarts = IndexVector("seqstarts", seq, -1);
   if (seq.shape[0] < 1) Fail("seqstarts must have B + 1 >= 1 elements, got 0");
   p.batch = seq.shape[0] - 1;
@@ -255,7 +297,7 @@ CallPlan ValidateCall(const Attrs& a, const TensorArg* in) {
   if (cs.shape.size() != want_rank || cs.shape[0] != p.batch)
     Fail("cachestarts must have shape ", a.cache_mode == 0 ? "(B,)" : "(B, MaxP)", " with B = ", p.batch,
          " for cache_mode=", a.cache_mode, ", got ", ShapeStr(cs.shape));
-  p.cachestarts = static_cast<const int64_t*>(cs.data);
+  p.cachestarts = SnapshotInt64(cs);
   p.max_p = a.cache_mode == 1 ? cs.shape[1] : 0;
   const int64_t max_seqlen = Scalar("max_seqlen", in[6]);
   const int64_t max_kvlen = Scalar("max_kvlen", in[7]);
@@ -306,7 +348,15 @@ CallPlan ValidateCall(const Attrs& a, const TensorArg* in) {
   p.cache_rows = LayoutRowStrides(a.cache_layout, a.num_layer, p.max_t, p.heads, p.head_dim);
   p.scale_rows = LayoutRowStrides(a.cache_layout, a.num_layer, p.max_t, p.heads, p.groups);
   CheckAliasing(a, p, seq_len, kv_len);
+  CheckOutputSize(a, in[0].type, p);
   return p;
+}
+
+std::string OutputSizeMessage(const CallPlan& p, const Attrs& a, int32_t t1, const char* why) {
+  std::ostringstream s;
+  s << "KeyValueCache output key would be (kv_tokens=" << p.kv_tokens << ", H*num_repeat=" << p.heads << "*"
+    << a.num_repeat << ", Dh=" << p.head_dim << ") elements of " << ElemName(t1) << ": " << why;
+  return s.str();
 }
 
 }  // namespace kvcache

@@ -46,15 +46,19 @@ struct RowStrides {
   }
 };
 
-// Everything the compute needs about a validated call.
+// Everything the compute needs about a validated call. The index inputs are owned copies, taken once
+// before any of their values is checked: validation and compute read only these, so an index input
+// that aliases the cache cannot change under the kernel (spec: index inputs are read once).
 struct CallPlan {
   int64_t batch = 0, heads = 0, head_dim = 0, groups = 0, max_t = 0, max_p = 0, tokens = 0, kv_tokens = 0;
+  int64_t out_heads = 0;  // H * num_repeat, checked to fit
+  int64_t out_bytes = 0;  // bytes of one output, checked to fit
   RowStrides cache_rows;  // offsets in elements of Dh rows
   RowStrides scale_rows;  // offsets in elements of G rows
-  const int64_t* seqstarts = nullptr;    // [B+1]
-  const int64_t* kvstarts = nullptr;     // [B+1]
-  const int64_t* start_pos = nullptr;    // [B]
-  const int64_t* cachestarts = nullptr;  // [B] or [B, MaxP]
+  std::vector<int64_t> seqstarts;    // [B+1]
+  std::vector<int64_t> kvstarts;     // [B+1]
+  std::vector<int64_t> start_pos;    // [B]
+  std::vector<int64_t> cachestarts;  // [B] or [B, MaxP]
 };
 
 // Dtype/shape checks of current_key/value (t1 tensors), cache and scale; returns {H, Dh, MaxT}.
@@ -64,21 +68,45 @@ struct CacheDims {
 CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, const TensorArg& cache,
                        const TensorArg& scale);
 
+// The checks of CheckTensors from the cache's rank on (cache shape, scale), for a cache whose H and Dh
+// (>= 1) are already known; names only `cache` and `scale`. Returns MaxT.
+int64_t CheckCacheAndScale(const Attrs& a, const TensorArg& cache, const TensorArg& scale, int64_t heads,
+                           int64_t head_dim);
+
+// An owned copy of an int64 tensor's elements (the tensor's type must already be checked to be int64).
+std::vector<int64_t> SnapshotInt64(const TensorArg& t);
+
+// The error for an H whose H * num_repeat does not fit in int64 (no output dim can hold it).
+std::string OutputHeadsMessage(int64_t heads, int64_t num_repeat);
+
+// "KeyValueCache output key would be (...) elements of T: <why>": the error for an output whose size
+// does not fit; `out_heads` is printed as H*num_repeat.
+std::string OutputSizeMessage(const CallPlan& p, const Attrs& a, int32_t t1, const char* why);
+
 // Python-tuple rendering of a shape, as the reference's messages print it: (), (3,), (1, 2).
 std::string ShapeStr(const std::vector<int64_t>& shape);
 
 const char* ElemName(int32_t onnx_type);
 
-// inputs: the op's 10 inputs in order (scale may be absent). Throws KvError; returns the plan.
+// inputs: the op's 10 inputs in order (scale may be absent). Throws KvError; returns the plan, which
+// owns copies of the index inputs (the inputs' index data is read exactly once, here). Output sizes:
+// right after the attributes, H * num_repeat must fit in int64 (H from a rank-3 current_key: the check
+// a static H gets at session creation); last, the outputs (kv_tokens, H * num_repeat, Dh) must have a
+// byte count that fits in int64, and so must one row when kv_tokens is 0.
 CallPlan ValidateCall(const Attrs& a, const TensorArg* inputs);
 
-// Row strides of a rank-5 tensor in `layout` with last dim `last` (Dh for cache, G for scale).
+// Row strides of a rank-5 tensor in `layout` with last dim `last` (Dh for cache, G for scale). All zero
+// for max_t == 0 (no row of an empty tensor is ever addressed); otherwise throws KvError if the
+// tensor's element count does not fit in int64, so every stride and every in-bounds row offset fits.
 RowStrides LayoutRowStrides(int64_t layout, int64_t num_layer, int64_t max_t, int64_t heads, int64_t last);
 
-// Slot of position p of sequence b (valid only for positions that ValidateCall bounds-checked).
-inline int64_t SlotOf(const CallPlan& p, const Attrs& a, int64_t b, int64_t pos) {
-  if (a.cache_mode == 0) return p.cachestarts[b] + pos;
-  return p.cachestarts[b * p.max_p + pos / a.page_size] + pos % a.page_size;
+// Slot of position pos of sequence b (valid only for positions that ValidateCall bounds-checked).
+// pos is unsigned: start_pos[b] + i may exceed INT64_MAX when start_pos is near it; the page index
+// and the slot (< MaxT) always fit.
+inline int64_t SlotOf(const CallPlan& p, const Attrs& a, int64_t b, uint64_t pos) {
+  if (a.cache_mode == 0) return p.cachestarts[b] + static_cast<int64_t>(pos);
+  const uint64_t page_size = static_cast<uint64_t>(a.page_size);
+  return p.cachestarts[b * p.max_p + static_cast<int64_t>(pos / page_size)] + static_cast<int64_t>(pos % page_size);
 }
 
 }  // namespace kvcache

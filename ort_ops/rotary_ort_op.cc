@@ -37,10 +37,13 @@ OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
       auto info = value.GetTensorTypeAndShapeInfo();
       in[i] = TensorArg{true, info.GetElementType(), info.GetShape(), value.GetTensorRawData()};
     }
-    RotaryShiftCpu(attrs, in, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
-    auto out = ctx.GetOutput(0, in[2].shape);
-    const size_t n = in[2].shape.empty() ? 0 : static_cast<size_t>(in[2].shape[0]);
-    if (n) std::memcpy(out.GetTensorMutableRawData(), in[2].data, n * sizeof(int64_t));
+    const RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
+    // The output is the slots as given: the snapshot (the input may alias the cache rows rotated below),
+    // allocated before the rotation so that a failure leaves the cache unchanged.
+    auto out = ctx.GetOutput(0, {static_cast<int64_t>(plan.slots.size())});
+    if (!plan.slots.empty())
+      std::memcpy(out.GetTensorMutableRawData(), plan.slots.data(), plan.slots.size() * sizeof(int64_t));
+    RotaryShiftCpu(attrs, plan, in, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
     return nullptr;
   } catch (...) {
     return StatusFromCurrentException();

@@ -43,8 +43,17 @@ void CheckRotaryAttrs(const RotaryAttrs& a) {
     Fail("rotary_interleaved must be 0 or 1, got ", a.rotary_interleaved);
 }
 
-void RotaryShiftCpu(const RotaryAttrs& ra, const TensorArg* in,
-                    const std::function<void(size_t, const std::function<void(size_t)>&)>& parallel_for) {
+namespace {
+
+// An owned copy of a float32 table (type and shape already checked).
+std::vector<float> SnapshotFloats(const TensorArg& t, int64_t count) {
+  const auto* data = static_cast<const float*>(t.data);
+  return std::vector<float>(data, data + count);
+}
+
+}  // namespace
+
+RotaryPlan ValidateRotaryShift(const RotaryAttrs& ra, const TensorArg* in) {
   const Attrs& a = ra.base;
   CheckAttrs(a);
   const TensorArg &cache = in[0], &scale = in[1], &slots_t = in[2], &cos_t = in[3], &sin_t = in[4];
@@ -56,37 +65,50 @@ void RotaryShiftCpu(const RotaryAttrs& ra, const TensorArg* in,
     Fail("cache dtype must be float32, float16 or bfloat16 when quant_bit is 0, got ", ElemName(cache.type));
   }
   if (cache.shape.size() != 5) Fail("cache must have rank 5, got shape ", ShapeStr(cache.shape));
-  const int64_t heads = a.cache_layout < 3 ? cache.shape[3] : cache.shape[2], head_dim = cache.shape[4];
-  TensorArg dummy;  // a float key of (0, H, Dh): CheckTensors then checks cache and scale as for KeyValueCache
-  dummy.present = true;
-  dummy.type = a.quant_bit ? int32_t(Elem::kFloat32) : cache.type;
-  dummy.shape = {0, heads, head_dim};
-  const CacheDims dims = CheckTensors(a, dummy, dummy, cache, scale);
-  const int64_t rotary = ra.rotary_dim ? ra.rotary_dim : head_dim;
-  if (rotary % 2 || rotary < 2 || rotary > head_dim)
-    Fail("rotary_dim must be 0 or even in [2, Dh=", head_dim, "], got ", ra.rotary_dim);
+  RotaryPlan p;
+  p.heads = a.cache_layout < 3 ? cache.shape[3] : cache.shape[2];
+  p.head_dim = cache.shape[4];
+  if (p.heads < 1 || p.head_dim < 1) Fail("cache must have H >= 1 and Dh >= 1, got shape ", ShapeStr(cache.shape));
+  p.max_t = CheckCacheAndScale(a, cache, scale, p.heads, p.head_dim);
+  p.rotary = ra.rotary_dim ? ra.rotary_dim : p.head_dim;
+  if (p.rotary % 2 || p.rotary < 2 || p.rotary > p.head_dim)
+    Fail("rotary_dim must be 0 or even in [2, Dh=", p.head_dim, "], got ", ra.rotary_dim);
   CheckRotaryAttrs(ra);
   if (slots_t.type != int32_t(Elem::kInt64) || slots_t.shape.size() != 1)
     Fail("slots must be a 1-D int64 tensor, got ", ElemName(slots_t.type), ShapeStr(slots_t.shape));
   const int64_t n = slots_t.shape[0];
-  const std::vector<int64_t> table_shape{n, rotary / 2};
+  const std::vector<int64_t> table_shape{n, p.rotary / 2};
   for (auto [name, t] : {std::pair<const char*, const TensorArg*>{"cos", &cos_t}, {"sin", &sin_t}})
     if (t->type != int32_t(Elem::kFloat32) || t->shape != table_shape)
-      Fail(name, " must be float32 of shape (", n, ", ", rotary / 2, "), got ", ElemName(t->type), ShapeStr(t->shape));
-  const auto* slots = static_cast<const int64_t*>(slots_t.data);
+      Fail(name, " must be float32 of shape (", n, ", ", p.rotary / 2, "), got ", ElemName(t->type), ShapeStr(t->shape));
+  // Types and shapes are right: copy, then check values on the copies only. n * rotary / 2 is the
+  // element count of a tensor the caller holds, so it fits.
+  p.slots = SnapshotInt64(slots_t);
+  p.cos = SnapshotFloats(cos_t, n * (p.rotary / 2));
+  p.sin = SnapshotFloats(sin_t, n * (p.rotary / 2));
   for (int64_t i = 0; i < n; ++i)
-    if (slots[i] < 0 || slots[i] >= dims.max_t) Fail("slots[", i, "] = ", slots[i], " must be in [0, MaxT=", dims.max_t, ")");
-  std::vector<int64_t> sorted(slots, slots + n);
+    if (p.slots[i] < 0 || p.slots[i] >= p.max_t)
+      Fail("slots[", i, "] = ", p.slots[i], " must be in [0, MaxT=", p.max_t, ")");
+  std::vector<int64_t> sorted = p.slots;
   std::sort(sorted.begin(), sorted.end());
   for (size_t i = 1; i < sorted.size(); ++i)
     if (sorted[i] == sorted[i - 1]) Fail("slots: slot ", sorted[i], " appears more than once");
+  p.groups = a.quant_bit ? p.head_dim / a.quant_group : 0;
+  p.rows = LayoutRowStrides(a.cache_layout, a.num_layer, p.max_t, p.heads, p.head_dim);
+  p.scale_rows = LayoutRowStrides(a.cache_layout, a.num_layer, p.max_t, p.heads, p.groups);
+  return p;
+}
 
-  // Everything is valid: rotate.
-  const RowStrides rows = LayoutRowStrides(a.cache_layout, a.num_layer, dims.max_t, heads, head_dim);
-  const int64_t groups = a.quant_bit ? head_dim / a.quant_group : 0;
-  const RowStrides scale_rows = LayoutRowStrides(a.cache_layout, a.num_layer, dims.max_t, heads, groups);
-  const auto* cos = static_cast<const float*>(cos_t.data);
-  const auto* sin = static_cast<const float*>(sin_t.data);
+void RotaryShiftCpu(const RotaryAttrs& ra, const RotaryPlan& p, const TensorArg* in,
+                    const std::function<void(size_t, const std::function<void(size_t)>&)>& parallel_for) {
+  const Attrs& a = ra.base;
+  const TensorArg &cache = in[0], &scale = in[1];
+  const int64_t heads = p.heads, head_dim = p.head_dim, rotary = p.rotary, groups = p.groups, n = int64_t(p.slots.size());
+  const RowStrides& rows = p.rows;
+  const RowStrides& scale_rows = p.scale_rows;
+  const int64_t* slots = p.slots.data();
+  const float* cos = p.cos.data();
+  const float* sin = p.sin.data();
   void* cache_data = const_cast<void*>(cache.data);  // written in place (spec: in-out input)
   void* scale_data = scale.present ? const_cast<void*>(scale.data) : nullptr;
   const bool int4 = a.quant_bit == 4;

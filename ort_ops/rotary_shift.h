@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <vector>
 
 #include "kv_validate.h"
 
@@ -17,8 +18,22 @@ struct RotaryAttrs {
 // Attribute checks that need no input (run when the session is created).
 void CheckRotaryAttrs(const RotaryAttrs& a);
 
-// inputs: cache, scale (may be absent), slots, cos, sin. Validates all, then rotates in place.
-void RotaryShiftCpu(const RotaryAttrs& a, const TensorArg* inputs,
+// A validated call. slots, cos and sin are owned copies taken before any of their values is checked:
+// the rotation reads only these, so a slots/cos/sin input that aliases the cache cannot change under it.
+struct RotaryPlan {
+  int64_t heads = 0, head_dim = 0, max_t = 0, rotary = 0, groups = 0;
+  RowStrides rows, scale_rows;
+  std::vector<int64_t> slots;  // [N], each in [0, MaxT), distinct
+  std::vector<float> cos, sin;  // [N, rotary / 2]
+};
+
+// inputs: cache, scale (may be absent), slots, cos, sin. Every check of spec/KeyCacheRotaryShift.md, in
+// the reference's order and with its messages, which name only these inputs. Throws KvError.
+RotaryPlan ValidateRotaryShift(const RotaryAttrs& a, const TensorArg* inputs);
+
+// Rotates the key rows of plan.slots in place (cache, and scale when quantized). The plan must come from
+// ValidateRotaryShift on the same inputs.
+void RotaryShiftCpu(const RotaryAttrs& a, const RotaryPlan& plan, const TensorArg* inputs,
                     const std::function<void(size_t, const std::function<void(size_t)>&)>& parallel_for);
 
 }  // namespace kvcache

@@ -36,3 +36,19 @@ def assert_same_bits(got, want, names=("key", "value", "cache", "scale")):
         g = np.asarray(g)
         assert g.dtype == w.dtype and g.shape == w.shape, f"{name}: {g.dtype}{g.shape} vs {w.dtype}{w.shape}"
         assert g.tobytes() == w.tobytes(), f"{name} differs"
+
+
+def model_for(inputs, symbolic_heads=False, **attrs):
+    """spec.make_model with symbolic output dims (make_model's own would not fit a protobuf int64); with
+    ``symbolic_heads`` current_key/value's H is symbolic too, so shape inference cannot see H * num_repeat."""
+    model = spec.make_model(inputs, **{**attrs, "num_repeat": 1})
+    for attr in model.graph.node[0].attribute:
+        if attr.name == "num_repeat":
+            attr.i = attrs.get("num_repeat", 1)
+    for output in model.graph.output:
+        for dim, name in zip(output.type.tensor_type.shape.dim, ("kv_tokens", "kv_heads", "head_dim")):
+            dim.dim_param = name
+    if symbolic_heads:
+        for graph_input in model.graph.input[:2]:
+            graph_input.type.tensor_type.shape.dim[1].dim_param = "heads"
+    return model
