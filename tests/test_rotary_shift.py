@@ -4,45 +4,12 @@ bit for bit."""
 import numpy as np
 import pytest
 from hypothesis import given
-from hypothesis import strategies as st
 
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session
-from kvcache_op.reference import (INT4, KeyValueCacheError, apply_rope, cache_shape, canonical_view,
+from kvcache_op.reference import (KeyValueCacheError, apply_rope, cache_shape, canonical_view,
                                   key_cache_rotary_shift, quantize, rotary_shift_tables)
-from kvcache_op.reference.dtypes import BFLOAT16
-
-DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
-
-
-@st.composite
-def shift_calls(draw):
-    quant_bit = draw(st.sampled_from((0, 4, 8)))
-    head_dim = draw(st.sampled_from((2, 4, 8, 16)))
-    layout = draw(st.integers(0, 3))
-    layers = draw(st.integers(1, 2))
-    heads = draw(st.integers(1, 3))
-    max_t = draw(st.integers(1, 12))
-    group = draw(st.sampled_from([g for g in (1, 2, 4, 8) if head_dim % g == 0]))
-    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
-    if quant_bit:
-        q = 7 if quant_bit == 4 else 127
-        cache = rng.integers(-q, q + 1, cache_shape(layout, layers, max_t, heads, head_dim)).astype(
-            np.int8 if quant_bit == 8 else INT4)
-        scale = rng.uniform(0.01, 0.1, cache_shape(layout, layers, max_t, heads, head_dim // group)).astype(
-            draw(st.sampled_from((np.float32, np.float16))))
-    else:
-        cache = (rng.standard_normal(cache_shape(layout, layers, max_t, heads, head_dim)) * 2).astype(
-            DTYPES[draw(st.sampled_from(list(DTYPES)))])
-        scale = None
-    n = draw(st.integers(0, max_t))
-    slots = rng.permutation(max_t)[:n].astype(np.int64)
-    rotary = draw(st.sampled_from([r for r in (0, 2, 4, 8, 16) if r <= head_dim]))
-    cos, sin = rotary_shift_tables(rng.integers(-50, 50, n), rotary or head_dim)
-    attrs = dict(num_layer=layers, layer_idx=draw(st.integers(0, layers - 1)), cache_layout=layout,
-                 quant_bit=quant_bit, quant_group=group, rotary_dim=rotary,
-                 rotary_interleaved=draw(st.integers(0, 1)))
-    return {"cache": cache, "scale": scale, "slots": slots, "cos": cos, "sin": sin}, attrs
+from strategies import shift_calls
 
 
 def reference(inputs, attrs):
