@@ -27,6 +27,10 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     layer_scale = None if scale is None else canonical_view(scale, cache_layout)[layer_idx]
     out_dtype = current_key.dtype
     batch = len(plan.seq_len)
+    # The outputs first: an allocation failure must not come after the cache was written.
+    heads, head_dim = current_key.shape[1:]
+    total = plan.kv_begin[-1] + plan.kv_len[-1] if batch else 0
+    outputs = [np.empty((total, heads * num_repeat, head_dim), dtype=out_dtype) for _ in (0, 1)]
 
     # 1. All stores: cache[slot(b, start_pos[b] + i)] = Q(current[seqstarts[b] + i]).
     for b in range(batch):
@@ -41,11 +45,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
                 layer_cache[kv][:, plan.store_slots[b], :] = x
 
     # 2. All loads: out[kvstarts[b] + t, h * num_repeat + r] = DQ(cache[slot(b, t)][h]).
-    heads, head_dim = current_key.shape[1:]
-    total = plan.kv_begin[-1] + plan.kv_len[-1] if batch else 0
-    outputs = []
-    for kv in (0, 1):
-        out = np.empty((total, heads * num_repeat, head_dim), dtype=out_dtype)
+    for kv, out in enumerate(outputs):
         for b in range(batch):
             slots = plan.load_slots[b]
             gathered = layer_cache[kv][:, slots, :]  # (H, kvlen, Dh)
@@ -53,5 +53,4 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
                 gathered = dequantize(gathered, layer_scale[kv][:, slots, :], quant_group, out_dtype)
             rows = slice(plan.kv_begin[b], plan.kv_begin[b] + plan.kv_len[b])
             out[rows] = np.repeat(gathered.transpose(1, 0, 2), num_repeat, axis=1)
-        outputs.append(out)
     return outputs[0], outputs[1]

@@ -39,20 +39,20 @@ def apply_rope(x: np.ndarray, positions, rotary_dim: int = 0, theta: float = 100
     return rotated.transpose(1, 0, 2).astype(x.dtype)
 
 
-def _check(cache, scale, slots, cos, sin, a: Attributes, rotary_dim: int, interleaved: int) -> tuple:
+def _check(cache, scale, slots, cos, sin, a: Attributes, rotary_dim: int) -> tuple:
     t1 = T1_TYPES[0] if a.quant_bit else cache.dtype  # a float cache is its own T1
     if not a.quant_bit and cache.dtype not in T1_TYPES:
         fail(f"cache dtype must be float32, float16 or bfloat16 when quant_bit is 0, got {dtype_name(cache.dtype)}")
     if cache.ndim != 5:
         fail(f"cache must have rank 5, got shape {cache.shape}")
     heads, head_dim = cache.shape[3] if a.cache_layout < 3 else cache.shape[2], cache.shape[4]
+    if heads < 1 or head_dim < 1:
+        fail(f"cache must have H >= 1 and Dh >= 1, got shape {cache.shape}")
     dummy = np.zeros((0, heads, head_dim), t1)
     _, _, max_t = check_tensors(dummy, dummy, cache, scale, a)
     rotary = rotary_dim or head_dim
     if rotary % 2 or rotary < 2 or rotary > head_dim:
         fail(f"rotary_dim must be 0 or even in [2, Dh={head_dim}], got {rotary_dim}")
-    if interleaved not in (0, 1):
-        fail(f"rotary_interleaved must be 0 or 1, got {interleaved}")
     slots = np.asarray(slots)
     if slots.dtype != np.int64 or slots.ndim != 1:
         fail(f"slots must be a 1-D int64 tensor, got {dtype_name(slots.dtype)}{slots.shape}")
@@ -77,10 +77,14 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     a = Attributes(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                    cache_layout=cache_layout)
     check_attributes(a)
+    if rotary_interleaved not in (0, 1):
+        fail(f"rotary_interleaved must be 0 or 1, got {rotary_interleaved}")
+    # Read once: slots, cos and sin may share memory with the cache (spec: index inputs are read once).
+    slots, cos, sin = (np.array(x, copy=True) for x in (slots, cos, sin))
     if quant_bit and cache.dtype != CACHE_TYPE_FOR_QUANT_BIT[quant_bit]:
         fail(f"cache dtype must be {dtype_name(CACHE_TYPE_FOR_QUANT_BIT[quant_bit])} for quant_bit={quant_bit}, "
              f"got {dtype_name(cache.dtype)}")
-    slots, rotary = _check(cache, scale, slots, cos, sin, a, rotary_dim, rotary_interleaved)
+    slots, rotary = _check(cache, scale, slots, cos, sin, a, rotary_dim)
     keys = canonical_view(cache, cache_layout)[layer_idx, 0]  # (H, MaxT, Dh)
     rows = keys[:, slots, :]
     if quant_bit:

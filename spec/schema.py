@@ -35,7 +35,7 @@ def _infer(ctx) -> None:
     repeat = 1 if repeat is None else helper.get_attribute_value(repeat)
     if shape is not None and len(shape.dim) == 3:
         heads, head_dim = shape.dim[1], shape.dim[2]
-        if heads.HasField("dim_value"):
+        if heads.HasField("dim_value") and heads.dim_value * repeat < 2**63:  # else unknown: the op reports it
             dims[1] = heads.dim_value * repeat
         elif repeat == 1 and heads.HasField("dim_param"):
             dims[1] = heads.dim_param
