@@ -2,9 +2,8 @@
 or a representable output too large to allocate. Each fails with a message naming the inputs and the
 size, at session creation when H is static, else when run, and the cache stays byte-for-byte unchanged.
 
-(The numpy reference has no such rule yet: it fails with numpy's own error, after its stores, so the
-expected messages are spelled out here.) Runs that make a wrapping kernel write through a wild pointer
-go through a subprocess.
+The expected messages are spelled out here (the reference raises the same ones: tests/invalid_calls.py).
+Runs that make a wrapping kernel write through a wild pointer go through a subprocess.
 """
 
 import os
