@@ -98,7 +98,7 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
     return value.numpy()
 
 
-_SESSIONS = {}  # model bytes + threads -> session, the most recent few only
+_SESSIONS = {}  # model bytes + threads -> (session, in-place input names), the most recent few only
 _MAX_CACHED_SESSIONS = 8
 
 
@@ -111,14 +111,15 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     ``session`` is given: its graph cannot be checked). The sessions of the last few models are kept
     for repeated calls.
     """
-    written = in_place_inputs(model) if model is not None else None
     if session is None:
         key = (model.SerializeToString(), intra_op_num_threads)
-        session = _SESSIONS.get(key)
-        if session is None:
+        if key not in _SESSIONS:  # the graph is checked once per cached session, not per run
             if len(_SESSIONS) >= _MAX_CACHED_SESSIONS:
                 del _SESSIONS[next(iter(_SESSIONS))]
-            session = _SESSIONS[key] = make_session(model, intra_op_num_threads=intra_op_num_threads)
+            _SESSIONS[key] = (make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model))
+        session, written = _SESSIONS[key]
+    else:
+        written = in_place_inputs(model) if model is not None else None
     binding = session.io_binding()
     values = {}
     for info in session.get_inputs():
