@@ -1,0 +1,48 @@
+// The C entry points' tensors as the validators' TensorArgs, and the checks only a caller-allocated
+// output needs (shape, type, no overlap with what the op reads or writes).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "kv_types.h"
+#include "kv_validate.h"
+#include "kvcache_op.h"
+
+namespace kvcache {
+
+// Converts `count` tensors; names[i] is used in messages. Throws KvError for a rank outside
+// [0, KVCACHE_OP_MAX_RANK], a required input with type 0, or NULL data for a non-empty tensor.
+void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const* names, const bool* optional,
+                  TensorArg* out);
+
+// Bytes of a dense tensor of this type and shape (int4: two per byte, rounded up). The shape's element
+// count must already be known to fit (validated).
+int64_t TensorBytes(int32_t type, const std::vector<int64_t>& shape);
+
+// Throws KvError unless `t` has this type and shape and non-NULL data when it holds any byte.
+void CheckOutput(const KvcacheTensor& t, const char* name, int32_t type, const std::vector<int64_t>& shape);
+
+// Throws KvError when the byte ranges of two named buffers overlap (empty buffers never do).
+struct ByteRange {
+  const char* name;
+  const void* data;
+  int64_t bytes;
+};
+void CheckDisjoint(const ByteRange& written, const ByteRange& other);
+
+// Runs `body` and turns its exceptions into a return code and message (the C boundary).
+int32_t CatchAll(const std::function<void()>& body, char* message, size_t message_size);
+
+// Copies `text` into the caller's buffer, truncated and NUL-terminated (nothing when message is NULL).
+void WriteMessage(const std::string& text, char* message, size_t message_size);
+
+// fn(i) for i in [0, count) on up to `threads` threads (the calling thread included).
+void ParallelOnThreads(int32_t threads, size_t count, const std::function<void(size_t)>& fn);
+
+// Attribute structs of the C API as the validators' attributes.
+Attrs ToAttrs(const KvcacheKeyValueCacheAttrs& a);
+
+}  // namespace kvcache

@@ -1,0 +1,137 @@
+// The C entry points on the host: KeyValueCache and KeyCacheRotaryShift on host pointers, the output
+// shape query, the attribute defaults. Same validation and kernels as the ONNX Runtime CPU op.
+#include <cstring>
+#include <vector>
+
+#include "c_tensors.h"
+#include "kv_cpu.h"
+#include "kvcache_op.h"
+#include "rotary_shift.h"
+
+namespace kvcache {
+namespace {
+
+const char* const kKvNames[10] = {"current_key", "current_value", "seqstarts", "kvstarts", "cachestarts",
+                                  "start_pos",   "max_seqlen",    "max_kvlen", "cache",    "scale"};
+const bool kKvOptional[10] = {false, false, false, false, false, false, false, false, false, true};
+
+const char* const kRotaryNames[5] = {"cache", "scale", "slots", "cos", "sin"};
+const bool kRotaryOptional[5] = {false, true, false, false, false};
+
+CallPlan ValidateC(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs, Attrs* attrs, TensorArg* in) {
+  if (c == nullptr || inputs == nullptr) Fail("KeyValueCache: attrs and inputs must not be NULL");
+  *attrs = ToAttrs(*c);
+  ToTensorArgs(inputs, 10, kKvNames, kKvOptional, in);
+  return ValidateCall(*attrs, in);  // snapshots the index inputs, then checks them
+}
+
+}  // namespace
+
+// Validates a call with caller-allocated outputs: shapes and types as the call produces, and outputs that
+// share no memory with the buffers the op reads or writes. Shared by the CPU and CUDA entries.
+CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs,
+                             const KvcacheTensor* outputs, Attrs* attrs, TensorArg* in) {
+  const CallPlan plan = ValidateC(c, inputs, attrs, in);
+  if (outputs == nullptr) Fail("KeyValueCache: outputs must not be NULL");
+  const std::vector<int64_t> out_shape{plan.kv_tokens, plan.out_heads, plan.head_dim};
+  const char* out_names[2] = {"output key", "output value"};
+  for (int i = 0; i < 2; ++i) CheckOutput(outputs[i], out_names[i], in[0].type, out_shape);
+  std::vector<ByteRange> read_or_written;
+  for (int i : {0, 1, 8, 9})
+    if (in[i].present) read_or_written.push_back({kKvNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
+  const ByteRange out_key{out_names[0], outputs[0].data, plan.out_bytes};
+  const ByteRange out_value{out_names[1], outputs[1].data, plan.out_bytes};
+  CheckDisjoint(out_key, out_value);
+  for (const ByteRange& other : read_or_written) {
+    CheckDisjoint(out_key, other);
+    CheckDisjoint(out_value, other);
+  }
+  return plan;
+}
+
+}  // namespace kvcache
+
+using namespace kvcache;
+
+extern "C" {
+
+int32_t kvcache_op_c_api_version(void) { return KVCACHE_OP_C_API_VERSION; }
+
+void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
+  const Attrs a;  // the spec's defaults
+  *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,
+                                     a.num_repeat, a.cache_mode, a.cache_layout, a.page_size};
+}
+
+void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs) {
+  const RotaryAttrs a;
+  *attrs = KvcacheRotaryShiftAttrs{a.base.num_layer, a.base.layer_idx, a.base.quant_bit, a.base.quant_group,
+                                   a.base.cache_layout, a.rotary_dim, a.rotary_interleaved};
+}
+
+int32_t kvcache_op_key_value_cache_output_shape(const KvcacheKeyValueCacheAttrs* attrs, const KvcacheTensor inputs[10],
+                                                int64_t out_shape[3], char* message, size_t message_size) {
+  return CatchAll(
+      [&] {
+        Attrs a;
+        TensorArg in[10];
+        const CallPlan plan = ValidateC(attrs, inputs, &a, in);
+        if (out_shape == nullptr) Fail("KeyValueCache: out_shape must not be NULL");
+        out_shape[0] = plan.kv_tokens;
+        out_shape[1] = plan.out_heads;
+        out_shape[2] = plan.head_dim;
+      },
+      message, message_size);
+}
+
+int32_t kvcache_op_key_value_cache_cpu(const KvcacheKeyValueCacheAttrs* attrs, const KvcacheTensor inputs[10],
+                                       const KvcacheTensor outputs[2], int32_t num_threads, char* message,
+                                       size_t message_size) {
+  return CatchAll(
+      [&] {
+        Attrs a;
+        TensorArg in[10];
+        const CallPlan plan = ValidateWithOutputs(attrs, inputs, outputs, &a, in);  // nothing written before
+        ComputeArgs args{&a, &plan, in[0].type, in[9].type, in[0].data, in[1].data,
+                         const_cast<void*>(in[8].data), in[9].present ? const_cast<void*>(in[9].data) : nullptr,
+                         outputs[0].data, outputs[1].data};
+        ComputeCpu(args, [num_threads](size_t n, const std::function<void(size_t)>& fn) {
+          ParallelOnThreads(num_threads, n, fn);
+        });
+      },
+      message, message_size);
+}
+
+int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRotaryShiftAttrs* attrs, const KvcacheTensor inputs[5],
+                                              const KvcacheTensor* output, int32_t num_threads, char* message,
+                                              size_t message_size) {
+  return CatchAll(
+      [&] {
+        if (attrs == nullptr || inputs == nullptr) Fail("KeyCacheRotaryShift: attrs and inputs must not be NULL");
+        RotaryAttrs a;
+        a.base.num_layer = attrs->num_layer;
+        a.base.layer_idx = attrs->layer_idx;
+        a.base.quant_bit = attrs->quant_bit;
+        a.base.quant_group = attrs->quant_group;
+        a.base.cache_layout = attrs->cache_layout;
+        a.rotary_dim = attrs->rotary_dim;
+        a.rotary_interleaved = attrs->rotary_interleaved;
+        TensorArg in[5];
+        ToTensorArgs(inputs, 5, kRotaryNames, kRotaryOptional, in);
+        const RotaryPlan plan = ValidateRotaryShift(a, in);  // slots, cos, sin snapshotted, then checked
+        const int64_t n = static_cast<int64_t>(plan.slots.size());
+        if (output != nullptr) {
+          CheckOutput(*output, "output slots", int32_t(Elem::kInt64), {n});
+          const ByteRange out{"output slots", output->data, n * 8};
+          for (int i : {0, 1})
+            if (in[i].present) CheckDisjoint(out, {kRotaryNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
+          if (n) std::memcpy(output->data, plan.slots.data(), n * sizeof(int64_t));
+        }
+        RotaryShiftCpu(a, plan, in, [num_threads](size_t count, const std::function<void(size_t)>& fn) {
+          ParallelOnThreads(num_threads, count, fn);
+        });
+      },
+      message, message_size);
+}
+
+}  // extern "C"

@@ -1,0 +1,70 @@
+// The CUDA C entry point. In a build without CUDA it exists too and answers KVCACHE_OP_UNAVAILABLE, so
+// callers can link against one symbol set whatever the build.
+#include "c_tensors.h"
+#include "kvcache_op.h"
+
+#ifdef KVCACHE_WITH_CUDA
+#include "kv_cuda_run.h"
+#endif
+
+namespace kvcache {
+CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs,
+                             const KvcacheTensor* outputs, Attrs* attrs, TensorArg* in);
+
+#ifdef KVCACHE_WITH_CUDA
+namespace {
+
+struct StreamScratch : cuda::DeviceScratch {  // stream-ordered allocations of the CUDA runtime
+  cudaStream_t stream;
+  explicit StreamScratch(cudaStream_t s) : stream(s) {}
+  void* Alloc(size_t bytes) override {
+    void* data = nullptr;
+    if (cudaError_t e = cudaMallocAsync(&data, bytes, stream); e != cudaSuccess)
+      throw std::runtime_error(std::string("KeyValueCache CUDA: allocating index scratch: ") + cudaGetErrorString(e));
+    return data;
+  }
+  void Free(void* data) override { cudaFreeAsync(data, stream); }
+};
+
+}  // namespace
+#endif
+
+}  // namespace kvcache
+
+using namespace kvcache;
+
+extern "C" {
+
+int32_t kvcache_op_has_cuda(void) {
+#ifdef KVCACHE_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+int32_t kvcache_op_key_value_cache_cuda(const KvcacheKeyValueCacheAttrs* attrs, const KvcacheTensor inputs[10],
+                                        const KvcacheTensor outputs[2], void* stream, char* message,
+                                        size_t message_size) {
+#ifdef KVCACHE_WITH_CUDA
+  return CatchAll(
+      [&] {
+        Attrs a;
+        TensorArg in[10];
+        const CallPlan plan = ValidateWithOutputs(attrs, inputs, outputs, &a, in);  // nothing written before
+        StreamScratch scratch(static_cast<cudaStream_t>(stream));
+        const cuda::DeviceTensors tensors{in[0].data, in[1].data, const_cast<void*>(in[8].data),
+                                          in[9].present ? const_cast<void*>(in[9].data) : nullptr, outputs[0].data,
+                                          outputs[1].data};
+        cuda::RunValidated(a, plan, in[0].type, in[9].type, tensors, static_cast<cudaStream_t>(stream), scratch);
+      },
+      message, message_size);
+#else
+  (void)attrs, (void)inputs, (void)outputs, (void)stream;
+  WriteMessage("this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)",
+               message, message_size);
+  return KVCACHE_OP_UNAVAILABLE;
+#endif
+}
+
+}  // extern "C"

@@ -1,0 +1,119 @@
+/* kvcache-op C entry points: run the ops on raw pointers, without ONNX Runtime or torch types.
+ *
+ * The shared library libkvcache_op_ort.so exports these next to ONNX Runtime's RegisterCustomOps. Each
+ * entry runs the same validation as the ONNX Runtime op (spec/KeyValueCache.md "Validity", the
+ * reference's messages) and then the same kernels:
+ *   - *_cpu:  every pointer is host memory.
+ *   - *_cuda: current_key, current_value, cache, scale and the outputs are device memory; the index
+ *     inputs (seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen) are HOST memory. They
+ *     are copied into library-owned memory before any of their values is checked (so an index array
+ *     that aliases the cache cannot change under the kernel), then sent to the device in one copy on
+ *     `stream`; the kernels run on `stream` (NULL is the legacy default stream) and the call returns
+ *     without waiting for them.
+ * On any error nothing has been written: the cache and scale are byte-for-byte unchanged.
+ *
+ * Tensors are dense and C-contiguous. Element types are ONNX TensorProto numbers (KVCACHE_OP_FLOAT ...).
+ * An int4 cache is packed two codes per byte (element 2i in the low nibble), as ONNX stores INT4.
+ * Outputs are allocated by the caller with the shape the call produces: (kvstarts[B], H * num_repeat,
+ * Dh) of current_key's type (kvcache_op_key_value_cache_output_shape computes it); an output of another
+ * shape or type, or one that overlaps an input, is refused.
+ *
+ * Return value: KVCACHE_OP_OK (0), or an error code with a NUL-terminated message written to
+ * `message` (truncated to `message_size` bytes; `message` may be NULL). Thread-safe: calls share no state.
+ */
+#ifndef KVCACHE_OP_H_
+#define KVCACHE_OP_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVCACHE_OP_C_API_VERSION 1
+
+#if defined(__GNUC__)
+#define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
+#else
+#define KVCACHE_OP_EXPORT
+#endif
+
+/* Return codes. */
+#define KVCACHE_OP_OK 0
+#define KVCACHE_OP_INVALID_ARGUMENT 1 /* the call breaks the spec's validity rules; nothing written */
+#define KVCACHE_OP_RUNTIME_ERROR 2    /* a CUDA or allocation failure */
+#define KVCACHE_OP_UNAVAILABLE 3      /* this build has no CUDA kernels */
+
+/* ONNX element types used by the ops. */
+#define KVCACHE_OP_FLOAT 1
+#define KVCACHE_OP_INT8 3
+#define KVCACHE_OP_INT64 7
+#define KVCACHE_OP_FLOAT16 10
+#define KVCACHE_OP_BFLOAT16 16
+#define KVCACHE_OP_INT4 22
+
+#define KVCACHE_OP_MAX_RANK 8
+
+/* A dense, C-contiguous tensor. type == 0 marks an absent optional input (scale); data may be NULL only
+ * when the tensor has no elements. */
+typedef struct KvcacheTensor {
+  int32_t type;                         /* ONNX element type */
+  int32_t rank;                         /* 0 .. KVCACHE_OP_MAX_RANK */
+  int64_t shape[KVCACHE_OP_MAX_RANK];   /* the first `rank` entries are the dims */
+  void* data;
+} KvcacheTensor;
+
+/* KeyValueCache attributes; kvcache_op_key_value_cache_defaults fills the spec's defaults. */
+typedef struct KvcacheKeyValueCacheAttrs {
+  int64_t num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_mode, cache_layout, page_size;
+} KvcacheKeyValueCacheAttrs;
+
+/* KeyCacheRotaryShift attributes; kvcache_op_key_cache_rotary_shift_defaults fills the spec's defaults. */
+typedef struct KvcacheRotaryShiftAttrs {
+  int64_t num_layer, layer_idx, quant_bit, quant_group, cache_layout, rotary_dim, rotary_interleaved;
+} KvcacheRotaryShiftAttrs;
+
+/* KVCACHE_OP_C_API_VERSION of the library (a caller compiled against another version should refuse it). */
+KVCACHE_OP_EXPORT int32_t kvcache_op_c_api_version(void);
+
+/* 1 when the library was built with the CUDA kernels, else 0. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_has_cuda(void);
+
+KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
+KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
+
+/* inputs: the op's 10 inputs in order (current_key, current_value, seqstarts, kvstarts, cachestarts,
+ * start_pos, max_seqlen, max_kvlen, cache, scale); only index inputs and shapes are read. Validates the
+ * call and writes the outputs' shape (kv_tokens, H * num_repeat, Dh) to out_shape[3]. Writes nothing else. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_key_value_cache_output_shape(const KvcacheKeyValueCacheAttrs* attrs,
+                                                                  const KvcacheTensor inputs[10],
+                                                                  int64_t out_shape[3], char* message,
+                                                                  size_t message_size);
+
+/* KeyValueCache on host memory: stores, then gathers into outputs[0] (key) and outputs[1] (value).
+ * num_threads <= 1 runs on the calling thread; more splits the work over that many threads. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_key_value_cache_cpu(const KvcacheKeyValueCacheAttrs* attrs,
+                                                         const KvcacheTensor inputs[10],
+                                                         const KvcacheTensor outputs[2], int32_t num_threads,
+                                                         char* message, size_t message_size);
+
+/* KeyValueCache on a CUDA device (see the file comment for which pointers are device memory). `stream`
+ * is a cudaStream_t. Device scratch for the index copy comes from cudaMallocAsync on `stream`. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_key_value_cache_cuda(const KvcacheKeyValueCacheAttrs* attrs,
+                                                          const KvcacheTensor inputs[10],
+                                                          const KvcacheTensor outputs[2], void* stream,
+                                                          char* message, size_t message_size);
+
+/* KeyCacheRotaryShift on host memory. inputs: cache, scale (type 0 when absent), slots, cos, sin.
+ * output: receives the slots as given ([N] int64); NULL to skip it. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRotaryShiftAttrs* attrs,
+                                                                const KvcacheTensor inputs[5],
+                                                                const KvcacheTensor* output, int32_t num_threads,
+                                                                char* message, size_t message_size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVCACHE_OP_H_ */

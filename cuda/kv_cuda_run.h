@@ -1,0 +1,31 @@
+// Runs a validated KeyValueCache call on the GPU: launch limits, one host-to-device copy of the index
+// snapshots into scratch, the kernels — all on the caller's stream. Shared by the ONNX Runtime CUDA
+// kernel and the C entry point, so both launch exactly the same way.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "kv_cuda_params.h"
+#include "kv_validate.h"
+
+namespace kvcache {
+namespace cuda {
+
+// Device scratch in stream order: Alloc's memory may be used by work enqueued on the stream afterwards,
+// and Free may be called as soon as that work is enqueued.
+struct DeviceScratch {
+  virtual void* Alloc(size_t bytes) = 0;
+  virtual void Free(void* data) = 0;
+  virtual ~DeviceScratch() = default;
+};
+
+// Throws KvError when the call cannot be launched (CheckLaunchable) and std::runtime_error for a CUDA
+// failure. `plan` must come from ValidateCall on the call whose device buffers are `t`; `t1` and
+// `scale_type` are the ONNX types of current_key and scale. Returns after enqueueing, without waiting.
+void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,
+                  cudaStream_t stream, DeviceScratch& scratch);
+
+}  // namespace cuda
+}  // namespace kvcache

@@ -1,0 +1,247 @@
+"""Python binding of the library's framework-neutral C entry points (``capi/kvcache_op.h``).
+
+Two levels:
+
+* :func:`key_value_cache` / :func:`key_cache_rotary_shift`: numpy in, numpy out, the reference's
+  signature; run the CPU kernels through ``kvcache_op_*_cpu``. The cache (and scale) are written in place.
+* :func:`run_key_value_cache`: raw pointers (:class:`Tensor` descriptions) on ``"cpu"`` or ``"cuda"``,
+  for callers that own device memory (torch, CuPy): index inputs are host numpy arrays, everything else
+  is described by a pointer, a type and a shape.
+
+Invalid calls raise :class:`kvcache_op.reference.KeyValueCacheError` (a ``ValueError``) with the same
+message the reference gives, and leave the cache and scale unchanged; CUDA or allocation failures raise
+``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+import numpy as np
+
+from ..reference.dtypes import BFLOAT16, INT4
+from ..reference.quantize import pack_int4, unpack_int4
+from ..reference.validate import KeyValueCacheError
+
+C_API_VERSION = 1
+MAX_RANK = 8
+OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
+
+#: ONNX element type of each numpy dtype the ops take.
+ONNX_TYPES = {np.dtype(np.float32): 1, np.dtype(np.int8): 3, np.dtype(np.int64): 7, np.dtype(np.float16): 10,
+              BFLOAT16: 16, INT4: 22}
+
+KV_INPUTS = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
+             "max_kvlen", "cache", "scale")
+KV_INDEX_INPUTS = KV_INPUTS[2:8]
+KV_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "num_repeat", "cache_mode", "cache_layout",
+                 "page_size")
+ROTARY_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_layout", "rotary_dim",
+                     "rotary_interleaved")
+
+
+class CTensor(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int32), ("rank", ctypes.c_int32), ("shape", ctypes.c_int64 * MAX_RANK),
+                ("data", ctypes.c_void_p)]
+
+
+class CKeyValueCacheAttrs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in KV_ATTRIBUTES]
+
+
+class CRotaryShiftAttrs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ROTARY_ATTRIBUTES]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A dense C-contiguous tensor at ``data`` (a host or device address): ONNX ``type`` and ``shape``.
+    ``type == 0`` marks an absent optional input."""
+
+    type: int
+    shape: tuple
+    data: int
+
+    def to_c(self) -> CTensor:
+        if len(self.shape) > MAX_RANK:
+            raise KeyValueCacheError(f"rank {len(self.shape)} exceeds the C entry points' {MAX_RANK}")
+        c = CTensor(self.type, len(self.shape))
+        for i, d in enumerate(self.shape):
+            c.shape[i] = int(d)
+        c.data = self.data or None
+        return c
+
+
+ABSENT = Tensor(0, (), 0)
+
+
+@functools.lru_cache(maxsize=None)
+def library(path: str | None = None) -> ctypes.CDLL:
+    """The loaded library (default: :func:`kvcache_op.ort_ops.library_path`), with argument types set;
+    ``RuntimeError`` when its C API version differs from this binding's."""
+    if path is None:
+        from . import library_path
+
+        path = library_path()
+    lib = ctypes.CDLL(path)
+    message = (ctypes.c_char_p, ctypes.c_size_t)
+    kv_attrs, rot_attrs = ctypes.POINTER(CKeyValueCacheAttrs), ctypes.POINTER(CRotaryShiftAttrs)
+    tensors = ctypes.POINTER(CTensor)
+    signatures = {
+        "kvcache_op_c_api_version": ((), ctypes.c_int32),
+        "kvcache_op_has_cuda": ((), ctypes.c_int32),
+        "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
+        "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
+        "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
+                                                    ctypes.c_int32),
+        "kvcache_op_key_value_cache_cpu": ((kv_attrs, tensors, tensors, ctypes.c_int32) + message, ctypes.c_int32),
+        "kvcache_op_key_value_cache_cuda": ((kv_attrs, tensors, tensors, ctypes.c_void_p) + message, ctypes.c_int32),
+        "kvcache_op_key_cache_rotary_shift_cpu": ((rot_attrs, tensors, tensors, ctypes.c_int32) + message,
+                                                  ctypes.c_int32),
+    }
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(args), result
+    version = lib.kvcache_op_c_api_version()
+    if version != C_API_VERSION:
+        raise RuntimeError(f"{path} has C API version {version}; this binding speaks version {C_API_VERSION}")
+    return lib
+
+
+def has_cuda(path: str | None = None) -> bool:
+    """True when the library was built with its CUDA kernels."""
+    return bool(library(path).kvcache_op_has_cuda())
+
+
+def _attrs(struct, names, defaults_fn, given: dict):
+    unknown = set(given) - set(names)
+    if unknown:
+        raise TypeError(f"unknown attribute(s) {sorted(unknown)}; expected some of {list(names)}")
+    attrs = struct()
+    defaults_fn(ctypes.byref(attrs))
+    for name, value in given.items():
+        value = int(value)
+        if not -(2**63) <= value < 2**63:
+            raise KeyValueCacheError(f"{name} = {value} does not fit in int64")
+        setattr(attrs, name, value)
+    return attrs
+
+
+def _check(code: int, message: ctypes.Array) -> None:
+    if code == OK:
+        return
+    text = message.value.decode("utf-8", "replace")
+    if code == INVALID_ARGUMENT:
+        raise KeyValueCacheError(text)
+    raise RuntimeError(text)
+
+
+def _c_array(tensors) -> ctypes.Array:
+    return (CTensor * len(tensors))(*(t.to_c() for t in tensors))
+
+
+def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                        library_file: str | None = None, **attributes) -> None:
+    """Runs KeyValueCache on raw buffers. ``inputs``: 10 :class:`Tensor` in the op's order (``ABSENT`` for
+    no scale); ``outputs``: 2 :class:`Tensor` of the shape :func:`output_shape` gives. On ``"cuda"``,
+    inputs 0, 1, 8, 9 and the outputs are device addresses and the index inputs host addresses; the
+    kernels are enqueued on ``stream`` (a ``cudaStream_t`` as an int) and not waited for."""
+    lib = library(library_file)
+    attrs = _attrs(CKeyValueCacheAttrs, KV_ATTRIBUTES, lib.kvcache_op_key_value_cache_defaults, attributes)
+    message = ctypes.create_string_buffer(4096)
+    c_in, c_out = _c_array(inputs), _c_array(outputs)
+    if device == "cpu":
+        code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
+                                                  len(message))
+    elif device == "cuda":
+        code = lib.kvcache_op_key_value_cache_cuda(ctypes.byref(attrs), c_in, c_out, stream or None, message,
+                                                   len(message))
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    _check(code, message)
+
+
+def output_shape(inputs, *, library_file: str | None = None, **attributes) -> tuple:
+    """(kv_tokens, H * num_repeat, Dh) of a call after validating it (only index data is read)."""
+    lib = library(library_file)
+    attrs = _attrs(CKeyValueCacheAttrs, KV_ATTRIBUTES, lib.kvcache_op_key_value_cache_defaults, attributes)
+    message = ctypes.create_string_buffer(4096)
+    shape = (ctypes.c_int64 * 3)()
+    _check(lib.kvcache_op_key_value_cache_output_shape(ctypes.byref(attrs), _c_array(inputs), shape, message,
+                                                        len(message)), message)
+    return tuple(shape)
+
+
+class _HostArgs:
+    """numpy arrays as C tensors; keeps every buffer alive and writes packed int4 caches back."""
+
+    def __init__(self):
+        self.keep, self.write_back = [], []
+
+    def tensor(self, name: str, array, written: bool = False) -> Tensor:
+        if array is None:
+            return ABSENT
+        if written:
+            if not isinstance(array, np.ndarray):
+                raise KeyValueCacheError(f"{name} must be a numpy array: it is written in place")
+            if not (array.flags.c_contiguous and array.flags.writeable):
+                raise KeyValueCacheError(f"{name} must be a writable C-contiguous array: it is written in place")
+        array = np.asarray(array)
+        if array.dtype not in ONNX_TYPES:
+            raise KeyValueCacheError(f"{name} has dtype {array.dtype}, which the op does not take")
+        if array.dtype == INT4:  # one code per byte in numpy; the kernels take ONNX's packed layout
+            packed = pack_int4(array)
+            self.keep.append(packed)
+            if written:
+                self.write_back.append((array, packed))
+            return Tensor(ONNX_TYPES[INT4], array.shape, packed.ctypes.data)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        self.keep.append(array)
+        return Tensor(ONNX_TYPES[array.dtype], array.shape, array.ctypes.data)
+
+    def finish(self) -> None:
+        for array, packed in self.write_back:
+            array[...] = unpack_int4(packed, array.size).reshape(array.shape).astype(INT4)
+
+
+def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                    cache, scale=None, *, num_threads: int = 1, library_file: str | None = None, **attributes):
+    """The reference's :func:`~kvcache_op.reference.key_value_cache` on the library's CPU kernel through the
+    C entry point: returns ``(key, value)``; writes ``cache`` / ``scale`` in place."""
+    args = _HostArgs()
+    given = dict(current_key=current_key, current_value=current_value, seqstarts=seqstarts, kvstarts=kvstarts,
+                 cachestarts=cachestarts, start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=max_kvlen,
+                 cache=cache, scale=scale)
+    inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in KV_INPUTS]
+    shape = output_shape(inputs, library_file=library_file, **attributes)
+    dtype = np.asarray(current_key).dtype
+    key, value = np.empty(shape, dtype), np.empty(shape, dtype)
+    outputs = [Tensor(ONNX_TYPES[dtype], shape, out.ctypes.data) for out in (key, value)]
+    run_key_value_cache(inputs, outputs, device="cpu", num_threads=num_threads, library_file=library_file,
+                        **attributes)
+    args.finish()
+    return key, value
+
+
+def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 1, library_file: str | None = None,
+                           **attributes):
+    """The reference's :func:`~kvcache_op.reference.key_cache_rotary_shift` on the library's CPU kernel:
+    rotates the keys of ``slots`` in place (cache, and scale when quantized); returns the slots."""
+    lib = library(library_file)
+    attrs = _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
+    args = _HostArgs()
+    inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
+              args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
+    count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0
+    out = np.empty(count, np.int64)
+    output = Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data)
+    message = ctypes.create_string_buffer(4096)
+    code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), _c_array(inputs),
+                                                     ctypes.byref(output.to_c()), int(num_threads), message,
+                                                     len(message))
+    _check(code, message)
+    args.finish()
+    return out
