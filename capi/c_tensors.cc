@@ -40,12 +40,13 @@ int64_t TensorBytes(int32_t type, const std::vector<int64_t>& shape) {
   CountFits(shape, &elements);
   switch (static_cast<Elem>(type)) {
     case Elem::kInt4: return elements / 2 + elements % 2;
-    case Elem::kInt8: return elements;
     case Elem::kFloat16:
     case Elem::kBFloat16: return elements * 2;
     case Elem::kFloat32:
     case Elem::kInt32: return elements * 4;
-    default: return elements * 8;
+    case Elem::kInt64:
+    case Elem::kFloat64: return elements * 8;
+    default: return elements;  // 1-byte types; other types never pass validation
   }
 }
 
@@ -61,7 +62,9 @@ void CheckDisjoint(const ByteRange& written, const ByteRange& other) {
   if (written.bytes <= 0 || other.bytes <= 0 || other.data == nullptr) return;
   const auto a = reinterpret_cast<uintptr_t>(written.data), b = reinterpret_cast<uintptr_t>(other.data);
   const bool apart = a + static_cast<uint64_t>(written.bytes) <= b || b + static_cast<uint64_t>(other.bytes) <= a;
-  if (!apart) Fail(written.name, " overlaps ", other.name, ": outputs must not share memory with the inputs or each other");
+  if (!apart)
+    Fail(written.name, " overlaps ", other.name, ": the op writes ", written.name, " while it reads or writes ",
+         other.name, ", so they must not share memory");
 }
 
 int32_t CatchAll(const std::function<void()>& body, char* message, size_t message_size) {

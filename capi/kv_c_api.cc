@@ -39,6 +39,9 @@ CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTe
   std::vector<ByteRange> read_or_written;
   for (int i : {0, 1, 8, 9})
     if (in[i].present) read_or_written.push_back({kKvNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
+  // current_key/value are read while the cache and scale are written: they must not share memory either.
+  for (size_t w = 2; w < read_or_written.size(); ++w)
+    for (size_t r = 0; r < w; ++r) CheckDisjoint(read_or_written[w], read_or_written[r]);
   const ByteRange out_key{out_names[0], outputs[0].data, plan.out_bytes};
   const ByteRange out_value{out_names[1], outputs[1].data, plan.out_bytes};
   CheckDisjoint(out_key, out_value);

@@ -42,6 +42,17 @@ ROTARY_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cach
                      "rotary_interleaved")
 
 
+def onnx_type(dtype) -> int:
+    """The ONNX element type of a numpy dtype (any dtype ONNX has: the library's validation names the
+    types it refuses, with the reference's message)."""
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    try:
+        return ONNX_TYPES.get(np.dtype(dtype)) or int(np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    except (KeyError, TypeError, ValueError) as error:
+        raise KeyValueCacheError(f"dtype {np.dtype(dtype)} has no ONNX element type") from error
+
+
 class CTensor(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int32), ("rank", ctypes.c_int32), ("shape", ctypes.c_int64 * MAX_RANK),
                 ("data", ctypes.c_void_p)]
@@ -138,8 +149,15 @@ def _check(code: int, message: ctypes.Array) -> None:
     raise RuntimeError(text)
 
 
-def _c_array(tensors) -> ctypes.Array:
+def c_array(tensors) -> ctypes.Array:
+    """A C array of :class:`Tensor` s."""
     return (CTensor * len(tensors))(*(t.to_c() for t in tensors))
+
+
+def key_value_cache_attributes(library_file: str | None = None, **attributes) -> CKeyValueCacheAttrs:
+    """The C attribute struct: the spec's defaults (from the library), overridden by ``attributes``."""
+    lib = library(library_file)
+    return _attrs(CKeyValueCacheAttrs, KV_ATTRIBUTES, lib.kvcache_op_key_value_cache_defaults, attributes)
 
 
 def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
@@ -149,9 +167,9 @@ def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0
     inputs 0, 1, 8, 9 and the outputs are device addresses and the index inputs host addresses; the
     kernels are enqueued on ``stream`` (a ``cudaStream_t`` as an int) and not waited for."""
     lib = library(library_file)
-    attrs = _attrs(CKeyValueCacheAttrs, KV_ATTRIBUTES, lib.kvcache_op_key_value_cache_defaults, attributes)
+    attrs = key_value_cache_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
-    c_in, c_out = _c_array(inputs), _c_array(outputs)
+    c_in, c_out = c_array(inputs), c_array(outputs)
     if device == "cpu":
         code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
                                                   len(message))
@@ -166,16 +184,18 @@ def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0
 def output_shape(inputs, *, library_file: str | None = None, **attributes) -> tuple:
     """(kv_tokens, H * num_repeat, Dh) of a call after validating it (only index data is read)."""
     lib = library(library_file)
-    attrs = _attrs(CKeyValueCacheAttrs, KV_ATTRIBUTES, lib.kvcache_op_key_value_cache_defaults, attributes)
+    attrs = key_value_cache_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
     shape = (ctypes.c_int64 * 3)()
-    _check(lib.kvcache_op_key_value_cache_output_shape(ctypes.byref(attrs), _c_array(inputs), shape, message,
+    _check(lib.kvcache_op_key_value_cache_output_shape(ctypes.byref(attrs), c_array(inputs), shape, message,
                                                         len(message)), message)
     return tuple(shape)
 
 
-class _HostArgs:
-    """numpy arrays as C tensors; keeps every buffer alive and writes packed int4 caches back."""
+class HostBuffers:
+    """numpy arrays as C :class:`Tensor` s for one call: keeps every buffer alive until the call is over;
+    an int4 array (one code per byte in numpy) is passed packed, and :meth:`finish` writes the packed
+    bytes of written int4 arrays back."""
 
     def __init__(self):
         self.keep, self.write_back = [], []
@@ -189,8 +209,6 @@ class _HostArgs:
             if not (array.flags.c_contiguous and array.flags.writeable):
                 raise KeyValueCacheError(f"{name} must be a writable C-contiguous array: it is written in place")
         array = np.asarray(array)
-        if array.dtype not in ONNX_TYPES:
-            raise KeyValueCacheError(f"{name} has dtype {array.dtype}, which the op does not take")
         if array.dtype == INT4:  # one code per byte in numpy; the kernels take ONNX's packed layout
             packed = pack_int4(array)
             self.keep.append(packed)
@@ -200,7 +218,7 @@ class _HostArgs:
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         self.keep.append(array)
-        return Tensor(ONNX_TYPES[array.dtype], array.shape, array.ctypes.data)
+        return Tensor(onnx_type(array.dtype), array.shape, array.ctypes.data)
 
     def finish(self) -> None:
         for array, packed in self.write_back:
@@ -211,7 +229,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
                     cache, scale=None, *, num_threads: int = 1, library_file: str | None = None, **attributes):
     """The reference's :func:`~kvcache_op.reference.key_value_cache` on the library's CPU kernel through the
     C entry point: returns ``(key, value)``; writes ``cache`` / ``scale`` in place."""
-    args = _HostArgs()
+    args = HostBuffers()
     given = dict(current_key=current_key, current_value=current_value, seqstarts=seqstarts, kvstarts=kvstarts,
                  cachestarts=cachestarts, start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=max_kvlen,
                  cache=cache, scale=scale)
@@ -232,14 +250,14 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 
     rotates the keys of ``slots`` in place (cache, and scale when quantized); returns the slots."""
     lib = library(library_file)
     attrs = _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
-    args = _HostArgs()
+    args = HostBuffers()
     inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
               args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
     count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0
     out = np.empty(count, np.int64)
     output = Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data)
     message = ctypes.create_string_buffer(4096)
-    code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), _c_array(inputs),
+    code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs),
                                                      ctypes.byref(output.to_c()), int(num_threads), message,
                                                      len(message))
     _check(code, message)

@@ -51,3 +51,13 @@ def pytest_collection_modifyitems(config, items):
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: {reason}"))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How much kernel work the CUDA host runner checked in this session (when it ran)."""
+    runner = sys.modules.get("cuda_host_runner")
+    if runner is not None and runner.CHECKED["launches"]:
+        c = runner.CHECKED
+        terminalreporter.write_line(
+            f"CUDA host runner: {c['launches']} clean launches checked ({c['threads']} threads, "
+            f"{c['bytes_written']} bytes written)")

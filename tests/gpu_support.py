@@ -76,3 +76,19 @@ def run_on_cuda(model, inputs: dict, session=None):
     t1 = np.asarray(inputs["current_key"]).dtype
     key, value = (from_device(v, t1) for v in binding.get_outputs())
     return key, value, cache, scale
+
+
+def cuda_device_count() -> int:
+    """CUDA devices visible through torch or CuPy (0 when neither is installed or no device answers)."""
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # noqa: BLE001 - no torch, or a torch that cannot reach a driver
+        pass
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # noqa: BLE001
+        return 0

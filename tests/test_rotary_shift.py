@@ -128,7 +128,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("row", BAD, ids=[r[0] for r in BAD])
-@pytest.mark.parametrize("backend", ["reference", "ort"])
+@pytest.mark.parametrize("backend", ["reference", "ort", "c_api"])
 def test_invalid_shift_fails_and_writes_nothing(row, backend):
     cache = np.random.default_rng(4).integers(-127, 128, cache_shape(0, 1, 8, 2, 8)).astype(np.int8)
     scale = np.full(cache_shape(0, 1, 8, 2, 2), 0.02, np.float32)
@@ -140,6 +140,11 @@ def test_invalid_shift_fails_and_writes_nothing(row, backend):
     if backend == "reference":
         with pytest.raises(KeyValueCacheError, match=row[2]):
             key_cache_rotary_shift(**inputs, **attrs)
+    elif backend == "c_api":
+        from kvcache_op.ort_ops import c_api
+
+        with pytest.raises(KeyValueCacheError, match=row[2]):
+            c_api.key_cache_rotary_shift(**inputs, **attrs)
     else:
         with pytest.raises(Exception, match=row[2]):
             run_model_any(spec.make_rotary_shift_model(inputs, **attrs),

@@ -1,0 +1,200 @@
+"""The framework-neutral C entry points on the CPU: the reference's bits, the reference's errors with
+nothing written, and the checks only caller-allocated outputs need."""
+
+import ctypes
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from invalid_calls import INVALID, make_invalid
+from ort_helpers import assert_same_bits, copies, reference_result
+from strategies import calls, shift_calls
+
+from kvcache_op.ort_ops import c_api
+from kvcache_op.reference import KeyValueCacheError, key_cache_rotary_shift
+from kvcache_op.spec.cases import Seq, build
+
+
+def c_api_result(inputs, attrs, threads=1):
+    fresh = copies(inputs)
+    key, value = c_api.key_value_cache(**fresh, **attrs, num_threads=threads)
+    return key, value, fresh["cache"], fresh["scale"]
+
+
+@given(calls(max_batch=5), st.sampled_from((1, 3)))
+def test_c_entry_matches_reference(case, threads):
+    assert_same_bits(c_api_result(case.inputs, case.attributes, threads), reference_result(case.inputs, case.attributes))
+
+
+def test_c_entry_splits_large_batches_over_threads():
+    case = build("large", [Seq(i * 3, 40 + i) for i in range(20)], heads=2, head_dim=16, quant_bit=8, num_repeat=2,
+                 cache_mode=1, page_size=8, t1="bfloat16")
+    want = reference_result(case.inputs, case.attributes)
+    assert want[0].shape[0] > 4 * 64  # several 64-token tasks per launch
+    assert_same_bits(c_api_result(case.inputs, case.attributes, threads=4), want)
+
+
+@pytest.mark.parametrize("row", INVALID, ids=[r[0] for r in INVALID])
+def test_invalid_call_fails_with_the_reference_message_and_writes_nothing(row):
+    inputs, attrs = make_invalid(row)
+    before = {k: inputs[k].tobytes() for k in ("cache", "scale") if inputs.get(k) is not None}
+    with pytest.raises(KeyValueCacheError, match=row[3]):
+        c_api.key_value_cache(**inputs, **attrs)
+    assert {k: inputs[k].tobytes() for k in before} == before
+
+
+@given(shift_calls())
+def test_rotary_c_entry_matches_reference(call):
+    inputs, attrs = call
+    want = copies(inputs)
+    want_slots = key_cache_rotary_shift(**want, **attrs)
+    got = copies(inputs)
+    slots = c_api.key_cache_rotary_shift(**got, **attrs, num_threads=2)
+    assert np.array_equal(slots, want_slots)
+    assert got["cache"].tobytes() == want["cache"].tobytes()
+    if want["scale"] is not None:
+        assert got["scale"].tobytes() == want["scale"].tobytes()
+
+
+# Raw calls: outputs the caller allocates.
+
+def raw_call(case):
+    """(buffers, inputs, outputs, output arrays) of a case, for run_key_value_cache."""
+    buffers = c_api.HostBuffers()
+    inputs = [buffers.tensor(n, case.inputs.get(n), written=n in ("cache", "scale")) for n in c_api.KV_INPUTS]
+    shape = c_api.output_shape(inputs, **case.attributes)
+    dtype = case.inputs["current_key"].dtype
+    outs = [np.zeros(shape, dtype) for _ in range(2)]
+    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, o.ctypes.data) for o in outs]
+    return buffers, inputs, outputs, outs
+
+
+def small_case():
+    return build("raw", [Seq(2, 3), Seq(0, 2)], heads=2, head_dim=8, num_repeat=2, quant_bit=8, quant_group=4)
+
+
+def test_output_shape_is_what_the_call_produces():
+    case = small_case()
+    _, inputs, _, _ = raw_call(case)
+    key, _ = reference_result(case.inputs, case.attributes)[:2]
+    assert c_api.output_shape(inputs, **case.attributes) == key.shape
+
+
+@pytest.mark.parametrize("wrong,message", [
+    (lambda t: c_api.Tensor(t.type, (t.shape[0] + 1,) + t.shape[1:], t.data), r"output key must be float16\(7, 4, 8\)"),
+    (lambda t: c_api.Tensor(1, t.shape, t.data), r"the shape this call produces\), got float32\(7, 4, 8\)"),
+    (lambda t: c_api.Tensor(t.type, t.shape, 0), "output key has a NULL data pointer"),
+])
+def test_a_wrong_output_is_refused_before_anything_is_written(wrong, message):
+    case = small_case()
+    buffers, inputs, outputs, _ = raw_call(case)
+    cache, scale = case.inputs["cache"], case.inputs["scale"]
+    before = cache.tobytes(), scale.tobytes()
+    with pytest.raises(KeyValueCacheError, match=message):
+        c_api.run_key_value_cache(inputs, [wrong(outputs[0]), outputs[1]], **case.attributes)
+    assert (cache.tobytes(), scale.tobytes()) == before
+    del buffers
+
+
+@pytest.mark.parametrize("target", ["cache", "scale", "out_value", "current_key"])
+def test_an_output_sharing_memory_is_refused(target):
+    case = small_case()
+    buffers, inputs, outputs, outs = raw_call(case)
+    cache, scale = case.inputs["cache"], case.inputs["scale"]
+    before = cache.tobytes(), scale.tobytes()
+    where = {"cache": cache.ctypes.data + 8, "scale": scale.ctypes.data, "out_value": outs[1].ctypes.data + 2,
+             "current_key": case.inputs["current_key"].ctypes.data}[target]
+    overlapping = c_api.Tensor(outputs[0].type, outputs[0].shape, where)
+    with pytest.raises(KeyValueCacheError, match="output key overlaps .*must not share memory"):
+        c_api.run_key_value_cache(inputs, [overlapping, outputs[1]], **case.attributes)
+    assert (cache.tobytes(), scale.tobytes()) == before
+    del buffers
+
+
+def test_an_input_inside_the_cache_is_refused():
+    """current_key read while the cache is written: sharing memory would race on a GPU."""
+    case = small_case()
+    buffers, inputs, outputs, _ = raw_call(case)
+    cache = case.inputs["cache"]
+    before = cache.tobytes()
+    inputs[0] = c_api.Tensor(inputs[0].type, inputs[0].shape, cache.ctypes.data)
+    with pytest.raises(KeyValueCacheError, match="cache overlaps current_key"):
+        c_api.run_key_value_cache(inputs, outputs, **case.attributes)
+    assert cache.tobytes() == before
+    del buffers
+
+
+def test_malformed_tensors_are_refused():
+    case = small_case()
+    buffers, inputs, outputs, _ = raw_call(case)
+    bad_rank = list(inputs)
+    bad_rank[2] = c_api.Tensor(inputs[2].type, (1,) * 9, inputs[2].data)
+    with pytest.raises(KeyValueCacheError, match="rank 9 exceeds"):
+        c_api.run_key_value_cache(bad_rank, outputs, **case.attributes)
+    missing = list(inputs)
+    missing[8] = c_api.ABSENT
+    with pytest.raises(KeyValueCacheError, match="cache is required"):
+        c_api.run_key_value_cache(missing, outputs, **case.attributes)
+    null = list(inputs)
+    null[0] = c_api.Tensor(inputs[0].type, inputs[0].shape, 0)
+    with pytest.raises(KeyValueCacheError, match="current_key has 80 elements but its data pointer is NULL"):
+        c_api.run_key_value_cache(null, outputs, **case.attributes)
+    del buffers
+
+
+def test_written_arrays_must_be_writable_and_contiguous():
+    case = small_case()
+    inputs = copies(case.inputs)
+    inputs["cache"] = np.asfortranarray(inputs["cache"])
+    with pytest.raises(KeyValueCacheError, match="cache must be a writable C-contiguous array"):
+        c_api.key_value_cache(**inputs, **case.attributes)
+
+
+def test_defaults_are_the_specs_and_unknown_attributes_are_refused():
+    attrs = c_api.key_value_cache_attributes()
+    assert {n: getattr(attrs, n) for n in c_api.KV_ATTRIBUTES} == dict(
+        num_layer=1, layer_idx=0, quant_bit=0, quant_group=8, num_repeat=1, cache_mode=0, cache_layout=0,
+        page_size=128)
+    with pytest.raises(TypeError, match="unknown attribute"):
+        c_api.key_value_cache_attributes(quant_bits=8)
+
+
+def test_message_is_truncated_safely():
+    lib = c_api.library()
+    case = small_case()
+    buffers, inputs, outputs, _ = raw_call(case)
+    attrs = c_api.key_value_cache_attributes(quant_bit=5)
+    small = ctypes.create_string_buffer(8)
+    code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_api.c_array(inputs), c_api.c_array(outputs), 1,
+                                              small, len(small))
+    assert code == c_api.INVALID_ARGUMENT and small.value == b"quant_b"
+    assert lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_api.c_array(inputs), c_api.c_array(outputs), 1,
+                                              None, 0) == c_api.INVALID_ARGUMENT
+    del buffers
+
+
+def test_cuda_entry_without_a_usable_gpu_fails_cleanly():
+    """In a build without CUDA the entry says so; with CUDA but no device it reports the CUDA error. Either
+    way nothing is written and nothing crashes."""
+    case = small_case()
+    buffers, inputs, outputs, _ = raw_call(case)
+    cache = case.inputs["cache"]
+    before = cache.tobytes()
+    if not c_api.has_cuda():
+        lib = c_api.library()
+        attrs = c_api.key_value_cache_attributes(**case.attributes)
+        message = ctypes.create_string_buffer(256)
+        code = lib.kvcache_op_key_value_cache_cuda(ctypes.byref(attrs), c_api.c_array(inputs), c_api.c_array(outputs),
+                                                   None, message, len(message))
+        assert code == c_api.UNAVAILABLE and b"no CUDA kernels" in message.value
+    else:
+        import gpu_support
+
+        if gpu_support.cuda_device_count() > 0:
+            pytest.skip("a GPU is present: the GPU tests cover the CUDA entry")
+        with pytest.raises(RuntimeError, match="KeyValueCache CUDA"):
+            c_api.run_key_value_cache(inputs, outputs, device="cuda", **case.attributes)
+    assert cache.tobytes() == before
+    del buffers

@@ -1,0 +1,135 @@
+"""The CUDA kernels' per-thread work, run on the host for every (block, thread) of the launcher's exact
+grids: bit for bit the reference's results, and no launch with an out-of-bounds or misaligned access,
+two threads writing one byte, or a thread reading a byte another thread writes."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+from cuda_host_runner import HostRunner, assert_clean, build
+from ort_helpers import assert_same_bits, copies, reference_result
+from strategies import COMBINATIONS, calls, calls_for
+
+from kvcache_op.ort_ops import c_api
+from kvcache_op.spec.cases import Seq, build as build_case
+
+
+@pytest.fixture(scope="module")
+def runner(request, tmp_path_factory):
+    cache = getattr(request.config, "cache", None)  # reuse a build across runs when pytest's cache is on
+    path = build(cache.mkdir("kv_host_runner") if cache else tmp_path_factory.mktemp("kv_host_runner"))
+    return HostRunner(path)
+
+
+def run_case(runner, case, **options):
+    fresh = copies(case.inputs)
+    result = runner.run(fresh, case.attributes, **options)
+    return result, (result.key, result.value, fresh["cache"], fresh["scale"])
+
+
+@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
+def test_host_runner_matches_reference(runner, combo):
+    @given(calls_for(combo, max_batch=5))
+    def check(case):
+        want = reference_result(case.inputs, case.attributes)
+        result, got = run_case(runner, case)
+        assert_clean(result)
+        assert_same_bits(got, want)
+
+    check()
+
+
+@pytest.mark.parametrize("quant_bit,t1,t3,head_dim,group", [
+    (0, "float16", "float32", 128, 8), (0, "bfloat16", "float32", 64, 8), (0, "float32", "float32", 24, 8),
+    (8, "float16", "float16", 64, 8), (8, "bfloat16", "float32", 48, 16), (4, "float16", "float16", 64, 8),
+    (4, "float32", "float32", 30, 3), (4, "bfloat16", "float16", 10, 5), (8, "float16", "float32", 9, 3)])
+@pytest.mark.parametrize("mode,layout", [(0, 0), (1, 3), (1, 1), (0, 2)])
+def test_host_runner_on_many_blocks(runner, quant_bit, t1, t3, head_dim, group, mode, layout):
+    """Several blocks per sequence (8 tokens a block), GQA, vector units (Dh % 8 == 0) and odd groups."""
+    rng = np.random.default_rng(head_dim * 7 + quant_bit + 100 * mode + 1000 * layout)
+    seqs = [Seq(int(rng.integers(0, 40)), int(rng.integers(0, 20))) for _ in range(6)] + [Seq(5, 0), Seq(0, 0)]
+    case = build_case("blocks", seqs, heads=3, head_dim=head_dim, quant_bit=quant_bit, quant_group=group,
+                      num_repeat=2, cache_mode=mode, cache_layout=layout, page_size=8, t1=t1, t3=t3)
+    want = reference_result(case.inputs, case.attributes)
+    result, got = run_case(runner, case)
+    assert_clean(result)
+    assert result.report.blocks > 2 * len(seqs)
+    assert_same_bits(got, want)
+
+
+def test_host_runner_reports_invalid_calls_like_the_reference(runner):
+    case = build_case("bad", [Seq(2, 3)], heads=1, head_dim=8)
+    inputs = copies(case.inputs)
+    inputs["start_pos"] = np.array([10**6])
+    result = runner.run(inputs, case.attributes)
+    assert result.code == 1 and "cache" in result.message and result.report.launches == 0
+
+
+# The checks themselves: each launch-shape mistake the launcher avoids is caught when forced.
+
+def odd_int4_case():
+    return build_case("odd-int4", [Seq(0, 5), Seq(3, 4)], heads=2, head_dim=6, quant_bit=4, quant_group=3,
+                      cache_mode=1, page_size=4, t1="float16", t3="float16")
+
+
+def test_two_threads_packing_one_int4_byte_are_caught(runner):
+    """With odd int4 groups, one work item per group would split a packed byte between two threads; the
+    launcher gives each thread two groups. Forcing one group per thread must be reported as a race."""
+    case = odd_int4_case()
+    assert_clean(run_case(runner, case)[0])
+    result, _ = run_case(runner, case, store_unit=3)
+    assert result.code == 4 and result.report.write_write > 0
+    assert "store launch" in result.message and "already written by" in result.message
+
+
+def test_an_out_of_bounds_write_is_caught(runner):
+    """The runner takes the cache one byte shorter than the kernels think: the store into the last slot's
+    last byte must be reported (and not performed)."""
+    case = build_case("last-slot", [Seq(0, 3)], heads=1, head_dim=8, max_t=3, t1="float16")
+    cache = case.inputs["cache"]
+    result, _ = run_case(runner, case, buffer_bytes={"cache": cache.nbytes - 1})
+    assert result.code == 4 and result.report.out_of_bounds > 0
+    assert "writes bytes" in result.message and f"of cache, which has {cache.nbytes - 1} bytes" in result.message
+
+
+def offset_outputs(case, offset):
+    """Outputs whose data start `offset` bytes into a larger buffer (a caller's view), kept alive."""
+    import kvcache_op.ort_ops.c_api as capi
+
+    shape = capi.output_shape([capi.HostBuffers().tensor(n, case.inputs.get(n)) for n in capi.KV_INPUTS],
+                              **case.attributes)
+    dtype = case.inputs["current_key"].dtype
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    raw = [np.zeros(nbytes + 64, np.uint8) for _ in range(2)]
+    base = [r.ctypes.data + (-r.ctypes.data) % 16 + offset for r in raw]
+    tensors = {name: capi.Tensor(capi.ONNX_TYPES[dtype], shape, b) for name, b in zip(("out_key", "out_value"), base)}
+    views = [np.frombuffer(r, np.uint8, nbytes, b - r.ctypes.data).view(dtype).reshape(shape) for r, b in zip(raw, base)]
+    return tensors, views, raw
+
+
+def test_misaligned_buffers_get_scalar_accesses(runner):
+    """A caller's output may start at any element boundary: the launcher then uses one element per work
+    item (16-byte accesses would fault on the GPU); forcing 16-byte units there is reported."""
+    case = build_case("misaligned", [Seq(2, 5), Seq(0, 3)], heads=2, head_dim=16, num_repeat=2, t1="float16")
+    want = reference_result(case.inputs, case.attributes)
+    tensors, views, keep = offset_outputs(case, 2)
+    fresh = copies(case.inputs)
+    result = runner.run(fresh, case.attributes, tensors=tensors)
+    assert_clean(result)
+    assert_same_bits((views[0], views[1], fresh["cache"], fresh["scale"]), want)
+    result = runner.run(copies(case.inputs), case.attributes, tensors=tensors, gather_unit=8)
+    assert result.code == 4 and result.report.misaligned > 0 and "not 16-byte aligned" in result.message
+    del keep
+
+
+def test_a_thread_reading_what_another_writes_is_caught(runner):
+    """current_key placed inside the cache it is stored into (the C entry points refuse such aliasing):
+    threads read bytes that other threads of the same launch write."""
+    case = build_case("alias", [Seq(0, 8)], heads=2, head_dim=8, max_t=16, t1="float32")
+    fresh = copies(case.inputs)
+    cache = fresh["cache"]
+    key = case.inputs["current_key"]
+    slot_bytes = cache.nbytes // 16
+    alias = c_api.Tensor(c_api.ONNX_TYPES[key.dtype], key.shape, cache.ctypes.data + 4 * slot_bytes)
+    result = runner.run(fresh, case.attributes, tensors={"current_key": alias})
+    assert result.code == 4 and result.report.read_write > 0 and "read by" in result.message
