@@ -21,36 +21,53 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _gpu_unavailable_reason():
-    """Why GPU tests cannot run here, or None when they can."""
-    try:
-        import onnxruntime as ort
-    except ImportError:
-        return "onnxruntime is not installed"
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu on a machine with a GPU)"
-    try:
-        import cupy
+    """Why the kernels cannot be run on a GPU here (through the C entry point), or None when they can."""
+    from kvcache_op.ort_ops import c_api, library_available
 
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return "no CUDA device is visible"
+    if not library_available():
+        return "the kvcache-op library is not built"
+    if not c_api.has_cuda():
+        return "this build of the library has no CUDA kernels (nvcc was not found when it was built)"
+    try:
+        import gpu_support
+
+        framework = gpu_support.device_framework()
     except Exception as error:  # noqa: BLE001 - any failure to reach a GPU is a reason to skip
-        return f"CuPy cannot reach a CUDA device ({type(error).__name__}: {error})"
+        return f"no GPU framework can reach a CUDA device ({type(error).__name__}: {error})"
+    if framework is None:
+        return "no CUDA device is visible to torch or CuPy (neither is installed, or no GPU)"
+    return None
+
+
+def _ort_gpu_unavailable_reason():
+    """Why ONNX Runtime's CUDA EP tests cannot run here, or None."""
+    reason = _gpu_unavailable_reason()
+    if reason:
+        return reason
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return "this onnxruntime has no CUDAExecutionProvider (install onnxruntime-gpu: README, GPU section)"
     return None
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU, onnxruntime-gpu and CuPy (skipped otherwise)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU reachable from torch or CuPy and a CUDA build of "
+                                       "the library (skipped otherwise, with the reason)")
+    config.addinivalue_line("markers", "ort_gpu: a gpu test that also needs onnxruntime-gpu's CUDAExecutionProvider")
 
 
 def pytest_collection_modifyitems(config, items):
     """The one place GPU tests are skipped, with the reason shown in the summary (-ra)."""
-    gpu_items = [item for item in items if "gpu" in item.keywords]
-    if not gpu_items:
-        return
-    reason = _gpu_unavailable_reason()
-    if reason:
-        for item in gpu_items:
-            item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: {reason}"))
+    reasons = {}
+    for item in items:
+        for marker, find_reason in (("ort_gpu", _ort_gpu_unavailable_reason), ("gpu", _gpu_unavailable_reason)):
+            if marker in item.keywords:
+                if marker not in reasons:
+                    reasons[marker] = find_reason()
+                if reasons[marker]:
+                    item.add_marker(pytest.mark.skip(reason=f"GPU test skipped: {reasons[marker]}"))
+                break
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,4 +1,7 @@
-"""Device-side helpers for the GPU tests: device OrtValues from numpy and back (bfloat16 and int4 too)."""
+"""Device-side helpers for the GPU tests: device buffers from numpy and back through torch or CuPy
+(whichever is installed), and device OrtValues for the ONNX Runtime CUDA EP tests (bfloat16 and int4 too)."""
+
+import functools
 
 import numpy as np
 import onnxruntime as ort
@@ -78,17 +81,84 @@ def run_on_cuda(model, inputs: dict, session=None):
     return key, value, cache, scale
 
 
-def cuda_device_count() -> int:
-    """CUDA devices visible through torch or CuPy (0 when neither is installed or no device answers)."""
+@functools.lru_cache(maxsize=None)
+def device_framework():
+    """"torch" or "cupy": the first installed one that sees a CUDA device; None when neither does."""
     try:
         import torch
 
-        return torch.cuda.device_count() if torch.cuda.is_available() else 0
-    except Exception:  # noqa: BLE001 - no torch, or a torch that cannot reach a driver
+        if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+            return "torch"
+    except ImportError:
         pass
     try:
         import cupy
 
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001
-        return 0
+        if cupy.cuda.runtime.getDeviceCount() > 0:
+            return "cupy"
+    except ImportError:
+        pass
+    except Exception:  # noqa: BLE001 - CuPy raises its own error type when there is no driver or device
+        pass
+    return None
+
+
+class DeviceBuffer:
+    """A device copy of a host array's bytes (int4 packed), with `guard` sentinel bytes on each side so
+    a write just outside the buffer is seen; `ptr` is the address of the first data byte."""
+
+    SENTINEL = 0xA5
+
+    def __init__(self, array: np.ndarray, guard: int = 4096, offset: int = 0):
+        self.dtype, self.shape = np.asarray(array).dtype, np.asarray(array).shape
+        data = _host_bytes(np.asarray(array))
+        self.size, self.guard, self.offset = data.size, guard, offset
+        host = np.full(guard + offset + data.size + guard, self.SENTINEL, np.uint8)
+        host[guard + offset:guard + offset + data.size] = data
+        if device_framework() == "torch":
+            import torch
+
+            self._t = torch.from_numpy(host).cuda()
+            base = self._t.data_ptr()
+        else:
+            import cupy
+
+            self._t = cupy.asarray(host)
+            base = self._t.data.ptr
+        self.ptr = base + guard + offset
+
+    def _host(self) -> np.ndarray:
+        if device_framework() == "torch":
+            return self._t.cpu().numpy()
+        return self._t.get()
+
+    def guards_intact(self) -> bool:
+        host = self._host()
+        lead, tail = host[:self.guard + self.offset], host[self.guard + self.offset + self.size:]
+        return bool((lead == self.SENTINEL).all() and (tail == self.SENTINEL).all())
+
+    def to_host(self) -> np.ndarray:
+        raw = self._host()[self.guard + self.offset:self.guard + self.offset + self.size]
+        if self.dtype == INT4:
+            return unpack_int4(raw, int(np.prod(self.shape))).astype(INT4).reshape(self.shape)
+        return raw.view(self.dtype).reshape(self.shape)
+
+
+class Stream:
+    """A non-default CUDA stream of the framework in use (`handle`: the cudaStream_t as an int)."""
+
+    def __init__(self):
+        if device_framework() == "torch":
+            import torch
+
+            self._s = torch.cuda.Stream()
+            self.handle = self._s.cuda_stream
+        else:
+            import cupy
+
+            self._s = cupy.cuda.Stream(non_blocking=True)
+            self.handle = self._s.ptr
+
+    def synchronize(self):
+        self._s.synchronize()
+

@@ -14,7 +14,7 @@ from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, reference_result
 from strategies import COMBINATIONS, calls_for
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.ort_gpu
 
 
 def cuda_result(inputs, attrs):

@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 
 from test_ort_cpu_fuzz import malformed_calls, run_reference
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.ort_gpu
 
 
 @settings(max_examples=int(os.environ.get("KVCACHE_FUZZ_EXAMPLES", "300")), deadline=None,

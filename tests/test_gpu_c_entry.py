@@ -1,0 +1,103 @@
+"""The CUDA kernels on a real GPU through the library's C entry point, with device memory from torch or
+CuPy (no onnxruntime-gpu needed): the reference's bits for every attribute combination, no byte written
+outside the stored slots or the buffers, and invalid calls refused with the device cache unchanged."""
+
+import numpy as np
+import pytest
+from hypothesis import given
+
+from gpu_support import DeviceBuffer, Stream
+from invalid_calls import INVALID, make_invalid
+from ort_helpers import assert_same_bits, copies, reference_result
+from strategies import COMBINATIONS, calls_for
+
+from kvcache_op.ort_ops import c_api
+from kvcache_op.reference import KeyValueCacheError
+from kvcache_op.spec.cases import Seq, build
+
+pytestmark = pytest.mark.gpu
+
+DEVICE_INPUTS = ("current_key", "current_value", "cache", "scale")
+
+
+def run_on_gpu(inputs, attrs, *, offset=0):
+    """Runs a call on the GPU; returns ((key, value, cache, scale) as host arrays, device buffers). Device
+    inputs and outputs sit `offset` bytes past a 16-byte boundary between sentinel guards."""
+    host = c_api.HostBuffers()
+    device = {name: DeviceBuffer(inputs[name], offset=offset) for name in DEVICE_INPUTS if inputs.get(name) is not None}
+    tensors = []
+    for name in c_api.KV_INPUTS:
+        if name in device:
+            tensors.append(c_api.Tensor(c_api.onnx_type(device[name].dtype), device[name].shape, device[name].ptr))
+        else:
+            tensors.append(host.tensor(name, inputs.get(name)))  # index inputs: host memory
+    shape = c_api.output_shape(tensors, **attrs)
+    dtype = np.asarray(inputs["current_key"]).dtype
+    outs = [DeviceBuffer(np.full(shape, 0, dtype), offset=offset) for _ in range(2)]  # sentinel-guarded
+    stream = Stream()
+    try:
+        c_api.run_key_value_cache(tensors, [c_api.Tensor(c_api.onnx_type(dtype), shape, o.ptr) for o in outs],
+                                  device="cuda", stream=stream.handle, **attrs)
+    finally:
+        stream.synchronize()
+    result = (outs[0].to_host(), outs[1].to_host(), device["cache"].to_host(),
+              device["scale"].to_host() if "scale" in device else None)
+    return result, list(device.values()) + outs
+
+
+def check_against_reference(inputs, attrs, **kw):
+    want = reference_result(inputs, attrs)
+    got, buffers = run_on_gpu(copies(inputs), attrs, **kw)
+    assert_same_bits(got, want)  # the whole cache: nothing but the stored slots changed
+    assert all(b.guards_intact() for b in buffers), "a write landed outside a device buffer"
+
+
+@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
+def test_gpu_matches_reference(combo):
+    @given(calls_for(combo, max_batch=5))
+    def check(case):
+        check_against_reference(case.inputs, case.attributes)
+
+    check()
+
+
+@pytest.mark.parametrize("quant_bit,t1,t3", [(0, "float16", "float32"), (0, "bfloat16", "float32"),
+                                            (8, "float16", "float16"), (4, "bfloat16", "float32")])
+@pytest.mark.parametrize("mode,layout", [(0, 0), (1, 3)])
+def test_gpu_decode_and_prefill_batches(quant_bit, t1, t3, mode, layout):
+    """Many sequences, many blocks, 16-byte vector units (Dh = 128), GQA, empty sequences."""
+    rng = np.random.default_rng(quant_bit + 10 * mode)
+    seqs = [Seq(int(rng.integers(0, 300)), int(rng.integers(0, 3))) for _ in range(64)]
+    seqs += [Seq(0, 200), Seq(17, 0)]
+    case = build("gpu-batch", seqs, heads=4, head_dim=128, quant_bit=quant_bit, quant_group=8, num_repeat=2,
+                 cache_mode=mode, cache_layout=layout, page_size=16, t1=t1, t3=t3)
+    check_against_reference(case.inputs, case.attributes)
+
+
+@pytest.mark.parametrize("offset", [2, 4, 8])
+def test_gpu_buffers_off_a_16_byte_boundary(offset):
+    """Caller views need not be 16-byte aligned: the kernels then use element accesses."""
+    case = build("misaligned", [Seq(3, 9), Seq(0, 4)], heads=2, head_dim=64, num_repeat=2, cache_mode=1,
+                 page_size=4, t1="float16")
+    check_against_reference(case.inputs, case.attributes, offset=offset)
+
+
+AT_SCHEMA_LEVEL = {"seqstarts_int32", "cachestarts_int32", "max_kvlen_float"}
+
+
+@pytest.mark.parametrize("row", INVALID, ids=[r[0] for r in INVALID])
+def test_invalid_call_on_gpu_fails_and_leaves_the_device_cache_unchanged(row):
+    inputs, attrs = make_invalid(row)
+    before = {k: np.asarray(inputs[k]).tobytes() for k in ("cache", "scale") if inputs.get(k) is not None}
+    host = c_api.HostBuffers()
+    device = {n: DeviceBuffer(inputs[n]) for n in DEVICE_INPUTS if inputs.get(n) is not None}
+    tensors = [c_api.Tensor(c_api.onnx_type(device[n].dtype), device[n].shape, device[n].ptr) if n in device
+               else host.tensor(n, inputs.get(n)) for n in c_api.KV_INPUTS]
+    dtype = np.asarray(inputs["current_key"]).dtype
+    out = DeviceBuffer(np.zeros(64, np.uint8))
+    outputs = [c_api.Tensor(c_api.onnx_type(dtype), (0, 1, 1), out.ptr)] * 2
+    with pytest.raises(KeyValueCacheError, match=row[3]):
+        c_api.run_key_value_cache(tensors, outputs, device="cuda", **attrs)
+    after = {k: device[k].to_host().tobytes() for k in before}
+    assert after == before
+    assert all(b.guards_intact() for b in device.values())
