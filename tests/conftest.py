@@ -17,6 +17,9 @@ settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_
                           derandomize=True)
 settings.register_profile("dev", max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("long", max_examples=2000, deadline=None, suppress_health_check=list(HealthCheck))
+# Under compute-sanitizer (tools/gpu_check.sh) every launch is many times slower: a few examples each.
+settings.register_profile("gpu-sanitize", max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+                          derandomize=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 

@@ -1,0 +1,123 @@
+#!/usr/bin/env bash
+# The whole GPU verification in one command, for a fresh GPU machine without network:
+#
+#   tools/gpu_check.sh OUTDIR
+#
+# 1. builds the library from this checkout (CUDA on; ONNX Runtime headers from $KVCACHE_OP_ORT_INCLUDE_DIR
+#    or the git-ignored folder .ort-headers/ of the checkout) into OUTDIR/site, without network;
+# 2. runs the tests that need no GPU: the CUDA host runner and the C entry points on the CPU;
+# 3. runs the GPU tests (C entry point, device memory from torch or CuPy);
+# 4. runs them again, fewer examples, under compute-sanitizer memcheck, racecheck, initcheck, synccheck;
+# 5. runs the CUDA benchmark (python -m kvcache_op.tools.bench_kvcache --device cuda);
+# 6. runs the ONNX Runtime CUDA EP tests when onnxruntime-gpu is importable, or can be installed from
+#    the parts in .ort-gpu/ (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps --target);
+# 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
+#    every step that was skipped, with the reason.
+# Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
+# Exit status: 0 when no step failed.
+set -u -o pipefail
+
+OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
+STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail
+: >"$STEPS"
+PY=${PYTHON:-python3}
+START=$(date +%s)
+
+step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; printf '[gpu_check %4ss] %-28s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3"; }
+
+# Runs pytest with a junit report; records pass/fail. $1 step name, $2 timeout (s), rest: pytest args.
+run_pytest() {
+  local name=$1 limit=$2
+  shift 2
+  (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+      --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
+  local rc=$?
+  local tail_line
+  tail_line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/logs/$name.log" | tail -1)
+  if [ $rc -eq 0 ]; then step "$name" pass "$tail_line"; else step "$name" fail "exit $rc: $tail_line (logs/$name.log)"; fi
+  return $rc
+}
+PREFIX=()
+
+# 1. Build ------------------------------------------------------------------------------------------
+if [ -z "${KVCACHE_OP_ORT_INCLUDE_DIR:-}" ] && [ -f "$ROOT/.ort-headers/onnxruntime_c_api.h" ]; then
+  export KVCACHE_OP_ORT_INCLUDE_DIR=$ROOT/.ort-headers
+fi
+if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH=$PATH:/usr/local/cuda/bin KVCACHE_OP_CUDA=1
+else
+  export KVCACHE_OP_CUDA=0
+fi
+rm -rf "$OUT/site"
+if ! "$PY" -c 'import scikit_build_core' 2>/dev/null; then
+  step build fail "scikit-build-core is not installed (pip install scikit-build-core, or carry its wheel): the offline build needs it"
+  "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
+  exit 1
+fi
+if timeout 480 "$PY" -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" "$ROOT" \
+    >"$OUT/logs/build.log" 2>&1; then
+  step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}"
+else
+  step build fail "see logs/build.log"
+  "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
+  exit 1
+fi
+export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
+
+# 2. No GPU needed ------------------------------------------------------------------------------------
+run_pytest host-runner 300 test_cuda_host_runner.py test_c_api_cpu.py
+
+# Is there a GPU the tests can use? (the same reason the test suite prints when it skips)
+GPU_REASON=$(cd "$ROOT/tests" && "$PY" -c 'import conftest; print(conftest._gpu_unavailable_reason() or "")' 2>&1 | tail -1)
+DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null \
+         || nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
+printf '%s\n' "${DEVICE:-none}" >"$OUT/device.txt"
+
+if [ -n "$GPU_REASON" ]; then
+  for s in gpu-tests sanitizer-memcheck sanitizer-racecheck sanitizer-initcheck sanitizer-synccheck benchmark ort-cuda-ep; do
+    step "$s" skip "$GPU_REASON"
+  done
+else
+  # 3. GPU tests ----------------------------------------------------------------------------------------
+  run_pytest gpu-tests 300 test_gpu_c_entry.py
+
+  # 4. compute-sanitizer ------------------------------------------------------------------------------
+  SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  if [ -x "$SANITIZER" ]; then
+    for tool in memcheck racecheck initcheck synccheck; do
+      PREFIX=("$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20)
+      HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$tool" 150 test_gpu_c_entry.py \
+        -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
+      PREFIX=()
+    done
+  else
+    for tool in memcheck racecheck initcheck synccheck; do step "sanitizer-$tool" skip "compute-sanitizer not found"; done
+  fi
+
+  # 5. Benchmark ----------------------------------------------------------------------------------------
+  if timeout 240 "$PY" -m kvcache_op.tools.bench_kvcache --device cuda --out "$OUT/bench" >"$OUT/logs/benchmark.log" 2>&1; then
+    step benchmark pass "bench/results.md"
+  else
+    step benchmark fail "see logs/benchmark.log"
+  fi
+
+  # 6. ONNX Runtime CUDA EP -----------------------------------------------------------------------------
+  if [ -f "$ROOT/.ort-gpu/MANIFEST.json" ]; then
+    if wheel=$("$PY" "$ROOT/tools/wheel_parts.py" join "$ROOT/.ort-gpu" --out "$OUT/wheels" 2>"$OUT/logs/ort-gpu-install.log") \
+       && "$PY" -m pip install -q --no-deps --no-index --target "$OUT/ort-gpu" "$wheel" >>"$OUT/logs/ort-gpu-install.log" 2>&1; then
+      export PYTHONPATH=$OUT/ort-gpu:$PYTHONPATH
+    else
+      step ort-gpu-install fail "see logs/ort-gpu-install.log"
+    fi
+  fi
+  if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
+    run_pytest ort-cuda-ep 240 test_gpu_cuda_ep.py
+  else
+    step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/: README, GPU)"
+  fi
+fi
+
+"$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
+! grep -q $'\tfail\t' "$STEPS"

@@ -1,0 +1,36 @@
+"""Writes OUTDIR/summary.md for tools/gpu_check.sh: the device, each step's verdict with its pass / fail /
+skip counts (from the junit reports), the compute-sanitizer verdicts, the benchmark table, and every
+skipped step with its reason. Prints the summary too."""
+
+import pathlib
+import sys
+import xml.etree.ElementTree as ET
+
+
+def counts(report: pathlib.Path) -> str:
+    """'N passed, N failed, N skipped' from a pytest junit report ('' when there is none)."""
+    if not report.is_file():
+        return ""
+    suite = ET.parse(report).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    total, failed = int(suite.get("tests", 0)), int(suite.get("failures", 0)) + int(suite.get("errors", 0))
+    skipped = int(suite.get("skipped", 0))
+    return f"{total - failed - skipped} passed, {failed} failed, {skipped} skipped"
+
+
+def main(out: pathlib.Path) -> str:
+    device = (out / "device.txt").read_text().strip() if (out / "device.txt").is_file() else "unknown"
+    lines = ["# GPU check", "", f"Device: {device}", "", "| step | verdict | counts | detail |", "|---|---|---|---|"]
+    for row in (out / "steps.tsv").read_text().splitlines():
+        name, status, detail = (row.split("\t") + ["", ""])[:3]
+        lines.append(f"| {name} | {status} | {counts(out / 'logs' / f'{name}.xml')} | {detail} |")
+    bench = out / "bench" / "results.md"
+    if bench.is_file():
+        lines += ["", "## Benchmark", "", bench.read_text()]
+    text = "\n".join(lines) + "\n"
+    (out / "summary.md").write_text(text)
+    return text
+
+
+if __name__ == "__main__":
+    print(main(pathlib.Path(sys.argv[1])))
