@@ -198,3 +198,14 @@ def test_cuda_entry_without_a_usable_gpu_fails_cleanly():
             c_api.run_key_value_cache(inputs, outputs, device="cuda", **case.attributes)
     assert cache.tobytes() == before
     del buffers
+
+
+def test_the_header_is_installed_with_the_library():
+    import pathlib
+
+    import kvcache_op
+
+    installed = pathlib.Path(kvcache_op.__file__).parent / "include" / "kvcache_op.h"
+    source = pathlib.Path(__file__).resolve().parent.parent / "capi" / "kvcache_op.h"
+    assert installed.read_text() == source.read_text()
+    assert f"#define KVCACHE_OP_C_API_VERSION {c_api.C_API_VERSION}" in installed.read_text()
