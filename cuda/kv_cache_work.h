@@ -232,18 +232,26 @@ KV_HD void GatherItem(const Params& p, Mem& mem, int64_t unit, int64_t b, int64_
   }
 }
 
+// Calls fn(item) for the work items of thread `thread` (of `threads`) in a block covering tokens
+// [block_x * kTokensPerBlock, +kTokensPerBlock) of a sequence of `length` tokens, `heads` heads each.
+template <class Fn>
+KV_HD void ForEachItem(int64_t length, int64_t heads, int64_t units, int64_t block_x, int64_t thread, int64_t threads,
+                       Fn&& fn) {
+  const int64_t work = kTokensPerBlock * 2 * heads * units;
+  for (int64_t w = thread; w < work; w += threads) {
+    const Item it = ItemOf(w, block_x, heads, units);
+    if (it.token < length) fn(it);
+  }
+}
+
 // Everything thread `thread` (of `threads`) of block (block_x, block_y) of the store launch does.
 template <class T1, class T3, int QBits, class Mem>
 KV_HD void StoreThread(const Params& p, Mem& mem, int64_t unit, int64_t block_x, int64_t block_y, int64_t thread,
                        int64_t threads) {
   const int64_t b = block_y;
   const int64_t begin = IndexAt(mem, kSeqstarts, b), seqlen = IndexAt(mem, kSeqstarts, b + 1) - begin;
-  const int64_t units = p.head_dim / unit;
-  const int64_t work = kTokensPerBlock * 2 * p.heads * units;
-  for (int64_t w = thread; w < work; w += threads) {
-    const Item it = ItemOf(w, block_x, p.heads, units);
-    if (it.token < seqlen) StoreItem<T1, T3, QBits>(p, mem, unit, b, begin, it);
-  }
+  ForEachItem(seqlen, p.heads, p.head_dim / unit, block_x, thread, threads,
+              [&](const Item& it) { StoreItem<T1, T3, QBits>(p, mem, unit, b, begin, it); });
 }
 
 // Everything thread `thread` (of `threads`) of block (block_x, block_y) of the gather launch does.
@@ -252,12 +260,8 @@ KV_HD void GatherThread(const Params& p, Mem& mem, int64_t unit, int64_t block_x
                         int64_t threads) {
   const int64_t b = block_y;
   const int64_t begin = IndexAt(mem, kKvstarts, b), kvlen = IndexAt(mem, kKvstarts, b + 1) - begin;
-  const int64_t units = p.head_dim / unit;
-  const int64_t work = kTokensPerBlock * 2 * p.out_heads * units;
-  for (int64_t w = thread; w < work; w += threads) {
-    const Item it = ItemOf(w, block_x, p.out_heads, units);
-    if (it.token < kvlen) GatherItem<T1, T3, QBits>(p, mem, unit, b, begin, it);
-  }
+  ForEachItem(kvlen, p.out_heads, p.head_dim / unit, block_x, thread, threads,
+              [&](const Item& it) { GatherItem<T1, T3, QBits>(p, mem, unit, b, begin, it); });
 }
 
 // Calls f.template Run<T1, T3, QBits>() for the call's element types (ONNX types) and quant_bit.
