@@ -5,6 +5,8 @@ bytes (a copy of N bytes moves 2N: it reads N and writes N, so the baseline copi
 traffic), and the numpy reference. Warm-up, then the median of repeats.
 
     python -m kvcache_op.tools.bench_kvcache --out benchmarks/cpu
+
+``--device cuda`` runs the CUDA benchmark instead (:mod:`kvcache_op.tools.bench_kvcache_cuda`).
 """
 
 import argparse
@@ -211,8 +213,16 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    if pick.parse_known_args(argv)[0].device == "cuda":  # its own options and help
+        from .bench_kvcache_cuda import main as cuda_main
+
+        return cuda_main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu",), default="cpu", help="cpu (the CUDA benchmark needs a GPU run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu, or cuda: the CUDA kernels on a GPU with torch (--device cuda --help)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra_op_num_threads values")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
@@ -220,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     args = parser.parse_args(argv)
-    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
     rows = bench_cpu(args)
     device = f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
     if args.out:
