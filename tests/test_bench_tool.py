@@ -19,3 +19,17 @@ def test_bytes_moved_counts_reads_and_writes():
     shape = bench_kvcache.Shape("t", batch=1, seqlen=1, start_pos=0, heads=1, head_dim=8, page_size=4)
     # fp16: store reads 2 x 16 B and writes 2 x 16 B; gather reads 2 x 16 B and writes 2 x 16 B
     assert bench_kvcache.bytes_moved(shape, 0) == 128
+
+
+def test_bytes_moved_parts_by_hand():
+    # decode, B=2, kvlen 4 (start_pos 3, seqlen 1), H=2, Dh=16: a row is 32 elements, 4 groups of 8.
+    shape = bench_kvcache.Shape("t", batch=2, seqlen=1, start_pos=3, heads=2, head_dim=16, page_size=4)
+    # quant 0, 2-byte values: store reads 2 tokens x 64 B and writes 2 x 64 B, for K and V: 2*2*(64+64);
+    # gather reads 8 kv tokens x 64 B and writes 8 x 64 B, for K and V: 2*8*(64+64).
+    assert bench_kvcache.bytes_moved_parts(shape, 0) == (512, 2048)
+    # quant 8: a cache row is 32 B of codes + 4 scales x 2 B = 40 B; store 2*2*(64+40), gather 2*8*(40+64).
+    assert bench_kvcache.bytes_moved_parts(shape, 8) == (416, 1664)
+    # float32 values and scales: rows of 128 B; a cache row is 32 + 4 x 4 = 48 B.
+    assert bench_kvcache.bytes_moved_parts(shape, 8, value_bytes=4, scale_bytes=4) == (2 * 2 * (128 + 48),
+                                                                                       2 * 8 * (48 + 128))
+    assert bench_kvcache.bytes_moved(shape, 8) == 416 + 1664

@@ -5,6 +5,8 @@ bytes (a copy of N bytes moves 2N: it reads N and writes N, so the baseline copi
 traffic), and the numpy reference. Warm-up, then the median of repeats.
 
     python -m kvcache_op.tools.bench_kvcache --out benchmarks/cpu
+
+``--device cuda`` runs the CUDA benchmark instead (:mod:`kvcache_op.tools.bench_kvcache_cuda`).
 """
 
 import argparse
@@ -37,27 +39,39 @@ QUICK_SHAPES = [Shape("decode", 4, 1, 63, heads=2, head_dim=32, page_size=16),
                 Shape("prefill", 2, 32, 0, heads=2, head_dim=32, page_size=16)]
 
 
-def make_inputs(shape: Shape, quant_bit: int, layout: int, seed: int = 0):
-    """Inputs of one call: every sequence owns its pages, in a shuffled page table."""
-    from ..reference import cache_shape
-
-    rng = np.random.default_rng(seed)
+def make_indices(shape: Shape, rng) -> dict:
+    """The six index inputs of one paged call (cache_mode 1): every sequence owns its pages, in a page table
+    shuffled by ``rng``; ``cachestarts`` holds each page's first slot, so the cache needs
+    ``cachestarts.size * page_size`` slots."""
     kvlen = shape.start_pos + shape.seqlen
     pages_per_seq = -(-kvlen // shape.page_size)
     pages = shape.batch * pages_per_seq
     table = rng.permutation(pages).reshape(shape.batch, pages_per_seq).astype(np.int64) * shape.page_size
-    tokens = shape.batch * shape.seqlen
-    cache_dtype = np.int8 if quant_bit else np.float16
-    max_t = pages * shape.page_size
-    inputs = {
-        "current_key": rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16),
-        "current_value": rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16),
+    return {
         "seqstarts": np.arange(shape.batch + 1, dtype=np.int64) * shape.seqlen,
         "kvstarts": np.arange(shape.batch + 1, dtype=np.int64) * kvlen,
         "cachestarts": table,
         "start_pos": np.full(shape.batch, shape.start_pos, np.int64),
         "max_seqlen": np.array(shape.seqlen, np.int64),
         "max_kvlen": np.array(kvlen, np.int64),
+    }
+
+
+def make_inputs(shape: Shape, quant_bit: int, layout: int, seed: int = 0):
+    """Inputs of one call: every sequence owns its pages, in a shuffled page table."""
+    from ..reference import cache_shape
+
+    rng = np.random.default_rng(seed)
+    indices = make_indices(shape, rng)
+    tokens = shape.batch * shape.seqlen
+    cache_dtype = np.int8 if quant_bit else np.float16
+    max_t = indices["cachestarts"].size * shape.page_size
+    current_key = rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16)
+    current_value = rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16)
+    inputs = {
+        "current_key": current_key,
+        "current_value": current_value,
+        **indices,
         "cache": rng.integers(-127, 128, cache_shape(layout, 1, max_t, shape.heads, shape.head_dim)).astype(cache_dtype),
         "scale": None,
     }
@@ -67,15 +81,24 @@ def make_inputs(shape: Shape, quant_bit: int, layout: int, seed: int = 0):
     return inputs
 
 
-def bytes_moved(shape: Shape, quant_bit: int) -> int:
-    """Bytes read plus bytes written by one call (stores and gathers, keys and values)."""
+def bytes_moved_parts(shape: Shape, quant_bit: int, value_bytes: int = 2, scale_bytes: int = 2,
+                      quant_group: int = 8) -> tuple:
+    """(store, gather): bytes read plus bytes written by the two halves of one call (num_repeat 1), keys and
+    values. Store reads the new rows and writes their cache rows (and scales); gather reads the cache rows
+    (and scales) of every gathered token and writes the output rows. Index inputs are not counted.
+    ``value_bytes``: element size of current_key and the outputs; the cache holds that type unquantized,
+    one byte per element with quant_bit 8."""
     tokens = shape.batch * shape.seqlen
     kv_tokens = shape.batch * (shape.start_pos + shape.seqlen)
     row = shape.heads * shape.head_dim
-    cache_row = row * (1 if quant_bit else 2) + (row // 8 * 2 if quant_bit else 0)
-    store = 2 * tokens * (row * 2 + cache_row)
-    gather = 2 * kv_tokens * (cache_row + row * 2)
-    return store + gather
+    cache_row = row * (1 if quant_bit else value_bytes) + (row // quant_group * scale_bytes if quant_bit else 0)
+    return 2 * tokens * (row * value_bytes + cache_row), 2 * kv_tokens * (cache_row + row * value_bytes)
+
+
+def bytes_moved(shape: Shape, quant_bit: int) -> int:
+    """Bytes read plus bytes written by one call (stores and gathers, keys and values; float16 values,
+    float16 scales in groups of 8): the sum of :func:`bytes_moved_parts`."""
+    return sum(bytes_moved_parts(shape, quant_bit))
 
 
 def median_seconds(fn, warmup: int, repeats: int) -> float:
@@ -190,8 +213,16 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
 
 
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pick = argparse.ArgumentParser(add_help=False)
+    pick.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    if pick.parse_known_args(argv)[0].device == "cuda":  # its own options and help
+        from .bench_kvcache_cuda import main as cuda_main
+
+        return cuda_main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu",), default="cpu", help="cpu (the CUDA benchmark needs a GPU run)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu, or cuda: the CUDA kernels on a GPU with torch (--device cuda --help)")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra_op_num_threads values")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=15)
@@ -199,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     args = parser.parse_args(argv)
-    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
     rows = bench_cpu(args)
     device = f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
     if args.out:
