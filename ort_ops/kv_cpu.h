@@ -25,7 +25,8 @@ struct ComputeArgs {
 using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
 
 // Stores then gathers. The plan must come from ValidateCall on the same inputs. Runs the AVX2+F16C
-// build of the kernel where the processor has it, else the generic build (same bits).
+// build of the kernel where the library has it (x86-64) and the processor too, else the generic build
+// (same bits).
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 
 // True when $KVCACHE_OP_CPU_KERNEL is "generic": tests use it to check both builds agree.

@@ -70,8 +70,17 @@ void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs) {
     inputs[i].present = true;
     inputs[i].type = info.GetElementType();
     inputs[i].shape = info.GetShape();
-    inputs[i].data = value.GetTensorRawData();
+    inputs[i].data = TensorData(value);
   }
+}
+
+const void* TensorData(const Ort::ConstValue& value) {
+  // Not ConstValue::GetTensorRawData: recent headers implement it with GetTensorData (API 23), which
+  // older runtimes lack. GetTensorMutableData only reads the OrtValue; nothing is written through it.
+  void* data = nullptr;
+  auto* ort_value = const_cast<OrtValue*>(static_cast<const OrtValue*>(value));
+  Ort::ThrowOnError(Ort::GetApi().GetTensorMutableData(ort_value, &data));
+  return data;
 }
 
 void CheckStaticHeads(const OrtKernelInfo* info, const Attrs& attrs) {

@@ -6,12 +6,24 @@
 #include "onnxruntime_cxx_api.h"
 #undef ORT_API_MANUAL_INIT
 
+#include <cstdint>
 #include <functional>
 #include <string>
 
 #include "kv_validate.h"
 
 namespace kvcache {
+
+// The ONNX Runtime C API version the library asks for and declares on every op: that of the oldest release
+// that runs it. Every function it calls is in version 17 (the newest: ShapeInferContext_*, ReadOpAttr,
+// SetSymbolicDimensions, KernelContext_ParallelFor; ORT also reads an op's InferOutputShapeFn only from op
+// version 17 on), but onnxruntime before 1.22 refuses the KeyValueCache schema: CreateSchema
+// (custom_ops.cc) allows a dynamically typed output only with exactly one dynamically typed input, and
+// KeyValueCache has four. Asking for 22 turns that into a clear error at registration.
+constexpr uint32_t kOrtApiVersion = 22;
+constexpr const char* kOrtMinRelease = "1.22";
+// ORT reads an op's struct up to the fields of the version it declares: the headers must have them all.
+static_assert(ORT_API_VERSION >= kOrtApiVersion, "kvcache-op needs the headers of onnxruntime >= 1.22");
 
 constexpr const char* kDomain = "opmx.dynamic_batching";
 constexpr const char* kOpName = "KeyValueCache";
@@ -38,6 +50,16 @@ void CheckStaticHeads(const OrtKernelInfo* info, const Attrs& attrs);
 // The inputs of a call as TensorArgs (shape, type, raw data pointer).
 void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs);
 
+// The data pointer of a tensor, through API version 1 only (see kv_ort_op.cc).
+const void* TensorData(const Ort::ConstValue& value);
+
+// Declares kOrtApiVersion on `op`. ORT refuses to create a kernel for an op whose version is above its own
+// API version, and reads only the op fields that exist at the declared version (custom_ops.cc:
+// CreateKernelV2/KernelComputeV2 from 16, InferOutputShapeFn from 17). Ort::CustomOpBase declares the
+// headers' version instead, which would tie the library to onnxruntime releases at least as new as the
+// headers it was built with.
+inline void DeclareApiVersion(OrtCustomOp& op) { op.version = kOrtApiVersion; }
+
 // Output `index` (0 key, 1 value) of shape (kv_tokens, H * num_repeat, Dh). An allocation failure is
 // rethrown as KvError naming the shape and byte count; nothing has been written at that point.
 Ort::UnownedValue AllocateOutput(Ort::KernelContext& ctx, size_t index, const CallPlan& plan, int32_t t1);
@@ -61,7 +83,10 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp* op, OrtShapeInferContext* ctx)
 
 template <typename TOp, typename TKernel>
 struct KeyValueCacheOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
-  KeyValueCacheOpBase() { OrtCustomOp::InferOutputShapeFn = InferOutputShapes; }
+  KeyValueCacheOpBase() {
+    DeclareApiVersion(*this);
+    OrtCustomOp::InferOutputShapeFn = InferOutputShapes;
+  }
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
     try {
       *kernel = new TKernel(info);

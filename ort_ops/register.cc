@@ -1,5 +1,7 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
 // CPU EP (and the CUDA EP in a CUDA build), and KeyCacheRotaryShift for the CPU EP.
+#include <string>
+
 #include "kv_ort_op.h"
 #include "rotary_ort_op.h"
 
@@ -46,12 +48,16 @@ Registry& GetRegistry() {
 
 // Registers the ops in `options` (ONNX Runtime calls this from register_custom_ops_library). Adds the
 // process-wide domain: repeated registrations allocate nothing that outlives the SessionOptions.
+// Asks for API version kOrtApiVersion exactly, whatever the headers' version, so the library runs on every
+// onnxruntime from kOrtMinRelease on; an older one gets an error status naming the release needed.
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
 RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
-  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  const OrtApi* api = api_base->GetApi(kvcache::kOrtApiVersion);
   if (api == nullptr) {
-    return api_base->GetApi(1)->CreateStatus(
-        ORT_FAIL, "kvcache-op needs ONNX Runtime with API version >= 29 (onnxruntime >= 1.29)");
+    const std::string message = std::string("kvcache-op needs onnxruntime >= ") + kvcache::kOrtMinRelease +
+                                " (ONNX Runtime C API version " + std::to_string(kvcache::kOrtApiVersion) +
+                                "), but this is onnxruntime " + api_base->GetVersionString();
+    return api_base->GetApi(1)->CreateStatus(ORT_FAIL, message.c_str());
   }
   Ort::InitApi(api);
   try {

@@ -35,7 +35,7 @@ OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
       Ort::ConstValue value = ctx.GetInput(i);
       if (!value) continue;
       auto info = value.GetTensorTypeAndShapeInfo();
-      in[i] = TensorArg{true, info.GetElementType(), info.GetShape(), value.GetTensorRawData()};
+      in[i] = TensorArg{true, info.GetElementType(), info.GetShape(), TensorData(value)};
     }
     const RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
     // The output is the slots as given: the snapshot (the input may alias the cache rows rotated below),
@@ -50,7 +50,7 @@ OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
   }
 }
 
-RotaryCpuOp::RotaryCpuOp() = default;
+RotaryCpuOp::RotaryCpuOp() { DeclareApiVersion(*this); }
 
 OrtStatusPtr RotaryCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
   try {
