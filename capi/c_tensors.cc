@@ -124,6 +124,15 @@ void ParallelOnThreads(int32_t threads, size_t count, const std::function<void(s
   if (failure) std::rethrow_exception(failure);
 }
 
+const char* const kKeyValueCacheInputs[10] = {"current_key", "current_value", "seqstarts", "kvstarts",
+                                              "cachestarts", "start_pos",     "max_seqlen", "max_kvlen",
+                                              "cache",       "scale"};
+
+void ToKeyValueCacheArgs(const KvcacheTensor* inputs, TensorArg* out) {
+  static const bool optional[10] = {false, false, false, false, false, false, false, false, false, true};
+  ToTensorArgs(inputs, 10, kKeyValueCacheInputs, optional, out);
+}
+
 Attrs ToAttrs(const KvcacheKeyValueCacheAttrs& c) {
   Attrs a;
   a.num_layer = c.num_layer;

@@ -45,4 +45,16 @@ void ParallelOnThreads(int32_t threads, size_t count, const std::function<void(s
 // Attribute structs of the C API as the validators' attributes.
 Attrs ToAttrs(const KvcacheKeyValueCacheAttrs& a);
 
+// KeyValueCache's 10 inputs, in the op's order, by name (scale optional).
+extern const char* const kKeyValueCacheInputs[10];
+
+// ToTensorArgs for KeyValueCache's 10 inputs.
+void ToKeyValueCacheArgs(const KvcacheTensor* inputs, TensorArg* out);
+
+// Validates a call with caller-allocated outputs: shapes and types as the call produces, and no output,
+// cache or scale sharing memory with what the op reads or writes meanwhile. Shared by the CPU and CUDA
+// entries. Throws KvError before anything is written.
+CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs,
+                             const KvcacheTensor* outputs, Attrs* attrs, TensorArg* in);
+
 }  // namespace kvcache

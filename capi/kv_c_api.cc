@@ -11,24 +11,18 @@
 namespace kvcache {
 namespace {
 
-const char* const kKvNames[10] = {"current_key", "current_value", "seqstarts", "kvstarts", "cachestarts",
-                                  "start_pos",   "max_seqlen",    "max_kvlen", "cache",    "scale"};
-const bool kKvOptional[10] = {false, false, false, false, false, false, false, false, false, true};
-
 const char* const kRotaryNames[5] = {"cache", "scale", "slots", "cos", "sin"};
 const bool kRotaryOptional[5] = {false, true, false, false, false};
 
 CallPlan ValidateC(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs, Attrs* attrs, TensorArg* in) {
   if (c == nullptr || inputs == nullptr) Fail("KeyValueCache: attrs and inputs must not be NULL");
   *attrs = ToAttrs(*c);
-  ToTensorArgs(inputs, 10, kKvNames, kKvOptional, in);
+  ToKeyValueCacheArgs(inputs, in);
   return ValidateCall(*attrs, in);  // snapshots the index inputs, then checks them
 }
 
 }  // namespace
 
-// Validates a call with caller-allocated outputs: shapes and types as the call produces, and outputs that
-// share no memory with the buffers the op reads or writes. Shared by the CPU and CUDA entries.
 CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs,
                              const KvcacheTensor* outputs, Attrs* attrs, TensorArg* in) {
   const CallPlan plan = ValidateC(c, inputs, attrs, in);
@@ -38,7 +32,7 @@ CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTe
   for (int i = 0; i < 2; ++i) CheckOutput(outputs[i], out_names[i], in[0].type, out_shape);
   std::vector<ByteRange> read_or_written;
   for (int i : {0, 1, 8, 9})
-    if (in[i].present) read_or_written.push_back({kKvNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
+    if (in[i].present) read_or_written.push_back({kKeyValueCacheInputs[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
   // current_key/value are read while the cache and scale are written: they must not share memory either.
   for (size_t w = 2; w < read_or_written.size(); ++w)
     for (size_t r = 0; r < w; ++r) CheckDisjoint(read_or_written[w], read_or_written[r]);

@@ -8,9 +8,6 @@
 #endif
 
 namespace kvcache {
-CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs,
-                             const KvcacheTensor* outputs, Attrs* attrs, TensorArg* in);
-
 #ifdef KVCACHE_WITH_CUDA
 namespace {
 

@@ -25,7 +25,6 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
     ReadInputs(ctx, in);
     // Host data only; the plan owns the snapshots of the index inputs. Throws before anything is written.
     const CallPlan plan = ValidateCall(attrs, in);
-    cuda::CheckLaunchable(plan);
     auto key = AllocateOutput(ctx, 0, plan, in[0].type);
     auto value = AllocateOutput(ctx, 1, plan, in[0].type);
     if (plan.batch == 0) return nullptr;

@@ -201,12 +201,9 @@ __attribute__((visibility("default"))) int32_t kv_host_run(const KvcacheKeyValue
   Faults faults;
   const int32_t code = CatchAll(
       [&] {
-        static const char* const names[10] = {"current_key", "current_value", "seqstarts", "kvstarts", "cachestarts",
-                                              "start_pos", "max_seqlen", "max_kvlen", "cache", "scale"};
-        static const bool optional[10] = {false, false, false, false, false, false, false, false, false, true};
         const Attrs a = ToAttrs(*attrs);
         TensorArg in[10];
-        ToTensorArgs(inputs, 10, names, optional, in);
+        ToKeyValueCacheArgs(inputs, in);
         const CallPlan plan = ValidateCall(a, in);
         cuda::CheckLaunchable(plan);
         std::vector<int64_t> indices = cuda::PackIndices(plan);  // the "device" copy of the index snapshots
