@@ -3,7 +3,6 @@ with matplotlib, chart.png (each case's bandwidth as a fraction of a plain copy'
 
 import json
 import pathlib
-import sys
 
 DEFINITIONS = """\
 - **Bytes moved** (keys and values, num_repeat 1; as the CPU tool counts them): store = 2 x seqstarts[B] x
@@ -55,26 +54,12 @@ def write_results(rows, out: pathlib.Path, command: str, device: str, torch_vers
                                                   "torch": torch_version, "definitions": DEFINITIONS,
                                                   "rows": rows}, indent=1))
     (out / "results.md").write_text(markdown(rows, command, device, torch_version))
-    try:
-        import matplotlib
+    from .bench_chart import paired_bar_chart
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no chart written", file=sys.stderr)
-        return
     short = {"float16": "fp16", "bfloat16": "bf16"}
     labels = [f"{r['shape']} {short.get(r['dtype'], r['dtype'])}\nq{r['quant_bit']} L{r['layout']} p{r['page_size']}"
               for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4.5))
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["vs_copy"] for r in rows], 0.4, label="KeyValueCache op (CUDA kernels)")
-    ax.bar(x + 0.2, [r["torch_vs_copy"] for r in rows], 0.4, label="vectorized torch")
-    ax.axhline(1.0, color="gray", linewidth=0.8, linestyle="--")
-    ax.set_xticks(x, labels, fontsize=7)
-    ax.set_ylabel("bandwidth / copy bandwidth (same bytes)")
-    ax.set_title(f"KeyValueCache vs a device copy — {device}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "chart.png", dpi=110)
+    paired_bar_chart(out / "chart.png", labels, ("KeyValueCache op (CUDA kernels)", [r["vs_copy"] for r in rows]),
+                     ("vectorized torch", [r["torch_vs_copy"] for r in rows]),
+                     "bandwidth / copy bandwidth (same bytes)", f"KeyValueCache vs a device copy — {device}",
+                     reference_line=1.0)

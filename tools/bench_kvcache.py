@@ -191,25 +191,12 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
                      f"{r['layout']} | {r['threads']} | {r['bytes_moved'] / 1e6:.1f} | {r['op_ms']:.3f} | "
                      f"{r['op_GBps']:.2f} | {r['copy_GBps']:.2f} | {r['vs_copy']:.2f}x | {r['vs_reference']:.1f}x |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    try:
-        import matplotlib
+    from .bench_chart import paired_bar_chart
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install '.[bench]'): no chart written", file=sys.stderr)
-        return
     labels = [f"{r['shape']}\nq{r['quant_bit']} L{r['layout']} t{r['threads']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.7), 4.5))
-    x = np.arange(len(rows))
-    ax.bar(x - 0.2, [r["op_GBps"] for r in rows], 0.4, label="KeyValueCache op")
-    ax.bar(x + 0.2, [r["copy_GBps"] for r in rows], 0.4, label="plain copy, same bytes")
-    ax.set_xticks(x, labels, fontsize=7)
-    ax.set_ylabel("GB/s (read + written)")
-    ax.set_title(f"KeyValueCache vs copy bandwidth — {device}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "chart.png", dpi=110)
+    paired_bar_chart(out / "chart.png", labels, ("KeyValueCache op", [r["op_GBps"] for r in rows]),
+                     ("plain copy, same bytes", [r["copy_GBps"] for r in rows]), "GB/s (read + written)",
+                     f"KeyValueCache vs copy bandwidth — {device}")
 
 
 def main(argv=None) -> int:
