@@ -5,7 +5,9 @@ KeyValueCache writes its ``cache`` and ``scale`` inputs, KeyCacheRotaryShift its
 the same name: only then do the writes land in the caller's buffer. Anything else — a constant
 initializer, an initializer behind ``Identity``/``Reshape`` (with graph optimizations off ONNX
 Runtime keeps such a node, and the "constant" then keeps the previous run's writes), an initializer
-that is also a graph input (its default), or any other node's output — is refused.
+that is also a graph input (its default), or any other node's output — is refused. With
+``quant_bit`` 0 the ops never write ``scale`` (an empty one is ppl.pmx's placeholder for "no scale"), so
+whatever feeds it is let be: the op itself refuses a non-empty one.
 """
 
 import onnx
@@ -15,6 +17,13 @@ IN_PLACE_INPUTS = {
     ("opmx.dynamic_batching", "KeyValueCache"): {8: "cache", 9: "scale"},
     ("opmx.dynamic_batching", "KeyCacheRotaryShift"): {0: "cache", 1: "scale"},
 }
+
+
+def _quant_bit(node) -> int:
+    for attribute in node.attribute:
+        if attribute.name == "quant_bit":
+            return attribute.i
+    return 0
 
 
 def load_model(model) -> onnx.ModelProto:
@@ -52,6 +61,8 @@ def in_place_inputs(model) -> set:
         for position, role in positions.items():
             if position >= len(node.input) or not node.input[position]:
                 continue  # an absent optional scale
+            if role == "scale" and _quant_bit(node) == 0:
+                continue  # never written
             name = node.input[position]
             where = f"{node.op_type} node {node.name or '(unnamed)'}: {role} {name!r}"
             if name in initializers:

@@ -7,7 +7,7 @@ namespace kvcache {
 
 struct CudaKernel {
   explicit CudaKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) {
-    RejectConstantCache(info);
+    RejectConstantCache(info, "KeyValueCache", 8, attrs.quant_bit);
     CheckStaticHeads(info, attrs);
   }
   OrtStatusPtr ComputeV2(OrtKernelContext* context);

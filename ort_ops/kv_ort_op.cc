@@ -45,17 +45,17 @@ Attrs ReadAttrs(const OrtKernelInfo* info) {
   return a;
 }
 
-void RejectConstantCache(const OrtKernelInfo* info) {
+void RejectConstantCache(const OrtKernelInfo* info, const char* op, size_t cache_input, int64_t quant_bit) {
   Ort::ConstKernelInfo kernel_info(info);
   const size_t count = kernel_info.GetInputCount();
-  for (size_t i : {size_t{8}, kScaleInput}) {
-    if (i >= count) continue;
+  for (size_t i : {cache_input, cache_input + 1}) {
+    if (i >= count || (i == cache_input + 1 && quant_bit == 0)) continue;
     int is_constant = 0;
     kernel_info.GetTensorConstantInput(i, &is_constant);
     if (is_constant)
-      throw KvError(std::string(i == 8 ? "cache" : "scale") +
-                    " is a constant initializer, but KeyValueCache writes it in place: make it a graph input "
-                    "(and bind your own buffer) so the writes land where you read them");
+      throw KvError(std::string(i == cache_input ? "cache" : "scale") + " is a constant initializer, but " + op +
+                    " writes it in place: make it a graph input (and bind your own buffer) so the writes land "
+                    "where you read them");
   }
 }
 

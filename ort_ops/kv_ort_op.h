@@ -39,9 +39,10 @@ int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback);
 // Runs fn(i), i in [0, n), on ORT's intra-op thread pool.
 void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn);
 
-// Rejects a cache or scale that is a constant initializer: in-place writes to it would be lost
-// or would corrupt a constant shared by sessions.
-void RejectConstantCache(const OrtKernelInfo* info);
+// Rejects a cache or scale (inputs `cache_input`, `cache_input + 1` of op `op`) that is a constant
+// initializer: in-place writes to it would be lost or would corrupt a constant shared by sessions. With
+// quant_bit 0 the scale is never written (a constant empty one is ppl.pmx's placeholder) and is let be.
+void RejectConstantCache(const OrtKernelInfo* info, const char* op, size_t cache_input, int64_t quant_bit);
 
 // At session creation: throws KvError (OutputHeadsMessage) when current_key's H is static in the graph and
 // H * num_repeat does not fit in int64. A symbolic H is checked when the op runs (ValidateCall).
@@ -69,7 +70,7 @@ OrtStatusPtr StatusFromCurrentException();
 
 struct CpuKernel {
   explicit CpuKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) {
-    RejectConstantCache(info);
+    RejectConstantCache(info, "KeyValueCache", 8, attrs.quant_bit);
     CheckStaticHeads(info, attrs);
   }
   OrtStatusPtr ComputeV2(OrtKernelContext* context);

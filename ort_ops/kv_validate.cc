@@ -276,8 +276,14 @@ std::string OutputHeadsMessage(int64_t heads, int64_t num_repeat) {
   return s.str();
 }
 
-CallPlan ValidateCall(const Attrs& a, const TensorArg* in) {
+void DropEmptyScale(const Attrs& a, TensorArg* scale) {
+  int64_t count = 0;
+  if (a.quant_bit == 0 && scale->present && CountFits(scale->shape, &count) && count == 0) *scale = TensorArg{};
+}
+
+CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
   CheckAttrs(a);
+  DropEmptyScale(a, &in[9]);
   int64_t out_heads = 0;
   if (in[0].shape.size() == 3 && in[0].shape[1] >= 0 && !MulFits(in[0].shape[1], a.num_repeat, &out_heads))
     throw KvError(OutputHeadsMessage(in[0].shape[1], a.num_repeat));

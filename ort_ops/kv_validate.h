@@ -93,7 +93,12 @@ const char* ElemName(int32_t onnx_type);
 // right after the attributes, H * num_repeat must fit in int64 (H from a rank-3 current_key: the check
 // a static H gets at session creation); last, the outputs (kv_tokens, H * num_repeat, Dh) must have a
 // byte count that fits in int64, and so must one row when kv_tokens is 0.
-CallPlan ValidateCall(const Attrs& a, const TensorArg* inputs);
+// An empty scale with quant_bit 0 is first made absent in `inputs` (DropEmptyScale).
+CallPlan ValidateCall(const Attrs& a, TensorArg* inputs);
+
+// ppl.pmx exports an unquantized cache with an empty `kv_scale` input: with quant_bit 0 a scale of zero
+// elements is absent (spec: compatibility), so nothing downstream sees it. Any other scale is left as is.
+void DropEmptyScale(const Attrs& a, TensorArg* scale);
 
 // Row strides of a rank-5 tensor in `layout` with last dim `last` (Dh for cache, G for scale). All zero
 // for max_t == 0 (no row of an empty tensor is ever addressed); otherwise throws KvError if the

@@ -15,15 +15,7 @@ RotaryCpuKernel::RotaryCpuKernel(const OrtKernelInfo* info) {
   attrs.rotary_dim = AttrOr(info, "rotary_dim", 0);
   attrs.rotary_interleaved = AttrOr(info, "rotary_interleaved", 0);
   CheckRotaryAttrs(attrs);
-  Ort::ConstKernelInfo kernel_info(info);
-  for (size_t i : {size_t{0}, size_t{1}}) {
-    if (i >= kernel_info.GetInputCount()) continue;
-    int is_constant = 0;
-    kernel_info.GetTensorConstantInput(i, &is_constant);
-    if (is_constant)
-      throw KvError(std::string(i == 0 ? "cache" : "scale") +
-                    " is a constant initializer, but KeyCacheRotaryShift writes it in place: make it a graph input");
-  }
+  RejectConstantCache(info, "KeyCacheRotaryShift", 0, attrs.base.quant_bit);
 }
 
 OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {

@@ -53,9 +53,10 @@ std::vector<float> SnapshotFloats(const TensorArg& t, int64_t count) {
 
 }  // namespace
 
-RotaryPlan ValidateRotaryShift(const RotaryAttrs& ra, const TensorArg* in) {
+RotaryPlan ValidateRotaryShift(const RotaryAttrs& ra, TensorArg* in) {
   const Attrs& a = ra.base;
   CheckAttrs(a);
+  DropEmptyScale(a, &in[1]);
   const TensorArg &cache = in[0], &scale = in[1], &slots_t = in[2], &cos_t = in[3], &sin_t = in[4];
   if (a.quant_bit) {
     const int32_t want = a.quant_bit == 8 ? int32_t(Elem::kInt8) : int32_t(Elem::kInt4);

@@ -28,8 +28,9 @@ struct RotaryPlan {
 };
 
 // inputs: cache, scale (may be absent), slots, cos, sin. Every check of spec/KeyCacheRotaryShift.md, in
-// the reference's order and with its messages, which name only these inputs. Throws KvError.
-RotaryPlan ValidateRotaryShift(const RotaryAttrs& a, const TensorArg* inputs);
+// the reference's order and with its messages, which name only these inputs. Throws KvError. An empty
+// scale with quant_bit 0 is first made absent in `inputs` (DropEmptyScale).
+RotaryPlan ValidateRotaryShift(const RotaryAttrs& a, TensorArg* inputs);
 
 // Rotates the key rows of plan.slots in place (cache, and scale when quantized). The plan must come from
 // ValidateRotaryShift on the same inputs.

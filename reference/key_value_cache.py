@@ -4,7 +4,7 @@ import numpy as np
 
 from .layout import canonical_view
 from .quantize import dequantize, quantize
-from .validate import Attributes, validate_call
+from .validate import Attributes, effective_scale, validate_call
 
 
 def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
@@ -20,6 +20,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     attrs = Attributes(num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_mode, cache_layout,
                        page_size)
     current = (np.asarray(current_key), np.asarray(current_value))
+    scale = effective_scale(scale, quant_bit)
     plan = validate_call(*current, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
                          cache, scale, attrs)
     # Canonical (L, 2, H, MaxT, last) views of this layer: [kv][h, slot, :] writes into cache / scale.

@@ -5,7 +5,7 @@ import numpy as np
 from .dtypes import CACHE_TYPE_FOR_QUANT_BIT, T1_TYPES, dtype_name
 from .layout import canonical_view
 from .quantize import dequantize, quantize
-from .validate import Attributes, check_attributes, check_tensors, fail
+from .validate import Attributes, check_attributes, check_tensors, effective_scale, fail
 
 
 def rotary_shift_tables(deltas, rotary_dim: int, theta: float = 10000.0) -> tuple:
@@ -77,6 +77,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     a = Attributes(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                    cache_layout=cache_layout)
     check_attributes(a)
+    scale = effective_scale(scale, quant_bit)
     if rotary_interleaved not in (0, 1):
         fail(f"rotary_interleaved must be 0 or 1, got {rotary_interleaved}")
     # Read once: slots, cos and sin may share memory with the cache (spec: index inputs are read once).

@@ -111,6 +111,14 @@ def _check_max(name: str, what: str, given: int, lengths: list) -> None:
         fail(f"{name} = {given} is smaller than {what} of sequence {lengths.index(longest)} = {longest}")
 
 
+def effective_scale(scale, quant_bit):
+    """``scale``, or ``None`` when ``quant_bit`` is 0 and ``scale`` has no elements: ppl.pmx exports an
+    unquantized cache with an empty ``kv_scale`` input, which the spec treats as absent."""
+    if quant_bit == 0 and scale is not None and np.asarray(scale).size == 0:
+        return None
+    return scale
+
+
 def check_tensors(current_key, current_value, cache, scale, a: Attributes) -> tuple:
     """Ranks, dtypes and shape relations of the data tensors; returns (H, Dh, MaxT)."""
     for name, x in (("current_key", current_key), ("current_value", current_value)):
