@@ -4,7 +4,7 @@ Two levels:
 
 * :func:`key_value_cache` / :func:`key_cache_rotary_shift`: numpy in, numpy out, the reference's
   signature; run the CPU kernels through ``kvcache_op_*_cpu``. The cache (and scale) are written in place.
-* :func:`run_key_value_cache`: raw pointers (:class:`Tensor` descriptions) on ``"cpu"`` or ``"cuda"``,
+* :func:`run_key_value_cache` / :func:`run_key_cache_rotary_shift`: raw pointers (:class:`Tensor` descriptions) on ``"cpu"`` or ``"cuda"``,
   for callers that own device memory (torch, CuPy): index inputs are host numpy arrays, everything else
   is described by a pointer, a type and a shape.
 
@@ -244,22 +244,29 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     return key, value
 
 
+def run_key_cache_rotary_shift(inputs, output, *, num_threads: int = 1, library_file: str | None = None,
+                               **attributes) -> None:
+    """Runs KeyCacheRotaryShift on the CPU kernel over raw host buffers: ``inputs`` are 5 :class:`Tensor`
+    (cache, scale or ``ABSENT``, slots, cos, sin), ``output`` the ``(N,)`` int64 :class:`Tensor` for
+    ``slots_out``. Validates everything before writing."""
+    lib = library(library_file)
+    attrs = _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
+    message = ctypes.create_string_buffer(4096)
+    code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs), ctypes.byref(output.to_c()),
+                                                     int(num_threads), message, len(message))
+    _check(code, message)
+
+
 def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 1, library_file: str | None = None,
                            **attributes):
     """The reference's :func:`~kvcache_op.reference.key_cache_rotary_shift` on the library's CPU kernel:
     rotates the keys of ``slots`` in place (cache, and scale when quantized); returns the slots."""
-    lib = library(library_file)
-    attrs = _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
     args = HostBuffers()
     inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
               args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
     count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0
     out = np.empty(count, np.int64)
-    output = Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data)
-    message = ctypes.create_string_buffer(4096)
-    code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs),
-                                                     ctypes.byref(output.to_c()), int(num_threads), message,
-                                                     len(message))
-    _check(code, message)
+    run_key_cache_rotary_shift(inputs, Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data),
+                               num_threads=num_threads, library_file=library_file, **attributes)
     args.finish()
     return out

@@ -1,0 +1,117 @@
+"""How the ops become ``opmx.dynamic_batching`` nodes under ``torch.onnx.export``, with either exporter.
+
+* **dynamo** (``dynamo=True``, torch.export based): during export the public functions emit the node
+  directly with ``torch.onnx.ops.symbolic_multi_out``. Tracing the mutating custom op instead would go
+  through ``auto_functionalized_v2``, which the ONNX exporter cannot translate; the symbolic node is a
+  plain op whose inputs are the caller's ``cache``/``scale``, so the graph keeps feeding them straight
+  from graph inputs (no copy, nothing folded) and the runtime writes them in place.
+* **TorchScript** (``dynamo=False``): the custom op is traced (it runs once on the example inputs) and
+  its registered symbolic turns it into the node.
+
+Either way one call is one node, the schema's input order and attributes, ``max_seqlen``/``max_kvlen``
+as given (tensors stay graph inputs). int4 caches are ``uint8`` tensors in torch, so the exported
+graph's cache input is ``uint8``: :func:`int4_cache_inputs` retypes it to INT4 for ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import onnx
+import torch
+from torch.onnx import symbolic_helper
+
+from ..spec import rotary_schema, schema
+from . import custom_ops
+
+KV_NODE = f"{schema.DOMAIN}::{schema.OP_TYPE}"
+ROTARY_NODE = f"{schema.DOMAIN}::{rotary_schema.OP_TYPE}"
+#: The TorchScript exporter picks the highest registered opset <= the export's: 7 covers all it supports.
+TORCHSCRIPT_MIN_OPSET = 7
+
+
+def exporting_with_dynamo() -> bool:
+    """True inside ``torch.onnx.export(..., dynamo=True)`` (the TorchScript exporter traces with jit)."""
+    return torch.onnx.is_in_onnx_export() and not torch.jit.is_tracing()
+
+
+def key_value_cache_node(inputs: list, attributes: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KeyValueCache node for the dynamo exporter; ``inputs`` in schema order (``scale`` may be None)."""
+    current_key, kvstarts = inputs[0], inputs[3]
+    kv_tokens = kvstarts[-1].item()  # a data-dependent output length
+    torch._check(kv_tokens >= 0)
+    shape = [kv_tokens, current_key.shape[1] * attributes["num_repeat"], current_key.shape[2]]
+    if inputs[9] is None:
+        inputs = inputs[:9]
+    key, value = torch.onnx.ops.symbolic_multi_out(KV_NODE, inputs, attributes, dtypes=[current_key.dtype] * 2,
+                                                   shapes=[shape, shape], version=schema.VERSION)
+    return key, value
+
+
+def rotary_shift_node(inputs: list, attributes: dict) -> torch.Tensor:
+    """The KeyCacheRotaryShift node for the dynamo exporter; ``inputs``: cache, scale (or None), slots,
+    cos, sin."""
+    slots = inputs[2]
+    return torch.onnx.ops.symbolic(ROTARY_NODE, inputs, attributes, dtype=torch.int64, shape=list(slots.shape),
+                                   version=schema.VERSION)
+
+
+def _present(value) -> list:
+    return [] if value is None or value.node().mustBeNone() else [value]
+
+
+@symbolic_helper.parse_args(*"vvvvvvvvvv", *"iiiiiiii")
+def _key_value_cache_symbolic(g, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                              max_seqlen, max_kvlen, cache, scale, num_layer, layer_idx, quant_bit, quant_group,
+                              num_repeat, cache_mode, cache_layout, page_size):
+    return g.op(KV_NODE, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                max_kvlen, cache, *_present(scale), num_layer_i=num_layer, layer_idx_i=layer_idx,
+                quant_bit_i=quant_bit, quant_group_i=quant_group, num_repeat_i=num_repeat,
+                cache_mode_i=cache_mode, cache_layout_i=cache_layout, page_size_i=page_size, outputs=2)
+
+
+@symbolic_helper.parse_args(*"vvvvv", *"iiiiiii")
+def _rotary_shift_symbolic(g, cache, scale, slots, cos, sin, num_layer, layer_idx, cache_layout, quant_bit,
+                           quant_group, rotary_dim, rotary_interleaved):
+    # An absent scale stays the None value: the exporter writes it as the empty input name "".
+    return g.op(ROTARY_NODE, cache, scale, slots, cos, sin, num_layer_i=num_layer, layer_idx_i=layer_idx,
+                cache_layout_i=cache_layout, quant_bit_i=quant_bit, quant_group_i=quant_group,
+                rotary_dim_i=rotary_dim, rotary_interleaved_i=rotary_interleaved)
+
+
+def register_torchscript_symbolics() -> None:
+    """Registers the TorchScript exporter's translations of the custom ops (idempotent)."""
+    for op, fn in ((f"{custom_ops.NAMESPACE}::key_value_cache", _key_value_cache_symbolic),
+                   (f"{custom_ops.NAMESPACE}::key_cache_rotary_shift", _rotary_shift_symbolic)):
+        torch.onnx.register_custom_op_symbolic(op, fn, TORCHSCRIPT_MIN_OPSET)
+
+
+IN_PLACE = {schema.OP_TYPE: (8, 9), rotary_schema.OP_TYPE: (0, 1)}
+
+
+def _quant_bit(node) -> int:
+    return next((a.i for a in node.attribute if a.name == "quant_bit"), 0)
+
+
+def int4_cache_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Retypes, in place, every graph input that feeds an op's int4 cache (``quant_bit=4``) from torch's
+    packed ``uint8`` form ``(..., Dh/2)`` to ONNX INT4 ``(..., Dh)`` — the same bytes, so a buffer bound
+    to it needs no conversion. Returns ``model``. ``ValueError`` when such a cache is not a graph input."""
+    inputs = {value.name: value for value in model.graph.input}
+    for node in model.graph.node:
+        if node.domain != schema.DOMAIN or node.op_type not in IN_PLACE or _quant_bit(node) != 4:
+            continue
+        name = node.input[IN_PLACE[node.op_type][0]]
+        if name not in inputs:
+            raise ValueError(f"{node.op_type} node {node.name!r}: int4 cache {name!r} is not a graph input")
+        tensor_type = inputs[name].type.tensor_type
+        if tensor_type.elem_type == onnx.TensorProto.INT4:
+            continue
+        if tensor_type.elem_type != onnx.TensorProto.UINT8:
+            raise ValueError(f"{node.op_type} node {node.name!r}: int4 cache {name!r} is "
+                             f"{onnx.TensorProto.DataType.Name(tensor_type.elem_type)}, expected torch's packed uint8")
+        tensor_type.elem_type = onnx.TensorProto.INT4
+        last = tensor_type.shape.dim[-1]
+        if last.HasField("dim_value"):
+            last.dim_value *= 2
+        else:
+            last.dim_param = f"2*{last.dim_param}" if last.dim_param else ""
+    return model

@@ -1,0 +1,90 @@
+"""torch tensors described to the library's C entry points (:class:`kvcache_op.ort_ops.c_api.Tensor`).
+
+How torch holds what the ops take:
+
+* float32 / float16 / bfloat16 / int8 / int64 tensors are passed as they are (no copy when contiguous).
+* **int4** caches have no torch dtype: a ``quant_bit=4`` cache is a ``torch.uint8`` tensor holding ONNX's
+  INT4 packing — the cache's logical shape with the last axis halved (``Dh / 2`` bytes per row), element
+  ``2i`` in the low nibble of byte ``i``, two's complement. The library is handed the bytes as INT4 with
+  the logical shape, so nothing is copied. :func:`kvcache_op.torch.pack_int4` /
+  :func:`~kvcache_op.torch.unpack_int4` convert codes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ort_ops.c_api import ABSENT, Tensor
+from ..reference.validate import KeyValueCacheError
+
+#: ONNX element type of each torch dtype (the library names the ones an op refuses in its message).
+ONNX_TYPES = {torch.float32: 1, torch.uint8: 2, torch.int8: 3, torch.uint16: 4, torch.int16: 5, torch.int32: 6,
+              torch.int64: 7, torch.bool: 9, torch.float16: 10, torch.float64: 11, torch.uint32: 12,
+              torch.uint64: 13, torch.bfloat16: 16}
+ONNX_INT4 = 22
+DATA_DEVICES = ("cpu", "cuda")
+
+
+def onnx_type(dtype: torch.dtype) -> int:
+    """The ONNX element type of a torch dtype; ``KeyValueCacheError`` for one ONNX has no type for."""
+    try:
+        return ONNX_TYPES[dtype]
+    except KeyError:
+        raise KeyValueCacheError(f"dtype {dtype} has no ONNX element type the ops take") from None
+
+
+def describe(tensor: torch.Tensor | None) -> Tensor:
+    """A read-only input as a C description (``ABSENT`` for ``None``); the tensor must be contiguous and
+    stay alive until the call returns."""
+    if tensor is None:
+        return ABSENT
+    return Tensor(onnx_type(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
+
+
+def describe_cache(name: str, cache: torch.Tensor, quant_bit: int) -> Tensor:
+    """A cache (written in place) as a C description: contiguous, not a view the write could miss; a
+    ``quant_bit=4`` cache must be the packed ``uint8`` form and is handed over as INT4."""
+    if not cache.is_contiguous():
+        raise KeyValueCacheError(f"{name} must be contiguous: the op writes it in place")
+    if quant_bit == 4:
+        if cache.dtype != torch.uint8:
+            raise KeyValueCacheError(
+                f"{name} must be a torch.uint8 tensor of packed int4 pairs for quant_bit=4 (the cache shape with "
+                f"last dim Dh/2, ONNX INT4 packing: kvcache_op.torch.pack_int4), got {cache.dtype}")
+        if cache.dim() == 0:
+            raise KeyValueCacheError(f"{name} must have rank 5, got shape ()")
+        logical = tuple(cache.shape[:-1]) + (2 * cache.shape[-1],)
+        return Tensor(ONNX_INT4, logical, cache.data_ptr())
+    return describe(cache)
+
+
+def describe_written(name: str, tensor: torch.Tensor | None) -> Tensor:
+    """A tensor the op writes in place (the scale): contiguous, described as it is."""
+    if tensor is not None and not tensor.is_contiguous():
+        raise KeyValueCacheError(f"{name} must be contiguous: the op writes it in place")
+    return describe(tensor)
+
+
+def on_host(name: str, value) -> torch.Tensor:
+    """An input the kernels read on the host (index inputs; the rotation tables) as a contiguous CPU
+    tensor: ints become int64 tensors; a CUDA tensor is copied to the host (the op needs index values
+    on the host to validate a call before launching it)."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise KeyValueCacheError(f"{name} must be a torch.Tensor or an int, got {type(value).__name__}")
+        return torch.tensor(value, dtype=torch.int64)
+    return value.detach().to("cpu").contiguous()
+
+
+def data_device(**tensors) -> torch.device:
+    """The one device of the data tensors (``None`` entries skipped); ``KeyValueCacheError`` when they
+    differ or the device is neither CPU nor CUDA."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    distinct = set(devices.values())
+    if len(distinct) != 1:
+        listing = ", ".join(f"{name} on {device}" for name, device in devices.items())
+        raise KeyValueCacheError(f"the data tensors must be on one device, got {listing}")
+    device = distinct.pop()
+    if device.type not in DATA_DEVICES:
+        raise KeyValueCacheError(f"the ops run on CPU and CUDA tensors, got {device}")
+    return device

@@ -1,0 +1,199 @@
+"""The torch front-end's eager ops on CPU tensors agree bit for bit with the reference (outputs, cache,
+scale), raise the reference's errors with the cache untouched, and are traced by torch.compile and
+torch.export."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+torch = pytest.importorskip("torch", reason="the torch front-end needs the 'torch' extra: pip install '.[torch]'")
+
+import kvcache_op.torch as kt  # noqa: E402
+from invalid_calls import INVALID, make_invalid  # noqa: E402
+from ort_helpers import assert_same_bits, copies, reference_result  # noqa: E402
+from strategies import COMBINATIONS, calls_for, shift_calls  # noqa: E402
+from torch_convert import to_numpy, to_torch, torch_inputs  # noqa: E402
+
+from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift, pack_int4  # noqa: E402
+from kvcache_op.spec.cases import CASES  # noqa: E402
+
+
+def torch_result(inputs, attrs, **convert):
+    """(key, value, cache, scale) of the torch op, as numpy arrays like the reference's."""
+    tensors = torch_inputs(inputs, **convert)
+    key, value = kt.key_value_cache(**tensors, **attrs)
+    like = np.asarray(inputs["current_key"])
+    return (to_numpy(key, np.empty(tuple(key.shape), like.dtype)), to_numpy(value, np.empty(tuple(value.shape), like.dtype)),
+            to_numpy(tensors["cache"], inputs["cache"]), to_numpy(tensors["scale"], inputs["scale"]))
+
+
+@pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
+def test_eager_cpu_op_matches_reference(combo):
+    @given(calls_for(combo, max_batch=5))
+    def check(case):
+        assert_same_bits(torch_result(case.inputs, case.attributes), reference_result(case.inputs, case.attributes))
+
+    check()
+
+
+def test_every_conformance_case_matches_reference():
+    for name, make in CASES.items():
+        case = make()
+        assert_same_bits(torch_result(case.inputs, case.attributes), reference_result(case.inputs, case.attributes))
+
+
+def _representable(inputs):
+    """torch holds an int4 cache as packed pairs: an odd last dim cannot be written down."""
+    cache = inputs.get("cache")
+    return not (cache is not None and np.asarray(cache).dtype == INT4 and np.asarray(cache).shape[-1] % 2)
+
+
+@pytest.mark.parametrize("row", INVALID, ids=[r[0] for r in INVALID])
+def test_invalid_call_raises_the_reference_message_and_writes_nothing(row):
+    inputs, attrs = make_invalid(row)
+    if not _representable(inputs):
+        pytest.skip("an int4 cache with an odd last dim has no packed torch form")
+    tensors = torch_inputs(copies(inputs))
+    before = {k: tensors[k].clone() for k in ("cache", "scale") if tensors.get(k) is not None}
+    with pytest.raises(KeyValueCacheError, match=row[3]):
+        kt.key_value_cache(**tensors, **attrs)
+    for name, tensor in before.items():
+        assert torch.equal(tensors[name].view(torch.uint8), tensor.view(torch.uint8)), f"{name} was written"
+
+
+def test_int_launch_bounds_and_cuda_free_index_inputs_are_accepted():
+    case = CASES["paged_layout1"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["max_seqlen"], tensors["max_kvlen"] = int(case.inputs["max_seqlen"]), int(case.inputs["max_kvlen"])
+    key, _ = kt.key_value_cache(**tensors, **case.attributes)
+    want = reference_result(case.inputs, case.attributes)
+    assert key.numpy().tobytes() == want[0].tobytes()
+
+
+def test_a_non_contiguous_cache_is_refused_untouched():
+    case = CASES["offset_layout0"]()
+    tensors = torch_inputs(copies(case.inputs))
+    wide = torch.zeros(tensors["cache"].shape[:-1] + (2 * tensors["cache"].shape[-1],), dtype=tensors["cache"].dtype)
+    tensors["cache"] = wide[..., ::2]
+    with pytest.raises(KeyValueCacheError, match="cache must be contiguous"):
+        kt.key_value_cache(**tensors, **case.attributes)
+    assert not wide.any()
+
+
+def test_an_int4_cache_must_be_the_packed_uint8_form():
+    case = CASES["int4_layout0"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["cache"] = torch.zeros(tuple(case.inputs["cache"].shape), dtype=torch.int8)  # one code per byte
+    scale = tensors["scale"].clone()
+    with pytest.raises(KeyValueCacheError, match="torch.uint8 tensor of packed int4 pairs"):
+        kt.key_value_cache(**tensors, **case.attributes)
+    assert not tensors["cache"].any() and torch.equal(tensors["scale"], scale)
+
+
+def test_attributes_must_be_ints():
+    case = CASES["offset_layout0"]()
+    with pytest.raises(TypeError, match="attribute layer_idx must be an int"):
+        kt.key_value_cache(**torch_inputs(copies(case.inputs)), layer_idx=0.0)
+
+
+@given(shift_calls())
+@settings(max_examples=60)
+def test_rotary_shift_matches_reference(call):
+    inputs, attrs = call
+    want = copies(inputs)
+    want_slots = key_cache_rotary_shift(**want, **attrs)
+    tensors = torch_inputs(copies(inputs))
+    got_slots = kt.key_cache_rotary_shift(**tensors, **attrs)
+    assert np.array_equal(got_slots.numpy(), want_slots)
+    assert to_numpy(tensors["cache"], inputs["cache"]).tobytes() == want["cache"].tobytes()
+    if inputs["scale"] is not None:
+        assert to_numpy(tensors["scale"], inputs["scale"]).tobytes() == want["scale"].tobytes()
+
+
+def test_pack_int4_matches_the_reference_packing_and_round_trips():
+    rng = np.random.default_rng(0)
+    codes = rng.integers(-8, 8, (3, 5, 8)).astype(np.int8)
+    packed = kt.pack_int4(torch.from_numpy(codes))
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (3, 5, 4)
+    assert packed.numpy().tobytes() == pack_int4(codes).tobytes()
+    assert np.array_equal(kt.unpack_int4(packed).numpy(), codes)
+    with pytest.raises(ValueError, match=r"\[-8, 7\]"):
+        kt.pack_int4(torch.tensor([8, 0]))
+    with pytest.raises(ValueError, match="even last dim"):
+        kt.pack_int4(torch.zeros(3, dtype=torch.int8))
+
+
+@pytest.mark.parametrize("quant_bit,layout", [(0, 0), (8, 3), (4, 1), (4, 2)])
+def test_new_cache_has_the_shapes_the_op_accepts(quant_bit, layout):
+    from kvcache_op.spec.cases import Seq, build
+
+    case = build("new-cache", [Seq(0, 2)], num_layer=2, heads=2, head_dim=8, quant_bit=quant_bit, quant_group=4,
+                 cache_layout=layout, t1="float32", t3="float32")
+    max_tokens = case.inputs["cache"].shape[layout]  # in layout k, MaxT is axis k
+    cache, scale = kt.new_cache(num_layer=2, max_tokens=max_tokens, heads=2, head_dim=8, quant_bit=quant_bit,
+                                quant_group=4, cache_layout=layout, dtype=torch.float32)
+    assert cache.shape == to_torch(case.inputs["cache"]).shape and not cache.any()
+    assert (scale is None) == (quant_bit == 0)
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["cache"], tensors["scale"] = cache, scale
+    kt.key_value_cache(**tensors, **case.attributes)  # the op accepts them and writes the new cache
+    assert cache.any()
+
+
+class TwoLayers(torch.nn.Module):
+    """Two layers sharing one cache through layer_idx, the second reading the first's output."""
+
+    def __init__(self, attrs):
+        super().__init__()
+        self.attrs = {k: v for k, v in attrs.items() if k not in ("num_layer", "layer_idx")}
+
+    def forward(self, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                cache, scale=None):
+        index = (seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen)
+        k0, v0 = kt.key_value_cache(current_key, current_value, *index, cache, scale, num_layer=2, layer_idx=0,
+                                    **self.attrs)
+        k1, v1 = kt.key_value_cache(current_key * 2, current_value * 2, *index, cache, scale, num_layer=2,
+                                    layer_idx=1, **self.attrs)
+        return k0 + k1, v0 - v1
+
+
+def _two_layer_case(quant_bit=8, mode=1, layout=3):
+    from kvcache_op.spec.cases import Seq, build
+
+    return build("two-layers", [Seq(0, 3), Seq(4, 1), Seq(2, 2)], num_layer=2, heads=2, head_dim=8,
+                 quant_bit=quant_bit, quant_group=4, cache_mode=mode, page_size=4, cache_layout=layout, t1="float32")
+
+
+def _run(fn, case):
+    tensors = torch_inputs(copies(case.inputs))
+    outputs = fn(**tensors)
+    return [o.clone() for o in outputs], tensors["cache"].clone(), tensors["scale"]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "eager"])
+def test_torch_compile_traces_the_op_fullgraph(backend):
+    case = _two_layer_case()
+    module = TwoLayers(case.attributes)
+    want = _run(module, case)
+    torch._dynamo.reset()
+    got = _run(torch.compile(module, backend=backend, fullgraph=True), case)
+    for g, w in zip(got[0], want[0]):
+        assert torch.equal(g, w)
+    assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_torch_export_traces_the_op_and_its_program_runs():
+    case = _two_layer_case(quant_bit=0, mode=0, layout=0)
+    module = TwoLayers(case.attributes)
+    want = _run(module, case)
+    tensors = torch_inputs(copies(case.inputs))
+    del tensors["scale"]
+    program = torch.export.export(module, (), kwargs=tensors)
+    targets = [str(n.target) for n in program.graph.nodes if n.op == "call_function"]
+    assert targets.count("kvcache_op.key_value_cache.default") == 2, targets
+    fresh = torch_inputs(copies(case.inputs))
+    del fresh["scale"]
+    outputs = program.module()(**fresh)
+    for g, w in zip(outputs, want[0]):
+        assert torch.equal(g, w)
+    assert torch.equal(fresh["cache"], want[1])
