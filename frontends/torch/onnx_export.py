@@ -62,10 +62,17 @@ def _present(value) -> list:
 def _key_value_cache_symbolic(g, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                               max_seqlen, max_kvlen, cache, scale, num_layer, layer_idx, quant_bit, quant_group,
                               num_repeat, cache_mode, cache_layout, page_size):
-    return g.op(KV_NODE, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                max_kvlen, cache, *_present(scale), num_layer_i=num_layer, layer_idx_i=layer_idx,
-                quant_bit_i=quant_bit, quant_group_i=quant_group, num_repeat_i=num_repeat,
-                cache_mode_i=cache_mode, cache_layout_i=cache_layout, page_size_i=page_size, outputs=2)
+    key, value = g.op(KV_NODE, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                      max_kvlen, cache, *_present(scale), num_layer_i=num_layer, layer_idx_i=layer_idx,
+                      quant_bit_i=quant_bit, quant_group_i=quant_group, num_repeat_i=num_repeat,
+                      cache_mode_i=cache_mode, cache_layout_i=cache_layout, page_size_i=page_size, outputs=2)
+    # The exporter's shape inference knows nothing of custom ops: (kv_tokens, H * num_repeat, Dh), T1.
+    sizes = current_key.type().varyingSizes() if current_key.isCompleteTensor() or current_key.type().dim() else None
+    if sizes is not None and len(sizes) == 3:
+        heads = sizes[1] * num_repeat if sizes[1] is not None else None
+        for output in (key, value):
+            output.setType(current_key.type().with_sizes([None, heads, sizes[2]]))
+    return key, value
 
 
 @symbolic_helper.parse_args(*"vvvvv", *"iiiiiii")
