@@ -65,6 +65,17 @@ def test_host_runner_reports_invalid_calls_like_the_reference(runner):
     assert result.code == 1 and "cache" in result.message and result.report.launches == 0
 
 
+def test_an_empty_scale_without_quantization_is_absent_on_the_gpu_path(runner):
+    """ppl.pmx's empty kv_scale: the GPU path's validation drops it, the kernels never touch it."""
+    case = build_case("empty-scale", [Seq(0, 3), Seq(4, 2)], heads=2, head_dim=8, cache_mode=1, page_size=4)
+    want = reference_result(case.inputs, case.attributes)
+    fresh = copies(case.inputs)
+    fresh["scale"] = np.zeros(0, np.float16)
+    result = runner.run(fresh, case.attributes)
+    assert_clean(result)
+    assert_same_bits((result.key, result.value, fresh["cache"]), want[:3])
+
+
 # The checks themselves: each launch-shape mistake the launcher avoids is caught when forced.
 
 def odd_int4_case():
