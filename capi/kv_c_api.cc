@@ -116,6 +116,8 @@ int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRotaryShiftAttrs* att
         TensorArg in[5];
         ToTensorArgs(inputs, 5, kRotaryNames, kRotaryOptional, in);
         const RotaryPlan plan = ValidateRotaryShift(a, in);  // slots, cos, sin snapshotted, then checked
+        const ByteRange cache{kRotaryNames[0], in[0].data, TensorBytes(in[0].type, in[0].shape)};
+        if (in[1].present) CheckDisjoint({kRotaryNames[1], in[1].data, TensorBytes(in[1].type, in[1].shape)}, cache);
         const int64_t n = static_cast<int64_t>(plan.slots.size());
         if (output != nullptr) {
           CheckOutput(*output, "output slots", int32_t(Elem::kInt64), {n});

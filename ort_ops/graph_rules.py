@@ -7,10 +7,13 @@ initializer, an initializer behind ``Identity``/``Reshape`` (with graph optimiza
 Runtime keeps such a node, and the "constant" then keeps the previous run's writes), an initializer
 that is also a graph input (its default), or any other node's output — is refused. With
 ``quant_bit`` 0 the ops never write ``scale`` (an empty one is ppl.pmx's placeholder for "no scale"), so
-whatever feeds it is let be: the op itself refuses a non-empty one.
+whatever feeds it is let be: the op itself refuses a non-empty one. The write-order rule
+(:mod:`.write_order`) is checked with it.
 """
 
 import onnx
+
+from .write_order import check_write_order
 
 #: (domain, op type) -> positions of the inputs the op writes in place.
 IN_PLACE_INPUTS = {
@@ -46,24 +49,28 @@ def _nodes(graph):
                 yield from _nodes(sub)
 
 
+def _written_inputs(node):
+    """(role, input name) of each input ``node`` writes in place."""
+    positions = IN_PLACE_INPUTS.get((node.domain, node.op_type), {})
+    for position, role in positions.items():
+        if position >= len(node.input) or not node.input[position]:
+            continue  # an absent optional scale
+        if role == "scale" and _quant_bit(node) == 0:
+            continue  # never written
+        yield role, node.input[position]
+
+
 def in_place_inputs(model) -> set:
     """Names of the graph inputs the model's ops write in place. Raises ``ValueError`` naming the node
-    and input when one of those inputs is not fed directly by a graph input without an initializer."""
+    and input when one of those inputs is not fed directly by a graph input without an initializer, or
+    when the order of the writes (or of a read of a written input) is left to the runtime."""
     model = load_model(model)
     graph = model.graph
     initializers = {init.name for init in graph.initializer} | {init.name for init in graph.sparse_initializer}
     graph_inputs = {value.name for value in graph.input}
     names = set()
     for node in _nodes(graph):
-        positions = IN_PLACE_INPUTS.get((node.domain, node.op_type))
-        if not positions:
-            continue
-        for position, role in positions.items():
-            if position >= len(node.input) or not node.input[position]:
-                continue  # an absent optional scale
-            if role == "scale" and _quant_bit(node) == 0:
-                continue  # never written
-            name = node.input[position]
+        for role, name in _written_inputs(node):
             where = f"{node.op_type} node {node.name or '(unnamed)'}: {role} {name!r}"
             if name in initializers:
                 raise ValueError(f"{where} is an initializer, but the op writes it in place: make it a graph input "
@@ -72,4 +79,9 @@ def in_place_inputs(model) -> set:
                 raise ValueError(f"{where} is computed by another node, but the op writes it in place: feed it "
                                  "directly from a graph input (the writes would land in an intermediate tensor)")
             names.add(name)
+    writers = {}  # name -> indices of the top-level nodes writing it (subgraph bodies are not ordered here)
+    for index, node in enumerate(graph.node):
+        for _, name in _written_inputs(node):
+            writers.setdefault(name, []).append(index)
+    check_write_order(graph, writers)
     return names

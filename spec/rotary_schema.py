@@ -35,7 +35,7 @@ def _build_schema() -> defs.OpSchema:
         outputs=[formal_parameter("slots_out", "I", "(N,) = slots")],
         type_constraints=[
             ("T2", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)", "tensor(int4)"], "cache"),
-            ("T3", ["tensor(float)", "tensor(float16)"], "scales"),
+            ("T3", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "scales (bfloat16: empty placeholder)"),
             ("I", ["tensor(int64)"], "slots"),
             ("F", ["tensor(float)"], "rotation tables"),
         ],

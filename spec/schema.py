@@ -85,7 +85,8 @@ def _build_schema() -> defs.OpSchema:
             ("T1", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "keys and values"),
             ("T2", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(int8)", "tensor(int4)"],
              "cache: T1 when quant_bit is 0, int8 for 8, int4 for 4"),
-            ("T3", ["tensor(float)", "tensor(float16)"], "quantization scales"),
+            # bfloat16 only as ppl.pmx's empty placeholder with quant_bit 0 (a real scale is float32/float16)
+            ("T3", ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"], "quantization scales"),
             ("I", ["tensor(int64)"], "indices"),
         ],
         attributes=attrs,

@@ -126,6 +126,25 @@ def test_an_input_inside_the_cache_is_refused():
     del buffers
 
 
+def test_a_rotary_scale_sharing_memory_with_the_cache_is_refused():
+    """The shift rewrites both: a scale inside the cache would be clobbered by the codes and vice versa."""
+    cache = np.zeros((6, 1, 2, 1, 8), np.int8)  # layout 0, one head, Dh 8, group 4: scale (6, 1, 2, 1, 2)
+    cache[...] = 3
+    before = cache.tobytes()
+    slots = np.array([1], np.int64)
+    cos, sin = np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    buffers = c_api.HostBuffers()
+    inputs = [buffers.tensor("cache", cache, written=True),
+              c_api.Tensor(c_api.ONNX_TYPES[np.dtype(np.float32)], (6, 1, 2, 1, 2), cache.ctypes.data),
+              buffers.tensor("slots", slots), buffers.tensor("cos", cos), buffers.tensor("sin", sin)]
+    out = np.empty(1, np.int64)
+    output = c_api.Tensor(c_api.ONNX_TYPES[np.dtype(np.int64)], (1,), out.ctypes.data)
+    with pytest.raises(KeyValueCacheError, match="scale overlaps cache"):
+        c_api.run_key_cache_rotary_shift(inputs, output, quant_bit=8, quant_group=4)
+    assert cache.tobytes() == before
+    del buffers
+
+
 def test_malformed_tensors_are_refused():
     case = small_case()
     buffers, inputs, outputs, _ = raw_call(case)

@@ -1,0 +1,80 @@
+"""ONNX orders nodes only by data: a model whose in-place writes (or a read of a written cache) could run
+in either order is refused, and models whose writes are independent or ordered by data are accepted."""
+
+import copy
+
+import numpy as np
+import pytest
+from onnx import helper
+
+from kvcache_op import spec
+from kvcache_op.ort_ops import make_session, run_model
+from kvcache_op.ort_ops.graph_rules import in_place_inputs
+from kvcache_op.spec.cases import Seq, build
+
+
+def two_layer_case():
+    return build("order", [Seq(0, 3), Seq(4, 1)], num_layer=2, heads=2, head_dim=8, t1="float32")
+
+
+def with_second_node(layer_idx, current_key="current_key", outputs=("key2", "value2")):
+    """The case's single-node model plus a second KeyValueCache node on the same cache."""
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    second = copy.deepcopy(model.graph.node[0])
+    second.name, second.input[0] = "second", current_key
+    del second.output[:]
+    second.output.extend(outputs)
+    for attribute in second.attribute:
+        if attribute.name == "layer_idx":
+            attribute.i = layer_idx
+    model.graph.node.append(second)
+    return case, model
+
+
+def test_nodes_writing_different_layers_are_independent_and_accepted():
+    case, model = with_second_node(layer_idx=1)
+    assert in_place_inputs(model) == {"cache"}
+    make_session(model)
+
+
+def test_two_unordered_writes_of_one_layer_are_refused():
+    _, model = with_second_node(layer_idx=0)
+    with pytest.raises(ValueError, match="both write layer 0 of 'cache' and no data path orders them"):
+        in_place_inputs(model)
+    with pytest.raises(ValueError, match="no data path orders them"):
+        make_session(model)
+
+
+def test_a_data_path_orders_two_writes_of_one_layer():
+    """The second node's key input is computed from the first node's output: it must run after."""
+    case, model = with_second_node(layer_idx=0, current_key="ordered_key")
+    first_key = model.graph.node[0].output[0]
+    model.graph.node.insert(1, helper.make_node("Slice", [first_key, "zero", "tokens"], ["ordered_key"]))
+    model.graph.initializer.extend([
+        helper.make_tensor("zero", 7, [1], [0]),
+        helper.make_tensor("tokens", 7, [1], [case.inputs["current_key"].shape[0]])])
+    assert in_place_inputs(model) == {"cache"}
+    feeds = {k: np.array(v, copy=True) for k, v in case.inputs.items() if v is not None}
+    run_model(model, feeds)  # accepted and runs
+
+
+def test_a_rotary_shift_and_a_store_of_the_same_layer_are_refused():
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    model.graph.node.append(helper.make_node("KeyCacheRotaryShift", ["cache", "", "slots", "cos", "sin"], ["slots_out"],
+                                             domain=spec.schema.DOMAIN, num_layer=2, layer_idx=0))
+    with pytest.raises(ValueError, match="KeyCacheRotaryShift node .* both write layer 0 of 'cache'"):
+        in_place_inputs(model)
+
+
+@pytest.mark.parametrize("op_type,refused", [("Identity", True), ("ReduceMax", True), ("Shape", False), ("Size", False)])
+def test_other_nodes_may_read_only_the_caches_shape(op_type, refused):
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    model.graph.node.append(helper.make_node(op_type, ["cache"], [f"{op_type}_out"]))
+    if refused:
+        with pytest.raises(ValueError, match=f"{op_type} node .* reads 'cache'"):
+            in_place_inputs(model)
+    else:
+        assert in_place_inputs(model) == {"cache"}
