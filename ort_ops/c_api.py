@@ -23,7 +23,7 @@ import numpy as np
 
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
-from ..reference.validate import KeyValueCacheError
+from ..reference.validate import KeyValueCacheError, effective_scale
 
 C_API_VERSION = 1
 MAX_RANK = 8
@@ -230,6 +230,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     """The reference's :func:`~kvcache_op.reference.key_value_cache` on the library's CPU kernel through the
     C entry point: returns ``(key, value)``; writes ``cache`` / ``scale`` in place."""
     args = HostBuffers()
+    scale = effective_scale(scale, attributes.get("quant_bit", 0))  # an empty one is absent: never written
     given = dict(current_key=current_key, current_value=current_value, seqstarts=seqstarts, kvstarts=kvstarts,
                  cachestarts=cachestarts, start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=max_kvlen,
                  cache=cache, scale=scale)
@@ -262,6 +263,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 
     """The reference's :func:`~kvcache_op.reference.key_cache_rotary_shift` on the library's CPU kernel:
     rotates the keys of ``slots`` in place (cache, and scale when quantized); returns the slots."""
     args = HostBuffers()
+    scale = effective_scale(scale, attributes.get("quant_bit", 0))
     inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
               args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
     count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0

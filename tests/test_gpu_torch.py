@@ -41,13 +41,18 @@ def test_cuda_op_matches_reference(combo):
 
 
 def test_cuda_op_runs_on_the_current_stream():
+    """The inputs are produced on a side stream after a long sleep: an op launched on any other stream
+    would read them before they exist."""
     case = CASES["decode_batch_int8_gqa"]()
     want = reference_result(case.inputs, case.attributes)
+    host = torch_inputs(copies(case.inputs), device="cpu")
     stream = torch.cuda.Stream()
-    tensors = torch_inputs(copies(case.inputs), device="cuda", index_device="cpu")
     with torch.cuda.stream(stream):
-        key, value = kt.key_value_cache(**tensors, **case.attributes)
-        key_copy = key.clone()  # ordered after the op on the same stream
+        torch.cuda._sleep(200_000_000)  # cycles: well over the time the host takes to enqueue the rest
+        tensors = {k: (v.to("cuda", non_blocking=True) if k in ("current_key", "current_value", "cache", "scale")
+                       else v) for k, v in host.items()}
+        key, _ = kt.key_value_cache(**tensors, **case.attributes)
+        key_copy = key.clone()
     stream.synchronize()
     assert to_numpy(key_copy, want[0]).tobytes() == want[0].tobytes()
 

@@ -197,3 +197,56 @@ def test_torch_export_traces_the_op_and_its_program_runs():
     for g, w in zip(outputs, want[0]):
         assert torch.equal(g, w)
     assert torch.equal(fresh["cache"], want[1])
+
+
+@pytest.mark.parametrize("name,value,message", [
+    ("max_seqlen", 3.7, "max_seqlen must be a torch.Tensor or an int, got float"),
+    ("max_kvlen", True, "max_kvlen must be a torch.Tensor or an int, got bool"),
+    ("max_kvlen", 2**70, "does not fit in int64"),
+    ("seqstarts", np.array([0, 3]), "seqstarts must be a torch.Tensor, got ndarray"),
+])
+def test_index_inputs_are_tensors_or_int_bounds_never_coerced(name, value, message):
+    case = CASES["offset_layout0"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors[name] = value
+    before = tensors["cache"].clone()
+    with pytest.raises(KeyValueCacheError, match=message):
+        kt.key_value_cache(**tensors, **case.attributes)
+    assert torch.equal(tensors["cache"], before)
+
+
+def test_numpy_int_attributes_are_taken_and_huge_ones_refused():
+    case = CASES["paged_layout0"]()
+    want = reference_result(case.inputs, case.attributes)
+    numpy_attrs = {k: np.int64(v) for k, v in case.attributes.items()}
+    assert_same_bits(torch_result(case.inputs, numpy_attrs), want)
+    with pytest.raises(KeyValueCacheError, match="does not fit in int64"):
+        kt.key_value_cache(**torch_inputs(copies(case.inputs)), **dict(case.attributes, page_size=2**64))
+
+
+@pytest.mark.parametrize("scale", [torch.empty(0, dtype=torch.bfloat16), torch.empty(0, 3, dtype=torch.complex64),
+                                   torch.empty((1,) * 8 + (0,))])
+def test_an_empty_scale_without_quantization_is_absent_in_torch_too(scale):
+    case = CASES["gqa_repeat2"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["scale"] = scale
+    key, value = kt.key_value_cache(**tensors, **case.attributes)
+    want = reference_result(case.inputs, case.attributes)
+    assert key.numpy().tobytes() == want[0].tobytes() and value.numpy().tobytes() == want[1].tobytes()
+    assert to_numpy(tensors["cache"], case.inputs["cache"]).tobytes() == want[2].tobytes()
+
+
+def test_an_int4_shape_error_says_the_shapes_are_unpacked():
+    case = CASES["int4_layout0"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["cache"] = torch.zeros(tuple(tensors["cache"].shape[:-1]) + (tensors["cache"].shape[-1] * 2,),
+                                   dtype=torch.uint8)  # one code per byte instead of packed pairs
+    with pytest.raises(KeyValueCacheError, match="cache shape must be .*unpacked int4 cache"):
+        kt.key_value_cache(**tensors, **case.attributes)
+
+
+@pytest.mark.parametrize("kw,message", [(dict(cache_layout=7), "cache_layout must be"),
+                                        (dict(quant_bit=8, quant_group=0), "quant_group must be >= 1")])
+def test_new_cache_refuses_impossible_settings(kw, message):
+    with pytest.raises(ValueError, match=message):
+        kt.new_cache(num_layer=1, max_tokens=4, heads=1, head_dim=8, **kw)

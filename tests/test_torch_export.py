@@ -235,3 +235,79 @@ def test_int4_cache_inputs_refuses_a_cache_that_is_not_a_graph_input():
     model.graph.node[0].input[8] = "elsewhere"
     with pytest.raises(ValueError, match="is not a graph input"):
         kt.int4_cache_inputs(model)
+
+
+class StoreOnly(torch.nn.Module):
+    """A fill-only step: the outputs are not used, so an exporter drops the node."""
+
+    def forward(self, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                cache):
+        kt.key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                           max_kvlen, cache)
+        return current_key * 2
+
+
+class ShiftThenStore(torch.nn.Module):
+    """A rotation and a store of the same layer with no data path between them."""
+
+    def forward(self, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                cache, slots, cos, sin):
+        shifted = kt.key_cache_rotary_shift(cache, None, slots, cos, sin)
+        key, _ = kt.key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                                    max_kvlen, cache)
+        return shifted, key
+
+
+class ReadCacheAfter(torch.nn.Module):
+    def forward(self, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                cache):
+        key, _ = kt.key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                                    max_kvlen, cache)
+        return key, cache.sum()
+
+
+def _plain_args(extra=()):
+    export_case, _ = case_pair(0, 0, 0, "float32", "float32", 1)
+    return arguments(export_case) + tuple(extra)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_a_call_whose_outputs_nothing_uses_is_reported_not_silently_dropped(dynamo):
+    with pytest.raises(ValueError, match=r"1 KeyValueCache call\(s\) exported as 0 node\(s\)"):
+        kt.export_onnx(StoreOnly(), _plain_args(), dynamo=dynamo)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_unordered_writes_of_one_layer_are_refused_at_export(dynamo):
+    slots = torch.tensor([0, 1, 2])
+    cos, sin = (torch.from_numpy(t) for t in rotary_shift_tables(np.array([1, 1, 1]), 8))
+    with pytest.raises(ValueError, match="both write layer 0 of .* and no data path orders them"):
+        kt.export_onnx(ShiftThenStore(), _plain_args((slots, cos, sin)), dynamo=dynamo)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_reading_the_cache_next_to_the_op_is_refused_at_export(dynamo):
+    with pytest.raises(ValueError, match="reads .*, which KeyValueCache node .* writes in place"):
+        kt.export_onnx(ReadCacheAfter(), _plain_args(), dynamo=dynamo)
+
+
+def test_the_dynamo_optimizer_merging_identical_calls_is_reported():
+    class ShiftTwice(torch.nn.Module):
+        def forward(self, cache, slots, cos, sin):
+            return kt.key_cache_rotary_shift(cache, None, slots, cos, sin) + kt.key_cache_rotary_shift(
+                cache, None, slots, cos, sin)
+
+    cache = torch.zeros(8, 1, 2, 2, 8)
+    cos, sin = (torch.from_numpy(t) for t in rotary_shift_tables(np.array([1, 2]), 8))
+    with pytest.raises(ValueError, match=r"2 KeyCacheRotaryShift call\(s\) exported as 1 node\(s\)"):
+        kt.export_onnx(ShiftTwice(), (cache, torch.tensor([0, 3]), cos, sin), dynamo=True, optimize=True)
+
+
+@pytest.mark.parametrize("attrs,message", [(dict(layer_idx=5), "layer_idx must be in"),
+                                           (dict(quant_bit=8), "scale is required when quant_bit is 8"),
+                                           (dict(cache_layout=9), "cache_layout must be 0, 1, 2 or 3")])
+def test_the_dynamo_path_checks_what_it_can_without_data(attrs, message):
+    from kvcache_op.reference import KeyValueCacheError
+
+    with pytest.raises(KeyValueCacheError, match=message):
+        kt.export_onnx(KeyValueCacheModule(**attrs), _plain_args(), dynamo=True)

@@ -51,21 +51,35 @@ class PplStyleModule(torch.nn.Module):
                                            max_seqlen, max_kvlen, cache, kv_scale, *ATTRIBUTES.values())
 
 
-def _case(seqs, seed):
+class PplStyleConstantScale(torch.nn.Module):
+    """ppl.pmx's model code makes the placeholder inside forward, in the model's dtype: a Constant node."""
+
+    def forward(self, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                cache):
+        kv_scale = torch.empty(0, dtype=current_key.dtype)
+        return PplStyleKeyValueCache.apply(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                                           max_seqlen, max_kvlen, cache, kv_scale, *ATTRIBUTES.values())
+
+
+def _case(seqs, seed, t1="float16"):
     case = build("ppl-style", seqs, num_layer=2, layer_idx=1, heads=2, head_dim=8, num_repeat=2, cache_mode=1,
-                 cache_layout=3, page_size=4, t1="float16", max_t=64, max_pages=4, scalar_max=False, seed=seed)
+                 cache_layout=3, page_size=4, t1=t1, max_t=64, max_pages=4, scalar_max=False, seed=seed)
     assert case.inputs["max_seqlen"].shape == (1,) and case.inputs["scale"] is None
     return case
 
 
-def _ppl_style_model() -> onnx.ModelProto:
-    case = _case([Seq(0, 3), Seq(4, 1)], 1)
+def _ppl_style_model(constant_scale=False, t1="float16") -> onnx.ModelProto:
+    case = _case([Seq(0, 3), Seq(4, 1)], 1, t1)
     tensors = torch_inputs(copies(case.inputs))
-    args = [tensors[n] for n in INPUT_NAMES[:-1]] + [torch.empty(0, dtype=torch.float16)]
+    args = [tensors[n] for n in INPUT_NAMES[:-1]]
+    names = INPUT_NAMES[:-1] if constant_scale else INPUT_NAMES
+    if not constant_scale:
+        args.append(torch.empty(0, dtype=tensors["current_key"].dtype))
     dynamic = {n: {0: f"{n}_0"} for n in INPUT_NAMES[:6]}
     dynamic["cachestarts"][1] = "max_pages"
     buffer = io.BytesIO()
-    torch.onnx.export(PplStyleModule(), tuple(args), buffer, dynamo=False, opset_version=11, input_names=INPUT_NAMES,
+    module = PplStyleConstantScale() if constant_scale else PplStyleModule()
+    torch.onnx.export(module, tuple(args), buffer, dynamo=False, opset_version=11, input_names=names,
                       output_names=["key", "value"], dynamic_axes=dynamic)
     return onnx.load_from_string(buffer.getvalue())
 
@@ -83,13 +97,19 @@ def test_the_ppl_style_graph_has_ppls_shape():
     assert shapes["max_seqlen"] == [1] and shapes["max_kvlen"] == [1] and shapes["kv_scale"] == [0]
 
 
-def test_the_ppl_style_graph_runs_in_ort_like_the_reference_without_a_scale():
-    model = _ppl_style_model()
+# No bfloat16 constant: opset 11's Constant has no bfloat16 (from opset 13), so that graph is invalid ONNX.
+@pytest.mark.parametrize("constant_scale,t1", [(False, "float16"), (True, "float16"), (False, "bfloat16")],
+                         ids=["scale-input", "scale-constant", "scale-input-bfloat16"])
+def test_the_ppl_style_graph_runs_in_ort_like_the_reference_without_a_scale(constant_scale, t1):
+    model = _ppl_style_model(constant_scale, t1)
+    schema.register()
+    onnx.checker.check_model(model, full_check=True)  # T3 admits the bfloat16 placeholder
     make_session(model)  # loads: the graph rules and the library accept it
-    run_case = _case([Seq(1, 2), Seq(0, 0), Seq(6, 1), Seq(2, 3)], 2)  # another batch than the exported one
+    run_case = _case([Seq(1, 2), Seq(0, 0), Seq(6, 1), Seq(2, 3)], 2, t1)  # another batch than the exported one
     want = reference_result(run_case.inputs, run_case.attributes)
     feeds = copies(run_case.inputs)
-    feeds["kv_scale"] = np.zeros(0, np.float16)
+    if not constant_scale:
+        feeds["kv_scale"] = np.zeros(0, np.asarray(run_case.inputs["current_key"]).dtype)
     del feeds["scale"]
     key, value = run_model(model, feeds)
     assert_same_bits((key, value, feeds["cache"]), want[:3])

@@ -16,6 +16,10 @@ def new_cache(*, num_layer: int, max_tokens: int, heads: int, head_dim: int, dty
     ``uint8`` with the last axis ``head_dim / 2`` (ONNX INT4 packing)."""
     if quant_bit not in (0, *QUANT_DTYPES):
         raise ValueError(f"quant_bit must be 0, 4 or 8, got {quant_bit}")
+    if cache_layout not in (0, 1, 2, 3):
+        raise ValueError(f"cache_layout must be 0, 1, 2 or 3, got {cache_layout}")
+    if quant_bit and quant_group < 1:
+        raise ValueError(f"quant_group must be >= 1, got {quant_group}")
     shape = list(cache_shape(cache_layout, num_layer, max_tokens, heads, head_dim))
     if quant_bit == 0:
         return torch.zeros(shape, dtype=dtype, device=device), None

@@ -51,7 +51,8 @@ def key_value_cache_op(current_key: torch.Tensor, current_value: torch.Tensor, s
         seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen))]
     inputs = [tt.describe(key_in), tt.describe(value_in), *map(tt.describe, index),
               tt.describe_cache("cache", cache, quant_bit), tt.describe_written("scale", scale)]
-    shape = c_api.output_shape(inputs, **attrs)  # validates the whole call; nothing written yet
+    with tt.int4_shapes_explained(quant_bit):
+        shape = c_api.output_shape(inputs, **attrs)  # validates the whole call; nothing written yet
     key = torch.empty(shape, dtype=current_key.dtype, device=device)
     value = torch.empty(shape, dtype=current_key.dtype, device=device)
     outputs = [tt.describe(key), tt.describe(value)]
@@ -89,7 +90,8 @@ def key_cache_rotary_shift_op(cache: torch.Tensor, scale: Optional[torch.Tensor]
     inputs = [tt.describe_cache("cache", cache, quant_bit), tt.describe_written("scale", scale),
               *map(tt.describe, host)]
     out = torch.empty(host[0].shape if host[0].dim() == 1 else (0,), dtype=torch.int64)
-    c_api.run_key_cache_rotary_shift(inputs, tt.describe(out), num_threads=torch.get_num_threads(), **attrs)
+    with tt.int4_shapes_explained(quant_bit):
+        c_api.run_key_cache_rotary_shift(inputs, tt.describe(out), num_threads=torch.get_num_threads(), **attrs)
     return out.to(slots.device)
 
 

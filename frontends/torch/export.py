@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import io
 
 import onnx
@@ -9,25 +10,38 @@ import torch
 
 from ..ort_ops.graph_rules import in_place_inputs
 from ..spec import rotary_schema, schema
-from .onnx_export import int4_cache_inputs
+from . import onnx_export
 
 
 def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool = True, **export_kwargs) -> onnx.ModelProto:
-    """``torch.onnx.export(module, args, dynamo=dynamo, **export_kwargs)``, then: int4 cache inputs retyped
-    (:func:`~kvcache_op.torch.int4_cache_inputs`), ``onnx.checker.check_model(full_check=True)`` with the
-    ops' schemas, and the graph-input rule for in-place inputs checked (``ValueError`` when a cache is an
-    initializer or computed). Saves to ``path`` when given; returns the model.
+    """``torch.onnx.export(module, args, dynamo=dynamo, **export_kwargs)``, then: every call of the ops is
+    one node (``ValueError`` when the exporter dropped a call whose outputs nothing uses, or merged identical
+    calls), int4 cache inputs retyped (:func:`~kvcache_op.torch.int4_cache_inputs`),
+    ``onnx.checker.check_model(full_check=True)`` with the ops' schemas, and the graph rules for in-place
+    inputs (``ValueError`` when a cache is an initializer or computed, or when writes of one cache layer
+    are not ordered by data). Saves to ``path`` when given; returns the model.
 
+    The dynamo exporter's onnxscript optimizer merges identical calls (two equal rotations become one), so
+    it is off unless ``optimize=True`` is passed: ONNX Runtime optimizes the graph when it loads it.
     Pass the cache (and scale) as forward arguments, not module buffers: a buffer is exported as a
     constant initializer and the in-place writes would be lost. The TorchScript exporter
     (``dynamo=False``) runs the module once on ``args``, so it writes their cache."""
-    if dynamo:
-        model = torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
-    else:
-        buffer = io.BytesIO()
-        torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
-        model = onnx.load_from_string(buffer.getvalue())
-    int4_cache_inputs(model)
+    onnx_export.start_recording()
+    try:
+        if dynamo:
+            export_kwargs.setdefault("optimize", False)
+            model = torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
+        else:
+            buffer = io.BytesIO()
+            torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
+            model = onnx.load_from_string(buffer.getvalue())
+    except Exception as error:
+        if onnx_export.first_error() is None:
+            raise
+        raise onnx_export.first_error() from error  # the op's own message, not the exporter's retries'
+
+    _check_one_node_per_call(model, onnx_export.calls_of_last_trace())
+    onnx_export.int4_cache_inputs(model)
     schema.register()
     rotary_schema.register()
     onnx.checker.check_model(model, full_check=True)
@@ -35,3 +49,13 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     if path is not None:
         onnx.save(model, str(path))
     return model
+
+
+def _check_one_node_per_call(model: onnx.ModelProto, calls: collections.Counter) -> None:
+    nodes = collections.Counter(n.op_type for n in model.graph.node if n.domain == schema.DOMAIN)
+    for op_type, count in calls.items():
+        if nodes[op_type] < count:
+            raise ValueError(
+                f"{count} {op_type} call(s) exported as {nodes[op_type]} node(s): the exporter dropped a call "
+                "whose outputs nothing uses, or merged identical calls. Use every call's outputs (return them "
+                "from forward) and keep the dynamo optimizer off (optimize=False)")

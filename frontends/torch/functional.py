@@ -3,28 +3,54 @@ library's kernels, traced by ``torch.compile``/``torch.export``, exported as sin
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ..reference.validate import KeyValueCacheError
 from ..spec import rotary_schema, schema
 from . import custom_ops, onnx_export
 
 KV_DEFAULTS = schema.ATTRIBUTE_DEFAULTS
 ROTARY_DEFAULTS = rotary_schema.ATTRIBUTE_DEFAULTS
+INDEX_INPUTS = schema.INPUTS[2:8]
 
 
 def _attributes(defaults: dict, given: dict) -> dict:
+    """The op's attributes from ``given`` (Python or numpy ints; bools are refused), range-checked."""
     attrs = {}
-    for name, default in defaults.items():
+    for name in defaults:
         value = given[name]
-        if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"attribute {name} must be an int, got {type(value).__name__}")
-        attrs[name] = value
+        if not -(2**63) <= int(value) < 2**63:
+            raise KeyValueCacheError(f"{name} = {int(value)} does not fit in int64")
+        attrs[name] = int(value)
     return attrs
 
 
-def _index_tensor(value, device) -> torch.Tensor:
-    # An int max_seqlen/max_kvlen becomes a constant tensor; pass a tensor to keep it a graph input.
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.int64, device=device)
+def _index_inputs(given: dict, device) -> list:
+    """The index inputs as tensors: each must be a torch.Tensor; ``max_seqlen``/``max_kvlen`` may also be
+    ints (they become constants in an exported graph: pass tensors to keep them graph inputs)."""
+    tensors = []
+    for name in INDEX_INPUTS:
+        value = given[name]
+        if name in ("max_seqlen", "max_kvlen") and isinstance(value, (int, np.integer)) \
+                and not isinstance(value, (bool, np.bool_)):
+            if not -(2**63) <= int(value) < 2**63:
+                raise KeyValueCacheError(f"{name} = {int(value)} does not fit in int64")
+            value = torch.tensor(int(value), dtype=torch.int64, device=device)
+        elif not isinstance(value, torch.Tensor):
+            kind = "a torch.Tensor or an int" if name in ("max_seqlen", "max_kvlen") else "a torch.Tensor"
+            raise KeyValueCacheError(f"{name} must be {kind}, got {type(value).__name__}")
+        tensors.append(value)
+    return tensors
+
+
+def _no_empty_scale(scale, quant_bit: int):
+    """An empty scale with quant_bit 0 is absent (spec: ppl.pmx's placeholder): drop it before anything."""
+    if quant_bit == 0 and isinstance(scale, torch.Tensor) and scale.numel() == 0:
+        return None
+    return scale
 
 
 def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
@@ -42,11 +68,14 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     this is one ``opmx.dynamic_batching::KeyValueCache`` node.
     """
     attrs = _attributes(KV_DEFAULTS, locals())
-    max_seqlen, max_kvlen = (_index_tensor(v, seqstarts.device) for v in (max_seqlen, max_kvlen))
-    inputs = [current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen, cache,
-              scale]
-    if onnx_export.exporting_with_dynamo():
-        return onnx_export.key_value_cache_node(inputs, attrs)
+    index = _index_inputs(locals(), current_key.device if isinstance(current_key, torch.Tensor) else None)
+    scale = _no_empty_scale(scale, attrs["quant_bit"])
+    inputs = [current_key, current_value, *index, cache, scale]
+    if torch.onnx.is_in_onnx_export():
+        onnx_export.record_call(schema.OP_TYPE, current_key)
+        if onnx_export.exporting_with_dynamo():  # nothing runs: check what can be checked without data
+            onnx_export.check_exported_call(attrs, scale)
+            return onnx_export.key_value_cache_node(inputs, attrs)
     return custom_ops.key_value_cache_op(*inputs, **attrs)
 
 
@@ -61,7 +90,11 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     output (e.g. return it), or the exporter may drop the node as dead code.
     """
     attrs = _attributes(ROTARY_DEFAULTS, locals())
+    scale = _no_empty_scale(scale, attrs["quant_bit"])
     inputs = [cache, scale, slots, cos, sin]
-    if onnx_export.exporting_with_dynamo():
-        return onnx_export.rotary_shift_node(inputs, attrs)
+    if torch.onnx.is_in_onnx_export():
+        onnx_export.record_call(rotary_schema.OP_TYPE, cache)
+        if onnx_export.exporting_with_dynamo():
+            onnx_export.check_exported_call(attrs, scale)
+            return onnx_export.rotary_shift_node(inputs, attrs)
     return custom_ops.key_cache_rotary_shift_op(*inputs, **attrs)

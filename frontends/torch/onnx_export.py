@@ -15,10 +15,13 @@ graph's cache input is ``uint8``: :func:`int4_cache_inputs` retypes it to INT4 f
 
 from __future__ import annotations
 
+import collections
+
 import onnx
 import torch
 from torch.onnx import symbolic_helper
 
+from ..reference.validate import Attributes, KeyValueCacheError, check_attributes
 from ..spec import rotary_schema, schema
 from . import custom_ops
 
@@ -31,6 +34,51 @@ TORCHSCRIPT_MIN_OPSET = 7
 def exporting_with_dynamo() -> bool:
     """True inside ``torch.onnx.export(..., dynamo=True)`` (the TorchScript exporter traces with jit)."""
     return torch.onnx.is_in_onnx_export() and not torch.jit.is_tracing()
+
+
+_CALLS = []  # (trace, op type) of each call made while torch.onnx.export traces
+_ERRORS = []  # invalid calls found while it traced (it retries other ways, burying the first error)
+
+
+def record_call(op_type: str, tensor: torch.Tensor) -> None:
+    """Notes a call made during export, keyed by the trace (a dynamo export's fake-tensor mode; a retried
+    export traces again under a new one), so :func:`calls_of_last_trace` can be compared with the graph."""
+    _CALLS.append((id(getattr(tensor, "fake_mode", None)), op_type))
+
+
+def start_recording() -> None:
+    _CALLS.clear()
+    _ERRORS.clear()
+
+
+def first_error() -> Exception | None:
+    """The first invalid call found since :func:`start_recording`."""
+    return _ERRORS[0] if _ERRORS else None
+
+
+def calls_of_last_trace() -> collections.Counter:
+    """op type -> calls made in the last trace since :func:`start_recording`."""
+    if not _CALLS:
+        return collections.Counter()
+    last = _CALLS[-1][0]
+    return collections.Counter(op for trace, op in _CALLS if trace == last)
+
+
+def check_exported_call(attributes: dict, scale) -> None:
+    """What the dynamo path can check without data (nothing runs while it traces): attribute values and
+    whether a scale is given, with the reference's messages."""
+    try:
+        check_attributes(Attributes(**{k: v for k, v in attributes.items() if k in Attributes.__dataclass_fields__}))
+        if attributes.get("rotary_interleaved", 0) not in (0, 1):
+            raise KeyValueCacheError(f"rotary_interleaved must be 0 or 1, got {attributes['rotary_interleaved']}")
+        quant_bit = attributes["quant_bit"]
+        if quant_bit and scale is None:
+            raise KeyValueCacheError(f"scale is required when quant_bit is {quant_bit}")
+        if not quant_bit and scale is not None:
+            raise KeyValueCacheError("scale must be absent when quant_bit is 0")
+    except KeyValueCacheError as error:
+        _ERRORS.append(error)
+        raise
 
 
 def key_value_cache_node(inputs: list, attributes: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,9 +127,11 @@ def _key_value_cache_symbolic(g, current_key, current_value, seqstarts, kvstarts
 def _rotary_shift_symbolic(g, cache, scale, slots, cos, sin, num_layer, layer_idx, cache_layout, quant_bit,
                            quant_group, rotary_dim, rotary_interleaved):
     # An absent scale stays the None value: the exporter writes it as the empty input name "".
-    return g.op(ROTARY_NODE, cache, scale, slots, cos, sin, num_layer_i=num_layer, layer_idx_i=layer_idx,
-                cache_layout_i=cache_layout, quant_bit_i=quant_bit, quant_group_i=quant_group,
-                rotary_dim_i=rotary_dim, rotary_interleaved_i=rotary_interleaved)
+    slots_out = g.op(ROTARY_NODE, cache, scale, slots, cos, sin, num_layer_i=num_layer, layer_idx_i=layer_idx,
+                     cache_layout_i=cache_layout, quant_bit_i=quant_bit, quant_group_i=quant_group,
+                     rotary_dim_i=rotary_dim, rotary_interleaved_i=rotary_interleaved)
+    slots_out.setType(slots.type())  # int64, the shape of slots
+    return slots_out
 
 
 def register_torchscript_symbolics() -> None:

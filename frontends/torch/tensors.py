@@ -12,6 +12,8 @@ How torch holds what the ops take:
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..ort_ops.c_api import ABSENT, Tensor
@@ -54,6 +56,8 @@ def describe_cache(name: str, cache: torch.Tensor, quant_bit: int) -> Tensor:
         if cache.dim() == 0:
             raise KeyValueCacheError(f"{name} must have rank 5, got shape ()")
         logical = tuple(cache.shape[:-1]) + (2 * cache.shape[-1],)
+        if logical[-1] >= 2**63:
+            raise KeyValueCacheError(f"{name}'s int4 last dim 2 * {cache.shape[-1]} does not fit in int64")
         return Tensor(ONNX_INT4, logical, cache.data_ptr())
     return describe(cache)
 
@@ -88,3 +92,15 @@ def data_device(**tensors) -> torch.device:
     if device.type not in DATA_DEVICES:
         raise KeyValueCacheError(f"the ops run on CPU and CUDA tensors, got {device}")
     return device
+
+
+@contextlib.contextmanager
+def int4_shapes_explained(quant_bit: int):
+    """The library reports an int4 cache's logical shape; say so, since torch holds it packed."""
+    try:
+        yield
+    except KeyValueCacheError as error:
+        if quant_bit == 4 and "cache shape must be" in str(error):
+            raise KeyValueCacheError(f"{error} (shapes of the unpacked int4 cache: torch holds it as uint8 with the "
+                                     "last dim halved)") from None
+        raise
