@@ -38,6 +38,8 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
     group = a.num_heads // a.kv_heads
     slopes = alibi_slopes(a.num_heads).astype(np.float64)
     for b in range(len(plan.seq_len)):
+        if plan.seq_len[b] == 0:
+            continue
         rows = slice(plan.seq_begin[b], plan.seq_begin[b] + plan.seq_len[b])
         cols = slice(plan.kv_begin[b], plan.kv_begin[b] + plan.kv_len[b])
         visible = visible_keys(plan.kv_len[b], plan.seq_len[b], plan.causal[b], a.sliding_window)

@@ -68,7 +68,7 @@ def check_attention_attributes(a: AttentionAttributes) -> None:
         fail(f"sliding_window must be >= 0 (0: no window), got {a.sliding_window}")
     scale = np.float32(a.softmax_scale)
     if not (np.isfinite(scale) and scale >= 0):
-        fail(f"softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {a.softmax_scale}")
+        fail(f"softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {a.softmax_scale:g}")
 
 
 def score_scale(a: AttentionAttributes) -> np.float32:

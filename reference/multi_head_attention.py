@@ -79,6 +79,8 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     group = a.num_heads // a.kv_heads  # query head h reads kv head h // group (repeat-interleave)
     slopes = alibi_slopes(a.num_heads) if a.is_alibi else None
     for b in range(len(plan.seq_len)):
+        if plan.seq_len[b] == 0:
+            continue  # no query, nothing to write
         rows = slice(plan.seq_begin[b], plan.seq_begin[b] + plan.seq_len[b])
         cols = slice(plan.kv_begin[b], plan.kv_begin[b] + plan.kv_len[b])
         visible = visible_keys(plan.kv_len[b], plan.seq_len[b], plan.causal[b], a.sliding_window)
