@@ -103,7 +103,8 @@ _MAX_CACHED_SESSIONS = 8
 
 
 def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
-    """Runs a KeyValueCache model on the CPU EP through IOBinding; returns (key, value).
+    """Runs a model of the ops on the CPU EP through IOBinding; returns its outputs as numpy arrays ((key,
+    value) for KeyValueCache, (attention_output,) for MultiHeadAttention).
 
     ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
     (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable;
@@ -136,5 +137,4 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
         for name, value in values.items():  # copy int4 caches back (also after an error: unchanged then)
             if value.data_type() == "tensor(int4)":
                 inputs[name][...] = to_numpy(value)
-    key, value = (to_numpy(v) for v in binding.get_outputs())
-    return key, value
+    return tuple(to_numpy(v) for v in binding.get_outputs())
