@@ -103,7 +103,7 @@ struct Kernel {
     values.Load(first, last);
     const T* mask = nullptr;
     if (p.mask_rank) mask = static_cast<const T*>(args.mask) + (p.mask_rank == 3 ? h * p.tokens * p.mask_cols : 0);
-    const float slope = a.is_alibi ? p.slopes[h] : 0.0f;
+    const float slope = a.is_alibi ? AlibiSlope(h, a.num_heads) : 0.0f;
     std::vector<float> q(D), acc(D), scores(static_cast<size_t>(last - first));
     for (int64_t i = 0; i < S; ++i) {
       T* dst = out + ((row0 + i) * H + h) * D;

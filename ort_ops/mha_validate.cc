@@ -57,16 +57,12 @@ void CheckMhaAttrs(const MhaAttrs& a) {
     Fail("softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got ", FloatStr(a.softmax_scale));
 }
 
-std::vector<float> AlibiSlopes(int64_t num_heads) {
+float AlibiSlope(int64_t h, int64_t num_heads) {
   int64_t p = 1;
-  while (p * 2 <= num_heads) p *= 2;
-  std::vector<float> slopes(num_heads);
-  for (int64_t h = 0; h < num_heads; ++h) {
-    // Exact dyadic exponents (p is a power of two); one rounding of the float64 power to float32.
-    const double e = h < p ? -8.0 * double(h + 1) / double(p) : -4.0 * double(2 * (h - p) + 1) / double(p);
-    slopes[h] = static_cast<float>(std::pow(2.0, e));
-  }
-  return slopes;
+  while (p <= num_heads / 2) p *= 2;
+  // Exact dyadic exponents (p is a power of two); one rounding of the float64 power to float32.
+  const double e = h < p ? -8.0 * double(h + 1) / double(p) : -4.0 * double(2 * (h - p) + 1) / double(p);
+  return static_cast<float>(std::pow(2.0, e));
 }
 
 MhaPlan ValidateAttention(const MhaAttrs& a, const TensorArg* in) {
@@ -103,7 +99,6 @@ MhaPlan ValidateAttention(const MhaAttrs& a, const TensorArg* in) {
   p.mask_rank = mask.present ? int64_t(mask.shape.size()) : 0;
   p.mask_cols = mask.present ? mask.shape.back() : 0;
   p.scale = a.softmax_scale != 0.0f ? a.softmax_scale : static_cast<float>(1.0 / std::sqrt(double(a.head_dim)));
-  if (a.is_alibi) p.slopes = AlibiSlopes(a.num_heads);
   return p;
 }
 

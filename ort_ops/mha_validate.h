@@ -23,9 +23,10 @@ struct MhaAttrs {
 // Throws KvError for an attribute value the spec does not allow.
 void CheckMhaAttrs(const MhaAttrs& a);
 
-// ALiBi slope of each of num_heads heads (spec: 2^(-8(h+1)/p), then 2^(-4(2(h-p)+1)/p) past the largest
-// power of two p <= num_heads), each a float64 power rounded once to float32.
-std::vector<float> AlibiSlopes(int64_t num_heads);
+// ALiBi slope of head h of num_heads (spec: 2^(-8(h+1)/p), then 2^(-4(2(h-p)+1)/p) past the largest power
+// of two p <= num_heads), a float64 power rounded once to float32. Computed per head: an empty query may
+// name any num_heads, so nothing is ever sized by it.
+float AlibiSlope(int64_t h, int64_t num_heads);
 
 // Everything the kernel needs about a validated call. The index inputs are owned copies, taken before any
 // of their values is checked (spec: index inputs are read once).
@@ -37,7 +38,6 @@ struct MhaPlan {
   float scale = 0.0f;               // the score scale
   std::vector<int64_t> seqstarts, kvstarts;  // [B+1]
   std::vector<uint8_t> causal;               // [B]: is_causal, seqlen > 1 and b >= decoding_batches
-  std::vector<float> slopes;                 // [num_heads] when is_alibi, else empty
 };
 
 // inputs: the op's 9 inputs in order (attn_mask may be absent). Throws KvError; returns the plan.

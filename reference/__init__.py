@@ -10,7 +10,7 @@ from .attention_tolerance import attention_error_bound, attention_tolerance
 from .layout import cache_shape, canonical_view
 from .mha_op_run import MultiHeadAttention
 from .mha_validate import MultiHeadAttentionError
-from .multi_head_attention import alibi_slopes, multi_head_attention
+from .multi_head_attention import alibi_slope, alibi_slopes, multi_head_attention
 from .op_run import KeyValueCache
 from .quantize import dequantize, pack_int4, quantize, unpack_int4
 from .rotary import apply_rope, key_cache_rotary_shift, rotary_shift_tables
@@ -19,7 +19,7 @@ from .validate import Attributes, KeyValueCacheError
 
 __all__ = [
     "BFLOAT16", "INT4", "Attributes", "KeyCacheRotaryShift", "KeyValueCache", "KeyValueCacheError", "MultiHeadAttention",
-    "MultiHeadAttentionError", "alibi_slopes", "apply_rope", "attention_error_bound", "attention_tolerance",
+    "MultiHeadAttentionError", "alibi_slope", "alibi_slopes", "apply_rope", "attention_error_bound", "attention_tolerance",
     "cache_shape", "canonical_view", "dequantize", "key_cache_rotary_shift", "key_value_cache",
     "multi_head_attention", "pack_int4", "quantize", "rotary_shift_tables", "unpack_int4",
 ]

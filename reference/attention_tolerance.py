@@ -5,7 +5,7 @@ import numpy as np
 
 from .dtypes import BFLOAT16
 from .mha_validate import AttentionAttributes, validate_attention
-from .multi_head_attention import alibi_slopes, mask_block, relative_positions, visible_keys
+from .multi_head_attention import alibi_slope, mask_block, relative_positions, visible_keys
 
 #: Unit roundoff u_T (half an ulp of 1) of each output type.
 UNIT_ROUNDOFF = {np.dtype(np.float32): 2.0**-24, np.dtype(np.float16): 2.0**-11, BFLOAT16: 2.0**-8}
@@ -36,7 +36,6 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
                               attn_mask, a)
     bound = np.zeros(query.shape, np.float64)
     group = a.num_heads // a.kv_heads
-    slopes = alibi_slopes(a.num_heads).astype(np.float64)
     for b in range(len(plan.seq_len)):
         if plan.seq_len[b] == 0:
             continue
@@ -55,7 +54,7 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
                 effective &= mask != -np.inf
                 size += np.abs(np.where(effective, mask, 0.0))
             if a.is_alibi:
-                size += np.abs(slopes[h] * distance)
+                size += np.abs(float(alibi_slope(h, a.num_heads)) * distance)
             n = effective.sum(axis=1)
             a_max = np.where(effective, size, 0.0).max(axis=1, initial=0.0)
             v_max = np.where(effective[:, :, None], v[None, :, :], 0.0).max(axis=1, initial=0.0)

@@ -5,14 +5,19 @@ import numpy as np
 from .mha_validate import AttentionAttributes, validate_attention
 
 
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """ALiBi slope of each head, float32 ``(num_heads,)``: with ``p`` the largest power of two <= num_heads,
-    head ``h < p`` gets ``2^(-8 (h + 1) / p)`` and head ``h >= p`` gets ``2^(-4 (2 (h - p) + 1) / p)`` (the
-    ALiBi paper's slopes, and its rule for head counts that are not powers of two). Each exponent is exact
-    in float64; the float64 power is rounded once to float32."""
+def alibi_slope(h: int, num_heads: int) -> np.float32:
+    """ALiBi slope of head ``h``: with ``p`` the largest power of two <= num_heads, head ``h < p`` gets
+    ``2^(-8 (h + 1) / p)`` and head ``h >= p`` gets ``2^(-4 (2 (h - p) + 1) / p)`` (the ALiBi paper's slopes,
+    and its rule for head counts that are not powers of two). The exponent is exact in float64; the float64
+    power is rounded once to float32."""
     p = 1 << (num_heads.bit_length() - 1)
-    exponents = [-8.0 * (h + 1) / p if h < p else -4.0 * (2 * (h - p) + 1) / p for h in range(num_heads)]
-    return np.array([2.0**e for e in exponents], np.float64).astype(np.float32)
+    exponent = -8.0 * (h + 1) / p if h < p else -4.0 * (2 * (h - p) + 1) / p
+    return np.float32(2.0**exponent)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """:func:`alibi_slope` of every head, float32 ``(num_heads,)``."""
+    return np.array([alibi_slope(h, num_heads) for h in range(num_heads)], np.float32)
 
 
 def visible_keys(kv_len: int, seq_len: int, causal: bool, sliding_window: int) -> np.ndarray:
@@ -77,7 +82,6 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
                               attn_mask, a)
     out = np.zeros(query.shape, query.dtype)
     group = a.num_heads // a.kv_heads  # query head h reads kv head h // group (repeat-interleave)
-    slopes = alibi_slopes(a.num_heads) if a.is_alibi else None
     for b in range(len(plan.seq_len)):
         if plan.seq_len[b] == 0:
             continue  # no query, nothing to write
@@ -88,7 +92,7 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
         for h in range(a.num_heads):
             biases = [] if attn_mask is None else [mask_block(attn_mask, h, rows, cols)]
             if a.is_alibi:
-                biases.append(slopes[h] * distance)
+                biases.append(alibi_slope(h, a.num_heads) * distance)  # per head: num_heads may be huge when T = 0
             q = query[rows, h, :].astype(np.float32)
             k = key[cols, h // group, :].astype(np.float32)
             v = value[cols, h // group, :].astype(np.float32)
