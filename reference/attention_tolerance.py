@@ -4,7 +4,7 @@ may be from the exact attention of the same inputs, element by element."""
 import numpy as np
 
 from .dtypes import BFLOAT16
-from .mha_validate import AttentionAttributes, validate_attention
+from .mha_validate import prepare_attention
 from .multi_head_attention import alibi_slope, mask_block, relative_positions, visible_keys
 
 #: Unit roundoff u_T (half an ulp of 1) of each output type.
@@ -28,12 +28,10 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
                         sliding_window=0, softmax_scale=0.0) -> np.ndarray:
     """float64 array of the output's shape: :func:`attention_error_bound` of every element; 0 where the row has
     no effective key (the output is then exactly 0). Validates the call like the reference."""
-    a = AttentionAttributes(int(num_heads), int(head_dim), int(is_causal), int(is_alibi), int(num_kv_heads),
-                            int(sliding_window), float(softmax_scale))
-    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
-    attn_mask = None if attn_mask is None else np.asarray(attn_mask)
-    plan = validate_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
-                              attn_mask, a)
+    call = prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                             attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
+                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+    a, query, key, value, attn_mask, plan = (call.a, call.query, call.key, call.value, call.attn_mask, call.plan)
     bound = np.zeros(query.shape, np.float64)
     group = a.num_heads // a.kv_heads
     for b in range(len(plan.seq_len)):

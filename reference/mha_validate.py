@@ -136,3 +136,28 @@ def _validate(query, key, value, seqstarts, kvstarts, decoding_batches, max_seql
             fail(f"sequence {b}: seqlen = {seq_len[b]} exceeds kvlen = {kv_len[b]}, but the causal mask aligns its "
                  f"queries with its last seqlen keys (is_causal=1, b >= decoding_batches = {decoding})")
     return AttentionPlan(seq[:-1], seq_len, kv[:-1], kv_len, causal, score_scale(a))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """A validated call: attributes, the data inputs as arrays, and the plan."""
+
+    a: AttentionAttributes
+    query: np.ndarray
+    key: np.ndarray
+    value: np.ndarray
+    attn_mask: np.ndarray  # or None
+    plan: AttentionPlan
+
+
+def prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask,
+                      *, num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window,
+                      softmax_scale) -> AttentionCall:
+    """The attributes as ints (``softmax_scale`` a float), the data as arrays, every check of the spec."""
+    a = AttentionAttributes(int(num_heads), int(head_dim), int(is_causal), int(is_alibi), int(num_kv_heads),
+                            int(sliding_window), float(softmax_scale))
+    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
+    attn_mask = None if attn_mask is None else np.asarray(attn_mask)
+    plan = validate_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                              attn_mask, a)
+    return AttentionCall(a, query, key, value, attn_mask, plan)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from .mha_validate import AttentionAttributes, validate_attention
+from .mha_validate import prepare_attention
 
 
 def alibi_slope(h: int, num_heads: int) -> np.float32:
@@ -74,12 +74,10 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     Every input is validated first (:class:`MultiHeadAttentionError`, a ``ValueError``); inputs are never
     written.
     """
-    a = AttentionAttributes(int(num_heads), int(head_dim), int(is_causal), int(is_alibi), int(num_kv_heads),
-                            int(sliding_window), float(softmax_scale))
-    query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
-    attn_mask = None if attn_mask is None else np.asarray(attn_mask)
-    plan = validate_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
-                              attn_mask, a)
+    call = prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                             attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
+                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+    a, query, key, value, attn_mask, plan = (call.a, call.query, call.key, call.value, call.attn_mask, call.plan)
     out = np.zeros(query.shape, query.dtype)
     group = a.num_heads // a.kv_heads  # query head h reads kv head h // group (repeat-interleave)
     for b in range(len(plan.seq_len)):

@@ -4,6 +4,7 @@ same list. A mutation takes (inputs, attributes) and changes them in place."""
 
 import numpy as np
 
+from invalid_calls import _item, _set
 from kvcache_op.spec.mha_cases import build_attention
 
 I64_MAX = np.iinfo(np.int64).max
@@ -13,19 +14,6 @@ def base():
     """Two decodes and a causal chunk, GQA 4 -> 2 heads, float16, with a rank-3 mask (one unread column)."""
     return build_attention("mha-invalid", [(1, 5), (1, 2), (3, 4)], heads=4, kv_heads=2, head_dim=8, decoding=2,
                            mask=3, mask_extra_cols=1)
-
-
-def _set(key, value):
-    def mutate(i, a):
-        (a if key in a else i)[key] = value
-    return mutate
-
-
-def _item(key, index, value):
-    def mutate(i, a):
-        i[key] = i[key].copy()
-        i[key][index] = value
-    return mutate
 
 
 def _with(key, fn):

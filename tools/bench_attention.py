@@ -18,15 +18,13 @@ beside it, computed.
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
-import platform
 import subprocess
 import sys
 
 import numpy as np
 
-from .bench_kvcache import median_seconds
+from .bench_kvcache import cpu_device, median_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,9 +253,8 @@ def main(argv=None) -> int:
         return 0
     command = "python -m kvcache_op.tools.bench_attention " + " ".join(argv)
     rows = bench(args)
-    device = f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
     if args.out:
-        write_results(rows, args.out, command, device)
+        write_results(rows, args.out, command, cpu_device())
         print(f"wrote {args.out}/results.md")
     return 0
 
