@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <mutex>
 #include <vector>
 
 #include "kv_cpu_rows.h"
@@ -120,6 +122,9 @@ struct FloatRows {
 constexpr int64_t kStreamQueries = 4;
 // Streamed sequences are split into head chunks until there are about this many tasks (parallelism).
 constexpr int64_t kMinStreamTasks = 16;
+// A chunk holds at most this many scores (rows x heads x keys, float32: 16 MiB): a task's memory stays
+// O(kvlen) whatever num_heads is.
+constexpr int64_t kMaxChunkScores = int64_t{1} << 22;
 
 struct TaskRange {
   int64_t b, h0, h1;  // sequence b, query heads [h0, h1)
@@ -158,8 +163,10 @@ struct Kernel {
     FloatRows<T1> values(static_cast<const T*>(args.value) + offset, stride, (kv1 - kv0) * D);
     keys.Prepare(S > kStreamQueries, first, last);
     values.Prepare(S > kStreamQueries, first, last);
-    // Per (row r of the block, head k): query, accumulator, scores over [first, last), max, sum.
-    std::vector<float> q(kRows * nh * D), acc(kRows * nh * D), scores(kRows * nh * span), top(kRows * nh),
+    // Per (row r of the block, head k): query, accumulator, scores over [first, last), max, sum. Rows beyond
+    // S are read as copies of the last row but never stored, so scores need only min(kRows, S) rows.
+    const int64_t block = std::min<int64_t>(kRows, S);
+    std::vector<float> q(kRows * nh * D), acc(kRows * nh * D), scores(block * nh * span), top(kRows * nh),
         sum(kRows * nh), slope(nh);
     for (int64_t k = 0; k < nh; ++k) slope[k] = a.is_alibi ? AlibiSlope(h0 + k, H) : 0.0f;
     const float minus_inf = -std::numeric_limits<float>::infinity();
@@ -251,12 +258,25 @@ struct Kernel {
     const int64_t chunk = (H + chunks - 1) / chunks;
     std::vector<TaskRange> tasks;
     for (int64_t b = 0; b < p.batch; ++b) {
-      const int64_t S = p.seqstarts[b + 1] - p.seqstarts[b];
+      const int64_t S = p.seqstarts[b + 1] - p.seqstarts[b], K = p.kvstarts[b + 1] - p.kvstarts[b];
       if (S == 0) continue;
-      const int64_t step = S <= kStreamQueries ? chunk : 1;
+      const int64_t rows_keys = K >= kMaxChunkScores ? kMaxChunkScores : std::max<int64_t>(1, std::min<int64_t>(kRows, S) * K);
+      const int64_t step = S <= kStreamQueries ? std::clamp<int64_t>(kMaxChunkScores / rows_keys, 1, chunk) : 1;
       for (int64_t h = 0; h < H; h += step) tasks.push_back({b, h, std::min(H, h + step)});
     }
-    parallel_for(tasks.size(), [this, &tasks](size_t t) { Task(tasks[t]); });
+    // A task's exception (an allocation failure) must not unwind through the thread pool: the first one is
+    // kept and rethrown here, after every task has returned.
+    std::mutex failure_lock;
+    std::exception_ptr failure;
+    parallel_for(tasks.size(), [&](size_t t) {
+      try {
+        Task(tasks[t]);
+      } catch (...) {
+        std::lock_guard<std::mutex> hold(failure_lock);
+        if (!failure) failure = std::current_exception();
+      }
+    });
+    if (failure) std::rethrow_exception(failure);
   }
 };
 
