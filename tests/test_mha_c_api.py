@@ -152,7 +152,7 @@ def malformed_attention_calls(draw):
                 inputs[name] = np.ascontiguousarray(array[: draw(st.integers(0, array.shape[0] - 1))])
         elif inputs["attn_mask"] is None:
             tokens, kv_tokens = inputs["query"].shape[0], inputs["key"].shape[0]
-            inputs["attn_mask"] = np.zeros((tokens, kv_tokens + draw(st.integers(-1, 1))), inputs["query"].dtype)
+            inputs["attn_mask"] = np.zeros((tokens, max(0, kv_tokens + draw(st.integers(-1, 1)))), inputs["query"].dtype)
         else:
             inputs["attn_mask"] = None
     return inputs, attrs

@@ -28,7 +28,7 @@ def c_output(case, threads=1):
     return c_api.multi_head_attention(**copies(case.inputs), **case.attributes, num_threads=threads)
 
 
-@settings(max_examples=100)
+@settings(max_examples=2 * settings.default.max_examples)  # twice the profile's: the main property
 @given(attention_calls(), st.sampled_from((1, 2)))
 def test_ort_is_within_the_bound_of_the_exact_result(case, threads):
     exact, bound = oracle(case)
@@ -38,7 +38,7 @@ def test_ort_is_within_the_bound_of_the_exact_result(case, threads):
     assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
 
 
-@settings(max_examples=60)
+@settings(max_examples=settings.default.max_examples)
 @given(attention_calls(), st.sampled_from((1, 3)))
 def test_c_entry_is_within_the_bound_of_the_exact_result(case, threads):
     exact, bound = oracle(case)

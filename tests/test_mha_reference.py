@@ -27,7 +27,7 @@ def assert_within(got, exact, bound, what):
     assert np.all(error <= bound), f"{what}: |error| {error[worst]} > bound {bound[worst]} at {worst}"
 
 
-@settings(max_examples=120)
+@settings(max_examples=2 * settings.default.max_examples)  # twice the profile's: the main property
 @given(attention_calls())
 def test_reference_is_within_the_bound_of_the_exact_result(case):
     exact, bound = oracle(case)
