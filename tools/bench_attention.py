@@ -234,7 +234,23 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
                      f"{r['heads']} | {r['threads']} | {r['op_ms']:.2f} | {r['dense_ms']:.2f} | {r['speedup']:.1f}x | "
                      f"{_mib(r['op_peak_bytes'])} | {_mib(r['dense_peak_bytes'])} | {r['mask_bytes'] / 2**20:.1f} | "
                      f"{r['score_tensor_bytes'] / 2**20:.1f} | {r['max_abs_difference']:.1e} |")
+    lines += ["", summary(rows)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
+
+
+def summary(rows) -> str:
+    """One paragraph: the speed-up range and the largest peak memory of each method, per shape kind."""
+    parts = []
+    for name in dict.fromkeys(r["name"] for r in rows):
+        group = [r for r in rows if r["name"] == name]
+        speedups = [r["speedup"] for r in group]
+        part = f"{name}: the op is {min(speedups):.1f}x to {max(speedups):.1f}x faster"
+        peaks = [(r["op_peak_bytes"], r["dense_peak_bytes"]) for r in group if r["op_peak_bytes"] is not None]
+        if peaks:
+            part += (f", with at most {max(p[0] for p in peaks) / 2**20:.1f} MiB of peak memory against "
+                     f"{max(p[1] for p in peaks) / 2**20:.0f} MiB for the dense baseline")
+        parts.append(part)
+    return "Summary: " + "; ".join(parts) + "."
 
 
 def main(argv=None) -> int:
