@@ -1,8 +1,8 @@
 /* kvcache-op C entry points: run the ops on raw pointers, without ONNX Runtime or torch types.
  *
  * The shared library libkvcache_op_ort.so exports these next to ONNX Runtime's RegisterCustomOps. Each
- * entry runs the same validation as the ONNX Runtime op (spec/KeyValueCache.md "Validity", the
- * reference's messages) and then the same kernels:
+ * entry runs the same validation as the ONNX Runtime op (spec/<Op>.md "Validity", the reference's
+ * messages) and then the same kernels:
  *   - *_cpu:  every pointer is host memory.
  *   - *_cuda: current_key, current_value, cache, scale and the outputs are device memory; the index
  *     inputs (seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen) are HOST memory. They
@@ -74,6 +74,13 @@ typedef struct KvcacheRotaryShiftAttrs {
   int64_t num_layer, layer_idx, quant_bit, quant_group, cache_layout, rotary_dim, rotary_interleaved;
 } KvcacheRotaryShiftAttrs;
 
+/* MultiHeadAttention attributes; kvcache_op_multi_head_attention_defaults fills the spec's defaults and sets
+ * num_heads and head_dim to 0, which the caller must replace (the op has no default for them). */
+typedef struct KvcacheMultiHeadAttentionAttrs {
+  int64_t num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window;
+  float softmax_scale; /* 0: 1 / sqrt(head_dim) */
+} KvcacheMultiHeadAttentionAttrs;
+
 /* KVCACHE_OP_C_API_VERSION of the library (a caller compiled against another version should refuse it). */
 KVCACHE_OP_EXPORT int32_t kvcache_op_c_api_version(void);
 
@@ -82,6 +89,7 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_has_cuda(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
+KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);
 
 /* inputs: the op's 10 inputs in order (current_key, current_value, seqstarts, kvstarts, cachestarts,
  * start_pos, max_seqlen, max_kvlen, cache, scale); only index inputs and shapes are read. Validates the
@@ -111,6 +119,15 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRot
                                                                 const KvcacheTensor inputs[5],
                                                                 const KvcacheTensor* output, int32_t num_threads,
                                                                 char* message, size_t message_size);
+
+/* MultiHeadAttention on host memory (spec/MultiHeadAttention.md). inputs: the op's 9 inputs in order (query,
+ * key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask); attn_mask has type
+ * 0 when absent. output: caller-allocated, query's type and shape, sharing no memory with query, key, value
+ * or attn_mask; on an error it is not written. num_threads as for KeyValueCache. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_multi_head_attention_cpu(const KvcacheMultiHeadAttentionAttrs* attrs,
+                                                              const KvcacheTensor inputs[9],
+                                                              const KvcacheTensor* output, int32_t num_threads,
+                                                              char* message, size_t message_size);
 
 #ifdef __cplusplus
 }

@@ -8,8 +8,12 @@ Two levels:
   for callers that own device memory (torch, CuPy): index inputs are host numpy arrays, everything else
   is described by a pointer, a type and a shape.
 
-Invalid calls raise :class:`kvcache_op.reference.KeyValueCacheError` (a ``ValueError``) with the same
-message the reference gives, and leave the cache and scale unchanged; CUDA or allocation failures raise
+* :func:`multi_head_attention` (numpy, the reference's signature) and :func:`run_multi_head_attention`
+  (raw host pointers, the shape of :func:`run_key_value_cache`): MultiHeadAttention's CPU kernel.
+
+Invalid calls raise :class:`kvcache_op.reference.KeyValueCacheError` (a ``ValueError``;
+:class:`~kvcache_op.reference.MultiHeadAttentionError` for MultiHeadAttention) with the same message the
+reference gives, and leave the cache, scale and outputs unchanged; CUDA or allocation failures raise
 ``RuntimeError``.
 """
 
@@ -23,6 +27,7 @@ import numpy as np
 
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
+from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
 C_API_VERSION = 1
@@ -38,6 +43,10 @@ KV_INPUTS = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestar
 KV_INDEX_INPUTS = KV_INPUTS[2:8]
 KV_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "num_repeat", "cache_mode", "cache_layout",
                  "page_size")
+MHA_INPUTS = ("query", "key", "value", "seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen",
+              "attn_mask")
+MHA_INT_ATTRIBUTES = ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads", "sliding_window")
+MHA_ATTRIBUTES = MHA_INT_ATTRIBUTES + ("softmax_scale",)
 ROTARY_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_layout", "rotary_dim",
                      "rotary_interleaved")
 
@@ -64,6 +73,10 @@ class CKeyValueCacheAttrs(ctypes.Structure):
 
 class CRotaryShiftAttrs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in ROTARY_ATTRIBUTES]
+
+
+class CMultiHeadAttentionAttrs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in MHA_INT_ATTRIBUTES] + [("softmax_scale", ctypes.c_float)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +112,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(path)
     message = (ctypes.c_char_p, ctypes.c_size_t)
     kv_attrs, rot_attrs = ctypes.POINTER(CKeyValueCacheAttrs), ctypes.POINTER(CRotaryShiftAttrs)
+    mha_attrs = ctypes.POINTER(CMultiHeadAttentionAttrs)
     tensors = ctypes.POINTER(CTensor)
     signatures = {
         "kvcache_op_c_api_version": ((), ctypes.c_int32),
@@ -111,6 +125,9 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_key_value_cache_cuda": ((kv_attrs, tensors, tensors, ctypes.c_void_p) + message, ctypes.c_int32),
         "kvcache_op_key_cache_rotary_shift_cpu": ((rot_attrs, tensors, tensors, ctypes.c_int32) + message,
                                                   ctypes.c_int32),
+        "kvcache_op_multi_head_attention_defaults": ((mha_attrs,), None),
+        "kvcache_op_multi_head_attention_cpu": ((mha_attrs, tensors, tensors, ctypes.c_int32) + message,
+                                                ctypes.c_int32),
     }
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
@@ -126,13 +143,16 @@ def has_cuda(path: str | None = None) -> bool:
     return bool(library(path).kvcache_op_has_cuda())
 
 
-def _attrs(struct, names, defaults_fn, given: dict):
+def _attrs(struct, names, defaults_fn, given: dict, floats=()):
     unknown = set(given) - set(names)
     if unknown:
         raise TypeError(f"unknown attribute(s) {sorted(unknown)}; expected some of {list(names)}")
     attrs = struct()
     defaults_fn(ctypes.byref(attrs))
     for name, value in given.items():
+        if name in floats:  # a float attribute: ctypes rounds it to the struct's float32
+            setattr(attrs, name, float(value))
+            continue
         value = int(value)
         if not -(2**63) <= value < 2**63:
             raise KeyValueCacheError(f"{name} = {value} does not fit in int64")
@@ -140,12 +160,12 @@ def _attrs(struct, names, defaults_fn, given: dict):
     return attrs
 
 
-def _check(code: int, message: ctypes.Array) -> None:
+def _check(code: int, message: ctypes.Array, error=KeyValueCacheError) -> None:
     if code == OK:
         return
     text = message.value.decode("utf-8", "replace")
     if code == INVALID_ARGUMENT:
-        raise KeyValueCacheError(text)
+        raise error(text)
     raise RuntimeError(text)
 
 
@@ -271,4 +291,44 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 
     run_key_cache_rotary_shift(inputs, Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data),
                                num_threads=num_threads, library_file=library_file, **attributes)
     args.finish()
+    return out
+
+
+def multi_head_attention_attributes(library_file: str | None = None, **attributes) -> CMultiHeadAttentionAttrs:
+    """The C attribute struct: the spec's defaults (from the library; num_heads and head_dim 0, which the
+    library refuses), overridden by ``attributes``."""
+    lib = library(library_file)
+    return _attrs(CMultiHeadAttentionAttrs, MHA_ATTRIBUTES, lib.kvcache_op_multi_head_attention_defaults, attributes,
+                  floats=("softmax_scale",))
+
+
+def run_multi_head_attention(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                             library_file: str | None = None, **attributes) -> None:
+    """Runs MultiHeadAttention on raw host buffers. ``inputs``: 9 :class:`Tensor` in the op's order (``ABSENT``
+    for no attn_mask); ``output``: one :class:`Tensor` of query's type and shape, written only when the call
+    is valid. ``device`` must be ``"cpu"`` (there is no CUDA kernel of this op yet; ``stream`` is unused)."""
+    if device != "cpu":
+        raise ValueError(f"MultiHeadAttention runs on device 'cpu' only (no CUDA kernel yet), got {device!r}")
+    del stream
+    lib = library(library_file)
+    attrs = multi_head_attention_attributes(library_file, **attributes)
+    message = ctypes.create_string_buffer(4096)
+    code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_array(inputs), ctypes.byref(output.to_c()),
+                                                   int(num_threads), message, len(message))
+    _check(code, message, MultiHeadAttentionError)
+
+
+def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                         attn_mask=None, *, num_threads: int = 1, library_file: str | None = None, **attributes):
+    """The reference's :func:`~kvcache_op.reference.multi_head_attention` on the library's CPU kernel through the
+    C entry point: returns the output, of query's dtype and shape (within the spec's tolerance of the
+    reference, not bit-exact)."""
+    args = HostBuffers()
+    given = dict(query=query, key=key, value=value, seqstarts=seqstarts, kvstarts=kvstarts,
+                 decoding_batches=decoding_batches, max_seqlen=max_seqlen, max_kvlen=max_kvlen, attn_mask=attn_mask)
+    inputs = [args.tensor(name, given[name]) for name in MHA_INPUTS]
+    query = np.asarray(query)
+    out = np.empty(query.shape, query.dtype)
+    output = Tensor(inputs[0].type, query.shape, out.ctypes.data)
+    run_multi_head_attention(inputs, output, num_threads=num_threads, library_file=library_file, **attributes)
     return out

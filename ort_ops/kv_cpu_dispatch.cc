@@ -1,7 +1,9 @@
 // Picks the CPU kernel build for this processor: AVX2 + F16C when the library has that build (CMake adds
 // it, and defines KVCACHE_CPU_AVX2 here, only where the compiler targets x86-64) and the processor has
-// both; else the generic one. Both compute identical bits; only the speed differs.
+// both; else the generic one. KeyValueCache's builds compute identical bits; MultiHeadAttention's differ
+// only in the summation order of dot products (within the spec's tolerance); only the speed differs.
 #include "kv_cpu.h"
+#include "mha_cpu.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -9,10 +11,12 @@
 namespace kvcache {
 namespace generic {
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
+void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
 }
 #ifdef KVCACHE_CPU_AVX2
 namespace avx2 {
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
+void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
 }
 #endif
 
@@ -34,6 +38,13 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for) {
   if (CpuHasAvx2F16c() && !ForceGenericCpuKernel()) return avx2::ComputeCpu(args, parallel_for);
 #endif
   generic::ComputeCpu(args, parallel_for);
+}
+
+void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for) {
+#ifdef KVCACHE_CPU_AVX2
+  if (CpuHasAvx2F16c() && !ForceGenericCpuKernel()) return avx2::MhaComputeCpu(args, parallel_for);
+#endif
+  generic::MhaComputeCpu(args, parallel_for);
 }
 
 }  // namespace kvcache

@@ -59,9 +59,9 @@ void RejectConstantCache(const OrtKernelInfo* info, const char* op, size_t cache
   }
 }
 
-void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs) {
+void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs, size_t num_inputs) {
   const size_t count = ctx.GetInputCount();
-  for (size_t i = 0; i < kNumInputs; ++i) {
+  for (size_t i = 0; i < num_inputs; ++i) {
     inputs[i] = TensorArg{};
     if (i >= count) continue;
     Ort::ConstValue value = ctx.GetInput(i);

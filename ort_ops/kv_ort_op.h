@@ -48,8 +48,9 @@ void RejectConstantCache(const OrtKernelInfo* info, const char* op, size_t cache
 // H * num_repeat does not fit in int64. A symbolic H is checked when the op runs (ValidateCall).
 void CheckStaticHeads(const OrtKernelInfo* info, const Attrs& attrs);
 
-// The inputs of a call as TensorArgs (shape, type, raw data pointer).
-void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs);
+// The first num_inputs inputs of a call as TensorArgs (shape, type, raw data pointer); absent optional
+// inputs are left not present.
+void ReadInputs(Ort::KernelContext& ctx, TensorArg* inputs, size_t num_inputs = kNumInputs);
 
 // The data pointer of a tensor, through API version 1 only (see kv_ort_op.cc).
 const void* TensorData(const Ort::ConstValue& value);

@@ -41,12 +41,11 @@ std::vector<int64_t> LayoutShape(int64_t layout, int64_t L, int64_t max_t, int64
   }
 }
 
+}  // namespace
 
 bool IsT1(int32_t t) {
   return t == int32_t(Elem::kFloat32) || t == int32_t(Elem::kFloat16) || t == int32_t(Elem::kBFloat16);
 }
-
-}  // namespace
 
 std::string ShapeStr(const std::vector<int64_t>& shape) {
   std::ostringstream s;
@@ -109,9 +108,6 @@ std::vector<int64_t> SnapshotInt64(const TensorArg& t) {
   return std::vector<int64_t>(data, data + count);
 }
 
-namespace {
-
-// Type and shape checks of a 1-D index input, then its snapshot (the only read of its data).
 std::vector<int64_t> IndexVector(const char* name, const TensorArg& t, int64_t length) {
   if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be int64, got ", ElemName(t.type));
   if (t.shape.size() != 1) Fail(name, " must be 1-D, got shape ", ShapeStr(t.shape));
@@ -119,15 +115,13 @@ std::vector<int64_t> IndexVector(const char* name, const TensorArg& t, int64_t l
   return SnapshotInt64(t);
 }
 
-// The value of a scalar index input, read once.
-int64_t Scalar(const char* name, const TensorArg& t) {
+int64_t IndexScalar(const char* name, const TensorArg& t) {
   if (t.type != int32_t(Elem::kInt64)) Fail(name, " must be an int64 scalar, got ", ElemName(t.type));
   if (t.shape.size() > 1 || (t.shape.size() == 1 && t.shape[0] != 1))
     Fail(name, " must be a scalar or shape (1,), got shape ", ShapeStr(t.shape));
   return *static_cast<const int64_t*>(t.data);
 }
 
-// Lengths of a starts vector; checks starts[0] == 0, non-decreasing, and the total when given.
 std::vector<int64_t> Lengths(const char* name, const std::vector<int64_t>& starts, int64_t batch, const char* total_name,
                              const int64_t* total) {
   if (starts[0] != 0) Fail(name, "[0] must be 0, got ", starts[0]);
@@ -152,6 +146,8 @@ void CheckMax(const char* name, const char* what, int64_t given, const std::vect
   if (given < *it)
     Fail(name, " = ", given, " is smaller than ", what, " of sequence ", it - lengths.begin(), " = ", *it);
 }
+
+namespace {
 
 struct Owner {
   int64_t slot, b;
@@ -305,8 +301,8 @@ CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
          " for cache_mode=", a.cache_mode, ", got ", ShapeStr(cs.shape));
   p.cachestarts = SnapshotInt64(cs);
   p.max_p = a.cache_mode == 1 ? cs.shape[1] : 0;
-  const int64_t max_seqlen = Scalar("max_seqlen", in[6]);
-  const int64_t max_kvlen = Scalar("max_kvlen", in[7]);
+  const int64_t max_seqlen = IndexScalar("max_seqlen", in[6]);
+  const int64_t max_kvlen = IndexScalar("max_kvlen", in[7]);
   const int64_t tokens = in[0].shape[0];
   const auto seq_len = Lengths("seqstarts", p.seqstarts, p.batch, "current_key.shape[0]", &tokens);
   const auto kv_len = Lengths("kvstarts", p.kvstarts, p.batch, "", nullptr);

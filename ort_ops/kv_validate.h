@@ -76,6 +76,25 @@ int64_t CheckCacheAndScale(const Attrs& a, const TensorArg& cache, const TensorA
 // An owned copy of an int64 tensor's elements (the tensor's type must already be checked to be int64).
 std::vector<int64_t> SnapshotInt64(const TensorArg& t);
 
+// True for the float element types of T1 (float32, float16, bfloat16).
+bool IsT1(int32_t onnx_type);
+
+// Type and shape checks of a 1-D int64 index input (of `length` elements when length >= 0), then its
+// snapshot: the only read of its data.
+std::vector<int64_t> IndexVector(const char* name, const TensorArg& t, int64_t length);
+
+// The value of an int64 scalar index input (rank 0 or shape (1,)), read once.
+int64_t IndexScalar(const char* name, const TensorArg& t);
+
+// Lengths of a starts vector [batch + 1]; checks starts[0] == 0, non-decreasing, and starts[batch] ==
+// *total when total is given (total_name names it in the message).
+std::vector<int64_t> Lengths(const char* name, const std::vector<int64_t>& starts, int64_t batch,
+                             const char* total_name, const int64_t* total);
+
+// A launch bound (max_seqlen, max_kvlen) must cover the longest of `lengths` (what: "seqlen"...), and be
+// >= 0 for an empty batch.
+void CheckMax(const char* name, const char* what, int64_t given, const std::vector<int64_t>& lengths);
+
 // The error for an H whose H * num_repeat does not fit in int64 (no output dim can hold it).
 std::string OutputHeadsMessage(int64_t heads, int64_t num_repeat);
 

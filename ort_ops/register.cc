@@ -1,8 +1,9 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
-// CPU EP (and the CUDA EP in a CUDA build), and KeyCacheRotaryShift for the CPU EP.
+// CPU EP (and the CUDA EP in a CUDA build), and KeyCacheRotaryShift and MultiHeadAttention for the CPU EP.
 #include <string>
 
 #include "kv_ort_op.h"
+#include "mha_ort_op.h"
 #include "rotary_ort_op.h"
 
 #ifdef KVCACHE_WITH_CUDA
@@ -24,6 +25,7 @@ namespace {
 struct Registry {
   kvcache::CpuOp cpu_op;
   kvcache::RotaryCpuOp rotary_cpu_op;
+  kvcache::MhaCpuOp mha_cpu_op;
 #ifdef KVCACHE_WITH_CUDA
   kvcache::CudaOp cuda_op;
 #endif
@@ -32,6 +34,7 @@ struct Registry {
   Registry() {
     domain.Add(&cpu_op);
     domain.Add(&rotary_cpu_op);
+    domain.Add(&mha_cpu_op);
 #ifdef KVCACHE_WITH_CUDA
     domain.Add(&cuda_op);
 #endif

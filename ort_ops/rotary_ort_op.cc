@@ -22,13 +22,7 @@ OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
     TensorArg in[5];
-    const size_t count = ctx.GetInputCount();
-    for (size_t i = 0; i < 5 && i < count; ++i) {
-      Ort::ConstValue value = ctx.GetInput(i);
-      if (!value) continue;
-      auto info = value.GetTensorTypeAndShapeInfo();
-      in[i] = TensorArg{true, info.GetElementType(), info.GetShape(), TensorData(value)};
-    }
+    ReadInputs(ctx, in, 5);
     const RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
     // The output is the slots as given: the snapshot (the input may alias the cache rows rotated below),
     // allocated before the rotation so that a failure leaves the cache unchanged.

@@ -103,8 +103,9 @@ _MAX_CACHED_SESSIONS = 8
 
 
 def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
-    """Runs a model using the ops on the CPU EP through IOBinding; returns its outputs in graph order
-    (``(key, value)`` for a single KeyValueCache node).
+    """Runs a model using the ops on the CPU EP through IOBinding; returns its outputs in graph order as
+    numpy arrays (``(key, value)`` for a single KeyValueCache node, ``(attention_output,)`` for
+    MultiHeadAttention).
 
     ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
     (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable;

@@ -66,7 +66,8 @@ def check_attributes(a: Attributes) -> None:
         fail(f"page_size must be >= 1, got {a.page_size}")
 
 
-def _index_vector(name: str, array, length=None) -> list:
+def index_vector(name: str, array, length=None) -> list:
+    """The values of a 1-D int64 index input (of shape ``(length,)`` when given), read once."""
     array = np.asarray(array)
     if array.dtype != np.int64:
         fail(f"{name} must be int64, got {dtype_name(array.dtype)}")
@@ -77,7 +78,8 @@ def _index_vector(name: str, array, length=None) -> list:
     return array.tolist()
 
 
-def _scalar(name: str, value) -> int:
+def index_scalar(name: str, value) -> int:
+    """The value of an int64 scalar input (rank 0 or shape ``(1,)``)."""
     array = np.asarray(value)
     if array.dtype != np.int64 and not isinstance(value, int):
         fail(f"{name} must be an int64 scalar, got {dtype_name(array.dtype)}")
@@ -86,7 +88,7 @@ def _scalar(name: str, value) -> int:
     return int(array.reshape(()))
 
 
-def _starts(name: str, starts: list, total_name: str, total=None) -> list:
+def starts_lengths(name: str, starts: list, total_name: str, total=None) -> list:
     """Lengths from a starts vector: starts[0] == 0, non-decreasing, starts[B] == total."""
     if starts[0] != 0:
         fail(f"{name}[0] must be 0, got {starts[0]}")
@@ -100,7 +102,7 @@ def _starts(name: str, starts: list, total_name: str, total=None) -> list:
     return lengths
 
 
-def _check_max(name: str, what: str, given: int, lengths: list) -> None:
+def check_max(name: str, what: str, given: int, lengths: list) -> None:
     """A launch bound must cover the longest sequence (and be >= 0 for an empty batch)."""
     if not lengths:
         if given < 0:
@@ -250,12 +252,12 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
     check_attributes(a)
     check_output_heads(current_key, a.num_repeat)
     heads, head_dim, max_t = check_tensors(current_key, current_value, cache, scale, a)
-    seq = _index_vector("seqstarts", seqstarts)
+    seq = index_vector("seqstarts", seqstarts)
     if not seq:
         fail("seqstarts must have B + 1 >= 1 elements, got 0")
     batch = len(seq) - 1
-    kv = _index_vector("kvstarts", kvstarts, batch + 1)
-    pos = _index_vector("start_pos", start_pos, batch)
+    kv = index_vector("kvstarts", kvstarts, batch + 1)
+    pos = index_vector("start_pos", start_pos, batch)
     cachestarts = np.asarray(cachestarts)
     if cachestarts.dtype != np.int64:
         fail(f"cachestarts must be int64, got {dtype_name(cachestarts.dtype)}")
@@ -264,12 +266,12 @@ def validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, 
         want = "(B,)" if a.cache_mode == 0 else "(B, MaxP)"
         fail(f"cachestarts must have shape {want} with B = {batch} for cache_mode={a.cache_mode}, "
              f"got {cachestarts.shape}")
-    max_seqlen = _scalar("max_seqlen", max_seqlen)
-    max_kvlen = _scalar("max_kvlen", max_kvlen)
-    seq_len = _starts("seqstarts", seq, "current_key.shape[0]", current_key.shape[0])
-    kv_len = _starts("kvstarts", kv, "", None)
-    _check_max("max_seqlen", "seqlen", max_seqlen, seq_len)
-    _check_max("max_kvlen", "kvlen", max_kvlen, kv_len)
+    max_seqlen = index_scalar("max_seqlen", max_seqlen)
+    max_kvlen = index_scalar("max_kvlen", max_kvlen)
+    seq_len = starts_lengths("seqstarts", seq, "current_key.shape[0]", current_key.shape[0])
+    kv_len = starts_lengths("kvstarts", kv, "", None)
+    check_max("max_seqlen", "seqlen", max_seqlen, seq_len)
+    check_max("max_kvlen", "kvlen", max_kvlen, kv_len)
     table = cachestarts.tolist()
     store_slots, load_slots = [], []
     for b in range(batch):

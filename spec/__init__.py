@@ -1,6 +1,8 @@
-"""Normative spec of opmx.dynamic_batching::KeyValueCache: the ONNX schema (registered on import)
-and model helpers. The prose lives next to this file in KeyValueCache.md."""
+"""Normative specs of the opmx.dynamic_batching ops: the ONNX schemas (registered on import) and model
+helpers. The prose lives next to this file (KeyValueCache.md, KeyCacheRotaryShift.md, MultiHeadAttention.md)."""
 
+from .mha_schema import make_attention_model
+from .mha_schema import register as register_attention
 from .model import IR_VERSION, make_model, make_node
 from .rotary_schema import make_rotary_shift_model
 from .rotary_schema import register as register_rotary_shift
@@ -8,6 +10,8 @@ from .schema import ATTRIBUTE_DEFAULTS, DOMAIN, INPUTS, OP_TYPE, OUTPUTS, VERSIO
 
 SCHEMA = register()
 ROTARY_SHIFT_SCHEMA = register_rotary_shift()
+ATTENTION_SCHEMA = register_attention()
 
-__all__ = ["ATTRIBUTE_DEFAULTS", "DOMAIN", "INPUTS", "IR_VERSION", "OP_TYPE", "OUTPUTS", "SCHEMA", "VERSION",
-           "ROTARY_SHIFT_SCHEMA", "make_model", "make_node", "make_rotary_shift_model", "register", "register_rotary_shift"]
+__all__ = ["ATTENTION_SCHEMA", "ATTRIBUTE_DEFAULTS", "DOMAIN", "INPUTS", "IR_VERSION", "OP_TYPE", "OUTPUTS", "SCHEMA",
+           "VERSION", "ROTARY_SHIFT_SCHEMA", "make_attention_model", "make_model", "make_node", "make_rotary_shift_model",
+           "register", "register_attention", "register_rotary_shift"]

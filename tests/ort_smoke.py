@@ -3,7 +3,7 @@ on ``sys.path`` or with the library behind the API fence (``$KVCACHE_OP_LIBRARY`
 
 It takes every ONNX Runtime path of the library once: registration, shape inference (static and symbolic
 heads), the kernel constructor's attribute and constant-initializer checks, calls large enough for ORT's
-thread pool, an invalid call, and KeyCacheRotaryShift. ``main`` prints DONE when all checks passed.
+thread pool, an invalid call, KeyCacheRotaryShift, and MultiHeadAttention. ``main`` prints DONE when all checks passed.
 """
 
 import sys
@@ -102,6 +102,26 @@ def _rotary_call():
     assert cache.tobytes() == want_cache.tobytes(), "KeyCacheRotaryShift: the cache differs from the reference"
 
 
+def _attention_call():
+    """MultiHeadAttention: within the spec's bound of the reference (two threads), and an invalid call's message."""
+    from kvcache_op import spec
+    from kvcache_op.ort_ops import make_session, run_model
+    from kvcache_op.reference import attention_tolerance, multi_head_attention
+    from kvcache_op.spec.mha_cases import build_attention
+
+    case = build_attention("smoke-mha", [(1, 40), (12, 20)], heads=4, kv_heads=2, decoding=1, mask=3, is_alibi=1,
+                           sliding_window=9, softmax_scale=0.25)
+    model = spec.make_attention_model(case.inputs, **case.attributes)
+    feeds = {k: v for k, v in case.inputs.items() if v is not None}
+    (got,) = run_model(model, feeds, session=make_session(model, intra_op_num_threads=2))
+    want = multi_head_attention(**case.inputs, **case.attributes).astype(np.float64)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= 2 * attention_tolerance(**case.inputs, **case.attributes))
+    bad = dict(feeds, decoding_batches=np.array(5, np.int64))
+    _expect_error(lambda: run_model(model, bad, session=make_session(model)), "decoding_batches = 5 must be in [0, B=2]")
+    _expect_error(lambda: make_session(spec.make_attention_model(case.inputs, **dict(case.attributes, num_kv_heads=3))),
+                  "num_kv_heads must be 0 (= num_heads) or divide num_heads = 4, got 3")
+
+
 def _expect_error(run, message):
     try:
         run()
@@ -119,6 +139,7 @@ def main():
     _invalid_call()
     _session_creation_errors()
     _rotary_call()
+    _attention_call()
     print(DONE)
 
 

@@ -199,6 +199,11 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
                      f"KeyValueCache vs copy bandwidth — {device}")
 
 
+def cpu_device() -> str:
+    """The machine in words, for a results table: processor and usable cores."""
+    return f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pick = argparse.ArgumentParser(add_help=False)
@@ -219,9 +224,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
     rows = bench_cpu(args)
-    device = f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
     if args.out:
-        write_results(rows, args.out, command, device)
+        write_results(rows, args.out, command, cpu_device())
         print(f"wrote {args.out}/results.md")
     return 0
 

@@ -27,6 +27,8 @@ def _demo(args) -> int:
 def _bench(args) -> int:
     if args.what == "manager":
         from .tools.bench_manager import main as bench_main
+    elif args.what == "attention":
+        from .tools.bench_attention import main as bench_main
     else:
         from .tools.bench_kvcache import main as bench_main
     return bench_main(args.rest)
@@ -46,12 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     conf.add_argument("--case", action="append", help="only this case (repeatable); default: all")
     conf.add_argument("--quiet", action="store_true")
     conf.set_defaults(func=_conformance)
-    val = sub.add_parser("validate", help="run conformance vectors through a backend and compare")
+    val = sub.add_parser("validate", help="run conformance vectors through a backend and compare (attention cases "
+                                          "within their recorded tolerance)")
     val.add_argument("dir", help="folder written by 'kvcache-op conformance'")
     val.add_argument("--backend", choices=("reference", "ort"), default="reference")
     val.set_defaults(func=_validate)
-    bench = sub.add_parser("bench", help="benchmarks: 'bench op [...]' or 'bench manager [...]' (--help for each)")
-    bench.add_argument("what", choices=("op", "manager"))
+    bench = sub.add_parser("bench", help="benchmarks: 'bench op [...]', 'bench attention [...]' or 'bench manager [...]' "
+                                         "(--help for each)")
+    bench.add_argument("what", choices=("op", "attention", "manager"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
     return parser

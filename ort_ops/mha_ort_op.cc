@@ -1,0 +1,82 @@
+#include "mha_ort_op.h"
+
+#include <functional>
+
+#include "mha_cpu.h"
+
+namespace kvcache {
+namespace {
+
+int64_t RequiredAttr(const OrtKernelInfo* info, const char* name) {
+  int64_t value = 0;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
+  if (status != nullptr) {
+    Ort::GetApi().ReleaseStatus(status);
+    Fail("MultiHeadAttention needs the attribute ", name, " (ppl gives it no default)");
+  }
+  return value;
+}
+
+float FloatAttrOr(const OrtKernelInfo* info, const char* name, float fallback) {
+  float value = fallback;
+  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value);
+  if (status != nullptr) {  // absent: the spec's default
+    Ort::GetApi().ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
+}
+
+}  // namespace
+
+MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info) {
+  MhaAttrs a;
+  a.num_heads = RequiredAttr(info, "num_heads");
+  a.head_dim = RequiredAttr(info, "head_dim");
+  a.is_causal = AttrOr(info, "is_causal", a.is_causal);
+  a.is_alibi = AttrOr(info, "is_alibi", a.is_alibi);
+  a.num_kv_heads = AttrOr(info, "num_kv_heads", a.num_kv_heads);
+  a.sliding_window = AttrOr(info, "sliding_window", a.sliding_window);
+  a.softmax_scale = FloatAttrOr(info, "softmax_scale", a.softmax_scale);
+  CheckMhaAttrs(a);
+  return a;
+}
+
+OrtStatusPtr MhaCpuKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Ort::KernelContext ctx(context);
+    TensorArg in[kMhaNumInputs];
+    ReadInputs(ctx, in, kMhaNumInputs);
+    const MhaPlan plan = ValidateAttention(attrs, in);  // throws before the output exists
+    auto out = ctx.GetOutput(0, in[0].shape);
+    const MhaArgs args{&attrs, &plan, in[0].type, in[0].data, in[1].data, in[2].data,
+                       in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, out.GetTensorMutableRawData()};
+    MhaComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+OrtStatusPtr InferMhaOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) {
+  const OrtApi& api = Ort::GetApi();
+  OrtTensorTypeAndShapeInfo* query = nullptr;  // owned by the context
+  if (OrtStatus* s = api.ShapeInferContext_GetInputTypeShape(ctx, 0, &query)) return s;
+  return api.ShapeInferContext_SetOutputTypeShape(ctx, 0, query);
+}
+
+MhaCpuOp::MhaCpuOp() {
+  DeclareApiVersion(*this);
+  OrtCustomOp::InferOutputShapeFn = InferMhaOutputShape;
+}
+
+OrtStatusPtr MhaCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+  try {
+    *kernel = new MhaCpuKernel(info);
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+}  // namespace kvcache

@@ -1,0 +1,44 @@
+// ONNX Runtime glue of MultiHeadAttention (CPU EP): attributes, inputs, output, shape inference.
+#pragma once
+
+#include "kv_ort_op.h"
+#include "mha_validate.h"
+
+namespace kvcache {
+
+constexpr const char* kMhaOpName = "MultiHeadAttention";
+
+// Reads the attributes (num_heads and head_dim required, spec defaults for the others) and rejects
+// invalid values (KvError), so a bad node fails when the session is created.
+MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info);
+
+struct MhaCpuKernel {
+  explicit MhaCpuKernel(const OrtKernelInfo* info) : attrs(ReadMhaAttrs(info)) {}
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+  MhaAttrs attrs;
+};
+
+// attention_output: query's element type and shape (symbolic dims included).
+OrtStatusPtr InferMhaOutputShape(const OrtCustomOp* op, OrtShapeInferContext* ctx);
+
+struct MhaCpuOp : Ort::CustomOpBase<MhaCpuOp, MhaCpuKernel, /*WithStatus=*/true> {
+  MhaCpuOp();
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return kMhaOpName; }
+  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
+  size_t GetInputTypeCount() const { return kMhaNumInputs; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return (i >= 3 && i <= 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i == kMhaMaskInput ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // The index inputs are read on the host (as KeyValueCache's are).
+  OrtMemType GetInputMemoryType(size_t i) const {
+    return (i >= 3 && i <= 7) ? OrtMemTypeCPUInput : OrtMemTypeDefault;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+};
+
+}  // namespace kvcache

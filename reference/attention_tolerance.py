@@ -1,0 +1,61 @@
+"""The error bound of spec/MultiHeadAttention.md section "Tolerance": how far any conforming backend's output
+may be from the exact attention of the same inputs, element by element."""
+
+import numpy as np
+
+from .dtypes import BFLOAT16
+from .mha_validate import prepare_attention
+from .multi_head_attention import alibi_slope, mask_block, relative_positions, visible_keys
+
+#: Unit roundoff u_T (half an ulp of 1) of each output type.
+UNIT_ROUNDOFF = {np.dtype(np.float32): 2.0**-24, np.dtype(np.float16): 2.0**-11, BFLOAT16: 2.0**-8}
+#: Half the smallest subnormal of each output type: the absolute error of rounding a tiny value.
+HALF_SUBNORMAL = {np.dtype(np.float32): 2.0**-150, np.dtype(np.float16): 2.0**-25, BFLOAT16: 2.0**-134}
+U32 = 2.0**-24
+
+
+def attention_error_bound(n, v_max, a_max, head_dim: int, dtype):
+    """The spec's bound on ``|o - o*|`` for output elements whose row has ``n`` effective keys (visible, mask
+    not -inf), ``v_max`` = max |v| of those keys in the element's column, ``a_max`` = max over those keys of
+    ``scale * sum_d |q_d k_d| + |mask| + |alibi|``. Arrays broadcast; float64."""
+    u, eta = UNIT_ROUNDOFF[np.dtype(dtype)], HALF_SUBNORMAL[np.dtype(dtype)]
+    n, v_max, a_max = (np.asarray(x, np.float64) for x in (n, v_max, a_max))
+    return v_max * (4 * u + 4 * U32 * (n + 4 + (2 * head_dim + 10) * a_max) + n * eta) + eta
+
+
+def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                        attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
+                        sliding_window=0, softmax_scale=0.0) -> np.ndarray:
+    """float64 array of the output's shape: :func:`attention_error_bound` of every element; 0 where the row has
+    no effective key (the output is then exactly 0). Validates the call like the reference."""
+    call = prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                             attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
+                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+    a, query, key, value, attn_mask, plan = (call.a, call.query, call.key, call.value, call.attn_mask, call.plan)
+    bound = np.zeros(query.shape, np.float64)
+    group = a.num_heads // a.kv_heads
+    for b in range(len(plan.seq_len)):
+        if plan.seq_len[b] == 0:
+            continue
+        rows = slice(plan.seq_begin[b], plan.seq_begin[b] + plan.seq_len[b])
+        cols = slice(plan.kv_begin[b], plan.kv_begin[b] + plan.kv_len[b])
+        visible = visible_keys(plan.kv_len[b], plan.seq_len[b], plan.causal[b], a.sliding_window)
+        distance = relative_positions(plan.kv_len[b], plan.seq_len[b]).astype(np.float64)
+        for h in range(a.num_heads):
+            q = np.abs(query[rows, h, :].astype(np.float64))
+            k = np.abs(key[cols, h // group, :].astype(np.float64))
+            v = np.abs(value[cols, h // group, :].astype(np.float64))
+            size = float(plan.scale) * (q @ k.T)
+            effective = visible.copy()
+            if attn_mask is not None:
+                mask = mask_block(attn_mask, h, rows, cols).astype(np.float64)
+                effective &= mask != -np.inf
+                size += np.abs(np.where(effective, mask, 0.0))
+            if a.is_alibi:
+                size += np.abs(float(alibi_slope(h, a.num_heads)) * distance)
+            n = effective.sum(axis=1)
+            a_max = np.where(effective, size, 0.0).max(axis=1, initial=0.0)
+            v_max = np.where(effective[:, :, None], v[None, :, :], 0.0).max(axis=1, initial=0.0)
+            element = attention_error_bound(n[:, None], v_max, a_max[:, None], a.head_dim, query.dtype)
+            bound[rows, h, :] = np.where(n[:, None] > 0, element, 0.0)
+    return bound

@@ -1,0 +1,151 @@
+"""The MultiHeadAttention CPU kernel through ONNX Runtime and through the C entry point: within the spec's
+bound of the independent float64 oracle, exact zeros for rows without keys, deterministic across thread
+counts, both CPU builds (generic, AVX2) within the bound; plus the schema and shape inference."""
+
+import numpy as np
+import onnx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from onnx.reference import ReferenceEvaluator
+
+from attention_strategies import attention_calls, copies
+from kvcache_op import spec
+from kvcache_op.ort_ops import c_api, make_session, run_model
+from kvcache_op.reference import MultiHeadAttention, attention_tolerance, multi_head_attention
+from kvcache_op.spec.mha_cases import ATTENTION_CASES, build_attention
+from test_mha_reference import assert_within, oracle
+
+
+def ort_output(case, threads=1):
+    model = spec.make_attention_model(case.inputs, **case.attributes)
+    session = make_session(model, intra_op_num_threads=threads)
+    (out,) = run_model(model, {k: v for k, v in copies(case.inputs).items() if v is not None}, session=session)
+    return out
+
+
+def c_output(case, threads=1):
+    return c_api.multi_head_attention(**copies(case.inputs), **case.attributes, num_threads=threads)
+
+
+@settings(max_examples=2 * settings.default.max_examples)  # twice the profile's: the main property
+@given(attention_calls(), st.sampled_from((1, 2)))
+def test_ort_is_within_the_bound_of_the_exact_result(case, threads):
+    exact, bound = oracle(case)
+    got = ort_output(case, threads)
+    assert got.dtype == case.inputs["query"].dtype and got.shape == case.inputs["query"].shape
+    assert_within(got, exact, bound, "ORT")
+    assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
+
+
+@settings(max_examples=settings.default.max_examples)
+@given(attention_calls(), st.sampled_from((1, 3)))
+def test_c_entry_is_within_the_bound_of_the_exact_result(case, threads):
+    exact, bound = oracle(case)
+    assert_within(c_output(case, threads), exact, bound, "C entry")
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_named_cases_through_ort_are_within_twice_the_bound_of_the_reference(name):
+    case = ATTENTION_CASES[name]()
+    want = multi_head_attention(**case.inputs, **case.attributes)
+    tolerance = 2 * attention_tolerance(**case.inputs, **case.attributes)
+    assert_within(ort_output(case, 2), want.astype(np.float64), tolerance, name)
+
+
+def large_case(t="float16", **kw):
+    """Decodes and chunks long enough for many tasks, head_dim 128 (the vector paths), GQA and a window."""
+    seqs = [(1, 300), (1, 77), (16, 200), (1, 5), (24, 24), (1, 129)]
+    return build_attention("large", seqs, heads=8, kv_heads=2, head_dim=128, decoding=2, t=t, **kw)
+
+
+@pytest.mark.parametrize("t", ["float32", "float16", "bfloat16"])
+def test_large_calls_match_the_reference_and_do_not_depend_on_threads(t):
+    case = large_case(t, sliding_window=50, mask=2, is_alibi=1)
+    want = multi_head_attention(**case.inputs, **case.attributes)
+    tolerance = 2 * attention_tolerance(**case.inputs, **case.attributes)
+    one = ort_output(case, 1)
+    assert_within(one, want.astype(np.float64), tolerance, "ORT, 1 thread")
+    assert ort_output(case, 2).tobytes() == one.tobytes()  # each (sequence, head) is one task: same bits
+    assert c_output(case, 4).tobytes() == one.tobytes()  # and the C entry runs the same kernel
+
+
+def test_generic_and_avx2_builds_are_both_within_the_bound(monkeypatch):
+    case = large_case("float16", mask=3)
+    want = multi_head_attention(**case.inputs, **case.attributes)
+    tolerance = 2 * attention_tolerance(**case.inputs, **case.attributes)
+    dispatched = c_output(case)
+    monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
+    generic = c_output(case)
+    assert_within(generic, want.astype(np.float64), tolerance, "generic build")
+    assert_within(dispatched, want.astype(np.float64), tolerance, "dispatched build")
+    assert c_output(case).tobytes() == generic.tobytes()  # deterministic
+
+
+def test_conformance_vectors_run_through_ort(tmp_path):
+    from kvcache_op.spec import vectors
+    from kvcache_op.tools.validate_backend import compare_case
+
+    vectors.write_all(tmp_path, list(ATTENTION_CASES), progress=None)
+    failures = {name: compare_case(tmp_path / name, "ort") for name in ATTENTION_CASES}
+    assert {k: v for k, v in failures.items() if v} == {}
+
+
+@pytest.mark.parametrize("name", ["mha_mixed_decode_chunk_prefill", "mha_mask_rank3_float32", "mha_alibi_heads6_gqa",
+                                  "mha_batch0", "mha_gqa_group4_bfloat16"])
+def test_schema_checks_and_reference_evaluator_runs_the_same_model(name):
+    case = ATTENTION_CASES[name]()
+    model = spec.make_attention_model(case.inputs, **case.attributes)
+    onnx.checker.check_model(model, full_check=True)
+    feeds = {k: v for k, v in case.inputs.items() if v is not None}
+    (got,) = ReferenceEvaluator(model, new_ops=[MultiHeadAttention]).run(None, feeds)
+    assert got.tobytes() == multi_head_attention(**case.inputs, **case.attributes).tobytes()
+
+
+def test_shape_inference_gives_query_type_and_shape():
+    case = ATTENTION_CASES["mha_mqa"]()
+    model = spec.make_attention_model(case.inputs, **case.attributes)
+    model.graph.output[0].type.tensor_type.ClearField("shape")  # nothing declared: inference must say it
+    model.graph.output[0].type.tensor_type.elem_type = 0
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    value = {v.name: v for v in list(inferred.graph.value_info) + list(inferred.graph.output)}["attention_output"]
+    dims = value.type.tensor_type.shape.dim
+    assert value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    assert [d.dim_param or d.dim_value for d in dims] == ["query_d0", 4, 8]
+    session = make_session(spec.make_attention_model(case.inputs, **case.attributes))
+    assert session.get_outputs()[0].shape[1:] == [4, 8] and session.get_outputs()[0].type == "tensor(float16)"
+
+
+def test_schema_requires_num_heads_and_head_dim_and_refuses_unknown_attributes():
+    case = ATTENTION_CASES["mha_mqa"]()
+    with pytest.raises(ValueError, match="needs attribute"):
+        spec.make_attention_model(case.inputs, head_dim=8)
+    with pytest.raises(ValueError, match="unknown MultiHeadAttention attribute"):
+        spec.make_attention_model(case.inputs, num_heads=4, head_dim=8, window=3)
+    node = spec.make_attention_model(case.inputs, **case.attributes).graph.node[0]
+    names = [a.name for a in node.attribute]
+    assert "sliding_window" not in names and "softmax_scale" not in names  # a default node is ppl's
+    assert {"num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads"} <= set(names)
+
+
+def test_a_ppl_style_graph_without_the_extensions_runs():
+    """ppl.pmx's node: inputs by its names, attributes num_heads/head_dim/is_causal/is_alibi/num_kv_heads only."""
+    from onnx import TensorProto, helper
+
+    names = ["q", "k", "v", "seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen"]
+    node = helper.make_node("MultiHeadAttention", names, ["o"], domain="opmx.dynamic_batching", num_heads=2,
+                            head_dim=8, is_causal=1, is_alibi=0, num_kv_heads=1)
+    types = [TensorProto.FLOAT16] * 3 + [TensorProto.INT64] * 5
+    shapes = [["t", 2, 8], ["kv", 1, 8], ["kv", 1, 8], ["b1"], ["b1"], [1], [], []]
+    graph = helper.make_graph([node], "ppl", [helper.make_tensor_value_info(n, t, s) for n, t, s in zip(names, types, shapes)],
+                              [helper.make_tensor_value_info("o", TensorProto.FLOAT16, ["t", 2, 8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21),
+                                                    helper.make_opsetid("opmx.dynamic_batching", 1)], ir_version=10)
+    onnx.checker.check_model(model, full_check=True)
+    case = build_attention("ppl", [(1, 4), (3, 3)], heads=2, kv_heads=1, decoding=1)
+    feeds = dict(zip(names, [case.inputs[n] for n in ("query", "key", "value", "seqstarts", "kvstarts")] +
+                     [np.array([1], np.int64), case.inputs["max_seqlen"], case.inputs["max_kvlen"]]))
+    (got,) = make_session(model).run(None, feeds)
+    exact, bound = oracle(case)
+    assert_within(got, exact, bound, "ppl-style graph")
+

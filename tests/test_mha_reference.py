@@ -1,0 +1,150 @@
+"""The MultiHeadAttention reference against an independent float64 oracle (within the spec's bound), against
+torch's scaled_dot_product_attention when torch is installed, and on the spec's worked examples."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from attention_strategies import attention_calls
+from kvcache_op.reference import (BFLOAT16, MultiHeadAttentionError, alibi_slopes, attention_error_bound,
+                                  attention_tolerance, multi_head_attention)
+from kvcache_op.spec.mha_cases import ATTENTION_CASES, build_attention
+from naive_attention import naive_attention, paper_slopes
+
+
+def oracle(case):
+    """(exact output, bound of every element) from the naive oracle."""
+    i, a = case.inputs, case.attributes
+    exact, n, v_max, a_max = naive_attention(i["query"], i["key"], i["value"], i["seqstarts"], i["kvstarts"],
+                                             i["decoding_batches"], i["attn_mask"], **a)
+    bound = np.where(n > 0, attention_error_bound(n, v_max, a_max, a["head_dim"], i["query"].dtype), 0.0)
+    return exact, bound
+
+
+def assert_within(got, exact, bound, what):
+    error = np.abs(np.asarray(got).astype(np.float64) - exact)
+    worst = np.unravel_index(np.argmax(error - bound), error.shape) if error.size else None
+    assert np.all(error <= bound), f"{what}: |error| {error[worst]} > bound {bound[worst]} at {worst}"
+
+
+@settings(max_examples=2 * settings.default.max_examples)  # twice the profile's: the main property
+@given(attention_calls())
+def test_reference_is_within_the_bound_of_the_exact_result(case):
+    exact, bound = oracle(case)
+    got = multi_head_attention(**case.inputs, **case.attributes)
+    assert got.dtype == case.inputs["query"].dtype and got.shape == case.inputs["query"].shape
+    assert_within(got, exact, bound, "reference")
+    assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
+
+
+@given(attention_calls(dtypes=("float32",)))
+def test_reference_tolerance_is_the_oracles(case):
+    """attention_tolerance (the reference's n, V, A) and the oracle's agree."""
+    _, bound = oracle(case)
+    np.testing.assert_allclose(attention_tolerance(**case.inputs, **case.attributes), bound, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_named_cases_are_within_the_bound(name):
+    case = ATTENTION_CASES[name]()
+    exact, bound = oracle(case)
+    assert_within(multi_head_attention(**case.inputs, **case.attributes), exact, bound, name)
+
+
+def test_the_bound_is_tight_enough_to_catch_a_wrong_visibility():
+    """Dropping the causal rule, or aligning it to the start of the keys, is far outside the bound."""
+    case = build_attention("wrong", [(3, 7)], t="float16")
+    exact, bound = oracle(case)
+    not_causal = multi_head_attention(**case.inputs, **dict(case.attributes, is_causal=0))
+    assert np.any(np.abs(not_causal.astype(np.float64) - exact) > bound)
+    short = build_attention("wrong", [(3, 3)], t="float16")  # the same queries over the first 3 keys only
+    start_aligned = multi_head_attention(**dict(short.inputs, query=case.inputs["query"]), **case.attributes)
+    assert np.any(np.abs(start_aligned.astype(np.float64) - exact) > bound)
+
+
+def test_alibi_slopes_are_the_papers():
+    for heads in (1, 2, 3, 5, 6, 8, 12, 16, 20, 32, 40):
+        np.testing.assert_array_equal(alibi_slopes(heads), np.array(paper_slopes(heads), np.float32))
+    assert alibi_slopes(8).tolist() == [2.0**-k for k in range(1, 9)]
+    assert alibi_slopes(6).tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]
+
+
+def worked_example(**attrs):
+    """The spec's worked example: D = 1, a decode (kvlen 3) and a chunk of 2 queries over 4 keys."""
+    z = np.zeros((3, 1, 1), np.float32)
+    value = np.array([1, 2, 3, 10, 20, 30, 40], np.float32).reshape(7, 1, 1)
+    return multi_head_attention(z, np.zeros((7, 1, 1), np.float32), value, np.array([0, 1, 3]), np.array([0, 3, 7]),
+                                np.array(1), np.array(2), np.array(4), num_heads=1, head_dim=1, **attrs)[:, 0, 0]
+
+
+def test_spec_worked_examples():
+    assert worked_example().tolist() == [2, 20, 25]
+    assert worked_example(sliding_window=2).tolist() == [2.5, 25, 35]
+    assert worked_example(is_causal=0).tolist() == [2, 25, 25]
+    empty = multi_head_attention(np.ones((1, 2, 4), np.float16), np.zeros((0, 2, 4), np.float16),
+                                 np.zeros((0, 2, 4), np.float16), np.array([0, 1]), np.array([0, 0]), np.array(0),
+                                 np.array(1), np.array(0), num_heads=2, head_dim=4)
+    assert empty.tolist() == [[[0.0] * 4] * 2]
+
+
+def test_fully_masked_row_is_zero_not_nan():
+    case = ATTENTION_CASES["mha_fully_masked_rows"]()
+    out = multi_head_attention(**case.inputs, **case.attributes)
+    assert not np.isnan(out.astype(np.float32)).any()
+    assert np.all(out[0] == 0) and np.all(out[2] == 0) and np.all(out[4] == 0)  # all -inf; kvlen 0; all -inf
+    assert np.any(out[1] != 0) and np.any(out[3] != 0)
+
+
+def test_decoding_sequences_are_never_causal():
+    """A decoding sequence with seqlen > 1: every query sees every key (ppl), so its queries' outputs only
+    differ through their own scores; as the last non-decoding sequence it is causal."""
+    case = build_attention("decoding", [(3, 5)], decoding=1, t="float32")
+    zero_q = dict(case.inputs, query=np.zeros_like(case.inputs["query"]))
+    decoding = multi_head_attention(**zero_q, **case.attributes)
+    assert np.allclose(decoding[0], decoding[2])  # equal scores, same keys: the mean of all 5 values
+    causal = multi_head_attention(**dict(zero_q, decoding_batches=np.array(0)), **case.attributes)
+    assert not np.allclose(causal[0], causal[2])
+    np.testing.assert_allclose(causal[2], decoding[2], rtol=1e-6)  # the last query sees everything either way
+
+
+@pytest.mark.parametrize("t", ["float32", "float16", "bfloat16"])
+def test_against_torch_scaled_dot_product_attention(t):
+    """Each sequence through torch's SDPA with an explicit boolean mask (end-aligned causal, window), GQA by
+    repeat_interleave, ALiBi and the attn_mask as a float mask: within the spec's bound of the oracle."""
+    torch = pytest.importorskip("torch")
+    case = build_attention("torch", [(1, 9), (4, 4), (3, 11), (2, 6)], heads=4, kv_heads=2, decoding=1,
+                           sliding_window=5, mask=3, is_alibi=1, t=t, head_dim=16)
+    i, a = case.inputs, case.attributes
+    exact, bound = oracle(case)
+    out = np.zeros(i["query"].shape, np.float64)
+    slopes = torch.tensor(alibi_slopes(4), dtype=torch.float64)
+    as64 = {k: torch.tensor(np.asarray(i[k]).astype(np.float64)) for k in ("query", "key", "value", "attn_mask")}
+    for b in range(4):
+        r0, r1, c0, c1 = (int(x) for x in (i["seqstarts"][b], i["seqstarts"][b + 1], i["kvstarts"][b], i["kvstarts"][b + 1]))
+        s, k = r1 - r0, c1 - c0
+        q = as64["query"][r0:r1].transpose(0, 1)
+        keys = as64["key"][c0:c1].repeat_interleave(2, dim=1).transpose(0, 1)
+        values = as64["value"][c0:c1].repeat_interleave(2, dim=1).transpose(0, 1)
+        pos = torch.arange(s)[:, None] + (k - s)
+        j = torch.arange(k)[None, :]
+        allowed = (j > pos - a["sliding_window"]) & ((j <= pos) if (s > 1 and b >= 1) else True)
+        bias = as64["attn_mask"][:, r0:r1, c0:c1] + slopes[:, None, None] * (j - pos).to(torch.float64)
+        bias = bias.masked_fill(~allowed, float("-inf"))
+        scale = float(np.float32(1 / np.sqrt(16)))
+        out[r0:r1] = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=bias,
+                                                                      scale=scale).transpose(0, 1).numpy()
+    assert_within(out, exact, bound, "torch sdpa (float64) vs oracle")
+    assert_within(multi_head_attention(**i, **a), out, 2 * bound, "reference vs torch sdpa")
+
+
+def test_errors_are_multi_head_attention_errors_and_value_errors():
+    case = build_attention("err", [(2, 2)])
+    with pytest.raises(MultiHeadAttentionError, match=r"kvstarts\[B=1\] = 2 must equal key.shape\[0\] = 3"):
+        longer = {k: np.concatenate([case.inputs[k]] * 2)[:3] for k in ("key", "value")}
+        multi_head_attention(**dict(case.inputs, **longer), **case.attributes)
+    assert issubclass(MultiHeadAttentionError, ValueError)
+
+
+def test_bfloat16_output_dtype():
+    case = build_attention("bf16", [(2, 3)], t="bfloat16")
+    assert multi_head_attention(**case.inputs, **case.attributes).dtype == BFLOAT16
