@@ -2,11 +2,11 @@
 by ``torch.onnx.export`` (``dynamo=True`` or ``False``) as ``opmx.dynamic_batching`` nodes.
 
 Install with ``pip install "kvcache-op[torch]"``. Importing this module registers the custom ops
-``torch.ops.kvcache_op.key_value_cache`` / ``key_cache_rotary_shift`` and their TorchScript-exporter
-translations.
+``torch.ops.kvcache_op.key_value_cache`` / ``key_cache_rotary_shift`` / ``multi_head_attention`` and
+their TorchScript-exporter translations.
 
 * :func:`key_value_cache`, :func:`key_cache_rotary_shift`: the reference's signatures; the cache and
-  scale are written in place.
+  scale are written in place. :func:`multi_head_attention`: the companion varlen attention (CPU).
 * int4 caches are ``torch.uint8`` tensors of packed pairs (the cache shape with last dim ``Dh / 2``,
   ONNX INT4 packing): :func:`pack_int4`, :func:`unpack_int4`, :func:`new_cache`.
 * :func:`int4_cache_inputs` retypes an exported graph's uint8 cache inputs to INT4; :func:`export_onnx`
@@ -20,10 +20,10 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 from .cache import new_cache, pack_int4, unpack_int4
 from .export import export_onnx
-from .functional import key_cache_rotary_shift, key_value_cache
+from .functional import key_cache_rotary_shift, key_value_cache, multi_head_attention
 from .onnx_export import int4_cache_inputs, register_torchscript_symbolics
 
 register_torchscript_symbolics()
 
-__all__ = ["export_onnx", "int4_cache_inputs", "key_cache_rotary_shift", "key_value_cache", "new_cache",
-           "pack_int4", "unpack_int4"]
+__all__ = ["export_onnx", "int4_cache_inputs", "key_cache_rotary_shift", "key_value_cache", "multi_head_attention",
+           "new_cache", "pack_int4", "unpack_int4"]

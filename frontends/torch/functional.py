@@ -6,19 +6,23 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError
-from ..spec import rotary_schema, schema
+from ..spec import mha_schema, rotary_schema, schema
 from . import custom_ops, onnx_export
 
 KV_DEFAULTS = schema.ATTRIBUTE_DEFAULTS
 ROTARY_DEFAULTS = rotary_schema.ATTRIBUTE_DEFAULTS
 INDEX_INPUTS = schema.INPUTS[2:8]
+ATTENTION_INT_ATTRIBUTES = ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads", "sliding_window")
+ATTENTION_INDEX_INPUTS = mha_schema.INPUTS[3:8]
+SCALAR_INDEX_INPUTS = ("decoding_batches", "max_seqlen", "max_kvlen")  # may be given as ints
 
 
-def _attributes(defaults: dict, given: dict) -> dict:
-    """The op's attributes from ``given`` (Python or numpy ints; bools are refused), range-checked."""
+def _attributes(names, given: dict) -> dict:
+    """The int attributes ``names`` from ``given`` (Python or numpy ints; bools are refused), range-checked."""
     attrs = {}
-    for name in defaults:
+    for name in names:
         value = given[name]
         if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"attribute {name} must be an int, got {type(value).__name__}")
@@ -28,20 +32,20 @@ def _attributes(defaults: dict, given: dict) -> dict:
     return attrs
 
 
-def _index_inputs(given: dict, device) -> list:
-    """The index inputs as tensors: each must be a torch.Tensor; ``max_seqlen``/``max_kvlen`` may also be
-    ints (they become constants in an exported graph: pass tensors to keep them graph inputs)."""
+def _index_inputs(names, given: dict, device, error=KeyValueCacheError) -> list:
+    """The index inputs ``names`` as tensors: each must be a torch.Tensor; the scalar ones may also be ints
+    (they become constants in an exported graph: pass tensors to keep them graph inputs)."""
     tensors = []
-    for name in INDEX_INPUTS:
+    for name in names:
         value = given[name]
-        if name in ("max_seqlen", "max_kvlen") and isinstance(value, (int, np.integer)) \
+        if name in SCALAR_INDEX_INPUTS and isinstance(value, (int, np.integer)) \
                 and not isinstance(value, (bool, np.bool_)):
             if not -(2**63) <= int(value) < 2**63:
-                raise KeyValueCacheError(f"{name} = {int(value)} does not fit in int64")
+                raise error(f"{name} = {int(value)} does not fit in int64")
             value = torch.tensor(int(value), dtype=torch.int64, device=device)
         elif not isinstance(value, torch.Tensor):
-            kind = "a torch.Tensor or an int" if name in ("max_seqlen", "max_kvlen") else "a torch.Tensor"
-            raise KeyValueCacheError(f"{name} must be {kind}, got {type(value).__name__}")
+            kind = "a torch.Tensor or an int" if name in SCALAR_INDEX_INPUTS else "a torch.Tensor"
+            raise error(f"{name} must be {kind}, got {type(value).__name__}")
         tensors.append(value)
     return tensors
 
@@ -68,7 +72,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     this is one ``opmx.dynamic_batching::KeyValueCache`` node.
     """
     attrs = _attributes(KV_DEFAULTS, locals())
-    index = _index_inputs(locals(), current_key.device if isinstance(current_key, torch.Tensor) else None)
+    index = _index_inputs(INDEX_INPUTS, locals(), current_key.device if isinstance(current_key, torch.Tensor) else None)
     scale = _no_empty_scale(scale, attrs["quant_bit"])
     inputs = [current_key, current_value, *index, cache, scale]
     if torch.onnx.is_in_onnx_export():
@@ -98,3 +102,27 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
             onnx_export.check_exported_call(attrs, scale)
             return onnx_export.rotary_shift_node(inputs, attrs)
     return custom_ops.key_cache_rotary_shift_op(*inputs, **attrs)
+
+
+def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                         attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
+                         sliding_window=0, softmax_scale=0.0):
+    """MultiHeadAttention (spec/MultiHeadAttention.md) on CPU torch tensors: every sequence's queries attend
+    over its own keys/values as KeyValueCache packs them; returns a tensor shaped like ``query``, within
+    the spec's tolerance of :func:`kvcache_op.reference.multi_head_attention` (the library's CPU kernel,
+    the same bits as its ONNX Runtime op). ``decoding_batches``/``max_seqlen``/``max_kvlen`` may be ints.
+    Invalid calls raise :class:`~kvcache_op.reference.MultiHeadAttentionError`. Under
+    ``torch.onnx.export`` this is one ``opmx.dynamic_batching::MultiHeadAttention`` node."""
+    attrs = _attributes(ATTENTION_INT_ATTRIBUTES, locals())
+    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.number)):
+        raise TypeError(f"attribute softmax_scale must be a float, got {type(softmax_scale).__name__}")
+    attrs["softmax_scale"] = float(softmax_scale)
+    index = _index_inputs(ATTENTION_INDEX_INPUTS, locals(), query.device if isinstance(query, torch.Tensor) else None,
+                          MultiHeadAttentionError)
+    inputs = [query, key, value, *index, attn_mask]
+    if torch.onnx.is_in_onnx_export():
+        onnx_export.record_call(mha_schema.OP_TYPE, query)
+        if onnx_export.exporting_with_dynamo():
+            onnx_export.check_exported_attention(attrs)
+            return onnx_export.attention_node(inputs, attrs)
+    return custom_ops.multi_head_attention_op(*inputs, **attrs)

@@ -21,12 +21,14 @@ import onnx
 import torch
 from torch.onnx import symbolic_helper
 
+from ..reference.mha_validate import AttentionAttributes, check_attention_attributes
 from ..reference.validate import Attributes, KeyValueCacheError, check_attributes
-from ..spec import rotary_schema, schema
+from ..spec import mha_schema, rotary_schema, schema
 from . import custom_ops
 
 KV_NODE = f"{schema.DOMAIN}::{schema.OP_TYPE}"
 ROTARY_NODE = f"{schema.DOMAIN}::{rotary_schema.OP_TYPE}"
+ATTENTION_NODE = f"{schema.DOMAIN}::{mha_schema.OP_TYPE}"
 #: The TorchScript exporter picks the highest registered opset <= the export's: 7 covers all it supports.
 TORCHSCRIPT_MIN_OPSET = 7
 
@@ -79,6 +81,25 @@ def check_exported_call(attributes: dict, scale) -> None:
     except KeyValueCacheError as error:
         _ERRORS.append(error)
         raise
+
+
+def check_exported_attention(attributes: dict) -> None:
+    """The dynamo path's check of MultiHeadAttention's attribute values (the reference's messages)."""
+    try:
+        check_attention_attributes(AttentionAttributes(**attributes))
+    except KeyValueCacheError as error:
+        _ERRORS.append(error)
+        raise
+
+
+def attention_node(inputs: list, attributes: dict) -> torch.Tensor:
+    """The MultiHeadAttention node for the dynamo exporter; ``inputs`` in schema order (``attn_mask`` may
+    be None). Attributes as ppl.pmx writes them: the extensions only when set."""
+    query = inputs[0]
+    if inputs[8] is None:
+        inputs = inputs[:8]
+    return torch.onnx.ops.symbolic(ATTENTION_NODE, inputs, mha_schema.attention_node_attributes(attributes),
+                                   dtype=query.dtype, shape=list(query.shape), version=schema.VERSION)
 
 
 def key_value_cache_node(inputs: list, attributes: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,10 +155,24 @@ def _rotary_shift_symbolic(g, cache, scale, slots, cos, sin, num_layer, layer_id
     return slots_out
 
 
+@symbolic_helper.parse_args(*"vvvvvvvvv", *"iiiiiif")
+def _attention_symbolic(g, query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask,
+                        num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window, softmax_scale):
+    attributes = mha_schema.attention_node_attributes(dict(
+        num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi, num_kv_heads=num_kv_heads,
+        sliding_window=sliding_window, softmax_scale=softmax_scale))
+    typed = {f"{name}_{'f' if isinstance(value, float) else 'i'}": value for name, value in attributes.items()}
+    output = g.op(ATTENTION_NODE, query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                  *_present(attn_mask), **typed)
+    output.setType(query.type())  # query's type and shape
+    return output
+
+
 def register_torchscript_symbolics() -> None:
     """Registers the TorchScript exporter's translations of the custom ops (idempotent)."""
     for op, fn in ((f"{custom_ops.NAMESPACE}::key_value_cache", _key_value_cache_symbolic),
-                   (f"{custom_ops.NAMESPACE}::key_cache_rotary_shift", _rotary_shift_symbolic)):
+                   (f"{custom_ops.NAMESPACE}::key_cache_rotary_shift", _rotary_shift_symbolic),
+                   (f"{custom_ops.NAMESPACE}::multi_head_attention", _attention_symbolic)):
         torch.onnx.register_custom_op_symbolic(op, fn, TORCHSCRIPT_MIN_OPSET)
 
 
