@@ -57,4 +57,5 @@ void ToKeyValueCacheArgs(const KvcacheTensor* inputs, TensorArg* out);
 CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs,
                              const KvcacheTensor* outputs, Attrs* attrs, TensorArg* in);
 
+
 }  // namespace kvcache

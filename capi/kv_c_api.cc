@@ -4,15 +4,13 @@
 #include <vector>
 
 #include "c_tensors.h"
+#include "rotary_c_args.h"
 #include "kv_cpu.h"
 #include "kvcache_op.h"
 #include "rotary_shift.h"
 
 namespace kvcache {
 namespace {
-
-const char* const kRotaryNames[5] = {"cache", "scale", "slots", "cos", "sin"};
-const bool kRotaryOptional[5] = {false, true, false, false, false};
 
 CallPlan ValidateC(const KvcacheKeyValueCacheAttrs* c, const KvcacheTensor* inputs, Attrs* attrs, TensorArg* in) {
   if (c == nullptr || inputs == nullptr) Fail("KeyValueCache: attrs and inputs must not be NULL");
@@ -104,31 +102,13 @@ int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRotaryShiftAttrs* att
                                               size_t message_size) {
   return CatchAll(
       [&] {
-        if (attrs == nullptr || inputs == nullptr) Fail("KeyCacheRotaryShift: attrs and inputs must not be NULL");
         RotaryAttrs a;
-        a.base.num_layer = attrs->num_layer;
-        a.base.layer_idx = attrs->layer_idx;
-        a.base.quant_bit = attrs->quant_bit;
-        a.base.quant_group = attrs->quant_group;
-        a.base.cache_layout = attrs->cache_layout;
-        a.rotary_dim = attrs->rotary_dim;
-        a.rotary_interleaved = attrs->rotary_interleaved;
         TensorArg in[5];
-        ToTensorArgs(inputs, 5, kRotaryNames, kRotaryOptional, in);
-        const RotaryPlan plan = ValidateRotaryShift(a, in);  // slots, cos, sin snapshotted, then checked
-        const ByteRange cache{kRotaryNames[0], in[0].data, TensorBytes(in[0].type, in[0].shape)};
-        if (in[1].present) CheckDisjoint({kRotaryNames[1], in[1].data, TensorBytes(in[1].type, in[1].shape)}, cache);
-        const int64_t n = static_cast<int64_t>(plan.slots.size());
-        if (output != nullptr) {
-          CheckOutput(*output, "output slots", int32_t(Elem::kInt64), {n});
-          const ByteRange out{"output slots", output->data, n * 8};
-          for (int i : {0, 1})
-            if (in[i].present) CheckDisjoint(out, {kRotaryNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
-          if (n) std::memcpy(output->data, plan.slots.data(), n * sizeof(int64_t));
-        }
+        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, output, &a, in);  // nothing written before
         RotaryShiftCpu(a, plan, in, [num_threads](size_t count, const std::function<void(size_t)>& fn) {
           ParallelOnThreads(num_threads, count, fn);
         });
+        WriteSlots(plan, output);
       },
       message, message_size);
 }

@@ -2,12 +2,17 @@
 // callers can link against one symbol set whatever the build.
 #include "c_tensors.h"
 #include "kvcache_op.h"
+#include "rotary_c_args.h"
 
 #ifdef KVCACHE_WITH_CUDA
 #include "kv_cuda_run.h"
 #endif
 
 namespace kvcache {
+#ifndef KVCACHE_WITH_CUDA
+constexpr const char* kNoCuda =
+    "this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)";
+#endif
 #ifdef KVCACHE_WITH_CUDA
 namespace {
 
@@ -17,7 +22,7 @@ struct StreamScratch : cuda::DeviceScratch {  // stream-ordered allocations of t
   void* Alloc(size_t bytes) override {
     void* data = nullptr;
     if (cudaError_t e = cudaMallocAsync(&data, bytes, stream); e != cudaSuccess)
-      throw std::runtime_error(std::string("KeyValueCache CUDA: allocating index scratch: ") + cudaGetErrorString(e));
+      throw std::runtime_error(std::string("kvcache-op CUDA: allocating index scratch: ") + cudaGetErrorString(e));
     return data;
   }
   void Free(void* data) override { cudaFreeAsync(data, stream); }
@@ -58,8 +63,30 @@ int32_t kvcache_op_key_value_cache_cuda(const KvcacheKeyValueCacheAttrs* attrs, 
       message, message_size);
 #else
   (void)attrs, (void)inputs, (void)outputs, (void)stream;
-  WriteMessage("this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)",
-               message, message_size);
+  WriteMessage(kNoCuda, message, message_size);
+  return KVCACHE_OP_UNAVAILABLE;
+#endif
+}
+
+int32_t kvcache_op_key_cache_rotary_shift_cuda(const KvcacheRotaryShiftAttrs* attrs, const KvcacheTensor inputs[5],
+                                               const KvcacheTensor* output, void* stream, char* message,
+                                               size_t message_size) {
+#ifdef KVCACHE_WITH_CUDA
+  return CatchAll(
+      [&] {
+        RotaryAttrs a;
+        TensorArg in[5];
+        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        StreamScratch scratch(static_cast<cudaStream_t>(stream));
+        cuda::RunRotaryValidated(a, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
+                                 in[1].present ? const_cast<void*>(in[1].data) : nullptr,
+                                 static_cast<cudaStream_t>(stream), scratch);
+        WriteSlots(plan, output);
+      },
+      message, message_size);
+#else
+  (void)attrs, (void)inputs, (void)output, (void)stream;
+  WriteMessage(kNoCuda, message, message_size);
   return KVCACHE_OP_UNAVAILABLE;
 #endif
 }

@@ -120,6 +120,14 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRot
                                                                 const KvcacheTensor* output, int32_t num_threads,
                                                                 char* message, size_t message_size);
 
+/* KeyCacheRotaryShift on a CUDA device: cache and scale are device memory; slots, cos, sin and output
+ * (the slots' copy, NULL to skip it) host memory. The rotation is enqueued on `stream` (a cudaStream_t);
+ * output is written once it is enqueued. Quantized caches need Dh <= 256 on the GPU. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_key_cache_rotary_shift_cuda(const KvcacheRotaryShiftAttrs* attrs,
+                                                                 const KvcacheTensor inputs[5],
+                                                                 const KvcacheTensor* output, void* stream,
+                                                                 char* message, size_t message_size);
+
 /* MultiHeadAttention on host memory (spec/MultiHeadAttention.md). inputs: the op's 9 inputs in order (query,
  * key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask); attn_mask has type
  * 0 when absent. output: caller-allocated, query's type and shape, sharing no memory with query, key, value

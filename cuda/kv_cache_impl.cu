@@ -4,32 +4,21 @@
 // quantization helpers are the same functions the CPU kernel uses.
 #include "kv_cache_impl.cuh"
 
+#include "device_mem.cuh"
+
 namespace kvcache {
 namespace cuda {
 namespace {
 
-// Plain device memory: a buffer's base pointer plus a byte offset.
-struct DeviceMem {
-  const Params& p;
-  template <class T>
-  __device__ __forceinline__ T Load(Buf buf, int64_t offset) const {
-    return *reinterpret_cast<const T*>(static_cast<const char*>(p.ptr[buf]) + offset);
-  }
-  template <class T>
-  __device__ __forceinline__ void Store(Buf buf, int64_t offset, T value) const {
-    *reinterpret_cast<T*>(static_cast<char*>(p.ptr[buf]) + offset) = value;
-  }
-};
-
 template <class T1, class T3, int QBits>
 __global__ void __launch_bounds__(kThreads) StoreKernel(Params p, int64_t unit) {
-  DeviceMem mem{p};
+  DeviceMem<Params> mem{p};
   StoreThread<T1, T3, QBits>(p, mem, unit, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x);
 }
 
 template <class T1, class T3, int QBits>
 __global__ void __launch_bounds__(kThreads) GatherKernel(Params p, int64_t unit) {
-  DeviceMem mem{p};
+  DeviceMem<Params> mem{p};
   GatherThread<T1, T3, QBits>(p, mem, unit, blockIdx.x, blockIdx.y, threadIdx.x, blockDim.x);
 }
 

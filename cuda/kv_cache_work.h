@@ -29,6 +29,10 @@ enum Buf : int {
   kScale,        // rank 5, last dim Dh / quant_group: T3 (absent without quantization)
   kOutKey,       // T1 [kvstarts[B], H * num_repeat, Dh]
   kOutValue,     // T1 [kvstarts[B], H * num_repeat, Dh]
+  // KeyCacheRotaryShift (rotary_work.h) uses kCache and kScale too, and its own tables:
+  kSlots,  // int64 [N], device copy of the validated snapshot
+  kCos,    // float32 [N, R/2]
+  kSin,    // float32 [N, R/2]
   kBufCount
 };
 

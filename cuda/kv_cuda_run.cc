@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "kv_cache_impl.cuh"
+#include "rotary_impl.cuh"
+#include "rotary_params.h"
 
 namespace kvcache {
 namespace cuda {
@@ -13,7 +15,7 @@ namespace {
 
 void Check(cudaError_t error, const char* what) {
   if (error != cudaSuccess)
-    throw std::runtime_error(std::string("KeyValueCache CUDA: ") + what + ": " + cudaGetErrorString(error));
+    throw std::runtime_error(std::string("kvcache-op CUDA: ") + what + ": " + cudaGetErrorString(error));
 }
 
 struct ScratchBlock {  // returned to the scratch at scope exit (stream order keeps it alive for the kernels)
@@ -39,6 +41,18 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
         "copying the index inputs");
   const Params p = MakeParams(a, plan, static_cast<const int64_t*>(indices.data), t);
   Check(LaunchKeyValueCache(p, t1, scale_type, static_cast<int>(a.quant_bit), stream), "launching the kernels");
+}
+
+void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
+                        void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch) {
+  if (plan.slots.empty()) return;
+  CheckRotaryLaunchable(a, plan);  // before anything is enqueued
+  const std::vector<uint8_t> host = PackRotaryTables(plan);
+  ScratchBlock tables(scratch, host.size());
+  Check(cudaMemcpyAsync(tables.data, host.data(), host.size(), cudaMemcpyHostToDevice, stream),
+        "copying the slots and rotation tables");
+  const RotaryParams p = MakeRotaryParams(a, plan, static_cast<const uint8_t*>(tables.data), cache, scale);
+  Check(LaunchRotaryShift(p, cache_type, scale_type, static_cast<int>(a.base.quant_bit), stream), "launching the kernel");
 }
 
 }  // namespace cuda

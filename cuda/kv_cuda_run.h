@@ -1,6 +1,6 @@
-// Runs a validated KeyValueCache call on the GPU: launch limits, one host-to-device copy of the index
-// snapshots into scratch, the kernels — all on the caller's stream. Shared by the ONNX Runtime CUDA
-// kernel and the C entry point, so both launch exactly the same way.
+// Runs a validated KeyValueCache (or KeyCacheRotaryShift) call on the GPU: launch limits, one
+// host-to-device copy of the index snapshots into scratch, the kernels — all on the caller's stream.
+// Shared by the ONNX Runtime CUDA kernel and the C entry points, so all launch exactly the same way.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +9,7 @@
 
 #include "kv_cuda_params.h"
 #include "kv_validate.h"
+#include "rotary_shift.h"
 
 namespace kvcache {
 namespace cuda {
@@ -26,6 +27,11 @@ struct DeviceScratch {
 // `scale_type` are the ONNX types of current_key and scale. Returns after enqueueing, without waiting.
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,
                   cudaStream_t stream, DeviceScratch& scratch);
+
+// The same for KeyCacheRotaryShift: `plan` from ValidateRotaryShift on the call whose device cache and
+// scale (null without quantization) are given; cache_type / scale_type are their ONNX types.
+void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
+                        void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch);
 
 }  // namespace cuda
 }  // namespace kvcache

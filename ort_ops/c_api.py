@@ -125,6 +125,8 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_key_value_cache_cuda": ((kv_attrs, tensors, tensors, ctypes.c_void_p) + message, ctypes.c_int32),
         "kvcache_op_key_cache_rotary_shift_cpu": ((rot_attrs, tensors, tensors, ctypes.c_int32) + message,
                                                   ctypes.c_int32),
+        "kvcache_op_key_cache_rotary_shift_cuda": ((rot_attrs, tensors, tensors, ctypes.c_void_p) + message,
+                                                   ctypes.c_int32),
         "kvcache_op_multi_head_attention_defaults": ((mha_attrs,), None),
         "kvcache_op_multi_head_attention_cpu": ((mha_attrs, tensors, tensors, ctypes.c_int32) + message,
                                                 ctypes.c_int32),
@@ -265,16 +267,31 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     return key, value
 
 
-def run_key_cache_rotary_shift(inputs, output, *, num_threads: int = 1, library_file: str | None = None,
-                               **attributes) -> None:
-    """Runs KeyCacheRotaryShift on the CPU kernel over raw host buffers: ``inputs`` are 5 :class:`Tensor`
-    (cache, scale or ``ABSENT``, slots, cos, sin), ``output`` the ``(N,)`` int64 :class:`Tensor` for
-    ``slots_out``. Validates everything before writing."""
+def rotary_shift_attributes(library_file: str | None = None, **attributes) -> CRotaryShiftAttrs:
+    """The C attribute struct of KeyCacheRotaryShift: the spec's defaults, overridden by ``attributes``."""
     lib = library(library_file)
-    attrs = _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
+    return _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
+
+
+def run_key_cache_rotary_shift(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                               library_file: str | None = None, **attributes) -> None:
+    """Runs KeyCacheRotaryShift over raw buffers: ``inputs`` are 5 :class:`Tensor` (cache, scale or
+    ``ABSENT``, slots, cos, sin), ``output`` the ``(N,)`` int64 host :class:`Tensor` for ``slots_out``.
+    On ``"cuda"`` the cache and scale are device addresses (slots, cos, sin, output host ones) and the
+    rotation is enqueued on ``stream`` and not waited for. Validates everything before writing."""
+    lib = library(library_file)
+    attrs = rotary_shift_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
-    code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs), ctypes.byref(output.to_c()),
-                                                     int(num_threads), message, len(message))
+    if device == "cpu":
+        code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs),
+                                                         ctypes.byref(output.to_c()), int(num_threads), message,
+                                                         len(message))
+    elif device == "cuda":
+        code = lib.kvcache_op_key_cache_rotary_shift_cuda(ctypes.byref(attrs), c_array(inputs),
+                                                          ctypes.byref(output.to_c()), stream or None, message,
+                                                          len(message))
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     _check(code, message)
 
 

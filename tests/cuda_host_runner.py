@@ -19,10 +19,12 @@ from kvcache_op.ort_ops import c_api
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "tests/host_runner/kv_host_runner.cc", ROOT / "ort_ops/kv_validate.cc",
-           ROOT / "cuda/kv_cuda_params.cc", ROOT / "capi/c_tensors.cc"]
+           ROOT / "cuda/kv_cuda_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "ort_ops/rotary_shift.cc",
+           ROOT / "cuda/rotary_params.cc", ROOT / "capi/rotary_c_args.cc"]
 HEADERS = [ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cuda_params.h", ROOT / "ort_ops/kv_types.h",
            ROOT / "ort_ops/kv_quant.h", ROOT / "ort_ops/kv_validate.h", ROOT / "ort_ops/kv_checked.h",
-           ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h"]
+           ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h", ROOT / "cuda/rotary_work.h",
+           ROOT / "cuda/rotary_params.h", ROOT / "ort_ops/rotary_shift.h", ROOT / "capi/rotary_c_args.h"]
 # The spec's arithmetic, as in the library build: no contraction, no fast math.
 FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
          "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'ort_ops'}", f"-I{ROOT / 'capi'}"]
@@ -31,7 +33,7 @@ FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-We
 CHECKED = {"launches": 0, "threads": 0, "bytes_written": 0}
 
 BUFFERS = ("seqstarts", "kvstarts", "start_pos", "cachestarts", "current_key", "current_value", "cache", "scale",
-           "out_key", "out_value")
+           "out_key", "out_value", "slots", "cos", "sin")
 
 
 class Options(ctypes.Structure):
@@ -86,6 +88,10 @@ class HostRunner:
                        ctypes.POINTER(c_api.CTensor), ctypes.POINTER(Options), ctypes.POINTER(Report),
                        ctypes.c_char_p, ctypes.c_size_t]
         fn.restype = ctypes.c_int32
+        rotary = self.lib.rotary_host_run
+        rotary.argtypes = [ctypes.POINTER(c_api.CRotaryShiftAttrs), ctypes.POINTER(c_api.CTensor),
+                           ctypes.POINTER(Options), ctypes.POINTER(Report), ctypes.c_char_p, ctypes.c_size_t]
+        rotary.restype = ctypes.c_int32
 
     def run(self, inputs: dict, attributes: dict, *, store_unit=0, gather_unit=0, buffer_bytes=None,
             tensors=None) -> Result:
@@ -113,6 +119,10 @@ class HostRunner:
         report, message = Report(), ctypes.create_string_buffer(8192)
         code = self.lib.kv_host_run(ctypes.byref(attrs), c_api.c_array(c_in), c_api.c_array(c_out),
                                     ctypes.byref(options), ctypes.byref(report), message, len(message))
+        return self._finish(code, buffers, report, message, outs)
+
+    @staticmethod
+    def _finish(code, buffers, report, message, outs) -> Result:
         if code in (0, 4):
             buffers.finish()
         if code == 0:
@@ -120,6 +130,21 @@ class HostRunner:
             CHECKED["threads"] += report.threads
             CHECKED["bytes_written"] += report.bytes_written
         return Result(code, message.value.decode(), report, *outs)
+
+    def run_rotary(self, inputs: dict, attributes: dict, *, buffer_bytes=None) -> Result:
+        """Runs the KeyCacheRotaryShift kernel's threads on ``inputs`` (numpy: cache, scale, slots, cos,
+        sin; the cache and scale are written in place, int4 ones too)."""
+        buffers = c_api.HostBuffers()
+        c_in = [buffers.tensor(name, inputs.get(name), written=name in ("cache", "scale"))
+                for name in ("cache", "scale", "slots", "cos", "sin")]
+        attrs = c_api.rotary_shift_attributes(**attributes)
+        options = Options(0, 0)
+        for i, name in enumerate(BUFFERS):
+            options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
+        report, message = Report(), ctypes.create_string_buffer(8192)
+        code = self.lib.rotary_host_run(ctypes.byref(attrs), c_api.c_array(c_in), ctypes.byref(options),
+                                        ctypes.byref(report), message, len(message))
+        return self._finish(code, buffers, report, message, (None, None))
 
 
 def assert_clean(result: Result) -> None:

@@ -213,9 +213,27 @@ def test_cuda_entry_without_a_usable_gpu_fails_cleanly():
 
         if gpu_support.device_framework() is not None:
             pytest.skip("a GPU is present: the GPU tests cover the CUDA entry")
-        with pytest.raises(RuntimeError, match="KeyValueCache CUDA"):
+        with pytest.raises(RuntimeError, match="kvcache-op CUDA"):
             c_api.run_key_value_cache(inputs, outputs, device="cuda", **case.attributes)
     assert cache.tobytes() == before
+    del buffers
+
+
+def test_rotary_cuda_entry_without_a_usable_gpu_fails_cleanly():
+    """The rotary CUDA entry too: 'no CUDA kernels' in a build without them, the CUDA error without a GPU."""
+    import gpu_support
+
+    if c_api.has_cuda() and gpu_support.device_framework() is not None:
+        pytest.skip("a GPU is present: the GPU tests cover the CUDA entry")
+    cache = np.ones((4, 1, 2, 1, 8), np.float32)
+    cos, sin = np.ones((1, 4), np.float32), np.zeros((1, 4), np.float32)
+    buffers = c_api.HostBuffers()
+    inputs = [buffers.tensor("cache", cache, written=True), c_api.ABSENT, buffers.tensor("slots", np.array([1])),
+              buffers.tensor("cos", cos), buffers.tensor("sin", sin)]
+    out = np.zeros(1, np.int64)
+    with pytest.raises(RuntimeError, match="kvcache-op CUDA" if c_api.has_cuda() else "no CUDA kernels"):
+        c_api.run_key_cache_rotary_shift(inputs, c_api.Tensor(7, (1,), out.ctypes.data), device="cuda")
+    assert (cache == 1).all() and not out.any()
     del buffers
 
 

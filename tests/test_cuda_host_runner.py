@@ -8,9 +8,10 @@ from hypothesis import given
 
 from cuda_host_runner import HostRunner, assert_clean, build
 from ort_helpers import assert_same_bits, copies, reference_result
-from strategies import COMBINATIONS, calls, calls_for
+from strategies import COMBINATIONS, calls, calls_for, shift_calls
 
 from kvcache_op.ort_ops import c_api
+from kvcache_op.reference import key_cache_rotary_shift, rotary_shift_tables
 from kvcache_op.spec.cases import Seq, build as build_case
 
 
@@ -144,3 +145,62 @@ def test_a_thread_reading_what_another_writes_is_caught(runner):
     alias = c_api.Tensor(c_api.ONNX_TYPES[key.dtype], key.shape, cache.ctypes.data + 4 * slot_bytes)
     result = runner.run(fresh, case.attributes, tensors={"current_key": alias})
     assert result.code == 4 and result.report.read_write > 0 and "read by" in result.message
+
+
+# KeyCacheRotaryShift's kernel: one thread per (slot, head) row.
+
+def test_rotary_host_runner_matches_reference(runner):
+    @given(shift_calls())
+    def check(call):
+        inputs, attrs = call
+        want = copies(inputs)
+        key_cache_rotary_shift(**want, **attrs)
+        got = copies(inputs)
+        result = runner.run_rotary(got, attrs)
+        assert_clean(result)
+        assert_same_bits((got["cache"], got["scale"]), (want["cache"], want["scale"]), names=("cache", "scale"))
+
+    check()
+
+
+@pytest.mark.parametrize("quant_bit,layout,head_dim,rotary,interleaved", [
+    (0, 0, 128, 0, 0), (8, 3, 128, 64, 1), (4, 1, 256, 0, 0), (8, 2, 9 * 2, 6, 0), (0, 3, 64, 32, 1)])
+def test_rotary_host_runner_on_many_blocks(runner, quant_bit, layout, head_dim, rotary, interleaved):
+    """More rows than one block (N * H > 256), full-size heads, partial rotation, both pairings."""
+    rng = np.random.default_rng(head_dim + quant_bit)
+    case = build_case("shift-blocks", [Seq(0, 40)], num_layer=2, layer_idx=1, heads=8, head_dim=head_dim,
+                      quant_bit=quant_bit, quant_group=2 if head_dim % 8 else 8, cache_layout=layout, t1="float16",
+                      max_t=160)
+    slots = rng.permutation(160)[:100].astype(np.int64)
+    cos, sin = rotary_shift_tables(rng.integers(-40, 40, 100), rotary or head_dim)
+    inputs = dict(cache=case.inputs["cache"], scale=case.inputs["scale"], slots=slots, cos=cos, sin=sin)
+    attrs = dict(num_layer=2, layer_idx=1, cache_layout=layout, quant_bit=quant_bit,
+                 quant_group=2 if head_dim % 8 else 8, rotary_dim=rotary, rotary_interleaved=interleaved)
+    want = copies(inputs)
+    key_cache_rotary_shift(**want, **attrs)
+    got = copies(inputs)
+    result = runner.run_rotary(got, attrs)
+    assert_clean(result)
+    assert result.report.blocks > 1
+    assert_same_bits((got["cache"], got["scale"]), (want["cache"], want["scale"]), names=("cache", "scale"))
+
+
+def test_rotary_host_runner_catches_an_access_past_a_buffer(runner):
+    """The tracing reaches the rotary kernel too: a cache shorter than the rows written is reported."""
+    case = build_case("shift-oob", [Seq(0, 4)], heads=2, head_dim=8, t1="float32", max_t=8)
+    cos, sin = rotary_shift_tables(np.array([1, 2]), 8)
+    inputs = dict(cache=case.inputs["cache"], scale=None, slots=np.array([1, 7], np.int64), cos=cos, sin=sin)
+    result = runner.run_rotary(copies(inputs), {}, buffer_bytes={"cache": 64})
+    assert result.code == 4 and result.report.out_of_bounds > 0, result.message
+    assert "rotary launch" in result.message and "cache" in result.message
+
+
+def test_rotary_host_runner_refuses_a_quantized_row_longer_than_the_kernel_buffer(runner):
+    case = build_case("shift-long", [Seq(0, 2)], heads=1, head_dim=512, quant_bit=8, t1="float32", max_t=4)
+    cos, sin = rotary_shift_tables(np.array([1]), 512)
+    inputs = dict(cache=case.inputs["cache"], scale=case.inputs["scale"], slots=np.array([1], np.int64), cos=cos,
+                  sin=sin)
+    before = inputs["cache"].tobytes()
+    result = runner.run_rotary(inputs, dict(quant_bit=8))
+    assert result.code == 1 and "at most 256" in result.message
+    assert inputs["cache"].tobytes() == before

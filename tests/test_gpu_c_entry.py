@@ -9,10 +9,10 @@ from hypothesis import given
 from gpu_support import DeviceBuffer, Stream
 from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, copies, reference_result
-from strategies import COMBINATIONS, calls_for
+from strategies import COMBINATIONS, calls_for, shift_calls
 
 from kvcache_op.ort_ops import c_api
-from kvcache_op.reference import KeyValueCacheError
+from kvcache_op.reference import KeyValueCacheError, key_cache_rotary_shift
 from kvcache_op.spec.cases import Seq, build
 
 pytestmark = pytest.mark.gpu
@@ -101,3 +101,28 @@ def test_invalid_call_on_gpu_fails_and_leaves_the_device_cache_unchanged(row):
     after = {k: device[k].to_host().tobytes() for k in before}
     assert after == before
     assert all(b.guards_intact() for b in device.values())
+
+
+@given(shift_calls())
+def test_gpu_rotary_shift_matches_reference(call):
+    """KeyCacheRotaryShift's kernel: the reference's bits in the whole cache and scale, guards intact."""
+    inputs, attrs = call
+    want = copies(inputs)
+    want_slots = key_cache_rotary_shift(**want, **attrs)
+    host = c_api.HostBuffers()
+    device = {name: DeviceBuffer(inputs[name]) for name in ("cache", "scale") if inputs.get(name) is not None}
+    tensors = [c_api.Tensor(c_api.onnx_type(device["cache"].dtype), device["cache"].shape, device["cache"].ptr),
+               c_api.Tensor(c_api.onnx_type(device["scale"].dtype), device["scale"].shape, device["scale"].ptr)
+               if "scale" in device else c_api.ABSENT,
+               host.tensor("slots", inputs["slots"]), host.tensor("cos", inputs["cos"]), host.tensor("sin", inputs["sin"])]
+    out = np.zeros(len(inputs["slots"]), np.int64)
+    stream = Stream()
+    try:
+        c_api.run_key_cache_rotary_shift(tensors, c_api.Tensor(7, out.shape, out.ctypes.data), device="cuda",
+                                         stream=stream.handle, **attrs)
+    finally:
+        stream.synchronize()
+    assert np.array_equal(out, want_slots)
+    got = (device["cache"].to_host(), device["scale"].to_host() if "scale" in device else None)
+    assert_same_bits(got, (want["cache"], want["scale"]), names=("cache", "scale"))
+    assert all(b.guards_intact() for b in device.values()), "a write landed outside a device buffer"

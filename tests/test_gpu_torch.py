@@ -10,10 +10,10 @@ torch = pytest.importorskip("torch", reason="the torch front-end needs the 'torc
 import kvcache_op.torch as kt  # noqa: E402
 from invalid_calls import INVALID, make_invalid  # noqa: E402
 from ort_helpers import assert_same_bits, copies, reference_result  # noqa: E402
-from strategies import COMBINATIONS, calls_for  # noqa: E402
+from strategies import COMBINATIONS, calls_for, shift_calls  # noqa: E402
 from torch_convert import to_numpy, torch_inputs  # noqa: E402
 
-from kvcache_op.reference import INT4, KeyValueCacheError  # noqa: E402
+from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift, rotary_shift_tables  # noqa: E402
 from kvcache_op.spec.cases import CASES  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -79,10 +79,25 @@ def test_mixed_devices_are_refused():
         kt.key_value_cache(**tensors, **case.attributes)
 
 
-def test_rotary_shift_on_a_cuda_cache_says_it_has_no_kernel():
-    cache = torch.zeros(4, 1, 2, 1, 4, device="cuda")
-    slots = torch.tensor([0, 2])
-    cos = torch.ones(2, 2)
-    with pytest.raises(NotImplementedError, match="no CUDA kernel"):
-        kt.key_cache_rotary_shift(cache, None, slots, cos, cos)
-    assert not cache.any()
+@given(shift_calls())
+@settings(max_examples=40)
+def test_rotary_shift_on_cuda_matches_reference(call):
+    inputs, attrs = call
+    want = copies(inputs)
+    want_slots = key_cache_rotary_shift(**want, **attrs)
+    tensors = torch_inputs(copies(inputs), device="cuda", index_device="cpu")
+    got_slots = kt.key_cache_rotary_shift(**tensors, **attrs)
+    torch.cuda.synchronize()
+    assert np.array_equal(got_slots.numpy(), want_slots)
+    assert to_numpy(tensors["cache"], inputs["cache"]).tobytes() == want["cache"].tobytes()
+    if inputs["scale"] is not None:
+        assert to_numpy(tensors["scale"], inputs["scale"]).tobytes() == want["scale"].tobytes()
+
+
+def test_a_quantized_cuda_shift_of_too_long_rows_is_refused_untouched():
+    cache = torch.ones(4, 1, 2, 1, 512, dtype=torch.int8, device="cuda")
+    scale = torch.ones(4, 1, 2, 1, 64, device="cuda")
+    cos, sin = (torch.from_numpy(t) for t in rotary_shift_tables(np.array([1]), 512))
+    with pytest.raises(KeyValueCacheError, match="at most 256"):
+        kt.key_cache_rotary_shift(cache, scale, torch.tensor([1]), cos, sin, quant_bit=8)
+    assert bool((cache == 1).all()) and bool((scale == 1).all())

@@ -80,18 +80,16 @@ def key_cache_rotary_shift_op(cache: torch.Tensor, scale: Optional[torch.Tensor]
                               rotary_interleaved: int) -> torch.Tensor:
     """KeyCacheRotaryShift: rotates the keys of ``slots`` in place; returns a copy of ``slots``."""
     device = tt.data_device(cache=cache, scale=scale)
-    if device.type != "cpu":
-        raise NotImplementedError(
-            "KeyCacheRotaryShift has no CUDA kernel yet: run it on a CPU cache (the library's CPU kernel), or "
-            "re-evaluate the kept tokens instead of shifting them")
     attrs = dict(num_layer=num_layer, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit,
                  quant_group=quant_group, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved)
     host = [tt.on_host(name, t) for name, t in (("slots", slots), ("cos", cos), ("sin", sin))]
     inputs = [tt.describe_cache("cache", cache, quant_bit), tt.describe_written("scale", scale),
               *map(tt.describe, host)]
     out = torch.empty(host[0].shape if host[0].dim() == 1 else (0,), dtype=torch.int64)
-    with tt.int4_shapes_explained(quant_bit):
-        c_api.run_key_cache_rotary_shift(inputs, tt.describe(out), num_threads=torch.get_num_threads(), **attrs)
+    stream, current_device = _launch_context(device)
+    with tt.int4_shapes_explained(quant_bit), current_device:
+        c_api.run_key_cache_rotary_shift(inputs, tt.describe(out), device=device.type, stream=stream,
+                                         num_threads=torch.get_num_threads(), **attrs)
     return out.to(slots.device)
 
 

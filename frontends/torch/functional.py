@@ -88,8 +88,9 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     """KeyCacheRotaryShift (spec/KeyCacheRotaryShift.md) on torch tensors: rotates the keys stored in
     ``slots`` by the per-slot ``cos``/``sin`` tables **in place** (cache, and scale when quantized) and
     returns a copy of ``slots``, bit-identical to :func:`kvcache_op.reference.key_cache_rotary_shift`.
-    CPU tensors (the library's C++ kernel); CUDA caches raise ``NotImplementedError``. Invalid calls
-    raise :class:`~kvcache_op.reference.KeyValueCacheError` and leave the cache and scale unchanged.
+    CPU tensors run the library's C++ kernel, CUDA ones its CUDA kernel on the current stream (slots,
+    cos and sin are read on the host: CPU tensors avoid a copy). Invalid calls raise
+    :class:`~kvcache_op.reference.KeyValueCacheError` and leave the cache and scale unchanged.
     Under ``torch.onnx.export`` this is one ``opmx.dynamic_batching::KeyCacheRotaryShift`` node; use its
     output (e.g. return it), or the exporter may drop the node as dead code.
     """

@@ -1,7 +1,7 @@
-// Test-only host runner of the KeyValueCache CUDA kernels: runs the kernels' per-thread work
-// (cuda/kv_cache_work.h) for every (block, thread) of the exact grids the launcher uses, on host
-// buffers, with the Params the GPU path builds (cuda/kv_cuda_params.h). Every access is traced per
-// byte, and a launch is flagged when
+// Test-only host runner of the CUDA kernels (KeyValueCache and KeyCacheRotaryShift): runs the kernels'
+// per-thread work (cuda/kv_cache_work.h, cuda/rotary_work.h) for every (block, thread) of the exact grids
+// the launchers use, on host buffers, with the params the GPU path builds (cuda/kv_cuda_params.h,
+// cuda/rotary_params.h). Every access is traced per byte, and a launch is flagged when
 //   (a) an access falls outside its buffer, or is misaligned for its size (both fault on a GPU);
 //   (b) two threads of one launch write the same byte (a race on the GPU);
 //   (c) a thread reads a byte that another thread of the same launch writes (a race on the GPU).
@@ -18,6 +18,8 @@
 #include "kv_cache_work.h"
 #include "kv_cuda_params.h"
 #include "kvcache_op.h"
+#include "rotary_c_args.h"
+#include "rotary_params.h"
 
 extern "C" {
 // Launch-shape overrides, to show the checks catch what the launcher's choices prevent (0: launcher's).
@@ -42,7 +44,8 @@ constexpr int64_t kNobody = -1, kMany = -2;
 
 const char* BufName(int b) {
   static const char* const names[] = {"seqstarts", "kvstarts", "start_pos", "cachestarts", "current_key",
-                                      "current_value", "cache", "scale", "output key", "output value"};
+                                      "current_value", "cache", "scale", "output key", "output value",
+                                      "slots", "cos", "sin"};
   return names[b];
 }
 
@@ -183,6 +186,36 @@ struct Runner {
   }
 };
 
+// Runs every thread of the rotary launch.
+struct RotaryRunner {
+  const cuda::RotaryParams& p;
+  Runner& runner;
+  template <class T2, class T3, int QBits>
+  int Run() {
+    runner.Each({"rotary launch", cuda::RotaryGrid(p)}, [&](int64_t bx, int64_t, int64_t tx, int64_t n, int64_t) {
+      cuda::RotaryThread<T2, T3, QBits>(p, runner.mem, bx, tx, n);
+    });
+    return 0;
+  }
+};
+
+// The end of a run: the counters into the report, the return code and message (see kv_host_run).
+int32_t Finish(int32_t code, const Faults& faults, const TracingMem& mem, KvHostRunReport* report, char* message,
+               size_t message_size) {
+  report->bytes_read = mem.bytes_read;
+  report->bytes_written = mem.bytes_written;
+  report->out_of_bounds = faults.out_of_bounds;
+  report->misaligned = faults.misaligned;
+  report->write_write = faults.write_write;
+  report->read_write = faults.read_write;
+  if (code != KVCACHE_OP_OK) return code;
+  if (faults.Total() == 0) return 0;
+  std::string text;
+  for (const std::string& f : faults.first) text += f + "\n";
+  WriteMessage(text, message, message_size);
+  return 4;
+}
+
 }  // namespace
 }  // namespace kvcache
 
@@ -199,6 +232,8 @@ __attribute__((visibility("default"))) int32_t kv_host_run(const KvcacheKeyValue
                                                            char* message, size_t message_size) {
   *report = KvHostRunReport{};
   Faults faults;
+  TracingMem mem{};
+  mem.faults = &faults;
   const int32_t code = CatchAll(
       [&] {
         const Attrs a = ToAttrs(*attrs);
@@ -211,11 +246,8 @@ __attribute__((visibility("default"))) int32_t kv_host_run(const KvcacheKeyValue
                                     in[9].present ? const_cast<void*>(in[9].data) : nullptr, outputs[0].data,
                                     outputs[1].data};
         const cuda::Params p = cuda::MakeParams(a, plan, indices.data(), t);
-
-        TracingMem mem{};
-        mem.faults = &faults;
         const int64_t n_starts = 8 * (plan.batch + 1);
-        const int64_t sizes[cuda::kBufCount] = {
+        int64_t sizes[cuda::kBufCount] = {
             n_starts, n_starts, 8 * plan.batch, 8 * static_cast<int64_t>(plan.cachestarts.size()),
             TensorBytes(in[0].type, in[0].shape), TensorBytes(in[1].type, in[1].shape),
             TensorBytes(in[8].type, in[8].shape), in[9].present ? TensorBytes(in[9].type, in[9].shape) : 0,
@@ -224,23 +256,47 @@ __attribute__((visibility("default"))) int32_t kv_host_run(const KvcacheKeyValue
           mem.base[b] = static_cast<char*>(p.ptr[b]);
           mem.bytes[b] = options->buffer_bytes[b] >= 0 ? options->buffer_bytes[b] : sizes[b];
         }
-
-        cuda::DispatchTypes(in[0].type, in[9].type, static_cast<int>(a.quant_bit),
-                            Runner{p, *options, mem, *report});
-        report->bytes_read = mem.bytes_read;
-        report->bytes_written = mem.bytes_written;
+        cuda::DispatchTypes(in[0].type, in[9].type, static_cast<int>(a.quant_bit), Runner{p, *options, mem, *report});
       },
       message, message_size);
-  report->out_of_bounds = faults.out_of_bounds;
-  report->misaligned = faults.misaligned;
-  report->write_write = faults.write_write;
-  report->read_write = faults.read_write;
-  if (code != KVCACHE_OP_OK) return code;
-  if (faults.Total() == 0) return 0;
-  std::string text;
-  for (const std::string& f : faults.first) text += f + "\n";
-  WriteMessage(text, message, message_size);
-  return 4;
+  return Finish(code, faults, mem, report, message, message_size);
+}
+
+// The same for KeyCacheRotaryShift's kernel: inputs cache, scale, slots, cos, sin (host memory, written in
+// place); options->buffer_bytes may shrink the cache, scale and tables (store_unit / gather_unit unused).
+__attribute__((visibility("default"))) int32_t rotary_host_run(const KvcacheRotaryShiftAttrs* attrs,
+                                                               const KvcacheTensor inputs[5],
+                                                               const KvHostRunOptions* options,
+                                                               KvHostRunReport* report, char* message,
+                                                               size_t message_size) {
+  *report = KvHostRunReport{};
+  Faults faults;
+  TracingMem mem{};
+  mem.faults = &faults;
+  const int32_t code = CatchAll(
+      [&] {
+        RotaryAttrs a;
+        TensorArg in[5];
+        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, nullptr, &a, in);
+        cuda::CheckRotaryLaunchable(a, plan);
+        std::vector<uint8_t> tables = cuda::PackRotaryTables(plan);  // the "device" copy of the snapshots
+        const cuda::RotaryParams p = cuda::MakeRotaryParams(a, plan, tables.data(), const_cast<void*>(in[0].data),
+                                                            in[1].present ? const_cast<void*>(in[1].data) : nullptr);
+        int64_t sizes[cuda::kBufCount] = {};
+        sizes[cuda::kCache] = TensorBytes(in[0].type, in[0].shape);
+        sizes[cuda::kScale] = in[1].present ? TensorBytes(in[1].type, in[1].shape) : 0;
+        sizes[cuda::kSlots] = 8 * static_cast<int64_t>(plan.slots.size());
+        sizes[cuda::kCos] = sizes[cuda::kSin] = 4 * static_cast<int64_t>(plan.cos.size());
+        for (int b = 0; b < cuda::kBufCount; ++b) {
+          mem.base[b] = static_cast<char*>(p.ptr[b]);
+          mem.bytes[b] = options->buffer_bytes[b] >= 0 ? options->buffer_bytes[b] : sizes[b];
+        }
+        const cuda::Params unused{};
+        Runner runner{unused, *options, mem, *report};
+        cuda::DispatchRotaryTypes(in[0].type, in[1].type, static_cast<int>(a.base.quant_bit), RotaryRunner{p, runner});
+      },
+      message, message_size);
+  return Finish(code, faults, mem, report, message, message_size);
 }
 
 }  // extern "C"
