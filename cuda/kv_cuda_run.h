@@ -22,6 +22,16 @@ struct DeviceScratch {
   virtual ~DeviceScratch() = default;
 };
 
+// Scratch from an allocator with Alloc / Free (ONNX Runtime's device allocator: its arena is stream
+// ordered).
+template <class Allocator>
+struct AllocatorScratch : DeviceScratch {
+  Allocator& allocator;
+  explicit AllocatorScratch(Allocator& a) : allocator(a) {}
+  void* Alloc(size_t bytes) override { return allocator.Alloc(bytes); }
+  void Free(void* data) override { allocator.Free(data); }
+};
+
 // Throws KvError when the call cannot be launched (CheckLaunchable) and std::runtime_error for a CUDA
 // failure. `plan` must come from ValidateCall on the call whose device buffers are `t`; `t1` and
 // `scale_type` are the ONNX types of current_key and scale. Returns after enqueueing, without waiting.

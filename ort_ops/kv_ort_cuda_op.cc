@@ -7,17 +7,6 @@
 
 namespace kvcache {
 
-namespace {
-
-struct OrtScratch : cuda::DeviceScratch {  // ORT's allocator for the device (its arena is stream ordered)
-  Ort::Allocator& allocator;
-  explicit OrtScratch(Ort::Allocator& a) : allocator(a) {}
-  void* Alloc(size_t bytes) override { return allocator.Alloc(bytes); }
-  void Free(void* data) override { allocator.Free(data); }
-};
-
-}  // namespace
-
 OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
@@ -32,7 +21,7 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
     const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
     Ort::MemoryInfo device_memory("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
     Ort::Allocator allocator(ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(device_memory)));
-    OrtScratch scratch(allocator);
+    cuda::AllocatorScratch scratch(allocator);
     const cuda::DeviceTensors tensors{in[0].data, in[1].data,
                                       const_cast<void*>(in[8].data),  // written in place (spec: in-out input)
                                       in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,

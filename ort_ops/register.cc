@@ -1,5 +1,5 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
-// CPU EP (and the CUDA EP in a CUDA build), and KeyCacheRotaryShift and MultiHeadAttention for the CPU EP.
+// CPU EP (and the CUDA EP in a CUDA build), KeyCacheRotaryShift likewise, and MultiHeadAttention for the CPU EP.
 #include <string>
 
 #include "kv_ort_op.h"
@@ -8,6 +8,7 @@
 
 #ifdef KVCACHE_WITH_CUDA
 #include "kv_ort_cuda_op.h"
+#include "rotary_ort_cuda_op.h"
 #endif
 
 namespace {
@@ -28,6 +29,7 @@ struct Registry {
   kvcache::MhaCpuOp mha_cpu_op;
 #ifdef KVCACHE_WITH_CUDA
   kvcache::CudaOp cuda_op;
+  kvcache::RotaryCudaOp rotary_cuda_op;
 #endif
   Ort::CustomOpDomain domain{kvcache::kDomain};
 
@@ -37,6 +39,7 @@ struct Registry {
     domain.Add(&mha_cpu_op);
 #ifdef KVCACHE_WITH_CUDA
     domain.Add(&cuda_op);
+    domain.Add(&rotary_cuda_op);
 #endif
   }
 };

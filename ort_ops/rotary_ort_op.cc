@@ -5,8 +5,8 @@
 
 namespace kvcache {
 
-
-RotaryCpuKernel::RotaryCpuKernel(const OrtKernelInfo* info) {
+RotaryAttrs ReadRotaryAttrs(const OrtKernelInfo* info) {
+  RotaryAttrs attrs;
   attrs.base.num_layer = AttrOr(info, "num_layer", 1);
   attrs.base.layer_idx = AttrOr(info, "layer_idx", 0);
   attrs.base.cache_layout = AttrOr(info, "cache_layout", 0);
@@ -16,6 +16,7 @@ RotaryCpuKernel::RotaryCpuKernel(const OrtKernelInfo* info) {
   attrs.rotary_interleaved = AttrOr(info, "rotary_interleaved", 0);
   CheckRotaryAttrs(attrs);
   RejectConstantCache(info, "KeyCacheRotaryShift", 0, attrs.base.quant_bit);
+  return attrs;
 }
 
 OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
@@ -33,26 +34,6 @@ OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
     return nullptr;
   } catch (...) {
     return StatusFromCurrentException();
-  }
-}
-
-RotaryCpuOp::RotaryCpuOp() { DeclareApiVersion(*this); }
-
-OrtStatusPtr RotaryCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-  try {
-    *kernel = new RotaryCpuKernel(info);
-    return nullptr;
-  } catch (...) {
-    return StatusFromCurrentException();
-  }
-}
-
-ONNXTensorElementDataType RotaryCpuOp::GetInputType(size_t i) const {
-  switch (i) {
-    case 2: return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
-    case 3:
-    case 4: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
-    default: return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
 }
 

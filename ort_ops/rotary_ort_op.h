@@ -1,4 +1,5 @@
-// ONNX Runtime glue of KeyCacheRotaryShift (CPU EP).
+// ONNX Runtime glue of KeyCacheRotaryShift: the op's declaration shared by both EPs, and the CPU kernel
+// (the CUDA one is in rotary_ort_cuda_op.h).
 #pragma once
 
 #include "kv_ort_op.h"
@@ -8,24 +9,44 @@ namespace kvcache {
 
 constexpr const char* kRotaryOpName = "KeyCacheRotaryShift";
 
+// The kernel's attributes, checked, and a constant cache (or scale) refused: at session creation.
+RotaryAttrs ReadRotaryAttrs(const OrtKernelInfo* info);
+
 struct RotaryCpuKernel {
-  explicit RotaryCpuKernel(const OrtKernelInfo* info);
+  explicit RotaryCpuKernel(const OrtKernelInfo* info) : attrs(ReadRotaryAttrs(info)) {}
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
   RotaryAttrs attrs;
 };
 
-struct RotaryCpuOp : Ort::CustomOpBase<RotaryCpuOp, RotaryCpuKernel, /*WithStatus=*/true> {
-  RotaryCpuOp();
-  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const;
+template <typename TOp, typename TKernel>
+struct RotaryOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
+  RotaryOpBase() { DeclareApiVersion(*this); }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    try {
+      *kernel = new TKernel(info);
+      return nullptr;
+    } catch (...) {
+      return StatusFromCurrentException();
+    }
+  }
   const char* GetName() const { return kRotaryOpName; }
-  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
   size_t GetInputTypeCount() const { return 5; }
-  ONNXTensorElementDataType GetInputType(size_t i) const;
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return i == 2 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64
+           : i >= 3 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT
+                    : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
     return i == 1 ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
   }
+  // slots, cos and sin are read on the host (validated and snapshotted before any write), on either EP.
+  OrtMemType GetInputMemoryType(size_t i) const { return i >= 2 ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64; }
+};
+
+struct RotaryCpuOp : RotaryOpBase<RotaryCpuOp, RotaryCpuKernel> {
+  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
 };
 
 }  // namespace kvcache

@@ -12,7 +12,7 @@ from kvcache_op import spec
 from kvcache_op.spec.cases import CASES
 from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, reference_result
-from strategies import COMBINATIONS, calls_for
+from strategies import COMBINATIONS, calls_for, shift_calls
 
 pytestmark = pytest.mark.ort_gpu
 
@@ -73,3 +73,32 @@ def test_fuzz_on_cuda_in_a_subprocess():
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "tests/test_gpu_fuzz_worker.py"], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@given(shift_calls())
+def test_rotary_shift_on_the_cuda_ep_matches_reference(call):
+    """KeyCacheRotaryShift's CUDA EP kernel: device cache and scale bound, slots and tables on the host."""
+    import numpy as np
+
+    from gpu_support import from_device, to_device
+    from kvcache_op.ort_ops import make_session
+    from kvcache_op.reference import key_cache_rotary_shift
+    from kvcache_op.spec.rotary_schema import make_rotary_shift_model
+
+    inputs, attrs = call
+    want = {k: (None if v is None else np.array(v, copy=True)) for k, v in inputs.items()}
+    want_slots = key_cache_rotary_shift(**want, **attrs)
+    model = make_rotary_shift_model(inputs, **attrs)
+    session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
+    binding = session.io_binding()
+    device = {name: to_device(np.asarray(inputs[name])) for name in ("cache", "scale") if inputs[name] is not None}
+    for info in session.get_inputs():
+        if info.name in device:
+            binding.bind_ortvalue_input(info.name, device[info.name])
+        else:
+            binding.bind_cpu_input(info.name, np.asarray(inputs[info.name]))
+    binding.bind_output("slots_out", "cuda", 0)
+    session.run_with_iobinding(binding)
+    assert np.array_equal(from_device(binding.get_outputs()[0], np.int64), want_slots)
+    got = tuple(from_device(device[n], np.asarray(inputs[n]).dtype) if n in device else None for n in ("cache", "scale"))
+    assert_same_bits(got, (want["cache"], want["scale"]), names=("cache", "scale"))

@@ -81,7 +81,7 @@ if [ -n "$GPU_REASON" ]; then
   done
 else
   # 3. GPU tests ----------------------------------------------------------------------------------------
-  run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py
+  run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
 
   # 4. compute-sanitizer ------------------------------------------------------------------------------
   SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)

@@ -1,0 +1,36 @@
+// CUDA glue of KeyCacheRotaryShift: slots, cos and sin are host inputs, validated and snapshotted there;
+// the shared GPU path (cuda/kv_cuda_run.h) copies the snapshots to the device on ORT's compute stream and
+// rotates there. The output (the slots as given) is device memory, copied from the snapshot.
+#include "rotary_ort_cuda_op.h"
+
+#include "kv_cuda_run.h"
+
+namespace kvcache {
+
+OrtStatusPtr RotaryCudaKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Ort::KernelContext ctx(context);
+    TensorArg in[5];
+    ReadInputs(ctx, in, 5);
+    const RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
+    auto out = ctx.GetOutput(0, {static_cast<int64_t>(plan.slots.size())});
+    if (plan.slots.empty()) return nullptr;
+    auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+    const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
+    Ort::MemoryInfo device_memory("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
+    Ort::Allocator allocator(ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(device_memory)));
+    cuda::AllocatorScratch scratch(allocator);
+    cuda::RunRotaryValidated(attrs, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
+                             in[1].present ? const_cast<void*>(in[1].data) : nullptr, stream, scratch);
+    // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
+    if (cudaError_t e = cudaMemcpyAsync(out.GetTensorMutableRawData(), plan.slots.data(),
+                                        plan.slots.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream);
+        e != cudaSuccess)
+      throw std::runtime_error(std::string("kvcache-op CUDA: copying slots_out: ") + cudaGetErrorString(e));
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+}  // namespace kvcache
