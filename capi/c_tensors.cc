@@ -5,6 +5,7 @@
 #include <cstring>
 #include <exception>
 #include <new>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -36,17 +37,24 @@ void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const*
 }
 
 int64_t TensorBytes(int32_t type, const std::vector<int64_t>& shape) {
-  int64_t elements = 0;
-  CountFits(shape, &elements);
+  int64_t elements = 0, bytes = 0;
+  auto fits = [&](int64_t width) {
+    if (!CountFits(shape, &elements) || !MulFits(elements, width, &bytes))
+      Fail("a tensor of shape ", ShapeStr(shape), " has more than 2^63 - 1 bytes");
+    return bytes;
+  };
   switch (static_cast<Elem>(type)) {
-    case Elem::kInt4: return elements / 2 + elements % 2;
+    case Elem::kInt4: {
+      const int64_t count = fits(1);
+      return count / 2 + count % 2;
+    }
     case Elem::kFloat16:
-    case Elem::kBFloat16: return elements * 2;
+    case Elem::kBFloat16: return fits(2);
     case Elem::kFloat32:
-    case Elem::kInt32: return elements * 4;
+    case Elem::kInt32: return fits(4);
     case Elem::kInt64:
-    case Elem::kFloat64: return elements * 8;
-    default: return elements;  // 1-byte types; other types never pass validation
+    case Elem::kFloat64: return fits(8);
+    default: return fits(1);  // 1-byte types; other types never pass validation
   }
 }
 
@@ -118,7 +126,13 @@ void ParallelOnThreads(int32_t threads, size_t count, const std::function<void(s
   };
   std::vector<std::thread> pool;
   pool.reserve(workers - 1);
-  for (size_t w = 1; w < workers; ++w) pool.emplace_back(work);
+  for (size_t w = 1; w < workers; ++w) {
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the ones running (and this one) take the rest of the work
+    }
+  }
   work();
   for (auto& t : pool) t.join();
   if (failure) std::rethrow_exception(failure);

@@ -18,8 +18,8 @@ namespace kvcache {
 void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const* names, const bool* optional,
                   TensorArg* out);
 
-// Bytes of a dense tensor of this type and shape (int4: two per byte, rounded up). The shape's element
-// count must already be known to fit (validated).
+// Bytes of a dense tensor of this type and shape (int4: two per byte, rounded up). Throws KvError when
+// they do not fit in int64 (a declared shape may be anything: a wrapped count would hide an overlap).
 int64_t TensorBytes(int32_t type, const std::vector<int64_t>& shape);
 
 // Throws KvError unless `t` has this type and shape and non-NULL data when it holds any byte.

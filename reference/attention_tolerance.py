@@ -14,13 +14,28 @@ HALF_SUBNORMAL = {np.dtype(np.float32): 2.0**-150, np.dtype(np.float16): 2.0**-2
 U32 = 2.0**-24
 
 
-def attention_error_bound(n, v_max, a_max, head_dim: int, dtype):
+def attention_error_bound(n, v_max, a_mean, head_dim: int, dtype):
     """The spec's bound on ``|o - o*|`` for output elements whose row has ``n`` effective keys (visible, mask
-    not -inf), ``v_max`` = max |v| of those keys in the element's column, ``a_max`` = max over those keys of
-    ``scale * sum_d |q_d k_d| + |mask| + |alibi|``. Arrays broadcast; float64."""
+    not -inf), ``v_max`` = max |v| of those keys in the element's column, ``a_mean`` = the mean over those
+    keys, weighted by their exact softmax weights, of ``scale * sum_d |q_d k_d| + |mask| + |alibi|``. Arrays
+    broadcast; float64."""
     u, eta = UNIT_ROUNDOFF[np.dtype(dtype)], HALF_SUBNORMAL[np.dtype(dtype)]
-    n, v_max, a_max = (np.asarray(x, np.float64) for x in (n, v_max, a_max))
-    return v_max * (4 * u + 4 * U32 * (n + 4 + (2 * head_dim + 10) * a_max) + n * eta) + eta
+    n, v_max, a_mean = (np.asarray(x, np.float64) for x in (n, v_max, a_mean))
+    return v_max * (4 * u + 4 * U32 * (n + 4 + (2 * head_dim + 10) * a_mean) + n * eta) + eta
+
+
+def weighted_sizes(scores, sizes, effective):
+    """Per row, the mean of ``sizes`` over the ``effective`` keys weighted by the exact softmax of ``scores``
+    (float64); 0 for a row without an effective key (or whose scores are not finite)."""
+    scores = np.where(effective, scores, -np.inf)
+    top = scores.max(axis=1, initial=-np.inf)
+    finite = np.isfinite(top)
+    with np.errstate(invalid="ignore", over="ignore"):
+        weights = np.where(effective & finite[:, None], np.exp(scores - np.where(finite, top, 0.0)[:, None]), 0.0)
+        total = weights.sum(axis=1)
+        mean = np.where(total > 0, (weights * np.where(effective, sizes, 0.0)).sum(axis=1) / np.where(total > 0, total, 1),
+                        0.0)
+    return np.nan_to_num(mean, nan=0.0, posinf=0.0)
 
 
 def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
@@ -42,20 +57,24 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
         visible = visible_keys(plan.kv_len[b], plan.seq_len[b], plan.causal[b], a.sliding_window)
         distance = relative_positions(plan.kv_len[b], plan.seq_len[b]).astype(np.float64)
         for h in range(a.num_heads):
-            q = np.abs(query[rows, h, :].astype(np.float64))
-            k = np.abs(key[cols, h // group, :].astype(np.float64))
+            q = query[rows, h, :].astype(np.float64)
+            k = key[cols, h // group, :].astype(np.float64)
             v = np.abs(value[cols, h // group, :].astype(np.float64))
-            size = float(plan.scale) * (q @ k.T)
+            score = float(plan.scale) * (q @ k.T)
+            size = float(plan.scale) * (np.abs(q) @ np.abs(k).T)
             effective = visible.copy()
             if attn_mask is not None:
                 mask = mask_block(attn_mask, h, rows, cols).astype(np.float64)
                 effective &= mask != -np.inf
+                score = score + np.where(effective, mask, 0.0)
                 size += np.abs(np.where(effective, mask, 0.0))
             if a.is_alibi:
-                size += np.abs(float(alibi_slope(h, a.num_heads)) * distance)
+                bias = float(alibi_slope(h, a.num_heads)) * distance
+                score = score + bias
+                size += np.abs(bias)
             n = effective.sum(axis=1)
-            a_max = np.where(effective, size, 0.0).max(axis=1, initial=0.0)
+            a_mean = weighted_sizes(score, size, effective)
             v_max = np.where(effective[:, :, None], v[None, :, :], 0.0).max(axis=1, initial=0.0)
-            element = attention_error_bound(n[:, None], v_max, a_max[:, None], a.head_dim, query.dtype)
+            element = attention_error_bound(n[:, None], v_max, a_mean[:, None], a.head_dim, query.dtype)
             bound[rows, h, :] = np.where(n[:, None] > 0, element, 0.0)
     return bound

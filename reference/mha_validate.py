@@ -66,14 +66,16 @@ def check_attention_attributes(a: AttentionAttributes) -> None:
         fail(f"num_kv_heads must be 0 (= num_heads) or divide num_heads = {a.num_heads}, got {a.num_kv_heads}")
     if a.sliding_window < 0:
         fail(f"sliding_window must be >= 0 (0: no window), got {a.sliding_window}")
-    scale = np.float32(a.softmax_scale)
+    scale = np.float32(a.softmax_scale)  # the attribute is a float32 in ONNX: judged after that rounding
     if not (np.isfinite(scale) and scale >= 0):
-        fail(f"softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {a.softmax_scale:g}")
+        fail(f"softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {float(scale):g}")
 
 
 def score_scale(a: AttentionAttributes) -> np.float32:
-    """``softmax_scale`` as float32, or ``float32(1 / sqrt(head_dim))`` (computed in float64) when it is 0."""
-    return np.float32(a.softmax_scale) if a.softmax_scale else np.float32(1.0 / math.sqrt(a.head_dim))
+    """``softmax_scale`` rounded to float32, or ``float32(1 / sqrt(head_dim))`` (computed in float64) when that
+    is 0."""
+    scale = np.float32(a.softmax_scale)  # a value that rounds to 0 in float32 is 0: the default
+    return scale if scale else np.float32(1.0 / math.sqrt(a.head_dim))
 
 
 def _check_data(query, key, value, attn_mask, a: AttentionAttributes) -> None:

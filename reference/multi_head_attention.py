@@ -50,16 +50,19 @@ def attention_rows(q, k, v, scale, biases, visible):
     """Softmax attention of float32 rows ``q (n, Dh)`` over ``k, v (m, Dh)``; ``biases``: float32 ``(n, m)``
     terms added to the scores in order (the mask, then ALiBi).
 
-    Rows with no visible key, or whose visible scores are all -inf, are zeros."""
+    Rows with no visible key, or whose visible scores are all -inf, are zeros; a NaN score keeps its row
+    live (NaN propagates). Keys outside ``visible`` (the causal and window ranges) never enter the sums, so
+    a non-finite value there cannot reach the row; a key hidden by a -inf mask entry enters with weight 0."""
     scores = np.float32(scale) * (q @ k.T)  # float32 products and sums
     for bias in biases:
         scores = scores + bias
     scores = np.where(visible, scores, np.float32(-np.inf))
     out = np.zeros((q.shape[0], v.shape[1]), np.float32)
     row_max = scores.max(axis=1, initial=np.float32(-np.inf))
-    live = row_max > np.float32(-np.inf)  # NaN rows stay live: NaN propagates
-    weights = np.exp(scores[live] - row_max[live][:, None])  # exp(-inf) = 0 for hidden keys
-    out[live] = (weights @ v) / weights.sum(axis=1, dtype=np.float32)[:, None]
+    live = ~np.isneginf(row_max)  # a NaN maximum is live: NaN propagates
+    weights = np.exp(scores[live] - row_max[live][:, None])  # exp(-inf) = 0
+    terms = np.where(visible[live][:, :, None], weights[:, :, None] * v[None, :, :], np.float32(0))
+    out[live] = terms.sum(axis=1, dtype=np.float32) / weights.sum(axis=1, dtype=np.float32)[:, None]
     return out
 
 

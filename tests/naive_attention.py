@@ -26,8 +26,9 @@ def paper_slopes(n):
 
 def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, attn_mask=None, *, num_heads, head_dim,
                     is_causal=1, is_alibi=0, num_kv_heads=0, sliding_window=0, softmax_scale=0.0):
-    """Returns (exact, n, v_max, a_max): float64 arrays of the output's shape (exact output o*; effective keys of
-    the row; max |value| over them in the element's column; max score-term size over them)."""
+    """Returns (exact, n, v_max, a_mean): float64 arrays of the output's shape (exact output o*; effective keys of
+    the row; max |value| over them in the element's column; their score-term sizes' mean, weighted by the
+    exact softmax weights)."""
     tokens = query.shape[0]
     kv_heads = num_kv_heads if num_kv_heads else num_heads
     per_kv = num_heads // kv_heads
@@ -79,5 +80,5 @@ def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, at
                     exact[t, h, d] = sum(w * v64[c, g, d] for w, c in zip(weights, keys)) / total
                     v_out[t, h, d] = max(abs(v64[c, g, d]) for c in keys)
                 n_out[t, h, :] = len(keys)
-                a_out[t, h, :] = max(sizes)
+                a_out[t, h, :] = sum(w * a for w, a in zip(weights, sizes)) / total
     return exact, n_out, v_out, a_out

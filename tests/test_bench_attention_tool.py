@@ -15,27 +15,28 @@ def test_quick_run_writes_results_with_measured_memory(tmp_path, capsys):
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["rows"]) == len(bench_attention.QUICK_SHAPES)
     for row in data["rows"]:
-        assert row["op_ms"] > 0 and row["dense_ms"] > 0 and row["speedup"] > 0
-        assert row["op_peak_bytes"] is not None and row["dense_peak_bytes"] is not None
+        assert row["op_ms"] > 0 and row["dense_ms"] > 0 and row["batched_ms"] > 0 and row["speedup"] > 0
+        assert all(row[f"{m}_peak_bytes"] is not None for m in bench_attention.METHODS)
         assert row["mask_bytes"] == row["batch"] ** 2 * row["seqlen"] * row["kvlen"] * (
             4 if row["dtype"] == "float32" else 2)
     text = (tmp_path / "results.md").read_text()
-    assert "| speed-up |" in text and "Summary: decode: the op is" in text
-    assert "speed-up" in capsys.readouterr().out
+    assert "| vs dense |" in text and "| vs batched |" in text and "Summary: decode: the op is" in text
+    assert "batched" in capsys.readouterr().out
 
 
-def test_dense_baseline_computes_the_ops_semantics():
-    """The baseline's output is within twice the spec's bound of the op's on the same inputs (decode and causal
-    prefill), so the speed-up compares equal work."""
+def test_both_baselines_compute_the_ops_semantics():
+    """Each baseline's output is within twice the spec's bound of the op's on the same inputs (decode and causal
+    prefill), so the speed-ups compare equal work."""
     for shape in bench_attention.QUICK_SHAPES:
         inputs = bench_attention.make_inputs(shape)
         outputs = {}
-        for method in ("op", "dense"):
+        for method in bench_attention.METHODS:
             run, out = bench_attention.runner(method, shape, bench_attention.method_feeds(method, shape, inputs), 1)
             run()
             outputs[method] = out.astype(np.float64)
         tolerance = 2 * attention_tolerance(**inputs, num_heads=shape.heads, head_dim=shape.head_dim)
-        assert np.all(np.abs(outputs["op"] - outputs["dense"]) <= tolerance), shape
+        for method in bench_attention.METHODS[1:]:
+            assert np.all(np.abs(outputs["op"] - outputs[method]) <= tolerance), (shape, method)
         assert np.any(outputs["op"] != 0)
 
 
@@ -49,4 +50,4 @@ def test_dense_mask_is_block_diagonal_and_causal():
 
 def test_cli_dispatches_bench_attention(capsys):
     assert main(["bench", "attention", "--quick", "--repeats", "1", "--warmup", "0", "--no-memory"]) == 0
-    assert "speed-up" in capsys.readouterr().out
+    assert "batched" in capsys.readouterr().out

@@ -15,9 +15,9 @@ from naive_attention import naive_attention, paper_slopes
 def oracle(case):
     """(exact output, bound of every element) from the naive oracle."""
     i, a = case.inputs, case.attributes
-    exact, n, v_max, a_max = naive_attention(i["query"], i["key"], i["value"], i["seqstarts"], i["kvstarts"],
+    exact, n, v_max, a_mean = naive_attention(i["query"], i["key"], i["value"], i["seqstarts"], i["kvstarts"],
                                              i["decoding_batches"], i["attn_mask"], **a)
-    bound = np.where(n > 0, attention_error_bound(n, v_max, a_max, a["head_dim"], i["query"].dtype), 0.0)
+    bound = np.where(n > 0, attention_error_bound(n, v_max, a_mean, a["head_dim"], i["query"].dtype), 0.0)
     return exact, bound
 
 
@@ -148,3 +148,20 @@ def test_errors_are_multi_head_attention_errors_and_value_errors():
 def test_bfloat16_output_dtype():
     case = build_attention("bf16", [(2, 3)], t="bfloat16")
     assert multi_head_attention(**case.inputs, **case.attributes).dtype == BFLOAT16
+
+
+def test_the_bound_still_catches_wrong_outputs_next_to_a_padding_key():
+    """One key per sequence with a large finite negative mask (padding) gets no weight: it must not loosen
+    the bound so far that an all-zeros output, or one that drops a real key, passes."""
+    case = build_attention("padding", [(1, 6)] * 4, heads=2, head_dim=16, decoding=4, mask=2, t="float16")
+    mask = case.inputs["attn_mask"]
+    mask[:] = 0
+    mask[:, 5::6] = -65504  # the last key of every sequence: padding
+    exact, bound = oracle(case)
+    assert_within(multi_head_attention(**case.inputs, **case.attributes), exact, bound, "reference")
+    assert np.any(np.abs(0 - exact) > bound), "an all-zeros output would pass"
+    dropped = build_attention("padding", [(1, 6)] * 4, heads=2, head_dim=16, decoding=4, mask=2, t="float16")
+    dropped.inputs["attn_mask"][:] = mask
+    dropped.inputs["value"][0::6] = 0  # the first (real, weighted) key of every sequence contributes nothing
+    wrong = multi_head_attention(**dropped.inputs, **dropped.attributes)
+    assert np.any(np.abs(wrong.astype(np.float64) - exact) > bound), "a kernel dropping a key would pass"

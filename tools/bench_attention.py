@@ -111,6 +111,51 @@ def dense_model(shape: Shape):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
 
 
+def batched_mask(shape: Shape) -> np.ndarray:
+    """The ``(seqlen, kvlen)`` causal mask every sequence shares when all have the same lengths (queries at the
+    last ``seqlen`` positions): what the batched baseline adds to its scores."""
+    query_positions = np.arange(shape.seqlen)[:, None] + (shape.kvlen - shape.seqlen)
+    return np.where(np.arange(shape.kvlen)[None, :] <= query_positions, 0.0, -np.inf).astype(shape.dtype)
+
+
+def batched_model(shape: Shape):
+    """Per-sequence attention from standard ONNX ops (opset 21) with the batch as a leading axis: what a user
+    can write when every sequence has the same seqlen and kvlen (as in these shapes; a dynamic batch in
+    serving has no such luck, and then only the dense mask is left)."""
+    import onnx
+    from onnx import helper
+
+    b, s, k, h, d = shape.batch, shape.seqlen, shape.kvlen, shape.heads, shape.head_dim
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(shape.dtype))
+    constants = [onnx.numpy_helper.from_array(np.array(1 / np.sqrt(d), shape.dtype), "scale"),
+                 onnx.numpy_helper.from_array(np.array([b, s, h, d], np.int64), "q_shape"),
+                 onnx.numpy_helper.from_array(np.array([b, k, h, d], np.int64), "kv_shape"),
+                 onnx.numpy_helper.from_array(np.array([b * s, h, d], np.int64), "out_shape")]
+    nodes = [
+        helper.make_node("Reshape", ["query", "q_shape"], ["q4"]),
+        helper.make_node("Transpose", ["q4"], ["q"], perm=[0, 2, 1, 3]),  # (B, H, S, Dh)
+        helper.make_node("Reshape", ["key", "kv_shape"], ["k4"]),
+        helper.make_node("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),  # (B, H, Dh, K)
+        helper.make_node("Reshape", ["value", "kv_shape"], ["v4"]),
+        helper.make_node("Transpose", ["v4"], ["v"], perm=[0, 2, 1, 3]),  # (B, H, K, Dh)
+        helper.make_node("MatMul", ["q", "kt"], ["scores"]),  # (B, H, S, K)
+        helper.make_node("Mul", ["scores", "scale"], ["scaled"]),
+        helper.make_node("Add", ["scaled", "mask"], ["masked"]),  # (S, K) broadcast
+        helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+        helper.make_node("MatMul", ["probs", "v"], ["o"]),  # (B, H, S, Dh)
+        helper.make_node("Transpose", ["o"], ["o4"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["o4", "out_shape"], ["attention_output"]),
+    ]
+    inputs = [helper.make_tensor_value_info("query", elem, [b * s, h, d]),
+              helper.make_tensor_value_info("key", elem, [b * k, h, d]),
+              helper.make_tensor_value_info("value", elem, [b * k, h, d]),
+              helper.make_tensor_value_info("mask", elem, [s, k])]
+    graph = helper.make_graph(nodes, "batched_attention", inputs,
+                              [helper.make_tensor_value_info("attention_output", elem, [b * s, h, d])],
+                              initializer=constants)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
+
+
 def bound_runner(model, feeds: dict, out_shape, dtype, threads: int):
     """A zero-overhead call: inputs and the output bound once as OrtValues, then run_with_iobinding.
     Returns (run, output array)."""
@@ -135,11 +180,17 @@ def bound_runner(model, feeds: dict, out_shape, dtype, threads: int):
     return run, out
 
 
+#: The methods measured: the op, and what a user would otherwise run.
+METHODS = ("op", "dense", "batched")
+
+
 def method_feeds(method: str, shape: Shape, inputs: dict) -> dict:
-    """The inputs ``method`` ("op" or "dense") is given: the op's own, or query/key/value and the dense mask."""
+    """The inputs ``method`` is given: the op's own, or query/key/value and the dense mask ("dense") or the
+    per-sequence mask ("batched")."""
     if method == "op":
         return inputs
-    return {"query": inputs["query"], "key": inputs["key"], "value": inputs["value"], "mask": dense_mask(shape, inputs)}
+    mask = dense_mask(shape, inputs) if method == "dense" else batched_mask(shape)
+    return {"query": inputs["query"], "key": inputs["key"], "value": inputs["value"], "mask": mask}
 
 
 def runner(method: str, shape: Shape, feeds: dict, threads: int):
@@ -147,8 +198,8 @@ def runner(method: str, shape: Shape, feeds: dict, threads: int):
     from .. import spec
 
     query = feeds["query"]
-    model = (spec.make_attention_model(feeds, num_heads=shape.heads, head_dim=shape.head_dim) if method == "op"
-             else dense_model(shape))
+    model = {"op": lambda: spec.make_attention_model(feeds, num_heads=shape.heads, head_dim=shape.head_dim),
+             "dense": lambda: dense_model(shape), "batched": lambda: batched_model(shape)}[method]()
     return bound_runner(model, feeds, query.shape, query.dtype, threads)
 
 
@@ -184,27 +235,29 @@ def bench(args) -> list:
     rows = []
     for shape in QUICK_SHAPES if args.quick else SHAPES:
         inputs = make_inputs(shape)
-        op, op_out = runner("op", shape, method_feeds("op", shape, inputs), args.threads)
-        dense, dense_out = runner("dense", shape, method_feeds("dense", shape, inputs), args.threads)
-        op_s = median_seconds(op, args.warmup, args.repeats)
-        dense_s = median_seconds(dense, args.warmup, args.repeats)
-        op_s = min(op_s, median_seconds(op, 0, args.repeats))  # the op measured around the baseline
+        runs = {m: runner(m, shape, method_feeds(m, shape, inputs), args.threads) for m in METHODS}
+        # Two rounds, each method measured around the others; every method keeps its better median.
+        seconds = {m: median_seconds(runs[m][0], args.warmup, args.repeats) for m in METHODS}
+        seconds = {m: min(seconds[m], median_seconds(runs[m][0], 0, args.repeats)) for m in METHODS}
         element = np.dtype(shape.dtype).itemsize
-        difference = float(np.max(np.abs(op_out.astype(np.float32) - dense_out.astype(np.float32))))
-        row = {**dataclasses.asdict(shape), "threads": args.threads, "op_ms": op_s * 1e3, "dense_ms": dense_s * 1e3,
-               "speedup": dense_s / op_s, "max_abs_difference": difference,
-               "mask_bytes": shape.tokens * shape.kv_tokens * element,
+        op_out = runs["op"][1].astype(np.float32)
+        difference = max(float(np.max(np.abs(op_out - runs[m][1].astype(np.float32)))) for m in METHODS[1:])
+        row = {**dataclasses.asdict(shape), "threads": args.threads,
+               **{f"{m}_ms": seconds[m] * 1e3 for m in METHODS},
+               "speedup": seconds["dense"] / seconds["op"], "speedup_batched": seconds["batched"] / seconds["op"],
+               "max_abs_difference": difference, "mask_bytes": shape.tokens * shape.kv_tokens * element,
                "score_tensor_bytes": shape.heads * shape.tokens * shape.kv_tokens * element,
-               "op_peak_bytes": None, "dense_peak_bytes": None}
-        del op, dense, op_out, dense_out, inputs
+               **{f"{m}_peak_bytes": None for m in METHODS}}
+        del runs, op_out, inputs
         if not args.no_memory:
-            row["op_peak_bytes"] = measured_peak("op", shape, args.threads)
-            row["dense_peak_bytes"] = measured_peak("dense", shape, args.threads)
+            for m in METHODS:
+                row[f"{m}_peak_bytes"] = measured_peak(m, shape, args.threads)
         rows.append(row)
         print(f"{shape.name:8s} B={shape.batch} seqlen={shape.seqlen} kvlen={shape.kvlen} H={shape.heads} "
-              f"{shape.dtype}: op {row['op_ms']:9.3f} ms | dense {row['dense_ms']:9.3f} ms | speed-up "
-              f"{row['speedup']:6.1f}x | peak MiB op {_mib(row['op_peak_bytes'])} dense "
-              f"{_mib(row['dense_peak_bytes'])} | max |op - dense| {difference:.2e}", flush=True)
+              f"{shape.dtype}: op {row['op_ms']:9.3f} ms | dense {row['dense_ms']:9.3f} ms ({row['speedup']:.1f}x) | "
+              f"batched {row['batched_ms']:9.3f} ms ({row['speedup_batched']:.2f}x) | peak MiB op "
+              f"{_mib(row['op_peak_bytes'])} dense {_mib(row['dense_peak_bytes'])} batched "
+              f"{_mib(row['batched_peak_bytes'])} | max |difference| {difference:.2e}", flush=True)
     return rows
 
 
@@ -219,36 +272,43 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
     lines = [f"# MultiHeadAttention benchmark ({device})", "", f"Command: `{command}`", "",
              "`op`: opmx.dynamic_batching::MultiHeadAttention in ONNX Runtime's CPU EP. `dense`: the same attention "
              "from standard ONNX ops over the packed batch with a dense block-diagonal causal mask (Transpose, "
-             "MatMul, Mul, Add, Softmax, MatMul, Transpose), also in ONNX Runtime. Both with the same "
-             "intra_op_num_threads, inputs and output bound once (IOBinding); times are medians of repeats "
-             "measured side by side in one run.", "",
+             "MatMul, Mul, Add, Softmax, MatMul, Transpose) — what a dynamic batch of any lengths needs without "
+             "the op. `batched`: standard ops with the batch as a leading axis and one shared (seqlen, kvlen) "
+             "mask — possible only because every sequence of these shapes has the same lengths. All in ONNX "
+             "Runtime with the same intra_op_num_threads, inputs and output bound once (IOBinding); times are "
+             "medians of repeats, two rounds with the methods side by side, each method's better median kept.",
+             "",
              "Peak memory is measured: the extra resident memory (peak RSS, `VmHWM`, after resetting it, minus RSS "
              "before the session) of creating the session and running it, in a fresh process per cell, inputs "
-             "(the dense mask among them) and output excluded. `mask` and `scores` are computed: the dense mask the baseline needs as an "
-             "input, and one (H, T, sum KV) score tensor of its intermediates.", "",
-             "| shape | dtype | H | threads | op ms | dense ms | speed-up | op peak MiB | dense peak MiB | mask MiB | "
-             "scores MiB | max abs(op - dense) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(the masks among them) and output excluded. `mask` and `scores` are computed: the dense mask the "
+             "dense baseline needs as an input, and one (H, T, sum KV) score tensor of its intermediates.", "",
+             "| shape | dtype | H | threads | op ms | dense ms | vs dense | batched ms | vs batched | op peak MiB | "
+             "dense peak MiB | batched peak MiB | mask MiB | scores MiB | max abs difference |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['name']} B={r['batch']} seqlen={r['seqlen']} kvlen={r['kvlen']} | {r['dtype']} | "
                      f"{r['heads']} | {r['threads']} | {r['op_ms']:.2f} | {r['dense_ms']:.2f} | {r['speedup']:.1f}x | "
-                     f"{_mib(r['op_peak_bytes'])} | {_mib(r['dense_peak_bytes'])} | {r['mask_bytes'] / 2**20:.1f} | "
-                     f"{r['score_tensor_bytes'] / 2**20:.1f} | {r['max_abs_difference']:.1e} |")
+                     f"{r['batched_ms']:.2f} | {r['speedup_batched']:.2f}x | {_mib(r['op_peak_bytes'])} | "
+                     f"{_mib(r['dense_peak_bytes'])} | {_mib(r['batched_peak_bytes'])} | "
+                     f"{r['mask_bytes'] / 2**20:.1f} | {r['score_tensor_bytes'] / 2**20:.1f} | "
+                     f"{r['max_abs_difference']:.1e} |")
     lines += ["", summary(rows)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
 
 
 def summary(rows) -> str:
-    """One paragraph: the speed-up range and the largest peak memory of each method, per shape kind."""
+    """One paragraph: the speed-up ranges and the largest peak memory of each method, per shape kind."""
     parts = []
     for name in dict.fromkeys(r["name"] for r in rows):
         group = [r for r in rows if r["name"] == name]
-        speedups = [r["speedup"] for r in group]
-        part = f"{name}: the op is {min(speedups):.1f}x to {max(speedups):.1f}x faster"
-        peaks = [(r["op_peak_bytes"], r["dense_peak_bytes"]) for r in group if r["op_peak_bytes"] is not None]
-        if peaks:
-            part += (f", with at most {max(p[0] for p in peaks) / 2**20:.1f} MiB of peak memory against "
-                     f"{max(p[1] for p in peaks) / 2**20:.0f} MiB for the dense baseline")
+        dense = [r["speedup"] for r in group]
+        batched = [r["speedup_batched"] for r in group]
+        part = (f"{name}: the op is {min(dense):.1f}x to {max(dense):.1f}x faster than the dense-mask baseline and "
+                f"{min(batched):.2f}x to {max(batched):.2f}x the speed of the equal-length batched one")
+        if group[0]["op_peak_bytes"] is not None:
+            peak = {m: max(r[f"{m}_peak_bytes"] for r in group) / 2**20 for m in METHODS}
+            part += (f", with at most {peak['op']:.1f} MiB of peak memory against {peak['dense']:.0f} MiB (dense) "
+                     f"and {peak['batched']:.0f} MiB (batched)")
         parts.append(part)
     return "Summary: " + "; ".join(parts) + "."
 

@@ -1,0 +1,127 @@
+"""MultiHeadAttention at the edges the spec settles explicitly: NaN propagates (never an exact-zero row),
+keys outside the causal or window range never reach a row (not even their inf/NaN), a -inf mask entry
+gives weight 0 but keeps the key in the sums, overflowed scores, the float32 rounding of softmax_scale,
+and declared shapes whose byte counts overflow int64. The reference and the C++ kernel agree on each."""
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from kvcache_op.ort_ops import c_api
+from kvcache_op.reference import MultiHeadAttentionError, multi_head_attention
+from kvcache_op.spec.mha_cases import build_attention
+
+BACKENDS = {"reference": multi_head_attention, "kernel": c_api.multi_head_attention}
+
+
+def causal_chunk(t="float32"):
+    """One causal chunk of 4 queries over 4 keys (query i sees keys 0..i), 1 head."""
+    return build_attention("non-finite", [(4, 4)], heads=1, head_dim=2, t=t, is_causal=1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("where", ["key", "value", "query"])
+def test_a_nan_a_row_reads_makes_that_row_nan_not_zero(backend, where):
+    case = causal_chunk()
+    case.inputs[where][0 if where != "query" else 3, 0, 0] = np.nan  # key/value 0: seen by every query
+    out = BACKENDS[backend](**case.inputs, **case.attributes)
+    rows = [3] if where == "query" else [0, 1, 2, 3]
+    assert np.isnan(out[rows]).any(axis=(1, 2)).all(), out
+    others = [r for r in range(4) if r not in rows]
+    assert np.isfinite(out[others]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_keys_outside_the_causal_range_never_reach_a_row(backend, bad):
+    case = causal_chunk()
+    case.inputs["value"][3, 0, :] = bad  # key 3 is visible to query 3 only
+    case.inputs["key"][3, 0, :] = bad
+    out = BACKENDS[backend](**case.inputs, **case.attributes)
+    assert np.isfinite(out[:3]).all(), out
+    clean = causal_chunk()
+    clean.inputs["value"][3] = 0
+    clean.inputs["key"][3] = 0
+    want = multi_head_attention(**clean.inputs, **clean.attributes)
+    assert np.allclose(out[:3], want[:3], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_minus_inf_mask_entry_gives_weight_zero_but_keeps_the_key_in_the_sums(backend):
+    case = build_attention("masked", [(1, 4)], heads=1, head_dim=2, decoding=1, mask=2)
+    case.inputs["attn_mask"][:] = 0
+    case.inputs["attn_mask"][0, 2] = -np.inf
+    finite = BACKENDS[backend](**case.inputs, **case.attributes)
+    dropped = build_attention("masked", [(1, 4)], heads=1, head_dim=2, decoding=1)
+    keep = [0, 1, 3]
+    dropped.inputs["key"], dropped.inputs["value"] = case.inputs["key"][keep], case.inputs["value"][keep]
+    dropped.inputs["kvstarts"] = np.array([0, 3], np.int64)
+    assert np.allclose(finite, multi_head_attention(**dropped.inputs, **dropped.attributes), rtol=1e-5, atol=1e-6)
+    case.inputs["value"][2] = np.nan  # weight 0, but 0 * NaN is NaN: the spec keeps the key in the sums
+    assert np.isnan(BACKENDS[backend](**case.inputs, **case.attributes)).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scores_that_all_overflow_to_minus_inf_give_a_zero_row(backend):
+    case = build_attention("overflow", [(1, 3)], heads=1, head_dim=1, t="bfloat16", decoding=1)
+    case.inputs["query"][:] = 1e30
+    case.inputs["key"][:] = -1e30
+    out = BACKENDS[backend](**case.inputs, **case.attributes)
+    assert (np.asarray(out, np.float32) == 0).all()
+
+
+@pytest.mark.parametrize("scale", [1e-50, 0.0])
+def test_a_softmax_scale_that_rounds_to_zero_in_float32_is_the_default(scale):
+    case = build_attention("scale", [(2, 5)], heads=2, head_dim=4, decoding=0)
+    default = multi_head_attention(**case.inputs, **dict(case.attributes, softmax_scale=0.0))
+    for backend in BACKENDS.values():
+        got = backend(**case.inputs, **dict(case.attributes, softmax_scale=scale))
+        assert np.allclose(got, default, rtol=1e-3, atol=1e-3)
+
+
+def test_a_softmax_scale_overflowing_float32_is_named_as_the_graph_holds_it():
+    case = build_attention("scale", [(1, 2)], heads=1, head_dim=2, decoding=1)
+    for backend in BACKENDS.values():
+        with pytest.raises(MultiHeadAttentionError, match="got inf"):
+            backend(**case.inputs, **dict(case.attributes, softmax_scale=1e39))
+
+
+def test_a_mask_whose_byte_count_overflows_is_refused_with_the_output_untouched():
+    """A declared width of 2^62 float16 elements: 2^63 bytes, which wraps in int64. It must not slip past the
+    output-overlap check (the output here lies inside the mask's declared range)."""
+    case = build_attention("huge-mask", [(1, 3)], heads=1, head_dim=4, t="float16", decoding=1, mask=2)
+    buffers = c_api.HostBuffers()
+    inputs = [buffers.tensor(name, case.inputs[name]) for name in c_api.MHA_INPUTS[:8]]
+    mask = case.inputs["attn_mask"]
+    inputs.append(c_api.Tensor(c_api.onnx_type(mask.dtype), (1, 2**62), mask.ctypes.data))
+    output = c_api.Tensor(c_api.onnx_type(mask.dtype), case.inputs["query"].shape, mask.ctypes.data)
+    before = mask.tobytes()
+    with pytest.raises(MultiHeadAttentionError, match="more than 2\\^63 - 1 bytes|overlaps"):
+        c_api.run_multi_head_attention(inputs, output, **case.attributes)
+    assert mask.tobytes() == before
+    del buffers
+
+
+def test_running_out_of_threads_is_not_a_crash():
+    """Asked for far more threads than the address space allows, the entry point uses the threads it got."""
+    script = textwrap.dedent("""
+        import resource
+        import numpy as np
+        from kvcache_op.ort_ops import c_api
+        from kvcache_op.spec.mha_cases import build_attention
+
+        case = build_attention("threads", [(1, 64)] * 300, heads=2, head_dim=8, decoding=300)
+        want = c_api.multi_head_attention(**case.inputs, **case.attributes, num_threads=1)
+        with open("/proc/self/status") as status:
+            vm = next(int(line.split()[1]) for line in status if line.startswith("VmSize")) * 1024
+        limit = vm + 256 * 2**20  # room for a few thread stacks, not for 300
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        got = c_api.multi_head_attention(**case.inputs, **case.attributes, num_threads=300)
+        assert got.tobytes() == want.tobytes()
+        print("ok")
+    """)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])
