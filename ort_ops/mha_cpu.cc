@@ -1,6 +1,7 @@
 // MultiHeadAttention on the CPU, built once per instruction set like kv_cpu.cc (KV_CPU_ISA names the
-// namespace; kv_cpu_dispatch.cc picks the build). The builds differ only in summation order inside dot
-// products, which the spec's tolerance allows; each is deterministic.
+// namespace; kv_cpu_dispatch.cc picks the build). Both run the same scalar code (the compiler may vectorize
+// it differently; with -ffp-contract=off and no fast math that changes no result today), so they give the
+// same bits; the spec's tolerance would allow them to differ. Each is deterministic.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
