@@ -11,9 +11,8 @@ OrtStatusPtr RotaryCudaKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
     TensorArg in[5];
-    ReadInputs(ctx, in, 5);
-    const RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
-    auto out = ctx.GetOutput(0, {static_cast<int64_t>(plan.slots.size())});
+    void* out = nullptr;
+    const RotaryPlan plan = ValidateAndAllocate(ctx, attrs, in, &out);
     if (plan.slots.empty()) return nullptr;
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
@@ -23,7 +22,7 @@ OrtStatusPtr RotaryCudaKernel::ComputeV2(OrtKernelContext* context) {
     cuda::RunRotaryValidated(attrs, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
                              in[1].present ? const_cast<void*>(in[1].data) : nullptr, stream, scratch);
     // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
-    if (cudaError_t e = cudaMemcpyAsync(out.GetTensorMutableRawData(), plan.slots.data(),
+    if (cudaError_t e = cudaMemcpyAsync(out, plan.slots.data(),
                                         plan.slots.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream);
         e != cudaSuccess)
       throw std::runtime_error(std::string("kvcache-op CUDA: copying slots_out: ") + cudaGetErrorString(e));

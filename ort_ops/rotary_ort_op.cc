@@ -19,17 +19,22 @@ RotaryAttrs ReadRotaryAttrs(const OrtKernelInfo* info) {
   return attrs;
 }
 
+RotaryPlan ValidateAndAllocate(Ort::KernelContext& ctx, const RotaryAttrs& attrs, TensorArg* in, void** out) {
+  ReadInputs(ctx, in, 5);
+  RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
+  // Allocated before the rotation, so that a failure here leaves the cache unchanged.
+  *out = ctx.GetOutput(0, {static_cast<int64_t>(plan.slots.size())}).GetTensorMutableRawData();
+  return plan;
+}
+
 OrtStatusPtr RotaryCpuKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
     TensorArg in[5];
-    ReadInputs(ctx, in, 5);
-    const RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
-    // The output is the slots as given: the snapshot (the input may alias the cache rows rotated below),
-    // allocated before the rotation so that a failure leaves the cache unchanged.
-    auto out = ctx.GetOutput(0, {static_cast<int64_t>(plan.slots.size())});
-    if (!plan.slots.empty())
-      std::memcpy(out.GetTensorMutableRawData(), plan.slots.data(), plan.slots.size() * sizeof(int64_t));
+    void* out = nullptr;
+    const RotaryPlan plan = ValidateAndAllocate(ctx, attrs, in, &out);
+    // The output is the slots as given: the snapshot (the input may alias the cache rows rotated below).
+    if (!plan.slots.empty()) std::memcpy(out, plan.slots.data(), plan.slots.size() * sizeof(int64_t));
     RotaryShiftCpu(attrs, plan, in, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
     return nullptr;
   } catch (...) {

@@ -12,6 +12,10 @@ constexpr const char* kRotaryOpName = "KeyCacheRotaryShift";
 // The kernel's attributes, checked, and a constant cache (or scale) refused: at session creation.
 RotaryAttrs ReadRotaryAttrs(const OrtKernelInfo* info);
 
+// Reads the 5 inputs into `in`, validates them (throws KvError; nothing written) and allocates the output
+// slots_out (its data pointer into `out`). Shared by the CPU and CUDA kernels.
+RotaryPlan ValidateAndAllocate(Ort::KernelContext& ctx, const RotaryAttrs& attrs, TensorArg* in, void** out);
+
 struct RotaryCpuKernel {
   explicit RotaryCpuKernel(const OrtKernelInfo* info) : attrs(ReadRotaryAttrs(info)) {}
   OrtStatusPtr ComputeV2(OrtKernelContext* context);
