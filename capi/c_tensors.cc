@@ -36,43 +36,12 @@ void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const*
   }
 }
 
-int64_t TensorBytes(int32_t type, const std::vector<int64_t>& shape) {
-  int64_t elements = 0, bytes = 0;
-  auto fits = [&](int64_t width) {
-    if (!CountFits(shape, &elements) || !MulFits(elements, width, &bytes))
-      Fail("a tensor of shape ", ShapeStr(shape), " has more than 2^63 - 1 bytes");
-    return bytes;
-  };
-  switch (static_cast<Elem>(type)) {
-    case Elem::kInt4: {
-      const int64_t count = fits(1);
-      return count / 2 + count % 2;
-    }
-    case Elem::kFloat16:
-    case Elem::kBFloat16: return fits(2);
-    case Elem::kFloat32:
-    case Elem::kInt32: return fits(4);
-    case Elem::kInt64:
-    case Elem::kFloat64: return fits(8);
-    default: return fits(1);  // 1-byte types; other types never pass validation
-  }
-}
-
 void CheckOutput(const KvcacheTensor& t, const char* name, int32_t type, const std::vector<int64_t>& shape) {
   const std::vector<int64_t> given(t.shape, t.shape + std::clamp<int32_t>(t.rank, 0, KVCACHE_OP_MAX_RANK));
   if (t.type != type || t.rank != static_cast<int32_t>(shape.size()) || given != shape)
     Fail(name, " must be ", ElemName(type), ShapeStr(shape), " (the shape this call produces), got ",
          ElemName(t.type), ShapeStr(given));
   if (t.data == nullptr && TensorBytes(type, shape) > 0) Fail(name, " has a NULL data pointer");
-}
-
-void CheckDisjoint(const ByteRange& written, const ByteRange& other) {
-  if (written.bytes <= 0 || other.bytes <= 0 || other.data == nullptr) return;
-  const auto a = reinterpret_cast<uintptr_t>(written.data), b = reinterpret_cast<uintptr_t>(other.data);
-  const bool apart = a + static_cast<uint64_t>(written.bytes) <= b || b + static_cast<uint64_t>(other.bytes) <= a;
-  if (!apart)
-    Fail(written.name, " overlaps ", other.name, ": the op writes ", written.name, " while it reads or writes ",
-         other.name, ", so they must not share memory");
 }
 
 int32_t CatchAll(const std::function<void()>& body, char* message, size_t message_size) {

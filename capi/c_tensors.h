@@ -7,6 +7,7 @@
 #include <functional>
 #include <string>
 
+#include "byte_ranges.h"
 #include "kv_types.h"
 #include "kv_validate.h"
 #include "kvcache_op.h"
@@ -18,20 +19,10 @@ namespace kvcache {
 void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const* names, const bool* optional,
                   TensorArg* out);
 
-// Bytes of a dense tensor of this type and shape (int4: two per byte, rounded up). Throws KvError when
-// they do not fit in int64 (a declared shape may be anything: a wrapped count would hide an overlap).
-int64_t TensorBytes(int32_t type, const std::vector<int64_t>& shape);
 
 // Throws KvError unless `t` has this type and shape and non-NULL data when it holds any byte.
 void CheckOutput(const KvcacheTensor& t, const char* name, int32_t type, const std::vector<int64_t>& shape);
 
-// Throws KvError when the byte ranges of two named buffers overlap (empty buffers never do).
-struct ByteRange {
-  const char* name;
-  const void* data;
-  int64_t bytes;
-};
-void CheckDisjoint(const ByteRange& written, const ByteRange& other);
 
 // Runs `body` and turns its exceptions into a return code and message (the C boundary).
 int32_t CatchAll(const std::function<void()>& body, char* message, size_t message_size);

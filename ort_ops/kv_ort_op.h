@@ -66,6 +66,10 @@ inline void DeclareApiVersion(OrtCustomOp& op) { op.version = kOrtApiVersion; }
 // rethrown as KvError naming the shape and byte count; nothing has been written at that point.
 Ort::UnownedValue AllocateOutput(Ort::KernelContext& ctx, size_t index, const CallPlan& plan, int32_t t1);
 
+// Outputs the caller bound (IOBinding) may point anywhere: refuse key or value sharing memory with each
+// other or with current_key, current_value, cache or scale (throws KvError before anything is written).
+void CheckOutputsApart(const TensorArg* in, void* key, void* value, int64_t out_bytes);
+
 // OrtStatus for an exception caught at the C boundary.
 OrtStatusPtr StatusFromCurrentException();
 

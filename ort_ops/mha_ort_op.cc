@@ -2,6 +2,7 @@
 
 #include <functional>
 
+#include "byte_ranges.h"
 #include "mha_cpu.h"
 
 namespace kvcache {
@@ -49,6 +50,10 @@ OrtStatusPtr MhaCpuKernel::ComputeV2(OrtKernelContext* context) {
     ReadInputs(ctx, in, kMhaNumInputs);
     const MhaPlan plan = ValidateAttention(attrs, in);  // throws before the output exists
     auto out = ctx.GetOutput(0, in[0].shape);
+    // An output the caller bound (IOBinding) may point anywhere: it must share no byte with what is read.
+    CheckApart({"attention_output", out.GetTensorMutableRawData(), TensorBytes(in[0].type, in[0].shape)},
+               {RangeOf("query", in[0]), RangeOf("key", in[1]), RangeOf("value", in[2]),
+                RangeOf("attn_mask", in[kMhaMaskInput])});
     const MhaArgs args{&attrs, &plan, in[0].type, in[0].data, in[1].data, in[2].data,
                        in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, out.GetTensorMutableRawData()};
     MhaComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });

@@ -20,11 +20,12 @@ from kvcache_op.ort_ops import c_api
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "tests/host_runner/kv_host_runner.cc", ROOT / "ort_ops/kv_validate.cc",
            ROOT / "cuda/kv_cuda_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "ort_ops/rotary_shift.cc",
-           ROOT / "cuda/rotary_params.cc", ROOT / "capi/rotary_c_args.cc"]
+           ROOT / "cuda/rotary_params.cc", ROOT / "capi/rotary_c_args.cc", ROOT / "ort_ops/byte_ranges.cc"]
 HEADERS = [ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cuda_params.h", ROOT / "ort_ops/kv_types.h",
            ROOT / "ort_ops/kv_quant.h", ROOT / "ort_ops/kv_validate.h", ROOT / "ort_ops/kv_checked.h",
            ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h", ROOT / "cuda/rotary_work.h",
-           ROOT / "cuda/rotary_params.h", ROOT / "ort_ops/rotary_shift.h", ROOT / "capi/rotary_c_args.h"]
+           ROOT / "cuda/rotary_params.h", ROOT / "ort_ops/rotary_shift.h", ROOT / "capi/rotary_c_args.h",
+           ROOT / "ort_ops/byte_ranges.h"]
 # The spec's arithmetic, as in the library build: no contraction, no fast math.
 FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
          "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'ort_ops'}", f"-I{ROOT / 'capi'}"]

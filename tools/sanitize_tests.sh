@@ -18,6 +18,8 @@ cd "$root"
 if [ "$#" -eq 0 ]; then
   set -- tests/test_ort_cpu_properties.py tests/test_ort_cpu_errors.py tests/test_ort_cpu_scenarios.py \
     tests/test_ort_cpu_fuzz.py tests/test_ort_cpu_aliasing.py tests/test_ort_cpu_sizes.py \
-    tests/test_rotary_shift.py tests/test_rotary_errors.py tests/test_ort_rotary_fuzz.py -q -p no:cacheprovider
+    tests/test_rotary_shift.py tests/test_rotary_errors.py tests/test_ort_rotary_fuzz.py \
+    tests/test_mha_ort_cpu.py tests/test_mha_errors.py tests/test_mha_c_api.py tests/test_c_api_cpu.py \
+    tests/test_empty_scale.py -q -p no:cacheprovider
 fi
 python3 -m pytest "$@"
