@@ -11,6 +11,8 @@ def test_bench_quick_run_writes_results(tmp_path, capsys):
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["rows"]) == 2 * 2 * 2 * 2  # shapes x quant x layouts x threads
     assert all(r["op_GBps"] > 0 and r["vs_copy"] > 0 for r in data["rows"])
+    assert all((r["vs_standard"] is None) == (r["quant_bit"] != 0) for r in data["rows"])
+    assert all(r["vs_standard"] > 0 for r in data["rows"] if r["quant_bit"] == 0)
     assert "| op / copy |" in (tmp_path / "results.md").read_text()
     assert "op/copy" in capsys.readouterr().out
 
@@ -33,3 +35,24 @@ def test_bytes_moved_parts_by_hand():
     assert bench_kvcache.bytes_moved_parts(shape, 8, value_bytes=4, scale_bytes=4) == (2 * 2 * (128 + 48),
                                                                                        2 * 8 * (48 + 128))
     assert bench_kvcache.bytes_moved(shape, 8) == 416 + 1664
+
+
+def test_the_standard_ops_baseline_reproduces_the_ops_bits():
+    """The baseline copies exactly what the op copies: key, value and the updated cache are the reference's,
+    so the speed-up compares the same work."""
+    import numpy as np
+
+    from kvcache_op.reference import key_value_cache
+    from kvcache_op.tools.standard_ops_baseline import baseline_runner
+
+    for shape in bench_kvcache.QUICK_SHAPES:
+        for layout in (0, 3):
+            inputs = bench_kvcache.make_inputs(shape, 0, layout, seed=layout)
+            attrs = dict(cache_mode=1, cache_layout=layout, page_size=shape.page_size)
+            want_cache = inputs["cache"].copy()
+            key, value = key_value_cache(**dict(inputs, cache=want_cache), **attrs)
+            run, outputs = baseline_runner(inputs, shape.page_size, layout, 1)
+            run()
+            assert outputs["key"].tobytes() == key.tobytes() and outputs["value"].tobytes() == value.tobytes()
+            assert outputs["cache_out"].tobytes() == want_cache.tobytes()
+            assert not np.array_equal(want_cache, inputs["cache"])  # the step stored something

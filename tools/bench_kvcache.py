@@ -2,7 +2,8 @@
 
 Per shape: the ORT op (CPU EP, intra_op_num_threads 1 and 2), ``numpy.copyto`` of the same number of
 bytes (a copy of N bytes moves 2N: it reads N and writes N, so the baseline copies half the op's
-traffic), and the numpy reference. Warm-up, then the median of repeats.
+traffic), the numpy reference, and (unquantized) the same step from ONNX Runtime's built-in ops
+(:mod:`kvcache_op.tools.standard_ops_baseline`). Warm-up, then the median of repeats.
 
     python -m kvcache_op.tools.bench_kvcache --out benchmarks/cpu
 
@@ -20,6 +21,8 @@ import sys
 import time
 
 import numpy as np
+
+from .standard_ops_baseline import LAYOUTS, baseline_runner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +165,12 @@ def bench_cpu(args) -> list:
                     op_s = median_seconds(run, args.warmup, args.repeats)
                     copy_again = median_seconds(lambda: np.copyto(dst, src), args.warmup, args.repeats)
                     copy_best = min(copy_s, copy_again)  # the copy measured around the op, same run
+                    standard_s = None
+                    if quant_bit == 0 and layout in LAYOUTS:  # standard ops cannot quantize as the spec does
+                        standard, _ = baseline_runner(inputs, shape.page_size, layout, threads)
+                        standard_s = median_seconds(standard, args.warmup, args.repeats)
+                        del standard
+                        op_s = min(op_s, median_seconds(run, 0, args.repeats))  # the op around the baseline
                     row = {
                         "shape": shape.name, "B": shape.batch, "seqlen": shape.seqlen,
                         "kvlen": shape.start_pos + shape.seqlen, "H": shape.heads, "Dh": shape.head_dim,
@@ -169,11 +178,14 @@ def bench_cpu(args) -> list:
                         "bytes_moved": moved, "op_ms": op_s * 1e3, "copy_ms": copy_best * 1e3,
                         "reference_ms": ref_s * 1e3, "op_GBps": moved / op_s / 1e9,
                         "copy_GBps": moved / copy_best / 1e9, "vs_copy": copy_best / op_s, "vs_reference": ref_s / op_s,
+                        "standard_ms": None if standard_s is None else standard_s * 1e3,
+                        "vs_standard": None if standard_s is None else standard_s / op_s,
                     }
                     rows.append(row)
                     print(f"{shape.name:8s} q{quant_bit} layout{layout} threads={threads}: {moved / 1e6:8.1f} MB "
                           f"op {row['op_ms']:8.3f} ms {row['op_GBps']:6.2f} GB/s | copy {row['copy_GBps']:6.2f} GB/s "
-                          f"| op/copy {row['vs_copy']:5.2f}x | vs reference {row['vs_reference']:6.1f}x", flush=True)
+                          f"| op/copy {row['vs_copy']:5.2f}x | vs reference {row['vs_reference']:6.1f}x"
+                          + ("" if standard_s is None else f" | vs standard ops {row['vs_standard']:5.1f}x"), flush=True)
     return rows
 
 
@@ -183,13 +195,20 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
     (out / "results.json").write_text(json.dumps({"command": command, "device": device, "rows": rows}, indent=1))
     lines = [f"# KeyValueCache benchmark ({device})", "", f"Command: `{command}`", "",
              "Bytes moved = bytes read + bytes written by the op. The copy baseline copies half as many bytes "
-             "(a copy reads and writes each), measured in the same run.", "",
-             "| shape | quant | layout | threads | MB moved | op ms | op GB/s | copy GB/s | op / copy | vs reference |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(a copy reads and writes each), measured in the same run. `standard ops`: the same step composed "
+             "from ONNX Runtime's built-in ops (ScatterND into the cache, Gather of every loaded slot; "
+             "kvcache_op.tools.standard_ops_baseline), unquantized only, measured in the same run; `op speed-up` is "
+             "its time over the op's.", "",
+             "| shape | quant | layout | threads | MB moved | op ms | op GB/s | copy GB/s | op / copy | vs reference | "
+             "standard ops ms | op speed-up |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        standard = ("n/a | n/a" if r.get("standard_ms") is None
+                    else f"{r['standard_ms']:.3f} | {r['vs_standard']:.1f}x")
         lines.append(f"| {r['shape']} B={r['B']} seqlen={r['seqlen']} kvlen={r['kvlen']} | {r['quant_bit']} | "
                      f"{r['layout']} | {r['threads']} | {r['bytes_moved'] / 1e6:.1f} | {r['op_ms']:.3f} | "
-                     f"{r['op_GBps']:.2f} | {r['copy_GBps']:.2f} | {r['vs_copy']:.2f}x | {r['vs_reference']:.1f}x |")
+                     f"{r['op_GBps']:.2f} | {r['copy_GBps']:.2f} | {r['vs_copy']:.2f}x | {r['vs_reference']:.1f}x | "
+                     f"{standard} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     from .bench_chart import paired_bar_chart
 
