@@ -28,19 +28,12 @@ CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTe
   const std::vector<int64_t> out_shape{plan.kv_tokens, plan.out_heads, plan.head_dim};
   const char* out_names[2] = {"output key", "output value"};
   for (int i = 0; i < 2; ++i) CheckOutput(outputs[i], out_names[i], in[0].type, out_shape);
-  std::vector<ByteRange> read_or_written;
-  for (int i : {0, 1, 8, 9})
-    if (in[i].present) read_or_written.push_back({kKeyValueCacheInputs[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
   // current_key/value are read while the cache and scale are written: they must not share memory either.
-  for (size_t w = 2; w < read_or_written.size(); ++w)
-    for (size_t r = 0; r < w; ++r) CheckDisjoint(read_or_written[w], read_or_written[r]);
-  const ByteRange out_key{out_names[0], outputs[0].data, plan.out_bytes};
-  const ByteRange out_value{out_names[1], outputs[1].data, plan.out_bytes};
-  CheckDisjoint(out_key, out_value);
-  for (const ByteRange& other : read_or_written) {
-    CheckDisjoint(out_key, other);
-    CheckDisjoint(out_value, other);
-  }
+  const ByteRange cache = RangeOf("cache", in[8]), scale = RangeOf("scale", in[9]);
+  const ByteRange current_key = RangeOf("current_key", in[0]), current_value = RangeOf("current_value", in[1]);
+  CheckApart(cache, {current_key, current_value});
+  CheckApart(scale, {current_key, current_value, cache});
+  CheckKeyValueOutputsApart(in, outputs[0].data, outputs[1].data, plan.out_bytes);
   return plan;
 }
 

@@ -29,9 +29,7 @@ MhaAttrs ToMhaAttrs(const KvcacheMultiHeadAttentionAttrs& c) {
 void CheckMhaOutput(const KvcacheTensor* output, const TensorArg* in) {
   if (output == nullptr) Fail("MultiHeadAttention: output must not be NULL");
   CheckOutput(*output, "output attention_output", in[0].type, in[0].shape);
-  const ByteRange out{"output attention_output", output->data, TensorBytes(in[0].type, in[0].shape)};
-  for (size_t i : {size_t{0}, size_t{1}, size_t{2}, kMhaMaskInput})
-    if (in[i].present) CheckDisjoint(out, {kMhaNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
+  CheckAttentionOutputApart(in, output->data);
 }
 
 }  // namespace

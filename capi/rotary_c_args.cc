@@ -24,14 +24,12 @@ RotaryPlan ValidateRotaryWithOutput(const KvcacheRotaryShiftAttrs* c, const Kvca
   a->rotary_interleaved = c->rotary_interleaved;
   ToTensorArgs(inputs, 5, kRotaryNames, kRotaryOptional, in);
   const RotaryPlan plan = ValidateRotaryShift(*a, in);  // slots, cos, sin snapshotted, then checked
-  const ByteRange cache{kRotaryNames[0], in[0].data, TensorBytes(in[0].type, in[0].shape)};
-  if (in[1].present) CheckDisjoint({kRotaryNames[1], in[1].data, TensorBytes(in[1].type, in[1].shape)}, cache);
+  const ByteRange cache = RangeOf("cache", in[0]), scale = RangeOf("scale", in[1]);
+  CheckDisjoint(scale, cache);
   if (output != nullptr) {
     const int64_t n = static_cast<int64_t>(plan.slots.size());
     CheckOutput(*output, "output slots", int32_t(Elem::kInt64), {n});
-    const ByteRange out{"output slots", output->data, n * 8};
-    for (int i : {0, 1})
-      if (in[i].present) CheckDisjoint(out, {kRotaryNames[i], in[i].data, TensorBytes(in[i].type, in[i].shape)});
+    CheckApart({"output slots", output->data, n * 8}, {cache, scale});
   }
   return plan;
 }

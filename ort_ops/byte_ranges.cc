@@ -45,4 +45,18 @@ ByteRange RangeOf(const char* name, const TensorArg& t) {
   return {name, t.present ? t.data : nullptr, t.present ? TensorBytes(t.type, t.shape) : 0};
 }
 
+void CheckKeyValueOutputsApart(const TensorArg* in, const void* key, const void* value, int64_t out_bytes) {
+  const ByteRange out_key{"output key", key, out_bytes}, out_value{"output value", value, out_bytes};
+  const std::vector<ByteRange> data{RangeOf("current_key", in[0]), RangeOf("current_value", in[1]),
+                                    RangeOf("cache", in[8]), RangeOf("scale", in[9])};
+  CheckDisjoint(out_key, out_value);
+  CheckApart(out_key, data);
+  CheckApart(out_value, data);
+}
+
+void CheckAttentionOutputApart(const TensorArg* in, const void* output) {
+  CheckApart({"output attention_output", output, TensorBytes(in[0].type, in[0].shape)},
+             {RangeOf("query", in[0]), RangeOf("key", in[1]), RangeOf("value", in[2]), RangeOf("attn_mask", in[8])});
+}
+
 }  // namespace kvcache

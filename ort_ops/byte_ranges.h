@@ -27,4 +27,12 @@ struct TensorArg;
 // The byte range of an input as the validator saw it (empty when absent).
 ByteRange RangeOf(const char* name, const TensorArg& t);
 
+// KeyValueCache's outputs (inputs `in` in the op's order): key and value apart from each other and from
+// current_key, current_value, cache and scale. Outputs a caller allocated (C entry, IOBinding) may point
+// anywhere; throws KvError before anything is written.
+void CheckKeyValueOutputsApart(const TensorArg* in, const void* key, const void* value, int64_t out_bytes);
+
+// MultiHeadAttention's output (query's type and shape) apart from query, key, value and attn_mask.
+void CheckAttentionOutputApart(const TensorArg* in, const void* output);
+
 }  // namespace kvcache

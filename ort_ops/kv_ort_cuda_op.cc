@@ -3,6 +3,7 @@
 // compute stream and launches the kernels on that stream. Nothing is written before validation succeeds.
 #include "kv_ort_cuda_op.h"
 
+#include "byte_ranges.h"
 #include "kv_cuda_run.h"
 
 namespace kvcache {
@@ -16,7 +17,7 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
     const CallPlan plan = ValidateCall(attrs, in);
     auto key = AllocateOutput(ctx, 0, plan, in[0].type);
     auto value = AllocateOutput(ctx, 1, plan, in[0].type);
-    CheckOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
+    CheckKeyValueOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
     if (plan.batch == 0) return nullptr;
     auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
     const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();

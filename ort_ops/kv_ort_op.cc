@@ -104,15 +104,6 @@ Ort::UnownedValue AllocateOutput(Ort::KernelContext& ctx, size_t index, const Ca
   }
 }
 
-void CheckOutputsApart(const TensorArg* in, void* key, void* value, int64_t out_bytes) {
-  const ByteRange out_key{"output key", key, out_bytes}, out_value{"output value", value, out_bytes};
-  const std::vector<ByteRange> data{RangeOf("current_key", in[0]), RangeOf("current_value", in[1]),
-                                    RangeOf("cache", in[8]), RangeOf("scale", in[kScaleInput])};
-  CheckDisjoint(out_key, out_value);
-  CheckApart(out_key, data);
-  CheckApart(out_value, data);
-}
-
 OrtStatusPtr StatusFromCurrentException() {
   try {
     throw;
@@ -135,7 +126,7 @@ OrtStatusPtr CpuKernel::ComputeV2(OrtKernelContext* context) {
     const CallPlan plan = ValidateCall(attrs, in);  // throws before anything is written
     auto key = AllocateOutput(ctx, 0, plan, in[0].type);
     auto value = AllocateOutput(ctx, 1, plan, in[0].type);
-    CheckOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
+    CheckKeyValueOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
     ComputeArgs args{&attrs, &plan, in[0].type, in[kScaleInput].type, in[0].data, in[1].data,
                      const_cast<void*>(in[8].data),  // the cache is written in place (spec: in-out input)
                      in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,

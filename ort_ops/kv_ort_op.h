@@ -62,16 +62,24 @@ const void* TensorData(const Ort::ConstValue& value);
 // headers it was built with.
 inline void DeclareApiVersion(OrtCustomOp& op) { op.version = kOrtApiVersion; }
 
+// OrtStatus for an exception caught at the C boundary.
+OrtStatusPtr StatusFromCurrentException();
+
+// CreateKernelV2 of every op: a TKernel from the kernel info, a status instead of an exception (an invalid
+// attribute is refused when the session is created).
+template <typename TKernel>
+OrtStatusPtr NewKernel(const OrtKernelInfo* info, void** kernel) {
+  try {
+    *kernel = new TKernel(info);
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
 // Output `index` (0 key, 1 value) of shape (kv_tokens, H * num_repeat, Dh). An allocation failure is
 // rethrown as KvError naming the shape and byte count; nothing has been written at that point.
 Ort::UnownedValue AllocateOutput(Ort::KernelContext& ctx, size_t index, const CallPlan& plan, int32_t t1);
-
-// Outputs the caller bound (IOBinding) may point anywhere: refuse key or value sharing memory with each
-// other or with current_key, current_value, cache or scale (throws KvError before anything is written).
-void CheckOutputsApart(const TensorArg* in, void* key, void* value, int64_t out_bytes);
-
-// OrtStatus for an exception caught at the C boundary.
-OrtStatusPtr StatusFromCurrentException();
 
 struct CpuKernel {
   explicit CpuKernel(const OrtKernelInfo* info) : attrs(ReadAttrs(info)) {
@@ -94,12 +102,7 @@ struct KeyValueCacheOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true
     OrtCustomOp::InferOutputShapeFn = InferOutputShapes;
   }
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new TKernel(info);
-      return nullptr;
-    } catch (...) {
-      return StatusFromCurrentException();
-    }
+    return NewKernel<TKernel>(info, kernel);
   }
   const char* GetName() const { return kOpName; }
   size_t GetInputTypeCount() const { return kNumInputs; }

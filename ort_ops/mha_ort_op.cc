@@ -50,10 +50,7 @@ OrtStatusPtr MhaCpuKernel::ComputeV2(OrtKernelContext* context) {
     ReadInputs(ctx, in, kMhaNumInputs);
     const MhaPlan plan = ValidateAttention(attrs, in);  // throws before the output exists
     auto out = ctx.GetOutput(0, in[0].shape);
-    // An output the caller bound (IOBinding) may point anywhere: it must share no byte with what is read.
-    CheckApart({"attention_output", out.GetTensorMutableRawData(), TensorBytes(in[0].type, in[0].shape)},
-               {RangeOf("query", in[0]), RangeOf("key", in[1]), RangeOf("value", in[2]),
-                RangeOf("attn_mask", in[kMhaMaskInput])});
+    CheckAttentionOutputApart(in, out.GetTensorMutableRawData());  // a bound output may point anywhere
     const MhaArgs args{&attrs, &plan, in[0].type, in[0].data, in[1].data, in[2].data,
                        in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, out.GetTensorMutableRawData()};
     MhaComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
@@ -76,12 +73,7 @@ MhaCpuOp::MhaCpuOp() {
 }
 
 OrtStatusPtr MhaCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-  try {
-    *kernel = new MhaCpuKernel(info);
-    return nullptr;
-  } catch (...) {
-    return StatusFromCurrentException();
-  }
+  return NewKernel<MhaCpuKernel>(info, kernel);
 }
 
 }  // namespace kvcache

@@ -26,12 +26,7 @@ template <typename TOp, typename TKernel>
 struct RotaryOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
   RotaryOpBase() { DeclareApiVersion(*this); }
   OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-    try {
-      *kernel = new TKernel(info);
-      return nullptr;
-    } catch (...) {
-      return StatusFromCurrentException();
-    }
+    return NewKernel<TKernel>(info, kernel);
   }
   const char* GetName() const { return kRotaryOpName; }
   size_t GetInputTypeCount() const { return 5; }

@@ -24,6 +24,8 @@ import sys
 
 import numpy as np
 
+from .bound_session import bound_run
+
 from .bench_kvcache import cpu_device, median_seconds
 
 
@@ -156,30 +158,6 @@ def batched_model(shape: Shape):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
 
 
-def bound_runner(model, feeds: dict, out_shape, dtype, threads: int):
-    """A zero-overhead call: inputs and the output bound once as OrtValues, then run_with_iobinding.
-    Returns (run, output array)."""
-    import onnxruntime as ort
-
-    from ..ort_ops import make_session
-
-    session = make_session(model, intra_op_num_threads=threads)
-    binding = session.io_binding()
-    keep = []
-    for info in session.get_inputs():
-        value = ort.OrtValue.ortvalue_from_numpy(feeds[info.name])
-        keep.append(value)
-        binding.bind_ortvalue_input(info.name, value)
-    out = np.empty(out_shape, dtype)
-    binding.bind_output("attention_output", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
-
-    def run():
-        session.run_with_iobinding(binding)
-
-    run.keep = keep
-    return run, out
-
-
 #: The methods measured: the op, and what a user would otherwise run.
 METHODS = ("op", "dense", "batched")
 
@@ -200,7 +178,8 @@ def runner(method: str, shape: Shape, feeds: dict, threads: int):
     query = feeds["query"]
     model = {"op": lambda: spec.make_attention_model(feeds, num_heads=shape.heads, head_dim=shape.head_dim),
              "dense": lambda: dense_model(shape), "batched": lambda: batched_model(shape)}[method]()
-    return bound_runner(model, feeds, query.shape, query.dtype, threads)
+    out = np.empty(query.shape, query.dtype)
+    return bound_run(model, feeds, {"attention_output": out}, threads), out
 
 
 def _proc_status_kib(field: str) -> int:

@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from .bound_session import bound_run
 from .standard_ops_baseline import LAYOUTS, baseline_runner
 
 
@@ -116,32 +117,13 @@ def median_seconds(fn, warmup: int, repeats: int) -> float:
 
 
 def ort_runner(inputs, attrs, threads):
-    """A zero-overhead call: inputs and outputs bound once as OrtValues, then run_with_iobinding."""
-    import onnxruntime as ort
-
+    """A zero-overhead call of the op: inputs and outputs bound once, then run_with_iobinding."""
     from .. import spec
-    from ..ort_ops import make_session
 
-    model = spec.make_model(inputs, **attrs)
-    session = make_session(model, intra_op_num_threads=threads)
-    binding = session.io_binding()
-    keep = []
-    for info in session.get_inputs():
-        value = ort.OrtValue.ortvalue_from_numpy(inputs[info.name])
-        keep.append(value)
-        binding.bind_ortvalue_input(info.name, value)
     kv_tokens = int(inputs["kvstarts"][-1])
     out_shape = (kv_tokens, inputs["current_key"].shape[1], inputs["current_key"].shape[2])
-    for name in ("key", "value"):
-        out = np.empty(out_shape, np.float16)
-        keep.append(out)
-        binding.bind_output(name, "cpu", 0, np.float16, list(out_shape), out.ctypes.data)
-
-    def run():
-        session.run_with_iobinding(binding)
-
-    run.keep = keep
-    return run
+    outputs = {name: np.empty(out_shape, np.float16) for name in ("key", "value")}
+    return bound_run(spec.make_model(inputs, **attrs), inputs, outputs, threads)
 
 
 def bench_cpu(args) -> list:

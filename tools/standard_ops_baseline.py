@@ -82,30 +82,13 @@ def baseline_model(inputs: dict, layout: int, layer: int = 0):
 
 
 def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int):
-    """(run, outputs): the baseline session with every input and output bound once (IOBinding); ``outputs``
-    holds key, value and cache_out, written by each run."""
-    import onnxruntime as ort
+    """(run, outputs): the baseline with every input and output bound once (IOBinding); ``outputs`` holds
+    key, value and cache_out, written by each run."""
+    from .bound_session import bound_run
 
     feeds = baseline_feeds(inputs, page_size, layout)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    session = ort.InferenceSession(baseline_model(inputs, layout).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
-    keep = []
-    for name, array in feeds.items():
-        value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array))
-        keep.append(value)
-        binding.bind_ortvalue_input(name, value)
     kv_shape = (len(feeds["gather_slots"]),) + inputs["current_key"].shape[1:]
     outputs = {"key": np.empty(kv_shape, inputs["current_key"].dtype),
                "value": np.empty(kv_shape, inputs["current_key"].dtype),
                "cache_out": np.empty_like(inputs["cache"])}
-    for name, array in outputs.items():
-        binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
-
-    def run():
-        session.run_with_iobinding(binding)
-
-    run.keep = keep
-    return run, outputs
+    return bound_run(baseline_model(inputs, layout), feeds, outputs, threads), outputs

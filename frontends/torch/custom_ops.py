@@ -111,7 +111,7 @@ def multi_head_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch
         raise NotImplementedError("MultiHeadAttention has no CUDA kernel yet: run it on CPU tensors")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
                  num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
-    data = [t if t is None else t.contiguous() for t in (query, key, value)]
+    data = [t.contiguous() for t in (query, key, value)]
     index = [tt.on_host(name, t) for name, t in zip(c_api.MHA_INPUTS[3:8], (
         seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen))]
     mask = None if attn_mask is None else attn_mask.contiguous()
