@@ -148,10 +148,8 @@ struct TracingMem {
   }
 };
 
-// Runs every (block, thread) of the launcher's grids through the kernels' per-thread work.
-struct Runner {
-  const cuda::Params& p;
-  const KvHostRunOptions& o;
+// Runs every (block, thread) of one launch's grid through a kernel's per-thread work, traced.
+struct Tracer {
   TracingMem& mem;
   KvHostRunReport& r;
   template <class Body>
@@ -170,30 +168,38 @@ struct Runner {
     r.blocks += l.grid.blocks_x * l.grid.blocks_y;
     r.threads += l.grid.blocks_x * l.grid.blocks_y * l.grid.threads;
   }
+};
+
+// The KeyValueCache launches: store, then gather (launch-shape overrides from the options).
+struct Runner {
+  const cuda::Params& p;
+  const KvHostRunOptions& o;
+  Tracer tracer;
   template <class T1, class T3, int QBits>
   int Run() {
+    TracingMem& mem = tracer.mem;
     Launch store{"store launch", cuda::StoreGrid(p, QBits)};
     if (o.store_unit > 0) store.grid.unit = o.store_unit;
-    Each(store, [&](int64_t bx, int64_t by, int64_t tx, int64_t n, int64_t unit) {
+    tracer.Each(store, [&](int64_t bx, int64_t by, int64_t tx, int64_t n, int64_t unit) {
       cuda::StoreThread<T1, T3, QBits>(p, mem, unit, bx, by, tx, n);
     });
     Launch gather{"gather launch", cuda::GatherGrid(p)};
     if (o.gather_unit > 0) gather.grid.unit = o.gather_unit;
-    Each(gather, [&](int64_t bx, int64_t by, int64_t tx, int64_t n, int64_t unit) {
+    tracer.Each(gather, [&](int64_t bx, int64_t by, int64_t tx, int64_t n, int64_t unit) {
       cuda::GatherThread<T1, T3, QBits>(p, mem, unit, bx, by, tx, n);
     });
     return 0;
   }
 };
 
-// Runs every thread of the rotary launch.
+// The KeyCacheRotaryShift launch.
 struct RotaryRunner {
   const cuda::RotaryParams& p;
-  Runner& runner;
+  Tracer tracer;
   template <class T2, class T3, int QBits>
   int Run() {
-    runner.Each({"rotary launch", cuda::RotaryGrid(p)}, [&](int64_t bx, int64_t, int64_t tx, int64_t n, int64_t) {
-      cuda::RotaryThread<T2, T3, QBits>(p, runner.mem, bx, tx, n);
+    tracer.Each({"rotary launch", cuda::RotaryGrid(p)}, [&](int64_t bx, int64_t, int64_t tx, int64_t n, int64_t) {
+      cuda::RotaryThread<T2, T3, QBits>(p, tracer.mem, bx, tx, n);
     });
     return 0;
   }
@@ -256,7 +262,7 @@ __attribute__((visibility("default"))) int32_t kv_host_run(const KvcacheKeyValue
           mem.base[b] = static_cast<char*>(p.ptr[b]);
           mem.bytes[b] = options->buffer_bytes[b] >= 0 ? options->buffer_bytes[b] : sizes[b];
         }
-        cuda::DispatchTypes(in[0].type, in[9].type, static_cast<int>(a.quant_bit), Runner{p, *options, mem, *report});
+        cuda::DispatchTypes(in[0].type, in[9].type, static_cast<int>(a.quant_bit), Runner{p, *options, {mem, *report}});
       },
       message, message_size);
   return Finish(code, faults, mem, report, message, message_size);
@@ -291,9 +297,8 @@ __attribute__((visibility("default"))) int32_t rotary_host_run(const KvcacheRota
           mem.base[b] = static_cast<char*>(p.ptr[b]);
           mem.bytes[b] = options->buffer_bytes[b] >= 0 ? options->buffer_bytes[b] : sizes[b];
         }
-        const cuda::Params unused{};
-        Runner runner{unused, *options, mem, *report};
-        cuda::DispatchRotaryTypes(in[0].type, in[1].type, static_cast<int>(a.base.quant_bit), RotaryRunner{p, runner});
+        cuda::DispatchRotaryTypes(in[0].type, in[1].type, static_cast<int>(a.base.quant_bit),
+                                  RotaryRunner{p, {mem, *report}});
       },
       message, message_size);
   return Finish(code, faults, mem, report, message, message_size);
