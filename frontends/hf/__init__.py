@@ -1,0 +1,17 @@
+"""Hugging Face ``transformers`` decoders (Llama, Mistral, Qwen2 families) exported as packed
+dynamic-batching ONNX graphs that use the ops; served by :class:`kvcache_op.serving.Engine`.
+
+Install with ``pip install "kvcache-op[hf]"`` (``transformers`` and the pinned torch).
+"""
+
+try:
+    import transformers  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on the install
+    raise ImportError("kvcache_op.hf needs transformers: pip install \"kvcache-op[hf]\"") from error
+
+from .decoder import CacheSettings, DecoderShape, PackedDecoder
+from .export import export_model, load_model
+from .tiny import tiny_config, tiny_model
+
+__all__ = ["CacheSettings", "DecoderShape", "PackedDecoder", "export_model", "load_model", "tiny_config",
+           "tiny_model"]

@@ -1,0 +1,124 @@
+"""``export_model``: a ``transformers`` causal LM to a packed dynamic-batching ONNX graph using the ops."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import torch
+
+from .. import torch as kt
+from ..serving.model_info import INPUT_NAMES, OUTPUT_NAME, ModelInfo
+from .decoder import CacheSettings, PackedDecoder
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Example sizes for tracing, pairwise different so no two dynamic axes are taken for one another:
+# T = 4 tokens, B = 2 sequences (B + 1 = 3), P = 5 pages per table, MaxT = 7 pages of slots.
+_EXAMPLE_PAGES, _EXAMPLE_TABLE = 7, 5
+_PROTO_LIMIT = 1 << 30  # above this, weights go to an external data file (protobuf stops at 2 GiB)
+
+
+def _torch_dtype(dtype, model) -> torch.dtype:
+    if dtype is None:
+        return next(model.parameters()).dtype
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    return dtype
+
+
+def load_model(model):
+    """``model`` itself, or the causal LM of a local checkpoint folder (``AutoModelForCausalLM``, no download)."""
+    if isinstance(model, (str, os.PathLike)):
+        from transformers import AutoModelForCausalLM
+
+        if not os.path.isdir(model):
+            raise FileNotFoundError(f"no checkpoint folder at {model}")
+        return AutoModelForCausalLM.from_pretrained(str(model), local_files_only=True)
+    return model
+
+
+def example_inputs(decoder: PackedDecoder) -> dict:
+    """A valid two-sequence step (a decode and a 3-token prefill) on a zeroed cache, for tracing."""
+    s, c = decoder.shape, decoder.cache
+    ps = c.page_size
+    cache, scale = kt.new_cache(num_layer=s.num_layers, max_tokens=_EXAMPLE_PAGES * ps, heads=s.num_kv_heads,
+                                head_dim=s.head_dim, dtype=c.dtype, quant_bit=c.quant_bit, quant_group=c.quant_group,
+                                scale_dtype=c.scale_dtype, cache_layout=c.cache_layout)
+    table = np.full((2, _EXAMPLE_TABLE), -1, np.int64)
+    pages = -(-3 // ps)  # each sequence holds 3 positions: [0, 3)
+    for b in range(2):
+        table[b, :pages] = [(b * pages + i) * ps for i in range(pages)]
+    feeds = dict(
+        input_ids=torch.tensor([1, 2, 3, 4], dtype=torch.long) % s.vocab_size,
+        positions=torch.tensor([2, 0, 1, 2], dtype=torch.long),
+        seqstarts=torch.tensor([0, 1, 4]), kvstarts=torch.tensor([0, 3, 6]),
+        cachestarts=torch.from_numpy(table), start_pos=torch.tensor([2, 0]),
+        decoding_batches=torch.tensor(1), max_seqlen=torch.tensor(3), max_kvlen=torch.tensor(3),
+        cache=cache)
+    if scale is not None:
+        feeds["scale"] = scale
+    return feeds
+
+
+def _cache_axis(settings: CacheSettings) -> int:
+    from ..reference.layout import LAYOUT_AXES
+
+    return LAYOUT_AXES[settings.cache_layout].index("MaxT")
+
+
+def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 0, dtype=None,
+                 quant_group: int = 8, dynamo: bool = True) -> str:
+    """Exports a Llama/Mistral/Qwen2 causal LM (a ``transformers`` model or a local checkpoint folder) to
+    ``path`` and returns the path. The graph runs one step of a dynamic batch (see
+    :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer is KeyValueCache then
+    MultiHeadAttention over one shared paged cache (``cache_mode=1``, ``layer_idx`` per layer), the rest
+    standard ONNX. ``dtype`` is the cache's and attention's element type (default: the model's); the rest
+    of the graph computes in the model's dtype. ``quant_bit`` 8 or 4 stores the cache quantized (int8 /
+    int4 codes, a scale per ``quant_group`` elements). The file carries :class:`~kvcache_op.serving.ModelInfo`
+    as metadata. ``ValueError`` for a model or setting the graph cannot express."""
+    model = load_model(model)
+    settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
+                             cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model))
+    if settings.page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if settings.quant_bit not in (0, 4, 8) or settings.cache_layout not in (0, 1, 2, 3):
+        raise ValueError(f"quant_bit must be 0, 4 or 8 and cache_layout 0..3, got {quant_bit}, {cache_layout}")
+    decoder = PackedDecoder(model, settings).eval()
+    feeds = example_inputs(decoder)
+    names = [n for n in INPUT_NAMES if n in feeds]
+    axes = {"input_ids": {0: "tokens"}, "positions": {0: "tokens"}, "seqstarts": {0: "batch_plus_1"},
+            "kvstarts": {0: "batch_plus_1"}, "cachestarts": {0: "batch", 1: "table_pages"}, "start_pos": {0: "batch"},
+            "cache": {_cache_axis(settings): "cache_slots"}, "scale": {_cache_axis(settings): "cache_slots"}}
+    if dynamo:
+        shapes = {n: ({a: torch.export.Dim.DYNAMIC for a in axes[n]} if n in axes else None) for n in names}
+        kwargs = dict(dynamic_shapes=shapes, input_names=names, output_names=[OUTPUT_NAME])
+    else:
+        kwargs = dict(input_names=names, output_names=[OUTPUT_NAME],
+                      dynamic_axes={**{n: axes[n] for n in names if n in axes}, OUTPUT_NAME: {0: "batch"}})
+    with torch.no_grad():
+        proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
+    info = model_info(decoder)
+    onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **info.to_metadata()})
+    path = os.fspath(path)
+    large = proto.ByteSize() > _PROTO_LIMIT
+    onnx.save(proto, path, save_as_external_data=large, location=os.path.basename(path) + ".data" if large else None)
+    return path
+
+
+def model_info(decoder: PackedDecoder) -> ModelInfo:
+    """The engine's view of an exported decoder."""
+    s, c = decoder.shape, decoder.cache
+    eos = s.eos_token_id
+    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    dtype_name = {v: k for k, v in DTYPES.items()}
+    return ModelInfo(
+        family=s.family, num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+        head_dim=s.head_dim, vocab_size=s.vocab_size, max_positions=s.max_positions,
+        sliding_windows=tuple(s.sliding_windows), inv_freq=s.inv_freq, eos_token_ids=eos, page_size=c.page_size,
+        quant_bit=c.quant_bit, quant_group=c.quant_group, cache_layout=c.cache_layout,
+        cache_dtype=dtype_name[c.dtype], scale_dtype=dtype_name[c.scale_dtype] if c.quant_bit else "")

@@ -1,0 +1,10 @@
+"""Serving exported decoders in ONNX Runtime: :class:`Engine` (continuous batching over the paged cache
+manager), :func:`step_feeds` (a manager's step plan as the graph's feeds) and :class:`ModelInfo` (what
+an exported file tells the engine)."""
+
+from .engine import Engine
+from .model_info import ModelInfo
+from .ort_runner import ModelRunner, default_providers
+from .step_feeds import step_feeds
+
+__all__ = ["Engine", "ModelInfo", "ModelRunner", "default_providers", "step_feeds"]

@@ -1,0 +1,242 @@
+"""Continuous batching of an exported decoder in ONNX Runtime, driven by the paged cache manager.
+
+Every step: waiting requests join while pages allow; decodes (one token each) go first, then prefill
+chunks of the remaining prompts under the step's token budget; the manager plans the step (page
+tables, prefix hits, window releases, StreamingLLM discards); the graph runs it; the step is committed
+only after the run succeeded; each sequence whose prompt is complete gets its greedy next token, and
+requests that are done leave. When pages run out the most recently admitted request is preempted: its
+pages are released and it is recomputed later from its prompt plus what it generated, so nothing is
+lost (its published pages usually come back as prefix hits).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import numpy as np
+
+from ..manager import KVCacheManager, OutOfPages, StreamingPolicy
+from .ort_runner import ModelRunner
+from .step_feeds import step_feeds
+
+
+@dataclasses.dataclass
+class _Sequence:
+    index: int  # position in the batch of requests given to generate()
+    prompt: list
+    max_new_tokens: int
+    salt: object
+    arrival: int  # first step at which it may join
+    generated: list = dataclasses.field(default_factory=list)
+    next_input: list = None  # the token to feed next when decoding (the last generated one)
+    admissions: int = 0
+    ran: bool = False  # ran at least one step since its last admission
+
+    @property
+    def context(self) -> list:
+        """What a (re-)admission feeds: the prompt and every token generated so far."""
+        return self.prompt + self.generated
+
+
+class Engine:
+    """Serves the decoder exported by :func:`kvcache_op.hf.export_model` at ``model_path``.
+
+    ``num_pages`` pages of the model's page size make the cache (allocated once, in ORT). ``providers``:
+    ONNX Runtime execution providers (default: the CUDA EP when available, else the CPU EP).
+    ``max_batch_tokens``: tokens fed per step (decodes and prefill chunks; default 256).
+    ``max_running``: requests in flight at once (default 64). ``max_context``: longest context a
+    request may reach (default the model's maximum positions); sets the page-table width. ``streaming``:
+    a :class:`~kvcache_op.manager.StreamingPolicy` (StreamingLLM; ``"shift"`` rotates the kept keys with
+    KeyCacheRotaryShift, ``"reevaluate"`` feeds them again). ``prefix_caching=False`` disables prefix
+    reuse (pages are still paged). Layers sharing one sliding window release the pages before it.
+    """
+
+    def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = 256,
+                 max_running: int = 64, max_context: int = None, streaming: StreamingPolicy = None,
+                 prefix_caching: bool = True, intra_op_num_threads: int = 0):
+        if max_batch_tokens < 1 or max_running < 1:
+            raise ValueError(f"max_batch_tokens and max_running must be >= 1, got {max_batch_tokens}, {max_running}")
+        self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads)
+        info = self.info = self.runner.info
+        ps = info.page_size
+        window = info.uniform_window
+        max_context = info.max_positions if max_context is None else max_context
+        if window is not None:  # only the window (and one step's tokens) is ever held
+            max_context = min(max_context, window + max_batch_tokens + 2 * ps)
+        if streaming is not None:
+            max_context = min(max_context, streaming.budget_pages * ps)
+        self.manager = KVCacheManager(
+            num_pages, ps, max(1, -(-max_context // ps)), sliding_window=window, streaming=streaming,
+            vocab_size=info.vocab_size,
+            cache_key=(info.cache_dtype, info.quant_bit, info.quant_group, info.cache_layout))
+        self.num_pages = num_pages
+        self.max_batch_tokens = max_batch_tokens
+        self.max_running = max_running
+        self.prefix_caching = prefix_caching
+        self._counters = collections.Counter()
+        self._times = collections.Counter()
+        self._peak_pages = 0
+
+    # ---- public API ------------------------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int, salts=None, *, on_token=None, arrival_steps=None,
+                 record_logits: bool = False) -> list:
+        """Greedy continuations of ``prompts`` (lists of token ids): ``max_new_tokens`` each, fewer when a
+        request emits an end-of-sequence token (included). ``salts[i]`` (str/bytes/None) isolates request
+        ``i``'s prefix cache. ``on_token(i, token)`` streams each token as it is chosen.
+        ``arrival_steps[i]``: the step at which request ``i`` arrives (default all at once).
+        ``record_logits``: also keep each chosen token's logits (``self.last_logits[i]``, one row per token)."""
+        count = len(prompts)
+        salts = [None] * count if salts is None else list(salts)
+        arrivals = [0] * count if arrival_steps is None else [int(a) for a in arrival_steps]
+        if len(salts) != count or len(arrivals) != count:
+            raise ValueError(f"salts and arrival_steps need one entry per prompt ({count})")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        waiting = collections.deque(sorted(
+            (_Sequence(i, [int(t) for t in p], max_new_tokens, s, a) for i, (p, s, a) in
+             enumerate(zip(prompts, salts, arrivals))), key=lambda q: (q.arrival, q.index)))
+        for q in waiting:
+            if not q.prompt:
+                raise ValueError(f"prompt {q.index} is empty")
+        self.last_logits = [[] for _ in range(count)] if record_logits else None
+        running, results = [], [None] * count
+        start, step = time.perf_counter(), 0
+        while waiting or running:
+            self._step(step, waiting, running, results, on_token)
+            step += 1
+        self._times["wall"] += time.perf_counter() - start
+        return results
+
+    def metrics(self) -> dict:
+        """Counters since the engine was made: prefix hits, evictions, preemptions, tokens, pages, cache bytes,
+        throughput, and where the time went (scheduling = admission, manager and feed building; ort_run =
+        the graph and key shifts; other = sampling and the rest)."""
+        m = self.manager.metrics()
+        t = self._times
+        generated = self._counters["generated_tokens"]
+        return {
+            "prefix_hit_rate": m["hit_rate"], "prefix_hit_tokens": m["hit_tokens"],
+            "prompt_tokens": m["queried_tokens"], "evictions": m["evictions"],
+            "preemptions": self._counters["preemptions"], "generated_tokens": generated,
+            "steps": self._counters["steps"], "fed_tokens": self._counters["fed_tokens"],
+            "tokens_per_s": generated / t["wall"] if t["wall"] else 0.0,
+            "pages_total": self.num_pages, "pages_in_use": m["pages_in_use"], "pages_cached": m["pages_cached"],
+            "peak_pages_in_use": self._peak_pages, "cache_bytes": self.runner.cache_bytes,
+            "time_scheduling_s": t["scheduling"], "time_ort_run_s": t["ort_run"],
+            "time_other_s": max(0.0, t["wall"] - t["scheduling"] - t["ort_run"]), "wall_s": t["wall"],
+            "providers": list(self.runner.providers),
+        }
+
+    # ---- one step --------------------------------------------------------------------------------------
+    def _step(self, step: int, waiting, running: list, results: list, on_token) -> None:
+        began = time.perf_counter()
+        self._admit(step, waiting, running)
+        plan = self._plan(waiting, running) if running else None
+        if plan is None:
+            self._times["scheduling"] += time.perf_counter() - began
+            return
+        feeds = step_feeds(plan)
+        scheduled = time.perf_counter()
+        self._times["scheduling"] += scheduled - began
+        try:
+            if plan.shift_slots.size:
+                self.runner.shift_keys(plan.shift_slots, plan.shift_deltas)
+            logits = self.runner.run(feeds)
+        except BaseException:
+            self._roll_back(plan, waiting, running)
+            raise
+        ran = time.perf_counter()
+        self._times["ort_run"] += ran - scheduled
+        self.manager.commit(plan)
+        self._counters["steps"] += 1
+        self._counters["fed_tokens"] += int(plan.seqstarts[-1])
+        self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
+        by_id = {id(q): q for q in running}
+        for row, rid in enumerate(plan.request_ids):
+            q = by_id[rid]
+            q.ran = True
+            if self.manager.pending_tokens(rid):
+                continue  # a prefill chunk: its logits predict a prompt token
+            token = int(np.argmax(logits[row]))
+            q.generated.append(token)
+            q.next_input = [token]
+            self._counters["generated_tokens"] += 1
+            if self.last_logits is not None:
+                self.last_logits[q.index].append(logits[row].copy())
+            if on_token is not None:
+                on_token(q.index, token)
+            if len(q.generated) >= q.max_new_tokens or token in self.info.eos_token_ids:
+                self.manager.finish(rid)
+                running.remove(q)
+                results[q.index] = q.generated
+        self._times["scheduling"] += time.perf_counter() - ran  # commit and finishing are manager work
+
+    def _admit(self, step: int, waiting, running: list) -> None:
+        """Admits arrived requests in order while the running set and the free pages allow: a request
+        joins when the pages of its whole context fit next to one spare page per running request."""
+        ps = self.info.page_size
+        while waiting and waiting[0].arrival <= step and len(running) < self.max_running:
+            q = waiting[0]
+            needed = -(-len(q.context) // ps)
+            if running and needed + len(running) > self.manager.pool.available():
+                return
+            if not self.prefix_caching:
+                self.manager.reset_prefix_cache()
+            self.manager.add_request(id(q), q.context, q.salt)
+            waiting.popleft()
+            q.admissions += 1
+            q.ran = False
+            q.next_input = None
+            running.append(q)
+
+    def _feeds(self, running: list) -> dict:
+        """Decodes first (so ``decoding_batches`` counts them), then prefill chunks, within the token budget."""
+        budget, feeds = self.max_batch_tokens, {}
+        for q in running:
+            if q.next_input is not None and budget > 0:
+                feeds[id(q)] = q.next_input
+                budget -= 1
+        for q in running:
+            if q.next_input is None and budget > 0:
+                chunk = self.manager.pending_tokens(id(q))[:budget]
+                feeds[id(q)] = chunk
+                budget -= len(chunk)
+        return feeds
+
+    def _plan(self, waiting, running: list):
+        """The manager's plan of this step, preempting the most recently admitted requests while pages
+        are short. ``None`` when nothing can be fed."""
+        while running:
+            feeds = self._feeds(running)
+            if not feeds:
+                return None
+            try:
+                return self.manager.schedule(feeds)
+            except OutOfPages:
+                if len(running) == 1:
+                    q = running[0]
+                    raise RuntimeError(f"request {q.index} ({len(q.context)} tokens of context) does not fit "
+                                       f"num_pages={self.num_pages} pages of {self.info.page_size}: give the "
+                                       f"engine more pages") from None
+                self._preempt(running.pop(), waiting)
+        return None
+
+    def _preempt(self, q: _Sequence, waiting) -> None:
+        """Releases ``q``'s pages and puts it first in line; it is recomputed from its context later."""
+        self.manager.finish(id(q))
+        q.next_input = None
+        if q.ran:
+            self._counters["preemptions"] += 1
+        waiting.appendleft(q)
+
+    def _roll_back(self, plan, waiting, running: list) -> None:
+        """The run failed: the step is aborted and its requests recomputed later (part of the step may
+        have been written: an early layer, or a key shift), as the manager prescribes."""
+        self.manager.abort(plan)
+        scheduled = set(plan.request_ids)
+        for q in [q for q in running if id(q) in scheduled][::-1]:
+            running.remove(q)
+            self._preempt(q, waiting)
+

@@ -1,0 +1,133 @@
+"""An exported decoder in an ONNX Runtime session: the cache (and scale) as ORT-owned tensors bound to every
+step with IOBinding (the ops write them in place, no copy), the step's index inputs bound from host
+memory, and StreamingLLM's key shift as a second small graph of KeyCacheRotaryShift nodes on the same
+cache."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper
+
+from ..ort_ops.session import make_session
+from ..reference.layout import cache_shape
+from ..spec import rotary_schema
+from .model_info import OUTPUT_NAME, ModelInfo
+
+ELEMENT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
+BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.INT8: 1}
+
+
+def default_providers() -> list:
+    """The CUDA EP when this ONNX Runtime has it (``onnxruntime-gpu``), else the CPU EP."""
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+def _zeroed(shape: tuple, element_type: int, device: str) -> ort.OrtValue:
+    """An ORT-allocated tensor on ``device``, zero-filled (int4: two codes per byte)."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), element_type, device, 0)
+    count = int(np.prod(shape))
+    nbytes = (count + 1) // 2 if element_type == TensorProto.INT4 else count * BYTES[element_type]
+    if device == "cpu":
+        ctypes.memset(value.data_ptr(), 0, nbytes)
+    else:  # a host buffer of the same bytes, copied once to the device
+        value.update_inplace(np.zeros(nbytes, np.uint8).view(_host_dtype(element_type)).reshape(
+            shape if element_type != TensorProto.INT4 else (-1,)))
+    return value
+
+
+def _host_dtype(element_type: int):
+    return {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: np.uint16,
+            TensorProto.INT8: np.int8, TensorProto.INT4: np.uint8}[element_type]
+
+
+class ModelRunner:
+    """Runs steps of the exported decoder at ``model_path`` over a cache of ``num_pages`` pages."""
+
+    def __init__(self, model_path, num_pages: int, providers=None, intra_op_num_threads: int = 0):
+        model = onnx.load(str(model_path), load_external_data=False)
+        self.info = ModelInfo.of_model(model)
+        self.providers = list(providers) if providers is not None else default_providers()
+        self.session = make_session(str(model_path), self.providers, intra_op_num_threads,
+                                    disable_cpu_fallback=self.providers[0] != "CPUExecutionProvider")
+        self.session_inputs = [i.name for i in self.session.get_inputs()]
+        self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
+        i = self.info
+        self.cache_type = (TensorProto.INT8 if i.quant_bit == 8 else TensorProto.INT4 if i.quant_bit == 4
+                           else ELEMENT_TYPES[i.cache_dtype])
+        num_slots = num_pages * i.page_size
+        shape = cache_shape(i.cache_layout, i.num_layers, num_slots, i.num_kv_heads, i.head_dim)
+        self.cache = _zeroed(shape, self.cache_type, self.device)
+        self.scale = None
+        if i.quant_bit:
+            scale_shape = cache_shape(i.cache_layout, i.num_layers, num_slots, i.num_kv_heads,
+                                      i.head_dim // i.quant_group)
+            self.scale = _zeroed(scale_shape, ELEMENT_TYPES[i.scale_dtype], self.device)
+        self.cache_bytes = sum(int(np.prod(v.shape())) * (BYTES.get(self.cache_type, 0.5) if v is self.cache
+                                                          else BYTES[ELEMENT_TYPES[i.scale_dtype]])
+                               for v in (self.cache, self.scale) if v is not None)
+        self._shift_session = None
+
+    def run(self, feeds: dict) -> np.ndarray:
+        """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
+        (float32, host). The cache is updated in place."""
+        binding = self.session.io_binding()
+        for name in self.session_inputs:
+            if name == "cache":
+                binding.bind_ortvalue_input(name, self.cache)
+            elif name == "scale":
+                binding.bind_ortvalue_input(name, self.scale)
+            else:
+                binding.bind_cpu_input(name, feeds[name])
+        binding.bind_output(OUTPUT_NAME, "cpu")
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()
+
+    def shift_keys(self, slots: np.ndarray, deltas: np.ndarray) -> None:
+        """Rotates the keys stored in ``slots`` by ``deltas`` positions in every layer (StreamingLLM's
+        shift), with the model's own rotary frequencies: ``angle = delta * inv_freq`` in float64."""
+        if self._shift_session is None:
+            self._shift_session = make_session(self._shift_model(), self.providers,
+                                               disable_cpu_fallback=self.device != "cpu")
+        angles = np.asarray(deltas, np.float64)[:, None] * np.asarray(self.info.inv_freq, np.float64)[None, :]
+        binding = self._shift_session.io_binding()
+        binding.bind_ortvalue_input("cache", self.cache)
+        if self.scale is not None:
+            binding.bind_ortvalue_input("scale", self.scale)
+        binding.bind_cpu_input("slots", np.ascontiguousarray(slots, np.int64))
+        binding.bind_cpu_input("cos", np.cos(angles).astype(np.float32))
+        binding.bind_cpu_input("sin", np.sin(angles).astype(np.float32))
+        binding.bind_output("slots_out", "cpu")
+        self._shift_session.run_with_iobinding(binding)
+
+    def _shift_model(self) -> onnx.ModelProto:
+        """KeyCacheRotaryShift on every layer, chained through ``slots_out`` so the writes are ordered."""
+        i = self.info
+        cache_dims = ["d0", "d1", "d2", "d3", "d4"]
+        inputs = [helper.make_tensor_value_info("cache", self.cache_type, cache_dims)]
+        names = ["cache"]
+        if self.scale is not None:
+            inputs.append(helper.make_tensor_value_info("scale", ELEMENT_TYPES[i.scale_dtype], cache_dims[:4] + ["groups"]))
+            names.append("scale")
+        else:
+            names.append("")
+        inputs += [helper.make_tensor_value_info("slots", TensorProto.INT64, ["n"]),
+                   helper.make_tensor_value_info("cos", TensorProto.FLOAT, ["n", "r"]),
+                   helper.make_tensor_value_info("sin", TensorProto.FLOAT, ["n", "r"])]
+        nodes, slots = [], "slots"
+        for layer in range(i.num_layers):
+            out = "slots_out" if layer == i.num_layers - 1 else f"slots_after_layer_{layer}"
+            nodes.append(helper.make_node(
+                rotary_schema.OP_TYPE, [*names, slots, "cos", "sin"], [out], domain=rotary_schema.DOMAIN,
+                num_layer=i.num_layers, layer_idx=layer, cache_layout=i.cache_layout, quant_bit=i.quant_bit,
+                quant_group=i.quant_group))
+            slots = out
+        graph = helper.make_graph(nodes, "key_shift", inputs,
+                                  [helper.make_tensor_value_info("slots_out", TensorProto.INT64, ["n"])])
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                       helper.make_opsetid(rotary_schema.DOMAIN, 1)])
