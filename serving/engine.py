@@ -103,10 +103,16 @@ class Engine:
         self.last_logits = [[] for _ in range(count)] if record_logits else None
         running, results = [], [None] * count
         start, step = time.perf_counter(), 0
-        while waiting or running:
-            self._step(step, waiting, running, results, on_token)
-            step += 1
-        self._times["wall"] += time.perf_counter() - start
+        try:
+            while waiting or running:
+                self._step(step, waiting, running, results, on_token)
+                step += 1
+        except BaseException:  # the engine stays usable: nothing of this call keeps pages
+            for q in running:
+                self.manager.finish(id(q))
+            raise
+        finally:
+            self._times["wall"] += time.perf_counter() - start
         return results
 
     def metrics(self) -> dict:

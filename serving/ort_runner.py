@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 from ..ort_ops.session import make_session
 from ..reference.layout import cache_shape
 from ..spec import rotary_schema
+from ..spec.model import DEFAULT_OPSET, IR_VERSION
 from .model_info import OUTPUT_NAME, ModelInfo
 
 ELEMENT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -129,5 +130,6 @@ class ModelRunner:
             slots = out
         graph = helper.make_graph(nodes, "key_shift", inputs,
                                   [helper.make_tensor_value_info("slots_out", TensorProto.INT64, ["n"])])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                       helper.make_opsetid(rotary_schema.DOMAIN, 1)])
+        return helper.make_model(graph, ir_version=IR_VERSION, producer_name="kvcache-op",
+                                 opset_imports=[helper.make_opsetid("", DEFAULT_OPSET),
+                                                helper.make_opsetid(rotary_schema.DOMAIN, 1)])

@@ -17,4 +17,4 @@ def step_feeds(plan) -> dict:
     decoding = int(np.argmin(lengths == 1)) if (lengths != 1).any() else len(lengths)
     feeds = dict(input_ids=input_ids, positions=plan.query_positions, decoding_batches=np.array(decoding, np.int64),
                  **plan.op_inputs())
-    return {k: np.ascontiguousarray(v, dtype=np.int64) for k, v in feeds.items()}
+    return {k: np.require(v, np.int64, "C") for k, v in feeds.items()}  # keeps scalars 0-d

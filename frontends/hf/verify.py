@@ -1,0 +1,65 @@
+"""The source model's own answers, to check a served model against: ``transformers``' greedy ``generate``
+one request at a time, optionally with its KV cache stored the way an exported cache stores it
+(rounded to the cache dtype, or quantized and dequantized exactly as KeyValueCache specifies), so a
+quantized export has an oracle of matching precision."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers import DynamicCache
+
+from ..reference.quantize import dequantize, quantize
+from ..serving.model_info import ModelInfo
+
+_TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def stored_kv(info: ModelInfo):
+    """``round(x) -> x'``: keys/values ``[..., Dh]`` as the exported cache gives them back (``None`` when
+    the cache keeps float32 exactly)."""
+    if info.quant_bit:
+        import ml_dtypes
+
+        scale_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[info.scale_dtype]
+
+        def round_quantized(x: torch.Tensor) -> torch.Tensor:
+            codes, scale = quantize(x.detach().float().numpy(), info.quant_bit, info.quant_group, scale_dtype)
+            return torch.from_numpy(dequantize(codes, scale, info.quant_group, np.float32)).to(x.dtype)
+        return round_quantized
+    if info.cache_dtype == "float32":
+        return None
+    return lambda x: x.to(_TORCH[info.cache_dtype]).to(x.dtype)
+
+
+class StoredKVCache(DynamicCache):
+    """A ``DynamicCache`` whose stored keys/values pass through ``round_kv`` first."""
+
+    def __init__(self, config, round_kv):
+        super().__init__(config=config)
+        self.round_kv = round_kv
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self.round_kv(key_states), self.round_kv(value_states), layer_idx, *args, **kwargs)
+
+
+def _cache(model, round_kv):
+    return StoredKVCache(model.config, round_kv) if round_kv is not None else DynamicCache(config=model.config)
+
+
+def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> list:
+    """``model.generate`` greedy continuation of one prompt (stops at the config's end-of-sequence ids,
+    included, as the engine does)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+                             past_key_values=_cache(model, round_kv), pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def reference_logits(model, prompt, tokens, round_kv=None) -> np.ndarray:
+    """The model's logits ``[len(tokens), vocab]`` predicting each of ``tokens`` after ``prompt`` (one
+    forward pass over the whole sequence)."""
+    with torch.no_grad():
+        ids = torch.tensor([list(prompt) + list(tokens)])
+        logits = model(ids, past_key_values=_cache(model, round_kv), use_cache=True).logits
+    return logits[0, len(prompt) - 1:-1].float().numpy()

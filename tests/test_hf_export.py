@@ -1,0 +1,127 @@
+"""kvcache_op.hf.export_model: the graph it writes, the metadata the engine reads, the models and settings
+it refuses, and a local checkpoint folder as its source."""
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op import spec  # noqa: E402
+from kvcache_op.hf import export_model, tiny_model  # noqa: E402
+from kvcache_op.hf.verify import reference_generate  # noqa: E402
+from kvcache_op.manager import KVCacheManager  # noqa: E402
+from kvcache_op.serving import Engine, ModelInfo, ModelRunner, step_feeds  # noqa: E402
+
+
+def attributes(node):
+    return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
+def test_each_layer_is_one_cache_node_then_one_attention_node_on_the_shared_cache(family):
+    model = onnx.load(hf_models.exported(family))
+    ours = [n for n in model.graph.node if n.domain == spec.DOMAIN]
+    layers = hf_models.model(family).config.num_hidden_layers
+    assert [n.op_type for n in ours] == ["KeyValueCache", "MultiHeadAttention"] * layers
+    info = ModelInfo.of_model(model)
+    for layer, (kv, mha) in enumerate(zip(ours[::2], ours[1::2])):
+        a = attributes(kv)
+        assert (a["num_layer"], a["layer_idx"], a["cache_mode"], a["page_size"]) == (layers, layer, 1, 16)
+        assert kv.input[8] == "cache" and list(mha.input[1:3]) == list(kv.output)
+        assert attributes(mha).get("sliding_window", 0) == info.sliding_windows[layer]  # written only when set
+    inputs = [i.name for i in model.graph.input]
+    assert inputs == ["input_ids", "positions", "seqstarts", "kvstarts", "cachestarts", "start_pos",
+                      "decoding_batches", "max_seqlen", "max_kvlen", "cache"]
+    assert "cache" not in {i.name for i in model.graph.initializer} | {o.name for o in model.graph.output}
+    assert [o.name for o in model.graph.output] == ["logits"]
+
+
+def test_metadata_describes_the_model_and_the_cache():
+    info = ModelInfo.of_model(hf_models.exported("mistral", quant_bit=8, cache_layout=1))
+    config = hf_models.model("mistral").config
+    assert (info.family, info.num_layers, info.num_heads, info.num_kv_heads, info.head_dim, info.vocab_size) == (
+        "mistral", config.num_hidden_layers, 4, 2, 16, config.vocab_size)
+    assert info.sliding_windows == (24,) * 3 and info.uniform_window == 24
+    assert (info.quant_bit, info.cache_layout, info.cache_dtype, info.scale_dtype) == (8, 1, "float32", "float32")
+    inv_freq = hf_models.model("mistral").model.rotary_emb.inv_freq
+    assert np.array_equal(np.float32(info.inv_freq), inv_freq.numpy())
+
+
+def test_the_torchscript_exporter_serves_the_same_tokens():
+    path = hf_models.exported("qwen2", dynamo=False)
+    prompts = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90))]
+    tokens = Engine(path, num_pages=16).generate(prompts, 12)
+    model = hf_models.model("qwen2")
+    assert tokens == [reference_generate(model, p, 12) for p in prompts]
+
+
+def test_a_local_checkpoint_folder_exports_like_the_model(tmp_path):
+    model = tiny_model("llama", seed=3)
+    model.save_pretrained(tmp_path / "checkpoint")
+    path = export_model(str(tmp_path / "checkpoint"), tmp_path / "from-folder.onnx")
+    prompts = [list(range(1, 30)), [7] * 20]
+    assert Engine(path, num_pages=8).generate(prompts, 8) == [reference_generate(model, p, 8) for p in prompts]
+
+
+def test_unsupported_models_and_settings_are_refused_clearly(tmp_path):
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+        export_model(gpt2, tmp_path / "x.onnx")
+    dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ValueError, match="rope type 'dynamic' changes its frequencies"):
+        export_model(dynamic, tmp_path / "x.onnx")
+    model = hf_models.model("llama")
+    with pytest.raises(ValueError, match="dtype must be one of float32, float16, bfloat16, got 'int8'"):
+        export_model(model, tmp_path / "x.onnx", dtype="int8")
+    with pytest.raises(ValueError, match="quant_bit must be 0, 4 or 8"):
+        export_model(model, tmp_path / "x.onnx", quant_bit=2)
+    with pytest.raises(ValueError, match="page_size must be >= 1"):
+        export_model(model, tmp_path / "x.onnx", page_size=0)
+    with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
+        export_model(str(tmp_path / "missing"), tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_the_engine_refuses_a_model_without_metadata_and_a_request_too_big(tmp_path):
+    plain = onnx.load(hf_models.exported("llama"))
+    del plain.metadata_props[:]
+    onnx.save(plain, tmp_path / "plain.onnx")
+    with pytest.raises(ValueError, match="carries no kvcache_op metadata: export it with kvcache_op.hf.export_model"):
+        Engine(tmp_path / "plain.onnx", num_pages=4)
+    engine = Engine(hf_models.exported("llama"), num_pages=2)
+    with pytest.raises(RuntimeError, match=r"request 0 \(40 tokens of context\) does not fit num_pages=2 pages of 16"):
+        engine.generate([list(range(40))], 4)
+    assert not engine.manager.requests
+
+
+def test_step_feeds_are_the_plan_with_decodes_counted():
+    manager = KVCacheManager(16, 4, 8)
+    manager.add_request("a", [1, 2, 3])
+    manager.add_request("b", [4, 5, 6, 7, 8])
+    manager.commit(manager.schedule({"a": [1, 2, 3]}))
+    plan = manager.schedule({"a": [9], "b": [4, 5, 6]})
+    feeds = step_feeds(plan)
+    assert feeds["input_ids"].tolist() == [9, 4, 5, 6] and int(feeds["decoding_batches"]) == 1
+    assert feeds["positions"].tolist() == [3, 0, 1, 2]
+    for name, array in plan.op_inputs().items():
+        assert np.array_equal(feeds[name], array) and feeds[name].dtype == np.int64
+    manager.abort(plan)
+    plan = manager.schedule({"b": [4, 5], "a": [9]})
+    assert int(step_feeds(plan)["decoding_batches"]) == 0, "a decode after a prefill is not counted"
+
+
+def test_one_prefill_step_gives_the_models_logits():
+    runner = ModelRunner(hf_models.exported("llama"), num_pages=4)
+    manager = KVCacheManager(4, 16, 4)
+    prompt = list(range(3, 40))
+    manager.add_request(0, prompt)
+    logits = runner.run(step_feeds(manager.schedule({0: prompt})))
+    import torch
+
+    with torch.no_grad():
+        want = hf_models.model("llama")(torch.tensor([prompt])).logits[0, -1].numpy()
+    np.testing.assert_allclose(logits[0], want, atol=1e-4, rtol=1e-4)

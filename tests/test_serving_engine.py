@@ -1,0 +1,174 @@
+"""The engine serving exported decoders, checked token for token against transformers' own greedy
+generation (one request at a time), with prefix hits, evictions and preemptions actually happening."""
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op.hf.verify import reference_generate, reference_logits, stored_kv  # noqa: E402
+from kvcache_op.serving import Engine, ModelInfo  # noqa: E402
+from kvcache_op.serving.workload import shared_prefix_workload  # noqa: E402
+
+NEW_TOKENS = 20
+# 16 requests, 3 shared system prompts of 40 tokens, 3..29 user tokens, two arrivals per step; 14 pages of 16
+# slots hold about 4 requests' contexts, so the engine must evict cached prefixes and preempt.
+WORKLOAD = dict(count=16, vocab_size=384, seed=0)
+TIGHT = dict(num_pages=14, max_batch_tokens=64, max_running=8)
+
+
+def serve(path, workload, **engine_settings):
+    engine = Engine(path, **{**TIGHT, **engine_settings})
+    tokens = engine.generate(workload.prompts, NEW_TOKENS, salts=workload.salts,
+                             arrival_steps=workload.arrival_steps, record_logits=True)
+    engine.manager.check()
+    assert not engine.manager.requests, "finished requests still hold pages"
+    return engine, tokens
+
+
+def assert_busy(metrics):
+    """The scenario exercised what it claims to: shared prefixes hit, cached pages were evicted, requests
+    were preempted and recomputed."""
+    assert metrics["prefix_hit_tokens"] > 0 and metrics["evictions"] > 0 and metrics["preemptions"] > 0, metrics
+
+
+@pytest.mark.parametrize("family, num_pages", [("llama", 14), ("mistral", 6), ("qwen2", 14)])
+def test_greedy_tokens_equal_transformers_generate(family, num_pages):
+    """Mistral's window releases pages, so it needs fewer to be short of them."""
+    workload = shared_prefix_workload(**WORKLOAD)
+    engine, tokens = serve(hf_models.exported(family), workload, num_pages=num_pages)
+    assert_busy(engine.metrics())
+    model = hf_models.model(family)
+    for i, prompt in enumerate(workload.prompts):
+        assert tokens[i] == reference_generate(model, prompt, NEW_TOKENS), f"request {i}"
+    assert len({t for seq in tokens for t in seq}) > 20, "degenerate generations would make the check weak"
+
+
+def test_the_window_of_mistral_changes_what_it_generates():
+    """The Mistral scenario runs past its 24-token window: without the window transformers generates
+    something else, so token equality above really checks the windowed attention and page release."""
+    model = hf_models.model("mistral")
+    workload = shared_prefix_workload(**WORKLOAD)
+    info = ModelInfo.of_model(hf_models.exported("mistral"))
+    assert info.uniform_window == 24 and min(len(p) for p in workload.prompts) > 24
+    windowed = [reference_generate(model, p, NEW_TOKENS) for p in workload.prompts[:4]]
+    model.config.sliding_window = None
+    try:
+        full = [reference_generate(model, p, NEW_TOKENS) for p in workload.prompts[:4]]
+    finally:
+        model.config.sliding_window = 24
+    assert windowed != full
+
+
+@pytest.mark.parametrize("settings", [dict(quant_bit=8, cache_layout=1), dict(quant_bit=4, cache_layout=3, page_size=8)],
+                         ids=["int8-layout1", "int4-layout3-page8"])
+def test_quantized_caches_equal_the_model_with_the_spec_quantized_cache(settings):
+    """With a quantized cache the served model is the source model whose stored keys/values go through
+    the spec's quantize/dequantize: greedy tokens equal that model's, and teacher-forced logits agree
+    within 0.05 (a code on the rounding edge may flip by one where ORT's and torch's sums differ)."""
+    path = hf_models.exported("llama", **settings)
+    workload = shared_prefix_workload(**WORKLOAD)
+    engine, tokens = serve(path, workload, num_pages=14 * 16 // settings.get("page_size", 16))
+    assert_busy(engine.metrics())
+    model, rounding = hf_models.model("llama"), stored_kv(ModelInfo.of_model(path))
+    plain_gap = 0.0
+    for i, prompt in enumerate(workload.prompts):
+        assert tokens[i] == reference_generate(model, prompt, NEW_TOKENS, rounding), f"request {i}"
+        served = np.array(engine.last_logits[i])
+        assert np.abs(served - reference_logits(model, prompt, tokens[i], rounding)).max() < 0.05
+        plain_gap = max(plain_gap, np.abs(served - reference_logits(model, prompt, tokens[i])).max())
+    assert plain_gap > 0.05, "the quantization should be visible against the float32 model"
+
+
+def test_a_float16_cache_stays_within_its_bound():
+    """float16 rounds queries, keys, values and the attention output: teacher-forced logits (max |logit|
+    about 5 for this model) stay within 0.05 of the source model with a float16-stored cache."""
+    path = hf_models.exported("llama", dtype="float16", cache_layout=2, page_size=4, dynamo=False)
+    workload = shared_prefix_workload(**WORKLOAD)
+    engine, tokens = serve(path, workload, num_pages=14 * 4)
+    model, rounding = hf_models.model("llama"), stored_kv(ModelInfo.of_model(path))
+    for i, prompt in enumerate(workload.prompts):
+        gap = np.abs(np.array(engine.last_logits[i]) - reference_logits(model, prompt, tokens[i], rounding)).max()
+        assert gap < 0.05, f"request {i}: {gap}"
+
+
+def test_tenant_salts_never_share_prefix_pages():
+    path = hf_models.exported("llama")
+    prompt = shared_prefix_workload(**WORKLOAD).prompts[0]
+    engine = Engine(path, num_pages=32)
+    engine.generate([prompt], 2, salts=["tenant-a"])
+    engine.generate([prompt], 2, salts=["tenant-b"])
+    assert engine.metrics()["prefix_hit_tokens"] == 0
+    engine.generate([prompt], 2, salts=["tenant-a"])
+    assert engine.metrics()["prefix_hit_tokens"] == (len(prompt) - 1) // 16 * 16
+
+
+def test_a_failed_run_rolls_the_step_back_and_the_engine_recovers(monkeypatch):
+    path = hf_models.exported("llama")
+    workload = shared_prefix_workload(**WORKLOAD)
+    engine = Engine(path, **TIGHT)
+    real_run, calls = engine.runner.run, []
+
+    def failing_run(feeds):
+        calls.append(1)
+        if len(calls) == 7:
+            raise RuntimeError("device lost")
+        return real_run(feeds)
+
+    monkeypatch.setattr(engine.runner, "run", failing_run)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(workload.prompts, NEW_TOKENS, arrival_steps=workload.arrival_steps)
+    engine.manager.check()
+    assert not engine.manager.requests
+    tokens = engine.generate(workload.prompts[:6], NEW_TOKENS)
+    model = hf_models.model("llama")
+    assert tokens == [reference_generate(model, p, NEW_TOKENS) for p in workload.prompts[:6]]
+
+
+def test_streaming_shift_rotates_kept_keys_to_their_new_positions():
+    """StreamingLLM with the key shift: one long request overflows a 4-page budget, pages are dropped and
+    the kept keys rotated. Layer 0's keys depend only on the token and its position, so after the shift
+    each kept slot must hold the key the model computes for its token at its new (cache) position."""
+    import torch
+
+    from kvcache_op.manager import StreamingPolicy
+
+    path = hf_models.exported("llama")
+    model = hf_models.model("llama")
+    engine = Engine(path, num_pages=16, streaming=StreamingPolicy(sinks=4, budget_pages=4, mode="shift"))
+    prompt = shared_prefix_workload(**WORKLOAD).prompts[1]
+    seen = []
+
+    def snapshot(_, token):
+        (r,) = engine.manager.requests.values()
+        seen.append((list(r.tokens), r.token_base, list(r.pages), r.computed))
+
+    tokens = engine.generate([prompt], 40, on_token=snapshot)[0]
+    assert len(tokens) == 40 and len(prompt) + 40 > 4 * 16
+    history, base, pages, computed = seen[-1]
+    assert base == 0 and computed < len(prompt) + 39, "no page was dropped"
+    cache = engine.runner.cache.numpy()  # layout 0: (MaxT, L, 2, H, Dh)
+    layer0 = model.model.layers[0]
+    with torch.no_grad():
+        x = layer0.input_layernorm(model.model.embed_tokens(torch.tensor(history[:computed])))
+        k = layer0.self_attn.k_proj(x).view(computed, 2, 16)
+        cos, sin = model.model.rotary_emb(k, torch.arange(computed)[None])
+        from kvcache_op.hf.decoder import rotate_half
+        want = (k * cos[0][:, None] + rotate_half(k) * sin[0][:, None]).numpy()
+    slots = np.array([pages[p // 16] * 16 + p % 16 for p in range(computed)])
+    got = cache[slots, 0, 0]
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_streaming_reevaluate_serves_within_the_budget():
+    from kvcache_op.manager import StreamingPolicy
+
+    path = hf_models.exported("llama")
+    engine = Engine(path, num_pages=16, streaming=StreamingPolicy(sinks=4, budget_pages=4, mode="reevaluate"))
+    workload = shared_prefix_workload(**WORKLOAD)
+    peak = []
+    engine.generate(workload.prompts[:3], 40,
+                    on_token=lambda i, t: peak.append(max(len(r.pages) for r in engine.manager.requests.values())))
+    assert max(peak) <= 4
+    assert engine.metrics()["generated_tokens"] == 120
