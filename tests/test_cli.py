@@ -4,11 +4,11 @@ import subprocess
 import sys
 
 from kvcache_op.cli import main
-from kvcache_op.demo import run_demo
+from kvcache_op.slots_demo import run_slots_demo
 
 
 def test_demo_runs_and_every_step_checks_out(capsys):
-    assert run_demo(backend="reference", steps=8) == 0
+    assert run_slots_demo(backend="reference", steps=8) == 0
     out = capsys.readouterr().out
     assert "MISMATCH" not in out and out.count(" ok") >= 20
     assert "req 1 finished" in out

@@ -72,7 +72,7 @@ def _cache_axis(settings: CacheSettings) -> int:
 
 
 def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 0, dtype=None,
-                 quant_group: int = 8, dynamo: bool = True) -> str:
+                 quant_group: int = 8, dynamo: bool = True, verbose: bool = False) -> str:
     """Exports a Llama/Mistral/Qwen2 causal LM (a ``transformers`` model or a local checkpoint folder) to
     ``path`` and returns the path. The graph runs one step of a dynamic batch (see
     :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer is KeyValueCache then
@@ -80,7 +80,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     standard ONNX. ``dtype`` is the cache's and attention's element type (default: the model's); the rest
     of the graph computes in the model's dtype. ``quant_bit`` 8 or 4 stores the cache quantized (int8 /
     int4 codes, a scale per ``quant_group`` elements). The file carries :class:`~kvcache_op.serving.ModelInfo`
-    as metadata. ``ValueError`` for a model or setting the graph cannot express."""
+    as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
+    progress. ``ValueError`` for a model or setting the graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model))
@@ -96,9 +97,9 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
             "cache": {_cache_axis(settings): "cache_slots"}, "scale": {_cache_axis(settings): "cache_slots"}}
     if dynamo:
         shapes = {n: ({a: torch.export.Dim.DYNAMIC for a in axes[n]} if n in axes else None) for n in names}
-        kwargs = dict(dynamic_shapes=shapes, input_names=names, output_names=[OUTPUT_NAME])
+        kwargs = dict(dynamic_shapes=shapes, input_names=names, output_names=[OUTPUT_NAME], verbose=verbose)
     else:
-        kwargs = dict(input_names=names, output_names=[OUTPUT_NAME],
+        kwargs = dict(input_names=names, output_names=[OUTPUT_NAME], verbose=verbose,
                       dynamic_axes={**{n: axes[n] for n in names if n in axes}, OUTPUT_NAME: {0: "batch"}})
     with torch.no_grad():
         proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)

@@ -50,8 +50,9 @@ def _cache(model, round_kv):
 def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> list:
     """``model.generate`` greedy continuation of one prompt (stops at the config's end-of-sequence ids,
     included, as the engine does)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([list(prompt)]), max_new_tokens=max_new_tokens, do_sample=False,
+    ids = torch.tensor([list(prompt)])
+    with torch.no_grad():  # an explicit mask: generate would otherwise mask every token equal to the pad id
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                              past_key_values=_cache(model, round_kv), pad_token_id=0)
     return out[0, len(prompt):].tolist()
 

@@ -1,99 +1,121 @@
-"""``kvcache-op demo``: a scripted dynamic-batching run through a paged KV cache.
+"""``kvcache-op demo``, the main job: a small decoder served end to end, and every answer checked.
 
-Requests arrive, are prefilled (in chunks), decode, and finish, in one batch per step. Every key
-element is ``1000 * request + position`` so the printout shows exactly which token each gathered row
-came from; every step checks that each sequence got back exactly its own history.
+1. builds a ``transformers`` decoder from a config with seeded random weights (no download);
+2. exports it with :func:`kvcache_op.hf.export_model` (each layer: KeyValueCache then MultiHeadAttention);
+3. serves requests that share system prompts through :class:`kvcache_op.serving.Engine` in ONNX Runtime
+   (continuous batching, chunked prefill, prefix caching, preemption when pages run short);
+4. checks every request's tokens against the source model's own greedy ``generate``, one request at a
+   time. The exit status is non-zero on any mismatch.
 """
 
-import numpy as np
+from __future__ import annotations
 
-from .reference import cache_shape
+import logging
+import os
+import sys
+import tempfile
+import time
+import warnings
 
-PAGE_SIZE, HEADS, HEAD_DIM, PAGES, MAX_PAGES = 4, 2, 8, 24, 8
-# (request id, arrival step, prompt length, tokens to generate)
-SCRIPT = [(1, 0, 6, 4), (2, 1, 9, 3), (3, 2, 3, 5), (4, 4, 5, 2)]
-CHUNK = 4  # chunked prefill: at most this many prompt tokens per request per step
-
-
-def _runner(backend: str):
-    """Returns (name, run(model, inputs) -> (key, value)) for the chosen backend."""
-    from .tools.validate_backend import run_ort, run_reference
-
-    if backend == "reference":
-        return "onnx ReferenceEvaluator (numpy reference)", run_reference
-    from .ort_ops import library_available
-
-    if library_available():
-        return "ONNX Runtime CPU EP + kvcache-op custom-op library", run_ort
-    if backend == "ort":
-        raise SystemExit("the custom-op library is not built in this install; reinstall with 'pip install .'")
-    return "onnx ReferenceEvaluator (the ONNX Runtime library is not built in this install)", run_reference
+FAMILIES = ("llama", "mistral", "qwen2")
 
 
-def _token(request: int, position: int) -> np.ndarray:
-    return np.full((HEADS, HEAD_DIM), 1000 * request + position, np.float32)
+def _quiet_exporter() -> None:
+    """The exporter's progress lines and deprecation chatter are not the demo's output."""
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
-def run_demo(backend: str = "auto", steps: int = 8) -> int:
-    """Runs the scripted scenario for ``steps`` steps; returns 0 iff every gathered row is right."""
-    from . import spec
+class Progress:
+    """A one-line progress bar on a terminal; plain periodic lines otherwise (logs, CI)."""
 
-    name, run = _runner(backend)
-    print(f"backend: {name}")
-    print(f"paged cache: {PAGES} pages x {PAGE_SIZE} slots, H={HEADS}, Dh={HEAD_DIM}, float32, layout 0")
-    cache = np.zeros(cache_shape(0, 1, PAGES * PAGE_SIZE, HEADS, HEAD_DIM), np.float32)
-    free = list(range(PAGES - 1, -1, -1))
-    live = {}  # request -> {"pos", "prompt", "todo", "pages"}
-    model = None
-    failures = 0
-    for step in range(steps):
-        for rid, arrival, prompt, gen in SCRIPT:
-            if arrival == step:
-                live[rid] = {"pos": 0, "prompt": prompt, "todo": prompt + gen, "pages": []}
-        batch = [rid for rid in sorted(live) if live[rid]["todo"] > 0]
-        rows, seqstarts, kvstarts, start_pos, tables, plan = [], [0], [0], [], [], []
-        for rid in batch:
-            s = live[rid]
-            n = min(CHUNK, s["prompt"] - s["pos"]) if s["pos"] < s["prompt"] else 1
-            while len(s["pages"]) * PAGE_SIZE < s["pos"] + n:
-                s["pages"].append(free.pop())
-            rows += [_token(rid, s["pos"] + i) for i in range(n)]
-            seqstarts.append(seqstarts[-1] + n)
-            kvstarts.append(kvstarts[-1] + s["pos"] + n)
-            start_pos.append(s["pos"])
-            tables.append(s["pages"] + [-1] * (MAX_PAGES - len(s["pages"])))
-            plan.append((rid, s["pos"], n))
-        current = np.stack(rows) if rows else np.zeros((0, HEADS, HEAD_DIM), np.float32)
-        inputs = {
-            "current_key": current, "current_value": -current,
-            "seqstarts": np.array(seqstarts, np.int64), "kvstarts": np.array(kvstarts, np.int64),
-            "cachestarts": np.array(tables, np.int64).reshape(len(batch), MAX_PAGES) * PAGE_SIZE,
-            "start_pos": np.array(start_pos, np.int64),
-            "max_seqlen": np.array(max(np.diff(seqstarts), default=0), np.int64),
-            "max_kvlen": np.array(max(np.diff(kvstarts), default=0), np.int64),
-            "cache": cache,
-        }
-        if model is None:
-            model = spec.make_model(inputs, cache_mode=1, page_size=PAGE_SIZE)
-        key, value = run(model, inputs)
-        print(f"\nstep {step}: batch of {len(batch)} sequence(s), {current.shape[0]} new token(s), "
-              f"{key.shape[0]} gathered")
-        for b, (rid, pos, n) in enumerate(plan):
-            s = live[rid]
-            kind = "prefill" if pos < s["prompt"] else "decode "
-            got = key[kvstarts[b]:kvstarts[b + 1], 0, 0].astype(int).tolist()
-            want = [1000 * rid + p for p in range(pos + n)]
-            ok = got == want and np.array_equal(value[kvstarts[b]:kvstarts[b + 1]], -key[kvstarts[b]:kvstarts[b + 1]])
-            failures += not ok
-            slots = [s["pages"][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(pos, pos + n)]
-            print(f"  req {rid} {kind} stored positions {pos}..{pos + n - 1} -> slots {slots}; pages {s['pages']}")
-            shown = got if len(got) <= 8 else got[:3] + ["..."] + got[-3:]
-            print(f"        gathered {len(got)} keys {shown}  {'ok' if ok else 'MISMATCH'}")
-            s["pos"] += n
-            s["todo"] -= n
-            if s["todo"] == 0:
-                free.extend(reversed(s["pages"]))
-                print(f"        req {rid} finished; pages {s['pages']} returned to the free list")
-                del live[rid]
-    print(f"\n{'all gathered keys and values were right' if not failures else f'{failures} MISMATCH(ES)'}")
-    return 1 if failures else 0
+    def __init__(self, total: int, label: str, stream=sys.stdout):
+        self.total, self.label, self.stream = total, label, stream
+        self.done, self.shown, self.started = 0, -1, time.perf_counter()
+        self.tty = stream.isatty()
+
+    def advance(self, count: int = 1, note: str = "") -> None:
+        self.done += count
+        tenth = 10 * self.done // max(self.total, 1)
+        if self.tty:
+            filled = 30 * self.done // max(self.total, 1)
+            self.stream.write(f"\r  {self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {note}")
+            self.stream.flush()
+        elif tenth != self.shown:
+            self.stream.write(f"  {self.label}: {self.done}/{self.total} {note}\n")
+        self.shown = tenth
+
+    def close(self) -> float:
+        if self.tty:
+            self.stream.write("\n")
+        return time.perf_counter() - self.started
+
+
+def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, num_pages: int = 24,
+             quant_bit: int = 0, page_size: int = 16, providers=None, out_dir=None, seed: int = 0) -> int:
+    """Builds, exports, serves and verifies; prints figures; returns 0 iff every request matches the source
+    model's own generation (quantized caches are checked against the source model with the same
+    quantization applied to its cache, which is what they compute)."""
+    _quiet_exporter()
+    print(f"kvcache-op demo: a {family} decoder exported with the ops and served by ONNX Runtime")
+    began = time.perf_counter()
+    from kvcache_op.hf import export_model, tiny_model
+    from kvcache_op.hf.verify import reference_generate, stored_kv
+    from kvcache_op.serving import Engine, ModelInfo
+    from kvcache_op.serving.workload import shared_prefix_workload
+
+    model = tiny_model(family, seed=seed)
+    c = model.config
+    params = sum(p.numel() for p in model.parameters())
+    print(f"1. model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} query / "
+          f"{c.num_key_value_heads} key-value heads, vocab {c.vocab_size}, {params / 1e6:.2f} M parameters "
+          f"(seeded random weights; sliding window: {getattr(c, 'sliding_window', None) or 'none'})")
+    folder = out_dir or tempfile.mkdtemp(prefix="kvcache-op-demo-")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{family}.onnx")
+    t = time.perf_counter()
+    export_model(model, path, page_size=page_size, quant_bit=quant_bit)
+    info = ModelInfo.of_model(path)
+    print(f"2. exported to {path} in {time.perf_counter() - t:.1f} s: per layer KeyValueCache -> "
+          f"MultiHeadAttention on one shared paged cache (page {info.page_size}, quant_bit {info.quant_bit})")
+
+    workload = shared_prefix_workload(requests, c.vocab_size, seed=seed)
+    engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=128, max_running=16)
+    print(f"3. serving {requests} requests ({sum(map(len, workload.prompts))} prompt tokens, 3 shared system "
+          f"prompts, 2 arrivals per step) x {new_tokens} new tokens on {', '.join(engine.runner.providers)}, "
+          f"{num_pages} pages of {info.page_size} slots")
+    bar = Progress(requests * new_tokens, "tokens")
+    tokens = engine.generate(workload.prompts, new_tokens, salts=workload.salts,
+                             arrival_steps=workload.arrival_steps, on_token=lambda i, token: bar.advance())
+    bar.close()
+    m = engine.metrics()
+    print(f"   throughput  {m['tokens_per_s']:.0f} generated tokens/s ({m['generated_tokens']} tokens, "
+          f"{m['fed_tokens']} fed, {m['steps']} steps, {m['wall_s']:.2f} s)")
+    print(f"   prefix hits {m['prefix_hit_rate']:.1%} of prompt tokens looked up ({m['prefix_hit_tokens']} of "
+          f"{m['prompt_tokens']}, re-admissions included); evictions {m['evictions']}; preemptions {m['preemptions']}")
+    print(f"   memory      cache {m['cache_bytes'] / 2**20:.2f} MiB; peak pages in use {m['peak_pages_in_use']} of "
+          f"{m['pages_total']}")
+    print(f"   time        ONNX Runtime {m['time_ort_run_s']:.2f} s, scheduling {m['time_scheduling_s']:.2f} s, "
+          f"other {m['time_other_s']:.2f} s")
+
+    rounding = stored_kv(info)
+    what = "greedy generate" + (" with its cache quantized as the op stores it" if rounding else "")
+    print(f"4. verifying every request against transformers' own {what}, one request at a time")
+    bar = Progress(requests, "requests")
+    mismatches = []
+    for i, prompt in enumerate(workload.prompts):
+        want = reference_generate(model, prompt, new_tokens, rounding)
+        if tokens[i] != want:
+            mismatches.append((i, tokens[i], want))
+        bar.advance(note=f"{len(mismatches)} mismatch(es)")
+    bar.close()
+    for i, got, want in mismatches[:5]:
+        print(f"   MISMATCH request {i}: served {got}\n                       transformers {want}")
+    total = time.perf_counter() - began
+    if mismatches:
+        print(f"FAILED: {len(mismatches)} of {requests} requests differ from the source model ({total:.1f} s)")
+        return 1
+    print(f"OK: all {requests} requests match the source model token for token ({total:.1f} s in all)")
+    return 0
