@@ -51,24 +51,30 @@ class Engine:
     a :class:`~kvcache_op.manager.StreamingPolicy` (StreamingLLM; ``"shift"`` rotates the kept keys with
     KeyCacheRotaryShift, ``"reevaluate"`` feeds them again). ``prefix_caching=False`` disables prefix
     reuse (pages are still paged). Layers sharing one sliding window release the pages before it.
+    ``trace_steps`` keeps one record per step in ``step_trace`` (sequences, decodes, tokens, and the
+    seconds spent scheduling, in ONNX Runtime and after the run).
     """
 
     def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = 256,
                  max_running: int = 64, max_context: int = None, streaming: StreamingPolicy = None,
-                 prefix_caching: bool = True, intra_op_num_threads: int = 0):
+                 prefix_caching: bool = True, intra_op_num_threads: int = 0, trace_steps: bool = False):
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError(f"max_batch_tokens and max_running must be >= 1, got {max_batch_tokens}, {max_running}")
         self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads)
         info = self.info = self.runner.info
         ps = info.page_size
         window = info.uniform_window
-        max_context = info.max_positions if max_context is None else max_context
+        limit = info.max_positions if max_context is None else int(max_context)
+        if limit < 1:
+            raise ValueError(f"max_context must be >= 1, got {limit}")
+        held = limit  # positions one request may hold in the cache: sets the page-table width
         if window is not None:  # only the window (and one step's tokens) is ever held
-            max_context = min(max_context, window + max_batch_tokens + 2 * ps)
-        if streaming is not None:
-            max_context = min(max_context, streaming.budget_pages * ps)
+            held = min(held, window + max_batch_tokens + 2 * ps)
+        if streaming is not None:  # StreamingLLM bounds what is held, not how long a request runs
+            held, limit = streaming.budget_pages * ps, None
+        self.max_context = limit
         self.manager = KVCacheManager(
-            num_pages, ps, max(1, -(-max_context // ps)), sliding_window=window, streaming=streaming,
+            num_pages, ps, max(1, -(-held // ps)), sliding_window=window, streaming=streaming,
             vocab_size=info.vocab_size,
             cache_key=(info.cache_dtype, info.quant_bit, info.quant_group, info.cache_layout))
         self.num_pages = num_pages
@@ -78,6 +84,7 @@ class Engine:
         self._counters = collections.Counter()
         self._times = collections.Counter()
         self._peak_pages = 0
+        self.step_trace = [] if trace_steps else None
 
     # ---- public API ------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int, salts=None, *, on_token=None, arrival_steps=None,
@@ -100,6 +107,10 @@ class Engine:
         for q in waiting:
             if not q.prompt:
                 raise ValueError(f"prompt {q.index} is empty")
+            if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
+                raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed "
+                                 f"the context limit of {self.max_context} positions (max_context, at most the "
+                                 f"model's maximum positions)")
         self.last_logits = [[] for _ in range(count)] if record_logits else None
         running, results = [], [None] * count
         start, step = time.perf_counter(), 0
@@ -177,7 +188,12 @@ class Engine:
                 self.manager.finish(rid)
                 running.remove(q)
                 results[q.index] = q.generated
-        self._times["scheduling"] += time.perf_counter() - ran  # commit and finishing are manager work
+        done = time.perf_counter()
+        self._times["scheduling"] += done - ran  # commit and finishing are manager work
+        if self.step_trace is not None:
+            self.step_trace.append(dict(sequences=len(plan.request_ids), decodes=int(feeds["decoding_batches"]),
+                                        tokens=int(plan.seqstarts[-1]), kv_tokens=int(plan.kvstarts[-1]),
+                                        scheduling_s=scheduled - began, ort_run_s=ran - scheduled, after_run_s=done - ran))
 
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request

@@ -54,8 +54,9 @@ class ModelRunner:
         model = onnx.load(str(model_path), load_external_data=False)
         self.info = ModelInfo.of_model(model)
         self.providers = list(providers) if providers is not None else default_providers()
-        self.session = make_session(str(model_path), self.providers, intra_op_num_threads,
-                                    disable_cpu_fallback=self.providers[0] != "CPUExecutionProvider")
+        # CPU fallback stays allowed: MultiHeadAttention has no CUDA kernel yet, so under the CUDA EP ONNX
+        # Runtime runs it on the CPU and copies its inputs (KeyValueCache itself runs on the device).
+        self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
         self.session_inputs = [i.name for i in self.session.get_inputs()]
         self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
         i = self.info
