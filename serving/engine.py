@@ -21,6 +21,9 @@ from ..manager import KVCacheManager, OutOfPages, StreamingPolicy
 from .ort_runner import ModelRunner
 from .step_feeds import step_feeds
 
+DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
+DEFAULT_RUNNING = 64  # requests in flight at once
+
 
 @dataclasses.dataclass
 class _Sequence:
@@ -55,9 +58,11 @@ class Engine:
     seconds spent scheduling, in ONNX Runtime and after the run).
     """
 
-    def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = 256,
-                 max_running: int = 64, max_context: int = None, streaming: StreamingPolicy = None,
+    def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = None,
+                 max_running: int = None, max_context: int = None, streaming: StreamingPolicy = None,
                  prefix_caching: bool = True, intra_op_num_threads: int = 0, trace_steps: bool = False):
+        max_batch_tokens = DEFAULT_BATCH_TOKENS if max_batch_tokens is None else int(max_batch_tokens)
+        max_running = DEFAULT_RUNNING if max_running is None else int(max_running)
         if max_batch_tokens < 1 or max_running < 1:
             raise ValueError(f"max_batch_tokens and max_running must be >= 1, got {max_batch_tokens}, {max_running}")
         self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads)

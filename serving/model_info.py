@@ -18,8 +18,8 @@ OUTPUT_NAME = "logits"
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelInfo:
-    """Everything the engine needs to size the cache and drive the graph."""
+class DecoderSizes:
+    """A decoder's sizes, rotary frequencies, per-layer windows and stop tokens."""
 
     family: str
     num_layers: int
@@ -30,7 +30,14 @@ class ModelInfo:
     max_positions: int
     sliding_windows: tuple  # per layer, 0 = full attention
     inv_freq: tuple  # rotary inverse frequencies (float32 values); rotary dim = 2 * len(inv_freq)
+    softmax_scale: float
     eos_token_ids: tuple  # generation stops after any of them; empty = never
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelInfo(DecoderSizes):
+    """Everything the engine needs to size the cache and drive the graph: the decoder and its cache."""
+
     page_size: int
     quant_bit: int
     quant_group: int

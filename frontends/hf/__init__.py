@@ -9,9 +9,9 @@ try:
 except ImportError as error:  # pragma: no cover - depends on the install
     raise ImportError("kvcache_op.hf needs transformers: pip install \"kvcache-op[hf]\"") from error
 
-from .decoder import CacheSettings, DecoderShape, PackedDecoder
+from .decoder import CacheSettings, PackedDecoder, decoder_sizes
 from .export import export_model, load_model
 from .tiny import tiny_config, tiny_model
 
-__all__ = ["CacheSettings", "DecoderShape", "PackedDecoder", "export_model", "load_model", "tiny_config",
+__all__ = ["CacheSettings", "PackedDecoder", "decoder_sizes", "export_model", "load_model", "tiny_config",
            "tiny_model"]

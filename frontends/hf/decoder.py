@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from .. import torch as kt
+from ..serving.model_info import DecoderSizes
 
 # Rotary types whose inverse frequencies depend on the sequence length at run time: they cannot be
 # one static graph, and a cache of keys rotated under one length would be wrong under another.
@@ -37,48 +38,32 @@ class CacheSettings:
         return self.dtype if self.dtype in (torch.float32, torch.float16) else torch.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class DecoderShape:
-    """What the engine must know of a decoder: sizes, rotary frequencies and per-layer windows."""
-
-    family: str
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_positions: int
-    sliding_windows: tuple  # per layer; 0 = full attention
-    inv_freq: tuple  # float32 values, rotary dim = 2 * len(inv_freq)
-    softmax_scale: float
-    eos_token_id: object  # int, list of ints, or None
-
-    @classmethod
-    def of(cls, model) -> "DecoderShape":
-        """Reads a Llama/Mistral/Qwen2 causal LM; ``ValueError`` for what the packed graph cannot express."""
-        config = model.config
-        family = getattr(config, "model_type", None)
-        if family not in SUPPORTED_FAMILIES:
-            raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
-        rotary = model.model.rotary_emb
-        rope_type = getattr(rotary, "rope_type", "default")
-        if rope_type in LENGTH_DEPENDENT_ROPE:
-            raise ValueError(f"rope type {rope_type!r} changes its frequencies with the sequence length; the packed "
-                             f"graph needs static frequencies (default, linear, llama3, yarn, ...)")
-        attention = model.model.layers[0].self_attn
-        head_dim = attention.head_dim
-        if 2 * rotary.inv_freq.numel() != head_dim:
-            raise ValueError(f"partial rotary embedding ({2 * rotary.inv_freq.numel()} of {head_dim} dims) is not "
-                             f"supported")
-        num_layers = config.num_hidden_layers
-        window = getattr(config, "sliding_window", None) or 0
-        layer_types = getattr(config, "layer_types", None)
-        windows = tuple(window if window and (layer_types is None or layer_types[i] == "sliding_attention") else 0
-                        for i in range(num_layers))
-        return cls(family, num_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
-                   config.vocab_size, config.max_position_embeddings, windows,
-                   tuple(float(f) for f in rotary.inv_freq.float()), float(attention.scaling),
-                   getattr(config, "eos_token_id", None))
+def decoder_sizes(model) -> DecoderSizes:
+    """Reads a Llama/Mistral/Qwen2 causal LM; ``ValueError`` for what the packed graph cannot express."""
+    config = model.config
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ValueError(f"model_type {family!r} is not supported; supported: {', '.join(SUPPORTED_FAMILIES)}")
+    rotary = model.model.rotary_emb
+    rope_type = getattr(rotary, "rope_type", "default")
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise ValueError(f"rope type {rope_type!r} changes its frequencies with the sequence length; the packed "
+                         f"graph needs static frequencies (default, linear, llama3, yarn, ...)")
+    attention = model.model.layers[0].self_attn
+    head_dim = attention.head_dim
+    if 2 * rotary.inv_freq.numel() != head_dim:
+        raise ValueError(f"partial rotary embedding ({2 * rotary.inv_freq.numel()} of {head_dim} dims) is not "
+                         f"supported")
+    num_layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None) or 0
+    layer_types = getattr(config, "layer_types", None)
+    windows = tuple(window if window and (layer_types is None or layer_types[i] == "sliding_attention") else 0
+                    for i in range(num_layers))
+    eos = getattr(config, "eos_token_id", None)
+    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return DecoderSizes(family, num_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                        config.vocab_size, config.max_position_embeddings, windows,
+                        tuple(float(f) for f in rotary.inv_freq.float()), float(attention.scaling), eos)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -95,7 +80,7 @@ class PackedDecoder(torch.nn.Module):
 
     def __init__(self, model, cache: CacheSettings):
         super().__init__()
-        self.shape = DecoderShape.of(model)
+        self.shape = decoder_sizes(model)
         self.cache = cache
         self.embed = model.get_input_embeddings()
         self.layers = model.model.layers

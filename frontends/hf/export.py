@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -112,14 +113,9 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
 
 
 def model_info(decoder: PackedDecoder) -> ModelInfo:
-    """The engine's view of an exported decoder."""
-    s, c = decoder.shape, decoder.cache
-    eos = s.eos_token_id
-    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    """The engine's view of an exported decoder: its sizes and its cache settings."""
+    c = decoder.cache
     dtype_name = {v: k for k, v in DTYPES.items()}
-    return ModelInfo(
-        family=s.family, num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
-        head_dim=s.head_dim, vocab_size=s.vocab_size, max_positions=s.max_positions,
-        sliding_windows=tuple(s.sliding_windows), inv_freq=s.inv_freq, eos_token_ids=eos, page_size=c.page_size,
-        quant_bit=c.quant_bit, quant_group=c.quant_group, cache_layout=c.cache_layout,
-        cache_dtype=dtype_name[c.dtype], scale_dtype=dtype_name[c.scale_dtype] if c.quant_bit else "")
+    return ModelInfo(**dataclasses.asdict(decoder.shape), page_size=c.page_size, quant_bit=c.quant_bit,
+                     quant_group=c.quant_group, cache_layout=c.cache_layout, cache_dtype=dtype_name[c.dtype],
+                     scale_dtype=dtype_name[c.scale_dtype] if c.quant_bit else "")
