@@ -16,7 +16,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``ppl_style``: ppl's arithmetic: the scale computed in T1 (and used unrounded), the quotient rounded to
   float16 before ``rint``, dequantization in the scale's dtype then T1 (what the spec's tolerance table allows);
 * ``raises_on_layers3``: raises on calls with three layers, correct otherwise;
-* ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise.
+* ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
+* ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load).
 
 ``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``) are ``module:object`` backends
 providing the other ops too (the reference's, or one with a planted bug).
@@ -109,6 +110,8 @@ def _backend(bug=None, arithmetic="spec"):
                     scale_view[kv][:, where, :] = stored
                 else:
                     codes_view[kv][:, where, :] = x
+        if bug == "clobbers_last_slot" and codes_view.shape[2]:
+            codes_view[:, :, -1, :] = 0  # a slot no call stores: only the cache after the call shows it
         lengths = [kvstarts[b + 1] - kvstarts[b] for b in range(batch)]
         if bug == "kvlen_ignored":
             lengths = [start_pos[b] + seqstarts[b + 1] - seqstarts[b] for b in range(batch)]
@@ -140,6 +143,7 @@ scale_not_rounded = _backend("scale_not_rounded")
 ppl_style = _backend(arithmetic="ppl")
 raises_on_layers3 = _backend("raises_on_layers3")
 crashes_on_page_size1 = _backend("crashes_on_page_size1")
+clobbers_last_slot = _backend("clobbers_last_slot")
 
 #: The KV variants above that are bugs the kit must catch.
 BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded"]

@@ -129,7 +129,8 @@ def _tensor_lines(ctx: _Context, name: str, got, want, tolerance: str, unchanged
     if not count:
         return []
     index = _first(mask)
-    what = "outside the tolerance" if ctx.op == "MultiHeadAttention" or tolerance == "spec" else "differ"
+    tolerant = ctx.op == "MultiHeadAttention" or (tolerance == "spec" and ctx.quantized and ctx.slots is not None)
+    what = "outside the tolerance" if tolerant else "differ"
     if unchanged:
         what = "changed although the call failed"
     line = (f"{name}: {count} of {mask.size} elements {what}; first at {_index(index)}: got {_value(got, index)}, "

@@ -42,6 +42,9 @@ class OrtBackend:
         self.provider_options = {str(k): str(v) for k, v in (provider_options or {}).items()}
         self.device = device or DEVICE_OF_PROVIDER.get(self.provider, "cpu")
         self.device_id = int(self.provider_options.get("device_id", 0))
+        # Inputs go to separate OrtValues on the device, in-place ones copied back after the run (forced on the
+        # CPU, this is how the device path is tested without a device).
+        self.copy_inputs = self.device != "cpu"
         self.name = f"ort ({pathlib.Path(self.library).name}, {self.provider})"
         self._sessions = {}
         self._options()  # loads the library now, so a bad one is reported before any case runs
@@ -97,7 +100,7 @@ class OrtBackend:
 
         host = ortvalue_for(array)  # on the array's memory (int4: an ORT-owned copy)
         value = host
-        if self.device != "cpu":
+        if self.copy_inputs:
             value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), helper.np_dtype_to_tensor_dtype(array.dtype),
                                                               self.device, self.device_id)
             value.update_inplace(host)
