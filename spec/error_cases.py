@@ -175,6 +175,7 @@ def _zero_dims(shape):
 
 
 def _both(*mutations):
+    """The mutations one after the other."""
     def mutate(i, a):
         for m in mutations:
             m(i, a)

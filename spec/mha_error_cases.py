@@ -5,7 +5,7 @@ takes (inputs, attributes) and changes them in place."""
 
 import numpy as np
 
-from .error_cases import _item, _set
+from .error_cases import _both, _item, _set
 from .mha_cases import build_attention
 
 I64_MAX = np.iinfo(np.int64).max
@@ -21,13 +21,6 @@ def _with(key, fn):
     """Replaces an input by fn(input) (a contiguous copy)."""
     def mutate(i, a):
         i[key] = None if fn(i[key]) is None else np.ascontiguousarray(fn(i[key]))
-    return mutate
-
-
-def _both(*mutations):
-    def mutate(i, a):
-        for m in mutations:
-            m(i, a)
     return mutate
 
 

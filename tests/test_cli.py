@@ -1,4 +1,4 @@
-"""The command line: demo and conformance jobs (the kit's validate and fuzz: test_conformance_kit_cli.py)."""
+"""The command line: demo and conformance jobs (the kit's validate and fuzz: test_conformance_kit.py, test_fuzz_kit.py)."""
 
 import subprocess
 import sys

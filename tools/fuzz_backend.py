@@ -149,6 +149,10 @@ def run_fuzz(backend_spec: str, *, examples=200, seed=0, ops=None, kinds=("valid
     (0: no disagreement, 1: one found and its reproducer written)."""
     from .backends import load_backend
 
+    try:
+        import hypothesis  # noqa: F401 - a test dependency, needed here only
+    except ImportError:
+        raise ValueError("fuzzing needs hypothesis: pip install 'kvcache-op[test]' (or pip install hypothesis)") from None
     load_options = {k: backend_options[k] for k in ("ort_library", "provider", "provider_options", "isolate", "timeout")
                     if k in backend_options}
     backend = load_backend(backend_spec, **load_options)
