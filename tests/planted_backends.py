@@ -17,13 +17,15 @@ module-level function below is one variant with the reference's signature, loada
   float16 before ``rint``, dequantization in the scale's dtype then T1 (what the spec's tolerance table allows);
 * ``raises_on_layers3``: raises on calls with three layers, correct otherwise;
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
-* ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load).
+* ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
+* ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise.
 
 ``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``) are ``module:object`` backends
 providing the other ops too (the reference's, or one with a planted bug).
 """
 
 import os
+import time
 import types
 
 import numpy as np
@@ -74,8 +76,14 @@ def _swap_pairs(codes):
 
 def _backend(bug=None, arithmetic="spec"):
     def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                        max_kvlen, cache, scale=None, *, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
-                        num_repeat=1, cache_mode=0, cache_layout=0, page_size=128):
+                        max_kvlen, cache, scale=None, **attributes):
+        with np.errstate(all="ignore"):  # unchecked indices wrap around, as they would in C
+            return _key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                                    max_seqlen, max_kvlen, cache, scale, **attributes)
+
+    def _key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                         max_kvlen, cache, scale=None, *, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
+                         num_repeat=1, cache_mode=0, cache_layout=0, page_size=128):
         a = Attributes(num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_mode, cache_layout, page_size)
         scale = effective_scale(scale, quant_bit)
         try:
@@ -88,6 +96,8 @@ def _backend(bug=None, arithmetic="spec"):
             raise RuntimeError("this backend does not support three layers")
         if bug == "crashes_on_page_size1" and cache_mode == 1 and page_size == 1:
             os.abort()
+        if bug == "hangs_on_layers3" and num_layer == 3:
+            time.sleep(600)
         t1 = current_key.dtype
         swapped = bug == "int4_nibbles_swapped" and quant_bit == 4
         codes_view = canonical_view(cache, cache_layout)[layer_idx]  # (2, H, MaxT, Dh)
@@ -144,6 +154,7 @@ ppl_style = _backend(arithmetic="ppl")
 raises_on_layers3 = _backend("raises_on_layers3")
 crashes_on_page_size1 = _backend("crashes_on_page_size1")
 clobbers_last_slot = _backend("clobbers_last_slot")
+hangs_on_layers3 = _backend("hangs_on_layers3")
 
 #: The KV variants above that are bugs the kit must catch.
 BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded"]

@@ -89,6 +89,14 @@ def test_a_crashing_backend_fails_only_the_case_it_crashed_on(all_vectors, monke
     assert "planted_backends.py" in crash[0]  # where it crashed
 
 
+def test_a_hanging_call_times_out_and_the_run_goes_on(all_vectors, monkeypatch):
+    monkeypatch.chdir(TESTS)
+    names = ["layers3_layer_idx2", "offset_layout0"]
+    report = validate(all_vectors, "planted_backends:hangs_on_layers3", cases=names, timeout=1.5)
+    assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("offset_layout0", "ok")]
+    assert report.results[0].lines == ["the backend did not return within 1.5 s (its process was killed)"]
+
+
 def test_failure_lines_name_tensor_index_values_count_and_the_code_and_scale(all_vectors):
     """Checked against the backend's own outcome: first differing index, both values, how many differ, and
     the code and scale of the slot a differing output is loaded from."""
@@ -184,12 +192,13 @@ def test_cli_tolerance_spec_passes_ppl_arithmetic(all_vectors, capsys, monkeypat
 @pytest.mark.parametrize("argv, message", [
     (["--case", "no_such_case"], "no case named 'no_such_case' in "),
     (["--backend", "ort", "--ort-library", "/no/such/library.so"], "--ort-library /no/such/library.so: no such file"),
-    (["--backend", "ort", "--ort-library", __file__], "cannot load it"),
-    (["--backend", "ort", "--provider", "NoSuchExecutionProvider"], "--provider NoSuchExecutionProvider is not available"),
+    (["--backend", "ort", "--ort-library", __file__, "--in-process"], "cannot load it"),
+    (["--backend", "ort", "--provider", "NoSuchExecutionProvider", "--in-process"],
+     "--provider NoSuchExecutionProvider is not available"),
     (["--backend", "ort", "--provider-option", "device_id"], "expected KEY=VALUE"),
-    (["--backend", "no_such_module:f"], "cannot import module 'no_such_module'"),
+    (["--backend", "no_such_module:f", "--in-process"], "cannot import module 'no_such_module'"),
     (["--backend", "planted_backends:no_such_function"], "'planted_backends' has no attribute 'no_such_function'"),
-    (["--backend", "planted_backends"], "expected reference, ort or module:function"),
+    (["--backend", "planted_backends", "--in-process"], "expected reference, ort or module:function"),
 ])
 def test_cli_bad_arguments_get_one_line(all_vectors, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(TESTS)

@@ -67,7 +67,7 @@ def test_fuzz_covers_the_other_ops(backend, op, sign):
 
 def test_ppl_arithmetic_is_a_disagreement_only_in_exact_mode():
     backend = import_callables("planted_backends:ppl_style")
-    assert fuzz(backend, examples=EXAMPLES, seed=0, tolerance="spec").failure is None
+    assert fuzz(backend, examples=80, seed=0, tolerance="spec").failure is None
     assert fuzz(backend, examples=EXAMPLES, seed=0).failure is not None
 
 
