@@ -86,10 +86,10 @@ class IsolatedBackend:
         self._process = subprocess.Popen([sys.executable, "-m", "kvcache_op.tools.isolated_backend"],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
         # The worker sees what this process sees: its sys.path (the current directory, PYTHONPATH, tests' helpers).
-        _send(self._process.stdin, (list(sys.path), os.getcwd(), self.spec, self.options))
         try:
+            _send(self._process.stdin, (list(sys.path), os.getcwd(), self.spec, self.options))
             ready = _receive(self._process.stdout.fileno(), None)
-        except EOFError:
+        except (EOFError, BrokenPipeError):
             raise BackendLoadError(f"--backend {self.spec}: the worker process {self._exit_text()}") from None
         if "error" in ready:
             self.close()
@@ -109,7 +109,10 @@ class IsolatedBackend:
         import time
 
         if self._process is None or self._process.poll() is not None:
-            self._start()
+            try:
+                self._start()
+            except BackendLoadError as error:  # it loaded before: say so for this call, and try again next time
+                return self._crashed(f"the backend's worker could not be restarted: {error}")
         request = (op, inputs, attributes, None if model is None else model.SerializeToString())
         try:
             _send(self._process.stdin, request)
