@@ -17,11 +17,25 @@ _T1 = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat
 
 @dataclasses.dataclass
 class Case:
-    """Inputs (node input name -> array, ``scale`` may be None) and the node's attributes."""
+    """Inputs (node input name -> array, ``scale`` may be None) and the node's attributes; ``expect_error``
+    marks an invalid call (its expected outcome is an error with the in-place inputs unchanged)."""
 
     name: str
     inputs: dict
     attributes: dict
+    expect_error: bool = False
+
+    @property
+    def op(self) -> str:
+        """The op the case calls, told by its inputs."""
+        return op_of(self.inputs)
+
+
+def op_of(inputs) -> str:
+    """``KeyValueCache``, ``MultiHeadAttention`` or ``KeyCacheRotaryShift``, from a call's input names."""
+    if "query" in inputs:
+        return "MultiHeadAttention"
+    return "KeyCacheRotaryShift" if "slots" in inputs else "KeyValueCache"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The command line: demo and conformance jobs."""
+"""The command line: demo and conformance jobs (the kit's validate and fuzz: test_conformance_kit.py, test_fuzz_kit.py)."""
 
 import subprocess
 import sys
@@ -16,9 +16,9 @@ def test_demo_runs_and_every_step_checks_out(capsys):
 
 def test_conformance_command_writes_cases(tmp_path, capsys):
     assert main(["conformance", "--out", str(tmp_path), "--case", "paged_layout0", "--case", "int4_layout1"]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["int4_layout1", "paged_layout0"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["test_int4_layout1", "test_paged_layout0"]
     assert main(["validate", str(tmp_path)]) == 0
-    assert "2 passed, 0 failed" in capsys.readouterr().out
+    assert capsys.readouterr().out.splitlines()[-1].split() == ["total", "2", "0", "0"]
 
 
 def test_python_dash_m_entry_point():

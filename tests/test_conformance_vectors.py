@@ -1,29 +1,39 @@
-"""Conformance vectors: the committed set is reproducible and every case round-trips through files."""
+"""Conformance vectors: the committed set is reproducible, every case round-trips through files, and the
+layout is what ONNX's backend-test loader reads."""
 
+import json
 import pathlib
+import shutil
 
 import numpy as np
 import pytest
 
 from kvcache_op.spec import vectors
 from kvcache_op.spec.cases import CASES
+from kvcache_op.spec.error_cases import INVALID, MORE_INVALID
 from kvcache_op.spec.mha_cases import ATTENTION_CASES
+from kvcache_op.spec.mha_error_cases import INVALID as ATTENTION_INVALID
+from kvcache_op.spec.outcome import reference_outcome
+from kvcache_op.spec.rotary_cases import CASES as ROTARY_CASES
+from kvcache_op.spec.rotary_cases import ERROR_CASES as ROTARY_ERROR_CASES
 from kvcache_op.tools.validate_backend import compare_case, validate_folder
 
 
-def test_there_are_at_least_40_named_cases():
-    assert len(CASES) >= 40
-    assert len(ATTENTION_CASES) >= 20
-    assert vectors.ALL_CASES.keys() == CASES.keys() | ATTENTION_CASES.keys()
+def test_every_validity_row_is_a_named_invalid_case():
+    assert len(CASES) >= 40 and len(ATTENTION_CASES) >= 20
+    invalid = {f"error_{r[0]}" for r in INVALID + MORE_INVALID} | {f"mha_error_{r[0]}" for r in ATTENTION_INVALID} | \
+        {f"rotary_error_{k}" for k in ROTARY_ERROR_CASES}
+    assert vectors.ALL_CASES.keys() == CASES.keys() | ATTENTION_CASES.keys() | ROTARY_CASES.keys() | invalid
+    assert all(vectors.ALL_CASES[name]().expect_error for name in invalid)
 
 
 def _same_within(committed: pathlib.Path, fresh: pathlib.Path, tolerance) -> bool:
     """An attention result regenerated elsewhere: BLAS may sum in another order (the spec allows any), so
     the reference's output must agree within the case's tolerance and the tolerance itself to 1e-9."""
-    want, got = vectors._load(committed), vectors._load(fresh)
+    want, got = vectors.load_tensor(committed), vectors.load_tensor(fresh)
     if want.dtype != got.dtype or want.shape != got.shape:
         return False
-    if committed.name == "output_0_tolerance.pb":
+    if committed.name == "tolerance_0.pb":
         return bool(np.allclose(got, want, rtol=1e-9, atol=0))
     return bool(np.all(np.abs(got.astype(np.float64) - want.astype(np.float64)) <= tolerance))
 
@@ -37,9 +47,13 @@ def test_committed_vectors_are_regenerated_unchanged(tmp_path):
         old, new = vectors.COMMITTED_DIR / rel, tmp_path / rel
         if old.read_bytes() == new.read_bytes():
             continue
-        case, data = rel.parts[0], vectors.COMMITTED_DIR / rel.parts[0] / vectors.DATA_SET
-        assert case in ATTENTION_CASES and rel.name.startswith("output_0"), f"{rel} differs"
-        assert _same_within(old, new, vectors._load(data / "output_0_tolerance.pb")), f"{rel} differs"
+        name, data = vectors.case_name(rel.parts[0]), vectors.COMMITTED_DIR / rel.parts[0] / vectors.DATA_SET
+        # Only an attention result (and so its atol in data.json) may differ in its last bits.
+        assert name in ATTENTION_CASES and rel.name in ("output_0.pb", "tolerance_0.pb", "data.json"), f"{rel} differs"
+        if rel.name == "data.json":
+            assert json.loads(old.read_text()) == pytest.approx(json.loads(new.read_text()), rel=1e-9), f"{rel} differs"
+            continue
+        assert _same_within(old, new, vectors.load_tensor(data / "tolerance_0.pb")), f"{rel} differs"
 
 
 @pytest.fixture(scope="module")
@@ -49,43 +63,80 @@ def all_vectors(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("name", list(vectors.ALL_CASES))
-def test_case_round_trips_through_reference_evaluator(all_vectors, name):
-    assert compare_case(pathlib.Path(all_vectors) / name, "reference") == []
+def test_every_case_passes_through_reference_evaluator(all_vectors):
+    lines = []
+    assert validate_folder(all_vectors, "reference", progress=lines.append) == 0, "\n".join(lines)
+    assert lines[-1].split() == ["total", str(len(vectors.ALL_CASES)), "0", "0"]
 
 
-def test_attention_validator_fails_an_output_outside_the_tolerance(all_vectors, tmp_path):
+@pytest.mark.parametrize("name", ["int4_layout2", "t1_bfloat16", "error_paged_sentinel_minus_one", "mha_mixed_bfloat16",
+                                  "rotary_int4_layout3_scale_float16", "rotary_error_scale_missing"])
+def test_a_case_reads_back_as_written(all_vectors, name):
+    written = vectors.ALL_CASES[name]()
+    read = vectors.read_case(all_vectors / vectors.folder_name(name))
+    assert (read.name, read.op) == (name, written.op)
+    # a node may leave an attribute at its default out (attention's extensions) or write it (the defaults)
+    assert all(read.attributes[k] == v for k, v in written.attributes.items() if k in read.attributes)
+    assert read.inputs.keys() == written.inputs.keys()
+    for key, array in written.inputs.items():
+        assert (array is None and read.inputs[key] is None) or read.inputs[key].tobytes() == array.tobytes(), key
+    expected = vectors.expected(written)
+    assert reference_outcome(read.op, read.inputs, read.attributes).error == expected.error
+    assert read.expected.error == expected.error
+    for got, want in ((read.expected.outputs or {}, expected.outputs or {}), (read.expected.after, expected.after)):
+        assert got.keys() == want.keys() and all(got[k].tobytes() == want[k].tobytes() for k in want)
+
+
+def test_layout_is_what_onnx_backend_test_loads(all_vectors):
+    """Names start with test_, only the expected graph outputs are output_<i>.pb, and the model lists the
+    in-place inputs as graph outputs after the node's (for an invalid call: only them)."""
+    from onnx.backend.test.loader import load_model_tests
+
+    loaded = load_model_tests(data_dir=str(all_vectors.parent), kind=all_vectors.name)
+    assert sorted(c.name for c in loaded) == sorted(vectors.folder_name(n) for n in vectors.ALL_CASES)
+    for name, outputs in (("int8_layout1", ["key", "value", "cache", "scale"]), ("offset_layout0", ["key", "value", "cache"]),
+                          ("rotary_int8_layout1", ["slots_out", "cache", "scale"]), ("mha_prefill_causal", ["attention_output"]),
+                          ("error_int8_offset_beyond_max_t", ["cache", "scale"]), ("mha_error_key_dtype", [])):
+        import onnx
+
+        folder = all_vectors / vectors.folder_name(name)
+        model = onnx.load(folder / "model.onnx")
+        assert [o.name for o in model.graph.output] == outputs
+        assert len(list((folder / vectors.DATA_SET).glob("output_*.pb"))) == len(outputs)
+        assert json.loads((folder / "data.json").read_text())["rtol"] == 0.0
+
+
+def test_validator_fails_an_attention_output_outside_the_tolerance(all_vectors, tmp_path):
     """One element moved by just over its recorded tolerance fails the case; by just under, passes."""
-    import shutil
-
     from onnx import numpy_helper
 
-    name = "mha_mixed_decode_chunk_prefill"
+    folder_name = vectors.folder_name("mha_mixed_decode_chunk_prefill")
     for factor, verdict in ((1.5, 1), (0.5, 0)):
-        folder = tmp_path / f"{factor}" / name
-        shutil.copytree(pathlib.Path(all_vectors) / name, folder)
+        folder = tmp_path / f"{factor}" / folder_name
+        shutil.copytree(all_vectors / folder_name, folder)
         data = folder / vectors.DATA_SET
-        output = vectors._load(data / "output_0.pb").astype(np.float64)
-        tolerance = vectors._load(data / "output_0_tolerance.pb")
+        original = vectors.load_tensor(data / "output_0.pb")
+        tolerance = vectors.load_tensor(data / "tolerance_0.pb")
         index = np.unravel_index(np.argmax(tolerance), tolerance.shape)
+        output = original.astype(np.float64)
         output[index] += factor * tolerance[index]
         moved = output.astype(np.float16)
-        assert abs(float(moved[index]) - float(vectors._load(data / "output_0.pb")[index])) > 0  # it did move
+        assert abs(float(moved[index]) - float(original[index])) > 0  # it did move
         (data / "output_0.pb").write_bytes(numpy_helper.from_array(moved, "attention_output").SerializeToString())
         lines = []
         assert validate_folder(folder.parent, "reference", progress=lines.append) == verdict, lines
 
 
-def test_validate_reports_a_corrupted_expectation(all_vectors, tmp_path):
-    """The validator is able to fail: a flipped byte in an expected cache is reported."""
-    import shutil
-
-    folder = tmp_path / "paged_layout0"
-    shutil.copytree(pathlib.Path(all_vectors) / "paged_layout0", folder)
-    path = folder / vectors.DATA_SET / "cache_after.pb"
+def test_validator_reports_a_corrupted_expected_cache(all_vectors, tmp_path):
+    """The validator is able to fail: a changed element of an expected cache is reported with its index."""
+    folder = tmp_path / vectors.folder_name("paged_layout0")
+    shutil.copytree(all_vectors / folder.name, folder)
+    path = folder / vectors.DATA_SET / "output_2.pb"
     data = bytearray(path.read_bytes())
     data[-3] ^= 0xFF
     path.write_bytes(bytes(data))
     lines = []
     assert validate_folder(tmp_path, "reference", progress=lines.append) == 1
-    assert lines[0].startswith("FAIL paged_layout0") and "cache" in lines[0]
+    head, detail = lines[0].splitlines()
+    assert head == "FAIL paged_layout0" and detail.startswith("    cache: 1 of ") and "first at [" in detail
+    assert compare_case(folder, "reference") == [detail.strip()]

@@ -87,7 +87,7 @@ def test_conformance_vectors_run_through_ort(tmp_path):
     from kvcache_op.tools.validate_backend import compare_case
 
     vectors.write_all(tmp_path, list(ATTENTION_CASES), progress=None)
-    failures = {name: compare_case(tmp_path / name, "ort") for name in ATTENTION_CASES}
+    failures = {name: compare_case(tmp_path / vectors.folder_name(name), "ort") for name in ATTENTION_CASES}
     assert {k: v for k, v in failures.items() if v} == {}
 
 

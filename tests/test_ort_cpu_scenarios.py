@@ -45,7 +45,7 @@ def test_conformance_vectors_run_through_ort(tmp_path):
     from kvcache_op.spec import vectors
 
     vectors.write_all(tmp_path, progress=None)
-    failures = {name: compare_case(tmp_path / name, "ort") for name in CASES}
+    failures = {name: compare_case(tmp_path / vectors.folder_name(name), "ort") for name in CASES}
     assert {k: v for k, v in failures.items() if v} == {}
 
 

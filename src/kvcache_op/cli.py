@@ -1,4 +1,5 @@
-"""The ``kvcache-op`` command line: the demo (main job), conformance vectors, validation, benchmarks."""
+"""The ``kvcache-op`` command line: the demo (main job), conformance vectors, validation and fuzzing of backends,
+benchmarks."""
 
 import argparse
 import sys
@@ -7,15 +8,90 @@ import sys
 def _conformance(args) -> int:
     from .spec import vectors
 
-    folders = vectors.write_all(args.out, args.case or None, progress=None if args.quiet else print)
+    if args.list:
+        for name, make in vectors.ALL_CASES.items():
+            case = make()
+            print(f"{name:<48} {case.op:<22} {'invalid' if case.expect_error else 'valid'}")
+        return 0
+    if not args.out:
+        return _fail("conformance", "--out DIR is required (or --list)")
+    try:
+        folders = vectors.write_all(args.out, args.case or None, progress=None if args.quiet else print)
+    except ValueError as error:
+        return _fail("conformance", str(error))
     print(f"wrote {len(folders)} conformance case(s) to {args.out}")
     return 0
 
 
-def _validate(args) -> int:
-    from .tools.validate_backend import validate_folder
+def _fail(command: str, message: str) -> int:
+    """One line on stderr, exit status 2: what a bad argument (case name, library path, backend) gets."""
+    print(f"kvcache-op {command}: error: {message}", file=sys.stderr)
+    return 2
 
-    return validate_folder(args.dir, args.backend, progress=print)
+
+def _provider_options(pairs) -> dict:
+    options = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--provider-option {pair!r}: expected KEY=VALUE")
+        options[key] = value
+    return options
+
+
+def _backend_options(args) -> dict:
+    return dict(ort_library=args.ort_library, provider=args.provider, provider_options=_provider_options(args.provider_option),
+                isolate=args.isolate, timeout=args.timeout)
+
+
+def _validate(args) -> int:
+    from .tools.backends import BackendLoadError
+    from .tools.validate_backend import CaseSelectionError, list_cases, validate_folder
+
+    try:
+        if args.list:
+            for name, op, kind in list_cases(args.dir, args.case):
+                print(f"{name:<48} {op:<22} {kind}")
+            return 0
+        return validate_folder(args.dir, args.backend, progress=print, tolerance=args.tolerance, cases=args.case,
+                               **_backend_options(args))
+    except (BackendLoadError, CaseSelectionError, ValueError) as error:
+        return _fail("validate", str(error))
+
+
+def _fuzz(args) -> int:
+    from .tools.backends import BackendLoadError
+    from .tools.fuzz_backend import run_fuzz
+
+    kinds = ("valid", "invalid") if args.calls == "both" else (args.calls,)
+    try:
+        return run_fuzz(args.backend, examples=args.examples, seed=args.seed, ops=args.op, kinds=kinds,
+                        tolerance=args.tolerance, out=args.out, progress=print, **_backend_options(args))
+    except (BackendLoadError, ValueError) as error:
+        return _fail("fuzz", str(error))
+
+
+def _add_backend_arguments(parser) -> None:
+    parser.add_argument("--backend", default="reference",
+                        help="reference (the numpy reference), ort (ONNX Runtime with a custom-op library), or "
+                             "module:function (a Python callable with the reference's signature, importable from "
+                             "the current directory or PYTHONPATH; module:object for an object with "
+                             "key_value_cache / multi_head_attention / key_cache_rotary_shift)")
+    parser.add_argument("--ort-library", metavar="PATH", help="with --backend ort: the custom-op library to register "
+                                                              "(default: this package's)")
+    parser.add_argument("--provider", metavar="NAME", help="with --backend ort: the execution provider "
+                                                           "(default CPUExecutionProvider; inputs bound on its device)")
+    parser.add_argument("--provider-option", metavar="KEY=VALUE", action="append", help="an option of the provider "
+                                                                                         "(repeatable)")
+    parser.add_argument("--tolerance", choices=("exact", "spec"), default="exact",
+                        help="exact: bit for bit (default); spec: the tolerance table of spec/KeyValueCache.md")
+    isolation = parser.add_mutually_exclusive_group()
+    isolation.add_argument("--isolate", dest="isolate", action="store_true", default=None,
+                           help="run the backend in a worker process, so a crash fails only its case "
+                                "(default for ort and module:function)")
+    isolation.add_argument("--in-process", dest="isolate", action="store_false",
+                           help="run the backend in this process (faster; a crash ends the run)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a call may take in the worker")
 
 
 def _demo(args) -> int:
@@ -66,16 +142,31 @@ def build_parser() -> argparse.ArgumentParser:
                             "auto: ort when the library is built, else reference (said so in the output)")
     slots.add_argument("--steps", type=int, default=8, help="number of scheduler steps")
     slots.set_defaults(func=_slots_demo)
-    conf = sub.add_parser("conformance", help="write the conformance vectors (ONNX backend-test layout)")
-    conf.add_argument("--out", required=True, help="output folder")
+    conf = sub.add_parser("conformance", help="write the conformance vectors (ONNX backend-test layout): valid and "
+                                              "invalid calls of the three ops")
+    conf.add_argument("--out", help="output folder")
     conf.add_argument("--case", action="append", help="only this case (repeatable); default: all")
+    conf.add_argument("--list", action="store_true", help="list the named cases (name, op, valid/invalid)")
     conf.add_argument("--quiet", action="store_true")
     conf.set_defaults(func=_conformance)
-    val = sub.add_parser("validate", help="run conformance vectors through a backend and compare (attention cases "
-                                          "within their recorded tolerance)")
+    val = sub.add_parser("validate", help="run conformance vectors through a backend and say what differs (attention "
+                                          "within each case's recorded tolerance)")
     val.add_argument("dir", help="folder written by 'kvcache-op conformance'")
-    val.add_argument("--backend", choices=("reference", "ort"), default="reference")
+    _add_backend_arguments(val)
+    val.add_argument("--case", action="append", metavar="NAME",
+                     help="only this case (repeatable; shell patterns such as 'mha_*' allowed)")
+    val.add_argument("--list", action="store_true", help="list the cases in DIR (name, op, valid/invalid) and exit")
     val.set_defaults(func=_validate)
+    fuzz = sub.add_parser("fuzz", help="differential fuzzing of a backend against the reference; a disagreement is "
+                                       "shrunk and written as a reproducer")
+    _add_backend_arguments(fuzz)
+    fuzz.add_argument("--examples", type=int, default=200, help="calls to try (default 200)")
+    fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    fuzz.add_argument("--op", action="append", choices=("kv", "rotary", "attention"),
+                      help="only this op (repeatable; default: every op the backend provides)")
+    fuzz.add_argument("--calls", choices=("valid", "invalid", "both"), default="both", help="which calls to draw")
+    fuzz.add_argument("--out", default="fuzz-reproducer", help="where a reproducer is written (default ./fuzz-reproducer)")
+    fuzz.set_defaults(func=_fuzz)
     bench = sub.add_parser("bench", help="benchmarks: 'bench op [...]', 'bench attention [...]' or 'bench manager [...]' "
                                          "(--help for each)")
     bench.add_argument("what", choices=("op", "attention", "manager"))

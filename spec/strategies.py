@@ -1,0 +1,129 @@
+"""Hypothesis strategies for valid calls of the three ops, over every attribute value their specs allow.
+
+One copy shared by the project's tests and ``kvcache-op fuzz`` (which runs them against a user's backend).
+Importing this module needs ``hypothesis``; nothing else in the package does.
+"""
+
+import numpy as np
+from hypothesis import strategies as st
+
+from ..reference import INT4, cache_shape, rotary_shift_tables
+from ..reference.dtypes import BFLOAT16
+from .cases import Seq, build
+from .mha_cases import build_attention
+from .outcome import copies  # noqa: F401 - the tests' helper, shared
+
+DTYPES = {"float32": np.dtype(np.float32), "float16": np.dtype(np.float16), "bfloat16": BFLOAT16}
+
+
+@st.composite
+def sequences(draw, max_batch=4, max_pos=12, max_len=6, min_batch=0, min_len=0):
+    """A batch of (start_pos, seqlen, kvlen) with kvlen <= start_pos + seqlen; empty ones included unless
+    ``min_len`` says otherwise."""
+    seqs = []
+    for _ in range(draw(st.integers(min_batch, max_batch))):
+        start = draw(st.integers(0, max_pos))
+        seqlen = draw(st.integers(min_len, max_len))
+        kvlen = draw(st.one_of(st.just(-1), st.integers(0, start + seqlen)))
+        seqs.append(Seq(start, seqlen, kvlen))
+    return seqs
+
+
+@st.composite
+def calls(draw, quant_bits=(0, 4, 8), modes=(0, 1), layouts=(0, 1, 2, 3), t1s=("float32", "float16", "bfloat16"),
+          max_batch=4, head_dims=(1, 2, 3, 4, 6, 8, 16), min_batch=0, min_len=0):
+    """A valid KeyValueCache call: returns a spec.cases.Case (inputs + attributes). ``head_dims``, ``min_batch``
+    and ``min_len`` narrow it (e.g. to calls that quantize many elements per group)."""
+    quant_bit = draw(st.sampled_from(quant_bits))
+    head_dim = draw(st.sampled_from([d for d in head_dims if d in (2, 4, 8, 16)] if quant_bit == 4 else head_dims))
+    quant_group = draw(st.sampled_from([g for g in (1, 2, 3, 4, 8, 16) if head_dim % g == 0]))
+    num_layer = draw(st.integers(1, 3))
+    mode = draw(st.sampled_from(modes))
+    page_size = draw(st.sampled_from((1, 2, 3, 4, 8))) if mode == 1 else 128
+    seqs = draw(sequences(max_batch=max_batch, min_batch=min_batch, min_len=min_len))
+    if mode == 1:  # share read-only prefix pages between sequences (prefix caching)
+        for b in range(1, len(seqs)):
+            owner = draw(st.integers(0, b - 1))
+            shareable = min(seqs[b].start_pos, seqs[owner].start_pos) // page_size
+            if seqs[owner].share_pages_of < 0 and shareable and draw(st.booleans()):
+                s = seqs[b]
+                seqs[b] = Seq(s.start_pos, s.seqlen, s.kvlen, owner, draw(st.integers(1, shareable)))
+    return build(
+        "hypothesis", seqs, heads=draw(st.integers(1, 3)), head_dim=head_dim, num_layer=num_layer,
+        layer_idx=draw(st.integers(0, num_layer - 1)), quant_bit=quant_bit, quant_group=quant_group,
+        num_repeat=draw(st.integers(1, 3)), cache_mode=mode, cache_layout=draw(st.sampled_from(layouts)),
+        page_size=page_size, t1=draw(st.sampled_from(t1s)), t3=draw(st.sampled_from(("float32", "float16"))),
+        scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
+    )
+
+
+#: (quant_bit, cache_mode, cache_layout): property tests are parametrized over all of them so every
+#: combination gets its own examples, whatever hypothesis's search prefers.
+COMBINATIONS = [(q, m, lay) for q in (0, 4, 8) for m in (0, 1) for lay in range(4)]
+
+
+def calls_for(combo, **kw):
+    """:func:`calls` pinned to one (quant_bit, cache_mode, cache_layout)."""
+    q, m, lay = combo
+    return calls(quant_bits=(q,), modes=(m,), layouts=(lay,), **kw)
+
+
+@st.composite
+def shift_calls(draw):
+    """A valid KeyCacheRotaryShift call: (inputs, attributes)."""
+    quant_bit = draw(st.sampled_from((0, 4, 8)))
+    head_dim = draw(st.sampled_from((2, 4, 8, 16)))
+    layout = draw(st.integers(0, 3))
+    layers = draw(st.integers(1, 2))
+    heads = draw(st.integers(1, 3))
+    max_t = draw(st.integers(1, 12))
+    group = draw(st.sampled_from([g for g in (1, 2, 4, 8) if head_dim % g == 0]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    if quant_bit:
+        q = 7 if quant_bit == 4 else 127
+        cache = rng.integers(-q, q + 1, cache_shape(layout, layers, max_t, heads, head_dim)).astype(
+            np.int8 if quant_bit == 8 else INT4)
+        scale = rng.uniform(0.01, 0.1, cache_shape(layout, layers, max_t, heads, head_dim // group)).astype(
+            draw(st.sampled_from((np.float32, np.float16))))
+    else:
+        cache = (rng.standard_normal(cache_shape(layout, layers, max_t, heads, head_dim)) * 2).astype(
+            DTYPES[draw(st.sampled_from(list(DTYPES)))])
+        scale = None
+    n = draw(st.integers(0, max_t))
+    slots = rng.permutation(max_t)[:n].astype(np.int64)
+    rotary = draw(st.sampled_from([r for r in (0, 2, 4, 8, 16) if r <= head_dim]))
+    cos, sin = rotary_shift_tables(rng.integers(-50, 50, n), rotary or head_dim)
+    attrs = dict(num_layer=layers, layer_idx=draw(st.integers(0, layers - 1)), cache_layout=layout,
+                 quant_bit=quant_bit, quant_group=group, rotary_dim=rotary,
+                 rotary_interleaved=draw(st.integers(0, 1)))
+    return {"cache": cache, "scale": scale, "slots": slots, "cos": cos, "sin": sin}, attrs
+
+
+ATTENTION_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@st.composite
+def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, head_dims=(1, 2, 3, 4, 8, 16)):
+    """A valid MultiHeadAttention call (GQA, causal on/off, decoding sequences, windows, masks of both ranks
+    with -inf entries and unread columns, ALiBi, empty sequences, all three dtypes): a spec.cases.Case."""
+    heads = draw(st.sampled_from((1, 2, 3, 4, 6)))
+    kv_heads = draw(st.sampled_from([0] + [k for k in (1, 2, 3, 6) if heads % k == 0]))
+    batch = draw(st.integers(0, max_batch))
+    decoding = draw(st.integers(0, batch))
+    is_causal = draw(st.sampled_from((1, 1, 0)))
+    seqs = []
+    for b in range(batch):
+        kvlen = draw(st.integers(0, max_kvlen))
+        seqlen = draw(st.integers(0, 5))
+        if is_causal and b >= decoding and seqlen > 1 and seqlen > kvlen:
+            kvlen = seqlen + draw(st.integers(0, 3))  # the causal rule needs seqlen <= kvlen
+        seqs.append((seqlen, kvlen))
+    mask = draw(st.sampled_from((None, None, 2, 3)))
+    return build_attention(
+        "hypothesis", seqs, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from(head_dims)),
+        t=draw(st.sampled_from(dtypes)), decoding=decoding, is_causal=is_causal, is_alibi=draw(st.integers(0, 1)),
+        sliding_window=draw(st.sampled_from((0, 0, 1, 2, 3, 5, 100))),
+        softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.05, 0.3, 1.0))), mask=mask,
+        mask_extra_cols=draw(st.integers(0, 2)), mask_neg_inf=draw(st.sampled_from((0.0, 0.3, 0.9))),
+        scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
+    )

@@ -1,0 +1,174 @@
+"""Backends a user might write, with the bugs the conformance kit must catch planted one at a time.
+
+``_Backend`` is KeyValueCache written from spec/KeyValueCache.md (numpy, one sequence at a time, sharing
+nothing with the reference but its validation, which only the ``no_bounds_checks`` variant skips). Each
+module-level function below is one variant with the reference's signature, loadable as
+``--backend planted_backends:<name>``:
+
+* ``correct``: no bug;
+* ``no_bounds_checks``: checks attributes, dtypes and shapes but trusts the index values (launch bounds,
+  slot bounds, aliasing): numpy wraps negative slots around and stops at too large ones midway;
+* ``gqa_tiled``: repeats the kv heads as ``k0 k1 k0 k1`` (tile) instead of ``k0 k0 k1 k1``;
+* ``kvlen_ignored``: loads ``start_pos + seqlen`` tokens per sequence whatever ``kvstarts`` says;
+* ``int4_nibbles_swapped``: packs int4 codes with the two nibbles of each byte exchanged (and unpacks them
+  the same way, so its own stores read back right);
+* ``scale_not_rounded``: quantizes with the float32 scale instead of the scale rounded to its dtype;
+* ``ppl_style``: ppl's arithmetic: the scale computed in T1 (and used unrounded), the quotient rounded to
+  float16 before ``rint``, dequantization in the scale's dtype then T1 (what the spec's tolerance table allows);
+* ``raises_on_layers3``: raises on calls with three layers, correct otherwise;
+* ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
+* ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
+* ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise.
+
+``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``) are ``module:object`` backends
+providing the other ops too (the reference's, or one with a planted bug).
+"""
+
+import os
+import time
+import types
+
+import numpy as np
+
+from kvcache_op.reference import canonical_view, key_cache_rotary_shift, multi_head_attention
+from kvcache_op.reference.validate import Attributes, KeyValueCacheError, effective_scale, validate_call
+
+QMAX = {8: 127, 4: 7}
+#: The reference's messages for the checks of the index values (launch bounds, slot bounds, aliasing): what a
+#: backend that trusts its indices skips.
+INDEX_CHECKS = ("max_seqlen =", "max_kvlen =", "start_pos[", "kvstarts: kvlen", "cachestarts[", "cachestarts: ")
+
+
+def _quantize(x, quant_bit, group, scale_dtype, t1, bug, arithmetic):
+    """Codes and stored scales of rows ``x[..., Dh]`` (float32 arithmetic unless ``arithmetic == 'ppl'``)."""
+    qmax = np.float32(QMAX[quant_bit])
+    groups = x.astype(np.float32).reshape(*x.shape[:-1], x.shape[-1] // group, group)
+    amax = np.abs(groups).max(axis=-1)
+    if arithmetic == "ppl":  # scale in T1, used as it is; quotient rounded to float16
+        scale = np.maximum((amax.astype(t1) / np.asarray(qmax).astype(t1)).astype(t1), np.asarray(1e-5).astype(t1))
+        quotient = (groups / scale.astype(np.float32)[..., None]).astype(np.float16).astype(np.float32)
+        stored = scale.astype(scale_dtype)
+    else:
+        scale = np.maximum(amax / qmax, np.float32(1e-5))
+        stored = scale.astype(scale_dtype)
+        used = scale if bug == "scale_not_rounded" else stored.astype(np.float32)
+        quotient = groups / used[..., None]
+    codes = np.clip(np.rint(quotient), -qmax, qmax)
+    codes = np.where(np.isnan(codes), 0, codes).astype(np.int8)
+    return codes.reshape(x.shape), stored
+
+
+def _dequantize(codes, scale, group, t1, arithmetic):
+    groups = codes.astype(np.float32).reshape(*codes.shape[:-1], codes.shape[-1] // group, group)
+    if arithmetic == "ppl":  # code.type_as(scale) * scale, in the scale's dtype
+        values = groups.astype(scale.dtype) * scale[..., None]
+    else:
+        values = groups * scale.astype(np.float32)[..., None]
+    return values.reshape(codes.shape).astype(t1)
+
+
+def _swap_pairs(codes):
+    """Exchanges elements 2i and 2i+1 along the last axis: what swapped nibbles do to int4 codes."""
+    swapped = codes.copy()
+    swapped[..., 0::2], swapped[..., 1::2] = codes[..., 1::2], codes[..., 0::2]
+    return swapped
+
+
+def _backend(bug=None, arithmetic="spec"):
+    def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                        max_kvlen, cache, scale=None, **attributes):
+        with np.errstate(all="ignore"):  # unchecked indices wrap around, as they would in C
+            return _key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                                    max_seqlen, max_kvlen, cache, scale, **attributes)
+
+    def _key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                         max_kvlen, cache, scale=None, *, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
+                         num_repeat=1, cache_mode=0, cache_layout=0, page_size=128):
+        a = Attributes(num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_mode, cache_layout, page_size)
+        scale = effective_scale(scale, quant_bit)
+        try:
+            validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                          max_kvlen, cache, scale, a)
+        except KeyValueCacheError as error:
+            if bug != "no_bounds_checks" or not str(error).startswith(INDEX_CHECKS):
+                raise
+        if bug == "raises_on_layers3" and num_layer == 3:
+            raise RuntimeError("this backend does not support three layers")
+        if bug == "crashes_on_page_size1" and cache_mode == 1 and page_size == 1:
+            os.abort()
+        if bug == "hangs_on_layers3" and num_layer == 3:
+            time.sleep(600)
+        t1 = current_key.dtype
+        swapped = bug == "int4_nibbles_swapped" and quant_bit == 4
+        codes_view = canonical_view(cache, cache_layout)[layer_idx]  # (2, H, MaxT, Dh)
+        scale_view = None if scale is None else canonical_view(scale, cache_layout)[layer_idx]
+        batch = len(seqstarts) - 1
+
+        def slots(b, positions):
+            if cache_mode == 0:
+                return cachestarts[b] + positions
+            return cachestarts[b][positions // page_size] + positions % page_size
+
+        for b in range(batch):
+            rows = slice(seqstarts[b], seqstarts[b + 1])
+            where = slots(b, np.arange(start_pos[b], start_pos[b] + seqstarts[b + 1] - seqstarts[b]))
+            for kv, current in enumerate((current_key, current_value)):
+                x = current[rows].transpose(1, 0, 2)  # (H, seqlen, Dh)
+                if quant_bit:
+                    codes, stored = _quantize(x, quant_bit, quant_group, scale.dtype, t1, bug, arithmetic)
+                    codes_view[kv][:, where, :] = (_swap_pairs(codes) if swapped else codes).astype(cache.dtype)
+                    scale_view[kv][:, where, :] = stored
+                else:
+                    codes_view[kv][:, where, :] = x
+        if bug == "clobbers_last_slot" and codes_view.shape[2]:
+            codes_view[:, :, -1, :] = 0  # a slot no call stores: only the cache after the call shows it
+        lengths = [kvstarts[b + 1] - kvstarts[b] for b in range(batch)]
+        if bug == "kvlen_ignored":
+            lengths = [start_pos[b] + seqstarts[b + 1] - seqstarts[b] for b in range(batch)]
+        outputs = []
+        for kv in (0, 1):
+            parts = [np.zeros((0, current_key.shape[1] * num_repeat, current_key.shape[2]), t1)]
+            for b in range(batch):
+                where = slots(b, np.arange(lengths[b]))
+                gathered = codes_view[kv][:, where, :]  # (H, kvlen, Dh)
+                if quant_bit:
+                    codes = gathered.astype(np.int8)
+                    codes = _swap_pairs(codes) if swapped else codes
+                    gathered = _dequantize(codes, scale_view[kv][:, where, :], quant_group, t1, arithmetic)
+                tokens = gathered.transpose(1, 0, 2).astype(t1)
+                repeated = np.tile(tokens, (1, num_repeat, 1)) if bug == "gqa_tiled" else np.repeat(tokens, num_repeat, 1)
+                parts.append(repeated)
+            outputs.append(np.concatenate(parts))
+        return outputs[0], outputs[1]
+
+    return key_value_cache
+
+
+correct = _backend()
+no_bounds_checks = _backend("no_bounds_checks")
+gqa_tiled = _backend("gqa_tiled")
+kvlen_ignored = _backend("kvlen_ignored")
+int4_nibbles_swapped = _backend("int4_nibbles_swapped")
+scale_not_rounded = _backend("scale_not_rounded")
+ppl_style = _backend(arithmetic="ppl")
+raises_on_layers3 = _backend("raises_on_layers3")
+crashes_on_page_size1 = _backend("crashes_on_page_size1")
+clobbers_last_slot = _backend("clobbers_last_slot")
+hangs_on_layers3 = _backend("hangs_on_layers3")
+
+#: The KV variants above that are bugs the kit must catch.
+BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded"]
+
+
+def _rotary_sin_negated(cache, scale, slots, cos, sin, **attributes):
+    return key_cache_rotary_shift(cache, scale, slots, cos, -np.asarray(sin), **attributes)
+
+
+def _attention_window_ignored(*args, sliding_window=0, **attributes):
+    return multi_head_attention(*args, **attributes)
+
+
+ALL_OPS = types.SimpleNamespace(key_value_cache=correct, key_cache_rotary_shift=key_cache_rotary_shift,
+                                multi_head_attention=multi_head_attention)
+rotary_sin_negated = types.SimpleNamespace(key_cache_rotary_shift=_rotary_sin_negated)
+attention_window_ignored = types.SimpleNamespace(multi_head_attention=_attention_window_ignored)

@@ -1,0 +1,109 @@
+"""``kvcache-op fuzz``: the tests' own strategies, run against a backend and the reference, find each planted
+bug, shrink it to a small call, and write a reproducer that fails the same way; a correct backend of all
+three ops shows no disagreement."""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import planted_backends
+from kvcache_op.cli import main
+from kvcache_op.tools.backends import import_callables
+from kvcache_op.tools.fuzz_backend import fuzz
+from kvcache_op.tools.validate_backend import validate
+
+TESTS = pathlib.Path(__file__).parent
+EXAMPLES = 120  # each bug is found within this many calls (and shrunk) from seed 0
+
+
+def _kvlens_short(case):
+    i = case.inputs
+    stored = i["start_pos"] + np.diff(i["seqstarts"])
+    return bool(np.any(np.diff(i["kvstarts"]) < stored))
+
+
+#: bug -> what the minimal call it is shrunk to must show
+SIGNS = {
+    "no_bounds_checks": lambda case, lines: case.expect_error and (
+        lines[0].startswith("accepted an invalid call") or "changed although the call failed" in lines[0]),
+    "gqa_tiled": lambda case, lines: case.attributes["num_repeat"] > 1 and case.inputs["current_key"].shape[1] > 1,
+    "kvlen_ignored": lambda case, lines: _kvlens_short(case),
+    "int4_nibbles_swapped": lambda case, lines: case.attributes["quant_bit"] == 4,
+    "scale_not_rounded": lambda case, lines: case.attributes["quant_bit"] and case.inputs["scale"].dtype == np.float16,
+}
+
+
+@pytest.mark.parametrize("bug", planted_backends.BUGS)
+def test_fuzz_finds_each_planted_bug_and_shrinks_it(bug):
+    result = fuzz(import_callables(f"planted_backends:{bug}"), examples=EXAMPLES, seed=0)
+    assert result.failure is not None, result.by_op
+    case, lines = result.failure
+    assert lines and SIGNS[bug](case, lines), (case, lines)
+    if not case.expect_error:  # shrunk: one sequence of a few tokens
+        assert len(case.inputs["start_pos"]) == 1 and case.inputs["current_key"].shape[0] <= 4, case.inputs
+
+
+def test_a_correct_backend_of_all_three_ops_shows_no_disagreement():
+    result = fuzz(import_callables("planted_backends:ALL_OPS"), examples=150, seed=3)
+    assert result.failure is None
+    assert set(result.by_op) == {(op, kind) for op in ("KeyValueCache", "KeyCacheRotaryShift", "MultiHeadAttention")
+                                 for kind in ("valid", "invalid")}
+
+
+@pytest.mark.parametrize("backend, op, sign", [
+    ("rotary_sin_negated", "KeyCacheRotaryShift", "cache: "),
+    ("attention_window_ignored", "MultiHeadAttention", "attention_output: "),
+])
+def test_fuzz_covers_the_other_ops(backend, op, sign):
+    result = fuzz(import_callables(f"planted_backends:{backend}"), examples=EXAMPLES, seed=0)
+    case, lines = result.failure
+    assert case.op == op and lines[0].startswith(sign), lines
+    if op == "MultiHeadAttention":
+        assert case.attributes["sliding_window"] > 0
+
+
+def test_ppl_arithmetic_is_a_disagreement_only_in_exact_mode():
+    backend = import_callables("planted_backends:ppl_style")
+    assert fuzz(backend, examples=80, seed=0, tolerance="spec").failure is None
+    assert fuzz(backend, examples=EXAMPLES, seed=0).failure is not None
+
+
+def test_the_reproducer_fails_the_same_way_on_its_own(tmp_path, monkeypatch):
+    monkeypatch.chdir(TESTS)
+    out = tmp_path / "repro"
+    result = fuzz(import_callables("planted_backends:gqa_tiled"), examples=EXAMPLES, seed=0, out=out,
+                  backend_spec="planted_backends:gqa_tiled", backend_options={"isolate": False})
+    assert result.reproducer == out and sorted(p.name for p in out.iterdir()) == ["reproduce.py", "test_fuzz_KeyValueCache"]
+    assert validate(out, "reference").count("ok") == 1  # the case's expectation is the reference's
+    run = subprocess.run([sys.executable, str(out / "reproduce.py")], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 1, run.stderr
+    assert run.stdout.splitlines()[:2] == ["FAIL fuzz_KeyValueCache", "    " + result.failure[1][0]]
+
+
+def test_a_crash_is_found_in_the_worker_and_shrunk(monkeypatch):
+    monkeypatch.chdir(TESTS)
+    from kvcache_op.tools.backends import load_backend
+
+    backend = load_backend("planted_backends:crashes_on_page_size1")
+    try:
+        result = fuzz(backend, examples=EXAMPLES, seed=0, kinds=("valid",))
+    finally:
+        backend.close()
+    case, lines = result.failure
+    assert lines[0].startswith("the backend crashed") and case.attributes["page_size"] == 1
+
+
+def test_fuzz_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(TESTS)
+    argv = ["fuzz", "--backend", "planted_backends:kvlen_ignored", "--op", "kv", "--examples", "60", "--in-process",
+            "--out", str(tmp_path / "r")]
+    assert main(argv) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert " calls run against the reference (seed 0): " in out[0]  # shrinking runs more than the 60
+    assert out[1] == "DISAGREEMENT (shrunk to a minimal call):" and out[-1].startswith(f"reproducer: {tmp_path / 'r'}")
+    assert main(["fuzz", "--backend", "reference", "--examples", "20", "--out", str(tmp_path / "none")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "no disagreement found"
+    assert not (tmp_path / "none").exists()

@@ -1,0 +1,126 @@
+"""The tolerance table of spec/KeyValueCache.md (``--tolerance spec``): ppl's arithmetic passes it and fails the
+exact mode, the table's two ppl-specific bounds are needed (a one-ulp rule would reject ppl), and nothing
+outside the table is accepted."""
+
+import numpy as np
+import pytest
+
+import planted_backends
+from kvcache_op.spec import vectors
+from kvcache_op.spec.cases import CASES, MIXED, build
+from kvcache_op.spec.outcome import Outcome, copies, reference_outcome
+from kvcache_op.tools.backends import CallableBackend
+from kvcache_op.tools.compare_outcome import compare
+from kvcache_op.tools.slot_map import SlotMap
+from kvcache_op.tools.spec_tolerance import ulp
+from kvcache_op.tools.validate_backend import validate
+
+PPL = CallableBackend({"KeyValueCache": planted_backends.ppl_style}, "ppl_style")
+
+
+@pytest.fixture(scope="module")
+def kv_vectors(tmp_path_factory):
+    out = tmp_path_factory.mktemp("kv")
+    vectors.write_all(out, [n for n in vectors.ALL_CASES if vectors.ALL_CASES[n]().op == "KeyValueCache"], progress=None)
+    return out
+
+
+def test_ppl_arithmetic_passes_the_spec_tolerance_and_fails_exact(kv_vectors):
+    spec = validate(kv_vectors, PPL, tolerance="spec")
+    assert [r.name for r in spec.results if r.status != "ok"] == []
+    exact = validate(kv_vectors, PPL, tolerance="exact")
+    failed = {r.name for r in exact.results if r.status == "FAIL"}
+    quantized = {n for n, make in CASES.items() if make().attributes["quant_bit"]}
+    assert failed and failed <= quantized, failed - quantized  # unquantized data movement is exact in ppl too
+    assert len(failed) >= len(quantized) // 2
+
+
+def _ppl_and_spec(case):
+    got = PPL.run("KeyValueCache", copies(case.inputs), case.attributes)
+    want = reference_outcome("KeyValueCache", case.inputs, case.attributes)
+    assert compare("KeyValueCache", case.inputs, case.attributes, want, got, "spec") == []
+    return got, want
+
+
+def test_float16_input_float32_scale_differs_by_up_to_half_a_float16_ulp():
+    """ppl computes the scale in float16 and stores it into the float32 tensor: thousands of float32 ulps."""
+    case = build("ppl-scale", MIXED, heads=4, head_dim=64, quant_bit=8, t1="float16", t3="float32")
+    got, want = _ppl_and_spec(case)
+    stored = SlotMap(case.inputs, case.attributes).stored(scale=True)
+    g, w = got.after["scale"][stored].astype(np.float64), want.after["scale"][stored].astype(np.float64)
+    in_float32_ulps = np.abs(g - w) / ulp(w, np.float32)
+    assert in_float32_ulps.max() > 1000  # a "1 ulp of T3" rule would reject ppl
+    assert np.all(np.abs(g - w) <= ulp(w, np.float16) / 2 + ulp(w, np.float32))
+
+
+def test_float32_input_float16_scale_exceeds_one_code_step_plus_float32_rounding():
+    """ppl dequantizes in float16: with a code off by one, the output differs by more than 1 * scale plus
+    T1's rounding (the old bound), and by no more than the table's bound."""
+    case = build("ppl-output", MIXED, heads=4, head_dim=64, quant_bit=8, t1="float32", t3="float16")
+    got, want = _ppl_and_spec(case)
+    slots = SlotMap(case.inputs, case.attributes)
+    scales = want.after["scale"].astype(np.float64).reshape(-1)[slots.source(0, scale=True)]
+    out, expected = got.outputs["key"].astype(np.float64), want.outputs["key"].astype(np.float64)
+    old_bound = scales + ulp(expected, np.float32) / 2
+    excess = (np.abs(out - expected) - ulp(expected, np.float32) / 2) / scales
+    assert np.any(np.abs(out - expected) > old_bound)
+    assert 1.0 < excess.max() < 1.1  # "up to about 5%"
+
+
+def _perturbed(case, change):
+    """The reference's outcome, and a copy with ``change(outcome, slots)`` applied."""
+    want = reference_outcome("KeyValueCache", case.inputs, case.attributes)
+    got = Outcome({k: v.copy() for k, v in want.outputs.items()}, {k: v.copy() for k, v in want.after.items()})
+    change(got, SlotMap(case.inputs, case.attributes))
+    return {mode: compare("KeyValueCache", case.inputs, case.attributes, want, got, mode) for mode in ("exact", "spec")}
+
+
+def _code_at(stored: bool, delta: int):
+    def change(got, slots):
+        mask = slots.stored() if stored else ~slots.stored()
+        index = np.unravel_index(int(np.flatnonzero(mask)[0]), mask.shape)
+        code = int(got.after["cache"][index])
+        got.after["cache"][index] = code - delta if code > 0 else code + delta
+    return change
+
+
+@pytest.mark.parametrize("change, spec_accepts", [
+    (_code_at(stored=True, delta=1), True),
+    (_code_at(stored=True, delta=2), False),
+    (_code_at(stored=False, delta=1), False),  # history: never re-quantized, must be exact
+])
+def test_codes_may_differ_by_one_only_where_the_call_stores(change, spec_accepts):
+    result = _perturbed(CASES["int8_layout0"](), change)
+    assert result["exact"] and result["exact"][0].startswith("cache: 1 of ")
+    assert (result["spec"] == []) == spec_accepts, result["spec"]
+
+
+@pytest.mark.parametrize("factor, spec_accepts", [(0.5, True), (3.0, False)])
+def test_a_stored_scale_within_half_a_float16_ulp_plus_one_float32_ulp(factor, spec_accepts):
+    """T1 float16, T3 float32: a stored scale may move by up to ulp_fp16/2 + ulp_fp32, not more."""
+    def change(got, slots):
+        index = np.unravel_index(int(np.flatnonzero(slots.stored(scale=True))[0]), got.after["scale"].shape)
+        value = np.float64(got.after["scale"][index])
+        got.after["scale"][index] = np.float32(value + factor * ulp(value, np.float16))
+
+    result = _perturbed(CASES["int8_layout0"](), change)
+    assert result["exact"] and (result["spec"] == []) == spec_accepts, result["spec"]
+
+
+def test_an_unquantized_output_one_ulp_off_fails_both_modes():
+    def change(got, slots):
+        key = got.outputs["key"]
+        key.reshape(-1).view(np.uint16)[0] += 1
+
+    result = _perturbed(CASES["offset_layout0"](), change)
+    assert result["exact"] == result["spec"] and result["spec"][0].startswith("key: 1 of ")
+
+
+def test_a_quantized_output_not_explained_by_its_codes_fails_spec():
+    """An output two code steps away while the caches agree is outside (O)."""
+    def change(got, slots):
+        scale = got.after["scale"].astype(np.float64).reshape(-1)[slots.source(0, scale=True)]
+        got.outputs["key"][0, 0, 0] += np.float16(2 * scale[0, 0, 0])
+
+    result = _perturbed(CASES["int8_layout0"](), change)
+    assert result["spec"] and result["spec"][0].startswith("key: 1 of ") and "code got" in result["spec"][0]
