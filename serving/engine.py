@@ -78,6 +78,9 @@ class Engine:
         if streaming is not None:  # StreamingLLM bounds what is held, not how long a request runs
             held, limit = streaming.budget_pages * ps, None
         self.max_context = limit
+        # A StreamingLLM step must fit the budget after dropping every page but the sinks.
+        self._chunk_limit = ((streaming.budget_pages - -(-streaming.sinks // ps)) * ps if streaming is not None
+                             else max_batch_tokens)
         self.manager = KVCacheManager(
             num_pages, ps, max(1, -(-held // ps)), sliding_window=window, streaming=streaming,
             vocab_size=info.vocab_size,
@@ -227,7 +230,7 @@ class Engine:
                 budget -= 1
         for q in running:
             if q.next_input is None and budget > 0:
-                chunk = self.manager.pending_tokens(id(q))[:budget]
+                chunk = self.manager.pending_tokens(id(q))[:min(budget, self._chunk_limit)]
                 feeds[id(q)] = chunk
                 budget -= len(chunk)
         return feeds

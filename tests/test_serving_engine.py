@@ -172,3 +172,17 @@ def test_streaming_reevaluate_serves_within_the_budget():
                     on_token=lambda i, t: peak.append(max(len(r.pages) for r in engine.manager.requests.values())))
     assert max(peak) <= 4
     assert engine.metrics()["generated_tokens"] == 120
+
+
+@pytest.mark.parametrize("mode", ["shift", "reevaluate"])
+def test_streaming_takes_a_prompt_longer_than_its_budget(mode):
+    """StreamingLLM's point is contexts beyond the budget: a 100-token prompt with a 64-slot budget is fed in
+    chunks that fit after the discard, whatever the token budget."""
+    from kvcache_op.manager import StreamingPolicy
+
+    engine = Engine(hf_models.exported("llama"), num_pages=16, max_batch_tokens=256,
+                    streaming=StreamingPolicy(sinks=4, budget_pages=4, mode=mode))
+    tokens = engine.generate([list(range(1, 101)), list(range(200, 280))], 6)
+    assert [len(t) for t in tokens] == [6, 6]
+    engine.manager.check()
+    assert not engine.manager.requests
