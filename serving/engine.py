@@ -85,6 +85,7 @@ class Engine:
             num_pages, ps, max(1, -(-held // ps)), sliding_window=window, streaming=streaming,
             vocab_size=info.vocab_size,
             cache_key=(info.cache_dtype, info.quant_bit, info.quant_group, info.cache_layout))
+        self._held_pages = self.manager.max_pages  # the most pages one request ever holds
         self.num_pages = num_pages
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -110,11 +111,9 @@ class Engine:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         waiting = collections.deque(sorted(
-            (_Sequence(i, [int(t) for t in p], max_new_tokens, s, a) for i, (p, s, a) in
+            (_Sequence(i, self._token_ids(p, i), max_new_tokens, s, a) for i, (p, s, a) in
              enumerate(zip(prompts, salts, arrivals))), key=lambda q: (q.arrival, q.index)))
         for q in waiting:
-            if not q.prompt:
-                raise ValueError(f"prompt {q.index} is empty")
             if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
                 raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed "
                                  f"the context limit of {self.max_context} positions (max_context, at most the "
@@ -124,15 +123,31 @@ class Engine:
         start, step = time.perf_counter(), 0
         try:
             while waiting or running:
+                if not running and waiting[0].arrival > step:
+                    step = waiting[0].arrival  # nothing to run until the next arrival
                 self._step(step, waiting, running, results, on_token)
                 step += 1
         except BaseException:  # the engine stays usable: nothing of this call keeps pages
             for q in running:
-                self.manager.finish(id(q))
+                self.manager.finish(q.index)
             raise
         finally:
             self._times["wall"] += time.perf_counter() - start
         return results
+
+    def _token_ids(self, prompt, index: int) -> list:
+        """``prompt`` as a list of ints in ``[0, vocab)``; ``ValueError``/``TypeError`` naming prompt ``index``
+        before any work (a float or bool id is refused, not truncated)."""
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt {index} must be a non-empty list of token ids, got shape {ids.shape}")
+        if ids.dtype.kind not in "iu":
+            raise TypeError(f"prompt {index}: token ids must be integers, got {ids.dtype}")
+        bad = np.flatnonzero((ids < 0) | (ids >= self.info.vocab_size))
+        if bad.size:
+            raise ValueError(f"prompt {index}: token {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
+                             f"vocabulary [0, {self.info.vocab_size})")
+        return ids.astype(np.int64).tolist()
 
     def metrics(self) -> dict:
         """Counters since the engine was made: prefix hits, evictions, preemptions, tokens, pages, cache bytes,
@@ -162,10 +177,10 @@ class Engine:
         if plan is None:
             self._times["scheduling"] += time.perf_counter() - began
             return
-        feeds = step_feeds(plan)
-        scheduled = time.perf_counter()
-        self._times["scheduling"] += scheduled - began
         try:
+            feeds = step_feeds(plan)
+            scheduled = time.perf_counter()
+            self._times["scheduling"] += scheduled - began
             if plan.shift_slots.size:
                 self.runner.shift_keys(plan.shift_slots, plan.shift_deltas)
             logits = self.runner.run(feeds)
@@ -178,7 +193,7 @@ class Engine:
         self._counters["steps"] += 1
         self._counters["fed_tokens"] += int(plan.seqstarts[-1])
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
-        by_id = {id(q): q for q in running}
+        by_id = {q.index: q for q in running}
         for row, rid in enumerate(plan.request_ids):
             q = by_id[rid]
             q.ran = True
@@ -205,46 +220,55 @@ class Engine:
 
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request
-        joins when the pages of its whole context fit next to one spare page per running request."""
-        ps = self.info.page_size
+        joins when the pages it will hold (its context, or its window) fit next to those of the requests
+        admitted before it in this step and one spare page per running request."""
+        ps, reserved = self.info.page_size, 0
         while waiting and waiting[0].arrival <= step and len(running) < self.max_running:
             q = waiting[0]
-            needed = -(-len(q.context) // ps)
-            if running and needed + len(running) > self.manager.pool.available():
+            needed = min(-(-len(q.context) // ps), self._held_pages)
+            if running and needed + reserved + len(running) > self.manager.pool.available():
                 return
+            reserved += needed  # pages are taken at schedule time: count this step's admissions
             if not self.prefix_caching:
                 self.manager.reset_prefix_cache()
-            self.manager.add_request(id(q), q.context, q.salt)
+            self.manager.add_request(q.index, q.context, q.salt)
             waiting.popleft()
             q.admissions += 1
             q.ran = False
             q.next_input = None
             running.append(q)
 
-    def _feeds(self, running: list) -> dict:
-        """Decodes first (so ``decoding_batches`` counts them), then prefill chunks, within the token budget."""
+    def _feeds(self, running: list, chunk_limit: int) -> dict:
+        """Decodes first (so ``decoding_batches`` counts them), then prefill chunks of at most ``chunk_limit``
+        tokens, within the token budget."""
         budget, feeds = self.max_batch_tokens, {}
         for q in running:
             if q.next_input is not None and budget > 0:
-                feeds[id(q)] = q.next_input
+                feeds[q.index] = q.next_input
                 budget -= 1
         for q in running:
             if q.next_input is None and budget > 0:
-                chunk = self.manager.pending_tokens(id(q))[:min(budget, self._chunk_limit)]
-                feeds[id(q)] = chunk
+                chunk = self.manager.pending_tokens(q.index)[:min(budget, chunk_limit)]
+                feeds[q.index] = chunk
                 budget -= len(chunk)
         return feeds
 
     def _plan(self, waiting, running: list):
-        """The manager's plan of this step, preempting the most recently admitted requests while pages
-        are short. ``None`` when nothing can be fed."""
+        """The manager's plan of this step. While pages are short, prefill chunks are halved first (a chunk
+        needs pages only for what it feeds), then the most recently admitted requests are preempted.
+        ``None`` when nothing can be fed."""
+        chunk_limit = self._chunk_limit
         while running:
-            feeds = self._feeds(running)
+            feeds = self._feeds(running, chunk_limit)
             if not feeds:
                 return None
             try:
                 return self.manager.schedule(feeds)
             except OutOfPages:
+                longest = max(len(tokens) for tokens in feeds.values())
+                if longest > 1:
+                    chunk_limit = longest // 2
+                    continue
                 if len(running) == 1:
                     q = running[0]
                     raise RuntimeError(f"request {q.index} ({len(q.context)} tokens of context) does not fit "
@@ -255,7 +279,7 @@ class Engine:
 
     def _preempt(self, q: _Sequence, waiting) -> None:
         """Releases ``q``'s pages and puts it first in line; it is recomputed from its context later."""
-        self.manager.finish(id(q))
+        self.manager.finish(q.index)
         q.next_input = None
         if q.ran:
             self._counters["preemptions"] += 1
@@ -266,7 +290,7 @@ class Engine:
         have been written: an early layer, or a key shift), as the manager prescribes."""
         self.manager.abort(plan)
         scheduled = set(plan.request_ids)
-        for q in [q for q in running if id(q) in scheduled][::-1]:
+        for q in [q for q in running if q.index in scheduled][::-1]:
             running.remove(q)
             self._preempt(q, waiting)
 

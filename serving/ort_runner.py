@@ -29,22 +29,36 @@ def default_providers() -> list:
     return ["CPUExecutionProvider"]
 
 
-def _zeroed(shape: tuple, element_type: int, device: str) -> ort.OrtValue:
-    """An ORT-allocated tensor on ``device``, zero-filled (int4: two codes per byte)."""
-    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), element_type, device, 0)
+def provider_device(providers: list) -> tuple:
+    """(``"cuda"`` or ``"cpu"``, device id) where the first provider (a name, or ``(name, options)``) keeps
+    its tensors."""
+    first = providers[0]
+    name, options = (first, {}) if isinstance(first, str) else (first[0], dict(first[1]))
+    if name == "CUDAExecutionProvider":
+        return "cuda", int(options.get("device_id", 0))
+    if name != "CPUExecutionProvider":
+        raise ValueError(f"the engine binds its cache on the CPU or CUDA execution provider, got {name!r} first")
+    return "cpu", 0
+
+
+def _zeroed(shape: tuple, element_type: int, device: tuple) -> ort.OrtValue:
+    """An ORT-allocated tensor on ``device`` (kind, id), zero-filled where numpy can supply the bytes."""
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), element_type, *device)
+    device = device[0]
     count = int(np.prod(shape))
     nbytes = (count + 1) // 2 if element_type == TensorProto.INT4 else count * BYTES[element_type]
     if device == "cpu":
         ctypes.memset(value.data_ptr(), 0, nbytes)
-    else:  # a host buffer of the same bytes, copied once to the device
-        value.update_inplace(np.zeros(nbytes, np.uint8).view(_host_dtype(element_type)).reshape(
-            shape if element_type != TensorProto.INT4 else (-1,)))
+    elif element_type != TensorProto.INT4:  # a host buffer of the same bytes, copied once to the device
+        value.update_inplace(np.zeros(nbytes, np.uint8).view(_host_dtype(element_type)).reshape(shape))
+    # A device int4 cache stays as allocated (numpy has no int4 to copy from): no slot is gathered before
+    # a step stored it, so its first contents are never read.
     return value
 
 
 def _host_dtype(element_type: int):
     return {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: np.uint16,
-            TensorProto.INT8: np.int8, TensorProto.INT4: np.uint8}[element_type]
+            TensorProto.INT8: np.int8}[element_type]
 
 
 class ModelRunner:
@@ -58,7 +72,7 @@ class ModelRunner:
         # Runtime runs it on the CPU and copies its inputs (KeyValueCache itself runs on the device).
         self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
         self.session_inputs = [i.name for i in self.session.get_inputs()]
-        self.device = "cuda" if self.providers[0] == "CUDAExecutionProvider" else "cpu"
+        self.device = provider_device(self.providers)
         i = self.info
         self.cache_type = (TensorProto.INT8 if i.quant_bit == 8 else TensorProto.INT4 if i.quant_bit == 4
                            else ELEMENT_TYPES[i.cache_dtype])
@@ -95,7 +109,7 @@ class ModelRunner:
         shift), with the model's own rotary frequencies: ``angle = delta * inv_freq`` in float64."""
         if self._shift_session is None:
             self._shift_session = make_session(self._shift_model(), self.providers,
-                                               disable_cpu_fallback=self.device != "cpu")
+                                               disable_cpu_fallback=self.device[0] != "cpu")
         angles = np.asarray(deltas, np.float64)[:, None] * np.asarray(self.info.inv_freq, np.float64)[None, :]
         binding = self._shift_session.io_binding()
         binding.bind_ortvalue_input("cache", self.cache)

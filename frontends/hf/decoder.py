@@ -49,6 +49,11 @@ def decoder_sizes(model) -> DecoderSizes:
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise ValueError(f"rope type {rope_type!r} changes its frequencies with the sequence length; the packed "
                          f"graph needs static frequencies (default, linear, llama3, yarn, ...)")
+    compute = next(model.parameters()).dtype
+    if compute == torch.bfloat16:
+        raise ValueError("the model computes in bfloat16, which ONNX Runtime's CPU EP has no kernels for: pass "
+                         "model.float() (a checkpoint folder is loaded in float32); dtype= still sets the cache's "
+                         "element type")
     attention = model.model.layers[0].self_attn
     head_dim = attention.head_dim
     if 2 * rotary.inv_freq.numel() != head_dim:
@@ -59,11 +64,19 @@ def decoder_sizes(model) -> DecoderSizes:
     layer_types = getattr(config, "layer_types", None)
     windows = tuple(window if window and (layer_types is None or layer_types[i] == "sliding_attention") else 0
                     for i in range(num_layers))
-    eos = getattr(config, "eos_token_id", None)
-    eos = () if eos is None else tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    eos = _ids(getattr(config, "eos_token_id", None)) + _ids(getattr(getattr(model, "generation_config", None),
+                                                                       "eos_token_id", None))
+    eos = tuple(dict.fromkeys(eos))  # chat checkpoints keep their end-of-turn id in the generation config
     return DecoderSizes(family, num_layers, config.num_attention_heads, config.num_key_value_heads, head_dim,
                         config.vocab_size, config.max_position_embeddings, windows,
                         tuple(float(f) for f in rotary.inv_freq.float()), float(attention.scaling), eos)
+
+
+def _ids(value) -> tuple:
+    """None, an id or a list of ids as a tuple of ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

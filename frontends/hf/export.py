@@ -33,13 +33,15 @@ def _torch_dtype(dtype, model) -> torch.dtype:
 
 
 def load_model(model):
-    """``model`` itself, or the causal LM of a local checkpoint folder (``AutoModelForCausalLM``, no download)."""
+    """``model`` itself, or the causal LM of a local checkpoint folder (``AutoModelForCausalLM``, no
+    download), loaded in float32."""
     if isinstance(model, (str, os.PathLike)):
         from transformers import AutoModelForCausalLM
 
         if not os.path.isdir(model):
             raise FileNotFoundError(f"no checkpoint folder at {model}")
-        return AutoModelForCausalLM.from_pretrained(str(model), local_files_only=True)
+        # float32: checkpoints usually ship bfloat16 weights, which ONNX Runtime's CPU EP cannot compute with
+        return AutoModelForCausalLM.from_pretrained(str(model), local_files_only=True, dtype=torch.float32)
     return model
 
 

@@ -7,29 +7,34 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, GenerationConfig
 
 from ..reference.quantize import dequantize, quantize
 from ..serving.model_info import ModelInfo
+from .decoder import decoder_sizes
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def stored_kv(info: ModelInfo):
-    """``round(x) -> x'``: keys/values ``[..., Dh]`` as the exported cache gives them back (``None`` when
-    the cache keeps float32 exactly)."""
-    if info.quant_bit:
-        import ml_dtypes
+    """``round(x) -> x'``: keys/values ``[..., Dh]`` as the exported cache gives them back: cast to the
+    cache dtype T1, then (quantized) quantized and dequantized as KeyValueCache specifies, back in T1.
+    ``None`` when the cache keeps float32 exactly."""
+    import ml_dtypes
 
-        scale_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[info.scale_dtype]
+    numpy_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+    t1 = _TORCH[info.cache_dtype]
+    if info.quant_bit:
+        scale_dtype, out_dtype = numpy_dtype[info.scale_dtype], numpy_dtype[info.cache_dtype]
 
         def round_quantized(x: torch.Tensor) -> torch.Tensor:
-            codes, scale = quantize(x.detach().float().numpy(), info.quant_bit, info.quant_group, scale_dtype)
-            return torch.from_numpy(dequantize(codes, scale, info.quant_group, np.float32)).to(x.dtype)
+            codes, scale = quantize(x.to(t1).float().numpy(), info.quant_bit, info.quant_group, scale_dtype)
+            stored = dequantize(codes, scale, info.quant_group, out_dtype).astype(np.float32)
+            return torch.from_numpy(stored).to(x.dtype)
         return round_quantized
     if info.cache_dtype == "float32":
         return None
-    return lambda x: x.to(_TORCH[info.cache_dtype]).to(x.dtype)
+    return lambda x: x.to(t1).to(x.dtype)
 
 
 class StoredKVCache(DynamicCache):
@@ -48,12 +53,21 @@ def _cache(model, round_kv):
 
 
 def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> list:
-    """``model.generate`` greedy continuation of one prompt (stops at the config's end-of-sequence ids,
-    included, as the engine does)."""
+    """``model.generate`` greedy continuation of one prompt, stopping after an end-of-sequence id of the
+    config or generation config (included), as the engine does."""
     ids = torch.tensor([list(prompt)])
-    with torch.no_grad():  # an explicit mask: generate would otherwise mask every token equal to the pad id
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                             past_key_values=_cache(model, round_kv), pad_token_id=0)
+    # Plain greedy search and the stop ids the engine uses, not the checkpoint's generation defaults
+    # (repetition penalties and the like would make it another decoding rule).
+    # generate fills what a passed config leaves at its defaults from the model's own, so the model's is
+    # swapped for the duration of the call.
+    config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
+                              eos_token_id=list(decoder_sizes(model).eos_token_ids) or None)
+    saved, model.generation_config = model.generation_config, config
+    try:
+        with torch.no_grad():  # an explicit mask: generate would otherwise mask every token equal to the pad id
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=_cache(model, round_kv))
+    finally:
+        model.generation_config = saved
     return out[0, len(prompt):].tolist()
 
 

@@ -87,8 +87,13 @@ def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, nu
           f"prompts, 2 arrivals per step) x {new_tokens} new tokens on {', '.join(engine.runner.providers)}, "
           f"{num_pages} pages of {info.page_size} slots")
     bar = Progress(requests * new_tokens, "tokens")
-    tokens = engine.generate(workload.prompts, new_tokens, salts=workload.salts,
-                             arrival_steps=workload.arrival_steps, on_token=lambda i, token: bar.advance())
+    try:
+        tokens = engine.generate(workload.prompts, new_tokens, salts=workload.salts,
+                                 arrival_steps=workload.arrival_steps, on_token=lambda i, token: bar.advance())
+    except (RuntimeError, ValueError) as error:  # e.g. too few pages for one request: a line, not a traceback
+        bar.close()
+        print(f"error: {error}")
+        return 2
     bar.close()
     m = engine.metrics()
     print(f"   throughput  {m['tokens_per_s']:.0f} generated tokens/s ({m['generated_tokens']} tokens, "
