@@ -6,6 +6,7 @@ Nothing is coerced: ``1.9``, ``"123"``, ``True`` and integers beyond int64 are r
 ``TypeError``/``ValueError`` instead of becoming other tokens or other tenants.
 """
 
+import itertools
 import numbers
 
 import numpy as np
@@ -44,6 +45,8 @@ def token_ids(tokens, vocab_size: int, what: str) -> list:
         if tokens.ndim != 1:
             raise ValueError(f"{what} must be 1-D, got shape {tokens.shape}")
         ids = tokens.tolist()
+    elif type(tokens) in (list, tuple) and set(map(type, tokens)) <= {int}:  # the common case, in one pass
+        ids = list(tokens)
     else:
         ids = [check_int(f"{what}[{i}]", t) for i, t in enumerate(tokens)]
     if ids:
@@ -51,6 +54,49 @@ def token_ids(tokens, vocab_size: int, what: str) -> list:
         if low < 0 or high >= vocab_size:
             bad = low if low < 0 else high
             raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
+    return ids
+
+
+def token_batch(values: list, vocab_size: int):
+    """``(lengths, ids)`` of a batch of feeds in one pass when each is a non-empty ``list`` of Python
+    ``int`` ids in ``[0, vocab_size)``: ``lengths`` int64 [B] (``None`` when every feed is one token),
+    ``ids`` int64 [sum(lengths)] (the feeds concatenated). ``None`` when anything else is there (empty
+    feeds, numpy ids, bad values): the caller then checks each feed with :func:`token_ids`, which says
+    what is wrong."""
+    if set(map(type, values)) != {list} or not all(values):
+        return None
+    flat = list(itertools.chain.from_iterable(values))
+    if set(map(type, flat)) != {int}:
+        return None
+    try:
+        ids = np.array(flat, np.int64)
+    except OverflowError:
+        return None
+    # One reduction checks both bounds: a negative id is a huge unsigned one.
+    if int(ids.view(np.uint64).max()) >= vocab_size:
+        return None
+    # Every feed is non-empty, so as many ids as feeds means one each.
+    return (None if len(flat) == len(values) else np.array(list(map(len, values)), np.int64)), ids
+
+
+def token_array(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
+    """``count`` token ids, one per request, as a new int64 array: from a 1-D integer numpy array or a
+    sequence of integers (checked as :func:`token_ids` checks them), each ``0 <= t < vocab_size``."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.dtype.kind not in "iu":
+            raise TypeError(f"{what} must hold integer token ids, got an array of {tokens.dtype}")
+        if tokens.ndim != 1:
+            raise ValueError(f"{what} must be 1-D, got shape {tokens.shape}")
+        ids = tokens.astype(np.int64)
+        if tokens.dtype.kind == "u" and ids.size and int(tokens.max()) >= _INT64_LIMIT:
+            raise ValueError(f"{what}: token id {int(tokens.max())} is outside [0, vocab_size={vocab_size})")
+    else:
+        ids = np.array(token_ids(tokens, vocab_size, what), np.int64)
+    if len(ids) != count:
+        raise ValueError(f"{what}: {len(ids)} token ids for {count} requests")
+    if ids.size and int(ids.view(np.uint64).max()) >= vocab_size:  # a negative id is a huge unsigned one
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
     return ids
 
 

@@ -8,85 +8,53 @@ A page is therefore never offered as a prefix hit before the caller confirmed it
 
 Every call validates all of its arguments before it changes anything: on any exception the manager
 is exactly as before the call.
+
+A step costs numpy operations over the batch plus Python work only for the requests it changes in
+another way than appending one token to a page they already hold (see ``schedule``): each request's
+page table, positions and recent decode tokens live in persistent arrays (:class:`RequestRows`).
 """
 
 import dataclasses
+import operator
 
 import numpy as np
 
 from .errors import OutOfPages, UnknownRequest
-from .identity import DEFAULT_VOCAB_SIZE, check_int, check_vocab_size, key_bytes, page_identity, token_ids
+from .identity import (DEFAULT_VOCAB_SIZE, check_int, check_vocab_size, key_bytes, page_identity, token_array,
+                       token_batch, token_ids)
 from .page_pool import PagePool
 from .prefix_index import PrefixIndex
+from .request_rows import RequestRows
+from .step_plan import StepPlan, build_plan
+from .streaming import StreamingPolicy, streaming_discard
+
+__all__ = ["KVCacheManager", "StepPlan", "StreamingPolicy"]
 
 
 @dataclasses.dataclass
 class _Request:
+    """What a request keeps outside its row: identity, token history (a list) and prefix chain."""
+
     rid: object
+    row: int  # its row in the manager's RequestRows
     identity: bytes  # salt + cache settings: part of every page's identity
     tokens: list  # ids of positions [token_base, token_base + len(tokens)): the prompt, then what was fed
     token_base: int = 0  # positions before it are no longer needed (registered or outside the window)
-    computed: int = 0  # positions [0, computed) are stored in the cache
-    pages: list = dataclasses.field(default_factory=list)  # page ids of page indices first_page, first_page+1, ..
-    first_page: int = 0  # pages before it were released (sliding window)
     registered: int = 0  # pages [0, registered) are in the prefix index, in chain order
     chain_tail: tuple = (None, PrefixIndex.ROOT)  # (hash, node) of page registered - 1
     chain_open: bool = True  # False once a page could not be registered: no later page can be
 
     def known(self, begin: int, end: int) -> list:
-        """Token ids of positions [begin, end) that are known (prompt or fed)."""
+        """Token ids of positions [begin, end) that are in the list (prompt or fed)."""
         return self.tokens[begin - self.token_base:end - self.token_base]
-
-
-@dataclasses.dataclass(frozen=True)
-class StreamingPolicy:
-    """StreamingLLM: keep ``sinks`` first tokens (rounded up to whole pages) plus the most recent ones
-    within ``budget_pages`` pages per request. When a step would exceed the budget, at least half of the
-    pages after the sinks (and at least what the step needs) are dropped — the positions they held, which
-    is less than whole pages when the last one is partly filled — then either
-
-    * ``"shift"``: the kept keys are re-rotated to their new positions — the step's plan carries
-      ``shift_slots``/``shift_deltas`` for KeyCacheRotaryShift, to run (every layer) before the op; or
-    * ``"reevaluate"``: the kept tokens are fed again at their new positions in this step
-      (``StepPlan.fed_tokens``), and their old pages are released.
-
-    Positions are cache positions (contiguous after a discard), as StreamingLLM defines them. Prefix
-    reuse and registration cover only the sink pages: later pages are shifted or dropped in place, so
-    they are never shared, and no store of a step ever lands in a sink page once it is full.
-    """
-
-    sinks: int
-    budget_pages: int
-    mode: str = "shift"
-
-
-@dataclasses.dataclass
-class StepPlan:
-    """One step: the op's index inputs plus the absolute positions RoPE and the mask need."""
-
-    request_ids: list
-    seqstarts: np.ndarray  # [B+1]
-    kvstarts: np.ndarray  # [B+1]
-    cachestarts: np.ndarray  # [B, MaxP] slot of each page (-1 unused)
-    start_pos: np.ndarray  # [B] position in the op's view (relative to the first retained page)
-    max_seqlen: np.ndarray  # scalar
-    max_kvlen: np.ndarray  # scalar
-    query_positions: np.ndarray  # [seqstarts[B]] absolute position of every fed token
-    key_positions: np.ndarray  # [kvstarts[B]] absolute position of every gathered key
-    fed_tokens: dict = dataclasses.field(default_factory=dict)  # rid -> tokens fed (re-evaluated ones first)
-    shift_slots: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [S]
-    shift_deltas: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # [S] positions
-
-    def op_inputs(self) -> dict:
-        """The op's index inputs by name (cache_mode 1)."""
-        return {"seqstarts": self.seqstarts, "kvstarts": self.kvstarts, "cachestarts": self.cachestarts,
-                "start_pos": self.start_pos, "max_seqlen": self.max_seqlen, "max_kvlen": self.max_kvlen}
 
 
 @dataclasses.dataclass
 class _Work:
-    """One request's part of a step, computed (and validated) before anything changes."""
+    """The part of a step of one request that is not a plain one-token append, computed (and
+    validated) before anything changes."""
 
+    b: int  # index in the batch
     r: _Request
     tokens: list  # new token ids
     discard: int  # StreamingLLM: pages dropped after the sinks
@@ -94,31 +62,35 @@ class _Work:
     end: int  # cache positions [0, end) are stored after the step
     first: int  # first retained page after the step
     released: list  # pages the step gives back (window or discard)
+    new_pages: int  # pages the step takes
 
 
 @dataclasses.dataclass
 class _Undo:
-    """What a step changed in one request, to roll it back."""
+    """What a step changed in one request outside the batch-wide arrays, to roll it back."""
 
     r: _Request
-    computed: int
     token_base: int
     tokens: list  # a copy when the step deletes tokens (discard), else None: tokens are only extended
     tokens_len: int
-    pages: list  # a copy when the step releases pages, else None: pages are only appended
-    pages_len: int
-    first_page: int
+    table_row: np.ndarray  # the request's page-table row before the step
 
-    @classmethod
-    def of(cls, r: _Request, rewrites_tokens: bool, rewrites_pages: bool) -> "_Undo":
-        return cls(r, r.computed, r.token_base, list(r.tokens) if rewrites_tokens else None, len(r.tokens),
-                   list(r.pages) if rewrites_pages else None, len(r.pages), r.first_page)
-
-    def restore(self) -> None:
+    def restore(self, rows: RequestRows) -> None:
         r = self.r
-        r.computed, r.token_base, r.first_page = self.computed, self.token_base, self.first_page
+        r.token_base = self.token_base
         r.tokens = self.tokens if self.tokens is not None else r.tokens[:self.tokens_len]
-        r.pages = self.pages if self.pages is not None else r.pages[:self.pages_len]
+        rows.table[r.row] = self.table_row
+
+
+@dataclasses.dataclass
+class _Planned:
+    """What a step does, decided (and validated) before anything changes."""
+
+    end: np.ndarray  # [B] positions stored after the step
+    plain: np.ndarray  # bool [B]: the request's step is a plain one-token append; None: all of them are
+    need: np.ndarray  # [B] pages each request takes (a bool mask when every step is plain)
+    new_pages: int
+    work: list  # _Work of the requests whose step is not plain
 
 
 @dataclasses.dataclass
@@ -126,13 +98,15 @@ class _Step:
     """The outstanding step: its plan and what it changed."""
 
     plan: StepPlan
-    undo: list
+    rids: list  # the batch's request ids (kept here: the caller may change the plan)
+    rows: np.ndarray  # their rows
+    before: np.ndarray  # their rows' state before the step
+    end: np.ndarray  # positions stored after the step
+    plain: np.ndarray  # as in _Planned
+    undo: list  # _Undo of the requests whose step is not plain
+    appended: tuple  # (rows, columns) of page-table entries plain appends filled, or None
     taken: list  # pages taken from the pool, in order
     released: list  # pages released to the pool, in order
-
-    def holds(self, rid) -> bool:
-        """True iff the step schedules request ``rid`` (kept here: the caller may change the plan)."""
-        return any(u.r.rid == rid for u in self.undo)
 
 
 class KVCacheManager:
@@ -180,7 +154,9 @@ class KVCacheManager:
         self.cache_key = cache_key
         self.index = PrefixIndex(hash_fn)
         self.pool = PagePool(num_pages, on_evict=self.index.remove_page)
-        self.requests = {}
+        self.rows = RequestRows(max_pages, page_size)
+        self.requests = {}  # rid -> _Request
+        self._row_of = {}  # rid -> row (the batch lookup of a step)
         self.queried_tokens = 0
         self.hit_tokens = 0
         self._pending = None  # the outstanding _Step
@@ -199,7 +175,7 @@ class KVCacheManager:
                 -(-len(prompt) // self.page_size) > self.max_pages:
             raise ValueError(f"request {rid!r}: a prompt of {len(prompt)} tokens needs more than "
                              f"max_pages={self.max_pages} pages of {self.page_size}")
-        r = _Request(rid, page_identity(salt, self.cache_key), prompt)
+        r = _Request(rid, -1, page_identity(salt, self.cache_key), prompt)
         reusable = (len(prompt) - 1) // self.page_size
         if self.streaming is not None:
             reusable = min(reusable, self.sink_pages)  # later pages get shifted or dropped in place
@@ -212,62 +188,125 @@ class KVCacheManager:
             hits.append(entry.page)
             r.chain_tail = (h, entry.node)
         r.registered = len(hits)
-        r.computed = len(hits) * self.page_size
+        computed = len(hits) * self.page_size
+        first = 0
         if self.sliding_window is not None:  # hit pages wholly before the first query's window are not held
-            r.first_page = max(0, r.computed - self.sliding_window + 1) // self.page_size
-        r.pages = hits[r.first_page:]
-        for page in r.pages:
+            first = max(0, computed - self.sliding_window + 1) // self.page_size
+        pages = hits[first:]
+        if len(pages) > self.max_pages:  # only a window wider than max_pages pages gets here
+            raise ValueError(f"request {rid!r}: the sliding window needs {len(pages)} pages of its cached prefix, "
+                             f"more than max_pages={self.max_pages}")
+        r.row = row = self.rows.allocate()
+        self.rows.computed[row], self.rows.first_page[row], self.rows.known_end[row] = computed, first, len(prompt)
+        self.rows.set_pages(row, pages)
+        for page in pages:
             self.pool.acquire(page)
         self.queried_tokens += len(prompt)
-        self.hit_tokens += r.computed
+        self.hit_tokens += computed
         self.requests[rid] = r
-        return r.computed
+        self._row_of[rid] = row
+        return computed
 
     def finish(self, rid) -> None:
-        """Releases a request's pages (registered ones stay cached for reuse until evicted)."""
+        """Releases a request's pages (registered ones stay cached for reuse until evicted), last page
+        first: under LRU eviction a cached chain then loses its end before its root, so a conversation
+        that comes back keeps its longest prefix."""
         r = self._get(rid)
-        if self._pending is not None and self._pending.holds(rid):
+        if self._pending is not None and bool((self._pending.rows == r.row).any()):
             raise RuntimeError(f"request {rid!r} is in the outstanding step: commit(plan) or abort(plan) first")
-        for page in reversed(r.pages):  # tail first: eviction (LRU) then takes a chain's end before its root
+        for page in reversed(self.rows.pages(r.row)):
             self.pool.release(page, cached=self.index.is_cached(page))
-        del self.requests[rid]
+        self.rows.free(r.row)
+        del self.requests[rid], self._row_of[rid]
 
     # ---- steps ---------------------------------------------------------------------------------------
     def schedule(self, feeds: dict) -> StepPlan:
         """Plans one step. ``feeds`` maps request id -> the token ids fed this step (a prefill chunk of
         the prompt, or generated tokens). Raises :class:`OutOfPages` when the pages cannot be had,
         ``ValueError``/``TypeError`` for a step no page table can describe, ``RuntimeError`` while an
-        earlier step is outstanding — in every case with nothing changed."""
-        if self._pending is not None:
-            raise RuntimeError("the previous step is outstanding: commit(plan) once the op ran it, or abort(plan)")
+        earlier step is outstanding — in every case with nothing changed.
+
+        Cost: a fixed number of numpy operations over the batch, plus Python work per request only
+        where the step does more than append one generated token (a prefill chunk, several tokens, a
+        window release, a StreamingLLM discard; a new page costs one pool operation) — proportional to
+        what changes, not to the requests' context lengths."""
+        self._check_idle()
         if not isinstance(feeds, dict):
             raise TypeError(f"feeds must be a dict of request id -> token ids, got {type(feeds).__name__}")
-        work, new_pages, released = [], 0, []
-        for rid, tokens in feeds.items():
-            r = self._get(rid)
-            tokens = token_ids(tokens, self.vocab_size, f"request {rid!r}: fed tokens")
-            if not tokens:
-                raise ValueError(f"request {rid!r}: a step must feed at least one token")
-            known = r.known(r.computed, r.computed + len(tokens))
-            if tokens[:len(known)] != known:
-                raise ValueError(f"request {rid!r}: fed tokens differ from the prompt at positions {r.computed}..")
-            w = self._plan_request(r, tokens)
-            kept = len(r.pages) - len(w.released)
-            new_pages += -(-w.end // self.page_size) - w.first - kept
-            released += w.released
-            work.append(w)
+        rids = list(feeds)
+        batch = self._batch_of(feeds, rids)
+        if batch is None:
+            batch = self._check_each(feeds)  # raises the first request's error, in feed order
+        return self._schedule(rids, batch, feeds)
+
+    def schedule_decode(self, request_ids, tokens) -> StepPlan:
+        """Plans a step that feeds one token to each request: ``tokens[i]`` to ``request_ids[i]`` (a list
+        or tuple of distinct active ids; ``tokens`` a 1-D integer array or a sequence of ints of the
+        same length). Exactly ``schedule({rid: [token], ...})`` — the same plan, the same effect, the
+        same errors with nothing changed — without a dict and a list per request, for large decode
+        batches."""
+        self._check_idle()
+        if not isinstance(request_ids, (list, tuple)):
+            raise TypeError(f"request_ids must be a list or tuple, got {type(request_ids).__name__}")
+        rids = list(request_ids)
+        ids = token_array(tokens, len(rids), self.vocab_size, "schedule_decode: tokens")
+        rows = self._rows_of(rids)
+        return self._schedule(rids, (rows, None, ids), None)
+
+    def _check_idle(self) -> None:
+        if self._pending is not None:
+            raise RuntimeError("the previous step is outstanding: commit(plan) once the op ran it, or abort(plan)")
+
+    def _schedule(self, rids: list, batch: tuple, feeds) -> StepPlan:
+        """Plans and applies the step of a checked batch (``feeds``: the step as a dict, or None for one
+        token each, to name the first bad request when planning fails)."""
+        rows, lengths, ids = batch
+        before = self.rows.state[rows]  # also what abort restores
+        try:
+            planned = self._plan(rids, before, lengths, ids)
+        except ValueError:
+            self._check_each(feeds if feeds is not None else {rid: [t] for rid, t in zip(rids, ids.tolist())})
+            raise
+        released = [page for w in planned.work for page in w.released]
         freed = sum(1 for p in released if self.pool.ref_count[p] == 1)
-        if new_pages > self.pool.available() + freed:
-            raise OutOfPages(new_pages, self.pool.available() + freed)
-        return self._apply(work)
+        if planned.new_pages > self.pool.available() + freed:
+            raise OutOfPages(planned.new_pages, self.pool.available() + freed)
+        return self._apply(rids, rows, before, lengths, ids, planned)
 
     def commit(self, plan: StepPlan) -> None:
         """The step of ``plan`` ran (the op stored its keys): its full pages are published for prefix
         reuse and history no longer needed is dropped."""
         step = self._outstanding(plan, "commit")
-        for u in step.undo:
-            self._register_full_pages(u.r)
-            self._trim_history(u.r)
+        R, ps = self.rows, self.page_size
+        # A plain append has something to publish only when it filled its page.
+        filled = step.end % ps == 0
+        touched = np.flatnonzero(filled if step.plain is None else filled | ~step.plain)
+        if not len(touched):
+            return
+        rows, end = step.rows[touched], step.end[touched]
+        # A page filled by plain appends alone is in the tail buffer: it is published from there, and
+        # the request's token list then holds nothing a later step needs (streaming keeps its history).
+        quick = filled[touched] & (R.known_end[rows] <= end - ps)
+        if step.plain is not None:
+            quick &= step.plain[touched]
+        if self.streaming is not None:
+            quick[:] = False
+        quick_rows, quick_end = rows[quick], end[quick]
+        filled_pages = iter(zip(R.tail[quick_rows].tolist(),
+                                (R.table[quick_rows, quick_end // ps - 1 - R.first_page[quick_rows]] // ps).tolist()))
+        for b, is_quick, end_b in zip(touched.tolist(), quick.tolist(), end.tolist()):
+            r = self.requests[step.rids[b]]
+            if is_quick:
+                tokens, page = next(filled_pages)
+                if not r.chain_open or r.registered == end_b // ps - 1:  # else the general way below
+                    if r.chain_open:
+                        self._register_page(r, tuple(tokens), page)
+                    r.tokens, r.token_base = [], end_b
+                    continue
+            self._fold_tail(r)
+            self._register_full_pages(r)
+            self._trim_history(r)
+        R.known_end[quick_rows] = quick_end  # either way, their lists now end where the cache does
 
     def abort(self, plan: StepPlan) -> None:
         """The step of ``plan`` did not run: rolls it back, so the manager is as before ``schedule``
@@ -283,8 +322,11 @@ class KVCacheManager:
             self.pool.untake(page)
         for page in reversed(step.released):
             self.pool.reclaim(page)
+        if step.appended is not None:
+            self.rows.table[step.appended] = -1
         for u in step.undo:
-            u.restore()
+            u.restore(self.rows)
+        self.rows.state[step.rows] = step.before
 
     def reset_prefix_cache(self) -> None:
         """Forgets every published page: cached pages become free, and pages of live requests stay
@@ -302,133 +344,281 @@ class KVCacheManager:
         self._pending = None
         return step
 
-    def _plan_request(self, r: _Request, tokens: list) -> _Work:
+    # ---- planning (no change) ----------------------------------------------------------------------
+    def _batch_of(self, feeds: dict, rids: list):
+        """(rows, lengths, ids) of a batch of known requests fed lists of valid ids, in one pass
+        (``lengths`` None when every request is fed one token); None when that does not hold (the
+        per-request check then finds out why)."""
+        if not rids:
+            return np.zeros(0, np.intp), None, np.zeros(0, np.int64)
+        try:
+            rows = operator.itemgetter(*rids)(self._row_of)
+        except (KeyError, TypeError):  # TypeError: an unhashable id
+            return None
+        tokens = token_batch(list(feeds.values()), self.vocab_size)
+        if tokens is None:
+            return None
+        return np.array(rows if len(rids) > 1 else [rows], np.intp), tokens[0], tokens[1]
+
+    def _rows_of(self, rids: list) -> np.ndarray:
+        """The rows of distinct active requests; ``UnknownRequest``/``ValueError`` otherwise."""
+        try:
+            rows = operator.itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[r] for r in rids]
+        except (KeyError, TypeError):
+            for rid in rids:
+                self._get(rid)  # raises for the first unknown one
+            raise
+        rows = np.array(rows, np.intp)
+        if len(rows) > 1 and np.bincount(rows).max() > 1:
+            seen = set()
+            for rid in rids:
+                if rid in seen:
+                    raise ValueError(f"request {rid!r} appears twice in one step")
+                seen.add(rid)
+        return rows
+
+    def _check_each(self, feeds: dict) -> tuple:
+        """The batch of ``feeds`` checked request by request, exactly as a step would use it; raises the
+        error of the first bad request (unknown, bad or empty tokens, tokens that contradict the
+        prompt, a step no page table can describe)."""
+        rows, lengths, ids = [], [], []
+        for rid, tokens in feeds.items():
+            r = self._get(rid)
+            tokens = token_ids(tokens, self.vocab_size, f"request {rid!r}: fed tokens")
+            self._check_feed(r, tokens)
+            self._plan_request(0, r, tokens)
+            rows.append(r.row)
+            lengths.append(len(tokens))
+            ids += tokens
+        return np.array(rows, np.intp), np.array(lengths, np.int64), np.array(ids, np.int64)
+
+    def _check_feed(self, r: _Request, tokens: list) -> None:
+        if not tokens:
+            raise ValueError(f"request {r.rid!r}: a step must feed at least one token")
+        c = int(self.rows.computed[r.row])
+        known = r.known(c, c + len(tokens))
+        if tokens[:len(known)] != known:
+            raise ValueError(f"request {r.rid!r}: fed tokens differ from the prompt at positions {c}..")
+
+    def _plan(self, rids, before, lengths, ids) -> _Planned:
+        """What the step does to each request, from the rows as they are (``before``); ``ValueError``
+        for a step no page table can describe."""
         ps = self.page_size
-        discard, dropped = self._streaming_discard(r, len(tokens)) if self.streaming is not None else (0, 0)
-        end = r.computed - dropped + len(tokens)
-        first = r.first_page
+        computed, first, held, known_end = before.T
+        end = computed + (1 if lengths is None else lengths)
+        # A plain append: one generated token (nothing of the prompt to check), at most one new page,
+        # nothing released by the window, no StreamingLLM discard.
+        plain = computed >= known_end
+        if lengths is not None:
+            plain &= lengths == 1
         if self.sliding_window is not None:
-            first = max(first, max(0, r.computed - self.sliding_window + 1) // ps)
+            plain &= np.maximum(computed - self.sliding_window + 1, 0) // ps <= first
+        if self.streaming is not None:
+            plain &= end <= self.streaming.budget_pages * ps
+        need = computed >= (first + held) * ps  # for a plain append: the token starts a new page
+        all_plain = bool(plain.all())
+        if not all_plain:
+            need &= plain
+        new_pages = int(np.count_nonzero(need))
+        if new_pages and (held[need] >= self.max_pages).any():
+            raise ValueError("a request's step needs more than max_pages pages")  # _check_each says which
+        work = []
+        if not all_plain:
+            need = need.astype(np.int64)
+            ends = np.arange(1, len(rids) + 1) if lengths is None else np.cumsum(lengths)
+            starts = (ends - 1 if lengths is None else ends - lengths).tolist()
+            ends = ends.tolist()
+            for b in np.flatnonzero(~plain).tolist():
+                r = self.requests[rids[b]]
+                tokens = ids[starts[b]:ends[b]].tolist()
+                self._check_feed(r, tokens)
+                w = self._plan_request(b, r, tokens)
+                need[b], end[b] = w.new_pages, w.end
+                new_pages += w.new_pages
+                work.append(w)
+        return _Planned(end, None if all_plain else plain, need, new_pages, work)
+
+    def _plan_request(self, b: int, r: _Request, tokens: list) -> _Work:
+        ps, R, row = self.page_size, self.rows, r.row
+        computed, first_page, held = int(R.computed[row]), int(R.first_page[row]), int(R.npages[row])
+        discard, dropped = (streaming_discard(self.streaming, self.sink_pages, ps, r.rid, computed, held, len(tokens))
+                            if self.streaming is not None else (0, 0))
+        end = computed - dropped + len(tokens)
+        first = first_page
+        if self.sliding_window is not None:
+            first = max(first, max(0, computed - self.sliding_window + 1) // ps)
         pages_total = -(-end // ps)
         if pages_total - first > self.max_pages:
             raise ValueError(f"request {r.rid!r}: {pages_total - first} pages exceed max_pages={self.max_pages}")
+        released = []
         if discard:
             s = self.sink_pages
-            released = r.pages[s:s + discard] if self.streaming.mode == "shift" else r.pages[s:]
-        else:
-            released = r.pages[:first - r.first_page]
-        return _Work(r, tokens, discard, dropped, end, first, released)
+            released = R.pages(row)[s:s + discard] if self.streaming.mode == "shift" else R.pages(row)[s:]
+        elif first > first_page:
+            released = R.pages(row)[:first - first_page]
+        new_pages = pages_total - first - (held - len(released))
+        return _Work(b, r, tokens, discard, dropped, end, first, released, new_pages)
 
-    def _apply(self, work: list) -> StepPlan:
-        ps = self.page_size
-        step = _Step(None, [], [], [])
+    # ---- applying ------------------------------------------------------------------------------------
+    def _apply(self, rids, rows, before, lengths, ids, planned: _Planned) -> StepPlan:
+        ps, R, plain, need = self.page_size, self.rows, planned.plain, planned.need
+        step = _Step(None, rids, rows, before, planned.end, plain, [], None, [], [])
         fed, shift_slots, shift_deltas = {}, [], []
-        for w in work:  # every release before any allocation: schedule() counted on them
+        for w in planned.work:  # every release before any allocation: schedule() counted on them
             r = w.r
-            step.undo.append(_Undo.of(r, rewrites_tokens=bool(w.discard), rewrites_pages=bool(w.released)))
-            fed[r.rid] = w.tokens
+            step.undo.append(_Undo(r, r.token_base, list(r.tokens) if w.discard else None, len(r.tokens),
+                                   R.table[r.row].copy()))
+            self._fold_tail(r)
             if w.discard:
                 slots, refeed = self._discard(r, w)
                 if slots.size:
                     shift_slots.append(slots)
                     shift_deltas.append(np.full(slots.size, -w.dropped, np.int64))
-                fed[r.rid] = refeed + w.tokens
-            else:
-                del r.pages[:len(w.released)]
-                r.first_page = w.first
+                fed[w.b] = refeed + w.tokens
+            elif w.released:
+                self._drop_first_pages(r.row, len(w.released))
+                R.first_page[r.row] = w.first
             for page in w.released:
                 self.pool.release(page, cached=self.index.is_cached(page))
             step.released += w.released
-        seqstarts, kvstarts, start_pos, tables, qpos, kpos = [0], [0], [], [], [], []
-        for w in work:
-            r, tokens = w.r, fed[w.r.rid]
-            while (r.first_page + len(r.pages)) * ps < w.end:
-                page = self.pool.take()
-                step.taken.append(page)
-                r.pages.append(page)
-            start, offset = w.end - len(tokens), r.first_page * ps
-            seqstarts.append(seqstarts[-1] + len(tokens))
-            kvstarts.append(kvstarts[-1] + w.end - offset)
-            start_pos.append(start - offset)
-            tables.append([p * ps for p in r.pages] + [-1] * (self.max_pages - len(r.pages)))
-            qpos.append(np.arange(start, w.end))
-            kpos.append(np.arange(offset, w.end))
+        if planned.new_pages:  # pages in batch order, as each request asks for them
+            step.taken = [self.pool.take() for _ in range(planned.new_pages)]
+            self._hand_out(step, np.array(step.taken, np.int64) * ps, need, planned.work)
+        # A plain append puts its token in the tail buffer; the request's token list stays as it is.
+        computed = before[:, 0]
+        if plain is None:
+            R.tail[rows, computed % ps] = ids
+        else:
+            first_ids = ids if lengths is None else ids[np.cumsum(lengths) - lengths]
+            R.tail[rows[plain], computed[plain] % ps] = first_ids[plain]
+        R.computed[rows] = planned.end
+        for w in planned.work:
+            r, tokens = w.r, fed.get(w.b, w.tokens)
+            start = w.end - len(tokens)
             r.tokens[start - r.token_base:w.end - r.token_base] = tokens
-            r.computed = w.end
-        batch = len(work)
-        step.plan = StepPlan(
-            request_ids=[w.r.rid for w in work],
-            seqstarts=np.array(seqstarts, np.int64), kvstarts=np.array(kvstarts, np.int64),
-            cachestarts=np.array(tables, np.int64).reshape(batch, self.max_pages),
-            start_pos=np.array(start_pos, np.int64),
-            max_seqlen=np.array(np.diff(seqstarts).max(initial=0), np.int64),
-            max_kvlen=np.array(np.diff(kvstarts).max(initial=0), np.int64),
-            query_positions=np.concatenate(qpos) if qpos else np.zeros(0, np.int64),
-            key_positions=np.concatenate(kpos) if kpos else np.zeros(0, np.int64),
-            fed_tokens=fed,
-            shift_slots=np.concatenate(shift_slots) if shift_slots else np.zeros(0, np.int64),
-            shift_deltas=np.concatenate(shift_deltas) if shift_deltas else np.zeros(0, np.int64),
-        )
+            R.known_end[r.row] = r.token_base + len(r.tokens)
+        if fed:  # StreamingLLM re-evaluation feeds kept tokens again: lengths and ids change
+            lengths, ids = self._refed(lengths, ids, fed)
+        first_slot = (before[:, 1] if plain is None else R.first_page[rows]) * ps
+        step.plan = build_plan(
+            list(rids), lengths, planned.end, first_slot, R.table[rows], self._fed_tokens(rids, lengths, ids),
+            np.concatenate(shift_slots) if shift_slots else None,
+            np.concatenate(shift_deltas) if shift_deltas else None)
         self._pending = step
         return step.plan
 
-    # ---- StreamingLLM --------------------------------------------------------------------------------
-    def _streaming_discard(self, r: _Request, n_new: int) -> tuple:
-        """(pages after the sinks to drop, positions they hold) before feeding ``n_new`` tokens; (0, 0)
-        when the step fits. The last page may be partly filled, so the positions dropped are counted,
-        not assumed to be whole pages."""
-        ps, budget = self.page_size, self.streaming.budget_pages
-        if -(-(r.computed + n_new) // ps) <= budget:
-            return 0, 0
-        recent = len(r.pages) - self.sink_pages
-        discard = max(-(-(r.computed + n_new) // ps) - budget, (recent + 1) // 2)
-        dropped = min(discard * ps, r.computed - self.sink_pages * ps)
-        if recent <= 0 or discard > recent or -(-(r.computed - dropped + n_new) // ps) > budget:
-            raise ValueError(f"request {r.rid!r}: {n_new} new tokens do not fit the streaming budget of "
-                             f"{budget} pages even after dropping every page after the sinks")
-        return discard, dropped
+    def _hand_out(self, step: _Step, slots: np.ndarray, need: np.ndarray, work: list) -> None:
+        """Appends the pages just taken (``slots``: their first slots, in batch order) to the page tables
+        of the requests that asked for them (``need``: how many each)."""
+        R, rows = self.rows, step.rows
+        if step.plain is None:  # every request's step is plain: need is a bool mask
+            appended = np.flatnonzero(need)
+            offsets, starts = np.arange(len(appended)), None
+        else:
+            starts = np.cumsum(need) - need
+            appended = np.flatnonzero(step.plain & (need > 0))
+            offsets = starts[appended]
+        cols = step.before[appended, 2]
+        step.appended = (rows[appended], cols)
+        R.table[step.appended] = slots[offsets]
+        R.npages[rows[appended]] = cols + 1
+        for w in work:
+            n0, start = int(R.npages[w.r.row]), int(starts[w.b])
+            R.table[w.r.row, n0:n0 + w.new_pages] = slots[start:start + w.new_pages]
+            R.npages[w.r.row] = n0 + w.new_pages
 
+    @staticmethod
+    def _refed(lengths, ids, fed: dict) -> tuple:
+        """(lengths, ids) of a batch after some requests' feeds were replaced (``fed``: index -> ids)."""
+        lengths = np.ones(len(ids), np.int64) if lengths is None else lengths.copy()
+        flat, ends, all_fed = ids.tolist(), np.cumsum(lengths).tolist(), []
+        for b, (end, n) in enumerate(zip(ends, lengths.tolist())):
+            all_fed += fed.get(b, flat[end - n:end])
+        for b, tokens in fed.items():
+            lengths[b] = len(tokens)
+        return lengths, np.array(all_fed, np.int64)
+
+    @staticmethod
+    def _fed_tokens(rids: list, lengths, ids: np.ndarray):
+        """A function building the plan's ``fed_tokens`` on demand (from arrays no one else changes)."""
+
+        def build() -> dict:
+            flat = ids.tolist()
+            if lengths is None:
+                return {rid: [token] for rid, token in zip(rids, flat)}
+            ends = np.cumsum(lengths).tolist()
+            return {rid: flat[end - n:end] for rid, end, n in zip(rids, ends, lengths.tolist())}
+
+        return build
+
+    def _drop_first_pages(self, row: int, k: int) -> None:
+        """Removes the first ``k`` retained pages from the row's table (the window moved past them)."""
+        R, n = self.rows, int(self.rows.npages[row])
+        R.table[row, :n - k] = R.table[row, k:n].copy()
+        R.table[row, n - k:n] = -1
+        R.npages[row] = n - k
+
+    def _fold_tail(self, r: _Request) -> None:
+        """Moves the decode tokens held in the row's tail buffer onto the request's token list."""
+        R, row = self.rows, r.row
+        known_end, computed = int(R.known_end[row]), int(R.computed[row])
+        if computed > known_end:
+            r.tokens += R.tail[row, np.arange(known_end, computed) % self.page_size].tolist()
+            R.known_end[row] = computed
+
+    # ---- StreamingLLM --------------------------------------------------------------------------------
     def _discard(self, r: _Request, w: _Work) -> tuple:
         """Drops ``w.discard`` pages (``w.dropped`` positions) after the sinks. Returns (slots to shift by
         ``-w.dropped``, tokens to re-feed)."""
-        sink_end = self.sink_pages * self.page_size
-        old_computed = r.computed
-        kept_positions = np.arange(sink_end + w.dropped, old_computed)
+        R, row, ps, s = self.rows, r.row, self.page_size, self.sink_pages
+        sink_end = s * ps
+        old_computed, held = int(R.computed[row]), int(R.npages[row])
         del r.tokens[sink_end - r.token_base:sink_end + w.dropped - r.token_base]
+        R.known_end[row] -= w.dropped
         if self.streaming.mode == "shift":
-            pages = np.asarray(r.pages, np.int64)
-            slots = pages[kept_positions // self.page_size] * self.page_size + kept_positions % self.page_size
-            del r.pages[self.sink_pages:self.sink_pages + w.discard]
-            r.computed = old_computed - w.dropped
+            kept_positions = np.arange(sink_end + w.dropped, old_computed)
+            slots = R.table[row, kept_positions // ps] + kept_positions % ps
+            R.table[row, s:held - w.discard] = R.table[row, s + w.discard:held].copy()
+            R.table[row, held - w.discard:held] = -1
+            R.npages[row] = held - w.discard
+            R.computed[row] = old_computed - w.dropped
             return slots, []
-        del r.pages[self.sink_pages:]
-        r.computed = sink_end
+        R.table[row, s:held] = -1
+        R.npages[row] = s
+        R.computed[row] = sink_end
         return np.zeros(0, np.int64), r.known(sink_end, old_computed - w.dropped)
 
     # ---- publishing --------------------------------------------------------------------------------
     def _register_full_pages(self, r: _Request) -> None:
-        full = r.computed // self.page_size
+        R = self.rows
+        full = int(R.computed[r.row]) // self.page_size
         if self.streaming is not None:
             full = min(full, self.sink_pages)  # only sink pages are ever shared under StreamingLLM
+        first_page = int(R.first_page[r.row])
         while r.chain_open and r.registered < full:
             j = r.registered
-            if j < r.first_page:  # released by the window before it could be registered
+            if j < first_page:  # released by the window before it could be registered
                 r.chain_open = False
                 return
-            tokens = tuple(r.known(j * self.page_size, (j + 1) * self.page_size))
-            h = self.index.hash_fn(r.chain_tail[0], tokens, r.identity)
-            entry = self.index.register(h, r.pages[j - r.first_page], r.chain_tail[1], tokens, r.identity)
-            if entry is None:  # the hash is taken by other content (only a weak hash_fn collides)
-                r.chain_open = False
-                return
-            r.chain_tail = (h, entry.node)
-            r.registered += 1
+            page = int(R.table[r.row, j - first_page]) // self.page_size
+            self._register_page(r, tuple(r.known(j * self.page_size, (j + 1) * self.page_size)), page)
+
+    def _register_page(self, r: _Request, tokens: tuple, page: int) -> None:
+        """Publishes ``page`` (holding ``tokens``) as the next page of the request's chain, or closes
+        the chain when its hash is taken by other content (only a weak ``hash_fn`` collides)."""
+        h = self.index.hash_fn(r.chain_tail[0], tokens, r.identity)
+        entry = self.index.register(h, page, r.chain_tail[1], tokens, r.identity)
+        if entry is None:
+            r.chain_open = False
+            return
+        r.chain_tail = (h, entry.node)
+        r.registered += 1
 
     def _trim_history(self, r: _Request) -> None:
         """Drops token ids no later step needs, so a request's host memory stays O(window + chunk)."""
         if self.streaming is not None:
             return  # re-evaluation re-feeds kept tokens; the budget bounds them
-        keep_from = r.computed
+        keep_from = int(self.rows.computed[r.row])
         if r.chain_open:
             keep_from = min(keep_from, r.registered * self.page_size)
         if keep_from > r.token_base:
@@ -444,16 +634,16 @@ class KVCacheManager:
 
     def page_table(self, rid) -> list:
         """Page ids of a request's retained pages, in position order."""
-        return list(self._get(rid).pages)
+        return self.rows.pages(self._get(rid).row)
 
     def computed(self, rid) -> int:
         """Positions of the request stored in the cache (after the outstanding step, if any)."""
-        return self._get(rid).computed
+        return int(self.rows.computed[self._get(rid).row])
 
     def pending_tokens(self, rid) -> list:
         """Prompt token ids not yet fed."""
         r = self._get(rid)
-        return r.known(r.computed, r.token_base + len(r.tokens))
+        return r.known(int(self.rows.computed[r.row]), r.token_base + len(r.tokens))
 
     def metrics(self) -> dict:
         """Prefix-cache and pool figures."""
@@ -467,14 +657,23 @@ class KVCacheManager:
 
     def check(self) -> None:
         """Asserts the bookkeeping invariants (tests): exact ref counts, no page owned twice by one
-        request, published pages never free, history bounded by what later steps need."""
+        request, page-table rows exactly the op's ``cachestarts`` rows, published pages never free,
+        history bounded by what later steps need (at most one page of decode tokens outside the list)."""
         self.pool.check()
+        R, ps = self.rows, self.page_size
+        assert sorted(self._row_of.values()) == R.live_rows().tolist() == sorted(r.row for r in self.requests.values())
         expected = [0] * self.pool.num_pages
-        for r in self.requests.values():
-            assert len(set(r.pages)) == len(r.pages), f"request {r.rid!r} holds a page twice"
-            assert r.first_page * self.page_size <= r.computed <= (r.first_page + len(r.pages)) * self.page_size
-            assert r.token_base <= r.computed <= r.token_base + len(r.tokens)
-            for page in r.pages:
+        for rid, r in self.requests.items():
+            row = self._row_of[rid]
+            assert r.row == row
+            pages, first, computed = R.pages(row), int(R.first_page[row]), int(R.computed[row])
+            assert len(set(pages)) == len(pages), f"request {rid!r} holds a page twice"
+            assert (R.table[row, len(pages):] == -1).all() and (R.table[row, :len(pages)] % ps == 0).all()
+            assert first * ps <= computed <= (first + len(pages)) * ps
+            known_end = r.token_base + len(r.tokens)
+            assert int(R.known_end[row]) == known_end
+            assert r.token_base <= computed <= known_end + ps, "more than a page of tokens outside the list"
+            for page in pages:
                 expected[page] += 1
         assert expected == self.pool.ref_count, "ref counts differ from the page tables"
         for page in self.index.by_page:

@@ -6,6 +6,7 @@ squat its chain). A hit is still verified token by token *and* against the exact
 unique node id), so even a replaced, weak hash function can never return another prompt's cache.
 """
 
+import functools
 import hashlib
 import itertools
 import secrets
@@ -19,12 +20,22 @@ def keyed_page_hash(key: bytes = None):
     if not 16 <= len(key) <= 64:
         raise ValueError(f"the page hash key must have 16..64 bytes, got {len(key)}")
 
-    def page_hash(parent_hash, tokens, identity: bytes) -> bytes:
+    @functools.lru_cache(maxsize=1024)
+    def keyed_identity(identity: bytes):
+        # The state after the key and the identity: every page of a request starts from a copy of it.
         h = hashlib.blake2b(key=key, digest_size=32)
-        h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash)  # digests have a fixed size
         h.update(len(identity).to_bytes(8, "little"))
         h.update(identity)
-        h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+        return h
+
+    @functools.lru_cache(maxsize=64)
+    def packer(n: int) -> struct.Struct:
+        return struct.Struct(f"<{n}q")
+
+    def page_hash(parent_hash, tokens, identity: bytes) -> bytes:
+        h = keyed_identity(identity).copy()
+        h.update(b"\x00" if parent_hash is None else b"\x01" + parent_hash)  # digests have a fixed size
+        h.update(packer(len(tokens)).pack(*tokens))
         return h.digest()
 
     return page_hash

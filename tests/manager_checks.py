@@ -1,6 +1,16 @@
 """Checks of the cache manager's plans that tests share, written independently of the manager."""
 
+import copy
+
 import numpy as np
+
+
+def manager_state(m):
+    """What a refused or aborted call must leave as it was: the pool, the prefix index, and every
+    request's page table, stored positions, pending prompt tokens and remaining bookkeeping."""
+    return copy.deepcopy((m.pool.ref_count, list(m.pool.free), list(m.pool.cached), dict(m.index.by_page),
+                          {rid: (m.page_table(rid), m.computed(rid), m.pending_tokens(rid), vars(r))
+                           for rid, r in m.requests.items()}))
 
 
 def assert_stores_are_private(m, plan, page_size):

@@ -8,7 +8,6 @@ alone. The test keeps its own record of each request's tokens. Dedicated long ru
 ``HYPOTHESIS_PROFILE=long``.
 """
 
-import copy
 import zlib
 
 import numpy as np
@@ -20,7 +19,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvcache_op.manager import KVCacheManager, OutOfPages, block_diagonal_causal_mask
 from kvcache_op.reference import cache_shape, key_value_cache
-from manager_checks import assert_stores_are_private
+from manager_checks import assert_stores_are_private, manager_state
 
 PAGE, PAGES, MAX_PAGES, HEADS, DH = 4, 20, 8, 1, 2
 FAMILIES = [[7, 7, 1, 2, 3, 4, 5, 6, 9, 9], [7, 7, 1, 2, 8, 8, 8, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
@@ -98,8 +97,7 @@ class ManagerMachine(RuleBasedStateMachine):
         return feeds
 
     def state(self):
-        return copy.deepcopy((self.m.pool.ref_count, list(self.m.pool.free), list(self.m.pool.cached),
-                              {k: vars(v) for k, v in self.m.requests.items()}))
+        return manager_state(self.m)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -157,7 +155,7 @@ class ManagerMachine(RuleBasedStateMachine):
                 assert positions[0] <= max(0, first_query - self.window + 1), "a needed key was released"
         COVERAGE["steps"] += 1
         COVERAGE["gathered"] += key.shape[0]
-        COVERAGE["window_releases"] += sum(r.first_page for r in self.m.requests.values())
+        COVERAGE["window_releases"] += int((plan.key_positions[plan.kvstarts[:-1]] >= PAGE).sum())
         mask = block_diagonal_causal_mask(plan.seqstarts, plan.kvstarts, plan.query_positions,
                                           plan.key_positions, self.window)
         assert mask.any(axis=1).all(), "every query sees at least its own key"

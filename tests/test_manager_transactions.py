@@ -1,16 +1,10 @@
 """Steps are transactions: pages are published for prefix reuse only on commit; abort rolls a step back;
 a failing call (bad salt, bad token, out of pages) changes nothing."""
 
-import copy
-
 import pytest
 
 from kvcache_op.manager import KVCacheManager, OutOfPages
-
-
-def state(m):
-    return copy.deepcopy((m.pool.ref_count, list(m.pool.free), list(m.pool.cached), dict(m.index.by_page),
-                          {k: vars(v) for k, v in m.requests.items()}))
+from manager_checks import manager_state as state
 
 
 def test_a_step_that_never_ran_is_never_served_as_a_prefix():

@@ -1,0 +1,99 @@
+"""A step's plan: the KeyValueCache op's index inputs (cache_mode 1) and the positions RoPE and the mask
+need, built for a whole batch at once from the requests' rows."""
+
+import numpy as np
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+class StepPlan:
+    """One step: the op's index inputs plus the absolute positions RoPE and the mask need.
+
+    ``seqstarts`` [B+1], ``kvstarts`` [B+1], ``cachestarts`` [B, MaxP] (slot of each page, -1 unused),
+    ``start_pos`` [B] (position in the op's view, relative to the first retained page), ``max_seqlen``
+    and ``max_kvlen`` (int64 scalars), ``query_positions`` [seqstarts[B]] (absolute position of every
+    fed token), ``key_positions`` [kvstarts[B]] (absolute position of every gathered key),
+    ``fed_tokens`` (request id -> tokens fed, re-evaluated ones first), ``shift_slots``/``shift_deltas``
+    [S] (StreamingLLM shift-RoPE-K). All index arrays are int64.
+
+    ``key_positions`` and ``fed_tokens`` may be given as functions of no arguments: they are then built
+    on first access, so a decode step does not pay for an O(keys) array its caller never reads.
+    """
+
+    def __init__(self, request_ids, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                 query_positions, key_positions, fed_tokens=None, shift_slots=None, shift_deltas=None):
+        self.request_ids = request_ids
+        self.seqstarts, self.kvstarts, self.cachestarts, self.start_pos = seqstarts, kvstarts, cachestarts, start_pos
+        self.max_seqlen, self.max_kvlen = max_seqlen, max_kvlen
+        self.query_positions = query_positions
+        self._key_positions = key_positions
+        self._fed_tokens = {} if fed_tokens is None else fed_tokens
+        self.shift_slots = _EMPTY.copy() if shift_slots is None else shift_slots
+        self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
+
+    @property
+    def key_positions(self) -> np.ndarray:
+        if callable(self._key_positions):
+            self._key_positions = self._key_positions()
+        return self._key_positions
+
+    @key_positions.setter
+    def key_positions(self, value) -> None:
+        self._key_positions = value
+
+    @property
+    def fed_tokens(self) -> dict:
+        if callable(self._fed_tokens):
+            self._fed_tokens = self._fed_tokens()
+        return self._fed_tokens
+
+    @fed_tokens.setter
+    def fed_tokens(self, value) -> None:
+        self._fed_tokens = value
+
+    def op_inputs(self) -> dict:
+        """The op's index inputs by name (cache_mode 1)."""
+        return {"seqstarts": self.seqstarts, "kvstarts": self.kvstarts, "cachestarts": self.cachestarts,
+                "start_pos": self.start_pos, "max_seqlen": self.max_seqlen, "max_kvlen": self.max_kvlen}
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(request_ids={self.request_ids!r}, seqstarts={self.seqstarts!r}, "
+                f"kvstarts={self.kvstarts!r}, start_pos={self.start_pos!r})")
+
+
+def starts_of(lengths: np.ndarray) -> np.ndarray:
+    """``[0, cumsum(lengths)]`` as int64."""
+    starts = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    return starts
+
+
+def runs(first: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The concatenation of ``arange(first[b], first[b] + lengths[b])`` over b, in one pass (``starts``
+    is ``starts_of(lengths)``): each element is its global index shifted by its run's offset."""
+    total = int(starts[-1])
+    if total == len(lengths):  # every run has length 1 (a decode batch)
+        return first.astype(np.int64, copy=True)
+    return np.arange(total, dtype=np.int64) + np.repeat(first - starts[:-1], lengths)
+
+
+def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_tokens,
+               shift_slots=None, shift_deltas=None) -> StepPlan:
+    """The plan of a step that fed ``lengths[b]`` tokens to request b (``lengths`` None: one token
+    each), which then has positions ``[first_slot_pos[b], end[b])`` in its retained pages
+    (``first_slot_pos`` = first retained page * page size). ``fed_tokens`` is a dict or a function
+    building it. The arrays passed in must not change later (the lazy ``key_positions`` reads them)."""
+    kvlen = end - first_slot_pos
+    if lengths is None:
+        seqstarts = np.arange(len(end) + 1, dtype=np.int64)
+        start_pos, query_positions = kvlen - 1, end - 1
+        max_seqlen = np.array(1 if len(end) else 0, np.int64)
+    else:
+        seqstarts = starts_of(lengths)
+        start_pos, query_positions = kvlen - lengths, runs(end - lengths, lengths, seqstarts)
+        max_seqlen = np.array(lengths.max(initial=0), np.int64)
+    return StepPlan(
+        request_ids=request_ids, seqstarts=seqstarts, kvstarts=starts_of(kvlen), cachestarts=cachestarts,
+        start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=np.array(kvlen.max(initial=0), np.int64),
+        query_positions=query_positions, key_positions=lambda: runs(first_slot_pos, kvlen, starts_of(kvlen)),
+        fed_tokens=fed_tokens, shift_slots=shift_slots, shift_deltas=shift_deltas)

@@ -1,0 +1,132 @@
+"""``schedule_decode(request_ids, tokens)``: one token per request from arrays, exactly what
+``schedule({rid: [token]})`` does — the same plans, the same effect, the same errors with nothing changed.
+
+The stateful machines of test_manager_stateful run again with every one-token-each step (hostile ones
+included) sent through ``schedule_decode``; the unit tests compare it with ``schedule`` on twin managers.
+"""
+
+import numpy as np
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import initialize
+
+from kvcache_op.manager import KVCacheManager, OutOfPages, UnknownRequest, keyed_page_hash
+from manager_checks import manager_state
+from test_manager_stateful import ManagerMachine, WindowedManagerMachine
+
+PLAN_ARRAYS = ("seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen", "max_kvlen", "query_positions",
+               "key_positions", "shift_slots", "shift_deltas")
+
+
+class DecodeFirst(KVCacheManager):
+    """Sends every step that feeds one token to each request through ``schedule_decode``: an int64 array
+    when every token is a Python int, else the tokens as given (so bad ones meet its checks)."""
+
+    def schedule(self, feeds):
+        values = list(feeds.values()) if isinstance(feeds, dict) else []
+        if not values or not all(isinstance(v, list) and len(v) == 1 for v in values):
+            return super().schedule(feeds)
+        tokens = [v[0] for v in values]
+        if all(type(t) is int and 0 <= t < 2**63 for t in tokens):
+            tokens = np.array(tokens, np.int64)
+        return self.schedule_decode(list(feeds), tokens)
+
+
+class DecodeApiMachine(ManagerMachine):
+    @initialize()
+    def setup(self):
+        super().setup()
+        self.m.__class__ = DecodeFirst  # the same manager, its steps routed as above
+
+
+class WindowedDecodeApiMachine(WindowedManagerMachine):
+    @initialize()
+    def setup(self):
+        super().setup()
+        self.m.__class__ = DecodeFirst
+
+
+TestDecodeApi = DecodeApiMachine.TestCase
+TestDecodeApi.settings = settings(stateful_step_count=40, deadline=None)
+TestWindowedDecodeApi = WindowedDecodeApiMachine.TestCase
+TestWindowedDecodeApi.settings = settings(stateful_step_count=40, deadline=None)
+
+
+def twins(**kwargs):
+    """Two managers in the same state (one hash key): requests 0..4 prefilled, two prompt tokens of
+    request 4 still pending."""
+    out = []
+    for _ in range(2):
+        m = KVCacheManager(40, 4, 8, hash_fn=keyed_page_hash(b"twins" * 4), **kwargs)
+        for i in range(5):
+            prompt = list(range(10 * i, 10 * i + 5 + i))
+            m.add_request(i, prompt)
+            m.commit(m.schedule({i: prompt if i < 4 else prompt[:-2]}))
+        out.append(m)
+    return out
+
+
+def assert_same_plans(a, b):
+    for name in PLAN_ARRAYS:
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype == np.int64 and np.array_equal(x, y), name
+    assert a.request_ids == b.request_ids and a.fed_tokens == b.fed_tokens
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_steps_plan_exactly_as_schedule(window):
+    a, b = twins(sliding_window=window)
+    pending = [47, 48]  # request 4's last prompt tokens, fed one per step
+    for step in range(14):
+        rids = [3, 0, 4, 1] if step % 3 else [2, 4]
+        tokens = [pending.pop(0) if rid == 4 and pending else step * 10 + rid for rid in rids]
+        plan_a = a.schedule({rid: [t] for rid, t in zip(rids, tokens)})
+        plan_b = b.schedule_decode(rids, np.array(tokens, np.int32))
+        assert_same_plans(plan_a, plan_b)
+        a.commit(plan_a)
+        b.commit(plan_b)
+        assert manager_state(a) == manager_state(b)
+        a.check()
+        b.check()
+
+
+@pytest.mark.parametrize("request_ids, tokens, error", [
+    ([0, 9], [1, 2], UnknownRequest),
+    ([0, 1, 0], [1, 2, 3], ValueError),
+    ((0, 1), [1, 2, 3], ValueError),
+    ({0: 1}, [1], TypeError),
+    ([0, 1], np.array([1.0, 2.0]), TypeError),
+    ([0, 1], np.array([[1, 2]]), ValueError),
+    ([0, 1], np.array([1, -1]), ValueError),
+    ([0, 1], np.array([1, 2**63], np.uint64), ValueError),
+    ([0, 1], np.array([1, 2**31]), ValueError),
+    ([0, 1], [1, True], TypeError),
+    ([0, 1], [1, 2.0], TypeError),
+    ([0, 1], "12", TypeError),
+    ([0, 4], [1, 99], ValueError),  # request 4's next token is a prompt token, and it is not 99
+])
+def test_bad_decode_steps_are_refused_before_any_change(request_ids, tokens, error):
+    m = twins()[0]
+    before = manager_state(m)
+    with pytest.raises(error):
+        m.schedule_decode(request_ids, tokens)
+    assert manager_state(m) == before
+    m.check()
+
+
+def test_decode_steps_run_out_of_pages_and_wait_for_the_outstanding_step():
+    m = KVCacheManager(2, 2, 4)
+    m.add_request("a", [1, 2])
+    m.commit(m.schedule({"a": [1, 2]}))
+    m.add_request("b", [1, 2, 3])
+    m.commit(m.schedule({"b": [3]}))  # b's third token starts the pool's second page
+    before = manager_state(m)
+    with pytest.raises(OutOfPages):
+        m.schedule_decode(["a", "b"], [5, 6])  # a needs a new page; none is left
+    assert manager_state(m) == before
+    plan = m.schedule_decode(["b"], [6])
+    with pytest.raises(RuntimeError, match="outstanding"):
+        m.schedule_decode(["b"], [7])
+    m.abort(plan)
+    assert manager_state(m) == before
+    assert m.schedule_decode([], np.zeros(0, np.int64)).cachestarts.shape == (0, 4)

@@ -1,0 +1,102 @@
+"""How the manager builds steps: pages filled by decoding are published with their own tokens, a plan
+owns its arrays (a caller changing them, or later steps, change nothing else), and every index array
+agrees with an independent reading of the manager through its public API, also past the first rows'
+capacity."""
+
+import numpy as np
+import pytest
+
+from kvcache_op.manager import KVCacheManager, keyed_page_hash
+from manager_checks import manager_state
+
+
+def decode(m, rid, tokens, arrays):
+    for token in tokens:
+        m.commit(m.schedule_decode([rid], [token]) if arrays else m.schedule({rid: [token]}))
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_pages_filled_by_decoding_are_published_with_their_tokens(arrays):
+    """A 6-token prompt, then 10 generated tokens: page 1 holds prompt and generated tokens, pages 2 and 3
+    generated ones only. The next turn (history + a new message) reuses all four pages; a prompt that
+    differs in one generated token reuses only the pages before it."""
+    m = KVCacheManager(64, 4, 16)
+    prompt = [1, 2, 3, 4, 5, 6]
+    m.add_request("a", prompt)
+    m.commit(m.schedule({"a": prompt}))
+    generated = list(range(10, 20))
+    decode(m, "a", generated, arrays)
+    history = prompt + generated
+    assert m.add_request("next-turn", history + [99]) == 16
+    assert m.page_table("next-turn")[:4] == m.page_table("a")[:4]
+    changed = history[:9] + [77] + history[10:] + [99]  # position 9: page 2
+    assert m.add_request("other", changed) == 8
+    m.finish("a")
+    assert m.add_request("again", history) == 12  # the last token is always computed: 3 full pages
+    m.check()
+
+
+def test_a_plan_owns_its_arrays():
+    """Changing every array of a plan changes nothing in the manager; a plan read after later steps
+    (key_positions and fed_tokens are built on first access) equals one read at once."""
+    twins = [KVCacheManager(64, 4, 8, sliding_window=7, hash_fn=keyed_page_hash(b"twins" * 4)) for _ in range(2)]
+    kept = []
+    for m in twins:
+        for i in range(3):
+            m.add_request(i, list(range(5 * i, 5 * i + 6)))
+        m.commit(m.schedule({i: list(range(5 * i, 5 * i + 6)) for i in range(3)}))
+    for step in range(9):
+        plans = [m.schedule({0: [step], 2: [step + 1, step + 2]}) for m in twins]
+        read_at_once = {name: np.copy(getattr(plans[0], name)) for name in ("key_positions", "query_positions")}
+        kept.append((plans[1], read_at_once, dict(plans[0].fed_tokens)))
+        for name in ("seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen", "max_kvlen",
+                     "query_positions", "key_positions"):
+            getattr(plans[0], name)[...] = 12345
+        for m, plan in zip(twins, plans):
+            m.commit(plan)
+        assert manager_state(twins[0]) == manager_state(twins[1])
+    for plan, read_at_once, fed in kept:  # read now, several steps later
+        for name, values in read_at_once.items():
+            assert np.array_equal(getattr(plan, name), values), name
+        assert plan.fed_tokens == fed
+
+
+def check_plan_against_public_views(m, plan, fed_counts):
+    """Every index array of ``plan`` from the manager's public answers after the step (page tables,
+    stored positions), computed here without the manager's arrays."""
+    ps = m.page_size
+    assert plan.cachestarts.shape == (len(plan.request_ids), m.max_pages)
+    for b, rid in enumerate(plan.request_ids):
+        pages, end, n = m.page_table(rid), m.computed(rid), fed_counts[rid]
+        kvlen = plan.kvstarts[b + 1] - plan.kvstarts[b]
+        first_position = end - kvlen
+        assert first_position % ps == 0 and -(-end // ps) - first_position // ps == len(pages)
+        assert plan.cachestarts[b].tolist() == [p * ps for p in pages] + [-1] * (m.max_pages - len(pages))
+        assert plan.seqstarts[b + 1] - plan.seqstarts[b] == n and plan.start_pos[b] == end - n - first_position
+        assert plan.query_positions[plan.seqstarts[b]:plan.seqstarts[b + 1]].tolist() == list(range(end - n, end))
+        assert plan.key_positions[plan.kvstarts[b]:plan.kvstarts[b + 1]].tolist() == list(range(first_position, end))
+    assert int(plan.max_seqlen) == max(fed_counts.values(), default=0)
+    assert int(plan.max_kvlen) == int(np.diff(plan.kvstarts).max(initial=0))
+
+
+def test_a_large_batch_past_the_first_rows_capacity():
+    """150 requests (more rows than the first allocation holds), some finished and replaced, decoding
+    and prefilling in one batch: every plan agrees with the page tables and positions."""
+    rng = np.random.default_rng(7)
+    m = KVCacheManager(4000, 4, 12, sliding_window=30)
+    for i in range(150):
+        m.add_request(i, rng.integers(0, 50, int(rng.integers(1, 9))).tolist())
+    next_id = 150
+    for step in range(30):
+        feeds = {}
+        for rid in list(m.requests):
+            pending = m.pending_tokens(rid)
+            feeds[rid] = pending[:int(rng.integers(1, 4))] if pending else [int(rng.integers(0, 50))]
+        plan = m.schedule(feeds)
+        check_plan_against_public_views(m, plan, {rid: len(tokens) for rid, tokens in feeds.items()})
+        m.commit(plan)
+        for rid in rng.choice(sorted(m.requests), 5, replace=False).tolist():
+            m.finish(rid)
+            m.add_request(next_id, rng.integers(0, 50, int(rng.integers(1, 9))).tolist())
+            next_id += 1
+        m.check()
