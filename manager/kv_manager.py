@@ -267,8 +267,7 @@ class KVCacheManager:
         except ValueError:
             self._check_each(feeds if feeds is not None else {rid: [t] for rid, t in zip(rids, ids.tolist())})
             raise
-        released = [page for w in planned.work for page in w.released]
-        freed = sum(1 for p in released if self.pool.ref_count[p] == 1)
+        freed = sum(1 for w in planned.work for p in w.released if self.pool.ref_count[p] == 1)
         if planned.new_pages > self.pool.available() + freed:
             raise OutOfPages(planned.new_pages, self.pool.available() + freed)
         return self._apply(rids, rows, before, lengths, ids, planned)

@@ -6,6 +6,26 @@ import numpy as np
 _EMPTY = np.zeros(0, np.int64)
 
 
+class _BuiltOnFirstAccess:
+    """An attribute that may be set to a function of no arguments: the first read calls it and keeps
+    the result."""
+
+    def __set_name__(self, owner, name):
+        self.slot = "_" + name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        value = getattr(obj, self.slot)
+        if callable(value):
+            value = value()
+            setattr(obj, self.slot, value)
+        return value
+
+    def __set__(self, obj, value):
+        setattr(obj, self.slot, value)
+
+
 class StepPlan:
     """One step: the op's index inputs plus the absolute positions RoPE and the mask need.
 
@@ -20,36 +40,19 @@ class StepPlan:
     on first access, so a decode step does not pay for an O(keys) array its caller never reads.
     """
 
+    key_positions = _BuiltOnFirstAccess()
+    fed_tokens = _BuiltOnFirstAccess()
+
     def __init__(self, request_ids, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
                  query_positions, key_positions, fed_tokens=None, shift_slots=None, shift_deltas=None):
         self.request_ids = request_ids
         self.seqstarts, self.kvstarts, self.cachestarts, self.start_pos = seqstarts, kvstarts, cachestarts, start_pos
         self.max_seqlen, self.max_kvlen = max_seqlen, max_kvlen
         self.query_positions = query_positions
-        self._key_positions = key_positions
-        self._fed_tokens = {} if fed_tokens is None else fed_tokens
+        self.key_positions = key_positions
+        self.fed_tokens = {} if fed_tokens is None else fed_tokens
         self.shift_slots = _EMPTY.copy() if shift_slots is None else shift_slots
         self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
-
-    @property
-    def key_positions(self) -> np.ndarray:
-        if callable(self._key_positions):
-            self._key_positions = self._key_positions()
-        return self._key_positions
-
-    @key_positions.setter
-    def key_positions(self, value) -> None:
-        self._key_positions = value
-
-    @property
-    def fed_tokens(self) -> dict:
-        if callable(self._fed_tokens):
-            self._fed_tokens = self._fed_tokens()
-        return self._fed_tokens
-
-    @fed_tokens.setter
-    def fed_tokens(self, value) -> None:
-        self._fed_tokens = value
 
     def op_inputs(self) -> dict:
         """The op's index inputs by name (cache_mode 1)."""

@@ -100,3 +100,27 @@ def test_a_large_batch_past_the_first_rows_capacity():
             m.add_request(next_id, rng.integers(0, 50, int(rng.integers(1, 9))).tolist())
             next_id += 1
         m.check()
+
+
+def test_feeds_of_any_integer_sequence_plan_as_lists_do():
+    """Tuples, numpy arrays and numpy integers in ``feeds`` (checked one request at a time) plan exactly as
+    lists of Python ints (checked for the whole batch at once)."""
+    plans = []
+    for convert in (list, tuple, np.array, lambda tokens: [np.int32(t) for t in tokens]):
+        m = KVCacheManager(64, 4, 8, hash_fn=keyed_page_hash(b"same key" * 2))
+        for i in range(3):
+            m.add_request(i, list(range(10 * i, 10 * i + 6)))
+        steps = [{0: list(range(6)), 1: list(range(10, 13)), 2: [20]}, {0: [5], 1: [13, 14, 15], 2: [21, 22]},
+                 {0: [6], 1: [16, 17], 2: [23, 24, 25]}]
+        for feeds in steps:
+            plan = m.schedule({rid: convert(tokens) for rid, tokens in feeds.items()})
+            plans.append((convert, [np.copy(getattr(plan, name)) for name in (
+                "seqstarts", "kvstarts", "cachestarts", "start_pos", "query_positions", "key_positions")],
+                plan.fed_tokens))
+            m.commit(plan)
+        m.check()
+    for step in range(3):
+        reference = plans[step]
+        for other in plans[step::3][1:]:
+            assert all(np.array_equal(a, b) for a, b in zip(reference[1], other[1])), other[0]
+            assert reference[2] == other[2]

@@ -27,6 +27,8 @@ import numpy as np
 
 from . import manager_workloads as work
 
+ARRAYS = "manager, schedule_decode"
+
 
 def op_time_for(plan, heads, head_dim, page_size, repeats):
     """Median seconds of the ORT CPU op on the plan's batch (fp16, paged, layout 0), or None."""
@@ -48,21 +50,36 @@ def op_time_for(plan, heads, head_dim, page_size, repeats):
 
 
 def side_by_side(managers: dict, repeats: int, measure) -> dict:
-    """name -> [measure(manager class) per round], the managers taking turns to go first."""
+    """name -> [measure(manager class, name) per round], the managers taking turns to go first."""
     results = {name: [] for name in managers}
     names = list(managers)
     for round_ in range(repeats):
         for name in (names if round_ % 2 == 0 else names[::-1]):
-            results[name].append(measure(managers[name]))
+            results[name].append(measure(managers[name], name))
     return results
 
 
 def decode_figures(managers, args, stagger: bool) -> dict:
-    """name -> {"median_s", "mean_s"}: medians over rounds of each round's per-step median and mean."""
-    rounds = side_by_side(managers, args.repeats, lambda cls: work.decode_step_seconds(
-        cls, args.batch, args.kvlen, args.page_size, args.steps, stagger))
-    return {name: {"median_s": statistics.median(statistics.median(t) for t in runs),
-                   "mean_s": statistics.median(statistics.fmean(t) for t in runs)} for name, runs in rounds.items()}
+    """name -> medians over rounds of each round's per-step figures (schedule + commit: median and mean;
+    schedule and commit apart: medians). This package's manager also runs as ``ARRAYS``, planning with
+    ``schedule_decode``."""
+    runs = dict(managers)
+    runs[ARRAYS] = managers["manager"]
+    rounds = side_by_side(runs, args.repeats, lambda cls, name: work.decode_step_seconds(
+        cls, args.batch, args.kvlen, args.page_size, args.steps, stagger, arrays=name == ARRAYS))
+    out = {}
+    for name, per_round in rounds.items():
+        figures = {"median_s": [], "mean_s": [], "schedule_s": [], "commit_s": [], "cpu_median_s": [], "cpu_mean_s": []}
+        for steps in per_round:
+            totals = [s + c for s, c, _ in steps]
+            figures["median_s"].append(statistics.median(totals))
+            figures["mean_s"].append(statistics.fmean(totals))
+            figures["schedule_s"].append(statistics.median(s for s, _, _ in steps))
+            figures["commit_s"].append(statistics.median(c for _, c, _ in steps))
+            figures["cpu_median_s"].append(statistics.median(cpu for _, _, cpu in steps))
+            figures["cpu_mean_s"].append(statistics.fmean(cpu for _, _, cpu in steps))
+        out[name] = {key: statistics.median(values) for key, values in figures.items()}
+    return out
 
 
 def mixed_figures(managers, args) -> dict:
@@ -70,12 +87,12 @@ def mixed_figures(managers, args) -> dict:
     max_pages = -(-(max(args.mixed_kvlens) + 2 * args.page_size + args.steps) // args.page_size)
     out = {name: {"context": {}, "prefills": {}} for name in managers}
     for kvlen in args.mixed_kvlens:
-        rounds = side_by_side(managers, args.repeats, lambda cls: work.mixed_step_seconds(
+        rounds = side_by_side(managers, args.repeats, lambda cls, _: work.mixed_step_seconds(
             cls, args.batch, kvlen, args.page_size, max_pages, args.mixed_prefills[1], args.prefill_len, args.steps))
         for name, values in rounds.items():
             out[name]["context"][kvlen] = statistics.median(values)
     for prefills in args.mixed_prefills:
-        rounds = side_by_side(managers, args.repeats, lambda cls: work.mixed_step_seconds(
+        rounds = side_by_side(managers, args.repeats, lambda cls, _: work.mixed_step_seconds(
             cls, args.batch, args.kvlen, args.page_size, max_pages, prefills, args.prefill_len, args.steps))
         for name, values in rounds.items():
             out[name]["prefills"][prefills] = statistics.median(values)
@@ -92,25 +109,30 @@ def chart(path: pathlib.Path, names, decode, mixed, args) -> bool:
     except ImportError:
         print("matplotlib is not installed (pip install '.[bench]'): no chart written", file=sys.stderr)
         return False
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
     cases = [(kind, stat) for kind in ("sync", "staggered") for stat in ("median_s", "mean_s")]
-    x = np.arange(len(cases))
-    for i, name in enumerate(names):
-        axes[0].bar(x + (i - (len(names) - 1) / 2) * 0.4, [decode[k][name][s] * 1e3 for k, s in cases], 0.4, label=name)
+    decode_names = decode_columns(names)
+    x, width = np.arange(len(cases)), 0.8 / len(decode_names)
+    for i, name in enumerate(decode_names):
+        axes[0].bar(x + (i - (len(decode_names) - 1) / 2) * width, [decode[k][name][s] * 1e3 for k, s in cases],
+                    width, label=name)
+    axes[0].axhline(0.1, color="gray", linewidth=0.8, linestyle="--")
     axes[0].set_xticks(x, [f"{k}\n{s[:-2]}" for k, s in cases])
     axes[0].set_yscale("log")
     axes[0].set_ylabel("ms per step (schedule + commit)")
     axes[0].set_title(f"decode step, {args.batch} sequences, kvlen {args.kvlen}")
-    for key, ax, xlabel in (("context", axes[1], "decode batch's context length (tokens)"),
+    for key, ax, xlabel in (("context", axes[1], "context length of the decoding requests (tokens)"),
                             ("prefills", axes[2], f"requests prefilled in the step ({args.prefill_len} tokens each)")):
         for name in names:
-            points = sorted(mixed[name][key].items())
+            points = sorted((int(k), v) for k, v in mixed[name][key].items())
             ax.plot([p for p, _ in points], [s * 1e3 for _, s in points], marker="o", label=name)
         ax.set_xlabel(xlabel)
         ax.set_ylabel("ms per step")
         ax.set_yscale("log")
-        ax.set_title(f"mixed step, {args.batch} decoding" + (f" + {args.mixed_prefills[1]} prefilled"
-                                                             if key == "context" else f", kvlen {args.kvlen}"))
+        if key == "context":
+            ax.set_xscale("log", base=2)
+        ax.set_title(f"mixed step: {args.batch} decoding + " + (f"{args.mixed_prefills[1]} prefilled"
+                                                               if key == "context" else f"n prefilled, kvlen {args.kvlen}"))
     for ax in axes:
         ax.legend()
     fig.tight_layout()
@@ -119,60 +141,78 @@ def chart(path: pathlib.Path, names, decode, mixed, args) -> bool:
     return True
 
 
+def decode_columns(names: list) -> list:
+    """The decode table's managers: this package's (through schedule, then schedule_decode), the others."""
+    return names[:1] + [ARRAYS] + names[1:]
+
+
 def markdown(result: dict, names: list) -> str:
+    """results.md: the command, the machine, three tables and what each workload is."""
+    a, base = result["args"], (names[1] if len(names) > 1 else None)
     ms = lambda s: f"{s * 1e3:.3f}"  # noqa: E731
-    base = names[1] if len(names) > 1 else None
-    ratio = lambda new, old: f"{old / new:.1f}x" if old else ""  # noqa: E731
-    head = "| measure | " + " | ".join(names) + (" | speed-up |" if base else " |")
-    rule = "| --- " * (len(names) + 1 + bool(base)) + "|"
-    rows = []
 
-    def row(label, values, fmt, higher_is_better=False):
-        cells = [fmt(values[n]) for n in names]
-        speedup = ""
-        if base:
-            speedup = ratio(values[base], values[names[0]]) if higher_is_better else ratio(values[names[0]], values[base])
-        rows.append(f"| {label} | " + " | ".join(cells) + (f" | {speedup} |" if base else " |"))
+    def table(columns, rows, speedup):
+        """``rows``: (label, {column: value}, format, higher is better: True/False, None for no ratio).
+        ``speedup``: a column with how much better the manager's value is than the baseline's."""
+        lines = ["| measure | " + " | ".join(f"`{c}`" for c in columns) + (" | speed-up |" if speedup else " |"),
+                 "| --- " * (len(columns) + 1 + bool(speedup)) + "|"]
+        for label, values, fmt, higher_is_better in rows:
+            cells = " | ".join(fmt(values[c]) if c in values else "" for c in columns)
+            ratio = ""
+            if speedup and base in values and higher_is_better is not None:
+                ratio = values["manager"] / values[base] if higher_is_better else values[base] / values["manager"]
+                ratio = f"{ratio:.1f}x"
+            lines.append(f"| {label} | {cells} |" + (f" {ratio} |" if speedup else ""))
+        return lines
 
+    decode_rows = []
     for kind in ("sync", "staggered"):
-        for stat, label in (("median_s", "median"), ("mean_s", "mean")):
-            row(f"decode step, {kind}, {label} ms", {n: result["decode"][kind][n][stat] for n in names}, ms)
-    for kvlen in result["args"]["mixed_kvlens"]:
-        row(f"mixed step, kvlen {kvlen}, {result['args']['mixed_prefills'][1]} prefilled, ms",
-            {n: result["mixed"][n]["context"][str(kvlen)] for n in names}, ms)
-    for prefills in result["args"]["mixed_prefills"]:
-        row(f"mixed step, kvlen {result['args']['kvlen']}, {prefills} prefilled, ms",
-            {n: result["mixed"][n]["prefills"][str(prefills)] for n in names}, ms)
-    row("match+insert, M tokens/s", {n: result["match_insert"][n]["tokens_per_s"] / 1e6 for n in names},
-        lambda v: f"{v:.2f}", higher_is_better=True)
-    rows.append(f"| chat prefix hit rate | " + " | ".join(f"{result['chat'][n]['hit_rate']:.4f}" for n in names)
-                + (" | |" if base else " |"))
-    a = result["args"]
+        for stat, label in (("median_s", "schedule + commit, median"), ("mean_s", "schedule + commit, mean"),
+                            ("schedule_s", "schedule, median"), ("commit_s", "commit, median"),
+                            ("cpu_median_s", "schedule + commit, CPU time, median"),
+                            ("cpu_mean_s", "schedule + commit, CPU time, mean")):
+            decode_rows.append((f"{kind}: {label}, ms", {n: result["decode"][kind][n][stat] for n in result["decode"][kind]},
+                                ms, False))
+    mixed_rows = [(f"kvlen {k}, {a['mixed_prefills'][1]} prefilled, ms",
+                   {n: result["mixed"][n]["context"][str(k)] for n in names}, ms, False) for k in a["mixed_kvlens"]]
+    mixed_rows += [(f"kvlen {a['kvlen']}, {p} prefilled, ms", {n: result["mixed"][n]["prefills"][str(p)] for n in names},
+                    ms, False) for p in a["mixed_prefills"]]
+    match = result["match_insert"]
+    cache_rows = [("match+insert, M tokens/s", {n: match[n]["tokens_per_s"] / 1e6 for n in names + ["seed"]},
+                   lambda v: f"{v:.2f}", True),
+                  ("chat prefix hit rate", {n: result["chat"][n]["hit_rate"] for n in names}, lambda v: f"{v:.4f}", None),
+                  ("chat evictions", {n: result["chat"][n]["evictions"] for n in names}, str, None)]
     lines = ["# Cache-manager benchmark", "", f"Command: `{result['command']}`", "",
-             f"Machine: {result['machine']}. Every figure is a median over {a['repeats']} rounds; in each round "
-             f"the managers run the same workload one after the other, taking turns to go first"
-             + (f"; `{base}` is the manager of revision `{base}`, loaded from its sources" if base else "") + ".", "",
-             head, rule, *rows, "",
-             f"Decode step: {a['batch']} sequences at kvlen {a['kvlen']} (pages of {a['page_size']}), each fed one "
-             f"token per step, schedule + commit timed; per round the median and the mean of {a['steps']} steps. "
-             "`sync`: every sequence fills its page on the same step (one step in "
-             f"{a['page_size']} publishes {a['batch']} pages and the next takes {a['batch']}); `staggered`: "
-             f"sequence b starts at kvlen + b % {a['page_size']}, so every step publishes and takes "
-             f"{a['batch'] // a['page_size']} pages.", "",
-             f"Mixed step: the staggered decode batch plus requests admitted just before the step and fed their "
-             f"whole {a['prefill_len']}-token prompt in it (admission and finish not timed); page tables "
-             f"{result['mixed_max_pages']} pages wide throughout.", "",
+             f"Machine: {result['machine']}. Every figure is a median over {a['repeats']} rounds (match+insert: "
+             f"{min(a['repeats'], 3)}); in each round the managers run the same workload one after the other, "
+             "taking turns to go first"
+             + (f"; `{base}` is the manager of revision {base}, loaded from its sources, and speed-up is its time "
+                "over `manager`'s" if base else "") + ".", "",
+             f"## Decode step: {a['batch']} sequences at kvlen {a['kvlen']}", "",
+             *table(decode_columns(names), decode_rows, bool(base)), "",
+             f"Each sequence is fed one token per step (pages of {a['page_size']}); per round the median and the mean "
+             f"over {a['steps']} steps. `sync`: every sequence fills its page on the same step, so one step in "
+             f"{a['page_size']} publishes {a['batch']} pages and the next takes {a['batch']}; `staggered`: sequence b "
+             f"starts at kvlen + b % {a['page_size']}, so every step publishes and takes {a['batch'] // a['page_size']}. "
+             f"`{ARRAYS}`: the same manager planning the same steps with `schedule_decode(request_ids, tokens)` "
+             "(an int64 array) instead of `schedule({rid: [token]})`. CPU time: the thread's own (it leaves out "
+             "the time it waited for a core while other processes ran; wall times include it).", "",
+             "## Mixed step", "", *table(names, mixed_rows, bool(base)), "",
+             f"The staggered decode batch ({a['batch']} requests) plus new requests fed their whole "
+             f"{a['prefill_len']}-token prompt in the same step (admitted before it and finished after it, not timed); "
+             f"page tables {result['mixed_max_pages']} pages wide throughout, so only the context changes.", "",
+             "## Prefix cache", "", *table(names + ["seed"], cache_rows, bool(base)), "",
              f"Match+insert: {a['requests']} requests x {a['prompt_len']} tokens, {a['shared']} shared in "
-             f"{a['families']} families, {a['pages']} pages of {a['page_size']}: admit, prefill, finish one by one; "
-             f"the seed block trie: {result['match_insert']['seed']['tokens_per_s'] / 1e6:.2f} M tokens/s; hit rate "
-             f"{result['match_insert'][names[0]]['hit_rate']:.2f}, {result['match_insert'][names[0]]['evictions']} evictions.",
-             "",
-             f"Chat: {a['chat_conversations']} conversations x {a['chat_turns']} turns (a 64-token system prompt, "
-             f"{a['chat_user_len']}-token user messages, {a['chat_reply_len']}-token replies decoded one token per step), "
-             f"{a['chat_concurrent']} live at a time, {a['chat_pages']} pages of {a['page_size']}: "
-             + "; ".join(f"`{n}` {result['chat'][n]['evictions']} evictions" for n in names) + "."]
+             f"{a['families']} families, {a['pages']} pages of {a['page_size']}, admitted, prefilled and finished one "
+             f"by one (hit rate {match['manager']['hit_rate']:.2f}, {match['manager']['evictions']} evictions); `seed`: "
+             "the block-trie design of the seed discussion on the same prompts.", "",
+             f"Chat: {a['chat_conversations']} conversations x {a['chat_turns']} turns (a 64-token system prompt, then "
+             f"{a['chat_user_len']}-token user messages and {a['chat_reply_len']}-token replies decoded one token per "
+             f"step), {a['chat_concurrent']} conversations live at a time, {a['chat_pages']} pages of {a['page_size']}: "
+             "each turn's prompt is the whole conversation so far, so its hits are what eviction left of it."]
     if result.get("op_s"):
-        lines += ["", f"The op on the decode batch (ORT CPU, fp16, H=8, Dh=128): {result['op_s'] * 1e3:.3f} ms."]
+        lines += ["", f"The op itself on the decode batch (ORT CPU EP, fp16, H=8, Dh=128, paged, layout 0): "
+                      f"{result['op_s'] * 1e3:.3f} ms."]
     return "\n".join(lines) + "\n"
 
 
@@ -190,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--shared", type=int, default=512, help="shared system-prompt tokens")
     parser.add_argument("--families", type=int, default=8)
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pages", type=int, default=2048, help="pool size (the workload overflows it: eviction)")
+    parser.add_argument("--pages", type=int, default=32768, help="pool size (the workload overflows it: eviction)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--kvlen", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=64, help="decode steps per round")
@@ -221,7 +261,7 @@ def main(argv=None) -> int:
     prompts = work.shared_prefix_prompts(args.requests, args.prompt_len, args.shared, args.families)
     tokens = sum(len(p) for p in prompts)
     match = {}
-    for name, rounds in side_by_side(managers, min(args.repeats, 3), lambda cls: work.match_insert_seconds(
+    for name, rounds in side_by_side(managers, min(args.repeats, 3), lambda cls, _: work.match_insert_seconds(
             cls, prompts, args.pages, args.page_size)).items():
         seconds = statistics.median(s for s, _ in rounds)
         match[name] = {"seconds": seconds, "tokens_per_s": tokens / seconds, **rounds[0][1]}
@@ -236,9 +276,12 @@ def main(argv=None) -> int:
 
     decode = {kind: decode_figures(managers, args, kind == "staggered") for kind in ("sync", "staggered")}
     for kind, figures in decode.items():
-        for name in names:
-            print(f"decode step ({kind}), {args.batch} sequences, kvlen {args.kvlen}: {name:12s} "
-                  f"median {figures[name]['median_s'] * 1e3:.3f} ms, mean {figures[name]['mean_s'] * 1e3:.3f} ms")
+        for name in decode_columns(names):
+            f = figures[name]
+            print(f"decode step ({kind}), {args.batch} sequences, kvlen {args.kvlen}, {name}: median "
+                  f"{f['median_s'] * 1e3:.3f} ms (schedule {f['schedule_s'] * 1e3:.3f}, commit {f['commit_s'] * 1e3:.3f}),"
+                  f" mean {f['mean_s'] * 1e3:.3f} ms; CPU time median {f['cpu_median_s'] * 1e3:.3f} ms,"
+                  f" mean {f['cpu_mean_s'] * 1e3:.3f} ms")
     mixed = mixed_figures(managers, args)
     for name in names:
         print(f"mixed step, {name}: by context " + ", ".join(f"{k}: {v * 1e3:.3f} ms" for k, v in mixed[name]["context"].items())

@@ -56,15 +56,23 @@ def decode_batch(manager_class, batch: int, kvlen: int, page_size: int, max_page
     return m
 
 
-def decode_step_seconds(manager_class, batch: int, kvlen: int, page_size: int, steps: int, stagger: bool) -> list:
-    """Seconds of each of ``steps`` decode steps (schedule + commit) of a ``batch``-request batch."""
+def decode_step_seconds(manager_class, batch: int, kvlen: int, page_size: int, steps: int, stagger: bool,
+                        arrays: bool = False) -> list:
+    """(schedule, commit, CPU) seconds of each of ``steps`` decode steps of a ``batch``-request batch,
+    planned with ``schedule({rid: [token]})`` or, with ``arrays``, ``schedule_decode(rids, tokens)``.
+    CPU: the thread's CPU time for schedule + commit, which leaves out the time the thread waited for a
+    core (on a shared machine, wall time also counts other processes)."""
     m = decode_batch(manager_class, batch, kvlen, page_size, -(-(kvlen + page_size + steps + 1) // page_size), stagger)
-    times = []
+    rids, times = list(range(batch)), []
     for step in range(steps):
-        feeds = {i: [(i + step) % 32000] for i in range(batch)}
-        start = time.perf_counter()
-        m.commit(m.schedule(feeds))
-        times.append(time.perf_counter() - start)
+        tokens = (np.arange(batch) + step) % 32000
+        feeds = None if arrays else {i: [t] for i, t in enumerate(tokens.tolist())}
+        cpu, start = time.thread_time(), time.perf_counter()
+        plan = m.schedule_decode(rids, tokens) if arrays else m.schedule(feeds)
+        planned = time.perf_counter()
+        m.commit(plan)
+        end = time.perf_counter()
+        times.append((planned - start, end - planned, time.thread_time() - cpu))
     return times
 
 
