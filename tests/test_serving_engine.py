@@ -140,16 +140,17 @@ def test_streaming_shift_rotates_kept_keys_to_their_new_positions():
     model = hf_models.model("llama")
     engine = Engine(path, num_pages=16, streaming=StreamingPolicy(sinks=4, budget_pages=4, mode="shift"))
     prompt = shared_prefix_workload(**WORKLOAD).prompts[1]
-    seen = []
+    fed, seen = [list(prompt)], []
 
-    def snapshot(_, token):
-        (r,) = engine.manager.requests.values()
-        seen.append((list(r.tokens), r.token_base, list(r.pages), r.computed))
+    def snapshot(i, token):
+        seen.append((retained(fed[i], engine.manager.computed(i)), engine.manager.page_table(i),
+                     engine.manager.computed(i)))
+        fed[i].append(token)
 
     tokens = engine.generate([prompt], 40, on_token=snapshot)[0]
     assert len(tokens) == 40 and len(prompt) + 40 > 4 * 16
-    history, base, pages, computed = seen[-1]
-    assert base == 0 and computed < len(prompt) + 39, "no page was dropped"
+    history, pages, computed = seen[-1]
+    assert computed < len(prompt) + 39, "no page was dropped"
     cache = engine.runner.cache.numpy()  # layout 0: (MaxT, L, 2, H, Dh)
     layer0 = model.model.layers[0]
     with torch.no_grad():
@@ -161,6 +162,13 @@ def test_streaming_shift_rotates_kept_keys_to_their_new_positions():
     slots = np.array([pages[p // 16] * 16 + p % 16 for p in range(computed)])
     got = cache[slots, 0, 0]
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+def retained(fed: list, computed: int, sink_end: int = 16) -> list:
+    """The tokens a StreamingLLM request's cache holds at positions [0, computed), from every token fed to
+    it so far (the prompt, then each generated one but the newest): the sink page's tokens, then the most
+    recent ones."""
+    return fed[:computed] if computed <= sink_end else fed[:sink_end] + fed[len(fed) - (computed - sink_end):]
 
 
 def test_streaming_reevaluate_tokens_are_the_model_over_the_retained_tokens():
@@ -175,11 +183,11 @@ def test_streaming_reevaluate_tokens_are_the_model_over_the_retained_tokens():
                     streaming=StreamingPolicy(sinks=4, budget_pages=4, mode="reevaluate"))
     workload = shared_prefix_workload(**WORKLOAD)
     prompts = [workload.prompts[0][:30], workload.prompts[1][:50], [3]]
-    seen = []
+    fed, seen = [list(p) for p in prompts], []
 
     def snapshot(i, token):
-        r = engine.manager.requests[i]
-        seen.append((i, token, r.known(0, r.computed), len(r.pages)))
+        seen.append((i, token, retained(fed[i], engine.manager.computed(i)), len(engine.manager.page_table(i))))
+        fed[i].append(token)
 
     engine.generate(prompts, 60, on_token=snapshot)
     assert max(pages for *_, pages in seen) <= 4

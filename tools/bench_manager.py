@@ -19,6 +19,7 @@ the same rounds, alternating which goes first.
 
 import argparse
 import json
+import os
 import pathlib
 import statistics
 import sys
@@ -134,7 +135,7 @@ def chart(path: pathlib.Path, names, decode, mixed, args) -> bool:
         ax.set_title(f"mixed step: {args.batch} decoding + " + (f"{args.mixed_prefills[1]} prefilled"
                                                                if key == "context" else f"n prefilled, kvlen {args.kvlen}"))
     for ax in axes:
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -217,10 +218,14 @@ def markdown(result: dict, names: list) -> str:
 
 
 def machine() -> str:
-    import os
     import platform
 
     return f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}"
+
+
+def load_average() -> str:
+    """The 1-minute load average: how many runnable processes shared the cores (other jobs included)."""
+    return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "unknown"
 
 
 def main(argv=None) -> int:
@@ -251,6 +256,7 @@ def main(argv=None) -> int:
     if len(args.mixed_prefills) < 2:
         parser.error("--mixed-prefills needs at least two counts (the second is used for the context sweep)")
     command = "python -m kvcache_op.tools.bench_manager " + " ".join(argv if argv is not None else sys.argv[1:])
+    load_at_start = load_average()
     from ..manager import KVCacheManager
 
     managers = {"manager": KVCacheManager}
@@ -299,7 +305,8 @@ def main(argv=None) -> int:
     if op_s:
         print(f"the op on that decode batch (ORT CPU, fp16, H=8, Dh=128): {op_s * 1e3:.3f} ms")
 
-    result = {"command": command, "machine": machine(), "args": {k: v for k, v in vars(args).items()
+    result = {"command": command, "machine": f"{machine()}; load average {load_at_start} at the start, "
+                                             f"{load_average()} at the end", "args": {k: v for k, v in vars(args).items()
                                                                   if k not in ("out", "baseline")},
               "names": names, "decode": decode, "mixed": mixed, "chat": chat, "match_insert": match, "op_s": op_s,
               "mixed_max_pages": -(-(max(args.mixed_kvlens) + 2 * args.page_size + args.steps) // args.page_size),
