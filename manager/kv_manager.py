@@ -9,12 +9,11 @@ A page is therefore never offered as a prefix hit before the caller confirmed it
 Every call validates all of its arguments before it changes anything: on any exception the manager
 is exactly as before the call.
 
-A step costs numpy operations over the batch plus Python work only for the requests it changes in
-another way than appending one token to a page they already hold (see ``schedule``): each request's
-page table, positions and recent decode tokens live in persistent arrays (:class:`RequestRows`).
+A step costs a fixed number of numpy operations over the batch plus Python work only for requests
+whose step is more than appending one generated token (see ``schedule``): each request's page table,
+positions and recent decode tokens live in persistent arrays (:class:`RequestRows`).
 """
 
-import dataclasses
 import operator
 
 import numpy as np
@@ -26,87 +25,10 @@ from .page_pool import PagePool
 from .prefix_index import PrefixIndex
 from .request_rows import RequestRows
 from .step_plan import StepPlan, build_plan
+from .step_records import OutstandingStep, PlannedStep, Request, RequestUndo, RequestWork
 from .streaming import StreamingPolicy, streaming_discard
 
 __all__ = ["KVCacheManager", "StepPlan", "StreamingPolicy"]
-
-
-@dataclasses.dataclass
-class _Request:
-    """What a request keeps outside its row: identity, token history (a list) and prefix chain."""
-
-    rid: object
-    row: int  # its row in the manager's RequestRows
-    identity: bytes  # salt + cache settings: part of every page's identity
-    tokens: list  # ids of positions [token_base, token_base + len(tokens)): the prompt, then what was fed
-    token_base: int = 0  # positions before it are no longer needed (registered or outside the window)
-    registered: int = 0  # pages [0, registered) are in the prefix index, in chain order
-    chain_tail: tuple = (None, PrefixIndex.ROOT)  # (hash, node) of page registered - 1
-    chain_open: bool = True  # False once a page could not be registered: no later page can be
-
-    def known(self, begin: int, end: int) -> list:
-        """Token ids of positions [begin, end) that are in the list (prompt or fed)."""
-        return self.tokens[begin - self.token_base:end - self.token_base]
-
-
-@dataclasses.dataclass
-class _Work:
-    """The part of a step of one request that is not a plain one-token append, computed (and
-    validated) before anything changes."""
-
-    b: int  # index in the batch
-    r: _Request
-    tokens: list  # new token ids
-    discard: int  # StreamingLLM: pages dropped after the sinks
-    dropped: int  # StreamingLLM: positions those pages held
-    end: int  # cache positions [0, end) are stored after the step
-    first: int  # first retained page after the step
-    released: list  # pages the step gives back (window or discard)
-    new_pages: int  # pages the step takes
-
-
-@dataclasses.dataclass
-class _Undo:
-    """What a step changed in one request outside the batch-wide arrays, to roll it back."""
-
-    r: _Request
-    token_base: int
-    tokens: list  # a copy when the step deletes tokens (discard), else None: tokens are only extended
-    tokens_len: int
-    table_row: np.ndarray  # the request's page-table row before the step
-
-    def restore(self, rows: RequestRows) -> None:
-        r = self.r
-        r.token_base = self.token_base
-        r.tokens = self.tokens if self.tokens is not None else r.tokens[:self.tokens_len]
-        rows.table[r.row] = self.table_row
-
-
-@dataclasses.dataclass
-class _Planned:
-    """What a step does, decided (and validated) before anything changes."""
-
-    end: np.ndarray  # [B] positions stored after the step
-    plain: np.ndarray  # bool [B]: the request's step is a plain one-token append; None: all of them are
-    need: np.ndarray  # [B] pages each request takes (a bool mask when every step is plain)
-    new_pages: int
-    work: list  # _Work of the requests whose step is not plain
-
-
-@dataclasses.dataclass
-class _Step:
-    """The outstanding step: its plan and what it changed."""
-
-    plan: StepPlan
-    rids: list  # the batch's request ids (kept here: the caller may change the plan)
-    rows: np.ndarray  # their rows
-    before: np.ndarray  # their rows' state before the step
-    end: np.ndarray  # positions stored after the step
-    plain: np.ndarray  # as in _Planned
-    undo: list  # _Undo of the requests whose step is not plain
-    appended: tuple  # (rows, columns) of page-table entries plain appends filled, or None
-    taken: list  # pages taken from the pool, in order
-    released: list  # pages released to the pool, in order
 
 
 class KVCacheManager:
@@ -155,11 +77,11 @@ class KVCacheManager:
         self.index = PrefixIndex(hash_fn)
         self.pool = PagePool(num_pages, on_evict=self.index.remove_page)
         self.rows = RequestRows(max_pages, page_size)
-        self.requests = {}  # rid -> _Request
+        self.requests = {}  # rid -> Request
         self._row_of = {}  # rid -> row (the batch lookup of a step)
         self.queried_tokens = 0
         self.hit_tokens = 0
-        self._pending = None  # the outstanding _Step
+        self._pending = None  # the outstanding OutstandingStep
 
     # ---- admission ---------------------------------------------------------------------------------
     def add_request(self, rid, prompt, salt=None) -> int:
@@ -175,7 +97,7 @@ class KVCacheManager:
                 -(-len(prompt) // self.page_size) > self.max_pages:
             raise ValueError(f"request {rid!r}: a prompt of {len(prompt)} tokens needs more than "
                              f"max_pages={self.max_pages} pages of {self.page_size}")
-        r = _Request(rid, -1, page_identity(salt, self.cache_key), prompt)
+        r = Request(rid, -1, page_identity(salt, self.cache_key), prompt)
         reusable = (len(prompt) - 1) // self.page_size
         if self.streaming is not None:
             reusable = min(reusable, self.sink_pages)  # later pages get shifted or dropped in place
@@ -335,7 +257,7 @@ class KVCacheManager:
         for r in self.requests.values():
             r.chain_open = False
 
-    def _outstanding(self, plan: StepPlan, verb: str) -> _Step:
+    def _outstanding(self, plan: StepPlan, verb: str) -> OutstandingStep:
         step = self._pending
         if step is None or step.plan is not plan:
             raise ValueError(f"{verb}: this plan is not the outstanding step (each plan is committed or "
@@ -391,7 +313,7 @@ class KVCacheManager:
             ids += tokens
         return np.array(rows, np.intp), np.array(lengths, np.int64), np.array(ids, np.int64)
 
-    def _check_feed(self, r: _Request, tokens: list) -> None:
+    def _check_feed(self, r: Request, tokens: list) -> None:
         if not tokens:
             raise ValueError(f"request {r.rid!r}: a step must feed at least one token")
         c = int(self.rows.computed[r.row])
@@ -399,7 +321,7 @@ class KVCacheManager:
         if tokens[:len(known)] != known:
             raise ValueError(f"request {r.rid!r}: fed tokens differ from the prompt at positions {c}..")
 
-    def _plan(self, rids, before, lengths, ids) -> _Planned:
+    def _plan(self, rids, before, lengths, ids) -> PlannedStep:
         """What the step does to each request, from the rows as they are (``before``); ``ValueError``
         for a step no page table can describe."""
         ps = self.page_size
@@ -435,9 +357,9 @@ class KVCacheManager:
                 need[b], end[b] = w.new_pages, w.end
                 new_pages += w.new_pages
                 work.append(w)
-        return _Planned(end, None if all_plain else plain, need, new_pages, work)
+        return PlannedStep(end, None if all_plain else plain, need, new_pages, work)
 
-    def _plan_request(self, b: int, r: _Request, tokens: list) -> _Work:
+    def _plan_request(self, b: int, r: Request, tokens: list) -> RequestWork:
         ps, R, row = self.page_size, self.rows, r.row
         computed, first_page, held = int(R.computed[row]), int(R.first_page[row]), int(R.npages[row])
         discard, dropped = (streaming_discard(self.streaming, self.sink_pages, ps, r.rid, computed, held, len(tokens))
@@ -456,16 +378,16 @@ class KVCacheManager:
         elif first > first_page:
             released = R.pages(row)[:first - first_page]
         new_pages = pages_total - first - (held - len(released))
-        return _Work(b, r, tokens, discard, dropped, end, first, released, new_pages)
+        return RequestWork(b, r, tokens, discard, dropped, end, first, released, new_pages)
 
     # ---- applying ------------------------------------------------------------------------------------
-    def _apply(self, rids, rows, before, lengths, ids, planned: _Planned) -> StepPlan:
+    def _apply(self, rids, rows, before, lengths, ids, planned: PlannedStep) -> StepPlan:
         ps, R, plain, need = self.page_size, self.rows, planned.plain, planned.need
-        step = _Step(None, rids, rows, before, planned.end, plain, [], None, [], [])
+        step = OutstandingStep(None, rids, rows, before, planned.end, plain, [], None, [], [])
         fed, shift_slots, shift_deltas = {}, [], []
         for w in planned.work:  # every release before any allocation: schedule() counted on them
             r = w.r
-            step.undo.append(_Undo(r, r.token_base, list(r.tokens) if w.discard else None, len(r.tokens),
+            step.undo.append(RequestUndo(r, r.token_base, list(r.tokens) if w.discard else None, len(r.tokens),
                                    R.table[r.row].copy()))
             self._fold_tail(r)
             if w.discard:
@@ -506,7 +428,7 @@ class KVCacheManager:
         self._pending = step
         return step.plan
 
-    def _hand_out(self, step: _Step, slots: np.ndarray, need: np.ndarray, work: list) -> None:
+    def _hand_out(self, step: OutstandingStep, slots: np.ndarray, need: np.ndarray, work: list) -> None:
         """Appends the pages just taken (``slots``: their first slots, in batch order) to the page tables
         of the requests that asked for them (``need``: how many each)."""
         R, rows = self.rows, step.rows
@@ -557,7 +479,7 @@ class KVCacheManager:
         R.table[row, n - k:n] = -1
         R.npages[row] = n - k
 
-    def _fold_tail(self, r: _Request) -> None:
+    def _fold_tail(self, r: Request) -> None:
         """Moves the decode tokens held in the row's tail buffer onto the request's token list."""
         R, row = self.rows, r.row
         known_end, computed = int(R.known_end[row]), int(R.computed[row])
@@ -566,7 +488,7 @@ class KVCacheManager:
             R.known_end[row] = computed
 
     # ---- StreamingLLM --------------------------------------------------------------------------------
-    def _discard(self, r: _Request, w: _Work) -> tuple:
+    def _discard(self, r: Request, w: RequestWork) -> tuple:
         """Drops ``w.discard`` pages (``w.dropped`` positions) after the sinks. Returns (slots to shift by
         ``-w.dropped``, tokens to re-feed)."""
         R, row, ps, s = self.rows, r.row, self.page_size, self.sink_pages
@@ -588,7 +510,7 @@ class KVCacheManager:
         return np.zeros(0, np.int64), r.known(sink_end, old_computed - w.dropped)
 
     # ---- publishing --------------------------------------------------------------------------------
-    def _register_full_pages(self, r: _Request) -> None:
+    def _register_full_pages(self, r: Request) -> None:
         R = self.rows
         full = int(R.computed[r.row]) // self.page_size
         if self.streaming is not None:
@@ -602,7 +524,7 @@ class KVCacheManager:
             page = int(R.table[r.row, j - first_page]) // self.page_size
             self._register_page(r, tuple(r.known(j * self.page_size, (j + 1) * self.page_size)), page)
 
-    def _register_page(self, r: _Request, tokens: tuple, page: int) -> None:
+    def _register_page(self, r: Request, tokens: tuple, page: int) -> None:
         """Publishes ``page`` (holding ``tokens``) as the next page of the request's chain, or closes
         the chain when its hash is taken by other content (only a weak ``hash_fn`` collides)."""
         h = self.index.hash_fn(r.chain_tail[0], tokens, r.identity)
@@ -613,7 +535,7 @@ class KVCacheManager:
         r.chain_tail = (h, entry.node)
         r.registered += 1
 
-    def _trim_history(self, r: _Request) -> None:
+    def _trim_history(self, r: Request) -> None:
         """Drops token ids no later step needs, so a request's host memory stays O(window + chunk)."""
         if self.streaming is not None:
             return  # re-evaluation re-feeds kept tokens; the budget bounds them
@@ -625,7 +547,7 @@ class KVCacheManager:
             r.token_base = keep_from
 
     # ---- inspection --------------------------------------------------------------------------------
-    def _get(self, rid) -> _Request:
+    def _get(self, rid) -> Request:
         try:
             return self.requests[rid]
         except KeyError:
