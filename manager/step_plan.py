@@ -67,7 +67,7 @@ class StepPlan:
 def starts_of(lengths: np.ndarray) -> np.ndarray:
     """``[0, cumsum(lengths)]`` as int64."""
     starts = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=starts[1:])
+    lengths.cumsum(out=starts[1:])
     return starts
 
 
@@ -94,9 +94,9 @@ def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_token
     else:
         seqstarts = starts_of(lengths)
         start_pos, query_positions = kvlen - lengths, runs(end - lengths, lengths, seqstarts)
-        max_seqlen = np.array(lengths.max(initial=0), np.int64)
+        max_seqlen = np.array(np.maximum.reduce(lengths, initial=0), np.int64)
     return StepPlan(
         request_ids=request_ids, seqstarts=seqstarts, kvstarts=starts_of(kvlen), cachestarts=cachestarts,
-        start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=np.array(kvlen.max(initial=0), np.int64),
+        start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=np.array(np.maximum.reduce(kvlen, initial=0), np.int64),
         query_positions=query_positions, key_positions=lambda: runs(first_slot_pos, kvlen, starts_of(kvlen)),
         fed_tokens=fed_tokens, shift_slots=shift_slots, shift_deltas=shift_deltas)
