@@ -117,7 +117,7 @@ def chart(path: pathlib.Path, names, decode, mixed, args) -> bool:
     for i, name in enumerate(decode_names):
         axes[0].bar(x + (i - (len(decode_names) - 1) / 2) * width, [decode[k][name][s] * 1e3 for k, s in cases],
                     width, label=name)
-    axes[0].axhline(0.1, color="gray", linewidth=0.8, linestyle="--")
+    axes[0].axhline(0.1, color="gray", linewidth=0.8, linestyle="--", label="0.1 ms")
     axes[0].set_xticks(x, [f"{k}\n{s[:-2]}" for k, s in cases])
     axes[0].set_yscale("log")
     axes[0].set_ylabel("ms per step (schedule + commit)")
