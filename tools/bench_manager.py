@@ -51,7 +51,8 @@ def op_time_for(plan, heads, head_dim, page_size, repeats):
 
 
 def side_by_side(managers: dict, repeats: int, measure) -> dict:
-    """name -> [measure(manager class, name) per round], the managers taking turns to go first."""
+    """name -> [measure(managers[name], name) per round]: each round runs every entry once, in turn,
+    forwards in even rounds and backwards in odd ones."""
     results = {name: [] for name in managers}
     names = list(managers)
     for round_ in range(repeats):
@@ -84,19 +85,18 @@ def decode_figures(managers, args, stagger: bool) -> dict:
 
 
 def mixed_figures(managers, args) -> dict:
-    """name -> {"context": {kvlen: s}, "prefills": {count: s}} (medians over rounds)."""
+    """name -> {"context": {kvlen: s}, "prefills": {count: s}} (medians over rounds). Each round visits
+    every case for every manager, so a change of the machine's load during the run hits them alike."""
     max_pages = -(-(max(args.mixed_kvlens) + 2 * args.page_size + args.steps) // args.page_size)
+    cases = {(name, "context", kvlen): (cls, kvlen, args.mixed_prefills[1])
+             for kvlen in args.mixed_kvlens for name, cls in managers.items()}
+    cases.update({(name, "prefills", prefills): (cls, args.kvlen, prefills)
+                  for prefills in args.mixed_prefills for name, cls in managers.items()})
+    rounds = side_by_side(cases, args.repeats, lambda case, _: work.mixed_step_seconds(
+        case[0], args.batch, case[1], args.page_size, max_pages, case[2], args.prefill_len, args.steps))
     out = {name: {"context": {}, "prefills": {}} for name in managers}
-    for kvlen in args.mixed_kvlens:
-        rounds = side_by_side(managers, args.repeats, lambda cls, _: work.mixed_step_seconds(
-            cls, args.batch, kvlen, args.page_size, max_pages, args.mixed_prefills[1], args.prefill_len, args.steps))
-        for name, values in rounds.items():
-            out[name]["context"][kvlen] = statistics.median(values)
-    for prefills in args.mixed_prefills:
-        rounds = side_by_side(managers, args.repeats, lambda cls, _: work.mixed_step_seconds(
-            cls, args.batch, args.kvlen, args.page_size, max_pages, prefills, args.prefill_len, args.steps))
-        for name, values in rounds.items():
-            out[name]["prefills"][prefills] = statistics.median(values)
+    for (name, sweep, value), seconds in rounds.items():
+        out[name][sweep][value] = statistics.median(seconds)
     return out
 
 
