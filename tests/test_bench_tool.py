@@ -6,14 +6,19 @@ from kvcache_op.tools import bench_kvcache
 
 
 def test_bench_quick_run_writes_results(tmp_path, capsys):
-    assert bench_kvcache.main(["--quick", "--repeats", "1", "--warmup", "0", "--reference-repeats", "1",
-                               "--out", str(tmp_path)]) == 0
+    assert bench_kvcache.main(["--quick", "--repeats", "1", "--warmup", "0", "--rounds", "2",
+                               "--reference-repeats", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
-    assert len(data["rows"]) == 2 * 2 * 2 * 2  # shapes x quant x layouts x threads
-    assert all(r["op_GBps"] > 0 and r["vs_copy"] > 0 for r in data["rows"])
-    assert all((r["vs_standard"] is None) == (r["quant_bit"] != 0) for r in data["rows"])
-    assert all(r["vs_standard"] > 0 for r in data["rows"] if r["quant_bit"] == 0)
-    assert "| op / copy |" in (tmp_path / "results.md").read_text()
+    # shapes x (paged: 4 layouts, offset: 2) x quant x threads
+    assert len(data["rows"]) == 2 * (4 + 2) * 2 * 2
+    assert all(r["op_GBps"] > 0 and r["vs_copy"] > 0 and r["rounds"] == 2 for r in data["rows"])
+    assert all(len(r["op_ms_rounds"]) == 2 and r["vs_copy_range"][0] <= r["vs_copy"] <= r["vs_copy_range"][1]
+               for r in data["rows"])
+    baseline = {("paged", 0), ("paged", 3)} | ({("offset", 0)} if data["tensor_scatter"] else set())
+    assert all((r["vs_standard"] is not None) == (r["quant_bit"] == 0 and (r["cache_mode"], r["layout"]) in baseline)
+               for r in data["rows"])
+    assert all(r["vs_standard"] > 0 for r in data["rows"] if r["vs_standard"] is not None)
+    assert "| op / copy (range) |" in (tmp_path / "results.md").read_text()
     assert "op/copy" in capsys.readouterr().out
 
 
@@ -56,3 +61,40 @@ def test_the_standard_ops_baseline_reproduces_the_ops_bits():
             assert outputs["key"].tobytes() == key.tobytes() and outputs["value"].tobytes() == value.tobytes()
             assert outputs["cache_out"].tobytes() == want_cache.tobytes()
             assert not np.array_equal(want_cache, inputs["cache"])  # the step stored something
+
+
+def test_the_offset_baseline_updates_the_cache_in_place_with_the_ops_bits():
+    """TensorScatter + Gather on an offset call: key, value and the cache it writes in place (its output bound
+    to the cache's memory) are the reference's."""
+    import numpy as np
+    import pytest
+
+    from kvcache_op.reference import key_value_cache
+    from kvcache_op.tools.standard_ops_baseline import offset_baseline_runner, tensor_scatter_available
+
+    if not tensor_scatter_available():
+        pytest.skip("this onnxruntime has no TensorScatter: the benchmark reports no offset baseline")
+    for shape in bench_kvcache.QUICK_SHAPES:
+        inputs = bench_kvcache.make_inputs(shape, 0, 0, seed=1, cache_mode=0)
+        want_cache = inputs["cache"].copy()
+        key, value = key_value_cache(**dict(inputs, cache=want_cache), cache_mode=0, cache_layout=0)
+        given = dict(inputs, cache=inputs["cache"].copy())
+        run, outputs = offset_baseline_runner(given, 1)
+        run()
+        assert outputs["key"].tobytes() == key.tobytes() and outputs["value"].tobytes() == value.tobytes()
+        assert given["cache"].tobytes() == want_cache.tobytes()
+        assert not np.array_equal(want_cache, inputs["cache"])  # the step stored something
+
+
+def test_the_offset_baseline_refuses_calls_tensor_scatter_cannot_express():
+    import pytest
+
+    from kvcache_op.tools.standard_ops_baseline import offset_capacity
+
+    shape = bench_kvcache.QUICK_SHAPES[1]
+    inputs = bench_kvcache.make_inputs(shape, 0, 0, cache_mode=0)
+    assert offset_capacity(inputs) == inputs["cache"].shape[0] // shape.batch
+    with pytest.raises(ValueError, match="cachestarts"):
+        offset_capacity(dict(inputs, cachestarts=inputs["cachestarts"][::-1].copy()))
+    with pytest.raises(ValueError, match="one-layer layout-0"):
+        offset_capacity(dict(inputs, cache=inputs["cache"].reshape(inputs["cache"].shape[0], 2, 1, *inputs["cache"].shape[3:])))
