@@ -8,8 +8,13 @@ from ort_helpers import assert_same_bits, ort_result, reference_result
 from strategies import COMBINATIONS, calls_for
 
 
+@pytest.mark.parametrize("kernel", ["auto", "generic"])
 @pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
-def test_ort_cpu_matches_reference(combo):
+def test_ort_cpu_matches_reference(combo, kernel, monkeypatch):
+    """Every attribute combination, in both kernel builds (AVX2+F16C where the CPU has it, and the generic one)."""
+    if kernel == "generic":
+        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
+
     @given(calls_for(combo, max_batch=5), st.sampled_from((1, 2)))
     def check(case, threads):
         want = reference_result(case.inputs, case.attributes)
