@@ -296,7 +296,9 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     args = parser.parse_args(argv)
-    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
+    # Settings that change what runs: another build of the library, BLAS threads competing for the cores.
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("KVCACHE_OP_LIBRARY", "OPENBLAS_NUM_THREADS") if k in os.environ)
+    command = (env + " " if env else "") + "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
     rows = bench_cpu(args)
     if args.out:
         write_results(rows, args.out, command, cpu_device())
