@@ -18,10 +18,9 @@ constexpr int64_t kRowsPerTask = 64;  // tokens per parallel task: large enough 
 // Gathers ask for cache rows this far ahead of their use (software prefetch): kAheadTokens tokens in token
 // order, kAheadRows rows of the same head in layout 3's head order.
 constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
-// Streamed outputs go out in tiles of tokens, each output in turn. Plain copies of whole tokens: 32 KiB
-// tiles; rows assembled in a block first (dequantized, or layout 3's heads): 8 KiB blocks, which keep more
-// of the cache's streams in flight at once. Both measured best on the benchmark's decode step.
-constexpr int64_t kCopyTileBytes = int64_t{32} << 10, kBlockBytes = int64_t{8} << 10;
+// Gathers in token order write each output in tiles of this many bytes of whole tokens, in turn; layout 3's
+// streamed gathers assemble blocks of this many bytes. Both measured best on the benchmark's decode step.
+constexpr int64_t kTileBytes = int64_t{32} << 10, kBlockBytes = int64_t{8} << 10;
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
 int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
@@ -76,11 +75,13 @@ struct Kernel {
     std::vector<float> x, scale;  // a row as float32; its elements' scales
     std::vector<int32_t> codes;   // a row's codes
     std::vector<float> sf;        // a row's scales as float32, then 8 zero floats
+    std::vector<T> row;           // a dequantized row on its way to a streamed output
     RowScratch Rows() { return RowScratch{x.data(), scale.data(), codes.data(), sf.data()}; }
   };
   Scratch MakeScratch() const {
     const auto d = static_cast<size_t>(p.heads * p.head_dim), g = static_cast<size_t>(p.heads * p.groups);
-    return Scratch{std::vector<float>(d), std::vector<float>(d), std::vector<int32_t>(d), std::vector<float>(g + 8)};
+    return Scratch{std::vector<float>(d), std::vector<float>(d), std::vector<int32_t>(d), std::vector<float>(g + 8),
+                   std::vector<T>(d)};
   }
 
   void StoreRows(int64_t row_begin, int64_t row_end) const {
@@ -112,19 +113,22 @@ struct Kernel {
     });
   }
 
-  // One gathered row: cache row (kv, h, slot) dequantized or copied into dst, and its num_repeat - 1 copies.
-  void EmitRow(int kv, int64_t h, int64_t slot, T* dst, Scratch& scratch) const {
-    const int64_t D = p.head_dim, R = a.num_repeat;
-    const size_t row_bytes = static_cast<size_t>(D) * sizeof(T);
-    const T* row = dst;
+  // Cache rows (kv, h .. h + heads, slot) into dst, num_repeat copies of each (heads > 1 only without repeats:
+  // then a token's heads lie together in the cache as in the output). Quantized rows are dequantized into
+  // dst, or into scratch first when dst is streamed (`streamed`).
+  void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed, Scratch& scratch) const {
+    const int64_t n = heads * p.head_dim, D = p.head_dim;
+    const T* row;
     if constexpr (QBits == 0) {
       row = CacheValues(kv, h, slot);
-      std::memcpy(dst, row, row_bytes);
     } else {
-      DequantizeRow<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), D, a.quant_group, p.groups, dst,
-                                   scratch.Rows());
+      T* into = streamed ? scratch.row.data() : dst;
+      DequantizeRow<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), n, a.quant_group, heads * p.groups,
+                                   into, scratch.Rows());
+      row = into;
     }
-    for (int64_t k = 1; k < R; ++k) std::memcpy(dst + k * D, row, row_bytes);
+    for (int64_t k = 0; k < a.num_repeat; ++k)
+      if (row != dst + k * D) StoreRow(dst + k * D, row, static_cast<size_t>(n) * sizeof(T), streamed);
   }
 
   // Slots of load rows [row_begin, row_end) (position r - kvstarts[b] of sequence b).
@@ -159,41 +163,40 @@ struct Kernel {
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
     auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
-    // Layouts 0-2 keep a token's heads together, as the output does without repeats: a token and half is
-    // one copy, or one row of H * Dh elements to dequantize.
+    // Layouts 0-2 keep a token's heads together, as the output does without repeats: a token is one row of
+    // H * Dh elements to copy or dequantize.
     const bool whole_token = R == 1 && p.cache_rows.head == D;
-    // Streamed outputs go out in tiles of tokens, keys then values, so that each output is written in long
-    // runs; rows that are not a plain copy are assembled in `block` first and streamed as one run.
     Scratch scratch = MakeScratch();
-    const bool blocked = stream && !(QBits == 0 && whole_token);
-    const int64_t tile_bytes = blocked ? kBlockBytes : kCopyTileBytes;
-    const int64_t tile = stream ? std::max<int64_t>(1, tile_bytes / (out_row * int64_t(sizeof(T)))) : rows;
+    // Token order streams each output in tiles of whole tokens, keys then values (long runs per output).
+    // Layout 3 assembles a block of tokens head by head (a head's rows of a page lie together in the cache),
+    // then streams the block: streamed head rows would leave cache lines half written between heads.
+    const bool blocked = stream && head_major;
+    const int64_t row_bytes = out_row * int64_t(sizeof(T));
+    const int64_t tile = std::max<int64_t>(1, (blocked ? kBlockBytes : head_major ? rows * row_bytes : kTileBytes) / row_bytes);
     std::vector<T> block(blocked ? static_cast<size_t>(tile * out_row) : 0);
+    const bool streamed = stream && !blocked;
     for (int64_t i0 = 0; i0 < rows; i0 += tile) {
       const int64_t m = std::min(tile, rows - i0);
       for (int kv = 0; kv < 2; ++kv) {
         T* dst = blocked ? block.data() : out(kv, i0);
-        if (head_major) {  // layout 3: one head's rows of a page lie together
+        if (head_major) {
           for (int64_t h = 0; h < H; ++h)
             for (int64_t i = 0; i < m; ++i) {
               if (i0 + i + ahead < count) Prefetch(kv, h, slots[i0 + i + ahead], 1);
-              EmitRow(kv, h, slots[i0 + i], dst + i * out_row + h * R * D, scratch);
+              EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, streamed, scratch);
             }
         } else {
           for (int64_t i = 0; i < m; ++i) {
             if (i0 + i + ahead < count) Prefetch(kv, 0, slots[i0 + i + ahead], H);
-            const int64_t slot = slots[i0 + i];
-            if (!whole_token) {
-              for (int64_t h = 0; h < H; ++h) EmitRow(kv, h, slot, dst + i * out_row + h * R * D, scratch);
-            } else if constexpr (QBits == 0) {
-              StoreRow(dst + i * out_row, CacheValues(kv, 0, slot), H * D * sizeof(T), stream);
+            if (whole_token) {
+              EmitRows(kv, 0, slots[i0 + i], H, dst + i * out_row, streamed, scratch);
             } else {
-              DequantizeRow<T1, T3, QBits>(CacheCodes(kv, 0, slot), CacheScales(kv, 0, slot), H * D, a.quant_group,
-                                           H * p.groups, dst + i * out_row, scratch.Rows());
+              for (int64_t h = 0; h < H; ++h)
+                EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, streamed, scratch);
             }
           }
         }
-        if (blocked) StoreRow(out(kv, i0), block.data(), m * out_row * sizeof(T), true);
+        if (blocked) StoreRow(out(kv, i0), block.data(), static_cast<size_t>(m * row_bytes), true);
       }
     }
     StoreFence();

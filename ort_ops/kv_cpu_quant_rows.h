@@ -1,8 +1,8 @@
 // Quantized rows of the CPU op: Q of one (token, head) row into codes and scales, and DQ of one row, exactly
 // as spec/KeyValueCache.md "Quantization" (float32, the stored scale used to quantize, IEEE division, round
-// half to even). Compiled once per instruction set like kv_cpu_rows.h: the AVX2 paths
-// (kv_cpu_quant_avx2.h) and the portable loops here compute the same bits, and tests run both builds
-// against the reference. The portable loops are written branch-free so that compilers vectorize them.
+// half to even). Compiled once per instruction set like kv_cpu_rows.h: the AVX2 and AVX-512 paths
+// (kv_cpu_quant_avx2.h, kv_cpu_quant_avx512.h) and the portable loops here compute the same bits, and tests
+// run every build against the reference. The portable loops are written branch-free so that compilers vectorize them.
 #pragma once
 
 #include <cstdint>
@@ -10,6 +10,7 @@
 
 #include "kv_cpu_codes.h"
 #include "kv_cpu_quant_avx2.h"
+#include "kv_cpu_quant_avx512.h"
 #include "kv_cpu_rows.h"
 #include "kv_quant.h"
 #include "kv_types.h"
@@ -115,7 +116,12 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
                           int64_t group, int64_t groups, typename T1::Storage* out, const RowScratch& scratch) {
 #if KV_SIMD
   if (group == 8) {
-    for (int64_t g = 0; g < groups; g += 8) {
+    int64_t g = 0;
+#if KV_AVX512
+    for (; g + 16 <= groups; g += 16)
+      DequantizeSixteenGroupsOf8<T1, T3, QBits>(codes + g * CodeBytes8(QBits), scales + g, out + g * 8);
+#endif
+    for (; g < groups; g += 8) {
       const int count = static_cast<int>(groups - g < 8 ? groups - g : 8);
       __m256 s;
       if (count == 8) {

@@ -1,5 +1,5 @@
 // Row kernels of the CPU op: conversions between T1 rows and float32, and row copies.
-// Compiled once per instruction set (kv_cpu.cc is built twice: generic and AVX2+F16C); every path
+// Compiled once per instruction set (kv_cpu.cc is built generic, AVX2+F16C and AVX-512); every path
 // computes the same bits: F16C's conversion is round-to-nearest-even like FloatToHalf.
 #pragma once
 
@@ -11,6 +11,12 @@
 #define KV_SIMD 1
 #else
 #define KV_SIMD 0
+#endif
+// The AVX-512 build (KeyValueCache only) adds 64-byte vectors to the AVX2 paths.
+#if KV_SIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define KV_AVX512 1
+#else
+#define KV_AVX512 0
 #endif
 // SSE2 is part of x86-64 itself: the generic build there still has streaming stores.
 #if defined(__SSE2__)
@@ -81,7 +87,14 @@ inline void StoreRow(void* dst, const void* src, size_t bytes, bool stream) {
     auto* d = static_cast<char*>(dst);
     const auto* s = static_cast<const char*>(src);
     const char* end = s + bytes;
-#if KV_SIMD
+#if KV_AVX512
+    // Whole cache lines per store: a line is complete in its write-combining buffer at once (measured ~25%
+    // more bandwidth on one core than two 32-byte stores per line).
+    for (; reinterpret_cast<uintptr_t>(d) % 64 != 0 && s != end; d += 16, s += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+    for (; end - s >= 64; d += 64, s += 64)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+#elif KV_SIMD
     if (reinterpret_cast<uintptr_t>(d) % 32 != 0 && s != end) {  // to a 32-byte boundary, still streaming
       _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
       d += 16, s += 16;

@@ -1,31 +1,24 @@
-"""The CPU kernel's row paths against the reference, bit for bit, in both builds (AVX2+F16C where the CPU has
-it, and the generic one): quantization and dequantization over every kind of group size (one vector of 8, a
-batch of eight groups, partial batches, longer groups, groups of 1, 2 and 4, odd groups), rows with exact
-ties, zeros, subnormals, overflowing scales, infinities and NaNs, codes -128 / -8 already in the cache, and
-outputs large enough for streaming stores, aligned and not."""
+"""The CPU kernel's row paths against the reference, bit for bit, in every build (AVX-512 and AVX2+F16C where
+the CPU has them, and the generic one): quantization and dequantization over every kind of group size (one
+vector of 8, a batch of eight or sixteen groups, partial batches, longer groups, groups of 1, 2 and 4, odd
+groups), rows with exact ties, zeros, subnormals, overflowing scales, infinities and NaNs, codes -128 / -8
+already in the cache, and outputs large enough for streaming stores, aligned and not."""
 
 import numpy as np
 import pytest
 
+from cpu_kernels import CPU_KERNELS, use_cpu_kernel
 from ort_helpers import assert_same_bits, copies, reference_result
 
 from kvcache_op.ort_ops import c_api
 from kvcache_op.reference.dtypes import QMAX
 from kvcache_op.spec.cases import Seq, build
 
-KERNELS = ["auto", "generic"]
 # (head_dim, quant_group): group 8 in one partial batch (1, 3 groups), whole batches (8, 16), a batch and one
 # group (17); longer groups (16 ... 128); groups of 1, 2, 4 (spread scales); groups of 3 (the portable loop).
 ROW_SHAPES = [(8, 8), (24, 8), (64, 8), (128, 8), (136, 8), (128, 16), (64, 32), (256, 128), (128, 1), (64, 2),
               (128, 4), (24, 3), (6, 3)]
 TYPES = [(t1, t3) for t1 in ("float32", "float16", "bfloat16") for t3 in ("float32", "float16")]
-
-
-def use_kernel(monkeypatch, kernel):
-    if kernel == "generic":
-        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
-    else:
-        monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
 
 
 def special_rows(rng, shape, group, quant_bit, dtype):
@@ -73,11 +66,11 @@ def special_case(quant_bit, head_dim, group, t1, t3, index):
     return case
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("quant_bit", [8, 4])
 @pytest.mark.parametrize("head_dim,group", ROW_SHAPES, ids=[f"Dh{d}-g{g}" for d, g in ROW_SHAPES])
 def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, kernel, monkeypatch):
-    use_kernel(monkeypatch, kernel)
+    use_cpu_kernel(monkeypatch, kernel)
     for index, (t1, t3) in enumerate(TYPES):
         case = special_case(quant_bit, head_dim, group, t1, t3, index + head_dim)
         want = reference_result(case.inputs, case.attributes)
@@ -110,12 +103,12 @@ def unaligned_outputs(given, attributes):
     return [b[s:s + nbytes].view(dtype).reshape(shape) for b, s in zip(buffers, starts)]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("quant_bit,layout,num_repeat,t1",
                          [(0, 0, 1, "float16"), (0, 3, 1, "float32"), (0, 1, 2, "bfloat16"), (8, 0, 1, "float16"),
                           (8, 3, 1, "float16"), (8, 2, 2, "float32"), (4, 3, 1, "bfloat16"), (4, 1, 1, "float16")])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, kernel, monkeypatch):
-    use_kernel(monkeypatch, kernel)
+    use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
