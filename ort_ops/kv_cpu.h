@@ -29,4 +29,7 @@ using ParallelFor = std::function<void(size_t count, const std::function<void(si
 // every build computes the same bits.
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 
+// The build ComputeCpu runs now: "avx512", "avx2" or "generic".
+const char* CpuKernelName();
+
 }  // namespace kvcache

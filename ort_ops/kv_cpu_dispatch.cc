@@ -62,6 +62,14 @@ CpuKernel ChosenKernel() {
 
 }  // namespace
 
+const char* CpuKernelName() {
+  switch (ChosenKernel()) {
+    case CpuKernel::kAvx512: return "avx512";
+    case CpuKernel::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
+
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for) {
   switch (ChosenKernel()) {
 #ifdef KVCACHE_CPU_AVX512

@@ -5,6 +5,8 @@ import platform
 
 import pytest
 
+from kvcache_op.ort_ops import c_api
+
 #: CPU flags (/proc/cpuinfo names) each build needs; the library picks the best one the processor has, and
 #: $KVCACHE_OP_CPU_KERNEL caps it.
 NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "f16c"}, "avx2": {"avx2", "f16c"}, "generic": set()}
@@ -35,5 +37,6 @@ CPU_KERNELS = [_param(name) for name in NEEDS]
 
 
 def use_cpu_kernel(monkeypatch, kernel: str) -> None:
-    """Makes the library run ``kernel`` (one of :data:`NEEDS`) in this test."""
+    """Makes the library run ``kernel`` (one of :data:`NEEDS`) in this test, and checks that it does."""
     monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", kernel)
+    assert c_api.cpu_kernel() == kernel, f"asked for the {kernel} build, the library runs {c_api.cpu_kernel()}"
