@@ -38,8 +38,31 @@ struct RowScratch {
   float* sf;       // groups + 8 floats: the row's scales as float32, the last 8 zero
 };
 
+// scale[i] = sf[i / group] for i < groups * group. Group 8 (the common size) as a constant: compilers then
+// write each group's scale with two vector stores instead of a loop whose length is known only at run time.
+inline void SpreadScales(const float* sf, int64_t groups, int64_t group, float* scale) {
+  if (group == 8) {
+    for (int64_t g = 0; g < groups; ++g)
+      for (int j = 0; j < 8; ++j) scale[g * 8 + j] = sf[g];
+    return;
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) scale[i] = sf[g];
+}
+
+// The bits of max|x[i]| over i < n (see CanonicalAbsMax: a NaN's exceed every number's).
+inline uint32_t AbsMaxBits(const float* x, int64_t n) {
+  uint32_t bits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = FloatBits(x[i]) & kAbsMask;
+    bits = b > bits ? b : bits;
+  }
+  return bits;
+}
+
 // Portable Q of one row of n elements in `groups` groups of `group`: codes to `codes`, scales to `scales`.
-// The per-element work runs in loops over the whole row, which compilers vectorize.
+// The per-element work runs in loops over the whole row, and the per-group work (scales and their
+// conversions) in loops over all its groups, which compilers vectorize.
 template <class T1, class T3, int QBits>
 inline void QuantizeRowPortable(const typename T1::Storage* src, int64_t n, int64_t group, int64_t groups,
                                 typename Codes<QBits>::Storage* codes, typename T3::Storage* scales,
@@ -47,19 +70,20 @@ inline void QuantizeRowPortable(const typename T1::Storage* src, int64_t n, int6
   constexpr float qmax = Codes<QBits>::kMax;
   float* x = scratch.x;
   float* scale = scratch.scale;
+  float* sf = scratch.sf;
   int32_t* q = scratch.codes;
-  for (int64_t i = 0; i < n; ++i) x[i] = T1::ToFloat(src[i]);
-  for (int64_t g = 0; g < groups; ++g) {
-    uint32_t bits = 0;
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) {
-      const uint32_t b = FloatBits(x[i]) & kAbsMask;
-      bits = b > bits ? b : bits;
-    }
-    const auto stored = T3::FromFloat(GroupScale(BitsFloat(CanonicalAbsMax(bits)), qmax));
-    scales[g] = stored;
-    const float s = T3::ToFloat(stored);
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) scale[i] = s;
+  ToFloatRow<T1>(src, x, n);
+  if (group == 8) {  // a constant group, as in SpreadScales
+    for (int64_t g = 0; g < groups; ++g) sf[g] = BitsFloat(CanonicalAbsMax(AbsMaxBits(x + g * 8, 8)));
+  } else {
+    for (int64_t g = 0; g < groups; ++g) sf[g] = BitsFloat(CanonicalAbsMax(AbsMaxBits(x + g * group, group)));
   }
+  for (int64_t g = 0; g < groups; ++g) {  // the stored scales, and the float32 values quantization divides by
+    const auto stored = T3::FromFloat(GroupScale(sf[g], qmax));
+    scales[g] = stored;
+    sf[g] = T3::ToFloat(stored);
+  }
+  SpreadScales(sf, groups, group, scale);
   for (int64_t i = 0; i < n; ++i) q[i] = QuantizeCode(x[i], scale[i], qmax);
   if constexpr (QBits == 8) {
     for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<int8_t>(q[i]);
@@ -74,10 +98,8 @@ inline void DequantizeRowPortable(const typename Codes<QBits>::Storage* codes, c
                                   int64_t n, int64_t group, int64_t groups, typename T1::Storage* out,
                                   const RowScratch& scratch) {
   float* scale = scratch.scale;
-  for (int64_t g = 0; g < groups; ++g) {
-    const float s = T3::ToFloat(scales[g]);
-    for (int64_t i = g * group; i < (g + 1) * group; ++i) scale[i] = s;
-  }
+  ToFloatRow<T3>(scales, scratch.sf, groups);
+  SpreadScales(scratch.sf, groups, group, scale);
   if constexpr (QBits == 8) {
     for (int64_t i = 0; i < n; ++i) out[i] = T1::FromFloat(static_cast<float>(codes[i]) * scale[i]);
   } else {
