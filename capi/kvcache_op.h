@@ -87,6 +87,10 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_c_api_version(void);
 /* 1 when the library was built with the CUDA kernels, else 0. */
 KVCACHE_OP_EXPORT int32_t kvcache_op_has_cuda(void);
 
+/* The CPU kernel build KeyValueCache's CPU calls run now: "avx512", "avx2" or "generic" (the best one the
+   library has and the processor runs, capped by $KVCACHE_OP_CPU_KERNEL). All builds give the same bits. */
+KVCACHE_OP_EXPORT const char* kvcache_op_cpu_kernel(void);
+
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);

@@ -117,6 +117,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
     signatures = {
         "kvcache_op_c_api_version": ((), ctypes.c_int32),
         "kvcache_op_has_cuda": ((), ctypes.c_int32),
+        "kvcache_op_cpu_kernel": ((), ctypes.c_char_p),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -143,6 +144,12 @@ def library(path: str | None = None) -> ctypes.CDLL:
 def has_cuda(path: str | None = None) -> bool:
     """True when the library was built with its CUDA kernels."""
     return bool(library(path).kvcache_op_has_cuda())
+
+
+def cpu_kernel(path: str | None = None) -> str:
+    """The CPU kernel build KeyValueCache's CPU calls run now ("avx512", "avx2" or "generic"): the best one the
+    library has and the processor runs, capped by ``$KVCACHE_OP_CPU_KERNEL``."""
+    return library(path).kvcache_op_cpu_kernel().decode()
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

@@ -4,8 +4,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kv_cpu_quant_rows.h"
 #include "kv_cpu_rows.h"
-#include "kv_quant.h"
 #include "kv_types.h"
 
 // Built once per instruction set; KV_CPU_ISA names the namespace (see kv_cpu_dispatch.cc).
@@ -15,128 +15,191 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;  // tokens per parallel task: large enough to amortize scheduling
 
-// Code storage per quant_bit: how a row of Dh codes is read and written.
-template <int QBits>
-struct Codes;
-template <>
-struct Codes<8> {
-  static constexpr float kMax = 127.0f;
-  static int8_t* Row(void* cache, int64_t elem) { return static_cast<int8_t*>(cache) + elem; }
-  static void Write(int8_t* row, const int32_t* codes, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) row[i] = static_cast<int8_t>(codes[i]);
-  }
-  // int8 codes are used where they lie.
-  static const int8_t* ReadInt8(const int8_t* row, int8_t*, int64_t) { return row; }
-};
-template <>
-struct Codes<4> {
-  static constexpr float kMax = 7.0f;
-  static uint8_t* Row(void* cache, int64_t elem) { return static_cast<uint8_t*>(cache) + elem / 2; }  // Dh even
-  static void Write(uint8_t* row, const int32_t* codes, int64_t n) {
-    for (int64_t i = 0; i < n / 2; ++i) row[i] = Int4Pack(codes[2 * i], codes[2 * i + 1]);
-  }
-  static const int8_t* ReadInt8(const uint8_t* row, int8_t* codes, int64_t n) {
-    for (int64_t i = 0; i < n / 2; ++i) {
-      codes[2 * i] = static_cast<int8_t>(Int4Low(row[i]));
-      codes[2 * i + 1] = static_cast<int8_t>(Int4High(row[i]));
-    }
-    return codes;
-  }
-};
+// Gathers ask for cache rows this far ahead of their use (software prefetch): kAheadTokens tokens in token
+// order, kAheadRows rows of the same head in layout 3's head order.
+constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
+// Gathers in token order write each output in tiles of this many bytes of whole tokens, in turn; layout 3's
+// streamed gathers assemble blocks of this many bytes. Both measured best on the benchmark's decode step.
+constexpr int64_t kTileBytes = int64_t{32} << 10, kBlockBytes = int64_t{8} << 10;
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
 int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
   return static_cast<int64_t>(std::upper_bound(starts + 1, starts + batch + 1, row) - (starts + 1));
 }
 
+// fn(row, slot, n) for each run of rows in [row_begin, row_end): n rows of one sequence whose positions,
+// and so their slots, are consecutive (within one page in paged mode). Row r of sequence b is position
+// first_pos[b] + r - starts[b] (first_pos: start_pos for stores; nullptr for loads, which start at 0).
+template <class Fn>
+void ForEachRun(const CallPlan& p, const Attrs& a, const std::vector<int64_t>& starts, const int64_t* first_pos,
+                int64_t row_begin, int64_t row_end, Fn&& fn) {
+  int64_t b = SequenceOf(starts.data(), p.batch, row_begin);
+  for (int64_t r = row_begin; r < row_end;) {
+    while (r >= starts[b + 1]) ++b;
+    // start_pos >= 0 (validated); the sum may exceed INT64_MAX but not UINT64_MAX.
+    const uint64_t pos = (first_pos ? static_cast<uint64_t>(first_pos[b]) : 0) + static_cast<uint64_t>(r - starts[b]);
+    int64_t n = std::min(row_end, starts[b + 1]) - r;
+    if (a.cache_mode == 1) {
+      const uint64_t page = static_cast<uint64_t>(a.page_size);
+      n = std::min(n, static_cast<int64_t>(page - pos % page));
+    }
+    fn(r, SlotOf(p, a, b, pos), n);
+    r += n;
+  }
+}
+
 template <class T1, class T3, int QBits>
 struct Kernel {
   using T = typename T1::Storage;
+  using S = typename T3::Storage;
+  using C = Codes<QBits>;
   const ComputeArgs& args;
   const Attrs& a;
   const CallPlan& p;
   bool stream;  // streaming stores for outputs too large to stay in cache
 
-  // cache rows of this call's layer, kv half `kv`
+  // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
   int64_t ScaleRow(int kv, int64_t h, int64_t slot) const { return p.scale_rows.Row(a.layer_idx, kv, h, slot); }
+  const T* CacheValues(int kv, int64_t h, int64_t slot) const { return static_cast<const T*>(args.cache) + CacheRow(kv, h, slot); }
+  auto CacheCodes(int kv, int64_t h, int64_t slot) const {
+    return C::Row(static_cast<const void*>(args.cache), CacheRow(kv, h, slot));
+  }
+  const S* CacheScales(int kv, int64_t h, int64_t slot) const { return static_cast<const S*>(args.scale) + ScaleRow(kv, h, slot); }
+
+  // Layout 3 keeps a head's slots contiguous (a slot's heads lie MaxT rows apart): gathers walk it head by head.
+  bool HeadMajor() const { return p.cache_rows.slot < p.cache_rows.head; }
+
+  // Per-task scratch rows (RowScratch points into them), each up to one token's H heads.
+  struct Scratch {
+    std::vector<float> x, scale;  // a row as float32; its elements' scales
+    std::vector<int32_t> codes;   // a row's codes
+    std::vector<float> sf;        // a row's scales as float32, then 8 zero floats
+    std::vector<T> row;           // a dequantized row on its way to a streamed output
+    RowScratch Rows() { return RowScratch{x.data(), scale.data(), codes.data(), sf.data()}; }
+  };
+  Scratch MakeScratch() const {
+    const auto d = static_cast<size_t>(p.heads * p.head_dim), g = static_cast<size_t>(p.heads * p.groups);
+    return Scratch{std::vector<float>(d), std::vector<float>(d), std::vector<int32_t>(d), std::vector<float>(g + 8),
+                   std::vector<T>(d)};
+  }
 
   void StoreRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim;
-    std::vector<float> x(D);
-    std::vector<int32_t> codes(D);
-    int64_t b = SequenceOf(p.seqstarts.data(), p.batch, row_begin);
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      while (r >= p.seqstarts[b + 1]) ++b;
-      // start_pos >= 0 (validated); the sum may exceed INT64_MAX but not UINT64_MAX.
-      const uint64_t pos = static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(r - p.seqstarts[b]);
-      const int64_t slot = SlotOf(p, a, b, pos);
-      for (int kv = 0; kv < 2; ++kv) {
-        const T* src = static_cast<const T*>(kv ? args.value : args.key) + r * H * D;
-        for (int64_t h = 0; h < H; ++h) {
-          if constexpr (QBits == 0) {
-            std::memcpy(static_cast<T*>(args.cache) + CacheRow(kv, h, slot), src + h * D, D * sizeof(T));
-          } else {
-            StoreQuantized(src + h * D, CacheRow(kv, h, slot), ScaleRow(kv, h, slot), x.data(), codes.data());
-          }
+    Scratch scratch = MakeScratch();
+    const RowScratch rows = scratch.Rows();
+    // Layouts 0-2 keep a slot's H heads contiguous (and their scales): one row of H * Dh per token and half.
+    // Layout 3 too goes token by token (measured faster than head by head for stores: the source rows of a
+    // token lie together).
+    const bool whole_token = p.cache_rows.head == D;
+    ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n) {
+      auto store = [&](int kv, int64_t h, int64_t i, int64_t heads) {
+        const T* src = static_cast<const T*>(kv ? args.value : args.key) + ((r0 + i) * H + h) * D;
+        if constexpr (QBits == 0) {
+          std::memcpy(static_cast<T*>(args.cache) + CacheRow(kv, h, slot + i), src, heads * D * sizeof(T));
+        } else {
+          QuantizeRow<T1, T3, QBits>(src, heads * D, a.quant_group, heads * p.groups, C::Row(args.cache, CacheRow(kv, h, slot + i)),
+                                     static_cast<S*>(args.scale) + ScaleRow(kv, h, slot + i), rows);
         }
+      };
+      if (whole_token) {
+        for (int64_t i = 0; i < n; ++i)
+          for (int kv = 0; kv < 2; ++kv) store(kv, 0, i, H);
+      } else {
+        for (int64_t i = 0; i < n; ++i)
+          for (int kv = 0; kv < 2; ++kv)
+            for (int64_t h = 0; h < H; ++h) store(kv, h, i, 1);
       }
-    }
+    });
   }
 
-  void StoreQuantized(const T* src, int64_t cache_row, int64_t scale_row, float* x, int32_t* codes) const {
-    const int64_t D = p.head_dim, n = a.quant_group;
-    auto* scale = static_cast<typename T3::Storage*>(args.scale) + scale_row;
-    ToFloatRow<T1>(src, x, D);
-    for (int64_t g = 0; g < p.groups; ++g) {
-      const auto stored = T3::FromFloat(GroupScale(GroupAbsMax(x + g * n, n), Codes<QBits>::kMax));
-      scale[g] = stored;
-      QuantizeGroup(x + g * n, T3::ToFloat(stored), Codes<QBits>::kMax, codes + g * n, n);
+  // Cache rows (kv, h .. h + heads, slot) into dst, num_repeat copies of each (heads > 1 only without repeats:
+  // then a token's heads lie together in the cache as in the output). Quantized rows are dequantized into
+  // dst, or into scratch first when dst is streamed (`streamed`).
+  void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed, Scratch& scratch) const {
+    const int64_t n = heads * p.head_dim, D = p.head_dim;
+    const T* row;
+    if constexpr (QBits == 0) {
+      row = CacheValues(kv, h, slot);
+    } else {
+      T* into = streamed ? scratch.row.data() : dst;
+      DequantizeRow<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), n, a.quant_group, heads * p.groups,
+                                   into, scratch.Rows());
+      row = into;
     }
-    Codes<QBits>::Write(Codes<QBits>::Row(args.cache, cache_row), codes, D);
+    for (int64_t k = 0; k < a.num_repeat; ++k)
+      if (row != dst + k * D) StoreRow(dst + k * D, row, static_cast<size_t>(n) * sizeof(T), streamed);
   }
 
-  // Per-task scratch for the dequantized rows.
-  struct Scratch {
-    std::vector<int8_t> codes;
-    std::vector<float> scales;
-    std::vector<T> row;
-  };
+  // Slots of load rows [row_begin, row_end) (position r - kvstarts[b] of sequence b).
+  std::vector<int64_t> LoadSlots(int64_t row_begin, int64_t row_end) const {
+    std::vector<int64_t> slots(static_cast<size_t>(row_end - row_begin));
+    ForEachRun(p, a, p.kvstarts, nullptr, row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n) {
+      for (int64_t i = 0; i < n; ++i) slots[r0 - row_begin + i] = slot + i;
+    });
+    return slots;
+  }
+
+  // Asks for `heads` consecutive cache rows from (kv, h, slot), and their scales, ahead of their use: a
+  // gather reads pages scattered over the cache, and the hardware prefetchers lose their stream at the end
+  // of every page.
+  void Prefetch(int kv, int64_t h, int64_t slot, int64_t heads) const {
+    const char* row;
+    if constexpr (QBits == 0) {
+      row = reinterpret_cast<const char*>(CacheValues(kv, h, slot));
+    } else {
+      row = reinterpret_cast<const char*>(CacheCodes(kv, h, slot));
+      const auto* scales = reinterpret_cast<const char*>(CacheScales(kv, h, slot));
+      for (int64_t k = 0; k < heads * p.groups * int64_t(sizeof(S)); k += 64) __builtin_prefetch(scales + k);
+    }
+    const int64_t bytes = heads * (QBits == 0 ? p.head_dim * int64_t(sizeof(T)) : p.head_dim * QBits / 8);
+    for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
+  }
 
   void GatherRows(int64_t row_begin, int64_t row_end) const {
-    const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat;
-    // Layouts 0-2 keep a slot's H heads contiguous: one copy per token when nothing is repeated.
-    const bool whole_token = QBits == 0 && R == 1 && p.cache_rows.head == D;
-    Scratch scratch{std::vector<int8_t>(D), std::vector<float>(p.groups), std::vector<T>(D)};
-    int64_t b = SequenceOf(p.kvstarts.data(), p.batch, row_begin);
-    for (int64_t r = row_begin; r < row_end; ++r) {
-      while (r >= p.kvstarts[b + 1]) ++b;
-      const int64_t slot = SlotOf(p, a, b, static_cast<uint64_t>(r - p.kvstarts[b]));
+    const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
+    const bool head_major = HeadMajor();
+    const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
+    const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
+    const auto count = static_cast<int64_t>(slots.size());
+    auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
+    // Layouts 0-2 keep a token's heads together, as the output does without repeats: a token is one row of
+    // H * Dh elements to copy or dequantize.
+    const bool whole_token = R == 1 && p.cache_rows.head == D;
+    Scratch scratch = MakeScratch();
+    // Token order streams each output in tiles of whole tokens, keys then values (long runs per output).
+    // Layout 3 assembles a block of tokens head by head (a head's rows of a page lie together in the cache),
+    // then streams the block: streamed head rows would leave cache lines half written between heads.
+    const bool blocked = stream && head_major;
+    const int64_t row_bytes = out_row * int64_t(sizeof(T));
+    const int64_t tile = std::max<int64_t>(1, (blocked ? kBlockBytes : head_major ? rows * row_bytes : kTileBytes) / row_bytes);
+    std::vector<T> block(blocked ? static_cast<size_t>(tile * out_row) : 0);
+    const bool streamed = stream && !blocked;
+    for (int64_t i0 = 0; i0 < rows; i0 += tile) {
+      const int64_t m = std::min(tile, rows - i0);
       for (int kv = 0; kv < 2; ++kv) {
-        T* out = static_cast<T*>(kv ? args.out_value : args.out_key) + r * p.out_heads * D;
-        if (whole_token) {
-          StoreRow(out, static_cast<const T*>(args.cache) + CacheRow(kv, 0, slot), H * D * sizeof(T), stream);
-          continue;
-        }
-        for (int64_t h = 0; h < H; ++h) {
-          const T* row;
-          if constexpr (QBits == 0) {
-            row = static_cast<const T*>(args.cache) + CacheRow(kv, h, slot);
-          } else {
-            Dequantize(CacheRow(kv, h, slot), ScaleRow(kv, h, slot), scratch);
-            row = scratch.row.data();
+        T* dst = blocked ? block.data() : out(kv, i0);
+        if (head_major) {
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0; i < m; ++i) {
+              if (i0 + i + ahead < count) Prefetch(kv, h, slots[i0 + i + ahead], 1);
+              EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, streamed, scratch);
+            }
+        } else {
+          for (int64_t i = 0; i < m; ++i) {
+            if (i0 + i + ahead < count) Prefetch(kv, 0, slots[i0 + i + ahead], H);
+            if (whole_token) {
+              EmitRows(kv, 0, slots[i0 + i], H, dst + i * out_row, streamed, scratch);
+            } else {
+              for (int64_t h = 0; h < H; ++h)
+                EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, streamed, scratch);
+            }
           }
-          for (int64_t k = 0; k < R; ++k) StoreRow(out + (h * R + k) * D, row, D * sizeof(T), stream);
         }
+        if (blocked) StoreRow(out(kv, i0), block.data(), static_cast<size_t>(m * row_bytes), true);
       }
     }
     StoreFence();
-  }
-
-  void Dequantize(int64_t cache_row, int64_t scale_row, Scratch& s) const {
-    ToFloatRow<T3>(static_cast<const typename T3::Storage*>(args.scale) + scale_row, s.scales.data(), p.groups);
-    const int8_t* codes = Codes<QBits>::ReadInt8(Codes<QBits>::Row(args.cache, cache_row), s.codes.data(), p.head_dim);
-    DequantizeRow<T1>(codes, s.scales.data(), a.quant_group, s.row.data(), p.head_dim);
   }
 
   void Run(const ParallelFor& parallel_for) const {

@@ -24,12 +24,12 @@ struct ComputeArgs {
 // Runs fn(i) for i in [0, count), possibly in parallel; returns when all are done.
 using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
 
-// Stores then gathers. The plan must come from ValidateCall on the same inputs. Runs the AVX2+F16C
-// build of the kernel where the library has it (x86-64) and the processor too, else the generic build
-// (same bits).
+// Stores then gathers. The plan must come from ValidateCall on the same inputs. Runs the best build of the
+// kernel that the library has and the processor runs (AVX-512, AVX2+F16C, generic; kv_cpu_dispatch.cc);
+// every build computes the same bits.
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 
-// True when $KVCACHE_OP_CPU_KERNEL is "generic": tests use it to check both builds agree.
-bool ForceGenericCpuKernel();
+// The build ComputeCpu runs now: "avx512", "avx2" or "generic".
+const char* CpuKernelName();
 
 }  // namespace kvcache

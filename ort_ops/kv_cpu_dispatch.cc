@@ -1,7 +1,9 @@
-// Picks the CPU kernel build for this processor: AVX2 + F16C when the library has that build (CMake adds
-// it, and defines KVCACHE_CPU_AVX2 here, only where the compiler targets x86-64) and the processor has
-// both; else the generic one. KeyValueCache's builds compute identical bits; MultiHeadAttention's differ
-// only in the summation order of dot products (within the spec's tolerance); only the speed differs.
+// Picks the CPU kernel build for this processor. KeyValueCache has up to three builds: AVX-512 (F, BW, VL)
+// with F16C, AVX2 + F16C, and generic; MultiHeadAttention has the last two. CMake adds the x86-64 builds,
+// and defines KVCACHE_CPU_AVX2 / KVCACHE_CPU_AVX512 here, only where the compiler targets x86-64. The best
+// build the processor runs is used; $KVCACHE_OP_CPU_KERNEL = generic | avx2 | avx512 caps the choice (tests
+// run every build). KeyValueCache's builds compute identical bits; MultiHeadAttention's differ only in the
+// summation order of dot products (within the spec's tolerance); only the speed differs.
 #include "kv_cpu.h"
 #include "mha_cpu.h"
 
@@ -19,30 +21,70 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
 }
 #endif
-
-bool ForceGenericCpuKernel() {
-  const char* choice = std::getenv("KVCACHE_OP_CPU_KERNEL");
-  return choice != nullptr && std::strcmp(choice, "generic") == 0;
-}
-
-#ifdef KVCACHE_CPU_AVX2
-static bool CpuHasAvx2F16c() {
-  // __builtin_cpu_supports is an x86-only builtin, hence the guard.
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-  return has;
+#ifdef KVCACHE_CPU_AVX512
+namespace avx512 {
+void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 }
 #endif
+
+namespace {
+
+enum class CpuKernel { kGeneric, kAvx2, kAvx512 };
+
+// The cap from $KVCACHE_OP_CPU_KERNEL (read each call: tests switch it); unset or unknown: no cap.
+CpuKernel KernelCap() {
+  const char* choice = std::getenv("KVCACHE_OP_CPU_KERNEL");
+  if (choice == nullptr) return CpuKernel::kAvx512;
+  if (std::strcmp(choice, "generic") == 0) return CpuKernel::kGeneric;
+  if (std::strcmp(choice, "avx2") == 0) return CpuKernel::kAvx2;
+  return CpuKernel::kAvx512;
+}
+
+// The best build this library has and this processor runs (__builtin_cpu_supports is x86-only, hence the
+// guards).
+CpuKernel BestKernel() {
+#ifdef KVCACHE_CPU_AVX512
+  static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+  if (avx512) return CpuKernel::kAvx512;
+#endif
+#ifdef KVCACHE_CPU_AVX2
+  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  if (avx2) return CpuKernel::kAvx2;
+#endif
+  return CpuKernel::kGeneric;
+}
+
+CpuKernel ChosenKernel() {
+  const CpuKernel best = BestKernel(), cap = KernelCap();
+  return static_cast<int>(cap) < static_cast<int>(best) ? cap : best;
+}
+
+}  // namespace
+
+const char* CpuKernelName() {
+  switch (ChosenKernel()) {
+    case CpuKernel::kAvx512: return "avx512";
+    case CpuKernel::kAvx2: return "avx2";
+    default: return "generic";
+  }
+}
 
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for) {
-#ifdef KVCACHE_CPU_AVX2
-  if (CpuHasAvx2F16c() && !ForceGenericCpuKernel()) return avx2::ComputeCpu(args, parallel_for);
+  switch (ChosenKernel()) {
+#ifdef KVCACHE_CPU_AVX512
+    case CpuKernel::kAvx512: return avx512::ComputeCpu(args, parallel_for);
 #endif
-  generic::ComputeCpu(args, parallel_for);
+#ifdef KVCACHE_CPU_AVX2
+    case CpuKernel::kAvx2: return avx2::ComputeCpu(args, parallel_for);
+#endif
+    default: return generic::ComputeCpu(args, parallel_for);
+  }
 }
 
 void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for) {
 #ifdef KVCACHE_CPU_AVX2
-  if (CpuHasAvx2F16c() && !ForceGenericCpuKernel()) return avx2::MhaComputeCpu(args, parallel_for);
+  if (ChosenKernel() != CpuKernel::kGeneric) return avx2::MhaComputeCpu(args, parallel_for);
 #endif
   generic::MhaComputeCpu(args, parallel_for);
 }

@@ -39,44 +39,51 @@ KV_HD float BitsFloat(uint32_t u) {
   return f;
 }
 
-// float32 -> float16, round to nearest even, overflow to inf, subnormals kept, NaN -> quiet NaN.
-// Branch-light so compilers can vectorize it; relies on IEEE float addition (no -ffast-math, no FTZ).
+// The conversions below have no branches: each computes its candidate results and picks one with integer
+// compares and ternaries (selects), so that compilers vectorize loops over them without F16C and the like (the
+// selects become and/andnot/or or blends). Out-of-range cases are folded into the arithmetic where that saves a
+// select. Magnitudes (the sign bit cleared) are compared as int32_t, the integer compare SSE2 has. They rely on
+// IEEE float arithmetic (no -ffast-math, no flush to zero); tests/test_half_conversions.py checks every input.
+
+// float32 -> float16, round to nearest even, overflow to inf, subnormals kept, NaN -> quiet NaN 0x7e00 with the
+// sign kept.
 KV_HD uint16_t FloatToHalf(float value) {
-  uint32_t f = FloatBits(value);
-  const uint32_t sign = f & 0x80000000u;
-  f ^= sign;
-  uint32_t o;
-  if (f >= 0x47800000u) {  // >= 65536 (rounds to inf) or inf/NaN
-    o = f > 0x7f800000u ? 0x7e00u : 0x7c00u;
-  } else if (f < 0x38800000u) {  // below the smallest normal half: let float addition round
-    const float magic = BitsFloat(126u << 23);  // 0.5f: aligns the half subnormal ulp to float's ulp
-    o = FloatBits(BitsFloat(f) + magic) - (126u << 23);
-  } else {
-    const uint32_t mant_odd = (f >> 13) & 1u;
-    f += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu;
-    f += mant_odd;
-    o = f >> 13;
-  }
-  return static_cast<uint16_t>(o | (sign >> 16));
+  const uint32_t bits = FloatBits(value);
+  const uint32_t f = bits & 0x7fffffffu;
+  const auto magnitude = static_cast<int32_t>(f);
+  // Magnitudes from 65536 on (inf and NaN too) are clamped to 65536, which the rounding below turns into
+  // inf (0x7c00); 65520..65535 reach it through the rounding carry.
+  const uint32_t n = magnitude < 0x47800000 ? f : 0x47800000u;
+  // Normal halves: rebias the exponent and round the 13 dropped bits to nearest even; a carry out of the
+  // mantissa correctly bumps the exponent.
+  const uint32_t normal = (n + (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu + ((n >> 13) & 1u)) >> 13;
+  // Below the smallest normal half: adding 0.5f aligns the half subnormal ulp (2^-24) with float's ulp there,
+  // so the float addition rounds to nearest even and leaves the half's bits at the bottom.
+  const uint32_t subnormal = FloatBits(BitsFloat(f) + BitsFloat(126u << 23)) - (126u << 23);
+  const uint32_t quiet_nan = magnitude > 0x7f800000 ? 0x0200u : 0u;  // inf 0x7c00 becomes NaN 0x7e00
+  const uint32_t o = magnitude < 0x38800000 ? subnormal : normal | quiet_nan;
+  return static_cast<uint16_t>(o | ((bits >> 16) & 0x8000u));
 }
 
 // float16 -> float32, exact.
 KV_HD float HalfToFloat(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return BitsFloat(sign | 0x7f800000u | (mant << 13));
-  if (exp != 0) return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
-  // zero or subnormal: mant * 2^-24, exact in float
-  const float magnitude = static_cast<float>(mant) * BitsFloat(0x33800000u);  // 2^-24
-  return BitsFloat(sign | FloatBits(magnitude));
+  const auto magnitude = static_cast<int32_t>(h & 0x7fffu);
+  // Normal: exponent rebias 15 -> 127; inf and NaN (exponent 0x1f) get 0xff, their payload kept.
+  const uint32_t normal =
+      (static_cast<uint32_t>(magnitude) << 13) + (112u << 23) + (magnitude >= 0x7c00 ? 112u << 23 : 0u);
+  // Zero or subnormal: mantissa * 2^-24, exact in float (converted as a signed int: cheaper to vectorize).
+  const uint32_t subnormal = FloatBits(static_cast<float>(magnitude) * BitsFloat(0x33800000u));
+  return BitsFloat(sign | (magnitude < 0x400 ? subnormal : normal));
 }
 
-// float32 -> bfloat16, round to nearest even; NaN -> quiet NaN with the sign kept.
+// float32 -> bfloat16, round to nearest even; NaN -> quiet NaN with the sign and the payload's top bits kept.
 KV_HD uint16_t FloatToBFloat16(float value) {
   const uint32_t u = FloatBits(value);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x0040u);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  const bool nan = static_cast<int32_t>(u & 0x7fffffffu) > 0x7f800000;
+  // The result is the top half either way: rounded up by the low half, or the NaN with its quiet bit set.
+  const uint32_t w = nan ? (u | 0x00400000u) : u + 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(w >> 16);
 }
 
 KV_HD float BFloat16ToFloat(uint16_t b) { return BitsFloat(static_cast<uint32_t>(b) << 16); }

@@ -7,13 +7,10 @@ results and the per-launch fault counts.
 
 import ctypes
 import dataclasses
-import hashlib
-import os
 import pathlib
-import shutil
-import subprocess
 
 import numpy as np
+from native_build import build_library
 
 from kvcache_op.ort_ops import c_api
 
@@ -52,22 +49,7 @@ class Report(ctypes.Structure):
 
 def build(cache_dir: pathlib.Path) -> pathlib.Path:
     """The runner library, compiled into ``cache_dir`` unless a build of the same sources is there."""
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) to build the CUDA host runner")
-    digest = hashlib.sha256(" ".join([compiler] + FLAGS).encode())
-    for path in SOURCES + HEADERS:
-        digest.update(path.read_bytes())
-    target = cache_dir / f"kv_host_runner-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".{os.getpid()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True,
-                              text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building the CUDA host runner failed:\n{done.stderr[-4000:]}")
-        partial.replace(target)
-    return target
+    return build_library("kv_host_runner", SOURCES, HEADERS, FLAGS, cache_dir)
 
 
 @dataclasses.dataclass

@@ -44,14 +44,15 @@ def test_no_avx2_build_where_the_compiler_does_not_target_x86_64(tmp_path):
     # -U__x86_64__ makes the compiler answer CMake's question as a compiler for another CPU would.
     output = _configure(tmp_path / "other", "-U__x86_64__")
     assert "kvcache-op CPU kernel builds: kv_cpu_generic\n" in output
-    assert "kv_cpu_avx2" not in _targets(tmp_path / "other")
-    assert not [p for p in (tmp_path / "other").rglob("flags.make") if "-mavx2" in p.read_text()]
+    assert "kv_cpu_avx2" not in _targets(tmp_path / "other") and "kv_cpu_avx512" not in _targets(tmp_path / "other")
+    assert not [p for p in (tmp_path / "other").rglob("flags.make") if "-mavx" in p.read_text()]
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX2 build is x86-64 only")
-def test_x86_64_builds_both_kernels(tmp_path):
-    assert "kvcache-op CPU kernel builds: kv_cpu_generic;kv_cpu_avx2\n" in _configure(tmp_path / "x86")
-    assert "kv_cpu_avx2" in _targets(tmp_path / "x86")
+def test_x86_64_builds_every_kernel(tmp_path):
+    assert "kvcache-op CPU kernel builds: kv_cpu_generic;kv_cpu_avx2;kv_cpu_avx512\n" in _configure(tmp_path / "x86")
+    targets = _targets(tmp_path / "x86")
+    assert "kv_cpu_avx2" in targets and "kv_cpu_avx512" in targets
 
 
 def _undefined_symbols(tmp_path, *defines):
@@ -74,3 +75,10 @@ def test_dispatch_without_the_avx2_build_names_only_the_generic_kernel(tmp_path)
 def test_dispatch_with_the_avx2_build_picks_by_cpu(tmp_path):
     undefined = _undefined_symbols(tmp_path, "-DKVCACHE_CPU_AVX2")
     assert "kvcache::avx2::ComputeCpu" in undefined and "__cpu_model" in undefined
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the AVX-512 build is x86-64 only")
+def test_dispatch_with_the_avx512_build_has_every_kernel(tmp_path):
+    undefined = _undefined_symbols(tmp_path, "-DKVCACHE_CPU_AVX2", "-DKVCACHE_CPU_AVX512")
+    assert "kvcache::avx512::ComputeCpu" in undefined and "kvcache::avx2::ComputeCpu" in undefined
+    assert "kvcache::avx512::MhaComputeCpu" not in undefined  # MultiHeadAttention has no AVX-512 build

@@ -4,12 +4,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cpu_kernels import CPU_KERNELS, use_cpu_kernel
 from ort_helpers import assert_same_bits, ort_result, reference_result
 from strategies import COMBINATIONS, calls_for
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
-def test_ort_cpu_matches_reference(combo):
+def test_ort_cpu_matches_reference(combo, kernel, monkeypatch):
+    """Every attribute combination, in every kernel build (AVX-512, AVX2+F16C, generic)."""
+    use_cpu_kernel(monkeypatch, kernel)
+
     @given(calls_for(combo, max_batch=5), st.sampled_from((1, 2)))
     def check(case, threads):
         want = reference_result(case.inputs, case.attributes)
@@ -22,12 +27,11 @@ def test_ort_cpu_matches_reference(combo):
 @pytest.mark.parametrize("quant_bit,t1,t3", [(0, "float16", "float32"), (8, "bfloat16", "float16"), (4, "float32", "float32")])
 @pytest.mark.parametrize("mode,layout", [(0, 0), (1, 3), (1, 1), (0, 2)])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("kernel", ["auto", "generic"])
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_ort_cpu_matches_reference_on_large_batches(quant_bit, t1, t3, mode, layout, threads, kernel, monkeypatch):
-    """Big enough for many parallel tasks (store and gather are split in 64-token tasks); both kernel
-    builds (AVX2+F16C where the CPU has it, and the generic one) give the reference's bits."""
-    if kernel == "generic":
-        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
+    """Big enough for many parallel tasks (store and gather are split in 64-token tasks); every kernel
+    build (AVX-512, AVX2+F16C, generic) gives the reference's bits."""
+    use_cpu_kernel(monkeypatch, kernel)
     import numpy as np
 
     from kvcache_op.spec.cases import Seq, build

@@ -277,6 +277,17 @@ def cpu_device() -> str:
     return f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
 
 
+def kernel_build() -> str:
+    """", <name> kernel build": the KeyValueCache CPU kernel build that runs (empty for a library from before its
+    builds were named)."""
+    from ..ort_ops import c_api
+
+    try:
+        return f", {c_api.cpu_kernel()} kernel build"
+    except AttributeError:
+        return ""
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     pick = argparse.ArgumentParser(add_help=False)
@@ -296,10 +307,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     args = parser.parse_args(argv)
-    command = "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
+    # Settings that change what runs: another build of the library, BLAS threads competing for the cores.
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("KVCACHE_OP_LIBRARY", "KVCACHE_OP_CPU_KERNEL", "OPENBLAS_NUM_THREADS") if k in os.environ)
+    command = (env + " " if env else "") + "python -m kvcache_op.tools.bench_kvcache " + " ".join(argv)
     rows = bench_cpu(args)
     if args.out:
-        write_results(rows, args.out, command, cpu_device())
+        write_results(rows, args.out, command, cpu_device() + kernel_build())
         print(f"wrote {args.out}/results.md")
     return 0
 

@@ -20,6 +20,7 @@ if [ "$#" -eq 0 ]; then
     tests/test_ort_cpu_fuzz.py tests/test_ort_cpu_aliasing.py tests/test_ort_cpu_sizes.py \
     tests/test_rotary_shift.py tests/test_rotary_errors.py tests/test_ort_rotary_fuzz.py \
     tests/test_mha_ort_cpu.py tests/test_mha_errors.py tests/test_mha_c_api.py tests/test_c_api_cpu.py \
+    tests/test_cpu_kernel_rows.py \
     tests/test_empty_scale.py -q -p no:cacheprovider
 fi
 python3 -m pytest "$@"

@@ -1,0 +1,170 @@
+// Quantized rows of the CPU op: Q of one (token, head) row into codes and scales, and DQ of one row, exactly
+// as spec/KeyValueCache.md "Quantization" (float32, the stored scale used to quantize, IEEE division, round
+// half to even). Compiled once per instruction set like kv_cpu_rows.h: the AVX2 and AVX-512 paths
+// (kv_cpu_quant_avx2.h, kv_cpu_quant_avx512.h) and the portable loops here compute the same bits, and tests
+// run every build against the reference. The portable loops are written branch-free so that compilers vectorize them.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "kv_cpu_codes.h"
+#include "kv_cpu_quant_avx2.h"
+#include "kv_cpu_quant_avx512.h"
+#include "kv_cpu_rows.h"
+#include "kv_quant.h"
+#include "kv_types.h"
+
+namespace kvcache {
+namespace KV_CPU_ISA {
+
+// A code of the spec's Q: clamp(rint(x / s), -qmax, qmax), 0 for a NaN quotient. Clamping first and
+// rounding after give the same integer (rint is monotone and keeps the integer qmax); |q| <= 127 is then
+// rounded half to even by adding and subtracting 1.5 * 2^23 (exact below 2^22). Equal to QuantizeValue for
+// every input, without its libm call and branches.
+inline int32_t QuantizeCode(float x, float stored_scale, float qmax) {
+  const float q = x / stored_scale;
+  const float clamped = q < -qmax ? -qmax : (q > qmax ? qmax : q);
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  const float r = (clamped + kRound) - kRound;
+  return static_cast<int32_t>(q == q ? r : 0.0f);  // the select first: only finite values are converted
+}
+
+// Per-row scratch of the portable loops (and of the AVX2 paths for uncommon group sizes).
+struct RowScratch {
+  float* x;        // n floats: the row as float32
+  float* scale;    // n floats: each element's scale as float32
+  int32_t* codes;  // n ints: the row's codes
+  float* sf;       // groups + 8 floats: the row's scales as float32, the last 8 zero
+};
+
+// scale[i] = sf[i / group] for i < groups * group. Group 8 (the common size) as a constant: compilers then
+// write each group's scale with two vector stores instead of a loop whose length is known only at run time.
+inline void SpreadScales(const float* sf, int64_t groups, int64_t group, float* scale) {
+  if (group == 8) {
+    for (int64_t g = 0; g < groups; ++g)
+      for (int j = 0; j < 8; ++j) scale[g * 8 + j] = sf[g];
+    return;
+  }
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t i = g * group; i < (g + 1) * group; ++i) scale[i] = sf[g];
+}
+
+// The bits of max|x[i]| over i < n (see CanonicalAbsMax: a NaN's exceed every number's).
+inline uint32_t AbsMaxBits(const float* x, int64_t n) {
+  uint32_t bits = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t b = FloatBits(x[i]) & kAbsMask;
+    bits = b > bits ? b : bits;
+  }
+  return bits;
+}
+
+// Portable Q of one row of n elements in `groups` groups of `group`: codes to `codes`, scales to `scales`.
+// The per-element work runs in loops over the whole row, and the per-group work (scales and their
+// conversions) in loops over all its groups, which compilers vectorize.
+template <class T1, class T3, int QBits>
+inline void QuantizeRowPortable(const typename T1::Storage* src, int64_t n, int64_t group, int64_t groups,
+                                typename Codes<QBits>::Storage* codes, typename T3::Storage* scales,
+                                const RowScratch& scratch) {
+  constexpr float qmax = Codes<QBits>::kMax;
+  float* x = scratch.x;
+  float* scale = scratch.scale;
+  float* sf = scratch.sf;
+  int32_t* q = scratch.codes;
+  ToFloatRow<T1>(src, x, n);
+  if (group == 8) {  // a constant group, as in SpreadScales
+    for (int64_t g = 0; g < groups; ++g) sf[g] = BitsFloat(CanonicalAbsMax(AbsMaxBits(x + g * 8, 8)));
+  } else {
+    for (int64_t g = 0; g < groups; ++g) sf[g] = BitsFloat(CanonicalAbsMax(AbsMaxBits(x + g * group, group)));
+  }
+  for (int64_t g = 0; g < groups; ++g) {  // the stored scales, and the float32 values quantization divides by
+    const auto stored = T3::FromFloat(GroupScale(sf[g], qmax));
+    scales[g] = stored;
+    sf[g] = T3::ToFloat(stored);
+  }
+  SpreadScales(sf, groups, group, scale);
+  for (int64_t i = 0; i < n; ++i) q[i] = QuantizeCode(x[i], scale[i], qmax);
+  if constexpr (QBits == 8) {
+    for (int64_t i = 0; i < n; ++i) codes[i] = static_cast<int8_t>(q[i]);
+  } else {
+    for (int64_t i = 0; i < n / 2; ++i) codes[i] = Int4Pack(q[2 * i], q[2 * i + 1]);
+  }
+}
+
+// Portable DQ of one row: out[i] = T1(float(code_i) * float(scale[i / group])), in loops over the whole row.
+template <class T1, class T3, int QBits>
+inline void DequantizeRowPortable(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
+                                  int64_t n, int64_t group, int64_t groups, typename T1::Storage* out,
+                                  const RowScratch& scratch) {
+  float* scale = scratch.scale;
+  ToFloatRow<T3>(scales, scratch.sf, groups);
+  SpreadScales(scratch.sf, groups, group, scale);
+  if constexpr (QBits == 8) {
+    for (int64_t i = 0; i < n; ++i) out[i] = T1::FromFloat(static_cast<float>(codes[i]) * scale[i]);
+  } else {
+    int32_t* c = scratch.codes;
+    for (int64_t i = 0; i < n / 2; ++i) {
+      c[2 * i] = Int4Low(codes[i]);
+      c[2 * i + 1] = Int4High(codes[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = T1::FromFloat(static_cast<float>(c[i]) * scale[i]);
+  }
+}
+
+// Q of one row of n elements in `groups` groups of `group` (spec "Quantization"): codes and scales written to
+// the cache.
+template <class T1, class T3, int QBits>
+inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t group, int64_t groups,
+                        typename Codes<QBits>::Storage* codes, typename T3::Storage* scales, const RowScratch& scratch) {
+#if KV_SIMD
+  if (group % 8 == 0) {
+    int64_t g = 0;
+    if (group == 8)
+      for (; g + 8 <= groups; g += 8) QuantizeEightGroupsOf8<T1, T3, QBits>(src + g * 8, codes + g * CodeBytes8(QBits), scales + g);
+    for (; g < groups; g += 8) {
+      const int count = static_cast<int>(groups - g < 8 ? groups - g : 8);
+      QuantizeGroups<T1, T3, QBits>(src + g * group, group, count, codes + g * group / 8 * CodeBytes8(QBits), scales + g);
+    }
+    return;
+  }
+#endif
+  QuantizeRowPortable<T1, T3, QBits>(src, n, group, groups, codes, scales, scratch);
+}
+
+// DQ of one row of n elements in `groups` groups of `group` into out (spec "Quantization").
+template <class T1, class T3, int QBits>
+inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales, int64_t n,
+                          int64_t group, int64_t groups, typename T1::Storage* out, const RowScratch& scratch) {
+#if KV_SIMD
+  if (group == 8) {
+    int64_t g = 0;
+#if KV_AVX512
+    for (; g + 16 <= groups; g += 16)
+      DequantizeSixteenGroupsOf8<T1, T3, QBits>(codes + g * CodeBytes8(QBits), scales + g, out + g * 8);
+#endif
+    for (; g < groups; g += 8) {
+      const int count = static_cast<int>(groups - g < 8 ? groups - g : 8);
+      __m256 s;
+      if (count == 8) {
+        s = LoadFloat8<T3>(scales + g);
+      } else {  // a row's last groups: their scales copied first, so nothing past the row is read
+        typename T3::Storage tail[8] = {};
+        std::memcpy(tail, scales + g, count * sizeof(tail[0]));
+        s = LoadFloat8<T3>(tail);
+      }
+      DequantizeGroupsOf8<T1, QBits>(codes + g * CodeBytes8(QBits), s, count, out + g * 8);
+    }
+    return;
+  }
+  if (group % 8 == 0 || (n % 8 == 0 && 8 % group == 0)) {
+    ToFloatRow<T3>(scales, scratch.sf, groups);
+    DequantizeSpread<T1, QBits>(codes, scratch.sf, n, group, groups, out);
+    return;
+  }
+#endif
+  DequantizeRowPortable<T1, T3, QBits>(codes, scales, n, group, groups, out, scratch);
+}
+
+}  // namespace KV_CPU_ISA
+}  // namespace kvcache

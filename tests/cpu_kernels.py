@@ -1,0 +1,42 @@
+"""The CPU kernel builds tests run one by one: AVX-512, AVX2+F16C and generic. A build the processor cannot run
+is skipped with the reason (the library would otherwise quietly run a lower one)."""
+
+import platform
+
+import pytest
+
+from kvcache_op.ort_ops import c_api
+
+#: CPU flags (/proc/cpuinfo names) each build needs; the library picks the best one the processor has, and
+#: $KVCACHE_OP_CPU_KERNEL caps it.
+NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "f16c"}, "avx2": {"avx2", "f16c"}, "generic": set()}
+
+
+def cpu_flags() -> set:
+    """This processor's flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _param(name: str):
+    x86 = platform.machine() in ("x86_64", "AMD64")
+    missing = sorted(NEEDS[name] - cpu_flags())
+    reason = ("not an x86-64 processor" if not x86 else f"this processor lacks {', '.join(missing)}") if (
+        name != "generic" and (not x86 or missing)) else None
+    return pytest.param(name, id=name, marks=[pytest.mark.skip(reason=f"{name} build: {reason}")] if reason else [])
+
+
+#: pytest params of every build, best first.
+CPU_KERNELS = [_param(name) for name in NEEDS]
+
+
+def use_cpu_kernel(monkeypatch, kernel: str) -> None:
+    """Makes the library run ``kernel`` (one of :data:`NEEDS`) in this test, and checks that it does."""
+    monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", kernel)
+    assert c_api.cpu_kernel() == kernel, f"asked for the {kernel} build, the library runs {c_api.cpu_kernel()}"

@@ -1,0 +1,120 @@
+"""The CPU kernel's row paths against the reference, bit for bit, in every build (AVX-512 and AVX2+F16C where
+the CPU has them, and the generic one): quantization and dequantization over every kind of group size (one
+vector of 8, a batch of eight or sixteen groups, partial batches, longer groups, groups of 1, 2 and 4, odd
+groups), rows with exact ties, zeros, subnormals, overflowing scales, infinities and NaNs, codes -128 / -8
+already in the cache, and outputs large enough for streaming stores, aligned and not."""
+
+import numpy as np
+import pytest
+
+from cpu_kernels import CPU_KERNELS, use_cpu_kernel
+from ort_helpers import assert_same_bits, copies, reference_result
+
+from kvcache_op.ort_ops import c_api
+from kvcache_op.reference.dtypes import QMAX
+from kvcache_op.spec.cases import Seq, build
+
+# (head_dim, quant_group): group 8 in one partial batch (1, 3 groups), whole batches (8, 16), a batch and one
+# group (17); longer groups (16 ... 128); groups of 1, 2, 4 (spread scales); groups of 3 (the portable loop).
+ROW_SHAPES = [(8, 8), (24, 8), (64, 8), (128, 8), (136, 8), (128, 16), (64, 32), (256, 128), (128, 1), (64, 2),
+              (128, 4), (24, 3), (6, 3)]
+TYPES = [(t1, t3) for t1 in ("float32", "float16", "bfloat16") for t3 in ("float32", "float16")]
+
+
+def special_rows(rng, shape, group, quant_bit, dtype):
+    """Rows of ``shape`` (tokens, H, Dh) whose groups are each of one kind: plain, exact ties of the quotient
+    (max |x| = qmax * 2^e, the rest (k + 1/2) * 2^e), zeros and -0, subnormal-small, huge (a float16 scale
+    overflows), one NaN, one infinity, one large element among small ones."""
+    qmax = QMAX[quant_bit]
+    x = (rng.standard_normal(shape) * 3).astype(np.float32)
+    groups = x.reshape(-1, group)
+    for g, kind in zip(groups, rng.integers(0, 8, len(groups))):
+        at = rng.integers(group)
+        if kind == 1:
+            step = np.float32(2.0 ** int(rng.integers(-10, 4)))
+            g[:] = (rng.integers(-qmax, qmax, group) + np.float32(0.5)) * step
+            g[at] = qmax * step * rng.choice([-1, 1])
+        elif kind == 2:
+            g[:] = rng.choice([np.float32(0), np.float32(-0.0)], group)
+        elif kind == 3:
+            g *= np.float32(1e-7)
+        elif kind == 4:
+            g *= np.float32(1e7)
+        elif kind == 5:
+            g[at] = np.nan  # the canonical quiet NaN: NaN payloads are not specified
+        elif kind == 6:
+            g[at] = np.inf * rng.choice([-1, 1])
+        elif kind == 7:
+            g *= np.float32(1e-3)
+            g[at] = np.float32(50)
+    with np.errstate(over="ignore"):  # huge values overflow float16 inputs to inf: one more kind of row
+        return x.astype(dtype)
+
+
+def special_case(quant_bit, head_dim, group, t1, t3, index):
+    seqs = [Seq(0, 21), Seq(9, 1), Seq(4, 6, 7), Seq(2, 0, 2)]  # prefill, decode, chunk with a partial load, empty
+    case = build(f"rows-{quant_bit}-{head_dim}-{group}-{t1}-{t3}", seqs, heads=2, head_dim=head_dim,
+                 quant_bit=quant_bit, quant_group=group, num_repeat=1 + index % 2, cache_mode=index % 2,
+                 cache_layout=index % 4, page_size=4, t1=t1, t3=t3)
+    rng = np.random.default_rng(index)
+    for name in ("current_key", "current_value"):
+        x = case.inputs[name]
+        case.inputs[name] = special_rows(rng, x.shape, group, quant_bit, x.dtype)
+    cache = case.inputs["cache"]  # codes the op never writes, read by the loads: -128 and -8 included
+    low = np.array(-128 if quant_bit == 8 else -8).astype(cache.dtype)
+    cache.reshape(-1)[rng.integers(0, cache.size, cache.size // 10)] = low
+    return case
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("quant_bit", [8, 4])
+@pytest.mark.parametrize("head_dim,group", ROW_SHAPES, ids=[f"Dh{d}-g{g}" for d, g in ROW_SHAPES])
+def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, kernel, monkeypatch):
+    use_cpu_kernel(monkeypatch, kernel)
+    for index, (t1, t3) in enumerate(TYPES):
+        case = special_case(quant_bit, head_dim, group, t1, t3, index + head_dim)
+        want = reference_result(case.inputs, case.attributes)
+        fresh = copies(case.inputs)
+        key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=2)
+        assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+
+
+def large_case(quant_bit, layout, num_repeat, t1):
+    """Outputs of > 16 MiB each, so the kernel writes them with streaming stores."""
+    seqs = [Seq(9000, 1), Seq(0, 70), Seq(8000, 3), Seq(1000, 1)]
+    return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=4, head_dim=128, quant_bit=quant_bit,
+                 quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=64, t1=t1,
+                 t3="float16")
+
+
+def unaligned_outputs(given, attributes):
+    """(key, value) of the C entry point run with outputs that start 2 bytes past a 16-byte boundary (no
+    streaming stores there); the cache in ``given`` is written in place."""
+    args = c_api.HostBuffers()
+    inputs = [args.tensor(n, given[n], written=n in ("cache", "scale")) for n in c_api.KV_INPUTS]
+    shape = c_api.output_shape(inputs, **attributes)
+    dtype = given["current_key"].dtype
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffers = [np.zeros(nbytes + 64, np.uint8) for _ in range(2)]
+    starts = [(-b.ctypes.data) % 16 + 2 for b in buffers]
+    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, b.ctypes.data + s) for b, s in zip(buffers, starts)]
+    c_api.run_key_value_cache(inputs, outputs, num_threads=2, **attributes)
+    args.finish()
+    return [b[s:s + nbytes].view(dtype).reshape(shape) for b, s in zip(buffers, starts)]
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1",
+                         [(0, 0, 1, "float16"), (0, 3, 1, "float32"), (0, 1, 2, "bfloat16"), (8, 0, 1, "float16"),
+                          (8, 3, 1, "float16"), (8, 2, 2, "float32"), (4, 3, 1, "bfloat16"), (4, 1, 1, "float16")])
+def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, kernel, monkeypatch):
+    use_cpu_kernel(monkeypatch, kernel)
+    case = large_case(quant_bit, layout, num_repeat, t1)
+    want = reference_result(case.inputs, case.attributes)
+    assert want[0].nbytes > 16 << 20
+    fresh = copies(case.inputs)
+    key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=2)
+    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+    fresh = copies(case.inputs)
+    key, value = unaligned_outputs(fresh, case.attributes)
+    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
