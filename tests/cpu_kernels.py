@@ -24,11 +24,18 @@ def cpu_flags() -> set:
     return set()
 
 
-def _param(name: str):
-    x86 = platform.machine() in ("x86_64", "AMD64")
+def _skip_reason(name: str) -> str | None:
+    """Why this processor cannot run build ``name``, or None."""
+    if name == "generic":
+        return None
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return "not an x86-64 processor"
     missing = sorted(NEEDS[name] - cpu_flags())
-    reason = ("not an x86-64 processor" if not x86 else f"this processor lacks {', '.join(missing)}") if (
-        name != "generic" and (not x86 or missing)) else None
+    return f"this processor lacks {', '.join(missing)}" if missing else None
+
+
+def _param(name: str):
+    reason = _skip_reason(name)
     return pytest.param(name, id=name, marks=[pytest.mark.skip(reason=f"{name} build: {reason}")] if reason else [])
 
 
