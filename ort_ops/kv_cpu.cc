@@ -18,9 +18,9 @@ constexpr int64_t kRowsPerTask = 64;  // tokens per parallel task: large enough 
 // Gathers ask for cache rows this far ahead of their use (software prefetch): kAheadTokens tokens in token
 // order, kAheadRows rows of the same head in layout 3's head order.
 constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
-// Gathers in token order write each output in tiles of this many bytes of whole tokens, in turn; layout 3's
-// streamed gathers assemble blocks of this many bytes. Both measured best on the benchmark's decode step.
-constexpr int64_t kTileBytes = int64_t{32} << 10, kBlockBytes = int64_t{8} << 10;
+// Gathers in token order write each output in tiles of this many bytes of whole tokens, in turn (measured
+// best on the benchmark's decode step).
+constexpr int64_t kTileBytes = int64_t{32} << 10;
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
 int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
@@ -67,7 +67,7 @@ struct Kernel {
   }
   const S* CacheScales(int kv, int64_t h, int64_t slot) const { return static_cast<const S*>(args.scale) + ScaleRow(kv, h, slot); }
 
-  // Layout 3 keeps a head's slots contiguous (a slot's heads lie MaxT rows apart): gathers walk it head by head.
+  // Layout 3 keeps a head's slots contiguous (a slot's heads lie MaxT rows apart).
   bool HeadMajor() const { return p.cache_rows.slot < p.cache_rows.head; }
 
   // Per-task scratch rows (RowScratch points into them), each up to one token's H heads.
@@ -156,47 +156,59 @@ struct Kernel {
     for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
   }
 
+  // Whether streamed head rows of the outputs are whole cache lines: each is then written in full by its own
+  // streaming stores, in any order (a line left half written would cost a slow partial write).
+  bool HeadRowsWholeLines() const {
+    const auto aligned = [](const void* out) { return reinterpret_cast<uintptr_t>(out) % 64 == 0; };
+    return aligned(args.out_key) && aligned(args.out_value) && (a.num_repeat * p.head_dim * int64_t(sizeof(T))) % 64 == 0;
+  }
+
   void GatherRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
-    const bool head_major = HeadMajor();
+    // Layout 3 keeps a head's slots together. Its quantized gathers walk it head by head over the task's
+    // rows (whole pages): two short streams at a time (codes and scales) rather than 4H per token. Streamed
+    // outputs need head rows of whole cache lines for that, else they go token by token. Its unquantized
+    // gathers go token by token: H streams of long rows, which the prefetchers keep up with (measured
+    // faster than head by head).
+    const bool head_major = HeadMajor() && (!stream || (QBits != 0 && HeadRowsWholeLines()));
+    const bool heads_adjacent = p.cache_rows.head == D;  // a token's heads lie together in the cache
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
     auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
-    // Layouts 0-2 keep a token's heads together, as the output does without repeats: a token is one row of
-    // H * Dh elements to copy or dequantize.
-    const bool whole_token = R == 1 && p.cache_rows.head == D;
+    // Without repeats a token's heads lie together in the output too: in layouts 0-2 a token is then one
+    // row of H * Dh elements to copy or dequantize.
+    const bool whole_token = R == 1 && heads_adjacent;
     Scratch scratch = MakeScratch();
-    // Token order streams each output in tiles of whole tokens, keys then values (long runs per output).
-    // Layout 3 assembles a block of tokens head by head (a head's rows of a page lie together in the cache),
-    // then streams the block: streamed head rows would leave cache lines half written between heads.
-    const bool blocked = stream && head_major;
+    // Token order writes each output in tiles of whole tokens, keys then values (long runs per output).
     const int64_t row_bytes = out_row * int64_t(sizeof(T));
-    const int64_t tile = std::max<int64_t>(1, (blocked ? kBlockBytes : head_major ? rows * row_bytes : kTileBytes) / row_bytes);
-    std::vector<T> block(blocked ? static_cast<size_t>(tile * out_row) : 0);
-    const bool streamed = stream && !blocked;
+    const int64_t tile = head_major ? rows : std::max<int64_t>(1, kTileBytes / row_bytes);
     for (int64_t i0 = 0; i0 < rows; i0 += tile) {
       const int64_t m = std::min(tile, rows - i0);
       for (int kv = 0; kv < 2; ++kv) {
-        T* dst = blocked ? block.data() : out(kv, i0);
+        T* dst = out(kv, i0);
         if (head_major) {
           for (int64_t h = 0; h < H; ++h)
             for (int64_t i = 0; i < m; ++i) {
               if (i0 + i + ahead < count) Prefetch(kv, h, slots[i0 + i + ahead], 1);
-              EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, streamed, scratch);
+              EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, stream, scratch);
             }
         } else {
           for (int64_t i = 0; i < m; ++i) {
-            if (i0 + i + ahead < count) Prefetch(kv, 0, slots[i0 + i + ahead], H);
+            if (i0 + i + ahead < count) {
+              if (heads_adjacent) {
+                Prefetch(kv, 0, slots[i0 + i + ahead], H);
+              } else {
+                for (int64_t h = 0; h < H; ++h) Prefetch(kv, h, slots[i0 + i + ahead], 1);
+              }
+            }
             if (whole_token) {
-              EmitRows(kv, 0, slots[i0 + i], H, dst + i * out_row, streamed, scratch);
+              EmitRows(kv, 0, slots[i0 + i], H, dst + i * out_row, stream, scratch);
             } else {
-              for (int64_t h = 0; h < H; ++h)
-                EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, streamed, scratch);
+              for (int64_t h = 0; h < H; ++h) EmitRows(kv, h, slots[i0 + i], 1, dst + i * out_row + h * R * D, stream, scratch);
             }
           }
         }
-        if (blocked) StoreRow(out(kv, i0), block.data(), static_cast<size_t>(m * row_bytes), true);
       }
     }
     StoreFence();

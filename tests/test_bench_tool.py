@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+
 from kvcache_op.tools import bench_kvcache
 
 
@@ -98,3 +100,17 @@ def test_the_offset_baseline_refuses_calls_tensor_scatter_cannot_express():
         offset_capacity(dict(inputs, cachestarts=inputs["cachestarts"][::-1].copy()))
     with pytest.raises(ValueError, match="one-layer layout-0"):
         offset_capacity(dict(inputs, cache=inputs["cache"].reshape(inputs["cache"].shape[0], 2, 1, *inputs["cache"].shape[3:])))
+
+
+def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
+    from kvcache_op.tools.bound_session import ALIGNMENT, aligned_copy, aligned_empty
+
+    for shape, dtype in (((3, 5, 7), np.float16), ((1 << 20,), np.uint8), ((0, 4), np.int64)):
+        array = aligned_empty(shape, dtype)
+        assert array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
+        assert array.ctypes.data % ALIGNMENT == 0
+    source = np.arange(35, dtype=np.float32).reshape(5, 7)[:, ::2]  # not contiguous
+    copy = aligned_copy(source)
+    assert copy.ctypes.data % ALIGNMENT == 0 and np.array_equal(copy, source)
+    inputs = bench_kvcache.make_inputs(bench_kvcache.Shape("t", 2, 1, 7, heads=2, head_dim=16, page_size=4), 8, 3)
+    assert all(inputs[name].ctypes.data % ALIGNMENT == 0 for name in ("current_key", "current_value", "cache", "scale"))

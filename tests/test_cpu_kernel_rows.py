@@ -2,7 +2,7 @@
 the CPU has them, and the generic one): quantization and dequantization over every kind of group size (one
 vector of 8, a batch of eight or sixteen groups, partial batches, longer groups, groups of 1, 2 and 4, odd
 groups), rows with exact ties, zeros, subnormals, overflowing scales, infinities and NaNs, codes -128 / -8
-already in the cache, and outputs large enough for streaming stores, aligned and not."""
+already in the cache, and outputs large enough for streaming stores, at every offset from a cache line."""
 
 import numpy as np
 import pytest
@@ -79,24 +79,26 @@ def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, ker
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def large_case(quant_bit, layout, num_repeat, t1):
+def large_case(quant_bit, layout, num_repeat, t1, head_dim):
     """Outputs of > 16 MiB each, so the kernel writes them with streaming stores."""
-    seqs = [Seq(9000, 1), Seq(0, 70), Seq(8000, 3), Seq(1000, 1)]
-    return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=4, head_dim=128, quant_bit=quant_bit,
+    longest = 9000 if head_dim >= 128 else 45000  # either way outputs of > 16 MiB
+    seqs = [Seq(longest, 1), Seq(0, 70), Seq(8000, 3), Seq(1000, 1)]
+    return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=4, head_dim=head_dim, quant_bit=quant_bit,
                  quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=64, t1=t1,
                  t3="float16")
 
 
-def unaligned_outputs(given, attributes):
-    """(key, value) of the C entry point run with outputs that start 2 bytes past a 16-byte boundary (no
-    streaming stores there); the cache in ``given`` is written in place."""
+def outputs_at(given, attributes, offset):
+    """(key, value) of the C entry point run with outputs that start ``offset`` bytes past a 64-byte boundary
+    (0: whole cache lines, as ONNX Runtime's allocator gives; 16: numpy's large arrays; 2: no streaming
+    stores at all); the cache in ``given`` is written in place."""
     args = c_api.HostBuffers()
     inputs = [args.tensor(n, given[n], written=n in ("cache", "scale")) for n in c_api.KV_INPUTS]
     shape = c_api.output_shape(inputs, **attributes)
     dtype = given["current_key"].dtype
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    buffers = [np.zeros(nbytes + 64, np.uint8) for _ in range(2)]
-    starts = [(-b.ctypes.data) % 16 + 2 for b in buffers]
+    buffers = [np.zeros(nbytes + 128, np.uint8) for _ in range(2)]
+    starts = [(-b.ctypes.data) % 64 + offset for b in buffers]
     outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, b.ctypes.data + s) for b, s in zip(buffers, starts)]
     c_api.run_key_value_cache(inputs, outputs, num_threads=2, **attributes)
     args.finish()
@@ -104,17 +106,19 @@ def unaligned_outputs(given, attributes):
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1",
-                         [(0, 0, 1, "float16"), (0, 3, 1, "float32"), (0, 1, 2, "bfloat16"), (8, 0, 1, "float16"),
-                          (8, 3, 1, "float16"), (8, 2, 2, "float32"), (4, 3, 1, "bfloat16"), (4, 1, 1, "float16")])
-def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, kernel, monkeypatch):
+@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1,head_dim",
+                         [(0, 0, 1, "float16", 128), (0, 3, 1, "float32", 128), (0, 1, 2, "bfloat16", 128),
+                          (8, 0, 1, "float16", 128), (8, 3, 1, "float16", 128), (8, 3, 2, "float16", 128),
+                          (8, 3, 1, "float16", 40), (8, 2, 2, "float32", 128), (4, 3, 1, "bfloat16", 128),
+                          (4, 1, 1, "float16", 128)])
+def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, kernel, monkeypatch):
+    """Layout 3's quantized rows are streamed head by head where a head row is whole cache lines (64-byte
+    aligned outputs, Dh 128) and token by token otherwise (Dh 40's 80-byte rows, other offsets)."""
     use_cpu_kernel(monkeypatch, kernel)
-    case = large_case(quant_bit, layout, num_repeat, t1)
+    case = large_case(quant_bit, layout, num_repeat, t1, head_dim)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
-    fresh = copies(case.inputs)
-    key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=2)
-    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
-    fresh = copies(case.inputs)
-    key, value = unaligned_outputs(fresh, case.attributes)
-    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+    for offset in (0, 16, 2):
+        fresh = copies(case.inputs)
+        key, value = outputs_at(fresh, case.attributes, offset)
+        assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)

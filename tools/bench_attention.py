@@ -24,7 +24,7 @@ import sys
 
 import numpy as np
 
-from .bound_session import bound_run
+from .bound_session import aligned_empty, bound_run
 
 from .bench_kvcache import cpu_device, median_seconds
 
@@ -178,7 +178,7 @@ def runner(method: str, shape: Shape, feeds: dict, threads: int):
     query = feeds["query"]
     model = {"op": lambda: spec.make_attention_model(feeds, num_heads=shape.heads, head_dim=shape.head_dim),
              "dense": lambda: dense_model(shape), "batched": lambda: batched_model(shape)}[method]()
-    out = np.empty(query.shape, query.dtype)
+    out = aligned_empty(query.shape, query.dtype)
     return bound_run(model, feeds, {"attention_output": out}, threads), out
 
 

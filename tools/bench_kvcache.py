@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from .bound_session import bound_run
+from .bound_session import aligned_copy, aligned_empty, bound_run
 from .standard_ops_baseline import (LAYOUTS, OFFSET_LAYOUTS, baseline_runner, offset_baseline_runner,
                                     tensor_scatter_available)
 
@@ -69,7 +69,8 @@ def make_indices(shape: Shape, rng, cache_mode: int = 1) -> dict:
 
 
 def make_inputs(shape: Shape, quant_bit: int, layout: int, seed: int = 0, cache_mode: int = 1):
-    """Inputs of one call (:func:`make_indices`), float16 values, int8 codes with float16 scales."""
+    """Inputs of one call (:func:`make_indices`), float16 values, int8 codes with float16 scales; the tensors
+    start on cache lines, as ONNX Runtime places its own buffers."""
     from ..reference import cache_shape
 
     rng = np.random.default_rng(seed)
@@ -81,15 +82,16 @@ def make_inputs(shape: Shape, quant_bit: int, layout: int, seed: int = 0, cache_
     current_key = rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16)
     current_value = rng.standard_normal((tokens, shape.heads, shape.head_dim)).astype(np.float16)
     inputs = {
-        "current_key": current_key,
-        "current_value": current_value,
+        "current_key": aligned_copy(current_key),
+        "current_value": aligned_copy(current_value),
         **indices,
-        "cache": rng.integers(-127, 128, cache_shape(layout, 1, max_t, shape.heads, shape.head_dim)).astype(cache_dtype),
+        "cache": aligned_copy(rng.integers(-127, 128, cache_shape(layout, 1, max_t, shape.heads, shape.head_dim)
+                                           ).astype(cache_dtype)),
         "scale": None,
     }
     if quant_bit:
-        inputs["scale"] = rng.uniform(0.001, 0.02, cache_shape(layout, 1, max_t, shape.heads, shape.head_dim // 8)
-                                      ).astype(np.float16)
+        inputs["scale"] = aligned_copy(rng.uniform(0.001, 0.02, cache_shape(layout, 1, max_t, shape.heads,
+                                                                              shape.head_dim // 8)).astype(np.float16))
     return inputs
 
 
@@ -130,7 +132,7 @@ def ort_runner(inputs, attrs, threads):
 
     kv_tokens = int(inputs["kvstarts"][-1])
     out_shape = (kv_tokens, inputs["current_key"].shape[1], inputs["current_key"].shape[2])
-    outputs = {name: np.empty(out_shape, np.float16) for name in ("key", "value")}
+    outputs = {name: aligned_empty(out_shape, np.float16) for name in ("key", "value")}
     return bound_run(spec.make_model(inputs, **attrs), inputs, outputs, threads)
 
 
@@ -206,8 +208,9 @@ def bench_cpu(args) -> list:
                                  page_size=shape.page_size)
                     inputs = make_inputs(shape, quant_bit, layout, cache_mode=cache_mode)
                     moved = bytes_moved(shape, quant_bit)
-                    src = np.ones(moved // 2, np.uint8)
-                    dst = np.empty_like(src)
+                    src = aligned_empty(moved // 2, np.uint8)
+                    src.fill(1)
+                    dst = aligned_empty(moved // 2, np.uint8)
                     feeds = {k: v for k, v in inputs.items() if v is not None}
                     ref_s = median_seconds(lambda: key_value_cache(**inputs, **attrs), 1, args.reference_repeats)
                     for threads in args.threads:

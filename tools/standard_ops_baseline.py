@@ -106,13 +106,13 @@ def baseline_model(inputs: dict, layout: int, layer: int = 0):
 def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int):
     """(run, outputs): the paged baseline with every input and output bound once (IOBinding); ``outputs``
     holds key, value and cache_out, written by each run."""
-    from .bound_session import bound_run
+    from .bound_session import aligned_empty, bound_run
 
     feeds = baseline_feeds(inputs, page_size, layout)
     kv_shape = (len(feeds["gather_slots"]),) + inputs["current_key"].shape[1:]
-    outputs = {"key": np.empty(kv_shape, inputs["current_key"].dtype),
-               "value": np.empty(kv_shape, inputs["current_key"].dtype),
-               "cache_out": np.empty_like(inputs["cache"])}
+    outputs = {"key": aligned_empty(kv_shape, inputs["current_key"].dtype),
+               "value": aligned_empty(kv_shape, inputs["current_key"].dtype),
+               "cache_out": aligned_empty(inputs["cache"].shape, inputs["cache"].dtype)}
     return bound_run(baseline_model(inputs, layout), feeds, outputs, threads), outputs
 
 
@@ -185,7 +185,7 @@ def offset_baseline_runner(inputs: dict, threads: int):
     """(run, outputs): the offset baseline bound once; ``inputs["cache"]`` is both the graph's cache input and
     its cache_out output (TensorScatter then updates it in place), so each run writes the caller's cache like
     the op. ``outputs`` holds key and value."""
-    from .bound_session import bound_run
+    from .bound_session import aligned_empty, bound_run
 
     capacity = offset_capacity(inputs)
     _, gather = call_slots(inputs["seqstarts"], inputs["kvstarts"], inputs["cachestarts"], inputs["start_pos"],
@@ -194,6 +194,6 @@ def offset_baseline_runner(inputs: dict, threads: int):
     view = inputs["cache"].reshape(-1, capacity, 1, 2, heads, head_dim)  # the same memory
     feeds = {"current_key": inputs["current_key"], "current_value": inputs["current_value"], "cache": view,
              "write_indices": np.asarray(inputs["start_pos"], np.int64), "gather_slots": gather}
-    outputs = {"key": np.empty((gather.size, heads, head_dim), inputs["current_key"].dtype),
-               "value": np.empty((gather.size, heads, head_dim), inputs["current_key"].dtype), "cache_out": view}
+    outputs = {"key": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype),
+               "value": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype), "cache_out": view}
     return bound_run(offset_baseline_model(inputs, capacity), feeds, outputs, threads), outputs
