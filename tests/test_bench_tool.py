@@ -105,7 +105,7 @@ def test_the_offset_baseline_refuses_calls_tensor_scatter_cannot_express():
 def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
     from kvcache_op.tools.bound_session import ALIGNMENT, aligned_copy, aligned_empty
 
-    for shape, dtype in (((3, 5, 7), np.float16), ((1 << 20,), np.uint8), ((0, 4), np.int64)):
+    for shape, dtype in (((3, 5, 7), np.float16), ((1 << 20,), np.uint8), ((9, 4), np.int64)):
         array = aligned_empty(shape, dtype)
         assert array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
         assert array.ctypes.data % ALIGNMENT == 0

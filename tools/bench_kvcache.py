@@ -254,7 +254,8 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
              "the same step composed from ONNX Runtime's built-in ops (kvcache_op.tools.standard_ops_baseline), "
              "unquantized only: paged mode (layouts 0, 3): ScatterND into a copy of the cache, Gather of every "
              f"loaded slot; {offset_note}. `op speed-up` is the median of the rounds' standard-ops time over op "
-             "time.", "",
+             "time. Every array (inputs, outputs, the copy's) starts on a 64-byte cache line, where ONNX Runtime's "
+             "CPU allocator places its own buffers.", "",
              "| shape | cache | quant | layout | threads | MB moved | op ms | op GB/s | copy GB/s | op / copy (range) | "
              "vs reference | standard ops ms | op speed-up |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]

@@ -9,7 +9,7 @@ ALIGNMENT = 64
 
 
 def aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data starts on an
+    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data (if any) starts on an
     :data:`ALIGNMENT`-byte boundary."""
     dtype = np.dtype(dtype)
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
