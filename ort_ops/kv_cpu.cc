@@ -115,13 +115,18 @@ struct Kernel {
 
   // Cache rows (kv, h .. h + heads, slot) into dst, num_repeat copies of each (heads > 1 only without repeats:
   // then a token's heads lie together in the cache as in the output). Quantized rows are dequantized into
-  // dst, or into scratch first when dst is streamed (`streamed`).
+  // dst; when dst is streamed (`streamed`), with streaming stores where DequantizeRowStreamed can, else into
+  // scratch first.
   void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed, Scratch& scratch) const {
     const int64_t n = heads * p.head_dim, D = p.head_dim;
     const T* row;
     if constexpr (QBits == 0) {
       row = CacheValues(kv, h, slot);
     } else {
+      if (streamed && a.num_repeat == 1 &&
+          DequantizeRowStreamed<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), a.quant_group,
+                                               heads * p.groups, dst))
+        return;
       T* into = streamed ? scratch.row.data() : dst;
       DequantizeRow<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), n, a.quant_group, heads * p.groups,
                                    into, scratch.Rows());

@@ -24,20 +24,28 @@ KV_ALWAYS_INLINE __m512 LoadFloat16(const typename T::Storage* src) {
   }
 }
 
-// T1(f) for 16 floats, stored at dst (round to nearest even; bfloat16 NaN kept quiet, as StoreFloat8).
+// The float16 / bfloat16 bits of 16 floats (round to nearest even; bfloat16 NaN kept quiet, as StoreFloat8).
 template <class T1>
-KV_ALWAYS_INLINE void StoreFloat16(__m512 f, typename T1::Storage* dst) {
-  if constexpr (T1::kElem == Elem::kFloat32) {
-    _mm512_storeu_ps(dst, f);
-  } else if constexpr (T1::kElem == Elem::kFloat16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+KV_ALWAYS_INLINE __m256i HalfBits16(__m512 f) {
+  if constexpr (T1::kElem == Elem::kFloat16) {
+    return _mm512_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   } else {
     const __m512i u = _mm512_castps_si512(f);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
     const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
     const __m512i bits = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q), rounded, quiet);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(bits));
+    return _mm512_cvtepi32_epi16(bits);
+  }
+}
+
+// T1(f) for 16 floats, stored at dst.
+template <class T1>
+KV_ALWAYS_INLINE void StoreFloat16(__m512 f, typename T1::Storage* dst) {
+  if constexpr (T1::kElem == Elem::kFloat32) {
+    _mm512_storeu_ps(dst, f);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), HalfBits16<T1>(f));
   }
 }
 
@@ -52,17 +60,26 @@ KV_ALWAYS_INLINE __m512i LoadCodes16(const typename Codes<QBits>::Storage* src) 
 }
 
 // DQ of 16 groups of 8 codes (128) with their 16 scales: each vector of two groups takes its scales from
-// one in-register permute of the scales loaded once.
-template <class T1, class T3, int QBits>
+// one in-register permute of the scales loaded once. Stream: out is on a cache line and its 128 values are
+// written with streaming stores, a whole line per store.
+template <class T1, class T3, int QBits, bool Stream = false>
 KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::Storage* codes,
                                                  const typename T3::Storage* scales, typename T1::Storage* out) {
   const __m512 s = LoadFloat16<T3>(scales);
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  __m512 v[8];
   ForEachOf8([&](auto j) {
     constexpr int J = decltype(j)::value;
     const __m512 sj = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * J)), s);
-    const __m512 v = _mm512_cvtepi32_ps(LoadCodes16<QBits>(codes + 2 * J * CodeBytes8(QBits)));
-    StoreFloat16<T1>(_mm512_mul_ps(v, sj), out + 16 * J);
+    v[J] = _mm512_mul_ps(_mm512_cvtepi32_ps(LoadCodes16<QBits>(codes + 2 * J * CodeBytes8(QBits))), sj);
+    if constexpr (!Stream) {
+      StoreFloat16<T1>(v[J], out + 16 * J);
+    } else if constexpr (T1::kElem == Elem::kFloat32) {
+      _mm512_stream_ps(out + 16 * J, v[J]);
+    } else if constexpr (J % 2 == 1) {
+      const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(HalfBits16<T1>(v[J - 1])), HalfBits16<T1>(v[J]), 1);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 16 * (J - 1)), line);
+    }
   });
 }
 

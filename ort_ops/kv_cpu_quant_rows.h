@@ -166,5 +166,23 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
   DequantizeRowPortable<T1, T3, QBits>(codes, scales, n, group, groups, out, scratch);
 }
 
+// DQ of one row straight into out with streaming stores, where this build can: AVX-512, groups of 8, a
+// multiple of 16 groups, out on a cache line. Returns false, having written nothing, elsewhere. Saves the
+// round trip through a scratch row that a streamed copy would take.
+template <class T1, class T3, int QBits>
+inline bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
+                                  int64_t group, int64_t groups, typename T1::Storage* out) {
+#if KV_AVX512
+  if (group == 8 && groups % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+    for (int64_t g = 0; g < groups; g += 16)
+      DequantizeSixteenGroupsOf8<T1, T3, QBits, true>(codes + g * CodeBytes8(QBits), scales + g, out + g * 8);
+    return true;
+  }
+#else
+  (void)codes, (void)scales, (void)group, (void)groups, (void)out;
+#endif
+  return false;
+}
+
 }  // namespace KV_CPU_ISA
 }  // namespace kvcache

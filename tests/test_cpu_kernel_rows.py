@@ -110,10 +110,11 @@ def outputs_at(given, attributes, offset):
                          [(0, 0, 1, "float16", 128), (0, 3, 1, "float32", 128), (0, 1, 2, "bfloat16", 128),
                           (8, 0, 1, "float16", 128), (8, 3, 1, "float16", 128), (8, 3, 2, "float16", 128),
                           (8, 3, 1, "float16", 40), (8, 2, 2, "float32", 128), (4, 3, 1, "bfloat16", 128),
-                          (4, 1, 1, "float16", 128)])
+                          (4, 1, 1, "float16", 128), (8, 1, 1, "float32", 128)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, kernel, monkeypatch):
     """Layout 3's quantized rows are streamed head by head where a head row is whole cache lines (64-byte
-    aligned outputs, Dh 128) and token by token otherwise (Dh 40's 80-byte rows, other offsets)."""
+    aligned outputs, Dh 128) and token by token otherwise (Dh 40's 80-byte rows, other offsets); quantized
+    rows are dequantized straight into aligned streamed outputs and through a scratch row into the others."""
     use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim)
     want = reference_result(case.inputs, case.attributes)
