@@ -28,10 +28,10 @@ class RequestRows:
         self.tail = np.zeros((capacity, page_size), np.int64)
         self._free = list(range(capacity - 1, -1, -1))  # a stack: the lowest free row is reused first
 
-    computed = property(lambda self: self.state[:, 0])
-    first_page = property(lambda self: self.state[:, 1])
-    npages = property(lambda self: self.state[:, 2])
-    known_end = property(lambda self: self.state[:, 3])
+    computed = property(lambda self: self.state[:, RequestRows.COMPUTED])
+    first_page = property(lambda self: self.state[:, RequestRows.FIRST_PAGE])
+    npages = property(lambda self: self.state[:, RequestRows.NPAGES])
+    known_end = property(lambda self: self.state[:, RequestRows.KNOWN_END])
 
     def allocate(self) -> int:
         """A row in its empty state (nothing computed, no pages)."""
@@ -47,14 +47,14 @@ class RequestRows:
 
     def pages(self, row: int) -> list:
         """Page ids of the row's retained pages, in position order."""
-        return (self.table[row, :self.state[row, 2]] // self.page_size).tolist()
+        return (self.table[row, :self.state[row, self.NPAGES]] // self.page_size).tolist()
 
     def set_pages(self, row: int, pages: list) -> None:
         """Replaces the row's retained pages (``len(pages) <= max_pages``)."""
         n = len(pages)
         self.table[row, :n] = np.asarray(pages, np.int64) * self.page_size
         self.table[row, n:] = -1
-        self.state[row, 2] = n
+        self.state[row, self.NPAGES] = n
 
     def live_rows(self) -> np.ndarray:
         """Rows that are allocated (tests)."""

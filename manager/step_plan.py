@@ -87,6 +87,7 @@ def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_token
     (``first_slot_pos`` = first retained page * page size). ``fed_tokens`` is a dict or a function
     building it. The arrays passed in must not change later (the lazy ``key_positions`` reads them)."""
     kvlen = end - first_slot_pos
+    kvstarts = starts_of(kvlen)
     if lengths is None:
         seqstarts = np.arange(len(end) + 1, dtype=np.int64)
         start_pos, query_positions = kvlen - 1, end - 1
@@ -96,7 +97,7 @@ def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_token
         start_pos, query_positions = kvlen - lengths, runs(end - lengths, lengths, seqstarts)
         max_seqlen = np.array(np.maximum.reduce(lengths, initial=0), np.int64)
     return StepPlan(
-        request_ids=request_ids, seqstarts=seqstarts, kvstarts=starts_of(kvlen), cachestarts=cachestarts,
+        request_ids=request_ids, seqstarts=seqstarts, kvstarts=kvstarts, cachestarts=cachestarts,
         start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=np.array(np.maximum.reduce(kvlen, initial=0), np.int64),
-        query_positions=query_positions, key_positions=lambda: runs(first_slot_pos, kvlen, starts_of(kvlen)),
+        query_positions=query_positions, key_positions=lambda: runs(first_slot_pos, kvlen, kvstarts),
         fed_tokens=fed_tokens, shift_slots=shift_slots, shift_deltas=shift_deltas)

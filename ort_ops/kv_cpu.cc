@@ -69,6 +69,8 @@ struct Kernel {
 
   // Layout 3 keeps a head's slots contiguous (a slot's heads lie MaxT rows apart).
   bool HeadMajor() const { return p.cache_rows.slot < p.cache_rows.head; }
+  // Layouts 0-2 keep a slot's H heads contiguous, and their scales.
+  bool HeadsAdjacent() const { return p.cache_rows.head == p.head_dim; }
 
   // Per-task scratch rows (RowScratch points into them), each up to one token's H heads.
   struct Scratch {
@@ -88,10 +90,9 @@ struct Kernel {
     const int64_t H = p.heads, D = p.head_dim;
     Scratch scratch = MakeScratch();
     const RowScratch rows = scratch.Rows();
-    // Layouts 0-2 keep a slot's H heads contiguous (and their scales): one row of H * Dh per token and half.
-    // Layout 3 too goes token by token (measured faster than head by head for stores: the source rows of a
-    // token lie together).
-    const bool whole_token = p.cache_rows.head == D;
+    // Heads adjacent in the cache: one row of H * Dh per token and half. Layout 3 too goes token by token
+    // (measured faster than head by head for stores: the source rows of a token lie together).
+    const bool whole_token = HeadsAdjacent();
     ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n) {
       auto store = [&](int kv, int64_t h, int64_t i, int64_t heads) {
         const T* src = static_cast<const T*>(kv ? args.value : args.key) + ((r0 + i) * H + h) * D;
@@ -161,11 +162,17 @@ struct Kernel {
     for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
   }
 
+  // Prefetch of all H heads of a slot: one run where they lie together, else head by head.
+  void PrefetchToken(int kv, int64_t slot) const {
+    if (HeadsAdjacent()) return Prefetch(kv, 0, slot, p.heads);
+    for (int64_t h = 0; h < p.heads; ++h) Prefetch(kv, h, slot, 1);
+  }
+
   // Whether streamed head rows of the outputs are whole cache lines: each is then written in full by its own
   // streaming stores, in any order (a line left half written would cost a slow partial write).
   bool HeadRowsWholeLines() const {
-    const auto aligned = [](const void* out) { return reinterpret_cast<uintptr_t>(out) % 64 == 0; };
-    return aligned(args.out_key) && aligned(args.out_value) && (a.num_repeat * p.head_dim * int64_t(sizeof(T))) % 64 == 0;
+    return OnCacheLine(args.out_key) && OnCacheLine(args.out_value) &&
+           (a.num_repeat * p.head_dim * int64_t(sizeof(T))) % 64 == 0;
   }
 
   void GatherRows(int64_t row_begin, int64_t row_end) const {
@@ -176,14 +183,13 @@ struct Kernel {
     // gathers go token by token: H streams of long rows, which the prefetchers keep up with (measured
     // faster than head by head).
     const bool head_major = HeadMajor() && (!stream || (QBits != 0 && HeadRowsWholeLines()));
-    const bool heads_adjacent = p.cache_rows.head == D;  // a token's heads lie together in the cache
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
     auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
     // Without repeats a token's heads lie together in the output too: in layouts 0-2 a token is then one
     // row of H * Dh elements to copy or dequantize.
-    const bool whole_token = R == 1 && heads_adjacent;
+    const bool whole_token = R == 1 && HeadsAdjacent();
     Scratch scratch = MakeScratch();
     // Token order writes each output in tiles of whole tokens, keys then values (long runs per output).
     const int64_t row_bytes = out_row * int64_t(sizeof(T));
@@ -200,13 +206,7 @@ struct Kernel {
             }
         } else {
           for (int64_t i = 0; i < m; ++i) {
-            if (i0 + i + ahead < count) {
-              if (heads_adjacent) {
-                Prefetch(kv, 0, slots[i0 + i + ahead], H);
-              } else {
-                for (int64_t h = 0; h < H; ++h) Prefetch(kv, h, slots[i0 + i + ahead], 1);
-              }
-            }
+            if (i0 + i + ahead < count) PrefetchToken(kv, slots[i0 + i + ahead]);
             if (whole_token) {
               EmitRows(kv, 0, slots[i0 + i], H, dst + i * out_row, stream, scratch);
             } else {

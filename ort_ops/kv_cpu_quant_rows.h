@@ -173,7 +173,7 @@ template <class T1, class T3, int QBits>
 inline bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
                                   int64_t group, int64_t groups, typename T1::Storage* out) {
 #if KV_AVX512
-  if (group == 8 && groups % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 64 == 0) {
+  if (group == 8 && groups % 16 == 0 && OnCacheLine(out)) {
     for (int64_t g = 0; g < groups; g += 16)
       DequantizeSixteenGroupsOf8<T1, T3, QBits, true>(codes + g * CodeBytes8(QBits), scales + g, out + g * 8);
     return true;

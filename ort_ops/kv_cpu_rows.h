@@ -76,6 +76,9 @@ inline void StoreFloat8(__m256 f, typename T1::Storage* dst) {
 }
 #endif
 
+// Whether address p starts a 64-byte cache line (the unit a 64-byte streaming store writes whole).
+inline bool OnCacheLine(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
+
 // Copies a finished run of output rows. Large outputs use streaming stores (where dst is 16-byte aligned)
 // so they do not first read the destination into the cache (what a plain copy of the same size does too);
 // small outputs stay cached for the attention that reads them next. Callers stream long runs of one
@@ -90,7 +93,7 @@ inline void StoreRow(void* dst, const void* src, size_t bytes, bool stream) {
 #if KV_AVX512
     // Whole cache lines per store: a line is complete in its write-combining buffer at once (measured ~25%
     // more bandwidth on one core than two 32-byte stores per line).
-    for (; reinterpret_cast<uintptr_t>(d) % 64 != 0 && s != end; d += 16, s += 16)
+    for (; !OnCacheLine(d) && s != end; d += 16, s += 16)
       _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
     for (; end - s >= 64; d += 64, s += 64)
       _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
