@@ -29,5 +29,7 @@ struct Codes<4> {
   static const uint8_t* Row(const void* cache, int64_t elem) { return static_cast<const uint8_t*>(cache) + elem / 2; }
 };
 
+constexpr int64_t CodeBytes8(int qbits) { return qbits == 8 ? 8 : 4; }  // bytes of 8 codes
+
 }  // namespace KV_CPU_ISA
 }  // namespace kvcache

@@ -137,8 +137,6 @@ KV_ALWAYS_INLINE __m256i LoadCodes8(const typename Codes<QBits>::Storage* src) {
   }
 }
 
-constexpr int64_t CodeBytes8(int qbits) { return qbits == 8 ? 8 : 4; }  // bytes of 8 codes
-
 // Q of 8 groups of 8 elements (64): their maxima in one transposed reduction, their 8 scales in one division,
 // each group's codes from the vector it was loaded in.
 template <class T1, class T3, int QBits>

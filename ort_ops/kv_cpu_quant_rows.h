@@ -1,8 +1,8 @@
 // Quantized rows of the CPU op: Q of one (token, head) row into codes and scales, and DQ of one row, exactly
 // as spec/KeyValueCache.md "Quantization" (float32, the stored scale used to quantize, IEEE division, round
-// half to even). Compiled once per instruction set like kv_cpu_rows.h: the AVX2 and AVX-512 paths
-// (kv_cpu_quant_avx2.h, kv_cpu_quant_avx512.h) and the portable loops here compute the same bits, and tests
-// run every build against the reference. The portable loops are written branch-free so that compilers vectorize them.
+// half to even). Compiled once per instruction set like kv_cpu_rows.h: the AVX2, AVX-512 and (generic build
+// on x86-64) SSE2 paths (kv_cpu_quant_avx2.h, kv_cpu_quant_avx512.h, kv_cpu_quant_sse2.h) and the portable
+// loops here compute the same bits, and tests run every build against the reference. The portable loops are written branch-free so that compilers vectorize them.
 #pragma once
 
 #include <cstdint>
@@ -11,6 +11,7 @@
 #include "kv_cpu_codes.h"
 #include "kv_cpu_quant_avx2.h"
 #include "kv_cpu_quant_avx512.h"
+#include "kv_cpu_quant_sse2.h"
 #include "kv_cpu_rows.h"
 #include "kv_quant.h"
 #include "kv_types.h"
@@ -128,6 +129,16 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
     }
     return;
   }
+#elif KV_SSE2_ONLY
+  if (group == 8) {
+    const int64_t whole = groups / 4 * 4;  // the last groups (fewer than 4) take the portable loops
+    for (int64_t g = 0; g < whole; g += 4)
+      QuantizeFourGroupsOf8<T1, T3, QBits>(src + g * 8, codes + g * CodeBytes8(QBits), scales + g);
+    if (whole < groups)
+      QuantizeRowPortable<T1, T3, QBits>(src + whole * 8, n - whole * 8, group, groups - whole,
+                                         codes + whole * CodeBytes8(QBits), scales + whole, scratch);
+    return;
+  }
 #endif
   QuantizeRowPortable<T1, T3, QBits>(src, n, group, groups, codes, scales, scratch);
 }
@@ -160,6 +171,11 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
   if (group % 8 == 0 || (n % 8 == 0 && 8 % group == 0)) {
     ToFloatRow<T3>(scales, scratch.sf, groups);
     DequantizeSpread<T1, QBits>(codes, scratch.sf, n, group, groups, out);
+    return;
+  }
+#elif KV_SSE2_ONLY
+  if (group % 8 == 0) {
+    DequantizeGroupsSse2<T1, T3, QBits>(codes, scales, group, groups, out);
     return;
   }
 #endif

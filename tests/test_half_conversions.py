@@ -3,8 +3,9 @@ bit against independent oracles over every input: all 2^32 float32 bit patterns 
 65536 float16 and bfloat16 patterns to float32.
 
 The conversions are compiled into a small library with the CPU kernel's flags (IEEE arithmetic, no contraction,
--O3: vectorized as in the kernel's loops) and, scalar, with the CUDA host runner's (-O1; on a quarter of the
-float32 patterns and every range boundary, as it is several times slower). Oracles: numpy's float32 -> float16
+-O3: vectorized as in the kernel's loops), scalar with the CUDA host runner's (-O1; on a quarter of the float32
+patterns and every range boundary, as it is several times slower), and, on x86-64, the eight-at-a-time SSE2
+conversions of ort_ops/kv_sse2_convert.h that the generic CPU build uses. Oracles: numpy's float32 -> float16
 cast (IEEE round to nearest even) where it is fast, float64 rounding of the scaled value for the float16
 subnormal range, the IEEE rule itself (0 / inf) where every input of a range gives one result, and integer
 round-to-nearest-even on the bits for bfloat16. NaN inputs are compared with the rule the kernels follow: the
@@ -14,6 +15,7 @@ from float16 to float32.
 
 import ctypes
 import pathlib
+import platform
 
 import numpy as np
 import pytest
@@ -21,10 +23,12 @@ from native_build import build_library
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/half_conversions.cc"
-HEADER = ROOT / "ort_ops/kv_types.h"
+HEADERS = [ROOT / "ort_ops/kv_types.h", ROOT / "ort_ops/kv_sse2_convert.h"]
 STRICT = ["-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-fast-math",
           f"-I{ROOT / 'ort_ops'}"]
 BUILDS = {"kernel": ["-O3", "-fno-trapping-math"], "runner": ["-O1"]}
+if platform.machine().lower() in ("x86_64", "amd64"):  # SSE2 is part of x86-64: every such compiler has it
+    BUILDS["sse2"] = ["-O3", "-fno-trapping-math", "-DHALF_CONVERSIONS_SSE2"]
 
 CHUNK = 1 << 20  # float32 patterns per step; every range boundary below is a multiple of it
 SIGN = 0x80000000
@@ -63,7 +67,7 @@ def builds(request, tmp_path_factory):
     """Each build's conversions, by name: the oracles are computed once for all of them."""
     cache = getattr(request.config, "cache", None)  # reuse a build across runs when pytest's cache is on
     folder = cache.mkdir("half_conversions") if cache else tmp_path_factory.mktemp("half_conversions")
-    return {name: Conversions(build_library(f"half_conversions-{name}", [SOURCE], [HEADER], STRICT + flags, folder))
+    return {name: Conversions(build_library(f"half_conversions-{name}", [SOURCE], HEADERS, STRICT + flags, folder))
             for name, flags in BUILDS.items()}
 
 
