@@ -180,9 +180,9 @@ struct Kernel {
     // Layout 3 keeps a head's slots together. Its quantized gathers walk it head by head over the task's
     // rows (whole pages): two short streams at a time (codes and scales) rather than 4H per token. Streamed
     // outputs need head rows of whole cache lines for that, else they go token by token. Its unquantized
-    // gathers go token by token: H streams of long rows, which the prefetchers keep up with (measured
-    // faster than head by head).
-    const bool head_major = HeadMajor() && (!stream || (QBits != 0 && HeadRowsWholeLines()));
+    // gathers go token by token, streamed or not: H streams of long rows, which the prefetchers keep up with
+    // (measured faster than head by head).
+    const bool head_major = HeadMajor() && QBits != 0 && (!stream || HeadRowsWholeLines());
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
