@@ -35,16 +35,26 @@ inline Float8 LoadFloat8Sse2(const typename T1::Storage* src) {
   }
 }
 
-// T1(f) for 8 floats, stored at dst.
-template <class T1>
+// 16 bytes to dst (16-byte aligned where Stream: then with a streaming store).
+template <bool Stream>
+inline void Store16(void* dst, __m128i v) {
+  if constexpr (Stream) {
+    _mm_stream_si128(static_cast<__m128i*>(dst), v);
+  } else {
+    _mm_storeu_si128(static_cast<__m128i*>(dst), v);
+  }
+}
+
+// T1(f) for 8 floats, stored at dst (Stream: see Store16).
+template <class T1, bool Stream = false>
 inline void StoreFloat8Sse2(Float8 f, typename T1::Storage* dst) {
   if constexpr (T1::kElem == Elem::kFloat32) {
-    _mm_storeu_ps(dst, f.low);
-    _mm_storeu_ps(dst + 4, f.high);
+    Store16<Stream>(dst, _mm_castps_si128(f.low));
+    Store16<Stream>(dst + 4, _mm_castps_si128(f.high));
   } else if constexpr (T1::kElem == Elem::kFloat16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), sse2::HalvesFromFloats(f));
+    Store16<Stream>(dst, sse2::HalvesFromFloats(f));
   } else {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), sse2::BFloat16sFromFloats(f));
+    Store16<Stream>(dst, sse2::BFloat16sFromFloats(f));
   }
 }
 
@@ -87,9 +97,19 @@ inline __m128 Broadcast(__m128 v) {
   return _mm_shuffle_ps(v, v, J * 0x55);
 }
 
+// Whether all four scales lie in [2^-14, 256]. Then every product of a code (|c| <= 128) and a scale, rounded
+// to float32, is 0 or a normal float16 of at most 32768 (|c * s| >= s >= 2^-14 for c != 0), and scaling scale
+// and product by 2^-112 commutes with their rounding (every value stays a normal float32): the float16 bits
+// come from sse2::HalvesFromRebiasedNormals. Any other scale (subnormal, huge, negative, NaN) takes the full
+// conversion.
+inline bool RebiasedScalesFit(__m128 s) {
+  const __m128 fit = _mm_and_ps(_mm_cmpge_ps(s, _mm_set1_ps(0x1p-14f)), _mm_cmple_ps(s, _mm_set1_ps(256.0f)));
+  return _mm_movemask_ps(fit) == 0xf;
+}
+
 // DQ of `groups` groups of `group` codes (a multiple of 8) into out: four groups of 8 per step where group is
-// 8, one group per step otherwise.
-template <class T1, class T3, int QBits>
+// 8, one group per step otherwise. Stream: out is 16-byte aligned and written with streaming stores.
+template <class T1, class T3, int QBits, bool Stream = false>
 inline void DequantizeGroupsSse2(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
                                  int64_t group, int64_t groups, typename T1::Storage* out) {
   int64_t g = 0;
@@ -98,16 +118,27 @@ inline void DequantizeGroupsSse2(const typename Codes<QBits>::Storage* codes, co
       const __m128 s = LoadScales4<T3>(scales + g);
       const auto* c = codes + g * CodeBytes8(QBits);
       typename T1::Storage* o = out + g * 8;
-      StoreFloat8Sse2<T1>(Scaled(LoadCodes8Sse2<QBits>(c), Broadcast<0>(s)), o);
-      StoreFloat8Sse2<T1>(Scaled(LoadCodes8Sse2<QBits>(c + CodeBytes8(QBits)), Broadcast<1>(s)), o + 8);
-      StoreFloat8Sse2<T1>(Scaled(LoadCodes8Sse2<QBits>(c + 2 * CodeBytes8(QBits)), Broadcast<2>(s)), o + 16);
-      StoreFloat8Sse2<T1>(Scaled(LoadCodes8Sse2<QBits>(c + 3 * CodeBytes8(QBits)), Broadcast<3>(s)), o + 24);
+      if constexpr (T1::kElem == Elem::kFloat16) {
+        if (RebiasedScalesFit(s)) {
+          const __m128 r = _mm_mul_ps(s, sse2::RebiasFactor());  // exact: s is normal, and so is s * 2^-112
+          auto store = [&](int j, __m128 rj) {
+            const __m128i h = sse2::HalvesFromRebiasedNormals(Scaled(LoadCodes8Sse2<QBits>(c + j * CodeBytes8(QBits)), rj));
+            Store16<Stream>(o + 8 * j, h);
+          };
+          store(0, Broadcast<0>(r)), store(1, Broadcast<1>(r)), store(2, Broadcast<2>(r)), store(3, Broadcast<3>(r));
+          continue;
+        }
+      }
+      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c), Broadcast<0>(s)), o);
+      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c + CodeBytes8(QBits)), Broadcast<1>(s)), o + 8);
+      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c + 2 * CodeBytes8(QBits)), Broadcast<2>(s)), o + 16);
+      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c + 3 * CodeBytes8(QBits)), Broadcast<3>(s)), o + 24);
     }
   }
   for (; g < groups; ++g) {
     const __m128 s = _mm_set1_ps(T3::ToFloat(scales[g]));
     for (int64_t i = g * group; i < (g + 1) * group; i += 8)
-      StoreFloat8Sse2<T1>(Scaled(LoadCodes8Sse2<QBits>(codes + i / 8 * CodeBytes8(QBits)), s), out + i);
+      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(codes + i / 8 * CodeBytes8(QBits)), s), out + i);
   }
 }
 

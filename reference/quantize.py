@@ -35,9 +35,9 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, quant_group: int, out_dtype
     """``float32(code) * float32(scale)`` per group, then one rounding to ``out_dtype``."""
     c32 = np.asarray(codes).astype(np.float32)
     groups = c32.reshape(*c32.shape[:-1], c32.shape[-1] // quant_group, quant_group)
-    with np.errstate(over="ignore", invalid="ignore"):  # 0 * inf = NaN is the defined result
+    with np.errstate(over="ignore", invalid="ignore"):  # 0 * inf = NaN and overflow to inf are defined results
         values = groups * np.asarray(scale).astype(np.float32)[..., None]
-    return values.reshape(c32.shape).astype(out_dtype)
+        return values.reshape(c32.shape).astype(out_dtype)
 
 
 def pack_int4(codes: np.ndarray) -> np.ndarray:

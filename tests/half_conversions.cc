@@ -77,4 +77,17 @@ void kv_bfloat16_to_float(uint32_t first, uint32_t* out, int64_t n) {
     out[i] = kvcache::FloatBits(kvcache::BFloat16ToFloat(static_cast<uint16_t>(first + static_cast<uint32_t>(i))));
 }
 
+#if defined(HALF_CONVERSIONS_SSE2)
+// out[i] = sse2::HalvesFromRebiasedNormals of (the float32 with bits first + i) * 2^-112, i < n, n a multiple of 8:
+// FloatToHalf of that float where it is 0 or of magnitude in [2^-14, 32768].
+void kv_rebiased_float_to_half(uint32_t first, uint16_t* out, int64_t n) {
+  for (int64_t i = 0; i + 8 <= n; i += 8) {
+    const kvcache::sse2::Float8 v = Floats8(first + static_cast<uint32_t>(i));
+    const __m128 r = kvcache::sse2::RebiasFactor();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     kvcache::sse2::HalvesFromRebiasedNormals({_mm_mul_ps(v.low, r), _mm_mul_ps(v.high, r)}));
+  }
+}
+#endif
+
 }  // extern "C"

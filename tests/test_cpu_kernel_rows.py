@@ -24,11 +24,12 @@ TYPES = [(t1, t3) for t1 in ("float32", "float16", "bfloat16") for t3 in ("float
 def special_rows(rng, shape, group, quant_bit, dtype):
     """Rows of ``shape`` (tokens, H, Dh) whose groups are each of one kind: plain, exact ties of the quotient
     (max |x| = qmax * 2^e, the rest (k + 1/2) * 2^e), zeros and -0, subnormal-small, huge (a float16 scale
-    overflows), one NaN, one infinity, one large element among small ones."""
+    overflows), one NaN, one infinity, one large element among small ones, small enough for the smallest
+    scale (dequantized values then float16 subnormals)."""
     qmax = QMAX[quant_bit]
     x = (rng.standard_normal(shape) * 3).astype(np.float32)
     groups = x.reshape(-1, group)
-    for g, kind in zip(groups, rng.integers(0, 8, len(groups))):
+    for g, kind in zip(groups, rng.integers(0, 9, len(groups))):
         at = rng.integers(group)
         if kind == 1:
             step = np.float32(2.0 ** int(rng.integers(-10, 4)))
@@ -47,6 +48,8 @@ def special_rows(rng, shape, group, quant_bit, dtype):
         elif kind == 7:
             g *= np.float32(1e-3)
             g[at] = np.float32(50)
+        elif kind == 8:
+            g *= np.float32(1e-4)
     with np.errstate(over="ignore"):  # huge values overflow float16 inputs to inf: one more kind of row
         return x.astype(dtype)
 
@@ -63,6 +66,12 @@ def special_case(quant_bit, head_dim, group, t1, t3, index):
     cache = case.inputs["cache"]  # codes the op never writes, read by the loads: -128 and -8 included
     low = np.array(-128 if quant_bit == 8 else -8).astype(cache.dtype)
     cache.reshape(-1)[rng.integers(0, cache.size, cache.size // 10)] = low
+    scale = case.inputs["scale"]  # and scales around every edge of a fast path: float16 subnormals, 2^-14,
+    # products near float16's largest value and past it (with -128), inf, NaN, negative
+    edges = np.array([6e-8, 1e-5, 2.0**-14 * 0.999, 2.0**-14, 255.9, 256, 256.2, 511.7, 511.8, 515.9, 520, 65504,
+                      np.inf, np.nan, -0.5, -300], np.float32)
+    with np.errstate(over="ignore"):
+        scale.reshape(-1)[rng.integers(0, scale.size, scale.size // 4)] = rng.choice(edges, scale.size // 4).astype(scale.dtype)
     return case
 
 

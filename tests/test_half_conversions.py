@@ -41,15 +41,19 @@ RUNNER_EVERY = 4
 
 
 class Conversions:
-    """The four conversions of tests/half_conversions.cc in one build."""
+    """The conversions of tests/half_conversions.cc in one build: the four every build has, and the SSE2
+    build's shortcut for dequantized float16."""
 
     OUTPUTS = {"kv_float_to_half": np.uint16, "kv_float_to_bfloat16": np.uint16, "kv_half_to_float": np.uint32,
-               "kv_bfloat16_to_float": np.uint32}
+               "kv_bfloat16_to_float": np.uint32, "kv_rebiased_float_to_half": np.uint16}
+    SSE2_ONLY = {"kv_rebiased_float_to_half"}
 
-    def __init__(self, path: pathlib.Path):
+    def __init__(self, path: pathlib.Path, sse2: bool):
         lib = ctypes.CDLL(str(path))
         self.functions = {}
         for name in self.OUTPUTS:
+            if name in self.SSE2_ONLY and not sse2:
+                continue
             fn = getattr(lib, name)
             fn.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_int64]
             fn.restype = None
@@ -67,7 +71,8 @@ def builds(request, tmp_path_factory):
     """Each build's conversions, by name: the oracles are computed once for all of them."""
     cache = getattr(request.config, "cache", None)  # reuse a build across runs when pytest's cache is on
     folder = cache.mkdir("half_conversions") if cache else tmp_path_factory.mktemp("half_conversions")
-    return {name: Conversions(build_library(f"half_conversions-{name}", [SOURCE], HEADERS, STRICT + flags, folder))
+    return {name: Conversions(build_library(f"half_conversions-{name}", [SOURCE], HEADERS, STRICT + flags, folder),
+                              sse2=name == "sse2")
             for name, flags in BUILDS.items()}
 
 
@@ -123,6 +128,22 @@ def test_float16_oracle_agrees_with_numpy_on_a_sample_of_every_range():
 def test_float_to_half_on_every_float32(builds):
     for first in range(0, 1 << 31, CHUNK):
         assert_both_signs(builds, "kv_float_to_half", first, float16_expected(first))
+
+
+F16_REBIASED_END = 0x47000000  # 32768: the largest magnitude sse2::HalvesFromRebiasedNormals takes
+
+
+@pytest.mark.skipif("sse2" not in BUILDS, reason="SSE2 conversions exist on x86-64 only")
+def test_rebiased_float_to_half_on_its_whole_domain(builds):
+    """HalvesFromRebiasedNormals (dequantization's shortcut for float16 outputs) against the same oracle, over
+    every float32 it may be given: zero and every magnitude from 2^-14 to 32768, both signs."""
+    sse2 = builds["sse2"]
+    for first in range(F16_NORMAL_START, F16_REBIASED_END, CHUNK):
+        expected = float16_expected(first)
+        assert np.array_equal(sse2("kv_rebiased_float_to_half", first, CHUNK), expected), hex(first)
+        assert np.array_equal(sse2("kv_rebiased_float_to_half", first | SIGN, CHUNK), expected | 0x8000), hex(first)
+    for edge, half in ((0, 0), (SIGN, 0x8000), (F16_REBIASED_END, 0x7800), (F16_REBIASED_END | SIGN, 0xF800)):
+        assert sse2("kv_rebiased_float_to_half", edge, 8)[0] == half, hex(edge)
 
 
 # Rounding to nearest even of a float32 to its top 16 bits: up by one where the dropped half is above the
