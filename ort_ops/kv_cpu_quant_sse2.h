@@ -25,7 +25,7 @@ using sse2::Float8;
 
 // float(src[0..8)) of a T1 row (exact).
 template <class T1>
-inline Float8 LoadFloat8Sse2(const typename T1::Storage* src) {
+KV_SSE2_INLINE Float8 LoadFloat8Sse2(const typename T1::Storage* src) {
   if constexpr (T1::kElem == Elem::kFloat32) {
     return {_mm_loadu_ps(src), _mm_loadu_ps(src + 4)};
   } else {
@@ -37,7 +37,7 @@ inline Float8 LoadFloat8Sse2(const typename T1::Storage* src) {
 
 // 16 bytes to dst (16-byte aligned where Stream: then with a streaming store).
 template <bool Stream>
-inline void Store16(void* dst, __m128i v) {
+KV_SSE2_INLINE void Store16(void* dst, __m128i v) {
   if constexpr (Stream) {
     _mm_stream_si128(static_cast<__m128i*>(dst), v);
   } else {
@@ -47,7 +47,7 @@ inline void Store16(void* dst, __m128i v) {
 
 // T1(f) for 8 floats, stored at dst (Stream: see Store16).
 template <class T1, bool Stream = false>
-inline void StoreFloat8Sse2(Float8 f, typename T1::Storage* dst) {
+KV_SSE2_INLINE void StoreFloat8Sse2(Float8 f, typename T1::Storage* dst) {
   if constexpr (T1::kElem == Elem::kFloat32) {
     Store16<Stream>(dst, _mm_castps_si128(f.low));
     Store16<Stream>(dst + 4, _mm_castps_si128(f.high));
@@ -60,7 +60,7 @@ inline void StoreFloat8Sse2(Float8 f, typename T1::Storage* dst) {
 
 // float(scales[0..4)) of four T3 scales (exact).
 template <class T3>
-inline __m128 LoadScales4(const typename T3::Storage* scales) {
+KV_SSE2_INLINE __m128 LoadScales4(const typename T3::Storage* scales) {
   if constexpr (T3::kElem == Elem::kFloat32) {
     return _mm_loadu_ps(scales);
   } else {
@@ -71,7 +71,7 @@ inline __m128 LoadScales4(const typename T3::Storage* scales) {
 
 // The codes of 8 elements as floats: from 8 int8 codes, or from 4 bytes of int4 pairs.
 template <int QBits>
-inline Float8 LoadCodes8Sse2(const typename Codes<QBits>::Storage* src) {
+KV_SSE2_INLINE Float8 LoadCodes8Sse2(const typename Codes<QBits>::Storage* src) {
   __m128i c16;  // the 8 codes as int16
   if constexpr (QBits == 8) {
     const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src));
@@ -89,11 +89,11 @@ inline Float8 LoadCodes8Sse2(const typename Codes<QBits>::Storage* src) {
           _mm_cvtepi32_ps(_mm_srai_epi32(_mm_unpackhi_epi16(c16, c16), 16))};
 }
 
-inline Float8 Scaled(Float8 v, __m128 s) { return {_mm_mul_ps(v.low, s), _mm_mul_ps(v.high, s)}; }
+KV_SSE2_INLINE Float8 Scaled(Float8 v, __m128 s) { return {_mm_mul_ps(v.low, s), _mm_mul_ps(v.high, s)}; }
 
 // Lane J of v in all four lanes.
 template <int J>
-inline __m128 Broadcast(__m128 v) {
+KV_SSE2_INLINE __m128 Broadcast(__m128 v) {
   return _mm_shuffle_ps(v, v, J * 0x55);
 }
 
@@ -102,7 +102,7 @@ inline __m128 Broadcast(__m128 v) {
 // and product by 2^-112 commutes with their rounding (every value stays a normal float32): the float16 bits
 // come from sse2::HalvesFromRebiasedNormals. Any other scale (subnormal, huge, negative, NaN) takes the full
 // conversion.
-inline bool RebiasedScalesFit(__m128 s) {
+KV_SSE2_INLINE bool RebiasedScalesFit(__m128 s) {
   const __m128 fit = _mm_and_ps(_mm_cmpge_ps(s, _mm_set1_ps(0x1p-14f)), _mm_cmple_ps(s, _mm_set1_ps(256.0f)));
   return _mm_movemask_ps(fit) == 0xf;
 }
@@ -121,7 +121,7 @@ inline void DequantizeGroupsSse2(const typename Codes<QBits>::Storage* codes, co
       if constexpr (T1::kElem == Elem::kFloat16) {
         if (RebiasedScalesFit(s)) {
           const __m128 r = _mm_mul_ps(s, sse2::RebiasFactor());  // exact: s is normal, and so is s * 2^-112
-          auto store = [&](int j, __m128 rj) {
+          auto store = [&](int j, __m128 rj) __attribute__((always_inline)) {
             const __m128i h = sse2::HalvesFromRebiasedNormals(Scaled(LoadCodes8Sse2<QBits>(c + j * CodeBytes8(QBits)), rj));
             Store16<Stream>(o + 8 * j, h);
           };
@@ -143,7 +143,7 @@ inline void DequantizeGroupsSse2(const typename Codes<QBits>::Storage* codes, co
 }
 
 // Lane-wise max of two int32 vectors (signed compare; SSE2 has no pmaxsd).
-inline __m128i MaxInt32(__m128i a, __m128i b) {
+KV_SSE2_INLINE __m128i MaxInt32(__m128i a, __m128i b) {
   const __m128i a_greater = _mm_cmpgt_epi32(a, b);
   return _mm_or_si128(_mm_and_si128(a_greater, a), _mm_andnot_si128(a_greater, b));
 }
@@ -152,7 +152,7 @@ inline __m128i MaxInt32(__m128i a, __m128i b) {
 // Masked (callers that know the scales finite skip it: a quotient by a finite scale is NaN only for a NaN x,
 // whose group's scale is then NaN).
 template <bool Masked>
-inline __m128i QuantizeCodes4(__m128 x, __m128 s, float qmax) {
+KV_SSE2_INLINE __m128i QuantizeCodes4(__m128 x, __m128 s, float qmax) {
   const __m128 q = _mm_div_ps(x, s);  // IEEE division, as the portable path
   const __m128 round = _mm_set1_ps(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds half to even
   __m128 r = _mm_min_ps(_mm_max_ps(q, _mm_set1_ps(-qmax)), _mm_set1_ps(qmax));
@@ -162,13 +162,13 @@ inline __m128i QuantizeCodes4(__m128 x, __m128 s, float qmax) {
 }
 
 // The 16 codes of two groups of 8 (int32 lanes, in [-127, 127]) as 16 int8 bytes.
-inline __m128i CodeBytes16(const __m128i* c) {
+KV_SSE2_INLINE __m128i CodeBytes16(const __m128i* c) {
   return _mm_packs_epi16(_mm_packs_epi32(c[0], c[1]), _mm_packs_epi32(c[2], c[3]));
 }
 
 // Q of 4 groups of 8 elements (32): their maxima in one transposed reduction, their 4 scales in one division.
 template <class T1, class T3, int QBits, bool Masked>
-inline void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename Codes<QBits>::Storage* codes) {
+KV_SSE2_INLINE void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename Codes<QBits>::Storage* codes) {
   constexpr float qmax = Codes<QBits>::kMax;
   __m128i c[8];
   const __m128 sj[4] = {Broadcast<0>(s), Broadcast<1>(s), Broadcast<2>(s), Broadcast<3>(s)};
@@ -182,7 +182,7 @@ inline void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename Codes<QBi
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + 16), second);
   } else {
     // Per int16 lane: code 2i in the low byte, 2i+1 in the high byte -> low nibble | high nibble << 4.
-    auto nibbles = [](__m128i v) {
+    auto nibbles = [](__m128i v) __attribute__((always_inline)) {
       return _mm_or_si128(_mm_and_si128(v, _mm_set1_epi16(0x0f)), _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi16(0xf0)));
     };
     _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(nibbles(first), nibbles(second)));
@@ -191,7 +191,7 @@ inline void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename Codes<QBi
 
 // Q of 4 groups of 8 elements: codes to `codes`, the 4 scales to `scales`.
 template <class T1, class T3, int QBits>
-inline void QuantizeFourGroupsOf8(const typename T1::Storage* src, typename Codes<QBits>::Storage* codes,
+KV_SSE2_INLINE void QuantizeFourGroupsOf8(const typename T1::Storage* src, typename Codes<QBits>::Storage* codes,
                                   typename T3::Storage* scales) {
   const __m128i abs_mask = _mm_set1_epi32(static_cast<int32_t>(kAbsMask));
   Float8 x[4];

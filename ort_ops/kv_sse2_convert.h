@@ -10,6 +10,9 @@
 
 #include <cstdint>
 
+// Always inlined: called per vector from the kernels' loops, whose constants and registers they share.
+#define KV_SSE2_INLINE inline __attribute__((always_inline))
+
 namespace kvcache {
 namespace sse2 {
 
@@ -19,11 +22,11 @@ struct Float8 {
 };
 
 // The four int32 lanes sign-extended from bits 16..31 of each: packs of them keep every value (the top halves).
-inline __m128i TopHalves(__m128i a, __m128i b) { return _mm_packs_epi32(_mm_srai_epi32(a, 16), _mm_srai_epi32(b, 16)); }
+KV_SSE2_INLINE __m128i TopHalves(__m128i a, __m128i b) { return _mm_packs_epi32(_mm_srai_epi32(a, 16), _mm_srai_epi32(b, 16)); }
 
 // Magnitude bits of a float32 (sign cleared) -> float16 magnitude bits, in int32 lanes: exact below 65520 (as
 // FloatToHalf), a value above 0x7c00 for anything larger (the caller saturates it to inf and marks NaN).
-inline __m128i HalfMagnitude(__m128i f) {
+KV_SSE2_INLINE __m128i HalfMagnitude(__m128i f) {
   // Normal halves: rebias the exponent and round the 13 dropped bits to nearest even.
   const __m128i odd = _mm_and_si128(_mm_srli_epi32(f, 13), _mm_set1_epi32(1));
   const __m128i normal = _mm_srli_epi32(
@@ -37,7 +40,7 @@ inline __m128i HalfMagnitude(__m128i f) {
 }
 
 // FloatToHalf of eight floats, as eight uint16 lanes.
-inline __m128i HalvesFromFloats(Float8 v) {
+KV_SSE2_INLINE __m128i HalvesFromFloats(Float8 v) {
   const __m128i abs_mask = _mm_set1_epi32(0x7fffffff), inf = _mm_set1_epi32(0x7f800000);
   const __m128i a = _mm_castps_si128(v.low), b = _mm_castps_si128(v.high);
   const __m128i fa = _mm_and_si128(a, abs_mask), fb = _mm_and_si128(b, abs_mask);
@@ -53,10 +56,10 @@ inline __m128i HalvesFromFloats(Float8 v) {
 // a normal float16 or zero, far from overflow. Scaled so, a value's exponent field is already its float16
 // exponent, and dropping 13 bits rounded to nearest even gives its float16 bits: half the work of
 // HalvesFromFloats, for dequantization with scales known in range.
-inline __m128i HalvesFromRebiasedNormals(Float8 v) {
+KV_SSE2_INLINE __m128i HalvesFromRebiasedNormals(Float8 v) {
   const __m128i abs_mask = _mm_set1_epi32(0x7fffffff);
   const __m128i a = _mm_castps_si128(v.low), b = _mm_castps_si128(v.high);
-  auto magnitude = [&](__m128i u) {
+  auto magnitude = [&](__m128i u) __attribute__((always_inline)) {
     const __m128i f = _mm_and_si128(u, abs_mask);
     const __m128i odd = _mm_and_si128(_mm_srli_epi32(f, 13), _mm_set1_epi32(1));
     return _mm_srli_epi32(_mm_add_epi32(_mm_add_epi32(f, _mm_set1_epi32(0xfff)), odd), 13);
@@ -66,10 +69,10 @@ inline __m128i HalvesFromRebiasedNormals(Float8 v) {
 }
 
 // 2^-112 as a float: the factor HalvesFromRebiasedNormals expects its values scaled by.
-inline __m128 RebiasFactor() { return _mm_castsi128_ps(_mm_set1_epi32(0x07800000)); }
+KV_SSE2_INLINE __m128 RebiasFactor() { return _mm_castsi128_ps(_mm_set1_epi32(0x07800000)); }
 
 // HalfToFloat of four float16 values in the low 16 bits of each int32 lane (upper bits zero).
-inline __m128 FloatsFromHalves4(__m128i h) {
+KV_SSE2_INLINE __m128 FloatsFromHalves4(__m128i h) {
   const __m128i magnitude = _mm_and_si128(h, _mm_set1_epi32(0x7fff));
   // The magnitude's bits moved to a float32's place stand for the value times 2^-112, normal or subnormal:
   // multiplying by 2^112 is exact. inf and NaN (0x7c00 and up) get the all-ones exponent, payload kept.
@@ -81,13 +84,13 @@ inline __m128 FloatsFromHalves4(__m128i h) {
 }
 
 // HalfToFloat of eight float16 values (uint16 lanes).
-inline Float8 FloatsFromHalves(__m128i h) {
+KV_SSE2_INLINE Float8 FloatsFromHalves(__m128i h) {
   const __m128i zero = _mm_setzero_si128();
   return {FloatsFromHalves4(_mm_unpacklo_epi16(h, zero)), FloatsFromHalves4(_mm_unpackhi_epi16(h, zero))};
 }
 
 // FloatToBFloat16 of four floats, in int32 lanes (the bfloat16 in the top 16 bits).
-inline __m128i BFloat16Words(__m128 v) {
+KV_SSE2_INLINE __m128i BFloat16Words(__m128 v) {
   const __m128i u = _mm_castps_si128(v);
   const __m128i nan = _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
   const __m128i rounded =
@@ -97,10 +100,10 @@ inline __m128i BFloat16Words(__m128 v) {
 }
 
 // FloatToBFloat16 of eight floats, as eight uint16 lanes.
-inline __m128i BFloat16sFromFloats(Float8 v) { return TopHalves(BFloat16Words(v.low), BFloat16Words(v.high)); }
+KV_SSE2_INLINE __m128i BFloat16sFromFloats(Float8 v) { return TopHalves(BFloat16Words(v.low), BFloat16Words(v.high)); }
 
 // BFloat16ToFloat of eight bfloat16 values (uint16 lanes): each is a float32's top half.
-inline Float8 FloatsFromBFloat16s(__m128i b) {
+KV_SSE2_INLINE Float8 FloatsFromBFloat16s(__m128i b) {
   const __m128i zero = _mm_setzero_si128();
   return {_mm_castsi128_ps(_mm_unpacklo_epi16(zero, b)), _mm_castsi128_ps(_mm_unpackhi_epi16(zero, b))};
 }
