@@ -183,8 +183,8 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
 }
 
 // DQ of one row straight into out with streaming stores, where this build can: AVX-512, groups of 8, a
-// multiple of 16 groups, out on a cache line; the generic build on x86-64, groups of a multiple of 8, out
-// 16-byte aligned. Returns false, having written nothing, elsewhere. Saves the round trip through a scratch
+// multiple of 16 groups, out on a cache line; AVX2, groups of 8, a multiple of 8 groups, out 32-byte aligned;
+// the generic build on x86-64, groups of a multiple of 8, out 16-byte aligned. Returns false, having written nothing, elsewhere. Saves the round trip through a scratch
 // row that a streamed copy would take.
 template <class T1, class T3, int QBits>
 inline bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
@@ -193,6 +193,12 @@ inline bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, c
   if (group == 8 && groups % 16 == 0 && OnCacheLine(out)) {
     for (int64_t g = 0; g < groups; g += 16)
       DequantizeSixteenGroupsOf8<T1, T3, QBits, true>(codes + g * CodeBytes8(QBits), scales + g, out + g * 8);
+    return true;
+  }
+#elif KV_SIMD
+  if (group == 8 && groups % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 32 == 0) {
+    for (int64_t g = 0; g < groups; g += 8)
+      DequantizeEightGroupsOf8Streamed<T1, QBits>(codes + g * CodeBytes8(QBits), LoadFloat8<T3>(scales + g), out + g * 8);
     return true;
   }
 #elif KV_SSE2_ONLY

@@ -57,21 +57,28 @@ inline __m256 LoadFloat8(const typename T1::Storage* src) {
   }
 }
 
-// T1(f) for 8 floats, stored at dst (round to nearest even; bfloat16 NaN kept quiet).
+// The float16 / bfloat16 bits of 8 floats (round to nearest even; bfloat16 NaN kept quiet).
 template <class T1>
-inline void StoreFloat8(__m256 f, typename T1::Storage* dst) {
-  if constexpr (T1::kElem == Elem::kFloat32) {
-    _mm256_storeu_ps(dst, f);
-  } else if constexpr (T1::kElem == Elem::kFloat16) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+inline __m128i HalfBits8(__m256 f) {
+  if constexpr (T1::kElem == Elem::kFloat16) {
+    return _mm256_cvtps_ph(f, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   } else {
     const __m256i u = _mm256_castps_si256(f);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
     const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
     const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
     const __m256i bits = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(f, f, _CMP_UNORD_Q)));
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0x08));
+  }
+}
+
+// T1(f) for 8 floats, stored at dst.
+template <class T1>
+inline void StoreFloat8(__m256 f, typename T1::Storage* dst) {
+  if constexpr (T1::kElem == Elem::kFloat32) {
+    _mm256_storeu_ps(dst, f);
+  } else {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), HalfBits8<T1>(f));
   }
 }
 #endif
