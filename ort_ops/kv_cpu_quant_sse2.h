@@ -166,8 +166,8 @@ KV_SSE2_INLINE __m128i CodeBytes16(const __m128i* c) {
   return _mm_packs_epi16(_mm_packs_epi32(c[0], c[1]), _mm_packs_epi32(c[2], c[3]));
 }
 
-// Q of 4 groups of 8 elements (32): their maxima in one transposed reduction, their 4 scales in one division.
-template <class T1, class T3, int QBits, bool Masked>
+// The codes of 4 groups of 8 elements x whose scales are the lanes of s: 32 int8, or 16 bytes of int4 pairs.
+template <int QBits, bool Masked>
 KV_SSE2_INLINE void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename Codes<QBits>::Storage* codes) {
   constexpr float qmax = Codes<QBits>::kMax;
   __m128i c[8];
@@ -189,10 +189,11 @@ KV_SSE2_INLINE void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename C
   }
 }
 
-// Q of 4 groups of 8 elements: codes to `codes`, the 4 scales to `scales`.
+// Q of 4 groups of 8 elements (32): codes to `codes`, the 4 scales to `scales`. Their maxima come from one
+// transposed reduction, their scales from one division.
 template <class T1, class T3, int QBits>
 KV_SSE2_INLINE void QuantizeFourGroupsOf8(const typename T1::Storage* src, typename Codes<QBits>::Storage* codes,
-                                  typename T3::Storage* scales) {
+                                          typename T3::Storage* scales) {
   const __m128i abs_mask = _mm_set1_epi32(static_cast<int32_t>(kAbsMask));
   Float8 x[4];
   __m128 m[4];  // per group, lane-wise max|x| bits of its two vectors
@@ -220,9 +221,9 @@ KV_SSE2_INLINE void QuantizeFourGroupsOf8(const typename T1::Storage* src, typen
     s = sse2::FloatsFromHalves4(_mm_unpacklo_epi16(h, _mm_setzero_si128()));
   }
   if (_mm_movemask_ps(_mm_cmplt_ps(s, _mm_set1_ps(INFINITY))) == 0xf) {
-    QuantizeCodesOf4Groups<T1, T3, QBits, false>(x, s, codes);
+    QuantizeCodesOf4Groups<QBits, false>(x, s, codes);
   } else {
-    QuantizeCodesOf4Groups<T1, T3, QBits, true>(x, s, codes);
+    QuantizeCodesOf4Groups<QBits, true>(x, s, codes);
   }
 }
 
