@@ -185,41 +185,31 @@ inline void QuantizeGroups(const typename T1::Storage* src, int64_t group, int c
 
 // DQ of count (<= 8) groups of 8 codes whose scales are the lanes of s, into out[0, 8 * count). Each group's
 // scale is broadcast from memory, a load rather than another shuffle on the port the code widening and the
-// float16 conversion already share.
-template <class T1, int QBits>
+// float16 conversion already share. Stream: count is 8, out is 32-byte aligned and written with 32-byte
+// streaming stores, two groups per store for 16-bit T1.
+template <class T1, int QBits, bool Stream = false>
 KV_ALWAYS_INLINE void DequantizeGroupsOf8(const typename Codes<QBits>::Storage* codes, __m256 s, int count,
                                           typename T1::Storage* out) {
   alignas(32) float sf[8];
   _mm256_store_ps(sf, s);
-  auto group = [&](int j) {
-    const __m256 v = _mm256_cvtepi32_ps(LoadCodes8<QBits>(codes + j * CodeBytes8(QBits)));
-    StoreFloat8<T1>(_mm256_mul_ps(v, _mm256_broadcast_ss(sf + j)), out + 8 * j);
+  auto value = [&](int j) {
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(LoadCodes8<QBits>(codes + j * CodeBytes8(QBits))), _mm256_broadcast_ss(sf + j));
   };
-  if (count == 8) {
-    ForEachOf8([&](auto j) { group(decltype(j)::value); });
+  if constexpr (Stream) {
+    ForEachOf8([&](auto j) {
+      constexpr int J = decltype(j)::value;
+      if constexpr (T1::kElem == Elem::kFloat32) {
+        _mm256_stream_ps(out + 8 * J, value(J));
+      } else if constexpr (J % 2 == 1) {
+        const __m256i pair = _mm256_set_m128i(HalfBits8<T1>(value(J)), HalfBits8<T1>(value(J - 1)));
+        _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 8 * (J - 1)), pair);
+      }
+    });
+  } else if (count == 8) {
+    ForEachOf8([&](auto j) { StoreFloat8<T1>(value(decltype(j)::value), out + 8 * decltype(j)::value); });
   } else {
-    for (int j = 0; j < count; ++j) group(j);
+    for (int j = 0; j < count; ++j) StoreFloat8<T1>(value(j), out + 8 * j);
   }
-}
-
-// DQ of 8 groups of 8 codes whose scales are the lanes of s, streamed into out (32-byte aligned): 32-byte
-// streaming stores, two groups per store for 16-bit T1.
-template <class T1, int QBits>
-KV_ALWAYS_INLINE void DequantizeEightGroupsOf8Streamed(const typename Codes<QBits>::Storage* codes, __m256 s,
-                                                      typename T1::Storage* out) {
-  alignas(32) float sf[8];
-  _mm256_store_ps(sf, s);
-  __m256 v[8];
-  ForEachOf8([&](auto j) {
-    constexpr int J = decltype(j)::value;
-    v[J] = _mm256_mul_ps(_mm256_cvtepi32_ps(LoadCodes8<QBits>(codes + J * CodeBytes8(QBits))), _mm256_broadcast_ss(sf + J));
-    if constexpr (T1::kElem == Elem::kFloat32) {
-      _mm256_stream_ps(out + 8 * J, v[J]);
-    } else if constexpr (J % 2 == 1) {
-      const __m256i pair = _mm256_set_m128i(HalfBits8<T1>(v[J]), HalfBits8<T1>(v[J - 1]));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(out + 8 * (J - 1)), pair);
-    }
-  });
 }
 
 // DQ of a row's `groups` groups of `group` codes (a multiple of 8; or 1, 2 or 4 with n a multiple of 8) with

@@ -198,7 +198,7 @@ inline bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, c
 #elif KV_SIMD
   if (group == 8 && groups % 8 == 0 && reinterpret_cast<uintptr_t>(out) % 32 == 0) {
     for (int64_t g = 0; g < groups; g += 8)
-      DequantizeEightGroupsOf8Streamed<T1, QBits>(codes + g * CodeBytes8(QBits), LoadFloat8<T3>(scales + g), out + g * 8);
+      DequantizeGroupsOf8<T1, QBits, true>(codes + g * CodeBytes8(QBits), LoadFloat8<T3>(scales + g), 8, out + g * 8);
     return true;
   }
 #elif KV_SSE2_ONLY

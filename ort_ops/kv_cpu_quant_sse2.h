@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kv_cpu_codes.h"
 #include "kv_cpu_rows.h"
@@ -115,24 +116,29 @@ inline void DequantizeGroupsSse2(const typename Codes<QBits>::Storage* codes, co
   int64_t g = 0;
   if (group == 8) {
     for (; g + 4 <= groups; g += 4) {
-      const __m128 s = LoadScales4<T3>(scales + g);
       const auto* c = codes + g * CodeBytes8(QBits);
       typename T1::Storage* o = out + g * 8;
+      // The four groups with their scales in the lanes of sv (rebiased: the scales * 2^-112, float16 out).
+      auto four_groups = [&](__m128 sv, auto rebiased) __attribute__((always_inline)) {
+        auto one_group = [&](int j, __m128 sj) __attribute__((always_inline)) {
+          const Float8 v = Scaled(LoadCodes8Sse2<QBits>(c + j * CodeBytes8(QBits)), sj);
+          if constexpr (decltype(rebiased)::value) {
+            Store16<Stream>(o + 8 * j, sse2::HalvesFromRebiasedNormals(v));
+          } else {
+            StoreFloat8Sse2<T1, Stream>(v, o + 8 * j);
+          }
+        };
+        one_group(0, Broadcast<0>(sv)), one_group(1, Broadcast<1>(sv));
+        one_group(2, Broadcast<2>(sv)), one_group(3, Broadcast<3>(sv));
+      };
+      const __m128 s = LoadScales4<T3>(scales + g);
       if constexpr (T1::kElem == Elem::kFloat16) {
-        if (RebiasedScalesFit(s)) {
-          const __m128 r = _mm_mul_ps(s, sse2::RebiasFactor());  // exact: s is normal, and so is s * 2^-112
-          auto store = [&](int j, __m128 rj) __attribute__((always_inline)) {
-            const __m128i h = sse2::HalvesFromRebiasedNormals(Scaled(LoadCodes8Sse2<QBits>(c + j * CodeBytes8(QBits)), rj));
-            Store16<Stream>(o + 8 * j, h);
-          };
-          store(0, Broadcast<0>(r)), store(1, Broadcast<1>(r)), store(2, Broadcast<2>(r)), store(3, Broadcast<3>(r));
+        if (RebiasedScalesFit(s)) {  // exact: s is normal, and so is s * 2^-112
+          four_groups(_mm_mul_ps(s, sse2::RebiasFactor()), std::true_type{});
           continue;
         }
       }
-      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c), Broadcast<0>(s)), o);
-      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c + CodeBytes8(QBits)), Broadcast<1>(s)), o + 8);
-      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c + 2 * CodeBytes8(QBits)), Broadcast<2>(s)), o + 16);
-      StoreFloat8Sse2<T1, Stream>(Scaled(LoadCodes8Sse2<QBits>(c + 3 * CodeBytes8(QBits)), Broadcast<3>(s)), o + 24);
+      four_groups(s, std::false_type{});
     }
   }
   for (; g < groups; ++g) {
