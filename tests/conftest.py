@@ -81,3 +81,14 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"CUDA host runner: {c['launches']} clean launches checked ({c['threads']} threads, "
             f"{c['bytes_written']} bytes written)")
+
+
+@pytest.fixture(scope="session")
+def all_vectors(tmp_path_factory):
+    """Every conformance vector, written once for the session (tests read it; any that changes a case
+    copies it first)."""
+    from kvcache_op.spec import vectors
+
+    out = tmp_path_factory.mktemp("vectors")
+    vectors.write_all(out, progress=None)
+    return out

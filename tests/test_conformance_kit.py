@@ -20,13 +20,6 @@ from kvcache_op.tools.validate_backend import validate, validate_folder
 TESTS = pathlib.Path(__file__).parent
 
 
-@pytest.fixture(scope="module")
-def all_vectors(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vectors")
-    vectors.write_all(out, progress=None)
-    return out
-
-
 def _failed(report, op="KeyValueCache"):
     return {r.name for r in report.results if r.status == "FAIL" and r.op == op}
 

@@ -56,13 +56,6 @@ def test_committed_vectors_are_regenerated_unchanged(tmp_path):
         assert _same_within(old, new, vectors.load_tensor(data / "tolerance_0.pb")), f"{rel} differs"
 
 
-@pytest.fixture(scope="module")
-def all_vectors(tmp_path_factory):
-    out = tmp_path_factory.mktemp("conformance")
-    vectors.write_all(out, progress=None)
-    return out
-
-
 def test_every_case_passes_through_reference_evaluator(all_vectors):
     lines = []
     assert validate_folder(all_vectors, "reference", progress=lines.append) == 0, "\n".join(lines)

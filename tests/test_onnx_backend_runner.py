@@ -5,18 +5,9 @@ must fail."""
 import io
 import unittest
 
-import pytest
-
 import planted_backends
 from kvcache_op.spec import vectors
 from kvcache_op.tools.onnx_backend import Backend, ConformanceRunner
-
-
-@pytest.fixture(scope="module")
-def all_vectors(tmp_path_factory):
-    out = tmp_path_factory.mktemp("vectors")
-    vectors.write_all(out, progress=None)
-    return out
 
 
 def run(backend, directory):
