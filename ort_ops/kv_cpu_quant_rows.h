@@ -2,7 +2,8 @@
 // as spec/KeyValueCache.md "Quantization" (float32, the stored scale used to quantize, IEEE division, round
 // half to even). Compiled once per instruction set like kv_cpu_rows.h: the AVX2, AVX-512 and (generic build
 // on x86-64) SSE2 paths (kv_cpu_quant_avx2.h, kv_cpu_quant_avx512.h, kv_cpu_quant_sse2.h) and the portable
-// loops here compute the same bits, and tests run every build against the reference. The portable loops are written branch-free so that compilers vectorize them.
+// loops here compute the same bits, and tests run every build against the reference. The portable loops are
+// written branch-free so that compilers vectorize them.
 #pragma once
 
 #include <cstdint>
@@ -184,8 +185,8 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
 
 // DQ of one row straight into out with streaming stores, where this build can: AVX-512, groups of 8, a
 // multiple of 16 groups, out on a cache line; AVX2, groups of 8, a multiple of 8 groups, out 32-byte aligned;
-// the generic build on x86-64, groups of a multiple of 8, out 16-byte aligned. Returns false, having written nothing, elsewhere. Saves the round trip through a scratch
-// row that a streamed copy would take.
+// the generic build on x86-64, groups of a multiple of 8, out 16-byte aligned. Returns false, having written
+// nothing, elsewhere. Saves the round trip through a scratch row that a streamed copy would take.
 template <class T1, class T3, int QBits>
 inline bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
                                   int64_t group, int64_t groups, typename T1::Storage* out) {
