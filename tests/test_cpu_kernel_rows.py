@@ -88,11 +88,11 @@ def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, ker
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def large_case(quant_bit, layout, num_repeat, t1, head_dim):
+def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
     """Outputs of > 16 MiB each, so the kernel writes them with streaming stores."""
     longest = 9000 if head_dim >= 128 else 45000  # either way outputs of > 16 MiB
     seqs = [Seq(longest, 1), Seq(0, 70), Seq(8000, 3), Seq(1000, 1)]
-    return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=4, head_dim=head_dim, quant_bit=quant_bit,
+    return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=heads, head_dim=head_dim, quant_bit=quant_bit,
                  quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=64, t1=t1,
                  t3="float16")
 
@@ -115,17 +115,23 @@ def outputs_at(given, attributes, offset):
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1,head_dim",
-                         [(0, 0, 1, "float16", 128), (0, 3, 1, "float32", 128), (0, 1, 2, "bfloat16", 128),
-                          (8, 0, 1, "float16", 128), (8, 3, 1, "float16", 128), (8, 3, 2, "float16", 128),
-                          (8, 3, 1, "float16", 40), (8, 2, 2, "float32", 128), (4, 3, 1, "bfloat16", 128),
-                          (4, 1, 1, "float16", 128), (8, 1, 1, "float32", 128)])
-def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, kernel, monkeypatch):
+@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1,head_dim,heads",
+                         [(0, 0, 1, "float16", 128, 4), (0, 3, 1, "float32", 128, 4), (0, 1, 2, "bfloat16", 128, 4),
+                          (0, 2, 1, "float16", 128, 7), (0, 3, 1, "float16", 128, 6), (0, 3, 2, "bfloat16", 64, 5),
+                          (0, 0, 1, "float16", 40, 6), (0, 3, 1, "float16", 40, 6),
+                          (8, 0, 1, "float16", 128, 4), (8, 3, 1, "float16", 128, 4), (8, 3, 2, "float16", 128, 4),
+                          (8, 3, 1, "float16", 40, 4), (8, 2, 2, "float32", 128, 4), (4, 3, 1, "bfloat16", 128, 4),
+                          (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4)])
+def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
+                                                   monkeypatch):
     """Layout 3's quantized rows are streamed head by head where a head row is whole cache lines (64-byte
     aligned outputs, Dh 128) and token by token otherwise (Dh 40's 80-byte rows, other offsets); quantized
-    rows are dequantized straight into aligned streamed outputs and through a scratch row into the others."""
+    rows are dequantized straight into aligned streamed outputs and through a scratch row into the others.
+    Unquantized rows of whole cache lines are read as several streams side by side (runs of tokens, or in
+    layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the last task's tiles are short);
+    the others (Dh 40) token by token."""
     use_cpu_kernel(monkeypatch, kernel)
-    case = large_case(quant_bit, layout, num_repeat, t1, head_dim)
+    case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
     for offset in (0, 16, 2):
