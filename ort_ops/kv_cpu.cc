@@ -23,7 +23,7 @@ constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
 constexpr int64_t kTileBytes = int64_t{32} << 10;
 // Streamed unquantized gathers read this many source streams side by side, a head row from each in turn:
 // one core keeps more reads in flight over several streams than down one (measured on the benchmark's
-// float16 decode step: 0.83-0.85x a copy walking one stream, 0.93-1.06x walking four; eight gain no more).
+// float16 decode step: 0.83-0.89x a copy walking one stream, 0.87-1.06x walking four; eight gain no more).
 constexpr int64_t kStreams = 4;
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
@@ -210,7 +210,7 @@ struct Kernel {
           }
     } else if (QBits != 0) {
       // Quantized rows go token by token, a token's key rows then its value rows (measured faster than tiles
-      // of one output at a time: int8 decode layout 0 0.72-0.75x a copy -> 0.83-0.85x).
+      // of one output at a time: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x).
       for (int64_t i = 0; i < rows; ++i)
         for (int kv = 0; kv < 2; ++kv) {
           prefetch(kv, i);
