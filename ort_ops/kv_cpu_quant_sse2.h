@@ -154,16 +154,17 @@ KV_SSE2_INLINE __m128i MaxInt32(__m128i a, __m128i b) {
   return _mm_or_si128(_mm_and_si128(a_greater, a), _mm_andnot_si128(a_greater, b));
 }
 
-// Codes of 4 elements: clamp(rint(x / s), -qmax, qmax) as QuantizeCode, 0 where the quotient is NaN when
-// Masked (callers that know the scales finite skip it: a quotient by a finite scale is NaN only for a NaN x,
-// whose group's scale is then NaN).
-template <bool Masked>
+// Codes of 4 elements: clamp(rint(x / s), -qmax, qmax) as QuantizeCode, 0 where the quotient is NaN.
+// OwnScale: s is the finite scale the elements' group got from its own max|x|, so the quotient needs no clamp
+// and is never NaN (QuantizeCodes8OwnScale says why), and the conversion rounds it to nearest even.
+template <bool OwnScale>
 KV_SSE2_INLINE __m128i QuantizeCodes4(__m128 x, __m128 s, float qmax) {
   const __m128 q = _mm_div_ps(x, s);  // IEEE division, as the portable path
+  if constexpr (OwnScale) return _mm_cvtps_epi32(q);
   const __m128 round = _mm_set1_ps(12582912.0f);  // 1.5 * 2^23: adding and subtracting it rounds half to even
   __m128 r = _mm_min_ps(_mm_max_ps(q, _mm_set1_ps(-qmax)), _mm_set1_ps(qmax));
   r = _mm_sub_ps(_mm_add_ps(r, round), round);
-  if constexpr (Masked) r = _mm_andnot_ps(_mm_cmpunord_ps(q, q), r);
+  r = _mm_andnot_ps(_mm_cmpunord_ps(q, q), r);
   return _mm_cvttps_epi32(r);
 }
 
@@ -172,15 +173,16 @@ KV_SSE2_INLINE __m128i CodeBytes16(const __m128i* c) {
   return _mm_packs_epi16(_mm_packs_epi32(c[0], c[1]), _mm_packs_epi32(c[2], c[3]));
 }
 
-// The codes of 4 groups of 8 elements x whose scales are the lanes of s: 32 int8, or 16 bytes of int4 pairs.
-template <int QBits, bool Masked>
+// The codes of 4 groups of 8 elements x whose scales are the lanes of s (OwnScale: each group's own finite
+// scale): 32 int8, or 16 bytes of int4 pairs.
+template <int QBits, bool OwnScale>
 KV_SSE2_INLINE void QuantizeCodesOf4Groups(const Float8* x, __m128 s, typename Codes<QBits>::Storage* codes) {
   constexpr float qmax = Codes<QBits>::kMax;
   __m128i c[8];
   const __m128 sj[4] = {Broadcast<0>(s), Broadcast<1>(s), Broadcast<2>(s), Broadcast<3>(s)};
   for (int j = 0; j < 4; ++j) {
-    c[2 * j] = QuantizeCodes4<Masked>(x[j].low, sj[j], qmax);
-    c[2 * j + 1] = QuantizeCodes4<Masked>(x[j].high, sj[j], qmax);
+    c[2 * j] = QuantizeCodes4<OwnScale>(x[j].low, sj[j], qmax);
+    c[2 * j + 1] = QuantizeCodes4<OwnScale>(x[j].high, sj[j], qmax);
   }
   const __m128i first = CodeBytes16(c), second = CodeBytes16(c + 4);
   if constexpr (QBits == 8) {
@@ -227,9 +229,9 @@ KV_SSE2_INLINE void QuantizeFourGroupsOf8(const typename T1::Storage* src, typen
     s = sse2::FloatsFromHalves4(_mm_unpacklo_epi16(h, _mm_setzero_si128()));
   }
   if (_mm_movemask_ps(_mm_cmplt_ps(s, _mm_set1_ps(INFINITY))) == 0xf) {
-    QuantizeCodesOf4Groups<QBits, false>(x, s, codes);
-  } else {
     QuantizeCodesOf4Groups<QBits, true>(x, s, codes);
+  } else {
+    QuantizeCodesOf4Groups<QBits, false>(x, s, codes);
   }
 }
 

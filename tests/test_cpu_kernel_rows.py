@@ -25,11 +25,12 @@ def special_rows(rng, shape, group, quant_bit, dtype):
     """Rows of ``shape`` (tokens, H, Dh) whose groups are each of one kind: plain, exact ties of the quotient
     (max |x| = qmax * 2^e, the rest (k + 1/2) * 2^e), zeros and -0, subnormal-small, huge (a float16 scale
     overflows), one NaN, one infinity, one large element among small ones, small enough for the smallest
-    scale (dequantized values then float16 subnormals)."""
+    scale (dequantized values then float16 subnormals), and max |x| just above eps * qmax, where a float16
+    scale rounds down by up to 0.3% and |x / scale| reaches 1.003 qmax (the fast paths round it unclamped)."""
     qmax = QMAX[quant_bit]
     x = (rng.standard_normal(shape) * 3).astype(np.float32)
     groups = x.reshape(-1, group)
-    for g, kind in zip(groups, rng.integers(0, 9, len(groups))):
+    for g, kind in zip(groups, rng.integers(0, 10, len(groups))):
         at = rng.integers(group)
         if kind == 1:
             step = np.float32(2.0 ** int(rng.integers(-10, 4)))
@@ -50,6 +51,10 @@ def special_rows(rng, shape, group, quant_bit, dtype):
             g[at] = np.float32(50)
         elif kind == 8:
             g *= np.float32(1e-4)
+        elif kind == 9:  # amax / qmax = (k + f) * 2^-24 in float16's subnormal steps above eps = 1e-5
+            amax = np.float32(qmax * (rng.integers(168, 1024) + rng.uniform(0.3, 0.5)) * 2.0**-24)
+            g[:] = rng.uniform(-1, 1, group).astype(np.float32) * amax
+            g[at] = amax * rng.choice([-1, 1])
     with np.errstate(over="ignore"):  # huge values overflow float16 inputs to inf: one more kind of row
         return x.astype(dtype)
 

@@ -1,0 +1,54 @@
+"""The bound the CPU kernel's quantization fast paths rely on: a group quantized by its own finite scale
+s = T3(max(amax / qmax, eps)) has |x / s| < qmax + 1/2 for every element (|x| <= amax), so rounding the
+quotient needs no clamp. Checked with numpy's IEEE arithmetic (not the kernel's code) for every float16 and
+bfloat16 amax, and for float32 amax on every bit pattern where a float16 scale is coarsest (float16
+subnormal scales, just above eps) and on a stride of patterns over the whole finite range."""
+
+import numpy as np
+import pytest
+
+from kvcache_op.reference.dtypes import QMAX
+
+EPS = np.float32(1e-5)
+
+
+def worst_codes(amax: np.ndarray, t3, qmax: int) -> np.ndarray:
+    """rint(amax / s) for each amax whose scale s is finite (float32 arithmetic, as the spec)."""
+    amax = amax[np.isfinite(amax) & (amax >= 0)].astype(np.float32)
+    scale = amax / np.float32(qmax)
+    scale = np.where(scale > EPS, scale, EPS).astype(np.float32)
+    with np.errstate(over="ignore"):
+        scale = scale.astype(t3).astype(np.float32)
+    keep = np.isfinite(scale)
+    return np.rint(amax[keep] / scale[keep])
+
+
+def float32_patterns() -> np.ndarray:
+    """Every float32 amax whose float16 scale is a subnormal (the coarsest relative steps), and every 4099th
+    pattern of the whole non-negative finite range."""
+    low = np.float32(EPS * 127 * 0.99).view(np.uint32)
+    high = np.float32(2.0**-14 * 127 * 1.01).view(np.uint32)
+    dense = np.arange(low, high, dtype=np.uint32)
+    stride = np.arange(0, 0x7F800000, 4099, dtype=np.uint32)
+    return np.concatenate([dense, stride]).view(np.float32)
+
+
+@pytest.mark.parametrize("quant_bit", [8, 4])
+@pytest.mark.parametrize("t3", ["float32", "float16"])
+@pytest.mark.parametrize("t1", ["float16", "bfloat16", "float32"])
+def test_own_scale_quotients_round_within_qmax(t1, t3, quant_bit):
+    qmax = QMAX[quant_bit]
+    if t1 == "float32":
+        amax = float32_patterns()
+    else:
+        bits = np.arange(0x8000, dtype=np.uint32)  # every non-negative pattern
+        amax = (bits << 16).view(np.float32) if t1 == "bfloat16" else bits.astype(np.uint16).view(np.float16)
+    codes = worst_codes(np.asarray(amax), np.dtype(t3), qmax)
+    assert codes.size > 10000
+    assert codes.max() <= qmax
+    # the bound is near tight: float16 scales do push the quotient past qmax, only never to qmax + 1/2
+    if t3 == "float16" and t1 != "bfloat16":
+        amax = np.asarray(amax, np.float32)
+        amax = amax[np.isfinite(amax) & (amax <= 65504 * qmax)]
+        scale = np.maximum(amax / np.float32(qmax), EPS).astype(np.float16).astype(np.float32)
+        assert (amax / scale).max() > qmax * 1.002
