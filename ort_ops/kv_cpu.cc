@@ -188,10 +188,12 @@ struct Kernel {
 
   void GatherRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
-    // Layout 3 keeps a head's slots together. Its quantized gathers walk it head by head over the task's
-    // rows (whole pages): two short streams at a time (codes and scales) rather than 4H per token. Streamed
-    // outputs need head rows of whole cache lines for that, else they go token by token.
-    const bool head_major = HeadMajor() && QBits != 0 && (!stream || HeadRowsWholeLines());
+    // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it head by
+    // head over the task's rows (whole pages): two short streams at a time (codes and scales) rather than 4H
+    // per token; that needs head rows of whole cache lines. Outputs that stay cached go token by token: head
+    // by head they would be written a column of head rows at a time, each line read in first (measured: int8
+    // prefill layout 3 0.46-0.61x a copy head by head, 0.60-0.71x token by token).
+    const bool head_major = HeadMajor() && QBits != 0 && stream && HeadRowsWholeLines();
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
