@@ -122,7 +122,9 @@ struct Kernel {
   // then a token's heads lie together in the cache as in the output). Quantized rows are dequantized into
   // dst; when dst is streamed (`streamed`), with streaming stores where DequantizeRowStreamed can, else into
   // scratch first.
-  void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed, Scratch& scratch) const {
+  // Always inlined: a row is short work, called per head row in the gathers' inner loops.
+  [[gnu::always_inline]] void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed,
+                                       Scratch& scratch) const {
     const int64_t n = heads * p.head_dim, D = p.head_dim;
     const T* row;
     if constexpr (QBits == 0) {
