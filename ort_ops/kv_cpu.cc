@@ -16,7 +16,7 @@ namespace {
 constexpr int64_t kRowsPerTask = 64;  // tokens per parallel task: large enough to amortize scheduling
 
 // Gathers ask for cache rows this far ahead of their use (software prefetch): kAheadTokens tokens in token
-// order, kAheadRows rows of the same head in layout 3's head order.
+// order (layout 3's groups of heads included), kAheadRows rows of the same head in layout 3's head order.
 constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
 // Unquantized gathers in token order write each output in tiles of this many bytes of whole tokens, in turn
 // (measured best on the benchmark's decode step).

@@ -2,7 +2,8 @@
 s = T3(max(amax / qmax, eps)) has |x / s| < qmax + 1/2 for every element (|x| <= amax), so rounding the
 quotient needs no clamp. Checked with numpy's IEEE arithmetic (not the kernel's code) for every float16 and
 bfloat16 amax, and for float32 amax on every bit pattern where a float16 scale is coarsest (float16
-subnormal scales, just above eps) and on a stride of patterns over the whole finite range."""
+subnormal scales, just above eps, for int8's and int4's qmax) and on a stride of patterns over the whole
+finite range."""
 
 import numpy as np
 import pytest
@@ -23,11 +24,11 @@ def worst_codes(amax: np.ndarray, t3, qmax: int) -> np.ndarray:
     return np.rint(amax[keep] / scale[keep])
 
 
-def float32_patterns() -> np.ndarray:
-    """Every float32 amax whose float16 scale is a subnormal (the coarsest relative steps), and every 4099th
-    pattern of the whole non-negative finite range."""
-    low = np.float32(EPS * 127 * 0.99).view(np.uint32)
-    high = np.float32(2.0**-14 * 127 * 1.01).view(np.uint32)
+def float32_patterns(qmax: int) -> np.ndarray:
+    """Every float32 amax whose float16 scale (amax / qmax) is a subnormal (the coarsest relative steps), and
+    every 4099th pattern of the whole non-negative finite range."""
+    low = np.float32(EPS * qmax * 0.99).view(np.uint32)
+    high = np.float32(2.0**-14 * qmax * 1.01).view(np.uint32)
     dense = np.arange(low, high, dtype=np.uint32)
     stride = np.arange(0, 0x7F800000, 4099, dtype=np.uint32)
     return np.concatenate([dense, stride]).view(np.float32)
@@ -39,7 +40,7 @@ def float32_patterns() -> np.ndarray:
 def test_own_scale_quotients_round_within_qmax(t1, t3, quant_bit):
     qmax = QMAX[quant_bit]
     if t1 == "float32":
-        amax = float32_patterns()
+        amax = float32_patterns(qmax)
     else:
         bits = np.arange(0x8000, dtype=np.uint32)  # every non-negative pattern
         amax = (bits << 16).view(np.float32) if t1 == "bfloat16" else bits.astype(np.uint16).view(np.float16)
