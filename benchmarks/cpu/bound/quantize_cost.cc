@@ -1,0 +1,95 @@
+// What the CPU kernel's quantization costs per element on one core, next to the IEEE divisions the spec
+// prescribes: 9 division lanes per 8 elements with groups of 8 (one per element, one per group's scale).
+// Rows of 128 float16 elements stay in L1, so this is the arithmetic alone. From the repository root:
+//
+//   g++ -O3 -std=gnu++17 -ffp-contract=off -fno-fast-math -fno-trapping-math -Iort_ops -DKV_CPU_ISA=avx2
+//       -mavx2 -mf16c benchmarks/cpu/bound/quantize_cost.cc -o /tmp/quantize_cost && /tmp/quantize_cost
+//
+// (one command; -DKV_CPU_ISA=generic without -mavx2 -mf16c for the generic build).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "kv_cpu_quant_rows.h"
+
+namespace {
+
+using namespace kvcache;
+using namespace kvcache::KV_CPU_ISA;
+
+double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Seconds per division lane at the width the build divides with (8 lanes with AVX, else 4), eight independent
+// chains so that throughput, not latency, is measured.
+#if defined(__AVX__)
+using Vec = __m256;
+constexpr int kLanes = 8;
+Vec Splat(float v) { return _mm256_set1_ps(v); }
+Vec Divide(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+float First(Vec a) { return _mm256_cvtss_f32(a); }
+#else
+using Vec = __m128;
+constexpr int kLanes = 4;
+Vec Splat(float v) { return _mm_set1_ps(v); }
+Vec Divide(Vec a, Vec b) { return _mm_div_ps(a, b); }
+float First(Vec a) { return _mm_cvtss_f32(a); }
+#endif
+
+double DivisionLaneSeconds() {
+  Vec a[8];
+  for (int i = 0; i < 8; ++i) a[i] = Splat(1.0f + i);
+  const Vec b = Splat(1.0000001f);
+  const long n = 20000000;
+  const double start = Now();
+  for (long i = 0; i < n; ++i) {
+    for (int j = 0; j < 8; ++j) a[j] = Divide(a[j], b);
+    asm volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(a[4]), "+x"(a[5]), "+x"(a[6]), "+x"(a[7]));
+  }
+  const double t = Now() - start;
+  float sink = 0;
+  for (int j = 0; j < 8; ++j) sink += First(a[j]);
+  if (sink == 42) std::printf(" ");
+  return t / (n * 8.0 * kLanes);
+}
+
+}  // namespace
+
+int main() {
+  const int n = 128, rows = 256, groups = n / 8;
+  std::vector<uint16_t> src(n * rows);
+  std::mt19937 gen(1);
+  std::normal_distribution<float> normal;
+  for (auto& v : src) v = F16::FromFloat(normal(gen));
+  std::vector<int8_t> codes(n * rows);
+  std::vector<uint16_t> scales(groups * rows);
+  std::vector<float> x(n), scale(n), sf(groups + 8);
+  std::vector<int32_t> work(n);
+  const RowScratch scratch{x.data(), scale.data(), work.data(), sf.data()};
+  std::vector<double> per_element, division;
+  for (int round = 0; round < 7; ++round) {
+    std::vector<double> times;
+    for (int rep = 0; rep < 300; ++rep) {
+      const double start = Now();
+      for (int r = 0; r < rows; ++r)
+        QuantizeRow<F16, F16, 8>(src.data() + r * n, n, 8, groups, codes.data() + r * n, scales.data() + r * groups,
+                                 scratch);
+      times.push_back((Now() - start) / (n * rows));
+    }
+    per_element.push_back(Median(times));
+    division.push_back(DivisionLaneSeconds() * 9.0 / 8.0);  // 9 lanes divided per 8 elements
+  }
+  const double q = Median(per_element), d = Median(division);
+  std::printf("int8 quantization (float16 in, float16 scales, groups of 8), medians of 7 rounds:\n");
+  std::printf("  quantizer %.3f ns per element | IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
+              d * 1e9, 100.0 * d / q);
+  return 0;
+}
