@@ -150,18 +150,25 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
+@pytest.fixture(scope="module")
+def mxcsr(tmp_path_factory):
+    """tests/mxcsr.cc built once: kv_test_set_denormals_are_zero(on) -> the previous MXCSR."""
+    source = pathlib.Path(__file__).with_name("mxcsr.cc")
+    lib = ctypes.CDLL(str(build_library("mxcsr", [source], [], ["-O1", "-fPIC", "-shared"],
+                                        tmp_path_factory.mktemp("mxcsr"))))
+    lib.kv_test_set_denormals_are_zero.argtypes = [ctypes.c_int]
+    lib.kv_test_set_denormals_are_zero.restype = ctypes.c_uint
+    return lib
+
+
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, tmp_path):
+def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, mxcsr):
     """A caller may run the op with denormals treated as zero (DAZ, e.g. ONNX Runtime's
     session.set_denormal_as_zero). The spec does not cover that mode, but codes must stay within +-qmax:
     the generic build reads a float16 scale below 2^-14 back as 0 there, and its groups must then take the
     clamped path rather than convert an infinite or NaN quotient (-128)."""
     use_cpu_kernel(monkeypatch, kernel)
-    source = pathlib.Path(__file__).with_name("mxcsr.cc")
-    lib = ctypes.CDLL(str(build_library("mxcsr", [source], [], ["-O1", "-fPIC", "-shared"], tmp_path)))
-    lib.kv_test_set_denormals_are_zero.argtypes = [ctypes.c_int]
-    lib.kv_test_set_denormals_are_zero.restype = ctypes.c_uint
     for quant_bit in (8, 4):
         seqs = [Seq(0, 64), Seq(3, 5)]
         case = build(f"daz-{quant_bit}", seqs, heads=2, head_dim=64, quant_bit=quant_bit, quant_group=8,
@@ -177,11 +184,11 @@ def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, tmp_path)
             case.inputs[name] = values.reshape(x.shape).astype(np.float16)
         fresh = copies(case.inputs)
         fresh["cache"][...] = 0  # only the codes this call writes can then be out of range
-        before = lib.kv_test_set_denormals_are_zero(1)
+        before = mxcsr.kv_test_set_denormals_are_zero(1)
         try:
             c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
         finally:
-            lib.kv_test_set_denormals_are_zero(before & 0x0040)
+            mxcsr.kv_test_set_denormals_are_zero(before & 0x0040)
         cache = fresh["cache"].view(np.uint8 if quant_bit == 4 else np.int8).astype(np.int32)
         codes = cache if quant_bit == 8 else np.concatenate([(cache << 28) >> 28, (cache << 24) >> 28])
         assert codes.min() >= -qmax and codes.max() <= qmax
