@@ -1,6 +1,7 @@
 """The ORT CUDA EP variant against the reference: the hypothesis space of the CPU op, conformance vectors,
 multi-step serving, and every error with the device cache unchanged. Skipped centrally without a GPU."""
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -70,8 +71,9 @@ def test_multi_step_serving_on_cuda():
 
 def test_fuzz_on_cuda_in_a_subprocess():
     """Malformed calls on the GPU run in their own process: one illegal access would poison this one."""
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "tests/test_gpu_fuzz_worker.py"], capture_output=True, text=True, timeout=900)
+    worker = pathlib.Path(__file__).with_name("test_gpu_fuzz_worker.py")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(worker)],
+                          cwd=worker.parent, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
 
