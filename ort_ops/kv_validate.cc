@@ -149,60 +149,6 @@ void CheckMax(const char* name, const char* what, int64_t given, const std::vect
 
 namespace {
 
-struct Owner {
-  int64_t slot, b;
-  uint64_t pos;  // start_pos[b] + i may exceed INT64_MAX
-};
-
-// No slot stored twice; a stored slot loaded only by its own sequence at its own position.
-void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>& seq_len,
-                   const std::vector<int64_t>& kv_len) {
-  std::vector<Owner> stores;
-  stores.reserve(p.tokens);
-  for (int64_t b = 0; b < p.batch; ++b)
-    for (int64_t i = 0; i < seq_len[b]; ++i) {
-      const uint64_t pos = static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(i);  // start_pos >= 0
-      stores.push_back({SlotOf(p, a, b, pos), b, pos});
-    }
-  if (stores.empty()) return;
-  std::stable_sort(stores.begin(), stores.end(), [](const Owner& x, const Owner& y) { return x.slot < y.slot; });
-  // Report the duplicate whose second store comes first in (b, position) order, as the reference does.
-  const Owner* first = nullptr;
-  const Owner* second = nullptr;
-  for (size_t k = 1; k < stores.size(); ++k) {
-    if (stores[k].slot != stores[k - 1].slot) continue;
-    size_t start = k - 1;
-    while (start > 0 && stores[start - 1].slot == stores[k].slot) --start;
-    if (!second || std::tie(stores[k].b, stores[k].pos) < std::tie(second->b, second->pos)) {
-      first = &stores[start];
-      second = &stores[k];
-    }
-  }
-  if (second)
-    Fail("cachestarts: slot ", second->slot, " is stored twice in one call, by sequence ", first->b, " position ",
-         first->pos, " and by sequence ", second->b, " position ", second->pos);
-  // Loads: runs of consecutive positions map to consecutive slots (one run per page in mode 1).
-  for (int64_t b = 0; b < p.batch; ++b) {
-    int64_t t = 0;
-    while (t < kv_len[b]) {
-      // End of t's page, or kv_len; t + page_size may exceed INT64_MAX, so compare in 128 bits.
-      const int64_t run_end =
-          a.cache_mode == 0 ? kv_len[b] : int64_t(std::min(Big(kv_len[b]), (Big(t / a.page_size) + 1) * a.page_size));
-      const int64_t slot0 = SlotOf(p, a, b, t);
-      auto it = std::lower_bound(stores.begin(), stores.end(), slot0,
-                                 [](const Owner& o, int64_t s) { return o.slot < s; });
-      for (; it != stores.end() && it->slot < slot0 + (run_end - t); ++it) {
-        const int64_t pos = t + (it->slot - slot0);
-        if (it->b != b || it->pos != static_cast<uint64_t>(pos))
-          Fail("cachestarts: slot ", it->slot, " is stored by sequence ", it->b, " position ", it->pos,
-               " and loaded in the same call by sequence ", b, " position ", pos,
-               "; a stored slot may only be loaded by its own sequence at its own position");
-      }
-      t = run_end;
-    }
-  }
-}
-
 // Sets out_heads and out_bytes, or throws when an output's dim or byte count does not fit in int64
 // (the count would wrap and the output would be allocated too small for the gather's writes). One row
 // must fit even when kv_tokens is 0: no array library can describe a shape whose other dims overflow.

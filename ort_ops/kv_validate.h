@@ -115,6 +115,12 @@ const char* ElemName(int32_t onnx_type);
 // An empty scale with quant_bit 0 is first made absent in `inputs` (DropEmptyScale).
 CallPlan ValidateCall(const Attrs& a, TensorArg* inputs);
 
+// Throws KvError when a slot is stored twice in the call, or a stored slot is loaded by another sequence
+// or at another position (the reference's messages). For a plan whose indices ValidateCall has checked;
+// seq_len and kv_len are the sequences' lengths.
+void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>& seq_len,
+                   const std::vector<int64_t>& kv_len);
+
 // ppl.pmx exports an unquantized cache with an empty `kv_scale` input: with quant_bit 0 a scale of zero
 // elements is absent (spec: compatibility), so nothing downstream sees it. Any other scale is left as is.
 void DropEmptyScale(const Attrs& a, TensorArg* scale);

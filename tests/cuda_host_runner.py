@@ -15,7 +15,7 @@ from native_build import build_library
 from kvcache_op.ort_ops import c_api
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "tests/host_runner/kv_host_runner.cc", ROOT / "ort_ops/kv_validate.cc",
+SOURCES = [ROOT / "tests/host_runner/kv_host_runner.cc", ROOT / "ort_ops/kv_validate.cc", ROOT / "ort_ops/kv_aliasing.cc",
            ROOT / "cuda/kv_cuda_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "ort_ops/rotary_shift.cc",
            ROOT / "cuda/rotary_params.cc", ROOT / "capi/rotary_c_args.cc", ROOT / "ort_ops/byte_ranges.cc"]
 HEADERS = [ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cuda_params.h", ROOT / "ort_ops/kv_types.h",
