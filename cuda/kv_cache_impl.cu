@@ -1,7 +1,9 @@
 // Kernels of KeyValueCache: thin wrappers that map (block, thread) to the per-thread work of
 // kv_cache_work.h. Arithmetic is the spec's: float32, the stored scale used to quantize, round to
 // nearest even everywhere, no contraction (built with -fmad=false, no fast math). The conversions and
-// quantization helpers are the same functions the CPU kernel uses.
+// quantization helpers are the same functions the CPU kernel uses, except one: dequantized values that
+// cannot be NaN are rounded to float16 / bfloat16 two at a time by the GPU's own conversion instruction
+// (PackTwoNotNaN), which gives the same bits for every input but NaN.
 #include "kv_cache_impl.cuh"
 
 #include "device_mem.cuh"

@@ -70,6 +70,10 @@ constexpr int64_t kVec = 8;  // elements per work item when Dh % 8 == 0 (16-byte
 // Elements per gather work item: 8 when Dh and the buffers' alignment allow 16-byte accesses, else 1.
 KV_HD int64_t GatherUnit(const Params& p) { return (p.head_dim % kVec == 0 && p.aligned16) ? kVec : 1; }
 
+// With groups of a multiple of 8 elements and 16-byte aligned buffers, a quantized store reads a group 16
+// bytes at a time and writes its codes 8 at a time.
+KV_HD bool VectorGroups(const Params& p) { return p.quant_group % kVec == 0 && GatherUnit(p) == kVec; }
+
 // Elements per store work item. Quantized stores work in whole groups; an odd int4 group ends in half a
 // byte, so int4 takes pairs of groups: no two threads ever write the same packed byte.
 KV_HD int64_t StoreUnit(const Params& p, int quant_bit) {
@@ -89,15 +93,42 @@ inline Grid GatherGrid(const Params& p) {
   return Grid{x, x ? p.batch : 0, kThreads, GatherUnit(p)};
 }
 
-// Slot of position `pos` of sequence b. pos is unsigned: start_pos[b] + i may exceed INT64_MAX; the page
-// index and the slot fit (validated on the host).
+// Slots of positions first, first + step, first + 2 * step, ... of sequence b. Positions are unsigned:
+// start_pos[b] + i may exceed INT64_MAX; the page index and the slot fit (validated on the host). One
+// division for the first position; a page entry is read only when a position on that page is asked for,
+// so the cursor never reads past the sequence's validated pages.
 template <class Mem>
-KV_HD int64_t SlotOf(const Params& p, Mem& mem, int64_t b, uint64_t pos) {
-  if (p.cache_mode == 0) return mem.template Load<int64_t>(kCachestarts, 8 * b) + static_cast<int64_t>(pos);
-  const uint64_t page_size = static_cast<uint64_t>(p.page_size);
-  const int64_t page = b * p.max_p + static_cast<int64_t>(pos / page_size);
-  return mem.template Load<int64_t>(kCachestarts, 8 * page) + static_cast<int64_t>(pos % page_size);
-}
+struct SlotCursor {
+  Mem& mem;
+  int64_t entry, base, offset, step, page_size;  // page_size 0: offset mode, one run
+  bool stale;                                    // entry moved on: base is read at the next position
+
+  KV_HD SlotCursor(const Params& p, Mem& m, int64_t b, uint64_t first, int64_t step_)
+      : mem(m), entry(b), offset(0), step(step_), page_size(0), stale(false) {
+    if (p.cache_mode == 1) {
+      const uint64_t size = static_cast<uint64_t>(p.page_size);
+      page_size = p.page_size;
+      entry = b * p.max_p + static_cast<int64_t>(first / size);
+      offset = static_cast<int64_t>(first % size);
+    }
+    base = mem.template Load<int64_t>(kCachestarts, 8 * entry) + (page_size ? 0 : static_cast<int64_t>(first));
+  }
+  // The slot of the next position.
+  KV_HD int64_t Next() {
+    while (page_size && offset >= page_size) {
+      offset -= page_size;
+      ++entry;
+      stale = true;
+    }
+    if (stale) {
+      base = mem.template Load<int64_t>(kCachestarts, 8 * entry);
+      stale = false;
+    }
+    const int64_t slot = base + offset;
+    offset += step;
+    return slot;
+  }
+};
 
 template <class Mem>
 KV_HD int64_t IndexAt(Mem& mem, Buf buf, int64_t i) {
@@ -149,31 +180,129 @@ KV_HD void CopyUnit(Mem& mem, Buf src_buf, int64_t src, Buf dst_buf, int64_t dst
     mem.template Store<T>(dst_buf, dst + i * int64_t(sizeof(T)), mem.template Load<T>(src_buf, src + i * int64_t(sizeof(T))));
 }
 
-// A work item of a launch: token i (of the block's tokens), kv half, head, and unit index u.
-struct Item {
-  int64_t token, head, u;
+// Eight T1 elements at a 16-byte aligned byte offset, as floats: one or two 16-byte loads.
+template <class T1, class Mem>
+KV_HD void LoadEight(Mem& mem, Buf buf, int64_t offset, float (&v)[kVec]) {
+  using T = typename T1::Storage;
+  for (int k = 0; k < int(kVec * sizeof(T) / 16); ++k) {
+    const Vec16 w = mem.template Load<Vec16>(buf, offset + 16 * k);
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 2) {
+        v[8 * k + 2 * i] = T1::ToFloat(static_cast<uint16_t>(w.w[i] & 0xffffu));
+        v[8 * k + 2 * i + 1] = T1::ToFloat(static_cast<uint16_t>(w.w[i] >> 16));
+      } else {
+        v[4 * k + i] = T1::ToFloat(BitsFloat(w.w[i]));
+      }
+    }
+  }
+}
+
+// Two floats that are not NaN rounded to nearest even to T1's 16-bit storage and packed, the first in the
+// low half. On the GPU this is one cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32: it rounds every input that is
+// not NaN exactly as the portable conversions do (IEEE round to nearest even, overflow to inf, subnormals
+// kept), but would not keep a NaN's sign and payload as the spec's conversions do.
+template <class T1>
+KV_HD uint32_t PackTwoNotNaN(float lo, float hi) {
+#if defined(__CUDA_ARCH__)
+  uint32_t packed;
+  if constexpr (T1::kElem == Elem::kFloat16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+  } else if constexpr (T1::kElem == Elem::kBFloat16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
+    return packed;
+  }
+#endif
+  return uint32_t(T1::FromFloat(lo)) | (uint32_t(T1::FromFloat(hi)) << 16);
+}
+
+// Eight floats rounded to T1 and written at a 16-byte aligned byte offset: one or two 16-byte stores.
+// NotNaN: the caller knows no value is NaN (the GPU then converts two values per instruction).
+template <class T1, bool NotNaN = false, class Mem>
+KV_HD void StoreEight(Mem& mem, Buf buf, int64_t offset, const float (&v)[kVec]) {
+  using T = typename T1::Storage;
+  for (int k = 0; k < int(kVec * sizeof(T) / 16); ++k) {
+    Vec16 w;
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 2) {
+        const float lo = v[8 * k + 2 * i], hi = v[8 * k + 2 * i + 1];
+        w.w[i] = NotNaN ? PackTwoNotNaN<T1>(lo, hi)
+                        : uint32_t(T1::FromFloat(lo)) | (uint32_t(T1::FromFloat(hi)) << 16);
+      } else {
+        w.w[i] = FloatBits(T1::FromFloat(v[4 * k + i]));
+      }
+    }
+    mem.template Store<Vec16>(buf, offset + 16 * k, w);
+  }
+}
+
+KV_HD bool IsFinite(float x) { return (FloatBits(x) & 0x7f800000u) != 0x7f800000u; }
+
+// The eight codes starting at cache element `elem` (a multiple of 8) as one word: one 8-byte load of int8
+// codes, one 4-byte load of packed int4 pairs.
+template <int QBits, class Mem>
+KV_HD uint64_t LoadEightCodes(Mem& mem, int64_t elem) {
+  if constexpr (QBits == 8) return mem.template Load<uint64_t>(kCache, elem);
+  return mem.template Load<uint32_t>(kCache, elem / 2);
+}
+
+// The eight signed codes of a word from LoadEightCodes, in element order.
+template <int QBits>
+KV_HD void UnpackEightCodes(uint64_t w, int32_t (&code)[kVec]) {
+  for (int e = 0; e < kVec; ++e) {
+    if constexpr (QBits == 8) {
+      code[e] = static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * e)));
+    } else {
+      const uint8_t byte = static_cast<uint8_t>(w >> (4 * (e & ~1)));
+      code[e] = (e & 1) ? Int4High(byte) : Int4Low(byte);
+    }
+  }
+}
+
+// Writes eight codes at cache element `elem` (a multiple of 8): one 8-byte or one 4-byte store.
+template <int QBits, class Mem>
+KV_HD void StoreEightCodes(Mem& mem, int64_t elem, const int32_t (&code)[kVec]) {
+  if constexpr (QBits == 8) {
+    uint64_t w = 0;
+    for (int e = 0; e < kVec; ++e) w |= uint64_t(static_cast<uint8_t>(code[e])) << (8 * e);
+    mem.template Store<uint64_t>(kCache, elem, w);
+  } else {
+    uint32_t w = 0;
+    for (int e = 0; e < kVec; e += 2) w |= uint32_t(Int4Pack(code[e], code[e + 1])) << (4 * e);
+    mem.template Store<uint32_t>(kCache, elem / 2, w);
+  }
+}
+
+// A thread's share of a row: kv half, head and unit u of every row of the block's tokens, with what
+// follows from them computed once (the divisions are not repeated per token).
+struct RowUnit {
+  int64_t head;        // the output head j of a gather, the cache head of a store
+  int64_t cache_head;  // the cache head read (j / num_repeat) or written
+  int64_t u;           // unit index within the row
+  int64_t group, in_group;  // quantization group of the unit's first element, and its place in the group
   int kv;
 };
 
-// Work item w of a block covering kTokensPerBlock tokens of `heads` heads, `units` units per row.
-// Consecutive w are consecutive units of one row: neighbouring threads touch neighbouring bytes.
-KV_HD Item ItemOf(int64_t w, int64_t block_x, int64_t heads, int64_t units) {
-  Item it;
-  it.u = w % units;
-  int64_t rest = w / units;
+// Row unit r of `heads` heads of `units` units. Consecutive r are consecutive units of one row:
+// neighbouring threads touch neighbouring bytes.
+KV_HD RowUnit RowUnitOf(const Params& p, int64_t r, int64_t heads, int64_t units, int64_t unit, int64_t repeat) {
+  RowUnit it;
+  it.u = r % units;
+  const int64_t rest = r / units;
   it.head = rest % heads;
-  rest /= heads;
-  it.kv = static_cast<int>(rest % 2);
-  it.token = block_x * kTokensPerBlock + rest / 2;
+  it.kv = static_cast<int>(rest / heads);
+  it.cache_head = it.head / repeat;
+  it.group = it.u * unit / p.quant_group;
+  it.in_group = it.u * unit - it.group * p.quant_group;
   return it;
 }
 
-// Stores one unit of one (token, kv, head) row of sequence b into the cache (and its scales).
+// Stores one unit of the (kv, head) row of input token `token` (an index into current_key/value) into
+// cache slot `slot` (and its scales).
 template <class T1, class T3, int QBits, class Mem>
-KV_HD void StoreItem(const Params& p, Mem& mem, int64_t unit, int64_t b, int64_t begin, const Item& it) {
+KV_HD void StoreItem(const Params& p, Mem& mem, int64_t unit, const RowUnit& it, int64_t token, int64_t slot) {
   using T = typename T1::Storage;
-  const int64_t slot = SlotOf(p, mem, b, static_cast<uint64_t>(IndexAt(mem, kStartPos, b)) + static_cast<uint64_t>(it.token));
-  const int64_t src = (((begin + it.token) * p.heads + it.head) * p.head_dim + it.u * unit) * int64_t(sizeof(T));
+  const int64_t src = ((token * p.heads + it.head) * p.head_dim + it.u * unit) * int64_t(sizeof(T));
   const Buf src_buf = it.kv ? kValue : kKey;
   const int64_t row = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * it.kv + p.cache_rows.head * it.head +
                       p.cache_rows.slot * slot;
@@ -184,7 +313,25 @@ KV_HD void StoreItem(const Params& p, Mem& mem, int64_t unit, int64_t b, int64_t
     const int64_t n = p.quant_group;
     const int64_t srow = p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * it.kv + p.scale_rows.head * it.head +
                          p.scale_rows.slot * slot;
-    const int64_t first_group = srow + (it.u * unit) / n;
+    const int64_t first_group = srow + it.group;
+    if (VectorGroups(p)) {  // the unit is one group of 8k elements: 16-byte reads, 8-code writes
+      float v[kVec];
+      float amax = 0.0f;
+      for (int64_t c = 0; c < n; c += kVec) {
+        LoadEight<T1>(mem, src_buf, src + c * int64_t(sizeof(T)), v);
+        for (int e = 0; e < kVec; ++e) amax = AbsMaxStep(amax, v[e]);
+      }
+      const S stored = T3::FromFloat(GroupScale(amax, Codes<QBits>::kMax));
+      mem.template Store<S>(kScale, first_group * int64_t(sizeof(S)), stored);
+      const float s = T3::ToFloat(stored);
+      for (int64_t c = 0; c < n; c += kVec) {
+        if (n != kVec) LoadEight<T1>(mem, src_buf, src + c * int64_t(sizeof(T)), v);  // a group of 8 is still in v
+        int32_t code[kVec];
+        for (int e = 0; e < kVec; ++e) code[e] = QuantizeValue(v[e], s, Codes<QBits>::kMax);
+        StoreEightCodes<QBits>(mem, row + it.u * unit + c, code);
+      }
+      return;
+    }
     int32_t held = 0;  // a code waiting for its partner (codes are written two at a time)
     bool holding = false;
     for (int64_t g = 0; g < unit / n; ++g) {
@@ -210,22 +357,38 @@ KV_HD void StoreItem(const Params& p, Mem& mem, int64_t unit, int64_t b, int64_t
   }
 }
 
-// Gathers one unit of one (row t, kv, output head j) of sequence b into the outputs.
+// Gathers one unit of the (kv, output head j) row of output token `token` (an index into the outputs)
+// from cache slot `slot`.
 template <class T1, class T3, int QBits, class Mem>
-KV_HD void GatherItem(const Params& p, Mem& mem, int64_t unit, int64_t b, int64_t begin, const Item& it) {
+KV_HD void GatherItem(const Params& p, Mem& mem, int64_t unit, const RowUnit& it, int64_t token, int64_t slot) {
   using T = typename T1::Storage;
-  const int64_t j = it.head, h = j / p.num_repeat;
-  const int64_t slot = SlotOf(p, mem, b, static_cast<uint64_t>(it.token));
+  const int64_t h = it.cache_head;
   const int64_t row = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * it.kv + p.cache_rows.head * h +
                       p.cache_rows.slot * slot;
   const Buf dst_buf = it.kv ? kOutValue : kOutKey;
-  const int64_t dst = (((begin + it.token) * p.out_heads + j) * p.head_dim + it.u * unit) * int64_t(sizeof(T));
+  const int64_t dst = ((token * p.out_heads + it.head) * p.head_dim + it.u * unit) * int64_t(sizeof(T));
   if constexpr (QBits == 0) {
     CopyUnit<T>(mem, kCache, (row + it.u * unit) * int64_t(sizeof(T)), dst_buf, dst, unit);
   } else {
     using S = typename T3::Storage;
     const int64_t srow = p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * it.kv + p.scale_rows.head * h +
                          p.scale_rows.slot * slot;
+    if (unit == kVec) {  // 8 codes in one load, 8 results in 16-byte stores (groups not a multiple of 8)
+      int32_t code[kVec];
+      UnpackEightCodes<QBits>(LoadEightCodes<QBits>(mem, row + it.u * kVec), code);
+      int64_t group = it.group, in_group = it.in_group;
+      float s = T3::ToFloat(mem.template Load<S>(kScale, (srow + group) * int64_t(sizeof(S))));
+      float v[kVec];
+      for (int e = 0; e < kVec; ++e, ++in_group) {
+        if (in_group == p.quant_group) {
+          in_group = 0;
+          s = T3::ToFloat(mem.template Load<S>(kScale, (srow + ++group) * int64_t(sizeof(S))));
+        }
+        v[e] = static_cast<float>(code[e]) * s;  // the spec's float32 product (no contraction: -fmad=false)
+      }
+      StoreEight<T1>(mem, dst_buf, dst, v);
+      return;
+    }
     for (int64_t e = 0; e < unit; ++e) {
       const int64_t d = it.u * unit + e;
       const float s = T3::ToFloat(mem.template Load<S>(kScale, (srow + d / p.quant_group) * int64_t(sizeof(S))));
@@ -236,16 +399,90 @@ KV_HD void GatherItem(const Params& p, Mem& mem, int64_t unit, int64_t b, int64_
   }
 }
 
-// Calls fn(item) for the work items of thread `thread` (of `threads`) in a block covering tokens
-// [block_x * kTokensPerBlock, +kTokensPerBlock) of a sequence of `length` tokens, `heads` heads each.
-template <class Fn>
-KV_HD void ForEachItem(int64_t length, int64_t heads, int64_t units, int64_t block_x, int64_t thread, int64_t threads,
-                       Fn&& fn) {
-  const int64_t work = kTokensPerBlock * 2 * heads * units;
-  for (int64_t w = thread; w < work; w += threads) {
-    const Item it = ItemOf(w, block_x, heads, units);
-    if (it.token < length) fn(it);
+// A thread's tokens of one row unit in a block: tokens i0, i0 + step, ... (n <= kTokensPerBlock of them),
+// as indices into the block's tokens.
+struct Run {
+  int64_t i0, step, n;
+};
+
+// Gathers one row unit of a run of tokens when its 8 elements share one quantization group (groups of a
+// multiple of 8, 16-byte aligned buffers): first every token's codes and scale are read, then every
+// output written. The reads of one token could not move above the writes of the one before (nothing
+// tells the compiler that the outputs do not overlap the cache), so reading them all first keeps up to
+// kTokensPerBlock reads in flight per thread instead of one. `token0`: the output token of the block's
+// first token.
+template <class T1, class T3, int QBits, class Mem>
+KV_HD void GatherGroupedRun(const Params& p, Mem& mem, const RowUnit& it, int64_t token0, const Run& run,
+                            SlotCursor<Mem>& slots) {
+  using T = typename T1::Storage;
+  using S = typename T3::Storage;
+  const int64_t h = it.cache_head;
+  const int64_t row0 = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * it.kv + p.cache_rows.head * h + it.u * kVec;
+  const int64_t srow0 = p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * it.kv + p.scale_rows.head * h + it.group;
+  uint64_t word[kTokensPerBlock];
+  S stored[kTokensPerBlock];
+  for (int k = 0; k < kTokensPerBlock; ++k) {
+    if (k < run.n) {
+      const int64_t slot = slots.Next();
+      word[k] = LoadEightCodes<QBits>(mem, row0 + p.cache_rows.slot * slot);
+      stored[k] = mem.template Load<S>(kScale, (srow0 + p.scale_rows.slot * slot) * int64_t(sizeof(S)));
+    }
   }
+  const Buf dst_buf = it.kv ? kOutValue : kOutKey;
+  for (int k = 0; k < kTokensPerBlock; ++k) {
+    if (k < run.n) {
+      const int64_t token = token0 + run.i0 + k * run.step;
+      const int64_t dst = ((token * p.out_heads + it.head) * p.head_dim + it.u * kVec) * int64_t(sizeof(T));
+      int32_t code[kVec];
+      UnpackEightCodes<QBits>(word[k], code);
+      const float s = T3::ToFloat(stored[k]);
+      float v[kVec];
+      for (int e = 0; e < kVec; ++e) v[e] = static_cast<float>(code[e]) * s;  // float32 product, no contraction
+      // Codes are small integers: with a finite scale no product is NaN.
+      if (IsFinite(s))
+        StoreEight<T1, true>(mem, dst_buf, dst, v);
+      else
+        StoreEight<T1>(mem, dst_buf, dst, v);
+    }
+  }
+}
+
+// Calls fn(row_unit, run, slots) for the row units of thread `thread` (of `threads`) in a block covering
+// tokens [0, count) of the block (positions first_pos + i of sequence b), `heads` heads each; `slots`
+// gives the run's slots in order. A thread keeps its row unit for all of its tokens, so the divisions that
+// place it are done once. Rows of fewer units than threads are done threads / units tokens side by side.
+template <class Mem, class Fn>
+KV_HD void ForEachRun(const Params& p, Mem& mem, int64_t b, uint64_t first_pos, int64_t count, int64_t heads,
+                      int64_t unit, int64_t repeat, int64_t thread, int64_t threads, Fn&& fn) {
+  const int64_t units = p.head_dim / unit, row_units = 2 * heads * units;
+  if (row_units >= threads) {
+    for (int64_t r = thread; r < row_units; r += threads) {
+      SlotCursor<Mem> slots(p, mem, b, first_pos, 1);
+      fn(RowUnitOf(p, r, heads, units, unit, repeat), Run{0, 1, count}, slots);
+    }
+    return;
+  }
+  const int64_t lanes = threads / row_units, lane = thread / row_units;
+  if (lane >= lanes || lane >= count) return;
+  SlotCursor<Mem> slots(p, mem, b, first_pos + static_cast<uint64_t>(lane), lanes);
+  fn(RowUnitOf(p, thread % row_units, heads, units, unit, repeat), Run{lane, lanes, (count - lane + lanes - 1) / lanes},
+     slots);
+}
+
+// ForEachRun, calling fn(row_unit, i, slot) for each token i of each run.
+template <class Mem, class Fn>
+KV_HD void ForEachItem(const Params& p, Mem& mem, int64_t b, uint64_t first_pos, int64_t count, int64_t heads,
+                       int64_t unit, int64_t repeat, int64_t thread, int64_t threads, Fn&& fn) {
+  ForEachRun(p, mem, b, first_pos, count, heads, unit, repeat, thread, threads,
+             [&](const RowUnit& it, const Run& run, SlotCursor<Mem>& slots) {
+               for (int64_t k = 0; k < run.n; ++k) fn(it, run.i0 + k * run.step, slots.Next());
+             });
+}
+
+// Tokens [first, first + count) of a sequence of `length` tokens that block_x covers (count may be <= 0).
+KV_HD int64_t BlockTokens(int64_t block_x, int64_t length, int64_t* first) {
+  *first = block_x * kTokensPerBlock;
+  return length - *first < kTokensPerBlock ? length - *first : kTokensPerBlock;
 }
 
 // Everything thread `thread` (of `threads`) of block (block_x, block_y) of the store launch does.
@@ -254,8 +491,14 @@ KV_HD void StoreThread(const Params& p, Mem& mem, int64_t unit, int64_t block_x,
                        int64_t threads) {
   const int64_t b = block_y;
   const int64_t begin = IndexAt(mem, kSeqstarts, b), seqlen = IndexAt(mem, kSeqstarts, b + 1) - begin;
-  ForEachItem(seqlen, p.heads, p.head_dim / unit, block_x, thread, threads,
-              [&](const Item& it) { StoreItem<T1, T3, QBits>(p, mem, unit, b, begin, it); });
+  int64_t first = 0;
+  const int64_t count = BlockTokens(block_x, seqlen, &first);
+  if (count <= 0) return;
+  const uint64_t first_pos = static_cast<uint64_t>(IndexAt(mem, kStartPos, b)) + static_cast<uint64_t>(first);
+  ForEachItem(p, mem, b, first_pos, count, p.heads, unit, 1, thread, threads,
+              [&](const RowUnit& it, int64_t i, int64_t slot) {
+                StoreItem<T1, T3, QBits>(p, mem, unit, it, begin + first + i, slot);
+              });
 }
 
 // Everything thread `thread` (of `threads`) of block (block_x, block_y) of the gather launch does.
@@ -264,8 +507,22 @@ KV_HD void GatherThread(const Params& p, Mem& mem, int64_t unit, int64_t block_x
                         int64_t threads) {
   const int64_t b = block_y;
   const int64_t begin = IndexAt(mem, kKvstarts, b), kvlen = IndexAt(mem, kKvstarts, b + 1) - begin;
-  ForEachItem(kvlen, p.out_heads, p.head_dim / unit, block_x, thread, threads,
-              [&](const Item& it) { GatherItem<T1, T3, QBits>(p, mem, unit, b, begin, it); });
+  int64_t first = 0;
+  const int64_t count = BlockTokens(block_x, kvlen, &first);
+  if (count <= 0) return;
+  if constexpr (QBits != 0) {
+    if (unit == kVec && p.quant_group % kVec == 0) {
+      ForEachRun(p, mem, b, static_cast<uint64_t>(first), count, p.out_heads, unit, p.num_repeat, thread, threads,
+                 [&](const RowUnit& it, const Run& run, SlotCursor<Mem>& slots) {
+                   GatherGroupedRun<T1, T3, QBits>(p, mem, it, begin + first, run, slots);
+                 });
+      return;
+    }
+  }
+  ForEachItem(p, mem, b, static_cast<uint64_t>(first), count, p.out_heads, unit, p.num_repeat, thread, threads,
+              [&](const RowUnit& it, int64_t i, int64_t slot) {
+                GatherItem<T1, T3, QBits>(p, mem, unit, it, begin + first + i, slot);
+              });
 }
 
 // Calls f.template Run<T1, T3, QBits>() for the call's element types (ONNX types) and quant_bit.

@@ -58,6 +58,24 @@ def test_host_runner_on_many_blocks(runner, quant_bit, t1, t3, head_dim, group, 
     assert_same_bits(got, want)
 
 
+@pytest.mark.parametrize("quant_bit,t1,t3,group", [
+    (0, "float16", "float32", 8), (8, "bfloat16", "float16", 8), (4, "float32", "float32", 16), (8, "float16", "float32", 32)])
+@pytest.mark.parametrize("mode,layout,page_size,heads,repeat", [
+    (1, 0, 3, 8, 1), (1, 3, 5, 12, 2), (0, 1, 1, 8, 2), (1, 2, 8, 12, 1)])
+def test_host_runner_on_wide_rows(runner, quant_bit, t1, t3, group, mode, layout, page_size, heads, repeat):
+    """Rows of at least as many units as a block has threads (H * Dh >= 1024 at 8 elements a unit): a thread
+    keeps its row unit for all of a block's tokens and walks their slots with a cursor, here across page
+    boundaries inside a block (pages of 3 and 5 tokens), and some threads take more row units than others."""
+    rng = np.random.default_rng(quant_bit + 10 * layout + 100 * page_size + heads)
+    seqs = [Seq(int(rng.integers(0, 30)), int(rng.integers(0, 12))) for _ in range(4)] + [Seq(0, 9)]
+    case = build_case("wide", seqs, heads=heads, head_dim=128, quant_bit=quant_bit, quant_group=group,
+                      num_repeat=repeat, cache_mode=mode, cache_layout=layout, page_size=page_size, t1=t1, t3=t3)
+    want = reference_result(case.inputs, case.attributes)
+    result, got = run_case(runner, case)
+    assert_clean(result)
+    assert_same_bits(got, want)
+
+
 def test_host_runner_reports_invalid_calls_like_the_reference(runner):
     case = build_case("bad", [Seq(2, 3)], heads=1, head_dim=8)
     inputs = copies(case.inputs)
