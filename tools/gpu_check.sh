@@ -104,6 +104,12 @@ else
   fi
 
   # 6. ONNX Runtime CUDA EP -----------------------------------------------------------------------------
+  # onnxruntime-gpu loads cuBLAS/cuRAND/cuDNN by soname; pip-installed CUDA libraries (nvidia-*-cu13, as
+  # torch brings them) are not on the loader's path by themselves.
+  NVIDIA_LIBS=$("$PY" -c 'import glob, os, site
+dirs = {os.path.dirname(f) for sp in site.getsitepackages() for f in glob.glob(os.path.join(sp, "nvidia", "**", "lib*.so*"), recursive=True)}
+print(":".join(sorted(dirs)))' 2>/dev/null)
+  if [ -n "$NVIDIA_LIBS" ]; then export LD_LIBRARY_PATH=$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
   if [ -f "$ROOT/.ort-gpu/MANIFEST.json" ]; then
     if wheel=$("$PY" "$ROOT/tools/wheel_parts.py" join "$ROOT/.ort-gpu" --out "$OUT/wheels" 2>"$OUT/logs/ort-gpu-install.log") \
        && "$PY" -m pip install -q --no-deps --no-index --target "$OUT/ort-gpu" "$wheel" >>"$OUT/logs/ort-gpu-install.log" 2>&1; then
