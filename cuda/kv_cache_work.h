@@ -198,12 +198,13 @@ KV_HD void LoadEight(Mem& mem, Buf buf, int64_t offset, float (&v)[kVec]) {
 }
 
 // Two floats that are not NaN rounded to nearest even to T1's 16-bit storage and packed, the first in the
-// low half. On the GPU this is one cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32: it rounds every input that is
-// not NaN exactly as the portable conversions do (IEEE round to nearest even, overflow to inf, subnormals
-// kept), but would not keep a NaN's sign and payload as the spec's conversions do.
+// low half. On sm_80 and newer GPUs this is one cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32 (older GPUs and the
+// host use the portable conversions): it rounds every input that is not NaN exactly as the portable
+// conversions do (IEEE round to nearest even, overflow to inf, subnormals kept), but would not keep a
+// NaN's sign and payload as the spec's conversions do.
 template <class T1>
 KV_HD uint32_t PackTwoNotNaN(float lo, float hi) {
-#if defined(__CUDA_ARCH__)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800  // the packed conversions are sm_80's
   uint32_t packed;
   if constexpr (T1::kElem == Elem::kFloat16) {
     asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(hi), "f"(lo));
@@ -455,6 +456,7 @@ template <class Mem, class Fn>
 KV_HD void ForEachRun(const Params& p, Mem& mem, int64_t b, uint64_t first_pos, int64_t count, int64_t heads,
                       int64_t unit, int64_t repeat, int64_t thread, int64_t threads, Fn&& fn) {
   const int64_t units = p.head_dim / unit, row_units = 2 * heads * units;
+  if (row_units == 0) return;
   if (row_units >= threads) {
     for (int64_t r = thread; r < row_units; r += threads) {
       SlotCursor<Mem> slots(p, mem, b, first_pos, 1);

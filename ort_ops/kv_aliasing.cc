@@ -72,8 +72,9 @@ void ForEachRun(const Attrs& a, const CallPlan& p, int64_t b, uint64_t first, in
 class StoreBuckets {
  public:
   StoreBuckets(const CallPlan& p, const Attrs& a, int64_t load_runs, const std::vector<Run>& stores) {
+    if (a.cache_mode == 0) return;  // offset mode: a sequence is one load run, searched directly
     int64_t cap_bits = 64;
-    while (cap_bits < (int64_t(1) << 20) && cap_bits < 64 * load_runs) cap_bits *= 2;
+    while (cap_bits < (int64_t(1) << 20) && cap_bits / 64 < load_runs) cap_bits *= 2;
     while ((uint64_t(1) << shift_) < uint64_t(a.page_size)) ++shift_;
     while (((p.max_t - 1) >> shift_) >= cap_bits) ++shift_;
     bits_.assign(static_cast<size_t>(((p.max_t - 1) >> shift_) / 64 + 1), 0);
@@ -102,8 +103,9 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
     if (stores[k].begin < stores[k - 1].End()) FailDuplicateStore(a, p, seq_len);
   // The store runs are now disjoint and sorted, so their ends are sorted too.
   int64_t load_runs = 0;
-  for (int64_t b = 0; b < p.batch; ++b) load_runs += a.cache_mode == 0 ? 1 : (kv_len[b] + a.page_size - 1) / a.page_size;
-  const StoreBuckets buckets(p, a, a.cache_mode == 0 ? 0 : load_runs, stores);
+  for (int64_t b = 0; b < p.batch; ++b)  // no overflow: at most kv_len[b] runs each, and their sum fits
+    load_runs += a.cache_mode == 0 ? 1 : (kv_len[b] ? (kv_len[b] - 1) / a.page_size + 1 : 0);
+  const StoreBuckets buckets(p, a, load_runs, stores);
   for (int64_t b = 0; b < p.batch; ++b)
     ForEachRun(a, p, b, 0, kv_len[b], [&](const Run& load) {
       if (a.cache_mode == 1 && !buckets.MayHold(load.begin, load.len)) return;

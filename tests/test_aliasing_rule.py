@@ -4,6 +4,7 @@ library checks stores and loads as runs of slots; the reference checks slot by s
 the same calls and reject the rest with the same message."""
 
 import numpy as np
+import pytest
 from hypothesis import event, given, settings, strategies as st
 
 from kvcache_op.ort_ops import c_api
@@ -62,3 +63,22 @@ def test_library_and_reference_agree_on_colliding_indices(call):
     got_message, got_bytes = outcome(c_api.key_value_cache, inputs, attrs)
     assert got_message == want_message
     assert got_bytes == want_bytes
+
+
+def test_pages_and_lengths_near_int64s_limit_are_counted_without_overflow():
+    """A page of 2^61 slots and a load length of 2^63 - 1: counting the load runs must not overflow int64 on the
+    way (the sanitizer build aborts on signed overflow). Every page starts at slot 0, so the store at position
+    2^63 - 2 (page 3) lands on the slot that position 2^61 - 2 (page 0) loads."""
+    inputs = dict(current_key=np.zeros((1, 1, 1), np.float32), current_value=np.zeros((1, 1, 1), np.float32),
+                  seqstarts=np.array([0, 1], np.int64), kvstarts=np.array([0, 2**63 - 1], np.int64),
+                  cachestarts=np.zeros((1, 4), np.int64), start_pos=np.array([2**63 - 2], np.int64),
+                  max_seqlen=np.array(1, np.int64), max_kvlen=np.array(2**63 - 1, np.int64))
+    args = c_api.HostBuffers()
+    tensors = [args.tensor(n, inputs[n]) for n in c_api.KV_INPUTS[:8]]
+    # A cache of 2^62 float32 elements is only described: validation reads no cache memory.
+    placeholder = np.zeros(1, np.float32)
+    tensors += [c_api.Tensor(c_api.ONNX_TYPES[placeholder.dtype], (2**61, 1, 2, 1, 1), placeholder.ctypes.data),
+                c_api.ABSENT]
+    with pytest.raises(KeyValueCacheError, match=f"slot {2**61 - 2} is stored by sequence 0 position {2**63 - 2} and "
+                                                  f"loaded in the same call by sequence 0 position {2**61 - 2};"):
+        c_api.output_shape(tensors, num_layer=1, layer_idx=0, cache_mode=1, page_size=2**61)

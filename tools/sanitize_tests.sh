@@ -21,6 +21,6 @@ if [ "$#" -eq 0 ]; then
     tests/test_rotary_shift.py tests/test_rotary_errors.py tests/test_ort_rotary_fuzz.py \
     tests/test_mha_ort_cpu.py tests/test_mha_errors.py tests/test_mha_c_api.py tests/test_c_api_cpu.py \
     tests/test_cpu_kernel_rows.py \
-    tests/test_empty_scale.py -q -p no:cacheprovider
+    tests/test_empty_scale.py tests/test_aliasing_rule.py -q -p no:cacheprovider
 fi
 python3 -m pytest "$@"
