@@ -5,18 +5,10 @@ import functools
 
 import numpy as np
 import onnxruntime as ort
-from onnx import TensorProto, helper
 
-from kvcache_op.reference.dtypes import BFLOAT16, INT4
+from kvcache_op.ort_ops import c_api
+from kvcache_op.reference.dtypes import INT4
 from kvcache_op.reference.quantize import pack_int4, unpack_int4
-
-_ONNX_TYPE = {BFLOAT16: TensorProto.BFLOAT16, INT4: TensorProto.INT4}
-
-
-def _onnx_type(dtype) -> int:
-    """The ONNX element type of any numpy dtype a test binds, invalid ones included: a call with an int16
-    cache must reach the op and be refused there, not fail here."""
-    return _ONNX_TYPE.get(dtype) or helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
 def _host_bytes(array: np.ndarray) -> np.ndarray:
@@ -29,7 +21,9 @@ def to_device(array: np.ndarray, device_id: int = 0) -> ort.OrtValue:
     """A CUDA OrtValue holding a copy of ``array``."""
     import cupy
 
-    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), _onnx_type(array.dtype), "cuda", device_id)
+    # any dtype a test binds, invalid ones too: an int16 cache must reach the op and be refused there
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), c_api.onnx_type(array.dtype), "cuda",
+                                                      device_id)
     data = _host_bytes(array)
     if data.size:
         cupy.cuda.runtime.memcpy(value.data_ptr(), data.ctypes.data, data.size, cupy.cuda.runtime.memcpyHostToDevice)
