@@ -513,7 +513,7 @@ KV_HD void GatherThread(const Params& p, Mem& mem, int64_t unit, int64_t block_x
   const int64_t count = BlockTokens(block_x, kvlen, &first);
   if (count <= 0) return;
   if constexpr (QBits != 0) {
-    if (unit == kVec && p.quant_group % kVec == 0) {
+    if (VectorGroups(p)) {  // the gather unit is 8 elements of one group
       ForEachRun(p, mem, b, static_cast<uint64_t>(first), count, p.out_heads, unit, p.num_repeat, thread, threads,
                  [&](const RowUnit& it, const Run& run, SlotCursor<Mem>& slots) {
                    GatherGroupedRun<T1, T3, QBits>(p, mem, it, begin + first, run, slots);

@@ -21,22 +21,6 @@ struct Run {
   int64_t End() const { return begin + len; }
 };
 
-// Runs of consecutive slots of sequence b's positions [first, first + count): one per page in mode 1.
-// One division per sequence: after the first run every run starts a page.
-template <class Fn>
-void ForEachRun(const Attrs& a, const CallPlan& p, int64_t b, uint64_t first, int64_t count, Fn&& fn) {
-  if (count == 0) return;
-  if (a.cache_mode == 0) return fn(Run{SlotOf(p, a, b, first), count, b, first});
-  const uint64_t page_size = static_cast<uint64_t>(a.page_size);
-  const int64_t* page_start = p.cachestarts.data() + b * p.max_p + static_cast<int64_t>(first / page_size);
-  int64_t offset = static_cast<int64_t>(first % page_size);
-  for (int64_t i = 0; i < count; ++page_start, offset = 0) {
-    const int64_t len = std::min<int64_t>(count - i, a.page_size - offset);
-    fn(Run{*page_start + offset, len, b, first + static_cast<uint64_t>(i)});
-    i += len;
-  }
-}
-
 // Reports the duplicate store the reference reports: the one whose second store comes first in
 // (sequence, position) order. Runs only when the runs overlap, so it may go slot by slot.
 [[noreturn]] void FailDuplicateStore(const Attrs& a, const CallPlan& p, const std::vector<int64_t>& seq_len) {
@@ -96,7 +80,9 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
                    const std::vector<int64_t>& kv_len) {
   std::vector<Run> stores;
   for (int64_t b = 0; b < p.batch; ++b)
-    ForEachRun(a, p, b, static_cast<uint64_t>(p.start_pos[b]), seq_len[b], [&](const Run& r) { stores.push_back(r); });
+    ForEachSlotRun(p, a, b, static_cast<uint64_t>(p.start_pos[b]), seq_len[b], [&](int64_t i, int64_t slot, int64_t n) {
+      stores.push_back(Run{slot, n, b, static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(i)});
+    });
   if (stores.empty()) return;
   std::sort(stores.begin(), stores.end(), [](const Run& x, const Run& y) { return x.begin < y.begin; });
   for (size_t k = 1; k < stores.size(); ++k)
@@ -107,7 +93,8 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
     load_runs += a.cache_mode == 0 ? 1 : (kv_len[b] ? (kv_len[b] - 1) / a.page_size + 1 : 0);
   const StoreBuckets buckets(p, a, load_runs, stores);
   for (int64_t b = 0; b < p.batch; ++b)
-    ForEachRun(a, p, b, 0, kv_len[b], [&](const Run& load) {
+    ForEachSlotRun(p, a, b, 0, kv_len[b], [&](int64_t t, int64_t slot, int64_t n) {
+      const Run load{slot, n, b, static_cast<uint64_t>(t)};
       if (a.cache_mode == 1 && !buckets.MayHold(load.begin, load.len)) return;
       auto it = std::partition_point(stores.begin(), stores.end(), [&](const Run& r) { return r.End() <= load.begin; });
       for (; it != stores.end() && it->begin < load.End(); ++it) {

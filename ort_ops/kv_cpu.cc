@@ -42,13 +42,9 @@ void ForEachRun(const CallPlan& p, const Attrs& a, const std::vector<int64_t>& s
     while (r >= starts[b + 1]) ++b;
     // start_pos >= 0 (validated); the sum may exceed INT64_MAX but not UINT64_MAX.
     const uint64_t pos = (first_pos ? static_cast<uint64_t>(first_pos[b]) : 0) + static_cast<uint64_t>(r - starts[b]);
-    int64_t n = std::min(row_end, starts[b + 1]) - r;
-    if (a.cache_mode == 1) {
-      const uint64_t page = static_cast<uint64_t>(a.page_size);
-      n = std::min(n, static_cast<int64_t>(page - pos % page));
-    }
-    fn(r, SlotOf(p, a, b, pos), n);
-    r += n;
+    const int64_t end = std::min(row_end, starts[b + 1]);
+    ForEachSlotRun(p, a, b, pos, end - r, [&](int64_t i, int64_t slot, int64_t n) { fn(r + i, slot, n); });
+    r = end;
   }
 }
 

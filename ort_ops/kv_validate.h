@@ -139,4 +139,21 @@ inline int64_t SlotOf(const CallPlan& p, const Attrs& a, int64_t b, uint64_t pos
   return p.cachestarts[b * p.max_p + static_cast<int64_t>(pos / page_size)] + static_cast<int64_t>(pos % page_size);
 }
 
+// fn(i, slot, n) for the runs of consecutive slots of sequence b's positions first + i, i in [0, count) (positions
+// ValidateCall bounds-checked): one run per page in paged mode, one run in offset mode. One division, for the
+// first position; every later run starts a page.
+template <class Fn>
+inline void ForEachSlotRun(const CallPlan& p, const Attrs& a, int64_t b, uint64_t first, int64_t count, Fn&& fn) {
+  if (count <= 0) return;
+  if (a.cache_mode == 0) return fn(int64_t(0), SlotOf(p, a, b, first), count);
+  const uint64_t page_size = static_cast<uint64_t>(a.page_size);
+  const int64_t* page_start = p.cachestarts.data() + b * p.max_p + static_cast<int64_t>(first / page_size);
+  int64_t offset = static_cast<int64_t>(first % page_size);
+  for (int64_t i = 0; i < count; ++page_start, offset = 0) {
+    const int64_t n = count - i < a.page_size - offset ? count - i : a.page_size - offset;
+    fn(i, *page_start + offset, n);
+    i += n;
+  }
+}
+
 }  // namespace kvcache
