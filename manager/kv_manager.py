@@ -79,6 +79,11 @@ class KVCacheManager:
         self.rows = RequestRows(max_pages, page_size)
         self.requests = {}  # rid -> Request
         self._row_of = {}  # rid -> row (the batch lookup of a step)
+        # (request ids, their rows) of the last batch looked up: a decode loop feeds the same batch step
+        # after step, and comparing the id lists is cheaper than looking each id up again. An active
+        # request keeps its row, so only finish() makes it stale (and admitting one cannot: a listed id
+        # was active, so it is not being admitted).
+        self._last_batch = None
         self.queried_tokens = 0
         self.hit_tokens = 0
         self._pending = None  # the outstanding OutstandingStep
@@ -140,6 +145,7 @@ class KVCacheManager:
             self.pool.release(page, cached=self.index.is_cached(page))
         self.rows.free(r.row)
         del self.requests[rid], self._row_of[rid]
+        self._last_batch = None
 
     # ---- steps ---------------------------------------------------------------------------------------
     def schedule(self, feeds: dict) -> StepPlan:
@@ -183,7 +189,7 @@ class KVCacheManager:
         """Plans and applies the step of a checked batch (``feeds``: the step as a dict, or None for one
         token each, to name the first bad request when planning fails)."""
         rows, lengths, ids = batch
-        before = self.rows.state[rows]  # also what abort restores
+        before = self.rows.state.take(rows, axis=0)  # also what abort restores
         try:
             planned = self._plan(rids, before, lengths, ids)
         except ValueError:
@@ -272,17 +278,23 @@ class KVCacheManager:
         per-request check then finds out why)."""
         if not rids:
             return np.zeros(0, np.intp), None, np.zeros(0, np.int64)
-        try:
-            rows = operator.itemgetter(*rids)(self._row_of)
-        except (KeyError, TypeError):  # TypeError: an unhashable id
-            return None
+        rows = self._cached_rows(rids)
+        if rows is None:
+            try:
+                rows = operator.itemgetter(*rids)(self._row_of)
+            except (KeyError, TypeError):  # TypeError: an unhashable id
+                return None
+            rows = self._remember_rows(rids, np.array(rows if len(rids) > 1 else [rows], np.intp))
         tokens = token_batch(list(feeds.values()), self.vocab_size)
         if tokens is None:
             return None
-        return np.array(rows if len(rids) > 1 else [rows], np.intp), tokens[0], tokens[1]
+        return rows, tokens[0], tokens[1]
 
     def _rows_of(self, rids: list) -> np.ndarray:
         """The rows of distinct active requests; ``UnknownRequest``/``ValueError`` otherwise."""
+        cached = self._cached_rows(rids)
+        if cached is not None:
+            return cached
         try:
             rows = operator.itemgetter(*rids)(self._row_of) if len(rids) > 1 else [self._row_of[r] for r in rids]
         except (KeyError, TypeError):
@@ -296,6 +308,18 @@ class KVCacheManager:
                 if rid in seen:
                     raise ValueError(f"request {rid!r} appears twice in one step")
                 seen.add(rid)
+        return self._remember_rows(rids, rows)
+
+    def _cached_rows(self, rids: list):
+        """The rows of ``rids`` if they are the last batch's ids, in the same order; else None."""
+        last = self._last_batch
+        return last[1] if last is not None and last[0] == rids else None
+
+    def _remember_rows(self, rids: list, rows: np.ndarray) -> np.ndarray:
+        """Keeps ``rows`` (made read-only: plans and records share it) as the rows of ``rids`` (the
+        caller's own list, which nothing changes later), for the next step's lookup."""
+        rows.flags.writeable = False
+        self._last_batch = (rids, rows)
         return rows
 
     def _check_each(self, feeds: dict) -> tuple:
@@ -337,11 +361,12 @@ class KVCacheManager:
         if self.streaming is not None:
             plain &= end <= self.streaming.budget_pages * ps
         need = computed >= (first + held) * ps  # for a plain append: the token starts a new page
-        all_plain = bool(plain.all())
+        all_plain = np.count_nonzero(plain) == len(plain)
         if not all_plain:
             need &= plain
         new_pages = int(np.count_nonzero(need))
-        if new_pages and (held[need] >= self.max_pages).any():
+        # (the maximum first: one reduction where, as almost always, no request holds max_pages pages)
+        if new_pages and held.max() >= self.max_pages and (held[need] >= self.max_pages).any():
             raise ValueError("a request's step needs more than max_pages pages")  # _check_each says which
         work = []
         if not all_plain:
@@ -403,7 +428,7 @@ class KVCacheManager:
                 self.pool.release(page, cached=self.index.is_cached(page))
             step.released += w.released
         if planned.new_pages:  # pages in batch order, as each request asks for them
-            step.taken = [self.pool.take() for _ in range(planned.new_pages)]
+            step.taken = self.pool.take_many(planned.new_pages)
             self._hand_out(step, np.array(step.taken, np.int64) * ps, need, planned.work)
         # A plain append puts its token in the tail buffer; the request's token list stays as it is.
         computed = before[:, 0]
@@ -422,7 +447,7 @@ class KVCacheManager:
             lengths, ids = self._refed(lengths, ids, fed)
         first_slot = (before[:, 1] if plain is None else R.first_page[rows]) * ps
         step.plan = build_plan(
-            list(rids), lengths, planned.end, first_slot, R.table[rows], self._fed_tokens(rids, lengths, ids),
+            list(rids), lengths, planned.end, first_slot, R.table.take(rows, axis=0), self._fed_tokens(rids, lengths, ids),
             np.concatenate(shift_slots) if shift_slots else None,
             np.concatenate(shift_deltas) if shift_deltas else None)
         self._pending = step

@@ -40,6 +40,19 @@ class PagePool:
         self.ref_count[page] = 1
         return page
 
+    def take_many(self, n: int) -> list:
+        """``n`` pages, exactly as ``n`` calls of ``take`` would hand them out, in that order (the free
+        ones without a call each). Raises IndexError, having taken nothing, if fewer are available."""
+        if n > self.available():
+            raise IndexError(f"{n} pages asked for, {self.available()} free or evictable")
+        free, ref_count = self.free, self.ref_count
+        pages = [free.popleft() for _ in range(min(n, len(free)))]
+        for page in pages:
+            ref_count[page] = 1
+        while len(pages) < n:
+            pages.append(self.take())
+        return pages
+
     def acquire(self, page: int) -> None:
         """One more reference to a page (a cached page leaves the LRU)."""
         if self.ref_count[page] == 0:

@@ -66,8 +66,9 @@ class StepPlan:
 
 def starts_of(lengths: np.ndarray) -> np.ndarray:
     """``[0, cumsum(lengths)]`` as int64."""
-    starts = np.zeros(len(lengths) + 1, np.int64)
-    lengths.cumsum(out=starts[1:])
+    starts = np.empty(len(lengths) + 1, np.int64)
+    starts[0] = 0
+    np.add.accumulate(lengths, out=starts[1:])
     return starts
 
 

@@ -124,3 +124,37 @@ def test_feeds_of_any_integer_sequence_plan_as_lists_do():
         for other in plans[step::3][1:]:
             assert all(np.array_equal(a, b) for a, b in zip(reference[1], other[1])), other[0]
             assert reference[2] == other[2]
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_a_batch_fed_again_after_one_of_its_requests_finished(arrays):
+    """A decode loop feeds the same request ids step after step. Once one of them finished, feeding the
+    same ids again is refused with nothing changed; a request admitted into the finished one's row is fed
+    through its own page table."""
+    from kvcache_op.manager import UnknownRequest
+
+    def step(rids, tokens):
+        return m.schedule_decode(rids, tokens) if arrays else m.schedule({r: [t] for r, t in zip(rids, tokens)})
+
+    m = KVCacheManager(64, 4, 8)
+    for rid, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6, 7, 8])):
+        m.add_request(rid, prompt)
+        m.commit(m.schedule({rid: prompt}))
+    for token in (10, 11):
+        m.commit(step(["a", "b"], [token, token]))
+    m.finish("b")
+    before = manager_state(m)
+    with pytest.raises(UnknownRequest):
+        step(["a", "b"], [12, 12])
+    assert manager_state(m) == before
+    m.add_request("c", [20, 21])
+    m.commit(m.schedule({"c": [20, 21]}))
+    stored = [m.computed("a"), m.computed("c")]
+    assert stored == [5, 2]
+    plan = step(["a", "c"], [12, 22])
+    assert plan.kvstarts.tolist() == [0, stored[0] + 1, stored[0] + stored[1] + 2]
+    for b, rid in enumerate(("a", "c")):
+        pages = m.page_table(rid)
+        assert plan.cachestarts[b, :len(pages)].tolist() == [p * 4 for p in pages]
+    m.commit(plan)
+    m.check()

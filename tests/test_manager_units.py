@@ -80,6 +80,31 @@ def test_free_pages_are_used_before_cached_ones_and_eviction_is_lru():
     pool.check()
 
 
+@pytest.mark.parametrize("n", [0, 2, 3, 5, 6])
+def test_taking_several_pages_is_taking_them_one_by_one(n):
+    """take_many(n) hands out the pages n calls of take would, in the same order, evicting the same
+    cached pages; asked for more than are available it raises and takes nothing."""
+    def pool_with_free_and_cached():
+        pool, evicted = PagePool(8), []
+        pool.on_evict = evicted.append
+        pages = [pool.take() for _ in range(8)]
+        for page, cached in zip(pages[:5], (True, False, True, False, True)):
+            pool.release(page, cached=cached)
+        return pool, evicted  # 2 free pages, 3 cached ones
+    many, evicted_many = pool_with_free_and_cached()
+    single, evicted_single = pool_with_free_and_cached()
+    if n > 5:
+        with pytest.raises(IndexError):
+            many.take_many(n)
+        assert (many.ref_count, list(many.free), list(many.cached), evicted_many) == \
+               (single.ref_count, list(single.free), list(single.cached), evicted_single)
+        return
+    assert many.take_many(n) == [single.take() for _ in range(n)]
+    assert (many.ref_count, list(many.free), list(many.cached), evicted_many) == \
+           (single.ref_count, list(single.free), list(single.cached), evicted_single)
+    many.check()
+
+
 def test_out_of_pages_is_typed_and_changes_nothing():
     m = KVCacheManager(4, 4, 8)
     m.add_request("a", list(range(20)))
