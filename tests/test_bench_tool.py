@@ -114,3 +114,17 @@ def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
     assert copy.ctypes.data % ALIGNMENT == 0 and np.array_equal(copy, source)
     inputs = bench_kvcache.make_inputs(bench_kvcache.Shape("t", 2, 1, 7, heads=2, head_dim=16, page_size=4), 8, 3)
     assert all(inputs[name].ctypes.data % ALIGNMENT == 0 for name in ("current_key", "current_value", "cache", "scale"))
+
+
+def test_the_profiling_script_runs_a_benchmark_case():
+    """benchmarks/cpu/bound/profile_case.py (run under a sampling profiler) still builds and runs the
+    benchmark's cases through the tool's own functions."""
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu" / "bound" / "profile_case.py"
+    done = subprocess.run([sys.executable, str(script), "--shape", "prefill", "--layout", "3", "--calls", "1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "prefill cache_mode=1 quant_bit=8 layout=3:" in done.stdout and "ms per call (1 calls)" in done.stdout

@@ -1,6 +1,7 @@
 // What the CPU kernel's quantization costs per element on one core, next to the IEEE divisions the spec
-// prescribes: 9 division lanes per 8 elements with groups of 8 (one per element, one per group's scale).
-// Rows of 128 float16 elements stay in L1, so this is the arithmetic alone. From the repository root:
+// prescribes: 9 division lanes per 8 elements with groups of 8 (one per element, one per group's scale); and
+// what dequantizing the rows back costs. Rows of 128 float16 elements stay in L1, so this is the arithmetic
+// alone. From the repository root:
 //
 //   g++ -O3 -std=gnu++17 -ffp-contract=off -fno-fast-math -fno-trapping-math -Iort_ops -DKV_CPU_ISA=avx2
 //       -mavx2 -mf16c benchmarks/cpu/bound/quantize_cost.cc -o /tmp/quantize_cost && /tmp/quantize_cost
@@ -67,22 +68,35 @@ int main() {
   std::vector<float> x(n), scale(n), sf(groups + 8);
   std::vector<int32_t> work(n);
   const RowScratch scratch{x.data(), scale.data(), work.data(), sf.data()};
-  std::vector<double> per_element, division;
+  std::vector<uint16_t> out(n * rows);
+  std::vector<double> per_element, division, dequantized;
   for (int round = 0; round < 7; ++round) {
-    std::vector<double> times;
+    std::vector<double> times, back;
     for (int rep = 0; rep < 300; ++rep) {
-      const double start = Now();
+      double start = Now();
       for (int r = 0; r < rows; ++r)
         QuantizeRow<F16, F16, 8>(src.data() + r * n, n, 8, groups, codes.data() + r * n, scales.data() + r * groups,
                                  scratch);
       times.push_back((Now() - start) / (n * rows));
+      start = Now();
+      for (int r = 0; r < rows; ++r)
+        DequantizeRow<F16, F16, 8>(codes.data() + r * n, scales.data() + r * groups, n, 8, groups,
+                                   out.data() + r * n, scratch);
+      back.push_back((Now() - start) / (n * rows));
     }
     per_element.push_back(Median(times));
+    dequantized.push_back(Median(back));
     division.push_back(DivisionLaneSeconds() * 9.0 / 8.0);  // 9 lanes divided per 8 elements
   }
-  const double q = Median(per_element), d = Median(division);
+  const double q = Median(per_element), d = Median(division), dq = Median(dequantized);
   std::printf("int8 quantization (float16 in, float16 scales, groups of 8), medians of 7 rounds:\n");
   std::printf("  quantizer %.3f ns per element | IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
               d * 1e9, 100.0 * d / q);
+  std::printf("  dequantizer %.3f ns per element\n", dq * 1e9);
+  // The benchmark's int8 prefill (B=4, seqlen 512, H=8, Dh=128) stores and gathers 4 * 512 * 8 * 128 keys and
+  // as many values: its arithmetic alone, with every row in L1.
+  const double elements = 2.0 * 4 * 512 * 8 * 128;
+  std::printf("  int8 prefill's arithmetic (%.0f elements quantized, as many dequantized): %.2f ms\n", elements,
+              (q + dq) * elements * 1e3);
   return 0;
 }
