@@ -28,6 +28,12 @@ from .step_plan import StepPlan, build_plan
 from .step_records import OutstandingStep, PlannedStep, Request, RequestUndo, RequestWork
 from .streaming import StreamingPolicy, streaming_discard
 
+#: Request ids of these exact types name the same request exactly when they compare equal (equal values hash
+#: alike, and comparing never raises), so a list of them equal to the last batch's names the same requests.
+#: Other ids (numpy scalars, tuples, floats, custom classes) can be equal without being the same dict key, or
+#: fail to compare: their batches are looked up afresh every step.
+_PLAIN_IDS = frozenset((int, str))
+
 __all__ = ["KVCacheManager", "StepPlan", "StreamingPolicy"]
 
 
@@ -311,15 +317,19 @@ class KVCacheManager:
         return self._remember_rows(rids, rows)
 
     def _cached_rows(self, rids: list):
-        """The rows of ``rids`` if they are the last batch's ids, in the same order; else None."""
+        """The rows of ``rids`` if they are the last batch's ids, in the same order; else None. Only
+        lists of plain ids are compared (see ``_PLAIN_IDS``)."""
         last = self._last_batch
-        return last[1] if last is not None and last[0] == rids else None
+        if last is None or len(last[0]) != len(rids) or not set(map(type, rids)) <= _PLAIN_IDS:
+            return None
+        return last[1] if last[0] == rids else None
 
     def _remember_rows(self, rids: list, rows: np.ndarray) -> np.ndarray:
         """Keeps ``rows`` (made read-only: plans and records share it) as the rows of ``rids`` (the
-        caller's own list, which nothing changes later), for the next step's lookup."""
+        caller's own list, which nothing changes later) for the next step's lookup, if the ids are
+        plain."""
         rows.flags.writeable = False
-        self._last_batch = (rids, rows)
+        self._last_batch = (rids, rows) if set(map(type, rids)) <= _PLAIN_IDS else None
         return rows
 
     def _check_each(self, feeds: dict) -> tuple:

@@ -158,3 +158,37 @@ def test_a_batch_fed_again_after_one_of_its_requests_finished(arrays):
         assert plan.cachestarts[b, :len(pages)].tolist() == [p * 4 for p in pages]
     m.commit(plan)
     m.check()
+
+
+@pytest.mark.parametrize("arrays", [False, True])
+def test_a_batch_is_matched_again_only_by_ids_that_name_the_same_requests(arrays):
+    """Ids that compare equal to the last batch's without being the same dict key (numpy scalars: float64(2**53)
+    == 2**53 + 1, yet it hashes as 2**53), ids that fail to compare, and unhashable ids get what a fresh lookup
+    gives: their own request's row, the duplicate or unhashable id refused with nothing changed."""
+    def step(rids, tokens):
+        return m.schedule_decode(rids, tokens) if arrays else m.schedule({r: [t] for r, t in zip(rids, tokens)})
+
+    a, b = 2**53 + 1, 2**53
+    m = KVCacheManager(64, 4, 8)
+    for rid, prompt, salt in ((a, [1, 2, 3, 4], "tenant a"), (b, [7, 8, 9, 10, 11], "tenant b"), ((1, 2), [5], None),
+                              (1, [6], None)):
+        m.add_request(rid, prompt, salt=salt)
+        m.commit(m.schedule({rid: prompt}))
+    m.commit(step([a], [5]))
+    m.commit(step([np.float64(b)], [12]))  # equal to a, but b's key
+    assert (m.computed(a), m.computed(b)) == (5, 6)
+    m.commit(step([(1, 2)], [6]))
+    m.commit(step([np.int64(1)], [7]))  # np.int64(1) == (1, 2) does not give a bool
+    assert (m.computed((1, 2)), m.computed(1)) == (2, 2)
+    m.commit(step([b], [13]))
+    if arrays:  # a dict cannot hold one id twice
+        before = manager_state(m)
+        with pytest.raises(ValueError, match="appears twice"):
+            m.schedule_decode([np.float64(b), np.float64(b)], [14, 14])
+        assert manager_state(m) == before
+        m.commit(m.schedule_decode([a], [6]))
+        before = manager_state(m)
+        with pytest.raises(TypeError, match="unhashable"):
+            m.schedule_decode([np.array(a)], [7])
+        assert manager_state(m) == before
+    m.check()
