@@ -457,7 +457,8 @@ class KVCacheManager:
             lengths, ids = self._refed(lengths, ids, fed)
         first_slot = (before[:, 1] if plain is None else R.first_page[rows]) * ps
         step.plan = build_plan(
-            list(rids), lengths, planned.end, first_slot, R.table.take(rows, axis=0), self._fed_tokens(rids, lengths, ids),
+            list(rids), lengths, planned.end, first_slot, R.table.take(rows, axis=0),
+            self._fed_tokens(rids, lengths, ids),
             np.concatenate(shift_slots) if shift_slots else None,
             np.concatenate(shift_deltas) if shift_deltas else None)
         self._pending = step
