@@ -197,6 +197,12 @@ KV_HD void LoadEight(Mem& mem, Buf buf, int64_t offset, float (&v)[kVec]) {
   }
 }
 
+// Two floats rounded to T1's 16-bit storage by the portable conversions and packed, the first in the low half.
+template <class T1>
+KV_HD uint32_t PackTwo(float lo, float hi) {
+  return uint32_t(T1::FromFloat(lo)) | (uint32_t(T1::FromFloat(hi)) << 16);
+}
+
 // Two floats that are not NaN rounded to nearest even to T1's 16-bit storage and packed, the first in the
 // low half. On sm_80 and newer GPUs this is one cvt.rn.f16x2.f32 / cvt.rn.bf16x2.f32 (older GPUs and the
 // host use the portable conversions): it rounds every input that is not NaN exactly as the portable
@@ -214,7 +220,7 @@ KV_HD uint32_t PackTwoNotNaN(float lo, float hi) {
     return packed;
   }
 #endif
-  return uint32_t(T1::FromFloat(lo)) | (uint32_t(T1::FromFloat(hi)) << 16);
+  return PackTwo<T1>(lo, hi);
 }
 
 // Eight floats rounded to T1 and written at a 16-byte aligned byte offset: one or two 16-byte stores.
@@ -227,8 +233,7 @@ KV_HD void StoreEight(Mem& mem, Buf buf, int64_t offset, const float (&v)[kVec])
     for (int i = 0; i < 4; ++i) {
       if constexpr (sizeof(T) == 2) {
         const float lo = v[8 * k + 2 * i], hi = v[8 * k + 2 * i + 1];
-        w.w[i] = NotNaN ? PackTwoNotNaN<T1>(lo, hi)
-                        : uint32_t(T1::FromFloat(lo)) | (uint32_t(T1::FromFloat(hi)) << 16);
+        w.w[i] = NotNaN ? PackTwoNotNaN<T1>(lo, hi) : PackTwo<T1>(lo, hi);
       } else {
         w.w[i] = FloatBits(T1::FromFloat(v[4 * k + i]));
       }

@@ -65,8 +65,11 @@ class StoreBuckets {
     for (const Run& r : stores)
       for (int64_t k = r.begin >> shift_; k <= (r.End() - 1) >> shift_; ++k) bits_[k / 64] |= uint64_t(1) << (k % 64);
   }
-  // False only when no stored slot lies in [begin, begin + len), len <= the bucket width.
-  bool MayHold(int64_t begin, int64_t len) const { return Has(begin >> shift_) || Has((begin + len - 1) >> shift_); }
+  // False only when no stored slot lies in [begin, begin + len), len <= the bucket width (always true in
+  // offset mode, which has no map).
+  bool MayHold(int64_t begin, int64_t len) const {
+    return bits_.empty() || Has(begin >> shift_) || Has((begin + len - 1) >> shift_);
+  }
 
  private:
   bool Has(int64_t k) const { return (bits_[k / 64] >> (k % 64)) & 1; }
@@ -95,7 +98,7 @@ void CheckAliasing(const Attrs& a, const CallPlan& p, const std::vector<int64_t>
   for (int64_t b = 0; b < p.batch; ++b)
     ForEachSlotRun(p, a, b, 0, kv_len[b], [&](int64_t t, int64_t slot, int64_t n) {
       const Run load{slot, n, b, static_cast<uint64_t>(t)};
-      if (a.cache_mode == 1 && !buckets.MayHold(load.begin, load.len)) return;
+      if (!buckets.MayHold(load.begin, load.len)) return;
       auto it = std::partition_point(stores.begin(), stores.end(), [&](const Run& r) { return r.End() <= load.begin; });
       for (; it != stores.end() && it->begin < load.End(); ++it) {
         // Both runs advance one position per slot, so they agree on the whole overlap if they agree at its

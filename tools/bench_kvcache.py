@@ -126,6 +126,12 @@ def median_seconds(fn, warmup: int, repeats: int) -> float:
     return statistics.median(times)
 
 
+def case_attrs(shape: Shape, quant_bit: int, layout: int, cache_mode: int) -> dict:
+    """The op's attributes in one benchmark case (groups of 8 where quantized)."""
+    return dict(quant_bit=quant_bit, quant_group=8, cache_mode=cache_mode, cache_layout=layout,
+                page_size=shape.page_size)
+
+
 def ort_runner(inputs, attrs, threads):
     """A zero-overhead call of the op: inputs and outputs bound once, then run_with_iobinding."""
     from .. import spec
@@ -204,8 +210,7 @@ def bench_cpu(args) -> list:
         for cache_mode, layouts in MODES:
             for quant_bit in (0, 8):
                 for layout in layouts:
-                    attrs = dict(quant_bit=quant_bit, quant_group=8, cache_mode=cache_mode, cache_layout=layout,
-                                 page_size=shape.page_size)
+                    attrs = case_attrs(shape, quant_bit, layout, cache_mode)
                     inputs = make_inputs(shape, quant_bit, layout, cache_mode=cache_mode)
                     moved = bytes_moved(shape, quant_bit)
                     src = aligned_empty(moved // 2, np.uint8)

@@ -12,7 +12,7 @@ Setting the case up (random inputs) shows in the profile too: compare the kernel
 import argparse
 import time
 
-from kvcache_op.tools.bench_kvcache import SHAPES, make_inputs, ort_runner
+from kvcache_op.tools.bench_kvcache import SHAPES, case_attrs, make_inputs, ort_runner
 
 
 def main() -> None:
@@ -24,8 +24,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=400)
     args = parser.parse_args()
     shape = next(s for s in SHAPES if s.name == args.shape)
-    attrs = dict(quant_bit=args.quant_bit, quant_group=8, cache_mode=args.cache_mode, cache_layout=args.layout,
-                 page_size=shape.page_size)
+    attrs = case_attrs(shape, args.quant_bit, args.layout, args.cache_mode)
     inputs = make_inputs(shape, args.quant_bit, args.layout, cache_mode=args.cache_mode)
     run = ort_runner({k: v for k, v in inputs.items() if v is not None}, attrs, 1)
     for _ in range(3):
