@@ -1,5 +1,10 @@
 """Host-side KV-cache manager feeding the KeyValueCache op: paged allocation, prefix caching with
-LRU eviction, sliding window, and the attention mask that matches the gathered keys."""
+LRU eviction, sliding window, StreamingLLM, and the attention mask that matches the gathered keys.
+
+:class:`KVCacheManager` (``kv_manager``: configuration and step transactions) is put together from one file per
+responsibility: ``admission``, ``batch_lookup``, ``step_planner``, ``step_applier``, ``prefix_publisher``,
+``inspection``; its state lives in ``page_pool``, ``prefix_index``, ``request_rows`` and ``step_records``.
+Pure numpy: it imports nothing else of the package."""
 
 from .errors import OutOfPages, UnknownRequest
 from .kv_manager import KVCacheManager

@@ -1,5 +1,9 @@
-"""ONNX Runtime custom-op library for opmx.dynamic_batching::KeyValueCache (CPU EP, and CUDA EP when built
-with CUDA)."""
+"""ONNX Runtime custom ops of the opmx.dynamic_batching ops (CPU EP, and CUDA EP when built with CUDA).
+
+The folder holds the ONNX Runtime glue only: the C++ ``*_ort_op`` classes and ``register.cc`` (the kernels
+they call live in ``cpu/`` and ``cuda/``), and the Python side: where the one built library lies
+(:func:`library_path`, also the C entry points' library) and sessions with it registered (``session``,
+``graph_rules``, ``write_order``). It may import ``kvcache_op.reference``."""
 
 import os
 import pathlib

@@ -1,7 +1,8 @@
 """Pure-numpy references of the opmx.dynamic_batching ops (KeyValueCache, KeyCacheRotaryShift,
 MultiHeadAttention); they define the semantics.
 
-The normative texts are spec/<Op>.md; on a mismatch the spec wins.
+The normative texts are spec/<Op>.md; on a mismatch the spec wins. It imports only numpy and onnx: every other
+part of the package may hold itself to it, and it depends on none of them.
 """
 
 from .dtypes import BFLOAT16, INT4

@@ -1,6 +1,8 @@
 """Serving exported decoders in ONNX Runtime: :class:`Engine` (continuous batching over the paged cache
 manager), :func:`step_feeds` (a manager's step plan as the graph's feeds) and :class:`ModelInfo` (what
-an exported file tells the engine)."""
+an exported file tells the engine).
+
+It may import ``kvcache_op.manager``, ``kvcache_op.ort_ops``, ``kvcache_op.spec`` and ``kvcache_op.reference``."""
 
 from .engine import Engine
 from .model_info import ModelInfo

@@ -1,5 +1,8 @@
 """Normative specs of the opmx.dynamic_batching ops: the ONNX schemas (registered on import) and model
-helpers. The prose lives next to this file (KeyValueCache.md, KeyCacheRotaryShift.md, MultiHeadAttention.md)."""
+helpers. The prose lives next to this file (KeyValueCache.md, KeyCacheRotaryShift.md, MultiHeadAttention.md);
+``conformance/`` holds a committed sample of the vectors that ``kvcache_op.validation`` writes.
+
+The top of the house: it imports only onnx and numpy."""
 
 from .mha_schema import make_attention_model
 from .mha_schema import register as register_attention

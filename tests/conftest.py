@@ -25,7 +25,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def _gpu_unavailable_reason():
     """Why the kernels cannot be run on a GPU here (through the C entry point), or None when they can."""
-    from kvcache_op.ort_ops import c_api, library_available
+    from kvcache_op.capi import c_api
+    from kvcache_op.ort_ops import library_available
 
     if not library_available():
         return "the kvcache-op library is not built"
@@ -87,8 +88,8 @@ def pytest_terminal_summary(terminalreporter):
 def all_vectors(tmp_path_factory):
     """Every conformance vector, written once for the session (tests read it; any that changes a case
     copies it first)."""
-    from kvcache_op.spec import vectors
+    from kvcache_op.validation import vectors
 
     out = tmp_path_factory.mktemp("vectors")
-    vectors.write_all(out, progress=None)
+    vectors.write_conformance(out, progress=None)
     return out

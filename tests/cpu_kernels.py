@@ -5,7 +5,7 @@ import platform
 
 import pytest
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 
 #: CPU flags (/proc/cpuinfo names) each build needs; the library picks the best one the processor has, and
 #: $KVCACHE_OP_CPU_KERNEL caps it.

@@ -12,20 +12,21 @@ import pathlib
 import numpy as np
 from native_build import build_library
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SOURCES = [ROOT / "tests/host_runner/kv_host_runner.cc", ROOT / "ort_ops/kv_validate.cc", ROOT / "ort_ops/kv_aliasing.cc",
-           ROOT / "cuda/kv_cuda_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "ort_ops/rotary_shift.cc",
-           ROOT / "cuda/rotary_params.cc", ROOT / "capi/rotary_c_args.cc", ROOT / "ort_ops/byte_ranges.cc"]
-HEADERS = [ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cuda_params.h", ROOT / "ort_ops/kv_types.h",
-           ROOT / "ort_ops/kv_quant.h", ROOT / "ort_ops/kv_validate.h", ROOT / "ort_ops/kv_checked.h",
+SOURCES = [ROOT / "tests/host_runner/kv_host_runner.cc", ROOT / "cpu/kv_validate.cc", ROOT / "cpu/kv_aliasing.cc",
+           ROOT / "cuda/kv_cuda_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "cpu/rotary_shift.cc",
+           ROOT / "cuda/rotary_params.cc", ROOT / "capi/rotary_c_args.cc", ROOT / "cpu/byte_ranges.cc"]
+HEADERS = [ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cache_access.h", ROOT / "cuda/kv_cache_launch.h",
+           ROOT / "cuda/kv_cuda_params.h", ROOT / "cpu/kv_types.h",
+           ROOT / "cpu/kv_quant.h", ROOT / "cpu/kv_validate.h", ROOT / "cpu/kv_checked.h",
            ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h", ROOT / "cuda/rotary_work.h",
-           ROOT / "cuda/rotary_params.h", ROOT / "ort_ops/rotary_shift.h", ROOT / "capi/rotary_c_args.h",
-           ROOT / "ort_ops/byte_ranges.h"]
+           ROOT / "cuda/rotary_params.h", ROOT / "cpu/rotary_shift.h", ROOT / "capi/rotary_c_args.h",
+           ROOT / "cpu/byte_ranges.h"]
 # The spec's arithmetic, as in the library build: no contraction, no fast math.
 FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
-         "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'ort_ops'}", f"-I{ROOT / 'capi'}"]
+         "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cpu'}", f"-I{ROOT / 'capi'}"]
 
 #: Totals over this test session (printed in pytest's summary by conftest.py).
 CHECKED = {"launches": 0, "threads": 0, "bytes_written": 0}

@@ -6,7 +6,7 @@ import functools
 import numpy as np
 import onnxruntime as ort
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference.dtypes import INT4
 from kvcache_op.reference.quantize import pack_int4, unpack_int4
 

@@ -1,7 +1,7 @@
-// The element conversions of ort_ops/kv_types.h over runs of consecutive input bit patterns, for
+// The element conversions of cpu/kv_types.h over runs of consecutive input bit patterns, for
 // tests/test_half_conversions.py. Plain loops like the CPU kernel's portable ones: built with the kernel's
 // flags they are vectorized as those are. Built with -DHALF_CONVERSIONS_SSE2 (x86-64), the loops take eight
-// elements at a time through ort_ops/kv_sse2_convert.h instead, as the generic CPU build does.
+// elements at a time through cpu/kv_sse2_convert.h instead, as the generic CPU build does.
 #include <cstdint>
 
 #include "kv_types.h"

@@ -17,7 +17,7 @@ def _valid_calls():
     """Bit-exact against the reference, cache included: int4 paged and float16 offset, 70 + 2 tokens each
     (more than one parallel task), the second with a symbolic H in the graph."""
     from kvcache_op.ort_ops import make_session, run_model
-    from kvcache_op.spec.cases import Seq, build
+    from kvcache_op.validation.cases import Seq, build
     from ort_helpers import assert_same_bits, copies, model_for, reference_result
 
     seqs = [Seq(0, 70), Seq(3, 2)]
@@ -66,7 +66,7 @@ def _session_creation_errors():
 
     from kvcache_op import spec
     from kvcache_op.ort_ops import make_session, session_options
-    from kvcache_op.spec.cases import CASES
+    from kvcache_op.validation.cases import CASES
     from invalid_calls import INVALID, make_invalid
 
     inputs, attrs = make_invalid(next(r for r in INVALID if r[0] == "cache_layout_4"))
@@ -107,7 +107,7 @@ def _attention_call():
     from kvcache_op import spec
     from kvcache_op.ort_ops import make_session, run_model
     from kvcache_op.reference import attention_tolerance, multi_head_attention
-    from kvcache_op.spec.mha_cases import build_attention
+    from kvcache_op.validation.mha_cases import build_attention
 
     case = build_attention("smoke-mha", [(1, 40), (12, 20)], heads=4, kv_heads=2, decoding=1, mask=3, is_alibi=1,
                            sliding_window=9, softmax_scale=0.25)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import event, given, settings, strategies as st
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference import KeyValueCacheError, key_value_cache
 
 

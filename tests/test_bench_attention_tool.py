@@ -7,7 +7,7 @@ import numpy as np
 
 from kvcache_op.cli import main
 from kvcache_op.reference import attention_tolerance
-from kvcache_op.tools import bench_attention
+from kvcache_op.benchmarks.attention import bench as bench_attention
 
 
 def test_quick_run_writes_results_with_measured_memory(tmp_path, capsys):

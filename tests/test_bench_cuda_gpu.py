@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from kvcache_op.tools import bench_kvcache
-from kvcache_op.tools.bench_kvcache_cuda import DeviceCall, cases
+from kvcache_op.cli import main as cli_main
+from kvcache_op.benchmarks.gpu.bench import DeviceCall, cases
 
 pytestmark = pytest.mark.gpu
 
@@ -19,7 +19,7 @@ def test_quick_run_prints_and_writes_positive_figures(tmp_path, capsys):
     import torch
 
     argv = ["--device", "cuda", "--quick", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)]
-    assert bench_kvcache.main(argv) == 0
+    assert cli_main(["bench", "op", *argv]) == 0
     lines = capsys.readouterr().out.splitlines()
     device = torch.cuda.get_device_name()
     assert device in lines[0]

@@ -6,16 +6,24 @@ import types
 
 import pytest
 
-from kvcache_op.tools import bench_kvcache, bench_kvcache_cuda
+from kvcache_op.benchmarks import kv_shapes
+from kvcache_op.benchmarks.cpu import bench as cpu_bench
+from kvcache_op.benchmarks.gpu import bench as bench_kvcache_cuda
+from kvcache_op.cli import main as cli_main
 
 
-def _refusal(capsys, argv, main=bench_kvcache.main) -> str:
+def bench_op(argv) -> int:
+    """``kvcache-op bench op ARGV``: the CPU benchmark, or the CUDA one with ``--device cuda``."""
+    return cli_main(["bench", "op", *argv])
+
+
+def _refusal(capsys, argv, main=bench_op) -> str:
     assert main(argv) == 2
     captured = capsys.readouterr()
     assert captured.out == ""  # nothing measured, nothing printed as if it had been
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err
-    assert lines[0].startswith("bench_kvcache --device cuda: cannot run: ")
+    assert lines[0].startswith("CUDA benchmark: cannot run: ")
     return lines[0]
 
 
@@ -32,11 +40,11 @@ def test_without_a_gpu_it_says_so(monkeypatch, capsys):
 
 
 def test_without_cuda_kernels_it_says_so(monkeypatch, capsys):
-    from kvcache_op.ort_ops import c_api
+    from kvcache_op.capi import c_api
 
     monkeypatch.setitem(sys.modules, "torch", None)
     monkeypatch.setattr(c_api, "has_cuda", lambda path=None: False)
-    line = _refusal(capsys, ["--device", "cuda"], main=bench_kvcache_cuda.main)
+    line = _refusal(capsys, [], main=bench_kvcache_cuda.main)
     assert "built without its CUDA kernels" in line and "torch is not installed" in line
 
 
@@ -49,26 +57,28 @@ def test_without_the_library_it_says_so(monkeypatch, capsys):
 
 
 def test_arguments():
-    args = bench_kvcache_cuda.build_parser().parse_args(["--device", "cuda", "--quick", "--out", "d", "--repeats", "5"])
+    args = bench_kvcache_cuda.build_parser().parse_args(["--quick", "--out", "d", "--repeats", "5"])
     assert (args.quick, str(args.out), args.repeats, args.warmup) == (True, "d", 5, 3)
     defaults = bench_kvcache_cuda.build_parser().parse_args([])
-    assert (defaults.device, defaults.repeats, defaults.quick, defaults.out) == ("cuda", 20, False, None)
+    assert (defaults.repeats, defaults.quick, defaults.out) == (20, False, None)
     with pytest.raises(SystemExit):
         bench_kvcache_cuda.build_parser().parse_args(["--threads", "2"])  # a CPU-only option
     with pytest.raises(SystemExit):
-        bench_kvcache.main(["--device", "tpu"])
+        cpu_bench.main(["--device", "cuda"])  # the CPU benchmark measures the CPU only
+    with pytest.raises(SystemExit):
+        bench_op(["--device", "tpu"])
 
 
 def test_cuda_help_is_the_cuda_tools(capsys):
     with pytest.raises(SystemExit) as exit_:
-        bench_kvcache.main(["--device", "cuda", "--help"])
+        bench_op(["--device", "cuda", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     assert "CUDA benchmark" in text and "--threads" not in text
 
 
 def test_bad_repeat_counts_are_refused_before_anything_runs(capsys):
-    assert bench_kvcache.main(["--device", "cuda", "--repeats", "0"]) == 2
+    assert bench_op(["--device", "cuda", "--repeats", "0"]) == 2
     assert "--repeats must be >= 1" in capsys.readouterr().err
 
 
@@ -91,11 +101,11 @@ def test_cases_cover_the_asked_shapes():
 def test_case_bytes_by_hand():
     # decode, B=2, kvlen 4 (start_pos 3, seqlen 1), H=2, Dh=16, bfloat16 (2 bytes), quant 8, float16 scales:
     # a row is 32 elements (64 B); a cache row 32 B of codes + 4 scales x 2 B = 40 B.
-    shape = bench_kvcache.Shape("t", batch=2, seqlen=1, start_pos=3, heads=2, head_dim=16, page_size=4)
+    shape = kv_shapes.Shape("t", batch=2, seqlen=1, start_pos=3, heads=2, head_dim=16, page_size=4)
     case = bench_kvcache_cuda.Case(shape, "bfloat16", 8, 3)
     # store: K and V, 2 new tokens, 64 B read + 40 B written; gather: K and V, 8 tokens, 40 B read + 64 B written
     assert bench_kvcache_cuda.case_bytes(case) == (2 * 2 * (64 + 40), 2 * 8 * (40 + 64))
-    assert sum(bench_kvcache_cuda.case_bytes(case)) == bench_kvcache.bytes_moved(shape, 8)  # the CPU tool's count
+    assert sum(bench_kvcache_cuda.case_bytes(case)) == kv_shapes.bytes_moved(shape, 8)  # the CPU tool's count
 
 
 def test_decode_case_bytes():

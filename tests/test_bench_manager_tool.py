@@ -6,8 +6,8 @@ import pathlib
 import shutil
 
 from kvcache_op import manager
-from kvcache_op.tools import bench_manager
-from kvcache_op.tools.block_trie_seed import BlockTrie
+from kvcache_op.benchmarks.manager import bench as bench_manager
+from kvcache_op.benchmarks.manager.block_trie_seed import BlockTrie
 
 
 def test_bench_manager_small_run(tmp_path, capsys):

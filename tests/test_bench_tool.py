@@ -4,12 +4,13 @@ import json
 
 import numpy as np
 
-from kvcache_op.tools import bench_kvcache
+from kvcache_op.benchmarks import kv_shapes
+from kvcache_op.benchmarks.cpu import bench as cpu_bench
 
 
 def test_bench_quick_run_writes_results(tmp_path, capsys):
-    assert bench_kvcache.main(["--quick", "--repeats", "1", "--warmup", "0", "--rounds", "2",
-                               "--reference-repeats", "1", "--out", str(tmp_path)]) == 0
+    assert cpu_bench.main(["--quick", "--repeats", "1", "--warmup", "0", "--rounds", "2",
+                           "--reference-repeats", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     # shapes x (paged: 4 layouts, offset: 2) x quant x threads
     assert len(data["rows"]) == 2 * (4 + 2) * 2 * 2
@@ -25,23 +26,23 @@ def test_bench_quick_run_writes_results(tmp_path, capsys):
 
 
 def test_bytes_moved_counts_reads_and_writes():
-    shape = bench_kvcache.Shape("t", batch=1, seqlen=1, start_pos=0, heads=1, head_dim=8, page_size=4)
+    shape = kv_shapes.Shape("t", batch=1, seqlen=1, start_pos=0, heads=1, head_dim=8, page_size=4)
     # fp16: store reads 2 x 16 B and writes 2 x 16 B; gather reads 2 x 16 B and writes 2 x 16 B
-    assert bench_kvcache.bytes_moved(shape, 0) == 128
+    assert kv_shapes.bytes_moved(shape, 0) == 128
 
 
 def test_bytes_moved_parts_by_hand():
     # decode, B=2, kvlen 4 (start_pos 3, seqlen 1), H=2, Dh=16: a row is 32 elements, 4 groups of 8.
-    shape = bench_kvcache.Shape("t", batch=2, seqlen=1, start_pos=3, heads=2, head_dim=16, page_size=4)
+    shape = kv_shapes.Shape("t", batch=2, seqlen=1, start_pos=3, heads=2, head_dim=16, page_size=4)
     # quant 0, 2-byte values: store reads 2 tokens x 64 B and writes 2 x 64 B, for K and V: 2*2*(64+64);
     # gather reads 8 kv tokens x 64 B and writes 8 x 64 B, for K and V: 2*8*(64+64).
-    assert bench_kvcache.bytes_moved_parts(shape, 0) == (512, 2048)
+    assert kv_shapes.bytes_moved_parts(shape, 0) == (512, 2048)
     # quant 8: a cache row is 32 B of codes + 4 scales x 2 B = 40 B; store 2*2*(64+40), gather 2*8*(40+64).
-    assert bench_kvcache.bytes_moved_parts(shape, 8) == (416, 1664)
+    assert kv_shapes.bytes_moved_parts(shape, 8) == (416, 1664)
     # float32 values and scales: rows of 128 B; a cache row is 32 + 4 x 4 = 48 B.
-    assert bench_kvcache.bytes_moved_parts(shape, 8, value_bytes=4, scale_bytes=4) == (2 * 2 * (128 + 48),
+    assert kv_shapes.bytes_moved_parts(shape, 8, value_bytes=4, scale_bytes=4) == (2 * 2 * (128 + 48),
                                                                                        2 * 8 * (48 + 128))
-    assert bench_kvcache.bytes_moved(shape, 8) == 416 + 1664
+    assert kv_shapes.bytes_moved(shape, 8) == 416 + 1664
 
 
 def test_the_standard_ops_baseline_reproduces_the_ops_bits():
@@ -50,11 +51,11 @@ def test_the_standard_ops_baseline_reproduces_the_ops_bits():
     import numpy as np
 
     from kvcache_op.reference import key_value_cache
-    from kvcache_op.tools.standard_ops_baseline import baseline_runner
+    from kvcache_op.benchmarks.cpu.standard_ops import baseline_runner
 
-    for shape in bench_kvcache.QUICK_SHAPES:
+    for shape in kv_shapes.QUICK_SHAPES:
         for layout in (0, 3):
-            inputs = bench_kvcache.make_inputs(shape, 0, layout, seed=layout)
+            inputs = kv_shapes.make_inputs(shape, 0, layout, seed=layout)
             attrs = dict(cache_mode=1, cache_layout=layout, page_size=shape.page_size)
             want_cache = inputs["cache"].copy()
             key, value = key_value_cache(**dict(inputs, cache=want_cache), **attrs)
@@ -72,12 +73,12 @@ def test_the_offset_baseline_updates_the_cache_in_place_with_the_ops_bits():
     import pytest
 
     from kvcache_op.reference import key_value_cache
-    from kvcache_op.tools.standard_ops_baseline import offset_baseline_runner, tensor_scatter_available
+    from kvcache_op.benchmarks.cpu.standard_ops import offset_baseline_runner, tensor_scatter_available
 
     if not tensor_scatter_available():
         pytest.skip("this onnxruntime has no TensorScatter: the benchmark reports no offset baseline")
-    for shape in bench_kvcache.QUICK_SHAPES:
-        inputs = bench_kvcache.make_inputs(shape, 0, 0, seed=1, cache_mode=0)
+    for shape in kv_shapes.QUICK_SHAPES:
+        inputs = kv_shapes.make_inputs(shape, 0, 0, seed=1, cache_mode=0)
         want_cache = inputs["cache"].copy()
         key, value = key_value_cache(**dict(inputs, cache=want_cache), cache_mode=0, cache_layout=0)
         given = dict(inputs, cache=inputs["cache"].copy())
@@ -91,10 +92,10 @@ def test_the_offset_baseline_updates_the_cache_in_place_with_the_ops_bits():
 def test_the_offset_baseline_refuses_calls_tensor_scatter_cannot_express():
     import pytest
 
-    from kvcache_op.tools.standard_ops_baseline import offset_capacity
+    from kvcache_op.benchmarks.cpu.standard_ops import offset_capacity
 
-    shape = bench_kvcache.QUICK_SHAPES[1]
-    inputs = bench_kvcache.make_inputs(shape, 0, 0, cache_mode=0)
+    shape = kv_shapes.QUICK_SHAPES[1]
+    inputs = kv_shapes.make_inputs(shape, 0, 0, cache_mode=0)
     assert offset_capacity(inputs) == inputs["cache"].shape[0] // shape.batch
     with pytest.raises(ValueError, match="cachestarts"):
         offset_capacity(dict(inputs, cachestarts=inputs["cachestarts"][::-1].copy()))
@@ -103,7 +104,7 @@ def test_the_offset_baseline_refuses_calls_tensor_scatter_cannot_express():
 
 
 def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
-    from kvcache_op.tools.bound_session import ALIGNMENT, aligned_copy, aligned_empty
+    from kvcache_op.benchmarks.bound_session import ALIGNMENT, aligned_copy, aligned_empty
 
     for shape, dtype in (((3, 5, 7), np.float16), ((1 << 20,), np.uint8), ((9, 4), np.int64)):
         array = aligned_empty(shape, dtype)
@@ -112,7 +113,7 @@ def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
     source = np.arange(35, dtype=np.float32).reshape(5, 7)[:, ::2]  # not contiguous
     copy = aligned_copy(source)
     assert copy.ctypes.data % ALIGNMENT == 0 and np.array_equal(copy, source)
-    inputs = bench_kvcache.make_inputs(bench_kvcache.Shape("t", 2, 1, 7, heads=2, head_dim=16, page_size=4), 8, 3)
+    inputs = kv_shapes.make_inputs(kv_shapes.Shape("t", 2, 1, 7, heads=2, head_dim=16, page_size=4), 8, 3)
     assert all(inputs[name].ctypes.data % ALIGNMENT == 0 for name in ("current_key", "current_value", "cache", "scale"))
 
 

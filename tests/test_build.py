@@ -1,5 +1,5 @@
 """The installed library: found, loadable by ONNX Runtime, and built with CUDA wherever nvcc exists; and
-where its build takes ONNX Runtime's headers from (tools/ort_headers.py, checked here without network)."""
+where its build takes ONNX Runtime's headers from (cmake/ort_headers.py, checked here without network)."""
 
 import hashlib
 import io
@@ -11,7 +11,9 @@ import tarfile
 import pytest
 
 from kvcache_op.ort_ops import LIBRARY_ENV, library_path
-from kvcache_op.tools import ort_headers
+from repo_scripts import load
+
+ort_headers = load("cmake/ort_headers.py")
 
 
 def test_library_is_installed_and_registers_in_onnxruntime():
@@ -33,7 +35,7 @@ def test_library_override_must_exist(monkeypatch):
         library_path()
 
 
-# --- ONNX Runtime headers (tools/ort_headers.py) ---
+# --- ONNX Runtime headers (cmake/ort_headers.py) ---
 
 
 def _fake_archive(folder, contents=b"/* not onnxruntime */"):

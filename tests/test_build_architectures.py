@@ -9,7 +9,9 @@ import subprocess
 
 import pytest
 
-from kvcache_op.tools import ort_headers
+from repo_scripts import load
+
+ort_headers = load("cmake/ort_headers.py")
 
 ROOT = pathlib.Path(__file__).parents[1]
 
@@ -58,8 +60,8 @@ def test_x86_64_builds_every_kernel(tmp_path):
 def _undefined_symbols(tmp_path, *defines):
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     obj = tmp_path / "dispatch.o"
-    done = subprocess.run([compiler, "-std=c++17", "-c", *defines, f"-I{ROOT / 'ort_ops'}",
-                           str(ROOT / "ort_ops" / "kv_cpu_dispatch.cc"), "-o", str(obj)], capture_output=True, text=True)
+    done = subprocess.run([compiler, "-std=c++17", "-c", *defines, f"-I{ROOT / 'cpu'}",
+                           str(ROOT / "cpu" / "kv_cpu_dispatch.cc"), "-o", str(obj)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     nm = subprocess.run(["nm", "-C", "--undefined-only", str(obj)], capture_output=True, text=True, check=True)
     return nm.stdout

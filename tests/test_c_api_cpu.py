@@ -12,9 +12,9 @@ from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, copies, reference_result
 from strategies import calls, shift_calls
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference import KeyValueCacheError, key_cache_rotary_shift
-from kvcache_op.spec.cases import Seq, build
+from kvcache_op.validation.cases import Seq, build
 
 
 def c_api_result(inputs, attrs, threads=1):

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 
 from kvcache_op.reference.validate import Attributes, validate_call
-from kvcache_op.spec.cases import Seq, build
-from kvcache_op.tools import bench_kvcache
-from kvcache_op.tools.call_slots import call_slots
+from kvcache_op.validation.cases import Seq, build
+from kvcache_op.benchmarks import kv_shapes as bench_kvcache
+from kvcache_op.validation.call_slots import call_slots
 
 
 def _reference_slots(inputs, attributes):

@@ -11,11 +11,11 @@ import pytest
 import planted_backends
 from kvcache_op.cli import main
 from kvcache_op.ort_ops import library_path
-from kvcache_op.spec import vectors
-from kvcache_op.spec.outcome import copies
-from kvcache_op.tools.backends import CallableBackend
-from kvcache_op.tools.ort_backend import OrtBackend
-from kvcache_op.tools.validate_backend import validate, validate_folder
+from kvcache_op.validation import vectors
+from kvcache_op.validation.outcome import copies
+from kvcache_op.validation.adapters import CallableBackend
+from kvcache_op.validation.ort_adapter import OrtBackend
+from kvcache_op.validation.validate import validate, validate_folder
 
 TESTS = pathlib.Path(__file__).parent
 

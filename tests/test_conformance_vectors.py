@@ -8,15 +8,15 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcache_op.spec import vectors
-from kvcache_op.spec.cases import CASES
-from kvcache_op.spec.error_cases import INVALID, MORE_INVALID
-from kvcache_op.spec.mha_cases import ATTENTION_CASES
-from kvcache_op.spec.mha_error_cases import INVALID as ATTENTION_INVALID
-from kvcache_op.spec.outcome import reference_outcome
-from kvcache_op.spec.rotary_cases import CASES as ROTARY_CASES
-from kvcache_op.spec.rotary_cases import ERROR_CASES as ROTARY_ERROR_CASES
-from kvcache_op.tools.validate_backend import compare_case, validate_folder
+from kvcache_op.validation import vectors
+from kvcache_op.validation.cases import CASES
+from kvcache_op.validation.error_cases import INVALID, MORE_INVALID
+from kvcache_op.validation.mha_cases import ATTENTION_CASES
+from kvcache_op.validation.mha_error_cases import INVALID as ATTENTION_INVALID
+from kvcache_op.validation.outcome import reference_outcome
+from kvcache_op.validation.rotary_cases import CASES as ROTARY_CASES
+from kvcache_op.validation.rotary_cases import ERROR_CASES as ROTARY_ERROR_CASES
+from kvcache_op.validation.validate import compare_case, validate_folder
 
 
 def test_every_validity_row_is_a_named_invalid_case():
@@ -39,7 +39,7 @@ def _same_within(committed: pathlib.Path, fresh: pathlib.Path, tolerance) -> boo
 
 
 def test_committed_vectors_are_regenerated_unchanged(tmp_path):
-    vectors.write_all(tmp_path, vectors.COMMITTED, progress=None)
+    vectors.write_conformance(tmp_path, vectors.COMMITTED, progress=None)
     committed = sorted(p.relative_to(vectors.COMMITTED_DIR) for p in vectors.COMMITTED_DIR.rglob("*") if p.is_file())
     fresh = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert committed == fresh

@@ -15,9 +15,9 @@ from cpu_kernels import CPU_KERNELS, use_cpu_kernel
 from native_build import build_library
 from ort_helpers import assert_same_bits, copies, reference_result
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference.dtypes import QMAX
-from kvcache_op.spec.cases import Seq, build
+from kvcache_op.validation.cases import Seq, build
 
 # (head_dim, quant_group): group 8 in one partial batch (1, 3 groups), whole batches (8, 16), a batch and one
 # group (17); longer groups (16 ... 128); groups of 1, 2, 4 (spread scales); groups of 3 (the portable loop).

@@ -10,9 +10,9 @@ from cuda_host_runner import HostRunner, assert_clean, build
 from ort_helpers import assert_same_bits, copies, reference_result
 from strategies import COMBINATIONS, calls, calls_for, shift_calls
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference import key_cache_rotary_shift, rotary_shift_tables
-from kvcache_op.spec.cases import Seq, build as build_case
+from kvcache_op.validation.cases import Seq, build as build_case
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_an_out_of_bounds_write_is_caught(runner):
 
 def offset_outputs(case, offset):
     """Outputs whose data start `offset` bytes into a larger buffer (a caller's view), kept alive."""
-    import kvcache_op.ort_ops.c_api as capi
+    import kvcache_op.capi.c_api as capi
 
     shape = capi.output_shape([capi.HostBuffers().tensor(n, case.inputs.get(n)) for n in capi.KV_INPUTS],
                               **case.attributes)

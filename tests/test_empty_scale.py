@@ -8,9 +8,10 @@ import pytest
 from onnx import helper
 
 from kvcache_op import spec
-from kvcache_op.ort_ops import c_api, make_session, run_model
+from kvcache_op.capi import c_api
+from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.reference import KeyValueCacheError, key_cache_rotary_shift, key_value_cache, rotary_shift_tables
-from kvcache_op.spec.cases import CASES
+from kvcache_op.validation.cases import CASES
 from ort_helpers import assert_same_bits, copies, reference_result
 
 EMPTY_SCALES = [np.zeros(0, np.float16), np.zeros((0,), np.float32), np.zeros((2, 0, 3), np.float32)]

@@ -11,9 +11,9 @@ import pytest
 
 import planted_backends
 from kvcache_op.cli import main
-from kvcache_op.tools.backends import import_callables
-from kvcache_op.tools.fuzz_backend import fuzz
-from kvcache_op.tools.validate_backend import validate
+from kvcache_op.validation.adapters import import_callables
+from kvcache_op.validation.fuzz import fuzz
+from kvcache_op.validation.validate import validate
 
 TESTS = pathlib.Path(__file__).parent
 EXAMPLES = 120  # each bug is found within this many calls (and shrunk) from seed 0
@@ -85,7 +85,7 @@ def test_the_reproducer_fails_the_same_way_on_its_own(tmp_path, monkeypatch):
 
 def test_a_crash_is_found_in_the_worker_and_shrunk(monkeypatch):
     monkeypatch.chdir(TESTS)
-    from kvcache_op.tools.backends import load_backend
+    from kvcache_op.validation.backends import load_backend
 
     backend = load_backend("planted_backends:crashes_on_page_size1")
     try:

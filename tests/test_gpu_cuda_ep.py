@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 
 from kvcache_op import spec
-from kvcache_op.spec.cases import CASES
+from kvcache_op.validation.cases import CASES
 from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, reference_result
 from strategies import COMBINATIONS, calls_for, shift_calls

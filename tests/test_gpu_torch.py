@@ -14,7 +14,7 @@ from strategies import COMBINATIONS, calls_for, shift_calls  # noqa: E402
 from torch_convert import to_numpy, torch_inputs  # noqa: E402
 
 from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift, rotary_shift_tables  # noqa: E402
-from kvcache_op.spec.cases import CASES  # noqa: E402
+from kvcache_op.validation.cases import CASES  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -1,11 +1,11 @@
-"""The float16 / bfloat16 conversions of ort_ops/kv_types.h (what every kernel and the host runner use), bit for
+"""The float16 / bfloat16 conversions of cpu/kv_types.h (what every kernel and the host runner use), bit for
 bit against independent oracles over every input: all 2^32 float32 bit patterns to float16 and to bfloat16, all
 65536 float16 and bfloat16 patterns to float32.
 
 The conversions are compiled into a small library with the CPU kernel's flags (IEEE arithmetic, no contraction,
 -O3: vectorized as in the kernel's loops), scalar with the CUDA host runner's (-O1; on a quarter of the float32
 patterns and every range boundary, as it is several times slower), and, on x86-64, the eight-at-a-time SSE2
-conversions of ort_ops/kv_sse2_convert.h that the generic CPU build uses. Oracles: numpy's float32 -> float16
+conversions of cpu/kv_sse2_convert.h that the generic CPU build uses. Oracles: numpy's float32 -> float16
 cast (IEEE round to nearest even) where it is fast, float64 rounding of the scaled value for the float16
 subnormal range, the IEEE rule itself (0 / inf) where every input of a range gives one result, and integer
 round-to-nearest-even on the bits for bfloat16. NaN inputs are compared with the rule the kernels follow: the
@@ -23,9 +23,9 @@ from native_build import build_library
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/half_conversions.cc"
-HEADERS = [ROOT / "ort_ops/kv_types.h", ROOT / "ort_ops/kv_sse2_convert.h"]
+HEADERS = [ROOT / "cpu/kv_types.h", ROOT / "cpu/kv_sse2_convert.h"]
 STRICT = ["-std=c++17", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off", "-fno-fast-math",
-          f"-I{ROOT / 'ort_ops'}"]
+          f"-I{ROOT / 'cpu'}"]
 BUILDS = {"kernel": ["-O3", "-fno-trapping-math"], "runner": ["-O1"]}
 if platform.machine().lower() in ("x86_64", "amd64"):  # SSE2 is part of x86-64: every such compiler has it
     BUILDS["sse2"] = ["-O3", "-fno-trapping-math", "-DHALF_CONVERSIONS_SSE2"]

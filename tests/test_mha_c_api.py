@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from attention_strategies import attention_calls, copies
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference import MultiHeadAttentionError, attention_tolerance, multi_head_attention
-from kvcache_op.spec.mha_cases import build_attention
+from kvcache_op.validation.mha_cases import build_attention
 from test_mha_reference import assert_within
 
 I64 = np.iinfo(np.int64)

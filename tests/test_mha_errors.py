@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from kvcache_op import spec
-from kvcache_op.ort_ops import c_api, make_session, ortvalue_for
+from kvcache_op.capi import c_api
+from kvcache_op.ort_ops import make_session, ortvalue_for
 from kvcache_op.reference import MultiHeadAttentionError, multi_head_attention
 from mha_invalid_calls import INVALID, base, make_invalid
 

@@ -10,9 +10,9 @@ import textwrap
 import numpy as np
 import pytest
 
-from kvcache_op.ort_ops import c_api
+from kvcache_op.capi import c_api
 from kvcache_op.reference import MultiHeadAttentionError, multi_head_attention
-from kvcache_op.spec.mha_cases import build_attention
+from kvcache_op.validation.mha_cases import build_attention
 
 BACKENDS = {"reference": multi_head_attention, "kernel": c_api.multi_head_attention}
 
@@ -110,8 +110,8 @@ def test_running_out_of_threads_is_not_a_crash():
     script = textwrap.dedent("""
         import resource
         import numpy as np
-        from kvcache_op.ort_ops import c_api
-        from kvcache_op.spec.mha_cases import build_attention
+        from kvcache_op.capi import c_api
+        from kvcache_op.validation.mha_cases import build_attention
 
         case = build_attention("threads", [(1, 64)] * 300, heads=2, head_dim=8, decoding=300)
         want = c_api.multi_head_attention(**case.inputs, **case.attributes, num_threads=1)

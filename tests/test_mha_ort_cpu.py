@@ -11,9 +11,10 @@ from onnx.reference import ReferenceEvaluator
 
 from attention_strategies import attention_calls, copies
 from kvcache_op import spec
-from kvcache_op.ort_ops import c_api, make_session, run_model
+from kvcache_op.capi import c_api
+from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.reference import MultiHeadAttention, attention_tolerance, multi_head_attention
-from kvcache_op.spec.mha_cases import ATTENTION_CASES, build_attention
+from kvcache_op.validation.mha_cases import ATTENTION_CASES, build_attention
 from test_mha_reference import assert_within, oracle
 
 
@@ -83,10 +84,10 @@ def test_generic_and_avx2_builds_are_both_within_the_bound(monkeypatch):
 
 
 def test_conformance_vectors_run_through_ort(tmp_path):
-    from kvcache_op.spec import vectors
-    from kvcache_op.tools.validate_backend import compare_case
+    from kvcache_op.validation import vectors
+    from kvcache_op.validation.validate import compare_case
 
-    vectors.write_all(tmp_path, list(ATTENTION_CASES), progress=None)
+    vectors.write_conformance(tmp_path, list(ATTENTION_CASES), progress=None)
     failures = {name: compare_case(tmp_path / vectors.folder_name(name), "ort") for name in ATTENTION_CASES}
     assert {k: v for k, v in failures.items() if v} == {}
 

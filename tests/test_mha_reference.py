@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from attention_strategies import attention_calls
 from kvcache_op.reference import (BFLOAT16, MultiHeadAttentionError, alibi_slopes, attention_error_bound,
                                   attention_tolerance, multi_head_attention)
-from kvcache_op.spec.mha_cases import ATTENTION_CASES, build_attention
+from kvcache_op.validation.mha_cases import ATTENTION_CASES, build_attention
 from naive_attention import naive_attention, paper_slopes
 
 

@@ -6,8 +6,8 @@ import io
 import unittest
 
 import planted_backends
-from kvcache_op.spec import vectors
-from kvcache_op.tools.onnx_backend import Backend, ConformanceRunner
+from kvcache_op.validation import vectors
+from kvcache_op.validation.onnx_backend import Backend, ConformanceRunner
 
 
 def run(backend, directory):
@@ -20,7 +20,7 @@ def run(backend, directory):
 
 def validate_lines(directory, backend, name):
     """What ``kvcache-op validate`` says about one case."""
-    from kvcache_op.tools.validate_backend import compare_case
+    from kvcache_op.validation.validate import compare_case
 
     return compare_case(directory / vectors.folder_name(name), backend)
 
@@ -49,6 +49,6 @@ def test_an_accepted_invalid_call_and_a_wrong_output_fail_through_the_runner(all
 
 
 def test_ops_the_backend_lacks_are_skipped_and_the_declared_device_runs(all_vectors, tmp_path):
-    vectors.write_all(tmp_path / "some", ["mha_batch0", "offset_layout0"], progress=None)
+    vectors.write_conformance(tmp_path / "some", ["mha_batch0", "offset_layout0"], progress=None)
     ran, failed, skipped = run(Backend.using(planted_backends.correct, device="CUDA"), tmp_path / "some")
     assert (ran, failed, skipped) == (4, {}, 3)  # both _cpu tests, and the attention case's _cuda test

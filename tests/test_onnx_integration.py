@@ -8,7 +8,7 @@ from onnx.reference import ReferenceEvaluator
 
 from kvcache_op import spec
 from kvcache_op.reference import KeyValueCache, key_value_cache
-from kvcache_op.spec.cases import CASES
+from kvcache_op.validation.cases import CASES
 
 
 def copy_inputs(inputs):

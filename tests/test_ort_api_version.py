@@ -19,7 +19,9 @@ import sys
 import pytest
 
 from kvcache_op.ort_ops import library_path
-from kvcache_op.tools import ort_headers
+from repo_scripts import load
+
+ort_headers = load("cmake/ort_headers.py")
 
 TESTS = pathlib.Path(__file__).parent
 OLDEST_RELEASE = "1.22.0"

@@ -41,7 +41,7 @@ def test_attribute_error_comes_at_session_creation_with_the_reason():
 
 def test_plain_run_with_numpy_feeds_writes_the_callers_cache():
     """CPU EP + InferenceSession.run with C-contiguous numpy arrays: writes land in the caller's array."""
-    from kvcache_op.spec.cases import CASES
+    from kvcache_op.validation.cases import CASES
 
     case = CASES["int8_layout0"]()
     feeds = {k: v.copy() for k, v in case.inputs.items() if v is not None}
@@ -57,7 +57,7 @@ def test_plain_run_with_numpy_feeds_writes_the_callers_cache():
 
 
 def test_non_contiguous_cache_is_refused_before_running():
-    from kvcache_op.spec.cases import CASES
+    from kvcache_op.validation.cases import CASES
 
     case = CASES["offset_layout0"]()
     model = spec.make_model(case.inputs, **case.attributes)
@@ -73,7 +73,7 @@ def test_constant_cache_is_refused_at_session_creation():
     import onnxruntime as ort
 
     from kvcache_op.ort_ops import session_options
-    from kvcache_op.spec.cases import CASES
+    from kvcache_op.validation.cases import CASES
 
     case = CASES["offset_layout0"]()
     model = spec.make_model(case.inputs, **case.attributes)

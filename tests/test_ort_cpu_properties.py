@@ -34,7 +34,7 @@ def test_ort_cpu_matches_reference_on_large_batches(quant_bit, t1, t3, mode, lay
     use_cpu_kernel(monkeypatch, kernel)
     import numpy as np
 
-    from kvcache_op.spec.cases import Seq, build
+    from kvcache_op.validation.cases import Seq, build
 
     rng = np.random.default_rng(quant_bit * 100 + mode * 10 + layout)
     seqs = [Seq(int(rng.integers(0, 150)), int(rng.integers(0, 40))) for _ in range(24)]

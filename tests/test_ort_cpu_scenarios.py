@@ -10,8 +10,8 @@ from onnx import helper
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.reference import key_value_cache
-from kvcache_op.spec.cases import CASES
-from kvcache_op.tools.validate_backend import compare_case
+from kvcache_op.validation.cases import CASES
+from kvcache_op.validation.validate import compare_case
 from scenario import initial_cache, steps
 
 
@@ -42,9 +42,9 @@ def test_multi_step_serving_matches_reference_every_step(quant_bit, t1, layout):
 
 
 def test_conformance_vectors_run_through_ort(tmp_path):
-    from kvcache_op.spec import vectors
+    from kvcache_op.validation import vectors
 
-    vectors.write_all(tmp_path, progress=None)
+    vectors.write_conformance(tmp_path, progress=None)
     failures = {name: compare_case(tmp_path / vectors.folder_name(name), "ort") for name in CASES}
     assert {k: v for k, v in failures.items() if v} == {}
 

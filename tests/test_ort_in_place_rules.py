@@ -14,7 +14,7 @@ from onnx import helper
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, ortvalue_for, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
-from kvcache_op.spec.cases import CASES
+from kvcache_op.validation.cases import CASES
 
 
 def kv_case(name="offset_layout0"):
@@ -45,7 +45,7 @@ def test_a_read_only_memmap_cache_is_a_clear_error_not_a_crash(tmp_path):
         import numpy as np
         from kvcache_op import spec
         from kvcache_op.ort_ops import run_model
-        from kvcache_op.spec.cases import CASES
+        from kvcache_op.validation.cases import CASES
         case = CASES["offset_layout0"]()
         feeds = {{k: v.copy() for k, v in case.inputs.items() if v is not None}}
         path = {str(tmp_path / "cache.bin")!r}

@@ -7,8 +7,8 @@ import pytest
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, ortvalue_for
 from kvcache_op.reference import multi_head_attention
-from kvcache_op.spec.cases import CASES
-from kvcache_op.spec.mha_cases import build_attention
+from kvcache_op.validation.cases import CASES
+from kvcache_op.validation.mha_cases import build_attention
 from ort_helpers import copies, reference_result
 
 

@@ -56,7 +56,7 @@ def test_sessions_from_options_registered_after_others_were_dropped_still_run():
 
     from kvcache_op import spec
     from kvcache_op.reference import key_value_cache
-    from kvcache_op.spec.cases import CASES
+    from kvcache_op.validation.cases import CASES
 
     _register(5, library_path())
     case = CASES["offset_layout0"]()

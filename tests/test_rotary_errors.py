@@ -9,7 +9,7 @@ import pytest
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, ortvalue_for
 from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift
-from kvcache_op.spec.rotary_cases import ERROR_CASES as CASES
+from kvcache_op.validation.rotary_cases import ERROR_CASES as CASES
 
 KEY_VALUE_CACHE_ONLY = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos",
                         "max_seqlen", "max_kvlen")

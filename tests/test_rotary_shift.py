@@ -141,7 +141,7 @@ def test_invalid_shift_fails_and_writes_nothing(row, backend):
         with pytest.raises(KeyValueCacheError, match=row[2]):
             key_cache_rotary_shift(**inputs, **attrs)
     elif backend == "c_api":
-        from kvcache_op.ort_ops import c_api
+        from kvcache_op.capi import c_api
 
         with pytest.raises(KeyValueCacheError, match=row[2]):
             c_api.key_cache_rotary_shift(**inputs, **attrs)

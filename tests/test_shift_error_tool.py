@@ -1,7 +1,7 @@
 """The repeated-shift error measurement: shifting error grows with the number of shifts, re-evaluation
 does not, and one shift costs little more than re-evaluation."""
 
-from kvcache_op.tools import shift_error
+from kvcache_op.benchmarks.shift_error import measure as shift_error
 
 
 def test_shift_error_grows_and_reevaluation_stays_flat(tmp_path):

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 import planted_backends
-from kvcache_op.spec import vectors
-from kvcache_op.spec.cases import CASES, MIXED, build
-from kvcache_op.spec.outcome import Outcome, copies, reference_outcome
-from kvcache_op.tools.backends import CallableBackend
-from kvcache_op.tools.compare_outcome import compare
-from kvcache_op.tools.slot_map import SlotMap
-from kvcache_op.tools.spec_tolerance import ulp
-from kvcache_op.tools.validate_backend import validate
+from kvcache_op.validation import vectors
+from kvcache_op.validation.cases import CASES, MIXED, build
+from kvcache_op.validation.outcome import Outcome, copies, reference_outcome
+from kvcache_op.validation.adapters import CallableBackend
+from kvcache_op.validation.compare import compare
+from kvcache_op.validation.slot_map import SlotMap
+from kvcache_op.validation.tolerance import ulp
+from kvcache_op.validation.validate import validate
 
 PPL = CallableBackend({"KeyValueCache": planted_backends.ppl_style}, "ppl_style")
 
@@ -21,7 +21,7 @@ PPL = CallableBackend({"KeyValueCache": planted_backends.ppl_style}, "ppl_style"
 @pytest.fixture(scope="module")
 def kv_vectors(tmp_path_factory):
     out = tmp_path_factory.mktemp("kv")
-    vectors.write_all(out, [n for n in vectors.ALL_CASES if vectors.ALL_CASES[n]().op == "KeyValueCache"], progress=None)
+    vectors.write_conformance(out, [n for n in vectors.ALL_CASES if vectors.ALL_CASES[n]().op == "KeyValueCache"], progress=None)
     return out
 
 

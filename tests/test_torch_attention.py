@@ -18,8 +18,8 @@ from torch_convert import to_numpy, torch_inputs  # noqa: E402
 from kvcache_op.ort_ops import run_model  # noqa: E402
 from kvcache_op.reference import MultiHeadAttentionError  # noqa: E402
 from kvcache_op.spec import mha_schema, schema  # noqa: E402
-from kvcache_op.spec.cases import Seq, build  # noqa: E402
-from kvcache_op.spec.mha_cases import build_attention  # noqa: E402
+from kvcache_op.validation.cases import Seq, build  # noqa: E402
+from kvcache_op.validation.mha_cases import build_attention  # noqa: E402
 
 NAMES = list(mha_schema.INPUTS)
 

@@ -15,7 +15,7 @@ from strategies import COMBINATIONS, calls_for, shift_calls  # noqa: E402
 from torch_convert import to_numpy, to_torch, torch_inputs  # noqa: E402
 
 from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift, pack_int4  # noqa: E402
-from kvcache_op.spec.cases import CASES  # noqa: E402
+from kvcache_op.validation.cases import CASES  # noqa: E402
 
 
 def torch_result(inputs, attrs, **convert):
@@ -125,7 +125,7 @@ def test_pack_int4_matches_the_reference_packing_and_round_trips():
 
 @pytest.mark.parametrize("quant_bit,layout", [(0, 0), (8, 3), (4, 1), (4, 2)])
 def test_new_cache_has_the_shapes_the_op_accepts(quant_bit, layout):
-    from kvcache_op.spec.cases import Seq, build
+    from kvcache_op.validation.cases import Seq, build
 
     case = build("new-cache", [Seq(0, 2)], num_layer=2, heads=2, head_dim=8, quant_bit=quant_bit, quant_group=4,
                  cache_layout=layout, t1="float32", t3="float32")
@@ -158,7 +158,7 @@ class TwoLayers(torch.nn.Module):
 
 
 def _two_layer_case(quant_bit=8, mode=1, layout=3):
-    from kvcache_op.spec.cases import Seq, build
+    from kvcache_op.validation.cases import Seq, build
 
     return build("two-layers", [Seq(0, 3), Seq(4, 1), Seq(2, 2)], num_layer=2, heads=2, head_dim=8,
                  quant_bit=quant_bit, quant_group=4, cache_mode=mode, page_size=4, cache_layout=layout, t1="float32")

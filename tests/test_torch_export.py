@@ -19,7 +19,7 @@ from kvcache_op.ort_ops import run_model  # noqa: E402
 from kvcache_op.ort_ops.graph_rules import in_place_inputs  # noqa: E402
 from kvcache_op.reference import key_cache_rotary_shift, rotary_shift_tables  # noqa: E402
 from kvcache_op.spec import rotary_schema, schema  # noqa: E402
-from kvcache_op.spec.cases import Seq, build  # noqa: E402
+from kvcache_op.validation.cases import Seq, build  # noqa: E402
 
 NAMES = list(schema.INPUTS)
 DYNAMIC_AXES = {"current_key": (0,), "current_value": (0,), "seqstarts": (0,), "kvstarts": (0,),

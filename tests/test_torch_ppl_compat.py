@@ -18,7 +18,7 @@ from torch_convert import torch_inputs  # noqa: E402
 
 from kvcache_op.ort_ops import make_session, run_model  # noqa: E402
 from kvcache_op.spec import schema  # noqa: E402
-from kvcache_op.spec.cases import Seq, build  # noqa: E402
+from kvcache_op.validation.cases import Seq, build  # noqa: E402
 
 INPUT_NAMES = ["current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
                "max_kvlen", "cache", "kv_scale"]

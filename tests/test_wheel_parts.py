@@ -4,7 +4,9 @@ import os
 
 import pytest
 
-from kvcache_op.tools import wheel_parts
+from repo_scripts import load
+
+wheel_parts = load("tools/wheel_parts.py")
 
 
 def test_split_then_join_gives_the_same_bytes(tmp_path):

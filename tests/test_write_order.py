@@ -10,7 +10,7 @@ from onnx import helper
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
-from kvcache_op.spec.cases import Seq, build
+from kvcache_op.validation.cases import Seq, build
 
 
 def two_layer_case():

@@ -8,7 +8,7 @@
 # 2. runs the tests that need no GPU: the CUDA host runner and the C entry points on the CPU;
 # 3. runs the GPU tests (C entry point, device memory from torch or CuPy);
 # 4. runs them again, fewer examples, under compute-sanitizer memcheck, racecheck, initcheck, synccheck;
-# 5. runs the CUDA benchmark (python -m kvcache_op.tools.bench_kvcache --device cuda);
+# 5. runs the CUDA benchmark (python -m kvcache_op.benchmarks.gpu.bench);
 # 6. runs the ONNX Runtime CUDA EP tests when onnxruntime-gpu is importable, or can be installed from
 #    the parts in .ort-gpu/ (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps --target);
 # 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
@@ -97,7 +97,7 @@ else
   fi
 
   # 5. Benchmark ----------------------------------------------------------------------------------------
-  if timeout 240 "$PY" -m kvcache_op.tools.bench_kvcache --device cuda --out "$OUT/bench" >"$OUT/logs/benchmark.log" 2>&1; then
+  if timeout 240 "$PY" -m kvcache_op.benchmarks.gpu.bench --out "$OUT/bench" >"$OUT/logs/benchmark.log" 2>&1; then
     step benchmark pass "bench/results.md"
   else
     step benchmark fail "see logs/benchmark.log"

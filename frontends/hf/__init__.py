@@ -1,7 +1,9 @@
 """Hugging Face ``transformers`` decoders (Llama, Mistral, Qwen2 families) exported as packed
 dynamic-batching ONNX graphs that use the ops; served by :class:`kvcache_op.serving.Engine`.
 
-Install with ``pip install "kvcache-op[hf]"`` (``transformers`` and the pinned torch).
+Install with ``pip install "kvcache-op[hf]"`` (``transformers`` and the pinned torch). It may import
+``kvcache_op.torch`` (the ops it exports), ``kvcache_op.serving`` (to check the engine against the model's own
+generation) and everything they import.
 """
 
 try:

@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from ..ort_ops import c_api
+from ..capi import c_api
 from . import tensors as tt
 
 NAMESPACE = "kvcache_op"

@@ -1,4 +1,4 @@
-"""torch tensors described to the library's C entry points (:class:`kvcache_op.ort_ops.c_api.Tensor`).
+"""torch tensors described to the library's C entry points (:class:`kvcache_op.capi.c_api.Tensor`).
 
 How torch holds what the ops take:
 
@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from ..ort_ops.c_api import ABSENT, Tensor
+from ..capi.c_api import ABSENT, Tensor
 from ..reference.validate import KeyValueCacheError
 
 #: ONNX element type of each torch dtype (the library names the ones an op refuses in its message).

@@ -6,7 +6,7 @@ import sys
 
 
 def _conformance(args) -> int:
-    from .spec import vectors
+    from .validation import vectors
 
     if args.list:
         for name, make in vectors.ALL_CASES.items():
@@ -16,7 +16,7 @@ def _conformance(args) -> int:
     if not args.out:
         return _fail("conformance", "--out DIR is required (or --list)")
     try:
-        folders = vectors.write_all(args.out, args.case or None, progress=None if args.quiet else print)
+        folders = vectors.write_conformance(args.out, args.case or None, progress=None if args.quiet else print)
     except ValueError as error:
         return _fail("conformance", str(error))
     print(f"wrote {len(folders)} conformance case(s) to {args.out}")
@@ -45,8 +45,7 @@ def _backend_options(args) -> dict:
 
 
 def _validate(args) -> int:
-    from .tools.backends import BackendLoadError
-    from .tools.validate_backend import CaseSelectionError, list_cases, validate_folder
+    from .validation import BackendLoadError, CaseSelectionError, list_cases, validate_folder
 
     try:
         if args.list:
@@ -60,8 +59,7 @@ def _validate(args) -> int:
 
 
 def _fuzz(args) -> int:
-    from .tools.backends import BackendLoadError
-    from .tools.fuzz_backend import run_fuzz
+    from .validation import BackendLoadError, run_fuzz
 
     kinds = ("valid", "invalid") if args.calls == "both" else (args.calls,)
     try:
@@ -109,13 +107,28 @@ def _slots_demo(args) -> int:
 
 
 def _bench(args) -> int:
+    rest = list(args.rest)
     if args.what == "manager":
-        from .tools.bench_manager import main as bench_main
+        from .benchmarks.manager.bench import main as bench_main
     elif args.what == "attention":
-        from .tools.bench_attention import main as bench_main
+        from .benchmarks.attention.bench import main as bench_main
+    elif _take_cuda_device(rest):
+        from .benchmarks.gpu.bench import main as bench_main
     else:
-        from .tools.bench_kvcache import main as bench_main
-    return bench_main(args.rest)
+        from .benchmarks.cpu.bench import main as bench_main
+    return bench_main(rest)
+
+
+def _take_cuda_device(rest: list) -> bool:
+    """True when ``rest`` asks for ``--device cuda``. ``--device cpu`` or ``cuda`` is removed from ``rest`` (each
+    benchmark measures one device); any other value is left for the CPU benchmark's parser to refuse."""
+    for i, arg in enumerate(rest):
+        value, width = (arg.partition("=")[2], 1) if arg.startswith("--device=") else \
+            (rest[i + 1] if arg == "--device" and i + 1 < len(rest) else None, 2)
+        if value in ("cpu", "cuda"):
+            del rest[i:i + width]
+            return value == "cuda"
+    return False
 
 
 def build_parser() -> argparse.ArgumentParser:

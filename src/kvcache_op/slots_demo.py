@@ -17,7 +17,7 @@ CHUNK = 4  # chunked prefill: at most this many prompt tokens per request per st
 
 def _runner(backend: str):
     """Returns (name, run(model, inputs) -> (key, value)) for the chosen backend."""
-    from .tools.validate_backend import run_ort, run_reference
+    from .validation.adapters import run_ort, run_reference
 
     if backend == "reference":
         return "onnx ReferenceEvaluator (numpy reference)", run_reference

@@ -1,4 +1,4 @@
-"""Runs one case of the CPU benchmark (kvcache_op.tools.bench_kvcache) over and over, on one thread, for a
+"""Runs one case of the CPU benchmark (kvcache_op.benchmarks.cpu.bench) over and over, on one thread, for a
 sampling profiler to attribute its time. From the repository root:
 
     perf record -o /tmp/case.data python benchmarks/cpu/bound/profile_case.py --shape prefill --layout 3
@@ -12,7 +12,7 @@ Setting the case up (random inputs) shows in the profile too: compare the kernel
 import argparse
 import time
 
-from kvcache_op.tools.bench_kvcache import SHAPES, case_attrs, make_inputs, ort_runner
+from kvcache_op.benchmarks.kv_shapes import SHAPES, case_attrs, make_inputs, ort_runner
 
 
 def main() -> None:

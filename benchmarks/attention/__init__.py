@@ -1,0 +1,1 @@
+"""MultiHeadAttention on the CPU EP against the same attention from standard ONNX ops (``bench``)."""

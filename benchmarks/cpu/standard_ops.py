@@ -1,0 +1,199 @@
+"""What a user without the op would run: one KeyValueCache step composed from ONNX Runtime's built-in ops,
+with the slot indices computed on the host, as a cache manager would hand them over.
+
+* Paged (cache_mode 1), layouts 0 ``(MaxT, L, 2, H, Dh)`` and 3 ``(L, 2, H, MaxT, Dh)``: ScatterND stores this
+  step's keys/values into the cache, Gather loads every sequence's slots. Standard ops have no in-place
+  update: ScatterND returns a new cache (a copy of the whole cache, then the scatter), which the graph
+  outputs as ``cache_out``.
+* Offset (cache_mode 0), layout 0 with one layer, every sequence owning ``MaxS`` consecutive slots from
+  ``b * MaxS`` and storing the same number of tokens: the cache read as ``(B, MaxS, 1, 2, H, Dh)`` is what
+  ONNX's ``TensorScatter`` (opset 24, its KV-cache update op) takes. TensorScatter writes this step's rows at
+  ``start_pos``, then the same Gathers load. Its output ``cache_out`` is bound to the cache's own memory,
+  which is how ONNX Runtime runs TensorScatter in place (no copy of the cache); where the installed ONNX
+  Runtime has no TensorScatter, :func:`tensor_scatter_available` says so and there is no offset baseline.
+
+Every op only copies, so the baselines reproduce the op's bits exactly (the tests check it).
+"""
+
+import functools
+
+import numpy as np
+
+from ...validation.call_slots import call_slots
+
+LAYOUTS = (0, 3)
+#: offset mode: layouts whose one-layer cache reads as TensorScatter's (B, MaxS, ...) batch-major tensor
+OFFSET_LAYOUTS = (0,)
+OPSET, TENSOR_SCATTER_OPSET = 21, 24
+
+
+def baseline_feeds(inputs: dict, page_size: int, layout: int, layer: int = 0) -> dict:
+    """The paged baseline graph's inputs: the data tensors and the scatter/gather indices for ``layout``."""
+    store, gather = call_slots(inputs["seqstarts"], inputs["kvstarts"], inputs["cachestarts"], inputs["start_pos"],
+                               cache_mode=1, page_size=page_size)
+    tokens, heads = inputs["current_key"].shape[:2]
+    feeds = {"current_key": inputs["current_key"], "current_value": inputs["current_value"], "cache": inputs["cache"],
+             "gather_slots": gather}
+    for kv, name in ((0, "store_key"), (1, "store_value")):
+        if layout == 0:  # one (slot, layer, kv) index per token, updating an (H, Dh) block
+            feeds[name] = np.stack([store, np.full(tokens, layer), np.full(tokens, kv)], axis=1).astype(np.int64)
+        else:  # one (layer, kv, h, slot) index per token and head, updating a Dh row
+            h = np.broadcast_to(np.arange(heads), (tokens, heads))
+            s = np.broadcast_to(store[:, None], (tokens, heads))
+            feeds[name] = np.stack([np.full_like(s, layer), np.full_like(s, kv), h, s], axis=2).astype(np.int64)
+    return feeds
+
+
+def _scalar(name, value):
+    import onnx
+
+    return onnx.numpy_helper.from_array(np.array(value, np.int64), name)
+
+
+def _gather_layout0(cache: str) -> list:
+    """Gathers of a layout-0 step: the rows of every loaded slot, then the layer and each K/V half."""
+    from onnx import helper
+
+    return [helper.make_node("Gather", [cache, "gather_slots"], ["rows"], axis=0),
+            helper.make_node("Gather", ["rows", "layer"], ["layer_rows"], axis=1),
+            helper.make_node("Gather", ["layer_rows", "k"], ["key"], axis=1),
+            helper.make_node("Gather", ["layer_rows", "v"], ["value"], axis=1)]
+
+
+def _model(nodes, graph_inputs, inputs, cache_out_shape, initializers, opset):
+    import onnx
+    from onnx import helper
+
+    elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
+    heads, head_dim = inputs["current_key"].shape[1:]
+    outputs = [helper.make_tensor_value_info(n, elem, ["kv", heads, head_dim]) for n in ("key", "value")]
+    outputs.append(helper.make_tensor_value_info("cache_out", elem, list(cache_out_shape)))
+    graph = helper.make_graph(nodes, "key_value_cache_from_standard_ops", graph_inputs, outputs,
+                              initializer=[_scalar("layer", 0), _scalar("k", 0), _scalar("v", 1)] + initializers)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
+                             ir_version=10 if opset <= 21 else 11)
+
+
+def baseline_model(inputs: dict, layout: int, layer: int = 0):
+    """The ScatterND + Gather graph (opset 21) for the shapes of ``inputs``; outputs key, value, cache_out."""
+    import onnx
+    from onnx import helper
+
+    if layout not in LAYOUTS:
+        raise ValueError(f"the standard-ops baseline covers layouts {LAYOUTS}, got {layout}")
+    elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
+    tokens, heads, head_dim = inputs["current_key"].shape
+    nodes = [helper.make_node("ScatterND", ["cache", "store_key", "current_key"], ["with_keys"]),
+             helper.make_node("ScatterND", ["with_keys", "store_value", "current_value"], ["cache_out"])]
+    if layout == 0:  # (MaxT, L, 2, H, Dh): gather slots, then pick the layer and the K/V half
+        nodes += _gather_layout0("cache_out")
+    else:  # (L, 2, H, MaxT, Dh): pick the layer and half, gather slots, then (KV, H, Dh)
+        nodes += [helper.make_node("Gather", ["cache_out", "layer"], ["halves"], axis=0)]
+        for half, out in (("k", "key"), ("v", "value")):
+            nodes += [helper.make_node("Gather", ["halves", half], [f"{out}_heads"], axis=0),
+                      helper.make_node("Gather", [f"{out}_heads", "gather_slots"], [f"{out}_hkd"], axis=1),
+                      helper.make_node("Transpose", [f"{out}_hkd"], [out], perm=[1, 0, 2])]
+    index_shape = [tokens, 3] if layout == 0 else [tokens, heads, 4]
+    graph_inputs = [helper.make_tensor_value_info("current_key", elem, [tokens, heads, head_dim]),
+                    helper.make_tensor_value_info("current_value", elem, [tokens, heads, head_dim]),
+                    helper.make_tensor_value_info("cache", elem, list(inputs["cache"].shape)),
+                    helper.make_tensor_value_info("store_key", onnx.TensorProto.INT64, index_shape),
+                    helper.make_tensor_value_info("store_value", onnx.TensorProto.INT64, index_shape),
+                    helper.make_tensor_value_info("gather_slots", onnx.TensorProto.INT64, ["kv"])]
+    return _model(nodes, graph_inputs, inputs, inputs["cache"].shape, [], OPSET)
+
+
+def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int):
+    """(run, outputs): the paged baseline with every input and output bound once (IOBinding); ``outputs``
+    holds key, value and cache_out, written by each run."""
+    from ..bound_session import aligned_empty, bound_run
+
+    feeds = baseline_feeds(inputs, page_size, layout)
+    kv_shape = (len(feeds["gather_slots"]),) + inputs["current_key"].shape[1:]
+    outputs = {"key": aligned_empty(kv_shape, inputs["current_key"].dtype),
+               "value": aligned_empty(kv_shape, inputs["current_key"].dtype),
+               "cache_out": aligned_empty(inputs["cache"].shape, inputs["cache"].dtype)}
+    return bound_run(baseline_model(inputs, layout), feeds, outputs, threads), outputs
+
+
+@functools.lru_cache(maxsize=None)
+def tensor_scatter_available() -> bool:
+    """True when the installed ONNX Runtime runs ONNX's TensorScatter (opset 24) on its CPU EP."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("TensorScatter", ["past", "update", "index"], ["present"], axis=1)
+    graph = helper.make_graph([node], "probe", [helper.make_tensor_value_info("past", TensorProto.FLOAT, [1, 2]),
+                                                helper.make_tensor_value_info("update", TensorProto.FLOAT, [1, 1]),
+                                                helper.make_tensor_value_info("index", TensorProto.INT64, [1])],
+                              [helper.make_tensor_value_info("present", TensorProto.FLOAT, [1, 2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", TENSOR_SCATTER_OPSET)], ir_version=11)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3  # the probe's own copy of past_cache is not worth a warning
+    try:
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        present = session.run(None, {"past": np.zeros((1, 2), np.float32), "update": np.ones((1, 1), np.float32),
+                                     "index": np.array([1], np.int64)})[0]
+    except Exception:  # noqa: BLE001 - any refusal (unknown op, opset too new) means "not implemented"
+        return False
+    return present.tolist() == [[0.0, 1.0]]
+
+
+def offset_capacity(inputs: dict) -> int:
+    """MaxS of an offset call the TensorScatter baseline can run: every sequence b owns slots [b * MaxS,
+    (b + 1) * MaxS) of a one-layer layout-0 cache and stores the same number of tokens; ``ValueError`` otherwise."""
+    cache, starts = inputs["cache"], np.asarray(inputs["cachestarts"], np.int64)
+    batch = starts.size
+    seqlens = np.diff(np.asarray(inputs["seqstarts"], np.int64))
+    if cache.ndim != 5 or cache.shape[1] != 1 or batch == 0 or cache.shape[0] % batch:
+        raise ValueError("the TensorScatter baseline needs a one-layer layout-0 cache split evenly between sequences")
+    capacity = cache.shape[0] // batch
+    if not np.array_equal(starts, np.arange(batch) * capacity) or np.any(seqlens != seqlens[0]):
+        raise ValueError("the TensorScatter baseline needs cachestarts[b] == b * MaxS and equal seqlens")
+    return capacity
+
+
+def offset_baseline_model(inputs: dict, capacity: int):
+    """The TensorScatter + Gather graph (opset 24) of an offset call (see :func:`offset_capacity`); inputs
+    current_key/value, ``cache`` as ``(B, MaxS, 1, 2, H, Dh)``, ``write_indices`` (start_pos) and
+    ``gather_slots``; outputs key, value, cache_out (TensorScatter's present cache)."""
+    import onnx
+    from onnx import helper
+
+    elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
+    tokens, heads, head_dim = inputs["current_key"].shape
+    batch = np.asarray(inputs["cachestarts"]).size
+    seqlen = tokens // batch
+    view = [batch, capacity, 1, 2, heads, head_dim]
+    nodes = [helper.make_node("Reshape", ["current_key", "update_half"], ["key_update"]),
+             helper.make_node("Reshape", ["current_value", "update_half"], ["value_update"]),
+             helper.make_node("Concat", ["key_update", "value_update"], ["update"], axis=3),
+             helper.make_node("TensorScatter", ["cache", "update", "write_indices"], ["cache_out"], axis=1,
+                              mode="linear"),
+             helper.make_node("Reshape", ["cache_out", "slot_rows"], ["slots"])] + _gather_layout0("slots")
+    shapes = [onnx.numpy_helper.from_array(np.array([batch, seqlen, 1, 1, heads, head_dim], np.int64), "update_half"),
+              onnx.numpy_helper.from_array(np.array([batch * capacity, 1, 2, heads, head_dim], np.int64), "slot_rows")]
+    graph_inputs = [helper.make_tensor_value_info("current_key", elem, [tokens, heads, head_dim]),
+                    helper.make_tensor_value_info("current_value", elem, [tokens, heads, head_dim]),
+                    helper.make_tensor_value_info("cache", elem, view),
+                    helper.make_tensor_value_info("write_indices", onnx.TensorProto.INT64, [batch]),
+                    helper.make_tensor_value_info("gather_slots", onnx.TensorProto.INT64, ["kv"])]
+    return _model(nodes, graph_inputs, inputs, view, shapes, TENSOR_SCATTER_OPSET)
+
+
+def offset_baseline_runner(inputs: dict, threads: int):
+    """(run, outputs): the offset baseline bound once; ``inputs["cache"]`` is both the graph's cache input and
+    its cache_out output (TensorScatter then updates it in place), so each run writes the caller's cache like
+    the op. ``outputs`` holds key and value."""
+    from ..bound_session import aligned_empty, bound_run
+
+    capacity = offset_capacity(inputs)
+    _, gather = call_slots(inputs["seqstarts"], inputs["kvstarts"], inputs["cachestarts"], inputs["start_pos"],
+                           cache_mode=0, page_size=1)
+    tokens, heads, head_dim = inputs["current_key"].shape
+    view = inputs["cache"].reshape(-1, capacity, 1, 2, heads, head_dim)  # the same memory
+    feeds = {"current_key": inputs["current_key"], "current_value": inputs["current_value"], "cache": view,
+             "write_indices": np.asarray(inputs["start_pos"], np.int64), "gather_slots": gather}
+    outputs = {"key": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype),
+               "value": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype), "cache_out": view}
+    return bound_run(offset_baseline_model(inputs, capacity), feeds, outputs, threads), outputs

@@ -1,0 +1,1 @@
+"""The serving engine end to end on an exported decoder (``bench``)."""

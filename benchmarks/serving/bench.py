@@ -1,0 +1,94 @@
+"""Per-step cost of serving: Python scheduling and feed building vs the ONNX Runtime run, for a decode
+batch at a given context length (``python -m kvcache_op.benchmarks.serving.bench``; needs the ``hf`` extra).
+
+Every request shares a long system prompt (prefilled once, then prefix hits) plus a short own part, so
+the measured decode steps have the full batch at about ``--context`` keys each. Figures are medians
+over the decode steps in which every request decodes; "after run" is committing the step, greedy
+sampling and retiring finished requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+
+import numpy as np
+
+MODELS = {  # name -> transformers config overrides of the demo's tiny decoder
+    "tiny": dict(max_position_embeddings=4096),
+    "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096),
+}
+
+
+def measure(model_name: str, requests: int, context: int, decode_steps: int, threads: int, folder: str) -> dict:
+    """Runs the scenario for one model; returns the medians of its full decode steps."""
+    from kvcache_op.hf import export_model, tiny_model
+    from kvcache_op.serving import Engine
+
+    model = tiny_model("llama", **MODELS[model_name])
+    path = export_model(model, os.path.join(folder, f"{model_name}.onnx"))
+    rng = np.random.default_rng(0)
+    system = rng.integers(0, model.config.vocab_size, context - 16).tolist()
+    prompts = [system + rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(requests)]
+    pages_each = -(-(context + decode_steps) // 16)
+    engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=2 * context, max_running=requests,
+                    intra_op_num_threads=threads, trace_steps=True)
+    engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1))
+    full = [s for s in engine.step_trace if s["sequences"] == requests and s["decodes"] == requests]
+    if not full:
+        raise RuntimeError("no step decoded the whole batch: raise --decode-steps")
+    med = {k: statistics.median(s[k] for s in full) * 1e3 for k in ("scheduling_s", "ort_run_s", "after_run_s")}
+    params = sum(p.numel() for p in model.parameters())
+    return dict(model=model_name, params=params, layers=model.config.num_hidden_layers,
+                hidden=model.config.hidden_size, steps=len(full), kv=statistics.median(s["kv_tokens"] for s in full),
+                scheduling_ms=med["scheduling_s"], ort_ms=med["ort_run_s"], after_ms=med["after_run_s"],
+                host_share=(med["scheduling_s"] + med["after_run_s"]) / med["ort_run_s"])
+
+
+def table(rows: list, command: str, requests: int, threads: int) -> str:
+    """A markdown table of the measurements, with the command and machine."""
+    lines = [f"Command: `{command}`", "",
+             f"Machine: {platform.machine()}, {os.cpu_count()} cores, ONNX Runtime CPU EP, {threads or 'default'} "
+             f"intra-op threads, {requests} requests decoding together.", "",
+             "| model | parameters | layers x hidden | decode steps | keys gathered per step | scheduling + feeds ms "
+             "| ONNX Runtime run ms | after run ms | host / run |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f} M | {r['layers']} x {r['hidden']} | {r['steps']} | "
+                     f"{r['kv']:.0f} | {r['scheduling_ms']:.3f} | {r['ort_ms']:.3f} | {r['after_ms']:.3f} | "
+                     f"{r['host_share']:.1%} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    """Measures each ``--model``; prints the table and writes it to ``--out``/README.md when given."""
+    parser = argparse.ArgumentParser(prog="bench_serving", description=__doc__)
+    parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: every model")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--decode-steps", type=int, default=24)
+    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--out", help="folder for README.md with the table")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as folder:
+        rows = []
+        for name in args.model or sorted(MODELS, key=list(MODELS).index):
+            print(f"measuring {name} ({args.requests} requests at ~{args.context} keys) ...", file=sys.stderr)
+            rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder))
+    command = "python -m kvcache_op.benchmarks.serving.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    text = table(rows, command.strip(), args.requests, args.threads)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "README.md"), "w") as f:
+            f.write("# Serving: per-step cost\n\n" + text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""Python binding of the library's framework-neutral C entry points (``capi/kvcache_op.h``).
+
+Two levels:
+
+* :func:`key_value_cache` / :func:`key_cache_rotary_shift`: numpy in, numpy out, the reference's
+  signature; run the CPU kernels through ``kvcache_op_*_cpu``. The cache (and scale) are written in place.
+* :func:`run_key_value_cache` / :func:`run_key_cache_rotary_shift`: raw pointers (:class:`Tensor` descriptions) on ``"cpu"`` or ``"cuda"``,
+  for callers that own device memory (torch, CuPy): index inputs are host numpy arrays, everything else
+  is described by a pointer, a type and a shape.
+
+* :func:`multi_head_attention` (numpy, the reference's signature) and :func:`run_multi_head_attention`
+  (raw host pointers, the shape of :func:`run_key_value_cache`): MultiHeadAttention's CPU kernel.
+
+Invalid calls raise :class:`kvcache_op.reference.KeyValueCacheError` (a ``ValueError``;
+:class:`~kvcache_op.reference.MultiHeadAttentionError` for MultiHeadAttention) with the same message the
+reference gives, and leave the cache, scale and outputs unchanged; CUDA or allocation failures raise
+``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+import numpy as np
+
+from ..reference.dtypes import BFLOAT16, INT4
+from ..reference.quantize import pack_int4, unpack_int4
+from ..reference.mha_validate import MultiHeadAttentionError
+from ..reference.validate import KeyValueCacheError, effective_scale
+
+C_API_VERSION = 1
+MAX_RANK = 8
+OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
+
+#: ONNX element type of each numpy dtype the ops take.
+ONNX_TYPES = {np.dtype(np.float32): 1, np.dtype(np.int8): 3, np.dtype(np.int64): 7, np.dtype(np.float16): 10,
+              BFLOAT16: 16, INT4: 22}
+
+KV_INPUTS = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
+             "max_kvlen", "cache", "scale")
+KV_INDEX_INPUTS = KV_INPUTS[2:8]
+KV_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "num_repeat", "cache_mode", "cache_layout",
+                 "page_size")
+MHA_INPUTS = ("query", "key", "value", "seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen",
+              "attn_mask")
+MHA_INT_ATTRIBUTES = ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads", "sliding_window")
+MHA_ATTRIBUTES = MHA_INT_ATTRIBUTES + ("softmax_scale",)
+ROTARY_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_layout", "rotary_dim",
+                     "rotary_interleaved")
+
+
+def onnx_type(dtype) -> int:
+    """The ONNX element type of a numpy dtype (any dtype ONNX has: the library's validation names the
+    types it refuses, with the reference's message)."""
+    from onnx.helper import np_dtype_to_tensor_dtype
+
+    try:
+        return ONNX_TYPES.get(np.dtype(dtype)) or int(np_dtype_to_tensor_dtype(np.dtype(dtype)))
+    except (KeyError, TypeError, ValueError) as error:
+        raise KeyValueCacheError(f"dtype {np.dtype(dtype)} has no ONNX element type") from error
+
+
+class CTensor(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int32), ("rank", ctypes.c_int32), ("shape", ctypes.c_int64 * MAX_RANK),
+                ("data", ctypes.c_void_p)]
+
+
+class CKeyValueCacheAttrs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in KV_ATTRIBUTES]
+
+
+class CRotaryShiftAttrs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ROTARY_ATTRIBUTES]
+
+
+class CMultiHeadAttentionAttrs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in MHA_INT_ATTRIBUTES] + [("softmax_scale", ctypes.c_float)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """A dense C-contiguous tensor at ``data`` (a host or device address): ONNX ``type`` and ``shape``.
+    ``type == 0`` marks an absent optional input."""
+
+    type: int
+    shape: tuple
+    data: int
+
+    def to_c(self) -> CTensor:
+        if len(self.shape) > MAX_RANK:
+            raise KeyValueCacheError(f"rank {len(self.shape)} exceeds the C entry points' {MAX_RANK}")
+        c = CTensor(self.type, len(self.shape))
+        for i, d in enumerate(self.shape):
+            c.shape[i] = int(d)
+        c.data = self.data or None
+        return c
+
+
+ABSENT = Tensor(0, (), 0)
+
+
+@functools.lru_cache(maxsize=None)
+def library(path: str | None = None) -> ctypes.CDLL:
+    """The loaded library (default: :func:`kvcache_op.ort_ops.library_path`), with argument types set;
+    ``RuntimeError`` when its C API version differs from this binding's."""
+    if path is None:
+        from ..ort_ops import library_path
+
+        path = library_path()
+    lib = ctypes.CDLL(path)
+    message = (ctypes.c_char_p, ctypes.c_size_t)
+    kv_attrs, rot_attrs = ctypes.POINTER(CKeyValueCacheAttrs), ctypes.POINTER(CRotaryShiftAttrs)
+    mha_attrs = ctypes.POINTER(CMultiHeadAttentionAttrs)
+    tensors = ctypes.POINTER(CTensor)
+    signatures = {
+        "kvcache_op_c_api_version": ((), ctypes.c_int32),
+        "kvcache_op_has_cuda": ((), ctypes.c_int32),
+        "kvcache_op_cpu_kernel": ((), ctypes.c_char_p),
+        "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
+        "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
+        "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
+                                                    ctypes.c_int32),
+        "kvcache_op_key_value_cache_cpu": ((kv_attrs, tensors, tensors, ctypes.c_int32) + message, ctypes.c_int32),
+        "kvcache_op_key_value_cache_cuda": ((kv_attrs, tensors, tensors, ctypes.c_void_p) + message, ctypes.c_int32),
+        "kvcache_op_key_cache_rotary_shift_cpu": ((rot_attrs, tensors, tensors, ctypes.c_int32) + message,
+                                                  ctypes.c_int32),
+        "kvcache_op_key_cache_rotary_shift_cuda": ((rot_attrs, tensors, tensors, ctypes.c_void_p) + message,
+                                                   ctypes.c_int32),
+        "kvcache_op_multi_head_attention_defaults": ((mha_attrs,), None),
+        "kvcache_op_multi_head_attention_cpu": ((mha_attrs, tensors, tensors, ctypes.c_int32) + message,
+                                                ctypes.c_int32),
+    }
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(args), result
+    version = lib.kvcache_op_c_api_version()
+    if version != C_API_VERSION:
+        raise RuntimeError(f"{path} has C API version {version}; this binding speaks version {C_API_VERSION}")
+    return lib
+
+
+def has_cuda(path: str | None = None) -> bool:
+    """True when the library was built with its CUDA kernels."""
+    return bool(library(path).kvcache_op_has_cuda())
+
+
+def cpu_kernel(path: str | None = None) -> str:
+    """The CPU kernel build KeyValueCache's CPU calls run now ("avx512", "avx2" or "generic"): the best one the
+    library has and the processor runs, capped by ``$KVCACHE_OP_CPU_KERNEL``."""
+    return library(path).kvcache_op_cpu_kernel().decode()
+
+
+def _attrs(struct, names, defaults_fn, given: dict, floats=()):
+    unknown = set(given) - set(names)
+    if unknown:
+        raise TypeError(f"unknown attribute(s) {sorted(unknown)}; expected some of {list(names)}")
+    attrs = struct()
+    defaults_fn(ctypes.byref(attrs))
+    for name, value in given.items():
+        if name in floats:  # a float attribute: ctypes rounds it to the struct's float32
+            setattr(attrs, name, float(value))
+            continue
+        value = int(value)
+        if not -(2**63) <= value < 2**63:
+            raise KeyValueCacheError(f"{name} = {value} does not fit in int64")
+        setattr(attrs, name, value)
+    return attrs
+
+
+def _check(code: int, message: ctypes.Array, error=KeyValueCacheError) -> None:
+    if code == OK:
+        return
+    text = message.value.decode("utf-8", "replace")
+    if code == INVALID_ARGUMENT:
+        raise error(text)
+    raise RuntimeError(text)
+
+
+def c_array(tensors) -> ctypes.Array:
+    """A C array of :class:`Tensor` s."""
+    return (CTensor * len(tensors))(*(t.to_c() for t in tensors))
+
+
+def key_value_cache_attributes(library_file: str | None = None, **attributes) -> CKeyValueCacheAttrs:
+    """The C attribute struct: the spec's defaults (from the library), overridden by ``attributes``."""
+    lib = library(library_file)
+    return _attrs(CKeyValueCacheAttrs, KV_ATTRIBUTES, lib.kvcache_op_key_value_cache_defaults, attributes)
+
+
+def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                        library_file: str | None = None, **attributes) -> None:
+    """Runs KeyValueCache on raw buffers. ``inputs``: 10 :class:`Tensor` in the op's order (``ABSENT`` for
+    no scale); ``outputs``: 2 :class:`Tensor` of the shape :func:`output_shape` gives. On ``"cuda"``,
+    inputs 0, 1, 8, 9 and the outputs are device addresses and the index inputs host addresses; the
+    kernels are enqueued on ``stream`` (a ``cudaStream_t`` as an int) and not waited for."""
+    lib = library(library_file)
+    attrs = key_value_cache_attributes(library_file, **attributes)
+    message = ctypes.create_string_buffer(4096)
+    c_in, c_out = c_array(inputs), c_array(outputs)
+    if device == "cpu":
+        code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
+                                                  len(message))
+    elif device == "cuda":
+        code = lib.kvcache_op_key_value_cache_cuda(ctypes.byref(attrs), c_in, c_out, stream or None, message,
+                                                   len(message))
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    _check(code, message)
+
+
+def output_shape(inputs, *, library_file: str | None = None, **attributes) -> tuple:
+    """(kv_tokens, H * num_repeat, Dh) of a call after validating it (only index data is read)."""
+    lib = library(library_file)
+    attrs = key_value_cache_attributes(library_file, **attributes)
+    message = ctypes.create_string_buffer(4096)
+    shape = (ctypes.c_int64 * 3)()
+    _check(lib.kvcache_op_key_value_cache_output_shape(ctypes.byref(attrs), c_array(inputs), shape, message,
+                                                        len(message)), message)
+    return tuple(shape)
+
+
+class HostBuffers:
+    """numpy arrays as C :class:`Tensor` s for one call: keeps every buffer alive until the call is over;
+    an int4 array (one code per byte in numpy) is passed packed, and :meth:`finish` writes the packed
+    bytes of written int4 arrays back."""
+
+    def __init__(self):
+        self.keep, self.write_back = [], []
+
+    def tensor(self, name: str, array, written: bool = False) -> Tensor:
+        if array is None:
+            return ABSENT
+        if written:
+            if not isinstance(array, np.ndarray):
+                raise KeyValueCacheError(f"{name} must be a numpy array: it is written in place")
+            if not (array.flags.c_contiguous and array.flags.writeable):
+                raise KeyValueCacheError(f"{name} must be a writable C-contiguous array: it is written in place")
+        array = np.asarray(array)
+        if array.dtype == INT4:  # one code per byte in numpy; the kernels take ONNX's packed layout
+            packed = pack_int4(array)
+            self.keep.append(packed)
+            if written:
+                self.write_back.append((array, packed))
+            return Tensor(ONNX_TYPES[INT4], array.shape, packed.ctypes.data)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        self.keep.append(array)
+        return Tensor(onnx_type(array.dtype), array.shape, array.ctypes.data)
+
+    def finish(self) -> None:
+        for array, packed in self.write_back:
+            array[...] = unpack_int4(packed, array.size).reshape(array.shape).astype(INT4)
+
+
+def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                    cache, scale=None, *, num_threads: int = 1, library_file: str | None = None, **attributes):
+    """The reference's :func:`~kvcache_op.reference.key_value_cache` on the library's CPU kernel through the
+    C entry point: returns ``(key, value)``; writes ``cache`` / ``scale`` in place."""
+    args = HostBuffers()
+    scale = effective_scale(scale, attributes.get("quant_bit", 0))  # an empty one is absent: never written
+    given = dict(current_key=current_key, current_value=current_value, seqstarts=seqstarts, kvstarts=kvstarts,
+                 cachestarts=cachestarts, start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=max_kvlen,
+                 cache=cache, scale=scale)
+    inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in KV_INPUTS]
+    shape = output_shape(inputs, library_file=library_file, **attributes)
+    dtype = np.asarray(current_key).dtype
+    key, value = np.empty(shape, dtype), np.empty(shape, dtype)
+    outputs = [Tensor(ONNX_TYPES[dtype], shape, out.ctypes.data) for out in (key, value)]
+    run_key_value_cache(inputs, outputs, device="cpu", num_threads=num_threads, library_file=library_file,
+                        **attributes)
+    args.finish()
+    return key, value
+
+
+def rotary_shift_attributes(library_file: str | None = None, **attributes) -> CRotaryShiftAttrs:
+    """The C attribute struct of KeyCacheRotaryShift: the spec's defaults, overridden by ``attributes``."""
+    lib = library(library_file)
+    return _attrs(CRotaryShiftAttrs, ROTARY_ATTRIBUTES, lib.kvcache_op_key_cache_rotary_shift_defaults, attributes)
+
+
+def run_key_cache_rotary_shift(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                               library_file: str | None = None, **attributes) -> None:
+    """Runs KeyCacheRotaryShift over raw buffers: ``inputs`` are 5 :class:`Tensor` (cache, scale or
+    ``ABSENT``, slots, cos, sin), ``output`` the ``(N,)`` int64 host :class:`Tensor` for ``slots_out``.
+    On ``"cuda"`` the cache and scale are device addresses (slots, cos, sin, output host ones) and the
+    rotation is enqueued on ``stream`` and not waited for. Validates everything before writing."""
+    lib = library(library_file)
+    attrs = rotary_shift_attributes(library_file, **attributes)
+    message = ctypes.create_string_buffer(4096)
+    if device == "cpu":
+        code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs),
+                                                         ctypes.byref(output.to_c()), int(num_threads), message,
+                                                         len(message))
+    elif device == "cuda":
+        code = lib.kvcache_op_key_cache_rotary_shift_cuda(ctypes.byref(attrs), c_array(inputs),
+                                                          ctypes.byref(output.to_c()), stream or None, message,
+                                                          len(message))
+    else:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    _check(code, message)
+
+
+def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 1, library_file: str | None = None,
+                           **attributes):
+    """The reference's :func:`~kvcache_op.reference.key_cache_rotary_shift` on the library's CPU kernel:
+    rotates the keys of ``slots`` in place (cache, and scale when quantized); returns the slots."""
+    args = HostBuffers()
+    scale = effective_scale(scale, attributes.get("quant_bit", 0))
+    inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
+              args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
+    count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0
+    out = np.empty(count, np.int64)
+    run_key_cache_rotary_shift(inputs, Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data),
+                               num_threads=num_threads, library_file=library_file, **attributes)
+    args.finish()
+    return out
+
+
+def multi_head_attention_attributes(library_file: str | None = None, **attributes) -> CMultiHeadAttentionAttrs:
+    """The C attribute struct: the spec's defaults (from the library; num_heads and head_dim 0, which the
+    library refuses), overridden by ``attributes``."""
+    lib = library(library_file)
+    return _attrs(CMultiHeadAttentionAttrs, MHA_ATTRIBUTES, lib.kvcache_op_multi_head_attention_defaults, attributes,
+                  floats=("softmax_scale",))
+
+
+def run_multi_head_attention(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                             library_file: str | None = None, **attributes) -> None:
+    """Runs MultiHeadAttention on raw host buffers. ``inputs``: 9 :class:`Tensor` in the op's order (``ABSENT``
+    for no attn_mask); ``output``: one :class:`Tensor` of query's type and shape, written only when the call
+    is valid. ``device`` must be ``"cpu"`` (there is no CUDA kernel of this op yet; ``stream`` is unused)."""
+    if device != "cpu":
+        raise ValueError(f"MultiHeadAttention runs on device 'cpu' only (no CUDA kernel yet), got {device!r}")
+    del stream
+    lib = library(library_file)
+    attrs = multi_head_attention_attributes(library_file, **attributes)
+    message = ctypes.create_string_buffer(4096)
+    code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_array(inputs), ctypes.byref(output.to_c()),
+                                                   int(num_threads), message, len(message))
+    _check(code, message, MultiHeadAttentionError)
+
+
+def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                         attn_mask=None, *, num_threads: int = 1, library_file: str | None = None, **attributes):
+    """The reference's :func:`~kvcache_op.reference.multi_head_attention` on the library's CPU kernel through the
+    C entry point: returns the output, of query's dtype and shape (within the spec's tolerance of the
+    reference, not bit-exact)."""
+    args = HostBuffers()
+    given = dict(query=query, key=key, value=value, seqstarts=seqstarts, kvstarts=kvstarts,
+                 decoding_batches=decoding_batches, max_seqlen=max_seqlen, max_kvlen=max_kvlen, attn_mask=attn_mask)
+    inputs = [args.tensor(name, given[name]) for name in MHA_INPUTS]
+    query = np.asarray(query)
+    out = np.empty(query.shape, query.dtype)
+    output = Tensor(inputs[0].type, query.shape, out.ctypes.data)
+    run_multi_head_attention(inputs, output, num_threads=num_threads, library_file=library_file, **attributes)
+    return out

@@ -1,0 +1,75 @@
+"""Planning a step, with nothing changed yet: part of :class:`~.kv_manager.KVCacheManager`.
+
+Most requests of a decode step are plain appends (one generated token, at most one new page, nothing released
+or discarded): they are planned by a few numpy operations over the whole batch. Only the others (prefill
+chunks, window releases, StreamingLLM discards) are planned request by request.
+"""
+
+import numpy as np
+
+from .step_records import PlannedStep, Request, RequestWork
+from .streaming import streaming_discard
+
+
+class StepPlanner:
+    """The manager's planning (reads its ``rows``, ``requests`` and configuration; changes nothing)."""
+
+    def _plan(self, rids, before, lengths, ids) -> PlannedStep:
+        """What the step does to each request, from the rows as they are (``before``); ``ValueError``
+        for a step no page table can describe."""
+        ps = self.page_size
+        computed, first, held, known_end = before.T
+        end = computed + (1 if lengths is None else lengths)
+        # A plain append: one generated token (nothing of the prompt to check), at most one new page,
+        # nothing released by the window, no StreamingLLM discard.
+        plain = computed >= known_end
+        if lengths is not None:
+            plain &= lengths == 1
+        if self.sliding_window is not None:
+            plain &= np.maximum(computed - self.sliding_window + 1, 0) // ps <= first
+        if self.streaming is not None:
+            plain &= end <= self.streaming.budget_pages * ps
+        need = computed >= (first + held) * ps  # for a plain append: the token starts a new page
+        all_plain = np.count_nonzero(plain) == len(plain)
+        if not all_plain:
+            need &= plain
+        new_pages = int(np.count_nonzero(need))
+        # (the maximum first: one reduction where, as almost always, no request holds max_pages pages)
+        if new_pages and held.max() >= self.max_pages and (held[need] >= self.max_pages).any():
+            raise ValueError("a request's step needs more than max_pages pages")  # _check_each says which
+        work = []
+        if not all_plain:
+            need = need.astype(np.int64)
+            ends = np.arange(1, len(rids) + 1) if lengths is None else np.cumsum(lengths)
+            starts = (ends - 1 if lengths is None else ends - lengths).tolist()
+            ends = ends.tolist()
+            for b in np.flatnonzero(~plain).tolist():
+                r = self.requests[rids[b]]
+                tokens = ids[starts[b]:ends[b]].tolist()
+                self._check_feed(r, tokens)
+                w = self._plan_request(b, r, tokens)
+                need[b], end[b] = w.new_pages, w.end
+                new_pages += w.new_pages
+                work.append(w)
+        return PlannedStep(end, None if all_plain else plain, need, new_pages, work)
+
+    def _plan_request(self, b: int, r: Request, tokens: list) -> RequestWork:
+        ps, R, row = self.page_size, self.rows, r.row
+        computed, first_page, held = int(R.computed[row]), int(R.first_page[row]), int(R.npages[row])
+        discard, dropped = (streaming_discard(self.streaming, self.sink_pages, ps, r.rid, computed, held, len(tokens))
+                            if self.streaming is not None else (0, 0))
+        end = computed - dropped + len(tokens)
+        first = first_page
+        if self.sliding_window is not None:
+            first = max(first, max(0, computed - self.sliding_window + 1) // ps)
+        pages_total = -(-end // ps)
+        if pages_total - first > self.max_pages:
+            raise ValueError(f"request {r.rid!r}: {pages_total - first} pages exceed max_pages={self.max_pages}")
+        released = []
+        if discard:
+            s = self.sink_pages
+            released = R.pages(row)[s:s + discard] if self.streaming.mode == "shift" else R.pages(row)[s:]
+        elif first > first_page:
+            released = R.pages(row)[:first - first_page]
+        new_pages = pages_total - first - (held - len(released))
+        return RequestWork(b, r, tokens, discard, dropped, end, first, released, new_pages)

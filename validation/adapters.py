@@ -1,0 +1,144 @@
+"""Backends the conformance kit validates and fuzzes: the reference, ONNX Runtime with a custom-op library,
+or a user's Python callables.
+
+A backend runs one call of an op and returns what happened as an :class:`~kvcache_op.validation.outcome.Outcome`;
+it never raises for the backend's own failures (they become ``Outcome.error``), so one failing call never
+stops a run. This module holds what every adapter shares and the in-process adapters (the reference, Python
+callables); :mod:`.ort_adapter` runs ONNX Runtime, :mod:`.isolated` any adapter in a worker process, and
+:func:`kvcache_op.validation.backends.load_backend` picks one from a ``--backend`` name. Adapters know
+nothing of the runners (validate, fuzz) that use them.
+
+A ``module:function`` backend is a Python callable with the reference's signature
+(:func:`kvcache_op.reference.key_value_cache`): numpy arrays in, numpy arrays out, ``cache`` and ``scale``
+written in place, an exception for an invalid call. ``module:name`` may instead name an object (a module,
+a class instance, a namespace) with any of the attributes ``key_value_cache``, ``multi_head_attention`` and
+``key_cache_rotary_shift``, each with the reference's signature of that op; cases of the other ops are then
+skipped. The module is imported from the current directory or ``PYTHONPATH``.
+"""
+
+import importlib
+import os
+import sys
+
+import numpy as np
+
+from .outcome import OUTPUTS, Outcome, in_place_after
+
+#: The reference function name of each op (what a ``module:object`` backend provides).
+OP_FUNCTIONS = {"KeyValueCache": "key_value_cache", "MultiHeadAttention": "multi_head_attention",
+                "KeyCacheRotaryShift": "key_cache_rotary_shift"}
+ALL_OPS = frozenset(OP_FUNCTIONS)
+
+
+class BackendLoadError(Exception):
+    """The backend named on the command line cannot be loaded; the message is one line saying why."""
+
+
+def error_text(error: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    message = " ".join(str(error).split())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
+
+
+def _as_outputs(op: str, result) -> dict:
+    """The output name -> numpy array of a callable's return value (a tuple for KeyValueCache)."""
+    names = OUTPUTS[op]
+    values = tuple(result) if len(names) > 1 else (result,)
+    if len(values) != len(names):
+        raise TypeError(f"{OP_FUNCTIONS[op]} returned {len(values)} values, expected {len(names)} ({', '.join(names)})")
+    return {name: np.asarray(value) for name, value in zip(names, values)}
+
+
+def run_reference(model, inputs: dict) -> tuple:
+    """Runs ``model`` with onnx's ReferenceEvaluator and the ops' OpRun classes; returns its outputs;
+    ``inputs`` (copies) are written in place."""
+    from onnx.reference import ReferenceEvaluator
+
+    from ..reference import KeyCacheRotaryShift, KeyValueCache, MultiHeadAttention
+
+    evaluator = ReferenceEvaluator(model, new_ops=[KeyValueCache, MultiHeadAttention, KeyCacheRotaryShift])
+    return tuple(evaluator.run(None, inputs))
+
+
+def run_ort(model, inputs: dict) -> tuple:
+    """Runs ``model`` in ONNX Runtime's CPU EP with the custom-op library; returns its outputs; ``inputs``
+    written in place."""
+    from ..ort_ops import run_model
+
+    return run_model(model, inputs)
+
+
+class CallableBackend:
+    """Python callables with the reference's signatures (op -> callable); runs them in this process."""
+
+    def __init__(self, functions: dict, name: str):
+        self.functions = dict(functions)
+        self.ops = frozenset(functions)
+        self.name = name
+
+    def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
+        """Calls the op's function on ``inputs`` (which it may write); an exception becomes the outcome's error."""
+        try:
+            return Outcome(_as_outputs(op, self.functions[op](**inputs, **attributes)), in_place_after(op, inputs))
+        except Exception as error:  # noqa: BLE001 - any failure of the backend is its outcome
+            return Outcome(None, in_place_after(op, inputs), error=error_text(error))
+
+    def close(self):
+        """Nothing to release."""
+
+
+class ReferenceBackend:
+    """The reference through ``onnx.reference.ReferenceEvaluator`` on the call's one-node model (so the
+    OpRun classes are what is checked)."""
+
+    name = "reference"
+    ops = ALL_OPS
+
+    def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
+        """Runs ``model`` (built from the call when None) with the reference ops; inputs written in place."""
+        from .vectors import node_model
+
+        try:
+            model = model if model is not None else node_model(op, inputs, attributes)
+            results = run_reference(model, graph_feeds(model, inputs))
+            return Outcome(dict(zip(OUTPUTS[op], results)), in_place_after(op, inputs))
+        except Exception as error:  # noqa: BLE001
+            return Outcome(None, in_place_after(op, inputs), error=error_text(error))
+
+    def close(self):
+        """Nothing to release."""
+
+
+def graph_feeds(model, inputs: dict) -> dict:
+    """Graph input name -> array for a one-node ``model``, from ``inputs`` keyed by the op's formal input
+    names (the graph may name them otherwise, e.g. ppl.pmx's ``kv_scale``)."""
+    from .vectors import _signature
+
+    node = model.graph.node[0]
+    formal = dict(zip(node.input, _signature(node)))
+    return {info.name: inputs[formal[info.name]] for info in model.graph.input}
+
+
+def import_callables(spec: str) -> CallableBackend:
+    """The :class:`CallableBackend` of ``module:name`` (see the module docstring); :class:`BackendLoadError`
+    with one line when it cannot be imported or names nothing usable."""
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise BackendLoadError(f"--backend {spec!r}: expected reference, ort or module:function")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # importable from the current directory, as the command line promises
+    try:
+        target = importlib.import_module(module_name)
+    except Exception as error:  # noqa: BLE001 - whatever the import raises, one line says it
+        raise BackendLoadError(f"--backend {spec}: cannot import module {module_name!r} ({error_text(error)})") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise BackendLoadError(f"--backend {spec}: {module_name!r} has no attribute {attribute!r}")
+        target = getattr(target, part)
+    functions = {op: getattr(target, name) for op, name in OP_FUNCTIONS.items() if callable(getattr(target, name, None))}
+    if not functions:
+        if not callable(target):
+            raise BackendLoadError(f"--backend {spec}: {attribute!r} is neither callable nor has any of "
+                                   f"{', '.join(OP_FUNCTIONS.values())}")
+        functions = {"KeyValueCache": target}
+    return CallableBackend(functions, spec)

@@ -1,0 +1,165 @@
+"""Compares a backend's outcome of a call with the expected one and says precisely what differs.
+
+:func:`compare` returns one line per problem (empty: the backend passes): for a differing tensor, how many
+elements differ, the first one's index and both values (with their bits), and for a quantized cache the
+code and scale behind it. KeyValueCache is compared bit for bit (``tolerance="exact"``) or with the spec's
+tolerance table (``"spec"``, kvcache_op.validation.tolerance); KeyCacheRotaryShift bit for bit in both modes
+(its spec documents no other arithmetic); MultiHeadAttention within the expected outcome's per-element bound.
+An invalid call must fail and leave the in-place inputs byte-for-byte as they were.
+"""
+
+import numpy as np
+
+from ..reference.dtypes import INT4
+from .outcome import Outcome
+from . import tolerance as spec_tolerance
+from .tolerance import bits_differ
+
+TOLERANCES = ("exact", "spec")
+
+
+def _value(array: np.ndarray, index) -> str:
+    """One element, readable, with its bits for floats (``0.5 (0x3800)``)."""
+    value = array[index]
+    if array.dtype == INT4 or array.dtype.kind in "iub":
+        return str(int(value))
+    bits = np.asarray(value).view(f"u{array.dtype.itemsize}")
+    return f"{float(value)!r} (0x{int(bits):0{2 * array.dtype.itemsize}x})"
+
+
+def _index(index) -> str:
+    return "[" + ", ".join(str(int(i)) for i in index) + "]"
+
+
+def _first(mask: np.ndarray):
+    return np.unravel_index(int(np.flatnonzero(mask)[0]), mask.shape)
+
+
+class _Context:
+    """The call being compared, and what is needed to describe a quantized KeyValueCache element."""
+
+    def __init__(self, op, inputs, attributes, expected, got):
+        self.op, self.inputs, self.attributes = op, inputs, attributes
+        self.expected, self.got = expected, got
+        self.quantized = op == "KeyValueCache" and int(attributes.get("quant_bit", 0)) != 0
+        self._slots = None
+
+    @property
+    def slots(self):
+        """The call's SlotMap (None when it cannot be built)."""
+        if self._slots is None and self.op == "KeyValueCache":
+            from .slot_map import SlotMap
+
+            try:
+                self._slots = SlotMap(self.inputs, self.attributes)
+            except Exception:  # noqa: BLE001 - only used to describe a difference
+                self._slots = False
+        return self._slots or None
+
+    def has_pairs(self) -> bool:
+        """True when both outcomes hold a cache and scale of the expected dtype and shape."""
+        return all(_same_form(self.got.after.get(n), self.expected.after.get(n)) for n in ("cache", "scale"))
+
+    def pairs(self, kv: int) -> tuple:
+        """((code', scale'), (code, scale)) behind every element of output ``kv``: the backend's, the spec's."""
+        cache_index, scale_index = self.slots.source(kv), self.slots.source(kv, scale=True)
+        result = []
+        for outcome in (self.got, self.expected):
+            codes = np.asarray(outcome.after["cache"]).astype(np.int8).reshape(-1)
+            scales = np.asarray(outcome.after["scale"]).astype(np.float64).reshape(-1)
+            result.append((codes[cache_index], scales[scale_index]))
+        return tuple(result)
+
+    def detail(self, name: str, index) -> str:
+        """The code and scale behind element ``index`` of tensor ``name`` (quantized KeyValueCache only)."""
+        if not self.quantized or self.slots is None or not self.has_pairs():
+            return ""
+        group = int(self.attributes.get("quant_group", 8))
+        got_cache, want_cache = self.got.after["cache"], self.expected.after["cache"]
+        got_scale, want_scale = self.got.after["scale"], self.expected.after["scale"]
+        if name == "cache":
+            at = tuple(index[:-1]) + (index[-1] // group,)
+            return f"; scale of its group: got {_value(got_scale, at)}, expected {_value(want_scale, at)}"
+        if name == "scale":
+            return ""
+        kv = 0 if name == "key" else 1
+        flat_code = int(self.slots.source(kv)[index])
+        flat_scale = int(self.slots.source(kv, scale=True)[index])
+        code = np.unravel_index(flat_code, got_cache.shape)
+        scale = np.unravel_index(flat_scale, got_scale.shape)
+        return (f"; loaded from {self.slots.describe(kv, int(index[0]), int(index[1]))}: code got "
+                f"{_value(got_cache, code)}, expected {_value(want_cache, code)}; scale got "
+                f"{_value(got_scale, scale)}, expected {_value(want_scale, scale)}")
+
+
+def _same_form(got, want) -> bool:
+    return got is not None and want is not None and np.asarray(got).dtype == want.dtype and np.shape(got) == want.shape
+
+
+def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolerance: str) -> np.ndarray:
+    """Mask of the elements of ``name`` outside what the mode accepts."""
+    if ctx.op == "MultiHeadAttention":
+        bound = ctx.expected.tolerance
+        g, w = got.astype(np.float64), want.astype(np.float64)
+        both_nan = np.isnan(g) & np.isnan(w)
+        with np.errstate(invalid="ignore"):
+            return ~(np.abs(g - w) <= bound) & ~both_nan
+    if tolerance == "exact" or not ctx.quantized or ctx.slots is None:
+        return bits_differ(got, want)
+    if name in ("cache", "scale"):
+        stored = ctx.slots.stored(scale=name == "scale")
+        if name == "cache":
+            return spec_tolerance.codes_outside(got.astype(np.int8), want.astype(np.int8), stored)
+        return spec_tolerance.scales_outside(got, want, stored, ctx.inputs["current_key"].dtype)
+    if not ctx.has_pairs():  # no usable cache from the backend: only rounding is allowed
+        pair = (np.zeros(want.shape), np.zeros(want.shape))
+        return spec_tolerance.outputs_outside(got, want, pair, pair, ctx.expected.after["scale"].dtype)
+    got_pair, want_pair = ctx.pairs(0 if name == "key" else 1)
+    return spec_tolerance.outputs_outside(got, want, got_pair, want_pair, ctx.expected.after["scale"].dtype)
+
+
+def _tensor_lines(ctx: _Context, name: str, got, want, tolerance: str, unchanged=False) -> list:
+    if got is None:
+        return [f"{name}: the backend returned no {name}"]
+    got = np.asarray(got)
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return [f"{name}: got {got.dtype.name}{list(got.shape)}, expected {want.dtype.name}{list(want.shape)}"]
+    mask = bits_differ(got, want) if unchanged else _outside(ctx, name, got, want, tolerance)
+    count = int(np.count_nonzero(mask))
+    if not count:
+        return []
+    index = _first(mask)
+    tolerant = ctx.op == "MultiHeadAttention" or (tolerance == "spec" and ctx.quantized and ctx.slots is not None)
+    what = "outside the tolerance" if tolerant else "differ"
+    if unchanged:
+        what = "changed although the call failed"
+    line = (f"{name}: {count} of {mask.size} elements {what}; first at {_index(index)}: got {_value(got, index)}, "
+            f"expected {_value(want, index)}")
+    if ctx.op == "MultiHeadAttention":
+        line += f" (tolerance {float(ctx.expected.tolerance[index]):.3g})"
+    return [line + ctx.detail(name, index)]
+
+
+def compare(op: str, inputs: dict, attributes: dict, expected: Outcome, got: Outcome, tolerance: str = "exact") -> list:
+    """The problems with ``got`` against ``expected`` for the call (``inputs`` as given to it, by formal name),
+    one line each; an empty list when the backend passes."""
+    if tolerance not in TOLERANCES:
+        raise ValueError(f"tolerance must be one of {TOLERANCES}, got {tolerance!r}")
+    if got.crashed:
+        return [got.error]
+    ctx = _Context(op, inputs, attributes, expected, got)
+    if expected.error is not None:
+        if got.error is None:
+            return [f"accepted an invalid call; expected an error (the reference: {expected.error})"]
+        lines = []
+        for name, want in expected.after.items():
+            lines += _tensor_lines(ctx, name, got.after.get(name), want, tolerance, unchanged=True)
+        return lines
+    if got.error is not None:
+        return [f"raised {got.error}"]
+    lines = []
+    for name, want in expected.outputs.items():
+        lines += _tensor_lines(ctx, name, got.outputs.get(name), want, tolerance)
+    for name, want in expected.after.items():
+        lines += _tensor_lines(ctx, name, got.after.get(name), want, tolerance)
+    return lines
