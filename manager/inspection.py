@@ -1,6 +1,8 @@
 """Reading a manager's state: page tables, positions, pending prompt tokens, metrics, and the bookkeeping
 invariants the tests assert: part of :class:`~.kv_manager.KVCacheManager`."""
 
+from .streaming import streaming_room
+
 
 class Inspection:
     """The manager's read-only views (of its ``rows``, ``requests``, ``pool`` and ``index``)."""
@@ -12,6 +14,13 @@ class Inspection:
     def computed(self, rid) -> int:
         """Positions of the request stored in the cache (after the outstanding step, if any)."""
         return int(self.rows.computed[self._get(rid).row])
+
+    def step_room(self, rid):
+        """The most tokens the next step of ``rid`` may feed for its cache to depend on its tokens alone, not on
+        how its steps were chunked (StreamingLLM: see :func:`~.streaming.streaming_room`); ``None``: no limit."""
+        if self.streaming is None:
+            return None
+        return streaming_room(self.streaming, self.sink_pages, self.page_size, self.computed(rid))
 
     def pending_tokens(self, rid) -> list:
         """Prompt token ids not yet fed."""

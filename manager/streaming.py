@@ -8,7 +8,9 @@ import dataclasses
 class StreamingPolicy:
     """StreamingLLM: keep ``sinks`` first tokens (rounded up to whole pages) plus the most recent ones
     within ``budget_pages`` pages per request. When a step would exceed the budget, at least half of the
-    pages after the sinks (and at least what the step needs) are dropped — the positions they held, which
+    pages after the sinks (and at least what the step needs) are dropped (a caller that feeds at most
+    :func:`streaming_room` tokens per step gets exactly half, at the same points of the stream however it
+    chunks its steps) — the positions they held, which
     is less than whole pages when the last one is partly filled — then either
 
     * ``"shift"``: the kept keys are re-rotated to their new positions — the step's plan carries
@@ -42,3 +44,17 @@ def streaming_discard(policy: StreamingPolicy, sink_pages: int, page_size: int, 
         raise ValueError(f"request {rid!r}: {n_new} new tokens do not fit the streaming budget of "
                          f"{budget} pages even after dropping every page after the sinks")
     return discard, dropped
+
+
+def streaming_room(policy: StreamingPolicy, sink_pages: int, page_size: int, computed: int) -> int:
+    """The most tokens one step may feed to a request with ``computed`` positions so that its discards happen
+    at fixed points of its token stream: a step never crosses the full budget (it stops exactly there), and
+    a step from a full cache feeds at most what the standard discard frees ((pages after the sinks + 1) // 2
+    pages). How much a step discards depends on the pages held and the tokens fed when it crosses the budget;
+    under this rule every discard starts from a full cache with at most that many tokens, so the cache a
+    request holds is a function of its tokens alone, however its steps were chunked (and a recomputation
+    after preemption rebuilds it exactly)."""
+    full = policy.budget_pages * page_size
+    if computed < full:
+        return full - computed
+    return (policy.budget_pages - sink_pages + 1) // 2 * page_size

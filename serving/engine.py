@@ -6,7 +6,10 @@ tables, prefix hits, window releases, StreamingLLM discards); the graph runs it;
 only after the run succeeded; each sequence whose prompt is complete gets its greedy next token, and
 requests that are done leave. When pages run out the most recently admitted request is preempted: its
 pages are released and it is recomputed later from its prompt plus what it generated, so nothing is
-lost (its published pages usually come back as prefix hits).
+lost (its published pages usually come back as prefix hits). Under StreamingLLM a prefill chunk never
+crosses the request's page budget (``KVCacheManager.step_room``): its discards then happen at the same
+points of its token stream however it was chunked, so a recomputed request holds exactly the cache it
+held before, and its tokens do not depend on memory pressure or on the step's token budget.
 """
 
 from __future__ import annotations
@@ -248,7 +251,10 @@ class Engine:
                 budget -= 1
         for q in running:
             if q.next_input is None and budget > 0:
-                chunk = self.manager.pending_tokens(q.index)[:min(budget, chunk_limit)]
+                limit = min(budget, chunk_limit)
+                if self.manager.streaming is not None:  # StreamingLLM discards at stream positions, not chunk edges
+                    limit = min(limit, self.manager.step_room(q.index))
+                chunk = self.manager.pending_tokens(q.index)[:limit]
                 feeds[q.index] = chunk
                 budget -= len(chunk)
         return feeds

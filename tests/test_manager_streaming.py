@@ -20,7 +20,7 @@ while the last page is only partly filled.
 
 import numpy as np
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition, rule,
                                  run_state_machine_as_test)
@@ -232,3 +232,28 @@ def test_the_streaming_machines_reach_partial_discards_and_shared_sinks():
         seen = COVERAGE[mode]
         for key in ("discards", "partial_page_discards", "sink_hits_after_discards", "aborts"):
             assert seen.get(key, 0) > 3, (mode, seen)
+
+
+def _feed_in_chunks(mode: str, stream: list, chunk_sizes: list) -> tuple:
+    """A request whose prompt is ``stream``, fed in chunks of the given sizes, each cut to ``step_room``;
+    returns what its cache holds afterwards: (computed, pages held, token ids at positions [0, computed))."""
+    ps = 4
+    manager = KVCacheManager(64, ps, 8, streaming=StreamingPolicy(sinks=4, budget_pages=6, mode=mode))
+    manager.add_request("r", stream)
+    sizes = iter(chunk_sizes)
+    while manager.pending_tokens("r"):
+        n = min(next(sizes, 1), manager.step_room("r"))
+        manager.commit(manager.schedule({"r": manager.pending_tokens("r")[:n]}))
+    computed = manager.computed("r")
+    return computed, len(manager.page_table("r")), manager.requests["r"].known(0, computed)
+
+
+@pytest.mark.parametrize("mode", ["shift", "reevaluate"])
+@settings(max_examples=40, deadline=None)
+@given(length=st.integers(1, 90), chunks=st.lists(st.integers(1, 40), max_size=40))
+def test_the_cache_a_stream_leaves_does_not_depend_on_its_chunking(mode, length, chunks):
+    """Fed at most step_room tokens a step, a request's discards happen at fixed points of its token stream:
+    any chunking leaves the cache that one token per step leaves (what a recomputation after preemption, or
+    another step budget, relies on)."""
+    stream = list(range(1, length + 1))
+    assert _feed_in_chunks(mode, stream, chunks) == _feed_in_chunks(mode, stream, [])
