@@ -18,13 +18,19 @@ module-level function below is one variant with the reference's signature, loada
 * ``raises_on_layers3``: raises on calls with three layers, correct otherwise;
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
-* ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise.
+* ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise;
+* ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise;
+* ``reshapes_cache``: correct, then reshapes its ``cache`` argument in place (to one flat axis);
+* ``zeroes_current_key``: correct, then zeroes its ``current_key`` argument (a read-only input);
+* ``shifts_start_pos``: correct, then adds one to its ``start_pos`` argument (a read-only index input).
 
-``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``) are ``module:object`` backends
+``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``, ``attention_query_nan``: correct, then
+sets its ``query`` argument to NaN) are ``module:object`` backends
 providing the other ops too (the reference's, or one with a planted bug).
 """
 
 import os
+import sys
 import time
 import types
 
@@ -156,12 +162,45 @@ crashes_on_page_size1 = _backend("crashes_on_page_size1")
 clobbers_last_slot = _backend("clobbers_last_slot")
 hangs_on_layers3 = _backend("hangs_on_layers3")
 
+
+
+def exits_on_layers3(*args, num_layer=1, **attributes):
+    if num_layer == 3:
+        sys.exit(0)
+    return correct(*args, num_layer=num_layer, **attributes)
+
+
+def _then(change):
+    """``correct``, then ``change(arguments)`` once it has computed its outputs."""
+
+    def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                        max_kvlen, cache, scale=None, **attributes):
+        arguments = dict(current_key=current_key, current_value=current_value, seqstarts=seqstarts,
+                         kvstarts=kvstarts, cachestarts=cachestarts, start_pos=start_pos, max_seqlen=max_seqlen,
+                         max_kvlen=max_kvlen, cache=cache, scale=scale)
+        outputs = correct(**arguments, **attributes)
+        change(arguments)
+        return outputs
+
+    return key_value_cache
+
+
+reshapes_cache = _then(lambda a: setattr(a["cache"], "shape", (a["cache"].size,)))
+zeroes_current_key = _then(lambda a: a["current_key"].fill(0))
+shifts_start_pos = _then(lambda a: np.add(a["start_pos"], 1, out=a["start_pos"]))
+
 #: The KV variants above that are bugs the kit must catch.
 BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded"]
 
 
 def _rotary_sin_negated(cache, scale, slots, cos, sin, **attributes):
     return key_cache_rotary_shift(cache, scale, slots, cos, -np.asarray(sin), **attributes)
+
+
+def _attention_query_nan(query, *args, **attributes):
+    output = multi_head_attention(query, *args, **attributes)
+    query.fill(np.nan)
+    return output
 
 
 def _attention_window_ignored(*args, sliding_window=0, **attributes):
@@ -172,3 +211,4 @@ ALL_OPS = types.SimpleNamespace(key_value_cache=correct, key_cache_rotary_shift=
                                 multi_head_attention=multi_head_attention)
 rotary_sin_negated = types.SimpleNamespace(key_cache_rotary_shift=_rotary_sin_negated)
 attention_window_ignored = types.SimpleNamespace(multi_head_attention=_attention_window_ignored)
+attention_query_nan = types.SimpleNamespace(multi_head_attention=_attention_query_nan)

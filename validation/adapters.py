@@ -80,6 +80,9 @@ class CallableBackend:
         """Calls the op's function on ``inputs`` (which it may write); an exception becomes the outcome's error."""
         try:
             return Outcome(_as_outputs(op, self.functions[op](**inputs, **attributes)), in_place_after(op, inputs))
+        except SystemExit as error:  # a backend ending the process would end the run as if it had passed
+            return Outcome(None, {}, crashed=True, error=f"the backend called sys.exit({error.code!r}): a backend "
+                                                          "must return or raise, never end the process")
         except Exception as error:  # noqa: BLE001 - any failure of the backend is its outcome
             return Outcome(None, in_place_after(op, inputs), error=error_text(error))
 

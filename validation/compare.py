@@ -147,17 +147,18 @@ def compare(op: str, inputs: dict, attributes: dict, expected: Outcome, got: Out
         raise ValueError(f"tolerance must be one of {TOLERANCES}, got {tolerance!r}")
     if got.crashed:
         return [got.error]
+    changed = list(got.changed_inputs)
     ctx = _Context(op, inputs, attributes, expected, got)
     if expected.error is not None:
         if got.error is None:
-            return [f"accepted an invalid call; expected an error (the reference: {expected.error})"]
-        lines = []
+            return changed + [f"accepted an invalid call; expected an error (the reference: {expected.error})"]
+        lines = changed
         for name, want in expected.after.items():
             lines += _tensor_lines(ctx, name, got.after.get(name), want, tolerance, unchanged=True)
         return lines
     if got.error is not None:
-        return [f"raised {got.error}"]
-    lines = []
+        return changed + [f"raised {got.error}"]
+    lines = changed
     for name, want in expected.outputs.items():
         lines += _tensor_lines(ctx, name, got.outputs.get(name), want, tolerance)
     for name, want in expected.after.items():

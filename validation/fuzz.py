@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from .cases import Case
-from .outcome import copies, reference_outcome
+from .outcome import reference_outcome, run_on_copies
 from .adapters import OP_FUNCTIONS
 from .compare import compare
 
@@ -80,7 +80,7 @@ def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid
         expected = reference_outcome(case.op, case.inputs, case.attributes)
         kind = "invalid" if expected.error is not None else "valid"
         counts[(case.op, kind)] = counts.get((case.op, kind), 0) + 1
-        got = backend.run(case.op, copies(case.inputs), case.attributes)
+        got = run_on_copies(backend, case.op, case.inputs, case.attributes)
         lines = compare(case.op, case.inputs, case.attributes, expected, got, tolerance)
         if lines:
             failures.append((Case(f"fuzz_{case.op}", case.inputs, case.attributes, expected.error is not None), lines))

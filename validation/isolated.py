@@ -14,6 +14,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 from .adapters import BackendLoadError
 from .outcome import Outcome
 from .worker_protocol import receive, send
@@ -56,9 +58,14 @@ class IsolatedBackend:
         # The worker sees what this process sees: its sys.path (the current directory, PYTHONPATH, tests' helpers).
         try:
             send(self._process.stdin, (list(sys.path), os.getcwd(), self.spec, self.options))
-            ready = receive(self._process.stdout.fileno(), None)
+            ready = receive(self._process.stdout.fileno(), time.monotonic() + self.timeout)
         except (EOFError, BrokenPipeError):
             raise BackendLoadError(f"--backend {self.spec}: the worker process {self._exit_text()}") from None
+        except TimeoutError:
+            self._process.kill()
+            self._exit_text()
+            raise BackendLoadError(f"--backend {self.spec}: the backend did not load within {self.timeout:g} s "
+                                   "(--timeout; its worker process was killed)") from None
         if "error" in ready:
             self.close()
             raise BackendLoadError(ready["error"])
@@ -90,8 +97,11 @@ class IsolatedBackend:
             self._exit_text()
             return self._crashed(f"the backend did not return within {self.timeout:g} s (its process was killed)")
         for name, array in answer.after.items():
-            inputs[name][...] = array
-        answer.after = {name: inputs[name] for name in answer.after}
+            # What the backend left, in the caller's arrays; one it reshaped or retyped is reported as it is.
+            if inputs.get(name) is not None and np.shape(array) == inputs[name].shape and \
+                    np.asarray(array).dtype == inputs[name].dtype:
+                inputs[name][...] = array
+                answer.after[name] = inputs[name]
         return answer
 
     def _crashed(self, message: str) -> Outcome:

@@ -6,6 +6,7 @@ import sys
 
 from .adapters import BackendLoadError, error_text
 from .backends import make_backend
+from .outcome import copies, read_only_changes
 from .worker_protocol import receive, send
 
 
@@ -37,7 +38,10 @@ def main() -> int:
         except EOFError:
             return 0
         model = None if model is None else onnx.load_from_string(model)
-        send(answers, backend.run(op, inputs, attributes, model))
+        given = copies(inputs)
+        answer = backend.run(op, given, attributes, model)
+        answer.changed_inputs = tuple(answer.changed_inputs) + read_only_changes(op, inputs, given)
+        send(answers, answer)
 
 
 if __name__ == "__main__":

@@ -19,13 +19,15 @@ OUTPUTS = {"KeyValueCache": ("key", "value"), "KeyCacheRotaryShift": ("slots_out
 class Outcome:
     """``outputs`` (output name -> array; None after an error), ``after`` (in-place input name -> its contents
     after the call), ``error`` (the message, None on success), ``tolerance`` (attention: the bound of every
-    output element), ``crashed`` (the backend's process died)."""
+    output element), ``crashed`` (the backend's process died, or it tried to end it), ``changed_inputs`` (one
+line per input other than ``cache``/``scale`` that the backend changed: they are read-only)."""
 
     outputs: dict = None
     after: dict = dataclasses.field(default_factory=dict)
     error: str = None
     tolerance: np.ndarray = None
     crashed: bool = False
+    changed_inputs: tuple = ()
 
 
 def copies(inputs: dict) -> dict:
@@ -36,6 +38,40 @@ def copies(inputs: dict) -> dict:
 def in_place_after(op: str, inputs: dict) -> dict:
     """The in-place inputs of ``op`` present in ``inputs`` (their current contents, not copied)."""
     return {name: inputs[name] for name in IN_PLACE[op] if inputs.get(name) is not None}
+
+
+def read_only_changes(op: str, before: dict, after: dict) -> tuple:
+    """One line per input of ``op`` other than its in-place ones that differs between ``before`` (what the call
+    was given) and ``after`` (the same arrays once the call returned): presence, dtype, shape or any bit."""
+    lines = []
+    for name, want in before.items():
+        if name in IN_PLACE[op]:
+            continue
+        got = after.get(name)
+        if want is None or got is None:
+            if (want is None) != (got is None):
+                lines.append(f"{name}: the backend changed this read-only input ({'removed' if got is None else 'added'})")
+            continue
+        want, got = np.asarray(want), np.asarray(got)
+        if got.dtype != want.dtype or got.shape != want.shape:
+            lines.append(f"{name}: the backend changed this read-only input to {got.dtype.name}{list(got.shape)} "
+                         f"(was {want.dtype.name}{list(want.shape)})")
+        elif np.ascontiguousarray(got).tobytes() != np.ascontiguousarray(want).tobytes():
+            index = np.argwhere(np.ascontiguousarray(got).view(np.uint8).reshape(got.shape + (-1,)) !=
+                                np.ascontiguousarray(want).view(np.uint8).reshape(want.shape + (-1,)))[0][:-1]
+            at = ", ".join(map(str, index))
+            lines.append(f"{name}: the backend changed this read-only input; first at [{at}]: now {got[tuple(index)]!r}, "
+                         f"was {want[tuple(index)]!r}")
+    return tuple(lines)
+
+
+def run_on_copies(backend, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
+    """Runs one call of ``backend`` on fresh copies of ``inputs`` (which stay as they are) and notes every
+    read-only input the backend changed (in this process; a worker process notes its own)."""
+    given = copies(inputs)
+    got = backend.run(op, given, attributes, model)
+    got.changed_inputs = tuple(dict.fromkeys(tuple(got.changed_inputs) + read_only_changes(op, inputs, given)))
+    return got
 
 
 def reference_outcome(op: str, inputs: dict, attributes: dict) -> Outcome:

@@ -11,7 +11,7 @@ import dataclasses
 import fnmatch
 import pathlib
 
-from .outcome import copies
+from .outcome import run_on_copies
 from .vectors import EXPECT_KEY, case_name, read_case
 from .vectors import list_cases as case_folders
 from .adapters import ALL_OPS, CallableBackend, OP_FUNCTIONS, error_text, run_ort, run_reference
@@ -114,8 +114,7 @@ def run_case(folder, backend, tolerance: str = "exact") -> CaseResult:
     kind = "invalid" if case.expected.error is not None else "valid"
     if case.op not in backend.ops:
         return CaseResult(case.name, case.op, kind, "skip", [f"the backend has no {OP_FUNCTIONS[case.op]}"])
-    inputs = copies(case.inputs)
-    got = backend.run(case.op, inputs, case.attributes, case.model)
+    got = run_on_copies(backend, case.op, case.inputs, case.attributes, case.model)
     lines = compare(case.op, case.inputs, case.attributes, case.expected, got, tolerance)
     return CaseResult(case.name, case.op, kind, "FAIL" if lines else "ok", lines)
 

@@ -1,0 +1,92 @@
+"""A backend cannot pass the validation kit by ending the process, by reshaping what it was given, or by
+writing its read-only inputs; a backend whose import hangs cannot hang the run."""
+
+import pathlib
+import time
+
+import pytest
+
+import planted_backends
+from kvcache_op.cli import main
+from kvcache_op.validation import BackendLoadError, fuzz, load_backend, validate
+from kvcache_op.validation.adapters import CallableBackend
+
+TESTS = pathlib.Path(__file__).parent
+LAYERS3 = {"layers3_layer_idx2", "layers3_layer_idx1_paged_layout3"}
+SOME = ["paged_layout0", "int8_layout0", "offset_layout0", "error_offset_beyond_max_t"]
+
+
+def _failed(report) -> dict:
+    return {r.name: r.lines for r in report.results if r.status == "FAIL"}
+
+
+def test_sys_exit_in_process_fails_the_case_and_the_run_goes_on(all_vectors):
+    report = validate(all_vectors, planted_backends.exits_on_layers3)
+    failed = _failed(report)
+    assert set(failed) == LAYERS3
+    assert failed["layers3_layer_idx2"] == ["the backend called sys.exit(0): a backend must return or raise, never end "
+                                            "the process"]
+    assert report.count("ok") == len(report.results) - 2 - report.count("skip")
+
+
+def test_sys_exit_in_process_from_the_command_line_is_a_failure(all_vectors, capsys, monkeypatch):
+    monkeypatch.chdir(TESTS)
+    status = main(["validate", str(all_vectors), "--backend", "planted_backends:exits_on_layers3", "--in-process",
+                   "--case", "layers3_*", "--case", "paged_layout0"])
+    assert status == 1
+    out = capsys.readouterr().out
+    assert "FAIL layers3_layer_idx2" in out and "ok   paged_layout0" in out
+
+
+def test_sys_exit_is_a_fuzz_finding():
+    backend = CallableBackend({"KeyValueCache": planted_backends.exits_on_layers3}, "exits")
+    result = fuzz(backend, examples=200, seed=0, ops=["KeyValueCache"], kinds=("valid",))
+    assert result.failure is not None
+    assert "sys.exit(0)" in result.failure[1][0]
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_backend_reshaping_its_cache_fails_each_case_and_the_run_goes_on(all_vectors, monkeypatch, isolate):
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, "planted_backends:reshapes_cache", cases=SOME, isolate=isolate)
+    failed = _failed(report)
+    assert set(failed) == {"paged_layout0", "int8_layout0", "offset_layout0"}  # the invalid call writes nothing
+    assert any(line.startswith("cache: got float16[") for line in failed["paged_layout0"]), failed["paged_layout0"]
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+@pytest.mark.parametrize("bug, name", [("zeroes_current_key", "current_key"), ("shifts_start_pos", "start_pos")])
+def test_a_backend_writing_a_read_only_input_fails(all_vectors, monkeypatch, isolate, bug, name):
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, f"planted_backends:{bug}", cases=SOME, isolate=isolate)
+    failed = _failed(report)
+    assert {"paged_layout0", "int8_layout0", "offset_layout0"} <= set(failed)
+    assert failed["paged_layout0"][0].startswith(f"{name}: the backend changed this read-only input; first at ")
+
+
+def test_attention_writing_its_query_fails(all_vectors, monkeypatch):
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, "planted_backends:attention_query_nan", cases=["mha_*"])
+    failed = _failed(report)
+    valid = [r for r in report.results if not r.name.startswith("mha_error")]
+    assert valid and {r.name for r in valid} - {"mha_batch0"} <= set(failed)  # batch0: no query to write
+    assert "mha_batch0" not in failed
+    assert failed[valid[0].name][0].startswith("query: the backend changed this read-only input")
+
+
+def test_a_backend_whose_import_hangs_is_refused_within_the_timeout(monkeypatch):
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("KVCACHE_TEST_SLOW_IMPORT", "1")
+    start = time.monotonic()
+    with pytest.raises(BackendLoadError, match=r"did not load within 1\.5 s"):
+        load_backend("planted_slow_import:key_value_cache", timeout=1.5)
+    assert time.monotonic() - start < 30
+
+
+def test_a_slow_import_on_the_command_line_is_one_line(all_vectors, monkeypatch, capsys):
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("KVCACHE_TEST_SLOW_IMPORT", "1")
+    assert main(["validate", str(all_vectors), "--backend", "planted_slow_import:key_value_cache",
+                 "--timeout", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did not load within 1 s" in err[0]
