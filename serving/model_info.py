@@ -9,6 +9,8 @@ import json
 
 import onnx
 
+from .model_check import check_graph, check_values
+
 PREFIX = "kvcache_op."
 FORMAT_VERSION = 1
 # The graph's inputs, in order; "scale" only when the cache is quantized.
@@ -71,13 +73,21 @@ class ModelInfo(DecoderSizes):
         for field in dataclasses.fields(cls):
             if field.name not in entries:
                 raise ValueError(f"kvcache_op metadata lacks {field.name!r}: re-export the model")
-            value = json.loads(entries[field.name])
+            try:
+                value = json.loads(entries[field.name])
+            except ValueError:
+                raise ValueError(f"kvcache_op metadata {field.name!r} is not JSON: {entries[field.name]!r} (re-export "
+                                 "the model)") from None
             values[field.name] = tuple(value) if isinstance(value, list) else value
+        check_values(values)
         return cls(**values)
 
     @classmethod
     def of_model(cls, model) -> "ModelInfo":
-        """The info of a ``ModelProto`` or of the ONNX file at a path (weights not loaded)."""
+        """The info of a ``ModelProto`` or of the ONNX file at a path (weights not loaded), checked against the
+        graph: ``ValueError`` naming every value the graph contradicts (:mod:`.model_check`)."""
         if not isinstance(model, onnx.ModelProto):
             model = onnx.load(str(model), load_external_data=False)
-        return cls.from_metadata({p.key: p.value for p in model.metadata_props})
+        info = cls.from_metadata({p.key: p.value for p in model.metadata_props})
+        check_graph(info, model)
+        return info
