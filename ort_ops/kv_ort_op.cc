@@ -17,16 +17,6 @@ void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(s
 
 }  // namespace
 
-int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = fallback;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
-  if (status != nullptr) {  // absent: the spec's default
-    Ort::GetApi().ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
-}
-
 void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn) {
   if (n == 1) return fn(0);
   if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));

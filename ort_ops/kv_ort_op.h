@@ -11,6 +11,7 @@
 #include <string>
 
 #include "kv_validate.h"
+#include "ort_attrs.h"
 
 namespace kvcache {
 
@@ -32,9 +33,6 @@ constexpr size_t kScaleInput = 9;
 
 // Reads the attributes (spec defaults for absent ones) and rejects invalid values (KvError).
 Attrs ReadAttrs(const OrtKernelInfo* info);
-
-// An int attribute, or `fallback` (the spec's default) when the node does not set it.
-int64_t AttrOr(const OrtKernelInfo* info, const char* name, int64_t fallback);
 
 // Runs fn(i), i in [0, n), on ORT's intra-op thread pool.
 void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn);

@@ -4,36 +4,14 @@
 
 #include "byte_ranges.h"
 #include "mha_cpu.h"
+#include "ort_attrs.h"
 
 namespace kvcache {
-namespace {
-
-int64_t RequiredAttr(const OrtKernelInfo* info, const char* name) {
-  int64_t value = 0;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_int64(info, name, &value);
-  if (status != nullptr) {
-    Ort::GetApi().ReleaseStatus(status);
-    Fail("MultiHeadAttention needs the attribute ", name, " (ppl gives it no default)");
-  }
-  return value;
-}
-
-float FloatAttrOr(const OrtKernelInfo* info, const char* name, float fallback) {
-  float value = fallback;
-  OrtStatus* status = Ort::GetApi().KernelInfoGetAttribute_float(info, name, &value);
-  if (status != nullptr) {  // absent: the spec's default
-    Ort::GetApi().ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
-}
-
-}  // namespace
 
 MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info) {
   MhaAttrs a;
-  a.num_heads = RequiredAttr(info, "num_heads");
-  a.head_dim = RequiredAttr(info, "head_dim");
+  a.num_heads = RequiredAttr(info, "MultiHeadAttention", "num_heads");
+  a.head_dim = RequiredAttr(info, "MultiHeadAttention", "head_dim");
   a.is_causal = AttrOr(info, "is_causal", a.is_causal);
   a.is_alibi = AttrOr(info, "is_alibi", a.is_alibi);
   a.num_kv_heads = AttrOr(info, "num_kv_heads", a.num_kv_heads);

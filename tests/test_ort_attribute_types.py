@@ -1,0 +1,68 @@
+"""An attribute the node sets with the wrong type is an error naming it when the session is created, on every
+op: never taken for absent (which would silently run the spec's default)."""
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper
+
+from kvcache_op import spec
+from kvcache_op.ort_ops import make_session, run_model
+from kvcache_op.validation.cases import CASES
+from kvcache_op.validation.mha_cases import ATTENTION_CASES
+from kvcache_op.validation.rotary_cases import CASES as ROTARY_CASES
+
+
+def _model(op: str):
+    if op == "KeyValueCache":
+        case = CASES["paged_layout0"]()
+        return spec.make_model(case.inputs, **case.attributes), case
+    if op == "MultiHeadAttention":
+        case = ATTENTION_CASES["mha_sliding_window3"]()
+        return spec.make_attention_model(case.inputs, **case.attributes), case
+    case = next(iter(ROTARY_CASES.values()))()
+    return spec.make_rotary_shift_model(case.inputs, **case.attributes), case
+
+
+def _with_attribute(model, name, value):
+    """A copy of the one-node ``model`` whose attribute ``name`` is ``value`` (added or replaced)."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept + [helper.make_attribute(name, value)])
+    return model
+
+
+@pytest.mark.parametrize("op, name, value, expected, got", [
+    ("MultiHeadAttention", "sliding_window", 2.0, "INT", "FLOAT"),
+    ("MultiHeadAttention", "softmax_scale", 3, "FLOAT", "INT"),
+    ("MultiHeadAttention", "num_heads", 4.0, "INT", "FLOAT"),
+    ("MultiHeadAttention", "is_causal", "yes", "INT", "STRING"),
+    ("KeyValueCache", "page_size", 4.0, "INT", "FLOAT"),
+    ("KeyValueCache", "quant_bit", [8], "INT", "INTS"),
+    ("KeyCacheRotaryShift", "rotary_dim", 4.0, "INT", "FLOAT"),
+])
+def test_a_wrongly_typed_attribute_is_refused_by_name(op, name, value, expected, got):
+    model, _ = _model(op)
+    with pytest.raises(Exception) as error:
+        make_session(_with_attribute(model, name, value))
+    assert f"the attribute {name} must be of type {expected}, the node gives it as {got}" in str(error.value)
+
+
+def test_the_right_types_still_run():
+    model, case = _model("MultiHeadAttention")
+    assert case.attributes.get("sliding_window")  # the case sets the window, so the test reads it
+    (out,) = run_model(_with_attribute(model, "softmax_scale", 0.5), dict(case.inputs))
+    assert out.shape == case.inputs["query"].shape and np.isfinite(out).all()
+
+
+def test_a_missing_required_attribute_still_says_so():
+    model, _ = _model("MultiHeadAttention")
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    node = model.graph.node[0]
+    kept = [a for a in node.attribute if a.name != "head_dim"]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    with pytest.raises(Exception, match="MultiHeadAttention needs the attribute head_dim"):
+        make_session(model)
