@@ -78,8 +78,9 @@ def ortvalue_for(array: np.ndarray) -> ort.OrtValue:
                          "OrtValue on its memory can be written in place (KeyValueCache writes its cache and "
                          "scale): pass a writable array, or a copy (np.array(x)) for an input that is only read")
     if not array.flags.c_contiguous:
-        raise ValueError("KeyValueCache inputs must be C-contiguous for the in-place cache writes to land "
-                         "in the caller's array (np.ascontiguousarray makes a copy you then keep)")
+        raise ValueError("this array is not C-contiguous: an OrtValue needs C order, and the in-place writes to an "
+                         "op's cache or scale must land in the caller's array, so no copy is made here "
+                         "(np.ascontiguousarray makes a copy you then keep)")
     if array.dtype == BFLOAT16:
         return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array.view(np.uint16), TensorProto.BFLOAT16)
     return ort.OrtValue.ortvalue_from_numpy(array)
@@ -108,9 +109,10 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     MultiHeadAttention).
 
     ``inputs`` maps graph input names to numpy arrays. ``cache``/``scale`` are updated in place
-    (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable;
-    read-only arrays of other inputs are copied (all read-only arrays are refused when only a
-    ``session`` is given: its graph cannot be checked). The sessions of the last few models are kept
+    (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable and
+    C-contiguous; other inputs (only read) are copied when they are read-only or not C-contiguous (a
+    Fortran-ordered MultiHeadAttention key, a transposed view). When only a ``session`` is given its graph
+    cannot be checked, and every input is held to the in-place rule. The sessions of the last few models are kept
     for repeated calls.
     """
     if session is None:
@@ -126,8 +128,9 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     values = {}
     for info in session.get_inputs():
         array = np.asarray(inputs[info.name])
-        if not array.flags.writeable and written is not None and info.name not in written:
-            array = array.copy()  # only read: a copy is as good, and keeps ONNX Runtime off read-only memory
+        if written is not None and info.name not in written and \
+                not (array.flags.writeable and array.flags.c_contiguous):
+            array = np.array(array, order="C")  # only read: a C-ordered copy is as good, and ORT needs one
         values[info.name] = ortvalue_for(array)
         binding.bind_ortvalue_input(info.name, values[info.name])
     for info in session.get_outputs():

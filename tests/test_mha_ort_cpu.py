@@ -150,3 +150,17 @@ def test_a_ppl_style_graph_without_the_extensions_runs():
     exact, bound = oracle(case)
     assert_within(got, exact, bound, "ppl-style graph")
 
+
+
+def test_run_model_copies_inputs_that_are_only_read_whatever_their_order():
+    """A Fortran-ordered key or a transposed query is only read by MultiHeadAttention: run_model copies it
+    (as the C entry point accepts it) and the answer is the reference's."""
+    case = ATTENTION_CASES["mha_sliding_window3"]()
+    model = spec.make_attention_model(case.inputs, **case.attributes)
+    inputs = dict(case.inputs)
+    inputs["key"] = np.asfortranarray(inputs["key"])
+    inputs["query"] = np.ascontiguousarray(inputs["query"].transpose(1, 0, 2)).transpose(1, 0, 2)
+    assert not inputs["key"].flags.c_contiguous and not inputs["query"].flags.c_contiguous
+    (got,) = run_model(model, inputs)
+    want = multi_head_attention(**case.inputs, **case.attributes)
+    assert np.all(np.abs(got.astype(np.float64) - want) <= attention_tolerance(**case.inputs, **case.attributes))
