@@ -85,8 +85,15 @@ def select_cases(directory, patterns=None) -> list:
 
 
 def list_cases(directory, patterns=None) -> list:
-    """(name, op, kind) of every selected case."""
-    return [case_info(f) for f in select_cases(directory, patterns)]
+    """(name, op, kind) of every selected case; a case whose model cannot be read is listed with op ``?`` and
+    why (validating it fails that case)."""
+    listed = []
+    for folder in select_cases(directory, patterns):
+        try:
+            listed.append(case_info(folder))
+        except Exception as error:  # noqa: BLE001 - a broken folder is listed as such, not a crash of the listing
+            listed.append((case_name(folder), "?", f"unreadable: {error_text(error)}"))
+    return listed
 
 
 def as_backend(backend, **options):

@@ -4,6 +4,40 @@ benchmarks."""
 import argparse
 import sys
 
+from . import __version__
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (``kvcache-op CMD: error: ...``), exit status 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def _at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
 
 def _conformance(args) -> int:
     from .validation import vectors
@@ -19,6 +53,8 @@ def _conformance(args) -> int:
         folders = vectors.write_conformance(args.out, args.case or None, progress=None if args.quiet else print)
     except ValueError as error:
         return _fail("conformance", str(error))
+    except OSError as error:
+        return _fail("conformance", f"cannot write {args.out}: {error.strerror or error}")
     print(f"wrote {len(folders)} conformance case(s) to {args.out}")
     return 0
 
@@ -89,11 +125,20 @@ def _add_backend_arguments(parser) -> None:
                                 "(default for ort and module:function)")
     isolation.add_argument("--in-process", dest="isolate", action="store_false",
                            help="run the backend in this process (faster; a crash ends the run)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds a call may take in the worker")
+    parser.add_argument("--timeout", type=_positive_seconds, default=300.0,
+                        help="seconds the worker may take to load the backend, and each call")
 
 
 def _demo(args) -> int:
     from .demo import run_demo
+
+    if args.provider:
+        import onnxruntime
+
+        missing = [p for p in args.provider if p not in onnxruntime.get_available_providers()]
+        if missing:
+            return _fail("demo", f"--provider {', '.join(missing)}: not in this onnxruntime (it has "
+                                 f"{', '.join(onnxruntime.get_available_providers())}; the CUDA EP needs onnxruntime-gpu)")
 
     return run_demo(family=args.family, requests=args.requests, new_tokens=args.new_tokens, num_pages=args.num_pages,
                     quant_bit=args.quant_bit, page_size=args.page_size,
@@ -132,16 +177,18 @@ def _take_cuda_device(rest: list) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcache-op", description=__doc__)
+    parser = _Parser(prog="kvcache-op", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"kvcache-op {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: export a small transformers decoder with the ops, serve requests "
                                        "with continuous batching in ONNX Runtime, verify every token against "
                                        "transformers (needs the 'demo' extra)")
     demo.add_argument("--family", choices=("llama", "mistral", "qwen2"), default="llama")
-    demo.add_argument("--requests", type=int, default=32)
-    demo.add_argument("--new-tokens", type=int, default=16)
-    demo.add_argument("--num-pages", type=int, default=24, help="cache pages (few: evictions and preemptions happen)")
-    demo.add_argument("--page-size", type=int, default=16)
+    demo.add_argument("--requests", type=_at_least(1), default=32)
+    demo.add_argument("--new-tokens", type=_at_least(1), default=16)
+    demo.add_argument("--num-pages", type=_at_least(1), default=24,
+                      help="cache pages (few: evictions and preemptions happen)")
+    demo.add_argument("--page-size", type=_at_least(1), default=16)
     demo.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0)
     demo.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable; default: the "
                                                           "CUDA EP when available, else the CPU EP)")
@@ -153,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     slots.add_argument("--backend", choices=("auto", "ort", "reference"), default="auto",
                        help="ort: ONNX Runtime with the custom-op library; reference: onnx ReferenceEvaluator; "
                             "auto: ort when the library is built, else reference (said so in the output)")
-    slots.add_argument("--steps", type=int, default=8, help="number of scheduler steps")
+    slots.add_argument("--steps", type=_at_least(1), default=8, help="number of scheduler steps")
     slots.set_defaults(func=_slots_demo)
     conf = sub.add_parser("conformance", help="write the conformance vectors (ONNX backend-test layout): valid and "
                                               "invalid calls of the three ops")
@@ -173,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz = sub.add_parser("fuzz", help="differential fuzzing of a backend against the reference; a disagreement is "
                                        "shrunk and written as a reproducer")
     _add_backend_arguments(fuzz)
-    fuzz.add_argument("--examples", type=int, default=200, help="calls to try (default 200)")
+    fuzz.add_argument("--examples", type=_at_least(1), default=200, help="calls to draw (default 200)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     fuzz.add_argument("--op", action="append", choices=("kv", "rotary", "attention"),
                       help="only this op (repeatable; default: every op the backend provides)")

@@ -1,0 +1,60 @@
+"""Bad command lines get one line on stderr and exit status 2, before any slow work; never a traceback."""
+
+import time
+
+import pytest
+
+from kvcache_op import __version__
+from kvcache_op.cli import main
+
+
+def _one_line_error(capsys, argv) -> str:
+    start = time.monotonic()
+    try:
+        status = main(argv)
+    except SystemExit as exit_:
+        status = exit_.code
+    assert status == 2
+    assert time.monotonic() - start < 20, "refused only after slow work"
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err + captured.out, captured
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["fuzz", "--examples", "0"], "--examples: must be >= 1, got 0"),
+    (["fuzz", "--examples", "-5"], "--examples: must be >= 1, got -5"),
+    (["fuzz", "--timeout", "0"], "--timeout: must be a finite number of seconds > 0"),
+    (["demo", "--num-pages", "0"], "--num-pages: must be >= 1, got 0"),
+    (["demo", "--page-size", "0"], "--page-size: must be >= 1, got 0"),
+    (["demo", "--new-tokens", "0"], "--new-tokens: must be >= 1, got 0"),
+    (["demo", "--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["demo", "--requests", "many"], "--requests: 'many' is not an integer"),
+    (["demo", "--provider", "NoSuchExecutionProvider"], "--provider NoSuchExecutionProvider: not in this onnxruntime"),
+    (["slots-demo", "--steps", "0"], "--steps: must be >= 1, got 0"),
+    (["conformance", "--out", "/proc/nope", "--case", "paged_layout0"], "cannot write /proc/nope"),
+    (["no-such-command"], "invalid choice: 'no-such-command'"),
+])
+def test_bad_arguments_are_one_line(capsys, argv, message):
+    assert message in _one_line_error(capsys, argv)
+
+
+def test_listing_a_folder_with_a_corrupt_model_names_it(tmp_path, capsys):
+    assert main(["conformance", "--out", str(tmp_path), "--case", "paged_layout0", "--case", "int8_layout0",
+                 "--quiet"]) == 0
+    (tmp_path / "test_int8_layout0" / "model.onnx").write_bytes(b"not a model")
+    capsys.readouterr()
+    assert main(["validate", str(tmp_path), "--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].split()[:3] == ["int8_layout0", "?", "unreadable:"]
+    assert listed[1].split() == ["paged_layout0", "KeyValueCache", "valid"]
+    assert main(["validate", str(tmp_path)]) == 1  # the unreadable case fails, the other passes
+    out = capsys.readouterr().out
+    assert "FAIL int8_layout0" in out and "ok   paged_layout0" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"kvcache-op {__version__}"
