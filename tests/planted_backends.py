@@ -22,7 +22,9 @@ module-level function below is one variant with the reference's signature, loada
 * ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise;
 * ``reshapes_cache``: correct, then reshapes its ``cache`` argument in place (to one flat axis);
 * ``zeroes_current_key``: correct, then zeroes its ``current_key`` argument (a read-only input);
-* ``shifts_start_pos``: correct, then adds one to its ``start_pos`` argument (a read-only index input).
+* ``shifts_start_pos``: correct, then adds one to its ``start_pos`` argument (a read-only index input);
+* ``stores_into_a_copy``: correct outputs, but stores into a copy of the cache (the caller's stays as it was);
+* ``layer_idx_ignored``: every call as if ``layer_idx`` were 0, never checked against ``num_layer``.
 
 ``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``, ``attention_query_nan``: correct, then
 sets its ``query`` argument to NaN) are ``module:object`` backends
@@ -188,6 +190,16 @@ def _then(change):
 reshapes_cache = _then(lambda a: setattr(a["cache"], "shape", (a["cache"].size,)))
 zeroes_current_key = _then(lambda a: a["current_key"].fill(0))
 shifts_start_pos = _then(lambda a: np.add(a["start_pos"], 1, out=a["start_pos"]))
+
+
+
+def stores_into_a_copy(*args, cache=None, scale=None, **attributes):
+    return correct(*args, cache=cache.copy(), scale=None if scale is None else scale.copy(), **attributes)
+
+
+def layer_idx_ignored(*args, layer_idx=0, num_layer=1, **attributes):
+    return correct(*args, layer_idx=0, num_layer=num_layer, **attributes)
+
 
 #: The KV variants above that are bugs the kit must catch.
 BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded"]

@@ -76,11 +76,11 @@ def test_the_reproducer_fails_the_same_way_on_its_own(tmp_path, monkeypatch):
     out = tmp_path / "repro"
     result = fuzz(import_callables("planted_backends:gqa_tiled"), examples=EXAMPLES, seed=0, out=out,
                   backend_spec="planted_backends:gqa_tiled", backend_options={"isolate": False})
-    assert result.reproducer == out and sorted(p.name for p in out.iterdir()) == ["reproduce.py", "test_fuzz_KeyValueCache"]
+    assert result.reproducer == out and sorted(p.name for p in out.iterdir()) == ["reproduce.py", "test_fuzz_KeyValueCache_valid"]
     assert validate(out, "reference").count("ok") == 1  # the case's expectation is the reference's
     run = subprocess.run([sys.executable, str(out / "reproduce.py")], cwd=tmp_path, capture_output=True, text=True)
     assert run.returncode == 1, run.stderr
-    assert run.stdout.splitlines()[:2] == ["FAIL fuzz_KeyValueCache", "    " + result.failure[1][0]]
+    assert run.stdout.splitlines()[:2] == ["FAIL fuzz_KeyValueCache_valid", "    " + result.failure[1][0]]
 
 
 def test_a_crash_is_found_in_the_worker_and_shrunk(monkeypatch):
@@ -102,8 +102,11 @@ def test_fuzz_command(tmp_path, capsys, monkeypatch):
             "--out", str(tmp_path / "r")]
     assert main(argv) == 1
     out = capsys.readouterr().out.splitlines()
-    assert " calls run against the reference (seed 0): " in out[0]  # shrinking runs more than the 60
-    assert out[1] == "DISAGREEMENT (shrunk to a minimal call):" and out[-1].startswith(f"reproducer: {tmp_path / 'r'}")
+    drawn = int(out[0].split()[0])
+    assert 0 < drawn <= 60 and " calls drawn and run against the reference (seed 0): " in out[0]
+    assert out[0].endswith(" more while shrinking")  # shrinking runs calls of its own, counted apart
+    assert out[1] == "DISAGREEMENT on a valid call (shrunk to a minimal call):"
+    assert out[-1].startswith(f"reproducer: {tmp_path / 'r'}")
     assert main(["fuzz", "--backend", "reference", "--examples", "20", "--out", str(tmp_path / "none")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "no disagreement found"
     assert not (tmp_path / "none").exists()

@@ -71,25 +71,37 @@ class _Context:
         return tuple(result)
 
     def detail(self, name: str, index) -> str:
-        """The code and scale behind element ``index`` of tensor ``name`` (quantized KeyValueCache only)."""
-        if not self.quantized or self.slots is None or not self.has_pairs():
+        """What is behind element ``index`` of tensor ``name``: for a KeyValueCache output, the cache slot (and
+        quantized: code and scale) it is loaded from, and whether the backend's cache holds the expected contents
+        there (then the backend read another slot, or did not read the cache); for a quantized cache element, the
+        scale of its group."""
+        if self.op != "KeyValueCache" or self.slots is None or \
+                not (self.has_pairs() if self.quantized else _same_form(self.got.after.get("cache"),
+                                                                          self.expected.after.get("cache"))):
             return ""
-        group = int(self.attributes.get("quant_group", 8))
         got_cache, want_cache = self.got.after["cache"], self.expected.after["cache"]
-        got_scale, want_scale = self.got.after["scale"], self.expected.after["scale"]
+        got_scale, want_scale = self.got.after.get("scale"), self.expected.after.get("scale")
         if name == "cache":
+            if not self.quantized:
+                return ""
+            group = int(self.attributes.get("quant_group", 8))
             at = tuple(index[:-1]) + (index[-1] // group,)
             return f"; scale of its group: got {_value(got_scale, at)}, expected {_value(want_scale, at)}"
-        if name == "scale":
+        if name not in ("key", "value"):
             return ""
         kv = 0 if name == "key" else 1
-        flat_code = int(self.slots.source(kv)[index])
-        flat_scale = int(self.slots.source(kv, scale=True)[index])
-        code = np.unravel_index(flat_code, got_cache.shape)
-        scale = np.unravel_index(flat_scale, got_scale.shape)
-        return (f"; loaded from {self.slots.describe(kv, int(index[0]), int(index[1]))}: code got "
-                f"{_value(got_cache, code)}, expected {_value(want_cache, code)}; scale got "
-                f"{_value(got_scale, scale)}, expected {_value(want_scale, scale)}")
+        code = np.unravel_index(int(self.slots.source(kv)[index]), got_cache.shape)
+        text = f"; loaded from {self.slots.describe(kv, int(index[0]), int(index[1]))}"
+        same = not bits_differ(np.asarray(got_cache[code]), np.asarray(want_cache[code])).any()
+        if self.quantized:
+            scale = np.unravel_index(int(self.slots.source(kv, scale=True)[index]), got_scale.shape)
+            text += (f": code got {_value(got_cache, code)}, expected {_value(want_cache, code)}; scale got "
+                     f"{_value(got_scale, scale)}, expected {_value(want_scale, scale)}")
+            same = same and not bits_differ(np.asarray(got_scale[scale]), np.asarray(want_scale[scale])).any()
+        if same:
+            text += ("; the backend's cache holds the expected contents there, so it read another slot (or did not "
+                     "read the cache)")
+        return text
 
 
 def _same_form(got, want) -> bool:
@@ -162,5 +174,11 @@ def compare(op: str, inputs: dict, attributes: dict, expected: Outcome, got: Out
     for name, want in expected.outputs.items():
         lines += _tensor_lines(ctx, name, got.outputs.get(name), want, tolerance)
     for name, want in expected.after.items():
-        lines += _tensor_lines(ctx, name, got.after.get(name), want, tolerance)
+        problems = _tensor_lines(ctx, name, got.after.get(name), want, tolerance)
+        before = inputs.get(name)
+        if problems and before is not None and _same_form(got.after.get(name), before) and \
+                not bits_differ(np.asarray(got.after[name]), before).any() and bits_differ(want, before).any():
+            problems.append(f"{name}: left exactly as it was given: the op writes {name} in place, in the caller's "
+                            "array (a backend that stores into a copy, or returns a new array, fails every store)")
+        lines += problems
     return lines

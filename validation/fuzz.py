@@ -14,6 +14,8 @@ import os
 import pathlib
 import sys
 
+import numpy as np
+
 from .cases import Case
 from .outcome import reference_outcome, run_on_copies
 from .adapters import OP_FUNCTIONS
@@ -45,57 +47,96 @@ def call_strategy(ops, kinds=("valid", "invalid")):
 
 @dataclasses.dataclass
 class FuzzResult:
-    """``examples``: calls run; ``by_op``: how many of each op and kind; ``failure``: (the minimal call, the
-    problem lines) of a disagreement, else None; ``reproducer``: the folder written for it."""
+    """``examples``: calls drawn and run; ``shrink_calls``: calls run while shrinking disagreements; ``by_op``:
+    how many drawn calls of each (op, kind); ``failures``: one (the minimal call, the problem lines) per kind of
+    call that disagreed (valid calls first), so a backend that both miscomputes and accepts invalid calls gets
+    both findings; ``failure``: the first of them, else None; ``reproducer``: the folder written for them."""
 
     examples: int
     by_op: dict
-    failure: tuple = None
+    failures: list = dataclasses.field(default_factory=list)
+    shrink_calls: int = 0
     reproducer: pathlib.Path = None
+
+    @property
+    def failure(self):
+        """The first finding (valid calls first), or None."""
+        return self.failures[0] if self.failures else None
 
 
 class _Disagreement(Exception):
     pass
 
 
-def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid", "invalid"),
-         tolerance: str = "exact", out=None, backend_spec=None, backend_options=None) -> FuzzResult:
-    """Runs ``examples`` calls of ``ops`` (default: every op ``backend`` provides) through ``backend`` (a
-    backend object, kvcache_op.validation.backends) and the reference, from hypothesis seed ``seed``; shrinks the
-    first disagreement and, when ``out`` is given, writes its reproducer there (``backend_spec`` and
-    ``backend_options`` say how ``reproduce.py`` loads the backend again)."""
+def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, counts: dict) -> tuple:
+    """One hypothesis search over the strategies of ``kind`` calls: (the minimal disagreeing call of that kind
+    and its lines, or None; the first disagreeing call of the other kind, unshrunk, or None; the calls run while
+    shrinking). The invalid-call strategies also draw valid calls (an index pushed out of range may still be in
+    range): a disagreement on one of those does not end the search for invalid calls the backend accepts.
+    ``counts`` gains the drawn calls per (op, kind)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    ops = [op for op in (ops or sorted(backend.ops)) if op in backend.ops]
-    if not ops:
-        raise ValueError(f"the backend provides none of the ops asked for (it has: {', '.join(sorted(backend.ops))})")
-    counts, failures = {}, []
+    failures, other, shrinking = [], [], [0]
 
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False, verbosity=Verbosity.quiet,
               phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
     @hypothesis_seed(seed)
-    @given(call_strategy(ops, kinds))
+    @given(call_strategy(ops, (kind,)))
     def check(case):
         expected = reference_outcome(case.op, case.inputs, case.attributes)
-        kind = "invalid" if expected.error is not None else "valid"
-        counts[(case.op, kind)] = counts.get((case.op, kind), 0) + 1
+        call_kind = "invalid" if expected.error is not None else "valid"
+        if failures:  # past the first disagreement, hypothesis only shrinks
+            shrinking[0] += 1
+        else:
+            counts[(case.op, call_kind)] = counts.get((case.op, call_kind), 0) + 1
         got = run_on_copies(backend, case.op, case.inputs, case.attributes)
         lines = compare(case.op, case.inputs, case.attributes, expected, got, tolerance)
         if lines:
-            failures.append((Case(f"fuzz_{case.op}", case.inputs, case.attributes, expected.error is not None), lines))
+            finding = (Case(f"fuzz_{case.op}_{call_kind}", case.inputs, case.attributes, call_kind == "invalid"), lines)
+            if call_kind != kind:
+                other[:] = other or [finding]
+                return
+            failures.append(finding)
             raise _Disagreement
 
     try:
         check()
     except _Disagreement:
         pass
-    result = FuzzResult(sum(counts.values()), counts)
-    if failures:
-        result.failure = failures[-1]  # hypothesis replays the minimal example last
-        if out is not None:
-            result.reproducer = write_reproducer(out, *result.failure, backend_spec or getattr(backend, "name", "?"),
-                                                 backend_options or {}, tolerance)
+    # hypothesis replays the minimal example last
+    return (failures[-1] if failures else None), (other[0] if other else None), shrinking[0]
+
+
+def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid", "invalid"),
+         tolerance: str = "exact", out=None, backend_spec=None, backend_options=None) -> FuzzResult:
+    """Draws ``examples`` calls of ``ops`` (default: every op ``backend`` provides), shared between the kinds of
+    call in ``kinds``, runs each through ``backend`` (a backend object, kvcache_op.validation.backends) and the
+    reference from hypothesis seed ``seed``, and shrinks the first disagreement of each kind; when ``out`` is
+    given, writes their reproducer there (``backend_spec`` and ``backend_options`` say how ``reproduce.py``
+    loads the backend again)."""
+    if examples < 1:
+        raise ValueError(f"examples must be >= 1, got {examples}")
+    ops = [op for op in (ops or sorted(backend.ops)) if op in backend.ops]
+    if not ops:
+        raise ValueError(f"the backend provides none of the ops asked for (it has: {', '.join(sorted(backend.ops))})")
+    kinds = [k for k in ("valid", "invalid") if k in kinds]
+    result, found = FuzzResult(0, {}), {}
+    for i, kind in enumerate(kinds):
+        share = examples // len(kinds) + (1 if i < examples % len(kinds) else 0)
+        if not share:
+            continue
+        shrunk, aside, shrink_calls = _search(backend, ops, kind, share, seed, tolerance, result.by_op)
+        result.shrink_calls += shrink_calls
+        if shrunk is not None:
+            found[kind] = shrunk
+        if aside is not None:  # kept only where that kind's own search found nothing
+            found.setdefault("valid" if kind == "invalid" else "invalid", aside)
+    result.failures = [found[k] for k in ("valid", "invalid") if k in found]
+    result.examples = sum(result.by_op.values())
+    if result.failures and out is not None:
+        result.reproducer = write_reproducer(out, result.failures, backend_spec or getattr(backend, "name", "?"),
+                                             backend_options or {}, tolerance)
     return result
 
 
@@ -118,8 +159,9 @@ sys.exit(validate_folder(here, {backend!r}, tolerance={tolerance!r}, **{options!
 '''
 
 
-def write_reproducer(out, case: Case, lines: list, backend_spec: str, backend_options: dict, tolerance: str) -> pathlib.Path:
-    """Writes ``out/test_<case>/`` (the call as a conformance case) and ``out/reproduce.py``; returns ``out``."""
+def write_reproducer(out, findings: list, backend_spec: str, backend_options: dict, tolerance: str) -> pathlib.Path:
+    """Writes ``out/test_<case>/`` for each (call, lines) of ``findings`` (as conformance cases) and
+    ``out/reproduce.py``, which validates the backend on them; returns ``out``."""
     from .vectors import write_case
 
     import shutil
@@ -128,7 +170,10 @@ def write_reproducer(out, case: Case, lines: list, backend_spec: str, backend_op
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("test_fuzz_*"):  # an earlier reproducer in the same folder
         shutil.rmtree(old)
-    write_case(case, out)
+    lines = []
+    for case, problems in findings:
+        write_case(case, out)
+        lines += [case.name + ":"] + ["    " + line for line in problems]
     options = {k: v for k, v in backend_options.items() if v}
     text = _SCRIPT.format(lines="\n".join(lines), script=out / "reproduce.py", cwd=os.getcwd(), backend=backend_spec,
                           tolerance=tolerance, options=options)
@@ -137,10 +182,18 @@ def write_reproducer(out, case: Case, lines: list, backend_spec: str, backend_op
 
 
 def describe(case: Case) -> list:
-    """Lines describing a call: its op, attributes and the shape and dtype of each input."""
-    shapes = ", ".join(f"{k}={'absent' if v is None else f'{v.dtype.name}{list(v.shape)}'}"
-                       for k, v in case.inputs.items())
-    return [f"{case.op}({shapes})", "attributes: " + ", ".join(f"{k}={v}" for k, v in case.attributes.items())]
+    """Lines describing a call: its op and attributes, the shape and dtype of each input, and the values of the
+    small integer inputs (the indices) that decide what it stores and loads."""
+    def one(name, value):
+        if value is None:
+            return f"{name}=absent"
+        text = f"{name}={value.dtype.name}{list(value.shape)}"
+        if value.dtype.kind in "iu" and value.size <= 64 and name not in ("cache",):
+            text += " " + np.array2string(value, separator=", ", threshold=64).replace("\n", "")
+        return text
+
+    return [f"{case.op}({', '.join(one(k, v) for k, v in case.inputs.items())})",
+            "attributes: " + ", ".join(f"{k}={v}" for k, v in case.attributes.items())]
 
 
 def run_fuzz(backend_spec: str, *, examples=200, seed=0, ops=None, kinds=("valid", "invalid"), tolerance="exact",
@@ -163,13 +216,15 @@ def run_fuzz(backend_spec: str, *, examples=200, seed=0, ops=None, kinds=("valid
     finally:
         backend.close()
     ran = ", ".join(f"{n} {kind} {op}" for (op, kind), n in sorted(result.by_op.items()))
-    progress(f"{result.examples} calls run against the reference (seed {seed}): {ran}")
+    shrunk = f"; {result.shrink_calls} more while shrinking" if result.shrink_calls else ""
+    progress(f"{result.examples} calls drawn and run against the reference (seed {seed}): {ran}{shrunk}")
     if result.failure is None:
         progress("no disagreement found")
         return 0
-    case, lines = result.failure
-    progress("DISAGREEMENT (shrunk to a minimal call):")
-    for line in describe(case) + lines:
-        progress("    " + line)
+    for case, lines in result.failures:
+        kind = "an invalid call" if case.expect_error else "a valid call"
+        progress(f"DISAGREEMENT on {kind} (shrunk to a minimal call):")
+        for line in describe(case) + lines:
+            progress("    " + line)
     progress(f"reproducer: {result.reproducer}/ (run: {sys.executable} {result.reproducer}/reproduce.py)")
     return 1

@@ -1,0 +1,57 @@
+"""What the kit tells a backend's author: index values in a shrunk call, a read from the wrong slot named as
+such, a cache the backend never wrote in place, one finding per kind of call, and honest call counts."""
+
+import pathlib
+
+import planted_backends
+from kvcache_op.cli import main
+from kvcache_op.validation import fuzz, validate
+from kvcache_op.validation.adapters import CallableBackend
+
+TESTS = pathlib.Path(__file__).parent
+
+
+def _backend(name):
+    return CallableBackend({"KeyValueCache": getattr(planted_backends, name)}, name)
+
+
+def test_a_read_from_another_slot_is_named_as_such(all_vectors):
+    report = validate(all_vectors, planted_backends.gqa_tiled, cases=["gqa_repeat2"])
+    (result,) = report.results
+    key = next(line for line in result.lines if line.startswith("key:"))
+    assert "loaded from cache slot" in key
+    assert key.endswith("the backend's cache holds the expected contents there, so it read another slot (or did "
+                        "not read the cache)")
+
+
+def test_a_cache_the_backend_never_wrote_gets_the_hint(all_vectors):
+    report = validate(all_vectors, planted_backends.stores_into_a_copy, cases=["paged_layout0", "int8_layout0"])
+    for result in report.results:
+        assert result.status == "FAIL"
+        assert any(line.startswith("cache: left exactly as it was given: the op writes cache in place") for line in
+                   result.lines), result.lines
+
+
+def test_a_layer_idx_bug_gets_both_findings_each_shrunk():
+    result = fuzz(_backend("layer_idx_ignored"), examples=300, seed=0, ops=["KeyValueCache"])
+    assert [case.expect_error for case, _ in result.failures] == [False, True]
+    (valid, valid_lines), (invalid, invalid_lines) = result.failures
+    assert valid.attributes["layer_idx"] != 0 and any(line.startswith("cache:") for line in valid_lines)
+    assert invalid_lines[-1].startswith("accepted an invalid call")
+
+
+def test_counts_are_the_calls_drawn_and_shrinking_is_counted_apart():
+    result = fuzz(_backend("gqa_tiled"), examples=5, seed=0, ops=["KeyValueCache"], kinds=("valid",))
+    assert result.examples <= 5 and sum(result.by_op.values()) == result.examples
+    if result.failure is not None:
+        assert result.shrink_calls >= 0
+
+
+def test_the_shrunk_call_shows_its_index_values(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(TESTS)
+    assert main(["fuzz", "--backend", "planted_backends:kvlen_ignored", "--op", "kv", "--examples", "60",
+                 "--in-process", "--calls", "valid", "--out", str(tmp_path / "r")]) == 1
+    out = capsys.readouterr().out
+    call = next(line for line in out.splitlines() if line.strip().startswith("KeyValueCache("))
+    assert "seqstarts=int64[" in call and "] [0, " in call  # the values, not only the shape
+    assert "kvstarts=int64[" in call and "cache=" in call
