@@ -42,18 +42,21 @@ def test_every_conformance_case_matches_reference():
         assert_same_bits(torch_result(case.inputs, case.attributes), reference_result(case.inputs, case.attributes))
 
 
-def _representable(inputs):
-    """torch holds an int4 cache as packed pairs: an odd last dim cannot be written down."""
+def _torch_call(inputs):
+    """The call's inputs as torch tensors. torch holds an int4 cache as packed pairs, so an odd last dim cannot be
+    written down: such a cache becomes the packed tensor a user would try (last dim rounded up), zeroed."""
     cache = inputs.get("cache")
-    return not (cache is not None and np.asarray(cache).dtype == INT4 and np.asarray(cache).shape[-1] % 2)
+    if cache is None or np.asarray(cache).dtype != INT4 or np.asarray(cache).shape[-1] % 2 == 0:
+        return torch_inputs(copies(inputs))
+    tensors = torch_inputs(copies({k: v for k, v in inputs.items() if k != "cache"}))
+    tensors["cache"] = torch.zeros(cache.shape[:-1] + (-(-cache.shape[-1] // 2),), dtype=torch.uint8)
+    return tensors
 
 
 @pytest.mark.parametrize("row", INVALID, ids=[r[0] for r in INVALID])
 def test_invalid_call_raises_the_reference_message_and_writes_nothing(row):
     inputs, attrs = make_invalid(row)
-    if not _representable(inputs):
-        pytest.skip("an int4 cache with an odd last dim has no packed torch form")
-    tensors = torch_inputs(copies(inputs))
+    tensors = _torch_call(inputs)
     before = {k: tensors[k].clone() for k in ("cache", "scale") if tensors.get(k) is not None}
     with pytest.raises(KeyValueCacheError, match=row[3]):
         kt.key_value_cache(**tensors, **attrs)

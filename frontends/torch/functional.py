@@ -72,6 +72,9 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     this is one ``opmx.dynamic_batching::KeyValueCache`` node.
     """
     attrs = _attributes(KV_DEFAULTS, locals())
+    if attrs["quant_bit"] == 4 and isinstance(current_key, torch.Tensor) and current_key.dim() == 3 and \
+            current_key.shape[-1] % 2:  # no packed uint8 cache has an odd Dh: say what is wrong, not its shape
+        raise KeyValueCacheError(f"int4 cache needs an even Dh (whole bytes per row), got Dh={current_key.shape[-1]}")
     index = _index_inputs(INDEX_INPUTS, locals(), current_key.device if isinstance(current_key, torch.Tensor) else None)
     scale = _no_empty_scale(scale, attrs["quant_bit"])
     inputs = [current_key, current_value, *index, cache, scale]

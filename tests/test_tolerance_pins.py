@@ -1,0 +1,65 @@
+"""Every tolerance the validation kit applies, pinned just inside and just outside its bound: loosening or
+tightening any of them by a few percent (or by one float32 step) fails here."""
+
+import numpy as np
+import pytest
+
+from kvcache_op.reference import attention_tolerance
+from kvcache_op.validation.cases import CASES
+from kvcache_op.validation.compare import compare
+from kvcache_op.validation.mha_cases import ATTENTION_CASES
+from kvcache_op.validation.outcome import Outcome, reference_outcome
+from kvcache_op.validation.slot_map import SlotMap
+from kvcache_op.validation.tolerance import ulp
+
+ATTENTION = ["mha_sliding_window1_float32", "mha_alibi_heads6_gqa", "mha_sliding_window3"]
+
+
+def _attention(name):
+    case = ATTENTION_CASES[name]()
+    return case, reference_outcome("MultiHeadAttention", case.inputs, case.attributes)
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+def test_the_kit_holds_attention_to_twice_the_specs_bound(name):
+    case, want = _attention(name)
+    np.testing.assert_array_equal(want.tolerance, 2 * attention_tolerance(**case.inputs, **case.attributes))
+
+
+@pytest.mark.parametrize("name", ATTENTION)
+@pytest.mark.parametrize("factor, passes", [(0.98, True), (1.02, False)])
+def test_attention_just_inside_passes_and_just_outside_fails(name, factor, passes):
+    """Each element moved by ``factor`` times its recorded bound (where the output's rounding keeps it on that
+    side of the bound), one element at a time set to the largest such move."""
+    case, want = _attention(name)
+    output, bound = want.outputs["attention_output"], want.tolerance
+    moved = (output.astype(np.float64) + factor * bound).astype(output.dtype)
+    distance = np.abs(moved.astype(np.float64) - output.astype(np.float64))
+    on_its_side = (distance <= bound) if passes else (distance > bound)
+    assert on_its_side.any(), "no element where the output's precision can show this factor"
+    got_output = np.where(on_its_side, moved, output)
+    got = Outcome({"attention_output": got_output}, {})
+    for mode in ("exact", "spec"):
+        lines = compare("MultiHeadAttention", case.inputs, case.attributes, want, got, mode)
+        assert (lines == []) == passes, lines
+
+
+def _scale_moved(steps_of_float32: int):
+    """int8, float16 values, float32 scale: a stored scale moved by half a float16 ulp plus ``steps`` float32
+    ulps (the spec's bound is half a float16 ulp plus one float32 ulp)."""
+    case = CASES["int8_layout0"]()
+    want = reference_outcome("KeyValueCache", case.inputs, case.attributes)
+    assert want.after["scale"].dtype == np.float32 and case.inputs["current_key"].dtype == np.float16
+    got = Outcome({k: v.copy() for k, v in want.outputs.items()}, {k: v.copy() for k, v in want.after.items()})
+    stored = SlotMap(case.inputs, case.attributes).stored(scale=True)
+    index = np.unravel_index(int(np.flatnonzero(stored & (want.after["scale"] > 0))[0]), stored.shape)
+    value = np.float64(want.after["scale"][index])
+    moved = value + 0.5 * float(ulp(value, np.float16)) + steps_of_float32 * float(ulp(value, np.float32))
+    got.after["scale"][index] = np.float32(moved)
+    assert np.float64(got.after["scale"][index]) == moved  # exactly on the float32 grid
+    return compare("KeyValueCache", case.inputs, case.attributes, want, got, "spec")
+
+
+def test_a_scale_at_the_bound_passes_and_one_float32_step_past_it_fails():
+    assert _scale_moved(1) == []
+    assert _scale_moved(2) and _scale_moved(2)[0].startswith("scale: 1 of ")
