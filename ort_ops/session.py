@@ -19,6 +19,7 @@ In-place semantics (what the op needs from its caller):
 """
 
 import ctypes
+import os
 
 import numpy as np
 import onnxruntime as ort
@@ -30,11 +31,22 @@ from . import library_path
 from .graph_rules import in_place_inputs
 
 
+#: Environment variable: ONNX Runtime's log severity in this package's sessions (0 verbose .. 4 fatal).
+LOG_SEVERITY_ENV = "KVCACHE_OP_ORT_LOG_SEVERITY"
+
+
 def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
-    """SessionOptions with the custom-op library registered (0 threads: ORT's default)."""
+    """SessionOptions with the custom-op library registered (0 threads: ORT's default). ONNX Runtime's own log
+    lines are off (severity 4, fatal only): an op's error reaches the caller as the exception ORT raises, with
+    the same text, and ORT would print it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them
+    back for debugging."""
     options = ort.SessionOptions()
     options.register_custom_ops_library(library_path())
     options.intra_op_num_threads = intra_op_num_threads
+    level = os.environ.get(LOG_SEVERITY_ENV, "4")
+    if level not in ("0", "1", "2", "3", "4"):
+        raise ValueError(f"{LOG_SEVERITY_ENV}={level!r}: expected 0 (verbose) .. 4 (fatal)")
+    options.log_severity_level = int(level)
     return options
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
+import logging
+import warnings
 
 import onnx
 import torch
@@ -28,13 +31,8 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     (``dynamo=False``) runs the module once on ``args``, so it writes their cache."""
     onnx_export.start_recording()
     try:
-        if dynamo:
-            export_kwargs.setdefault("optimize", False)
-            model = torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
-        else:
-            buffer = io.BytesIO()
-            torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
-            model = onnx.load_from_string(buffer.getvalue())
+        with _exporter_quiet(export_kwargs.get("verbose")):
+            model = _export(module, args, dynamo, export_kwargs)
     except Exception as error:
         if onnx_export.first_error() is None:
             raise
@@ -49,6 +47,35 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     if path is not None:
         onnx.save(model, str(path))
     return model
+
+
+def _export(module, args, dynamo: bool, export_kwargs: dict) -> onnx.ModelProto:
+    if dynamo:
+        export_kwargs.setdefault("optimize", False)
+        return torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
+    buffer = io.BytesIO()
+    torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
+    return onnx.load_from_string(buffer.getvalue())
+
+
+@contextlib.contextmanager
+def _exporter_quiet(verbose):
+    """While torch exports (unless ``verbose``): its exporter's INFO/WARNING log lines (progress, "torchvision is
+    not installed. Skipping torchvision::nms") and the Future/Deprecation warnings torch's own code raises
+    inside the export are not the caller's to read. Errors still raise; nothing outside the export changes."""
+    if verbose:
+        yield
+        return
+    logger = logging.getLogger("torch.onnx")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("ignore", category=category, module=r"(torch|onnxscript|onnx_ir|copyreg)(\.|$)")
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def _check_one_node_per_call(model: onnx.ModelProto, calls: collections.Counter) -> None:

@@ -10,22 +10,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import tempfile
 import time
-import warnings
 
 FAMILIES = ("llama", "mistral", "qwen2")
-
-
-def _quiet_exporter() -> None:
-    """The exporter's progress lines and deprecation chatter are not the demo's output."""
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
 
 
 class Progress:
@@ -58,7 +48,6 @@ def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, nu
     """Builds, exports, serves and verifies; prints figures; returns 0 iff every request matches the source
     model's own generation (quantized caches are checked against the source model with the same
     quantization applied to its cache, which is what they compute)."""
-    _quiet_exporter()
     print(f"kvcache-op demo: a {family} decoder exported with the ops and served by ONNX Runtime")
     began = time.perf_counter()
     from kvcache_op.hf import export_model, tiny_model
