@@ -99,8 +99,8 @@ class _Context:
                      f"{_value(got_scale, scale)}, expected {_value(want_scale, scale)}")
             same = same and not bits_differ(np.asarray(got_scale[scale]), np.asarray(want_scale[scale])).any()
         if same:
-            text += ("; the backend's cache holds the expected contents there, so it read another slot (or did not "
-                     "read the cache)")
+            text += ("; the backend's cache holds the expected contents there: its load is wrong (another slot "
+                     "read, or the stored value decoded otherwise)")
         return text
 
 
