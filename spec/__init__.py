@@ -6,6 +6,8 @@ The top of the house: it imports only onnx and numpy."""
 
 from .mha_schema import make_attention_model
 from .mha_schema import register as register_attention
+from .mhca_schema import make_cache_attention_model
+from .mhca_schema import register as register_cache_attention
 from .model import IR_VERSION, make_model, make_node
 from .rotary_schema import make_rotary_shift_model
 from .rotary_schema import register as register_rotary_shift
@@ -14,7 +16,8 @@ from .schema import ATTRIBUTE_DEFAULTS, DOMAIN, INPUTS, OP_TYPE, OUTPUTS, VERSIO
 SCHEMA = register()
 ROTARY_SHIFT_SCHEMA = register_rotary_shift()
 ATTENTION_SCHEMA = register_attention()
+CACHE_ATTENTION_SCHEMA = register_cache_attention()
 
-__all__ = ["ATTENTION_SCHEMA", "ATTRIBUTE_DEFAULTS", "DOMAIN", "INPUTS", "IR_VERSION", "OP_TYPE", "OUTPUTS", "SCHEMA",
-           "VERSION", "ROTARY_SHIFT_SCHEMA", "make_attention_model", "make_model", "make_node", "make_rotary_shift_model",
-           "register", "register_attention", "register_rotary_shift"]
+__all__ = ["ATTENTION_SCHEMA", "ATTRIBUTE_DEFAULTS", "CACHE_ATTENTION_SCHEMA", "DOMAIN", "INPUTS", "IR_VERSION", "OP_TYPE", "OUTPUTS", "SCHEMA",
+           "VERSION", "ROTARY_SHIFT_SCHEMA", "make_attention_model", "make_cache_attention_model", "make_model", "make_node", "make_rotary_shift_model",
+           "register", "register_attention", "register_cache_attention", "register_rotary_shift"]
