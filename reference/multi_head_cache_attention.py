@@ -62,4 +62,25 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                                 attn_mask, **attention)
 
 
-__all__ = ["check_softcap", "multi_head_cache_attention"]
+def cache_attention_tolerance(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                              decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
+                              num_heads, head_dim, num_kv_heads=0, is_causal=1, is_alibi=0, softmax_scale=0.0,
+                              sliding_window=0, softcap=0.0, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
+                              cache_mode=0, cache_layout=0, page_size=128) -> np.ndarray:
+    """The spec's bound of every output element (spec/MultiHeadCacheAttention.md "Tolerance"): MultiHeadAttention's
+    bound over the keys and values the call gathers. Works on copies: ``cache`` and ``scale`` stay as given."""
+    from .attention_tolerance import attention_tolerance
+
+    check_softcap(softcap)
+    copy = (lambda x: None if x is None else np.array(x, copy=True))
+    key, value = key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                                 max_kvlen, copy(cache), copy(scale), num_layer=num_layer, layer_idx=layer_idx,
+                                 quant_bit=quant_bit, quant_group=quant_group, num_repeat=1, cache_mode=cache_mode,
+                                 cache_layout=cache_layout, page_size=page_size)
+    return attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                               attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal,
+                               is_alibi=is_alibi, num_kv_heads=num_kv_heads, sliding_window=sliding_window,
+                               softmax_scale=softmax_scale)
+
+
+__all__ = ["cache_attention_tolerance", "check_softcap", "multi_head_cache_attention"]

@@ -27,7 +27,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``layer_idx_ignored``: every call as if ``layer_idx`` were 0, never checked against ``num_layer``.
 
 ``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``, ``attention_query_nan``: correct, then
-sets its ``query`` argument to NaN) are ``module:object`` backends
+sets its ``query`` argument to NaN, ``cache_attention_loads_first``: MultiHeadCacheAttention attending over the keys
+the cache held before this step's stores) are ``module:object`` backends
 providing the other ops too (the reference's, or one with a planted bug).
 """
 
@@ -38,7 +39,8 @@ import types
 
 import numpy as np
 
-from kvcache_op.reference import canonical_view, key_cache_rotary_shift, multi_head_attention
+from kvcache_op.reference import (canonical_view, key_cache_rotary_shift, multi_head_attention,
+                                  multi_head_cache_attention)
 from kvcache_op.reference.validate import Attributes, KeyValueCacheError, effective_scale, validate_call
 
 QMAX = {8: 127, 4: 7}
@@ -220,7 +222,24 @@ def _attention_window_ignored(*args, sliding_window=0, **attributes):
 
 
 ALL_OPS = types.SimpleNamespace(key_value_cache=correct, key_cache_rotary_shift=key_cache_rotary_shift,
-                                multi_head_attention=multi_head_attention)
+                                multi_head_attention=multi_head_attention,
+                                multi_head_cache_attention=multi_head_cache_attention)
 rotary_sin_negated = types.SimpleNamespace(key_cache_rotary_shift=_rotary_sin_negated)
 attention_window_ignored = types.SimpleNamespace(multi_head_attention=_attention_window_ignored)
 attention_query_nan = types.SimpleNamespace(multi_head_attention=_attention_query_nan)
+
+
+def _cache_attention_loads_first(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                                 decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None,
+                                 **attributes):
+    """Gathers the keys from a copy of the cache as it was, then stores: loads before stores."""
+    before = cache.copy(), None if scale is None else scale.copy()
+    output = multi_head_cache_attention(query, current_key * 0, current_value * 0, seqstarts, kvstarts, cachestarts,
+                                        start_pos, decoding_batches, max_seqlen, max_kvlen, before[0], before[1],
+                                        attn_mask, **attributes)
+    multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                               decoding_batches, max_seqlen, max_kvlen, cache, scale, attn_mask, **attributes)
+    return output
+
+
+cache_attention_loads_first = types.SimpleNamespace(multi_head_cache_attention=_cache_attention_loads_first)

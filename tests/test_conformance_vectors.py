@@ -13,6 +13,8 @@ from kvcache_op.validation.cases import CASES
 from kvcache_op.validation.error_cases import INVALID, MORE_INVALID
 from kvcache_op.validation.mha_cases import ATTENTION_CASES
 from kvcache_op.validation.mha_error_cases import INVALID as ATTENTION_INVALID
+from kvcache_op.validation.mhca_cases import ATTENTION_INVALID as CACHE_ATTENTION_INVALID
+from kvcache_op.validation.mhca_cases import CASES as CACHE_ATTENTION_CASES
 from kvcache_op.validation.outcome import reference_outcome
 from kvcache_op.validation.rotary_cases import CASES as ROTARY_CASES
 from kvcache_op.validation.rotary_cases import ERROR_CASES as ROTARY_ERROR_CASES
@@ -21,9 +23,12 @@ from kvcache_op.validation.validate import compare_case, validate_folder
 
 def test_every_validity_row_is_a_named_invalid_case():
     assert len(CASES) >= 40 and len(ATTENTION_CASES) >= 20
+    cache_attention = {f"mhca_error_{r[0]}" for r in INVALID + MORE_INVALID if not r[0].startswith("num_repeat")} | \
+        {f"mhca_error_{r[0]}" for r in CACHE_ATTENTION_INVALID}
     invalid = {f"error_{r[0]}" for r in INVALID + MORE_INVALID} | {f"mha_error_{r[0]}" for r in ATTENTION_INVALID} | \
-        {f"rotary_error_{k}" for k in ROTARY_ERROR_CASES}
-    assert vectors.ALL_CASES.keys() == CASES.keys() | ATTENTION_CASES.keys() | ROTARY_CASES.keys() | invalid
+        {f"rotary_error_{k}" for k in ROTARY_ERROR_CASES} | cache_attention
+    assert vectors.ALL_CASES.keys() == (CASES.keys() | ATTENTION_CASES.keys() | ROTARY_CASES.keys() |
+                                        CACHE_ATTENTION_CASES.keys() | invalid)
     assert all(vectors.ALL_CASES[name]().expect_error for name in invalid)
 
 

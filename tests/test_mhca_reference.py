@@ -153,3 +153,23 @@ def test_node_attributes_write_the_extensions_only_when_set_and_refuse_unknown_o
     assert "num_repeat" not in node
     with pytest.raises(ValueError, match="unknown MultiHeadCacheAttention attribute"):
         cache_attention_node_attributes(dict(num_heads=4, head_dim=8, num_repeat=2))
+
+
+def test_the_kit_validates_and_fuzzes_the_op(all_vectors, monkeypatch):
+    """A backend whose stores come after its loads passes no valid MultiHeadCacheAttention case but the empty
+    batch, and fuzzing finds it; ONNX Runtime (no kernel for the op yet) skips its cases, saying so."""
+    import pathlib
+
+    from kvcache_op.validation import fuzz, load_backend, validate
+
+    monkeypatch.chdir(pathlib.Path(__file__).parent)
+    report = validate(all_vectors, "planted_backends:cache_attention_loads_first", cases=["mhca_*"], isolate=False)
+    failed = {r.name for r in report.results if r.status == "FAIL"}
+    valid = {r.name for r in report.results if r.kind == "valid"}
+    assert valid - {"mhca_batch0"} <= failed and "mhca_batch0" not in failed
+    assert not failed - valid  # its invalid calls are refused as they should be
+    backend = load_backend("planted_backends:cache_attention_loads_first", isolate=False)
+    result = fuzz(backend, examples=60, seed=0, kinds=("valid",))
+    assert result.failure is not None and result.failure[0].op == "MultiHeadCacheAttention"
+    skipped = validate(all_vectors, "ort", cases=["mhca_paged_gqa2"], isolate=False)
+    assert [(r.status, r.lines) for r in skipped.results] == [("skip", ["the backend has no multi_head_cache_attention"])]

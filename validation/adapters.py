@@ -11,8 +11,8 @@ nothing of the runners (validate, fuzz) that use them.
 A ``module:function`` backend is a Python callable with the reference's signature
 (:func:`kvcache_op.reference.key_value_cache`): numpy arrays in, numpy arrays out, ``cache`` and ``scale``
 written in place, an exception for an invalid call. ``module:name`` may instead name an object (a module,
-a class instance, a namespace) with any of the attributes ``key_value_cache``, ``multi_head_attention`` and
-``key_cache_rotary_shift``, each with the reference's signature of that op; cases of the other ops are then
+a class instance, a namespace) with any of the attributes ``key_value_cache``, ``multi_head_attention``,
+``key_cache_rotary_shift`` and ``multi_head_cache_attention``, each with the reference's signature of that op; cases of the other ops are then
 skipped. The module is imported from the current directory or ``PYTHONPATH``.
 """
 
@@ -26,7 +26,7 @@ from .outcome import OUTPUTS, Outcome, in_place_after
 
 #: The reference function name of each op (what a ``module:object`` backend provides).
 OP_FUNCTIONS = {"KeyValueCache": "key_value_cache", "MultiHeadAttention": "multi_head_attention",
-                "KeyCacheRotaryShift": "key_cache_rotary_shift"}
+                "KeyCacheRotaryShift": "key_cache_rotary_shift", "MultiHeadCacheAttention": "multi_head_cache_attention"}
 ALL_OPS = frozenset(OP_FUNCTIONS)
 
 
@@ -54,9 +54,10 @@ def run_reference(model, inputs: dict) -> tuple:
     ``inputs`` (copies) are written in place."""
     from onnx.reference import ReferenceEvaluator
 
-    from ..reference import KeyCacheRotaryShift, KeyValueCache, MultiHeadAttention
+    from ..reference import KeyCacheRotaryShift, KeyValueCache, MultiHeadAttention, MultiHeadCacheAttention
 
-    evaluator = ReferenceEvaluator(model, new_ops=[KeyValueCache, MultiHeadAttention, KeyCacheRotaryShift])
+    evaluator = ReferenceEvaluator(model, new_ops=[KeyValueCache, MultiHeadAttention, KeyCacheRotaryShift,
+                                                   MultiHeadCacheAttention])
     return tuple(evaluator.run(None, inputs))
 
 

@@ -32,9 +32,10 @@ class Case:
 
 
 def op_of(inputs) -> str:
-    """``KeyValueCache``, ``MultiHeadAttention`` or ``KeyCacheRotaryShift``, from a call's input names."""
+    """``KeyValueCache``, ``MultiHeadAttention``, ``MultiHeadCacheAttention`` or ``KeyCacheRotaryShift``, from a
+    call's input names."""
     if "query" in inputs:
-        return "MultiHeadAttention"
+        return "MultiHeadCacheAttention" if "cache" in inputs else "MultiHeadAttention"
     return "KeyCacheRotaryShift" if "slots" in inputs else "KeyValueCache"
 
 

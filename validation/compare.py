@@ -18,6 +18,24 @@ from .tolerance import bits_differ
 TOLERANCES = ("exact", "spec")
 
 
+#: Ops that store into a cache (compared as KeyValueCache's), and the output each attention op holds to a bound.
+CACHE_OPS = ("KeyValueCache", "MultiHeadCacheAttention")
+ATTENTION_OUTPUTS = {"MultiHeadAttention": "attention_output", "MultiHeadCacheAttention": "output"}
+_CACHE_INPUTS = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
+                 "max_kvlen", "cache", "scale")
+_CACHE_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "num_repeat", "cache_mode", "cache_layout",
+                     "page_size")
+
+
+def cache_call(op: str, inputs: dict, attributes: dict) -> tuple:
+    """(inputs, attributes) of the KeyValueCache call an op's cache writes are (itself, or the first half of
+    MultiHeadCacheAttention)."""
+    if op == "KeyValueCache":
+        return inputs, attributes
+    return ({k: inputs.get(k) for k in _CACHE_INPUTS},
+            {k: v for k, v in attributes.items() if k in _CACHE_ATTRIBUTES})
+
+
 def _value(array: np.ndarray, index) -> str:
     """One element, readable, with its bits for floats (``0.5 (0x3800)``)."""
     value = array[index]
@@ -41,17 +59,17 @@ class _Context:
     def __init__(self, op, inputs, attributes, expected, got):
         self.op, self.inputs, self.attributes = op, inputs, attributes
         self.expected, self.got = expected, got
-        self.quantized = op == "KeyValueCache" and int(attributes.get("quant_bit", 0)) != 0
+        self.quantized = op in CACHE_OPS and int(attributes.get("quant_bit", 0)) != 0
         self._slots = None
 
     @property
     def slots(self):
         """The call's SlotMap (None when it cannot be built)."""
-        if self._slots is None and self.op == "KeyValueCache":
+        if self._slots is None and self.op in CACHE_OPS:
             from .slot_map import SlotMap
 
             try:
-                self._slots = SlotMap(self.inputs, self.attributes)
+                self._slots = SlotMap(*cache_call(self.op, self.inputs, self.attributes))
             except Exception:  # noqa: BLE001 - only used to describe a difference
                 self._slots = False
         return self._slots or None
@@ -110,7 +128,7 @@ def _same_form(got, want) -> bool:
 
 def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolerance: str) -> np.ndarray:
     """Mask of the elements of ``name`` outside what the mode accepts."""
-    if ctx.op == "MultiHeadAttention":
+    if ctx.op in ATTENTION_OUTPUTS and name == ATTENTION_OUTPUTS[ctx.op]:
         bound = ctx.expected.tolerance
         g, w = got.astype(np.float64), want.astype(np.float64)
         both_nan = np.isnan(g) & np.isnan(w)
@@ -141,13 +159,14 @@ def _tensor_lines(ctx: _Context, name: str, got, want, tolerance: str, unchanged
     if not count:
         return []
     index = _first(mask)
-    tolerant = ctx.op == "MultiHeadAttention" or (tolerance == "spec" and ctx.quantized and ctx.slots is not None)
+    attention = ATTENTION_OUTPUTS.get(ctx.op) == name
+    tolerant = attention or (tolerance == "spec" and ctx.quantized and ctx.slots is not None)
     what = "outside the tolerance" if tolerant else "differ"
     if unchanged:
         what = "changed although the call failed"
     line = (f"{name}: {count} of {mask.size} elements {what}; first at {_index(index)}: got {_value(got, index)}, "
             f"expected {_value(want, index)}")
-    if ctx.op == "MultiHeadAttention":
+    if attention:
         line += f" (tolerance {float(ctx.expected.tolerance[index]):.3g})"
     return [line + ctx.detail(name, index)]
 

@@ -23,6 +23,7 @@ from .compare import compare
 
 #: Short names accepted for ops on the command line.
 OP_ALIASES = {"kv": "KeyValueCache", "rotary": "KeyCacheRotaryShift", "attention": "MultiHeadAttention",
+              "cache-attention": "MultiHeadCacheAttention",
               **{op: op for op in OP_FUNCTIONS}}
 
 
@@ -37,10 +38,12 @@ def call_strategy(ops, kinds=("valid", "invalid")):
     dense = strategies.calls(quant_bits=(8, 4), head_dims=(8, 16), min_batch=1, min_len=1)
     valid = {"KeyValueCache": st.one_of(strategies.calls(), dense),
              "KeyCacheRotaryShift": strategies.shift_calls().map(lambda call: Case("fuzz", *call)),
-             "MultiHeadAttention": strategies.attention_calls()}
+             "MultiHeadAttention": strategies.attention_calls(),
+             "MultiHeadCacheAttention": strategies.cache_attention_calls()}
     invalid = {"KeyValueCache": invalid_strategies.invalid_kv_calls(),
                "KeyCacheRotaryShift": invalid_strategies.invalid_rotary_calls(),
-               "MultiHeadAttention": invalid_strategies.invalid_attention_calls()}
+               "MultiHeadAttention": invalid_strategies.invalid_attention_calls(),
+               "MultiHeadCacheAttention": invalid_strategies.invalid_cache_attention_calls()}
     chosen = [table[op] for op in ops for kind, table in (("valid", valid), ("invalid", invalid)) if kind in kinds]
     return st.one_of(chosen)
 

@@ -119,6 +119,14 @@ def invalid_rotary_calls():
     return st.one_of(named, _mutated_rotary())
 
 
+def invalid_cache_attention_calls():
+    """Invalid MultiHeadCacheAttention calls: every named row (KeyValueCache's rules, then the attention's)."""
+    from .mhca_cases import error_cases
+
+    cases = error_cases()
+    return st.sampled_from(sorted(cases)).map(lambda name: cases[name]())
+
+
 def invalid_attention_calls():
     """Invalid MultiHeadAttention calls: the named rows, and mutated valid calls."""
     return st.one_of(_named(ATTENTION_INVALID, make_attention_invalid, "mha_error_"), _mutated_attention())

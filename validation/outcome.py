@@ -9,10 +9,11 @@ import dataclasses
 import numpy as np
 
 #: The inputs each op writes in place (in node order).
-IN_PLACE = {"KeyValueCache": ("cache", "scale"), "KeyCacheRotaryShift": ("cache", "scale"), "MultiHeadAttention": ()}
+IN_PLACE = {"KeyValueCache": ("cache", "scale"), "KeyCacheRotaryShift": ("cache", "scale"), "MultiHeadAttention": (),
+            "MultiHeadCacheAttention": ("cache", "scale")}
 #: Each op's outputs (in node order).
 OUTPUTS = {"KeyValueCache": ("key", "value"), "KeyCacheRotaryShift": ("slots_out",),
-           "MultiHeadAttention": ("attention_output",)}
+           "MultiHeadAttention": ("attention_output",), "MultiHeadCacheAttention": ("output",)}
 
 
 @dataclasses.dataclass
@@ -77,8 +78,8 @@ def run_on_copies(backend, op: str, inputs: dict, attributes: dict, model=None) 
 def reference_outcome(op: str, inputs: dict, attributes: dict) -> Outcome:
     """Runs the reference on copies of ``inputs``; an invalid call is an Outcome with ``error`` set and the
     in-place inputs as they were (the reference writes nothing before raising)."""
-    from ..reference import (KeyValueCacheError, attention_tolerance, key_cache_rotary_shift, key_value_cache,
-                             multi_head_attention)
+    from ..reference import (KeyValueCacheError, attention_tolerance, cache_attention_tolerance, key_cache_rotary_shift,
+                             key_value_cache, multi_head_attention, multi_head_cache_attention)
 
     fresh = copies(inputs)
     try:
@@ -87,6 +88,12 @@ def reference_outcome(op: str, inputs: dict, attributes: dict) -> Outcome:
             outputs = {"key": key, "value": value}
         elif op == "KeyCacheRotaryShift":
             outputs = {"slots_out": key_cache_rotary_shift(**fresh, **attributes)}
+        elif op == "MultiHeadCacheAttention":
+            before = copies(inputs)
+            output = multi_head_cache_attention(**fresh, **attributes)
+            # Twice the spec's bound, over the keys and values the call gathers (computed on untouched copies).
+            return Outcome({"output": output}, in_place_after(op, fresh),
+                           tolerance=2 * cache_attention_tolerance(**before, **attributes))
         else:
             output = multi_head_attention(**fresh, **attributes)
             # Twice the spec's bound: the reference is itself within the bound of the exact result.

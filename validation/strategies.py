@@ -127,3 +127,24 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
         mask_extra_cols=draw(st.integers(0, 2)), mask_neg_inf=draw(st.sampled_from((0.0, 0.3, 0.9))),
         scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
     )
+
+
+@st.composite
+def cache_attention_calls(draw):
+    """A valid MultiHeadCacheAttention call: a :func:`calls` KeyValueCache call (num_repeat 1) with a query of 1-3
+    heads per kv head, decoding sequences, causal on/off (off where a causal sequence would have fewer keys than
+    queries), ALiBi, windows and an additive mask: a spec.cases.Case."""
+    from .mhca_cases import with_query
+
+    case = draw(calls())
+    seq_len, kv_len = np.diff(case.inputs["seqstarts"]), np.diff(case.inputs["kvstarts"])
+    batch = len(seq_len)
+    decoding = draw(st.integers(0, batch))
+    causal = draw(st.sampled_from((1, 1, 0)))
+    if causal and any(seq_len[b] > 1 and seq_len[b] > kv_len[b] for b in range(decoding, batch)):
+        causal = 0
+    return with_query(f"hypothesis-{draw(st.integers(0, 2**32 - 1))}", case.inputs,
+                      {**case.attributes, "num_repeat": 1}, group=draw(st.sampled_from((1, 2, 3))), decoding=decoding,
+                      is_causal=causal, is_alibi=draw(st.integers(0, 1)),
+                      sliding_window=draw(st.sampled_from((0, 0, 1, 3))),
+                      softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.3))), mask=draw(st.booleans()))

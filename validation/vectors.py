@@ -30,6 +30,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..spec.mha_schema import make_attention_model
+from ..spec.mhca_schema import make_cache_attention_model
 from ..spec.model import make_model
 from ..spec.rotary_schema import make_rotary_shift_model
 from .cases import CASES, Case, op_of
@@ -37,6 +38,8 @@ from .error_cases import INVALID, MORE_INVALID, make_invalid
 from .mha_cases import ATTENTION_CASES
 from .mha_error_cases import INVALID as ATTENTION_INVALID
 from .mha_error_cases import make_invalid as make_attention_invalid
+from .mhca_cases import CASES as CACHE_ATTENTION_CASES
+from .mhca_cases import error_cases as cache_attention_error_cases
 from .outcome import IN_PLACE, OUTPUTS, Outcome, reference_outcome
 from .rotary_cases import CASES as ROTARY_CASES
 from .rotary_cases import ERROR_CASES as ROTARY_ERROR_CASES
@@ -52,12 +55,13 @@ def _error_cases() -> dict:
     for key, make in ROTARY_ERROR_CASES.items():
         name = f"rotary_error_{key}"
         cases[name] = lambda make=make, name=name: Case(name, *make(), expect_error=True)
+    cases.update(cache_attention_error_cases())
     return cases
 
 
 #: Every named case: KeyValueCache's, MultiHeadAttention's (``mha_*``), KeyCacheRotaryShift's (``rotary_*``),
-#: then the invalid calls of the three.
-ALL_CASES = {**CASES, **ATTENTION_CASES, **ROTARY_CASES, **_error_cases()}
+#: MultiHeadCacheAttention's (``mhca_*``), then the invalid calls of the four.
+ALL_CASES = {**CASES, **ATTENTION_CASES, **ROTARY_CASES, **CACHE_ATTENTION_CASES, **_error_cases()}
 
 PREFIX = "test_"
 DATA_SET = "test_data_set_0"
@@ -90,6 +94,8 @@ def node_model(op: str, inputs: dict, attributes: dict) -> onnx.ModelProto:
         return make_model(inputs, **attributes)
     if op == "MultiHeadAttention":
         return make_attention_model(inputs, **attributes)
+    if op == "MultiHeadCacheAttention":
+        return make_cache_attention_model(inputs, **attributes)
     return make_rotary_shift_model(inputs, **attributes)
 
 
@@ -228,11 +234,12 @@ def read_case(folder) -> VectorCase:
 def _signature(node) -> list:
     """The formal input names of the node's op (the reference's parameter names), in order."""
     from ..spec.mha_schema import INPUTS as ATTENTION_INPUTS
+    from ..spec.mhca_schema import INPUTS as CACHE_ATTENTION_INPUTS
     from ..spec.rotary_schema import INPUTS as ROTARY_INPUTS
     from ..spec.schema import INPUTS as KV_INPUTS
 
     names = {"KeyValueCache": KV_INPUTS, "MultiHeadAttention": ATTENTION_INPUTS,
-             "KeyCacheRotaryShift": ROTARY_INPUTS}[node.op_type]
+             "KeyCacheRotaryShift": ROTARY_INPUTS, "MultiHeadCacheAttention": CACHE_ATTENTION_INPUTS}[node.op_type]
     return list(names)
 
 

@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend_arguments(fuzz)
     fuzz.add_argument("--examples", type=_at_least(1), default=200, help="calls to draw (default 200)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
-    fuzz.add_argument("--op", action="append", choices=("kv", "rotary", "attention"),
+    fuzz.add_argument("--op", action="append", choices=("kv", "rotary", "attention", "cache-attention"),
                       help="only this op (repeatable; default: every op the backend provides)")
     fuzz.add_argument("--calls", choices=("valid", "invalid", "both"), default="both", help="which calls to draw")
     fuzz.add_argument("--out", default="fuzz-reproducer", help="where a reproducer is written (default ./fuzz-reproducer)")
