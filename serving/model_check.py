@@ -10,6 +10,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from ..spec import DOMAIN
+from .decoder_io import INPUT_NAMES, OUTPUT_NAME
 
 FLOAT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 CACHE_TYPES = {8: TensorProto.INT8, 4: TensorProto.INT4}
@@ -70,8 +71,6 @@ def _dims(value_info) -> list:
 
 def check_graph(info, model: onnx.ModelProto) -> None:
     """``ValueError`` naming every place where the graph of ``model`` disagrees with ``info`` (its metadata)."""
-    from .model_info import INPUT_NAMES, OUTPUT_NAME
-
     problems = []
     inputs = {i.name: i for i in model.graph.input}
     wanted = [n for n in INPUT_NAMES if n != "scale" or info.quant_bit]

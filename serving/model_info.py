@@ -13,10 +13,6 @@ from .model_check import check_graph, check_values
 
 PREFIX = "kvcache_op."
 FORMAT_VERSION = 1
-# The graph's inputs, in order; "scale" only when the cache is quantized.
-INPUT_NAMES = ("input_ids", "positions", "seqstarts", "kvstarts", "cachestarts", "start_pos", "decoding_batches",
-               "max_seqlen", "max_kvlen", "cache", "scale")
-OUTPUT_NAME = "logits"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,7 +16,8 @@ from ..ort_ops.session import make_session
 from ..reference.layout import cache_shape
 from ..spec import rotary_schema
 from ..spec.model import DEFAULT_OPSET, IR_VERSION
-from .model_info import OUTPUT_NAME, ModelInfo
+from .decoder_io import OUTPUT_NAME
+from .model_info import ModelInfo
 
 ELEMENT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.INT8: 1}

@@ -20,18 +20,23 @@ ATTRIBUTE_DEFAULTS = {"is_causal": 1, "is_alibi": 0, "softmax_scale": 0.0, "num_
 OMITTED_AT_DEFAULT = ("softmax_scale", "sliding_window")
 
 
-def _infer(ctx) -> None:
-    """attention_output: query's type and shape."""
+def infer_like_query(ctx) -> None:
+    """The output: query's (input 0's) type and shape."""
     query = ctx.get_input_type(0)
     if query is not None and query.HasField("tensor_type"):
         ctx.set_output_type(0, query)
 
 
-def _build_schema() -> defs.OpSchema:
+def schema_attributes(required: tuple, defaults: dict) -> list:
+    """OpSchema attributes: the required INT ones, then the optional ones with their defaults."""
     attributes = [defs.OpSchema.Attribute(name, defs.OpSchema.AttrType.INT, "required", required=True)
-                  for name in REQUIRED_ATTRIBUTES]
-    attributes += [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
-                   for name, default in ATTRIBUTE_DEFAULTS.items()]
+                  for name in required]
+    return attributes + [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
+                         for name, default in defaults.items()]
+
+
+def _build_schema() -> defs.OpSchema:
+    attributes = schema_attributes(REQUIRED_ATTRIBUTES, ATTRIBUTE_DEFAULTS)
     schema = defs.OpSchema(
         OP_TYPE, DOMAIN, VERSION,
         "Attention of each sequence of a dynamic batch over its own keys/values, packed as KeyValueCache "
@@ -52,7 +57,7 @@ def _build_schema() -> defs.OpSchema:
                           ("I", ["tensor(int64)"], "indices")],
         attributes=attributes,
     )
-    schema.set_type_and_shape_inference_function(_infer)
+    schema.set_type_and_shape_inference_function(infer_like_query)
     return schema
 
 
@@ -61,47 +66,65 @@ def register() -> defs.OpSchema:
     return register_once(OP_TYPE, _build_schema)
 
 
-def attention_node_attributes(attributes: dict) -> dict:
-    """The node's attributes: required ones checked present, unknown ones refused (``ValueError``), the
-    defaults written as ppl.pmx writes them and the extensions only when set."""
-    unknown = set(attributes) - set(REQUIRED_ATTRIBUTES) - set(ATTRIBUTE_DEFAULTS)
+def node_attributes(op_type: str, required: tuple, defaults: dict, float_names: tuple, omitted: tuple,
+                    attributes: dict) -> dict:
+    """A node's attributes: required ones checked present, unknown ones refused (``ValueError``), the defaults
+    written as ppl.pmx writes them and the extensions (``omitted``) only when set."""
+    unknown = set(attributes) - set(required) - set(defaults)
     if unknown:
-        raise ValueError(f"unknown MultiHeadAttention attribute(s) {sorted(unknown)}; known: "
-                         f"{list(REQUIRED_ATTRIBUTES) + list(ATTRIBUTE_DEFAULTS)}")
-    missing = [name for name in REQUIRED_ATTRIBUTES if name not in attributes]
+        raise ValueError(f"unknown {op_type} attribute(s) {sorted(unknown)}; known: {list(required) + list(defaults)}")
+    missing = [name for name in required if name not in attributes]
     if missing:
-        raise ValueError(f"MultiHeadAttention needs attribute(s) {missing}")
-    merged = {**ATTRIBUTE_DEFAULTS, **attributes}
+        raise ValueError(f"{op_type} needs attribute(s) {missing}")
+    merged = {**defaults, **attributes}
     node = {}
-    for name in REQUIRED_ATTRIBUTES + tuple(ATTRIBUTE_DEFAULTS):
-        value = float(merged[name]) if name == "softmax_scale" else int(merged[name])
-        if name in OMITTED_AT_DEFAULT and value == ATTRIBUTE_DEFAULTS[name]:
+    for name in tuple(required) + tuple(defaults):
+        value = float(merged[name]) if name in float_names else int(merged[name])
+        if name in omitted and value == defaults[name]:
             continue
         node[name] = value
     return node
 
 
-def make_attention_model(inputs: dict, **attributes) -> onnx.ModelProto:
-    """A single-node MultiHeadAttention model; ``inputs``: name -> example array (``attn_mask`` may be None or
-    left out). Dims are symbolic except the heads and head_dim of query, key and value."""
-    node_inputs = [n if inputs.get(n) is not None else "" for n in INPUTS]
+def attention_node_attributes(attributes: dict) -> dict:
+    """MultiHeadAttention's node attributes (see :func:`node_attributes`)."""
+    return node_attributes(OP_TYPE, REQUIRED_ATTRIBUTES, ATTRIBUTE_DEFAULTS, ("softmax_scale",), OMITTED_AT_DEFAULT,
+                           attributes)
+
+
+def one_node_model(op_type: str, names: tuple, input_names: tuple, output_name: str, inputs: dict, attributes: dict,
+                   static: dict) -> onnx.ModelProto:
+    """A one-node model of ``op_type`` on the present ``inputs`` (name -> example array; trailing absent optional
+    inputs dropped, inner ones left as empty names), ``names``: (the node's, the graph's). Dims are symbolic except
+    where ``static`` (input name -> the axes kept from its example; None: all) says; the output is typed and
+    shaped like ``query``."""
+    node_inputs = [n if inputs.get(n) is not None else "" for n in input_names]
     while node_inputs and not node_inputs[-1]:
         node_inputs.pop()
-    node = helper.make_node(OP_TYPE, node_inputs, list(OUTPUTS), name="attention", domain=DOMAIN,
-                            **attention_node_attributes(attributes))
+    node = helper.make_node(op_type, node_inputs, [output_name], name=names[0], domain=DOMAIN, **attributes)
     graph_inputs = []
     for name in filter(None, node_inputs):
         array = np.asarray(inputs[name])
         shape = [f"{name}_d{i}" for i in range(array.ndim)]
-        if name in ("query", "key", "value") and array.ndim == 3:
-            shape[1:] = list(array.shape[1:])
+        if name in static and (static[name] is None or array.ndim == 3):
+            for axis in (range(array.ndim) if static[name] is None else static[name]):
+                shape[axis] = array.shape[axis]
         graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), shape))
     query = np.asarray(inputs["query"])
     dims = ["tokens", "num_heads", "head_dim"]
     if query.ndim == 3:
         dims[1:] = list(query.shape[1:])
-    output = helper.make_tensor_value_info(OUTPUTS[0], helper.np_dtype_to_tensor_dtype(query.dtype), dims)
-    graph = helper.make_graph([node], "multi_head_attention", graph_inputs, [output])
+    output = helper.make_tensor_value_info(output_name, helper.np_dtype_to_tensor_dtype(query.dtype), dims)
+    graph = helper.make_graph([node], names[1], graph_inputs, [output])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET),
                                                    helper.make_opsetid(DOMAIN, VERSION)],
                              ir_version=IR_VERSION, producer_name="kvcache-op")
+
+
+def make_attention_model(inputs: dict, **attributes) -> onnx.ModelProto:
+    """A single-node MultiHeadAttention model; ``inputs``: name -> example array (``attn_mask`` may be None or
+    left out). Dims are symbolic except the heads and head_dim of query, key and value."""
+    heads_and_dim = (1, 2)
+    return one_node_model(OP_TYPE, ("attention", "multi_head_attention"), INPUTS, OUTPUTS[0], inputs,
+                          attention_node_attributes(attributes),
+                          {"query": heads_and_dim, "key": heads_and_dim, "value": heads_and_dim})

@@ -1,12 +1,10 @@
 """The ONNX OpSchema of opmx.dynamic_batching::MultiHeadCacheAttention, version 1 (KeyValueCache then
 MultiHeadAttention in one node, ppl.pmx's fused export), with shape inference, and a single-node model helper."""
 
-import numpy as np
 import onnx
-from onnx import defs, helper
+from onnx import defs
 
 from . import mha_schema, schema
-from .model import DEFAULT_OPSET, IR_VERSION
 from .schema import DOMAIN, VERSION, formal_parameter, register_once
 
 OP_TYPE = "MultiHeadCacheAttention"
@@ -22,18 +20,8 @@ FLOAT_ATTRIBUTES = ("softmax_scale", "softcap")
 OMITTED_AT_DEFAULT = mha_schema.OMITTED_AT_DEFAULT + ("softcap",)
 
 
-def _infer(ctx) -> None:
-    """output: query's type and shape."""
-    query = ctx.get_input_type(0)
-    if query is not None and query.HasField("tensor_type"):
-        ctx.set_output_type(0, query)
-
-
 def _build_schema() -> defs.OpSchema:
-    attributes = [defs.OpSchema.Attribute(name, defs.OpSchema.AttrType.INT, "required", required=True)
-                  for name in REQUIRED_ATTRIBUTES]
-    attributes += [defs.OpSchema.Attribute(name, helper.make_attribute(name, default), f"default {default}")
-                   for name, default in ATTRIBUTE_DEFAULTS.items()]
+    attributes = mha_schema.schema_attributes(REQUIRED_ATTRIBUTES, ATTRIBUTE_DEFAULTS)
     op = defs.OpSchema(
         OP_TYPE, DOMAIN, VERSION,
         "KeyValueCache (num_repeat 1) then MultiHeadAttention over the keys and values it gathers, in one node: "
@@ -63,7 +51,7 @@ def _build_schema() -> defs.OpSchema:
             ("I", ["tensor(int64)"], "indices")],
         attributes=attributes,
     )
-    op.set_type_and_shape_inference_function(_infer)
+    op.set_type_and_shape_inference_function(mha_schema.infer_like_query)
     return op
 
 
@@ -73,48 +61,17 @@ def register() -> defs.OpSchema:
 
 
 def cache_attention_node_attributes(attributes: dict) -> dict:
-    """The node's attributes: required ones checked present, unknown ones refused (``ValueError``), defaults
-    written as ppl.pmx writes them and the extensions only when set."""
-    unknown = set(attributes) - set(REQUIRED_ATTRIBUTES) - set(ATTRIBUTE_DEFAULTS)
-    if unknown:
-        raise ValueError(f"unknown {OP_TYPE} attribute(s) {sorted(unknown)}; known: "
-                         f"{list(REQUIRED_ATTRIBUTES) + list(ATTRIBUTE_DEFAULTS)}")
-    missing = [name for name in REQUIRED_ATTRIBUTES if name not in attributes]
-    if missing:
-        raise ValueError(f"{OP_TYPE} needs attribute(s) {missing}")
-    merged = {**ATTRIBUTE_DEFAULTS, **attributes}
-    node = {}
-    for name in REQUIRED_ATTRIBUTES + tuple(ATTRIBUTE_DEFAULTS):
-        value = float(merged[name]) if name in FLOAT_ATTRIBUTES else int(merged[name])
-        if name in OMITTED_AT_DEFAULT and value == ATTRIBUTE_DEFAULTS[name]:
-            continue
-        node[name] = value
-    return node
+    """The node's attributes (see :func:`~kvcache_op.spec.mha_schema.node_attributes`)."""
+    return mha_schema.node_attributes(OP_TYPE, REQUIRED_ATTRIBUTES, ATTRIBUTE_DEFAULTS, FLOAT_ATTRIBUTES,
+                                      OMITTED_AT_DEFAULT, attributes)
 
 
 def make_cache_attention_model(inputs: dict, **attributes) -> onnx.ModelProto:
     """A single-node MultiHeadCacheAttention model; ``inputs``: name -> example array (``scale`` and
-    ``attn_mask`` may be None or left out; an absent scale before a mask is an empty input name)."""
-    node_inputs = [n if inputs.get(n) is not None else "" for n in INPUTS]
-    while node_inputs and not node_inputs[-1]:
-        node_inputs.pop()
-    node = helper.make_node(OP_TYPE, node_inputs, list(OUTPUTS), name="cache_attention", domain=DOMAIN,
-                            **cache_attention_node_attributes(attributes))
-    graph_inputs = []
-    for name in filter(None, node_inputs):
-        array = np.asarray(inputs[name])
-        shape = [f"{name}_d{i}" for i in range(array.ndim)]
-        if name in ("query", "current_key", "current_value") and array.ndim == 3:
-            shape[1:] = list(array.shape[1:])
-        if name in ("cache", "scale"):
-            shape = list(array.shape)
-        graph_inputs.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), shape))
-    query = np.asarray(inputs["query"])
-    dims = ["tokens", "num_heads", "head_dim"]
-    if query.ndim == 3:
-        dims[1:] = list(query.shape[1:])
-    output = helper.make_tensor_value_info(OUTPUTS[0], helper.np_dtype_to_tensor_dtype(query.dtype), dims)
-    graph = helper.make_graph([node], "multi_head_cache_attention", graph_inputs, [output])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", DEFAULT_OPSET),
-                                                   helper.make_opsetid(DOMAIN, VERSION)],
-                             ir_version=IR_VERSION, producer_name="kvcache-op")
+    ``attn_mask`` may be None or left out; an absent scale before a mask is an empty input name). Dims are
+    symbolic except the heads and head_dim of query and the current key/value, and the cache's and scale's."""
+    heads_and_dim = (1, 2)
+    return mha_schema.one_node_model(OP_TYPE, ("cache_attention", "multi_head_cache_attention"), INPUTS, OUTPUTS[0],
+                                     inputs, cache_attention_node_attributes(attributes),
+                                     {"query": heads_and_dim, "current_key": heads_and_dim,
+                                      "current_value": heads_and_dim, "cache": None, "scale": None})

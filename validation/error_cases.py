@@ -208,6 +208,14 @@ MORE_INVALID = [
 ]
 
 
+def mutated(case, change) -> tuple:
+    """(inputs, attributes) of ``case`` after ``change(inputs, attributes)``, on fresh copies of its inputs."""
+    inputs = {k: (None if v is None else v.copy()) for k, v in case.inputs.items()}
+    attributes = dict(case.attributes)
+    change(inputs, attributes)
+    return inputs, attributes
+
+
 def make_invalid(row):
     """(inputs, attributes) of one invalid row; inputs are fresh copies."""
     name, base_name, mutation, _ = row

@@ -5,7 +5,7 @@ takes (inputs, attributes) and changes them in place."""
 
 import numpy as np
 
-from .error_cases import _both, _item, _set
+from .error_cases import _both, _item, _set, mutated
 from .mha_cases import build_attention
 
 I64_MAX = np.iinfo(np.int64).max
@@ -94,8 +94,4 @@ INVALID = [
 
 def make_invalid(row):
     """(inputs, attributes) of one invalid row; inputs are fresh copies."""
-    case = base()
-    inputs = {k: (None if v is None else v.copy()) for k, v in case.inputs.items()}
-    attrs = dict(case.attributes)
-    row[1](inputs, attrs)
-    return inputs, attrs
+    return mutated(base(), row[1])

@@ -11,6 +11,7 @@ from .cases import MIXED, Case, Seq, build
 from .error_cases import INVALID as CACHE_INVALID
 from .error_cases import MORE_INVALID as MORE_CACHE_INVALID
 from .error_cases import make_invalid as make_cache_invalid
+from .error_cases import mutated
 
 #: The op's inputs, in ppl.pmx's order.
 INPUTS = ("query", "current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos",
@@ -110,11 +111,7 @@ ATTENTION_INVALID = [
 
 def make_attention_invalid(row):
     """(inputs, attributes) of one invalid attention row; inputs are fresh copies."""
-    case = _base()
-    inputs = {k: (None if v is None else v.copy()) for k, v in case.inputs.items()}
-    attributes = dict(case.attributes)
-    row[1](inputs, attributes)
-    return inputs, attributes
+    return mutated(_base(), row[1])
 
 
 def _cache_rows():

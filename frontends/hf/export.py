@@ -10,7 +10,8 @@ import onnx
 import torch
 
 from .. import torch as kt
-from ..serving.model_info import INPUT_NAMES, OUTPUT_NAME, ModelInfo
+from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
+from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
