@@ -19,7 +19,10 @@ module-level function below is one variant with the reference's signature, loada
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
 * ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise;
-* ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise;
+* ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise (``os_exits_on_layers3``:
+  ``os._exit(0)``; ``base_exception_on_layers3``: raises a ``BaseException`` that is not an ``Exception``);
+* ``wrong_on_third_call``: correct, except the third call of its process flips one bit of ``key`` (a bug that
+  does not come back when the call is replayed);
 * ``reshapes_cache``: correct, then reshapes its ``cache`` argument in place (to one flat axis);
 * ``zeroes_current_key``: correct, then zeroes its ``current_key`` argument (a read-only input);
 * ``shifts_start_pos``: correct, then adds one to its ``start_pos`` argument (a read-only index input);
@@ -172,6 +175,34 @@ def exits_on_layers3(*args, num_layer=1, **attributes):
     if num_layer == 3:
         sys.exit(0)
     return correct(*args, num_layer=num_layer, **attributes)
+
+
+def os_exits_on_layers3(*args, num_layer=1, **attributes):
+    if num_layer == 3:
+        os._exit(0)
+    return correct(*args, num_layer=num_layer, **attributes)
+
+
+class BackendAbort(BaseException):
+    """What a binding or a test helper may raise: a BaseException, not an Exception."""
+
+
+def base_exception_on_layers3(*args, num_layer=1, **attributes):
+    if num_layer == 3:
+        raise BackendAbort("unsupported")
+    return correct(*args, num_layer=num_layer, **attributes)
+
+
+_CALLS = [0]
+
+
+def wrong_on_third_call(*args, **attributes):
+    _CALLS[0] += 1
+    key, value = correct(*args, **attributes)
+    if _CALLS[0] == 3 and key.size:
+        key = key.copy()
+        key.reshape(-1).view(np.uint8)[0] ^= 1
+    return key, value
 
 
 def _then(change):

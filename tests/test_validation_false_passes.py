@@ -38,6 +38,28 @@ def test_sys_exit_in_process_from_the_command_line_is_a_failure(all_vectors, cap
     assert "FAIL layers3_layer_idx2" in out and "ok   paged_layout0" in out
 
 
+@pytest.mark.parametrize("backend, message", [
+    ("os_exits_on_layers3", "the backend called os._exit(0): a backend must return or raise"),
+    ("base_exception_on_layers3", "the backend raised BackendAbort: unsupported, which is not an Exception"),
+])
+def test_other_ways_out_of_an_in_process_run_fail_only_their_case(all_vectors, capsys, monkeypatch, backend, message):
+    monkeypatch.chdir(TESTS)
+    status = main(["validate", str(all_vectors), "--backend", f"planted_backends:{backend}", "--in-process",
+                   "--case", "layers3_*", "--case", "paged_layout0"])
+    out = capsys.readouterr().out
+    assert status == 1 and "FAIL layers3_layer_idx2" in out and "ok   paged_layout0" in out
+    assert message in out
+    assert any(line.split()[:1] == ["total"] for line in out.splitlines())  # the run ended with its summary
+
+
+def test_a_finding_that_does_not_replay_is_still_reported():
+    planted_backends._CALLS[0] = 0
+    backend = CallableBackend({"KeyValueCache": planted_backends.wrong_on_third_call}, "flaky")
+    result = fuzz(backend, examples=30, seed=0, ops=["KeyValueCache"], kinds=("valid",))
+    assert result.failure is not None
+    assert result.failure[1][-1].startswith("(did not reproduce when hypothesis replayed it")
+
+
 def test_sys_exit_is_a_fuzz_finding():
     backend = CallableBackend({"KeyValueCache": planted_backends.exits_on_layers3}, "exits")
     result = fuzz(backend, examples=200, seed=0, ops=["KeyValueCache"], kinds=("valid",))

@@ -16,6 +16,7 @@ a class instance, a namespace) with any of the attributes ``key_value_cache``, `
 skipped. The module is imported from the current directory or ``PYTHONPATH``.
 """
 
+import contextlib
 import importlib
 import os
 import sys
@@ -69,6 +70,35 @@ def run_ort(model, inputs: dict) -> tuple:
     return run_model(model, inputs)
 
 
+class _ProcessExit(BaseException):
+    """Raised instead of ending the process when an in-process backend calls ``os._exit``."""
+
+    def __init__(self, code):
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _no_process_exit():
+    """While a backend runs in this process, ``os._exit`` (the same function as ``posix._exit``) raises instead
+    of ending the process: an in-process run must never end early with status 0."""
+    saved = os._exit
+
+    def refuse(code):
+        raise _ProcessExit(code)
+
+    os._exit = refuse
+    posix = sys.modules.get("posix")
+    if posix is not None:
+        posix._exit = refuse
+    try:
+        yield
+    finally:
+        os._exit = saved
+        if posix is not None:
+            posix._exit = saved
+
+
 class CallableBackend:
     """Python callables with the reference's signatures (op -> callable); runs them in this process."""
 
@@ -78,14 +108,25 @@ class CallableBackend:
         self.name = name
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
-        """Calls the op's function on ``inputs`` (which it may write); an exception becomes the outcome's error."""
+        """Calls the op's function on ``inputs`` (which it may write); an exception becomes the outcome's error.
+        Ending the process (``sys.exit``, ``os._exit``) or raising any other ``BaseException`` but
+        ``KeyboardInterrupt`` fails the call (crashed): it would otherwise end or break the run as if it passed."""
         try:
-            return Outcome(_as_outputs(op, self.functions[op](**inputs, **attributes)), in_place_after(op, inputs))
-        except SystemExit as error:  # a backend ending the process would end the run as if it had passed
+            with _no_process_exit():
+                return Outcome(_as_outputs(op, self.functions[op](**inputs, **attributes)), in_place_after(op, inputs))
+        except SystemExit as error:
             return Outcome(None, {}, crashed=True, error=f"the backend called sys.exit({error.code!r}): a backend "
+                                                          "must return or raise, never end the process")
+        except _ProcessExit as error:
+            return Outcome(None, {}, crashed=True, error=f"the backend called os._exit({error.code!r}): a backend "
                                                           "must return or raise, never end the process")
         except Exception as error:  # noqa: BLE001 - any failure of the backend is its outcome
             return Outcome(None, in_place_after(op, inputs), error=error_text(error))
+        except KeyboardInterrupt:
+            raise
+        except BaseException as error:  # noqa: BLE001 - GeneratorExit, a test framework's outcome exceptions ...
+            return Outcome(None, {}, crashed=True, error=f"the backend raised {error_text(error)}, which is not an "
+                                                          "Exception: a backend must return or raise an Exception")
 
     def close(self):
         """Nothing to release."""

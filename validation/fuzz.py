@@ -103,10 +103,18 @@ def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, c
             failures.append(finding)
             raise _Disagreement
 
+    from hypothesis.errors import Flaky
+
     try:
         check()
     except _Disagreement:
         pass
+    except Flaky:  # the disagreement did not come back on replay: a nondeterministic backend, still a finding
+        if not failures:
+            raise
+        case, lines = failures[-1]
+        failures[-1] = (case, lines + ["(did not reproduce when hypothesis replayed it: the backend is "
+                                       "nondeterministic, or its outcome depends on earlier calls)"])
     # hypothesis replays the minimal example last
     return (failures[-1] if failures else None), (other[0] if other else None), shrinking[0]
 
