@@ -22,11 +22,15 @@ const char* OtherType(const OrtKernelInfo* info, const char* name, const char* e
   if (std::string(expected) != "INT" && Ok(api.KernelInfoGetAttribute_int64(info, name, &i))) return "INT";
   if (std::string(expected) != "FLOAT" && Ok(api.KernelInfoGetAttribute_float(info, name, &f))) return "FLOAT";
   if (Ok(api.KernelInfoGetAttribute_string(info, name, nullptr, &size))) return "STRING";
-  size = 0;
-  if (Ok(api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &size))) return "INTS";
-  size = 0;
-  if (Ok(api.KernelInfoGetAttributeArray_float(info, name, nullptr, &size))) return "FLOATS";
-  return nullptr;
+  // Asked for its size only, ORT's list getters answer for an attribute of any type (the size of their own
+  // kind of list in it, 0 when it holds none): the non-empty one tells the type.
+  size_t floats = 0, ints = 0;
+  const bool found_floats = Ok(api.KernelInfoGetAttributeArray_float(info, name, nullptr, &floats));
+  const bool found_ints = Ok(api.KernelInfoGetAttributeArray_int64(info, name, nullptr, &ints));
+  const bool found = found_floats || found_ints;
+  if (floats) return "FLOATS";
+  if (ints) return "INTS";
+  return found ? "a list, tensor or graph" : nullptr;
 }
 
 [[noreturn]] void WrongType(const char* name, const char* expected, const char* got) {

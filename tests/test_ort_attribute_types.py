@@ -41,6 +41,9 @@ def _with_attribute(model, name, value):
     ("MultiHeadAttention", "is_causal", "yes", "INT", "STRING"),
     ("KeyValueCache", "page_size", 4.0, "INT", "FLOAT"),
     ("KeyValueCache", "quant_bit", [8], "INT", "INTS"),
+    ("KeyValueCache", "page_size", [4.0, 8.0], "INT", "FLOATS"),
+    ("MultiHeadAttention", "softmax_scale", [0.5], "FLOAT", "FLOATS"),
+    ("MultiHeadAttention", "num_heads", ["a", "b"], "INT", "a list, tensor or graph"),
     ("KeyCacheRotaryShift", "rotary_dim", 4.0, "INT", "FLOAT"),
 ])
 def test_a_wrongly_typed_attribute_is_refused_by_name(op, name, value, expected, got):
