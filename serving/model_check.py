@@ -6,6 +6,9 @@ page size, window or cache type."""
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -16,6 +19,7 @@ FLOAT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bf
 CACHE_TYPES = {8: TensorProto.INT8, 4: TensorProto.INT4}
 # name -> (what it must be, check); bool is an int in Python and is refused wherever an integer is meant.
 _INT = (lambda v: isinstance(v, int) and not isinstance(v, bool))
+_NUMBER = (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool))
 _FIELDS = {
     "family": ("a string", lambda v: isinstance(v, str)),
     "num_layers": ("an integer >= 1", lambda v: _INT(v) and v >= 1),
@@ -25,9 +29,9 @@ _FIELDS = {
     "vocab_size": ("an integer >= 1", lambda v: _INT(v) and v >= 1),
     "max_positions": ("an integer >= 1", lambda v: _INT(v) and v >= 1),
     "sliding_windows": ("a list of integers >= 0", lambda v: isinstance(v, tuple) and all(_INT(w) and w >= 0 for w in v)),
-    "inv_freq": ("a list of numbers", lambda v: isinstance(v, tuple) and all(isinstance(f, (int, float)) and
-                                                                             not isinstance(f, bool) for f in v)),
-    "softmax_scale": ("a number > 0", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0),
+    "inv_freq": ("a non-empty list of finite numbers > 0",
+                 lambda v: isinstance(v, tuple) and len(v) > 0 and all(_NUMBER(f) and 0 < f < math.inf for f in v)),
+    "softmax_scale": ("a finite number > 0", lambda v: _NUMBER(v) and 0 < v < math.inf),
     "eos_token_ids": ("a list of integers >= 0", lambda v: isinstance(v, tuple) and all(_INT(t) and t >= 0 for t in v)),
     "page_size": ("an integer >= 1", lambda v: _INT(v) and v >= 1),
     "quant_bit": ("0, 4 or 8", lambda v: _INT(v) and v in (0, 4, 8)),
@@ -54,6 +58,9 @@ def check_values(values: dict) -> None:
                             "when the cache is quantized)")
         if v["quant_bit"] and v["head_dim"] % v["quant_group"]:
             problems.append(f"quant_group = {v['quant_group']} does not divide head_dim = {v['head_dim']}")
+        if 2 * len(v["inv_freq"]) > v["head_dim"]:
+            problems.append(f"inv_freq has {len(v['inv_freq'])} frequencies: a rotary dim of {2 * len(v['inv_freq'])} "
+                            f"> head_dim = {v['head_dim']}")
         if any(t >= v["vocab_size"] for t in v["eos_token_ids"]):
             problems.append(f"eos_token_ids {list(v['eos_token_ids'])} reach past vocab_size = {v['vocab_size']}")
     if problems:
@@ -79,8 +86,13 @@ def check_graph(info, model: onnx.ModelProto) -> None:
         problems.append(f"the graph lacks the inputs {missing} (a decoder exported by kvcache_op.hf has {wanted})")
     if info.quant_bit == 0 and "scale" in inputs:
         problems.append("the graph has a scale input but quant_bit is 0")
-    if OUTPUT_NAME not in [o.name for o in model.graph.output]:
+    outputs = {o.name: o for o in model.graph.output}
+    if OUTPUT_NAME not in outputs:
         problems.append(f"the graph has no output {OUTPUT_NAME!r}")
+    else:
+        vocab = _dims(outputs[OUTPUT_NAME])[-1:]
+        if vocab and vocab[0] is not None and vocab[0] != info.vocab_size:
+            problems.append(f"the logits have {vocab[0]} columns, the metadata says vocab_size = {info.vocab_size}")
     cache = inputs.get("cache")
     if cache is not None:
         element = CACHE_TYPES.get(info.quant_bit, FLOAT_TYPES.get(info.cache_dtype))
@@ -88,7 +100,14 @@ def check_graph(info, model: onnx.ModelProto) -> None:
             problems.append(f"the cache input is {TensorProto.DataType.Name(cache.type.tensor_type.elem_type)}, "
                             f"not {TensorProto.DataType.Name(element)} (quant_bit {info.quant_bit}, cache_dtype "
                             f"{info.cache_dtype})")
-        problems += _cache_shape_problems(info, _dims(cache))
+        problems += _cache_shape_problems(info, _dims(cache), info.head_dim, "cache")
+    scale = inputs.get("scale")
+    if scale is not None and info.quant_bit:
+        element = FLOAT_TYPES[info.scale_dtype]
+        if scale.type.tensor_type.elem_type != element:
+            problems.append(f"the scale input is {TensorProto.DataType.Name(scale.type.tensor_type.elem_type)}, "
+                            f"not {TensorProto.DataType.Name(element)} (scale_dtype {info.scale_dtype})")
+        problems += _cache_shape_problems(info, _dims(scale), info.head_dim // info.quant_group, "scale")
     kv = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "KeyValueCache"]
     attention = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "MultiHeadAttention"]
     if len(kv) != info.num_layers or len(attention) != info.num_layers:
@@ -105,7 +124,8 @@ def check_graph(info, model: onnx.ModelProto) -> None:
         window = info.sliding_windows[i] if i < len(info.sliding_windows) else None
         problems += _attribute_problems(f"MultiHeadAttention node {node.name or i!r} (layer {i})", _attributes(node),
                                         dict(num_heads=info.num_heads, head_dim=info.head_dim,
-                                             num_kv_heads=info.num_kv_heads, sliding_window=window))
+                                             num_kv_heads=info.num_kv_heads, sliding_window=window,
+                                             softmax_scale=info.softmax_scale))
     if problems:
         raise ValueError("the model's kvcache_op metadata does not match its graph: " + "; ".join(problems) +
                          " (re-export it with kvcache_op.hf.export_model)")
@@ -116,25 +136,30 @@ _KV_DEFAULTS = dict(num_layer=1, layer_idx=0, quant_bit=0, quant_group=8, num_re
 
 
 def _attribute_problems(where: str, got: dict, want: dict, kv_defaults=False) -> list:
-    defaults = _KV_DEFAULTS if kv_defaults else {"num_kv_heads": 0, "sliding_window": 0}
+    defaults = _KV_DEFAULTS if kv_defaults else {"num_kv_heads": 0, "sliding_window": 0, "softmax_scale": 0.0}
     problems = []
     for name, value in want.items():
         have = got.get(name, defaults.get(name))
         if name == "num_kv_heads" and have == 0:
             have = want["num_heads"]  # 0 means as many as the query heads
+        if name == "softmax_scale":  # a float32 attribute; 0 means 1/sqrt(head_dim)
+            have = np.float32(have) if have else np.float32(1 / math.sqrt(want["head_dim"]))
+            value = np.float32(value)
         if have != value:
             problems.append(f"{where} has {name} = {have}, the metadata says {value}")
     return problems
 
 
-def _cache_shape_problems(info, dims: list) -> list:
-    """The cache's static axes against the metadata: rank 5, layers, kv 2, heads and head_dim where they lie in
-    ``info.cache_layout`` (int4 packs head_dim in pairs)."""
+def _cache_shape_problems(info, dims: list, last: int, name: str) -> list:
+    """The static axes of the cache (``last``: head_dim) or scale (head_dim / quant_group) input against the
+    metadata: rank 5, layers, kv 2, heads and the last axis where they lie in ``info.cache_layout`` (an int4
+    cache's last axis is not checked: logical or packed, as the exporter typed it)."""
     from ..reference.layout import cache_shape
 
     if len(dims) != 5:
-        return [f"the cache input has rank {len(dims)}, not 5"]
-    head_dim = -1 if info.quant_bit == 4 else info.head_dim  # int4: logical or packed, as the exporter typed it
-    want = cache_shape(info.cache_layout, info.num_layers, -1, info.num_kv_heads, head_dim)
-    return [f"the cache input's axis {axis} is {have}, the metadata (layout {info.cache_layout}) says {size}"
+        return [f"the {name} input has rank {len(dims)}, not 5"]
+    if name == "cache" and info.quant_bit == 4:
+        last = -1
+    want = cache_shape(info.cache_layout, info.num_layers, -1, info.num_kv_heads, last)
+    return [f"the {name} input's axis {axis} is {have}, the metadata (layout {info.cache_layout}) says {size}"
             for axis, (have, size) in enumerate(zip(dims, want)) if size != -1 and have is not None and have != size]

@@ -15,6 +15,11 @@ PREFIX = "kvcache_op."
 FORMAT_VERSION = 1
 
 
+def _refuse_constant(name: str):
+    """NaN and Infinity: Python's json reads them, standard JSON has no such values."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderSizes:
     """A decoder's sizes, rotary frequencies, per-layer windows and stop tokens."""
@@ -70,7 +75,7 @@ class ModelInfo(DecoderSizes):
             if field.name not in entries:
                 raise ValueError(f"kvcache_op metadata lacks {field.name!r}: re-export the model")
             try:
-                value = json.loads(entries[field.name])
+                value = json.loads(entries[field.name], parse_constant=_refuse_constant)
             except ValueError:
                 raise ValueError(f"kvcache_op metadata {field.name!r} is not JSON: {entries[field.name]!r} (re-export "
                                  "the model)") from None

@@ -14,9 +14,10 @@ from kvcache_op import spec  # noqa: E402
 from kvcache_op.serving import Engine, ModelInfo  # noqa: E402
 
 
-def _edited(tmp_path, **changes):
-    """The exported llama (page 16, float32, no window) with metadata values replaced (raw strings)."""
-    model = onnx.load(hf_models.exported("llama"), load_external_data=False)
+def _edited(tmp_path, settings=None, **changes):
+    """The exported llama (page 16, float32, no window; ``settings``: export_model keywords) with metadata values
+    replaced (raw strings)."""
+    model = onnx.load(hf_models.exported("llama", **(settings or {})), load_external_data=False)
     for prop in model.metadata_props:
         key = prop.key.removeprefix("kvcache_op.")
         if key in changes:
@@ -38,8 +39,14 @@ def _edited(tmp_path, **changes):
     (dict(num_layers="2", sliding_windows="[0, 0]"), "3 KeyValueCache and 3 MultiHeadAttention nodes for num_layers = 2"),
     (dict(cache_dtype='"float16"'), "the cache input is FLOAT, not FLOAT16"),
     (dict(num_kv_heads="3"), "is not a multiple of num_kv_heads = 3"),
-    (dict(head_dim="8"), "the cache input's axis 4 is 16, the metadata (layout 0) says 8"),
+    (dict(head_dim="8", inv_freq="[1.0, 0.5, 0.25, 0.125]"), "the cache input's axis 4 is 16, the metadata (layout 0) says 8"),
     (dict(eos_token_ids="[100000]"), "reach past vocab_size"),
+    (dict(vocab_size="1000"), "the logits have 384 columns, the metadata says vocab_size = 1000"),
+    (dict(softmax_scale="0.5"), "has softmax_scale = 0.25, the metadata says 0.5"),
+    (dict(softmax_scale="Infinity"), "'softmax_scale' is not JSON: 'Infinity'"),
+    (dict(inv_freq="[NaN, 1.0]"), "'inv_freq' is not JSON"),
+    (dict(inv_freq="[" + ", ".join(["0.5"] * 9) + "]"), "a rotary dim of 18 > head_dim = 16"),
+    (dict(inv_freq="[]"), "inv_freq = () (must be a non-empty list of finite numbers > 0)"),
 ])
 def test_a_contradicted_or_invalid_value_is_refused_by_name(tmp_path, changes, message):
     path = _edited(tmp_path, **changes)
@@ -48,6 +55,16 @@ def test_a_contradicted_or_invalid_value_is_refused_by_name(tmp_path, changes, m
     assert message in str(error.value)
     with pytest.raises(ValueError, match="re-export"):
         Engine(path, num_pages=8)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(scale_dtype='"float16"'), "the scale input is FLOAT, not FLOAT16 (scale_dtype float16)"),
+    (dict(quant_group="4"), "the scale input's axis 4 is 2, the metadata (layout 0) says 4"),
+])
+def test_a_quantized_export_checks_its_scale(tmp_path, changes, message):
+    with pytest.raises(ValueError) as error:
+        ModelInfo.of_model(_edited(tmp_path, dict(quant_bit=8), **changes))
+    assert message in str(error.value)
 
 
 def test_an_attention_only_graph_is_refused(tmp_path):
