@@ -35,9 +35,18 @@ def _one_line_error(capsys, argv) -> str:
     (["slots-demo", "--steps", "0"], "--steps: must be >= 1, got 0"),
     (["conformance", "--out", "/proc/nope", "--case", "paged_layout0"], "cannot write /proc/nope"),
     (["no-such-command"], "invalid choice: 'no-such-command'"),
+    (["fuzz", "--out", "/proc/nope"], "--out /proc/nope: cannot write in /proc"),
+    (["demo", "--out", "/proc/nope"], "--out /proc/nope: cannot write in /proc"),
+    (["demo", "--seed", "-1"], "--seed: must be >= 0, got -1"),
 ])
 def test_bad_arguments_are_one_line(capsys, argv, message):
     assert message in _one_line_error(capsys, argv)
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_fuzzing(tmp_path, capsys):
+    (tmp_path / "taken").write_text("")
+    line = _one_line_error(capsys, ["fuzz", "--out", str(tmp_path / "taken")])
+    assert line.endswith(f"{tmp_path / 'taken'} exists and is not a folder")
 
 
 def test_listing_a_folder_with_a_corrupt_model_names_it(tmp_path, capsys):

@@ -29,6 +29,25 @@ def _at_least(low: int):
     return parse
 
 
+def _writable_folder_problem(path) -> str:
+    """Why a folder cannot be made (or written) at ``path``, or "" when it can: the nearest existing folder on
+    the way must take a new entry, which is tried (a permission check alone says yes to root, even in /proc)."""
+    import pathlib
+    import tempfile
+
+    target = pathlib.Path(path)
+    if target.exists() and not target.is_dir():
+        return f"{path} exists and is not a folder"
+    ancestor = target if target.exists() else next((p for p in target.absolute().parents if p.exists()), None)
+    if ancestor is None or not ancestor.is_dir():
+        return f"{ancestor} is not a folder"
+    try:
+        tempfile.TemporaryDirectory(dir=ancestor).cleanup()
+    except OSError as error:
+        return f"cannot write in {ancestor}: {error.strerror or error}"
+    return ""
+
+
 def _positive_seconds(text: str) -> float:
     try:
         value = float(text)
@@ -98,6 +117,9 @@ def _fuzz(args) -> int:
     from .validation import BackendLoadError, run_fuzz
 
     kinds = ("valid", "invalid") if args.calls == "both" else (args.calls,)
+    problem = _writable_folder_problem(args.out)
+    if problem:
+        return _fail("fuzz", f"--out {args.out}: {problem}")
     try:
         return run_fuzz(args.backend, examples=args.examples, seed=args.seed, ops=args.op, kinds=kinds,
                         tolerance=args.tolerance, out=args.out, progress=print, **_backend_options(args))
@@ -132,6 +154,10 @@ def _add_backend_arguments(parser) -> None:
 def _demo(args) -> int:
     from .demo import run_demo
 
+    if args.out:
+        problem = _writable_folder_problem(args.out)
+        if problem:
+            return _fail("demo", f"--out {args.out}: {problem}")
     if args.provider:
         import onnxruntime
 
@@ -193,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable; default: the "
                                                           "CUDA EP when available, else the CPU EP)")
     demo.add_argument("--out", help="folder for the exported model (default: a new temporary folder)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=_at_least(0), default=0)
     demo.set_defaults(func=_demo)
     slots = sub.add_parser("slots-demo", help="a scripted run of the KeyValueCache op alone through a paged cache, "
                                               "printing which slots each step stored and gathered")

@@ -81,7 +81,7 @@ def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, nu
                                  arrival_steps=workload.arrival_steps, on_token=lambda i, token: bar.advance())
     except (RuntimeError, ValueError) as error:  # e.g. too few pages for one request: a line, not a traceback
         bar.close()
-        print(f"error: {error}")
+        print(f"kvcache-op demo: error: {error}", file=sys.stderr)
         return 2
     bar.close()
     m = engine.metrics()
