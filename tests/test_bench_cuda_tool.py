@@ -78,8 +78,11 @@ def test_cuda_help_is_the_cuda_tools(capsys):
 
 
 def test_bad_repeat_counts_are_refused_before_anything_runs(capsys):
-    assert bench_op(["--device", "cuda", "--repeats", "0"]) == 2
-    assert "--repeats must be >= 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        bench_op(["--device", "cuda", "--repeats", "0"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--repeats: must be >= 1, got 0" in err[0]
 
 
 def test_cases_cover_the_asked_shapes():

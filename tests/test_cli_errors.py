@@ -67,3 +67,15 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"kvcache-op {__version__}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "op", "--repeats", "-1"], "--repeats: must be >= 1, got -1"),
+    (["bench", "op", "--out", "/proc/nope"], "--out: cannot write in /proc"),
+    (["bench", "manager", "--requests", "0"], "--requests: must be >= 1, got 0"),
+    (["bench", "manager", "--page-size", "0"], "--page-size: must be >= 1, got 0"),
+    (["bench", "attention", "--warmup", "-2"], "--warmup: must be >= 0, got -2"),
+    (["bench", "op", "--no-such-option"], "unrecognized arguments: --no-such-option"),
+])
+def test_benchmark_arguments_are_checked_as_one_line(capsys, argv, message):
+    assert message in _one_line_error(capsys, argv)

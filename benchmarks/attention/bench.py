@@ -24,6 +24,8 @@ import sys
 
 import numpy as np
 
+from ...arguments import OneLineParser, at_least, out_folder
+
 from ..bound_session import aligned_empty, bound_run
 
 from ..timing import cpu_device, median_seconds
@@ -294,11 +296,11 @@ def summary(rows) -> str:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, default=2, help="intra_op_num_threads of both sessions")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json")
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=at_least(1), default=2, help="intra_op_num_threads of both sessions")
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=7)
+    parser.add_argument("--out", type=out_folder, help="folder for results.md/json")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     parser.add_argument("--probe", nargs=2, metavar=("METHOD", "SHAPE_JSON"), help=argparse.SUPPRESS)

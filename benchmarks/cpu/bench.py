@@ -21,6 +21,8 @@ import sys
 
 import numpy as np
 
+from ...arguments import OneLineParser, at_least, out_folder
+
 from ..bound_session import aligned_empty
 from ..chart import paired_bar_chart
 from ..kv_shapes import SHAPES, QUICK_SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner
@@ -162,13 +164,13 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="intra_op_num_threads values")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7, help="timed calls per measurement (their median counts)")
-    parser.add_argument("--rounds", type=int, default=5, help="measurements per case (the table shows their median)")
-    parser.add_argument("--reference-repeats", type=int, default=3)
-    parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=at_least(1), nargs="+", default=[1, 2], help="intra_op_num_threads values")
+    parser.add_argument("--warmup", type=at_least(0), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=7, help="timed calls per measurement (their median counts)")
+    parser.add_argument("--rounds", type=at_least(1), default=5, help="measurements per case (the table shows their median)")
+    parser.add_argument("--reference-repeats", type=at_least(1), default=3)
+    parser.add_argument("--out", type=out_folder, help="folder for results.md/json and chart.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     args = parser.parse_args(argv)
     # Settings that change what runs: another build of the library, BLAS threads competing for the cores.

@@ -36,13 +36,14 @@ time / op time (1.0: the op moves its bytes as fast as a plain copy); ``vs torch
 
 import argparse
 import dataclasses
-import pathlib
 import shlex
 import statistics
 import sys
 import time
 
 import numpy as np
+
+from ...arguments import OneLineParser, at_least, out_folder
 
 from ...reference.dtypes import BFLOAT16
 from ...validation.call_slots import call_slots
@@ -263,11 +264,11 @@ def table_line(case: Case, row: dict) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvcache_op.benchmarks.gpu.bench",
+    parser = OneLineParser(prog="python -m kvcache_op.benchmarks.gpu.bench",
                                      description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", type=pathlib.Path, help="folder for results.md/json and chart.png")
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--repeats", type=at_least(1), default=20)
+    parser.add_argument("--out", type=out_folder, help="folder for results.md/json and chart.png")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     return parser
 
@@ -277,9 +278,6 @@ def main(argv=None) -> int:
     needs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        print("CUDA benchmark: --repeats must be >= 1 and --warmup >= 0", file=sys.stderr)
-        return 2
     missing = missing_requirements()
     if missing:
         print("CUDA benchmark: cannot run: " + "; ".join(missing), file=sys.stderr)

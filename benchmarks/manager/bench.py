@@ -26,6 +26,8 @@ import sys
 
 import numpy as np
 
+from ...arguments import OneLineParser, at_least, out_folder
+
 from . import workloads as work
 
 ARRAYS = "manager, schedule_decode"
@@ -230,29 +232,29 @@ def load_average() -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2000)
-    parser.add_argument("--prompt-len", type=int, default=1024)
-    parser.add_argument("--shared", type=int, default=512, help="shared system-prompt tokens")
-    parser.add_argument("--families", type=int, default=8)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--pages", type=int, default=32768, help="pool size (the workload overflows it: eviction)")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--kvlen", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=64, help="decode steps per round")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds")
-    parser.add_argument("--mixed-kvlens", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--mixed-prefills", type=int, nargs="+", default=[0, 4, 16, 64])
-    parser.add_argument("--prefill-len", type=int, default=128)
-    parser.add_argument("--chat-conversations", type=int, default=64)
-    parser.add_argument("--chat-turns", type=int, default=6)
-    parser.add_argument("--chat-user-len", type=int, default=48)
-    parser.add_argument("--chat-reply-len", type=int, default=32)
-    parser.add_argument("--chat-concurrent", type=int, default=16)
-    parser.add_argument("--chat-pages", type=int, default=1024)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=at_least(1), default=2000)
+    parser.add_argument("--prompt-len", type=at_least(1), default=1024)
+    parser.add_argument("--shared", type=at_least(0), default=512, help="shared system-prompt tokens")
+    parser.add_argument("--families", type=at_least(1), default=8)
+    parser.add_argument("--page-size", type=at_least(1), default=16)
+    parser.add_argument("--pages", type=at_least(1), default=32768, help="pool size (the workload overflows it: eviction)")
+    parser.add_argument("--batch", type=at_least(1), default=256)
+    parser.add_argument("--kvlen", type=at_least(1), default=1024)
+    parser.add_argument("--steps", type=at_least(1), default=64, help="decode steps per round")
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="rounds")
+    parser.add_argument("--mixed-kvlens", type=at_least(1), nargs="+", default=[256, 1024, 4096])
+    parser.add_argument("--mixed-prefills", type=at_least(0), nargs="+", default=[0, 4, 16, 64])
+    parser.add_argument("--prefill-len", type=at_least(1), default=128)
+    parser.add_argument("--chat-conversations", type=at_least(1), default=64)
+    parser.add_argument("--chat-turns", type=at_least(1), default=6)
+    parser.add_argument("--chat-user-len", type=at_least(1), default=48)
+    parser.add_argument("--chat-reply-len", type=at_least(1), default=32)
+    parser.add_argument("--chat-concurrent", type=at_least(1), default=16)
+    parser.add_argument("--chat-pages", type=at_least(1), default=1024)
     parser.add_argument("--baseline", type=pathlib.Path, help="folder holding another revision's 'manager' package")
     parser.add_argument("--baseline-name", default="baseline", help="its name in the tables")
-    parser.add_argument("--out", type=pathlib.Path)
+    parser.add_argument("--out", type=out_folder)
     args = parser.parse_args(argv)
     if len(args.mixed_prefills) < 2:
         parser.error("--mixed-prefills needs at least two counts (the second is used for the context sweep)")

@@ -9,7 +9,6 @@ sampling and retiring finished requests.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import statistics
@@ -17,6 +16,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from ...arguments import OneLineParser, at_least, out_folder
 
 MODELS = {  # name -> transformers config overrides of the demo's tiny decoder
     "tiny": dict(max_position_embeddings=4096),
@@ -67,13 +68,13 @@ def table(rows: list, command: str, requests: int, threads: int) -> str:
 
 def main(argv=None) -> int:
     """Measures each ``--model``; prints the table and writes it to ``--out``/README.md when given."""
-    parser = argparse.ArgumentParser(prog="bench_serving", description=__doc__)
+    parser = OneLineParser(prog="bench_serving", description=__doc__)
     parser.add_argument("--model", action="append", choices=sorted(MODELS), help="default: every model")
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--decode-steps", type=int, default=24)
-    parser.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
-    parser.add_argument("--out", help="folder for README.md with the table")
+    parser.add_argument("--requests", type=at_least(1), default=64)
+    parser.add_argument("--context", type=at_least(1), default=1024)
+    parser.add_argument("--decode-steps", type=at_least(1), default=24)
+    parser.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--out", type=out_folder, help="folder for README.md with the table")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as folder:
         rows = []

@@ -10,10 +10,11 @@ exact keys.
 
 import argparse
 import json
-import pathlib
 import sys
 
 import numpy as np
+
+from ...arguments import OneLineParser, at_least, out_folder
 
 
 def _rope64(raw, positions, theta=10000.0):
@@ -75,11 +76,11 @@ def measure(shift_counts, delta=64, tokens=256, heads=8, head_dim=128, start=819
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shifts", type=int, nargs="+", default=[1, 2, 5, 10, 20, 50, 100])
-    parser.add_argument("--delta", type=int, default=64, help="positions per shift")
-    parser.add_argument("--tokens", type=int, default=256)
-    parser.add_argument("--out", type=pathlib.Path)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shifts", type=at_least(1), nargs="+", default=[1, 2, 5, 10, 20, 50, 100])
+    parser.add_argument("--delta", type=at_least(1), default=64, help="positions per shift")
+    parser.add_argument("--tokens", type=at_least(1), default=256)
+    parser.add_argument("--out", type=out_folder)
     args = parser.parse_args(argv)
     command = "python -m kvcache_op.benchmarks.shift_error.measure " + " ".join(argv if argv is not None else sys.argv[1:])
     rows = measure(args.shifts, args.delta, args.tokens)

@@ -5,57 +5,7 @@ import argparse
 import sys
 
 from . import __version__
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse whose errors are one line on stderr (``kvcache-op CMD: error: ...``), exit status 2."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
-
-
-def _at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def _writable_folder_problem(path) -> str:
-    """Why a folder cannot be made (or written) at ``path``, or "" when it can: the nearest existing folder on
-    the way must take a new entry, which is tried (a permission check alone says yes to root, even in /proc)."""
-    import pathlib
-    import tempfile
-
-    target = pathlib.Path(path)
-    if target.exists() and not target.is_dir():
-        return f"{path} exists and is not a folder"
-    ancestor = target if target.exists() else next((p for p in target.absolute().parents if p.exists()), None)
-    if ancestor is None or not ancestor.is_dir():
-        return f"{ancestor} is not a folder"
-    try:
-        tempfile.TemporaryDirectory(dir=ancestor).cleanup()
-    except OSError as error:
-        return f"cannot write in {ancestor}: {error.strerror or error}"
-    return ""
-
-
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
-    return value
+from .arguments import OneLineParser, at_least, positive_seconds, writable_folder_problem
 
 
 def _conformance(args) -> int:
@@ -117,7 +67,7 @@ def _fuzz(args) -> int:
     from .validation import BackendLoadError, run_fuzz
 
     kinds = ("valid", "invalid") if args.calls == "both" else (args.calls,)
-    problem = _writable_folder_problem(args.out)
+    problem = writable_folder_problem(args.out)
     if problem:
         return _fail("fuzz", f"--out {args.out}: {problem}")
     try:
@@ -147,7 +97,7 @@ def _add_backend_arguments(parser) -> None:
                                 "(default for ort and module:function)")
     isolation.add_argument("--in-process", dest="isolate", action="store_false",
                            help="run the backend in this process (faster; a crash ends the run)")
-    parser.add_argument("--timeout", type=_positive_seconds, default=300.0,
+    parser.add_argument("--timeout", type=positive_seconds, default=300.0,
                         help="seconds the worker may take to load the backend, and each call")
 
 
@@ -155,7 +105,7 @@ def _demo(args) -> int:
     from .demo import run_demo
 
     if args.out:
-        problem = _writable_folder_problem(args.out)
+        problem = writable_folder_problem(args.out)
         if problem:
             return _fail("demo", f"--out {args.out}: {problem}")
     if args.provider:
@@ -203,30 +153,30 @@ def _take_cuda_device(rest: list) -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvcache-op", description=__doc__)
+    parser = OneLineParser(prog="kvcache-op", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvcache-op {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="the main job: export a small transformers decoder with the ops, serve requests "
                                        "with continuous batching in ONNX Runtime, verify every token against "
                                        "transformers (needs the 'demo' extra)")
     demo.add_argument("--family", choices=("llama", "mistral", "qwen2"), default="llama")
-    demo.add_argument("--requests", type=_at_least(1), default=32)
-    demo.add_argument("--new-tokens", type=_at_least(1), default=16)
-    demo.add_argument("--num-pages", type=_at_least(1), default=24,
+    demo.add_argument("--requests", type=at_least(1), default=32)
+    demo.add_argument("--new-tokens", type=at_least(1), default=16)
+    demo.add_argument("--num-pages", type=at_least(1), default=24,
                       help="cache pages (few: evictions and preemptions happen)")
-    demo.add_argument("--page-size", type=_at_least(1), default=16)
+    demo.add_argument("--page-size", type=at_least(1), default=16)
     demo.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0)
     demo.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable; default: the "
                                                           "CUDA EP when available, else the CPU EP)")
     demo.add_argument("--out", help="folder for the exported model (default: a new temporary folder)")
-    demo.add_argument("--seed", type=_at_least(0), default=0)
+    demo.add_argument("--seed", type=at_least(0), default=0)
     demo.set_defaults(func=_demo)
     slots = sub.add_parser("slots-demo", help="a scripted run of the KeyValueCache op alone through a paged cache, "
                                               "printing which slots each step stored and gathered")
     slots.add_argument("--backend", choices=("auto", "ort", "reference"), default="auto",
                        help="ort: ONNX Runtime with the custom-op library; reference: onnx ReferenceEvaluator; "
                             "auto: ort when the library is built, else reference (said so in the output)")
-    slots.add_argument("--steps", type=_at_least(1), default=8, help="number of scheduler steps")
+    slots.add_argument("--steps", type=at_least(1), default=8, help="number of scheduler steps")
     slots.set_defaults(func=_slots_demo)
     conf = sub.add_parser("conformance", help="write the conformance vectors (ONNX backend-test layout): valid and "
                                               "invalid calls of the three ops")
@@ -246,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz = sub.add_parser("fuzz", help="differential fuzzing of a backend against the reference; a disagreement is "
                                        "shrunk and written as a reproducer")
     _add_backend_arguments(fuzz)
-    fuzz.add_argument("--examples", type=_at_least(1), default=200, help="calls to draw (default 200)")
+    fuzz.add_argument("--examples", type=at_least(1), default=200, help="calls to draw (default 200)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     fuzz.add_argument("--op", action="append", choices=("kv", "rotary", "attention", "cache-attention"),
                       help="only this op (repeatable; default: every op the backend provides)")

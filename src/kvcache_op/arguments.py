@@ -1,0 +1,67 @@
+"""Command-line argument types and checks shared by ``kvcache-op`` and the benchmarks: errors are one line on stderr
+with exit status 2, numbers are checked by argparse before any work, and an output folder is tried first."""
+
+import argparse
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors are one line on stderr (``kvcache-op CMD: error: ...``), exit status 2."""
+
+    def error(self, message):
+        """One line on stderr, exit status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
+def at_least(low: int):
+    """An argparse type: an integer >= ``low``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def writable_folder_problem(path) -> str:
+    """Why a folder cannot be made (or written) at ``path``, or "" when it can: the nearest existing folder on
+    the way must take a new entry, which is tried (a permission check alone says yes to root, even in /proc)."""
+    import pathlib
+    import tempfile
+
+    target = pathlib.Path(path)
+    if target.exists() and not target.is_dir():
+        return f"{path} exists and is not a folder"
+    ancestor = target if target.exists() else next((p for p in target.absolute().parents if p.exists()), None)
+    if ancestor is None or not ancestor.is_dir():
+        return f"{ancestor} is not a folder"
+    try:
+        tempfile.TemporaryDirectory(dir=ancestor).cleanup()
+    except OSError as error:
+        return f"cannot write in {ancestor}: {error.strerror or error}"
+    return ""
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text}")
+    return value
+
+
+def out_folder(text: str):
+    """An argparse type: a folder the command can create or write (see :func:`writable_folder_problem`)."""
+    import pathlib
+
+    problem = writable_folder_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return pathlib.Path(text)
