@@ -60,6 +60,23 @@ def _written_inputs(node):
         yield role, node.input[position]
 
 
+def check_attribute_names(model) -> None:
+    """``ValueError`` naming the node when an op of this package carries an attribute its schema does not know
+    (``pagesize`` for ``page_size``): ONNX Runtime offers kernels no way to list a node's attributes, so the op
+    itself cannot see it, and would run with the default of the attribute meant."""
+    from onnx import defs
+
+    model = load_model(model)
+    for node in _nodes(model.graph):
+        if not node.domain == "opmx.dynamic_batching" or not defs.has(node.op_type, node.domain):
+            continue
+        known = set(defs.get_schema(node.op_type, node.domain).attributes)
+        unknown = sorted(a.name for a in node.attribute if a.name not in known)
+        if unknown:
+            raise ValueError(f"{node.op_type} node {node.name or '(unnamed)'}: unknown attribute(s) {unknown}; "
+                             f"the op's attributes are {sorted(known)}")
+
+
 def in_place_inputs(model) -> set:
     """Names of the graph inputs the model's ops write in place. Raises ``ValueError`` naming the node
     and input when one of those inputs is not fed directly by a graph input without an initializer, or

@@ -28,7 +28,7 @@ from onnx import TensorProto
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
 from . import library_path
-from .graph_rules import in_place_inputs
+from .graph_rules import check_attribute_names, in_place_inputs
 
 
 #: Environment variable: ONNX Runtime's log severity in this package's sessions (0 verbose .. 4 fatal).
@@ -54,9 +54,12 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
                  disable_cpu_fallback: bool = False) -> ort.InferenceSession:
     """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded.
 
-    ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input
-    (see :mod:`.graph_rules`)."""
+    ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input, or when
+    a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`)."""
+    from .. import spec  # noqa: F401 - registers the schemas the attribute names are checked against
+
     in_place_inputs(model)
+    check_attribute_names(model)
     options = session_options(intra_op_num_threads)
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")

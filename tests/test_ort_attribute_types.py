@@ -69,3 +69,13 @@ def test_a_missing_required_attribute_still_says_so():
     node.attribute.extend(kept)
     with pytest.raises(Exception, match="MultiHeadAttention needs the attribute head_dim"):
         make_session(model)
+
+
+@pytest.mark.parametrize("op, name", [("KeyValueCache", "pagesize"), ("MultiHeadAttention", "slidingwindow"),
+                                      ("KeyCacheRotaryShift", "rotary_dimension")])
+def test_a_misspelt_attribute_is_refused_by_name(op, name):
+    """ONNX Runtime cannot list a node's attributes to the kernel: the package's sessions check them against the
+    op's schema, so a misspelt attribute is not silently replaced by the default of the one meant."""
+    model, _ = _model(op)
+    with pytest.raises(ValueError, match=rf"{op} node .*: unknown attribute\(s\) \['{name}'\]"):
+        make_session(_with_attribute(model, name, 4))
