@@ -11,6 +11,9 @@ their TorchScript-exporter translations.
   ONNX INT4 packing): :func:`pack_int4`, :func:`unpack_int4`, :func:`new_cache`.
 * :func:`int4_cache_inputs` retypes an exported graph's uint8 cache inputs to INT4; :func:`export_onnx`
   exports, applies it, checks the model and saves it in one call.
+
+It may import ``kvcache_op.capi`` (the kernels it runs), ``kvcache_op.ort_ops`` (the graph rules its export
+checks), ``kvcache_op.spec`` and ``kvcache_op.reference``.
 """
 
 try:
