@@ -48,9 +48,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     #    gather would give (not gathered yet: nothing is written before the whole call is known valid).
     plan = validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                          max_kvlen, cache, effective_scale(scale, quant_bit),
-                         Attributes(*(int(cache_attrs[k]) for k in ("num_layer", "layer_idx", "quant_bit",
-                                                                     "quant_group", "num_repeat", "cache_mode",
-                                                                     "cache_layout", "page_size"))))
+                         Attributes(**{k: int(v) for k, v in cache_attrs.items()}))
     gathered = (plan.kv_begin[-1] + plan.kv_len[-1] if plan.seq_len else 0,) + current_key.shape[1:]
     placeholder = np.broadcast_to(np.zeros((), current_key.dtype), gathered)
     prepare_attention(query, placeholder, placeholder, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,

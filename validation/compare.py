@@ -4,15 +4,18 @@
 elements differ, the first one's index and both values (with their bits), and for a quantized cache the
 code and scale behind it. KeyValueCache is compared bit for bit (``tolerance="exact"``) or with the spec's
 tolerance table (``"spec"``, kvcache_op.validation.tolerance); KeyCacheRotaryShift bit for bit in both modes
-(its spec documents no other arithmetic); MultiHeadAttention within the expected outcome's per-element bound.
-An invalid call must fail and leave the in-place inputs byte-for-byte as they were.
+(its spec documents no other arithmetic); MultiHeadAttention within the expected outcome's per-element bound;
+MultiHeadCacheAttention's cache as KeyValueCache's and its output as MultiHeadAttention's. An invalid call must
+fail and leave the in-place inputs byte-for-byte as they were.
 """
 
 import numpy as np
 
 from ..reference.dtypes import INT4
-from .outcome import Outcome
+from ..spec.schema import ATTRIBUTE_DEFAULTS as CACHE_ATTRIBUTES
+from ..spec.schema import INPUTS as CACHE_INPUTS
 from . import tolerance as spec_tolerance
+from .outcome import Outcome
 from .tolerance import bits_differ
 
 TOLERANCES = ("exact", "spec")
@@ -21,10 +24,6 @@ TOLERANCES = ("exact", "spec")
 #: Ops that store into a cache (compared as KeyValueCache's), and the output each attention op holds to a bound.
 CACHE_OPS = ("KeyValueCache", "MultiHeadCacheAttention")
 ATTENTION_OUTPUTS = {"MultiHeadAttention": "attention_output", "MultiHeadCacheAttention": "output"}
-_CACHE_INPUTS = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
-                 "max_kvlen", "cache", "scale")
-_CACHE_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "num_repeat", "cache_mode", "cache_layout",
-                     "page_size")
 
 
 def cache_call(op: str, inputs: dict, attributes: dict) -> tuple:
@@ -32,8 +31,8 @@ def cache_call(op: str, inputs: dict, attributes: dict) -> tuple:
     MultiHeadCacheAttention)."""
     if op == "KeyValueCache":
         return inputs, attributes
-    return ({k: inputs.get(k) for k in _CACHE_INPUTS},
-            {k: v for k, v in attributes.items() if k in _CACHE_ATTRIBUTES})
+    return ({k: inputs.get(k) for k in CACHE_INPUTS},
+            {k: v for k, v in attributes.items() if k in CACHE_ATTRIBUTES})
 
 
 def _value(array: np.ndarray, index) -> str:
