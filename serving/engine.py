@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 from ..manager import KVCacheManager, OutOfPages, StreamingPolicy
+from ..manager.identity import check_int, salt_bytes
 from .ort_runner import ModelRunner
 from .step_feeds import step_feeds
 
@@ -64,17 +65,24 @@ class Engine:
     def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = None,
                  max_running: int = None, max_context: int = None, streaming: StreamingPolicy = None,
                  prefix_caching: bool = True, intra_op_num_threads: int = 0, trace_steps: bool = False):
-        max_batch_tokens = DEFAULT_BATCH_TOKENS if max_batch_tokens is None else int(max_batch_tokens)
-        max_running = DEFAULT_RUNNING if max_running is None else int(max_running)
-        if max_batch_tokens < 1 or max_running < 1:
-            raise ValueError(f"max_batch_tokens and max_running must be >= 1, got {max_batch_tokens}, {max_running}")
+        max_batch_tokens = DEFAULT_BATCH_TOKENS if max_batch_tokens is None else check_int("max_batch_tokens",
+                                                                                             max_batch_tokens)
+        max_running = DEFAULT_RUNNING if max_running is None else check_int("max_running", max_running)
+        num_pages = check_int("num_pages", num_pages)
+        if max_batch_tokens < 1 or max_running < 1 or num_pages < 1:
+            raise ValueError(f"num_pages, max_batch_tokens and max_running must be >= 1, got {num_pages}, "
+                             f"{max_batch_tokens}, {max_running}")
+        if providers is not None and (isinstance(providers, (str, bytes)) or not list(providers)):
+            raise ValueError(f"providers must be a non-empty list of ONNX Runtime execution providers, got {providers!r}")
+        if max_context is not None:
+            max_context = check_int("max_context", max_context)
         self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads)
         info = self.info = self.runner.info
         ps = info.page_size
         window = info.uniform_window
-        limit = info.max_positions if max_context is None else int(max_context)
-        if limit < 1:
-            raise ValueError(f"max_context must be >= 1, got {limit}")
+        limit = info.max_positions if max_context is None else max_context
+        if not 1 <= limit <= info.max_positions:
+            raise ValueError(f"max_context must be in [1, the model's max_positions = {info.max_positions}], got {limit}")
         held = limit  # positions one request may hold in the cache: sets the page-table width
         if window is not None:  # only the window (and one step's tokens) is ever held
             held = min(held, window + max_batch_tokens + 2 * ps)
@@ -107,10 +115,21 @@ class Engine:
         ``arrival_steps[i]``: the step at which request ``i`` arrives (default all at once).
         ``record_logits``: also keep each chosen token's logits (``self.last_logits[i]``, one row per token)."""
         count = len(prompts)
+        for name, given in (("salts", salts), ("arrival_steps", arrival_steps)):
+            if given is not None and (isinstance(given, (str, bytes)) or not hasattr(given, "__len__")):
+                raise TypeError(f"{name} must be a list with one entry per prompt, got {type(given).__name__}")
         salts = [None] * count if salts is None else list(salts)
-        arrivals = [0] * count if arrival_steps is None else [int(a) for a in arrival_steps]
+        arrivals = [0] * count if arrival_steps is None else [check_int("arrival_steps[i]", a) for a in arrival_steps]
         if len(salts) != count or len(arrivals) != count:
             raise ValueError(f"salts and arrival_steps need one entry per prompt ({count})")
+        for i, salt in enumerate(salts):  # before any step: a late arrival's bad salt must not fail mid-run
+            try:
+                salt_bytes(salt)
+            except (TypeError, ValueError) as error:
+                raise type(error)(f"salts[{i}]: {error}") from None
+        if any(a < 0 for a in arrivals):
+            raise ValueError(f"arrival_steps must be >= 0, got {min(arrivals)}")
+        max_new_tokens = check_int("max_new_tokens", max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         waiting = collections.deque(sorted(

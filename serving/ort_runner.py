@@ -57,6 +57,24 @@ def _zeroed(shape: tuple, element_type: int, device: tuple) -> ort.OrtValue:
     return value
 
 
+def _check_fits(num_pages: int, shape: tuple, element_type: int, info: ModelInfo, device: tuple) -> None:
+    """``ValueError`` before allocating when the cache (and scale) of ``num_pages`` pages would not fit this
+    machine's memory (host caches; a device's memory is the device's to refuse)."""
+    import os
+
+    count = int(np.prod(shape, dtype=object))
+    nbytes = (count + 1) // 2 if element_type == TensorProto.INT4 else count * BYTES[element_type]
+    if info.quant_bit:
+        nbytes += count // info.quant_group * BYTES[ELEMENT_TYPES[info.scale_dtype]]
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if device[0] == "cpu" and nbytes > memory:
+        raise ValueError(f"num_pages={num_pages} pages of {info.page_size} make a cache of {nbytes / 2**30:.1f} GiB, "
+                         f"more than this machine's {memory / 2**30:.1f} GiB of memory")
+
+
 def _host_dtype(element_type: int):
     return {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.BFLOAT16: np.uint16,
             TensorProto.INT8: np.int8}[element_type]
@@ -79,6 +97,7 @@ class ModelRunner:
                            else ELEMENT_TYPES[i.cache_dtype])
         num_slots = num_pages * i.page_size
         shape = cache_shape(i.cache_layout, i.num_layers, num_slots, i.num_kv_heads, i.head_dim)
+        _check_fits(num_pages, shape, self.cache_type, i, self.device)
         self.cache = _zeroed(shape, self.cache_type, self.device)
         self.scale = None
         if i.quant_bit:

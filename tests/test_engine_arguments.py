@@ -1,0 +1,52 @@
+"""The engine checks its arguments before any work: a bad value is a clear TypeError or ValueError naming it, never
+a run that goes wrong later (a number of tokens that is not an integer, salts given as one string, a bad salt of a
+late arrival, a context past the model's positions, no execution provider, a pool that cannot be allocated)."""
+
+import math
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op.serving import Engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine(hf_models.exported("llama"), num_pages=16)
+
+
+@pytest.mark.parametrize("max_new_tokens, error, message", [
+    (math.nan, TypeError, "max_new_tokens must be an integer, got float nan"),
+    (2.5, TypeError, "max_new_tokens must be an integer, got float 2.5"),
+    (True, TypeError, "max_new_tokens must be an integer, got bool True"),
+    ("3", TypeError, "max_new_tokens must be an integer, got str '3'"),
+    (0, ValueError, "max_new_tokens must be >= 1, got 0"),
+])
+def test_max_new_tokens_must_be_a_positive_integer(engine, max_new_tokens, error, message):
+    with pytest.raises(error, match=message):
+        engine.generate([[1, 2, 3]], max_new_tokens)
+
+
+def test_salts_are_one_per_prompt_and_checked_before_any_step(engine):
+    with pytest.raises(TypeError, match="salts must be a list with one entry per prompt, got str"):
+        engine.generate([[1, 2], [3, 4]], 2, salts="ab")
+    steps = engine.metrics()["steps"]
+    with pytest.raises(TypeError, match=r"salts\[1\]: salt must be None, str or bytes, got int 7"):
+        engine.generate([[1, 2], [3, 4]], 2, salts=["a", 7], arrival_steps=[0, 40])
+    assert engine.metrics()["steps"] == steps  # refused before the first step ran
+    assert engine.generate([[1, 2], [3, 4]], 2, salts=["a", b"b"]) and not engine.manager.requests
+
+
+@pytest.mark.parametrize("settings, error, message", [
+    (dict(num_pages=-1), ValueError, "num_pages, max_batch_tokens and max_running must be >= 1, got -1"),
+    (dict(num_pages=2.0), TypeError, "num_pages must be an integer, got float 2.0"),
+    (dict(num_pages=10**12), ValueError, r"num_pages=1000000000000 pages of 16 make a cache of .* GiB, more than"),
+    (dict(num_pages=8, providers=[]), ValueError, "providers must be a non-empty list"),
+    (dict(num_pages=8, max_context=5000), ValueError, r"max_context must be in \[1, the model's max_positions = 1024\]"),
+    (dict(num_pages=8, max_batch_tokens=1.5), TypeError, "max_batch_tokens must be an integer"),
+])
+def test_engine_settings_are_checked_before_anything_is_allocated(settings, error, message):
+    with pytest.raises(error, match=message):
+        Engine(hf_models.exported("llama"), **settings)
