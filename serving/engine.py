@@ -135,11 +135,19 @@ class Engine:
         waiting = collections.deque(sorted(
             (_Sequence(i, self._token_ids(p, i), max_new_tokens, s, a) for i, (p, s, a) in
              enumerate(zip(prompts, salts, arrivals))), key=lambda q: (q.arrival, q.index)))
+        ps, whole = self.info.page_size, self.manager.sliding_window is None and self.manager.streaming is None
         for q in waiting:
             if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
                 raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed "
                                  f"the context limit of {self.max_context} positions (max_context, at most the "
                                  f"model's maximum positions)")
+            # Without a window or StreamingLLM a request holds every page of its context: one that cannot fit the
+            # pool alone is refused now, not after some of the call's tokens were streamed.
+            needed = -(-(len(q.prompt) + max_new_tokens - 1) // ps)
+            if whole and needed > self.num_pages:
+                raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} need "
+                                 f"{needed} pages of {ps}, more than num_pages={self.num_pages}: give the engine more "
+                                 "pages")
         self.last_logits = [[] for _ in range(count)] if record_logits else None
         running, results = [], [None] * count
         start, step = time.perf_counter(), 0

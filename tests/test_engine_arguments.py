@@ -50,3 +50,14 @@ def test_salts_are_one_per_prompt_and_checked_before_any_step(engine):
 def test_engine_settings_are_checked_before_anything_is_allocated(settings, error, message):
     with pytest.raises(error, match=message):
         Engine(hf_models.exported("llama"), **settings)
+
+
+def test_a_request_that_cannot_fit_the_pool_is_refused_before_any_token():
+    """20 prompt tokens + 20 new ones need 3 pages of 16 (the last token is never stored); 2 pages cannot hold it."""
+    engine = Engine(hf_models.exported("llama"), num_pages=2)
+    streamed = []
+    with pytest.raises(ValueError, match=r"prompt 0: 20 tokens \+ max_new_tokens=20 need 3 pages of 16, more than "
+                                         r"num_pages=2"):
+        engine.generate([list(range(1, 21))], 20, on_token=lambda i, t: streamed.append(t))
+    assert streamed == [] and not engine.manager.requests
+    assert len(engine.generate([list(range(1, 21))], 13)[0]) == 13  # 32 positions: exactly 2 pages

@@ -100,7 +100,8 @@ def test_the_engine_refuses_a_model_without_metadata_and_a_request_too_big(tmp_p
     with pytest.raises(ValueError, match="carries no kvcache_op metadata: export it with kvcache_op.hf.export_model"):
         Engine(tmp_path / "plain.onnx", num_pages=4)
     engine = Engine(hf_models.exported("llama"), num_pages=2)
-    with pytest.raises(RuntimeError, match=r"request 0 \(40 tokens of context\) does not fit num_pages=2 pages of 16"):
+    with pytest.raises(ValueError, match=r"prompt 0: 40 tokens \+ max_new_tokens=4 need 3 pages of 16, more than "
+                                         r"num_pages=2: give the engine more pages"):
         engine.generate([list(range(40))], 4)
     assert not engine.manager.requests
 
