@@ -5,8 +5,9 @@ an exported file tells the engine).
 It may import ``kvcache_op.manager``, ``kvcache_op.ort_ops``, ``kvcache_op.spec`` and ``kvcache_op.reference``."""
 
 from .engine import Engine
+from .sampling import SamplingParams
 from .model_info import ModelInfo
 from .ort_runner import ModelRunner, default_providers
 from .step_feeds import step_feeds
 
-__all__ = ["Engine", "ModelInfo", "ModelRunner", "default_providers", "step_feeds"]
+__all__ = ["Engine", "ModelInfo", "SamplingParams", "ModelRunner", "default_providers", "step_feeds"]

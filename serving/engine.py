@@ -23,6 +23,7 @@ import numpy as np
 from ..manager import KVCacheManager, OutOfPages, StreamingPolicy
 from ..manager.identity import check_int, salt_bytes
 from .ort_runner import ModelRunner
+from .sampling import SamplingParams, choose_tokens
 from .step_feeds import step_feeds
 
 DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
@@ -38,6 +39,9 @@ class _Sequence:
     arrival: int  # first step at which it may join
     generated: list = dataclasses.field(default_factory=list)
     next_input: list = None  # the token to feed next when decoding (the last generated one)
+    params: SamplingParams = None
+    generator: object = None  # the request's own numpy Generator: its draws do not depend on the batch
+    logprobs: list = dataclasses.field(default_factory=list)
     admissions: int = 0
     ran: bool = False  # ran at least one step since its last admission
 
@@ -107,11 +111,14 @@ class Engine:
         self.step_trace = [] if trace_steps else None
 
     # ---- public API ------------------------------------------------------------------------------------
-    def generate(self, prompts, max_new_tokens: int, salts=None, *, on_token=None, arrival_steps=None,
+    def generate(self, prompts, max_new_tokens: int, salts=None, *, params=None, on_token=None, arrival_steps=None,
                  record_logits: bool = False) -> list:
-        """Greedy continuations of ``prompts`` (lists of token ids): ``max_new_tokens`` each, fewer when a
-        request emits an end-of-sequence token (included). ``salts[i]`` (str/bytes/None) isolates request
-        ``i``'s prefix cache. ``on_token(i, token)`` streams each token as it is chosen.
+        """Continuations of ``prompts`` (lists of token ids): ``max_new_tokens`` each, fewer when a request emits
+        an end-of-sequence token (included) or one of its ``stop_token_ids``. ``params``: one
+        :class:`SamplingParams` for every request or one per prompt (default: greedy; its ``max_tokens`` is
+        ``max_new_tokens`` here); ``self.last_logprobs[i]`` holds what ``logprobs`` asks for, per token.
+        ``salts[i]`` (str/bytes/None) isolates request ``i``'s prefix cache. ``on_token(i, token)`` streams each
+        token as it is chosen.
         ``arrival_steps[i]``: the step at which request ``i`` arrives (default all at once).
         ``record_logits``: also keep each chosen token's logits (``self.last_logits[i]``, one row per token)."""
         count = len(prompts)
@@ -132,11 +139,14 @@ class Engine:
         max_new_tokens = check_int("max_new_tokens", max_new_tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        per_request = self._sampling(params, count)
         waiting = collections.deque(sorted(
             (_Sequence(i, self._token_ids(p, i), max_new_tokens, s, a) for i, (p, s, a) in
              enumerate(zip(prompts, salts, arrivals))), key=lambda q: (q.arrival, q.index)))
         ps, whole = self.info.page_size, self.manager.sliding_window is None and self.manager.streaming is None
         for q in waiting:
+            q.params = per_request[q.index]
+            q.generator = np.random.default_rng(q.params.seed)
             if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
                 raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed "
                                  f"the context limit of {self.max_context} positions (max_context, at most the "
@@ -149,6 +159,7 @@ class Engine:
                                  f"{needed} pages of {ps}, more than num_pages={self.num_pages}: give the engine more "
                                  "pages")
         self.last_logits = [[] for _ in range(count)] if record_logits else None
+        self.last_logprobs = [q.logprobs for q in sorted(waiting, key=lambda q: q.index)]
         running, results = [], [None] * count
         start, step = time.perf_counter(), 0
         try:
@@ -224,20 +235,28 @@ class Engine:
         self._counters["fed_tokens"] += int(plan.seqstarts[-1])
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         by_id = {q.index: q for q in running}
+        choosing = []
         for row, rid in enumerate(plan.request_ids):
-            q = by_id[rid]
-            q.ran = True
-            if self.manager.pending_tokens(rid):
-                continue  # a prefill chunk: its logits predict a prompt token
-            token = int(np.argmax(logits[row]))
+            by_id[rid].ran = True
+            if not self.manager.pending_tokens(rid):  # else a prefill chunk: its logits predict a prompt token
+                choosing.append((row, by_id[rid]))
+        rows = [row for row, _ in choosing]
+        tokens, logprobs = choose_tokens(logits[rows], [q.params for _, q in choosing],
+                                         [(q.prompt, q.generated) for _, q in choosing],
+                                         [q.generator for _, q in choosing])
+        for (row, q), token, top in zip(choosing, tokens, logprobs):
+            rid = q.index
             q.generated.append(token)
+            if top is not None:
+                q.logprobs.append(top)
             q.next_input = [token]
             self._counters["generated_tokens"] += 1
             if self.last_logits is not None:
                 self.last_logits[q.index].append(logits[row].copy())
             if on_token is not None:
                 on_token(q.index, token)
-            if len(q.generated) >= q.max_new_tokens or token in self.info.eos_token_ids:
+            stops = token in q.params.stop_token_ids or (token in self.info.eos_token_ids and not q.params.ignore_eos)
+            if len(q.generated) >= q.max_new_tokens or stops:
                 self.manager.finish(rid)
                 running.remove(q)
                 results[q.index] = q.generated
@@ -309,6 +328,20 @@ class Engine:
                                        f"engine more pages") from None
                 self._preempt(running.pop(), waiting)
         return None
+
+    @staticmethod
+    def _sampling(params, count: int) -> list:
+        """One :class:`SamplingParams` per request from ``params`` (None: greedy; one for all; or one per prompt)."""
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            params = [params] * count
+        params = list(params)
+        if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"params must be a SamplingParams or a list of {count} (one per prompt)")
+        if any(p.stop for p in params):
+            raise ValueError("stop strings need a tokenizer, and this engine takes token ids: use stop_token_ids")
+        return params
 
     def _preempt(self, q: _Sequence, waiting) -> None:
         """Releases ``q``'s pages and puts it first in line; it is recomputed from its context later."""

@@ -1,0 +1,159 @@
+"""How the engine chooses each request's next token: :class:`SamplingParams` (OpenAI's and vLLM's fields) and
+:func:`choose_tokens`, one pass over the batch's logits.
+
+Order, as vLLM applies them: the penalties (repetition over the prompt and the generated tokens, presence and
+frequency over the generated tokens), then temperature 0 is greedy (argmax: token-identical to ``transformers``'
+greedy ``generate``); otherwise the logits are divided by the temperature, the softmax is taken in float64, and
+top-k, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``) and min-p (tokens below
+``min_p`` times the most likely one's probability) keep a subset, renormalized, from which one token is drawn
+with the request's own generator: a seeded request draws the same tokens whatever runs beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import numpy as np
+
+
+def _number(name, value, low, high, *, low_open=False):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
+    if value < low or (low_open and value == low) or value > high:
+        bracket = "(" if low_open else "["
+        raise ValueError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+    return float(value)
+
+
+def _integer(name, value, low, none_ok=False):
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__} {value!r}")
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    return int(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen. ``temperature`` 0 is greedy; ``seed`` (an integer) makes a sampled
+    request reproducible whatever runs beside it; ``stop_token_ids`` end it like the model's end-of-sequence ids
+    (which ``ignore_eos`` disregards); ``logprobs`` n keeps, per chosen token, the n most likely tokens of the
+    distribution it was drawn from and their log-probabilities. Every field is checked when it is made
+    (``TypeError``/``ValueError`` naming it)."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = None
+    stop_token_ids: tuple = ()
+    stop: tuple = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        check = object.__setattr__
+        check(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1))
+        check(self, "temperature", _number("temperature", self.temperature, 0.0, math.inf))
+        check(self, "top_p", _number("top_p", self.top_p, 0.0, 1.0, low_open=True))
+        check(self, "top_k", _integer("top_k", self.top_k, 0))
+        check(self, "min_p", _number("min_p", self.min_p, 0.0, 1.0))
+        check(self, "seed", _integer("seed", self.seed, 0, none_ok=True))
+        if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
+            raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        check(self, "stop_token_ids", tuple(_integer("stop_token_ids[i]", t, 0) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise TypeError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")
+        check(self, "stop", stop)
+        check(self, "presence_penalty", _number("presence_penalty", self.presence_penalty, -2.0, 2.0))
+        check(self, "frequency_penalty", _number("frequency_penalty", self.frequency_penalty, -2.0, 2.0))
+        check(self, "repetition_penalty", _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf,
+                                                  low_open=True))
+        check(self, "logprobs", _integer("logprobs", self.logprobs, 0, none_ok=True))
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0: the most likely token, no draw."""
+        return self.temperature == 0.0
+
+
+def _penalized(logits: np.ndarray, params: list, histories: list) -> np.ndarray:
+    """float64 logits after each row's penalties; ``histories[r]``: (prompt ids, generated ids)."""
+    out = logits.astype(np.float64)
+    for r, (p, (prompt, generated)) in enumerate(zip(params, histories)):
+        if p.repetition_penalty != 1.0:
+            seen = np.unique(np.asarray(list(prompt) + list(generated), np.int64))
+            row = out[r, seen]
+            out[r, seen] = np.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and len(generated):
+            tokens, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
+            out[r, tokens] -= p.frequency_penalty * counts + p.presence_penalty
+    return out
+
+
+def distributions(logits: np.ndarray, params: list) -> np.ndarray:
+    """Per row, the float64 distribution a sampled token is drawn from: softmax of logits / temperature, then
+    top-k, top-p and min-p applied and renormalized (rows of greedy requests are left as they are)."""
+    probs = np.zeros_like(logits, dtype=np.float64)
+    for r, p in enumerate(params):
+        if p.greedy:
+            continue
+        z = logits[r] / p.temperature
+        z = np.exp(z - z.max())
+        q = z / z.sum()
+        keep = np.ones(q.shape, bool)
+        order = np.argsort(-q, kind="stable")
+        if p.top_k:
+            keep[order[p.top_k:]] = False
+        if p.top_p < 1.0:
+            mass = np.cumsum(q[order])
+            cut = int(np.searchsorted(mass, p.top_p)) + 1  # the smallest prefix whose mass reaches top_p
+            keep[order[cut:]] = False
+        if p.min_p:
+            keep &= q >= p.min_p * q.max()
+        q = np.where(keep, q, 0.0)
+        probs[r] = q / q.sum()
+    return probs
+
+
+def choose_tokens(logits: np.ndarray, params: list, histories: list, generators: list) -> tuple:
+    """(tokens, logprobs): one token per row of ``logits`` ``[rows, vocab]``; ``params[r]``, ``histories[r]``
+    (prompt ids, generated ids) and ``generators[r]`` (a numpy Generator) are row r's. ``logprobs[r]``: None, or
+    [(token, log-probability), ...] of the ``params[r].logprobs`` most likely tokens of row r's distribution."""
+    plain = [p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and
+             not p.frequency_penalty for p in params]
+    if all(plain):  # the common case, on the hot path: one argmax over the batch, no copy
+        return np.argmax(logits, axis=1).tolist() if len(params) else [], [None] * len(params)
+    scores = _penalized(logits, params, histories)
+    probs = distributions(scores, params)
+    tokens, logprobs = [], []
+    for r, p in enumerate(params):
+        if p.greedy:
+            token = int(np.argmax(scores[r]))
+            if p.logprobs is not None:
+                shifted = scores[r] - scores[r].max()
+                log_q = shifted - np.log(np.exp(shifted).sum())
+        else:
+            cumulative = np.cumsum(probs[r])
+            token = int(np.searchsorted(cumulative, generators[r].random() * cumulative[-1], side="right"))
+            token = min(token, len(cumulative) - 1)
+            with np.errstate(divide="ignore"):
+                log_q = np.log(probs[r])
+        tokens.append(token)
+        if p.logprobs is None:
+            logprobs.append(None)
+        else:
+            top = np.argsort(-log_q, kind="stable")[:p.logprobs]
+            logprobs.append([(int(t), float(log_q[t])) for t in top])
+    return tokens, logprobs

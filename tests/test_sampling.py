@@ -1,0 +1,126 @@
+"""Token choice: greedy is argmax; seeded draws follow the model's own softmax (a chi-square test on a small
+vocabulary), top-k / top-p / min-p keep exactly their subsets, penalties move the logits as vLLM's do, a seeded
+request draws the same tokens whatever runs beside it, and bad parameters are refused by name."""
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from kvcache_op.serving import SamplingParams
+from kvcache_op.serving.sampling import choose_tokens, distributions
+
+LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0], np.float32)
+
+
+def _draws(params: SamplingParams, n: int, seed=0) -> np.ndarray:
+    generator = np.random.default_rng(seed)
+    counts = np.zeros(len(LOGITS), np.int64)
+    for _ in range(n):
+        (token,), _ = choose_tokens(LOGITS[None], [params], [((), ())], [generator])
+        counts[token] += 1
+    return counts
+
+
+def _softmax(z):
+    z = np.exp(z - z.max())
+    return z / z.sum()
+
+
+def _chi_square_p(counts, probs) -> float:
+    """The upper tail of Pearson's statistic (the regularized gamma function, series form; no scipy needed)."""
+    keep = probs > 0
+    expected = counts.sum() * probs[keep]
+    statistic = float(((counts[keep] - expected) ** 2 / expected).sum())
+    dof = int(keep.sum()) - 1
+    a, x = dof / 2, statistic / 2
+    term = total = 1 / a
+    for k in range(1, 500):
+        term *= x / (a + k)
+        total += term
+    lower = total * math.exp(-x + a * math.log(x) - math.lgamma(a)) if x > 0 else 0.0
+    return 1 - lower
+
+
+def test_greedy_is_argmax_and_needs_no_generator():
+    tokens, logprobs = choose_tokens(np.stack([LOGITS, LOGITS[::-1]]), [SamplingParams()] * 2, [((), ())] * 2, [None] * 2)
+    assert tokens == [0, 7] and logprobs == [None, None]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_draws_follow_the_softmax_of_the_logits_over_the_temperature(temperature):
+    counts = _draws(SamplingParams(temperature=temperature, seed=1), 20000)
+    p = _chi_square_p(counts, _softmax(LOGITS.astype(np.float64) / temperature))
+    assert p > 1e-3, (counts, p)
+
+
+@pytest.mark.parametrize("params, support", [
+    (SamplingParams(temperature=1.0, top_k=3), {0, 1, 2}),
+    (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),       # softmax 0.531, 0.195, 0.118 ...: two reach 0.7
+    (SamplingParams(temperature=1.0, top_p=0.5), {0}),          # the top one alone reaches 0.5
+    (SamplingParams(temperature=1.0, min_p=0.2), {0, 1, 2}),    # >= 0.2 x 0.531
+])
+def test_top_k_top_p_and_min_p_keep_their_subset_renormalized(params, support):
+    probs = distributions(LOGITS[None].astype(np.float64), [params])[0]
+    assert set(np.flatnonzero(probs)) == support and math.isclose(probs.sum(), 1.0)
+    want = _softmax(LOGITS.astype(np.float64))
+    for token in support:  # the kept tokens keep their relative weights
+        assert math.isclose(probs[token] / probs[0], want[token] / want[0], rel_tol=1e-12)
+    counts = _draws(dataclasses.replace(params, seed=3), 6000)
+    assert set(np.flatnonzero(counts)) <= support
+    if len(support) > 1:
+        assert _chi_square_p(counts, probs) > 1e-3
+
+
+def test_a_seed_gives_the_same_draws_whatever_runs_beside_it():
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    alone = [choose_tokens(LOGITS[None], [seeded], [((), ())], [g])[0][0]
+             for g in [np.random.default_rng(42)] for _ in range(50)]
+    g, other = np.random.default_rng(42), np.random.default_rng(7)
+    beside = []
+    for _ in range(50):
+        tokens, _ = choose_tokens(np.stack([LOGITS[::-1], LOGITS]), [SamplingParams(temperature=2.0), seeded],
+                                  [((), ()), ((), ())], [other, g])
+        beside.append(tokens[1])
+    assert beside == alone and len(set(alone)) > 1
+
+
+def test_penalties_move_the_logits_as_vllm_does():
+    """Repetition divides positive logits and multiplies negative ones of tokens in the prompt or the output;
+    presence and frequency subtract from the output's tokens only."""
+    logits = np.array([[1.0, 0.9, -0.1, -0.2]], np.float32)
+    assert choose_tokens(logits, [SamplingParams()], [((), ())], [None])[0] == [0]
+    assert choose_tokens(logits, [SamplingParams(repetition_penalty=2.0)], [((0,), ())], [None])[0] == [1]
+    assert choose_tokens(logits, [SamplingParams(frequency_penalty=0.2)], [((), (0, 0))], [None])[0] == [1]
+    assert choose_tokens(logits, [SamplingParams(presence_penalty=2.0)], [((), (0, 1))], [None])[0] == [2]
+    assert choose_tokens(logits, [SamplingParams(presence_penalty=2.0)], [((0, 1), ())], [None])[0] == [0]
+
+
+def test_logprobs_are_the_top_n_of_the_chosen_distribution():
+    (token,), (top,) = choose_tokens(LOGITS[None], [SamplingParams(logprobs=2)], [((), ())], [None])
+    want = np.log(_softmax(LOGITS.astype(np.float64)))
+    assert token == 0 and [t for t, _ in top] == [0, 1]
+    assert all(math.isclose(lp, want[t], rel_tol=1e-9) for t, lp in top)
+
+
+@pytest.mark.parametrize("fields, error, message", [
+    (dict(temperature=-0.1), ValueError, r"temperature must be in \[0.0, inf\]"),
+    (dict(temperature=math.nan), TypeError, "temperature must be a finite number"),
+    (dict(top_p=0.0), ValueError, r"top_p must be in \(0.0, 1.0\]"),
+    (dict(top_k=-1), ValueError, "top_k must be >= 0"),
+    (dict(top_k=2.0), TypeError, "top_k must be an integer"),
+    (dict(min_p=1.5), ValueError, r"min_p must be in \[0.0, 1.0\]"),
+    (dict(seed=-3), ValueError, "seed must be >= 0"),
+    (dict(seed=True), TypeError, "seed must be an integer"),
+    (dict(max_tokens=0), ValueError, "max_tokens must be >= 1"),
+    (dict(stop_token_ids="2"), TypeError, "stop_token_ids must be a list of token ids"),
+    (dict(stop=[""]), TypeError, "stop must be a string or a list of non-empty strings"),
+    (dict(presence_penalty=3.0), ValueError, r"presence_penalty must be in \[-2.0, 2.0\]"),
+    (dict(repetition_penalty=0.0), ValueError, r"repetition_penalty must be in \(0.0, inf\]"),
+    (dict(logprobs=-1), ValueError, "logprobs must be >= 0"),
+    (dict(ignore_eos=1), TypeError, "ignore_eos must be a bool"),
+])
+def test_bad_parameters_are_refused_by_name(fields, error, message):
+    with pytest.raises(error, match=message):
+        SamplingParams(**fields)
