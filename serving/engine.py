@@ -241,11 +241,11 @@ class Engine:
             if not self.manager.pending_tokens(rid):  # else a prefill chunk: its logits predict a prompt token
                 choosing.append((row, by_id[rid]))
         rows = [row for row, _ in choosing]
-        tokens, logprobs = choose_tokens(logits[rows], [q.params for _, q in choosing],
+        chosen = logits if len(rows) == len(logits) else logits[rows]  # decode steps: every row, no copy
+        tokens, logprobs = choose_tokens(chosen, [q.params for _, q in choosing],
                                          [(q.prompt, q.generated) for _, q in choosing],
                                          [q.generator for _, q in choosing])
         for (row, q), token, top in zip(choosing, tokens, logprobs):
-            rid = q.index
             q.generated.append(token)
             if top is not None:
                 q.logprobs.append(top)
@@ -257,7 +257,7 @@ class Engine:
                 on_token(q.index, token)
             stops = token in q.params.stop_token_ids or (token in self.info.eos_token_ids and not q.params.ignore_eos)
             if len(q.generated) >= q.max_new_tokens or stops:
-                self.manager.finish(rid)
+                self.manager.finish(q.index)
                 running.remove(q)
                 results[q.index] = q.generated
         done = time.perf_counter()

@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..spec import DOMAIN
+from ..spec import DOMAIN, mha_schema, schema
 from .decoder_io import INPUT_NAMES, OUTPUT_NAME
 
 FLOAT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -119,7 +119,7 @@ def check_graph(info, model: onnx.ModelProto) -> None:
         expected_kv["quant_group"] = info.quant_group
     for i, node in enumerate(kv):
         problems += _attribute_problems(f"KeyValueCache node {node.name or i!r}", _attributes(node),
-                                        {**expected_kv, "layer_idx": i}, kv_defaults=True)
+                                        {**expected_kv, "layer_idx": i}, schema.ATTRIBUTE_DEFAULTS)
     for i, node in enumerate(attention):
         window = info.sliding_windows[i] if i < len(info.sliding_windows) else None
         problems += _attribute_problems(f"MultiHeadAttention node {node.name or i!r} (layer {i})", _attributes(node),
@@ -131,12 +131,8 @@ def check_graph(info, model: onnx.ModelProto) -> None:
                          " (re-export it with kvcache_op.hf.export_model)")
 
 
-_KV_DEFAULTS = dict(num_layer=1, layer_idx=0, quant_bit=0, quant_group=8, num_repeat=1, cache_mode=0, cache_layout=0,
-                    page_size=128)
-
-
-def _attribute_problems(where: str, got: dict, want: dict, kv_defaults=False) -> list:
-    defaults = _KV_DEFAULTS if kv_defaults else {"num_kv_heads": 0, "sliding_window": 0, "softmax_scale": 0.0}
+def _attribute_problems(where: str, got: dict, want: dict, defaults: dict = mha_schema.ATTRIBUTE_DEFAULTS) -> list:
+    """``where``'s attributes (``got``, absent ones at the op's ``defaults``) against the metadata's (``want``)."""
     problems = []
     for name, value in want.items():
         have = got.get(name, defaults.get(name))

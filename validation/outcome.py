@@ -41,6 +41,14 @@ def in_place_after(op: str, inputs: dict) -> dict:
     return {name: inputs[name] for name in IN_PLACE[op] if inputs.get(name) is not None}
 
 
+def _bytes_differ(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Per element of two arrays of one dtype and shape: does any of its bytes differ (a NaN's payload too)."""
+    def as_bytes(array):
+        return np.ascontiguousarray(array).view(np.uint8).reshape(array.shape + (array.dtype.itemsize,))
+
+    return (as_bytes(got) != as_bytes(want)).any(axis=-1)
+
+
 def read_only_changes(op: str, before: dict, after: dict) -> tuple:
     """One line per input of ``op`` other than its in-place ones that differs between ``before`` (what the call
     was given) and ``after`` (the same arrays once the call returned): presence, dtype, shape or any bit."""
@@ -57,9 +65,8 @@ def read_only_changes(op: str, before: dict, after: dict) -> tuple:
         if got.dtype != want.dtype or got.shape != want.shape:
             lines.append(f"{name}: the backend changed this read-only input to {got.dtype.name}{list(got.shape)} "
                          f"(was {want.dtype.name}{list(want.shape)})")
-        elif np.ascontiguousarray(got).tobytes() != np.ascontiguousarray(want).tobytes():
-            index = np.argwhere(np.ascontiguousarray(got).view(np.uint8).reshape(got.shape + (-1,)) !=
-                                np.ascontiguousarray(want).view(np.uint8).reshape(want.shape + (-1,)))[0][:-1]
+        elif (differ := _bytes_differ(got, want)).any():
+            index = np.argwhere(differ)[0]
             at = ", ".join(map(str, index))
             lines.append(f"{name}: the backend changed this read-only input; first at [{at}]: now {got[tuple(index)]!r}, "
                          f"was {want[tuple(index)]!r}")
