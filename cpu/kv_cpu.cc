@@ -256,6 +256,7 @@ struct Kernel {
     parallel_for(store_tasks, [this](size_t i) {
       StoreRows(int64_t(i) * kRowsPerTask, std::min(p.tokens, int64_t(i + 1) * kRowsPerTask));
     });
+    if (args.out_key == nullptr) return;  // stores only (MultiHeadCacheAttention reads the cache in place)
     const int64_t gather_tasks = (p.kv_tokens + kRowsPerTask - 1) / kRowsPerTask;
     parallel_for(gather_tasks, [this](size_t i) {
       GatherRows(int64_t(i) * kRowsPerTask, std::min(p.kv_tokens, int64_t(i + 1) * kRowsPerTask));

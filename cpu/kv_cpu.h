@@ -17,7 +17,7 @@ struct ComputeArgs {
   const void* value;    // [tokens, H, Dh]
   void* cache;          // rank 5, layout attrs->cache_layout; int4 packed
   void* scale;          // rank 5, last dim G; nullptr without quantization
-  void* out_key;        // [kv_tokens, H * num_repeat, Dh]
+  void* out_key;        // [kv_tokens, H * num_repeat, Dh]; nullptr (with out_value): stores only
   void* out_value;      // [kv_tokens, H * num_repeat, Dh]
 };
 

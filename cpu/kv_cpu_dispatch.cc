@@ -1,11 +1,12 @@
 // Picks the CPU kernel build for this processor. KeyValueCache has up to three builds: AVX-512 (F, BW, VL)
-// with F16C, AVX2 + F16C, and generic; MultiHeadAttention has the last two. CMake adds the x86-64 builds,
+// with F16C, AVX2 + F16C, and generic; MultiHeadAttention and MultiHeadCacheAttention have the last two. CMake adds the x86-64 builds,
 // and defines KVCACHE_CPU_AVX2 / KVCACHE_CPU_AVX512 here, only where the compiler targets x86-64. The best
 // build the processor runs is used; $KVCACHE_OP_CPU_KERNEL = generic | avx2 | avx512 caps the choice (tests
 // run every build). KeyValueCache's builds compute identical bits; MultiHeadAttention's differ only in the
 // summation order of dot products (within the spec's tolerance); only the speed differs.
 #include "kv_cpu.h"
 #include "mha_cpu.h"
+#include "mhca_cpu.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -14,11 +15,13 @@ namespace kvcache {
 namespace generic {
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
+void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for);
 }
 #ifdef KVCACHE_CPU_AVX2
 namespace avx2 {
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
+void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for);
 }
 #endif
 #ifdef KVCACHE_CPU_AVX512
@@ -87,6 +90,13 @@ void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for) {
   if (ChosenKernel() != CpuKernel::kGeneric) return avx2::MhaComputeCpu(args, parallel_for);
 #endif
   generic::MhaComputeCpu(args, parallel_for);
+}
+
+void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
+#ifdef KVCACHE_CPU_AVX2
+  if (ChosenKernel() != CpuKernel::kGeneric) return avx2::MhcaComputeCpu(args, parallel_for);
+#endif
+  generic::MhcaComputeCpu(args, parallel_for);
 }
 
 }  // namespace kvcache

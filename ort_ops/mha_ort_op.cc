@@ -8,10 +8,10 @@
 
 namespace kvcache {
 
-MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info) {
+MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info, const char* op) {
   MhaAttrs a;
-  a.num_heads = RequiredAttr(info, "MultiHeadAttention", "num_heads");
-  a.head_dim = RequiredAttr(info, "MultiHeadAttention", "head_dim");
+  a.num_heads = RequiredAttr(info, op, "num_heads");
+  a.head_dim = RequiredAttr(info, op, "head_dim");
   a.is_causal = AttrOr(info, "is_causal", a.is_causal);
   a.is_alibi = AttrOr(info, "is_alibi", a.is_alibi);
   a.num_kv_heads = AttrOr(info, "num_kv_heads", a.num_kv_heads);

@@ -8,9 +8,10 @@ namespace kvcache {
 
 constexpr const char* kMhaOpName = "MultiHeadAttention";
 
-// Reads the attributes (num_heads and head_dim required, spec defaults for the others) and rejects
-// invalid values (KvError), so a bad node fails when the session is created.
-MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info);
+// Reads the attention attributes (num_heads and head_dim required, spec defaults for the others) and rejects
+// invalid values (KvError), so a bad node fails when the session is created. `op` names the op in the message
+// of a missing attribute.
+MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info, const char* op = kMhaOpName);
 
 struct MhaCpuKernel {
   explicit MhaCpuKernel(const OrtKernelInfo* info) : attrs(ReadMhaAttrs(info)) {}

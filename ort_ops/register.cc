@@ -1,9 +1,10 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
-// CPU EP (and the CUDA EP in a CUDA build), KeyCacheRotaryShift likewise, and MultiHeadAttention for the CPU EP.
+// CPU EP (and the CUDA EP in a CUDA build), KeyCacheRotaryShift likewise, and MultiHeadAttention and MultiHeadCacheAttention for the CPU EP.
 #include <string>
 
 #include "kv_ort_op.h"
 #include "mha_ort_op.h"
+#include "mhca_ort_op.h"
 #include "rotary_ort_op.h"
 
 #ifdef KVCACHE_WITH_CUDA
@@ -27,6 +28,7 @@ struct Registry {
   kvcache::CpuOp cpu_op;
   kvcache::RotaryCpuOp rotary_cpu_op;
   kvcache::MhaCpuOp mha_cpu_op;
+  kvcache::MhcaCpuOp mhca_cpu_op;
 #ifdef KVCACHE_WITH_CUDA
   kvcache::CudaOp cuda_op;
   kvcache::RotaryCudaOp rotary_cuda_op;
@@ -37,6 +39,7 @@ struct Registry {
     domain.Add(&cpu_op);
     domain.Add(&rotary_cpu_op);
     domain.Add(&mha_cpu_op);
+    domain.Add(&mhca_cpu_op);
 #ifdef KVCACHE_WITH_CUDA
     domain.Add(&cuda_op);
     domain.Add(&rotary_cuda_op);

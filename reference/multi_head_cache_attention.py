@@ -17,9 +17,9 @@ def check_softcap(softcap) -> None:
     defined once MultiHeadAttention defines it with its error bound."""
     value = float(softcap)
     if not math.isfinite(value) or value < 0:
-        raise MultiHeadAttentionError(f"softcap must be finite and >= 0, got {softcap}")
+        raise MultiHeadAttentionError(f"softcap must be finite and >= 0, got {value:g}")
     if value != 0:
-        raise MultiHeadAttentionError(f"softcap = {softcap}: score capping is not defined in this version (0 is off)")
+        raise MultiHeadAttentionError(f"softcap = {value:g}: score capping is not defined in this version (0 is off)")
 
 
 def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,

@@ -71,6 +71,19 @@ def test_large_calls_match_the_reference_and_do_not_depend_on_threads(t):
     assert c_output(case, 4).tobytes() == one.tobytes()  # and the C entry runs the same kernel
 
 
+@pytest.mark.parametrize("t", ["float32", "bfloat16"])
+def test_long_decodes_split_over_their_keys_match_the_oracle_whatever_the_threads(t):
+    """Two decodes of thousands of keys are too few tasks for the threads: their keys are split into ranges
+    whose partial softmaxes are merged (log-sum-exp). The result is the oracle's, and the same bits on any
+    number of threads (the split follows the shapes, not the threads)."""
+    case = build_attention("split", [(1, 3000), (1, 1500)], heads=8, kv_heads=2, head_dim=64, t=t,
+                           sliding_window=2000, mask=2)
+    exact, bound = oracle(case)
+    one = ort_output(case, 1)
+    assert_within(one, exact, bound, "ORT, 1 thread")
+    assert ort_output(case, 2).tobytes() == one.tobytes()
+
+
 def test_generic_and_avx2_builds_are_both_within_the_bound(monkeypatch):
     case = large_case("float16", mask=3)
     want = multi_head_attention(**case.inputs, **case.attributes)

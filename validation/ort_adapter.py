@@ -27,9 +27,8 @@ class OrtBackend:
     are bound (default: the provider's device, ``cpu`` for providers not in :data:`DEVICE_OF_PROVIDER`).
     :class:`BackendLoadError` (one line) when the library cannot be loaded or the provider is unknown."""
 
-    #: The ops the library registers in ONNX Runtime (MultiHeadCacheAttention has a reference, no kernel yet:
-    #: its cases are skipped and listed as such).
-    ops = ALL_OPS - {"MultiHeadCacheAttention"}
+    #: The ops the library registers in ONNX Runtime: all of them.
+    ops = ALL_OPS
 
     def __init__(self, ort_library=None, provider=None, provider_options=None, device=None):
         from ..ort_ops import library_path

@@ -1,0 +1,424 @@
+// The attention compute shared by MultiHeadAttention (keys and values from packed inputs) and
+// MultiHeadCacheAttention (keys and values read in place from the cache): one task per (sequence, chunk of
+// query heads[, range of keys]), float32 accumulation, max-subtracted softmax, memory per task O(kvlen *
+// head_dim). Where the keys come from is the Source (mha_cpu.cc, mhca_cpu.cc). Built once per instruction set
+// like kv_cpu.cc (KV_CPU_ISA names the namespace).
+//
+// Decode-shaped sequences (few queries) are computed for all query heads of a kv head at once, so each loaded
+// key and value row serves every head of its GQA group; long key ranges of such sequences are split over
+// several tasks when there are too few tasks to busy the threads, each task's partial softmax (max, sum,
+// unnormalized output) merged afterwards by log-sum-exp.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "kv_cpu.h"
+#include "kv_cpu_rows.h"
+#include "kv_types.h"
+#include "mha_validate.h"
+
+namespace kvcache {
+namespace KV_CPU_ISA {
+namespace attention_detail {
+
+using Big = __int128;  // q - sliding_window may leave int64 for a huge window
+
+constexpr int kRows = 4;  // query rows (or heads of a group) computed together: each key row loaded once for all
+
+// out[r] = sum_d q[r][d] * k[d] in float32 for kRows query rows: per row eight independent partial sums
+// (lane l takes d = l mod 8), then a fixed reduction tree.
+inline void Dot4(const float* const* q, const float* k, int64_t n, float* out) {
+  float lanes[kRows][8] = {};
+  int64_t d = 0;
+#if KV_SIMD
+  __m256 s[kRows] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (; d + 8 <= n; d += 8) {
+    const __m256 kv = _mm256_loadu_ps(k + d);
+    for (int r = 0; r < kRows; ++r) s[r] = _mm256_add_ps(s[r], _mm256_mul_ps(_mm256_loadu_ps(q[r] + d), kv));
+  }
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(lanes[r], s[r]);
+#endif
+  for (; d + 8 <= n; d += 8)
+    for (int r = 0; r < kRows; ++r)
+      for (int l = 0; l < 8; ++l) lanes[r][l] += q[r][d + l] * k[d + l];  // independent lanes: vectorizable
+  for (; d < n; ++d)
+    for (int r = 0; r < kRows; ++r) lanes[r][d % 8] += q[r][d] * k[d];
+  for (int r = 0; r < kRows; ++r) {
+    const float* x = lanes[r];
+    out[r] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
+  }
+}
+
+// sum_d q[d] * k[d] in float32: one row of Dot4 (the same lanes and reduction tree, so the same bits).
+inline float Dot(const float* q, const float* k, int64_t n) {
+  float lanes[8] = {};
+  int64_t d = 0;
+#if KV_SIMD
+  __m256 s = _mm256_setzero_ps();
+  for (; d + 8 <= n; d += 8) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d)));
+  _mm256_storeu_ps(lanes, s);
+#endif
+  for (; d + 8 <= n; d += 8)
+    for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * k[d + l];
+  for (; d < n; ++d) lanes[d % 8] += q[d] * k[d];
+  return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
+}
+
+// acc[r][d] += w[r] * v[d] for kRows rows (one load of v per d).
+inline void Axpy4(float* const* acc, const float* w, const float* __restrict__ v, int64_t n) {
+  float* __restrict__ a0 = acc[0];
+  float* __restrict__ a1 = acc[1];
+  float* __restrict__ a2 = acc[2];
+  float* __restrict__ a3 = acc[3];
+  const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = v[d];
+    a0[d] += w0 * x;
+    a1[d] += w1 * x;
+    a2[d] += w2 * x;
+    a3[d] += w3 * x;
+  }
+}
+
+// acc[d] += w * v[d]
+inline void Axpy(float* __restrict__ acc, float w, const float* __restrict__ v, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
+}
+
+// Sequences with at most this many queries are computed for several heads at once, streaming each key/value
+// row (the chunk's kv heads) once per query block; longer sequences reuse each row many times, run one task per
+// head and convert their rows once into contiguous scratch (Rows::Prepare).
+constexpr int64_t kStreamQueries = 4;
+// Streamed sequences are split into head chunks, then key ranges, until there are about this many tasks.
+constexpr int64_t kMinStreamTasks = 16;
+// A split key range holds at least this many keys: fewer would cost more in merging than they save.
+constexpr int64_t kMinSplitKeys = 256;
+// A chunk holds at most this many scores (rows x heads x keys, float32: 16 MiB): a task's memory stays
+// O(kvlen) whatever num_heads is.
+constexpr int64_t kMaxChunkScores = int64_t{1} << 22;
+
+struct TaskRange {
+  int64_t b, h0, h1;     // sequence b, query heads [h0, h1)
+  int64_t j0, j1;        // keys [j0, j1) of the sequence (all of them when not split)
+  int64_t partial = -1;  // split tasks: the first float of their partial results; -1 writes the output
+};
+
+// The tasks of one split (sequence, head chunk): merged into the output once all have run.
+struct MergeRange {
+  int64_t b, h0, h1, first_task, parts;
+};
+
+}  // namespace attention_detail
+
+using namespace attention_detail;
+
+// Keys or values of one sequence as float32 rows of the chunk's kv heads, from a Source's Reader. With
+// `preload` (a sequence with many queries reads each row many times) all rows [first, last) are converted once
+// per task into contiguous scratch, so the reuse runs from cache. Otherwise rows are streamed: the reader
+// returns a row in place where it can (float32 rows of adjacent heads), else converted into its own buffer.
+template <class Reader>
+struct Rows {
+  Rows(Reader reader, int64_t width) : reader(std::move(reader)), width(width) {}
+  Reader reader;
+  int64_t width;
+  bool preload = false;
+  int64_t first = 0;
+  std::vector<float> scratch;
+
+  void Prepare(bool all_rows, int64_t row_first, int64_t row_last) {
+    preload = all_rows;
+    first = row_first;
+    if (!preload) return;
+    scratch.resize(static_cast<size_t>((row_last - row_first) * width));
+    for (int64_t j = row_first; j < row_last; ++j) reader.CopyRow(j, &scratch[(j - first) * width]);
+  }
+  const float* Row(int64_t j) { return preload ? &scratch[(j - first) * width] : reader.Row(j); }
+};
+
+// The attention of a validated call. Source::Open(kv, b, kv0, kv1) gives a reader of sequence b's keys (kv 0)
+// or values (kv 1), kv heads [kv0, kv1), key indices 0 .. kvlen - 1 of that sequence.
+template <class T1, class Source>
+struct AttentionKernel {
+  using T = typename T1::Storage;
+  const kvcache::MhaAttrs& a;
+  const kvcache::MhaPlan& p;
+  const Source& source;
+  const void* query;  // [tokens, num_heads, head_dim]
+  const void* mask;   // nullptr when absent
+  void* out;          // [tokens, num_heads, head_dim]
+  float* partials = nullptr;
+
+  // [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see (spec: visible keys).
+  void VisibleRange(int64_t b, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) const {
+    const int64_t q = K - S + i;  // |K - S + i| < tokens + kv_tokens: fits
+    *hi = p.causal[b] ? q + 1 : K;
+    *lo = 0;
+    if (a.sliding_window) *lo = static_cast<int64_t>(std::clamp<Big>(Big(q) - a.sliding_window + 1, 0, K));
+  }
+
+  // Floats of one split task's partial results: per (row, head) its max, its sum, then head_dim of output.
+  int64_t PartialFloats(int64_t S, int64_t nh) const { return std::min<int64_t>(kRows, S) * nh * (a.head_dim + 2); }
+
+  // Every output row of query heads [h0, h1) of sequence b over keys [j0, j1), kRows query rows at a time. The
+  // visible ranges of consecutive queries only move forward, so a block's keys are [lo of its first row, hi of
+  // its last); a key outside one row's own range is computed for the block but never used for that row.
+  void Task(const TaskRange& task) const {
+    const int64_t D = a.head_dim, H = a.num_heads, G = p.group, b = task.b, h0 = task.h0, nh = task.h1 - task.h0;
+    const int64_t row0 = p.seqstarts[b], S = p.seqstarts[b + 1] - row0;
+    const int64_t col0 = p.kvstarts[b], K = p.kvstarts[b + 1] - col0;
+    const int64_t kv0 = h0 / G, kv1 = (task.h1 - 1) / G + 1;
+    auto visible = [&](int64_t i, int64_t* lo, int64_t* hi) {
+      VisibleRange(b, S, K, i, lo, hi);
+      *lo = std::max(*lo, task.j0);
+      *hi = std::max(*lo, std::min(*hi, task.j1));
+    };
+    int64_t first = 0, hi_first = 0, lo_last = 0, last = 0;
+    visible(0, &first, &hi_first);
+    visible(S - 1, &lo_last, &last);
+    last = std::max(first, last);
+    const int64_t span = last - first;
+    Rows<typename Source::Reader> keys{source.Open(0, b, kv0, kv1), (kv1 - kv0) * D};
+    Rows<typename Source::Reader> values{source.Open(1, b, kv0, kv1), (kv1 - kv0) * D};
+    keys.Prepare(S > kStreamQueries, first, last);
+    values.Prepare(S > kStreamQueries, first, last);
+    // Per (row r of the block, head k): query, accumulator, scores over [first, last), max, sum. Rows beyond
+    // S are read as copies of the last row but never stored, so scores need only min(kRows, S) rows.
+    const int64_t block = std::min<int64_t>(kRows, S);
+    std::vector<float> q(kRows * nh * D), acc(kRows * nh * D), scores(block * nh * span), top(kRows * nh),
+        sum(kRows * nh), slope(nh);
+    for (int64_t k = 0; k < nh; ++k) slope[k] = a.is_alibi ? kvcache::AlibiSlope(h0 + k, H) : 0.0f;
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    // Heads k .. k + 3 of the chunk read the same kv head (a GQA group of 4 or more): one pass over its key
+    // row serves the four.
+    auto shared4 = [&](int64_t k) { return k + kRows <= nh && (h0 + k) / G == (h0 + k + kRows - 1) / G; };
+    for (int64_t i0 = 0; i0 < S; i0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, S - i0));
+      int64_t lo[kRows], hi[kRows], qpos[kRows];
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t i = i0 + std::min(r, rows - 1);  // missing rows repeat the last one (never written)
+        visible(i, &lo[r], &hi[r]);
+        qpos[r] = K - S + i;
+      }
+      T* out_rows = static_cast<T*>(out) + ((row0 + i0) * H + h0) * D;
+      if (task.partial < 0)
+        for (int r = 0; r < rows; ++r)  // rows that see no key stay zero (+0.0)
+          std::memset(out_rows + r * H * D, 0, static_cast<size_t>(nh * D) * sizeof(T));
+      std::fill(top.begin(), top.end(), minus_inf);
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill(sum.begin(), sum.end(), 0.0f);
+      if (lo[0] < hi[rows - 1]) {
+        for (int r = 0; r < kRows; ++r)  // the chunk's heads are contiguous in a query row
+          ToFloatRow<T1>(static_cast<const T*>(query) + ((row0 + i0 + std::min(r, rows - 1)) * H + h0) * D,
+                         &q[r * nh * D], nh * D);
+        auto take = [&](int r, int64_t k, int64_t j, float dot) {
+          if (j < lo[r] || j >= hi[r]) return;
+          float s = p.scale * dot;
+          if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row0 + i0 + r)[col0 + j]);
+          if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos[r]);
+          scores[(r * nh + k) * span + (j - first)] = s;
+          float& m = top[r * nh + k];
+          if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
+        };
+        for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
+          const float* key = keys.Row(j);
+          for (int64_t k = 0; k < nh;) {
+            const float* kr = key + ((h0 + k) / G - kv0) * D;
+            float dots[kRows];
+            if (rows == 1 && shared4(k)) {  // a decode row, four heads of one group
+              const float* qs[kRows] = {&q[k * D], &q[(k + 1) * D], &q[(k + 2) * D], &q[(k + 3) * D]};
+              Dot4(qs, kr, D, dots);
+              for (int r = 0; r < kRows; ++r) take(0, k + r, j, dots[r]);
+              k += kRows;
+              continue;
+            }
+            if (rows == 1) {
+              dots[0] = Dot(&q[k * D], kr, D);
+            } else {
+              const float* qs[kRows] = {&q[k * D], &q[(nh + k) * D], &q[(2 * nh + k) * D], &q[(3 * nh + k) * D]};
+              Dot4(qs, kr, D, dots);
+            }
+            for (int r = 0; r < rows; ++r) take(r, k, j, dots[r]);
+            ++k;
+          }
+        }
+        // exp(score - max) of row r, head k at key j; 0 where the key is hidden or the row is all -inf.
+        auto weight = [&](int r, int64_t k, int64_t j) {
+          const float m = top[r * nh + k];
+          if (j < lo[r] || j >= hi[r] || m == minus_inf) return 0.0f;
+          const float w = std::exp(scores[(r * nh + k) * span + (j - first)] - m);
+          sum[r * nh + k] += w;
+          return w;
+        };
+        auto seen = [&](int r, int64_t k, int64_t j) { return j >= lo[r] && j < hi[r] && top[r * nh + k] != minus_inf; };
+        for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
+          const float* value = values.Row(j);
+          for (int64_t k = 0; k < nh;) {
+            const float* v = value + ((h0 + k) / G - kv0) * D;
+            if (rows == 1 && shared4(k)) {
+              float w[kRows];
+              bool all = true;
+              for (int r = 0; r < kRows; ++r) {
+                all = all && seen(0, k + r, j);
+                w[r] = weight(0, k + r, j);
+              }
+              if (all) {
+                float* accs[kRows] = {&acc[k * D], &acc[(k + 1) * D], &acc[(k + 2) * D], &acc[(k + 3) * D]};
+                Axpy4(accs, w, v, D);
+              } else {  // only the heads that see this key: 0 * an infinite value would be NaN
+                for (int r = 0; r < kRows; ++r)
+                  if (seen(0, k + r, j)) Axpy(&acc[(k + r) * D], w[r], v, D);
+              }
+              k += kRows;
+              continue;
+            }
+            float w[kRows] = {0.0f, 0.0f, 0.0f, 0.0f};
+            int used = 0;
+            for (int r = 0; r < rows; ++r) {
+              used += seen(r, k, j);
+              w[r] = weight(r, k, j);
+            }
+            if (used == kRows) {
+              float* accs[kRows] = {&acc[k * D], &acc[(nh + k) * D], &acc[(2 * nh + k) * D], &acc[(3 * nh + k) * D]};
+              Axpy4(accs, w, v, D);
+            } else {
+              for (int r = 0; r < rows; ++r)
+                if (seen(r, k, j)) Axpy(&acc[(r * nh + k) * D], w[r], v, D);
+            }
+            ++k;
+          }
+        }
+      }
+      if (task.partial >= 0) {  // a split task: its rows are the sequence's (S <= kRows, one block)
+        float* part = partials + task.partial;
+        for (int r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < nh; ++k) {
+            float* cell = part + (r * nh + k) * (D + 2);
+            cell[0] = top[r * nh + k];
+            cell[1] = sum[r * nh + k];
+            std::memcpy(cell + 2, &acc[(r * nh + k) * D], static_cast<size_t>(D) * sizeof(float));
+          }
+        continue;
+      }
+      for (int r = 0; r < rows; ++r)
+        for (int64_t k = 0; k < nh; ++k)
+          if (top[r * nh + k] != minus_inf)
+            for (int64_t d = 0; d < D; ++d)
+              out_rows[r * H * D + k * D + d] = T1::FromFloat(acc[(r * nh + k) * D + d] / sum[r * nh + k]);
+    }
+  }
+
+  // The output rows of one split (sequence, head chunk) from its tasks' partial results: each part's sum and
+  // output rescaled by exp(its max - the overall max). A NaN max (a NaN score) makes the output NaN, an
+  // infinite one too (as in one pass: exp(inf - inf)); parts that see no key are skipped; no part seeing a key
+  // leaves the row zero.
+  void Merge(const MergeRange& m, const std::vector<TaskRange>& tasks) const {
+    const int64_t D = a.head_dim, H = a.num_heads, nh = m.h1 - m.h0;
+    const int64_t row0 = p.seqstarts[m.b], S = p.seqstarts[m.b + 1] - row0;
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    std::vector<float> acc(static_cast<size_t>(D));
+    for (int64_t r = 0; r < S; ++r)
+      for (int64_t k = 0; k < nh; ++k) {
+        auto cell = [&](int64_t t) { return partials + tasks[m.first_task + t].partial + (r * nh + k) * (D + 2); };
+        float top = minus_inf;
+        for (int64_t t = 0; t < m.parts; ++t)
+          if (cell(t)[0] > top || cell(t)[0] != cell(t)[0]) top = cell(t)[0];
+        T* o = static_cast<T*>(out) + ((row0 + r) * H + m.h0 + k) * D;
+        if (top == minus_inf) {
+          std::memset(o, 0, static_cast<size_t>(D) * sizeof(T));
+          continue;
+        }
+        float total = 0.0f;
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t t = 0; t < m.parts; ++t) {
+          const float* c = cell(t);
+          if (c[0] == minus_inf) continue;
+          const float f = std::exp(c[0] - top);
+          total += f * c[1];
+          for (int64_t d = 0; d < D; ++d) acc[d] += f * c[2 + d];
+        }
+        for (int64_t d = 0; d < D; ++d) o[d] = T1::FromFloat(acc[d] / total);
+      }
+  }
+
+  // attn_mask row of query row `row` for head h (the rank-2 mask is shared by all heads).
+  const T* MaskRow(int64_t h, int64_t row) const {
+    const int64_t plane = p.mask_rank == 3 ? h * p.tokens : 0;  // < the mask's element count: fits
+    return static_cast<const T*>(mask) + (plane + row) * p.mask_cols;
+  }
+
+  void Run(const kvcache::ParallelFor& parallel_for) {
+    // Only sequences with queries get tasks: at most tokens * num_heads chunks of them, which fits because the
+    // query tensor has that many rows of head_dim >= 1 elements (an empty query may name any num_heads).
+    const int64_t H = a.num_heads, G = p.group;
+    int64_t streamed = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t S = p.seqstarts[b + 1] - p.seqstarts[b];
+      streamed += S > 0 && S <= kStreamQueries;
+    }
+    // Head chunks of whole GQA groups where there are enough of them (each loaded row serves its group).
+    const int64_t chunks = std::clamp<int64_t>(streamed ? (kMinStreamTasks + streamed - 1) / streamed : 1, 1, H);
+    int64_t chunk = (H + chunks - 1) / chunks;
+    chunk = std::min(H, (chunk + G - 1) / G * G);
+    auto head_step = [&](int64_t S, int64_t keys) {
+      const int64_t rows_keys = keys >= kMaxChunkScores ? kMaxChunkScores : std::max<int64_t>(1, std::min<int64_t>(kRows, S) * keys);
+      return S <= kStreamQueries ? std::clamp<int64_t>(kMaxChunkScores / rows_keys, 1, chunk) : int64_t{1};
+    };
+    int64_t unsplit = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t S = p.seqstarts[b + 1] - p.seqstarts[b], K = p.kvstarts[b + 1] - p.kvstarts[b];
+      if (S > 0) unsplit += (H + head_step(S, K) - 1) / head_step(S, K);
+    }
+    // Too few tasks for the threads: decode-shaped sequences with long key ranges are split over their keys.
+    const int64_t want_parts = unsplit > 0 && unsplit < kMinStreamTasks ? (kMinStreamTasks + unsplit - 1) / unsplit : 1;
+    std::vector<TaskRange> tasks;
+    std::vector<MergeRange> merges;
+    int64_t partial_floats = 0;
+    for (int64_t b = 0; b < p.batch; ++b) {
+      const int64_t S = p.seqstarts[b + 1] - p.seqstarts[b], K = p.kvstarts[b + 1] - p.kvstarts[b];
+      if (S == 0) continue;
+      const int64_t parts = S <= kStreamQueries ? std::clamp<int64_t>(K / kMinSplitKeys, 1, want_parts) : 1;
+      const int64_t part_keys = (K + parts - 1) / parts, split = K ? (K + part_keys - 1) / part_keys : 1;
+      const int64_t step = head_step(S, part_keys);
+      for (int64_t h = 0; h < H; h += step) {
+        const int64_t h1 = std::min(H, h + step);
+        if (split == 1) {
+          tasks.push_back({b, h, h1, 0, K});
+          continue;
+        }
+        merges.push_back({b, h, h1, static_cast<int64_t>(tasks.size()), split});
+        for (int64_t j = 0; j < K; j += part_keys) {
+          tasks.push_back({b, h, h1, j, std::min(K, j + part_keys), partial_floats});
+          partial_floats += PartialFloats(S, h1 - h);
+        }
+      }
+    }
+    std::vector<float> partial_store(static_cast<size_t>(partial_floats));
+    partials = partial_store.data();
+    // A task's exception (an allocation failure) must not unwind through the thread pool: the first one is
+    // kept and rethrown here, after every task has returned.
+    std::mutex failure_lock;
+    std::exception_ptr failure;
+    auto guarded = [&](auto&& fn) {
+      try {
+        fn();
+      } catch (...) {
+        std::lock_guard<std::mutex> hold(failure_lock);
+        if (!failure) failure = std::current_exception();
+      }
+    };
+    parallel_for(tasks.size(), [&](size_t t) { guarded([&] { Task(tasks[t]); }); });
+    if (failure) std::rethrow_exception(failure);
+    parallel_for(merges.size(), [&](size_t m) { guarded([&] { Merge(merges[m], tasks); }); });
+    if (failure) std::rethrow_exception(failure);
+  }
+};
+
+}  // namespace KV_CPU_ISA
+}  // namespace kvcache

@@ -1,0 +1,115 @@
+// MultiHeadCacheAttention on the CPU: KeyValueCache's stores (kv_cpu.cc, gathers skipped), then the shared
+// attention kernel (attention_kernel.h) reading keys and values straight from the cache: float32 rows of
+// adjacent heads in place, others converted or dequantized (exactly as KeyValueCache's gather would) into a
+// row buffer of the task. Built once per instruction set like kv_cpu.cc.
+#include "mhca_cpu.h"
+
+#include <vector>
+
+#include "attention_kernel.h"
+#include "kv_cpu_codes.h"
+#include "kv_cpu_quant_rows.h"
+
+namespace kvcache {
+namespace KV_CPU_ISA {
+namespace {
+
+// Cached keys (kv 0) and values (kv 1): key j of sequence b is position j, at slot SlotOf(b, j).
+template <class T1, class T3, int QBits>
+struct CacheSource {
+  using T = typename T1::Storage;
+  using S = typename T3::Storage;
+  using C = Codes<QBits>;
+  const Attrs& a;
+  const CallPlan& p;
+  const void* cache;
+  const void* scale;
+
+  int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
+
+  struct Reader {
+    const CacheSource& s;
+    int kv;
+    int64_t b, kv0, nkv;
+    bool adjacent;             // the chunk's heads lie together in a slot (layouts 0-2, or one head)
+    std::vector<float> row;    // a converted row
+    std::vector<T> dequantized;
+    std::vector<float> x, scales, sf;
+    std::vector<int32_t> codes;
+
+    // Heads [h, h + n) of `slot` as float32 into dst.
+    void Convert(int64_t h, int64_t n, int64_t slot, float* dst) {
+      const int64_t width = n * s.p.head_dim, offset = s.CacheRow(kv, h, slot);
+      if constexpr (QBits == 0) {
+        ToFloatRow<T1>(static_cast<const T*>(s.cache) + offset, dst, width);
+      } else {
+        const int64_t groups = n * s.p.groups;
+        const S* row_scales = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, h, slot);
+        DequantizeRow<T1, T3, QBits>(C::Row(s.cache, offset), row_scales, width, s.a.quant_group, groups,
+                                     dequantized.data(), RowScratch{x.data(), scales.data(), codes.data(), sf.data()});
+        ToFloatRow<T1>(dequantized.data(), dst, width);
+      }
+    }
+    void CopyRow(int64_t j, float* dst) {
+      const int64_t slot = SlotOf(s.p, s.a, b, static_cast<uint64_t>(j));
+      if (adjacent) return Convert(kv0, nkv, slot, dst);
+      for (int64_t h = 0; h < nkv; ++h) Convert(kv0 + h, 1, slot, dst + h * s.p.head_dim);
+    }
+    const float* Row(int64_t j) {
+      if constexpr (QBits == 0 && T1::kElem == Elem::kFloat32)
+        if (adjacent)
+          return static_cast<const float*>(s.cache) + s.CacheRow(kv, kv0, SlotOf(s.p, s.a, b, static_cast<uint64_t>(j)));
+      CopyRow(j, row.data());
+      return row.data();
+    }
+  };
+
+  Reader Open(int kv, int64_t b, int64_t kv0, int64_t kv1) const {
+    const int64_t nkv = kv1 - kv0;
+    const auto width = static_cast<size_t>(nkv * p.head_dim), groups = static_cast<size_t>(nkv * p.groups);
+    const bool quantized = QBits != 0;
+    return Reader{*this, kv, b, kv0, nkv, nkv == 1 || p.cache_rows.head == p.head_dim,
+                  std::vector<float>(width),
+                  std::vector<T>(quantized ? width : 0),
+                  std::vector<float>(quantized ? width : 0),
+                  std::vector<float>(quantized ? width : 0),
+                  std::vector<float>(quantized ? groups + 8 : 0),
+                  std::vector<int32_t>(quantized ? width : 0)};
+  }
+};
+
+template <class T1, class T3, int QBits>
+void Launch(const MhcaArgs& args, const ParallelFor& parallel_for) {
+  const MhcaPlan& plan = *args.plan;
+  const CacheSource<T1, T3, QBits> source{args.attrs->cache, plan.cache, args.cache, args.scale};
+  AttentionKernel<T1, CacheSource<T1, T3, QBits>>{args.attrs->attention, plan.attention, source, args.query,
+                                                  args.mask, args.out}
+      .Run(parallel_for);
+}
+
+template <class T1>
+void DispatchQuant(const MhcaArgs& args, const ParallelFor& pf) {
+  const bool f16_scale = args.scale_type == int32_t(Elem::kFloat16);
+  switch (args.attrs->cache.quant_bit) {
+    case 0: return Launch<T1, F32, 0>(args, pf);
+    case 8: return f16_scale ? Launch<T1, F16, 8>(args, pf) : Launch<T1, F32, 8>(args, pf);
+    default: return f16_scale ? Launch<T1, F16, 4>(args, pf) : Launch<T1, F32, 4>(args, pf);
+  }
+}
+
+}  // namespace
+
+void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
+  // The stores first, all of them (spec: every store of the call before any load): KeyValueCache's own.
+  const ComputeArgs stores{&args.attrs->cache, &args.plan->cache, args.t1, args.scale_type, args.key, args.value,
+                           args.cache, args.scale, nullptr, nullptr};
+  ComputeCpu(stores, parallel_for);
+  switch (static_cast<Elem>(args.t1)) {
+    case Elem::kFloat32: return DispatchQuant<F32>(args, parallel_for);
+    case Elem::kFloat16: return DispatchQuant<F16>(args, parallel_for);
+    default: return DispatchQuant<BF16>(args, parallel_for);
+  }
+}
+
+}  // namespace KV_CPU_ISA
+}  // namespace kvcache

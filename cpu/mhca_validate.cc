@@ -1,0 +1,67 @@
+#include "mhca_validate.h"
+
+#include <cmath>
+#include <cstring>
+#include <sstream>
+#include <string>
+
+#include "byte_ranges.h"
+#include "kv_types.h"
+
+namespace kvcache {
+namespace {
+
+// The score cap as the reference prints it (Python's "{:g}").
+std::string CapStr(float v) {
+  if (std::isnan(v)) return "nan";
+  std::ostringstream s;
+  s << static_cast<double>(v);
+  return s.str();
+}
+
+}  // namespace
+
+void CheckMhcaAttrs(const MhcaAttrs& a) {
+  if (!std::isfinite(a.softcap) || a.softcap < 0) Fail("softcap must be finite and >= 0, got ", CapStr(a.softcap));
+  if (a.softcap != 0)
+    Fail("softcap = ", CapStr(a.softcap), ": score capping is not defined in this version (0 is off)");
+  if (a.cache.num_repeat != 1) Fail("num_repeat must be 1 in MultiHeadCacheAttention, got ", a.cache.num_repeat);
+  CheckAttrs(a.cache);
+  CheckMhaAttrs(a.attention);
+}
+
+MhcaPlan ValidateCacheAttention(const MhcaAttrs& a, TensorArg* in) {
+  CheckMhcaAttrs(a);
+  MhcaPlan plan;
+  // Index inputs 3..9: int64 ones are copied once, here (others are refused by the rules below, unread).
+  for (size_t i = 3; i <= 9; ++i) {
+    TensorArg& t = in[i];
+    if (!t.present || t.type != int32_t(Elem::kInt64)) continue;
+    const int64_t bytes = TensorBytes(t.type, t.shape);
+    std::vector<int64_t> copy(static_cast<size_t>(bytes / 8));
+    if (bytes) std::memcpy(copy.data(), t.data, static_cast<size_t>(bytes));
+    plan.index_copies.push_back(std::move(copy));
+    t.data = plan.index_copies.back().data();  // a moved vector keeps its buffer
+  }
+  TensorArg cache_in[10] = {in[1], in[2], in[3], in[4], in[5], in[6], in[8], in[9], in[kMhcaCacheInput],
+                            in[kMhcaScaleInput]};
+  plan.cache = ValidateCall(a.cache, cache_in);
+  in[kMhcaScaleInput] = cache_in[9];  // an empty scale without quantization is now absent
+  // The keys and values the gather would give: (kvstarts[B], Hkv, head_dim) of current_key's type.
+  TensorArg gathered{true, in[1].type, {plan.cache.kv_tokens, in[1].shape[1], in[1].shape[2]}, nullptr};
+  TensorArg attention_in[kMhaNumInputs] = {in[0], gathered, gathered, in[3], in[4], in[7], in[8], in[9],
+                                           in[kMhcaMaskInput]};
+  plan.attention = ValidateAttention(a.attention, attention_in);
+  return plan;
+}
+
+void CheckCacheAttentionApart(const TensorArg* in, const void* output) {
+  const ByteRange query = RangeOf("query", in[0]), key = RangeOf("current_key", in[1]),
+                  value = RangeOf("current_value", in[2]), cache = RangeOf("cache", in[kMhcaCacheInput]),
+                  scale = RangeOf("scale", in[kMhcaScaleInput]), mask = RangeOf("attn_mask", in[kMhcaMaskInput]);
+  CheckApart({"output", output, TensorBytes(in[0].type, in[0].shape)}, {query, key, value, cache, scale, mask});
+  CheckApart(cache, {query, key, value, mask});
+  CheckApart(scale, {query, key, value, cache, mask});
+}
+
+}  // namespace kvcache

@@ -1,0 +1,42 @@
+// ONNX Runtime glue of MultiHeadCacheAttention (CPU EP): attributes, inputs, output, shape inference.
+#pragma once
+
+#include "kv_ort_op.h"
+#include "mhca_validate.h"
+
+namespace kvcache {
+
+constexpr const char* kMhcaOpName = "MultiHeadCacheAttention";
+
+// Reads the attributes (num_heads and head_dim required, spec defaults for the others; num_repeat is not one
+// of them) and rejects invalid values (KvError), so a bad node fails when the session is created.
+MhcaAttrs ReadMhcaAttrs(const OrtKernelInfo* info);
+
+struct MhcaCpuKernel {
+  explicit MhcaCpuKernel(const OrtKernelInfo* info) : attrs(ReadMhcaAttrs(info)) {
+    RejectConstantCache(info, kMhcaOpName, kMhcaCacheInput, attrs.cache.quant_bit);
+  }
+  OrtStatusPtr ComputeV2(OrtKernelContext* context);
+  MhcaAttrs attrs;
+};
+
+struct MhcaCpuOp : Ort::CustomOpBase<MhcaCpuOp, MhcaCpuKernel, /*WithStatus=*/true> {
+  MhcaCpuOp();
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const;
+  const char* GetName() const { return kMhcaOpName; }
+  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
+  size_t GetInputTypeCount() const { return kMhcaNumInputs; }
+  static bool IsIndex(size_t i) { return i >= 3 && i <= 9; }
+  ONNXTensorElementDataType GetInputType(size_t i) const {
+    return IsIndex(i) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t i) const {
+    return i >= kMhcaScaleInput ? INPUT_OUTPUT_OPTIONAL : INPUT_OUTPUT_REQUIRED;
+  }
+  // The index inputs are read on the host, where every bound is checked before any write.
+  OrtMemType GetInputMemoryType(size_t i) const { return IsIndex(i) ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+};
+
+}  // namespace kvcache

@@ -1,0 +1,204 @@
+"""The MultiHeadCacheAttention CPU kernel through ONNX Runtime, held to oracles written apart from it: the naive
+KeyValueCache (the cache after the call, bit for bit) then the naive float64 attention (the output within the
+spec's bound). Long decodes split over their keys (the log-sum-exp merge) match the reference and do not depend
+on the thread count; invalid calls and overlapping buffers are refused with the cache unchanged; ppl.pmx's 11-,
+12- and 13-input nodes run."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcache_op import spec
+from kvcache_op.ort_ops import make_session, run_model
+from kvcache_op.reference import cache_attention_tolerance, multi_head_cache_attention
+from kvcache_op.validation.cases import Seq
+from kvcache_op.validation.mhca_cases import CASES, build_cache_attention
+from naive_attention import naive_attention
+from naive_reference import naive_key_value_cache
+from ort_helpers import copies
+from test_mha_reference import assert_within
+from test_mhca_reference import _split, cache_attention_calls
+from test_ort_output_aliasing import bind
+from kvcache_op.reference import attention_error_bound
+
+
+def ort_call(inputs, attributes, threads=1):
+    """(output, cache after, scale after) of the ORT op on copies of ``inputs``."""
+    fresh = copies(inputs)
+    model = spec.make_cache_attention_model(fresh, **attributes)
+    session = make_session(model, intra_op_num_threads=threads)
+    (out,) = run_model(model, {k: v for k, v in fresh.items() if v is not None}, session=session)
+    return out, fresh["cache"], fresh["scale"]
+
+
+def naive_oracle(inputs, attributes):
+    """(exact output, bound, cache after, scale after) from the naive KeyValueCache and the naive attention."""
+    cache_attrs, attention = _split(attributes)
+    key, value, cache_after, scale_after = naive_key_value_cache(
+        inputs["current_key"], inputs["current_value"], inputs["seqstarts"], inputs["kvstarts"],
+        inputs["cachestarts"], inputs["start_pos"], inputs["cache"], inputs["scale"], **cache_attrs)
+    exact, n, v_max, a_mean = naive_attention(inputs["query"], key, value, inputs["seqstarts"], inputs["kvstarts"],
+                                              inputs["decoding_batches"], inputs.get("attn_mask"), **attention)
+    bound = np.where(n > 0, attention_error_bound(n, v_max, a_mean, attention["head_dim"], inputs["query"].dtype), 0.0)
+    return exact, bound, cache_after, scale_after
+
+
+@settings(max_examples=2 * settings.default.max_examples, deadline=None)
+@given(cache_attention_calls(), st.sampled_from((1, 2)))
+def test_ort_writes_the_naive_cache_and_is_within_the_bound_of_the_exact_attention(call, threads):
+    inputs, attributes = call
+    exact, bound, cache_after, scale_after = naive_oracle(inputs, attributes)
+    out, cache, scale = ort_call(inputs, attributes, threads)
+    assert out.dtype == inputs["query"].dtype and out.shape == inputs["query"].shape
+    assert cache.tobytes() == cache_after.tobytes()
+    if scale_after is not None:
+        assert scale.tobytes() == scale_after.tobytes()
+    assert_within(out, exact, bound, "ORT")
+    assert np.all(out[bound == 0] == 0), "a row without an effective key must be exactly zero"
+
+
+def long_decode(t1="float16", quant_bit=0, cache_layout=0, **kw):
+    """Decodes with thousands of keys (split over their keys: too few tasks otherwise), GQA group 4, beside a
+    short prefill chunk; paged."""
+    seqs = [Seq(2999, 1), Seq(1800, 1), Seq(40, 24)]
+    return build_cache_attention(f"long-{t1}-{quant_bit}-{cache_layout}", seqs, heads=2, head_dim=64, group=4,
+                                 cache_mode=1, page_size=64, t1=t1, quant_bit=quant_bit, cache_layout=cache_layout,
+                                 **kw)
+
+
+@pytest.mark.parametrize("t1, quant_bit, layout", [("float16", 0, 0), ("float32", 0, 3), ("bfloat16", 8, 3),
+                                                   ("float16", 4, 1)])
+def test_long_decodes_split_over_their_keys_match_the_reference_whatever_the_threads(t1, quant_bit, layout):
+    case = long_decode(t1, quant_bit, layout, sliding_window=2500 if layout else 0, is_alibi=int(layout == 3))
+    want = multi_head_cache_attention(**copies(case.inputs), **case.attributes)
+    tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
+    one = ort_call(case.inputs, case.attributes, 1)[0]
+    assert_within(one, want.astype(np.float64), tolerance, "ORT, 1 thread")
+    assert ort_call(case.inputs, case.attributes, 2)[0].tobytes() == one.tobytes()  # tasks do not follow threads
+
+
+def test_a_split_decode_keeps_non_finite_scores_as_one_pass_does():
+    """A NaN key in one key range makes the output NaN; keys hidden by a -inf mask in a whole key range are
+    skipped (that range sees no key); a row hidden everywhere stays exactly zero."""
+    case = build_cache_attention("split-nonfinite", [Seq(2047, 1), Seq(2047, 1), Seq(2047, 1)], heads=1,
+                                 head_dim=16, group=2, cache_mode=0, t1="float32", mask=True)
+    i = dict(case.inputs)
+    mask = i["attn_mask"]
+    mask[1, 2048:2048 + 1500] = -np.inf  # sequence 1: most of its keys hidden, several key ranges wholly
+    mask[2, 4096:4096 + 2048] = -np.inf  # sequence 2: every key hidden
+    cache = i["cache"]
+    cache.reshape(-1)[:1] = np.nan  # slot 0, key head 0: the first key of sequence 0
+    want = multi_head_cache_attention(**copies(i), **case.attributes)
+    got = ort_call(i, case.attributes, 2)[0]
+    assert np.isnan(want[0]).all() and np.isnan(got[0]).all()
+    assert np.all(got[2] == 0) and np.all(want[2] == 0)
+    tolerance = 2 * cache_attention_tolerance(**i, **case.attributes)
+    assert_within(got[1], want[1].astype(np.float64), tolerance[1], "partly hidden")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_named_cases_match_the_reference_cache_bit_for_bit_and_output_within_its_bound(name):
+    case = CASES[name]()
+    fresh = copies(case.inputs)
+    want = multi_head_cache_attention(**fresh, **case.attributes)
+    out, cache, scale = ort_call(case.inputs, case.attributes, 2)
+    assert cache.tobytes() == fresh["cache"].tobytes()
+    assert scale is None or scale.tobytes() == fresh["scale"].tobytes()
+    assert_within(out, want.astype(np.float64), 2 * cache_attention_tolerance(**case.inputs, **case.attributes), name)
+
+
+def test_generic_and_avx2_builds_are_both_within_the_bound(monkeypatch):
+    case = long_decode("float16", 8, 0, mask=True)
+    want = multi_head_cache_attention(**copies(case.inputs), **case.attributes).astype(np.float64)
+    tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
+    assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, "dispatched build")
+    monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
+    assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, "generic build")
+
+
+@pytest.mark.parametrize("target", ["cache", "query"])
+def test_an_output_bound_onto_an_input_is_refused_and_the_cache_kept(target):
+    case = CASES["mhca_paged_gqa2"]()
+    feeds = {k: v for k, v in copies(case.inputs).items() if v is not None}
+    session = make_session(spec.make_cache_attention_model(case.inputs, **case.attributes))
+    query = feeds["query"]
+    before = feeds["cache"].tobytes(), query.tobytes()
+    binding, keep = bind(session, feeds, {"output": (feeds[target], query.shape, query.dtype)})
+    with pytest.raises(Exception, match=f"output overlaps {target}"):
+        session.run_with_iobinding(binding)
+    assert (feeds["cache"].tobytes(), query.tobytes()) == before
+    del keep
+
+
+def test_a_query_sharing_the_caches_memory_is_refused_before_the_store():
+    """The stores come first: a query inside the cache would be overwritten before it is read."""
+    case = CASES["mhca_offset_float16"]()
+    feeds = {k: v for k, v in copies(case.inputs).items() if v is not None}
+    flat = feeds["cache"].reshape(-1)
+    feeds["query"] = flat[:feeds["query"].size].reshape(feeds["query"].shape)  # a view into the cache
+    session = make_session(spec.make_cache_attention_model(case.inputs, **case.attributes))
+    out = np.empty(feeds["query"].shape, feeds["query"].dtype)
+    before = feeds["cache"].tobytes()
+    binding, keep = bind(session, feeds, {"output": (out, out.shape, out.dtype)})
+    with pytest.raises(Exception, match="cache overlaps query"):
+        session.run_with_iobinding(binding)
+    assert feeds["cache"].tobytes() == before
+    del keep
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda i: i.update(start_pos=i["start_pos"] + 10**6), "cachestarts"),
+    (lambda i: i.update(decoding_batches=np.array(9, np.int64)), "decoding_batches = 9 must be in"),
+    (lambda i: i.update(attn_mask=np.zeros((1, 1), i["query"].dtype)), "attn_mask must have shape"),
+])
+def test_an_invalid_call_is_refused_with_the_references_message_and_the_cache_unchanged(change, message):
+    case = CASES["mhca_paged_int8_layout3"]()
+    inputs = copies(case.inputs)
+    change(inputs)
+    with pytest.raises(Exception, match=message):
+        multi_head_cache_attention(**copies(inputs), **case.attributes)
+    model = spec.make_cache_attention_model(inputs, **case.attributes)
+    before = inputs["cache"].tobytes(), inputs["scale"].tobytes()
+    with pytest.raises(Exception, match=message):
+        run_model(model, {k: v for k, v in inputs.items() if v is not None})
+    assert (inputs["cache"].tobytes(), inputs["scale"].tobytes()) == before
+
+
+@pytest.mark.parametrize("softcap, message", [(30.0, "softcap = 30: score capping is not defined"),
+                                              (-1.0, "softcap must be finite and >= 0, got -1")])
+def test_a_non_zero_softcap_fails_when_the_session_is_made(softcap, message):
+    case = CASES["mhca_paged_gqa2"]()
+    with pytest.raises(Exception, match=message):
+        make_session(spec.make_cache_attention_model(case.inputs, **case.attributes, softcap=softcap))
+
+
+def test_a_constant_cache_is_refused_when_the_session_is_made():
+    from onnx import numpy_helper
+
+    case = CASES["mhca_offset_float16"]()
+    model = spec.make_cache_attention_model(case.inputs, **case.attributes)
+    cache = case.inputs["cache"]
+    model.graph.initializer.append(numpy_helper.from_array(cache, "cache"))
+    model.graph.input.remove([v for v in model.graph.input if v.name == "cache"][0])
+    with pytest.raises(Exception, match="cache is a constant initializer"):
+        make_session(model)
+
+
+@pytest.mark.parametrize("form", ["11 inputs", "12 inputs, int8 scale", "13 inputs, empty scale and a mask"])
+def test_ppl_pmx_node_forms_run(form):
+    """ppl.pmx writes 11 inputs without a scale or a mask, 12 with a scale, 13 with a mask (an empty scale
+    tensor standing in when the cache is not quantized)."""
+    if form.startswith("12"):
+        case = CASES["mhca_paged_int8_layout3"]()
+    else:
+        case = build_cache_attention("ppl-forms", [Seq(3, 1), Seq(0, 4)], cache_mode=1, page_size=4,
+                                     mask=form.startswith("13"))
+    inputs = copies(case.inputs)
+    if form.startswith("13"):
+        inputs["scale"] = np.zeros((0,), np.float16)
+    model = spec.make_cache_attention_model(inputs, **case.attributes)
+    assert len(model.graph.node[0].input) == int(form[:2])
+    want = multi_head_cache_attention(**copies(case.inputs), **case.attributes)
+    (got,) = run_model(model, {k: v for k, v in inputs.items() if v is not None})
+    assert_within(got, want.astype(np.float64), 2 * cache_attention_tolerance(**case.inputs, **case.attributes), form)
