@@ -34,7 +34,16 @@ struct PackedSource {
       return row.data();
     }
     void CopyRow(int64_t j, float* dst) const { ToFloatRow<T1>(base + j * stride, dst, width); }
+    // The decode path's addressing: key j is at "slot" j of a sequential input, which the hardware prefetchers
+    // follow by themselves.
+    void Slots(int64_t lo, int64_t hi, int64_t* slots) const {
+      for (int64_t j = lo; j < hi; ++j) slots[j - lo] = j;
+    }
+    void Prefetch(int64_t) const {}
+    const float* RowAt(int64_t j) { return Row(j); }
   };
+  bool HeadsTogether() const { return true; }
+  bool KeyValueTogether() const { return false; }
   Reader Open(int kv, int64_t b, int64_t kv0, int64_t kv1) const {
     const int64_t stride = p.kv_heads * head_dim, width = (kv1 - kv0) * head_dim;
     const T* base = (kv ? value : key) + p.kvstarts[b] * stride + kv0 * head_dim;

@@ -26,6 +26,11 @@ struct CacheSource {
   const void* scale;
 
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
+  // Whether a slot's heads lie together (layouts 0-2): a task may then read several kv heads as one row.
+  bool HeadsTogether() const { return p.cache_rows.head == p.head_dim; }
+  // Whether a slot's key and value rows lie together (layouts 0-1): decode then reads them key by key, one
+  // stream (measured: blocks of keys, then their values, run at half the speed there).
+  bool KeyValueTogether() const { return p.cache_rows.kv < p.cache_rows.slot; }
 
   struct Reader {
     const CacheSource& s;
@@ -50,18 +55,45 @@ struct CacheSource {
         ToFloatRow<T1>(dequantized.data(), dst, width);
       }
     }
-    void CopyRow(int64_t j, float* dst) {
-      const int64_t slot = SlotOf(s.p, s.a, b, static_cast<uint64_t>(j));
+    // Slots of keys [lo, hi): one division per page.
+    void Slots(int64_t lo, int64_t hi, int64_t* slots) const {
+      ForEachSlotRun(s.p, s.a, b, static_cast<uint64_t>(lo), hi - lo, [&](int64_t i, int64_t slot, int64_t n) {
+        for (int64_t k = 0; k < n; ++k) slots[i + k] = slot + k;
+      });
+    }
+    // Asks for the rows (and scales) of `slot` ahead of their use: a sequence's rows lie on pages scattered over
+    // the cache, and in layouts 0-2 a head's rows are strided, so the hardware prefetchers lose the stream.
+    void Prefetch(int64_t slot) const {
+      const int64_t heads = adjacent ? nkv : 1;
+      for (int64_t h = 0; h < (adjacent ? 1 : nkv); ++h) {
+        const int64_t offset = s.CacheRow(kv, kv0 + h, slot);
+        const char* row;
+        int64_t bytes;
+        if constexpr (QBits == 0) {
+          row = reinterpret_cast<const char*>(static_cast<const T*>(s.cache) + offset);
+          bytes = heads * s.p.head_dim * int64_t(sizeof(T));
+        } else {
+          row = reinterpret_cast<const char*>(C::Row(s.cache, offset));
+          bytes = heads * s.p.head_dim * QBits / 8;
+          const auto* scales = reinterpret_cast<const char*>(static_cast<const S*>(s.scale) +
+                                                              s.p.scale_rows.Row(s.a.layer_idx, kv, kv0 + h, slot));
+          for (int64_t k = 0; k < heads * s.p.groups * int64_t(sizeof(S)); k += 64) __builtin_prefetch(scales + k);
+        }
+        for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
+      }
+    }
+    const float* RowAt(int64_t slot) {
+      if constexpr (QBits == 0 && T1::kElem == Elem::kFloat32)
+        if (adjacent) return static_cast<const float*>(s.cache) + s.CacheRow(kv, kv0, slot);
+      CopyRowAt(slot, row.data());
+      return row.data();
+    }
+    void CopyRowAt(int64_t slot, float* dst) {
       if (adjacent) return Convert(kv0, nkv, slot, dst);
       for (int64_t h = 0; h < nkv; ++h) Convert(kv0 + h, 1, slot, dst + h * s.p.head_dim);
     }
-    const float* Row(int64_t j) {
-      if constexpr (QBits == 0 && T1::kElem == Elem::kFloat32)
-        if (adjacent)
-          return static_cast<const float*>(s.cache) + s.CacheRow(kv, kv0, SlotOf(s.p, s.a, b, static_cast<uint64_t>(j)));
-      CopyRow(j, row.data());
-      return row.data();
-    }
+    void CopyRow(int64_t j, float* dst) { CopyRowAt(SlotOf(s.p, s.a, b, static_cast<uint64_t>(j)), dst); }
+    const float* Row(int64_t j) { return RowAt(SlotOf(s.p, s.a, b, static_cast<uint64_t>(j))); }
   };
 
   Reader Open(int kv, int64_t b, int64_t kv0, int64_t kv1) const {

@@ -1,0 +1,265 @@
+"""Benchmark of MultiHeadCacheAttention (the fused op reading the paged cache in place) against what a user
+would otherwise run, side by side in one run, ONNX Runtime's CPU EP, every input and output bound once
+(IOBinding) so only the kernels are timed:
+
+- **split**: KeyValueCache (gathering a packed copy of every sequence's keys and values) then MultiHeadAttention,
+  the pair the exporter wrote before the fused op;
+- **GQA**: ONNX Runtime's own ``com.microsoft::GroupQueryAttention`` on the same shapes, its past key/value
+  buffers (B, kv heads, capacity, head_dim) bound as its present outputs too (shared, written in place);
+- **copy**: a plain copy of the bytes of cache the fused op reads (every sequence's keys and values), for the
+  effective bandwidth: ``GB/s = those bytes / time``.
+
+Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Methods run in interleaved
+rounds (the machine's noise lands on all alike); each figure is the median over rounds of per-round medians.
+
+    python -m kvcache_op.benchmarks.attention.fused --out benchmarks/attention/fused
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import statistics
+
+import numpy as np
+
+from ...arguments import OneLineParser, at_least, out_folder
+from ..bound_session import aligned_copy, aligned_empty, bound_run
+from ..timing import cpu_device, kernel_build, median_seconds, ort_version
+
+PAGE_SIZE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    batch: int
+    seqlen: int  # tokens stored this step per sequence (1: decode)
+    kvlen: int   # keys attended per sequence, this step's included
+    heads: int
+    kv_heads: int
+    head_dim: int = 128
+    dtype: str = "float32"
+    quant_bit: int = 0
+    layout: int = 0
+    threads: int = 1
+
+    @property
+    def label(self) -> str:
+        kind = "decode" if self.seqlen == 1 else f"prefill seq{self.seqlen}"
+        cache = f"int{self.quant_bit} cache" if self.quant_bit else f"{self.dtype} cache"
+        return (f"{kind} B={self.batch} kv{self.kvlen} {self.heads}/{self.kv_heads} heads D{self.head_dim} "
+                f"{self.dtype} ({cache}, layout {self.layout}), {self.threads} thread{'s' * (self.threads > 1)}")
+
+    @property
+    def cache_read_bytes(self) -> int:
+        """Bytes of cache the fused op reads: keys and values of every sequence (codes and scales)."""
+        rows = 2 * self.batch * self.kvlen * self.kv_heads
+        if self.quant_bit:
+            return rows * (self.head_dim * self.quant_bit // 8 + (self.head_dim // 8) * 4)
+        return rows * self.head_dim * np.dtype(self.dtype).itemsize
+
+
+def _shapes(threads_both=True):
+    shapes = []
+    for threads in (1, 2):
+        shapes += [Shape(64, 1, 1024, 8, 2, threads=threads), Shape(64, 1, 1024, 8, 2, dtype="float16", threads=threads),
+                   Shape(64, 1, 1024, 8, 2, layout=3, threads=threads),
+                   Shape(32, 1, 2048, 32, 8, threads=threads), Shape(32, 1, 2048, 32, 8, dtype="float16", threads=threads),
+                   Shape(64, 1, 1024, 8, 2, dtype="float16", quant_bit=8, threads=threads),
+                   Shape(1, 1, 16384, 8, 2, dtype="float16", threads=threads),
+                   Shape(4, 512, 512, 8, 2, threads=threads), Shape(4, 512, 512, 8, 2, dtype="float16", threads=threads)]
+    return shapes
+
+
+SHAPES = _shapes()
+#: --quick: a smoke run of the tool (tiny; not a measurement).
+QUICK_SHAPES = [Shape(4, 1, 64, 4, 2, head_dim=16), Shape(2, 8, 8, 4, 2, head_dim=16, dtype="float16", quant_bit=8)]
+
+
+def make_call(shape: Shape, seed: int = 0) -> tuple:
+    """(inputs, attributes) of one MultiHeadCacheAttention step: sequence b owns pages [b P, (b + 1) P) of a
+    paged cache; its first kvlen - seqlen positions are already stored (random), this step stores seqlen more."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(shape.dtype)
+    b, s, k = shape.batch, shape.seqlen, shape.kvlen
+    pages = -(-k // PAGE_SIZE)
+    max_t = b * pages * PAGE_SIZE
+    dims = {0: (max_t, 1, 2, shape.kv_heads), 1: (1, max_t, 2, shape.kv_heads), 2: (1, 2, max_t, shape.kv_heads),
+            3: (1, 2, shape.kv_heads, max_t)}[shape.layout]  # reference/layout.py's axis orders, one layer
+
+    def data(*lead):
+        return rng.standard_normal((*lead, shape.head_dim), dtype=np.float32).astype(dtype, copy=False)
+
+    if shape.quant_bit:
+        cache = aligned_copy(rng.integers(-127, 128, (*dims, shape.head_dim), dtype=np.int8))
+        scale = aligned_copy(rng.uniform(0.001, 0.02, (*dims, shape.head_dim // 8)).astype(np.float32))
+    else:
+        cache, scale = aligned_copy(data(*dims)), None
+    inputs = {
+        "query": aligned_copy(data(b * s, shape.heads)), "current_key": aligned_copy(data(b * s, shape.kv_heads)),
+        "current_value": aligned_copy(data(b * s, shape.kv_heads)),
+        "seqstarts": np.arange(b + 1, dtype=np.int64) * s, "kvstarts": np.arange(b + 1, dtype=np.int64) * k,
+        "cachestarts": (np.arange(b * pages, dtype=np.int64) * PAGE_SIZE).reshape(b, pages),
+        "start_pos": np.full(b, k - s, np.int64), "decoding_batches": np.array(b if s == 1 else 0, np.int64),
+        "max_seqlen": np.array(s, np.int64), "max_kvlen": np.array(k, np.int64), "cache": cache, "scale": scale,
+    }
+    attributes = dict(num_heads=shape.heads, head_dim=shape.head_dim, num_kv_heads=shape.kv_heads, cache_mode=1,
+                      page_size=PAGE_SIZE, cache_layout=shape.layout, quant_bit=shape.quant_bit)
+    return inputs, attributes
+
+
+def split_model(inputs: dict, attributes: dict):
+    """KeyValueCache (num_repeat 1) then MultiHeadAttention over what it gathers: the split pair."""
+    from onnx import helper
+
+    from ... import spec
+    from ...spec.mha_schema import attention_node_attributes
+
+    fused = spec.make_cache_attention_model(inputs, **attributes)
+    cache_keys = ("quant_bit", "cache_mode", "cache_layout", "page_size")
+    with_scale = inputs.get("scale") is not None
+    kv = spec.model.make_node(with_scale, outputs=["key", "value"], **{k: attributes[k] for k in cache_keys})
+    attention = {k: v for k, v in attributes.items() if k not in cache_keys}
+    mha = helper.make_node("MultiHeadAttention", ["query", "key", "value", "seqstarts", "kvstarts", "decoding_batches",
+                                                  "max_seqlen", "max_kvlen"], ["output"], domain=spec.DOMAIN,
+                           **attention_node_attributes(attention))
+    graph = helper.make_graph([kv, mha], "split", list(fused.graph.input), list(fused.graph.output))
+    return helper.make_model(graph, opset_imports=list(fused.opset_import), ir_version=fused.ir_version)
+
+
+def gqa_model(shape: Shape, capacity: int):
+    """ONNX Runtime's GroupQueryAttention for (B, S, heads * D) queries over a (B, kv heads, capacity, D) past."""
+    from onnx import TensorProto, helper
+
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(shape.dtype))
+    b, s, d = shape.batch, shape.seqlen, shape.head_dim
+    node = helper.make_node("GroupQueryAttention", ["query", "key", "value", "past_key", "past_value", "seqlens_k",
+                                                    "total_sequence_length"], ["output", "present_key", "present_value"],
+                            domain="com.microsoft", num_heads=shape.heads, kv_num_heads=shape.kv_heads)
+    past = [b, shape.kv_heads, capacity, d]
+    inputs = [helper.make_tensor_value_info("query", elem, [b, s, shape.heads * d]),
+              helper.make_tensor_value_info("key", elem, [b, s, shape.kv_heads * d]),
+              helper.make_tensor_value_info("value", elem, [b, s, shape.kv_heads * d]),
+              helper.make_tensor_value_info("past_key", elem, past), helper.make_tensor_value_info("past_value", elem, past),
+              helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, [b]),
+              helper.make_tensor_value_info("total_sequence_length", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info("output", elem, [b, s, shape.heads * d]),
+               helper.make_tensor_value_info("present_key", elem, past),
+               helper.make_tensor_value_info("present_value", elem, past)]
+    graph = helper.make_graph([node], "gqa", inputs, outputs)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid("com.microsoft", 1)],
+                             ir_version=10)
+
+
+def gqa_run(shape: Shape, inputs: dict):
+    """The GQA step's bound run: the same query, keys and values; its past (the cached keys) shared with present."""
+    import onnxruntime as ort
+
+    b, s, k, d = shape.batch, shape.seqlen, shape.kvlen, shape.head_dim
+    capacity = -(-k // PAGE_SIZE) * PAGE_SIZE
+    rng = np.random.default_rng(1)
+    past = [aligned_copy(rng.standard_normal((b, shape.kv_heads, capacity, d), dtype=np.float32).astype(shape.dtype))
+            for _ in range(2)]
+    feeds = {"query": inputs["query"].reshape(b, s, -1), "key": inputs["current_key"].reshape(b, s, -1),
+             "value": inputs["current_value"].reshape(b, s, -1), "past_key": past[0], "past_value": past[1],
+             "seqlens_k": np.full(b, k - 1, np.int32), "total_sequence_length": np.array(k, np.int32)}
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = shape.threads
+    options.log_severity_level = 3
+    session = ort.InferenceSession(gqa_model(shape, capacity).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    binding = session.io_binding()
+    keep = []
+    for name, array in feeds.items():
+        value = ort.OrtValue.ortvalue_from_numpy(array)
+        keep.append(value)
+        binding.bind_ortvalue_input(name, value)
+    out = aligned_empty((b, s, shape.heads * d), shape.dtype)
+    binding.bind_output("output", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
+    for name, array in (("present_key", past[0]), ("present_value", past[1])):
+        binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+    def run():
+        session.run_with_iobinding(binding)
+
+    run.keep = (keep, out, past)
+    return run
+
+
+def measure(shape: Shape, rounds: int, repeats: int) -> dict:
+    """Seconds per step of each method (medians) and the derived ratios."""
+    from ... import spec
+
+    inputs, attributes = make_call(shape)
+    feeds = {k: v for k, v in inputs.items() if v is not None}
+    out = aligned_empty(inputs["query"].shape, inputs["query"].dtype)
+    runs = {"fused": bound_run(spec.make_cache_attention_model(inputs, **attributes), feeds, {"output": out},
+                               shape.threads),
+            "split": bound_run(split_model(inputs, attributes), feeds, {"output": out}, shape.threads)}
+    if not shape.quant_bit:  # GroupQueryAttention has no quantized cache
+        runs["gqa"] = gqa_run(shape, inputs)
+    source = aligned_empty((shape.cache_read_bytes,), np.uint8)
+    source[:] = 1
+    target = aligned_empty(source.shape, np.uint8)
+    runs["copy"] = lambda: np.copyto(target, source)
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name].append(median_seconds(run, warmup=1, repeats=repeats))
+    seconds = {name: statistics.median(t) for name, t in times.items()}
+    result = {"shape": dataclasses.asdict(shape), "label": shape.label, "seconds": seconds,
+              "fused_vs_split": seconds["fused"] / seconds["split"], "cache_GBps": shape.cache_read_bytes / seconds["fused"] / 1e9,
+              "copy_GBps": shape.cache_read_bytes / seconds["copy"] / 1e9,
+              "fused_vs_copy_bandwidth": seconds["copy"] / seconds["fused"]}
+    if "gqa" in seconds:
+        result["fused_vs_gqa"] = seconds["fused"] / seconds["gqa"]
+    return result
+
+
+def report(results: list, header: str) -> str:
+    """A markdown table of the results: time ratios (below 1: the fused op is faster) and bandwidths."""
+    lines = [header, "", "| shape | fused ms | split ms | GQA ms | fused / split | fused / GQA | cache GB/s | copy GB/s | "
+             "of copy |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in results:
+        s = r["seconds"]
+        gqa = f"{s['gqa'] * 1e3:.2f}" if "gqa" in s else "—"
+        vs_gqa = f"{r['fused_vs_gqa']:.2f}x" if "fused_vs_gqa" in r else "—"
+        lines.append(f"| {r['label']} | {s['fused'] * 1e3:.2f} | {s['split'] * 1e3:.2f} | {gqa} | "
+                     f"{r['fused_vs_split']:.2f}x | {vs_gqa} | {r['cache_GBps']:.1f} | {r['copy_GBps']:.1f} | "
+                     f"{r['fused_vs_copy_bandwidth']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = OneLineParser(prog="python -m kvcache_op.benchmarks.attention.fused", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md (default: print only)")
+    parser.add_argument("--rounds", type=at_least(1), default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--repeats", type=at_least(1), default=5, help="timed calls per method per round (default 5)")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke run, not a measurement")
+    parser.add_argument("--match", default="", help="only shapes whose label contains this text")
+    args = parser.parse_args(argv)
+    shapes = [s for s in (QUICK_SHAPES if args.quick else SHAPES) if args.match in s.label]
+    if not shapes:
+        parser.error(f"no shape's label contains {args.match!r}")
+    rounds, repeats = (1, 2) if args.quick else (args.rounds, args.repeats)
+    results = []
+    for i, shape in enumerate(shapes, 1):
+        print(f"[{i}/{len(shapes)}] {shape.label}", flush=True)
+        results.append(measure(shape, rounds, repeats))
+        r = results[-1]
+        print(f"    fused/split {r['fused_vs_split']:.2f}x" +
+              (f", fused/GQA {r['fused_vs_gqa']:.2f}x" if "fused_vs_gqa" in r else "") +
+              f", {r['fused_vs_copy_bandwidth']:.2f}x copy bandwidth", flush=True)
+    header = (f"MultiHeadCacheAttention vs the split pair and GroupQueryAttention — {cpu_device()}, onnxruntime "
+              f"{ort_version()}{kernel_build()}; medians of {rounds} rounds x {repeats} calls")
+    text = report(results, header)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "results.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
+        (args.out / "README.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
