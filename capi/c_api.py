@@ -47,6 +47,11 @@ MHA_INPUTS = ("query", "key", "value", "seqstarts", "kvstarts", "decoding_batche
               "attn_mask")
 MHA_INT_ATTRIBUTES = ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads", "sliding_window")
 MHA_ATTRIBUTES = MHA_INT_ATTRIBUTES + ("softmax_scale",)
+MHCA_INPUTS = ("query", "current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos",
+               "decoding_batches", "max_seqlen", "max_kvlen", "cache", "scale", "attn_mask")
+MHCA_INT_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_mode", "cache_layout",
+                       "page_size") + MHA_INT_ATTRIBUTES
+MHCA_ATTRIBUTES = MHCA_INT_ATTRIBUTES + ("softmax_scale", "softcap")
 ROTARY_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_layout", "rotary_dim",
                      "rotary_interleaved")
 
@@ -77,6 +82,11 @@ class CRotaryShiftAttrs(ctypes.Structure):
 
 class CMultiHeadAttentionAttrs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in MHA_INT_ATTRIBUTES] + [("softmax_scale", ctypes.c_float)]
+
+
+class CMultiHeadCacheAttentionAttrs(ctypes.Structure):
+    _fields_ = ([(name, ctypes.c_int64) for name in MHCA_INT_ATTRIBUTES] +
+                [("softmax_scale", ctypes.c_float), ("softcap", ctypes.c_float)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +123,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
     message = (ctypes.c_char_p, ctypes.c_size_t)
     kv_attrs, rot_attrs = ctypes.POINTER(CKeyValueCacheAttrs), ctypes.POINTER(CRotaryShiftAttrs)
     mha_attrs = ctypes.POINTER(CMultiHeadAttentionAttrs)
+    mhca_attrs = ctypes.POINTER(CMultiHeadCacheAttentionAttrs)
     tensors = ctypes.POINTER(CTensor)
     signatures = {
         "kvcache_op_c_api_version": ((), ctypes.c_int32),
@@ -131,6 +142,9 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_multi_head_attention_defaults": ((mha_attrs,), None),
         "kvcache_op_multi_head_attention_cpu": ((mha_attrs, tensors, tensors, ctypes.c_int32) + message,
                                                 ctypes.c_int32),
+        "kvcache_op_multi_head_cache_attention_defaults": ((mhca_attrs,), None),
+        "kvcache_op_multi_head_cache_attention_cpu": ((mhca_attrs, tensors, tensors, ctypes.c_int32) + message,
+                                                      ctypes.c_int32),
     }
     for name, (args, result) in signatures.items():
         fn = getattr(lib, name)
@@ -355,4 +369,46 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     out = np.empty(query.shape, query.dtype)
     output = Tensor(inputs[0].type, query.shape, out.ctypes.data)
     run_multi_head_attention(inputs, output, num_threads=num_threads, library_file=library_file, **attributes)
+    return out
+
+
+def multi_head_cache_attention_attributes(library_file: str | None = None, **attributes) -> CMultiHeadCacheAttentionAttrs:
+    """The C attribute struct of MultiHeadCacheAttention: the spec's defaults (num_heads and head_dim 0, which the
+    library refuses), overridden by ``attributes``."""
+    lib = library(library_file)
+    return _attrs(CMultiHeadCacheAttentionAttrs, MHCA_ATTRIBUTES, lib.kvcache_op_multi_head_cache_attention_defaults,
+                  attributes, floats=("softmax_scale", "softcap"))
+
+
+def run_multi_head_cache_attention(inputs, output, *, num_threads: int = 1, library_file: str | None = None,
+                                   **attributes) -> None:
+    """Runs MultiHeadCacheAttention on raw host buffers. ``inputs``: 13 :class:`Tensor` in the op's order
+    (``ABSENT`` for no scale or attn_mask); ``output``: one :class:`Tensor` of query's type and shape. On an error
+    (:class:`~kvcache_op.reference.KeyValueCacheError`) nothing is written, the cache included."""
+    lib = library(library_file)
+    attrs = multi_head_cache_attention_attributes(library_file, **attributes)
+    message = ctypes.create_string_buffer(4096)
+    code = lib.kvcache_op_multi_head_cache_attention_cpu(ctypes.byref(attrs), c_array(inputs),
+                                                         ctypes.byref(output.to_c()), int(num_threads), message,
+                                                         len(message))
+    _check(code, message)
+
+
+def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                               decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
+                               num_threads: int = 1, library_file: str | None = None, **attributes):
+    """The reference's :func:`~kvcache_op.reference.multi_head_cache_attention` on the library's CPU kernel through
+    the C entry point: writes ``cache`` / ``scale`` in place and returns the output (the cache bit-exact, the
+    output within the spec's tolerance of the reference)."""
+    args = HostBuffers()
+    scale = effective_scale(scale, attributes.get("quant_bit", 0))  # an empty one is absent: never written
+    given = dict(query=query, current_key=current_key, current_value=current_value, seqstarts=seqstarts,
+                 kvstarts=kvstarts, cachestarts=cachestarts, start_pos=start_pos, decoding_batches=decoding_batches,
+                 max_seqlen=max_seqlen, max_kvlen=max_kvlen, cache=cache, scale=scale, attn_mask=attn_mask)
+    inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in MHCA_INPUTS]
+    query = np.asarray(query)
+    out = np.empty(query.shape, query.dtype)
+    run_multi_head_cache_attention(inputs, Tensor(inputs[0].type, query.shape, out.ctypes.data),
+                                   num_threads=num_threads, library_file=library_file, **attributes)
+    args.finish()
     return out

@@ -81,6 +81,16 @@ typedef struct KvcacheMultiHeadAttentionAttrs {
   float softmax_scale; /* 0: 1 / sqrt(head_dim) */
 } KvcacheMultiHeadAttentionAttrs;
 
+/* MultiHeadCacheAttention attributes: KeyValueCache's (no num_repeat: always 1), MultiHeadAttention's, and
+ * softcap (0 only in version 1); kvcache_op_multi_head_cache_attention_defaults fills the spec's defaults and
+ * sets num_heads and head_dim to 0, which the caller must replace. */
+typedef struct KvcacheMultiHeadCacheAttentionAttrs {
+  int64_t num_layer, layer_idx, quant_bit, quant_group, cache_mode, cache_layout, page_size;
+  int64_t num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window;
+  float softmax_scale; /* 0: 1 / sqrt(head_dim) */
+  float softcap;       /* 0: off (the only value version 1 defines) */
+} KvcacheMultiHeadCacheAttentionAttrs;
+
 /* KVCACHE_OP_C_API_VERSION of the library (a caller compiled against another version should refuse it). */
 KVCACHE_OP_EXPORT int32_t kvcache_op_c_api_version(void);
 
@@ -94,6 +104,7 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_kernel(void);
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);
+KVCACHE_OP_EXPORT void kvcache_op_multi_head_cache_attention_defaults(KvcacheMultiHeadCacheAttentionAttrs* attrs);
 
 /* inputs: the op's 10 inputs in order (current_key, current_value, seqstarts, kvstarts, cachestarts,
  * start_pos, max_seqlen, max_kvlen, cache, scale); only index inputs and shapes are read. Validates the
@@ -140,6 +151,17 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_multi_head_attention_cpu(const KvcacheMulti
                                                               const KvcacheTensor inputs[9],
                                                               const KvcacheTensor* output, int32_t num_threads,
                                                               char* message, size_t message_size);
+
+/* MultiHeadCacheAttention on host memory (spec/MultiHeadCacheAttention.md). inputs: the op's 13 inputs in order
+ * (query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen,
+ * max_kvlen, cache, scale, attn_mask); scale and attn_mask have type 0 when absent. Stores this step's keys and
+ * values into cache (and scale) in place, then writes the attention to output: caller-allocated, query's type
+ * and shape, sharing no memory with any input. On an error nothing is written. num_threads as for
+ * KeyValueCache. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_multi_head_cache_attention_cpu(const KvcacheMultiHeadCacheAttentionAttrs* attrs,
+                                                                    const KvcacheTensor inputs[13],
+                                                                    const KvcacheTensor* output, int32_t num_threads,
+                                                                    char* message, size_t message_size);
 
 #ifdef __cplusplus
 }

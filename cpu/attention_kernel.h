@@ -32,24 +32,28 @@ using Big = __int128;  // q - sliding_window may leave int64 for a huge window
 
 constexpr int kRows = 4;  // query rows (or heads of a group) computed together: each key row loaded once for all
 
+// The dot products and row updates below read their key or value row as element type E (float32, or a
+// float16 / bfloat16 row of the cache converted in registers, exactly); the queries and accumulators are float32.
+
 // out[r] = sum_d q[r][d] * k[d] in float32 for kRows query rows: per row eight independent partial sums
 // (lane l takes d = l mod 8), then a fixed reduction tree.
-inline void Dot4(const float* const* q, const float* k, int64_t n, float* out) {
+template <class E = kvcache::F32>
+inline void Dot4(const float* const* q, const typename E::Storage* k, int64_t n, float* out) {
   float lanes[kRows][8] = {};
   int64_t d = 0;
 #if KV_SIMD
   __m256 s[kRows] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
   for (; d + 8 <= n; d += 8) {
-    const __m256 kv = _mm256_loadu_ps(k + d);
+    const __m256 kv = LoadFloat8<E>(k + d);
     for (int r = 0; r < kRows; ++r) s[r] = _mm256_add_ps(s[r], _mm256_mul_ps(_mm256_loadu_ps(q[r] + d), kv));
   }
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(lanes[r], s[r]);
 #endif
   for (; d + 8 <= n; d += 8)
     for (int r = 0; r < kRows; ++r)
-      for (int l = 0; l < 8; ++l) lanes[r][l] += q[r][d + l] * k[d + l];  // independent lanes: vectorizable
+      for (int l = 0; l < 8; ++l) lanes[r][l] += q[r][d + l] * E::ToFloat(k[d + l]);  // independent lanes
   for (; d < n; ++d)
-    for (int r = 0; r < kRows; ++r) lanes[r][d % 8] += q[r][d] * k[d];
+    for (int r = 0; r < kRows; ++r) lanes[r][d % 8] += q[r][d] * E::ToFloat(k[d]);
   for (int r = 0; r < kRows; ++r) {
     const float* x = lanes[r];
     out[r] = ((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]));
@@ -57,29 +61,42 @@ inline void Dot4(const float* const* q, const float* k, int64_t n, float* out) {
 }
 
 // sum_d q[d] * k[d] in float32: one row of Dot4 (the same lanes and reduction tree, so the same bits).
-inline float Dot(const float* q, const float* k, int64_t n) {
+template <class E = kvcache::F32>
+inline float Dot(const float* q, const typename E::Storage* k, int64_t n) {
   float lanes[8] = {};
   int64_t d = 0;
 #if KV_SIMD
   __m256 s = _mm256_setzero_ps();
-  for (; d + 8 <= n; d += 8) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d)));
+  for (; d + 8 <= n; d += 8) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(q + d), LoadFloat8<E>(k + d)));
   _mm256_storeu_ps(lanes, s);
 #endif
   for (; d + 8 <= n; d += 8)
-    for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * k[d + l];
-  for (; d < n; ++d) lanes[d % 8] += q[d] * k[d];
+    for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * E::ToFloat(k[d + l]);
+  for (; d < n; ++d) lanes[d % 8] += q[d] * E::ToFloat(k[d]);
   return ((lanes[0] + lanes[4]) + (lanes[2] + lanes[6])) + ((lanes[1] + lanes[5]) + (lanes[3] + lanes[7]));
 }
 
 // acc[r][d] += w[r] * v[d] for kRows rows (one load of v per d).
-inline void Axpy4(float* const* acc, const float* w, const float* __restrict__ v, int64_t n) {
+template <class E = kvcache::F32>
+inline void Axpy4(float* const* acc, const float* w, const typename E::Storage* __restrict__ v, int64_t n) {
   float* __restrict__ a0 = acc[0];
   float* __restrict__ a1 = acc[1];
   float* __restrict__ a2 = acc[2];
   float* __restrict__ a3 = acc[3];
   const float w0 = w[0], w1 = w[1], w2 = w[2], w3 = w[3];
-  for (int64_t d = 0; d < n; ++d) {
-    const float x = v[d];
+  int64_t d = 0;
+#if KV_SIMD
+  const __m256 v0 = _mm256_set1_ps(w0), v1 = _mm256_set1_ps(w1), v2 = _mm256_set1_ps(w2), v3 = _mm256_set1_ps(w3);
+  for (; d + 8 <= n; d += 8) {
+    const __m256 x = LoadFloat8<E>(v + d);
+    _mm256_storeu_ps(a0 + d, _mm256_add_ps(_mm256_loadu_ps(a0 + d), _mm256_mul_ps(v0, x)));
+    _mm256_storeu_ps(a1 + d, _mm256_add_ps(_mm256_loadu_ps(a1 + d), _mm256_mul_ps(v1, x)));
+    _mm256_storeu_ps(a2 + d, _mm256_add_ps(_mm256_loadu_ps(a2 + d), _mm256_mul_ps(v2, x)));
+    _mm256_storeu_ps(a3 + d, _mm256_add_ps(_mm256_loadu_ps(a3 + d), _mm256_mul_ps(v3, x)));
+  }
+#endif
+  for (; d < n; ++d) {
+    const float x = E::ToFloat(v[d]);
     a0[d] += w0 * x;
     a1[d] += w1 * x;
     a2[d] += w2 * x;
@@ -88,8 +105,9 @@ inline void Axpy4(float* const* acc, const float* w, const float* __restrict__ v
 }
 
 // acc[d] += w * v[d]
-inline void Axpy(float* __restrict__ acc, float w, const float* __restrict__ v, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) acc[d] += w * v[d];
+template <class E = kvcache::F32>
+inline void Axpy(float* __restrict__ acc, float w, const typename E::Storage* __restrict__ v, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) acc[d] += w * E::ToFloat(v[d]);
 }
 
 // Sequences with at most this many queries are computed for several heads at once, streaming each key/value
@@ -318,8 +336,9 @@ struct AttentionKernel {
     }
   }
 
-  // Task() for a sequence of one query (a decode step), the shape that serving runs most. One pass over the
-  // visible keys in blocks of kDecodeBlock: the block's scores from its key rows (each row serving every query
+  // Task() for a sequence of one query (a decode step), the shape that serving runs most. Rows are read as
+  // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them) and converted in
+  // registers. One pass over the visible keys in blocks of kDecodeBlock: the block's scores from its key rows (each row serving every query
   // head of its kv head), the running max raised and the sums so far rescaled by exp(old max - new max), then
   // the block's value rows; the key and value rows of a slot are read together, one stream over the cache. The
   // same semantics as Task(): visible keys enter with their weight (0 for a -inf score, so a non-finite value
@@ -355,17 +374,17 @@ struct AttentionKernel {
         const int64_t n = std::min(block, hi - j0);
         for (int64_t i = 0; i < n; ++i) {
           prefetch(j0 - lo + i + kAheadRows);
-          const float* key = keys.RowAt(slots[j0 - lo + i]);
+          const T* key = keys.RawAt(slots[j0 - lo + i]);
           for (int64_t k = 0; k < nh;) {
-            const float* kr = key + ((h0 + k) / G - kv0) * D;
+            const T* kr = key + ((h0 + k) / G - kv0) * D;
             if (shared4(k)) {
               const float* qs[kRows] = {&q[k * D], &q[(k + 1) * D], &q[(k + 2) * D], &q[(k + 3) * D]};
               float dots[kRows];
-              Dot4(qs, kr, D, dots);
+              Dot4<T1>(qs, kr, D, dots);
               for (int r = 0; r < kRows; ++r) w[(k + r) * block + i] = dots[r];
               k += kRows;
             } else {
-              w[k * block + i] = Dot(&q[k * D], kr, D);
+              w[k * block + i] = Dot<T1>(&q[k * D], kr, D);
               ++k;
             }
           }
@@ -399,17 +418,17 @@ struct AttentionKernel {
           sum[k] += total;
         }
         for (int64_t i = 0; i < n; ++i) {
-          const float* value = values.RowAt(slots[j0 - lo + i]);
+          const T* value = values.RawAt(slots[j0 - lo + i]);
           for (int64_t k = 0; k < nh;) {
-            const float* v = value + ((h0 + k) / G - kv0) * D;
+            const T* v = value + ((h0 + k) / G - kv0) * D;
             if (shared4(k)) {
               const float ws[kRows] = {w[k * block + i], w[(k + 1) * block + i],
                                        w[(k + 2) * block + i], w[(k + 3) * block + i]};
               float* accs[kRows] = {&acc[k * D], &acc[(k + 1) * D], &acc[(k + 2) * D], &acc[(k + 3) * D]};
-              Axpy4(accs, ws, v, D);
+              Axpy4<T1>(accs, ws, v, D);
               k += kRows;
             } else {
-              Axpy(&acc[k * D], w[k * block + i], v, D);
+              Axpy<T1>(&acc[k * D], w[k * block + i], v, D);
               ++k;
             }
           }

@@ -40,7 +40,7 @@ struct PackedSource {
       for (int64_t j = lo; j < hi; ++j) slots[j - lo] = j;
     }
     void Prefetch(int64_t) const {}
-    const float* RowAt(int64_t j) { return Row(j); }
+    const T* RawAt(int64_t j) const { return base + j * stride; }
   };
   bool HeadsTogether() const { return true; }
   bool KeyValueTogether() const { return false; }

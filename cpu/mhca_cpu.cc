@@ -4,6 +4,7 @@
 // row buffer of the task. Built once per instruction set like kv_cpu.cc.
 #include "mhca_cpu.h"
 
+#include <cstring>
 #include <vector>
 
 #include "attention_kernel.h"
@@ -82,6 +83,26 @@ struct CacheSource {
         for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
       }
     }
+    // The chunk's heads of `slot` as T1 values: in place where they lie together unquantized, else copied or
+    // dequantized (exactly as KeyValueCache's gather gives them) into a buffer of the reader.
+    const T* RawAt(int64_t slot) {
+      const int64_t D = s.p.head_dim;
+      if constexpr (QBits == 0) {
+        if (adjacent) return static_cast<const T*>(s.cache) + s.CacheRow(kv, kv0, slot);
+        for (int64_t h = 0; h < nkv; ++h)
+          std::memcpy(&dequantized[h * D], static_cast<const T*>(s.cache) + s.CacheRow(kv, kv0 + h, slot),
+                      static_cast<size_t>(D) * sizeof(T));
+      } else {
+        const RowScratch scratch{x.data(), scales.data(), codes.data(), sf.data()};
+        for (int64_t h = 0; h < (adjacent ? 1 : nkv); ++h) {
+          const int64_t heads = adjacent ? nkv : 1;
+          const S* row_scales = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, kv0 + h, slot);
+          DequantizeRow<T1, T3, QBits>(C::Row(s.cache, s.CacheRow(kv, kv0 + h, slot)), row_scales, heads * D,
+                                       s.a.quant_group, heads * s.p.groups, &dequantized[h * D], scratch);
+        }
+      }
+      return dequantized.data();
+    }
     const float* RowAt(int64_t slot) {
       if constexpr (QBits == 0 && T1::kElem == Elem::kFloat32)
         if (adjacent) return static_cast<const float*>(s.cache) + s.CacheRow(kv, kv0, slot);
@@ -102,7 +123,7 @@ struct CacheSource {
     const bool quantized = QBits != 0;
     return Reader{*this, kv, b, kv0, nkv, nkv == 1 || p.cache_rows.head == p.head_dim,
                   std::vector<float>(width),
-                  std::vector<T>(quantized ? width : 0),
+                  std::vector<T>(width),
                   std::vector<float>(quantized ? width : 0),
                   std::vector<float>(quantized ? width : 0),
                   std::vector<float>(quantized ? groups + 8 : 0),

@@ -1,6 +1,6 @@
 """The checks that let the engine trust an exported decoder's ``kvcache_op.*`` metadata: every value has the
 type and range the exporter writes, and the graph agrees with it (its inputs, its cache's type and shape, and
-the attributes of every KeyValueCache and MultiHeadAttention node). A file edited by hand, or exported by
+the attributes of every MultiHeadCacheAttention node, or of every KeyValueCache and MultiHeadAttention node). A file edited by hand, or exported by
 another tool, is refused with every mismatch named before anything runs, instead of running with the wrong
 page size, window or cache type."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..spec import DOMAIN, mha_schema, schema
+from ..spec import DOMAIN, mha_schema, mhca_schema, schema
 from .decoder_io import INPUT_NAMES, OUTPUT_NAME
 
 FLOAT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -108,27 +108,40 @@ def check_graph(info, model: onnx.ModelProto) -> None:
             problems.append(f"the scale input is {TensorProto.DataType.Name(scale.type.tensor_type.elem_type)}, "
                             f"not {TensorProto.DataType.Name(element)} (scale_dtype {info.scale_dtype})")
         problems += _cache_shape_problems(info, _dims(scale), info.head_dim // info.quant_group, "scale")
-    kv = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "KeyValueCache"]
-    attention = [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == "MultiHeadAttention"]
-    if len(kv) != info.num_layers or len(attention) != info.num_layers:
-        problems.append(f"the graph has {len(kv)} KeyValueCache and {len(attention)} MultiHeadAttention nodes for "
-                        f"num_layers = {info.num_layers}")
-    expected_kv = dict(num_layer=info.num_layers, quant_bit=info.quant_bit, cache_mode=1,
-                       cache_layout=info.cache_layout, page_size=info.page_size, num_repeat=1)
-    if info.quant_bit:
-        expected_kv["quant_group"] = info.quant_group
-    for i, node in enumerate(kv):
-        problems += _attribute_problems(f"KeyValueCache node {node.name or i!r}", _attributes(node),
-                                        {**expected_kv, "layer_idx": i}, schema.ATTRIBUTE_DEFAULTS)
-    for i, node in enumerate(attention):
-        window = info.sliding_windows[i] if i < len(info.sliding_windows) else None
-        problems += _attribute_problems(f"MultiHeadAttention node {node.name or i!r} (layer {i})", _attributes(node),
-                                        dict(num_heads=info.num_heads, head_dim=info.head_dim,
-                                             num_kv_heads=info.num_kv_heads, sliding_window=window,
-                                             softmax_scale=info.softmax_scale))
+    problems += _attention_node_problems(model, info)
     if problems:
         raise ValueError("the model's kvcache_op metadata does not match its graph: " + "; ".join(problems) +
                          " (re-export it with kvcache_op.hf.export_model)")
+
+
+def _attention_node_problems(model, info) -> list:
+    """Each layer's attention: one MultiHeadCacheAttention node, or the split pair (KeyValueCache then
+    MultiHeadAttention); one form for every layer, with the metadata's cache and attention attributes."""
+    def nodes(op_type):
+        return [n for n in model.graph.node if n.domain == DOMAIN and n.op_type == op_type]
+
+    kv, attention, fused = nodes("KeyValueCache"), nodes("MultiHeadAttention"), nodes("MultiHeadCacheAttention")
+    if not (len(fused) == info.num_layers and not kv and not attention) and \
+            not (len(kv) == len(attention) == info.num_layers and not fused):
+        return [f"the graph has {len(fused)} MultiHeadCacheAttention, {len(kv)} KeyValueCache and {len(attention)} "
+                f"MultiHeadAttention nodes for num_layers = {info.num_layers} (one fused node or one pair per layer)"]
+    expected_cache = dict(num_layer=info.num_layers, quant_bit=info.quant_bit, cache_mode=1,
+                          cache_layout=info.cache_layout, page_size=info.page_size)
+    if info.quant_bit:
+        expected_cache["quant_group"] = info.quant_group
+    problems = []
+    for i, node in enumerate(kv):
+        problems += _attribute_problems(f"KeyValueCache node {node.name or i!r}", _attributes(node),
+                                        {**expected_cache, "layer_idx": i, "num_repeat": 1}, schema.ATTRIBUTE_DEFAULTS)
+    for i, node in enumerate(attention + fused):
+        window = info.sliding_windows[i] if i < len(info.sliding_windows) else None
+        want = dict(num_heads=info.num_heads, head_dim=info.head_dim, num_kv_heads=info.num_kv_heads,
+                    sliding_window=window, softmax_scale=info.softmax_scale)
+        if node.op_type == "MultiHeadCacheAttention":
+            want.update(expected_cache, layer_idx=i)
+        problems += _attribute_problems(f"{node.op_type} node {node.name or i!r} (layer {i})", _attributes(node),
+                                        want, mhca_schema.ATTRIBUTE_DEFAULTS)
+    return problems
 
 
 def _attribute_problems(where: str, got: dict, want: dict, defaults: dict = mha_schema.ATTRIBUTE_DEFAULTS) -> list:

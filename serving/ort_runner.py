@@ -87,11 +87,17 @@ class ModelRunner:
         model = onnx.load(str(model_path), load_external_data=False)
         self.info = ModelInfo.of_model(model)
         self.providers = list(providers) if providers is not None else default_providers()
-        # CPU fallback stays allowed: MultiHeadAttention has no CUDA kernel yet, so under the CUDA EP ONNX
-        # Runtime runs it on the CPU and copies its inputs (KeyValueCache itself runs on the device).
+        self.device = provider_device(self.providers)
+        fused = any(n.op_type == "MultiHeadCacheAttention" for n in model.graph.node)
+        if fused and self.device[0] != "cpu":
+            # It has no CUDA kernel yet: ONNX Runtime would run it on the CPU over a copy of the device cache, and
+            # its in-place writes would never reach the cache the next step reads.
+            raise ValueError(f"{model_path} uses MultiHeadCacheAttention, which has no CUDA kernel yet: serve it on "
+                             f"the CPU EP, or export with fused_attention=False for {self.providers[0]}")
+        # CPU fallback stays allowed for the split pair: MultiHeadAttention has no CUDA kernel yet, so under the
+        # CUDA EP ONNX Runtime runs it on the CPU and copies its inputs (KeyValueCache itself runs on the device).
         self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
         self.session_inputs = [i.name for i in self.session.get_inputs()]
-        self.device = provider_device(self.providers)
         i = self.info
         self.cache_type = (TensorProto.INT8 if i.quant_bit == 8 else TensorProto.INT4 if i.quant_bit == 4
                            else ELEMENT_TYPES[i.cache_dtype])

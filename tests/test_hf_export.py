@@ -19,9 +19,33 @@ def attributes(node):
     return {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
 
 
+def _graph_io_is_the_decoders(model):
+    inputs = [i.name for i in model.graph.input]
+    assert inputs == ["input_ids", "positions", "seqstarts", "kvstarts", "cachestarts", "start_pos",
+                      "decoding_batches", "max_seqlen", "max_kvlen", "cache"]
+    assert "cache" not in {i.name for i in model.graph.initializer} | {o.name for o in model.graph.output}
+    assert [o.name for o in model.graph.output] == ["logits"]
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2"])
-def test_each_layer_is_one_cache_node_then_one_attention_node_on_the_shared_cache(family):
+def test_each_layer_is_one_fused_cache_attention_node_on_the_shared_cache(family):
     model = onnx.load(hf_models.exported(family))
+    ours = [n for n in model.graph.node if n.domain == spec.DOMAIN]
+    layers = hf_models.model(family).config.num_hidden_layers
+    assert [n.op_type for n in ours] == ["MultiHeadCacheAttention"] * layers
+    info = ModelInfo.of_model(model)
+    for layer, node in enumerate(ours):
+        a = attributes(node)
+        assert (a["num_layer"], a["layer_idx"], a["cache_mode"], a["page_size"]) == (layers, layer, 1, 16)
+        assert (a["num_heads"], a["num_kv_heads"], a["head_dim"]) == (info.num_heads, info.num_kv_heads, info.head_dim)
+        assert node.input[10] == "cache" and len(node.input) == 11  # ppl.pmx's 11-input form: no scale, no mask
+        assert a.get("sliding_window", 0) == info.sliding_windows[layer]  # written only when set
+    _graph_io_is_the_decoders(model)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral"])
+def test_the_split_pair_stays_available_one_cache_node_then_one_attention_node(family):
+    model = onnx.load(hf_models.exported(family, fused_attention=False))
     ours = [n for n in model.graph.node if n.domain == spec.DOMAIN]
     layers = hf_models.model(family).config.num_hidden_layers
     assert [n.op_type for n in ours] == ["KeyValueCache", "MultiHeadAttention"] * layers
@@ -30,12 +54,20 @@ def test_each_layer_is_one_cache_node_then_one_attention_node_on_the_shared_cach
         a = attributes(kv)
         assert (a["num_layer"], a["layer_idx"], a["cache_mode"], a["page_size"]) == (layers, layer, 1, 16)
         assert kv.input[8] == "cache" and list(mha.input[1:3]) == list(kv.output)
-        assert attributes(mha).get("sliding_window", 0) == info.sliding_windows[layer]  # written only when set
-    inputs = [i.name for i in model.graph.input]
-    assert inputs == ["input_ids", "positions", "seqstarts", "kvstarts", "cachestarts", "start_pos",
-                      "decoding_batches", "max_seqlen", "max_kvlen", "cache"]
-    assert "cache" not in {i.name for i in model.graph.initializer} | {o.name for o in model.graph.output}
-    assert [o.name for o in model.graph.output] == ["logits"]
+        assert attributes(mha).get("sliding_window", 0) == info.sliding_windows[layer]
+    _graph_io_is_the_decoders(model)
+
+
+@pytest.mark.parametrize("settings", [dict(fused_attention=False), dict(cache_layout=3)])
+def test_both_graph_forms_serve_the_models_own_greedy_tokens(settings):
+    """The split pair, and the fused node on a head-major cache, both serve the tokens of transformers' own
+    greedy generation (the default export, fused on layout 0, is held to it by the engine's tests; quantized
+    caches by test_serving_engine's)."""
+    path = hf_models.exported("llama", **settings)
+    prompts = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90))]
+    tokens = Engine(path, num_pages=16).generate(prompts, 10)
+    model = hf_models.model("llama")
+    assert tokens == [reference_generate(model, p, 10) for p in prompts]
 
 
 def test_metadata_describes_the_model_and_the_cache():

@@ -36,7 +36,8 @@ def _edited(tmp_path, settings=None, **changes):
     (dict(page_size="not json"), "'page_size' is not JSON: 'not json'"),
     (dict(quant_bit="8", scale_dtype='"float16"'), "the graph lacks the inputs"),
     (dict(quant_bit="8"), "scale_dtype = '' with quant_bit = 8"),
-    (dict(num_layers="2", sliding_windows="[0, 0]"), "3 KeyValueCache and 3 MultiHeadAttention nodes for num_layers = 2"),
+    (dict(num_layers="2", sliding_windows="[0, 0]"),
+     "3 MultiHeadCacheAttention, 0 KeyValueCache and 0 MultiHeadAttention nodes for num_layers = 2"),
     (dict(cache_dtype='"float16"'), "the cache input is FLOAT, not FLOAT16"),
     (dict(num_kv_heads="3"), "is not a multiple of num_kv_heads = 3"),
     (dict(head_dim="8", inv_freq="[1.0, 0.5, 0.25, 0.125]"), "the cache input's axis 4 is 16, the metadata (layout 0) says 8"),
@@ -64,6 +65,18 @@ def test_a_contradicted_or_invalid_value_is_refused_by_name(tmp_path, changes, m
 def test_a_quantized_export_checks_its_scale(tmp_path, changes, message):
     with pytest.raises(ValueError) as error:
         ModelInfo.of_model(_edited(tmp_path, dict(quant_bit=8), **changes))
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(page_size="8"), "KeyValueCache node"),
+    (dict(sliding_windows="[4, 4, 4]"), "MultiHeadAttention node"),
+    (dict(num_layers="2", sliding_windows="[0, 0]"),
+     "0 MultiHeadCacheAttention, 3 KeyValueCache and 3 MultiHeadAttention nodes for num_layers = 2"),
+])
+def test_the_split_pair_export_is_checked_node_by_node(tmp_path, changes, message):
+    with pytest.raises(ValueError) as error:
+        ModelInfo.of_model(_edited(tmp_path, dict(fused_attention=False), **changes))
     assert message in str(error.value)
 
 

@@ -1,5 +1,6 @@
 """A ``transformers`` causal LM as one packed dynamic-batching forward: the tokens of every sequence of a
-step in one row-major batch, each layer's attention through KeyValueCache then MultiHeadAttention.
+step in one row-major batch, each layer's attention through MultiHeadCacheAttention (or the split pair
+KeyValueCache then MultiHeadAttention).
 
 The module reuses the model's own submodules (embeddings, norms, projections, MLPs, LM head), so
 every variant those modules implement (biases, activations, tied embeddings) is the model's own
@@ -31,6 +32,9 @@ class CacheSettings:
     quant_group: int = 8
     cache_layout: int = 0
     dtype: torch.dtype = torch.float32  # T1: the cache's element type when unquantized, and attention's
+    # One MultiHeadCacheAttention node per layer (reading the cache in place), or the split pair KeyValueCache
+    # (gathering a packed copy of every sequence's keys) then MultiHeadAttention.
+    fused_attention: bool = True
 
     @property
     def scale_dtype(self) -> torch.dtype:
@@ -124,14 +128,22 @@ class PackedDecoder(torch.nn.Module):
             value = attention.v_proj(x).view(tokens, s.num_kv_heads, s.head_dim)
             query = query * cos + rotate_half(query) * sin
             key = key * cos + rotate_half(key) * sin
-            all_keys, all_values = kt.key_value_cache(
-                key.to(c.dtype), value.to(c.dtype), seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                max_kvlen, cache, scale, num_layer=s.num_layers, layer_idx=index, quant_bit=c.quant_bit,
-                quant_group=c.quant_group, cache_mode=1, cache_layout=c.cache_layout, page_size=c.page_size)
-            attended = kt.multi_head_attention(
-                query.to(c.dtype), all_keys, all_values, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
-                num_heads=s.num_heads, head_dim=s.head_dim, num_kv_heads=s.num_kv_heads,
-                sliding_window=s.sliding_windows[index], softmax_scale=s.softmax_scale)
+            cache_attributes = dict(num_layer=s.num_layers, layer_idx=index, quant_bit=c.quant_bit,
+                                    quant_group=c.quant_group, cache_mode=1, cache_layout=c.cache_layout,
+                                    page_size=c.page_size)
+            attention_attributes = dict(num_heads=s.num_heads, head_dim=s.head_dim, num_kv_heads=s.num_kv_heads,
+                                        sliding_window=s.sliding_windows[index], softmax_scale=s.softmax_scale)
+            if c.fused_attention:
+                attended = kt.multi_head_cache_attention(
+                    query.to(c.dtype), key.to(c.dtype), value.to(c.dtype), seqstarts, kvstarts, cachestarts, start_pos,
+                    decoding_batches, max_seqlen, max_kvlen, cache, scale, **cache_attributes, **attention_attributes)
+            else:
+                all_keys, all_values = kt.key_value_cache(
+                    key.to(c.dtype), value.to(c.dtype), seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                    max_kvlen, cache, scale, **cache_attributes)
+                attended = kt.multi_head_attention(
+                    query.to(c.dtype), all_keys, all_values, seqstarts, kvstarts, decoding_batches, max_seqlen,
+                    max_kvlen, **attention_attributes)
             hidden = hidden + attention.o_proj(attended.to(hidden.dtype).reshape(tokens, s.num_heads * s.head_dim))
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         last = self.norm(hidden).index_select(0, seqstarts[1:] - 1)

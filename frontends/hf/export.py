@@ -76,11 +76,12 @@ def _cache_axis(settings: CacheSettings) -> int:
 
 
 def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 0, dtype=None,
-                 quant_group: int = 8, dynamo: bool = True, verbose: bool = False) -> str:
+                 quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False) -> str:
     """Exports a Llama/Mistral/Qwen2 causal LM (a ``transformers`` model or a local checkpoint folder) to
     ``path`` and returns the path. The graph runs one step of a dynamic batch (see
-    :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer is KeyValueCache then
-    MultiHeadAttention over one shared paged cache (``cache_mode=1``, ``layer_idx`` per layer), the rest
+    :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer's attention is one
+    MultiHeadCacheAttention node reading one shared paged cache in place (``cache_mode=1``, ``layer_idx`` per
+    layer), or with ``fused_attention=False`` the split pair KeyValueCache then MultiHeadAttention; the rest is
     standard ONNX. ``dtype`` is the cache's and attention's element type (default: the model's); the rest
     of the graph computes in the model's dtype. ``quant_bit`` 8 or 4 stores the cache quantized (int8 /
     int4 codes, a scale per ``quant_group`` elements). The file carries :class:`~kvcache_op.serving.ModelInfo`
@@ -88,7 +89,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     progress. ``ValueError`` for a model or setting the graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
-                             cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model))
+                             cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
+                             fused_attention=bool(fused_attention))
     if settings.page_size < 1:
         raise ValueError(f"page_size must be >= 1, got {page_size}")
     if settings.quant_bit not in (0, 4, 8) or settings.cache_layout not in (0, 1, 2, 3):

@@ -2,11 +2,13 @@
 by ``torch.onnx.export`` (``dynamo=True`` or ``False``) as ``opmx.dynamic_batching`` nodes.
 
 Install with ``pip install "kvcache-op[torch]"``. Importing this module registers the custom ops
-``torch.ops.kvcache_op.key_value_cache`` / ``key_cache_rotary_shift`` / ``multi_head_attention`` and
+``torch.ops.kvcache_op.key_value_cache`` / ``key_cache_rotary_shift`` / ``multi_head_attention`` /
+``multi_head_cache_attention`` and
 their TorchScript-exporter translations.
 
 * :func:`key_value_cache`, :func:`key_cache_rotary_shift`: the reference's signatures; the cache and
-  scale are written in place. :func:`multi_head_attention`: the companion varlen attention (CPU).
+  scale are written in place. :func:`multi_head_attention`: the companion varlen attention (CPU);
+  :func:`multi_head_cache_attention`: the two fused, reading the cache in place (CPU).
 * int4 caches are ``torch.uint8`` tensors of packed pairs (the cache shape with last dim ``Dh / 2``,
   ONNX INT4 packing): :func:`pack_int4`, :func:`unpack_int4`, :func:`new_cache`.
 * :func:`int4_cache_inputs` retypes an exported graph's uint8 cache inputs to INT4; :func:`export_onnx`
@@ -23,10 +25,10 @@ except ImportError as error:  # pragma: no cover - depends on the install
 
 from .cache import new_cache, pack_int4, unpack_int4
 from .export import export_onnx
-from .functional import key_cache_rotary_shift, key_value_cache, multi_head_attention
+from .functional import key_cache_rotary_shift, key_value_cache, multi_head_attention, multi_head_cache_attention
 from .onnx_export import int4_cache_inputs, register_torchscript_symbolics
 
 register_torchscript_symbolics()
 
 __all__ = ["export_onnx", "int4_cache_inputs", "key_cache_rotary_shift", "key_value_cache", "multi_head_attention",
-           "new_cache", "pack_int4", "unpack_int4"]
+           "multi_head_cache_attention", "new_cache", "pack_int4", "unpack_int4"]

@@ -126,3 +126,39 @@ def _multi_head_attention_fake(query, key, value, seqstarts, kvstarts, decoding_
                                attn_mask, num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window,
                                softmax_scale):
     return query.new_empty(query.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::multi_head_cache_attention", mutates_args=("cache", "scale"))
+def multi_head_cache_attention_op(query: torch.Tensor, current_key: torch.Tensor, current_value: torch.Tensor,
+                                  seqstarts: torch.Tensor, kvstarts: torch.Tensor, cachestarts: torch.Tensor,
+                                  start_pos: torch.Tensor, decoding_batches: torch.Tensor, max_seqlen: torch.Tensor,
+                                  max_kvlen: torch.Tensor, cache: torch.Tensor, scale: Optional[torch.Tensor],
+                                  attn_mask: Optional[torch.Tensor], num_layer: int, layer_idx: int, quant_bit: int,
+                                  quant_group: int, cache_mode: int, cache_layout: int, page_size: int,
+                                  num_heads: int, head_dim: int, is_causal: int, is_alibi: int, num_kv_heads: int,
+                                  sliding_window: int, softmax_scale: float, softcap: float) -> torch.Tensor:
+    """MultiHeadCacheAttention on CPU tensors (the library's kernel): writes ``cache``/``scale`` in place and
+    returns a new tensor shaped like query."""
+    device = tt.data_device(query=query, current_key=current_key, current_value=current_value, cache=cache,
+                            scale=scale, attn_mask=attn_mask)
+    if device.type != "cpu":
+        raise NotImplementedError("MultiHeadCacheAttention has no CUDA kernel yet: run it on CPU tensors")
+    attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
+                 cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size, num_heads=num_heads,
+                 head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi, num_kv_heads=num_kv_heads,
+                 sliding_window=sliding_window, softmax_scale=softmax_scale, softcap=softcap)
+    data = [t.contiguous() for t in (query, current_key, current_value)]
+    index = [tt.on_host(name, t) for name, t in zip(c_api.MHCA_INPUTS[3:10], (
+        seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen, max_kvlen))]
+    mask = None if attn_mask is None else attn_mask.contiguous()
+    inputs = [*map(tt.describe, data), *map(tt.describe, index), tt.describe_cache("cache", cache, quant_bit),
+              tt.describe_written("scale", scale), tt.describe(mask)]
+    out = torch.empty(data[0].shape, dtype=query.dtype)
+    with tt.int4_shapes_explained(quant_bit):
+        c_api.run_multi_head_cache_attention(inputs, tt.describe(out), num_threads=torch.get_num_threads(), **attrs)
+    return out
+
+
+@multi_head_cache_attention_op.register_fake
+def _multi_head_cache_attention_fake(query, *args):
+    return query.new_empty(query.shape)

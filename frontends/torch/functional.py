@@ -8,7 +8,7 @@ import torch
 
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError
-from ..spec import mha_schema, rotary_schema, schema
+from ..spec import mha_schema, mhca_schema, rotary_schema, schema
 from . import custom_ops, onnx_export
 
 KV_DEFAULTS = schema.ATTRIBUTE_DEFAULTS
@@ -17,6 +17,8 @@ INDEX_INPUTS = schema.INPUTS[2:8]
 ATTENTION_INT_ATTRIBUTES = ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads", "sliding_window")
 ATTENTION_INDEX_INPUTS = mha_schema.INPUTS[3:8]
 SCALAR_INDEX_INPUTS = ("decoding_batches", "max_seqlen", "max_kvlen")  # may be given as ints
+CACHE_ATTENTION_INDEX_INPUTS = mhca_schema.INPUTS[3:10]
+CACHE_INT_ATTRIBUTES = tuple(k for k in KV_DEFAULTS if k != "num_repeat")
 
 
 def _attributes(names, given: dict) -> dict:
@@ -108,6 +110,12 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     return custom_ops.key_cache_rotary_shift_op(*inputs, **attrs)
 
 
+def _float_attribute(name: str, value) -> float:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number)):
+        raise TypeError(f"attribute {name} must be a float, got {type(value).__name__}")
+    return float(value)
+
+
 def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                          attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
                          sliding_window=0, softmax_scale=0.0):
@@ -118,9 +126,7 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     Invalid calls raise :class:`~kvcache_op.reference.MultiHeadAttentionError`. Under
     ``torch.onnx.export`` this is one ``opmx.dynamic_batching::MultiHeadAttention`` node."""
     attrs = _attributes(ATTENTION_INT_ATTRIBUTES, locals())
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(softmax_scale, (int, float, np.number)):
-        raise TypeError(f"attribute softmax_scale must be a float, got {type(softmax_scale).__name__}")
-    attrs["softmax_scale"] = float(softmax_scale)
+    attrs["softmax_scale"] = _float_attribute("softmax_scale", softmax_scale)
     index = _index_inputs(ATTENTION_INDEX_INPUTS, locals(), query.device if isinstance(query, torch.Tensor) else None,
                           MultiHeadAttentionError)
     inputs = [query, key, value, *index, attn_mask]
@@ -130,3 +136,32 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
             onnx_export.check_exported_attention(attrs)
             return onnx_export.attention_node(inputs, attrs)
     return custom_ops.multi_head_attention_op(*inputs, **attrs)
+
+
+def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                               decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
+                               num_heads, head_dim, num_kv_heads=0, is_causal=1, is_alibi=0, softmax_scale=0.0,
+                               sliding_window=0, softcap=0.0, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
+                               cache_mode=0, cache_layout=0, page_size=128):
+    """MultiHeadCacheAttention (spec/MultiHeadCacheAttention.md) on CPU torch tensors: stores this step's keys and
+    values into ``cache`` (and ``scale``) **in place**, as :func:`key_value_cache` does, and attends every
+    sequence's queries over its cached keys, reading them in place (the library's kernel); returns a tensor shaped
+    like ``query``: the cache bit-identical to :func:`kvcache_op.reference.multi_head_cache_attention`'s, the
+    output within the spec's tolerance of it. ``decoding_batches``/``max_seqlen``/``max_kvlen`` may be ints.
+    Invalid calls raise :class:`~kvcache_op.reference.KeyValueCacheError` (its subclass
+    :class:`~kvcache_op.reference.MultiHeadAttentionError` for the attention's rules, in the reference) and write
+    nothing. Under ``torch.onnx.export`` this is one ``opmx.dynamic_batching::MultiHeadCacheAttention`` node."""
+    given = locals()
+    attrs = {**_attributes(CACHE_INT_ATTRIBUTES, given), **_attributes(ATTENTION_INT_ATTRIBUTES, given),
+             "softmax_scale": _float_attribute("softmax_scale", softmax_scale),
+             "softcap": _float_attribute("softcap", softcap)}
+    index = _index_inputs(CACHE_ATTENTION_INDEX_INPUTS, given,
+                          query.device if isinstance(query, torch.Tensor) else None)
+    scale = _no_empty_scale(scale, attrs["quant_bit"])
+    inputs = [query, current_key, current_value, *index, cache, scale, attn_mask]
+    if torch.onnx.is_in_onnx_export():
+        onnx_export.record_call(mhca_schema.OP_TYPE, query)
+        if onnx_export.exporting_with_dynamo():
+            onnx_export.check_exported_cache_attention(attrs, scale)
+            return onnx_export.cache_attention_node(inputs, attrs)
+    return custom_ops.multi_head_cache_attention_op(*inputs, **attrs)

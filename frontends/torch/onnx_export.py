@@ -23,12 +23,13 @@ from torch.onnx import symbolic_helper
 
 from ..reference.mha_validate import AttentionAttributes, check_attention_attributes
 from ..reference.validate import Attributes, KeyValueCacheError, check_attributes
-from ..spec import mha_schema, rotary_schema, schema
+from ..spec import mha_schema, mhca_schema, rotary_schema, schema
 from . import custom_ops
 
 KV_NODE = f"{schema.DOMAIN}::{schema.OP_TYPE}"
 ROTARY_NODE = f"{schema.DOMAIN}::{rotary_schema.OP_TYPE}"
 ATTENTION_NODE = f"{schema.DOMAIN}::{mha_schema.OP_TYPE}"
+CACHE_ATTENTION_NODE = f"{schema.DOMAIN}::{mhca_schema.OP_TYPE}"
 #: The TorchScript exporter picks the highest registered opset <= the export's: 7 covers all it supports.
 TORCHSCRIPT_MIN_OPSET = 7
 
@@ -90,6 +91,32 @@ def check_exported_attention(attributes: dict) -> None:
     except KeyValueCacheError as error:
         _ERRORS.append(error)
         raise
+
+
+def check_exported_cache_attention(attributes: dict, scale) -> None:
+    """The dynamo path's check of MultiHeadCacheAttention's attribute values (softcap, the cache's, then the
+    attention's, as the reference orders them) and of whether a scale is given."""
+    from ..reference.multi_head_cache_attention import check_softcap
+
+    try:
+        check_softcap(attributes["softcap"])
+    except KeyValueCacheError as error:
+        _ERRORS.append(error)
+        raise
+    check_exported_call({k: v for k, v in attributes.items() if k in Attributes.__dataclass_fields__}, scale)
+    check_exported_attention({k: v for k, v in attributes.items() if k in AttentionAttributes.__dataclass_fields__})
+
+
+def cache_attention_node(inputs: list, attributes: dict) -> torch.Tensor:
+    """The MultiHeadCacheAttention node for the dynamo exporter; ``inputs`` in schema order (``scale`` and
+    ``attn_mask`` may be None: a trailing absent one is dropped, an absent scale before a mask is an empty
+    input)."""
+    query = inputs[0]
+    if inputs[12] is None:
+        inputs = inputs[:12] if inputs[11] is not None else inputs[:11]
+    return torch.onnx.ops.symbolic(CACHE_ATTENTION_NODE, inputs,
+                                   mhca_schema.cache_attention_node_attributes(attributes), dtype=query.dtype,
+                                   shape=list(query.shape), version=schema.VERSION)
 
 
 def attention_node(inputs: list, attributes: dict) -> torch.Tensor:
@@ -168,15 +195,36 @@ def _attention_symbolic(g, query, key, value, seqstarts, kvstarts, decoding_batc
     return output
 
 
+@symbolic_helper.parse_args(*"vvvvvvvvvvvvv", *"iiiiiiiiiiiiiff")
+def _cache_attention_symbolic(g, query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                              decoding_batches, max_seqlen, max_kvlen, cache, scale, attn_mask, num_layer, layer_idx,
+                              quant_bit, quant_group, cache_mode, cache_layout, page_size, num_heads, head_dim,
+                              is_causal, is_alibi, num_kv_heads, sliding_window, softmax_scale, softcap):
+    attributes = mhca_schema.cache_attention_node_attributes(dict(
+        num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group, cache_mode=cache_mode,
+        cache_layout=cache_layout, page_size=page_size, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal,
+        is_alibi=is_alibi, num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
+        softcap=softcap))
+    typed = {f"{name}_{'f' if isinstance(value, float) else 'i'}": value for name, value in attributes.items()}
+    # An absent scale before a mask stays the None value (the exporter writes the empty input name ""); trailing
+    # absent inputs are left out.
+    optional = [scale, attn_mask] if _present(attn_mask) else _present(scale)
+    output = g.op(CACHE_ATTENTION_NODE, query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                  decoding_batches, max_seqlen, max_kvlen, cache, *optional, **typed)
+    output.setType(query.type())  # query's type and shape
+    return output
+
+
 def register_torchscript_symbolics() -> None:
     """Registers the TorchScript exporter's translations of the custom ops (idempotent)."""
     for op, fn in ((f"{custom_ops.NAMESPACE}::key_value_cache", _key_value_cache_symbolic),
                    (f"{custom_ops.NAMESPACE}::key_cache_rotary_shift", _rotary_shift_symbolic),
-                   (f"{custom_ops.NAMESPACE}::multi_head_attention", _attention_symbolic)):
+                   (f"{custom_ops.NAMESPACE}::multi_head_attention", _attention_symbolic),
+                   (f"{custom_ops.NAMESPACE}::multi_head_cache_attention", _cache_attention_symbolic)):
         torch.onnx.register_custom_op_symbolic(op, fn, TORCHSCRIPT_MIN_OPSET)
 
 
-IN_PLACE = {schema.OP_TYPE: (8, 9), rotary_schema.OP_TYPE: (0, 1)}
+IN_PLACE = {schema.OP_TYPE: (8, 9), rotary_schema.OP_TYPE: (0, 1), mhca_schema.OP_TYPE: (10, 11)}
 
 
 def _quant_bit(node) -> int:
