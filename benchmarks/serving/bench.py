@@ -26,13 +26,15 @@ MODELS = {  # name -> transformers config overrides of the demo's tiny decoder
 }
 
 
-def measure(model_name: str, requests: int, context: int, decode_steps: int, threads: int, folder: str) -> dict:
-    """Runs the scenario for one model; returns the medians of its full decode steps."""
+def measure(model_name: str, requests: int, context: int, decode_steps: int, threads: int, folder: str,
+            fused: bool = True) -> dict:
+    """Runs the scenario for one model exported with ``fused`` attention (MultiHeadCacheAttention; False: the
+    split pair KeyValueCache + MultiHeadAttention); returns the medians of its full decode steps."""
     from kvcache_op.hf import export_model, tiny_model
     from kvcache_op.serving import Engine
 
     model = tiny_model("llama", **MODELS[model_name])
-    path = export_model(model, os.path.join(folder, f"{model_name}.onnx"))
+    path = export_model(model, os.path.join(folder, f"{model_name}-{fused}.onnx"), fused_attention=fused)
     rng = np.random.default_rng(0)
     system = rng.integers(0, model.config.vocab_size, context - 16).tolist()
     prompts = [system + rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(requests)]
@@ -45,10 +47,11 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
         raise RuntimeError("no step decoded the whole batch: raise --decode-steps")
     med = {k: statistics.median(s[k] for s in full) * 1e3 for k in ("scheduling_s", "ort_run_s", "after_run_s")}
     params = sum(p.numel() for p in model.parameters())
-    return dict(model=model_name, params=params, layers=model.config.num_hidden_layers,
+    return dict(model=model_name, attention="fused" if fused else "split", params=params, layers=model.config.num_hidden_layers,
                 hidden=model.config.hidden_size, steps=len(full), kv=statistics.median(s["kv_tokens"] for s in full),
                 scheduling_ms=med["scheduling_s"], ort_ms=med["ort_run_s"], after_ms=med["after_run_s"],
-                host_share=(med["scheduling_s"] + med["after_run_s"]) / med["ort_run_s"])
+                host_share=(med["scheduling_s"] + med["after_run_s"]) / med["ort_run_s"],
+                tokens_per_s=requests / (sum(med.values()) / 1e3))
 
 
 def table(rows: list, command: str, requests: int, threads: int) -> str:
@@ -56,13 +59,18 @@ def table(rows: list, command: str, requests: int, threads: int) -> str:
     lines = [f"Command: `{command}`", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, ONNX Runtime CPU EP, {threads or 'default'} "
              f"intra-op threads, {requests} requests decoding together.", "",
-             "| model | parameters | layers x hidden | decode steps | keys gathered per step | scheduling + feeds ms "
-             "| ONNX Runtime run ms | after run ms | host / run |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| model | attention | parameters | layers x hidden | decode steps | keys attended per step "
+             "| scheduling + feeds ms | ONNX Runtime run ms | after run ms | host / run | decode tokens/s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['model']} | {r['params'] / 1e6:.2f} M | {r['layers']} x {r['hidden']} | {r['steps']} | "
-                     f"{r['kv']:.0f} | {r['scheduling_ms']:.3f} | {r['ort_ms']:.3f} | {r['after_ms']:.3f} | "
-                     f"{r['host_share']:.1%} |")
+        lines.append(f"| {r['model']} | {r['attention']} | {r['params'] / 1e6:.2f} M | {r['layers']} x {r['hidden']} | "
+                     f"{r['steps']} | {r['kv']:.0f} | {r['scheduling_ms']:.3f} | {r['ort_ms']:.3f} | "
+                     f"{r['after_ms']:.3f} | {r['host_share']:.1%} | {r['tokens_per_s']:.0f} |")
+    split = {r["model"]: r for r in rows if r["attention"] == "split"}
+    for r in rows:
+        if r["attention"] == "fused" and r["model"] in split:
+            lines.append(f"\n{r['model']}: the fused export decodes {r['tokens_per_s'] / split[r['model']]['tokens_per_s']:.2f}x "
+                         f"the split pair's tokens/s.")
     return "\n".join(lines) + "\n"
 
 
@@ -74,13 +82,18 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=at_least(1), default=1024)
     parser.add_argument("--decode-steps", type=at_least(1), default=24)
     parser.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    parser.add_argument("--attention", choices=("fused", "split", "both"), default="both",
+                        help="the export's attention: MultiHeadCacheAttention, the split pair, or both side by side")
     parser.add_argument("--out", type=out_folder, help="folder for README.md with the table")
     args = parser.parse_args(argv)
+    forms = {"fused": (True,), "split": (False,), "both": (False, True)}[args.attention]
     with tempfile.TemporaryDirectory() as folder:
         rows = []
         for name in args.model or sorted(MODELS, key=list(MODELS).index):
-            print(f"measuring {name} ({args.requests} requests at ~{args.context} keys) ...", file=sys.stderr)
-            rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder))
+            for fused in forms:
+                print(f"measuring {name}, {'fused' if fused else 'split'} attention ({args.requests} requests at "
+                      f"~{args.context} keys) ...", file=sys.stderr)
+                rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder, fused))
     command = "python -m kvcache_op.benchmarks.serving.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     text = table(rows, command.strip(), args.requests, args.threads)
     print(text)
