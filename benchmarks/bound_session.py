@@ -25,15 +25,20 @@ def aligned_copy(array: np.ndarray) -> np.ndarray:
     return out
 
 
-def bound_run(model, feeds: dict, outputs: dict, threads: int):
-    """``run()`` of ``model`` on the CPU EP (the library loaded, graph rules checked): every graph input is bound
-    once to an OrtValue on ``feeds``' memory, each ``outputs`` name to its preallocated numpy array, which
-    every run overwrites. The function keeps all of them alive."""
+#: Session config of benchmarks that run several sessions side by side: a pool's threads do not spin for work
+#: after a run, taking the cores from the next session's run.
+NO_SPINNING = {"session.intra_op.allow_spinning": "0"}
+
+
+def bound_run(model, feeds: dict, outputs: dict, threads: int, config: dict | None = None):
+    """``run()`` of ``model`` on the CPU EP (the library loaded, graph rules checked; ``config``: session config
+    entries): every graph input is bound once to an OrtValue on ``feeds``' memory, each ``outputs`` name to its
+    preallocated numpy array, which every run overwrites. The function keeps all of them alive."""
     import onnxruntime as ort
 
     from ..ort_ops import make_session
 
-    session = make_session(model, intra_op_num_threads=threads)
+    session = make_session(model, intra_op_num_threads=threads, config=config)
     binding = session.io_binding()
     inputs = []
     for info in session.get_inputs():

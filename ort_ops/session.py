@@ -51,8 +51,9 @@ def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
 
 
 def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_threads: int = 0,
-                 disable_cpu_fallback: bool = False) -> ort.InferenceSession:
-    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded.
+                 disable_cpu_fallback: bool = False, config: dict | None = None) -> ort.InferenceSession:
+    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded; ``config``: more
+    session config entries (e.g. ``{"session.intra_op.allow_spinning": "0"}``).
 
     ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input, or when
     a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`)."""
@@ -63,6 +64,8 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
     options = session_options(intra_op_num_threads)
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    for key, value in (config or {}).items():
+        options.add_session_config_entry(key, value)
     source = model.SerializeToString() if hasattr(model, "SerializeToString") else model
     return ort.InferenceSession(source, options, providers=list(providers))
 

@@ -58,19 +58,22 @@ def test_ort_writes_the_naive_cache_and_is_within_the_bound_of_the_exact_attenti
     assert np.all(out[bound == 0] == 0), "a row without an effective key must be exactly zero"
 
 
-def long_decode(t1="float16", quant_bit=0, cache_layout=0, **kw):
+def long_decode(t1="float16", quant_bit=0, cache_layout=0, head_dim=64, **kw):
     """Decodes with thousands of keys (split over their keys: too few tasks otherwise), GQA group 4, beside a
     short prefill chunk; paged."""
     seqs = [Seq(2999, 1), Seq(1800, 1), Seq(40, 24)]
-    return build_cache_attention(f"long-{t1}-{quant_bit}-{cache_layout}", seqs, heads=2, head_dim=64, group=4,
+    return build_cache_attention(f"long-{t1}-{quant_bit}-{cache_layout}", seqs, heads=2, head_dim=head_dim, group=4,
                                  cache_mode=1, page_size=64, t1=t1, quant_bit=quant_bit, cache_layout=cache_layout,
                                  **kw)
 
 
-@pytest.mark.parametrize("t1, quant_bit, layout", [("float16", 0, 0), ("float32", 0, 3), ("bfloat16", 8, 3),
-                                                   ("float16", 4, 1)])
-def test_long_decodes_split_over_their_keys_match_the_reference_whatever_the_threads(t1, quant_bit, layout):
-    case = long_decode(t1, quant_bit, layout, sliding_window=2500 if layout else 0, is_alibi=int(layout == 3))
+@pytest.mark.parametrize("t1, quant_bit, layout, head_dim", [
+    ("float16", 0, 0, 64), ("float32", 0, 3, 64), ("bfloat16", 8, 3, 64), ("float16", 4, 1, 64),
+    ("float32", 0, 1, 128),  # key and value rows of 1 KiB side by side: read key by key
+    ("float16", 8, 0, 128)])
+def test_long_decodes_split_over_their_keys_match_the_reference_whatever_the_threads(t1, quant_bit, layout, head_dim):
+    case = long_decode(t1, quant_bit, layout, head_dim, sliding_window=2500 if layout else 0, is_alibi=int(layout == 3),
+                       mask=layout == 1)
     want = multi_head_cache_attention(**copies(case.inputs), **case.attributes)
     tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
     one = ort_call(case.inputs, case.attributes, 1)[0]

@@ -10,7 +10,8 @@ would otherwise run, side by side in one run, ONNX Runtime's CPU EP, every input
   effective bandwidth: ``GB/s = those bytes / time``.
 
 Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Methods run in interleaved
-rounds (the machine's noise lands on all alike); each figure is the median over rounds of per-round medians.
+rounds (the machine's noise lands on all alike), their thread pools told not to spin after a run (a spinning
+pool would take the cores from the next method); each figure is the median over rounds of per-round medians.
 
     python -m kvcache_op.benchmarks.attention.fused --out benchmarks/attention/fused
 """
@@ -24,7 +25,7 @@ import statistics
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
-from ..bound_session import aligned_copy, aligned_empty, bound_run
+from ..bound_session import NO_SPINNING, aligned_copy, aligned_empty, bound_run
 from ..timing import cpu_device, kernel_build, median_seconds, ort_version
 
 PAGE_SIZE = 128
@@ -166,6 +167,8 @@ def gqa_run(shape: Shape, inputs: dict):
     options = ort.SessionOptions()
     options.intra_op_num_threads = shape.threads
     options.log_severity_level = 3
+    for key, value in NO_SPINNING.items():
+        options.add_session_config_entry(key, value)
     session = ort.InferenceSession(gqa_model(shape, capacity).SerializeToString(), options,
                                    providers=["CPUExecutionProvider"])
     binding = session.io_binding()
@@ -194,8 +197,8 @@ def measure(shape: Shape, rounds: int, repeats: int) -> dict:
     feeds = {k: v for k, v in inputs.items() if v is not None}
     out = aligned_empty(inputs["query"].shape, inputs["query"].dtype)
     runs = {"fused": bound_run(spec.make_cache_attention_model(inputs, **attributes), feeds, {"output": out},
-                               shape.threads),
-            "split": bound_run(split_model(inputs, attributes), feeds, {"output": out}, shape.threads)}
+                               shape.threads, NO_SPINNING),
+            "split": bound_run(split_model(inputs, attributes), feeds, {"output": out}, shape.threads, NO_SPINNING)}
     if not shape.quant_bit:  # GroupQueryAttention has no quantized cache
         runs["gqa"] = gqa_run(shape, inputs)
     source = aligned_empty((shape.cache_read_bytes,), np.uint8)
