@@ -21,10 +21,13 @@ std::string CapStr(float v) {
 
 }  // namespace
 
+void CheckSoftcap(float softcap) {
+  if (!std::isfinite(softcap) || softcap < 0) Fail("softcap must be finite and >= 0, got ", CapStr(softcap));
+  if (softcap != 0) Fail("softcap = ", CapStr(softcap), ": score capping is not defined in this version (0 is off)");
+}
+
 void CheckMhcaAttrs(const MhcaAttrs& a) {
-  if (!std::isfinite(a.softcap) || a.softcap < 0) Fail("softcap must be finite and >= 0, got ", CapStr(a.softcap));
-  if (a.softcap != 0)
-    Fail("softcap = ", CapStr(a.softcap), ": score capping is not defined in this version (0 is off)");
+  CheckSoftcap(a.softcap);
   if (a.cache.num_repeat != 1) Fail("num_repeat must be 1 in MultiHeadCacheAttention, got ", a.cache.num_repeat);
   CheckAttrs(a.cache);
   CheckMhaAttrs(a.attention);

@@ -22,6 +22,9 @@ struct MhcaAttrs {
   float softcap = 0.0f;  // reserved: 0 only in version 1
 };
 
+// Throws KvError for a softcap other than 0 (version 1 defines no other), with the reference's messages.
+void CheckSoftcap(float softcap);
+
 // Throws KvError for an attribute value the spec does not allow (softcap first, as the reference).
 void CheckMhcaAttrs(const MhcaAttrs& a);
 

@@ -11,16 +11,12 @@ namespace kvcache {
 
 MhcaAttrs ReadMhcaAttrs(const OrtKernelInfo* info) {
   MhcaAttrs a;
-  Attrs& c = a.cache;
-  c.num_layer = AttrOr(info, "num_layer", c.num_layer);
-  c.layer_idx = AttrOr(info, "layer_idx", c.layer_idx);
-  c.quant_bit = AttrOr(info, "quant_bit", c.quant_bit);
-  c.quant_group = AttrOr(info, "quant_group", c.quant_group);
-  c.cache_mode = AttrOr(info, "cache_mode", c.cache_mode);
-  c.cache_layout = AttrOr(info, "cache_layout", c.cache_layout);
-  c.page_size = AttrOr(info, "page_size", c.page_size);
-  a.attention = ReadMhaAttrs(info, kMhcaOpName);
   a.softcap = FloatAttrOr(info, "softcap", a.softcap);
+  CheckSoftcap(a.softcap);  // first, as the reference checks it
+  // KeyValueCache's attributes (a node setting num_repeat, which this op does not have, is refused by
+  // CheckMhcaAttrs unless it sets 1), then the attention's.
+  a.cache = ReadAttrs(info);
+  a.attention = ReadMhaAttrs(info, kMhcaOpName);
   CheckMhcaAttrs(a);
   return a;
 }
