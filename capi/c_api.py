@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 1
+C_API_VERSION = 2
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -46,7 +46,7 @@ KV_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "num_repe
 MHA_INPUTS = ("query", "key", "value", "seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen",
               "attn_mask")
 MHA_INT_ATTRIBUTES = ("num_heads", "head_dim", "is_causal", "is_alibi", "num_kv_heads", "sliding_window")
-MHA_ATTRIBUTES = MHA_INT_ATTRIBUTES + ("softmax_scale",)
+MHA_ATTRIBUTES = MHA_INT_ATTRIBUTES + ("softmax_scale", "softcap")
 MHCA_INPUTS = ("query", "current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos",
                "decoding_batches", "max_seqlen", "max_kvlen", "cache", "scale", "attn_mask")
 MHCA_INT_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_mode", "cache_layout",
@@ -81,7 +81,8 @@ class CRotaryShiftAttrs(ctypes.Structure):
 
 
 class CMultiHeadAttentionAttrs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_int64) for name in MHA_INT_ATTRIBUTES] + [("softmax_scale", ctypes.c_float)]
+    _fields_ = [(name, ctypes.c_int64) for name in MHA_INT_ATTRIBUTES] + [("softmax_scale", ctypes.c_float),
+                                                                      ("softcap", ctypes.c_float)]
 
 
 class CMultiHeadCacheAttentionAttrs(ctypes.Structure):
@@ -337,7 +338,7 @@ def multi_head_attention_attributes(library_file: str | None = None, **attribute
     library refuses), overridden by ``attributes``."""
     lib = library(library_file)
     return _attrs(CMultiHeadAttentionAttrs, MHA_ATTRIBUTES, lib.kvcache_op_multi_head_attention_defaults, attributes,
-                  floats=("softmax_scale",))
+                  floats=("softmax_scale", "softcap"))
 
 
 def run_multi_head_attention(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 1
+#define KVCACHE_OP_C_API_VERSION 2
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -79,16 +79,17 @@ typedef struct KvcacheRotaryShiftAttrs {
 typedef struct KvcacheMultiHeadAttentionAttrs {
   int64_t num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window;
   float softmax_scale; /* 0: 1 / sqrt(head_dim) */
+  float softcap;       /* 0: off; else scores capped as softcap * tanh(score / softcap) (C API version 2) */
 } KvcacheMultiHeadAttentionAttrs;
 
-/* MultiHeadCacheAttention attributes: KeyValueCache's (no num_repeat: always 1), MultiHeadAttention's, and
- * softcap (0 only in version 1); kvcache_op_multi_head_cache_attention_defaults fills the spec's defaults and
+/* MultiHeadCacheAttention attributes: KeyValueCache's (no num_repeat: always 1), then MultiHeadAttention's;
+ * kvcache_op_multi_head_cache_attention_defaults fills the spec's defaults and
  * sets num_heads and head_dim to 0, which the caller must replace. */
 typedef struct KvcacheMultiHeadCacheAttentionAttrs {
   int64_t num_layer, layer_idx, quant_bit, quant_group, cache_mode, cache_layout, page_size;
   int64_t num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window;
   float softmax_scale; /* 0: 1 / sqrt(head_dim) */
-  float softcap;       /* 0: off (the only value version 1 defines) */
+  float softcap;       /* 0: off */
 } KvcacheMultiHeadCacheAttentionAttrs;
 
 /* KVCACHE_OP_C_API_VERSION of the library (a caller compiled against another version should refuse it). */

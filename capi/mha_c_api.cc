@@ -22,6 +22,7 @@ MhaAttrs ToMhaAttrs(const KvcacheMultiHeadAttentionAttrs& c) {
   a.num_kv_heads = c.num_kv_heads;
   a.sliding_window = c.sliding_window;
   a.softmax_scale = c.softmax_scale;
+  a.softcap = c.softcap;
   return a;
 }
 
@@ -42,7 +43,7 @@ extern "C" {
 void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs) {
   const MhaAttrs a;  // the spec's defaults; num_heads and head_dim 0 (required)
   *attrs = KvcacheMultiHeadAttentionAttrs{a.num_heads, a.head_dim, a.is_causal, a.is_alibi, a.num_kv_heads,
-                                          a.sliding_window, a.softmax_scale};
+                                          a.sliding_window, a.softmax_scale, a.softcap};
 }
 
 int32_t kvcache_op_multi_head_attention_cpu(const KvcacheMultiHeadAttentionAttrs* attrs, const KvcacheTensor inputs[9],

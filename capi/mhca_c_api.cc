@@ -32,7 +32,7 @@ MhcaAttrs ToMhcaAttrs(const KvcacheMultiHeadCacheAttentionAttrs& c) {
   a.attention.num_kv_heads = c.num_kv_heads;
   a.attention.sliding_window = c.sliding_window;
   a.attention.softmax_scale = c.softmax_scale;
-  a.softcap = c.softcap;
+  a.attention.softcap = c.softcap;
   return a;
 }
 
@@ -50,7 +50,7 @@ void kvcache_op_multi_head_cache_attention_defaults(KvcacheMultiHeadCacheAttenti
   *attrs = KvcacheMultiHeadCacheAttentionAttrs{c.num_layer, c.layer_idx, c.quant_bit, c.quant_group, c.cache_mode,
                                                c.cache_layout, c.page_size, m.num_heads, m.head_dim, m.is_causal,
                                                m.is_alibi, m.num_kv_heads, m.sliding_window, m.softmax_scale,
-                                               a.softcap};
+                                               m.softcap};
 }
 
 int32_t kvcache_op_multi_head_cache_attention_cpu(const KvcacheMultiHeadCacheAttentionAttrs* attrs,

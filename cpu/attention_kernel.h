@@ -177,6 +177,9 @@ struct AttentionKernel {
   void* out;          // [tokens, num_heads, head_dim]
   float* partials = nullptr;
 
+  // A scaled score under the softcap extension: softcap * tanh(s / softcap) in float32; as it is when off.
+  float Capped(float s) const { return a.softcap != 0.0f ? a.softcap * std::tanh(s / a.softcap) : s; }
+
   // [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see (spec: visible keys).
   void VisibleRange(int64_t b, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) const {
     const int64_t q = K - S + i;  // |K - S + i| < tokens + kv_tokens: fits
@@ -241,7 +244,7 @@ struct AttentionKernel {
                          &q[r * nh * D], nh * D);
         auto take = [&](int r, int64_t k, int64_t j, float dot) {
           if (j < lo[r] || j >= hi[r]) return;
-          float s = p.scale * dot;
+          float s = Capped(p.scale * dot);
           if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row0 + i0 + r)[col0 + j]);
           if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos[r]);
           scores[(r * nh + k) * span + (j - first)] = s;
@@ -398,7 +401,7 @@ struct AttentionKernel {
           const T* mask_row = p.mask_rank ? MaskRow(h0 + k, row) + col0 + j0 : nullptr;
           float m = top[k];
           for (int64_t i = 0; i < n; ++i) {
-            float s = p.scale * x[i];
+            float s = Capped(p.scale * x[i]);
             if (mask_row) s = s + T1::ToFloat(mask_row[i]);
             if (a.is_alibi) s = s + slope[k] * static_cast<float>(j0 + i - qpos);
             x[i] = s;
@@ -421,20 +424,23 @@ struct AttentionKernel {
           }
           sum[k] += total;
         }
-        for (int64_t i = 0; i < n; ++i) {
-          const T* value = values.RawAt(slots[j0 - lo + i]);
-          for (int64_t k = 0; k < nh;) {
-            const T* v = value + ((h0 + k) / G - kv0) * D;
-            if (shared4(k)) {
-              const float ws[kRows] = {w[k * block + i], w[(k + 1) * block + i],
-                                       w[(k + 2) * block + i], w[(k + 3) * block + i]};
-              float* accs[kRows] = {&acc[k * D], &acc[(k + 1) * D], &acc[(k + 2) * D], &acc[(k + 3) * D]};
-              Axpy4<T1>(accs, ws, v, D);
-              k += kRows;
-            } else {
-              Axpy<T1>(&acc[k * D], w[k * block + i], v, D);
-              ++k;
+        const T* rows[kDecodeBlock];
+        values.RawRows(&slots[j0 - lo], n, rows);
+        for (int64_t k = 0; k < nh;) {
+          const int64_t offset = ((h0 + k) / G - kv0) * D;
+          const T* heads_rows[kDecodeBlock];
+          for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + offset;
+          if (shared4(k)) {
+            const float* ws[kRows] = {&w[k * block], &w[(k + 1) * block], &w[(k + 2) * block], &w[(k + 3) * block]};
+            float* accs[kRows] = {&acc[k * D], &acc[(k + 1) * D], &acc[(k + 2) * D], &acc[(k + 3) * D]};
+            for (int64_t i = 0; i < n; ++i) {
+              const float wi[kRows] = {ws[0][i], ws[1][i], ws[2][i], ws[3][i]};
+              Axpy4<T1>(accs, wi, heads_rows[i], D);
             }
+            k += kRows;
+          } else {
+            for (int64_t i = 0; i < n; ++i) Axpy<T1>(&acc[k * D], w[k * block + i], heads_rows[i], D);
+            ++k;
           }
         }
       }

@@ -41,6 +41,9 @@ struct PackedSource {
     }
     void Prefetch(int64_t) const {}
     const T* RawAt(int64_t j) const { return base + j * stride; }
+    void RawRows(const int64_t* slots, int64_t n, const T** rows) const {
+      for (int64_t i = 0; i < n; ++i) rows[i] = base + slots[i] * stride;
+    }
   };
   bool HeadsTogether() const { return true; }
   bool KeyValueTogether() const { return false; }

@@ -55,6 +55,8 @@ void CheckMhaAttrs(const MhaAttrs& a) {
   if (a.sliding_window < 0) Fail("sliding_window must be >= 0 (0: no window), got ", a.sliding_window);
   if (!std::isfinite(a.softmax_scale) || a.softmax_scale < 0)
     Fail("softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got ", FloatStr(a.softmax_scale));
+  if (!std::isfinite(a.softcap) || a.softcap < 0)
+    Fail("softcap must be finite and >= 0 (0: off), got ", FloatStr(a.softcap));
 }
 
 float AlibiSlope(int64_t h, int64_t num_heads) {

@@ -17,6 +17,7 @@ struct MhaAttrs {
   int64_t num_heads = 0, head_dim = 0;  // required: 0 is refused
   int64_t is_causal = 1, is_alibi = 0, num_kv_heads = 0, sliding_window = 0;
   float softmax_scale = 0.0f;  // 0: 1 / sqrt(head_dim)
+  float softcap = 0.0f;        // extension: scores capped as softcap * tanh(s / softcap); 0 off
   int64_t KvHeads() const { return num_kv_heads ? num_kv_heads : num_heads; }
 };
 

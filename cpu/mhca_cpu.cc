@@ -83,25 +83,41 @@ struct CacheSource {
         for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
       }
     }
-    // The chunk's heads of `slot` as T1 values: in place where they lie together unquantized, else copied or
-    // dequantized (exactly as KeyValueCache's gather gives them) into a buffer of the reader.
-    const T* RawAt(int64_t slot) {
+    // The chunk's heads of `slot` as T1 values into dst: copied, or dequantized exactly as KeyValueCache's gather
+    // gives them.
+    void FillRaw(int64_t slot, T* dst) {
       const int64_t D = s.p.head_dim;
       if constexpr (QBits == 0) {
-        if (adjacent) return static_cast<const T*>(s.cache) + s.CacheRow(kv, kv0, slot);
         for (int64_t h = 0; h < nkv; ++h)
-          std::memcpy(&dequantized[h * D], static_cast<const T*>(s.cache) + s.CacheRow(kv, kv0 + h, slot),
+          std::memcpy(dst + h * D, static_cast<const T*>(s.cache) + s.CacheRow(kv, kv0 + h, slot),
                       static_cast<size_t>(D) * sizeof(T));
       } else {
         const RowScratch scratch{x.data(), scales.data(), codes.data(), sf.data()};
+        const int64_t heads = adjacent ? nkv : 1;
         for (int64_t h = 0; h < (adjacent ? 1 : nkv); ++h) {
-          const int64_t heads = adjacent ? nkv : 1;
           const S* row_scales = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, kv0 + h, slot);
           DequantizeRow<T1, T3, QBits>(C::Row(s.cache, s.CacheRow(kv, kv0 + h, slot)), row_scales, heads * D,
-                                       s.a.quant_group, heads * s.p.groups, &dequantized[h * D], scratch);
+                                       s.a.quant_group, heads * s.p.groups, dst + h * D, scratch);
         }
       }
-      return dequantized.data();
+    }
+    // The T1 rows of `n` slots (n <= kDecodeBlock): in place where a slot's heads lie together unquantized, else
+    // filled into the reader's block buffer.
+    void RawRows(const int64_t* slots, int64_t n, const T** rows) {
+      for (int64_t i = 0; i < n; ++i) {
+        if (QBits == 0 && adjacent) {
+          rows[i] = static_cast<const T*>(s.cache) + s.CacheRow(kv, kv0, slots[i]);
+          continue;
+        }
+        T* dst = &dequantized[i * nkv * s.p.head_dim];
+        FillRaw(slots[i], dst);
+        rows[i] = dst;
+      }
+    }
+    const T* RawAt(int64_t slot) {
+      const T* row;
+      RawRows(&slot, 1, &row);
+      return row;
     }
     const float* RowAt(int64_t slot) {
       if constexpr (QBits == 0 && T1::kElem == Elem::kFloat32)
@@ -123,7 +139,7 @@ struct CacheSource {
     const bool quantized = QBits != 0;
     return Reader{*this, kv, b, kv0, nkv, nkv == 1 || p.cache_rows.head == p.head_dim,
                   std::vector<float>(width),
-                  std::vector<T>(width),
+                  std::vector<T>(width * kDecodeBlock),
                   std::vector<float>(quantized ? width : 0),
                   std::vector<float>(quantized ? width : 0),
                   std::vector<float>(quantized ? groups + 8 : 0),

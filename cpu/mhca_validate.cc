@@ -1,33 +1,12 @@
 #include "mhca_validate.h"
 
-#include <cmath>
 #include <cstring>
-#include <sstream>
-#include <string>
 
 #include "byte_ranges.h"
 #include "kv_types.h"
 
 namespace kvcache {
-namespace {
-
-// The score cap as the reference prints it (Python's "{:g}").
-std::string CapStr(float v) {
-  if (std::isnan(v)) return "nan";
-  std::ostringstream s;
-  s << static_cast<double>(v);
-  return s.str();
-}
-
-}  // namespace
-
-void CheckSoftcap(float softcap) {
-  if (!std::isfinite(softcap) || softcap < 0) Fail("softcap must be finite and >= 0, got ", CapStr(softcap));
-  if (softcap != 0) Fail("softcap = ", CapStr(softcap), ": score capping is not defined in this version (0 is off)");
-}
-
 void CheckMhcaAttrs(const MhcaAttrs& a) {
-  CheckSoftcap(a.softcap);
   if (a.cache.num_repeat != 1) Fail("num_repeat must be 1 in MultiHeadCacheAttention, got ", a.cache.num_repeat);
   CheckAttrs(a.cache);
   CheckMhaAttrs(a.attention);

@@ -17,15 +17,11 @@ constexpr size_t kMhcaNumInputs = 13;
 constexpr size_t kMhcaCacheInput = 10, kMhcaScaleInput = 11, kMhcaMaskInput = 12;
 
 struct MhcaAttrs {
-  Attrs cache;        // num_repeat is always 1
+  Attrs cache;  // num_repeat is always 1
   MhaAttrs attention;
-  float softcap = 0.0f;  // reserved: 0 only in version 1
 };
 
-// Throws KvError for a softcap other than 0 (version 1 defines no other), with the reference's messages.
-void CheckSoftcap(float softcap);
-
-// Throws KvError for an attribute value the spec does not allow (softcap first, as the reference).
+// Throws KvError for an attribute value the spec does not allow (the cache's, then the attention's).
 void CheckMhcaAttrs(const MhcaAttrs& a);
 
 struct MhcaPlan {

@@ -17,6 +17,7 @@ MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info, const char* op) {
   a.num_kv_heads = AttrOr(info, "num_kv_heads", a.num_kv_heads);
   a.sliding_window = AttrOr(info, "sliding_window", a.sliding_window);
   a.softmax_scale = FloatAttrOr(info, "softmax_scale", a.softmax_scale);
+  a.softcap = FloatAttrOr(info, "softcap", a.softcap);
   CheckMhaAttrs(a);
   return a;
 }

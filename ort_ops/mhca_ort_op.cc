@@ -11,8 +11,6 @@ namespace kvcache {
 
 MhcaAttrs ReadMhcaAttrs(const OrtKernelInfo* info) {
   MhcaAttrs a;
-  a.softcap = FloatAttrOr(info, "softcap", a.softcap);
-  CheckSoftcap(a.softcap);  // first, as the reference checks it
   // KeyValueCache's attributes (a node setting num_repeat, which this op does not have, is refused by
   // CheckMhcaAttrs unless it sets 1), then the attention's.
   a.cache = ReadAttrs(info);

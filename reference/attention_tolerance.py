@@ -40,14 +40,16 @@ def weighted_sizes(scores, sizes, effective):
 
 def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                         attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
-                        sliding_window=0, softmax_scale=0.0) -> np.ndarray:
+                        sliding_window=0, softmax_scale=0.0, softcap=0.0) -> np.ndarray:
     """float64 array of the output's shape: :func:`attention_error_bound` of every element; 0 where the row has
     no effective key (the output is then exactly 0). Validates the call like the reference."""
     call = prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                              attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
-                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                             softcap=softcap)
     a, query, key, value, attn_mask, plan = (call.a, call.query, call.key, call.value, call.attn_mask, call.plan)
     bound = np.zeros(query.shape, np.float64)
+    cap = float(np.float32(a.softcap))
     group = a.num_heads // a.kv_heads
     for b in range(len(plan.seq_len)):
         if plan.seq_len[b] == 0:
@@ -62,6 +64,9 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
             v = np.abs(value[cols, h // group, :].astype(np.float64))
             score = float(plan.scale) * (q @ k.T)
             size = float(plan.scale) * (np.abs(q) @ np.abs(k).T)
+            if cap:  # spec: the dot-product term counts twice under the cap (its own roundings)
+                score = cap * np.tanh(score / cap)
+                size = 2 * size
             effective = visible.copy()
             if attn_mask is not None:
                 mask = mask_block(attn_mask, h, rows, cols).astype(np.float64)

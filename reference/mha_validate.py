@@ -33,6 +33,7 @@ class AttentionAttributes:
     num_kv_heads: int = 0
     sliding_window: int = 0
     softmax_scale: float = 0.0
+    softcap: float = 0.0  # extension: Gemma 2's score cap, 0 off
 
     @property
     def kv_heads(self) -> int:
@@ -69,6 +70,9 @@ def check_attention_attributes(a: AttentionAttributes) -> None:
     scale = np.float32(a.softmax_scale)  # the attribute is a float32 in ONNX: judged after that rounding
     if not (np.isfinite(scale) and scale >= 0):
         fail(f"softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {float(scale):g}")
+    cap = np.float32(a.softcap)  # a float32 attribute too
+    if not (np.isfinite(cap) and cap >= 0):
+        fail(f"softcap must be finite and >= 0 (0: off), got {float(cap):g}")
 
 
 def score_scale(a: AttentionAttributes) -> np.float32:
@@ -154,10 +158,11 @@ class AttentionCall:
 
 def prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask,
                       *, num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window,
-                      softmax_scale) -> AttentionCall:
-    """The attributes as ints (``softmax_scale`` a float), the data as arrays, every check of the spec."""
+                      softmax_scale, softcap=0.0) -> AttentionCall:
+    """The attributes as ints (``softmax_scale`` and ``softcap`` floats), the data as arrays, every check of the
+    spec."""
     a = AttentionAttributes(int(num_heads), int(head_dim), int(is_causal), int(is_alibi), int(num_kv_heads),
-                            int(sliding_window), float(softmax_scale))
+                            int(sliding_window), float(softmax_scale), float(softcap))
     query, key, value = np.asarray(query), np.asarray(key), np.asarray(value)
     attn_mask = None if attn_mask is None else np.asarray(attn_mask)
     plan = validate_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,

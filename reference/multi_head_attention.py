@@ -46,14 +46,22 @@ def mask_block(attn_mask, h: int, rows: slice, cols: slice):
     return block[rows, cols].astype(np.float32)
 
 
-def attention_rows(q, k, v, scale, biases, visible):
-    """Softmax attention of float32 rows ``q (n, Dh)`` over ``k, v (m, Dh)``; ``biases``: float32 ``(n, m)``
-    terms added to the scores in order (the mask, then ALiBi).
+def capped(scores, softcap):
+    """``softcap * tanh(scores / softcap)`` in float32 (the extension's score cap); the scores as they are for 0."""
+    if not softcap:
+        return scores
+    cap = np.float32(softcap)
+    return (cap * np.tanh(scores / cap)).astype(np.float32)
+
+
+def attention_rows(q, k, v, scale, biases, visible, softcap=0.0):
+    """Softmax attention of float32 rows ``q (n, Dh)`` over ``k, v (m, Dh)``; the scaled scores capped by
+    ``softcap`` (0: not), then ``biases``: float32 ``(n, m)`` terms added in order (the mask, then ALiBi).
 
     Rows with no visible key, or whose visible scores are all -inf, are zeros; a NaN score keeps its row
     live (NaN propagates). Keys outside ``visible`` (the causal and window ranges) never enter the sums, so
     a non-finite value there cannot reach the row; a key hidden by a -inf mask entry enters with weight 0."""
-    scores = np.float32(scale) * (q @ k.T)  # float32 products and sums
+    scores = capped(np.float32(scale) * (q @ k.T), softcap)  # float32 products and sums
     for bias in biases:
         scores = scores + bias
     scores = np.where(visible, scores, np.float32(-np.inf))
@@ -68,9 +76,10 @@ def attention_rows(q, k, v, scale, biases, visible):
 
 def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                          attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
-                         sliding_window=0, softmax_scale=0.0):
+                         sliding_window=0, softmax_scale=0.0, softcap=0.0):
     """Attention of every sequence's queries over its own keys; returns ``(seqstarts[B], num_heads, head_dim)``
-    of query's dtype.
+    of query's dtype. ``softcap`` > 0 caps every scaled score as ``softcap * tanh(score / softcap)`` (Gemma 2)
+    before the mask and ALiBi are added.
 
     ``query (seqstarts[B], num_heads, head_dim)``, ``key``/``value (kvstarts[B], num_kv_heads, head_dim)``,
     ``attn_mask`` None, ``(num_heads, seqstarts[B], >= kvstarts[B])`` or ``(seqstarts[B], >= kvstarts[B])``.
@@ -79,7 +88,8 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     """
     call = prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                              attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
-                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+                             num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                             softcap=softcap)
     a, query, key, value, attn_mask, plan = (call.a, call.query, call.key, call.value, call.attn_mask, call.plan)
     out = np.zeros(query.shape, query.dtype)
     group = a.num_heads // a.kv_heads  # query head h reads kv head h // group (repeat-interleave)
@@ -97,5 +107,5 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
             q = query[rows, h, :].astype(np.float32)
             k = key[cols, h // group, :].astype(np.float32)
             v = value[cols, h // group, :].astype(np.float32)
-            out[rows, h, :] = attention_rows(q, k, v, plan.scale, biases, visible).astype(query.dtype)
+            out[rows, h, :] = attention_rows(q, k, v, plan.scale, biases, visible, a.softcap).astype(query.dtype)
     return out

@@ -2,24 +2,12 @@
 then MultiHeadAttention over the keys and values it gathered. Every rule of both ops is checked before the
 cache is written, so an invalid call leaves ``cache`` and ``scale`` byte-for-byte unchanged."""
 
-import math
-
 import numpy as np
 
 from .key_value_cache import key_value_cache
 from .mha_validate import MultiHeadAttentionError, prepare_attention
 from .multi_head_attention import multi_head_attention
 from .validate import Attributes, effective_scale, validate_call
-
-
-def check_softcap(softcap) -> None:
-    """``softcap`` must be 0: the score cap of Gemma 2 (``softcap * tanh(score / softcap)``) is reserved, and
-    defined once MultiHeadAttention defines it with its error bound."""
-    value = float(softcap)
-    if not math.isfinite(value) or value < 0:
-        raise MultiHeadAttentionError(f"softcap must be finite and >= 0, got {value:g}")
-    if value != 0:
-        raise MultiHeadAttentionError(f"softcap = {value:g}: score capping is not defined in this version (0 is off)")
 
 
 def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
@@ -38,9 +26,9 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     :func:`~kvcache_op.reference.multi_head_attention`. An invalid call raises
     :class:`~kvcache_op.reference.KeyValueCacheError` (:class:`MultiHeadAttentionError` for the attention's
     rules) and writes nothing."""
-    check_softcap(softcap)
     attention = dict(num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
-                     num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+                     num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                     softcap=softcap)
     cache_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                        num_repeat=1, cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
     current_key, current_value = np.asarray(current_key), np.asarray(current_value)
@@ -69,7 +57,6 @@ def cache_attention_tolerance(query, current_key, current_value, seqstarts, kvst
     bound over the keys and values the call gathers. Works on copies: ``cache`` and ``scale`` stay as given."""
     from .attention_tolerance import attention_tolerance
 
-    check_softcap(softcap)
     copy = (lambda x: None if x is None else np.array(x, copy=True))
     key, value = key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                                  max_kvlen, copy(cache), copy(scale), num_layer=num_layer, layer_idx=layer_idx,
@@ -78,7 +65,7 @@ def cache_attention_tolerance(query, current_key, current_value, seqstarts, kvst
     return attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal,
                                is_alibi=is_alibi, num_kv_heads=num_kv_heads, sliding_window=sliding_window,
-                               softmax_scale=softmax_scale)
+                               softmax_scale=softmax_scale, softcap=softcap)
 
 
-__all__ = ["cache_attention_tolerance", "check_softcap", "multi_head_cache_attention"]
+__all__ = ["cache_attention_tolerance", "multi_head_cache_attention"]

@@ -14,10 +14,13 @@ INPUTS = ("query", "key", "value", "seqstarts", "kvstarts", "decoding_batches", 
 OUTPUTS = ("attention_output",)
 #: Attributes every node must carry (ppl gives them no default).
 REQUIRED_ATTRIBUTES = ("num_heads", "head_dim")
-#: Optional attributes and their defaults, ppl's first; ``sliding_window`` is this project's extension.
-ATTRIBUTE_DEFAULTS = {"is_causal": 1, "is_alibi": 0, "softmax_scale": 0.0, "num_kv_heads": 0, "sliding_window": 0}
+#: Optional attributes and their defaults, ppl's first; ``sliding_window`` and ``softcap`` are this project's
+#: extensions.
+ATTRIBUTE_DEFAULTS = {"is_causal": 1, "is_alibi": 0, "softmax_scale": 0.0, "num_kv_heads": 0, "sliding_window": 0,
+                      "softcap": 0.0}
+FLOAT_ATTRIBUTES = ("softmax_scale", "softcap")
 #: Written into a node only when not at their default, so a default node is exactly what ppl.pmx exports.
-OMITTED_AT_DEFAULT = ("softmax_scale", "sliding_window")
+OMITTED_AT_DEFAULT = ("softmax_scale", "sliding_window", "softcap")
 
 
 def infer_like_query(ctx) -> None:
@@ -88,7 +91,7 @@ def node_attributes(op_type: str, required: tuple, defaults: dict, float_names: 
 
 def attention_node_attributes(attributes: dict) -> dict:
     """MultiHeadAttention's node attributes (see :func:`node_attributes`)."""
-    return node_attributes(OP_TYPE, REQUIRED_ATTRIBUTES, ATTRIBUTE_DEFAULTS, ("softmax_scale",), OMITTED_AT_DEFAULT,
+    return node_attributes(OP_TYPE, REQUIRED_ATTRIBUTES, ATTRIBUTE_DEFAULTS, FLOAT_ATTRIBUTES, OMITTED_AT_DEFAULT,
                            attributes)
 
 

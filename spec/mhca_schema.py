@@ -12,12 +12,12 @@ INPUTS = ("query", "current_key", "current_value", "seqstarts", "kvstarts", "cac
           "decoding_batches", "max_seqlen", "max_kvlen", "cache", "scale", "attn_mask")
 OUTPUTS = ("output",)
 REQUIRED_ATTRIBUTES = mha_schema.REQUIRED_ATTRIBUTES
-#: Optional attributes and their defaults: the attention's, the cache's (no num_repeat), then ``softcap``.
+#: Optional attributes and their defaults: the attention's, then the cache's (no num_repeat).
 ATTRIBUTE_DEFAULTS = {**mha_schema.ATTRIBUTE_DEFAULTS,
-                      **{k: v for k, v in schema.ATTRIBUTE_DEFAULTS.items() if k != "num_repeat"}, "softcap": 0.0}
-FLOAT_ATTRIBUTES = ("softmax_scale", "softcap")
+                      **{k: v for k, v in schema.ATTRIBUTE_DEFAULTS.items() if k != "num_repeat"}}
+FLOAT_ATTRIBUTES = mha_schema.FLOAT_ATTRIBUTES
 #: This project's extensions, written into a node only when set.
-OMITTED_AT_DEFAULT = mha_schema.OMITTED_AT_DEFAULT + ("softcap",)
+OMITTED_AT_DEFAULT = mha_schema.OMITTED_AT_DEFAULT
 
 
 def _build_schema() -> defs.OpSchema:

@@ -25,7 +25,7 @@ def paper_slopes(n):
 
 
 def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, attn_mask=None, *, num_heads, head_dim,
-                    is_causal=1, is_alibi=0, num_kv_heads=0, sliding_window=0, softmax_scale=0.0):
+                    is_causal=1, is_alibi=0, num_kv_heads=0, sliding_window=0, softmax_scale=0.0, softcap=0.0):
     """Returns (exact, n, v_max, a_mean): float64 arrays of the output's shape (exact output o*; effective keys of
     the row; max |value| over them in the element's column; their score-term sizes' mean, weighted by the
     exact softmax weights)."""
@@ -33,6 +33,7 @@ def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, at
     kv_heads = num_kv_heads if num_kv_heads else num_heads
     per_kv = num_heads // kv_heads
     scale = float(np.float32(softmax_scale)) if softmax_scale else float(np.float32(1 / math.sqrt(head_dim)))
+    cap = float(np.float32(softcap))  # the cap is exact here: c * tanh(s / c) in float64
     slopes = [float(np.float32(s)) for s in paper_slopes(num_heads)]
     decoding = int(np.asarray(decoding_batches).reshape(()))
     exact = np.zeros((tokens, num_heads, head_dim))
@@ -58,6 +59,9 @@ def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, at
                     dot = sum(q64[t, h, d] * k64[col, g, d] for d in range(head_dim))
                     size = scale * sum(abs(q64[t, h, d] * k64[col, g, d]) for d in range(head_dim))
                     score = scale * dot
+                    if cap:
+                        score = cap * math.tanh(score / cap)
+                        size *= 2  # the spec's bound counts the dot-product term twice under the cap
                     if m64 is not None:
                         mask = m64[h, t, col] if m64.ndim == 3 else m64[t, col]
                         if mask == -math.inf:

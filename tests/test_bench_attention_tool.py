@@ -51,3 +51,42 @@ def test_dense_mask_is_block_diagonal_and_causal():
 def test_cli_dispatches_bench_attention(capsys):
     assert main(["bench", "attention", "--quick", "--repeats", "1", "--warmup", "0", "--no-memory"]) == 0
     assert "batched" in capsys.readouterr().out
+
+
+def test_the_fused_op_benchmark_runs_and_its_baselines_compute_the_same_attention(tmp_path):
+    """The fused-op benchmark (tiny shapes) writes its table and data; its split-pair and GroupQueryAttention
+    baselines give the fused op's output on the same step (within twice the spec's bound), so the ratios compare
+    equal work."""
+    from kvcache_op import spec
+    from kvcache_op.benchmarks.attention import fused
+    from kvcache_op.benchmarks.bound_session import aligned_empty
+    from kvcache_op.ort_ops import run_model
+    from kvcache_op.reference import cache_attention_tolerance, multi_head_cache_attention
+
+    assert fused.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["results"]) == len(fused.QUICK_SHAPES)
+    for row in data["results"]:
+        assert all(t > 0 for t in row["seconds"].values()) and row["fused_vs_split"] > 0
+    assert "| fused / split |" in (tmp_path / "README.md").read_text()
+
+    shape = fused.QUICK_SHAPES[0]
+    inputs, attributes = fused.make_call(shape)
+    fresh = {k: (None if v is None else v.copy()) for k, v in inputs.items()}
+    want = multi_head_cache_attention(**fresh, **attributes).astype(np.float64)
+    bound = 2 * cache_attention_tolerance(**inputs, **attributes)
+    split_inputs = {k: v.copy() for k, v in inputs.items() if v is not None}
+    (split,) = run_model(fused.split_model(inputs, attributes), split_inputs)
+    assert np.all(np.abs(split - want) <= bound)
+    # GroupQueryAttention over the same keys: its past holds the cached positions, this step's key its last
+    run = fused.gqa_run(shape, inputs)
+    feeds_past = run.keep[2]
+    b, k, d = shape.batch, shape.kvlen, shape.head_dim
+    cached = fresh["cache"][:, 0]  # layout 0, one layer: (MaxT, 2, Hkv, D)
+    for s in range(b):
+        slots = fresh["cachestarts"][s, 0] + np.arange(k)
+        for kv in range(2):
+            feeds_past[kv][s, :, :k - 1, :] = cached[slots[:-1], kv].transpose(1, 0, 2)
+    run()
+    out = run.keep[1].reshape(inputs["query"].shape)
+    assert np.all(np.abs(out - want) <= bound)

@@ -77,7 +77,8 @@ def test_missing_required_inputs_and_null_pointers_are_refused():
 def test_defaults_are_the_specs_and_the_required_attributes_must_be_given():
     attrs = c_api.multi_head_attention_attributes()
     assert {n: getattr(attrs, n) for n in c_api.MHA_ATTRIBUTES} == dict(
-        num_heads=0, head_dim=0, is_causal=1, is_alibi=0, num_kv_heads=0, sliding_window=0, softmax_scale=0.0)
+        num_heads=0, head_dim=0, is_causal=1, is_alibi=0, num_kv_heads=0, sliding_window=0, softmax_scale=0.0,
+        softcap=0.0)
     case = small_case()
     with pytest.raises(MultiHeadAttentionError, match="num_heads must be >= 1, got 0"):
         c_api.multi_head_attention(**case.inputs, head_dim=8)

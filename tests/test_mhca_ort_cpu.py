@@ -168,9 +168,9 @@ def test_an_invalid_call_is_refused_with_the_references_message_and_the_cache_un
     assert (inputs["cache"].tobytes(), inputs["scale"].tobytes()) == before
 
 
-@pytest.mark.parametrize("softcap, message", [(30.0, "softcap = 30: score capping is not defined"),
-                                              (-1.0, "softcap must be finite and >= 0, got -1")])
-def test_a_non_zero_softcap_fails_when_the_session_is_made(softcap, message):
+@pytest.mark.parametrize("softcap, message", [(float("nan"), r"softcap must be finite and >= 0 \(0: off\), got nan"),
+                                              (-1.0, r"softcap must be finite and >= 0 \(0: off\), got -1")])
+def test_an_invalid_softcap_fails_when_the_session_is_made(softcap, message):
     case = CASES["mhca_paged_gqa2"]()
     with pytest.raises(Exception, match=message):
         make_session(spec.make_cache_attention_model(case.inputs, **case.attributes, softcap=softcap))

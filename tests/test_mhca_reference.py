@@ -41,7 +41,8 @@ def cache_attention_calls(draw):
         causal = 0  # the causal rule needs each causal sequence's queries among its keys
     attributes = {**{k: v for k, v in case.attributes.items() if k != "num_repeat"},
                   "num_heads": kv_heads * group, "head_dim": head_dim, "num_kv_heads": kv_heads, "is_causal": causal,
-                  "is_alibi": draw(st.sampled_from((0, 1))), "sliding_window": draw(st.sampled_from((0, 1, 3)))}
+                  "is_alibi": draw(st.sampled_from((0, 1))), "sliding_window": draw(st.sampled_from((0, 1, 3))),
+                  "softcap": draw(st.sampled_from((0.0, 0.0, 0.7, 4.0)))}
     inputs = dict(query=query, current_key=i["current_key"], current_value=i["current_value"],
                   **{k: i[k] for k in INDEX[:4]}, decoding_batches=np.array(decoding, np.int64),
                   **{k: i[k] for k in INDEX[4:]}, cache=i["cache"], scale=i["scale"])
@@ -112,7 +113,7 @@ def test_every_invalid_cache_call_raises_its_message_and_writes_nothing(row):
     (lambda i, a: i.update(query=i["query"][:, :, :-1]), "query"),
     (lambda i, a: i.update(attn_mask=np.zeros((1, 1), i["query"].dtype)), "attn_mask must have shape"),
     (lambda i, a: a.update(sliding_window=-1), "sliding_window"),
-    (lambda i, a: a.update(softcap=30.0), "softcap = 30: score capping is not defined"),
+    (lambda i, a: a.update(softcap=-30.0), r"softcap must be finite and >= 0 \(0: off\), got -30"),
     (lambda i, a: a.update(softcap=float("nan")), "softcap must be finite and >= 0"),
 ])
 def test_an_invalid_attention_rule_raises_before_the_cache_is_written(change, message):

@@ -47,7 +47,7 @@ def test_eager_op_and_c_entry_write_the_naive_cache_and_are_within_the_bound(cal
     (lambda t, a: t.update(start_pos=t["start_pos"] + 1000), "cachestarts"),
     (lambda t, a: t.update(decoding_batches=torch.tensor(7)), "decoding_batches = 7 must be in"),
     (lambda t, a: a.update(num_heads=3), "num_kv_heads must be 0"),
-    (lambda t, a: a.update(softcap=50.0), "softcap = 50: score capping is not defined"),
+    (lambda t, a: a.update(softcap=-50.0), "softcap must be finite and >= 0"),
 ])
 def test_an_invalid_call_raises_the_references_message_and_writes_nothing(change, message):
     case = build_cache_attention("torch-invalid", [Seq(3, 1), Seq(0, 4)], cache_mode=1, page_size=4, decoding=1)

@@ -10,8 +10,8 @@ from .cases import _T1, Case
 
 
 def build_attention(name, seqs, *, heads=2, kv_heads=0, head_dim=8, t="float16", decoding=0, is_causal=1,
-                    is_alibi=0, sliding_window=0, softmax_scale=0.0, mask=None, mask_extra_cols=0, mask_neg_inf=0.0,
-                    scalar_max=True, extra_max=0, seed=None) -> Case:
+                    is_alibi=0, sliding_window=0, softmax_scale=0.0, softcap=0.0, mask=None, mask_extra_cols=0,
+                    mask_neg_inf=0.0, scalar_max=True, extra_max=0, seed=None) -> Case:
     """A call over ``seqs`` = [(seqlen, kvlen), ...]. ``mask``: None, 2 or 3 (its rank); ``mask_extra_cols``
     columns past ``kvstarts[B]`` (never read); ``mask_neg_inf``: the fraction of mask entries set to -inf.
     Random data comes from ``seed`` (default: derived from ``name``)."""
@@ -41,6 +41,8 @@ def build_attention(name, seqs, *, heads=2, kv_heads=0, head_dim=8, t="float16",
         inputs["attn_mask"] = values.astype(dtype)
     attributes = dict(num_heads=heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
                       num_kv_heads=kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+    if softcap:  # an extension: written only when set, so the other cases stay ppl's nodes
+        attributes["softcap"] = softcap
     return Case(name, inputs, attributes)
 
 
@@ -80,6 +82,7 @@ def _registry():
     case("mha_alibi_window_mask_bfloat16", MIXED, heads=4, decoding=2, is_alibi=1, sliding_window=4, mask=2,
          t="bfloat16")
     case("mha_softmax_scale", MIXED, decoding=2, softmax_scale=0.125)
+    case("mha_softcap", MIXED, decoding=2, softmax_scale=2.0, softcap=1.5, mask=2, t="float32")
     case("mha_empty_sequences", [(0, 3), (2, 2), (0, 0), (1, 0), (3, 4)], decoding=0)
     case("mha_batch0", [], t="float32")
     case("mha_max_len_shape1", MIXED, decoding=2, scalar_max=False, extra_max=4)

@@ -38,6 +38,9 @@ INVALID = [
      r"softmax_scale must be finite and >= 0 \(0: 1/sqrt\(head_dim\)\), got -0.5"),
     ("softmax_scale_inf", _set("softmax_scale", float("inf")), "softmax_scale must be finite .* got inf"),
     ("softmax_scale_nan", _set("softmax_scale", float("nan")), "softmax_scale must be finite .* got nan"),
+    # softcap is written only when set, so the base call has none: set as an attribute
+    ("softcap_negative", lambda i, a: a.__setitem__("softcap", -2.0), r"softcap must be finite and >= 0 \(0: off\), got -2"),
+    ("softcap_inf", lambda i, a: a.__setitem__("softcap", float("inf")), "softcap must be finite .* got inf"),
     # query, key, value, attn_mask
     ("query_int8", _with("query", lambda x: x.astype(np.int8)), "query dtype must be float32, float16 or bfloat16, got int8"),
     ("query_rank2", _with("query", lambda x: x[:, 0]), r"query must have shape \(tokens, num_heads=4, head_dim=8\), got \(5, 8\)"),

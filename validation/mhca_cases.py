@@ -19,7 +19,7 @@ INPUTS = ("query", "current_key", "current_value", "seqstarts", "kvstarts", "cac
 
 
 def with_query(name, cache_inputs: dict, cache_attributes: dict, *, group=2, decoding=0, is_causal=1, is_alibi=0,
-               sliding_window=0, softmax_scale=0.0, mask=False) -> Case:
+               sliding_window=0, softmax_scale=0.0, softcap=0.0, mask=False) -> Case:
     """The MultiHeadCacheAttention call of a KeyValueCache call: a seeded query of ``group`` heads per kv head
     (current_key's type and sizes; float16 where current_key is not a 3-D float tensor), ``decoding_batches``,
     a rank-2 additive mask when ``mask``, and the attention attributes."""
@@ -35,16 +35,19 @@ def with_query(name, cache_inputs: dict, cache_attributes: dict, *, group=2, dec
     attributes = {**{k: v for k, v in cache_attributes.items() if k != "num_repeat"},
                   "num_heads": kv_heads * group, "head_dim": head_dim, "num_kv_heads": kv_heads, "is_causal": is_causal,
                   "is_alibi": is_alibi, "sliding_window": sliding_window, "softmax_scale": softmax_scale}
+    if softcap:  # an extension: written only when set
+        attributes["softcap"] = softcap
     return Case(name, {k: inputs.get(k) for k in INPUTS}, attributes)
 
 
 def build_cache_attention(name, seqs, *, group=2, decoding=0, is_causal=1, is_alibi=0, sliding_window=0,
-                          softmax_scale=0.0, mask=False, **cache) -> Case:
+                          softmax_scale=0.0, softcap=0.0, mask=False, **cache) -> Case:
     """A valid call over ``seqs`` (:class:`~kvcache_op.validation.cases.Seq`), the cache built by
     :func:`~kvcache_op.validation.cases.build` with the ``cache`` keywords."""
     kv = build(name, seqs, **cache)
     return with_query(name, kv.inputs, kv.attributes, group=group, decoding=decoding, is_causal=is_causal,
-                      is_alibi=is_alibi, sliding_window=sliding_window, softmax_scale=softmax_scale, mask=mask)
+                      is_alibi=is_alibi, sliding_window=sliding_window, softmax_scale=softmax_scale, softcap=softcap,
+                      mask=mask)
 
 
 DECODES_FIRST = [Seq(5, 1), Seq(2, 1), Seq(0, 4), Seq(3, 3)]  # two decodes, a prefill, a chunk
@@ -66,6 +69,7 @@ def _registry():
     case("mhca_layers3_layer_idx1_layout1", MIXED, num_layer=3, layer_idx=1, cache_mode=1, page_size=3, cache_layout=1)
     case("mhca_not_causal", [Seq(0, 3, kvlen=2), Seq(4, 2)], cache_mode=0, is_causal=0)
     case("mhca_batch0", [], cache_mode=1, page_size=4)
+    case("mhca_softcap_int8", MIXED, cache_mode=1, page_size=4, quant_bit=8, softmax_scale=1.5, softcap=2.0)
     return cases
 
 
@@ -80,7 +84,7 @@ def _attribute(name, value):
     return lambda i, a: a.__setitem__(name, value)
 
 
-#: Invalid calls of the attention's rules and of ``softcap``: (name, change of the base call, the reference's message).
+#: Invalid calls of the attention's rules: (name, change of the base call, the reference's message).
 ATTENTION_INVALID = [
     ("num_heads_zero", _attribute("num_heads", 0), "num_heads must be >= 1, got 0"),
     ("head_dim_negative", _attribute("head_dim", -8), "head_dim must be >= 1, got -8"),
@@ -89,8 +93,7 @@ ATTENTION_INVALID = [
     ("num_kv_heads_not_a_divisor", _attribute("num_kv_heads", 3), r"num_kv_heads must be 0 \(= num_heads\) or divide"),
     ("sliding_window_negative", _attribute("sliding_window", -1), r"sliding_window must be >= 0"),
     ("softmax_scale_nan", _attribute("softmax_scale", float("nan")), "softmax_scale must be finite"),
-    ("softcap_nonzero", _attribute("softcap", 30.0), "softcap = 30.0: score capping is not defined"),
-    ("softcap_negative", _attribute("softcap", -1.0), "softcap must be finite and >= 0"),
+    ("softcap_negative", _attribute("softcap", -1.0), r"softcap must be finite and >= 0 \(0: off\), got -1"),
     ("query_int8", lambda i, a: i.__setitem__("query", i["query"].astype(np.int8)), "query dtype must be"),
     ("query_heads_differ", lambda i, a: i.__setitem__("query", np.ascontiguousarray(i["query"][:, :1])),
      "query must have shape"),

@@ -123,7 +123,8 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
         "hypothesis", seqs, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from(head_dims)),
         t=draw(st.sampled_from(dtypes)), decoding=decoding, is_causal=is_causal, is_alibi=draw(st.integers(0, 1)),
         sliding_window=draw(st.sampled_from((0, 0, 1, 2, 3, 5, 100))),
-        softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.05, 0.3, 1.0))), mask=mask,
+        softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.05, 0.3, 1.0))),
+        softcap=draw(st.sampled_from((0.0, 0.0, 0.0, 0.5, 5.0))), mask=mask,
         mask_extra_cols=draw(st.integers(0, 2)), mask_neg_inf=draw(st.sampled_from((0.0, 0.3, 0.9))),
         scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
     )
@@ -147,4 +148,5 @@ def cache_attention_calls(draw):
                       {**case.attributes, "num_repeat": 1}, group=draw(st.sampled_from((1, 2, 3))), decoding=decoding,
                       is_causal=causal, is_alibi=draw(st.integers(0, 1)),
                       sliding_window=draw(st.sampled_from((0, 0, 1, 3))),
-                      softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.3))), mask=draw(st.booleans()))
+                      softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.3))),
+                      softcap=draw(st.sampled_from((0.0, 0.0, 0.5, 5.0))), mask=draw(st.booleans()))

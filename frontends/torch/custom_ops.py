@@ -104,13 +104,14 @@ def multi_head_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch
                             kvstarts: torch.Tensor, decoding_batches: torch.Tensor, max_seqlen: torch.Tensor,
                             max_kvlen: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int, head_dim: int,
                             is_causal: int, is_alibi: int, num_kv_heads: int, sliding_window: int,
-                            softmax_scale: float) -> torch.Tensor:
+                            softmax_scale: float, softcap: float) -> torch.Tensor:
     """MultiHeadAttention on CPU tensors (the library's kernel); returns a new tensor shaped like query."""
     device = tt.data_device(query=query, key=key, value=value, attn_mask=attn_mask)
     if device.type != "cpu":
         raise NotImplementedError("MultiHeadAttention has no CUDA kernel yet: run it on CPU tensors")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
-                 num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale)
+                 num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
+                 softcap=softcap)
     data = [t.contiguous() for t in (query, key, value)]
     index = [tt.on_host(name, t) for name, t in zip(c_api.MHA_INPUTS[3:8], (
         seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen))]
@@ -124,7 +125,7 @@ def multi_head_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch
 @multi_head_attention_op.register_fake
 def _multi_head_attention_fake(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                                attn_mask, num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window,
-                               softmax_scale):
+                               softmax_scale, softcap):
     return query.new_empty(query.shape)
 
 

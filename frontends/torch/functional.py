@@ -118,15 +118,16 @@ def _float_attribute(name: str, value) -> float:
 
 def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                          attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
-                         sliding_window=0, softmax_scale=0.0):
+                         sliding_window=0, softmax_scale=0.0, softcap=0.0):
     """MultiHeadAttention (spec/MultiHeadAttention.md) on CPU torch tensors: every sequence's queries attend
     over its own keys/values as KeyValueCache packs them; returns a tensor shaped like ``query``, within
     the spec's tolerance of :func:`kvcache_op.reference.multi_head_attention` (the library's CPU kernel,
-    the same bits as its ONNX Runtime op). ``decoding_batches``/``max_seqlen``/``max_kvlen`` may be ints.
-    Invalid calls raise :class:`~kvcache_op.reference.MultiHeadAttentionError`. Under
+    the same bits as its ONNX Runtime op). ``decoding_batches``/``max_seqlen``/``max_kvlen`` may be ints;
+    ``softcap`` > 0 caps the scaled scores as ``softcap * tanh(s / softcap)`` (Gemma 2). Invalid calls raise :class:`~kvcache_op.reference.MultiHeadAttentionError`. Under
     ``torch.onnx.export`` this is one ``opmx.dynamic_batching::MultiHeadAttention`` node."""
     attrs = _attributes(ATTENTION_INT_ATTRIBUTES, locals())
     attrs["softmax_scale"] = _float_attribute("softmax_scale", softmax_scale)
+    attrs["softcap"] = _float_attribute("softcap", softcap)
     index = _index_inputs(ATTENTION_INDEX_INPUTS, locals(), query.device if isinstance(query, torch.Tensor) else None,
                           MultiHeadAttentionError)
     inputs = [query, key, value, *index, attn_mask]

@@ -94,15 +94,8 @@ def check_exported_attention(attributes: dict) -> None:
 
 
 def check_exported_cache_attention(attributes: dict, scale) -> None:
-    """The dynamo path's check of MultiHeadCacheAttention's attribute values (softcap, the cache's, then the
-    attention's, as the reference orders them) and of whether a scale is given."""
-    from ..reference.multi_head_cache_attention import check_softcap
-
-    try:
-        check_softcap(attributes["softcap"])
-    except KeyValueCacheError as error:
-        _ERRORS.append(error)
-        raise
+    """The dynamo path's check of MultiHeadCacheAttention's attribute values (the cache's, then the attention's,
+    as the reference orders them) and of whether a scale is given."""
     check_exported_call({k: v for k, v in attributes.items() if k in Attributes.__dataclass_fields__}, scale)
     check_exported_attention({k: v for k, v in attributes.items() if k in AttentionAttributes.__dataclass_fields__})
 
@@ -182,12 +175,12 @@ def _rotary_shift_symbolic(g, cache, scale, slots, cos, sin, num_layer, layer_id
     return slots_out
 
 
-@symbolic_helper.parse_args(*"vvvvvvvvv", *"iiiiiif")
+@symbolic_helper.parse_args(*"vvvvvvvvv", *"iiiiiiff")
 def _attention_symbolic(g, query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen, attn_mask,
-                        num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window, softmax_scale):
+                        num_heads, head_dim, is_causal, is_alibi, num_kv_heads, sliding_window, softmax_scale, softcap):
     attributes = mha_schema.attention_node_attributes(dict(
         num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi, num_kv_heads=num_kv_heads,
-        sliding_window=sliding_window, softmax_scale=softmax_scale))
+        sliding_window=sliding_window, softmax_scale=softmax_scale, softcap=softcap))
     typed = {f"{name}_{'f' if isinstance(value, float) else 'i'}": value for name, value in attributes.items()}
     output = g.op(ATTENTION_NODE, query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                   *_present(attn_mask), **typed)
