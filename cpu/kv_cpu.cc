@@ -6,6 +6,7 @@
 
 #include "kv_cpu_quant_rows.h"
 #include "kv_cpu_rows.h"
+#include "kv_cpu_type_dispatch.h"
 #include "kv_types.h"
 
 // Built once per instruction set; KV_CPU_ISA names the namespace (see kv_cpu_dispatch.cc).
@@ -268,29 +269,17 @@ struct Kernel {
 constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
 
 template <class T1, class T3, int QBits>
-void Launch(const ComputeArgs& args, const ParallelFor& parallel_for) {
-  const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
-  Kernel<T1, T3, QBits>{args, *args.attrs, p, p.out_bytes > kStreamOutputBytes / 2}.Run(parallel_for);
-}
-
-template <class T1>
-void DispatchQuant(const ComputeArgs& args, const ParallelFor& pf) {
-  const bool f16_scale = args.scale_type == int32_t(Elem::kFloat16);
-  switch (args.attrs->quant_bit) {
-    case 0: return Launch<T1, F32, 0>(args, pf);
-    case 8: return f16_scale ? Launch<T1, F16, 8>(args, pf) : Launch<T1, F32, 8>(args, pf);
-    default: return f16_scale ? Launch<T1, F16, 4>(args, pf) : Launch<T1, F32, 4>(args, pf);
+struct Launch {
+  static void Run(const ComputeArgs& args, const ParallelFor& parallel_for) {
+    const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
+    Kernel<T1, T3, QBits>{args, *args.attrs, p, p.out_bytes > kStreamOutputBytes / 2}.Run(parallel_for);
   }
-}
+};
 
 }  // namespace
 
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for) {
-  switch (static_cast<Elem>(args.t1)) {
-    case Elem::kFloat32: return DispatchQuant<F32>(args, parallel_for);
-    case Elem::kFloat16: return DispatchQuant<F16>(args, parallel_for);
-    default: return DispatchQuant<BF16>(args, parallel_for);
-  }
+  DispatchTypes<Launch>(args.t1, args.attrs->quant_bit, args.scale_type, args, parallel_for);
 }
 
 }  // namespace KV_CPU_ISA

@@ -10,6 +10,7 @@
 #include "attention_kernel.h"
 #include "kv_cpu_codes.h"
 #include "kv_cpu_quant_rows.h"
+#include "kv_cpu_type_dispatch.h"
 
 namespace kvcache {
 namespace KV_CPU_ISA {
@@ -148,23 +149,15 @@ struct CacheSource {
 };
 
 template <class T1, class T3, int QBits>
-void Launch(const MhcaArgs& args, const ParallelFor& parallel_for) {
-  const MhcaPlan& plan = *args.plan;
-  const CacheSource<T1, T3, QBits> source{args.attrs->cache, plan.cache, args.cache, args.scale};
-  AttentionKernel<T1, CacheSource<T1, T3, QBits>>{args.attrs->attention, plan.attention, source, args.query,
-                                                  args.mask, args.out}
-      .Run(parallel_for);
-}
-
-template <class T1>
-void DispatchQuant(const MhcaArgs& args, const ParallelFor& pf) {
-  const bool f16_scale = args.scale_type == int32_t(Elem::kFloat16);
-  switch (args.attrs->cache.quant_bit) {
-    case 0: return Launch<T1, F32, 0>(args, pf);
-    case 8: return f16_scale ? Launch<T1, F16, 8>(args, pf) : Launch<T1, F32, 8>(args, pf);
-    default: return f16_scale ? Launch<T1, F16, 4>(args, pf) : Launch<T1, F32, 4>(args, pf);
+struct Launch {
+  static void Run(const MhcaArgs& args, const ParallelFor& parallel_for) {
+    const MhcaPlan& plan = *args.plan;
+    const CacheSource<T1, T3, QBits> source{args.attrs->cache, plan.cache, args.cache, args.scale};
+    AttentionKernel<T1, CacheSource<T1, T3, QBits>>{args.attrs->attention, plan.attention, source, args.query,
+                                                    args.mask, args.out}
+        .Run(parallel_for);
   }
-}
+};
 
 }  // namespace
 
@@ -173,11 +166,7 @@ void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
   const ComputeArgs stores{&args.attrs->cache, &args.plan->cache, args.t1, args.scale_type, args.key, args.value,
                            args.cache, args.scale, nullptr, nullptr};
   ComputeCpu(stores, parallel_for);
-  switch (static_cast<Elem>(args.t1)) {
-    case Elem::kFloat32: return DispatchQuant<F32>(args, parallel_for);
-    case Elem::kFloat16: return DispatchQuant<F16>(args, parallel_for);
-    default: return DispatchQuant<BF16>(args, parallel_for);
-  }
+  DispatchTypes<Launch>(args.t1, args.attrs->cache.quant_bit, args.scale_type, args, parallel_for);
 }
 
 }  // namespace KV_CPU_ISA
