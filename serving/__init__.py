@@ -1,5 +1,5 @@
 """Serving exported decoders in ONNX Runtime: :class:`Engine` (continuous batching over the paged cache
-manager), :func:`step_feeds` (a manager's step plan as the graph's feeds) and :class:`ModelInfo` (what
+manager: ``generate`` for a batch, ``submit`` from any thread returning a :class:`RequestHandle`), :func:`step_feeds` (a manager's step plan as the graph's feeds) and :class:`ModelInfo` (what
 an exported file tells the engine).
 
 It may import ``kvcache_op.manager``, ``kvcache_op.ort_ops``, ``kvcache_op.spec`` and ``kvcache_op.reference``."""
@@ -7,7 +7,8 @@ It may import ``kvcache_op.manager``, ``kvcache_op.ort_ops``, ``kvcache_op.spec`
 from .engine import Engine
 from .sampling import SamplingParams
 from .model_info import ModelInfo
+from .online import RequestHandle
 from .ort_runner import ModelRunner, default_providers
 from .step_feeds import step_feeds
 
-__all__ = ["Engine", "ModelInfo", "SamplingParams", "ModelRunner", "default_providers", "step_feeds"]
+__all__ = ["Engine", "ModelInfo", "RequestHandle", "SamplingParams", "ModelRunner", "default_providers", "step_feeds"]

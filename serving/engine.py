@@ -15,43 +15,23 @@ held before, and its tokens do not depend on memory pressure or on the step's to
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
 
 import numpy as np
 
 from ..manager import KVCacheManager, OutOfPages, StreamingPolicy
 from ..manager.identity import check_int, salt_bytes
+from .online import OnlineEngine
 from .ort_runner import ModelRunner
 from .sampling import SamplingParams, choose_tokens
+from .sequence import Sequence
 from .step_feeds import step_feeds
 
 DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
 DEFAULT_RUNNING = 64  # requests in flight at once
 
 
-@dataclasses.dataclass
-class _Sequence:
-    index: int  # position in the batch of requests given to generate()
-    prompt: list
-    max_new_tokens: int
-    salt: object
-    arrival: int  # first step at which it may join
-    generated: list = dataclasses.field(default_factory=list)
-    next_input: list = None  # the token to feed next when decoding (the last generated one)
-    params: SamplingParams = None
-    generator: object = None  # the request's own numpy Generator: its draws do not depend on the batch
-    logprobs: list = dataclasses.field(default_factory=list)
-    admissions: int = 0
-    ran: bool = False  # ran at least one step since its last admission
-
-    @property
-    def context(self) -> list:
-        """What a (re-)admission feeds: the prompt and every token generated so far."""
-        return self.prompt + self.generated
-
-
-class Engine:
+class Engine(OnlineEngine):
     """Serves the decoder exported by :func:`kvcache_op.hf.export_model` at ``model_path``.
 
     ``num_pages`` pages of the model's page size make the cache (allocated once, in ORT). ``providers``:
@@ -109,6 +89,8 @@ class Engine:
         self._times = collections.Counter()
         self._peak_pages = 0
         self.step_trace = [] if trace_steps else None
+        self.last_logits = None
+        self._init_online()
 
     # ---- public API ------------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int, salts=None, *, params=None, on_token=None, arrival_steps=None,
@@ -141,40 +123,42 @@ class Engine:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         per_request = self._sampling(params, count)
         waiting = collections.deque(sorted(
-            (_Sequence(i, self._token_ids(p, i), max_new_tokens, s, a) for i, (p, s, a) in
+            (self._new_sequence(i, self._token_ids(p, i), max_new_tokens, s, a, per_request[i]) for i, (p, s, a) in
              enumerate(zip(prompts, salts, arrivals))), key=lambda q: (q.arrival, q.index)))
-        ps, whole = self.info.page_size, self.manager.sliding_window is None and self.manager.streaming is None
         for q in waiting:
-            q.params = per_request[q.index]
-            q.generator = np.random.default_rng(q.params.seed)
-            if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
-                raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed "
-                                 f"the context limit of {self.max_context} positions (max_context, at most the "
-                                 f"model's maximum positions)")
-            # Without a window or StreamingLLM a request holds every page of its context: one that cannot fit the
-            # pool alone is refused now, not after some of the call's tokens were streamed.
-            needed = -(-(len(q.prompt) + max_new_tokens - 1) // ps)
-            if whole and needed > self.num_pages:
-                raise ValueError(f"prompt {q.index}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} need "
-                                 f"{needed} pages of {ps}, more than num_pages={self.num_pages}: give the engine more "
-                                 "pages")
-        self.last_logits = [[] for _ in range(count)] if record_logits else None
-        self.last_logprobs = [q.logprobs for q in sorted(waiting, key=lambda q: q.index)]
-        running, results = [], [None] * count
-        start, step = time.perf_counter(), 0
-        try:
-            while waiting or running:
-                if not running and waiting[0].arrival > step:
-                    step = waiting[0].arrival  # nothing to run until the next arrival
-                self._step(step, waiting, running, results, on_token)
-                step += 1
-        except BaseException:  # the engine stays usable: nothing of this call keeps pages
-            for q in running:
-                self.manager.finish(q.index)
-            raise
-        finally:
-            self._times["wall"] += time.perf_counter() - start
-        return results
+            self._check_fits(q, max_new_tokens, f"prompt {q.index}")
+        with self._lock:  # the call's requests run alone; submitted ones wait (keeping their pages)
+            self.last_logits = [[] for _ in range(count)] if record_logits else None
+            self.last_logprobs = [q.logprobs for q in sorted(waiting, key=lambda q: q.index)]
+            running, results = [], [None] * count
+            start, step = time.perf_counter(), 0
+            try:
+                while waiting or running:
+                    if not running and waiting[0].arrival > step:
+                        step = waiting[0].arrival  # nothing to run until the next arrival
+                    self._step(step, waiting, running, results, on_token)
+                    step += 1
+            except BaseException:  # the engine stays usable: nothing of this call keeps pages
+                for q in running:
+                    self.manager.finish(q.index)
+                raise
+            finally:
+                self._times["wall"] += time.perf_counter() - start
+            return results
+
+    def _check_fits(self, q: Sequence, max_new_tokens: int, name: str) -> None:
+        """``ValueError`` for a request that could never run: past the context limit, or (without a window or
+        StreamingLLM, where a request holds every page of its context) more pages than the pool has. Refused
+        before any of its tokens, not after some were streamed."""
+        if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
+            raise ValueError(f"{name}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed the context "
+                             f"limit of {self.max_context} positions (max_context, at most the model's maximum "
+                             f"positions)")
+        ps = self.info.page_size
+        needed = -(-(len(q.prompt) + max_new_tokens - 1) // ps)
+        if self.manager.sliding_window is None and self.manager.streaming is None and needed > self.num_pages:
+            raise ValueError(f"{name}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} need {needed} pages "
+                             f"of {ps}, more than num_pages={self.num_pages}: give the engine more pages")
 
     def _token_ids(self, prompt, index: int) -> list:
         """``prompt`` as a list of ints in ``[0, vocab)``; ``ValueError``/``TypeError`` naming prompt ``index``
@@ -251,7 +235,9 @@ class Engine:
                 q.logprobs.append(top)
             q.next_input = [token]
             self._counters["generated_tokens"] += 1
-            if self.last_logits is not None:
+            if q.handle is not None:  # a submitted request streams to its handle
+                q.handle._push(token)
+            elif self.last_logits is not None:
                 self.last_logits[q.index].append(logits[row].copy())
             if on_token is not None:
                 on_token(q.index, token)
@@ -259,7 +245,10 @@ class Engine:
             if len(q.generated) >= q.max_new_tokens or stops:
                 self.manager.finish(q.index)
                 running.remove(q)
-                results[q.index] = q.generated
+                if q.handle is not None:
+                    q.handle._finish("stop" if stops else "length")
+                else:
+                    results[q.index] = q.generated
         done = time.perf_counter()
         self._times["scheduling"] += done - ran  # commit and finishing are manager work
         if self.step_trace is not None:
@@ -343,7 +332,7 @@ class Engine:
             raise ValueError("stop strings need a tokenizer, and this engine takes token ids: use stop_token_ids")
         return params
 
-    def _preempt(self, q: _Sequence, waiting) -> None:
+    def _preempt(self, q: Sequence, waiting) -> None:
         """Releases ``q``'s pages and puts it first in line; it is recomputed from its context later."""
         self.manager.finish(q.index)
         q.next_input = None

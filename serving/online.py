@@ -1,0 +1,195 @@
+"""The engine's online face: requests submitted from any thread while others run, stepped by one background
+thread (continuous batching across calls), their tokens streamed to a :class:`RequestHandle` as they are chosen.
+
+One lock serializes everything that touches the engine's state: a step of the background thread, a
+``submit``, and a whole :meth:`Engine.generate` call (its requests run alone; submitted ones wait, keeping
+their pages, and go on after it). A step never runs concurrently with another, so the cache manager needs
+no locking of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+
+import numpy as np
+
+from ..manager.identity import salt_bytes
+from .sampling import SamplingParams
+from .sequence import Sequence
+
+
+class RequestHandle:
+    """A submitted request. Iterating it yields its tokens as they are chosen (blocking); ``async for`` does
+    the same without blocking an event loop; :meth:`result` waits for all of them; :meth:`cancel` stops it at
+    the next step boundary and releases its pages. ``finish_reason``: ``"stop"`` (an end-of-sequence or stop
+    id, included in the tokens), ``"length"`` (``max_tokens`` reached), ``"cancelled"`` or ``"error"`` (the
+    step failed: :meth:`result` and iteration raise its exception); ``None`` while it runs."""
+
+    def __init__(self, request_id):
+        self.request_id = request_id
+        self.finish_reason = None
+        self._tokens = []
+        self._error = None
+        self._cancelled = threading.Event()
+        self._changed = threading.Condition()
+
+    # ---- the engine's side ---------------------------------------------------------------------------------
+    def _push(self, token: int) -> None:
+        with self._changed:
+            self._tokens.append(token)
+            self._changed.notify_all()
+
+    def _finish(self, reason: str, error: BaseException = None) -> None:
+        with self._changed:
+            if self.finish_reason is None:
+                self.finish_reason, self._error = reason, error
+            self._changed.notify_all()
+
+    # ---- the caller's side ---------------------------------------------------------------------------------
+    @property
+    def done(self) -> bool:
+        """True once the request finished (for any reason)."""
+        return self.finish_reason is not None
+
+    @property
+    def tokens(self) -> list:
+        """The tokens chosen so far (a copy)."""
+        with self._changed:
+            return list(self._tokens)
+
+    def cancel(self) -> None:
+        """Asks the engine to stop the request at the next step boundary (its pages are released then); the
+        tokens chosen so far stay. Does nothing to a finished request. Safe from any thread."""
+        self._cancelled.set()
+
+    def _wait_beyond(self, count: int, timeout: float = None) -> tuple:
+        """(tokens after the first ``count``, finished) once there are more tokens or the request is done."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: len(self._tokens) > count or self.done, timeout):
+                raise TimeoutError(f"request {self.request_id!r}: no token within {timeout} s")
+            return self._tokens[count:], self.done
+
+    def __iter__(self):
+        seen = 0
+        while True:
+            new, finished = self._wait_beyond(seen)
+            yield from new
+            seen += len(new)
+            if finished and not new:
+                if self._error is not None:
+                    raise self._error
+                return
+
+    async def __aiter__(self):
+        seen = 0
+        while True:
+            new, finished = await asyncio.to_thread(self._wait_beyond, seen)
+            for token in new:
+                yield token
+            seen += len(new)
+            if finished and not new:
+                if self._error is not None:
+                    raise self._error
+                return
+
+    def result(self, timeout: float = None) -> list:
+        """Every token, once the request finished (``TimeoutError`` after ``timeout`` seconds; the request's
+        own exception if its step failed). A cancelled request returns what it had."""
+        with self._changed:
+            if not self._changed.wait_for(lambda: self.done, timeout):
+                raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
+            if self._error is not None:
+                raise self._error
+            return list(self._tokens)
+
+
+class OnlineEngine:
+    """The online half of :class:`~kvcache_op.serving.Engine` (a mixin: it drives the engine's own ``_step``)."""
+
+    def _init_online(self) -> None:
+        self._lock = threading.RLock()
+        self._work = threading.Condition(self._lock)
+        self._online_waiting = collections.deque()
+        self._online_running = []
+        self._online_ids = itertools.count()
+        self._online_step = 0
+        self._thread = None
+        self._closed = False
+
+    def submit(self, prompt, params: SamplingParams = None, *, salt=None) -> RequestHandle:
+        """Queues ``prompt`` (token ids) for generation with ``params`` (default: greedy, ``max_tokens`` 16) and
+        returns its :class:`RequestHandle` at once; a background thread steps the engine while work is pending,
+        batching it with whatever else runs. ``salt`` isolates the request's prefix cache. Everything is checked
+        here (``ValueError``/``TypeError``); a request that could never fit is refused before it is queued.
+        Safe from any thread."""
+        if params is None:
+            params = SamplingParams()
+        self._sampling(params, 1)  # its type and what this engine supports
+        salt_bytes(salt)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            number = next(self._online_ids)
+            q = self._new_sequence(("submitted", number), self._token_ids(prompt, f"submitted {number}"),
+                                   params.max_tokens, salt, 0, params)
+            self._check_fits(q, params.max_tokens, f"submitted request {number}")
+            q.handle = RequestHandle(q.index)
+            self._online_waiting.append(q)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
+                self._thread.start()
+            self._work.notify()
+        return q.handle
+
+    def close(self, timeout: float = None) -> None:
+        """Cancels every submitted request still queued or running and stops the background thread (waiting up
+        to ``timeout`` seconds for it). ``generate`` still works afterwards; ``submit`` does not."""
+        with self._lock:
+            self._closed = True
+            for q in list(self._online_waiting) + self._online_running:
+                q.handle.cancel()
+            self._work.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _serve(self) -> None:
+        """The background thread: one step at a time while submitted requests are pending."""
+        while True:
+            with self._lock:
+                self._drop_cancelled()
+                while not (self._online_waiting or self._online_running):
+                    if self._closed:
+                        self._thread = None
+                        return
+                    self._work.wait()
+                    self._drop_cancelled()
+                try:
+                    self._step(self._online_step, self._online_waiting, self._online_running, None, None)
+                except BaseException as error:  # nothing of a failed step keeps pages; its requests fail
+                    for q in self._online_running:
+                        self.manager.finish(q.index)
+                    for q in list(self._online_waiting) + self._online_running:
+                        q.handle._finish("error", error)
+                    self._online_waiting.clear()
+                    self._online_running.clear()
+                self._online_step += 1
+
+    def _drop_cancelled(self) -> None:
+        """At a step boundary: cancelled requests leave, their pages released."""
+        for q in [q for q in self._online_running if q.handle._cancelled.is_set()]:
+            self.manager.finish(q.index)
+            self._online_running.remove(q)
+            q.handle._finish("cancelled")
+        for q in [q for q in self._online_waiting if q.handle._cancelled.is_set()]:
+            self._online_waiting.remove(q)
+            q.handle._finish("cancelled")
+
+    def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,
+                      params: SamplingParams) -> Sequence:
+        q = Sequence(index, prompt, max_new_tokens, salt, arrival)
+        q.params = params
+        q.generator = np.random.default_rng(params.seed)
+        return q

@@ -1,0 +1,27 @@
+"""One request as the engine tracks it between steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class Sequence:
+    index: object  # generate(): the position in its batch of prompts; submit(): ("submitted", n)
+    prompt: list
+    max_new_tokens: int
+    salt: object
+    arrival: int  # first step at which it may join
+    generated: list = dataclasses.field(default_factory=list)
+    next_input: list = None  # the token to feed next when decoding (the last generated one)
+    params: object = None  # its SamplingParams
+    generator: object = None  # the request's own numpy Generator: its draws do not depend on the batch
+    logprobs: list = dataclasses.field(default_factory=list)
+    admissions: int = 0
+    ran: bool = False  # ran at least one step since its last admission
+    handle: object = None  # submit(): the RequestHandle its tokens stream to
+
+    @property
+    def context(self) -> list:
+        """What a (re-)admission feeds: the prompt and every token generated so far."""
+        return self.prompt + self.generated

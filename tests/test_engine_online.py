@@ -1,0 +1,133 @@
+"""Engine.submit: requests from many threads while others run, streamed token by token, cancelled at random,
+against a sequential oracle (each finished request equals its lone run; a cancelled one a prefix of it; every
+page back when all are done); the asyncio face; arguments refused before queueing; generate beside submitted
+requests; a failing step fails its requests without losing pages."""
+
+import asyncio
+import random
+import threading
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op.serving import Engine, SamplingParams  # noqa: E402
+
+PROMPTS = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90)), [11, 12] * 9, [7] * 30, list(range(100, 140))]
+
+
+@pytest.fixture(scope="module")
+def path():
+    return hf_models.exported("llama")
+
+
+@pytest.fixture(scope="module")
+def lone(path):
+    """Each prompt's lone greedy run of 8 tokens (generate, one request at a time: the oracle)."""
+    engine = Engine(path, num_pages=32)
+    return {i: engine.generate([p], 8)[0] for i, p in enumerate(PROMPTS)}
+
+
+def test_many_threads_submitting_and_cancelling_agree_with_the_sequential_oracle(path, lone):
+    engine = Engine(path, num_pages=9, max_running=4, max_batch_tokens=48)  # requests queue for pages and slots
+    outcomes, lock = [], threading.Lock()
+
+    def client(seed):
+        rng = random.Random(seed)
+        for _ in range(4):
+            i = rng.randrange(len(PROMPTS))
+            handle = engine.submit(PROMPTS[i], SamplingParams(max_tokens=8))
+            cancel = rng.random() < 0.3
+            streamed = []
+            for token in handle:
+                streamed.append(token)
+                if cancel and len(streamed) == rng.randrange(1, 4):
+                    handle.cancel()
+            with lock:
+                outcomes.append((i, handle.finish_reason, streamed, handle.result(timeout=60)))
+
+    threads = [threading.Thread(target=client, args=(seed,)) for seed in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not any(t.is_alive() for t in threads)
+    assert len(outcomes) == 24
+    for i, reason, streamed, result in outcomes:
+        assert streamed == result  # the stream is the result, in order
+        if reason == "cancelled":
+            assert result == lone[i][:len(result)]
+        else:
+            assert reason in ("length", "stop") and result == lone[i], f"prompt {i}"
+    assert any(r == "cancelled" for _, r, _, _ in outcomes) and any(r == "length" for _, r, _, _ in outcomes)
+    assert engine.metrics()["pages_in_use"] == 0
+    engine.close(timeout=30)
+
+
+def test_async_iteration_streams_the_same_tokens(path, lone):
+    engine = Engine(path, num_pages=16)
+
+    async def collect():
+        handles = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)) for i in (0, 2)]
+        return [[token async for token in h] for h in handles]
+
+    assert asyncio.run(collect()) == [lone[0], lone[2]]
+    engine.close(timeout=30)
+
+
+def test_seeded_sampling_is_the_same_alone_and_beside_others(path):
+    engine = Engine(path, num_pages=24)
+    params = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=1234)
+    alone = engine.submit(PROMPTS[1], params).result(timeout=60)
+    busy = [engine.submit(p, SamplingParams(max_tokens=8)) for p in PROMPTS[2:5]]
+    beside = engine.submit(PROMPTS[1], params)
+    assert beside.result(timeout=60) == alone
+    assert all(h.result(timeout=60) for h in busy)
+    engine.close(timeout=30)
+
+
+def test_generate_runs_beside_submitted_requests(path, lone):
+    engine = Engine(path, num_pages=32)
+    handles = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)) for i in (3, 4)]
+    assert engine.generate([PROMPTS[0], PROMPTS[5]], 8) == [lone[0], lone[5]]
+    assert [h.result(timeout=60) for h in handles] == [lone[3], lone[4]]
+    assert engine.metrics()["pages_in_use"] == 0
+    engine.close(timeout=30)
+
+
+@pytest.mark.parametrize("args, kwargs, error, message", [
+    (([],), {}, ValueError, "must be a non-empty list of token ids"),
+    (([1, 2.5],), {}, TypeError, "token ids must be integers"),
+    (([1, 2], "greedy"), {}, TypeError, "params must be a SamplingParams"),
+    (([1, 2], SamplingParams(stop=("x",))), {}, ValueError, "stop strings need a tokenizer"),
+    (([1, 2],), {"salt": 3.5}, TypeError, "salt"),
+    (([1] * 200, SamplingParams(max_tokens=100)), {}, ValueError, "more than num_pages=4"),
+])
+def test_submit_checks_everything_before_queueing(path, args, kwargs, error, message):
+    engine = Engine(path, num_pages=4)
+    with pytest.raises(error, match=message):
+        engine.submit(*args, **kwargs)
+    assert engine._thread is None  # nothing was queued, no thread started
+    engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit([1, 2])
+
+
+def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch):
+    engine = Engine(path, num_pages=16)
+    handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
+    assert len(handle.result(timeout=60)) == 4
+
+    def broken(feeds):
+        raise RuntimeError("the device fell over")
+
+    monkeypatch.setattr(engine.runner, "run", broken)
+    failing = engine.submit(PROMPTS[2], SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="the device fell over"):
+        failing.result(timeout=60)
+    assert failing.finish_reason == "error"
+    assert engine.metrics()["pages_in_use"] == 0
+    monkeypatch.undo()
+    assert engine.submit(PROMPTS[2], SamplingParams(max_tokens=4)).result(timeout=60)  # usable again
+    engine.close(timeout=30)
