@@ -13,6 +13,7 @@ import asyncio
 import collections
 import itertools
 import threading
+import time
 
 import numpy as np
 
@@ -31,7 +32,9 @@ class RequestHandle:
     def __init__(self, request_id):
         self.request_id = request_id
         self.finish_reason = None
+        self.submitted_at = time.perf_counter()  # time.perf_counter() clock, as token_times
         self._tokens = []
+        self._times = []
         self._error = None
         self._cancelled = threading.Event()
         self._changed = threading.Condition()
@@ -40,6 +43,7 @@ class RequestHandle:
     def _push(self, token: int) -> None:
         with self._changed:
             self._tokens.append(token)
+            self._times.append(time.perf_counter())
             self._changed.notify_all()
 
     def _finish(self, reason: str, error: BaseException = None) -> None:
@@ -59,6 +63,13 @@ class RequestHandle:
         """The tokens chosen so far (a copy)."""
         with self._changed:
             return list(self._tokens)
+
+    @property
+    def token_times(self) -> list:
+        """When each token was chosen (``time.perf_counter()``; ``submitted_at`` on the same clock): time to first
+        token and inter-token latencies without a consumer thread per request."""
+        with self._changed:
+            return list(self._times)
 
     def cancel(self) -> None:
         """Asks the engine to stop the request at the next step boundary (its pages are released then); the
@@ -166,6 +177,7 @@ class OnlineEngine:
                         return
                     self._work.wait()
                     self._drop_cancelled()
+                began = time.perf_counter()
                 try:
                     self._step(self._online_step, self._online_waiting, self._online_running, None, None)
                 except BaseException as error:  # nothing of a failed step keeps pages; its requests fail
@@ -176,6 +188,7 @@ class OnlineEngine:
                     self._online_waiting.clear()
                     self._online_running.clear()
                 self._online_step += 1
+                self._times["wall"] += time.perf_counter() - began  # metrics(): busy time, as generate counts it
 
     def _drop_cancelled(self) -> None:
         """At a step boundary: cancelled requests leave, their pages released."""
