@@ -11,7 +11,7 @@ from kvcache_op.benchmarks.serving import online  # noqa: E402
 
 
 def test_a_small_run_writes_latencies_for_both_modes(tmp_path):
-    assert online.main(["--requests", "6", "--rate", "40", "--max-tokens", "4", "--num-pages", "48",
+    assert online.main(["--requests", "6", "--rate", "40", "--max-tokens", "4", "--num-pages", "48", "--model", "tiny",
                         "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     for mode in ("online", "batch"):

@@ -18,6 +18,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 from ..timing import cpu_device, ort_version
+from .bench import MODELS
 
 
 def workload(requests: int, vocab: int, seed: int = 0) -> list:
@@ -102,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (default 4)")
     parser.add_argument("--max-tokens", type=at_least(1), default=32)
     parser.add_argument("--num-pages", type=at_least(1), default=256)
+    parser.add_argument("--model", choices=sorted(MODELS), default="small",
+                        help="the decoder (the serving benchmark's: tiny 3 x 64, small 4 x 256; default small)")
     parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")
     args = parser.parse_args(argv)
     if not args.rate > 0:
@@ -109,10 +112,10 @@ def main(argv=None) -> int:
     from ...hf import export_model, tiny_model
     from ...serving import Engine
 
-    model = tiny_model("llama", max_position_embeddings=1024)
+    model = tiny_model("llama", **MODELS[args.model])
     prompts = workload(args.requests, model.config.vocab_size)
     with tempfile.TemporaryDirectory() as folder:
-        path = export_model(model, os.path.join(folder, "tiny.onnx"))
+        path = export_model(model, os.path.join(folder, f"{args.model}.onnx"))
         print(f"online: {args.requests} requests at {args.rate}/s ...", file=sys.stderr, flush=True)
         online_engine = Engine(path, num_pages=args.num_pages)
         online = run_online(online_engine, prompts, args.rate, args.max_tokens)
@@ -120,8 +123,8 @@ def main(argv=None) -> int:
         print("batch: the same requests in one generate call ...", file=sys.stderr, flush=True)
         batch = run_batch(Engine(path, num_pages=args.num_pages), prompts, args.max_tokens)
     command = "python -m kvcache_op.benchmarks.serving.online " + " ".join(argv if argv is not None else sys.argv[1:])
-    result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; tiny Llama "
-                        f"(3 x 64), {args.requests} requests of 80 prompt tokens (4 shared system prompts) + "
+    result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
+                        f"({model.config.num_hidden_layers} x {model.config.hidden_size}), {args.requests} requests of 80 prompt tokens (4 shared system prompts) + "
                         f"{args.max_tokens} new tokens",
               "online": online, "batch": batch, "online_host_share": host_share(online_engine)}
     text = table(result)
