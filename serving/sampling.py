@@ -104,27 +104,39 @@ def _penalized(logits: np.ndarray, params: list, histories: list) -> np.ndarray:
 
 def distributions(logits: np.ndarray, params: list) -> np.ndarray:
     """Per row, the float64 distribution a sampled token is drawn from: softmax of logits / temperature, then
-    top-k, top-p and min-p applied and renormalized (rows of greedy requests are left as they are)."""
+    top-k, top-p and min-p applied and renormalized (rows of greedy requests are left zero). One pass over the
+    sampled rows together: each row's filters are per-row vectors (0 / 1.0 / 0 where a request sets none)."""
     probs = np.zeros_like(logits, dtype=np.float64)
-    for r, p in enumerate(params):
-        if p.greedy:
-            continue
-        z = logits[r] / p.temperature
-        z = np.exp(z - z.max())
-        q = z / z.sum()
-        keep = np.ones(q.shape, bool)
-        order = np.argsort(-q, kind="stable")
-        if p.top_k:
-            keep[order[p.top_k:]] = False
-        if p.top_p < 1.0:
-            mass = np.cumsum(q[order])
-            cut = int(np.searchsorted(mass, p.top_p)) + 1  # the smallest prefix whose mass reaches top_p
-            keep[order[cut:]] = False
-        if p.min_p:
-            keep &= q >= p.min_p * q.max()
-        q = np.where(keep, q, 0.0)
-        probs[r] = q / q.sum()
+    rows = np.array([r for r, p in enumerate(params) if not p.greedy], np.int64)
+    if not rows.size:
+        return probs
+    chosen = [params[r] for r in rows]
+    temperature = np.array([p.temperature for p in chosen])[:, None]
+    top_k = np.array([p.top_k for p in chosen], np.int64)[:, None]
+    top_p = np.array([p.top_p for p in chosen])[:, None]
+    min_p = np.array([p.min_p for p in chosen])[:, None]
+    z = np.asarray(logits, np.float64)[rows] / temperature
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    q = z / z.sum(axis=1, keepdims=True)
+    order = np.argsort(-q, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(q.shape[1])[None, :], axis=1)  # each token's place in its row
+    keep = (top_k == 0) | (rank < top_k)
+    mass = np.cumsum(np.take_along_axis(q, order, axis=1), axis=1)
+    cut = (mass < top_p).sum(axis=1, keepdims=True) + 1  # the smallest prefix whose mass reaches top_p
+    keep &= (top_p >= 1.0) | (rank < cut)
+    keep &= (min_p == 0) | (q >= min_p * q.max(axis=1, keepdims=True))
+    q = np.where(keep, q, 0.0)
+    probs[rows] = q / q.sum(axis=1, keepdims=True)
     return probs
+
+
+def _draw(probs: np.ndarray, generators: list) -> np.ndarray:
+    """One token per row of ``probs`` from one uniform of the row's own generator (so a request's draws do not
+    depend on what runs beside it): the first token whose cumulative probability exceeds it."""
+    cumulative = np.cumsum(probs, axis=1)
+    u = np.array([g.random() for g in generators])[:, None] * cumulative[:, -1:]
+    return np.minimum((cumulative <= u).sum(axis=1), probs.shape[1] - 1)
 
 
 def choose_tokens(logits: np.ndarray, params: list, histories: list, generators: list) -> tuple:
@@ -137,23 +149,21 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
         return np.argmax(logits, axis=1).tolist() if len(params) else [], [None] * len(params)
     scores = _penalized(logits, params, histories)
     probs = distributions(scores, params)
-    tokens, logprobs = [], []
+    tokens = np.argmax(scores, axis=1)  # greedy rows; sampled rows drawn below, all at once
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    if sampled:
+        tokens[sampled] = _draw(probs[sampled], [generators[r] for r in sampled])
+    logprobs = []
     for r, p in enumerate(params):
-        if p.greedy:
-            token = int(np.argmax(scores[r]))
-            if p.logprobs is not None:
-                shifted = scores[r] - scores[r].max()
-                log_q = shifted - np.log(np.exp(shifted).sum())
-        else:
-            cumulative = np.cumsum(probs[r])
-            token = int(np.searchsorted(cumulative, generators[r].random() * cumulative[-1], side="right"))
-            token = min(token, len(cumulative) - 1)
-            with np.errstate(divide="ignore"):
-                log_q = np.log(probs[r])
-        tokens.append(token)
         if p.logprobs is None:
             logprobs.append(None)
+            continue
+        if p.greedy:
+            shifted = scores[r] - scores[r].max()
+            log_q = shifted - np.log(np.exp(shifted).sum())
         else:
-            top = np.argsort(-log_q, kind="stable")[:p.logprobs]
-            logprobs.append([(int(t), float(log_q[t])) for t in top])
-    return tokens, logprobs
+            with np.errstate(divide="ignore"):
+                log_q = np.log(probs[r])
+        top = np.argsort(-log_q, kind="stable")[:p.logprobs]
+        logprobs.append([(int(t), float(log_q[t])) for t in top])
+    return tokens.tolist(), logprobs

@@ -124,3 +124,42 @@ def test_logprobs_are_the_top_n_of_the_chosen_distribution():
 def test_bad_parameters_are_refused_by_name(fields, error, message):
     with pytest.raises(error, match=message):
         SamplingParams(**fields)
+
+
+def _row_by_row(logits, params):
+    """The filters one row at a time, written apart from the batch code: softmax / temperature, the top_k most
+    likely (stable order), the smallest prefix reaching top_p, min_p against the row's maximum."""
+    out = np.zeros(logits.shape)
+    for r, p in enumerate(params):
+        if p.greedy:
+            continue
+        z = np.exp(logits[r] / p.temperature - (logits[r] / p.temperature).max())
+        q = z / z.sum()
+        order = sorted(range(len(q)), key=lambda t: -q[t])  # Python's sort is stable
+        kept = set(order[:p.top_k] if p.top_k else order)
+        if p.top_p < 1.0:
+            total, prefix = 0.0, []
+            for t in order:
+                prefix.append(t)
+                total += q[t]
+                if total >= p.top_p:
+                    break
+            kept &= set(prefix)
+        if p.min_p:
+            kept &= {t for t in range(len(q)) if q[t] >= p.min_p * q.max()}
+        for t in kept:
+            out[r, t] = q[t]
+        out[r] /= out[r].sum()
+    return out
+
+
+def test_the_batch_filters_equal_the_row_by_row_ones_for_mixed_requests():
+    rng = np.random.default_rng(7)
+    logits = rng.standard_normal((9, 40)) * 3
+    params = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=5),
+              SamplingParams(temperature=1.0, top_p=0.8), SamplingParams(temperature=0.5, min_p=0.1),
+              SamplingParams(temperature=2.0, top_k=12, top_p=0.6, min_p=0.02), SamplingParams(),
+              SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=0.9, top_p=0.05)]
+    got, want = distributions(logits, params), _row_by_row(logits, params)
+    assert np.allclose(got, want, rtol=1e-12, atol=1e-15)
+    assert np.array_equal(got > 0, want > 0)  # the same support, exactly
