@@ -259,13 +259,22 @@ class Engine(OnlineEngine):
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request
         joins when the pages it will hold (its context, or its window) fit next to those of the requests
-        admitted before it in this step and one spare page per running request."""
+        admitted before it in this step and one spare page per running request. A request whose first full
+        page is that of a running request still computing its prompt waits for it (it is passed over, not
+        blocking the others), so requests that arrive together share their common prefix instead of all
+        computing it: its pages are published once that prompt is computed, then matched on admission."""
         ps, reserved = self.info.page_size, 0
+        leaders = {self._first_page(q) for q in running if self.manager.pending_tokens(q.index)} - {None}
+        deferred = []
         while waiting and waiting[0].arrival <= step and len(running) < self.max_running:
             q = waiting[0]
+            key = self._first_page(q)
+            if key is not None and key in leaders:
+                deferred.append(waiting.popleft())
+                continue
             needed = min(-(-len(q.context) // ps), self._held_pages)
             if running and needed + reserved + len(running) > self.manager.pool.available():
-                return
+                break
             reserved += needed  # pages are taken at schedule time: count this step's admissions
             if not self.prefix_caching:
                 self.manager.reset_prefix_cache()
@@ -275,6 +284,17 @@ class Engine(OnlineEngine):
             q.ran = False
             q.next_input = None
             running.append(q)
+            if key is not None and self.manager.pending_tokens(q.index):
+                leaders.add(key)
+        waiting.extendleft(reversed(deferred))  # back in their places, first in line
+
+    def _first_page(self, q: Sequence):
+        """What identifies a request's first full page of context (its salt and tokens), or None when it has
+        none to share (prefix caching off, StreamingLLM, or a context shorter than a page and one token)."""
+        ps = self.info.page_size
+        if not self.prefix_caching or self.manager.streaming is not None or len(q.context) <= ps:
+            return None
+        return salt_bytes(q.salt), tuple(q.context[:ps])
 
     def _feeds(self, running: list, chunk_limit: int) -> dict:
         """Decodes first (so ``decoding_batches`` counts them), then prefill chunks of at most ``chunk_limit``
