@@ -259,17 +259,18 @@ class Engine(OnlineEngine):
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request
         joins when the pages it will hold (its context, or its window) fit next to those of the requests
-        admitted before it in this step and one spare page per running request. A request whose first full
-        page is that of a running request still computing its prompt waits for it (it is passed over, not
-        blocking the others), so requests that arrive together share their common prefix instead of all
-        computing it: its pages are published once that prompt is computed, then matched on admission."""
+        admitted before it in this step and one spare page per running request. A request sharing full pages
+        of context with a running request that has not computed them yet waits for it (it is passed over, not
+        blocking the others): requests that arrive together then share their common prefix instead of all
+        computing it, since those pages are published once computed and matched on admission."""
         ps, reserved = self.info.page_size, 0
-        leaders = {self._first_page(q) for q in running if self.manager.pending_tokens(q.index)} - {None}
+        leaders = collections.defaultdict(list)  # first full page -> running requests still computing prompts
+        for q in running:
+            self._note_leader(q, leaders)
         deferred = []
         while waiting and waiting[0].arrival <= step and len(running) < self.max_running:
             q = waiting[0]
-            key = self._first_page(q)
-            if key is not None and key in leaders:
+            if self._waits_for_a_leader(q, leaders):
                 deferred.append(waiting.popleft())
                 continue
             needed = min(-(-len(q.context) // ps), self._held_pages)
@@ -284,8 +285,7 @@ class Engine(OnlineEngine):
             q.ran = False
             q.next_input = None
             running.append(q)
-            if key is not None and self.manager.pending_tokens(q.index):
-                leaders.add(key)
+            self._note_leader(q, leaders)
         waiting.extendleft(reversed(deferred))  # back in their places, first in line
 
     def _first_page(self, q: Sequence):
@@ -295,6 +295,27 @@ class Engine(OnlineEngine):
         if not self.prefix_caching or self.manager.streaming is not None or len(q.context) <= ps:
             return None
         return salt_bytes(q.salt), tuple(q.context[:ps])
+
+    def _note_leader(self, q: Sequence, leaders: dict) -> None:
+        """Records a running request that still has prompt tokens to compute under its first page."""
+        key = self._first_page(q)
+        if key is not None and self.manager.pending_tokens(q.index):
+            leaders[key].append(q)
+
+    def _waits_for_a_leader(self, q: Sequence, leaders: dict) -> bool:
+        """Whether ``q`` shares full pages with a leader that has not computed them yet (they are published
+        when it has, and ``q`` then matches them instead of computing them itself)."""
+        key = self._first_page(q)
+        if key is None or key not in leaders:
+            return False
+        ps, mine = self.info.page_size, np.asarray(q.context)
+        for leader in leaders[key]:
+            theirs = np.asarray(leader.context[:len(mine)])
+            differ = np.flatnonzero(theirs != mine[:len(theirs)])
+            common = int(differ[0]) if differ.size else len(theirs)
+            if self.manager.computed(leader.index) < common // ps * ps:
+                return True
+        return False
 
     def _feeds(self, running: list, chunk_limit: int) -> dict:
         """Decodes first (so ``decoding_batches`` counts them), then prefill chunks of at most ``chunk_limit``

@@ -28,6 +28,8 @@ def test_a_burst_feeds_about_what_a_staggered_arrival_feeds_with_the_same_tokens
     # without the deferral every request would compute the 128 shared tokens: 12 x 136 prompt tokens fed
     assert burst_metrics["fed_tokens"] < 0.5 * len(PROMPTS) * len(PROMPTS[0])
     assert burst_metrics["prefix_hit_tokens"] >= (len(PROMPTS) - 1) * 128
+    # the followers wait for the shared prompt only, then join together (not one request per step)
+    assert burst_metrics["steps"] <= staggered_metrics["steps"] + 1
 
 
 def test_salted_requests_do_not_wait_for_each_other():

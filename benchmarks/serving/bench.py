@@ -27,9 +27,10 @@ MODELS = {  # name -> transformers config overrides of the demo's tiny decoder
 
 
 def measure(model_name: str, requests: int, context: int, decode_steps: int, threads: int, folder: str,
-            fused: bool = True) -> dict:
+            fused: bool = True, distinct: bool = False) -> dict:
     """Runs the scenario for one model exported with ``fused`` attention (MultiHeadCacheAttention; False: the
-    split pair KeyValueCache + MultiHeadAttention); returns the medians of its full decode steps."""
+    split pair KeyValueCache + MultiHeadAttention); returns the medians of its full decode steps. ``distinct``:
+    every prompt its own (no shared system prompt, so no page is read by two sequences)."""
     from kvcache_op.hf import export_model, tiny_model
     from kvcache_op.serving import Engine
 
@@ -37,7 +38,8 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
     path = export_model(model, os.path.join(folder, f"{model_name}-{fused}.onnx"), fused_attention=fused)
     rng = np.random.default_rng(0)
     system = rng.integers(0, model.config.vocab_size, context - 16).tolist()
-    prompts = [system + rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(requests)]
+    prompts = [(rng.integers(0, model.config.vocab_size, context - 16).tolist() if distinct else system) +
+               rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(requests)]
     pages_each = -(-(context + decode_steps) // 16)
     engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=2 * context, max_running=requests,
                     intra_op_num_threads=threads, trace_steps=True)
@@ -84,6 +86,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
     parser.add_argument("--attention", choices=("fused", "split", "both"), default="both",
                         help="the export's attention: MultiHeadCacheAttention, the split pair, or both side by side")
+    parser.add_argument("--distinct", action="store_true",
+                        help="every prompt its own (default: a shared system prompt plus 16 own tokens)")
     parser.add_argument("--out", type=out_folder, help="folder for README.md with the table")
     args = parser.parse_args(argv)
     forms = {"fused": (True,), "split": (False,), "both": (False, True)}[args.attention]
@@ -93,7 +97,8 @@ def main(argv=None) -> int:
             for fused in forms:
                 print(f"measuring {name}, {'fused' if fused else 'split'} attention ({args.requests} requests at "
                       f"~{args.context} keys) ...", file=sys.stderr)
-                rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder, fused))
+                rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder, fused,
+                                    args.distinct))
     command = "python -m kvcache_op.benchmarks.serving.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     text = table(rows, command.strip(), args.requests, args.threads)
     print(text)
