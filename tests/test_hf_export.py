@@ -61,7 +61,7 @@ def test_the_split_pair_stays_available_one_cache_node_then_one_attention_node(f
 @pytest.mark.parametrize("settings", [dict(fused_attention=False), dict(cache_layout=3)])
 def test_both_graph_forms_serve_the_models_own_greedy_tokens(settings):
     """The split pair, and the fused node on a head-major cache, both serve the tokens of transformers' own
-    greedy generation (the default export, fused on layout 0, is held to it by the engine's tests; quantized
+    greedy generation (the default export, fused on layout 1, is held to it by the engine's tests; quantized
     caches by test_serving_engine's)."""
     path = hf_models.exported("llama", **settings)
     prompts = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90))]

@@ -40,7 +40,7 @@ def _edited(tmp_path, settings=None, **changes):
      "3 MultiHeadCacheAttention, 0 KeyValueCache and 0 MultiHeadAttention nodes for num_layers = 2"),
     (dict(cache_dtype='"float16"'), "the cache input is FLOAT, not FLOAT16"),
     (dict(num_kv_heads="3"), "is not a multiple of num_kv_heads = 3"),
-    (dict(head_dim="8", inv_freq="[1.0, 0.5, 0.25, 0.125]"), "the cache input's axis 4 is 16, the metadata (layout 0) says 8"),
+    (dict(head_dim="8", inv_freq="[1.0, 0.5, 0.25, 0.125]"), "the cache input's axis 4 is 16, the metadata (layout 1) says 8"),
     (dict(eos_token_ids="[100000]"), "reach past vocab_size"),
     (dict(vocab_size="1000"), "the logits have 384 columns, the metadata says vocab_size = 1000"),
     (dict(softmax_scale="0.5"), "has softmax_scale = 0.25, the metadata says 0.5"),
@@ -60,7 +60,7 @@ def test_a_contradicted_or_invalid_value_is_refused_by_name(tmp_path, changes, m
 
 @pytest.mark.parametrize("changes, message", [
     (dict(scale_dtype='"float16"'), "the scale input is FLOAT, not FLOAT16 (scale_dtype float16)"),
-    (dict(quant_group="4"), "the scale input's axis 4 is 2, the metadata (layout 0) says 4"),
+    (dict(quant_group="4"), "the scale input's axis 4 is 2, the metadata (layout 1) says 4"),
 ])
 def test_a_quantized_export_checks_its_scale(tmp_path, changes, message):
     with pytest.raises(ValueError) as error:

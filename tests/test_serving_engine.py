@@ -151,7 +151,9 @@ def test_streaming_shift_rotates_kept_keys_to_their_new_positions():
     assert len(tokens) == 40 and len(prompt) + 40 > 4 * 16
     history, pages, computed = seen[-1]
     assert computed < len(prompt) + 39, "no page was dropped"
-    cache = engine.runner.cache.numpy()  # layout 0: (MaxT, L, 2, H, Dh)
+    from kvcache_op.reference.layout import canonical_view
+
+    cache = canonical_view(engine.runner.cache.numpy(), engine.info.cache_layout)  # (L, 2, H, MaxT, Dh)
     layer0 = model.model.layers[0]
     with torch.no_grad():
         x = layer0.input_layernorm(model.model.embed_tokens(torch.tensor(history[:computed])))
@@ -160,7 +162,7 @@ def test_streaming_shift_rotates_kept_keys_to_their_new_positions():
         from kvcache_op.hf.decoder import rotate_half
         want = (k * cos[0][:, None] + rotate_half(k) * sin[0][:, None]).numpy()
     slots = np.array([pages[p // 16] * 16 + p % 16 for p in range(computed)])
-    got = cache[slots, 0, 0]
+    got = cache[0, 0][:, slots].transpose(1, 0, 2)  # layer 0's keys: (positions, H, Dh)
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 

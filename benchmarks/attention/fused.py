@@ -117,9 +117,10 @@ def split_model(inputs: dict, attributes: dict):
     from ...spec.mha_schema import attention_node_attributes
 
     fused = spec.make_cache_attention_model(inputs, **attributes)
-    cache_keys = ("quant_bit", "cache_mode", "cache_layout", "page_size")
+    cache_keys = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_mode", "cache_layout", "page_size")
     with_scale = inputs.get("scale") is not None
-    kv = spec.model.make_node(with_scale, outputs=["key", "value"], **{k: attributes[k] for k in cache_keys})
+    kv = spec.model.make_node(with_scale, outputs=["key", "value"],
+                              **{k: attributes[k] for k in cache_keys if k in attributes})
     attention = {k: v for k, v in attributes.items() if k not in cache_keys}
     mha = helper.make_node("MultiHeadAttention", ["query", "key", "value", "seqstarts", "kvstarts", "decoding_batches",
                                                   "max_seqlen", "max_kvlen"], ["output"], domain=spec.DOMAIN,

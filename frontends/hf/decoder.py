@@ -30,7 +30,7 @@ class CacheSettings:
     page_size: int = 16
     quant_bit: int = 0
     quant_group: int = 8
-    cache_layout: int = 0
+    cache_layout: int = 1  # each layer's slots together: one stream per layer for the fused attention
     dtype: torch.dtype = torch.float32  # T1: the cache's element type when unquantized, and attention's
     # One MultiHeadCacheAttention node per layer (reading the cache in place), or the split pair KeyValueCache
     # (gathering a packed copy of every sequence's keys) then MultiHeadAttention.

