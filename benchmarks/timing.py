@@ -27,9 +27,27 @@ def ort_version() -> str:
     return onnxruntime.__version__
 
 
+def cpu_model(cpuinfo: str = None) -> str:
+    """The processor's model name (``/proc/cpuinfo``'s "model name", with "AVX-512" when its flags have
+    avx512f); the machine type where that is unknown. Results of different CPU kinds differ (store kinds,
+    prefetchers), so every table names the one it was measured on."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = ""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    return name + (", AVX-512" if "avx512f" in fields.get("flags", "").split() else "")
+
+
 def cpu_device() -> str:
-    """The machine in words, for a results table: processor and usable cores."""
-    return f"CPU {platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores"
+    """The machine in words, for a results table: processor model and usable cores."""
+    return f"CPU {cpu_model()}, {len(os.sched_getaffinity(0))} cores"
 
 
 def kernel_build() -> str:

@@ -90,3 +90,13 @@ def test_the_fused_op_benchmark_runs_and_its_baselines_compute_the_same_attentio
     run()
     out = run.keep[1].reshape(inputs["query"].shape)
     assert np.all(np.abs(out - want) <= bound)
+
+
+def test_results_name_the_cpu_model():
+    from kvcache_op.benchmarks.timing import cpu_model
+
+    intel = "processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Intel(R) Xeon(R) Platinum 8488C\nflags\t\t: fpu avx2 avx512f\n"
+    amd = "processor\t: 0\nmodel name\t: AMD EPYC 9R14 96-Core Processor\nflags\t\t: fpu avx2\n"
+    assert cpu_model(intel) == "Intel(R) Xeon(R) Platinum 8488C, AVX-512"
+    assert cpu_model(amd) == "AMD EPYC 9R14 96-Core Processor"
+    assert cpu_model("") != ""  # falls back to the machine type
