@@ -76,7 +76,8 @@ def _cache_axis(settings: CacheSettings) -> int:
 
 
 def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 1, dtype=None,
-                 quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False) -> str:
+                 quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False,
+                 metadata: dict = None) -> str:
     """Exports a Llama/Mistral/Qwen2 causal LM (a ``transformers`` model or a local checkpoint folder) to
     ``path`` and returns the path. The graph runs one step of a dynamic batch (see
     :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer's attention is one
@@ -88,7 +89,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     layer's slots lie together, so the fused attention reads them as one stream (measured, 4 layers, head_dim 32:
     2.4 ms per layer in layout 1 against 7.6 ms in layout 0, whose slots interleave the layers). The file carries
     :class:`~kvcache_op.serving.ModelInfo` as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
-    progress. ``ValueError`` for a model or setting the graph cannot express."""
+    progress; ``metadata``: more ``metadata_props`` to write (e.g. where the checkpoint came from). ``ValueError``
+    for a model or setting the graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
@@ -112,7 +114,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     with torch.no_grad():
         proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
     info = model_info(decoder)
-    onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **info.to_metadata()})
+    onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **(metadata or {}),
+                                        **info.to_metadata()})
     path = os.fspath(path)
     large = proto.ByteSize() > _PROTO_LIMIT
     onnx.save(proto, path, save_as_external_data=large, location=os.path.basename(path) + ".data" if large else None)

@@ -1,5 +1,5 @@
-"""The ``kvcache-op`` command line: the demo (main job), conformance vectors, validation and fuzzing of backends,
-benchmarks."""
+"""The ``kvcache-op`` command line: the demo (main job), export of a checkpoint folder, conformance vectors,
+validation and fuzzing of backends, benchmarks."""
 
 import argparse
 import sys
@@ -25,6 +25,18 @@ def _conformance(args) -> int:
     except OSError as error:
         return _fail("conformance", f"cannot write {args.out}: {error.strerror or error}")
     print(f"wrote {len(folders)} conformance case(s) to {args.out}")
+    return 0
+
+
+def _export(args) -> int:
+    from .export_command import export_checkpoint
+
+    try:
+        export_checkpoint(args.checkpoint, args.out, page_size=args.page_size, quant_bit=args.quant_bit,
+                          dtype=args.dtype, cache_layout=args.cache_layout,
+                          fused_attention=not args.split_attention)
+    except (FileNotFoundError, ValueError) as error:
+        return _fail("export", str(error))
     return 0
 
 
@@ -171,6 +183,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", help="folder for the exported model (default: a new temporary folder)")
     demo.add_argument("--seed", type=at_least(0), default=0)
     demo.set_defaults(func=_demo)
+    export = sub.add_parser("export", help="export a local transformers checkpoint folder to the packed decoder graph "
+                                           "the engine serves, its tokenizer files copied beside it (needs the 'hf' "
+                                           "extra)")
+    export.add_argument("checkpoint", help="a folder with config.json and the weights (save_pretrained's layout)")
+    export.add_argument("out", help="the ONNX file to write (its tokenizer files go to OUT.tokenizer/ beside it)")
+    export.add_argument("--page-size", type=at_least(1), default=16, help="cache page size in tokens (default 16)")
+    export.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0, help="cache quantization (default 0)")
+    export.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                        help="the cache's and attention's element type (default: the model's, float32)")
+    export.add_argument("--cache-layout", type=int, choices=(0, 1, 2, 3), default=1, help="cache layout (default 1)")
+    export.add_argument("--split-attention", action="store_true",
+                        help="KeyValueCache then MultiHeadAttention per layer instead of MultiHeadCacheAttention")
+    export.set_defaults(func=_export)
     slots = sub.add_parser("slots-demo", help="a scripted run of the KeyValueCache op alone through a paged cache, "
                                               "printing which slots each step stored and gathered")
     slots.add_argument("--backend", choices=("auto", "ort", "reference"), default="auto",
