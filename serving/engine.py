@@ -43,12 +43,15 @@ class Engine(OnlineEngine):
     KeyCacheRotaryShift, ``"reevaluate"`` feeds them again). ``prefix_caching=False`` disables prefix
     reuse (pages are still paged). Layers sharing one sliding window release the pages before it.
     ``trace_steps`` keeps one record per step in ``step_trace`` (sequences, decodes, tokens, and the
-    seconds spent scheduling, in ONNX Runtime and after the run).
+    seconds spent scheduling, in ONNX Runtime and after the run). ``tokenizer`` (anything with
+    ``decode(ids) -> str``, e.g. the checkpoint's ``AutoTokenizer``) lets requests stop at ``SamplingParams.stop``
+    strings: a request ends with the token whose text completes one.
     """
 
     def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = None,
                  max_running: int = None, max_context: int = None, streaming: StreamingPolicy = None,
-                 prefix_caching: bool = True, intra_op_num_threads: int = 0, trace_steps: bool = False):
+                 prefix_caching: bool = True, intra_op_num_threads: int = 0, trace_steps: bool = False,
+                 tokenizer=None):
         max_batch_tokens = DEFAULT_BATCH_TOKENS if max_batch_tokens is None else check_int("max_batch_tokens",
                                                                                              max_batch_tokens)
         max_running = DEFAULT_RUNNING if max_running is None else check_int("max_running", max_running)
@@ -85,6 +88,9 @@ class Engine(OnlineEngine):
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.prefix_caching = prefix_caching
+        if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
+            raise TypeError(f"tokenizer must have a decode(ids) method, got {type(tokenizer).__name__}")
+        self.tokenizer = tokenizer
         self._counters = collections.Counter()
         self._times = collections.Counter()
         self._peak_pages = 0
@@ -242,6 +248,8 @@ class Engine(OnlineEngine):
             if on_token is not None:
                 on_token(q.index, token)
             stops = token in q.params.stop_token_ids or (token in self.info.eos_token_ids and not q.params.ignore_eos)
+            if q.stop_matcher is not None:  # stop strings: the text this token completes
+                stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
             if len(q.generated) >= q.max_new_tokens or stops:
                 self.manager.finish(q.index)
                 running.remove(q)
@@ -359,8 +367,7 @@ class Engine(OnlineEngine):
                 self._preempt(running.pop(), waiting)
         return None
 
-    @staticmethod
-    def _sampling(params, count: int) -> list:
+    def _sampling(self, params, count: int) -> list:
         """One :class:`SamplingParams` per request from ``params`` (None: greedy; one for all; or one per prompt)."""
         if params is None:
             return [SamplingParams()] * count
@@ -369,8 +376,8 @@ class Engine(OnlineEngine):
         params = list(params)
         if len(params) != count or not all(isinstance(p, SamplingParams) for p in params):
             raise TypeError(f"params must be a SamplingParams or a list of {count} (one per prompt)")
-        if any(p.stop for p in params):
-            raise ValueError("stop strings need a tokenizer, and this engine takes token ids: use stop_token_ids")
+        if any(p.stop for p in params) and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: make the engine with tokenizer=..., or use stop_token_ids")
         return params
 
     def _preempt(self, q: Sequence, waiting) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 from ..manager.identity import salt_bytes
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .text import StopMatcher, TextStream
 
 
 class RequestHandle:
@@ -205,4 +206,6 @@ class OnlineEngine:
         q = Sequence(index, prompt, max_new_tokens, salt, arrival)
         q.params = params
         q.generator = np.random.default_rng(params.seed)
+        if params.stop:  # the engine has a tokenizer (checked with the params)
+            q.text_stream, q.stop_matcher = TextStream(self.tokenizer, prompt), StopMatcher(params.stop)
         return q

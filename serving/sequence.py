@@ -20,6 +20,8 @@ class Sequence:
     admissions: int = 0
     ran: bool = False  # ran at least one step since its last admission
     handle: object = None  # submit(): the RequestHandle its tokens stream to
+    text_stream: object = None  # with stop strings: its TextStream and StopMatcher
+    stop_matcher: object = None
 
     @property
     def context(self) -> list:

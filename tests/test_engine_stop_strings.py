@@ -1,0 +1,47 @@
+"""Stop strings with a tokenizer: a request ends with the token whose text completes one (also when the string
+spans tokens), through generate and submit; without a tokenizer they are refused up front."""
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op.serving import Engine, SamplingParams  # noqa: E402
+
+PROMPT = [5, 6, 7, 8, 9] * 7
+
+
+class AngleTokenizer:
+    """Token i reads "<i>": every token's text is unambiguous, so a stop string names where it must stop."""
+
+    def decode(self, ids):
+        return "".join(f"<{int(i)}>" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def lone():
+    return Engine(hf_models.exported("llama"), num_pages=16).generate([PROMPT], 10)[0]
+
+
+def test_a_stop_string_ends_the_request_with_the_token_that_completes_it(lone):
+    engine = Engine(hf_models.exported("llama"), num_pages=16, tokenizer=AngleTokenizer())
+    first = lone.index(lone[3])  # where the token first occurs
+    params = SamplingParams(max_tokens=10, stop=(f"<{lone[3]}>",))
+    assert engine.generate([PROMPT], 10, params=params)[0] == lone[:first + 1]
+    spanning = SamplingParams(max_tokens=10, stop=(f"{lone[4]}><{lone[5]}",))  # across two tokens' text
+    want = next(i for i in range(1, len(lone)) if (lone[i - 1], lone[i]) == (lone[4], lone[5]))
+    assert engine.submit(PROMPT, spanning).result(timeout=60) == lone[:want + 1]
+    never = SamplingParams(max_tokens=10, stop=("<no such token>",))
+    handle = engine.submit(PROMPT, never)
+    assert handle.result(timeout=60) == lone and handle.finish_reason == "length"
+    engine.close(timeout=30)
+
+
+def test_stop_strings_without_a_tokenizer_are_refused_up_front():
+    engine = Engine(hf_models.exported("llama"), num_pages=16)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.generate([PROMPT], 4, params=SamplingParams(stop=("x",)))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.submit(PROMPT, SamplingParams(stop=("x",)))
+    with pytest.raises(TypeError, match="decode"):
+        Engine(hf_models.exported("llama"), num_pages=16, tokenizer=object())
