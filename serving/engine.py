@@ -26,6 +26,7 @@ from .ort_runner import ModelRunner
 from .sampling import SamplingParams, choose_tokens
 from .sequence import Sequence
 from .step_feeds import step_feeds
+from .text import StopMatcher, TextStream
 
 DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
 DEFAULT_RUNNING = 64  # requests in flight at once
@@ -151,6 +152,17 @@ class Engine(OnlineEngine):
             finally:
                 self._times["wall"] += time.perf_counter() - start
             return results
+
+    def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,
+                      params: SamplingParams) -> Sequence:
+        """A request as the engine tracks it: its own random generator, and with stop strings (the engine has a
+        tokenizer: checked with the params) the text stream that finds them."""
+        q = Sequence(index, prompt, max_new_tokens, salt, arrival)
+        q.params = params
+        q.generator = np.random.default_rng(params.seed)
+        if params.stop:
+            q.text_stream, q.stop_matcher = TextStream(self.tokenizer, prompt), StopMatcher(params.stop)
+        return q
 
     def _check_fits(self, q: Sequence, max_new_tokens: int, name: str) -> None:
         """``ValueError`` for a request that could never run: past the context limit, or (without a window or
@@ -298,21 +310,28 @@ class Engine(OnlineEngine):
 
     def _first_page(self, q: Sequence):
         """What identifies a request's first full page of context (its salt and tokens), or None when it has
-        none to share (prefix caching off, StreamingLLM, or a context shorter than a page and one token)."""
+        none to share (prefix caching off, StreamingLLM, or a context shorter than a page and one token). Read
+        from the prompt (and the first generated tokens of a short one) without building the context."""
         ps = self.info.page_size
-        if not self.prefix_caching or self.manager.streaming is not None or len(q.context) <= ps:
+        if not self.prefix_caching or self.manager.streaming is not None or \
+                len(q.prompt) + len(q.generated) <= ps:
             return None
-        return salt_bytes(q.salt), tuple(q.context[:ps])
+        first = q.prompt[:ps] if len(q.prompt) >= ps else q.prompt + q.generated[:ps - len(q.prompt)]
+        return salt_bytes(q.salt), tuple(first)
 
     def _note_leader(self, q: Sequence, leaders: dict) -> None:
-        """Records a running request that still has prompt tokens to compute under its first page."""
-        key = self._first_page(q)
-        if key is not None and self.manager.pending_tokens(q.index):
-            leaders[key].append(q)
+        """Records a running request that still has prompt tokens to compute under its first page (decodes,
+        most of a step's requests, are passed over before their key is built)."""
+        if self.manager.pending_tokens(q.index):
+            key = self._first_page(q)
+            if key is not None:
+                leaders[key].append(q)
 
     def _waits_for_a_leader(self, q: Sequence, leaders: dict) -> bool:
         """Whether ``q`` shares full pages with a leader that has not computed them yet (they are published
         when it has, and ``q`` then matches them instead of computing them itself)."""
+        if not leaders:  # the common case: nobody is computing a prompt
+            return False
         key = self._first_page(q)
         if key is None or key not in leaders:
             return False

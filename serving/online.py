@@ -15,12 +15,8 @@ import itertools
 import threading
 import time
 
-import numpy as np
-
 from ..manager.identity import salt_bytes
 from .sampling import SamplingParams
-from .sequence import Sequence
-from .text import StopMatcher, TextStream
 
 
 class RequestHandle:
@@ -200,12 +196,3 @@ class OnlineEngine:
         for q in [q for q in self._online_waiting if q.handle._cancelled.is_set()]:
             self._online_waiting.remove(q)
             q.handle._finish("cancelled")
-
-    def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,
-                      params: SamplingParams) -> Sequence:
-        q = Sequence(index, prompt, max_new_tokens, salt, arrival)
-        q.params = params
-        q.generator = np.random.default_rng(params.seed)
-        if params.stop:  # the engine has a tokenizer (checked with the params)
-            q.text_stream, q.stop_matcher = TextStream(self.tokenizer, prompt), StopMatcher(params.stop)
-        return q

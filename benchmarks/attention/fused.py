@@ -154,9 +154,8 @@ def gqa_model(shape: Shape, capacity: int):
 
 
 def gqa_run(shape: Shape, inputs: dict):
-    """The GQA step's bound run: the same query, keys and values; its past (the cached keys) shared with present."""
-    import onnxruntime as ort
-
+    """The GQA step's bound run: the same query, keys and values; its past (the cached keys) bound as its
+    present outputs too, so it is written in place. ``run.keep[1]``: the output; ``run.keep[2]``: the past."""
     b, s, k, d = shape.batch, shape.seqlen, shape.kvlen, shape.head_dim
     capacity = -(-k // PAGE_SIZE) * PAGE_SIZE
     rng = np.random.default_rng(1)
@@ -165,28 +164,10 @@ def gqa_run(shape: Shape, inputs: dict):
     feeds = {"query": inputs["query"].reshape(b, s, -1), "key": inputs["current_key"].reshape(b, s, -1),
              "value": inputs["current_value"].reshape(b, s, -1), "past_key": past[0], "past_value": past[1],
              "seqlens_k": np.full(b, k - 1, np.int32), "total_sequence_length": np.array(k, np.int32)}
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = shape.threads
-    options.log_severity_level = 3
-    for key, value in NO_SPINNING.items():
-        options.add_session_config_entry(key, value)
-    session = ort.InferenceSession(gqa_model(shape, capacity).SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    binding = session.io_binding()
-    keep = []
-    for name, array in feeds.items():
-        value = ort.OrtValue.ortvalue_from_numpy(array)
-        keep.append(value)
-        binding.bind_ortvalue_input(name, value)
     out = aligned_empty((b, s, shape.heads * d), shape.dtype)
-    binding.bind_output("output", "cpu", 0, out.dtype, list(out.shape), out.ctypes.data)
-    for name, array in (("present_key", past[0]), ("present_value", past[1])):
-        binding.bind_output(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
-
-    def run():
-        session.run_with_iobinding(binding)
-
-    run.keep = (keep, out, past)
+    run = bound_run(gqa_model(shape, capacity), feeds,
+                    {"output": out, "present_key": past[0], "present_value": past[1]}, shape.threads, NO_SPINNING)
+    run.keep = (run.keep, out, past)
     return run
 
 
