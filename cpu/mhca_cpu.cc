@@ -44,19 +44,6 @@ struct CacheSource {
     std::vector<float> x, scales, sf;
     std::vector<int32_t> codes;
 
-    // Heads [h, h + n) of `slot` as float32 into dst.
-    void Convert(int64_t h, int64_t n, int64_t slot, float* dst) {
-      const int64_t width = n * s.p.head_dim, offset = s.CacheRow(kv, h, slot);
-      if constexpr (QBits == 0) {
-        ToFloatRow<T1>(static_cast<const T*>(s.cache) + offset, dst, width);
-      } else {
-        const int64_t groups = n * s.p.groups;
-        const S* row_scales = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, h, slot);
-        DequantizeRow<T1, T3, QBits>(C::Row(s.cache, offset), row_scales, width, s.a.quant_group, groups,
-                                     dequantized.data(), RowScratch{x.data(), scales.data(), codes.data(), sf.data()});
-        ToFloatRow<T1>(dequantized.data(), dst, width);
-      }
-    }
     // Slots of keys [lo, hi): one division per page.
     void Slots(int64_t lo, int64_t hi, int64_t* slots) const {
       ForEachSlotRun(s.p, s.a, b, static_cast<uint64_t>(lo), hi - lo, [&](int64_t i, int64_t slot, int64_t n) {
@@ -126,10 +113,8 @@ struct CacheSource {
       CopyRowAt(slot, row.data());
       return row.data();
     }
-    void CopyRowAt(int64_t slot, float* dst) {
-      if (adjacent) return Convert(kv0, nkv, slot, dst);
-      for (int64_t h = 0; h < nkv; ++h) Convert(kv0 + h, 1, slot, dst + h * s.p.head_dim);
-    }
+    // The chunk's heads of `slot` as float32: its T1 values (RawAt) converted.
+    void CopyRowAt(int64_t slot, float* dst) { ToFloatRow<T1>(RawAt(slot), dst, nkv * s.p.head_dim); }
     void CopyRow(int64_t j, float* dst) { CopyRowAt(SlotOf(s.p, s.a, b, static_cast<uint64_t>(j)), dst); }
     const float* Row(int64_t j) { return RowAt(SlotOf(s.p, s.a, b, static_cast<uint64_t>(j))); }
   };
