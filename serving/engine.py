@@ -195,7 +195,11 @@ class Engine(OnlineEngine):
     def metrics(self) -> dict:
         """Counters since the engine was made: prefix hits, evictions, preemptions, tokens, pages, cache bytes,
         throughput, and where the time went (scheduling = admission, manager and feed building; ort_run =
-        the graph and key shifts; other = sampling and the rest)."""
+        the graph and key shifts; other = sampling and the rest). Safe from any thread."""
+        with self._lock:  # a consistent picture from any thread: not in the middle of a step
+            return self._metrics()
+
+    def _metrics(self) -> dict:
         m = self.manager.metrics()
         t = self._times
         generated = self._counters["generated_tokens"]
@@ -254,7 +258,7 @@ class Engine(OnlineEngine):
             q.next_input = [token]
             self._counters["generated_tokens"] += 1
             if q.handle is not None:  # a submitted request streams to its handle
-                q.handle._push(token)
+                q.handle._push(token, top)
             elif self.last_logits is not None:
                 self.last_logits[q.index].append(logits[row].copy())
             if on_token is not None:

@@ -32,22 +32,32 @@ class RequestHandle:
         self.submitted_at = time.perf_counter()  # time.perf_counter() clock, as token_times
         self._tokens = []
         self._times = []
+        self._logprobs = []
         self._error = None
         self._cancelled = threading.Event()
         self._changed = threading.Condition()
+        self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
 
     # ---- the engine's side ---------------------------------------------------------------------------------
-    def _push(self, token: int) -> None:
+    def _push(self, token: int, logprobs=None) -> None:
         with self._changed:
             self._tokens.append(token)
             self._times.append(time.perf_counter())
+            if logprobs is not None:
+                self._logprobs.append(logprobs)
             self._changed.notify_all()
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher()
 
     def _finish(self, reason: str, error: BaseException = None) -> None:
         with self._changed:
             if self.finish_reason is None:
                 self.finish_reason, self._error = reason, error
             self._changed.notify_all()
+            watchers = list(self._watchers)
+        for watcher in watchers:
+            watcher()
 
     # ---- the caller's side ---------------------------------------------------------------------------------
     @property
@@ -67,6 +77,13 @@ class RequestHandle:
         token and inter-token latencies without a consumer thread per request."""
         with self._changed:
             return list(self._times)
+
+    @property
+    def logprobs(self) -> list:
+        """With ``SamplingParams.logprobs``: one :class:`~kvcache_op.serving.sampling.TokenLogprobs` per token so
+        far (a copy); else empty."""
+        with self._changed:
+            return list(self._logprobs)
 
     def cancel(self) -> None:
         """Asks the engine to stop the request at the next step boundary (its pages are released then); the
@@ -92,16 +109,36 @@ class RequestHandle:
                 return
 
     async def __aiter__(self):
-        seen = 0
-        while True:
-            new, finished = await asyncio.to_thread(self._wait_beyond, seen)
-            for token in new:
-                yield token
-            seen += len(new)
-            if finished and not new:
-                if self._error is not None:
-                    raise self._error
-                return
+        # Woken from the engine's thread through the loop (call_soon_threadsafe), so a server streaming many
+        # requests holds no thread per waiting request.
+        loop, changed = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake():
+            try:
+                loop.call_soon_threadsafe(changed.set)
+            except RuntimeError:  # the loop closed: nobody is listening any more
+                pass
+
+        with self._changed:
+            self._watchers.append(wake)
+        try:
+            seen = 0
+            while True:
+                changed.clear()  # before looking: a change after the look sets it again
+                with self._changed:
+                    new, finished = self._tokens[seen:], self.done
+                for token in new:
+                    yield token
+                seen += len(new)
+                if finished and not new:
+                    if self._error is not None:
+                        raise self._error
+                    return
+                if not new:
+                    await changed.wait()
+        finally:
+            with self._changed:
+                self._watchers.remove(wake)
 
     def result(self, timeout: float = None) -> list:
         """Every token, once the request finished (``TimeoutError`` after ``timeout`` seconds; the request's
@@ -151,6 +188,16 @@ class OnlineEngine:
                 self._thread.start()
             self._work.notify()
         return q.handle
+
+    @property
+    def queue_length(self) -> int:
+        """Submitted requests waiting to be admitted (not yet running)."""
+        return len(self._online_waiting)
+
+    @property
+    def running_count(self) -> int:
+        """Submitted requests running (admitted, not finished)."""
+        return len(self._online_running)
 
     def close(self, timeout: float = None) -> None:
         """Cancels every submitted request still queued or running and stops the background thread (waiting up

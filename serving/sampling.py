@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import typing
 
 import numpy as np
 
@@ -88,6 +89,15 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+class TokenLogprobs(typing.NamedTuple):
+    """What ``SamplingParams.logprobs`` keeps per chosen token: its log-probability in the distribution it was
+    chosen from, and that distribution's ``logprobs`` most likely tokens as (token, log-probability), most
+    likely first (the chosen token need not be among them)."""
+
+    logprob: float
+    top: list
+
+
 def _penalized(logits: np.ndarray, params: list, histories: list) -> np.ndarray:
     """float64 logits after each row's penalties; ``histories[r]``: (prompt ids, generated ids)."""
     out = logits.astype(np.float64)
@@ -112,7 +122,7 @@ def distributions(logits: np.ndarray, params: list) -> np.ndarray:
         return probs
     chosen = [params[r] for r in rows]
     temperature = np.array([p.temperature for p in chosen])[:, None]
-    top_k = np.array([p.top_k for p in chosen], np.int64)[:, None]
+    top_k = np.array([min(p.top_k, logits.shape[1]) for p in chosen], np.int64)[:, None]  # any int: no overflow
     top_p = np.array([p.top_p for p in chosen])[:, None]
     min_p = np.array([p.min_p for p in chosen])[:, None]
     z = np.asarray(logits, np.float64)[rows] / temperature
@@ -142,7 +152,7 @@ def _draw(probs: np.ndarray, generators: list) -> np.ndarray:
 def choose_tokens(logits: np.ndarray, params: list, histories: list, generators: list) -> tuple:
     """(tokens, logprobs): one token per row of ``logits`` ``[rows, vocab]``; ``params[r]``, ``histories[r]``
     (prompt ids, generated ids) and ``generators[r]`` (a numpy Generator) are row r's. ``logprobs[r]``: None, or
-    [(token, log-probability), ...] of the ``params[r].logprobs`` most likely tokens of row r's distribution."""
+    the :class:`TokenLogprobs` of row r's chosen token (``params[r].logprobs`` most likely tokens)."""
     plain = [p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and
              not p.frequency_penalty for p in params]
     if all(plain):  # the common case, on the hot path: one argmax over the batch, no copy
@@ -165,5 +175,5 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
             with np.errstate(divide="ignore"):
                 log_q = np.log(probs[r])
         top = np.argsort(-log_q, kind="stable")[:p.logprobs]
-        logprobs.append([(int(t), float(log_q[t])) for t in top])
+        logprobs.append(TokenLogprobs(float(log_q[tokens[r]]), [(int(t), float(log_q[t])) for t in top]))
     return tokens.tolist(), logprobs

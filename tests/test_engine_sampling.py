@@ -42,7 +42,8 @@ def test_stop_token_ids_end_a_request_and_logprobs_are_kept(path):
     stopped = engine.generate([PROMPTS[1]], 8, params=SamplingParams(stop_token_ids=[stop], logprobs=3))[0]
     assert stopped == greedy[:first + 1]
     assert len(engine.last_logprobs[0]) == len(stopped)
-    assert all(top[0][0] == token and len(top) == 3 for top, token in zip(engine.last_logprobs[0], stopped))
+    assert all(e.top[0][0] == token and len(e.top) == 3 and e.logprob == e.top[0][1]
+               for e, token in zip(engine.last_logprobs[0], stopped))
 
 
 @pytest.mark.parametrize("params, error, message", [

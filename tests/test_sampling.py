@@ -98,10 +98,31 @@ def test_penalties_move_the_logits_as_vllm_does():
 
 
 def test_logprobs_are_the_top_n_of_the_chosen_distribution():
-    (token,), (top,) = choose_tokens(LOGITS[None], [SamplingParams(logprobs=2)], [((), ())], [None])
+    (token,), (entry,) = choose_tokens(LOGITS[None], [SamplingParams(logprobs=2)], [((), ())], [None])
     want = np.log(_softmax(LOGITS.astype(np.float64)))
-    assert token == 0 and [t for t, _ in top] == [0, 1]
-    assert all(math.isclose(lp, want[t], rel_tol=1e-9) for t, lp in top)
+    assert token == 0 and [t for t, _ in entry.top] == [0, 1]
+    assert all(math.isclose(lp, want[t], rel_tol=1e-9) for t, lp in entry.top)
+    assert math.isclose(entry.logprob, want[0], rel_tol=1e-9)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
+    params = [SamplingParams(temperature=0.7, top_k=k) for k in (0, LOGITS.size, 2 ** 70)]
+    probs = distributions(np.stack([LOGITS] * 3), params)
+    assert np.array_equal(probs[1], probs[0]) and np.array_equal(probs[2], probs[0])
+
+
+def test_a_sampled_token_outside_the_top_n_keeps_its_own_logprob():
+    logits = np.array([[3.0, 2.0, 1.0, 0.5]], np.float32)
+    params = SamplingParams(temperature=1.0, logprobs=1, seed=0)
+    want = np.log(_softmax(logits[0].astype(np.float64)))
+    seen = set()
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        (token,), (entry,) = choose_tokens(logits, [params], [((), ())], [rng])
+        seen.add(token)
+        assert entry.top == [(0, pytest.approx(want[0]))]
+        assert math.isclose(entry.logprob, want[token], rel_tol=1e-9)
+    assert seen - {0}  # some draws fell outside the top 1
 
 
 @pytest.mark.parametrize("fields, error, message", [

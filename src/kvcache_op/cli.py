@@ -40,6 +40,17 @@ def _export(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    try:
+        from .serve_command import serve
+    except ImportError as error:
+        return _fail("serve", f"{error.name or error} is not installed: pip install 'kvcache-op[serve]'")
+    try:
+        return serve(args)
+    except (FileNotFoundError, ValueError, OSError) as error:
+        return _fail("serve", str(error))
+
+
 def _fail(command: str, message: str) -> int:
     """One line on stderr, exit status 2: what a bad argument (case name, library path, backend) gets."""
     print(f"kvcache-op {command}: error: {message}", file=sys.stderr)
@@ -196,6 +207,35 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--split-attention", action="store_true",
                         help="KeyValueCache then MultiHeadAttention per layer instead of MultiHeadCacheAttention")
     export.set_defaults(func=_export)
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, streaming, metrics) for "
+                                         "an exported file or a checkpoint folder (needs the 'serve' extra)")
+    serve.add_argument("model", help="an exported .onnx file, or a checkpoint folder (exported once into --cache-dir)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback)")
+    serve.add_argument("--port", type=at_least(0), default=8000, help="port (default 8000; 0: a free one)")
+    serve.add_argument("--allow-remote", action="store_true", help="allow a --host that is not loopback")
+    serve.add_argument("--num-pages", type=at_least(1), default=512, help="cache pages (default 512)")
+    serve.add_argument("--tokenizer", help="tokenizer folder (default: beside the file, or the checkpoint's)")
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+                                         "$KVCACHE_OP_API_KEY, else none)")
+    serve.add_argument("--model-name", help="the model id clients send (default: the file or folder name)")
+    serve.add_argument("--max-queue", type=at_least(0), default=256,
+                       help="requests waiting for admission before new ones get 503 (default 256)")
+    serve.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20, help="request body limit (1 MiB)")
+    serve.add_argument("--max-prompt-tokens", type=at_least(1), help="prompt limit (default: the context)")
+    serve.add_argument("--max-tokens-limit", type=at_least(1), default=4096, help="largest max_tokens (4096)")
+    serve.add_argument("--max-batch-tokens", type=at_least(1), help="tokens fed per engine step (default 256)")
+    serve.add_argument("--max-running", type=at_least(1), help="requests in flight at once (default 64)")
+    serve.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    serve.add_argument("--page-size", type=at_least(1), default=16, help="for a checkpoint folder: page size")
+    serve.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0, help="for a checkpoint folder: "
+                                                                                  "cache quantization")
+    serve.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="for a checkpoint folder: the "
+                                                                                   "cache's element type")
+    serve.add_argument("--cache-dir", help="where checkpoint folders are exported (default $KVCACHE_OP_CACHE or "
+                                           "~/.cache/kvcache-op)")
+    serve.add_argument("--stop-after", type=positive_seconds, help="stop by itself after this many seconds")
+    serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    serve.set_defaults(func=_serve)
     slots = sub.add_parser("slots-demo", help="a scripted run of the KeyValueCache op alone through a paged cache, "
                                               "printing which slots each step stored and gathered")
     slots.add_argument("--backend", choices=("auto", "ort", "reference"), default="auto",

@@ -1,0 +1,245 @@
+"""The OpenAI-compatible HTTP API over one :class:`~kvcache_op.serving.Engine` (FastAPI): ``POST /v1/completions``,
+``POST /v1/chat/completions`` (``"stream": true`` as server-sent events ending with ``[DONE]``), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics``.
+
+Every refusal is an OpenAI-style JSON error with a 4xx status (5xx only for the server's own failures), decided
+before a stream starts: malformed JSON, a wrong type or range, an unknown model, a prompt or ``max_tokens`` over the
+limits, a request that can never fit the cache (400); a missing or wrong API key on ``/v1`` routes (401); a body over
+the size limit (413); a full queue (503, with ``Retry-After``). A client that disconnects cancels its request."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ...manager.identity import salt_bytes
+from ..tokenizer import chat_prompt_ids, text_prompt_ids
+from .errors import APIError, bad_request
+from .generation import Generation
+from .metrics import ServerMetrics
+from .protocol import ChatRequest, CompletionRequest, parse
+from .responses import Reply, sse
+
+log = logging.getLogger("kvcache_op.server")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is still there
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What one request may ask: ``max_body_bytes`` of JSON, ``max_prompt_tokens`` of prompt (None: the engine's
+    context), ``max_tokens`` up to ``max_tokens_limit``; ``max_queue`` requests waiting for admission before new
+    ones are refused with 503."""
+
+    max_body_bytes: int = 1 << 20
+    max_prompt_tokens: int = None
+    max_tokens_limit: int = 4096
+    max_queue: int = 256
+
+
+class _Gate:
+    """ASGI middleware (plain, so a handler still sees its client disconnect): the API key on ``/v1`` routes and the
+    count of answers by route and status."""
+
+    def __init__(self, app, *, expected, metrics, reject):
+        self.app, self.expected, self.metrics, self.reject = app, expected, metrics, reject
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        if self.expected is not None and path.startswith("/v1/"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            token = given[7:] if given[:7].lower() == b"bearer " else b""
+            if not hmac.compare_digest(token, self.expected):
+                self.metrics.observe_request(route, 401)
+                refusal = self.reject(APIError(401, "a valid API key is required: Authorization: Bearer <key>",
+                                               code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                return await refusal(scope, receive, send)
+        status = [500]
+
+        async def send_noting_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            await self.app(scope, receive, send_noting_status)
+        finally:
+            self.metrics.observe_request(route, status[0])
+
+
+def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None) -> FastAPI:
+    """The app serving ``engine`` (an :class:`Engine` made with ``tokenizer``) as ``model_name``. With ``api_key``,
+    ``/v1`` routes need ``Authorization: Bearer <api_key>`` (compared in constant time). The engine is closed when
+    the app shuts down."""
+    limits = limits or ServerLimits()
+    context = engine.max_context or engine.info.max_positions
+    max_prompt = min(limits.max_prompt_tokens or context, context)
+    metrics = ServerMetrics(engine)
+    expected = api_key.encode() if api_key else None
+
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(engine.close, 10.0)
+
+    app = FastAPI(title="kvcache-op", lifespan=lifespan)
+
+    def error_response(error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, error):
+        return error_response(error)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, error):
+        kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+        return error_response(APIError(error.status_code, str(error.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def _internal(request, error):
+        log.exception("request failed")
+        return error_response(APIError(500, f"internal error: {type(error).__name__}", type="server_error"))
+
+    app.add_middleware(_Gate, expected=expected, metrics=metrics, reject=error_response)
+
+    async def read_json(request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+            raise APIError(413, f"the body is {declared} bytes, over the limit of {limits.max_body_bytes}")
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > limits.max_body_bytes:
+                raise APIError(413, f"the body is over the limit of {limits.max_body_bytes} bytes")
+        try:
+            return json.loads(body)
+        except (ValueError, RecursionError) as error:
+            raise bad_request(f"the body is not valid JSON: {str(error)[:200]}") from None
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    def settle_max_tokens(requested, prompt_len: int, default) -> int:
+        if prompt_len > max_prompt:
+            raise bad_request(f"the prompt has {prompt_len} tokens, over the limit of {max_prompt}", "prompt",
+                              "context_length_exceeded")
+        room = context - prompt_len
+        if requested is None:
+            requested = min(default if default is not None else room, room, limits.max_tokens_limit)
+            if requested < 1:
+                raise bad_request(f"the prompt's {prompt_len} tokens leave no room in the context of {context}",
+                                  "prompt", "context_length_exceeded")
+        if requested < 1 or requested > limits.max_tokens_limit:
+            raise bad_request(f"max_tokens must be in [1, {limits.max_tokens_limit}], got {requested}", "max_tokens")
+        if prompt_len + requested > context:
+            raise bad_request(f"{prompt_len} prompt tokens + max_tokens={requested} exceed the context of {context}",
+                              "max_tokens", "context_length_exceeded")
+        return requested
+
+    async def start(req, prompt_ids: list, max_tokens, default_max, logprobs) -> Generation:
+        if engine.queue_length >= limits.max_queue:
+            raise APIError(503, f"the server is busy ({engine.queue_length} requests waiting): retry later",
+                           type="server_overloaded", headers={"Retry-After": "1"})
+        params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max), logprobs)
+        try:
+            salt_bytes(req.cache_salt)
+            return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt)
+        except (TypeError, ValueError) as error:
+            raise bad_request(str(error)) from None
+        except RuntimeError as error:  # the engine is closed: shutting down
+            raise APIError(503, str(error), type="server_overloaded") from None
+
+    async def respond(request: Request, req, generation: Generation, chat: bool):
+        reply = Reply(generation, model_name, chat)
+        if req.stream:
+            return StreamingResponse(stream(reply, req.include_usage()), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        watcher = asyncio.create_task(cancel_on_disconnect(request, generation))
+        pieces, text = [], []
+        try:
+            async for piece in generation.pieces():
+                pieces.append(piece)
+                text.append(piece.text)
+        except Exception as error:
+            raise APIError(500, f"generation failed: {error}", type="server_error") from None
+        finally:
+            watcher.cancel()
+            metrics.observe_finish(generation.handle, len(generation.prompt_ids))
+        text.append(generation.tail())
+        return JSONResponse(reply.body("".join(text), pieces))
+
+    async def stream(reply: Reply, include_usage: bool):
+        g = reply.generation
+        try:
+            if reply.chat:
+                yield sse(reply.chunk(role=True))
+            async for piece in g.pieces():
+                if piece.text or piece.logprobs is not None:
+                    yield sse(reply.chunk(piece.text, [piece] if piece.logprobs is not None else ()))
+            tail = g.tail()
+            if tail:
+                yield sse(reply.chunk(tail))
+            yield sse(reply.chunk(None if reply.chat else "", finish_reason=g.finish_reason))
+            if include_usage:
+                yield sse(reply.usage_chunk())
+        except Exception as error:  # the step failed: say so in the stream, then end it
+            yield sse(APIError(500, f"generation failed: {error}", type="server_error").body())
+        finally:
+            metrics.observe_finish(g.handle, len(g.prompt_ids))
+        yield sse("[DONE]")
+
+    async def cancel_on_disconnect(request: Request, generation: Generation):
+        while not generation.handle.done:
+            if await request.is_disconnected():
+                generation.handle.cancel()
+                return
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = parse(CompletionRequest, await read_json(request))
+        check_model(req.model)
+        prompt = req.the_prompt()
+        ids = text_prompt_ids(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        generation = await start(req, ids, req.max_tokens, 16, req.top_logprobs())
+        return await respond(request, req, generation, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = parse(ChatRequest, await read_json(request))
+        check_model(req.model)
+        try:
+            ids = chat_prompt_ids(tokenizer, [m.as_template_input() for m in req.messages])
+        except ValueError as error:
+            raise bad_request(str(error), "messages") from None
+        except Exception as error:  # the template itself refused the conversation (e.g. roles out of order)
+            raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
+        generation = await start(req, ids, req.requested_max_tokens(), None, req.top_logprobs_count())
+        return await respond(request, req, generation, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvcache-op", "max_model_len": context}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        text = await asyncio.to_thread(metrics.text)  # the engine's metrics wait for the step in progress
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

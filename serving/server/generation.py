@@ -1,0 +1,76 @@
+"""One HTTP request's generation: submitted to the engine (off the event loop: a submit waits for the step in
+progress), its tokens turned into text as they come (whole characters only, stop strings cut, an end-of-sequence or
+stop token's own text left out), and cancelled when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from ..text import StopMatcher, TextStream
+from ..tokenizer import PlainText
+
+
+@dataclasses.dataclass
+class Piece:
+    """What one token adds to the reply: its text (possibly "" while a character or a possible stop string is
+    held), the token, and its logprobs entry (``TokenLogprobs`` or None)."""
+
+    text: str
+    token: int
+    logprobs: object = None
+
+
+class Generation:
+    """A request running in the engine, read as text. Iterate :meth:`pieces` (async); then ``finish_reason``
+    (OpenAI's: "stop" or "length"), ``completion_tokens`` and :meth:`tail` (text held back until the end)."""
+
+    def __init__(self, engine, tokenizer, prompt_ids: list, params, handle):
+        self.engine, self.tokenizer, self.params, self.handle = engine, tokenizer, params, handle
+        self.prompt_ids = prompt_ids
+        self._text = TextStream(PlainText(tokenizer), prompt_ids)
+        self._stops = StopMatcher(params.stop)
+        # Tokens that end a request carry no text of their own in the reply (OpenAI's and vLLM's default).
+        self._silent = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.info.eos_token_ids))
+        self.completion_tokens = 0
+
+    @classmethod
+    async def start(cls, engine, tokenizer, prompt_ids: list, params, salt) -> "Generation":
+        """Submits the request (``ValueError``/``TypeError`` from the engine's checks propagate)."""
+        handle = await asyncio.to_thread(engine.submit, prompt_ids, params, salt=salt)
+        return cls(engine, tokenizer, prompt_ids, params, handle)
+
+    async def pieces(self):
+        """One :class:`Piece` per generated token, as the engine chooses it; raises the step's error if it failed."""
+        index = 0
+        try:
+            async for token in self.handle:
+                entries = self.handle.logprobs if self.params.logprobs is not None else None
+                self.completion_tokens += 1
+                text = ""
+                if token not in self._silent and not self._stops.stopped:
+                    text, _ = self._stops.feed(self._text.push(token))
+                yield Piece(text, token, entries[index] if entries else None)
+                index += 1
+        finally:
+            if not self.handle.done:  # the client went away, or the reader stopped early
+                self.handle.cancel()
+
+    def tail(self) -> str:
+        """Text still held at the end (an incomplete character, a tail that never became a stop string)."""
+        if self._stops.stopped:
+            return ""
+        text, _ = self._stops.feed(self._text.finish())
+        return text + self._stops.flush()
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's reason: "stop" (end of sequence, a stop id or string) or "length" (max_tokens); "abort" when the
+        server cancelled it (shutting down)."""
+        if self._stops.stopped or self.handle.finish_reason == "stop":
+            return "stop"
+        return "abort" if self.handle.finish_reason == "cancelled" else "length"
+
+    def token_text(self, token: int) -> str:
+        """One token's own text (for logprobs)."""
+        return self.tokenizer.decode([token])

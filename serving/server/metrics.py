@@ -1,0 +1,76 @@
+"""``GET /metrics``: Prometheus text from prometheus-client, one registry per server (so several apps in one
+process do not collide). Request, token and latency figures are counted as requests finish; the engine's state
+(pages, queue, prefix hits) is read from :meth:`Engine.metrics` at each scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+PREFIX = "kvcache_op_"
+# Latency buckets (seconds) from a fast CPU decode step to a long queue wait.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class _EngineState:
+    """A collector reading the engine's counters and gauges once per scrape."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def collect(self):
+        m, engine = self.engine.metrics(), self.engine
+        gauges = (("pages_in_use", "cache pages held by requests", m["pages_in_use"]),
+                  ("pages_total", "cache pages in the pool", m["pages_total"]),
+                  ("pages_cached", "pages kept for prefix reuse", m["pages_cached"]),
+                  ("prefix_hit_rate", "share of prompt tokens served from the prefix cache", m["prefix_hit_rate"]),
+                  ("queue_length", "requests waiting to be admitted", engine.queue_length),
+                  ("running_requests", "requests running", engine.running_count))
+        for name, text, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, text, value=value)
+        counters = (("prefix_hit_tokens", "prompt tokens served from the prefix cache", m["prefix_hit_tokens"]),
+                    ("fed_tokens", "tokens fed to the model", m["fed_tokens"]),
+                    ("engine_steps", "engine steps run", m["steps"]),
+                    ("preemptions", "requests preempted for pages", m["preemptions"]))
+        for name, text, value in counters:
+            yield CounterMetricFamily(PREFIX + name, text, value=value)
+
+
+class ServerMetrics:
+    """The server's Prometheus registry: what :meth:`observe_request` and :meth:`observe_finish` count, and the
+    engine's state."""
+
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by route and status",
+                                ["route", "status"], registry=self.registry)
+        self.finished = Counter(PREFIX + "finished_requests", "generations finished, by reason", ["reason"],
+                                registry=self.registry)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "prompt tokens received", registry=self.registry)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "tokens generated", registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "time from submission to the first token",
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.itl = Histogram(PREFIX + "inter_token_latency_seconds", "time between consecutive tokens",
+                             buckets=ITL_BUCKETS, registry=self.registry)
+        self.registry.register(_EngineState(engine))
+
+    def observe_request(self, route: str, status: int) -> None:
+        """One HTTP answer on ``route``."""
+        self.requests.labels(route, str(status)).inc()
+
+    def observe_finish(self, handle, prompt_tokens: int) -> None:
+        """A finished generation: its tokens, time to first token and inter-token latencies. One the server stopped
+        reading before it finished (its client went away) counts as cancelled: it is, at the next step."""
+        times = handle.token_times
+        self.finished.labels(handle.finish_reason or "cancelled").inc()
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(len(times))
+        if times:
+            self.ttft.observe(times[0] - handle.submitted_at)
+        for before, after in zip(times, times[1:]):
+            self.itl.observe(after - before)
+
+    def text(self) -> bytes:
+        """The exposition text."""
+        return generate_latest(self.registry)

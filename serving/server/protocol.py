@@ -1,0 +1,187 @@
+"""The request bodies of ``/v1/completions`` and ``/v1/chat/completions`` (OpenAI's fields plus vLLM's ``top_k``,
+``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and ``cache_salt``), validated strictly (a
+string where a number belongs is refused, not converted), and their mapping to :class:`SamplingParams`.
+
+Fields a client may send that this server cannot honour (``n`` > 1, ``echo``, ``logit_bias``, tools, response
+formats, ``suffix``, ``best_of`` > 1) are refused by name; fields it does not know are ignored, as OpenAI's own
+API and other compatible servers do."""
+
+from __future__ import annotations
+
+from typing import List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ..sampling import SamplingParams
+from .errors import bad_request
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    stream: bool = False
+    stream_options: Optional[dict] = None
+    stop: Optional[Union[str, List[str]]] = None
+    seed: Optional[int] = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: Optional[dict] = None
+    user: Optional[str] = None
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    ignore_eos: bool = False
+    stop_token_ids: Optional[List[int]] = None
+    cache_salt: Optional[str] = None
+
+    def unsupported(self) -> dict:
+        """Fields set to something this server cannot do: {field: why}."""
+        out = {}
+        if self.n != 1:
+            out["n"] = "only n = 1 is supported"
+        if self.logit_bias:
+            out["logit_bias"] = "logit_bias is not supported"
+        return out
+
+    def include_usage(self) -> bool:
+        """``stream_options.include_usage``: a last chunk carrying the token counts."""
+        return bool((self.stream_options or {}).get("include_usage"))
+
+    def sampling(self, max_tokens: int, logprobs) -> SamplingParams:
+        """The request's :class:`SamplingParams` (``max_tokens`` settled by the caller); an out-of-range value is a
+        400 naming the field."""
+        if not 0.0 <= self.temperature <= 2.0:
+            raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
+        top_k = 0 if self.top_k == -1 else self.top_k  # vLLM's "off"
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        try:
+            return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k,
+                                  min_p=self.min_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+                                  stop=tuple(stop), presence_penalty=self.presence_penalty,
+                                  frequency_penalty=self.frequency_penalty,
+                                  repetition_penalty=self.repetition_penalty, logprobs=logprobs,
+                                  ignore_eos=self.ignore_eos)
+        except (TypeError, ValueError) as error:
+            raise bad_request(str(error), str(error).split(" ", 1)[0].split("[", 1)[0]) from None
+
+
+class CompletionRequest(_Request):
+    """``POST /v1/completions``: one prompt, text or token ids (or a list holding one of either)."""
+
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    echo: bool = False
+    logprobs: Optional[int] = None
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    def unsupported(self) -> dict:
+        out = super().unsupported()
+        if self.echo:
+            out["echo"] = "echo is not supported"
+        if self.suffix:
+            out["suffix"] = "suffix is not supported"
+        if self.best_of not in (None, 1):
+            out["best_of"] = "only best_of = 1 is supported"
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)) \
+                and len(self.prompt) != 1:
+            out["prompt"] = "one prompt per request"
+        return out
+
+    def the_prompt(self):
+        """The prompt: a string, or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if not prompt:
+            raise bad_request("prompt must not be empty", "prompt")
+        return prompt
+
+    def top_logprobs(self):
+        """How many top tokens to report per token (``logprobs``), or None."""
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        return self.logprobs
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, List[TextPart]]
+
+    def as_template_input(self) -> dict:
+        """The message as a chat template reads it (text parts joined)."""
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatRequest(_Request):
+    """``POST /v1/chat/completions``: messages rendered by the checkpoint's chat template."""
+
+    messages: List[Message]
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    tools: Optional[list] = None
+    tool_choice: Optional[Union[str, dict]] = None
+    response_format: Optional[dict] = None
+
+    def unsupported(self) -> dict:
+        out = super().unsupported()
+        if self.tools:
+            out["tools"] = "tools are not supported"
+        if self.tool_choice not in (None, "none", "auto"):
+            out["tool_choice"] = "tool_choice is not supported"
+        if self.response_format and self.response_format.get("type") != "text":
+            out["response_format"] = "only the text response format is supported"
+        if not self.messages:
+            out["messages"] = "messages must not be empty"
+        return out
+
+    def requested_max_tokens(self):
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def top_logprobs_count(self):
+        """How many top tokens to report per token, or None (``logprobs`` false)."""
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}", "top_logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
+
+
+def _union_tag(part: str) -> bool:
+    """pydantic's name of a union's member in an error's location ('str', 'list[int]'), not a field."""
+    return part in ("str", "int", "float", "bool", "dict") or part.startswith(("list[", "List[", "Literal[", "dict["))
+
+
+def parse(model: type, body) -> _Request:
+    """``body`` (decoded JSON) as ``model``; a 400 naming the first offending field otherwise, or the first field
+    this server cannot honour."""
+    if not isinstance(body, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        first = error.errors()[0]
+        loc = [str(part) for part in first["loc"] if not _union_tag(str(part))]
+        param = ".".join(loc) or None
+        raise bad_request(f"{param or 'body'}: {first['msg']}" + (f" ({len(error.errors())} problems)"
+                                                                  if len(error.errors()) > 1 else ""), param) from None
+    for field, why in request.unsupported().items():
+        raise bad_request(why, field)
+    return request

@@ -1,0 +1,101 @@
+"""OpenAI's response bodies and stream chunks for completions and chat completions, from a :class:`Generation`'s
+pieces."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+
+def new_id(prefix: str) -> str:
+    """A response id in OpenAI's style (``cmpl-...``, ``chatcmpl-...``)."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def sse(payload) -> bytes:
+    """One server-sent event carrying ``payload`` (JSON, or the literal ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+def _by_text(text, top) -> dict:
+    """Completions' {token text: logprob}: tokens whose texts coincide (bytes of one character) keep the most likely."""
+    out = {}
+    for token, logprob in top:
+        out.setdefault(text(token), logprob)
+    return out
+
+
+class Reply:
+    """The pieces of one generation shaped as a completion or a chat completion (``chat``), whole or chunked."""
+
+    def __init__(self, generation, model: str, chat: bool):
+        self.generation, self.model, self.chat = generation, model, chat
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+        self._offset = 0  # characters of text so far (completions' text_offset)
+
+    # ---- logprobs ------------------------------------------------------------------------------------------
+    def logprobs(self, pieces: list):
+        """The logprobs object of ``pieces`` (None when the request asked for none)."""
+        if self.generation.params.logprobs is None:
+            return None
+        text = self.generation.token_text
+        if self.chat:
+            def entry(token, logprob):
+                s = text(token)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+            return {"content": [dict(entry(p.token, p.logprobs.logprob),
+                                     top_logprobs=[entry(t, lp) for t, lp in p.logprobs.top]) for p in pieces]}
+        offsets = []
+        for p in pieces:
+            offsets.append(self._offset)
+            self._offset += len(p.text)
+        return {"tokens": [text(p.token) for p in pieces],
+                "token_logprobs": [p.logprobs.logprob for p in pieces],
+                "top_logprobs": [_by_text(text, p.logprobs.top) for p in pieces],
+                "text_offset": offsets}
+
+    # ---- whole -------------------------------------------------------------------------------------------
+    def body(self, text: str, pieces: list) -> dict:
+        """The non-streamed response."""
+        g = self.generation
+        choice = {"index": 0, "logprobs": self.logprobs(pieces), "finish_reason": g.finish_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice],
+                "usage": usage(len(g.prompt_ids), g.completion_tokens)}
+
+    # ---- streamed ----------------------------------------------------------------------------------------
+    def chunk(self, text: str = None, pieces: list = (), finish_reason: str = None, *, role: bool = False) -> dict:
+        """One stream chunk: ``text`` (with the logprobs of ``pieces``), or the opening role (chat), or the
+        closing ``finish_reason``."""
+        choice = {"index": 0, "logprobs": self.logprobs(list(pieces)) if pieces else None,
+                  "finish_reason": finish_reason}
+        if self.chat:
+            delta = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text is not None:
+                delta = {"content": text}
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice]}
+
+    def usage_chunk(self) -> dict:
+        """The last chunk with ``stream_options.include_usage``: no choices, the token counts."""
+        g = self.generation
+        return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [],
+                "usage": usage(len(g.prompt_ids), g.completion_tokens)}

@@ -1,0 +1,63 @@
+"""Text to token ids and back for a served checkpoint: its tokenizer and chat template through ``transformers``'
+``AutoTokenizer`` (the ``tokenizers`` fast path), and its end-of-sequence ids."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+
+def load_tokenizer(folder):
+    """The tokenizer saved in ``folder`` (a checkpoint folder, or the ``OUT.tokenizer`` folder ``kvcache-op export``
+    writes), loaded offline. ``FileNotFoundError``/``ValueError`` naming the folder when it has none."""
+    folder = pathlib.Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no tokenizer folder at {folder}")
+    if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        raise ValueError(f"{folder} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def checkpoint_eos_ids(folder) -> tuple:
+    """The end-of-sequence ids the checkpoint's ``generation_config.json`` names (falling back to
+    ``config.json``), as a tuple; empty when neither names any."""
+    for name in ("generation_config.json", "config.json"):
+        path = pathlib.Path(folder) / name
+        if path.is_file():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
+    return ()
+
+
+def has_chat_template(tokenizer) -> bool:
+    """Whether the tokenizer carries a chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def chat_prompt_ids(tokenizer, messages: list) -> list:
+    """The token ids of ``messages`` ([{"role": ..., "content": str}, ...]) rendered by the checkpoint's chat template
+    with the assistant's turn opened (``add_generation_prompt``). ``ValueError`` when it has no template."""
+    if not has_chat_template(tokenizer):
+        raise ValueError("this model's tokenizer has no chat template: use /v1/completions")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # The template writes the special tokens (BOS included) itself: encoding adds none.
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def text_prompt_ids(tokenizer, text: str) -> list:
+    """The token ids of a completion prompt, with the tokenizer's special tokens (a BOS where it adds one), as
+    ``transformers`` encodes a prompt for ``generate``."""
+    return list(tokenizer(text)["input_ids"])
+
+
+class PlainText:
+    """A tokenizer's decode without its special tokens (an end-of-sequence token has no text in a reply)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,162 @@
+"""The server's refusals: every bad request gets an OpenAI-style JSON error with the right 4xx status (never a
+dropped connection or a 500), the API key is required on /v1 routes, the limits are enforced, a full queue answers
+503, and the server keeps serving afterwards. Random JSON bodies never make it fail."""
+
+import json
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from conftest import SERVER_API_KEY  # noqa: E402
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+AUTH = {"Authorization": f"Bearer {SERVER_API_KEY}"}
+GOOD = {"model": "tiny", "prompt": "hello world", "max_tokens": 2, "temperature": 0}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _error(reply, status):
+    assert reply.status_code == status, reply.text
+    body = reply.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("/v1/completions", {**GOOD, "temperature": "1"}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature"),
+    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 1001}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "n": 2}, 400, "n"),
+    ("/v1/completions", {**GOOD, "echo": True}, 400, "echo"),
+    ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {**GOOD, "logit_bias": {"3": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, 400, None),  # outside the vocabulary
+    ("/v1/completions", {**GOOD, "prompt": list(range(1, 300)) * 4}, 400, "prompt"),  # over the context
+    ("/v1/completions", {**GOOD, "prompt": [5] * 1000, "max_tokens": 100}, 400, "max_tokens"),
+    ("/v1/completions", {**GOOD, "cache_salt": 7}, 400, "cache_salt"),
+    ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop"),
+    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed"),
+    ("/v1/completions", {"prompt": "x"}, 400, "model"),
+    ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {**CHAT, "stream": True, "temperature": -1}, 400, "temperature"),
+])
+def test_bad_fields_are_refused_by_name(api_server, route, body, status, param):
+    error = _error(httpx.post(api_server + route, json=body, headers=AUTH, timeout=30), status)
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_an_unknown_model_is_404(api_server):
+    error = _error(httpx.post(api_server + "/v1/completions", json={**GOOD, "model": "gpt-9"}, headers=AUTH), 404)
+    assert error["code"] == "model_not_found" and "tiny" in error["message"]
+
+
+@pytest.mark.parametrize("raw", [b"{bad", b"[1, 2]", b"", b"\xff\xfe", b"[" * 100000])
+def test_a_body_that_is_not_a_json_object_is_400(api_server, raw):
+    reply = httpx.post(api_server + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
+    _error(reply, 400)
+
+
+def test_a_body_over_the_size_limit_is_413(api_server):
+    big = json.dumps({**GOOD, "prompt": "x" * (1 << 20)})
+    _error(httpx.post(api_server + "/v1/completions", content=big, headers=AUTH), 413)
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}, {"Authorization": SERVER_API_KEY},
+                                     {"Authorization": f"Basic {SERVER_API_KEY}"}])
+def test_the_api_routes_need_the_key(api_server, headers):
+    for method, route in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("POST", "/v1/nope")):
+        reply = httpx.request(method, api_server + route, json=GOOD, headers=headers)
+        assert _error(reply, 401)["code"] == "invalid_api_key"
+        assert reply.headers["www-authenticate"] == "Bearer"
+
+
+def test_health_and_metrics_need_no_key_and_unknown_routes_are_json_404s(api_server):
+    assert httpx.get(api_server + "/health").json() == {"status": "ok"}
+    assert "kvcache_op_requests_total" in httpx.get(api_server + "/metrics").text
+    _error(httpx.get(api_server + "/v1/nope", headers=AUTH), 404)
+    _error(httpx.get(api_server + "/v1/completions", headers=AUTH), 405)
+    assert httpx.post(api_server + "/v1/completions", json=GOOD,
+                      headers={"Authorization": f"bearer {SERVER_API_KEY}"}).status_code == 200
+
+
+def test_the_server_still_serves_after_the_refusals(api_server):
+    reply = httpx.post(api_server + "/v1/completions", json=GOOD, headers=AUTH, timeout=30)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 2
+
+
+# ---- in process: the queue limit and random bodies ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(served_checkpoint, tmp_path_factory):
+    from kvcache_op.export_command import export_checkpoint
+
+    out = tmp_path_factory.mktemp("exported") / "model.onnx"
+    export_checkpoint(served_checkpoint[0], out, progress=lambda line: None)
+    return out
+
+
+def _app(exported, tokenizer, **limits):
+    from kvcache_op.serving import Engine
+    from kvcache_op.serving.server import ServerLimits, create_app
+
+    engine = Engine(exported, num_pages=64, tokenizer=tokenizer)
+    return create_app(engine, tokenizer, model_name="tiny", limits=ServerLimits(**limits))
+
+
+def test_a_full_queue_answers_503_with_retry_after(exported, served_checkpoint):
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(exported, served_checkpoint[2], max_queue=0)) as client:
+        reply = client.post("/v1/completions", json=GOOD)
+        assert _error(reply, 503)["type"] == "server_overloaded" and reply.headers["retry-after"] == "1"
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
+                    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                    max_leaves=12)
+FIELDS = st.sampled_from(["model", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                          "stop", "seed", "logprobs", "top_logprobs", "stream", "stream_options", "n",
+                          "cache_salt", "stop_token_ids", "presence_penalty", "repetition_penalty", "ignore_eos"])
+
+
+@settings(max_examples=80)
+@given(route=st.sampled_from(["/v1/completions", "/v1/chat/completions"]),
+       fields=st.dictionaries(FIELDS, JSON, max_size=6), base=st.booleans())
+def test_random_bodies_never_make_the_server_fail(fuzz_client, route, fields, base):
+    body = {**(GOOD if route == "/v1/completions" else CHAT), **fields} if base else fields
+    if body.get("max_tokens", 0) is not None and isinstance(body.get("max_tokens"), int):
+        body["max_tokens"] = min(body["max_tokens"], 4)  # keep generations short
+    body.pop("stream", None)
+    reply = fuzz_client.post(route, content=json.dumps(body), headers={"content-type": "application/json"})  # NaN too
+    assert reply.status_code in (200, 400, 404, 413), reply.text
+    if reply.status_code != 200:
+        _error(reply, reply.status_code)
+
+
+@pytest.fixture(scope="module")
+def fuzz_client(exported, served_checkpoint):
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(exported, served_checkpoint[2], max_tokens_limit=8)) as client:
+        yield client
+
+
+@pytest.mark.parametrize("extra", [{"top_k": 2 ** 70, "temperature": 0.5}, {"seed": 2 ** 70, "temperature": 0.5},
+                                   {"temperature": 1e-300}, {"top_p": 1e-300, "temperature": 1.0},
+                                   {"stop_token_ids": [2 ** 70]}, {"stop": ["\ud800"]}, {"cache_salt": "\x00" * 5000},
+                                   {"repetition_penalty": 1e308}, {"prompt": [[1, 2]]}, {"logprobs": 0}])
+def test_extreme_but_valid_values_are_served(fuzz_client, extra):
+    reply = fuzz_client.post("/v1/completions", content=json.dumps({**GOOD, **extra}),
+                             headers={"content-type": "application/json"})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["usage"]["completion_tokens"] >= 1
