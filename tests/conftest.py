@@ -99,10 +99,10 @@ def all_vectors(tmp_path_factory):
 def served_checkpoint(tmp_path_factory):
     """(folder, model, tokenizer): the checkpoint folder the server tests serve (made once for the session)."""
     pytest.importorskip("transformers")
-    from served_checkpoint import make_checkpoint
+    from kvcache_op.hf import tiny_checkpoint
 
     folder = tmp_path_factory.mktemp("served-checkpoint")
-    model, tokenizer = make_checkpoint(folder)
+    model, tokenizer = tiny_checkpoint(folder)
     return folder, model, tokenizer
 
 
@@ -114,10 +114,15 @@ def api_server(served_checkpoint, tmp_path_factory):
     """The base URL of ``kvcache-op serve`` on the served checkpoint folder (exported into a fresh cache folder),
     requiring :data:`SERVER_API_KEY`; one process for the session, stopped at its end."""
     pytest.importorskip("fastapi")
-    from server_process import running_server
+    from kvcache_op.serve_command import ServerProcess
 
     folder = served_checkpoint[0]
     cache = tmp_path_factory.mktemp("export-cache")
-    with running_server(folder, "--api-key", SERVER_API_KEY, "--cache-dir", cache, "--num-pages", 160,
-                        "--model-name", "tiny", "--max-tokens-limit", 1000) as url:
-        yield url
+    server = ServerProcess(folder, "--api-key", SERVER_API_KEY, "--cache-dir", cache, "--num-pages", 160,
+                           "--model-name", "tiny", "--max-tokens-limit", 1000)
+    try:
+        server.start()
+    except RuntimeError as error:
+        pytest.fail(str(error))
+    yield server.url
+    server.stop()

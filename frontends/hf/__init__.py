@@ -14,6 +14,7 @@ except ImportError as error:  # pragma: no cover - depends on the install
 from .decoder import CacheSettings, PackedDecoder, decoder_sizes
 from .export import export_model, load_model
 from .tiny import tiny_config, tiny_model
+from .tiny_checkpoint import tiny_checkpoint
 
-__all__ = ["CacheSettings", "PackedDecoder", "decoder_sizes", "export_model", "load_model", "tiny_config",
-           "tiny_model"]
+__all__ = ["CacheSettings", "PackedDecoder", "decoder_sizes", "export_model", "load_model", "tiny_checkpoint",
+           "tiny_config", "tiny_model"]

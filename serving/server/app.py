@@ -14,6 +14,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import os
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +51,7 @@ class _Gate:
 
     def __init__(self, app, *, expected, metrics, reject):
         self.app, self.expected, self.metrics, self.reject = app, expected, metrics, reject
+        self.engine_id = str(os.getpid()).encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -69,6 +71,8 @@ class _Gate:
         async def send_noting_status(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
+                # Which engine answered: replicas (Ray Serve) are told apart by their process.
+                message = {**message, "headers": [*message.get("headers", []), (b"x-kvcache-op-engine", self.engine_id)]}
             await send(message)
         try:
             await self.app(scope, receive, send_noting_status)

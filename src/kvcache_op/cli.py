@@ -233,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                    "cache's element type")
     serve.add_argument("--cache-dir", help="where checkpoint folders are exported (default $KVCACHE_OP_CACHE or "
                                            "~/.cache/kvcache-op)")
+    serve.add_argument("--replicas", type=at_least(1), help="run as N Ray Serve replicas, each with its own engine "
+                                                           "(needs the 'ray' extra)")
     serve.add_argument("--stop-after", type=positive_seconds, help="stop by itself after this many seconds")
     serve.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(func=_serve)

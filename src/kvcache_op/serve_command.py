@@ -8,7 +8,10 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -78,12 +81,9 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def serve(args) -> int:
-    """Runs the server until interrupted (or ``--stop-after`` seconds); prints ``listening on URL`` once ready."""
-    import uvicorn
-
-    from .serving import Engine
-    from .serving.server import ServerLimits, create_app
-    from .serving.tokenizer import load_tokenizer
+    """Runs the server until interrupted (or ``--stop-after`` seconds); prints ``listening on URL`` once ready.
+    With ``--replicas N`` the app runs as N Ray Serve replicas, each with its own engine."""
+    from .serving.server import ServerLimits
 
     if args.host not in LOOPBACK and not args.allow_remote:
         raise ValueError(f"--host {args.host} is not loopback: pass --allow-remote to listen on other interfaces "
@@ -92,12 +92,30 @@ def serve(args) -> int:
     settings = {"page_size": args.page_size, "quant_bit": args.quant_bit, "dtype": args.dtype}
     path, tokenizer_dir = resolve_model(args.model, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
                                         settings=settings)
-    tokenizer = load_tokenizer(tokenizer_dir)
-    engine = Engine(path, num_pages=args.num_pages, max_batch_tokens=args.max_batch_tokens,
-                    max_running=args.max_running, intra_op_num_threads=args.threads, tokenizer=tokenizer)
     name = args.model_name or pathlib.Path(args.model).name.removesuffix(".onnx")
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue)
+    engine_options = dict(num_pages=args.num_pages, max_batch_tokens=args.max_batch_tokens,
+                          max_running=args.max_running, intra_op_num_threads=args.threads)
+    began = time.perf_counter()
+    if args.replicas:
+        _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
+    else:
+        _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options)
+    print(f"stopped after {time.perf_counter() - began:.1f} s", flush=True)
+    return 0
+
+
+def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
+    """One engine in this process, under uvicorn."""
+    import uvicorn
+
+    from .serving import Engine
+    from .serving.server import create_app
+    from .serving.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_dir)
+    engine = Engine(path, tokenizer=tokenizer, **engine_options)
     app = create_app(engine, tokenizer, model_name=name, api_key=api_key, limits=limits)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -106,14 +124,51 @@ def serve(args) -> int:
         timer = threading.Timer(args.stop_after, lambda: setattr(server, "should_exit", True))
         timer.daemon = True
         timer.start()
-    shown = f"[{host}]" if ":" in host else host
     print(f"serving {name!r} ({path}, {engine.info.num_layers} layers, {args.num_pages} pages) "
           f"{'with' if api_key else 'without'} an API key", flush=True)
-    began = time.perf_counter()
-    _announce_when_started(server, f"listening on http://{shown}:{port}")
+    _announce_when_started(server, f"listening on {_url(host, port)}")
     server.run(sockets=[sock])
-    print(f"stopped after {time.perf_counter() - began:.1f} s", flush=True)
-    return 0
+
+
+def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
+    """``args.replicas`` replicas on a local Ray instance, behind Ray Serve's proxy on ``host:port``."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError:
+        raise ValueError("--replicas needs Ray Serve: pip install 'kvcache-op[ray]'") from None
+    from .serving.ray import deployment
+
+    port = args.port or _free_port(args.host)  # Ray Serve's proxy needs the number up front
+    if not engine_options["intra_op_num_threads"]:  # replicas share the machine's cores
+        engine_options["intra_op_num_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)
+    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
+    try:
+        serve.start(http_options={"host": args.host, "port": port})
+        app = deployment(path, tokenizer_dir, replicas=args.replicas, model_name=name, api_key=api_key,
+                         limits=limits, **engine_options)
+        print(f"serving {name!r} ({path}) as {args.replicas} Ray Serve replicas, {args.num_pages} pages each, "
+              f"{'with' if api_key else 'without'} an API key", flush=True)
+        serve.run(app, route_prefix="/", name="kvcache-op")
+        print(f"listening on {_url(args.host, port)}", flush=True)
+        deadline = time.monotonic() + args.stop_after if args.stop_after else None
+        try:
+            while deadline is None or time.monotonic() < deadline:
+                time.sleep(0.2)
+        except KeyboardInterrupt:
+            pass
+        serve.shutdown()
+    finally:
+        ray.shutdown()
+
+
+def _free_port(host: str) -> int:
+    with listening_socket(host, 0) as sock:
+        return sock.getsockname()[1]
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
 
 
 def _announce_when_started(server, line: str) -> None:
@@ -124,3 +179,52 @@ def _announce_when_started(server, line: str) -> None:
         if server.started:
             print(line, flush=True)
     threading.Thread(target=watch, daemon=True).start()
+
+
+class ServerProcess:
+    """``kvcache-op serve MODEL ARGS...`` in a subprocess on a free loopback port, bounded by ``--stop-after
+    lifetime`` seconds: :meth:`start` waits until it listens (``RuntimeError`` with its output if it exits or takes
+    longer than ``start_timeout``); ``url`` is its base URL; :meth:`stop` ends it. A context manager."""
+
+    def __init__(self, model, *args, lifetime: float = 900, start_timeout: float = 180):
+        self.command = [sys.executable, "-m", "kvcache_op", "serve", str(model), "--host", "127.0.0.1", "--port", "0",
+                        "--stop-after", str(lifetime), *map(str, args)]
+        self.start_timeout, self.url, self.process, self._lines = start_timeout, None, None, []
+
+    @property
+    def output(self) -> str:
+        """What the server printed so far."""
+        return "".join(self._lines)
+
+    def start(self) -> "ServerProcess":
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        listening = threading.Event()
+
+        def read():
+            for line in self.process.stdout:
+                self._lines.append(line)
+                if "listening on http://" in line:
+                    listening.set()
+        threading.Thread(target=read, daemon=True).start()
+        deadline = time.monotonic() + self.start_timeout
+        while not listening.wait(0.1):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the server did not start (exit {self.process.returncode}):\n{self.output[-3000:]}")
+        self.url = re.search(r"listening on (http://\S+)", self.output).group(1)
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,9 +1,12 @@
-"""A checkpoint folder as a user would point the server at: a tiny Llama with random weights (save_pretrained), a
-byte-level BPE tokenizer trained here (no download) with BOS/EOS tokens, and a chat template."""
+"""A checkpoint folder as a user would point ``kvcache-op serve`` at, made without a download: a tiny decoder with
+seeded random weights (``save_pretrained``), a byte-level BPE tokenizer trained here with BOS/EOS tokens, and a chat
+template. What the server's tests, its load benchmark and a first try of the server use."""
 
 from __future__ import annotations
 
 import pathlib
+
+from .tiny import tiny_model
 
 CORPUS = ["hello world, the cache keeps every key", "paged attention reads pages in place",
           "café naïve résumé — 東京 🙂", "the quick brown fox jumps over the lazy dog"] * 20
@@ -11,18 +14,19 @@ CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\
                  "{% if add_generation_prompt %}<s>assistant:{% endif %}")
 
 
-def make_checkpoint(folder) -> tuple:
-    """Writes the checkpoint into ``folder``; returns (model, tokenizer) as loaded objects."""
+def tiny_checkpoint(folder, family: str = "llama", *, seed: int = 0, **sizes) -> tuple:
+    """Writes the checkpoint (weights, config, tokenizer, chat template) into ``folder``; returns the (model,
+    tokenizer) objects. The model's vocabulary is the tokenizer's, its end-of-sequence id the tokenizer's ``</s>``;
+    ``sizes`` override :func:`tiny_model`'s (hidden_size, num_hidden_layers, ...)."""
     import tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from kvcache_op.hf import tiny_model
-
     folder = pathlib.Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
     raw = tokenizers.Tokenizer(tokenizers.models.BPE())
     raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(vocab_size=360, special_tokens=["<s>", "</s>"],
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=360, special_tokens=["<s>", "</s>"], show_progress=False,
                                              initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     raw.train_from_iterator(CORPUS, trainer)
     bos, eos = raw.token_to_id("<s>"), raw.token_to_id("</s>")
@@ -30,6 +34,7 @@ def make_checkpoint(folder) -> tuple:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
-    model = tiny_model("llama", eos_token_id=eos, bos_token_id=bos, vocab_size=len(tokenizer))
+    model = tiny_model(family, seed=seed, **{**sizes, "eos_token_id": eos, "bos_token_id": bos,
+                                             "vocab_size": len(tokenizer)})
     model.save_pretrained(folder)
     return model, tokenizer

@@ -1,0 +1,63 @@
+"""``kvcache-op serve``'s model resolution and refusals, without starting a server: a checkpoint folder is exported
+once and reused until its files change; an exported file finds its tokenizer beside it or through its metadata;
+what cannot be served is refused in one line."""
+
+import os
+import re
+import pathlib
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvcache_op.cli import build_parser, main  # noqa: E402
+from kvcache_op.export_command import tokenizer_folder  # noqa: E402
+from kvcache_op.serve_command import resolve_model  # noqa: E402
+
+
+def test_a_checkpoint_folder_is_exported_once_then_reused_until_it_changes(served_checkpoint, tmp_path):
+    folder = served_checkpoint[0]
+    said = []
+    path, tokenizer = resolve_model(folder, cache_dir=tmp_path, progress=said.append)
+    assert path.is_file() and tokenizer == folder and any("[2/3] exporting" in line for line in said)
+    said.clear()
+    assert resolve_model(folder, cache_dir=tmp_path, progress=said.append)[0] == path
+    assert said == [f"using the export of {folder} cached at {path}"]
+    other, _ = resolve_model(folder, cache_dir=tmp_path, settings={"page_size": 8}, progress=said.append)
+    assert other != path  # other settings: another export
+    config = folder / "config.json"
+    stat = config.stat()
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    try:
+        assert resolve_model(folder, cache_dir=tmp_path, progress=said.append)[0] != path  # a changed file: re-export
+    finally:
+        os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+
+
+def test_an_exported_file_finds_its_tokenizer(served_checkpoint, tmp_path):
+    folder = served_checkpoint[0]
+    path, _ = resolve_model(folder, cache_dir=tmp_path, progress=lambda line: None)
+    assert resolve_model(path)[1] == tokenizer_folder(path)  # beside it
+    moved = tmp_path / "alone.onnx"
+    moved.write_bytes(path.read_bytes())
+    assert resolve_model(moved)[1] == pathlib.Path(str(folder.resolve()))  # the checkpoint its metadata names
+    assert resolve_model(moved, tokenizer=tmp_path)[1] == tmp_path  # or the one given
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "/nonexistent/model.onnx"], "no exported model or checkpoint folder at /nonexistent/model.onnx"),
+    (["serve", ".", "--host", "0.0.0.0"], "--host 0.0.0.0 is not loopback: pass --allow-remote"),
+])
+def test_what_cannot_be_served_is_refused_in_one_line(capsys, argv, message):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+def test_the_readme_quick_start_parses():
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    block = re.search(r"## Serving over HTTP.*?```bash\n(.*?)```", text, re.S).group(1)
+    line = next(line for line in block.splitlines() if line.startswith("kvcache-op serve"))
+    args = build_parser().parse_args(line.split("#")[0].split()[1:])
+    assert args.command == "serve" and args.port == 8000 and args.host == "127.0.0.1"
+    assert f"model='{pathlib.Path(args.model).name}'" in block  # the model id clients send: the folder's name

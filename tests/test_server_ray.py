@@ -1,0 +1,36 @@
+"""``kvcache-op serve --replicas 2``: the same app as two Ray Serve replicas on loopback, each with its own engine;
+requests spread over both and every answer is the model's own greedy text."""
+
+import concurrent.futures
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("ray.serve", reason="the Ray Serve deployment needs the 'ray' extra: pip install '.[ray]'")
+httpx = pytest.importorskip("httpx")
+
+from conftest import SERVER_API_KEY  # noqa: E402
+
+from kvcache_op.hf.verify import reference_generate  # noqa: E402
+from kvcache_op.serve_command import ServerProcess  # noqa: E402
+
+
+def test_two_replicas_answer_with_the_models_own_text(served_checkpoint, tmp_path):
+    folder, model, tokenizer = served_checkpoint
+    prompts = [f"hello world {i}" for i in range(16)]
+    want = [tokenizer.decode(reference_generate(model, tokenizer(p)["input_ids"], 6), skip_special_tokens=True)
+            for p in prompts]
+    with ServerProcess(folder, "--replicas", 2, "--api-key", SERVER_API_KEY, "--cache-dir", tmp_path,
+                       "--num-pages", 64, "--model-name", "tiny", lifetime=300, start_timeout=240) as server:
+        def ask(prompt):
+            reply = httpx.post(server.url + "/v1/completions", timeout=120,
+                               headers={"Authorization": f"Bearer {SERVER_API_KEY}"},
+                               json={"model": "tiny", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+            assert reply.status_code == 200, reply.text
+            return reply.json()["choices"][0]["text"], reply.headers["x-kvcache-op-engine"]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, prompts))
+        assert [text for text, _ in answers] == want
+        assert len({engine for _, engine in answers}) == 2, "both replicas should have answered"
+        unauthorized = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=60)
+        assert unauthorized.status_code == 401
