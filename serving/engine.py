@@ -15,6 +15,7 @@ held before, and its tokens do not depend on memory pressure or on the step's to
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import numpy as np
@@ -108,8 +109,11 @@ class Engine(OnlineEngine):
         ``max_new_tokens`` here); ``self.last_logprobs[i]`` holds what ``logprobs`` asks for, per token.
         ``salts[i]`` (str/bytes/None) isolates request ``i``'s prefix cache. ``on_token(i, token)`` streams each
         token as it is chosen.
-        ``arrival_steps[i]``: the step at which request ``i`` arrives (default all at once).
-        ``record_logits``: also keep each chosen token's logits (``self.last_logits[i]``, one row per token)."""
+        ``arrival_steps[i]``: the step at which request ``i`` arrives, counted from the engine's next step (default
+        all at once). ``record_logits``: also keep each chosen token's logits (``self.last_logits[i]``, one row per
+        token). The batch call over :meth:`submit`: its requests join the continuous batch with whatever else runs
+        (submitted requests, other threads' ``generate`` calls) and the call returns when all are done; safe from
+        any thread. ``last_logprobs``/``last_logits`` are those of the call that finished last."""
         count = len(prompts)
         for name, given in (("salts", salts), ("arrival_steps", arrival_steps)):
             if given is not None and (isinstance(given, (str, bytes)) or not hasattr(given, "__len__")):
@@ -129,29 +133,25 @@ class Engine(OnlineEngine):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         per_request = self._sampling(params, count)
-        waiting = collections.deque(sorted(
-            (self._new_sequence(i, self._token_ids(p, i), max_new_tokens, s, a, per_request[i]) for i, (p, s, a) in
-             enumerate(zip(prompts, salts, arrivals))), key=lambda q: (q.arrival, q.index)))
-        for q in waiting:
-            self._check_fits(q, max_new_tokens, f"prompt {q.index}")
-        with self._lock:  # the call's requests run alone; submitted ones wait (keeping their pages)
-            self.last_logits = [[] for _ in range(count)] if record_logits else None
-            self.last_logprobs = [q.logprobs for q in sorted(waiting, key=lambda q: q.index)]
-            running, results = [], [None] * count
-            start, step = time.perf_counter(), 0
-            try:
-                while waiting or running:
-                    if not running and waiting[0].arrival > step:
-                        step = waiting[0].arrival  # nothing to run until the next arrival
-                    self._step(step, waiting, running, results, on_token)
-                    step += 1
-            except BaseException:  # the engine stays usable: nothing of this call keeps pages
-                for q in running:
-                    self.manager.finish(q.index)
-                raise
-            finally:
-                self._times["wall"] += time.perf_counter() - start
-            return results
+        sequences = [self._new_sequence(None, self._token_ids(p, i), max_new_tokens, s, a, per_request[i])
+                     for i, (p, s, a) in enumerate(zip(prompts, salts, arrivals))]
+        for i, q in enumerate(sequences):
+            self._check_fits(q, max_new_tokens, f"prompt {i}")
+            if record_logits:
+                q.logits = []
+            if on_token is not None:
+                q.on_token = functools.partial(on_token, i)
+        handles = self._enqueue_batch(sequences)
+        try:
+            for handle in handles:
+                handle.result()
+        except BaseException:  # a failed step (or an interrupted caller): nothing of this call keeps running
+            for handle in handles:
+                handle.cancel()
+            raise
+        self.last_logits = [q.logits for q in sequences] if record_logits else None
+        self.last_logprobs = [q.logprobs for q in sequences]
+        return [q.generated for q in sequences]
 
     def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,
                       params: SamplingParams) -> Sequence:
@@ -217,7 +217,7 @@ class Engine(OnlineEngine):
         }
 
     # ---- one step --------------------------------------------------------------------------------------
-    def _step(self, step: int, waiting, running: list, results: list, on_token) -> None:
+    def _step(self, step: int, waiting, running: list) -> None:
         began = time.perf_counter()
         self._admit(step, waiting, running)
         plan = self._plan(waiting, running) if running else None
@@ -257,22 +257,18 @@ class Engine(OnlineEngine):
                 q.logprobs.append(top)
             q.next_input = [token]
             self._counters["generated_tokens"] += 1
-            if q.handle is not None:  # a submitted request streams to its handle
-                q.handle._push(token, top)
-            elif self.last_logits is not None:
-                self.last_logits[q.index].append(logits[row].copy())
-            if on_token is not None:
-                on_token(q.index, token)
+            q.handle._push(token, top)
+            if q.logits is not None:
+                q.logits.append(logits[row].copy())
+            if q.on_token is not None:
+                q.on_token(token)
             stops = token in q.params.stop_token_ids or (token in self.info.eos_token_ids and not q.params.ignore_eos)
             if q.stop_matcher is not None:  # stop strings: the text this token completes
                 stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
             if len(q.generated) >= q.max_new_tokens or stops:
                 self.manager.finish(q.index)
                 running.remove(q)
-                if q.handle is not None:
-                    q.handle._finish("stop" if stops else "length")
-                else:
-                    results[q.index] = q.generated
+                q.handle._finish("stop" if stops else "length")
         done = time.perf_counter()
         self._times["scheduling"] += done - ran  # commit and finishing are manager work
         if self.step_trace is not None:

@@ -1,10 +1,10 @@
 """The engine's online face: requests submitted from any thread while others run, stepped by one background
 thread (continuous batching across calls), their tokens streamed to a :class:`RequestHandle` as they are chosen.
 
-One lock serializes everything that touches the engine's state: a step of the background thread, a
-``submit``, and a whole :meth:`Engine.generate` call (its requests run alone; submitted ones wait, keeping
-their pages, and go on after it). A step never runs concurrently with another, so the cache manager needs
-no locking of its own.
+One lock serializes everything that touches the engine's state: a step of the background thread, the queueing of
+a ``submit`` or of a :meth:`Engine.generate` batch (whose requests then run in the continuous batch like submitted
+ones), and ``metrics()``. A step never runs concurrently with another, so the cache manager needs no locking of
+its own.
 """
 
 from __future__ import annotations
@@ -174,20 +174,32 @@ class OnlineEngine:
             params = SamplingParams()
         self._sampling(params, 1)  # its type and what this engine supports
         salt_bytes(salt)
+        q = self._new_sequence(None, self._token_ids(prompt, "submitted"), params.max_tokens, salt, 0, params)
+        self._check_fits(q, params.max_tokens, "submitted request")
         with self._lock:
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            number = next(self._online_ids)
-            q = self._new_sequence(("submitted", number), self._token_ids(prompt, f"submitted {number}"),
-                                   params.max_tokens, salt, 0, params)
-            self._check_fits(q, params.max_tokens, f"submitted request {number}")
-            q.handle = RequestHandle(q.index)
-            self._online_waiting.append(q)
+            return self._enqueue_batch([q])[0]
+
+    def _enqueue_batch(self, sequences: list) -> list:
+        """Queues checked sequences (their ``arrival``: steps after the engine's next step), each under a new
+        request id with a new handle, in arrival order, and makes sure the background thread runs. Returns the
+        handles."""
+        with self._lock:
+            base = self._online_step
+            for q in sequences:
+                q.index = next(self._online_ids)
+                q.arrival += base
+                q.handle = RequestHandle(q.index)
+                place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
+                while place and self._online_waiting[place - 1].arrival > q.arrival:
+                    place -= 1
+                self._online_waiting.insert(place, q)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
                 self._thread.start()
             self._work.notify()
-        return q.handle
+        return [q.handle for q in sequences]
 
     @property
     def queue_length(self) -> int:
@@ -201,7 +213,8 @@ class OnlineEngine:
 
     def close(self, timeout: float = None) -> None:
         """Cancels every submitted request still queued or running and stops the background thread (waiting up
-        to ``timeout`` seconds for it). ``generate`` still works afterwards; ``submit`` does not."""
+        to ``timeout`` seconds for it). ``generate`` still works afterwards (it starts the thread again); ``submit``
+        does not."""
         with self._lock:
             self._closed = True
             for q in list(self._online_waiting) + self._online_running:
@@ -221,9 +234,11 @@ class OnlineEngine:
                         return
                     self._work.wait()
                     self._drop_cancelled()
+                if not self._online_running and self._online_waiting[0].arrival > self._online_step:
+                    self._online_step = self._online_waiting[0].arrival  # nothing to run before the next arrival
                 began = time.perf_counter()
                 try:
-                    self._step(self._online_step, self._online_waiting, self._online_running, None, None)
+                    self._step(self._online_step, self._online_waiting, self._online_running)
                 except BaseException as error:  # nothing of a failed step keeps pages; its requests fail
                     for q in self._online_running:
                         self.manager.finish(q.index)

@@ -7,7 +7,7 @@ import dataclasses
 
 @dataclasses.dataclass
 class Sequence:
-    index: object  # generate(): the position in its batch of prompts; submit(): ("submitted", n)
+    index: object  # the manager's request id: ("request", n), unique for the engine's life
     prompt: list
     max_new_tokens: int
     salt: object
@@ -19,7 +19,9 @@ class Sequence:
     logprobs: list = dataclasses.field(default_factory=list)
     admissions: int = 0
     ran: bool = False  # ran at least one step since its last admission
-    handle: object = None  # submit(): the RequestHandle its tokens stream to
+    handle: object = None  # the RequestHandle its tokens stream to
+    on_token: object = None  # generate(on_token=...): called with each token as it is chosen
+    logits: list = None  # generate(record_logits=True): each chosen token's logits
     text_stream: object = None  # with stop strings: its TextStream and StopMatcher
     stop_matcher: object = None
 

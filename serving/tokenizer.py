@@ -1,9 +1,9 @@
 """Text to token ids and back for a served checkpoint: its tokenizer and chat template through ``transformers``'
-``AutoTokenizer`` (the ``tokenizers`` fast path), and its end-of-sequence ids."""
+``AutoTokenizer`` (the ``tokenizers`` fast path). Its end-of-sequence ids travel in the exported file's metadata
+(the config's and the generation config's)."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 
 
@@ -18,18 +18,6 @@ def load_tokenizer(folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
-
-
-def checkpoint_eos_ids(folder) -> tuple:
-    """The end-of-sequence ids the checkpoint's ``generation_config.json`` names (falling back to
-    ``config.json``), as a tuple; empty when neither names any."""
-    for name in ("generation_config.json", "config.json"):
-        path = pathlib.Path(folder) / name
-        if path.is_file():
-            eos = json.loads(path.read_text()).get("eos_token_id")
-            if eos is not None:
-                return tuple(int(t) for t in (eos if isinstance(eos, list) else [eos]))
-    return ()
 
 
 def has_chat_template(tokenizer) -> bool:

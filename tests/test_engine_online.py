@@ -96,6 +96,27 @@ def test_generate_runs_beside_submitted_requests(path, lone):
     engine.close(timeout=30)
 
 
+def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
+    engine = Engine(path, num_pages=96, trace_steps=True)
+    long = engine.submit(PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True))  # runs through all the calls
+    results = {}
+
+    def call(k):
+        results[k] = engine.generate([PROMPTS[k], PROMPTS[(k + 1) % len(PROMPTS)]], 8)
+    threads = [threading.Thread(target=call, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == {k: [lone[k], lone[(k + 1) % len(PROMPTS)]] for k in range(4)}
+    assert not long.done, "the long request should still be running"
+    # The calls' requests ran in steps beside the submitted one (and beside each other), not after it.
+    assert max(t["sequences"] for t in engine.step_trace) >= 3
+    long.cancel()
+    engine.close(timeout=30)
+    assert long.finish_reason == "cancelled" and engine.metrics()["pages_in_use"] == 0
+
+
 @pytest.mark.parametrize("args, kwargs, error, message", [
     (([],), {}, ValueError, "must be a non-empty list of token ids"),
     (([1, 2.5],), {}, TypeError, "token ids must be integers"),
