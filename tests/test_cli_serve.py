@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from kvcache_op.cli import build_parser, main  # noqa: E402
 from kvcache_op.export_command import tokenizer_folder  # noqa: E402
-from kvcache_op.serve_command import resolve_model  # noqa: E402
+from kvcache_op.serve_command import API_KEY_VARIABLE, api_key_of, resolve_model  # noqa: E402
 
 
 def test_a_checkpoint_folder_is_exported_once_then_reused_until_it_changes(served_checkpoint, tmp_path):
@@ -61,3 +61,12 @@ def test_the_readme_quick_start_parses():
     args = build_parser().parse_args(line.split("#")[0].split()[1:])
     assert args.command == "serve" and args.port == 8000 and args.host == "127.0.0.1"
     assert f"model='{pathlib.Path(args.model).name}'" in block  # the model id clients send: the folder's name
+
+
+def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch):
+    monkeypatch.delenv(API_KEY_VARIABLE, raising=False)
+    assert api_key_of(None) is None
+    monkeypatch.setenv(API_KEY_VARIABLE, "from-env")
+    assert api_key_of(None) == "from-env" and api_key_of("from-flag") == "from-flag"
+    monkeypatch.setenv(API_KEY_VARIABLE, "")
+    assert api_key_of(None) is None

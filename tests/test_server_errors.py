@@ -121,6 +121,15 @@ def test_a_full_queue_answers_503_with_retry_after(exported, served_checkpoint):
         assert _error(reply, 503)["type"] == "server_overloaded" and reply.headers["retry-after"] == "1"
 
 
+def test_the_prompt_limit_is_a_clear_400(exported, served_checkpoint):
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(exported, served_checkpoint[2], max_prompt_tokens=5)) as client:
+        error = _error(client.post("/v1/completions", json={**GOOD, "prompt": [1, 2, 3, 4, 5, 6]}), 400)
+        assert error["param"] == "prompt" and "over the limit of 5" in error["message"]
+        assert client.post("/v1/completions", json={**GOOD, "prompt": [1, 2, 3, 4, 5]}).status_code == 200
+
+
 JSON = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8),
                     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
                     max_leaves=12)

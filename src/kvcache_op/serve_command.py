@@ -70,6 +70,11 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
                      "pass --tokenizer DIR")
 
 
+def api_key_of(given) -> str:
+    """The API key the server requires: ``--api-key``, else ``$KVCACHE_OP_API_KEY``, else None (no key)."""
+    return given or os.environ.get(API_KEY_VARIABLE) or None
+
+
 def listening_socket(host: str, port: int) -> socket.socket:
     """A bound, listening TCP socket (port 0: a free one, read back from the socket)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -88,7 +93,7 @@ def serve(args) -> int:
     if args.host not in LOOPBACK and not args.allow_remote:
         raise ValueError(f"--host {args.host} is not loopback: pass --allow-remote to listen on other interfaces "
                          "(and set an API key)")
-    api_key = args.api_key or os.environ.get(API_KEY_VARIABLE) or None
+    api_key = api_key_of(args.api_key)
     settings = {"page_size": args.page_size, "quant_bit": args.quant_bit, "dtype": args.dtype}
     path, tokenizer_dir = resolve_model(args.model, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
                                         settings=settings)
