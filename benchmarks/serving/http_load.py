@@ -10,7 +10,6 @@ token and inter-token latency (p50/p99) as the client sees them. Bounded in requ
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import numpy as np
 from ...arguments import OneLineParser, at_least, out_folder, positive_seconds
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
+from .report import command_line, publish
 from .online import percentiles
 
 SYSTEM_PROMPTS = ["You are a careful assistant. Answer briefly and cite the cache page you read. " * 2,
@@ -115,18 +115,13 @@ def main(argv=None) -> int:
                            lifetime=3 * args.time_limit + 120) as server:
             print(f"load: {args.requests} requests at {args.rate}/s on {server.url} ...", file=sys.stderr, flush=True)
             load = asyncio.run(drive(server.url, key, args.requests, args.rate, args.max_tokens, args.time_limit))
-    command = "python -m kvcache_op.benchmarks.serving.http_load " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("kvcache_op.benchmarks.serving.http_load", argv)
     result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; server and "
                         f"client on one machine (loopback); {args.model} Llama ({model.config.num_hidden_layers} x "
                         f"{model.config.hidden_size}), streamed chat requests over 4 shared system prompts, "
                         f"{args.max_tokens} new tokens each",
               "load": load}
-    text = table(result)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "README.md").write_text("# HTTP load on kvcache-op serve\n\n" + text)
+    publish(args.out, "HTTP load on kvcache-op serve", result, table(result))
     return 0 if load["completed"] else 1
 
 

@@ -7,7 +7,6 @@ batch call (all at once). Requests share a few system prompts (as a server's do)
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import numpy as np
 from ...arguments import OneLineParser, at_least, out_folder
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
+from .report import command_line, publish
 
 
 def workload(requests: int, vocab: int, seed: int = 0) -> list:
@@ -122,17 +122,12 @@ def main(argv=None) -> int:
         online_engine.close(timeout=60)
         print("batch: the same requests in one generate call ...", file=sys.stderr, flush=True)
         batch = run_batch(Engine(path, num_pages=args.num_pages), prompts, args.max_tokens)
-    command = "python -m kvcache_op.benchmarks.serving.online " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = command_line("kvcache_op.benchmarks.serving.online", argv)
     result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
                         f"({model.config.num_hidden_layers} x {model.config.hidden_size}), {args.requests} requests of 80 prompt tokens (4 shared system prompts) + "
                         f"{args.max_tokens} new tokens",
               "online": online, "batch": batch, "online_host_share": host_share(online_engine)}
-    text = table(result)
-    print(text)
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
-        (args.out / "README.md").write_text("# Online serving latency\n\n" + text)
+    publish(args.out, "Online serving latency", result, table(result))
     return 0
 
 
