@@ -76,6 +76,10 @@ class Engine(OnlineEngine):
         if window is not None:  # only the window (and one step's tokens) is ever held
             held = min(held, window + max_batch_tokens + 2 * ps)
         if streaming is not None:  # StreamingLLM bounds what is held, not how long a request runs
+            if streaming.mode == "shift" and not info.inv_freq:
+                raise ValueError("StreamingLLM's key shift needs the model's rotary frequencies, and no single set "
+                                 "moves this model's cached keys (its export found none): use "
+                                 "StreamingPolicy(sinks, budget_pages, \"reevaluate\")")
             held, limit = streaming.budget_pages * ps, None
         self.max_context = limit
         # A StreamingLLM step must fit the budget after dropping every page but the sinks.

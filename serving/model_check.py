@@ -29,8 +29,9 @@ _FIELDS = {
     "vocab_size": ("an integer >= 1", lambda v: _INT(v) and v >= 1),
     "max_positions": ("an integer >= 1", lambda v: _INT(v) and v >= 1),
     "sliding_windows": ("a list of integers >= 0", lambda v: isinstance(v, tuple) and all(_INT(w) and w >= 0 for w in v)),
-    "inv_freq": ("a non-empty list of finite numbers > 0",
-                 lambda v: isinstance(v, tuple) and len(v) > 0 and all(_NUMBER(f) and 0 < f < math.inf for f in v)),
+    # Empty: no single set of frequencies moves the model's cached keys (StreamingLLM's shift is unavailable).
+    "inv_freq": ("a list of finite numbers > 0",
+                 lambda v: isinstance(v, tuple) and all(_NUMBER(f) and 0 < f < math.inf for f in v)),
     "softmax_scale": ("a finite number > 0", lambda v: _NUMBER(v) and 0 < v < math.inf),
     "eos_token_ids": ("a list of integers >= 0", lambda v: isinstance(v, tuple) and all(_INT(t) and t >= 0 for t in v)),
     "page_size": ("an integer >= 1", lambda v: _INT(v) and v >= 1),

@@ -32,7 +32,8 @@ class DecoderSizes:
     vocab_size: int
     max_positions: int
     sliding_windows: tuple  # per layer, 0 = full attention
-    inv_freq: tuple  # rotary inverse frequencies (float32 values); rotary dim = 2 * len(inv_freq)
+    inv_freq: tuple  # rotary inverse frequencies (float32 values); rotary dim = 2 * len(inv_freq); empty when no
+    # single set of frequencies moves the model's cached keys (per-layer-type rotary, interleaved pairs, ...)
     softmax_scale: float
     eos_token_ids: tuple  # generation stops after any of them; empty = never
 

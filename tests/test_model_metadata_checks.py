@@ -47,7 +47,7 @@ def _edited(tmp_path, settings=None, **changes):
     (dict(softmax_scale="Infinity"), "'softmax_scale' is not JSON: 'Infinity'"),
     (dict(inv_freq="[NaN, 1.0]"), "'inv_freq' is not JSON"),
     (dict(inv_freq="[" + ", ".join(["0.5"] * 9) + "]"), "a rotary dim of 18 > head_dim = 16"),
-    (dict(inv_freq="[]"), "inv_freq = () (must be a non-empty list of finite numbers > 0)"),
+    (dict(inv_freq="[-1.0]"), "inv_freq = (-1.0,) (must be a list of finite numbers > 0)"),
 ])
 def test_a_contradicted_or_invalid_value_is_refused_by_name(tmp_path, changes, message):
     path = _edited(tmp_path, **changes)

@@ -159,7 +159,7 @@ def test_streaming_shift_rotates_kept_keys_to_their_new_positions():
         x = layer0.input_layernorm(model.model.embed_tokens(torch.tensor(history[:computed])))
         k = layer0.self_attn.k_proj(x).view(computed, 2, 16)
         cos, sin = model.model.rotary_emb(k, torch.arange(computed)[None])
-        from kvcache_op.hf.decoder import rotate_half
+        from transformers.models.llama.modeling_llama import rotate_half  # the model's own rotation
         want = (k * cos[0][:, None] + rotate_half(k) * sin[0][:, None]).numpy()
     slots = np.array([pages[p // 16] * 16 + p % 16 for p in range(computed)])
     got = cache[0, 0][:, slots].transpose(1, 0, 2)  # layer 0's keys: (positions, H, Dh)

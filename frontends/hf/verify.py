@@ -11,7 +11,7 @@ from transformers import DynamicCache, GenerationConfig
 
 from ..reference.quantize import dequantize, quantize
 from ..serving.model_info import ModelInfo
-from .decoder import decoder_sizes
+from .structure import eos_token_ids
 
 _TORCH = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -61,7 +61,7 @@ def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> lis
     # generate fills what a passed config leaves at its defaults from the model's own, so the model's is
     # swapped for the duration of the call.
     config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0,
-                              eos_token_id=list(decoder_sizes(model).eos_token_ids) or None)
+                              eos_token_id=list(eos_token_ids(model)) or None)
     saved, model.generation_config = model.generation_config, config
     try:
         with torch.no_grad():  # an explicit mask: generate would otherwise mask every token equal to the pad id

@@ -1,0 +1,190 @@
+"""What a ``transformers`` causal LM is, read from its structure and from probing its own forward, never from its
+family name: the attention heads and windows every layer calls attention with, whether every layer attends through
+the attention interface at all, whether its keys rotate as KeyCacheRotaryShift rotates them, and finally whether
+its forward with attention routed to the ops gives its own logits. What the packed graph cannot express exactly is
+refused with a ``ValueError`` naming the feature: no model exports and serves wrong tokens silently."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..reference.rotary import rotate
+from ..serving.model_info import DecoderSizes
+from .packed_attention import PackedStep, stepping
+
+# Rotary types whose inverse frequencies depend on the sequence length at run time: they cannot be one static
+# graph, and a cache of keys rotated under one length would be wrong under another.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+_PROBE_TOKEN, _PROBE_POSITION, _PROBE_SHIFT = 3, 5, 7
+
+
+def text_config(model):
+    """The config that describes the decoder (a multimodal config's text config)."""
+    config = model.config
+    return getattr(config, "text_config", None) or config
+
+
+def probe(model, input_ids, positions) -> dict:
+    """layer_idx -> the settings (and, for this check, the keys) each attention is called with when the model runs
+    ``input_ids`` at ``positions`` as one packed row; attention outputs zeros, nothing is stored."""
+    step = PackedStep(inputs={}, cache=None, sizes=None, probe=True)
+    with torch.no_grad(), stepping(model, step):
+        _routed_forward(model, dict(input_ids=torch.tensor([input_ids]), position_ids=torch.tensor([positions]),
+                                    use_cache=False, logits_to_keep=1))
+    return step.seen
+
+
+def _routed_forward(model, arguments: dict):
+    """The model's forward with attention routed to the ops; a failure there is a ``ValueError`` saying so."""
+    try:
+        return model(**arguments)
+    except Exception as error:  # noqa: BLE001 - any failure means the model needs what the route does not give
+        raise ValueError(f"the model's forward fails with its attention routed to the ops ({type(error).__name__}: "
+                         f"{error}): it needs an attention mask or attention weights the packed graph does not "
+                         f"have (ALiBi, a custom mask, ...)") from None
+
+
+def check_routing(model, sizes: DecoderSizes, tokens: int = 40) -> float:
+    """Runs ``tokens`` tokens through the model's own forward and through its forward with attention routed to the
+    ops (a scratch float32 cache, one prefill), and returns the largest logit difference; ``ValueError`` when they
+    differ beyond float32 noise: then the model attends in a way the ops do not express (a mask with a bias, an
+    attention it changes after the interface, ...), and exporting it would serve wrong tokens."""
+    from .. import torch as kt
+    from .decoder import CacheSettings
+
+    tokens = min(tokens, sizes.max_positions)
+    ids = torch.arange(tokens)[None] * 7 % sizes.vocab_size
+    settings = CacheSettings(page_size=16)
+    pages = -(-tokens // settings.page_size)
+    cache, _ = kt.new_cache(num_layer=sizes.num_layers, max_tokens=pages * settings.page_size,
+                            heads=sizes.num_kv_heads, head_dim=sizes.head_dim, dtype=torch.float32,
+                            cache_layout=settings.cache_layout)
+    inputs = dict(seqstarts=torch.tensor([0, tokens]), kvstarts=torch.tensor([0, tokens]),
+                  cachestarts=torch.arange(pages)[None] * settings.page_size, start_pos=torch.tensor([0]),
+                  decoding_batches=torch.tensor(0), max_seqlen=torch.tensor(tokens), max_kvlen=torch.tensor(tokens),
+                  cache=cache, scale=None)
+    with torch.no_grad():
+        own = model(input_ids=ids, use_cache=False).logits[0].float()
+        step = PackedStep(inputs=inputs, cache=settings, sizes=sizes)
+        with stepping(model, step):
+            routed = _routed_forward(model, dict(input_ids=ids, position_ids=torch.arange(tokens)[None],
+                                                 use_cache=False)).logits[0].float()
+    gap = float((own - routed).abs().max())
+    if not gap <= 1e-3 * max(1.0, float(own.abs().max())):
+        raise ValueError(f"the model's forward with attention routed to the ops differs from its own by {gap:.3g} "
+                         f"in the logits of a {tokens}-token prompt: it attends in a way the ops do not express "
+                         f"(a biased or custom mask, attention changed after the interface, ...)")
+    return gap
+
+
+def _refuse_unexpressible(model, config) -> None:
+    compute = next(model.parameters()).dtype
+    if compute == torch.bfloat16:
+        raise ValueError("the model computes in bfloat16, which ONNX Runtime's CPU EP has no kernels for: pass "
+                         "model.float() (a checkpoint folder is loaded in float32); dtype= still sets the cache's "
+                         "element type")
+    if getattr(config, "kv_lora_rank", None):
+        raise ValueError("multi-head latent attention (kv_lora_rank): its cache holds compressed latents, not "
+                         "per-head keys and values")
+    other = sorted(set(getattr(config, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    if other:
+        raise ValueError(f"layer types {', '.join(other)}: only full and sliding-window softmax attention run on the "
+                         f"paged cache (linear, recurrent or chunked attention does not)")
+    for name, module in model.named_modules():
+        rope_type = getattr(module, "rope_type", None)
+        if isinstance(rope_type, str) and rope_type in LENGTH_DEPENDENT_ROPE:
+            raise ValueError(f"rope type {rope_type!r} ({name}) changes its frequencies with the sequence length; the "
+                             f"packed graph needs static frequencies (default, linear, llama3, yarn, ...)")
+    if getattr(config, "max_position_embeddings", None) is None:
+        raise ValueError("the config names no max_position_embeddings: the engine needs the longest context")
+
+
+def _uniform(seen: dict, field: str, what: str):
+    values = {s[field] for s in seen.values()}
+    if len(values) != 1:
+        raise ValueError(f"layers differ in {what} ({sorted(values)}): one paged cache needs one shape for all")
+    return values.pop()
+
+
+def _expected_windows(config, num_layers: int) -> list:
+    """Which layers the config says attend through a sliding window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [t == "sliding_attention" for t in layer_types]
+    return [bool(window) and getattr(config, "use_sliding_window", True) is not False] * num_layers
+
+
+def _shift_frequencies(model, seen: dict, shifted: dict) -> tuple:
+    """The rotary inverse frequencies KeyCacheRotaryShift must use to move this model's cached keys, or () when no
+    single set of frequencies does: every layer's key at position p, rotated by the shift, must equal the model's
+    own key at p + shift (probed with attention zeroed, so keys depend only on the token and its position)."""
+    candidates = {tuple(m.inv_freq.detach().float().tolist()) for m in model.modules()
+                  if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    if len(candidates) != 1:
+        return ()
+    inv_freq = np.array(candidates.pop(), np.float64)
+    angle = _PROBE_SHIFT * inv_freq
+    cos, sin = np.cos(angle)[None, :].astype(np.float32), np.sin(angle)[None, :].astype(np.float32)
+    rotary_dim = 2 * len(inv_freq)
+    for layer, record in seen.items():
+        before = record["key"][0, :, 0, :].numpy()  # [Hkv, Dh] of the one token
+        after = shifted[layer]["key"][0, :, 0, :].numpy()
+        if rotary_dim > before.shape[-1]:
+            return ()
+        moved = rotate(before[:, None, :], cos, sin, rotary_dim, False)[:, 0, :]
+        if not np.allclose(moved, after, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(after).max()))):
+            return ()
+    return tuple(float(f) for f in inv_freq.astype(np.float32))
+
+
+def decoder_sizes(model) -> DecoderSizes:
+    """The decoder's sizes, per-layer windows, softmax scale, stop ids and (when its keys rotate as the shift op
+    rotates them) rotary frequencies, from probing its own forward; ``ValueError`` naming what the packed graph
+    cannot express."""
+    config = text_config(model)
+    _refuse_unexpressible(model, config)
+    num_layers = config.num_hidden_layers
+    seen = probe(model, [_PROBE_TOKEN], [_PROBE_POSITION])
+    layers = sorted(k for k in seen if isinstance(k, int))
+    if layers != list(range(num_layers)):
+        missing = sorted(set(range(num_layers)) - set(layers))
+        raise ValueError(f"layers {missing} of {num_layers} do not attend through transformers' attention interface "
+                         f"(linear or recurrent attention, or a custom attention): they cannot use the paged cache")
+    heads = _uniform(seen, "heads", "query heads")
+    kv_heads = _uniform(seen, "kv_heads", "key/value heads")
+    head_dim = _uniform(seen, "head_dim", "head size")
+    if _uniform(seen, "value_dim", "value head size") != head_dim:
+        raise ValueError(f"value heads of {seen[0]['value_dim']} dims against keys of {head_dim}: the cache stores "
+                         f"keys and values of one head size")
+    if heads % kv_heads:
+        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    scaling = _uniform(seen, "scaling", "softmax scale")
+    windows = tuple(seen[i]["sliding_window"] for i in range(num_layers))
+    for i, expected in enumerate(_expected_windows(config, num_layers)):
+        if expected and not windows[i]:
+            raise ValueError(f"layer {i} has a sliding window in its config that its attention does not pass to the "
+                             f"attention interface (applied through the mask only): the ops would attend further")
+    shifted = probe(model, [_PROBE_TOKEN], [_PROBE_POSITION + _PROBE_SHIFT])
+    sizes = DecoderSizes(config.model_type, num_layers, heads, kv_heads, head_dim, config.vocab_size,
+                         config.max_position_embeddings, windows, _shift_frequencies(model, seen, shifted),
+                         scaling if scaling else head_dim ** -0.5, eos_token_ids(model))
+    check_routing(model, sizes)
+    return sizes
+
+
+def eos_token_ids(model) -> tuple:
+    """The ids generation stops after: the config's and the generation config's (chat checkpoints keep their
+    end-of-turn id in the latter)."""
+    eos = _ids(getattr(text_config(model), "eos_token_id", None)) + _ids(
+        getattr(getattr(model, "generation_config", None), "eos_token_id", None))
+    return tuple(dict.fromkeys(eos))
+
+
+def _ids(value) -> tuple:
+    """None, an id or a list of ids as a tuple of ints."""
+    if value is None:
+        return ()
+    return tuple(int(v) for v in (value if isinstance(value, (list, tuple)) else [value]))

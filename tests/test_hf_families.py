@@ -1,0 +1,127 @@
+"""Any transformers decoder exports through its own forward: for every family below (tiny random-weight
+configs), the engine serving the exported graph gives transformers' own greedy tokens, for prompts that share a
+prefix, prompts longer than any sliding window and short ones. What the graph cannot express is refused from the
+model's structure, never by family name."""
+
+import onnx
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op.hf import export_model, tiny_model  # noqa: E402
+from kvcache_op.hf.tiny import FAMILY_DEFAULTS  # noqa: E402
+from kvcache_op.hf.verify import reference_generate  # noqa: E402
+from kvcache_op.serving import Engine, ModelInfo  # noqa: E402
+
+SHARED = list(range(5, 37))  # two full pages of 16 shared by the first two prompts
+PROMPTS = [SHARED + list(range(40, 50)), SHARED + [7, 8, 9], list(range(100, 140)), [200, 201, 202]]
+# Families whose keys are not moved by one set of rotary frequencies (per-layer-type rotary): no StreamingLLM shift.
+NO_SHIFT = {"gemma3_text"}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_DEFAULTS))
+def test_the_served_export_gives_the_models_own_greedy_tokens(family):
+    model = hf_models.model(family)
+    want = [reference_generate(model, p, 10) for p in PROMPTS]
+    assert len({t for tokens in want for t in tokens}) >= 10, f"{family}: degenerate reference {want}"
+    path = hf_models.exported(family, page_size=8)
+    engine = Engine(path, num_pages=64)
+    assert engine.generate(PROMPTS, 10) == want
+    assert engine.metrics()["prefix_hit_tokens"] > 0
+    info = ModelInfo.of_model(path)
+    window = model.config.sliding_window if getattr(model.config, "sliding_window", None) else 0
+    assert max(info.sliding_windows) == window  # the window every sliding layer passed to the interface
+    assert bool(info.inv_freq) == (family not in NO_SHIFT)
+
+
+def test_a_model_without_one_rotary_refuses_the_key_shift_but_reevaluates():
+    from kvcache_op.manager import StreamingPolicy
+
+    path = hf_models.exported("gemma3_text", page_size=8)
+    with pytest.raises(ValueError, match="StreamingLLM's key shift needs the model's rotary frequencies"):
+        Engine(path, num_pages=16, streaming=StreamingPolicy(4, 4, "shift"))
+    engine = Engine(path, num_pages=16, streaming=StreamingPolicy(4, 4, "reevaluate"))
+    assert len(engine.generate([list(range(5, 45))], 8)[0]) == 8
+
+
+def test_softcapping_reaches_the_attention_nodes():
+    model = hf_models.model("gemma2")
+    nodes = [n for n in onnx.load(hf_models.exported("gemma2", page_size=8), load_external_data=False).graph.node
+             if n.op_type == "MultiHeadCacheAttention"]
+    softcaps = {a.f for n in nodes for a in n.attribute if a.name == "softcap"}
+    windows = [next((a.i for a in n.attribute if a.name == "sliding_window"), 0) for n in nodes]  # 0: omitted
+    assert softcaps == {model.config.attn_logit_softcapping}
+    assert windows == [24 if t == "sliding_attention" else 0 for t in model.config.layer_types]
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "mixtral"])
+def test_an_int8_cache_agrees_with_the_model_on_the_same_quantized_cache(family):
+    from kvcache_op.hf.verify import stored_kv
+
+    model = hf_models.model(family)
+    path = hf_models.exported(family, page_size=8, quant_bit=8)
+    rounding = stored_kv(ModelInfo.of_model(path))
+    got = Engine(path, num_pages=64).generate(PROMPTS, 8)
+    want = [reference_generate(model, p, 8, rounding) for p in PROMPTS]
+    agreement = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w)) / sum(map(len, want))
+    assert agreement >= 0.9, (agreement, got, want)
+
+
+def _tiny(family, **config):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **{**base, **config}),
+                                            attn_implementation="eager", dtype=torch.float32).eval()
+
+
+class _OwnAttention(torch.nn.Module):
+    """An attention that does not go through transformers' attention interface."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.inner.o_proj(self.inner.v_proj(hidden_states).repeat(1, 1, 2)), None
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: _tiny("deepseek_v3", kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                   v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+     "multi-head latent attention"),
+    (lambda: _tiny("qwen3_next", head_dim=16, linear_num_value_heads=2, linear_num_key_heads=2,
+                   linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                   moe_intermediate_size=32, shared_expert_intermediate_size=32),
+     "layer types linear_attention: only full and sliding-window softmax attention"),
+    (lambda: _tiny("falcon", alibi=True), "fails with its attention routed to the ops"),
+    (lambda: _tiny("bloom", n_layer=2, n_head=4), r"layers \[0, 1\] of 2 do not attend through"),
+    (lambda: tiny_model("llama", sliding_window=24, layer_types=["sliding_attention"] * 3),
+     "layer 0 has a sliding window in its config that its attention does not pass"),
+])
+def test_what_the_graph_cannot_express_is_refused_by_structure(tmp_path, make, message):
+    with pytest.raises(ValueError, match=message):
+        export_model(make(), tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def test_a_layer_with_its_own_attention_is_refused(tmp_path):
+    model = tiny_model("llama", seed=5)
+    model.model.layers[1].self_attn = _OwnAttention(model.model.layers[1].self_attn)
+    with pytest.raises(ValueError, match=r"layers \[1\] of 3 do not attend through transformers' attention interface"):
+        export_model(model, tmp_path / "x.onnx")
+
+
+def test_a_model_whose_attention_differs_after_the_interface_is_refused(tmp_path, monkeypatch):
+    """The last line of defence: a forward that runs routed but gives other logits (here: attention output
+    scaled after the interface, which a structural check cannot see) is refused."""
+    model = tiny_model("llama", seed=6)
+    attention = model.model.layers[0].self_attn
+    original = attention.o_proj.forward
+    monkeypatch.setattr(attention.o_proj, "forward",
+                        lambda x: original(x * (1.5 if model.config._attn_implementation != "eager" else 1.0)))
+    with pytest.raises(ValueError, match="differs from its own by"):
+        export_model(model, tmp_path / "x.onnx")
