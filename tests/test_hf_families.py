@@ -125,3 +125,9 @@ def test_a_model_whose_attention_differs_after_the_interface_is_refused(tmp_path
                         lambda x: original(x * (1.5 if model.config._attn_implementation != "eager" else 1.0)))
     with pytest.raises(ValueError, match="differs from its own by"):
         export_model(model, tmp_path / "x.onnx")
+
+
+def test_the_demo_offers_every_tested_family():
+    from kvcache_op.cli import DEMO_FAMILIES
+
+    assert DEMO_FAMILIES == tuple(sorted(FAMILY_DEFAULTS))

@@ -1,5 +1,7 @@
-"""Hugging Face ``transformers`` decoders (Llama, Mistral, Qwen2 families) exported as packed
-dynamic-batching ONNX graphs that use the ops; served by :class:`kvcache_op.serving.Engine`.
+"""Hugging Face ``transformers`` decoders exported as packed dynamic-batching ONNX graphs that use the ops, through
+the model's own forward with its attention routed to the ops (any family whose attention goes through transformers'
+attention interface; what the graph cannot express is refused by name); served by
+:class:`kvcache_op.serving.Engine`.
 
 Install with ``pip install "kvcache-op[hf]"`` (``transformers`` and the pinned torch). It may import
 ``kvcache_op.torch`` (the ops it exports), ``kvcache_op.serving`` (to check the engine against the model's own

@@ -13,6 +13,7 @@ from .. import torch as kt
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
+from .graph_rewrites import optimize_decoder
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Example sizes for tracing, pairwise different so no two dynamic axes are taken for one another:
@@ -77,9 +78,9 @@ def _cache_axis(settings: CacheSettings) -> int:
 
 def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 1, dtype=None,
                  quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False,
-                 metadata: dict = None) -> str:
-    """Exports a Llama/Mistral/Qwen2 causal LM (a ``transformers`` model or a local checkpoint folder) to
-    ``path`` and returns the path. The graph runs one step of a dynamic batch (see
+                 metadata: dict = None, optimize: bool = True) -> str:
+    """Exports a causal LM (a ``transformers`` model or a local checkpoint folder) to ``path`` through its own
+    forward, with its attention routed to the ops, and returns the path. The graph runs one step of a dynamic batch (see
     :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer's attention is one
     MultiHeadCacheAttention node reading one shared paged cache in place (``cache_mode=1``, ``layer_idx`` per
     layer), or with ``fused_attention=False`` the split pair KeyValueCache then MultiHeadAttention; the rest is
@@ -89,7 +90,9 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     layer's slots lie together, so the fused attention reads them as one stream (measured, 4 layers, head_dim 32:
     2.4 ms per layer in layout 1 against 7.6 ms in layout 0, whose slots interleave the layers). The file carries
     :class:`~kvcache_op.serving.ModelInfo` as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
-    progress; ``metadata``: more ``metadata_props`` to write (e.g. where the checkpoint came from). ``ValueError``
+    progress; ``metadata``: more ``metadata_props`` to write (e.g. where the checkpoint came from). ``optimize``
+    applies :func:`~kvcache_op.hf.graph_rewrites.optimize_decoder` (fused norms and sibling MatMuls, for every
+    family). ``ValueError``
     for a model or setting the graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
@@ -113,6 +116,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
                       dynamic_axes={**{n: axes[n] for n in names if n in axes}, OUTPUT_NAME: {0: "batch"}})
     with torch.no_grad():
         proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
+    if optimize:
+        proto, _ = optimize_decoder(proto)
     info = model_info(decoder)
     onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **(metadata or {}),
                                         **info.to_metadata()})

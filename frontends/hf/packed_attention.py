@@ -91,7 +91,8 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         step.seen[layer]["key"] = key.detach().clone()
         return query.new_zeros(query.shape[0], query.shape[2], heads, value.shape[-1]), None
     c, s, sizes = step.cache, step.inputs, step.sizes
-    q, k, v = (t[0].transpose(0, 1).contiguous().to(c.dtype) for t in (query, key, value))  # [T, heads, Dh]
+    # [1, heads, T, Dh] -> [T, heads, Dh]: the transpose undoes the model's own, so the exported graph drops both.
+    q, k, v = (t.transpose(1, 2)[0].contiguous().to(c.dtype) for t in (query, key, value))
     cache_attributes = dict(num_layer=sizes.num_layers, layer_idx=layer, quant_bit=c.quant_bit,
                             quant_group=c.quant_group, cache_mode=1, cache_layout=c.cache_layout,
                             page_size=c.page_size)

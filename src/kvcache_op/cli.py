@@ -175,6 +175,11 @@ def _take_cuda_device(rest: list) -> bool:
     return False
 
 
+# kvcache_op.hf.tiny.FAMILY_DEFAULTS' keys, listed here so that building the parser imports no torch.
+DEMO_FAMILIES = ("gemma", "gemma2", "gemma3_text", "gpt_neox", "granite", "llama", "mistral", "mixtral", "olmo2", "phi3",
+                 "qwen2", "qwen3", "qwen3_moe", "stablelm")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(prog="kvcache-op", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvcache-op {__version__}")
@@ -182,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job: export a small transformers decoder with the ops, serve requests "
                                        "with continuous batching in ONNX Runtime, verify every token against "
                                        "transformers (needs the 'demo' extra)")
-    demo.add_argument("--family", choices=("llama", "mistral", "qwen2"), default="llama")
+    demo.add_argument("--family", choices=DEMO_FAMILIES, default="llama", help="the tiny decoder's family (default llama)")
     demo.add_argument("--requests", type=at_least(1), default=32)
     demo.add_argument("--new-tokens", type=at_least(1), default=16)
     demo.add_argument("--num-pages", type=at_least(1), default=24,

@@ -1,0 +1,79 @@
+"""Graph rewrites applied to every exported decoder, whatever its family: onnxscript's ONNX Runtime fusions (RMS
+norms, and residual adds with them, to ``SimplifiedLayerNormalization``/``SkipSimplifiedLayerNormalization``), and
+sibling MatMuls fused: the MatMuls that multiply one tensor by constant weights (q/k/v, gate/up) become one MatMul
+over the concatenated weights and a Split, so a decode step reads its activations once and runs one kernel."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+
+def _constant_matrix(value):
+    """The 2-D constant a MatMul multiplies by, or None."""
+    tensor = value.const_value if value is not None else None
+    if tensor is None:
+        return None
+    array = tensor.numpy()
+    return array if array.ndim == 2 else None
+
+
+def fuse_sibling_matmuls(model: ir.Model) -> int:
+    """Replaces each group of 2+ MatMuls sharing their first input and multiplying it by constant ``[K, N_i]``
+    weights of one dtype by one MatMul over ``[K, sum N_i]`` and a Split on the last axis (a MatMul whose output is a
+    graph output keeps its name, and stays); returns how many groups were fused. The outputs are the same numbers (each output column is the same dot product)."""
+    graph = model.graph
+    groups = collections.defaultdict(list)
+    for node in graph:
+        if node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2:
+            weights = _constant_matrix(node.inputs[1])
+            if weights is not None:
+                groups[node.inputs[0]].append((node, weights))
+    fused = 0
+    for x, members in groups.items():
+        by_kind = collections.defaultdict(list)  # only weights that concatenate: one K, one dtype
+        for node, weights in members:
+            by_kind[(weights.shape[0], weights.dtype.str)].append((node, weights))
+        for group in by_kind.values():
+            outputs = set(graph.outputs)
+            group = [(node, weights) for node, weights in group if node.outputs[0] not in outputs]  # names kept
+            if len(group) < 2:
+                continue
+            nodes = [node for node, _ in group]
+            widths = [weights.shape[1] for _, weights in group]
+            combined = ir.Value(name=f"{nodes[0].name or 'matmul'}_fused_weight",
+                                const_value=ir.tensor(np.concatenate([w for _, w in group], axis=1)))
+            graph.register_initializer(combined)
+            sizes = ir.Value(name=f"{nodes[0].name or 'matmul'}_fused_split",
+                             const_value=ir.tensor(np.array(widths, np.int64)))
+            graph.register_initializer(sizes)
+            matmul = ir.Node("", "MatMul", inputs=[x, combined], name=f"{nodes[0].name}_fused")
+            split = ir.Node("", "Split", inputs=[matmul.outputs[0], sizes], attributes=[ir.AttrInt64("axis", -1)],
+                            num_outputs=len(nodes), name=f"{nodes[0].name}_fused_split")
+            first = min(nodes, key=lambda n: list(graph).index(n))
+            graph.insert_before(first, [matmul, split])
+            for node, out in zip(nodes, split.outputs):
+                out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
+                ir.convenience.replace_all_uses_with(node.outputs[0], out)
+            graph.remove(nodes, safe=True)
+            fused += 1
+    return fused
+
+
+def optimize_decoder(proto: onnx.ModelProto) -> tuple:
+    """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions (``fuse_xformers``) and :func:`fuse_sibling_matmuls`
+    applied, and how many of each were made. The graph's inputs, outputs, custom ops and metadata are kept."""
+    from onnxscript.rewriter.ort_fusions._core import fuse_xformers
+
+    from .. import spec  # noqa: F401 - our ops' schemas, for the shape inference the fusions run
+
+    model = ir.from_proto(proto)
+    # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
+    # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
+    model, counts = fuse_xformers(model)
+    counts = {name: count for name, count in counts.items() if count}
+    counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
+    return ir.to_proto(model), counts

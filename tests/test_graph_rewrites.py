@@ -1,0 +1,79 @@
+"""The exporter's generic graph rewrites: sibling MatMuls over one input become one MatMul and a Split with the
+same outputs (checked in ONNX Runtime against the graph before), only where the weights concatenate; an exported
+decoder gets its norms fused and its q/k/v and gate/up MatMuls merged, and serves the same tokens."""
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("onnxscript")
+
+from kvcache_op.hf.graph_rewrites import fuse_sibling_matmuls  # noqa: E402
+
+
+def _graph(weights: dict, dynamic_input=True):
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+             for name, shape in weights.items()]
+    nodes = [helper.make_node("MatMul", ["x", name], [f"y_{name}"], name=f"mm_{name}") for name in weights]
+    # a MatMul by a non-constant second input stays as it is
+    nodes.append(helper.make_node("MatMul", ["x", "w_in"], ["y_in"], name="mm_input"))
+    # Each product goes through an Identity: the graph's outputs keep their names whatever the rewrite does.
+    nodes += [helper.make_node("Identity", [f"y_{n}"], [f"out_{n}"]) for n in [*weights, "in"]]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", 8]),
+                                           helper.make_tensor_value_info("w_in", TensorProto.FLOAT, [8, 3])],
+                              [helper.make_tensor_value_info(f"out_{n}", TensorProto.FLOAT, None)
+                               for n in [*weights, "in"]], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+
+
+def _run(proto, feeds):
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
+
+
+def test_sibling_matmuls_merge_into_one_with_the_same_outputs():
+    proto = _graph({"q": (8, 16), "k": (8, 4), "v": (8, 4)})
+    feeds = {"x": np.random.default_rng(1).standard_normal((6, 8)).astype(np.float32),
+             "w_in": np.random.default_rng(2).standard_normal((8, 3)).astype(np.float32)}
+    before = _run(proto, feeds)
+    model = ir.from_proto(proto)
+    assert fuse_sibling_matmuls(model) == 1
+    fused = ir.to_proto(model)
+    ops = collections.Counter(n.op_type for n in fused.graph.node)
+    assert ops == {"MatMul": 2, "Split": 1, "Identity": 4}  # q/k/v merged; the MatMul by a graph input stays
+    after = _run(fused, feeds)
+    for name in ("out_q", "out_k", "out_v", "out_in"):
+        np.testing.assert_allclose(after[name], before[name], rtol=1e-6, atol=1e-6)
+
+
+def test_a_lone_matmul_and_graph_outputs_are_left_alone():
+    assert fuse_sibling_matmuls(ir.from_proto(_graph({"q": (8, 16)}))) == 0
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), n) for n in "ab"]
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", n], [f"y_{n}"]) for n in "ab"], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["t", 8])],
+                              [helper.make_tensor_value_info(f"y_{n}", TensorProto.FLOAT, None) for n in "ab"], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    assert fuse_sibling_matmuls(ir.from_proto(proto)) == 0  # their outputs are the graph's: names must stay
+
+
+def test_an_exported_decoder_has_fused_norms_and_merged_projections(tmp_path):
+    pytest.importorskip("transformers")
+    import hf_models
+    from kvcache_op.hf import export_model
+
+    model = hf_models.model("llama")
+    plain = onnx.load(export_model(model, tmp_path / "plain.onnx", optimize=False), load_external_data=False)
+    rewritten = onnx.load(hf_models.exported("llama"), load_external_data=False)
+    count = lambda proto, op: sum(n.op_type == op for n in proto.graph.node)  # noqa: E731
+    layers = model.config.num_hidden_layers
+    assert count(plain, "MatMul") == 7 * layers + 1  # q, k, v, o, gate, up, down; the head
+    assert count(rewritten, "MatMul") == 4 * layers + 1  # qkv, o, gate+up, down; the head
+    assert count(plain, "SimplifiedLayerNormalization") == 0 < count(rewritten, "SkipSimplifiedLayerNormalization")
+    assert count(rewritten, "Pow") == 0
