@@ -11,6 +11,7 @@ import torch
 
 from ..reference.rotary import rotate
 from ..serving.model_info import DecoderSizes
+from .cache_settings import CacheSettings
 from .packed_attention import PackedStep, stepping
 
 # Rotary types whose inverse frequencies depend on the sequence length at run time: they cannot be one static
@@ -52,7 +53,6 @@ def check_routing(model, sizes: DecoderSizes, tokens: int = 40) -> float:
     differ beyond float32 noise: then the model attends in a way the ops do not express (a mask with a bias, an
     attention it changes after the interface, ...), and exporting it would serve wrong tokens."""
     from .. import torch as kt
-    from .decoder import CacheSettings
 
     tokens = min(tokens, sizes.max_positions)
     ids = torch.arange(tokens)[None] * 7 % sizes.vocab_size
