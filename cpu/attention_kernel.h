@@ -110,6 +110,50 @@ inline void Axpy(float* __restrict__ acc, float w, const typename E::Storage* __
   for (int64_t d = 0; d < n; ++d) acc[d] += w * E::ToFloat(v[d]);
 }
 
+// x[i] = exp(x[i] - m) for i in [0, n), returning their sum (float32). Where AVX2 is built, eight at a time by
+// Cephes' single-precision exp (range reduction by ln 2 split in two constants, a degree-6 polynomial: within
+// 2 ulp of std::exp), exactly 0 below exp's float range (so a -inf score gives weight 0, as std::exp does) and NaN
+// kept NaN; the rest (and other builds) through std::exp.
+inline float ExpShiftedSum(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX2__)
+  const __m256 shift = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
+  const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f),
+               p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f),
+               p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
+  __m256 sums = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 in = _mm256_sub_ps(_mm256_loadu_ps(x + i), shift);
+    const __m256 under = _mm256_cmp_ps(in, lo, _CMP_LT_OQ);  // false for NaN
+    __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, in));     // second operand returned for NaN: NaN stays
+    const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, log2e), half));
+    v = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(fx, c1)), _mm256_mul_ps(fx, c2));
+    const __m256 z = _mm256_mul_ps(v, v);
+    __m256 y = _mm256_add_ps(_mm256_mul_ps(p0, v), p1);
+    y = _mm256_add_ps(_mm256_mul_ps(y, v), p2);
+    y = _mm256_add_ps(_mm256_mul_ps(y, v), p3);
+    y = _mm256_add_ps(_mm256_mul_ps(y, v), p4);
+    y = _mm256_add_ps(_mm256_mul_ps(y, v), p5);
+    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), v), one);
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    y = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    _mm256_storeu_ps(x + i, y);
+    sums = _mm256_add_ps(sums, y);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, sums);
+  for (float lane : lanes) total += lane;
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - m);
+    total += x[i];
+  }
+  return total;
+}
+
 // Sequences with at most this many queries are computed for several heads at once, streaming each key/value
 // row (the chunk's kv heads) once per query block; longer sequences reuse each row many times, run one task per
 // head and convert their rows once into contiguous scratch (Rows::Prepare).
@@ -242,15 +286,9 @@ struct AttentionKernel {
         for (int r = 0; r < kRows; ++r)  // the chunk's heads are contiguous in a query row
           ToFloatRow<T1>(static_cast<const T*>(query) + ((row0 + i0 + std::min(r, rows - 1)) * H + h0) * D,
                          &q[r * nh * D], nh * D);
-        auto take = [&](int r, int64_t k, int64_t j, float dot) {
-          if (j < lo[r] || j >= hi[r]) return;
-          float s = Capped(p.scale * dot);
-          if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row0 + i0 + r)[col0 + j]);
-          if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos[r]);
-          scores[(r * nh + k) * span + (j - first)] = s;
-          float& m = top[r * nh + k];
-          if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
-        };
+        // A raw dot product goes to its row's scores; finishing them (scale, softcap, mask, ALiBi), their max
+        // and their exponentials is one pass per (row, head) over its visible keys afterwards.
+        auto take = [&](int r, int64_t k, int64_t j, float dot) { scores[(r * nh + k) * span + (j - first)] = dot; };
         for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
           const float* key = keys.Row(j);
           for (int64_t k = 0; k < nh;) {
@@ -273,13 +311,24 @@ struct AttentionKernel {
             ++k;
           }
         }
-        // exp(score - max) of row r, head k at key j; 0 where the key is hidden or the row is all -inf.
+        for (int r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < nh; ++k) {
+            float* row = &scores[(r * nh + k) * span];  // key j at row[j - first]
+            float& m = top[r * nh + k];
+            for (int64_t j = lo[r]; j < hi[r]; ++j) {
+              float s = Capped(p.scale * row[j - first]);
+              if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row0 + i0 + r)[col0 + j]);
+              if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos[r]);
+              row[j - first] = s;
+              if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
+            }
+            if (m != minus_inf) sum[r * nh + k] = ExpShiftedSum(row + (lo[r] - first), hi[r] - lo[r], m);
+          }
+        // exp(score - max) of row r, head k at key j (computed above); 0 where the key is hidden or the row is all
+        // -inf.
         auto weight = [&](int r, int64_t k, int64_t j) {
-          const float m = top[r * nh + k];
-          if (j < lo[r] || j >= hi[r] || m == minus_inf) return 0.0f;
-          const float w = std::exp(scores[(r * nh + k) * span + (j - first)] - m);
-          sum[r * nh + k] += w;
-          return w;
+          if (j < lo[r] || j >= hi[r] || top[r * nh + k] == minus_inf) return 0.0f;
+          return scores[(r * nh + k) * span + (j - first)];
         };
         auto seen = [&](int r, int64_t k, int64_t j) { return j >= lo[r] && j < hi[r] && top[r * nh + k] != minus_inf; };
         for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
