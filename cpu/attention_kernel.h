@@ -110,6 +110,30 @@ inline void Axpy(float* __restrict__ acc, float w, const typename E::Storage* __
   for (int64_t d = 0; d < n; ++d) acc[d] += w * E::ToFloat(v[d]);
 }
 
+#if defined(__AVX2__)
+// out[i] = sum_d q[d] * k[i * stride + d] for eight key rows i (float32): eight accumulators, then one transposing
+// reduction (hadd, 128-bit halves added) gives the eight sums in one register, with no horizontal sum per key.
+inline void Dot8Keys(const float* q, const float* k, int64_t stride, int64_t n, float* out) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) {
+    const __m256 qv = _mm256_loadu_ps(q + d);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(qv, _mm256_loadu_ps(k + i * stride + d)));
+  }
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+  if (d < n) {  // a head_dim that is not a multiple of 8
+    float tail[8] = {};
+    for (int i = 0; i < 8; ++i)
+      for (int64_t e = d; e < n; ++e) tail[i] += q[e] * k[i * stride + e];
+    sums = _mm256_add_ps(sums, _mm256_loadu_ps(tail));
+  }
+  _mm256_storeu_ps(out, sums);
+}
+#endif
+
 // x[i] = exp(x[i] - m) for i in [0, n), returning their sum (float32). Where AVX2 is built, eight at a time by
 // Cephes' single-precision exp (range reduction by ln 2 split in two constants, a degree-6 polynomial: within
 // 2 ulp of std::exp), exactly 0 below exp's float range (so a -inf score gives weight 0, as std::exp does) and NaN
@@ -289,7 +313,18 @@ struct AttentionKernel {
         // A raw dot product goes to its row's scores; finishing them (scale, softcap, mask, ALiBi), their max
         // and their exponentials is one pass per (row, head) over its visible keys afterwards.
         auto take = [&](int r, int64_t k, int64_t j, float dot) { scores[(r * nh + k) * span + (j - first)] = dot; };
-        for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
+        int64_t j_rest = lo[0];  // keys from here on take the row-at-a-time loop below
+#if defined(__AVX2__)
+        if (rows > 1 && keys.preload)  // a prefill block over contiguous rows: eight keys at a time per query row
+          for (; j_rest + 8 <= hi[rows - 1]; j_rest += 8) {
+            const float* base = keys.Row(j_rest);
+            for (int64_t k = 0; k < nh; ++k)
+              for (int r = 0; r < rows; ++r)
+                Dot8Keys(&q[(r * nh + k) * D], base + ((h0 + k) / G - kv0) * D, keys.width, D,
+                         &scores[(r * nh + k) * span + (j_rest - first)]);
+          }
+#endif
+        for (int64_t j = j_rest; j < hi[rows - 1]; ++j) {
           const float* key = keys.Row(j);
           for (int64_t k = 0; k < nh;) {
             const float* kr = key + ((h0 + k) / G - kv0) * D;
