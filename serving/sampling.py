@@ -19,6 +19,11 @@ import typing
 import numpy as np
 
 
+#: Temperatures below this are greedy (as vLLM's): dividing logits by them overflows float64 to inf, and the softmax of
+#: such logits is NaN, where the intent is clearly the most likely token.
+GREEDY_BELOW = 1e-5
+
+
 def _number(name, value, low, high, *, low_open=False):
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"{name} must be a finite number, got {type(value).__name__} {value!r}")
@@ -85,8 +90,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """Temperature 0: the most likely token, no draw."""
-        return self.temperature == 0.0
+        """Temperature 0 (or below :data:`GREEDY_BELOW`): the most likely token, no draw."""
+        return self.temperature < GREEDY_BELOW
 
 
 class TokenLogprobs(typing.NamedTuple):

@@ -45,6 +45,11 @@ def _error(reply, status):
     ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed"),
     ("/v1/completions", {"prompt": "x"}, 400, "model"),
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {**GOOD, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ("/v1/completions", {**GOOD, "stop": ["x" * 257]}, 400, "stop"),
+    ("/v1/completions", {**GOOD, "stop_token_ids": [2 ** 70]}, 400, "stop_token_ids"),
+    ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/completions", {**GOOD, "stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
@@ -54,6 +59,12 @@ def _error(reply, status):
 def test_bad_fields_are_refused_by_name(api_server, route, body, status, param):
     error = _error(httpx.post(api_server + route, json=body, headers=AUTH, timeout=30), status)
     assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_400(api_server):
+    raw = b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}'  # a lone surrogate, as a JSON escape
+    reply = httpx.post(api_server + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
+    assert _error(reply, 400)["param"] == "prompt"
 
 
 def test_an_unknown_model_is_404(api_server):
@@ -105,12 +116,12 @@ def exported(served_checkpoint, tmp_path_factory):
     return out
 
 
-def _app(exported, tokenizer, **limits):
+def _app(exported, tokenizer, api_key=None, engine_options=None, **limits):
     from kvcache_op.serving import Engine
     from kvcache_op.serving.server import ServerLimits, create_app
 
-    engine = Engine(exported, num_pages=64, tokenizer=tokenizer)
-    return create_app(engine, tokenizer, model_name="tiny", limits=ServerLimits(**limits))
+    engine = Engine(exported, tokenizer=tokenizer, **{"num_pages": 64, **(engine_options or {})})
+    return create_app(engine, tokenizer, model_name="tiny", api_key=api_key, limits=ServerLimits(**limits))
 
 
 def test_a_full_queue_answers_503_with_retry_after(exported, served_checkpoint):
@@ -162,10 +173,82 @@ def fuzz_client(exported, served_checkpoint):
 
 @pytest.mark.parametrize("extra", [{"top_k": 2 ** 70, "temperature": 0.5}, {"seed": 2 ** 70, "temperature": 0.5},
                                    {"temperature": 1e-300}, {"top_p": 1e-300, "temperature": 1.0},
-                                   {"stop_token_ids": [2 ** 70]}, {"stop": ["\ud800"]}, {"cache_salt": "\x00" * 5000},
+                                   {"stop": ["\ud800"]}, {"cache_salt": "\x00" * 5000},
                                    {"repetition_penalty": 1e308}, {"prompt": [[1, 2]]}, {"logprobs": 0}])
 def test_extreme_but_valid_values_are_served(fuzz_client, extra):
     reply = fuzz_client.post("/v1/completions", content=json.dumps({**GOOD, **extra}),
                              headers={"content-type": "application/json"})
     assert reply.status_code == 200, reply.text
     assert reply.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_the_key_is_required_under_a_path_prefix_too(exported, served_checkpoint):
+    """A proxy (or Ray Serve's route prefix) puts a root path in front: the routes under it still need the key."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(exported, served_checkpoint[2], api_key="k"), root_path="/api") as client:
+        assert _error(client.post("/api/v1/completions", json=GOOD), 401)["code"] == "invalid_api_key"
+        assert client.get("/api/openapi.json").status_code == 401  # the docs too
+        assert client.get("/api/health").status_code == 200
+        assert client.post("/api/v1/completions", json=GOOD, headers={"Authorization": "Bearer k"}).status_code == 200
+
+
+def test_a_burst_cannot_get_past_the_queue_limit(exported, served_checkpoint):
+    import asyncio
+
+    app = _app(exported, served_checkpoint[2], max_queue=1, engine_options={"max_running": 1})
+    peaks = []
+    from kvcache_op.serving import Engine
+
+    original = Engine.submit
+
+    def submit(self, *args, **kwargs):
+        handle = original(self, *args, **kwargs)
+        peaks.append(self.queue_length)
+        return handle
+
+    async def burst():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {**GOOD, "max_tokens": 8, "ignore_eos": True}
+            return await asyncio.gather(*(client.post("/v1/completions", json=body, timeout=60) for _ in range(30)))
+    Engine.submit = submit
+    try:
+        replies = asyncio.run(burst())
+    finally:
+        Engine.submit = original
+    codes = [r.status_code for r in replies]
+    assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
+    assert max(peaks) <= 1, f"queue grew to {max(peaks)} with max_queue=1"
+
+
+def test_logprobs_of_filtered_tokens_are_finite_json(fuzz_client):
+    body = {**GOOD, "temperature": 1.0, "top_k": 1, "logprobs": 3, "seed": 1, "max_tokens": 3}
+    reply = fuzz_client.post("/v1/completions", json=body)
+    assert reply.status_code == 200, reply.text
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON")
+    data = json.loads(reply.text, parse_constant=refuse)
+    for top in data["choices"][0]["logprobs"]["top_logprobs"]:
+        assert all(-9999.0 <= v <= 0 for v in top.values())
+    streamed = fuzz_client.post("/v1/completions", json={**body, "stream": True})
+    for line in streamed.text.splitlines():
+        if line.startswith("data: {"):
+            json.loads(line[6:], parse_constant=refuse)
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(fuzz_client):
+    greedy = fuzz_client.post("/v1/completions", json={**GOOD, "max_tokens": 4}).json()["choices"][0]["text"]
+    reply = fuzz_client.post("/v1/completions", json={**GOOD, "max_tokens": 4, "temperature": 1e-310, "logprobs": 1})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == greedy
+
+
+def test_a_chat_without_max_tokens_fits_a_small_pool(exported, served_checkpoint):
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(exported, served_checkpoint[2], engine_options={"num_pages": 8})) as client:
+        reply = client.post("/v1/chat/completions", json={"model": "tiny", "temperature": 0,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["total_tokens"] <= 8 * 16 + 1

@@ -30,6 +30,8 @@ from .responses import Reply, sse
 
 log = logging.getLogger("kvcache_op.server")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+OPEN_ROUTES = ("/health", "/metrics")  # everything else needs the API key when there is one (docs included)
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token: bounded
 DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is still there
 
 
@@ -37,12 +39,18 @@ DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its cli
 class ServerLimits:
     """What one request may ask: ``max_body_bytes`` of JSON, ``max_prompt_tokens`` of prompt (None: the engine's
     context), ``max_tokens`` up to ``max_tokens_limit``; ``max_queue`` requests waiting for admission before new
-    ones are refused with 503."""
+    ones are refused with 503 (0 refuses every request: a server being drained)."""
 
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = None
     max_tokens_limit: int = 4096
     max_queue: int = 256
+
+
+def _route_path(scope) -> str:
+    """The path routing sees: without the ``root_path`` a proxy or Ray Serve's route prefix puts in front."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 class _Gate:
@@ -56,9 +64,9 @@ class _Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path = scope["path"]
+        path = _route_path(scope)
         route = path if path in ROUTES else "other"
-        if self.expected is not None and path.startswith("/v1/"):
+        if self.expected is not None and path not in OPEN_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
             if not hmac.compare_digest(token, self.expected):
@@ -89,6 +97,9 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
     max_prompt = min(limits.max_prompt_tokens or context, context)
     metrics = ServerMetrics(engine)
     expected = api_key.encode() if api_key else None
+    admitting = [0]  # requests between the queue check and their submit (the event loop's own count: no race)
+    page_room = engine.num_pages * engine.info.page_size  # positions the pool holds (no window or StreamingLLM)
+    bounded_by_pages = engine.manager.sliding_window is None and engine.manager.streaming is None
 
     async def lifespan(app):
         yield
@@ -139,6 +150,8 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
             raise bad_request(f"the prompt has {prompt_len} tokens, over the limit of {max_prompt}", "prompt",
                               "context_length_exceeded")
         room = context - prompt_len
+        if bounded_by_pages:  # a default must also fit the pool (the engine refuses what never could)
+            room = min(room, page_room + 1 - prompt_len)
         if requested is None:
             requested = min(default if default is not None else room, room, limits.max_tokens_limit)
             if requested < 1:
@@ -152,10 +165,17 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         return requested
 
     async def start(req, prompt_ids: list, max_tokens, default_max, logprobs) -> Generation:
-        if engine.queue_length >= limits.max_queue:
-            raise APIError(503, f"the server is busy ({engine.queue_length} requests waiting): retry later",
-                           type="server_overloaded", headers={"Retry-After": "1"})
+        if engine.queue_length + admitting[0] >= limits.max_queue:
+            raise APIError(503, f"the server is busy ({engine.queue_length + admitting[0]} requests waiting): retry "
+                           f"later", type="server_overloaded", headers={"Retry-After": "1"})
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise bad_request(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
+        vocab = engine.info.vocab_size
+        if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max), logprobs)
+        admitting[0] += 1
         try:
             salt_bytes(req.cache_salt)
             return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt)
@@ -163,6 +183,8 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
             raise bad_request(str(error)) from None
         except RuntimeError as error:  # the engine is closed: shutting down
             raise APIError(503, str(error), type="server_overloaded") from None
+        finally:
+            admitting[0] -= 1
 
     async def respond(request: Request, req, generation: Generation, chat: bool):
         reply = Reply(generation, model_name, chat)
@@ -215,7 +237,16 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         req = parse(CompletionRequest, await read_json(request))
         check_model(req.model)
         prompt = req.the_prompt()
-        ids = text_prompt_ids(tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            if len(prompt) > 8 * max_prompt + 64:  # more characters than the prompt limit could ever need
+                raise bad_request(f"the prompt is over the limit of {max_prompt} tokens", "prompt",
+                                  "context_length_exceeded")
+            try:
+                ids = await asyncio.to_thread(text_prompt_ids, tokenizer, prompt)  # off the event loop
+            except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
+                raise bad_request(f"the prompt cannot be tokenized: {error}", "prompt") from None
+        else:
+            ids = list(prompt)
         generation = await start(req, ids, req.max_tokens, 16, req.top_logprobs())
         return await respond(request, req, generation, chat=False)
 
@@ -224,7 +255,7 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         req = parse(ChatRequest, await read_json(request))
         check_model(req.model)
         try:
-            ids = chat_prompt_ids(tokenizer, [m.as_template_input() for m in req.messages])
+            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, [m.as_template_input() for m in req.messages])
         except ValueError as error:
             raise bad_request(str(error), "messages") from None
         except Exception as error:  # the template itself refused the conversation (e.g. roles out of order)

@@ -48,11 +48,17 @@ class _Request(BaseModel):
             out["n"] = "only n = 1 is supported"
         if self.logit_bias:
             out["logit_bias"] = "logit_bias is not supported"
+        if self.stream_options is not None:
+            if not self.stream:
+                out["stream_options"] = "stream_options needs stream: true"
+            elif set(self.stream_options) - {"include_usage"} or \
+                    not isinstance(self.stream_options.get("include_usage", False), bool):
+                out["stream_options"] = "stream_options takes include_usage: true or false"
         return out
 
     def include_usage(self) -> bool:
         """``stream_options.include_usage``: a last chunk carrying the token counts."""
-        return bool((self.stream_options or {}).get("include_usage"))
+        return (self.stream_options or {}).get("include_usage") is True
 
     def sampling(self, max_tokens: int, logprobs) -> SamplingParams:
         """The request's :class:`SamplingParams` (``max_tokens`` settled by the caller); an out-of-range value is a

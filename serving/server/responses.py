@@ -13,6 +13,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+FLOOR_LOGPROB = -9999.0  # what OpenAI reports for a token the distribution excludes (JSON has no -inf)
+
+
+def _finite(logprob: float) -> float:
+    """A log-probability JSON can carry: -inf (a token filtered out by top-k/top-p/min-p) as :data:`FLOOR_LOGPROB`."""
+    return logprob if logprob >= FLOOR_LOGPROB else FLOOR_LOGPROB  # NaN too (comparisons false)
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -28,7 +36,7 @@ def _by_text(text, top) -> dict:
     """Completions' {token text: logprob}: tokens whose texts coincide (bytes of one character) keep the most likely."""
     out = {}
     for token, logprob in top:
-        out.setdefault(text(token), logprob)
+        out.setdefault(text(token), _finite(logprob))
     return out
 
 
@@ -50,7 +58,7 @@ class Reply:
         if self.chat:
             def entry(token, logprob):
                 s = text(token)
-                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+                return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode(errors="replace"))}
             return {"content": [dict(entry(p.token, p.logprobs.logprob),
                                      top_logprobs=[entry(t, lp) for t, lp in p.logprobs.top]) for p in pieces]}
         offsets = []
@@ -58,7 +66,7 @@ class Reply:
             offsets.append(self._offset)
             self._offset += len(p.text)
         return {"tokens": [text(p.token) for p in pieces],
-                "token_logprobs": [p.logprobs.logprob for p in pieces],
+                "token_logprobs": [_finite(p.logprobs.logprob) for p in pieces],
                 "top_logprobs": [_by_text(text, p.logprobs.top) for p in pieces],
                 "text_offset": offsets}
 
