@@ -78,6 +78,12 @@ class RequestHandle:
         with self._changed:
             return list(self._times)
 
+    def logprobs_of(self, index: int):
+        """The :class:`~kvcache_op.serving.sampling.TokenLogprobs` of token ``index`` (None without
+        ``SamplingParams.logprobs``): one entry, where :attr:`logprobs` copies them all."""
+        with self._changed:
+            return self._logprobs[index] if index < len(self._logprobs) else None
+
     @property
     def logprobs(self) -> list:
         """With ``SamplingParams.logprobs``: one :class:`~kvcache_op.serving.sampling.TokenLogprobs` per token so

@@ -20,7 +20,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ...manager.identity import salt_bytes
 from ..tokenizer import chat_prompt_ids, text_prompt_ids
 from .errors import APIError, bad_request
 from .generation import Generation
@@ -31,7 +30,6 @@ from .responses import Reply, sse
 log = logging.getLogger("kvcache_op.server")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 OPEN_ROUTES = ("/health", "/metrics")  # everything else needs the API key when there is one (docs included)
-MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token: bounded
 DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is still there
 
 
@@ -168,16 +166,12 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         if engine.queue_length + admitting[0] >= limits.max_queue:
             raise APIError(503, f"the server is busy ({engine.queue_length + admitting[0]} requests waiting): retry "
                            f"later", type="server_overloaded", headers={"Retry-After": "1"})
-        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stops) > MAX_STOPS or any(len(stop) > MAX_STOP_CHARS for stop in stops):
-            raise bad_request(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
         vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max), logprobs)
         admitting[0] += 1
-        try:
-            salt_bytes(req.cache_salt)
+        try:  # the engine checks the prompt and the salt; what it refuses is the client's error
             return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt)
         except (TypeError, ValueError) as error:
             raise bad_request(str(error)) from None

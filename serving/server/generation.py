@@ -45,12 +45,11 @@ class Generation:
         index = 0
         try:
             async for token in self.handle:
-                entries = self.handle.logprobs if self.params.logprobs is not None else None
                 self.completion_tokens += 1
                 text = ""
                 if token not in self._silent and not self._stops.stopped:
                     text, _ = self._stops.feed(self._text.push(token))
-                yield Piece(text, token, entries[index] if entries else None)
+                yield Piece(text, token, self.handle.logprobs_of(index))  # one entry, not a copy of all per token
                 index += 1
         finally:
             if not self.handle.done:  # the client went away, or the reader stopped early

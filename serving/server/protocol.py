@@ -16,6 +16,7 @@ from ..sampling import SamplingParams
 from .errors import bad_request
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token: bounded
 
 
 class _Request(BaseModel):
@@ -67,6 +68,8 @@ class _Request(BaseModel):
             raise bad_request(f"temperature must be in [0, 2], got {self.temperature}", "temperature")
         top_k = 0 if self.top_k == -1 else self.top_k  # vLLM's "off"
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+            raise bad_request(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k,
                                   min_p=self.min_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
