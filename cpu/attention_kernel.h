@@ -7,7 +7,8 @@
 // Decode-shaped sequences (few queries) are computed for all query heads of a kv head at once, so each loaded
 // key and value row serves every head of its GQA group; long key ranges of such sequences are split over
 // several tasks when there are too few tasks to busy the threads, each task's partial softmax (max, sum,
-// unnormalized output) merged afterwards by log-sum-exp.
+// unnormalized output) merged afterwards by log-sum-exp. Sequences of many queries (prefill) run as register-tiled
+// matrix products over their keys converted once per task (attention_tiles.h).
 #pragma once
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 
 #include "kv_cpu.h"
 #include "kv_cpu_rows.h"
+#include "attention_tiles.h"
 #include "kv_types.h"
 #include "mha_validate.h"
 
@@ -110,30 +112,6 @@ inline void Axpy(float* __restrict__ acc, float w, const typename E::Storage* __
   for (int64_t d = 0; d < n; ++d) acc[d] += w * E::ToFloat(v[d]);
 }
 
-#if defined(__AVX2__)
-// out[i] = sum_d q[d] * k[i * stride + d] for eight key rows i (float32): eight accumulators, then one transposing
-// reduction (hadd, 128-bit halves added) gives the eight sums in one register, with no horizontal sum per key.
-inline void Dot8Keys(const float* q, const float* k, int64_t stride, int64_t n, float* out) {
-  __m256 acc[8];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  int64_t d = 0;
-  for (; d + 8 <= n; d += 8) {
-    const __m256 qv = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_add_ps(acc[i], _mm256_mul_ps(qv, _mm256_loadu_ps(k + i * stride + d)));
-  }
-  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-  __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-  if (d < n) {  // a head_dim that is not a multiple of 8
-    float tail[8] = {};
-    for (int i = 0; i < 8; ++i)
-      for (int64_t e = d; e < n; ++e) tail[i] += q[e] * k[i * stride + e];
-    sums = _mm256_add_ps(sums, _mm256_loadu_ps(tail));
-  }
-  _mm256_storeu_ps(out, sums);
-}
-#endif
-
 // x[i] = exp(x[i] - m) for i in [0, n), returning their sum (float32). Where AVX2 is built, eight at a time by
 // Cephes' single-precision exp (range reduction by ln 2 split in two constants, a degree-6 polynomial: within
 // 2 ulp of std::exp), exactly 0 below exp's float range (so a -inf score gives weight 0, as std::exp does) and NaN
@@ -178,9 +156,37 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
   return total;
 }
 
+// x[i] *= scale for i in [0, n), returning their max (NaN if any is NaN, as numpy's max; -inf for n == 0):
+// the scores' finishing pass where no softcap, mask or ALiBi applies.
+inline float ScaleMax(float* x, int64_t n, float scale) {
+  int64_t i = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  bool nan = false;
+#if defined(__AVX2__)
+  const __m256 factor = _mm256_set1_ps(scale);
+  __m256 top = _mm256_set1_ps(m), unordered = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + i), factor);
+    _mm256_storeu_ps(x + i, v);
+    top = _mm256_max_ps(top, v);
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, top);
+  for (float lane : lanes) m = std::max(m, lane);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < n; ++i) {
+    x[i] *= scale;
+    if (x[i] > m) m = x[i];
+    nan = nan || x[i] != x[i];
+  }
+  return nan ? std::numeric_limits<float>::quiet_NaN() : m;
+}
+
 // Sequences with at most this many queries are computed for several heads at once, streaming each key/value
-// row (the chunk's kv heads) once per query block; longer sequences reuse each row many times, run one task per
-// head and convert their rows once into contiguous scratch (Rows::Prepare).
+// row (the chunk's kv heads) once per query block; longer sequences reuse each row many times and run one task
+// per head as tiled matrix products (PrefillTask).
 constexpr int64_t kStreamQueries = 4;
 // Decode-shaped sequences are split into key ranges until there are about this many tasks.
 constexpr int64_t kMinStreamTasks = 16;
@@ -208,29 +214,6 @@ struct MergeRange {
 }  // namespace attention_detail
 
 using namespace attention_detail;
-
-// Keys or values of one sequence as float32 rows of the chunk's kv heads, from a Source's Reader. With
-// `preload` (a sequence with many queries reads each row many times) all rows [first, last) are converted once
-// per task into contiguous scratch, so the reuse runs from cache. Otherwise rows are streamed: the reader
-// returns a row in place where it can (float32 rows of adjacent heads), else converted into its own buffer.
-template <class Reader>
-struct Rows {
-  Rows(Reader reader, int64_t width) : reader(std::move(reader)), width(width) {}
-  Reader reader;
-  int64_t width;
-  bool preload = false;
-  int64_t first = 0;
-  std::vector<float> scratch;
-
-  void Prepare(bool all_rows, int64_t row_first, int64_t row_last) {
-    preload = all_rows;
-    first = row_first;
-    if (!preload) return;
-    scratch.resize(static_cast<size_t>((row_last - row_first) * width));
-    for (int64_t j = row_first; j < row_last; ++j) reader.CopyRow(j, &scratch[(j - first) * width]);
-  }
-  const float* Row(int64_t j) { return preload ? &scratch[(j - first) * width] : reader.Row(j); }
-};
 
 // The attention of a validated call. Source::Open(kv, b, kv0, kv1) gives a reader of sequence b's keys (kv 0)
 // or values (kv 1), kv heads [kv0, kv1), key indices 0 .. kvlen - 1 of that sequence.
@@ -277,10 +260,7 @@ struct AttentionKernel {
     visible(S - 1, &lo_last, &last);
     last = std::max(first, last);
     const int64_t span = last - first;
-    Rows<typename Source::Reader> keys{source.Open(0, b, kv0, kv1), (kv1 - kv0) * D};
-    Rows<typename Source::Reader> values{source.Open(1, b, kv0, kv1), (kv1 - kv0) * D};
-    keys.Prepare(S > kStreamQueries, first, last);
-    values.Prepare(S > kStreamQueries, first, last);
+    typename Source::Reader keys = source.Open(0, b, kv0, kv1), values = source.Open(1, b, kv0, kv1);
     // Per (row r of the block, head k): query, accumulator, scores over [first, last), max, sum. Rows beyond
     // S are read as copies of the last row but never stored, so scores need only min(kRows, S) rows.
     const int64_t block = std::min<int64_t>(kRows, S);
@@ -313,18 +293,7 @@ struct AttentionKernel {
         // A raw dot product goes to its row's scores; finishing them (scale, softcap, mask, ALiBi), their max
         // and their exponentials is one pass per (row, head) over its visible keys afterwards.
         auto take = [&](int r, int64_t k, int64_t j, float dot) { scores[(r * nh + k) * span + (j - first)] = dot; };
-        int64_t j_rest = lo[0];  // keys from here on take the row-at-a-time loop below
-#if defined(__AVX2__)
-        if (rows > 1 && keys.preload)  // a prefill block over contiguous rows: eight keys at a time per query row
-          for (; j_rest + 8 <= hi[rows - 1]; j_rest += 8) {
-            const float* base = keys.Row(j_rest);
-            for (int64_t k = 0; k < nh; ++k)
-              for (int r = 0; r < rows; ++r)
-                Dot8Keys(&q[(r * nh + k) * D], base + ((h0 + k) / G - kv0) * D, keys.width, D,
-                         &scores[(r * nh + k) * span + (j_rest - first)]);
-          }
-#endif
-        for (int64_t j = j_rest; j < hi[rows - 1]; ++j) {
+        for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
           const float* key = keys.Row(j);
           for (int64_t k = 0; k < nh;) {
             const float* kr = key + ((h0 + k) / G - kv0) * D;
@@ -420,6 +389,94 @@ struct AttentionKernel {
           if (top[r * nh + k] != minus_inf)
             for (int64_t d = 0; d < D; ++d)
               out_rows[r * H * D + k * D + d] = T1::FromFloat(acc[(r * nh + k) * D + d] / sum[r * nh + k]);
+    }
+  }
+
+  // Task() for a sequence with more than kStreamQueries queries (a prefill or a long chunk), one query head
+  // (task.h0), never split. Its kv head's keys [first, last) are converted once into transposed panels and its
+  // values into rows, both zero-padded to whole tiles; then per tile of kTileRows query rows: the scores as
+  // one tiled product over the key panels the tile sees, finished and exponentiated row by row as in Task(),
+  // and the output as a second tiled product over the keys every row of the tile sees, the few keys only some
+  // rows see (the causal edge, a window's start) added row by row. Hidden keys never enter a row, so a
+  // non-finite value there cannot reach it; visible keys enter with their weight, as in Task().
+  void PrefillTask(const TaskRange& task) const {
+    const int64_t D = a.head_dim, H = a.num_heads, h = task.h0, kvh = h / p.group, b = task.b;
+    const int64_t row0 = p.seqstarts[b], S = p.seqstarts[b + 1] - row0;
+    const int64_t col0 = p.kvstarts[b], K = p.kvstarts[b + 1] - col0;
+    const float minus_inf = -std::numeric_limits<float>::infinity();
+    const float slope = a.is_alibi ? kvcache::AlibiSlope(h, H) : 0.0f;
+    int64_t first = 0, last = 0, unused = 0;
+    VisibleRange(b, S, K, 0, &first, &unused);
+    VisibleRange(b, S, K, S - 1, &unused, &last);
+    last = std::max(first, last);
+    const int64_t span = last - first, ldk = TileColumns(span), ldv = TileColumns(D);
+    // Keys in panels of kTileCols, each panel D rows of kTileCols keys (contiguous, so transposing a key writes
+    // within one panel: a whole-span stride would alias in the cache): key j = first + pc + c of panel pc at
+    // keys_t[pc * D + d * kTileCols + c]. values[(j - first) * ldv + d]. Padding stays zero.
+    std::vector<float> keys_t(static_cast<size_t>(D * ldk)), values(static_cast<size_t>(span * ldv)),
+        row(static_cast<size_t>(D));
+    {
+      typename Source::Reader keys = source.Open(0, b, kvh, kvh + 1), vals = source.Open(1, b, kvh, kvh + 1);
+      for (int64_t j = 0; j < span; ++j) {
+        keys.CopyRow(first + j, row.data());
+        float* panel = &keys_t[(j - j % kTileCols) * D + j % kTileCols];
+        for (int64_t d = 0; d < D; ++d) panel[d * kTileCols] = row[d];
+        vals.CopyRow(first + j, &values[j * ldv]);
+      }
+    }
+    std::vector<float> q(static_cast<size_t>(kTileRows * D)), scores(static_cast<size_t>(kTileRows * ldk)),
+        acc(static_cast<size_t>(kTileRows * ldv));
+    for (int64_t i0 = 0; i0 < S; i0 += kTileRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kTileRows, S - i0));
+      int64_t lo[kTileRows], hi[kTileRows];
+      float top[kTileRows], sum[kTileRows];
+      for (int r = 0; r < kTileRows; ++r) {  // rows beyond S repeat the last one (computed, never stored)
+        const int64_t i = i0 + std::min(r, rows - 1);
+        VisibleRange(b, S, K, i, &lo[r], &hi[r]);
+        ToFloatRow<T1>(static_cast<const T*>(query) + ((row0 + i) * H + h) * D, &q[r * D], D);
+      }
+      T* out_rows = static_cast<T*>(out) + ((row0 + i0) * H + h) * D;
+      for (int r = 0; r < rows; ++r)  // rows that see no key stay zero (+0.0)
+        std::memset(out_rows + r * H * D, 0, static_cast<size_t>(D) * sizeof(T));
+      if (lo[0] >= hi[rows - 1]) continue;
+      // The scores of the key panels covering [lo of the first row, hi of the last).
+      const int64_t p_end = TileColumns(hi[rows - 1] - first);
+      for (int64_t pc = (lo[0] - first) / kTileCols * kTileCols; pc < p_end; pc += kTileCols)
+        TileProduct(q.data(), D, &keys_t[pc * D], kTileCols, D, &scores[pc], ldk);
+      for (int r = 0; r < rows; ++r) {
+        float* x = &scores[r * ldk];  // key j at x[j - first]
+        float m = minus_inf;
+        const int64_t qpos = K - S + i0 + r;
+        if (a.softcap == 0.0f && !p.mask_rank && !a.is_alibi) {
+          m = ScaleMax(x + (lo[r] - first), hi[r] - lo[r], p.scale);
+        } else {
+          for (int64_t j = lo[r]; j < hi[r]; ++j) {
+            float s = Capped(p.scale * x[j - first]);
+            if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h, row0 + i0 + r)[col0 + j]);
+            if (a.is_alibi) s = s + slope * static_cast<float>(j - qpos);
+            x[j - first] = s;
+            if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
+          }
+        }
+        top[r] = m;
+        sum[r] = m == minus_inf ? 0.0f : ExpShiftedSum(x + (lo[r] - first), hi[r] - lo[r], m);
+      }
+      // Keys [g0, g1) are seen by every row of the tile (ranges only move forward with the row); a row whose
+      // scores are all -inf is left zero whatever its weights.
+      const int64_t g0 = lo[rows - 1], g1 = std::max(g0, hi[0]);
+      if (g1 > g0)
+        for (int64_t d0 = 0; d0 < ldv; d0 += kTileCols)
+          TileProduct(&scores[g0 - first], ldk, &values[(g0 - first) * ldv + d0], ldv, g1 - g0, &acc[d0], ldv);
+      else
+        std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int r = 0; r < rows; ++r) {
+        if (top[r] == minus_inf) continue;
+        float* o = &acc[r * ldv];
+        const float* w = &scores[r * ldk];
+        for (int64_t j = lo[r]; j < std::min(hi[r], g0); ++j) Axpy(o, w[j - first], &values[(j - first) * ldv], D);
+        for (int64_t j = std::max(lo[r], g1); j < hi[r]; ++j) Axpy(o, w[j - first], &values[(j - first) * ldv], D);
+        for (int64_t d = 0; d < D; ++d) out_rows[r * H * D + d] = T1::FromFloat(o[d] / sum[r]);
+      }
     }
   }
 
@@ -642,7 +699,8 @@ struct AttentionKernel {
     };
     parallel_for(tasks.size(), [&](size_t t) {
       const TaskRange& task = tasks[t];
-      guarded([&] { p.seqstarts[task.b + 1] - p.seqstarts[task.b] == 1 ? DecodeTask(task) : Task(task); });
+      const int64_t queries = p.seqstarts[task.b + 1] - p.seqstarts[task.b];
+      guarded([&] { queries == 1 ? DecodeTask(task) : queries > kStreamQueries ? PrefillTask(task) : Task(task); });
     });
     if (failure) std::rethrow_exception(failure);
     parallel_for(merges.size(), [&](size_t m) { guarded([&] { Merge(merges[m], tasks); }); });

@@ -25,7 +25,7 @@ struct ComputeArgs {
 using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
 
 // Stores then gathers. The plan must come from ValidateCall on the same inputs. Runs the best build of the
-// kernel that the library has and the processor runs (AVX-512, AVX2+F16C, generic; kv_cpu_dispatch.cc);
+// kernel that the library has and the processor runs (AVX-512, AVX2+F16C+FMA, generic; kv_cpu_dispatch.cc);
 // every build computes the same bits.
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 

@@ -1,5 +1,5 @@
-// Picks the CPU kernel build for this processor. KeyValueCache has up to three builds: AVX-512 (F, BW, VL)
-// with F16C, AVX2 + F16C, and generic; MultiHeadAttention and MultiHeadCacheAttention have the last two. CMake adds the x86-64 builds,
+// Picks the CPU kernel build for this processor. Every op has up to three builds: AVX-512 (F, BW, VL) with
+// F16C and FMA, AVX2 + F16C + FMA, and generic. CMake adds the x86-64 builds,
 // and defines KVCACHE_CPU_AVX2 / KVCACHE_CPU_AVX512 here, only where the compiler targets x86-64. The best
 // build the processor runs is used; $KVCACHE_OP_CPU_KERNEL = generic | avx2 | avx512 caps the choice (tests
 // run every build). KeyValueCache's builds compute identical bits; MultiHeadAttention's differ only in the
@@ -27,6 +27,8 @@ void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for);
 #ifdef KVCACHE_CPU_AVX512
 namespace avx512 {
 void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
+void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
+void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for);
 }
 #endif
 
@@ -48,11 +50,13 @@ CpuKernel KernelCap() {
 CpuKernel BestKernel() {
 #ifdef KVCACHE_CPU_AVX512
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c");
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+                             __builtin_cpu_supports("fma");
   if (avx512) return CpuKernel::kAvx512;
 #endif
 #ifdef KVCACHE_CPU_AVX2
-  static const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  static const bool avx2 =
+      __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   if (avx2) return CpuKernel::kAvx2;
 #endif
   return CpuKernel::kGeneric;
@@ -86,17 +90,27 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for) {
 }
 
 void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for) {
-#ifdef KVCACHE_CPU_AVX2
-  if (ChosenKernel() != CpuKernel::kGeneric) return avx2::MhaComputeCpu(args, parallel_for);
+  switch (ChosenKernel()) {
+#ifdef KVCACHE_CPU_AVX512
+    case CpuKernel::kAvx512: return avx512::MhaComputeCpu(args, parallel_for);
 #endif
-  generic::MhaComputeCpu(args, parallel_for);
+#ifdef KVCACHE_CPU_AVX2
+    case CpuKernel::kAvx2: return avx2::MhaComputeCpu(args, parallel_for);
+#endif
+    default: return generic::MhaComputeCpu(args, parallel_for);
+  }
 }
 
 void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
-#ifdef KVCACHE_CPU_AVX2
-  if (ChosenKernel() != CpuKernel::kGeneric) return avx2::MhcaComputeCpu(args, parallel_for);
+  switch (ChosenKernel()) {
+#ifdef KVCACHE_CPU_AVX512
+    case CpuKernel::kAvx512: return avx512::MhcaComputeCpu(args, parallel_for);
 #endif
-  generic::MhcaComputeCpu(args, parallel_for);
+#ifdef KVCACHE_CPU_AVX2
+    case CpuKernel::kAvx2: return avx2::MhcaComputeCpu(args, parallel_for);
+#endif
+    default: return generic::MhcaComputeCpu(args, parallel_for);
+  }
 }
 
 }  // namespace kvcache

@@ -19,8 +19,8 @@ struct MhaArgs {
 };
 
 // Writes every row of the output (zeros for rows that see no key). The plan must come from
-// ValidateAttention on the same inputs. Picks the AVX2+F16C build where the library and the processor
-// have it, as ComputeCpu does.
+// ValidateAttention on the same inputs. Runs the best build the library has and the processor runs, as
+// ComputeCpu does.
 void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for);
 
 }  // namespace kvcache

@@ -1,4 +1,4 @@
-"""The CPU kernel builds tests run one by one: AVX-512, AVX2+F16C and generic. A build the processor cannot run
+"""The CPU kernel builds tests run one by one: AVX-512, AVX2 (with F16C and FMA) and generic. A build the processor cannot run
 is skipped with the reason (the library would otherwise quietly run a lower one)."""
 
 import platform
@@ -9,7 +9,7 @@ from kvcache_op.capi import c_api
 
 #: CPU flags (/proc/cpuinfo names) each build needs; the library picks the best one the processor has, and
 #: $KVCACHE_OP_CPU_KERNEL caps it.
-NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "f16c"}, "avx2": {"avx2", "f16c"}, "generic": set()}
+NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}, "avx2": {"avx2", "f16c", "fma"}, "generic": set()}
 
 
 def cpu_flags() -> set:

@@ -1,15 +1,16 @@
 """The MultiHeadAttention CPU kernel through ONNX Runtime and through the C entry point: within the spec's
 bound of the independent float64 oracle, exact zeros for rows without keys, deterministic across thread
-counts, both CPU builds (generic, AVX2) within the bound; plus the schema and shape inference."""
+counts, every CPU build within the bound; plus the schema and shape inference."""
 
 import numpy as np
 import onnx
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx.reference import ReferenceEvaluator
 
 from attention_strategies import attention_calls, copies
+from cpu_kernels import CPU_KERNELS, use_cpu_kernel
 from kvcache_op import spec
 from kvcache_op.capi import c_api
 from kvcache_op.ort_ops import make_session, run_model
@@ -84,16 +85,29 @@ def test_long_decodes_split_over_their_keys_match_the_oracle_whatever_the_thread
     assert ort_output(case, 2).tobytes() == one.tobytes()
 
 
-def test_generic_and_avx2_builds_are_both_within_the_bound(monkeypatch):
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@settings(max_examples=settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the build is the same for every example
+@given(case=attention_calls(max_batch=3, max_kvlen=48, max_seqlen=40, head_dims=(1, 5, 16, 20, 33, 40)))
+def test_prefill_tiles_on_every_build_are_within_the_bound_of_the_exact_result(monkeypatch, kernel, case):
+    """Sequences of many queries run as tiled products: several tiles of query rows, the causal edge and window
+    starts handled row by row, head dims and key counts that are not whole tiles, masks, ALiBi and softcap."""
+    use_cpu_kernel(monkeypatch, kernel)
+    exact, bound = oracle(case)
+    got = c_output(case, 2)
+    assert_within(got, exact, bound, f"{kernel} build")
+    assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_every_build_is_within_the_bound_and_deterministic(monkeypatch, kernel):
+    use_cpu_kernel(monkeypatch, kernel)
     case = large_case("float16", mask=3)
     want = multi_head_attention(**case.inputs, **case.attributes)
     tolerance = 2 * attention_tolerance(**case.inputs, **case.attributes)
-    dispatched = c_output(case)
-    monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
-    generic = c_output(case)
-    assert_within(generic, want.astype(np.float64), tolerance, "generic build")
-    assert_within(dispatched, want.astype(np.float64), tolerance, "dispatched build")
-    assert c_output(case).tobytes() == generic.tobytes()  # deterministic
+    got = c_output(case)
+    assert_within(got, want.astype(np.float64), tolerance, f"{kernel} build")
+    assert c_output(case, 2).tobytes() == got.tobytes()
 
 
 def test_conformance_vectors_run_through_ort(tmp_path):

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cpu_kernels import CPU_KERNELS, use_cpu_kernel
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.reference import cache_attention_tolerance, multi_head_cache_attention
@@ -111,13 +112,16 @@ def test_named_cases_match_the_reference_cache_bit_for_bit_and_output_within_its
     assert_within(out, want.astype(np.float64), 2 * cache_attention_tolerance(**case.inputs, **case.attributes), name)
 
 
-def test_generic_and_avx2_builds_are_both_within_the_bound(monkeypatch):
-    case = long_decode("float16", 8, 0, mask=True)
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("quant_bit, layout", [(8, 0), (0, 3), (4, 1)])
+def test_every_build_is_within_the_bound(monkeypatch, kernel, quant_bit, layout):
+    """Split decodes and a prefill chunk of 24 queries (tiled products) over paged, quantized or head-major
+    caches."""
+    use_cpu_kernel(monkeypatch, kernel)
+    case = long_decode("float16", quant_bit, layout, head_dim=64, mask=True)
     want = multi_head_cache_attention(**copies(case.inputs), **case.attributes).astype(np.float64)
     tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
-    assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, "dispatched build")
-    monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", "generic")
-    assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, "generic build")
+    assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, f"{kernel} build")
 
 
 @pytest.mark.parametrize("target", ["cache", "query"])

@@ -103,9 +103,12 @@ ATTENTION_DTYPES = ("float32", "float16", "bfloat16")
 
 
 @st.composite
-def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, head_dims=(1, 2, 3, 4, 8, 16)):
+def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, head_dims=(1, 2, 3, 4, 8, 16),
+                    max_seqlen=5):
     """A valid MultiHeadAttention call (GQA, causal on/off, decoding sequences, windows, masks of both ranks
-    with -inf entries and unread columns, ALiBi, empty sequences, all three dtypes): a spec.cases.Case."""
+    with -inf entries and unread columns, ALiBi, empty sequences, all three dtypes): a spec.cases.Case.
+    Sequences hold up to ``max_seqlen`` queries (more than a kernel's tile of query rows reaches its tiled
+    prefill path)."""
     heads = draw(st.sampled_from((1, 2, 3, 4, 6)))
     kv_heads = draw(st.sampled_from([0] + [k for k in (1, 2, 3, 6) if heads % k == 0]))
     batch = draw(st.integers(0, max_batch))
@@ -114,7 +117,7 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
     seqs = []
     for b in range(batch):
         kvlen = draw(st.integers(0, max_kvlen))
-        seqlen = draw(st.integers(0, 5))
+        seqlen = draw(st.integers(0, max_seqlen))
         if is_causal and b >= decoding and seqlen > 1 and seqlen > kvlen:
             kvlen = seqlen + draw(st.integers(0, 3))  # the causal rule needs seqlen <= kvlen
         seqs.append((seqlen, kvlen))
