@@ -37,19 +37,41 @@ constexpr int kRows = 4;  // query rows (or heads of a group) computed together:
 // The dot products and row updates below read their key or value row as element type E (float32, or a
 // float16 / bfloat16 row of the cache converted in registers, exactly); the queries and accumulators are float32.
 
-// out[r] = sum_d q[r][d] * k[d] in float32 for kRows query rows: per row eight independent partial sums
-// (lane l takes d = l mod 8), then a fixed reduction tree.
+#if KV_SIMD
+// a * b + c: one fused multiply-add where the build has FMA (every vector build of the attention ops).
+inline __m256 MulAdd(__m256 a, __m256 b, __m256 c) {
+#if defined(__FMA__)
+  return _mm256_fmadd_ps(a, b, c);
+#else
+  return _mm256_add_ps(c, _mm256_mul_ps(a, b));
+#endif
+}
+#endif
+
+// out[r] = sum_d q[r][d] * k[d] in float32 for kRows query rows: per row eight lanes (lane l takes d = l mod 8;
+// the vector builds sum alternate blocks of eight apart and add the two), then a fixed reduction tree.
 template <class E = kvcache::F32>
 inline void Dot4(const float* const* q, const typename E::Storage* k, int64_t n, float* out) {
   float lanes[kRows][8] = {};
   int64_t d = 0;
 #if KV_SIMD
-  __m256 s[kRows] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+  // Two accumulators per row (alternate blocks of eight), added at the end: a decode step's softmax waits on
+  // these sums, so the chain of dependent multiply-adds is kept half as long.
+  __m256 s[kRows][2];
+  for (int r = 0; r < kRows; ++r) s[r][0] = s[r][1] = _mm256_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    const __m256 k0 = LoadFloat8<E>(k + d), k1 = LoadFloat8<E>(k + d + 8);
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      s[r][0] = MulAdd(_mm256_loadu_ps(q[r] + d), k0, s[r][0]);
+      s[r][1] = MulAdd(_mm256_loadu_ps(q[r] + d + 8), k1, s[r][1]);
+    }
+  }
   for (; d + 8 <= n; d += 8) {
     const __m256 kv = LoadFloat8<E>(k + d);
-    for (int r = 0; r < kRows; ++r) s[r] = _mm256_add_ps(s[r], _mm256_mul_ps(_mm256_loadu_ps(q[r] + d), kv));
+    for (int r = 0; r < kRows; ++r) s[r][0] = MulAdd(_mm256_loadu_ps(q[r] + d), kv, s[r][0]);
   }
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(lanes[r], s[r]);
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(lanes[r], _mm256_add_ps(s[r][0], s[r][1]));
 #endif
   for (; d + 8 <= n; d += 8)
     for (int r = 0; r < kRows; ++r)
@@ -68,9 +90,13 @@ inline float Dot(const float* q, const typename E::Storage* k, int64_t n) {
   float lanes[8] = {};
   int64_t d = 0;
 #if KV_SIMD
-  __m256 s = _mm256_setzero_ps();
-  for (; d + 8 <= n; d += 8) s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_loadu_ps(q + d), LoadFloat8<E>(k + d)));
-  _mm256_storeu_ps(lanes, s);
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  for (; d + 16 <= n; d += 16) {
+    s0 = MulAdd(_mm256_loadu_ps(q + d), LoadFloat8<E>(k + d), s0);
+    s1 = MulAdd(_mm256_loadu_ps(q + d + 8), LoadFloat8<E>(k + d + 8), s1);
+  }
+  for (; d + 8 <= n; d += 8) s0 = MulAdd(_mm256_loadu_ps(q + d), LoadFloat8<E>(k + d), s0);
+  _mm256_storeu_ps(lanes, _mm256_add_ps(s0, s1));
 #endif
   for (; d + 8 <= n; d += 8)
     for (int l = 0; l < 8; ++l) lanes[l] += q[d + l] * E::ToFloat(k[d + l]);
@@ -112,36 +138,43 @@ inline void Axpy(float* __restrict__ acc, float w, const typename E::Storage* __
   for (int64_t d = 0; d < n; ++d) acc[d] += w * E::ToFloat(v[d]);
 }
 
-// x[i] = exp(x[i] - m) for i in [0, n), returning their sum (float32). Where AVX2 is built, eight at a time by
-// Cephes' single-precision exp (range reduction by ln 2 split in two constants, a degree-6 polynomial: within
-// 2 ulp of std::exp), exactly 0 below exp's float range (so a -inf score gives weight 0, as std::exp does) and NaN
-// kept NaN; the rest (and other builds) through std::exp.
-inline float ExpShiftedSum(float* x, int64_t n, float m) {
-  int64_t i = 0;
-  float total = 0.0f;
 #if defined(__AVX2__)
-  const __m256 shift = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
+// exp(x) of eight floats by Cephes' single-precision exp (range reduction by ln 2 split in two constants, a
+// degree-6 polynomial: within 2 ulp of std::exp), exactly 0 below exp's float range (so -inf gives 0, as
+// std::exp does) and NaN kept NaN.
+inline __m256 Exp8(__m256 in) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.3762626647949f);
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
   const __m256 c1 = _mm256_set1_ps(0.693359375f), c2 = _mm256_set1_ps(-2.12194440e-4f);
   const __m256 p0 = _mm256_set1_ps(1.9875691500e-4f), p1 = _mm256_set1_ps(1.3981999507e-3f),
                p2 = _mm256_set1_ps(8.3334519073e-3f), p3 = _mm256_set1_ps(4.1665795894e-2f),
                p4 = _mm256_set1_ps(1.6666665459e-1f), p5 = _mm256_set1_ps(5.0000001201e-1f);
+  const __m256 under = _mm256_cmp_ps(in, lo, _CMP_LT_OQ);  // false for NaN
+  __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, in));     // second operand returned for NaN: NaN stays
+  const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, log2e), half));
+  v = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(fx, c1)), _mm256_mul_ps(fx, c2));
+  const __m256 z = _mm256_mul_ps(v, v);
+  __m256 y = _mm256_add_ps(_mm256_mul_ps(p0, v), p1);
+  y = _mm256_add_ps(_mm256_mul_ps(y, v), p2);
+  y = _mm256_add_ps(_mm256_mul_ps(y, v), p3);
+  y = _mm256_add_ps(_mm256_mul_ps(y, v), p4);
+  y = _mm256_add_ps(_mm256_mul_ps(y, v), p5);
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), v), one);
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+// x[i] = exp(x[i] - m) for i in [0, n), returning their sum (float32): eight at a time by Exp8 where AVX2 is
+// built, the rest (and other builds) through std::exp.
+inline float ExpShiftedSum(float* x, int64_t n, float m) {
+  int64_t i = 0;
+  float total = 0.0f;
+#if defined(__AVX2__)
+  const __m256 shift = _mm256_set1_ps(m);
   __m256 sums = _mm256_setzero_ps();
   for (; i + 8 <= n; i += 8) {
-    const __m256 in = _mm256_sub_ps(_mm256_loadu_ps(x + i), shift);
-    const __m256 under = _mm256_cmp_ps(in, lo, _CMP_LT_OQ);  // false for NaN
-    __m256 v = _mm256_min_ps(hi, _mm256_max_ps(lo, in));     // second operand returned for NaN: NaN stays
-    const __m256 fx = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, log2e), half));
-    v = _mm256_sub_ps(_mm256_sub_ps(v, _mm256_mul_ps(fx, c1)), _mm256_mul_ps(fx, c2));
-    const __m256 z = _mm256_mul_ps(v, v);
-    __m256 y = _mm256_add_ps(_mm256_mul_ps(p0, v), p1);
-    y = _mm256_add_ps(_mm256_mul_ps(y, v), p2);
-    y = _mm256_add_ps(_mm256_mul_ps(y, v), p3);
-    y = _mm256_add_ps(_mm256_mul_ps(y, v), p4);
-    y = _mm256_add_ps(_mm256_mul_ps(y, v), p5);
-    y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, z), v), one);
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    y = _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+    const __m256 y = Exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), shift));
     _mm256_storeu_ps(x + i, y);
     sums = _mm256_add_ps(sums, y);
   }
@@ -154,6 +187,50 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
     total += x[i];
   }
   return total;
+}
+
+// One key's finished scores x[k] of heads k < nh enter their running softmax (max top[k], sum[k], unnormalized
+// output acc[k * D ..]): where a head's max rises (or turns NaN) its sum and output so far are rescaled by
+// exp(old max - new max), then x[k] becomes the key's weight exp(x[k] - max), 0 while the max is -inf (a
+// non-finite value still reaches the sums through it), and is added to the sum. The per-key form of the block
+// softmax in DecodeTask, eight heads per vector where AVX2 is built.
+inline void OneKeySoftmax(float* x, int64_t nh, int64_t D, float* top, float* sum, float* acc) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  auto rescale = [&](int64_t k, float m) {
+    const float f = std::exp(top[k] - m);  // 0 after -inf; NaN for a NaN max
+    sum[k] *= f;
+    for (int64_t d = 0; d < D; ++d) acc[k * D + d] *= f;
+    top[k] = m;
+  };
+  int64_t k = 0;
+#if defined(__AVX2__)
+  const __m256 none = _mm256_set1_ps(minus_inf);
+  for (; k + 8 <= nh; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k), old = _mm256_loadu_ps(top + k);
+    __m256 m = _mm256_max_ps(v, old);
+    m = _mm256_blendv_ps(m, v, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));        // a NaN score makes the max NaN
+    m = _mm256_blendv_ps(m, old, _mm256_cmp_ps(old, old, _CMP_UNORD_Q));  // and a NaN max stays
+    int rising = _mm256_movemask_ps(_mm256_cmp_ps(m, old, _CMP_NEQ_UQ));
+    if (rising) {
+      float ms[8];
+      _mm256_storeu_ps(ms, m);
+      for (; rising; rising &= rising - 1) {
+        const int lane = __builtin_ctz(static_cast<unsigned>(rising));
+        rescale(k + lane, ms[lane]);
+      }
+    }
+    const __m256 w = _mm256_andnot_ps(_mm256_cmp_ps(m, none, _CMP_EQ_OQ), Exp8(_mm256_sub_ps(v, m)));
+    _mm256_storeu_ps(x + k, w);
+    _mm256_storeu_ps(sum + k, _mm256_add_ps(_mm256_loadu_ps(sum + k), w));
+  }
+#endif
+  for (; k < nh; ++k) {
+    float m = top[k];
+    if ((x[k] > m || x[k] != x[k]) && m == m) m = x[k];  // NaN sticks, as numpy's max
+    if (m != top[k]) rescale(k, m);
+    x[k] = m == minus_inf ? 0.0f : std::exp(x[k] - m);
+    sum[k] += x[k];
+  }
 }
 
 // x[i] *= scale for i in [0, n), returning their max (NaN if any is NaN, as numpy's max; -inf for n == 0):
@@ -482,11 +559,12 @@ struct AttentionKernel {
 
   // Task() for a sequence of one query (a decode step), the shape that serving runs most. Rows are read as
   // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them) and converted in
-  // registers. One pass over the visible keys in blocks of kDecodeBlock: the block's scores from its key rows (each row serving every query
-  // head of its kv head), the running max raised and the sums so far rescaled by exp(old max - new max), then
-  // the block's value rows; the key and value rows of a slot are read together, one stream over the cache. The
-  // same semantics as Task(): visible keys enter with their weight (0 for a -inf score, so a non-finite value
-  // there still reaches the sums), a NaN max makes the row NaN, a row whose scores are all -inf stays zero.
+  // registers. One pass over the visible keys, key by key where a slot's key and value rows lie together (one
+  // sequential stream; the heads' softmax steps side by side, OneKeySoftmax), else in blocks of kDecodeBlock:
+  // the block's scores from its key rows (each row serving every query head of its kv head), the running max
+  // raised and the sums so far rescaled by exp(old max - new max), then the block's value rows. The same
+  // semantics as Task(): visible keys enter with their weight (0 for a -inf score, so a non-finite value there
+  // still reaches the sums), a NaN max makes the row NaN, a row whose scores are all -inf stays zero.
   void DecodeTask(const TaskRange& task) const {
     const int64_t D = a.head_dim, H = a.num_heads, G = p.group, b = task.b, h0 = task.h0, nh = task.h1 - task.h0;
     const int64_t row = p.seqstarts[b], col0 = p.kvstarts[b], K = p.kvstarts[b + 1] - col0;
@@ -497,11 +575,12 @@ struct AttentionKernel {
     hi = std::max(lo, std::min(hi, task.j1));
     const int64_t span = hi - lo, qpos = K - 1;
     const float minus_inf = -std::numeric_limits<float>::infinity();
-    // Where a slot's key and value rows lie together and are long, key by key: one stream over the cache
-    // (measured, decode B=64 kv1024 8/2 heads: head_dim 128 float32 7.8 ms key by key, 21 ms in blocks of 8;
-    // head_dim 32, 256-byte rows, 5.0 ms key by key, 4.3 ms in blocks of 8).
-    const bool long_rows = (kv1 - kv0) * D * int64_t(sizeof(T)) >= kLongRowBytes;
-    const int64_t block = source.KeyValueTogether() && long_rows ? 1 : kDecodeBlock;
+    // Where a slot's key and value rows lie together and are long, key by key: one sequential stream over the
+    // cache (blocks of keys, then their values, read each key row at the slot stride, and at large power-of-two
+    // strides a block's rows compete for the same cache sets: measured, decode B=64 kv1024 8/2 heads head_dim
+    // 128 float32 8.5 ms key by key, 13 ms in blocks of 8); elsewhere blocks of kDecodeBlock keys.
+    const bool by_key = source.KeyValueTogether() && (kv1 - kv0) * D * int64_t(sizeof(T)) >= kLongRowBytes;
+    const int64_t block = by_key ? 1 : kDecodeBlock;
     std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * block), top(nh, minus_inf), sum(nh, 0.0f),
         slope(nh);
     for (int64_t k = 0; k < nh; ++k) slope[k] = a.is_alibi ? kvcache::AlibiSlope(h0 + k, H) : 0.0f;
@@ -517,37 +596,73 @@ struct AttentionKernel {
           values.Prefetch(slots[i]);
         }
       };
+      // x[k * stride] = the dot product of head k's query with its kv head's row of `key`.
+      auto key_dots = [&](const T* key, float* x, int64_t stride) {
+        for (int64_t k = 0; k < nh;) {
+          const T* kr = key + ((h0 + k) / G - kv0) * D;
+          if (shared4(k)) {
+            const float* qs[kRows] = {&q[k * D], &q[(k + 1) * D], &q[(k + 2) * D], &q[(k + 3) * D]};
+            float dots[kRows];
+            Dot4<T1>(qs, kr, D, dots);
+            for (int r = 0; r < kRows; ++r) x[(k + r) * stride] = dots[r];
+            k += kRows;
+          } else {
+            x[k * stride] = Dot<T1>(&q[k * D], kr, D);
+            ++k;
+          }
+        }
+      };
+      const bool plain = a.softcap == 0.0f && !p.mask_rank && !a.is_alibi;
       for (int64_t i = 0; i < kAheadRows; ++i) prefetch(i);
-      for (int64_t j0 = lo; j0 < hi; j0 += block) {
-        const int64_t n = std::min(block, hi - j0);
-        for (int64_t i = 0; i < n; ++i) {
-          prefetch(j0 - lo + i + kAheadRows);
-          const T* key = keys.RawAt(slots[j0 - lo + i]);
+      if (by_key) {
+        for (int64_t i = 0; i < span; ++i) {
+          prefetch(i + kAheadRows);
+          const int64_t j = lo + i;
+          key_dots(keys.RawAt(slots[i]), w.data(), 1);
+          for (int64_t k = 0; k < nh; ++k) {
+            float s = plain ? p.scale * w[k] : Capped(p.scale * w[k]);
+            if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row)[col0 + j]);
+            if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos);
+            w[k] = s;
+          }
+          OneKeySoftmax(w.data(), nh, D, top.data(), sum.data(), acc.data());
+          const T* value = values.RawAt(slots[i]);
           for (int64_t k = 0; k < nh;) {
-            const T* kr = key + ((h0 + k) / G - kv0) * D;
+            const T* vr = value + ((h0 + k) / G - kv0) * D;
             if (shared4(k)) {
-              const float* qs[kRows] = {&q[k * D], &q[(k + 1) * D], &q[(k + 2) * D], &q[(k + 3) * D]};
-              float dots[kRows];
-              Dot4<T1>(qs, kr, D, dots);
-              for (int r = 0; r < kRows; ++r) w[(k + r) * block + i] = dots[r];
+              float* accs[kRows] = {&acc[k * D], &acc[(k + 1) * D], &acc[(k + 2) * D], &acc[(k + 3) * D]};
+              Axpy4<T1>(accs, &w[k], vr, D);
               k += kRows;
             } else {
-              w[k * block + i] = Dot<T1>(&q[k * D], kr, D);
+              Axpy<T1>(&acc[k * D], w[k], vr, D);
               ++k;
             }
           }
         }
+      }
+      for (int64_t j0 = lo; j0 < hi && !by_key; j0 += block) {
+        const int64_t n = std::min(block, hi - j0);
+        for (int64_t i = 0; i < n; ++i) {
+          prefetch(j0 - lo + i + kAheadRows);
+          key_dots(keys.RawAt(slots[j0 - lo + i]), &w[i], block);
+        }
         for (int64_t k = 0; k < nh; ++k) {
           float* x = &w[k * block];
-          const T* mask_row = p.mask_rank ? MaskRow(h0 + k, row) + col0 + j0 : nullptr;
-          float m = top[k];
-          for (int64_t i = 0; i < n; ++i) {
-            float s = Capped(p.scale * x[i]);
-            if (mask_row) s = s + T1::ToFloat(mask_row[i]);
-            if (a.is_alibi) s = s + slope[k] * static_cast<float>(j0 + i - qpos);
-            x[i] = s;
-            if ((s > m || s != s) && m == m) m = s;  // NaN sticks, as numpy's max
+          float m;
+          if (plain) {
+            m = ScaleMax(x, n, p.scale);
+          } else {
+            const T* mask_row = p.mask_rank ? MaskRow(h0 + k, row) + col0 + j0 : nullptr;
+            m = minus_inf;
+            for (int64_t i = 0; i < n; ++i) {
+              float s = Capped(p.scale * x[i]);
+              if (mask_row) s = s + T1::ToFloat(mask_row[i]);
+              if (a.is_alibi) s = s + slope[k] * static_cast<float>(j0 + i - qpos);
+              x[i] = s;
+              if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
+            }
           }
+          if (top[k] != top[k] || (m == m && m < top[k])) m = top[k];  // the running max; NaN sticks
           if (m == minus_inf) {  // nothing but -inf so far: weight 0, which still lets a non-finite value through
             std::fill(x, x + n, 0.0f);
             continue;
@@ -558,12 +673,7 @@ struct AttentionKernel {
             for (int64_t d = 0; d < D; ++d) acc[k * D + d] *= f;
             top[k] = m;
           }
-          float total = 0.0f;
-          for (int64_t i = 0; i < n; ++i) {
-            x[i] = std::exp(x[i] - m);
-            total += x[i];
-          }
-          sum[k] += total;
+          sum[k] += ExpShiftedSum(x, n, m);
         }
         const T* rows[kDecodeBlock];
         values.RawRows(&slots[j0 - lo], n, rows);

@@ -82,11 +82,12 @@ def test_long_decodes_split_over_their_keys_match_the_reference_whatever_the_thr
     assert ort_call(case.inputs, case.attributes, 2)[0].tobytes() == one.tobytes()  # tasks do not follow threads
 
 
-def test_a_split_decode_keeps_non_finite_scores_as_one_pass_does():
+@pytest.mark.parametrize("head_dim", [16, 128])  # 128: a slot's 512-byte key row, read key by key
+def test_a_split_decode_keeps_non_finite_scores_as_one_pass_does(head_dim):
     """A NaN key in one key range makes the output NaN; keys hidden by a -inf mask in a whole key range are
     skipped (that range sees no key); a row hidden everywhere stays exactly zero."""
     case = build_cache_attention("split-nonfinite", [Seq(2047, 1), Seq(2047, 1), Seq(2047, 1)], heads=1,
-                                 head_dim=16, group=2, cache_mode=0, t1="float32", mask=True)
+                                 head_dim=head_dim, group=2, cache_mode=0, t1="float32", mask=True)
     i = dict(case.inputs)
     mask = i["attn_mask"]
     mask[1, 2048:2048 + 1500] = -np.inf  # sequence 1: most of its keys hidden, several key ranges wholly
@@ -110,6 +111,19 @@ def test_named_cases_match_the_reference_cache_bit_for_bit_and_output_within_its
     assert cache.tobytes() == fresh["cache"].tobytes()
     assert scale is None or scale.tobytes() == fresh["scale"].tobytes()
     assert_within(out, want.astype(np.float64), 2 * cache_attention_tolerance(**case.inputs, **case.attributes), name)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_key_by_key_decodes_with_alibi_softcap_and_a_mask_match_the_reference(monkeypatch, kernel):
+    """Slots whose key and value rows lie together and are long are read key by key, the heads' softmax steps
+    side by side: ALiBi, softcap, a mask with -inf entries, a window."""
+    use_cpu_kernel(monkeypatch, kernel)
+    case = long_decode("float16", 0, 0, 256, is_alibi=1, softcap=5.0, mask=True, sliding_window=1500)
+    inputs = copies(case.inputs)
+    inputs["attn_mask"][0, 1500:1800] = -np.inf  # the window's first keys: weight 0 while the max is -inf
+    want = multi_head_cache_attention(**copies(inputs), **case.attributes).astype(np.float64)
+    tolerance = 2 * cache_attention_tolerance(**inputs, **case.attributes)
+    assert_within(ort_call(inputs, case.attributes)[0], want, tolerance, f"{kernel} build")
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
