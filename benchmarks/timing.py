@@ -51,11 +51,15 @@ def cpu_device() -> str:
 
 
 def kernel_build() -> str:
-    """", <name> kernel build": the KeyValueCache CPU kernel build that runs (empty for a library from before its
-    builds were named)."""
+    """", <name> kernel build[, <plan> stores]": the KeyValueCache CPU kernel build that runs and how it writes
+    large outputs (each left out for a library from before it was named)."""
     from ..capi import c_api
 
     try:
-        return f", {c_api.cpu_kernel()} kernel build"
+        build = f", {c_api.cpu_kernel()} kernel build"
     except AttributeError:
         return ""
+    try:
+        return f"{build}, {c_api.cpu_stores()} stores"
+    except AttributeError:
+        return build

@@ -130,6 +130,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_c_api_version": ((), ctypes.c_int32),
         "kvcache_op_has_cuda": ((), ctypes.c_int32),
         "kvcache_op_cpu_kernel": ((), ctypes.c_char_p),
+        "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -165,6 +166,13 @@ def cpu_kernel(path: str | None = None) -> str:
     """The CPU kernel build KeyValueCache's CPU calls run now ("avx512", "avx2" or "generic"): the best one the
     library has and the processor runs, capped by ``$KVCACHE_OP_CPU_KERNEL``."""
     return library(path).kvcache_op_cpu_kernel().decode()
+
+
+def cpu_stores(path: str | None = None) -> str:
+    """How KeyValueCache's CPU gathers write outputs too large to stay cached ("side-by-side", "stream" or
+    "cached"): chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_STORES``; the same bits
+    either way."""
+    return library(path).kvcache_op_cpu_stores().decode()
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

@@ -47,6 +47,11 @@ int32_t kvcache_op_c_api_version(void) { return KVCACHE_OP_C_API_VERSION; }
 
 const char* kvcache_op_cpu_kernel(void) { return kvcache::CpuKernelName(); }
 
+const char* kvcache_op_cpu_stores(void) {
+  const kvcache::StorePlan plan = kvcache::LargeOutputStores();
+  return !plan.stream ? "cached" : plan.side_by_side ? "side-by-side" : "stream";
+}
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

@@ -102,6 +102,11 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_has_cuda(void);
    library has and the processor runs, capped by $KVCACHE_OP_CPU_KERNEL). All builds give the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_kernel(void);
 
+/* How KeyValueCache's CPU gathers write outputs too large to stay cached, chosen per CPU vendor by measurement
+   (or by $KVCACHE_OP_STORES): "side-by-side" (streaming stores, several source streams read side by side),
+   "stream" (streaming stores, one source stream) or "cached" (plain stores). All give the same bits. */
+KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
+
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);

@@ -57,7 +57,8 @@ struct Kernel {
   const ComputeArgs& args;
   const Attrs& a;
   const CallPlan& p;
-  bool stream;  // streaming stores for outputs too large to stay in cache
+  bool stream;        // streaming stores for outputs too large to stay in cache
+  bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -189,10 +190,13 @@ struct Kernel {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
     // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it head by
     // head over the task's rows (whole pages): two short streams at a time (codes and scales) rather than 4H
-    // per token; that needs head rows of whole cache lines. Outputs that stay cached go token by token: head
-    // by head they would be written a column of head rows at a time, each line read in first (measured: int8
-    // prefill layout 3 0.46-0.61x a copy head by head, 0.60-0.71x token by token).
-    const bool head_major = HeadMajor() && QBits != 0 && stream && HeadRowsWholeLines();
+    // per token, at any output alignment (measured on an AMD EPYC, int8 decode: 0.60-0.62x a copy head by head
+    // into 64- and 16-byte aligned outputs alike, 0.35x token by token; the half-written lines that 16-byte
+    // aligned head rows leave between heads cost less than the 4H streams of the token order).
+    // Outputs that stay cached go token by token: head by head they would be written a column of head rows
+    // at a time, each line read in first (measured: int8 prefill layout 3 0.46-0.61x a copy head by head,
+    // 0.60-0.71x token by token).
+    const bool head_major = HeadMajor() && QBits != 0 && stream;
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
@@ -221,7 +225,7 @@ struct Kernel {
       // Tiles of whole tokens, keys then values: long runs per output. Streamed, with head rows of whole cache
       // lines (so lines are written whole in any order), a tile is read as kStreams streams side by side: in
       // layout 3 a stream is a head's slots, kStreams heads at a time; elsewhere a run of the tile's tokens.
-      const bool side_by_side = stream && HeadRowsWholeLines();
+      const bool side_by_side = stream && parallel_streams && HeadRowsWholeLines();
       const int64_t tile = std::max<int64_t>(1, kTileBytes / (out_row * int64_t(sizeof(T))));
       for (int64_t i0 = 0; i0 < rows; i0 += tile) {
         const int64_t m = std::min(tile, rows - i0);
@@ -272,7 +276,9 @@ template <class T1, class T3, int QBits>
 struct Launch {
   static void Run(const ComputeArgs& args, const ParallelFor& parallel_for) {
     const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
-    Kernel<T1, T3, QBits>{args, *args.attrs, p, p.out_bytes > kStreamOutputBytes / 2}.Run(parallel_for);
+    const StorePlan stores = LargeOutputStores();
+    const bool large = p.out_bytes > kStreamOutputBytes / 2;
+    Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side}.Run(parallel_for);
   }
 };
 

@@ -32,4 +32,12 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 // The build ComputeCpu runs now: "avx512", "avx2" or "generic".
 const char* CpuKernelName();
 
+// How gathers write outputs too large to stay cached, chosen per CPU vendor by measurement (kv_cpu_dispatch.cc;
+// $KVCACHE_OP_STORES = side-by-side | stream | cached overrides it).
+struct StorePlan {
+  bool stream;        // streaming stores (the output is not read into the cache first)
+  bool side_by_side;  // streamed unquantized gathers read several source streams side by side
+};
+StorePlan LargeOutputStores();
+
 }  // namespace kvcache
