@@ -21,7 +21,8 @@ def test_bench_quick_run_writes_results(tmp_path, capsys):
     assert all((r["vs_standard"] is not None) == (r["quant_bit"] == 0 and (r["cache_mode"], r["layout"]) in baseline)
                for r in data["rows"])
     assert all(r["vs_standard"] > 0 for r in data["rows"] if r["vs_standard"] is not None)
-    assert "| op / copy (range) |" in (tmp_path / "results.md").read_text()
+    assert all(r["plain_ms"] > 0 and len(r["plain_ms_rounds"]) == 2 for r in data["rows"])
+    assert "| op / copy (range) | plain run ms | plain / copy |" in (tmp_path / "results.md").read_text()
     assert "op/copy" in capsys.readouterr().out
 
 

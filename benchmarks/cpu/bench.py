@@ -25,7 +25,7 @@ from ...arguments import OneLineParser, at_least, out_folder
 
 from ..bound_session import aligned_empty
 from ..chart import paired_bar_chart
-from ..kv_shapes import SHAPES, QUICK_SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner
+from ..kv_shapes import SHAPES, QUICK_SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner, plain_runner
 from ..timing import cpu_device, kernel_build, median_seconds, ort_version
 from .standard_ops import (LAYOUTS, OFFSET_LAYOUTS, baseline_runner, offset_baseline_runner,
                            tensor_scatter_available)
@@ -50,14 +50,17 @@ def standard_runner(inputs, shape: Shape, cache_mode: int, quant_bit: int, layou
     return None
 
 
-def measure_rounds(run, copy, standard, args) -> dict:
-    """``args.rounds`` rounds, each timing side by side: the op, the copy, and the standard-ops baseline with
-    the op again after it (the faster of the round's two op figures counts); each figure is the median of
-    ``args.repeats`` calls after ``args.warmup``."""
-    rounds = {"op": [], "copy": [], "standard": []}
+def measure_rounds(run, copy, standard, args, plain=None) -> dict:
+    """``args.rounds`` rounds, each timing side by side: the op, the copy, the op through a plain
+    ``session.run`` (outputs allocated by ONNX Runtime), and the standard-ops baseline with the op again after
+    it (the faster of the round's two op figures counts); each figure is the median of ``args.repeats`` calls
+    after ``args.warmup``."""
+    rounds = {"op": [], "copy": [], "standard": [], "plain": []}
     for _ in range(args.rounds):
         op_s = median_seconds(run, args.warmup, args.repeats)
         rounds["copy"].append(median_seconds(copy, args.warmup, args.repeats))
+        if plain is not None:
+            rounds["plain"].append(median_seconds(plain, args.warmup, args.repeats))
         if standard is not None:
             rounds["standard"].append(median_seconds(standard, args.warmup, args.repeats))
             op_s = min(op_s, median_seconds(run, 0, args.repeats))
@@ -82,6 +85,10 @@ def summary(shape: Shape, cache_mode: int, quant_bit: int, layout: int, threads:
         "vs_reference": reference_s / float(np.median(op)), "standard_ms": None, "vs_standard": None,
         "op_ms_rounds": [t * 1e3 for t in op], "copy_ms_rounds": [t * 1e3 for t in copy],
     }
+    plain = np.array(rounds.get("plain", []))
+    if plain.size:
+        row.update(plain_ms=float(np.median(plain)) * 1e3, plain_vs_copy=float(np.median(copy / plain)),
+                   plain_ms_rounds=[t * 1e3 for t in plain])
     if standard.size:
         row.update(standard_ms=float(np.median(standard)) * 1e3, vs_standard=float(np.median(standard / op)),
                    standard_ms_rounds=[t * 1e3 for t in standard])
@@ -110,14 +117,15 @@ def bench_cpu(args) -> list:
                     for threads in args.threads:
                         standard = standard_runner(inputs, shape, cache_mode, quant_bit, layout, threads)
                         rounds = measure_rounds(ort_runner(feeds, attrs, threads), lambda: np.copyto(dst, src),
-                                                standard, args)
+                                                standard, args, plain_runner(feeds, attrs, threads))
                         del standard
                         row = summary(shape, cache_mode, quant_bit, layout, threads, rounds, ref_s)
                         rows.append(row)
                         print(f"{shape.name:8s} {row['cache_mode']:6s} q{quant_bit} layout{layout} threads={threads}: "
                               f"{moved / 1e6:8.1f} MB op {row['op_ms']:8.3f} ms {row['op_GBps']:6.2f} GB/s | copy "
                               f"{row['copy_GBps']:6.2f} GB/s | op/copy {row['vs_copy']:5.2f}x "
-                              f"({row['vs_copy_range'][0]:.2f}-{row['vs_copy_range'][1]:.2f}) | vs reference "
+                              f"({row['vs_copy_range'][0]:.2f}-{row['vs_copy_range'][1]:.2f}) | plain run "
+                              f"{row['plain_ms']:8.3f} ms {row['plain_vs_copy']:5.2f}x | vs reference "
                               f"{row['vs_reference']:6.1f}x"
                               + ("" if row["vs_standard"] is None else f" | vs standard ops {row['vs_standard']:5.1f}x"),
                               flush=True)
@@ -143,10 +151,12 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
              "unquantized only: paged mode (layouts 0, 3): ScatterND into a copy of the cache, Gather of every "
              f"loaded slot; {offset_note}. `op speed-up` is the median of the rounds' standard-ops time over op "
              "time. Every array (inputs, outputs, the copy's) starts on a 64-byte cache line, where ONNX Runtime's "
-             "CPU allocator places its own buffers.", "",
+             "CPU allocator places its own buffers; the op's outputs are bound once (IOBinding). `plain run`: the "
+             "same call through `session.run`, ONNX Runtime allocating the outputs afresh each call, and its "
+             "ratio to the copy.", "",
              "| shape | cache | quant | layout | threads | MB moved | op ms | op GB/s | copy GB/s | op / copy (range) | "
-             "vs reference | standard ops ms | op speed-up |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "plain run ms | plain / copy | vs reference | standard ops ms | op speed-up |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         standard = ("n/a | n/a" if r.get("standard_ms") is None
                     else f"{r['standard_ms']:.3f} | {r['vs_standard']:.1f}x")
@@ -154,7 +164,8 @@ def write_results(rows, out: pathlib.Path, command: str, device: str) -> None:
         lines.append(f"| {r['shape']} B={r['B']} seqlen={r['seqlen']} kvlen={r['kvlen']} | {r['cache_mode']} | "
                      f"{r['quant_bit']} | {r['layout']} | {r['threads']} | {r['bytes_moved'] / 1e6:.1f} | "
                      f"{r['op_ms']:.3f} | {r['op_GBps']:.2f} | {r['copy_GBps']:.2f} | {r['vs_copy']:.2f}x "
-                     f"({low:.2f}-{high:.2f}) | {r['vs_reference']:.1f}x | {standard} |")
+                     f"({low:.2f}-{high:.2f}) | {r['plain_ms']:.3f} | {r['plain_vs_copy']:.2f}x | "
+                     f"{r['vs_reference']:.1f}x | {standard} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     labels = [f"{r['shape']} {r['cache_mode']}\nq{r['quant_bit']} L{r['layout']} t{r['threads']}" for r in rows]
     paired_bar_chart(out / "chart.png", labels, ("KeyValueCache op", [r["op_GBps"] for r in rows]),
