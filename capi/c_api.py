@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 2
+C_API_VERSION = 3
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -148,12 +148,14 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_multi_head_cache_attention_cpu": ((mhca_attrs, tensors, tensors, ctypes.c_int32) + message,
                                                       ctypes.c_int32),
     }
-    for name, (args, result) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = list(args), result
+    # The version first: a library of another version may lack functions this binding names.
+    lib.kvcache_op_c_api_version.argtypes, lib.kvcache_op_c_api_version.restype = [], ctypes.c_int32
     version = lib.kvcache_op_c_api_version()
     if version != C_API_VERSION:
         raise RuntimeError(f"{path} has C API version {version}; this binding speaks version {C_API_VERSION}")
+    for name, (args, result) in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = list(args), result
     return lib
 
 

@@ -50,8 +50,8 @@ CpuKernel KernelCap() {
 CpuKernel BestKernel() {
 #ifdef KVCACHE_CPU_AVX512
   static const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-                             __builtin_cpu_supports("fma");
+                             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx2") &&
+                             __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma");
   if (avx512) return CpuKernel::kAvx512;
 #endif
 #ifdef KVCACHE_CPU_AVX2

@@ -246,3 +246,15 @@ def test_the_header_is_installed_with_the_library():
     source = pathlib.Path(__file__).resolve().parent.parent / "capi" / "kvcache_op.h"
     assert installed.read_text() == source.read_text()
     assert f"#define KVCACHE_OP_C_API_VERSION {c_api.C_API_VERSION}" in installed.read_text()
+
+
+def test_a_library_of_another_version_is_refused_by_its_version_before_any_function_is_bound(tmp_path):
+    """A library of an older C API lacks functions this binding names: the error is the version, not a missing
+    symbol."""
+    from native_build import build_library
+
+    source = tmp_path / "old_version.cc"
+    source.write_text('extern "C" int kvcache_op_c_api_version(void) { return 2; }\n')
+    old = build_library("old_version", [source], [], ["-O1", "-fPIC", "-shared"], tmp_path / "build")
+    with pytest.raises(RuntimeError, match=f"has C API version 2; this binding speaks version {c_api.C_API_VERSION}"):
+        c_api.library(str(old))
