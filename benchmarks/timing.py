@@ -51,15 +51,11 @@ def cpu_device() -> str:
 
 
 def kernel_build() -> str:
-    """", <name> kernel build[, <plan> stores]": the KeyValueCache CPU kernel build that runs and how it writes
-    large outputs (each left out for a library from before it was named)."""
+    """", <name> kernel build, <plan> stores": the KeyValueCache CPU kernel build that runs and how it writes large
+    outputs (empty for a library of another C API version, which the binding refuses)."""
     from ..capi import c_api
 
     try:
-        build = f", {c_api.cpu_kernel()} kernel build"
-    except AttributeError:
+        return f", {c_api.cpu_kernel()} kernel build, {c_api.cpu_stores()} stores"
+    except RuntimeError:
         return ""
-    try:
-        return f"{build}, {c_api.cpu_stores()} stores"
-    except AttributeError:
-        return build

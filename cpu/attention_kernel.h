@@ -189,6 +189,15 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
   return total;
 }
 
+// A head's running softmax moved to the higher (or NaN) max m: what was summed against the old max is rescaled by
+// exp(old max - m) (0 after -inf; NaN for a NaN max).
+inline void RaiseMax(float m, int64_t D, float* top, float* sum, float* acc) {
+  const float f = std::exp(*top - m);
+  *sum *= f;
+  for (int64_t d = 0; d < D; ++d) acc[d] *= f;
+  *top = m;
+}
+
 // One key's finished scores x[k] of heads k < nh enter their running softmax (max top[k], sum[k], unnormalized
 // output acc[k * D ..]): where a head's max rises (or turns NaN) its sum and output so far are rescaled by
 // exp(old max - new max), then x[k] becomes the key's weight exp(x[k] - max), 0 while the max is -inf (a
@@ -196,12 +205,7 @@ inline float ExpShiftedSum(float* x, int64_t n, float m) {
 // softmax in DecodeTask, eight heads per vector where AVX2 is built.
 inline void OneKeySoftmax(float* x, int64_t nh, int64_t D, float* top, float* sum, float* acc) {
   const float minus_inf = -std::numeric_limits<float>::infinity();
-  auto rescale = [&](int64_t k, float m) {
-    const float f = std::exp(top[k] - m);  // 0 after -inf; NaN for a NaN max
-    sum[k] *= f;
-    for (int64_t d = 0; d < D; ++d) acc[k * D + d] *= f;
-    top[k] = m;
-  };
+  auto rescale = [&](int64_t k, float m) { RaiseMax(m, D, &top[k], &sum[k], &acc[k * D]); };
   int64_t k = 0;
 #if defined(__AVX2__)
   const __m256 none = _mm256_set1_ps(minus_inf);
@@ -308,6 +312,28 @@ struct AttentionKernel {
   // A scaled score under the softcap extension: softcap * tanh(s / softcap) in float32; as it is when off.
   float Capped(float s) const { return a.softcap != 0.0f ? a.softcap * std::tanh(s / a.softcap) : s; }
 
+  // The score of a raw dot product (spec order): scaled, softcapped, plus the attn_mask entry of query row `row`
+  // at column `col` for head `head`, plus ALiBi's slope * (key position - query position) = slope * distance.
+  float Score(float dot, int64_t head, float slope, int64_t row, int64_t col, int64_t distance) const {
+    float s = Capped(p.scale * dot);
+    if (p.mask_rank) s = s + T1::ToFloat(MaskRow(head, row)[col]);
+    if (a.is_alibi) s = s + slope * static_cast<float>(distance);
+    return s;
+  }
+
+  // x[i] = Score(x[i], ..., col + i, distance + i) for i < n, returning their max (NaN sticks, as numpy's max;
+  // -inf for n <= 0); a vector pass where no softcap, mask or ALiBi applies.
+  float FinishScores(float* x, int64_t n, int64_t head, float slope, int64_t row, int64_t col,
+                     int64_t distance) const {
+    if (a.softcap == 0.0f && !p.mask_rank && !a.is_alibi) return ScaleMax(x, n, p.scale);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) {
+      x[i] = Score(x[i], head, slope, row, col + i, distance + i);
+      if (x[i] > m || x[i] != x[i]) m = x[i];
+    }
+    return m;
+  }
+
   // [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see (spec: visible keys).
   void VisibleRange(int64_t b, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) const {
     const int64_t q = K - S + i;  // |K - S + i| < tokens + kv_tokens: fits
@@ -395,14 +421,8 @@ struct AttentionKernel {
         for (int r = 0; r < rows; ++r)
           for (int64_t k = 0; k < nh; ++k) {
             float* row = &scores[(r * nh + k) * span];  // key j at row[j - first]
-            float& m = top[r * nh + k];
-            for (int64_t j = lo[r]; j < hi[r]; ++j) {
-              float s = Capped(p.scale * row[j - first]);
-              if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row0 + i0 + r)[col0 + j]);
-              if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos[r]);
-              row[j - first] = s;
-              if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
-            }
+            const float m = top[r * nh + k] = FinishScores(row + (lo[r] - first), hi[r] - lo[r], h0 + k, slope[k],
+                                                           row0 + i0 + r, col0 + lo[r], lo[r] - qpos[r]);
             if (m != minus_inf) sum[r * nh + k] = ExpShiftedSum(row + (lo[r] - first), hi[r] - lo[r], m);
           }
         // exp(score - max) of row r, head k at key j (computed above); 0 where the key is hidden or the row is all
@@ -522,20 +542,9 @@ struct AttentionKernel {
         TileProduct(q.data(), D, &keys_t[pc * D], kTileCols, D, &scores[pc], ldk);
       for (int r = 0; r < rows; ++r) {
         float* x = &scores[r * ldk];  // key j at x[j - first]
-        float m = minus_inf;
         const int64_t qpos = K - S + i0 + r;
-        if (a.softcap == 0.0f && !p.mask_rank && !a.is_alibi) {
-          m = ScaleMax(x + (lo[r] - first), hi[r] - lo[r], p.scale);
-        } else {
-          for (int64_t j = lo[r]; j < hi[r]; ++j) {
-            float s = Capped(p.scale * x[j - first]);
-            if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h, row0 + i0 + r)[col0 + j]);
-            if (a.is_alibi) s = s + slope * static_cast<float>(j - qpos);
-            x[j - first] = s;
-            if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
-          }
-        }
-        top[r] = m;
+        const float m = top[r] = FinishScores(x + (lo[r] - first), hi[r] - lo[r], h, slope, row0 + i0 + r,
+                                              col0 + lo[r], lo[r] - qpos);
         sum[r] = m == minus_inf ? 0.0f : ExpShiftedSum(x + (lo[r] - first), hi[r] - lo[r], m);
       }
       // Keys [g0, g1) are seen by every row of the tile (ranges only move forward with the row); a row whose
@@ -612,68 +621,28 @@ struct AttentionKernel {
           }
         }
       };
-      const bool plain = a.softcap == 0.0f && !p.mask_rank && !a.is_alibi;
       for (int64_t i = 0; i < kAheadRows; ++i) prefetch(i);
-      if (by_key) {
-        for (int64_t i = 0; i < span; ++i) {
-          prefetch(i + kAheadRows);
-          const int64_t j = lo + i;
-          key_dots(keys.RawAt(slots[i]), w.data(), 1);
-          for (int64_t k = 0; k < nh; ++k) {
-            float s = plain ? p.scale * w[k] : Capped(p.scale * w[k]);
-            if (p.mask_rank) s = s + T1::ToFloat(MaskRow(h0 + k, row)[col0 + j]);
-            if (a.is_alibi) s = s + slope[k] * static_cast<float>(j - qpos);
-            w[k] = s;
-          }
-          OneKeySoftmax(w.data(), nh, D, top.data(), sum.data(), acc.data());
-          const T* value = values.RawAt(slots[i]);
-          for (int64_t k = 0; k < nh;) {
-            const T* vr = value + ((h0 + k) / G - kv0) * D;
-            if (shared4(k)) {
-              float* accs[kRows] = {&acc[k * D], &acc[(k + 1) * D], &acc[(k + 2) * D], &acc[(k + 3) * D]};
-              Axpy4<T1>(accs, &w[k], vr, D);
-              k += kRows;
-            } else {
-              Axpy<T1>(&acc[k * D], w[k], vr, D);
-              ++k;
-            }
-          }
-        }
-      }
-      for (int64_t j0 = lo; j0 < hi && !by_key; j0 += block) {
+      for (int64_t j0 = lo; j0 < hi; j0 += block) {
         const int64_t n = std::min(block, hi - j0);
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0; i < n; ++i) {  // raw dot products: w[k * block + i] for head k, key j0 + i
           prefetch(j0 - lo + i + kAheadRows);
           key_dots(keys.RawAt(slots[j0 - lo + i]), &w[i], block);
         }
-        for (int64_t k = 0; k < nh; ++k) {
-          float* x = &w[k * block];
-          float m;
-          if (plain) {
-            m = ScaleMax(x, n, p.scale);
-          } else {
-            const T* mask_row = p.mask_rank ? MaskRow(h0 + k, row) + col0 + j0 : nullptr;
-            m = minus_inf;
-            for (int64_t i = 0; i < n; ++i) {
-              float s = Capped(p.scale * x[i]);
-              if (mask_row) s = s + T1::ToFloat(mask_row[i]);
-              if (a.is_alibi) s = s + slope[k] * static_cast<float>(j0 + i - qpos);
-              x[i] = s;
-              if (s > m || s != s) m = s;  // NaN sticks, as numpy's max
+        if (block == 1) {  // key by key: the heads' softmax steps side by side
+          for (int64_t k = 0; k < nh; ++k) w[k] = Score(w[k], h0 + k, slope[k], row, col0 + j0, j0 - qpos);
+          OneKeySoftmax(w.data(), nh, D, top.data(), sum.data(), acc.data());
+        } else {
+          for (int64_t k = 0; k < nh; ++k) {
+            float* x = &w[k * block];
+            float m = FinishScores(x, n, h0 + k, slope[k], row, col0 + j0, j0 - qpos);
+            if (top[k] != top[k] || (m == m && m < top[k])) m = top[k];  // the running max; NaN sticks
+            if (m == minus_inf) {  // nothing but -inf so far: weight 0, which still lets a non-finite value through
+              std::fill(x, x + n, 0.0f);
+              continue;
             }
+            if (m != top[k]) RaiseMax(m, D, &top[k], &sum[k], &acc[k * D]);
+            sum[k] += ExpShiftedSum(x, n, m);
           }
-          if (top[k] != top[k] || (m == m && m < top[k])) m = top[k];  // the running max; NaN sticks
-          if (m == minus_inf) {  // nothing but -inf so far: weight 0, which still lets a non-finite value through
-            std::fill(x, x + n, 0.0f);
-            continue;
-          }
-          if (m != top[k]) {  // a higher max (or NaN): what was summed against the old one is rescaled
-            const float f = std::exp(top[k] - m);  // 0 after -inf; NaN for a NaN max
-            sum[k] *= f;
-            for (int64_t d = 0; d < D; ++d) acc[k * D + d] *= f;
-            top[k] = m;
-          }
-          sum[k] += ExpShiftedSum(x, n, m);
         }
         const T* rows[kDecodeBlock];
         values.RawRows(&slots[j0 - lo], n, rows);

@@ -17,56 +17,64 @@ namespace kvcache {
 namespace KV_CPU_ISA {
 namespace attention_detail {
 
+// One vector of the build's width for TileProduct: zero, load, broadcast, multiply-add, store.
 #if defined(__AVX512F__)
+struct TileVector {
+  using V = __m512;
+  static constexpr int kWidth = 16;
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static V Splat(const float* p) { return _mm512_set1_ps(*p); }
+  static V MulAdd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
 // 8 rows x 2 vectors of 16: 16 accumulators of the 32 registers, the rest for B's two vectors and broadcasts.
-constexpr int kTileRows = 8, kTileCols = 32;
+constexpr int kTileRows = 8;
 #elif defined(__AVX2__) && defined(__FMA__)
+struct TileVector {
+  using V = __m256;
+  static constexpr int kWidth = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static V Splat(const float* p) { return _mm256_broadcast_ss(p); }
+  static V MulAdd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
 // 6 rows x 2 vectors of 8: 12 accumulators, two for B, one broadcast: 15 of the 16 registers.
-constexpr int kTileRows = 6, kTileCols = 16;
+constexpr int kTileRows = 6;
 #else
-constexpr int kTileRows = 4, kTileCols = 16;
+struct TileVector {  // one float: the portable build's loops (the compiler may vectorize them)
+  using V = float;
+  static constexpr int kWidth = 8;
+};
+constexpr int kTileRows = 4;
 #endif
+constexpr int kTileCols = 2 * TileVector::kWidth;
 
 // c[r * ldc + n] = sum_{k < depth} a[r * lda + k] * b[k * ldb + n] for r < kTileRows, n < kTileCols, summed in
 // k order (per element one chain of multiply-adds). `b` and `c` hold kTileCols floats per row from the given
 // pointers; `a` holds depth floats per row.
 inline void TileProduct(const float* a, int64_t lda, const float* b, int64_t ldb, int64_t depth, float* c,
                         int64_t ldc) {
-#if defined(__AVX512F__)
-  __m512 acc[kTileRows][2];
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  using X = TileVector;
+  constexpr int W = X::kWidth;
+  typename X::V acc[kTileRows][2];
 #pragma GCC unroll 8
-  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = X::Zero();
   for (int64_t k = 0; k < depth; ++k) {
-    const __m512 b0 = _mm512_loadu_ps(b + k * ldb), b1 = _mm512_loadu_ps(b + k * ldb + 16);
+    const typename X::V b0 = X::Load(b + k * ldb), b1 = X::Load(b + k * ldb + W);
 #pragma GCC unroll 8
     for (int r = 0; r < kTileRows; ++r) {
-      const __m512 x = _mm512_set1_ps(a[r * lda + k]);
-      acc[r][0] = _mm512_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(x, b1, acc[r][1]);
+      const typename X::V x = X::Splat(a + r * lda + k);
+      acc[r][0] = X::MulAdd(x, b0, acc[r][0]);
+      acc[r][1] = X::MulAdd(x, b1, acc[r][1]);
     }
   }
 #pragma GCC unroll 8
   for (int r = 0; r < kTileRows; ++r) {
-    _mm512_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm512_storeu_ps(c + r * ldc + 16, acc[r][1]);
-  }
-#elif defined(__AVX2__) && defined(__FMA__)
-  __m256 acc[kTileRows][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < kTileRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int64_t k = 0; k < depth; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(b + k * ldb), b1 = _mm256_loadu_ps(b + k * ldb + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < kTileRows; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda + k);
-      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < kTileRows; ++r) {
-    _mm256_storeu_ps(c + r * ldc, acc[r][0]);
-    _mm256_storeu_ps(c + r * ldc + 8, acc[r][1]);
+    X::Store(c + r * ldc, acc[r][0]);
+    X::Store(c + r * ldc + W, acc[r][1]);
   }
 #else
   float acc[kTileRows][kTileCols] = {};

@@ -32,13 +32,14 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
             weights = _constant_matrix(node.inputs[1])
             if weights is not None:
                 groups[node.inputs[0]].append((node, weights))
+    outputs = set(graph.outputs)
+    order = {node: i for i, node in enumerate(graph)}  # insertions below keep the order of the nodes already there
     fused = 0
     for x, members in groups.items():
         by_kind = collections.defaultdict(list)  # only weights that concatenate: one K, one dtype
         for node, weights in members:
             by_kind[(weights.shape[0], weights.dtype.str)].append((node, weights))
         for group in by_kind.values():
-            outputs = set(graph.outputs)
             group = [(node, weights) for node, weights in group if node.outputs[0] not in outputs]  # names kept
             if len(group) < 2:
                 continue
@@ -53,7 +54,7 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
             matmul = ir.Node("", "MatMul", inputs=[x, combined], name=f"{nodes[0].name}_fused")
             split = ir.Node("", "Split", inputs=[matmul.outputs[0], sizes], attributes=[ir.AttrInt64("axis", -1)],
                             num_outputs=len(nodes), name=f"{nodes[0].name}_fused_split")
-            first = min(nodes, key=lambda n: list(graph).index(n))
+            first = min(nodes, key=order.__getitem__)
             graph.insert_before(first, [matmul, split])
             for node, out in zip(nodes, split.outputs):
                 out.shape, out.type = node.outputs[0].shape, node.outputs[0].type

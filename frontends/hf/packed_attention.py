@@ -37,7 +37,7 @@ def stepping(model, step: PackedStep):
     implementation switched, and switched back after; the experts of mixture-of-experts blocks computed by
     transformers' export-friendly ``batched_mm`` implementation)."""
     register()
-    configs = [c for c in _configs(model.config)]
+    configs = list(_configs(model.config))
     saved = [c._attn_implementation for c in configs]
     experts = model.get_experts_implementation() if _has_experts(model) else None
     token = _STEP.set(step)
