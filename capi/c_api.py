@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 3
+C_API_VERSION = 4
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -147,6 +147,10 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_multi_head_cache_attention_defaults": ((mhca_attrs,), None),
         "kvcache_op_multi_head_cache_attention_cpu": ((mhca_attrs, tensors, tensors, ctypes.c_int32) + message,
                                                       ctypes.c_int32),
+        "kvcache_op_multi_head_attention_cuda": ((mha_attrs, tensors, tensors, ctypes.c_void_p) + message,
+                                                 ctypes.c_int32),
+        "kvcache_op_multi_head_cache_attention_cuda": ((mhca_attrs, tensors, tensors, ctypes.c_void_p) + message,
+                                                       ctypes.c_int32),
     }
     # The version first: a library of another version may lack functions this binding names.
     lib.kvcache_op_c_api_version.argtypes, lib.kvcache_op_c_api_version.restype = [], ctypes.c_int32
@@ -353,18 +357,28 @@ def multi_head_attention_attributes(library_file: str | None = None, **attribute
 
 def run_multi_head_attention(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
                              library_file: str | None = None, **attributes) -> None:
-    """Runs MultiHeadAttention on raw host buffers. ``inputs``: 9 :class:`Tensor` in the op's order (``ABSENT``
-    for no attn_mask); ``output``: one :class:`Tensor` of query's type and shape, written only when the call
-    is valid. ``device`` must be ``"cpu"`` (there is no CUDA kernel of this op yet; ``stream`` is unused)."""
-    if device != "cpu":
-        raise ValueError(f"MultiHeadAttention runs on device 'cpu' only (no CUDA kernel yet), got {device!r}")
-    del stream
+    """Runs MultiHeadAttention on raw buffers. ``inputs``: 9 :class:`Tensor` in the op's order (``ABSENT`` for no
+    attn_mask); ``output``: one :class:`Tensor` of query's type and shape, written only when the call is valid.
+    ``device="cuda"``: query, key, value, attn_mask and the output are device memory (index inputs host memory)
+    and the work is enqueued on ``stream`` (a cudaStream_t as an int); ``num_threads`` is then unused."""
+    _check_device(device)
     lib = library(library_file)
     attrs = multi_head_attention_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
-    code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_array(inputs), ctypes.byref(output.to_c()),
-                                                   int(num_threads), message, len(message))
+    if device == "cuda":
+        code = lib.kvcache_op_multi_head_attention_cuda(ctypes.byref(attrs), c_array(inputs),
+                                                        ctypes.byref(output.to_c()), ctypes.c_void_p(stream),
+                                                        message, len(message))
+    else:
+        code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_array(inputs),
+                                                       ctypes.byref(output.to_c()), int(num_threads), message,
+                                                       len(message))
     _check(code, message, MultiHeadAttentionError)
+
+
+def _check_device(device: str) -> None:
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
 
 
 def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
@@ -391,17 +405,24 @@ def multi_head_cache_attention_attributes(library_file: str | None = None, **att
                   attributes, floats=("softmax_scale", "softcap"))
 
 
-def run_multi_head_cache_attention(inputs, output, *, num_threads: int = 1, library_file: str | None = None,
-                                   **attributes) -> None:
-    """Runs MultiHeadCacheAttention on raw host buffers. ``inputs``: 13 :class:`Tensor` in the op's order
-    (``ABSENT`` for no scale or attn_mask); ``output``: one :class:`Tensor` of query's type and shape. On an error
-    (:class:`~kvcache_op.reference.KeyValueCacheError`) nothing is written, the cache included."""
+def run_multi_head_cache_attention(inputs, output, *, device: str = "cpu", stream: int = 0, num_threads: int = 1,
+                                   library_file: str | None = None, **attributes) -> None:
+    """Runs MultiHeadCacheAttention on raw buffers. ``inputs``: 13 :class:`Tensor` in the op's order (``ABSENT`` for
+    no scale or attn_mask); ``output``: one :class:`Tensor` of query's type and shape. On an error
+    (:class:`~kvcache_op.reference.KeyValueCacheError`) nothing is written, the cache included. ``device="cuda"``:
+    every tensor but the index inputs is device memory, and the work is enqueued on ``stream``."""
+    _check_device(device)
     lib = library(library_file)
     attrs = multi_head_cache_attention_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
-    code = lib.kvcache_op_multi_head_cache_attention_cpu(ctypes.byref(attrs), c_array(inputs),
-                                                         ctypes.byref(output.to_c()), int(num_threads), message,
-                                                         len(message))
+    if device == "cuda":
+        code = lib.kvcache_op_multi_head_cache_attention_cuda(ctypes.byref(attrs), c_array(inputs),
+                                                              ctypes.byref(output.to_c()), ctypes.c_void_p(stream),
+                                                              message, len(message))
+    else:
+        code = lib.kvcache_op_multi_head_cache_attention_cpu(ctypes.byref(attrs), c_array(inputs),
+                                                             ctypes.byref(output.to_c()), int(num_threads), message,
+                                                             len(message))
     _check(code, message)
 
 

@@ -3,35 +3,7 @@
 #include "c_tensors.h"
 #include "kvcache_op.h"
 #include "rotary_c_args.h"
-
-#ifdef KVCACHE_WITH_CUDA
-#include "kv_cuda_run.h"
-#endif
-
-namespace kvcache {
-#ifndef KVCACHE_WITH_CUDA
-constexpr const char* kNoCuda =
-    "this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)";
-#endif
-#ifdef KVCACHE_WITH_CUDA
-namespace {
-
-struct StreamScratch : cuda::DeviceScratch {  // stream-ordered allocations of the CUDA runtime
-  cudaStream_t stream;
-  explicit StreamScratch(cudaStream_t s) : stream(s) {}
-  void* Alloc(size_t bytes) override {
-    void* data = nullptr;
-    if (cudaError_t e = cudaMallocAsync(&data, bytes, stream); e != cudaSuccess)
-      throw std::runtime_error(std::string("kvcache-op CUDA: allocating index scratch: ") + cudaGetErrorString(e));
-    return data;
-  }
-  void Free(void* data) override { cudaFreeAsync(data, stream); }
-};
-
-}  // namespace
-#endif
-
-}  // namespace kvcache
+#include "stream_scratch.h"
 
 using namespace kvcache;
 

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 3
+#define KVCACHE_OP_C_API_VERSION 4
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -168,6 +168,20 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_multi_head_cache_attention_cpu(const Kvcach
                                                                     const KvcacheTensor inputs[13],
                                                                     const KvcacheTensor* output, int32_t num_threads,
                                                                     char* message, size_t message_size);
+
+/* The two attention ops on a CUDA device (C API version 4): query, key, value / current_key, current_value,
+ * cache, scale, attn_mask and the output are device memory; the index inputs are host memory, validated on the
+ * host before anything is enqueued. The work (for MultiHeadCacheAttention: the stores, then the attention) is
+ * enqueued on `stream` (a cudaStream_t); device scratch comes from cudaMallocAsync on it. A build without CUDA
+ * returns KVCACHE_OP_UNAVAILABLE. */
+KVCACHE_OP_EXPORT int32_t kvcache_op_multi_head_attention_cuda(const KvcacheMultiHeadAttentionAttrs* attrs,
+                                                               const KvcacheTensor inputs[9],
+                                                               const KvcacheTensor* output, void* stream,
+                                                               char* message, size_t message_size);
+KVCACHE_OP_EXPORT int32_t kvcache_op_multi_head_cache_attention_cuda(const KvcacheMultiHeadCacheAttentionAttrs* attrs,
+                                                                     const KvcacheTensor inputs[13],
+                                                                     const KvcacheTensor* output, void* stream,
+                                                                     char* message, size_t message_size);
 
 #ifdef __cplusplus
 }

@@ -5,6 +5,7 @@
 #include "c_tensors.h"
 #include "kvcache_op.h"
 #include "mha_cpu.h"
+#include "stream_scratch.h"
 
 namespace kvcache {
 namespace {
@@ -64,6 +65,31 @@ int32_t kvcache_op_multi_head_attention_cpu(const KvcacheMultiHeadAttentionAttrs
         });
       },
       message, message_size);
+}
+
+int32_t kvcache_op_multi_head_attention_cuda(const KvcacheMultiHeadAttentionAttrs* attrs,
+                                             const KvcacheTensor inputs[9], const KvcacheTensor* output, void* stream,
+                                             char* message, size_t message_size) {
+#ifdef KVCACHE_WITH_CUDA
+  return CatchAll(
+      [&] {
+        if (attrs == nullptr || inputs == nullptr) Fail("MultiHeadAttention: attrs and inputs must not be NULL");
+        const MhaAttrs a = ToMhaAttrs(*attrs);
+        TensorArg in[kMhaNumInputs];
+        ToTensorArgs(inputs, kMhaNumInputs, kMhaNames, kMhaOptional, in);
+        const MhaPlan plan = ValidateAttention(a, in);  // index inputs snapshotted, then checked
+        CheckMhaOutput(output, in);                     // nothing written before this passes
+        StreamScratch scratch(static_cast<cudaStream_t>(stream));
+        const cuda::AttnTensors tensors{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
+                                        in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
+        cuda::RunAttentionValidated(a, plan, in[0].type, tensors, static_cast<cudaStream_t>(stream), scratch);
+      },
+      message, message_size);
+#else
+  (void)attrs, (void)inputs, (void)output, (void)stream;
+  WriteMessage(kNoCuda, message, message_size);
+  return KVCACHE_OP_UNAVAILABLE;
+#endif
 }
 
 }  // extern "C"

@@ -6,6 +6,7 @@
 #include "c_tensors.h"
 #include "kvcache_op.h"
 #include "mhca_cpu.h"
+#include "stream_scratch.h"
 
 namespace kvcache {
 namespace {
@@ -36,6 +37,19 @@ MhcaAttrs ToMhcaAttrs(const KvcacheMultiHeadCacheAttentionAttrs& c) {
   return a;
 }
 
+// The validated call, its output checked: nothing is written before this returns.
+MhcaPlan ValidateWithOutput(const KvcacheMultiHeadCacheAttentionAttrs* attrs, const KvcacheTensor* inputs,
+                            const KvcacheTensor* output, MhcaAttrs* a, TensorArg* in) {
+  if (attrs == nullptr || inputs == nullptr) Fail("MultiHeadCacheAttention: attrs and inputs must not be NULL");
+  *a = ToMhcaAttrs(*attrs);
+  ToTensorArgs(inputs, kMhcaNumInputs, kMhcaNames, kMhcaOptional, in);
+  MhcaPlan plan = ValidateCacheAttention(*a, in);  // index inputs copied, then checked
+  if (output == nullptr) Fail("MultiHeadCacheAttention: output must not be NULL");
+  CheckOutput(*output, "output", in[0].type, in[0].shape);
+  CheckCacheAttentionApart(in, output->data);
+  return plan;
+}
+
 }  // namespace
 }  // namespace kvcache
 
@@ -58,15 +72,9 @@ int32_t kvcache_op_multi_head_cache_attention_cpu(const KvcacheMultiHeadCacheAtt
                                                   int32_t num_threads, char* message, size_t message_size) {
   return CatchAll(
       [&] {
-        if (attrs == nullptr || inputs == nullptr)
-          Fail("MultiHeadCacheAttention: attrs and inputs must not be NULL");
-        const MhcaAttrs a = ToMhcaAttrs(*attrs);
+        MhcaAttrs a;
         TensorArg in[kMhcaNumInputs];
-        ToTensorArgs(inputs, kMhcaNumInputs, kMhcaNames, kMhcaOptional, in);
-        const MhcaPlan plan = ValidateCacheAttention(a, in);  // index inputs copied, then checked
-        if (output == nullptr) Fail("MultiHeadCacheAttention: output must not be NULL");
-        CheckOutput(*output, "output", in[0].type, in[0].shape);
-        CheckCacheAttentionApart(in, output->data);  // nothing written before this passes
+        const MhcaPlan plan = ValidateWithOutput(attrs, inputs, output, &a, in);  // nothing written before
         const TensorArg& scale = in[kMhcaScaleInput];
         const MhcaArgs args{&a, &plan, in[0].type, scale.type, in[0].data, in[1].data, in[2].data,
                             const_cast<void*>(in[kMhcaCacheInput].data),
@@ -77,6 +85,31 @@ int32_t kvcache_op_multi_head_cache_attention_cpu(const KvcacheMultiHeadCacheAtt
         });
       },
       message, message_size);
+}
+
+int32_t kvcache_op_multi_head_cache_attention_cuda(const KvcacheMultiHeadCacheAttentionAttrs* attrs,
+                                                   const KvcacheTensor inputs[13], const KvcacheTensor* output,
+                                                   void* stream, char* message, size_t message_size) {
+#ifdef KVCACHE_WITH_CUDA
+  return CatchAll(
+      [&] {
+        MhcaAttrs a;
+        TensorArg in[kMhcaNumInputs];
+        const MhcaPlan plan = ValidateWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        StreamScratch scratch(static_cast<cudaStream_t>(stream));
+        const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
+        const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, in[kMhcaCacheInput].data,
+                                        scale.present ? scale.data : nullptr, mask.present ? mask.data : nullptr,
+                                        output->data};
+        cuda::RunCacheAttentionValidated(a, plan, in[0].type, scale.type, in[1].data, in[2].data, tensors,
+                                         static_cast<cudaStream_t>(stream), scratch);
+      },
+      message, message_size);
+#else
+  (void)attrs, (void)inputs, (void)output, (void)stream;
+  WriteMessage(kNoCuda, message, message_size);
+  return KVCACHE_OP_UNAVAILABLE;
+#endif
 }
 
 }  // extern "C"

@@ -30,6 +30,7 @@ struct Launcher {
   const Params& p;
   int quant_bit;
   cudaStream_t stream;
+  bool gather;  // false: the stores alone (MultiHeadCacheAttention reads the cache in place)
 
   template <class T1, class T3, int QBits>
   cudaError_t Run() const {
@@ -40,7 +41,7 @@ struct Launcher {
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     }
     const Grid gather = GatherGrid(p);
-    if (!gather.Empty()) {
+    if (this->gather && !gather.Empty()) {
       GatherKernel<T1, T3, QBits><<<GridDim(gather), static_cast<unsigned>(gather.threads), 0, stream>>>(p, gather.unit);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     }
@@ -51,7 +52,11 @@ struct Launcher {
 }  // namespace
 
 cudaError_t LaunchKeyValueCache(const Params& p, int32_t t1, int32_t scale_type, int quant_bit, cudaStream_t stream) {
-  return DispatchTypes(t1, scale_type, quant_bit, Launcher{p, quant_bit, stream});
+  return DispatchTypes(t1, scale_type, quant_bit, Launcher{p, quant_bit, stream, true});
+}
+
+cudaError_t LaunchKeyValueStores(const Params& p, int32_t t1, int32_t scale_type, int quant_bit, cudaStream_t stream) {
+  return DispatchTypes(t1, scale_type, quant_bit, Launcher{p, quant_bit, stream, false});
 }
 
 }  // namespace cuda

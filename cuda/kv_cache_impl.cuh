@@ -17,5 +17,9 @@ namespace cuda {
 cudaError_t LaunchKeyValueCache(const Params& params, int32_t t1, int32_t scale_type, int quant_bit,
                                 cudaStream_t stream);
 
+// The stores alone (the output pointers are not used).
+cudaError_t LaunchKeyValueStores(const Params& params, int32_t t1, int32_t scale_type, int quant_bit,
+                                 cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace kvcache

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_impl.cuh"
 #include "kv_cache_impl.cuh"
 #include "rotary_impl.cuh"
 #include "rotary_params.h"
@@ -27,7 +28,62 @@ struct ScratchBlock {  // returned to the scratch at scope exit (stream order ke
   }
 };
 
+// The planner's policy on the current device: about four blocks per multiprocessor.
+TilePolicy DevicePolicy() {
+  int device = 0, sms = 0;
+  Check(cudaGetDevice(&device), "reading the current device");
+  Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "reading the multiprocessor count");
+  TilePolicy policy;
+  policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
+  return policy;
+}
+
+// Copies a planned attention call's index and work words to the device in one transfer and launches it.
+void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
+                   int32_t t1, int32_t scale_type, int quant_bit, const AttnTensors& tensors, cudaStream_t stream,
+                   DeviceScratch& scratch) {
+  if (launch.tiles == 0) return;
+  std::vector<int64_t> words(launch.index);
+  words.insert(words.end(), launch.work.begin(), launch.work.end());
+  ScratchBlock device_words(scratch, words.size() * sizeof(int64_t));
+  ScratchBlock partials(scratch, static_cast<size_t>(launch.records * (a.head_dim + 2)) * sizeof(float));
+  Check(cudaMemcpyAsync(device_words.data, words.data(), words.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                        stream),
+        "copying the index inputs and the tiles");
+  const auto* index = static_cast<const int64_t*>(device_words.data);
+  const AttnParams p = MakeAttnParams(a, plan, cache, launch, tensors, index, index + launch.index.size(),
+                                      static_cast<float*>(partials.data));
+  Check(LaunchAttention(p, t1, scale_type, quant_bit, cache != nullptr, stream), "launching the attention kernels");
+}
+
 }  // namespace
+
+void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
+                           cudaStream_t stream, DeviceScratch& scratch) {
+  const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy());  // throws before any launch
+  LaunchPlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, scratch);
+}
+
+void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_t t1, int32_t scale_type,
+                                const void* key, const void* value, const AttnTensors& tensors, cudaStream_t stream,
+                                DeviceScratch& scratch) {
+  const CacheSide side{&a.cache, &plan.cache};
+  // Both launches checked before either is enqueued: a call that cannot run leaves the cache unchanged.
+  if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
+  const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy());
+  if (plan.cache.batch > 0) {
+    const std::vector<int64_t> host = PackIndices(plan.cache);
+    ScratchBlock indices(scratch, host.size() * sizeof(int64_t));
+    Check(cudaMemcpyAsync(indices.data, host.data(), host.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream),
+          "copying the index inputs");
+    const DeviceTensors stores{key, value, const_cast<void*>(tensors.cache), const_cast<void*>(tensors.scale), nullptr,
+                               nullptr};
+    const Params p = MakeParams(a.cache, plan.cache, static_cast<const int64_t*>(indices.data), stores);
+    Check(LaunchKeyValueStores(p, t1, scale_type, static_cast<int>(a.cache.quant_bit), stream), "launching the stores");
+  }
+  LaunchPlanned(a.attention, plan.attention, &side, launch, t1, scale_type, static_cast<int>(a.cache.quant_bit),
+                tensors, stream, scratch);
+}
 
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,
                   cudaStream_t stream, DeviceScratch& scratch) {

@@ -7,8 +7,10 @@
 
 #include <cstddef>
 
+#include "attention_params.h"
 #include "kv_cuda_params.h"
 #include "kv_validate.h"
+#include "mhca_validate.h"
 #include "rotary_shift.h"
 
 namespace kvcache {
@@ -42,6 +44,20 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
 // scale (null without quantization) are given; cache_type / scale_type are their ONNX types.
 void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
                         void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch);
+
+// MultiHeadAttention: `plan` from ValidateAttention on the call whose device buffers are `t` (key and value set,
+// cache and scale null); t is the ONNX type of query. Throws KvError before anything is enqueued when the call
+// cannot be launched (PlanAttention), std::runtime_error for a CUDA failure.
+void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
+                           cudaStream_t stream, DeviceScratch& scratch);
+
+// MultiHeadCacheAttention: KeyValueCache's stores of current_key / current_value (`key`, `value`) into the cache,
+// then the attention reading the cache in place. `plan` from ValidateCacheAttention; `tensors` name the query,
+// cache, scale (null without quantization), attn_mask and output. Both launches are planned and checked before
+// either is enqueued.
+void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_t t1, int32_t scale_type,
+                                const void* key, const void* value, const AttnTensors& tensors, cudaStream_t stream,
+                                DeviceScratch& scratch);
 
 }  // namespace cuda
 }  // namespace kvcache

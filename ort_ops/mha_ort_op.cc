@@ -46,13 +46,4 @@ OrtStatusPtr InferMhaOutputShape(const OrtCustomOp*, OrtShapeInferContext* ctx) 
   return api.ShapeInferContext_SetOutputTypeShape(ctx, 0, query);
 }
 
-MhaCpuOp::MhaCpuOp() {
-  DeclareApiVersion(*this);
-  OrtCustomOp::InferOutputShapeFn = InferMhaOutputShape;
-}
-
-OrtStatusPtr MhaCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-  return NewKernel<MhaCpuKernel>(info, kernel);
-}
-
 }  // namespace kvcache

@@ -22,11 +22,17 @@ struct MhaCpuKernel {
 // attention_output: query's element type and shape (symbolic dims included).
 OrtStatusPtr InferMhaOutputShape(const OrtCustomOp* op, OrtShapeInferContext* ctx);
 
-struct MhaCpuOp : Ort::CustomOpBase<MhaCpuOp, MhaCpuKernel, /*WithStatus=*/true> {
-  MhaCpuOp();
-  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const;
+// The op for either EP (TOp says which): inputs, memory types, output.
+template <class TOp, class TKernel>
+struct MhaOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
+  MhaOpBase() {
+    DeclareApiVersion(*this);
+    OrtCustomOp::InferOutputShapeFn = InferMhaOutputShape;  // the output is query's type and shape
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return NewKernel<TKernel>(info, kernel);
+  }
   const char* GetName() const { return kMhaOpName; }
-  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
   size_t GetInputTypeCount() const { return kMhaNumInputs; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
     return (i >= 3 && i <= 7) ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
@@ -40,6 +46,10 @@ struct MhaCpuOp : Ort::CustomOpBase<MhaCpuOp, MhaCpuKernel, /*WithStatus=*/true>
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+};
+
+struct MhaCpuOp : MhaOpBase<MhaCpuOp, MhaCpuKernel> {
+  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
 };
 
 }  // namespace kvcache

@@ -39,13 +39,4 @@ OrtStatusPtr MhcaCpuKernel::ComputeV2(OrtKernelContext* context) {
   }
 }
 
-MhcaCpuOp::MhcaCpuOp() {
-  DeclareApiVersion(*this);
-  OrtCustomOp::InferOutputShapeFn = InferMhaOutputShape;  // the output is query's type and shape
-}
-
-OrtStatusPtr MhcaCpuOp::CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
-  return NewKernel<MhcaCpuKernel>(info, kernel);
-}
-
 }  // namespace kvcache

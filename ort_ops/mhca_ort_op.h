@@ -2,6 +2,7 @@
 #pragma once
 
 #include "kv_ort_op.h"
+#include "mha_ort_op.h"
 #include "mhca_validate.h"
 
 namespace kvcache {
@@ -20,11 +21,17 @@ struct MhcaCpuKernel {
   MhcaAttrs attrs;
 };
 
-struct MhcaCpuOp : Ort::CustomOpBase<MhcaCpuOp, MhcaCpuKernel, /*WithStatus=*/true> {
-  MhcaCpuOp();
-  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const;
+// The op for either EP (TOp says which): inputs, memory types, output.
+template <class TOp, class TKernel>
+struct MhcaOpBase : Ort::CustomOpBase<TOp, TKernel, /*WithStatus=*/true> {
+  MhcaOpBase() {
+    DeclareApiVersion(*this);
+    OrtCustomOp::InferOutputShapeFn = InferMhaOutputShape;  // the output is query's type and shape
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo* info, void** kernel) const {
+    return NewKernel<TKernel>(info, kernel);
+  }
   const char* GetName() const { return kMhcaOpName; }
-  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
   size_t GetInputTypeCount() const { return kMhcaNumInputs; }
   static bool IsIndex(size_t i) { return i >= 3 && i <= 9; }
   ONNXTensorElementDataType GetInputType(size_t i) const {
@@ -37,6 +44,10 @@ struct MhcaCpuOp : Ort::CustomOpBase<MhcaCpuOp, MhcaCpuKernel, /*WithStatus=*/tr
   OrtMemType GetInputMemoryType(size_t i) const { return IsIndex(i) ? OrtMemTypeCPUInput : OrtMemTypeDefault; }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; }
+};
+
+struct MhcaCpuOp : MhcaOpBase<MhcaCpuOp, MhcaCpuKernel> {
+  const char* GetExecutionProviderType() const { return nullptr; }  // the CPU EP
 };
 
 }  // namespace kvcache

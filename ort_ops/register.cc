@@ -1,5 +1,6 @@
 // The library's only entry point: registers KeyValueCache in domain opmx.dynamic_batching for the
-// CPU EP (and the CUDA EP in a CUDA build), KeyCacheRotaryShift likewise, and MultiHeadAttention and MultiHeadCacheAttention for the CPU EP.
+// CPU EP (and the CUDA EP in a CUDA build); KeyCacheRotaryShift, MultiHeadAttention and MultiHeadCacheAttention
+// likewise.
 #include <string>
 
 #include "kv_ort_op.h"
@@ -9,6 +10,7 @@
 
 #ifdef KVCACHE_WITH_CUDA
 #include "kv_ort_cuda_op.h"
+#include "mha_ort_cuda_op.h"
 #include "rotary_ort_cuda_op.h"
 #endif
 
@@ -32,6 +34,8 @@ struct Registry {
 #ifdef KVCACHE_WITH_CUDA
   kvcache::CudaOp cuda_op;
   kvcache::RotaryCudaOp rotary_cuda_op;
+  kvcache::MhaCudaOp mha_cuda_op;
+  kvcache::MhcaCudaOp mhca_cuda_op;
 #endif
   Ort::CustomOpDomain domain{kvcache::kDomain};
 
@@ -43,6 +47,8 @@ struct Registry {
 #ifdef KVCACHE_WITH_CUDA
     domain.Add(&cuda_op);
     domain.Add(&rotary_cuda_op);
+    domain.Add(&mha_cuda_op);
+    domain.Add(&mhca_cuda_op);
 #endif
   }
 };

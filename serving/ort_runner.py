@@ -88,14 +88,16 @@ class ModelRunner:
         self.info = ModelInfo.of_model(model)
         self.providers = list(providers) if providers is not None else default_providers()
         self.device = provider_device(self.providers)
-        fused = any(n.op_type == "MultiHeadCacheAttention" for n in model.graph.node)
-        if fused and self.device[0] != "cpu":
-            # It has no CUDA kernel yet: ONNX Runtime would run it on the CPU over a copy of the device cache, and
-            # its in-place writes would never reach the cache the next step reads.
-            raise ValueError(f"{model_path} uses MultiHeadCacheAttention, which has no CUDA kernel yet: serve it on "
-                             f"the CPU EP, or export with fused_attention=False for {self.providers[0]}")
-        # CPU fallback stays allowed for the split pair: MultiHeadAttention has no CUDA kernel yet, so under the
-        # CUDA EP ONNX Runtime runs it on the CPU and copies its inputs (KeyValueCache itself runs on the device).
+        if self.device[0] != "cpu":
+            from ..capi import c_api
+
+            if not c_api.has_cuda():
+                # ONNX Runtime would run the cache ops on the CPU over a copy of the device cache, and their in-place
+                # writes would never reach the cache the next step reads.
+                raise ValueError(f"{self.providers[0]} needs a CUDA build of kvcache-op (this library has no CUDA "
+                                 f"kernels: reinstall where nvcc is found, KVCACHE_OP_CUDA=1), or serve on the CPU EP")
+        # Every op of an exported decoder has a CUDA kernel (the cache ops and both attention ops here, the rest ONNX
+        # Runtime's own), so under the CUDA EP the cache stays on the device and is written in place.
         self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
         self.session_inputs = [i.name for i in self.session.get_inputs()]
         i = self.info

@@ -75,13 +75,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """How much kernel work the CUDA host runner checked in this session (when it ran)."""
+    """How much kernel work the CUDA host runners checked in this session (when they ran)."""
     runner = sys.modules.get("cuda_host_runner")
     if runner is not None and runner.CHECKED["launches"]:
         c = runner.CHECKED
         terminalreporter.write_line(
             f"CUDA host runner: {c['launches']} clean launches checked ({c['threads']} threads, "
             f"{c['bytes_written']} bytes written)")
+    attention = sys.modules.get("attention_host_runner")
+    if attention is not None and attention.CHECKED["launches"]:
+        c = attention.CHECKED
+        terminalreporter.write_line(
+            f"CUDA attention host runner: {c['launches']} clean launches checked ({c['blocks']} blocks, "
+            f"{c['split_tiles']} split tiles)")
 
 
 @pytest.fixture(scope="session")

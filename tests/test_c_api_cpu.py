@@ -237,6 +237,36 @@ def test_rotary_cuda_entry_without_a_usable_gpu_fails_cleanly():
     del buffers
 
 
+@pytest.mark.parametrize("op", ["MultiHeadAttention", "MultiHeadCacheAttention"])
+def test_attention_cuda_entries_without_a_usable_gpu_fail_cleanly(op):
+    """The attention ops' CUDA entries: 'no CUDA kernels' in a build without them, the CUDA error without a GPU;
+    the output and the cache unchanged either way."""
+    import gpu_support
+    from ort_helpers import copies
+
+    from kvcache_op.validation.mha_cases import ATTENTION_CASES
+    from kvcache_op.validation.mhca_cases import CASES as CACHE_ATTENTION_CASES
+
+    if c_api.has_cuda() and gpu_support.device_framework() is not None:
+        pytest.skip("a GPU is present: the GPU tests cover the CUDA entries")
+    mha = op == "MultiHeadAttention"
+    case = ATTENTION_CASES["mha_softcap"]() if mha else CACHE_ATTENTION_CASES["mhca_paged_int8_layout3"]()
+    inputs = copies(case.inputs)
+    buffers = c_api.HostBuffers()
+    tensors = [buffers.tensor(n, inputs.get(n), written=n in ("cache", "scale"))
+               for n in (c_api.MHA_INPUTS if mha else c_api.MHCA_INPUTS)]
+    out = np.zeros_like(inputs["query"])
+    cache_before = None if mha else inputs["cache"].tobytes()
+    run = c_api.run_multi_head_attention if mha else c_api.run_multi_head_cache_attention
+    with pytest.raises(RuntimeError, match="kvcache-op CUDA" if c_api.has_cuda() else "no CUDA kernels"):
+        run(tensors, c_api.Tensor(c_api.onnx_type(out.dtype), out.shape, out.ctypes.data), device="cuda",
+            **case.attributes)
+    assert not out.view(np.uint8).any()
+    if not mha:
+        assert inputs["cache"].tobytes() == cache_before
+    del buffers
+
+
 def test_the_header_is_installed_with_the_library():
     import pathlib
 

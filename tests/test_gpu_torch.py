@@ -1,5 +1,6 @@
-"""The torch front-end on CUDA tensors runs the library's CUDA kernel, bit-identical to the reference,
-on torch's current stream; invalid calls leave the device cache untouched."""
+"""The torch front-end on CUDA tensors runs the library's CUDA kernels: KeyValueCache bit-identical to the
+reference, on torch's current stream, invalid calls leaving the device cache untouched; both attention ops within
+the spec's bound of the naive oracle (MultiHeadCacheAttention's cache bit for bit the naive KeyValueCache's)."""
 
 import numpy as np
 import pytest
@@ -11,10 +12,14 @@ import kvcache_op.torch as kt  # noqa: E402
 from invalid_calls import INVALID, make_invalid  # noqa: E402
 from ort_helpers import assert_same_bits, copies, reference_result  # noqa: E402
 from strategies import COMBINATIONS, calls_for, shift_calls  # noqa: E402
-from torch_convert import to_numpy, torch_inputs  # noqa: E402
+from torch_convert import to_numpy, to_torch, torch_inputs  # noqa: E402
 
 from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift, rotary_shift_tables  # noqa: E402
 from kvcache_op.validation.cases import CASES  # noqa: E402
+from kvcache_op.validation.mha_cases import ATTENTION_CASES  # noqa: E402
+from kvcache_op.validation.mhca_cases import CASES as MHCA_CASES  # noqa: E402
+from test_mha_reference import assert_within, oracle  # noqa: E402
+from test_mhca_ort_cpu import naive_oracle  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -101,3 +106,34 @@ def test_a_quantized_cuda_shift_of_too_long_rows_is_refused_untouched():
     with pytest.raises(KeyValueCacheError, match="at most 256"):
         kt.key_cache_rotary_shift(cache, scale, torch.tensor([1]), cos, sin, quant_bit=8)
     assert bool((cache == 1).all()) and bool((scale == 1).all())
+
+
+def _attention_tensors(inputs):
+    """Data inputs on the GPU, index inputs on the host (as a served graph feeds them)."""
+    data = ("query", "key", "value", "attn_mask", "current_key", "current_value", "cache", "scale")
+    return {name: to_torch(value, "cuda" if name in data else "cpu") for name, value in inputs.items()}
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_cuda_attention_is_within_the_bound_of_the_naive_oracle(name):
+    """kvcache_op.torch.multi_head_attention on CUDA tensors runs the library's CUDA kernel."""
+    case = ATTENTION_CASES[name]()
+    exact, bound = oracle(case)
+    out = kt.multi_head_attention(**_attention_tensors(copies(case.inputs)), **case.attributes)
+    assert out.device.type == "cuda"
+    got = to_numpy(out, case.inputs["query"])
+    assert_within(got, exact, bound, f"CUDA {name}")
+    assert np.all(got[bound == 0] == 0)
+
+
+@pytest.mark.parametrize("name", sorted(MHCA_CASES))
+def test_cuda_cache_attention_writes_the_naive_cache_and_is_within_the_bound(name):
+    case = MHCA_CASES[name]()
+    exact, bound, cache_after, scale_after = naive_oracle(case.inputs, case.attributes)
+    tensors = _attention_tensors(copies(case.inputs))
+    out = kt.multi_head_cache_attention(**tensors, **case.attributes)
+    assert out.device.type == "cuda"
+    assert to_numpy(tensors["cache"], case.inputs["cache"]).tobytes() == cache_after.tobytes()
+    if scale_after is not None:
+        assert to_numpy(tensors["scale"], case.inputs["scale"]).tobytes() == scale_after.tobytes()
+    assert_within(to_numpy(out, case.inputs["query"]), exact, bound, f"CUDA {name}")

@@ -84,8 +84,8 @@ def test_defaults_are_the_specs_and_the_required_attributes_must_be_given():
         c_api.multi_head_attention(**case.inputs, head_dim=8)
     with pytest.raises(TypeError, match="unknown attribute"):
         c_api.multi_head_attention_attributes(window=3)
-    with pytest.raises(ValueError, match="device 'cpu' only"):
-        c_api.run_multi_head_attention([], None, device="cuda", num_heads=1, head_dim=1)
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda', got 'tpu'"):
+        c_api.run_multi_head_attention([], None, device="tpu", num_heads=1, head_dim=1)
 
 
 def test_message_is_truncated_safely_and_null_attrs_refused():

@@ -6,14 +6,17 @@
 # 1. builds the library from this checkout (CUDA on; ONNX Runtime headers from $KVCACHE_OP_ORT_INCLUDE_DIR
 #    or the git-ignored folder .ort-headers/ of the checkout) into OUTDIR/site, without network;
 # 2. runs the tests that need no GPU: the CUDA host runner and the C entry points on the CPU;
-# 3. runs the GPU tests (C entry point, device memory from torch or CuPy);
-# 4. runs them again, fewer examples, under compute-sanitizer memcheck, racecheck, initcheck, synccheck;
-# 5. runs the CUDA benchmark (python -m kvcache_op.benchmarks.gpu.bench);
+# 3. runs the GPU tests (C entry point, device memory from torch or CuPy; the attention kernels too);
+# 4. runs them again, fewer examples, under compute-sanitizer memcheck, racecheck, initcheck, synccheck (the
+#    attention kernels' tests in a step of their own per tool: a few fast deterministic calls);
+# 5. runs the CUDA benchmarks (python -m kvcache_op.benchmarks.gpu.bench, and .attention for the attention ops);
 # 6. runs the ONNX Runtime CUDA EP tests when onnxruntime-gpu is importable, or can be installed from
 #    the parts in .ort-gpu/ (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps --target);
 # 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
 #    every step that was skipped, with the reason.
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
+# GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason): for a short device
+# lease that re-checks only what changed.
 # Exit status: 0 when no step failed.
 set -u -o pipefail
 
@@ -25,12 +28,19 @@ STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail
 PY=${PYTHON:-python3}
 START=$(date +%s)
 
-step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; printf '[gpu_check %4ss] %-28s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3"; }
+step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3"; }
+
+# True (and the step recorded as skipped) when $1 is named in $GPU_CHECK_SKIP.
+skipped() {
+  case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) step "$1" skip "named in GPU_CHECK_SKIP"; return 0 ;; esac
+  return 1
+}
 
 # Runs pytest with a junit report; records pass/fail. $1 step name, $2 timeout (s), rest: pytest args.
 run_pytest() {
   local name=$1 limit=$2
   shift 2
+  if skipped "$name"; then return 0; fi
   (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider \
       --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
@@ -67,7 +77,7 @@ fi
 export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. No GPU needed ------------------------------------------------------------------------------------
-run_pytest host-runner 300 test_cuda_host_runner.py test_c_api_cpu.py
+run_pytest host-runner 300 test_cuda_host_runner.py test_attention_host_runner.py test_c_api_cpu.py
 
 # Is there a GPU the tests can use? (the same reason the test suite prints when it skips)
 GPU_REASON=$(cd "$ROOT/tests" && "$PY" -c 'import conftest; print(conftest._gpu_unavailable_reason() or "")' 2>&1 | tail -1)
@@ -76,31 +86,53 @@ DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/nul
 printf '%s\n' "${DEVICE:-none}" >"$OUT/device.txt"
 
 if [ -n "$GPU_REASON" ]; then
-  for s in gpu-tests sanitizer-memcheck sanitizer-racecheck sanitizer-initcheck sanitizer-synccheck benchmark ort-cuda-ep; do
+  for s in gpu-tests sanitizer-memcheck sanitizer-attention-memcheck sanitizer-racecheck sanitizer-attention-racecheck \
+           sanitizer-initcheck sanitizer-attention-initcheck sanitizer-synccheck sanitizer-attention-synccheck benchmark \
+           attention-benchmark ort-cuda-ep; do
     step "$s" skip "$GPU_REASON"
   done
 else
   # 3. GPU tests ----------------------------------------------------------------------------------------
-  run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
+  run_pytest gpu-tests 420 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py test_gpu_attention.py \
+    test_bench_attention_cuda.py
 
   # 4. compute-sanitizer ------------------------------------------------------------------------------
   SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+  ATTENTION_SANITIZE="mha_split_decode and softcap or mhca_split_decode and bfloat16 or int4-g3-d24-page5-2"
+  ATTENTION_SANITIZE+=" or int8-g8-d128-page16-3 or mha_prefill and causal-float16-24"
+  ATTENTION_SANITIZE+=" or mhca_misaligned_buffers and 2-8 or invalid_mhca_call and offset_beyond_max_t or head_dim_4096"
   if [ -x "$SANITIZER" ]; then
     for tool in memcheck racecheck initcheck synccheck; do
       PREFIX=("$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20)
       HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$tool" 150 test_gpu_c_entry.py \
         -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
+      # the attention kernels: a split decode with its merges (mask, ALiBi, softcap), a cache-attention split decode,
+      # int4 paged with groups of 3 and int8 head-major caches, tiles of 16 query rows, misaligned buffers, invalid
+      # calls (nothing launched, nothing written)
+      HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-attention-$tool" 120 test_gpu_attention.py \
+        -k "$ATTENTION_SANITIZE"
       PREFIX=()
     done
   else
-    for tool in memcheck racecheck initcheck synccheck; do step "sanitizer-$tool" skip "compute-sanitizer not found"; done
+    for tool in memcheck racecheck initcheck synccheck; do
+      step "sanitizer-$tool" skip "compute-sanitizer not found"
+      step "sanitizer-attention-$tool" skip "compute-sanitizer not found"
+    done
   fi
 
   # 5. Benchmark ----------------------------------------------------------------------------------------
-  if timeout 240 "$PY" -m kvcache_op.benchmarks.gpu.bench --out "$OUT/bench" >"$OUT/logs/benchmark.log" 2>&1; then
+  if skipped benchmark; then :
+  elif timeout 240 "$PY" -m kvcache_op.benchmarks.gpu.bench --out "$OUT/bench" >"$OUT/logs/benchmark.log" 2>&1; then
     step benchmark pass "bench/results.md"
   else
     step benchmark fail "see logs/benchmark.log"
+  fi
+  if skipped attention-benchmark; then :
+  elif timeout 150 "$PY" -m kvcache_op.benchmarks.gpu.attention --out "$OUT/attention-bench" \
+      >"$OUT/logs/attention-benchmark.log" 2>&1; then
+    step attention-benchmark pass "attention-bench/results.md"
+  else
+    step attention-benchmark fail "exit $?: see logs/attention-benchmark.log"
   fi
 
   # 6. ONNX Runtime CUDA EP -----------------------------------------------------------------------------

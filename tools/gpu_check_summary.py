@@ -1,6 +1,6 @@
 """Writes OUTDIR/summary.md for tools/gpu_check.sh: the device, each step's verdict with its pass / fail /
-skip counts (from the junit reports), the compute-sanitizer verdicts, the benchmark table, and every
-skipped step with its reason. Prints the summary too."""
+skip counts (from the junit reports), the compute-sanitizer verdicts, the benchmark tables (KeyValueCache's and
+the attention ops'), and every skipped step with its reason. Prints the summary too."""
 
 import pathlib
 import sys
@@ -24,9 +24,10 @@ def main(out: pathlib.Path) -> str:
     for row in (out / "steps.tsv").read_text().splitlines():
         name, status, detail = (row.split("\t") + ["", ""])[:3]
         lines.append(f"| {name} | {status} | {counts(out / 'logs' / f'{name}.xml')} | {detail} |")
-    bench = out / "bench" / "results.md"
-    if bench.is_file():
-        lines += ["", "## Benchmark", "", bench.read_text()]
+    for folder, title in (("bench", "Benchmark"), ("attention-bench", "Attention benchmark")):
+        bench = out / folder / "results.md"
+        if bench.is_file():
+            lines += ["", f"## {title}", "", bench.read_text()]
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     return text

@@ -105,10 +105,9 @@ def multi_head_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch
                             max_kvlen: torch.Tensor, attn_mask: Optional[torch.Tensor], num_heads: int, head_dim: int,
                             is_causal: int, is_alibi: int, num_kv_heads: int, sliding_window: int,
                             softmax_scale: float, softcap: float) -> torch.Tensor:
-    """MultiHeadAttention on CPU tensors (the library's kernel); returns a new tensor shaped like query."""
+    """MultiHeadAttention on the tensors' device (the library's CPU or CUDA kernel); returns a new tensor shaped
+    like query."""
     device = tt.data_device(query=query, key=key, value=value, attn_mask=attn_mask)
-    if device.type != "cpu":
-        raise NotImplementedError("MultiHeadAttention has no CUDA kernel yet: run it on CPU tensors")
     attrs = dict(num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
                  num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
                  softcap=softcap)
@@ -117,8 +116,11 @@ def multi_head_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch
         seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen))]
     mask = None if attn_mask is None else attn_mask.contiguous()
     inputs = [*map(tt.describe, data), *map(tt.describe, index), tt.describe(mask)]
-    out = torch.empty(data[0].shape, dtype=query.dtype)
-    c_api.run_multi_head_attention(inputs, tt.describe(out), num_threads=torch.get_num_threads(), **attrs)
+    out = torch.empty(data[0].shape, dtype=query.dtype, device=device)
+    stream, current_device = _launch_context(device)
+    with current_device:
+        c_api.run_multi_head_attention(inputs, tt.describe(out), device=device.type, stream=stream,
+                                       num_threads=torch.get_num_threads(), **attrs)
     return out
 
 
@@ -138,12 +140,10 @@ def multi_head_cache_attention_op(query: torch.Tensor, current_key: torch.Tensor
                                   quant_group: int, cache_mode: int, cache_layout: int, page_size: int,
                                   num_heads: int, head_dim: int, is_causal: int, is_alibi: int, num_kv_heads: int,
                                   sliding_window: int, softmax_scale: float, softcap: float) -> torch.Tensor:
-    """MultiHeadCacheAttention on CPU tensors (the library's kernel): writes ``cache``/``scale`` in place and
-    returns a new tensor shaped like query."""
+    """MultiHeadCacheAttention on the tensors' device (the library's CPU or CUDA kernel): writes ``cache``/``scale``
+    in place and returns a new tensor shaped like query."""
     device = tt.data_device(query=query, current_key=current_key, current_value=current_value, cache=cache,
                             scale=scale, attn_mask=attn_mask)
-    if device.type != "cpu":
-        raise NotImplementedError("MultiHeadCacheAttention has no CUDA kernel yet: run it on CPU tensors")
     attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                  cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size, num_heads=num_heads,
                  head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi, num_kv_heads=num_kv_heads,
@@ -154,9 +154,11 @@ def multi_head_cache_attention_op(query: torch.Tensor, current_key: torch.Tensor
     mask = None if attn_mask is None else attn_mask.contiguous()
     inputs = [*map(tt.describe, data), *map(tt.describe, index), tt.describe_cache("cache", cache, quant_bit),
               tt.describe_written("scale", scale), tt.describe(mask)]
-    out = torch.empty(data[0].shape, dtype=query.dtype)
-    with tt.int4_shapes_explained(quant_bit):
-        c_api.run_multi_head_cache_attention(inputs, tt.describe(out), num_threads=torch.get_num_threads(), **attrs)
+    out = torch.empty(data[0].shape, dtype=query.dtype, device=device)
+    stream, current_device = _launch_context(device)
+    with tt.int4_shapes_explained(quant_bit), current_device:
+        c_api.run_multi_head_cache_attention(inputs, tt.describe(out), device=device.type, stream=stream,
+                                             num_threads=torch.get_num_threads(), **attrs)
     return out
 
 

@@ -119,7 +119,8 @@ def _float_attribute(name: str, value) -> float:
 def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                          attn_mask=None, *, num_heads, head_dim, is_causal=1, is_alibi=0, num_kv_heads=0,
                          sliding_window=0, softmax_scale=0.0, softcap=0.0):
-    """MultiHeadAttention (spec/MultiHeadAttention.md) on CPU torch tensors: every sequence's queries attend
+    """MultiHeadAttention (spec/MultiHeadAttention.md) on CPU or CUDA torch tensors (the library's C++ or CUDA
+    kernel, CUDA on the current stream; index inputs read on the host): every sequence's queries attend
     over its own keys/values as KeyValueCache packs them; returns a tensor shaped like ``query``, within
     the spec's tolerance of :func:`kvcache_op.reference.multi_head_attention` (the library's CPU kernel,
     the same bits as its ONNX Runtime op). ``decoding_batches``/``max_seqlen``/``max_kvlen`` may be ints;
@@ -144,7 +145,8 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                                num_heads, head_dim, num_kv_heads=0, is_causal=1, is_alibi=0, softmax_scale=0.0,
                                sliding_window=0, softcap=0.0, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
                                cache_mode=0, cache_layout=0, page_size=128):
-    """MultiHeadCacheAttention (spec/MultiHeadCacheAttention.md) on CPU torch tensors: stores this step's keys and
+    """MultiHeadCacheAttention (spec/MultiHeadCacheAttention.md) on CPU or CUDA torch tensors (as
+    :func:`multi_head_attention`): stores this step's keys and
     values into ``cache`` (and ``scale``) **in place**, as :func:`key_value_cache` does, and attends every
     sequence's queries over its cached keys, reading them in place (the library's kernel); returns a tensor shaped
     like ``query``: the cache bit-identical to :func:`kvcache_op.reference.multi_head_cache_attention`'s, the

@@ -1,0 +1,31 @@
+// What the CUDA C entry points share: device scratch from the CUDA runtime's stream-ordered allocator (in a CUDA
+// build), and the answer of a build without CUDA.
+#pragma once
+
+#ifdef KVCACHE_WITH_CUDA
+#include <stdexcept>
+#include <string>
+
+#include "kv_cuda_run.h"
+#endif
+
+namespace kvcache {
+
+constexpr const char* kNoCuda =
+    "this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)";
+
+#ifdef KVCACHE_WITH_CUDA
+struct StreamScratch : cuda::DeviceScratch {  // stream-ordered allocations of the CUDA runtime
+  cudaStream_t stream;
+  explicit StreamScratch(cudaStream_t s) : stream(s) {}
+  void* Alloc(size_t bytes) override {
+    void* data = nullptr;
+    if (cudaError_t e = cudaMallocAsync(&data, bytes, stream); e != cudaSuccess)
+      throw std::runtime_error(std::string("kvcache-op CUDA: allocating scratch: ") + cudaGetErrorString(e));
+    return data;
+  }
+  void Free(void* data) override { cudaFreeAsync(data, stream); }
+};
+#endif
+
+}  // namespace kvcache

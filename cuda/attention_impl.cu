@@ -1,0 +1,96 @@
+// Kernels of MultiHeadAttention and MultiHeadCacheAttention: thin wrappers that hand a block's team (this thread
+// and its registers) and its shared memory to the work of attention_work.h. Built with fused multiply-adds: the
+// spec leaves the order and rounding of the sums free within its tolerance (only the dequantization is an exact
+// product, ProductRn).
+#include "attention_impl.cuh"
+
+#include "attention_work.h"
+
+namespace kvcache {
+namespace cuda {
+namespace {
+
+// Global buffers at params.ptr, shared memory at `shared`.
+struct AttnDeviceMem {
+  const AttnParams& p;
+  float* shared;
+  __device__ __forceinline__ char* Base(ABuf buf) const {
+    return buf == kAShared ? reinterpret_cast<char*>(shared) : static_cast<char*>(p.ptr[buf]);
+  }
+  template <class T>
+  __device__ __forceinline__ T Load(ABuf buf, int64_t offset) const {
+    return *reinterpret_cast<const T*>(Base(buf) + offset);
+  }
+  template <class T>
+  __device__ __forceinline__ void Store(ABuf buf, int64_t offset, T value) const {
+    *reinterpret_cast<T*>(Base(buf) + offset) = value;
+  }
+};
+
+// This thread of the block: Each runs its part of a phase, Sync is the block's barrier.
+struct DeviceTeam {
+  int64_t thread;
+  AttnThread state;
+  template <class F>
+  __device__ __forceinline__ void Each(F&& f) {
+    f(thread, state);
+  }
+  __device__ __forceinline__ void Sync() { __syncthreads(); }
+};
+
+template <class T1, class Rows>
+__global__ void __launch_bounds__(kAttnThreads) TileKernel(AttnParams p) {
+  __shared__ float shared[kSharedWords];
+  AttnDeviceMem mem{p, shared};
+  DeviceTeam team{threadIdx.x, {}};
+  AttentionTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+}
+
+template <class T1>
+__global__ void __launch_bounds__(kAttnThreads) MergeKernel(AttnParams p) {
+  AttnDeviceMem mem{p, nullptr};
+  MergeThread<T1>(p, mem, blockIdx.x, threadIdx.x);
+}
+
+template <class T1, class Rows>
+cudaError_t Launch(const AttnParams& p, cudaStream_t stream) {
+  // Grid sizes were checked on the host (PlanAttention): below 2^31 blocks each.
+  if (p.tiles > 0) {
+    TileKernel<T1, Rows><<<static_cast<unsigned>(p.tiles), kAttnThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.merges > 0) {
+    MergeKernel<T1><<<static_cast<unsigned>(p.merges), kAttnThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+template <class T1>
+cudaError_t LaunchCache(const AttnParams& p, int32_t scale_type, int quant_bit, cudaStream_t stream) {
+  const bool f16_scale = scale_type == int32_t(Elem::kFloat16);
+  switch (quant_bit) {
+    case 0: return Launch<T1, CacheRows<T1, F32, 0>>(p, stream);
+    case 8: return f16_scale ? Launch<T1, CacheRows<T1, F16, 8>>(p, stream) : Launch<T1, CacheRows<T1, F32, 8>>(p, stream);
+    default: return f16_scale ? Launch<T1, CacheRows<T1, F16, 4>>(p, stream) : Launch<T1, CacheRows<T1, F32, 4>>(p, stream);
+  }
+}
+
+template <class T1>
+cudaError_t LaunchFor(const AttnParams& p, int32_t scale_type, int quant_bit, bool cache, cudaStream_t stream) {
+  return cache ? LaunchCache<T1>(p, scale_type, quant_bit, stream) : Launch<T1, PackedRows<T1>>(p, stream);
+}
+
+}  // namespace
+
+cudaError_t LaunchAttention(const AttnParams& p, int32_t t1, int32_t scale_type, int quant_bit, bool cache,
+                            cudaStream_t stream) {
+  switch (static_cast<Elem>(t1)) {
+    case Elem::kFloat32: return LaunchFor<F32>(p, scale_type, quant_bit, cache, stream);
+    case Elem::kFloat16: return LaunchFor<F16>(p, scale_type, quant_bit, cache, stream);
+    default: return LaunchFor<BF16>(p, scale_type, quant_bit, cache, stream);
+  }
+}
+
+}  // namespace cuda
+}  // namespace kvcache

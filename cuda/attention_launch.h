@@ -1,0 +1,99 @@
+// What one attention launch (MultiHeadAttention or MultiHeadCacheAttention on CUDA) works on: its buffers, its
+// parameters, and the tiles its blocks take. Shared by the kernels (attention_work.h), the host that plans the
+// tiles (attention_params.h) and the host runner (tests/host_runner).
+#pragma once
+
+#include <cstdint>
+
+#include "kv_cache_launch.h"
+#include "kv_types.h"
+
+namespace kvcache {
+namespace cuda {
+
+// The buffers of one attention call. Offsets passed to Mem are bytes from a buffer's base.
+enum ABuf : int {
+  kAQuery,     // T1 [tokens, H, Dh]
+  kAKey,       // T1 [kv_tokens, Hkv, Dh] (MultiHeadAttention's packed keys)
+  kAValue,     // T1 [kv_tokens, Hkv, Dh]
+  kACache,     // MultiHeadCacheAttention's cache (rank 5 by layout: T1, int8 or packed int4)
+  kAScale,     // its scales (T3), absent without quantization
+  kAMask,      // T1 attn_mask [H, tokens, M] or [tokens, M]; absent when not given
+  kAOut,       // T1 [tokens, H, Dh]
+  kAIndex,     // int64: seqstarts [B+1], kvstarts [B+1], causal [B], cachestarts, ALiBi slopes (float bits) [H]
+  kATiles,     // int64: the tiles, then the merges (Tile / Merge records)
+  kAPartials,  // float32: each split part's (max, sum, output) per query vector
+  kAShared,    // the block's shared memory (float32 words)
+  kABufCount
+};
+
+// Threads of every attention block, and keys per chunk (one key per thread in the score phase).
+constexpr int64_t kAttnThreads = 256;
+// At most this many query vectors (rows x heads of one kv head) per tile.
+constexpr int64_t kMaxTileQueries = 16;
+// Elements of a row one thread holds in the value phase (a 16-byte load of float16).
+constexpr int64_t kSliceElems = 8;
+// The widest head the kernels run: one query vector's slices must fit in a block's threads.
+constexpr int64_t kMaxCudaHeadDim = kAttnThreads * kSliceElems;
+
+// One block's work: query rows [row0, row0 + rows) of sequence b (row indices within the sequence), query heads
+// [head0, head0 + heads) (all of one kv head), over keys [key0, key1) of the sequence. partial < 0: the block writes
+// the output; else its results go to partial record `partial` and a merge combines the parts.
+struct Tile {
+  int64_t b, row0, rows, head0, heads, key0, key1, partial;
+};
+constexpr int64_t kTileWords = 8;
+
+// One merge: the parts' records [first, first + parts) of the same query vectors (b, row0, rows, head0, heads).
+struct Merge {
+  int64_t b, row0, rows, head0, heads, first, parts, unused;
+};
+constexpr int64_t kMergeWords = 8;
+
+struct AttnParams {
+  // attention attributes
+  int64_t num_heads, head_dim, kv_heads, group, sliding_window;
+  float scale, softcap;
+  int64_t alibi;
+  int64_t mask_rank, mask_cols, tokens;  // mask_rank 0: no attn_mask
+  // the call
+  int64_t batch;
+  int64_t tiles, merges;  // merges start at word tiles * kTileWords of kATiles
+  int64_t slices;         // ceil(head_dim / kSliceElems)
+  // MultiHeadCacheAttention's cache (unused by MultiHeadAttention)
+  int64_t layer_idx, quant_group, cache_mode, page_size, max_p;
+  Rows cache_rows, scale_rows;
+  bool vector_rows;  // 8 elements of a row (and of a quantization group) load as one access: Dh % 8 == 0,
+                     // quant_group % 8 == 0 and every buffer 16-byte aligned
+  void* ptr[kABufCount];
+};
+
+// Word offsets of the index arrays in kAIndex.
+KV_HD int64_t KvstartsAt(const AttnParams& p) { return p.batch + 1; }
+KV_HD int64_t CausalAt(const AttnParams& p) { return 2 * (p.batch + 1); }
+KV_HD int64_t CachestartsAt(const AttnParams& p) { return 3 * p.batch + 2; }
+KV_HD int64_t SlopesAt(const AttnParams& p) {
+  return CachestartsAt(p) + (p.cache_mode == 1 ? p.batch * p.max_p : p.batch);
+}
+
+// The query vectors of a tile the value phase can hold side by side: kAttnThreads / slices, at most
+// kMaxTileQueries.
+KV_HD int64_t TileQueries(int64_t slices) {
+  const int64_t fit = kAttnThreads / slices;
+  return fit < kMaxTileQueries ? fit : kMaxTileQueries;
+}
+
+// Shared memory of a block, in float32 words: the tile's queries [Q][Dh] (Q * Dh <= threads * kSliceElems), the
+// chunk's scores [Q][threads], per query vector the running max and this chunk's rescale factor, the max
+// reduction [threads], and the key groups' final sums [threads * kSliceElems] and weights [threads].
+constexpr int64_t kSmemQueries = 0;
+constexpr int64_t kSmemScores = kSmemQueries + kAttnThreads * kSliceElems;
+constexpr int64_t kSmemMax = kSmemScores + kMaxTileQueries * kAttnThreads;
+constexpr int64_t kSmemRescale = kSmemMax + kMaxTileQueries;
+constexpr int64_t kSmemReduce = kSmemRescale + kMaxTileQueries;
+constexpr int64_t kSmemSums = kSmemReduce + kAttnThreads;
+constexpr int64_t kSmemWeights = kSmemSums + kAttnThreads * kSliceElems;
+constexpr int64_t kSharedWords = kSmemWeights + kAttnThreads;
+
+}  // namespace cuda
+}  // namespace kvcache

@@ -1,0 +1,152 @@
+#include "attention_params.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "attention_work.h"
+#include "kv_checked.h"
+
+namespace kvcache {
+namespace cuda {
+
+namespace {
+
+bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// The visible range of query row i of sequence b, as the kernels compute it.
+void Visible(const MhaAttrs& a, const MhaPlan& plan, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
+  AttnParams p{};
+  p.sliding_window = a.sliding_window;
+  const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b], K = plan.kvstarts[b + 1] - plan.kvstarts[b];
+  VisibleKeys(p, plan.causal[b] != 0, S, K, i, lo, hi);
+  if (*hi < *lo) *hi = *lo;
+}
+
+}  // namespace
+
+AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const TilePolicy& policy) {
+  AttnLaunchPlan out;
+  if (plan.batch == 0 || plan.tokens == 0) return out;
+  const int64_t D = a.head_dim, H = a.num_heads, G = plan.group, Hkv = plan.kv_heads, B = plan.batch;
+  if (D > kMaxCudaHeadDim)
+    Fail("attention on CUDA runs head_dim <= ", kMaxCudaHeadDim, ", got ", D, " (the CPU kernel runs any)");
+  // Index words: seqstarts, kvstarts, causal, cachestarts (B placeholders without a cache), ALiBi slopes.
+  auto& index = out.index;
+  index.insert(index.end(), plan.seqstarts.begin(), plan.seqstarts.end());
+  index.insert(index.end(), plan.kvstarts.begin(), plan.kvstarts.end());
+  for (int64_t b = 0; b < B; ++b) index.push_back(plan.causal[b]);
+  if (cache)
+    index.insert(index.end(), cache->plan->cachestarts.begin(), cache->plan->cachestarts.end());
+  else
+    index.insert(index.end(), static_cast<size_t>(B), int64_t{0});
+  if (a.is_alibi)  // H is bounded here: the query holds tokens * H * Dh elements, tokens >= 1
+    for (int64_t h = 0; h < H; ++h) {
+      const float slope = AlibiSlope(h, H);
+      uint32_t bits;
+      std::memcpy(&bits, &slope, 4);
+      index.push_back(bits);
+    }
+
+  // Tiles: per sequence and kv head, up to TileQueries() query vectors (its heads first, then rows).
+  const int64_t slices = (D + kSliceElems - 1) / kSliceElems, capacity = TileQueries(slices);
+  const int64_t tile_heads = std::min(G, capacity), tile_rows = std::max<int64_t>(1, capacity / tile_heads);
+  std::vector<Tile> base;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
+    for (int64_t g = 0; g < Hkv && S > 0; ++g)
+      for (int64_t hh = 0; hh < G; hh += tile_heads)
+        for (int64_t r0 = 0; r0 < S; r0 += tile_rows) {
+          const int64_t rows = std::min(tile_rows, S - r0);
+          int64_t lo, hi, lo_last, hi_last;
+          Visible(a, plan, b, r0, &lo, &hi);
+          Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
+          base.push_back(Tile{b, r0, rows, g * G + hh, std::min(tile_heads, G - hh), lo, std::max(lo, hi_last), -1});
+        }
+  }
+  // Too few blocks for the GPU: long key ranges split, each part a block of its own, merged after.
+  const int64_t count = static_cast<int64_t>(base.size());
+  const int64_t want = count < policy.min_blocks ? (policy.min_blocks + count - 1) / count : 1;
+  std::vector<Tile> tiles;
+  std::vector<Merge> merges;
+  for (const Tile& t : base) {
+    const int64_t span = t.key1 - t.key0;
+    const int64_t parts = std::clamp<int64_t>(span / std::max<int64_t>(1, policy.min_split_keys), 1, want);
+    const int64_t part_keys = parts > 1 ? (span + parts - 1) / parts : span;
+    if (parts == 1 || part_keys >= span) {
+      tiles.push_back(t);
+      continue;
+    }
+    const int64_t q = t.rows * t.heads;
+    Merge m{t.b, t.row0, t.rows, t.head0, t.heads, out.records, 0, 0};
+    for (int64_t k0 = t.key0; k0 < t.key1; k0 += part_keys) {
+      Tile part = t;
+      part.key0 = k0;
+      part.key1 = std::min(t.key1, k0 + part_keys);
+      part.partial = out.records;
+      out.records += q;
+      ++m.parts;
+      tiles.push_back(part);
+    }
+    merges.push_back(m);
+  }
+  out.tiles = static_cast<int64_t>(tiles.size());
+  out.merges = static_cast<int64_t>(merges.size());
+  int64_t floats = 0;
+  if (out.tiles > 0x7fffffff || out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) ||
+      !MulFits(floats, 4, &floats))
+    Fail("attention on CUDA: the call needs ", out.tiles, " blocks and ", out.records,
+         " partial records, more than one launch runs");
+  out.work.reserve(static_cast<size_t>((out.tiles + out.merges) * kTileWords));
+  for (const Tile& t : tiles)
+    out.work.insert(out.work.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
+  for (const Merge& m : merges)
+    out.work.insert(out.work.end(), {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}});
+  return out;
+}
+
+AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
+                          const AttnTensors& t, const int64_t* index, const int64_t* work, float* partials) {
+  AttnParams p{};
+  p.num_heads = a.num_heads;
+  p.head_dim = a.head_dim;
+  p.kv_heads = plan.kv_heads;
+  p.group = plan.group;
+  p.sliding_window = a.sliding_window;
+  p.scale = plan.scale;
+  p.softcap = a.softcap;
+  p.alibi = a.is_alibi;
+  p.mask_rank = plan.mask_rank;
+  p.mask_cols = plan.mask_cols;
+  p.tokens = plan.tokens;
+  p.batch = plan.batch;
+  p.tiles = launch.tiles;
+  p.merges = launch.merges;
+  p.slices = (a.head_dim + kSliceElems - 1) / kSliceElems;
+  const bool quantized = cache && cache->attrs->quant_bit != 0;
+  if (cache) {
+    const CallPlan& c = *cache->plan;
+    p.layer_idx = cache->attrs->layer_idx;
+    p.quant_group = cache->attrs->quant_group;
+    p.cache_mode = cache->attrs->cache_mode;
+    p.page_size = cache->attrs->page_size;
+    p.max_p = c.max_p;
+    p.cache_rows = {c.cache_rows.layer, c.cache_rows.kv, c.cache_rows.head, c.cache_rows.slot};
+    p.scale_rows = {c.scale_rows.layer, c.scale_rows.kv, c.scale_rows.head, c.scale_rows.slot};
+  }
+  const bool rows_aligned = cache ? Aligned16(t.cache) : Aligned16(t.key) && Aligned16(t.value);
+  p.vector_rows = a.head_dim % kSliceElems == 0 && rows_aligned && (!quantized || p.quant_group % kSliceElems == 0);
+  p.ptr[kAQuery] = const_cast<void*>(t.query);
+  p.ptr[kAKey] = const_cast<void*>(t.key);
+  p.ptr[kAValue] = const_cast<void*>(t.value);
+  p.ptr[kACache] = const_cast<void*>(t.cache);
+  p.ptr[kAScale] = const_cast<void*>(t.scale);
+  p.ptr[kAMask] = const_cast<void*>(t.mask);
+  p.ptr[kAOut] = t.out;
+  p.ptr[kAIndex] = const_cast<int64_t*>(index);
+  p.ptr[kATiles] = const_cast<int64_t*>(work);
+  p.ptr[kAPartials] = partials;
+  return p;
+}
+
+}  // namespace cuda
+}  // namespace kvcache

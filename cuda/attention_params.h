@@ -1,0 +1,56 @@
+// From a validated attention call to the CUDA launch: the tiles and merges planned on the host, the index arrays
+// packed for one host-to-device copy, the launch limits checked, the buffers named. Host code without CUDA
+// headers, so the host runner plans and launches exactly as the GPU path does.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "attention_launch.h"
+#include "kv_validate.h"
+#include "mha_validate.h"
+
+namespace kvcache {
+namespace cuda {
+
+// How the planner cuts work. Long key ranges of few-query tiles are split (with a merge) until the launch has
+// about min_blocks blocks, each part keeping at least min_split_keys keys.
+struct TilePolicy {
+  int64_t min_blocks = 528;  // 4 blocks per multiprocessor of a 132-SM GPU; the GPU path reads the device's count
+  int64_t min_split_keys = 512;
+};
+
+// The host side of one launch: kAIndex's words, the tiles then the merges (kATiles's words), and how many
+// partial records the split tiles write.
+struct AttnLaunchPlan {
+  std::vector<int64_t> index, work;
+  int64_t tiles = 0, merges = 0, records = 0;
+};
+
+// The cache side of MultiHeadCacheAttention (nullptr for MultiHeadAttention).
+struct CacheSide {
+  const Attrs* attrs;
+  const CallPlan* plan;
+};
+
+// Throws KvError when the call cannot be launched: a head_dim above kMaxCudaHeadDim, more tiles or merges than
+// a grid holds, or scratch sizes that do not fit. Called before anything is written.
+AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const TilePolicy& policy);
+
+// The device buffers of a call; absent ones null.
+struct AttnTensors {
+  const void* query;
+  const void* key;    // MultiHeadAttention
+  const void* value;  // MultiHeadAttention
+  const void* cache;  // MultiHeadCacheAttention (after its stores)
+  const void* scale;
+  const void* mask;
+  void* out;
+};
+
+// Params for a planned call whose index words, work words and partial records are at the given device addresses.
+AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
+                          const AttnTensors& t, const int64_t* index, const int64_t* work, float* partials);
+
+}  // namespace cuda
+}  // namespace kvcache

@@ -1,0 +1,402 @@
+// The work of the attention CUDA kernels (MultiHeadAttention and MultiHeadCacheAttention), as __host__ __device__
+// functions over a block's team of threads.
+//
+// A block takes one tile (attention_launch.h: query rows x heads of one kv head, over a range of keys) and walks
+// its keys in chunks of kAttnThreads:
+//   scores  one key per thread: the key row is read once (in place from the cache, dequantized in registers) and
+//           dotted with every query vector of the tile, so GQA heads share each loaded key;
+//   max     the chunk's max per query vector (a reduction in shared memory), the running max raised and the
+//           sums so far rescaled by exp(old max - new max) (online softmax, one pass over the keys);
+//   values  threads own (key group, query vector, slice of kSliceElems elements): each value row slice is read
+//           once per key group and multiplied into the accumulators of every query vector that needs it.
+// At the end the key groups' sums are added, and the block writes its output rows, or, for a long key range
+// split over several blocks, its (max, sum, output) records, which MergeThread combines (log-sum-exp merge).
+//
+// Cooperation goes through a small layer the host runner executes too: team.Each(f) calls f(thread, state) for
+// every thread of the block (on the GPU: this thread, with its registers `state`); team.Sync() is the barrier
+// between phases; shared memory is the buffer kAShared, reached through the memory policy Mem like every other
+// buffer (Mem::Load<T>(buffer, byte_offset), Mem::Store<T>(buffer, byte_offset, value)). Values read outside
+// Each are the same for every thread of the block (the tile's fields). Semantics are the CPU kernel's
+// (spec/MultiHeadAttention.md): visible keys enter with their weight (0 for a -inf score, so a non-finite value
+// still reaches the sums), a NaN max makes the row NaN, a row whose scores are all -inf is exactly zero.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "attention_launch.h"
+#include "kv_types.h"
+
+namespace kvcache {
+namespace cuda {
+
+// What a thread keeps across chunks: its slice of one query vector's output sum, and that vector's weight sum.
+struct AttnThread {
+  float acc[kSliceElems];
+  float weights;
+};
+
+KV_HD float MinusInf() { return -INFINITY; }
+
+// The weight slot of a key the query does not see (a weight is otherwise >= 0 or NaN).
+constexpr float kHidden = -1.0f;
+
+// A float32 product rounded once (never fused into an add): the spec's dequantization.
+KV_HD float ProductRn(float a, float b) {
+#if defined(__CUDA_ARCH__)
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+// A T1 storage value as float (exact).
+template <class T1>
+KV_HD float ElemToFloat(typename T1::Storage v) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (T1::kElem == Elem::kFloat16) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+    return f;
+  }
+#endif
+  return T1::ToFloat(v);
+}
+
+// x rounded to T1 (round to nearest even), as a float: the value KeyValueCache's gather would give. The GPU's
+// conversion instruction rounds every value but NaN as the portable one does, and a NaN stays a NaN (its payload,
+// which attention never shows, may differ).
+template <class T1>
+KV_HD float RoundToT1(float x) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (T1::kElem == Elem::kFloat16) {
+    uint16_t h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return ElemToFloat<T1>(h);
+  }
+#endif
+  return T1::ToFloat(T1::FromFloat(x));
+}
+
+// numpy's max step: NaN sticks.
+KV_HD float MaxStep(float m, float x) { return (x > m || x != x) && m == m ? x : m; }
+
+template <class Mem>
+KV_HD int64_t IndexWord(Mem& mem, int64_t i) {
+  return mem.template Load<int64_t>(kAIndex, 8 * i);
+}
+template <class Mem>
+KV_HD float SharedAt(Mem& mem, int64_t word) {
+  return mem.template Load<float>(kAShared, 4 * word);
+}
+template <class Mem>
+KV_HD void SharedPut(Mem& mem, int64_t word, float v) {
+  mem.template Store<float>(kAShared, 4 * word, v);
+}
+
+// [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see (spec: visible keys). |K - S + i| fits.
+KV_HD void VisibleKeys(const AttnParams& p, bool causal, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) {
+  const int64_t q = K - S + i;
+  *hi = causal ? q + 1 : K;
+  int64_t first = 0;
+  if (p.sliding_window && q >= p.sliding_window) first = q - p.sliding_window + 1;  // q - W + 1 <= K: no overflow
+  *lo = first < K ? first : K;
+}
+
+// Eight (or n < 8) elements d0.. of a row, as floats, from T1 storage at element offset `elem` of `buf`.
+template <class T1, class Mem>
+KV_HD void LoadRowT1(const AttnParams& p, Mem& mem, int buf, int64_t elem, int64_t d0, int64_t n,
+                     float (&v)[kSliceElems]) {
+  using T = typename T1::Storage;
+  const ABuf b = static_cast<ABuf>(buf);
+  if (p.vector_rows && n == kSliceElems) {
+    for (int k = 0; k < int(kSliceElems * sizeof(T) / 16); ++k) {
+      const Vec16 w = mem.template Load<Vec16>(b, (elem + d0) * int64_t(sizeof(T)) + 16 * k);
+      for (int i = 0; i < 4; ++i) {
+        if constexpr (sizeof(T) == 2) {
+          v[8 * k + 2 * i] = ElemToFloat<T1>(static_cast<uint16_t>(w.w[i] & 0xffffu));
+          v[8 * k + 2 * i + 1] = ElemToFloat<T1>(static_cast<uint16_t>(w.w[i] >> 16));
+        } else {
+          v[4 * k + i] = BitsFloat(w.w[i]);
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t e = 0; e < kSliceElems; ++e)
+    v[e] = e < n ? ElemToFloat<T1>(mem.template Load<T>(b, (elem + d0 + e) * int64_t(sizeof(T)))) : 0.0f;
+}
+
+// MultiHeadAttention's keys and values: packed rows [kv_tokens, Hkv, Dh] of T1.
+template <class T1>
+struct PackedRows {
+  // The element offset of key (kv 0) or value (kv 1) j of the sequence whose first key is col0, kv head g.
+  template <class Mem>
+  KV_HD int64_t Row(const AttnParams& p, Mem&, int, int64_t, int64_t col0, int64_t j, int64_t g) const {
+    return ((col0 + j) * p.kv_heads + g) * p.head_dim;
+  }
+  template <class Mem>
+  KV_HD void Load(const AttnParams& p, Mem& mem, int kv, int64_t, int64_t row, int64_t d0, int64_t n,
+                  float (&v)[kSliceElems]) const {
+    LoadRowT1<T1>(p, mem, kv ? kAValue : kAKey, row, d0, n, v);
+  }
+};
+
+// MultiHeadCacheAttention's keys and values, read in place from the cache: key j of sequence b is position j, at
+// its slot (offset or paged); quantized rows dequantized exactly as KeyValueCache's gather gives them.
+template <class T1, class T3, int QBits>
+struct CacheRows {
+  template <class Mem>
+  KV_HD int64_t Slot(const AttnParams& p, Mem& mem, int64_t b, int64_t j) const {
+    if (p.cache_mode == 0) return IndexWord(mem, CachestartsAt(p) + b) + j;
+    return IndexWord(mem, CachestartsAt(p) + b * p.max_p + j / p.page_size) + j % p.page_size;
+  }
+  template <class Mem>
+  KV_HD int64_t Row(const AttnParams& p, Mem& mem, int, int64_t b, int64_t, int64_t j, int64_t) const {
+    return Slot(p, mem, b, j);  // the slot; Load places the row (its scale row differs)
+  }
+  template <class Mem>
+  KV_HD int32_t Code(Mem& mem, int64_t elem) const {
+    if constexpr (QBits == 8) return mem.template Load<int8_t>(kACache, elem);
+    const uint8_t byte = mem.template Load<uint8_t>(kACache, elem / 2);
+    return (elem & 1) ? Int4High(byte) : Int4Low(byte);
+  }
+  template <class Mem>
+  KV_HD void Load(const AttnParams& p, Mem& mem, int kv, int64_t g, int64_t slot, int64_t d0, int64_t n,
+                  float (&v)[kSliceElems]) const {
+    const int64_t row = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * kv + p.cache_rows.head * g +
+                        p.cache_rows.slot * slot;
+    if constexpr (QBits == 0) {
+      LoadRowT1<T1>(p, mem, kACache, row, d0, n, v);
+    } else {
+      using S = typename T3::Storage;
+      const int64_t srow = p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * kv + p.scale_rows.head * g +
+                           p.scale_rows.slot * slot;
+      if (p.vector_rows && n == kSliceElems) {  // 8 codes of one group: one load, one scale
+        const float s = T3::ToFloat(mem.template Load<S>(kAScale, (srow + d0 / p.quant_group) * int64_t(sizeof(S))));
+        uint64_t w;
+        if constexpr (QBits == 8)
+          w = mem.template Load<uint64_t>(kACache, row + d0);
+        else
+          w = mem.template Load<uint32_t>(kACache, (row + d0) / 2);
+        for (int e = 0; e < kSliceElems; ++e) {
+          int32_t code;
+          if constexpr (QBits == 8) {
+            code = static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * e)));
+          } else {
+            const uint8_t byte = static_cast<uint8_t>(w >> (4 * (e & ~1)));
+            code = (e & 1) ? Int4High(byte) : Int4Low(byte);
+          }
+          v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(code), s));
+        }
+        return;
+      }
+      for (int64_t e = 0; e < kSliceElems; ++e) {
+        if (e >= n) {
+          v[e] = 0.0f;
+          continue;
+        }
+        const int64_t d = d0 + e;
+        const float s = T3::ToFloat(mem.template Load<S>(kAScale, (srow + d / p.quant_group) * int64_t(sizeof(S))));
+        v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(Code(mem, row + d)), s));
+      }
+    }
+  }
+};
+
+// Everything block `tile_index` of the attention launch does, over its team of kAttnThreads threads.
+template <class T1, class Rows, class Team, class Mem>
+KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
+  using T = typename T1::Storage;
+  constexpr int64_t NT = kAttnThreads;
+  auto tile_word = [&](int64_t k) { return mem.template Load<int64_t>(kATiles, 8 * (tile_index * kTileWords + k)); };
+  const int64_t b = tile_word(0), row0 = tile_word(1), rows = tile_word(2), head0 = tile_word(3),
+                heads = tile_word(4), key0 = tile_word(5), key1 = tile_word(6), partial = tile_word(7);
+  const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, slices = p.slices;
+  const int64_t groups = NT / (Q * slices);  // key groups of the value phase (>= 1: the planner's tiles fit)
+  const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
+  const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
+  const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
+  const int64_t g = head0 / p.group;
+  auto row_of = [&](int64_t qi) { return row0 + qi / heads; };
+  auto head_of = [&](int64_t qi) { return head0 + qi % heads; };
+  auto visible = [&](int64_t qi, int64_t j) {
+    int64_t lo, hi;
+    VisibleKeys(p, causal, S, K, row_of(qi), &lo, &hi);
+    return j >= lo && j < hi;
+  };
+
+  team.Each([&](int64_t t, AttnThread& s) {
+    for (int64_t i = t; i < Q * D; i += NT) {
+      const int64_t qi = i / D, d = i % D;
+      const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D + d;
+      SharedPut(mem, kSmemQueries + i, ElemToFloat<T1>(mem.template Load<T>(kAQuery, at * int64_t(sizeof(T)))));
+    }
+    if (t < Q) SharedPut(mem, kSmemMax + t, MinusInf());
+    for (int64_t e = 0; e < kSliceElems; ++e) s.acc[e] = 0.0f;
+    s.weights = 0.0f;
+  });
+  team.Sync();
+
+  const int64_t parts = NT / Q;  // threads reducing one query vector's chunk max
+  for (int64_t c0 = key0; c0 < key1; c0 += NT) {
+    const int64_t n = key1 - c0 < NT ? key1 - c0 : NT;
+    team.Each([&](int64_t t, AttnThread&) {  // scores of key c0 + t
+      if (t >= n) return;
+      const int64_t j = c0 + t;
+      const int64_t row = rows_of.Row(p, mem, 0, b, col0, j, g);
+      float dot[kMaxTileQueries];
+      for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) dot[qi] = 0.0f;
+      for (int64_t d0 = 0; d0 < D; d0 += kSliceElems) {
+        const int64_t m = D - d0 < kSliceElems ? D - d0 : kSliceElems;
+        float k[kSliceElems];
+        rows_of.Load(p, mem, 0, g, row, d0, m, k);
+        for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) {
+          if (qi >= Q) break;
+          for (int64_t e = 0; e < kSliceElems; ++e)
+            if (e < m) dot[qi] += SharedAt(mem, kSmemQueries + qi * D + d0 + e) * k[e];
+        }
+      }
+      for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) {
+        if (qi >= Q) break;
+        float sc = MinusInf();
+        if (visible(qi, j)) {
+          sc = p.scale * dot[qi];
+          if (p.softcap != 0.0f) sc = p.softcap * tanhf(sc / p.softcap);
+          if (p.mask_rank) {
+            const int64_t plane = p.mask_rank == 3 ? head_of(qi) * p.tokens : 0;
+            const int64_t at = (plane + seq0 + row_of(qi)) * p.mask_cols + col0 + j;
+            sc = sc + ElemToFloat<T1>(mem.template Load<T>(kAMask, at * int64_t(sizeof(T))));
+          }
+          if (p.alibi) {
+            const float slope = BitsFloat(static_cast<uint32_t>(IndexWord(mem, SlopesAt(p) + head_of(qi))));
+            sc = sc + slope * static_cast<float>(j - (K - S + row_of(qi)));
+          }
+        }
+        SharedPut(mem, kSmemScores + qi * NT + t, sc);
+      }
+    });
+    team.Sync();
+    team.Each([&](int64_t t, AttnThread&) {  // partial maxima
+      if (t >= Q * parts) return;
+      const int64_t qi = t / parts;
+      float m = MinusInf();
+      for (int64_t k = t % parts; k < n; k += parts) m = MaxStep(m, SharedAt(mem, kSmemScores + qi * NT + k));
+      SharedPut(mem, kSmemReduce + t, m);
+    });
+    team.Sync();
+    team.Each([&](int64_t t, AttnThread&) {  // the running max, and the factor the sums so far are rescaled by
+      if (t >= Q) return;
+      const float old = SharedAt(mem, kSmemMax + t);
+      float m = old;
+      for (int64_t k = 0; k < parts; ++k) m = MaxStep(m, SharedAt(mem, kSmemReduce + t * parts + k));
+      SharedPut(mem, kSmemMax + t, m);
+      SharedPut(mem, kSmemRescale + t, m == old ? 1.0f : expf(old - m));  // 0 after -inf; NaN for a NaN max
+    });
+    team.Sync();
+    team.Each([&](int64_t t, AttnThread&) {  // the chunk's weights, once per (query vector, key), in place
+      for (int64_t i = t; i < Q * n; i += NT) {
+        const int64_t qi = i / n, k = i % n;
+        const float m = SharedAt(mem, kSmemMax + qi), sc = SharedAt(mem, kSmemScores + qi * NT + k);
+        // Hidden keys never enter, whatever their values hold (kHidden); nothing but -inf so far: weight 0, which
+        // still lets a non-finite value through.
+        const float w = !visible(qi, c0 + k) ? kHidden : m == MinusInf() ? 0.0f : expf(sc - m);
+        SharedPut(mem, kSmemScores + qi * NT + k, w);
+      }
+    });
+    team.Sync();
+    team.Each([&](int64_t t, AttnThread& s) {  // the value rows into the sums
+      if (t >= groups * Q * slices) return;
+      const int64_t kg = t / (Q * slices), qi = (t % (Q * slices)) / slices, d0 = (t % slices) * kSliceElems;
+      const int64_t width = D - d0 < kSliceElems ? D - d0 : kSliceElems;
+      const float f = SharedAt(mem, kSmemRescale + qi);
+      if (f != 1.0f) {
+        for (int64_t e = 0; e < kSliceElems; ++e) s.acc[e] *= f;
+        s.weights *= f;
+      }
+      for (int64_t k = kg; k < n; k += groups) {
+        const float w = SharedAt(mem, kSmemScores + qi * NT + k);
+        if (w == kHidden) continue;
+        s.weights += w;
+        float v[kSliceElems];
+        const int64_t j = c0 + k;
+        rows_of.Load(p, mem, 1, g, rows_of.Row(p, mem, 1, b, col0, j, g), d0, width, v);
+        for (int64_t e = 0; e < kSliceElems; ++e) s.acc[e] += w * v[e];
+      }
+    });
+    team.Sync();
+  }
+
+  team.Each([&](int64_t t, AttnThread& s) {  // key groups 1.. hand their sums to group 0
+    if (t >= groups * Q * slices || t < Q * slices) return;
+    const int64_t kg = t / (Q * slices), qi = (t % (Q * slices)) / slices, sl = t % slices, d0 = sl * kSliceElems;
+    for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
+      SharedPut(mem, kSmemSums + (kg * Q + qi) * D + d0 + e, s.acc[e]);
+    if (sl == 0) SharedPut(mem, kSmemWeights + kg * Q + qi, s.weights);
+  });
+  team.Sync();
+  team.Each([&](int64_t t, AttnThread& s) {  // group 0: the totals, then the output rows or the part's records
+    if (t >= Q * slices) return;
+    const int64_t qi = t / slices, sl = t % slices, d0 = sl * kSliceElems;
+    for (int64_t kg = 1; kg < groups; ++kg) {
+      for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e) s.acc[e] += SharedAt(mem, kSmemSums + (kg * Q + qi) * D + d0 + e);
+      s.weights += SharedAt(mem, kSmemWeights + kg * Q + qi);
+    }
+    const float m = SharedAt(mem, kSmemMax + qi);
+    if (partial >= 0) {
+      const int64_t record = (partial + qi) * (D + 2);
+      if (sl == 0) {
+        mem.template Store<float>(kAPartials, 4 * record, m);
+        mem.template Store<float>(kAPartials, 4 * (record + 1), s.weights);
+      }
+      for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
+        mem.template Store<float>(kAPartials, 4 * (record + 2 + d0 + e), s.acc[e]);
+      return;
+    }
+    const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D + d0;
+    for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e) {
+      const float o = m == MinusInf() ? 0.0f : s.acc[e] / s.weights;
+      mem.template Store<T>(kAOut, (at + e) * int64_t(sizeof(T)), T1::FromFloat(o));
+    }
+  });
+}
+
+// Thread `thread` of merge block `merge_index`: output elements thread, thread + kAttnThreads, ... of the merge's
+// query vectors, from its parts' records: each part's sum and output rescaled by exp(its max - the overall max).
+// A NaN or +inf max makes the output NaN (as in one pass), parts that saw no key are skipped, and no part seeing
+// a key leaves the row zero.
+template <class T1, class Mem>
+KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64_t thread) {
+  using T = typename T1::Storage;
+  auto word = [&](int64_t k) {
+    return mem.template Load<int64_t>(kATiles, 8 * (p.tiles * kTileWords + merge_index * kMergeWords + k));
+  };
+  const int64_t b = word(0), row0 = word(1), rows = word(2), head0 = word(3), heads = word(4), first = word(5),
+                parts = word(6);
+  const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, seq0 = IndexWord(mem, b);
+  auto rec = [&](int64_t part, int64_t qi, int64_t k) {
+    return mem.template Load<float>(kAPartials, 4 * ((first + part * Q + qi) * (D + 2) + k));
+  };
+  for (int64_t i = thread; i < Q * D; i += kAttnThreads) {
+    const int64_t qi = i / D, d = i % D;
+    float top = MinusInf();
+    for (int64_t k = 0; k < parts; ++k) top = MaxStep(top, rec(k, qi, 0));
+    float o = 0.0f;
+    if (top != MinusInf()) {
+      float total = 0.0f, acc = 0.0f;
+      for (int64_t k = 0; k < parts; ++k) {
+        const float m = rec(k, qi, 0);
+        if (m == MinusInf()) continue;
+        const float f = expf(m - top);
+        total += f * rec(k, qi, 1);
+        acc += f * rec(k, qi, 2 + d);
+      }
+      o = acc / total;
+    }
+    const int64_t at = ((seq0 + row0 + qi / heads) * H + head0 + qi % heads) * D + d;
+    mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), T1::FromFloat(o));
+  }
+}
+
+}  // namespace cuda
+}  // namespace kvcache

@@ -1,0 +1,68 @@
+// CUDA glue of the attention ops: every index is validated on the host (the index inputs are host-resident),
+// then the shared GPU path (cuda/kv_cuda_run.h) copies the snapshots and the planned tiles to the device in one
+// transfer on ORT's compute stream, with scratch from ORT's device allocator. Nothing is written before
+// validation succeeds.
+#include "mha_ort_cuda_op.h"
+
+#include "byte_ranges.h"
+#include "kv_cuda_run.h"
+
+namespace kvcache {
+namespace {
+
+// Runs fn(stream, scratch) with ORT's compute stream and a scratch of ORT's allocator for the device of input 0.
+template <class Fn>
+void WithDevice(Ort::KernelContext& ctx, Fn&& fn) {
+  auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
+  const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
+  Ort::MemoryInfo device_memory("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
+  Ort::Allocator allocator(ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(device_memory)));
+  cuda::AllocatorScratch scratch(allocator);
+  fn(stream, scratch);
+}
+
+}  // namespace
+
+OrtStatusPtr MhaCudaKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Ort::KernelContext ctx(context);
+    TensorArg in[kMhaNumInputs];
+    ReadInputs(ctx, in, kMhaNumInputs);
+    const MhaPlan plan = ValidateAttention(attrs, in);  // throws before the output exists
+    auto out = ctx.GetOutput(0, in[0].shape);
+    CheckAttentionOutputApart(in, out.GetTensorMutableRawData());  // a bound output may point anywhere
+    const TensorArg& mask = in[kMhaMaskInput];
+    const cuda::AttnTensors tensors{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
+                                    mask.present ? mask.data : nullptr, out.GetTensorMutableRawData()};
+    WithDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+      cuda::RunAttentionValidated(attrs, plan, in[0].type, tensors, stream, scratch);
+    });
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+OrtStatusPtr MhcaCudaKernel::ComputeV2(OrtKernelContext* context) {
+  try {
+    Ort::KernelContext ctx(context);
+    TensorArg in[kMhcaNumInputs];
+    ReadInputs(ctx, in, kMhcaNumInputs);
+    const MhcaPlan plan = ValidateCacheAttention(attrs, in);  // throws before anything is written
+    auto out = ctx.GetOutput(0, in[0].shape);
+    CheckCacheAttentionApart(in, out.GetTensorMutableRawData());  // bound buffers may point anywhere
+    const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
+    const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, in[kMhcaCacheInput].data,
+                                    scale.present ? scale.data : nullptr, mask.present ? mask.data : nullptr,
+                                    out.GetTensorMutableRawData()};
+    WithDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+      cuda::RunCacheAttentionValidated(attrs, plan, in[0].type, scale.type, in[1].data, in[2].data, tensors, stream,
+                                       scratch);
+    });
+    return nullptr;
+  } catch (...) {
+    return StatusFromCurrentException();
+  }
+}
+
+}  // namespace kvcache

@@ -1,0 +1,117 @@
+"""Builds and drives the host runner of the attention CUDA kernels (tests/host_runner/attention_host_runner.cc).
+
+The runner is compiled with the host C++ compiler from the kernels' own headers (no nvcc, no GPU), once per
+source version. :meth:`AttentionHostRunner.run` executes a MultiHeadAttention or MultiHeadCacheAttention call
+through every block of the kernels' launches and returns the output with the runner's fault counts.
+"""
+
+import ctypes
+import dataclasses
+import pathlib
+
+import numpy as np
+from native_build import build_library
+
+from kvcache_op.capi import c_api
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCES = [ROOT / "tests/host_runner/attention_host_runner.cc", ROOT / "cpu/kv_validate.cc", ROOT / "cpu/kv_aliasing.cc",
+           ROOT / "cpu/mha_validate.cc", ROOT / "cpu/mhca_validate.cc", ROOT / "cuda/kv_cuda_params.cc",
+           ROOT / "cuda/attention_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "cpu/byte_ranges.cc"]
+HEADERS = [ROOT / "cuda/attention_work.h", ROOT / "cuda/attention_launch.h", ROOT / "cuda/attention_params.h",
+           ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cache_access.h", ROOT / "cuda/kv_cache_launch.h",
+           ROOT / "cuda/kv_cuda_params.h", ROOT / "cpu/kv_types.h", ROOT / "cpu/kv_quant.h", ROOT / "cpu/kv_validate.h",
+           ROOT / "cpu/kv_checked.h", ROOT / "cpu/mha_validate.h", ROOT / "cpu/mhca_validate.h",
+           ROOT / "cpu/byte_ranges.h", ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h"]
+FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
+         "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cpu'}", f"-I{ROOT / 'capi'}"]
+
+#: Totals over this test session (printed in pytest's summary by conftest.py).
+CHECKED = {"launches": 0, "blocks": 0, "split_tiles": 0}
+
+
+class Options(ctypes.Structure):
+    _fields_ = [("min_blocks", ctypes.c_int64), ("min_split_keys", ctypes.c_int64), ("skip_sync", ctypes.c_int64)]
+
+
+class Report(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in (
+        "launches", "blocks", "threads", "tiles", "merges", "split_tiles", "out_of_bounds", "misaligned",
+        "write_write", "read_write", "uninitialized")]
+
+    def faults(self) -> int:
+        return self.out_of_bounds + self.misaligned + self.write_write + self.read_write + self.uninitialized
+
+
+@dataclasses.dataclass
+class Result:
+    code: int
+    message: str
+    report: Report
+    output: np.ndarray | None
+
+
+def build(cache_dir: pathlib.Path) -> pathlib.Path:
+    """The runner library, compiled into ``cache_dir`` unless a build of the same sources is there."""
+    return build_library("attention_host_runner", SOURCES, HEADERS, FLAGS, cache_dir)
+
+
+class AttentionHostRunner:
+    """The loaded runner."""
+
+    def __init__(self, path: pathlib.Path):
+        self.lib = ctypes.CDLL(str(path))
+        common = [ctypes.POINTER(c_api.CTensor), ctypes.POINTER(c_api.CTensor), ctypes.POINTER(Options),
+                  ctypes.POINTER(Report), ctypes.c_char_p, ctypes.c_size_t]
+        self.lib.mha_host_run.argtypes = [ctypes.POINTER(c_api.CMultiHeadAttentionAttrs)] + common
+        self.lib.mhca_host_run.argtypes = [ctypes.POINTER(c_api.CMultiHeadCacheAttentionAttrs)] + common
+        self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
+
+    def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
+            views=None) -> Result:
+        """Runs the call (MultiHeadCacheAttention when ``inputs`` has a cache, else MultiHeadAttention; the cache
+        and scale are written in place). ``views``: names of inputs passed 2 bytes past their array's start (a
+        misaligned copy, written back after the call), so the kernels take their element-by-element path; not for int4
+        arrays."""
+        cache = "cache" in inputs
+        names = c_api.MHCA_INPUTS if cache else c_api.MHA_INPUTS
+        buffers, views_back = c_api.HostBuffers(), []
+        tensors = []
+        for name in names:
+            value = inputs.get(name)
+            if value is not None and name in (views or ()):
+                array = np.asarray(value)
+                raw = np.zeros(array.nbytes + 16, np.uint8)
+                raw[2:2 + array.nbytes] = array.view(np.uint8).reshape(-1)
+                views_back.append((value, raw))  # kept alive, and written back (the cache and scale)
+                tensors.append(c_api.Tensor(c_api.onnx_type(array.dtype), array.shape, raw.ctypes.data + 2))
+                continue
+            tensors.append(buffers.tensor(name, value, written=name in ("cache", "scale")))
+        query = np.asarray(inputs["query"])
+        out = np.full(query.shape, np.nan, query.dtype)  # poisoned: every element must be written
+        output = c_api.Tensor(c_api.onnx_type(query.dtype), query.shape, out.ctypes.data)
+        if cache:
+            attrs = c_api.multi_head_cache_attention_attributes(**attributes)
+            fn = self.lib.mhca_host_run
+        else:
+            attrs = c_api.multi_head_attention_attributes(**attributes)
+            fn = self.lib.mha_host_run
+        report, message = Report(), ctypes.create_string_buffer(8192)
+        code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()),
+                  ctypes.byref(Options(min_blocks, min_split_keys, int(skip_sync))), ctypes.byref(report), message,
+                  len(message))
+        if code in (0, 4):
+            buffers.finish()
+            for array, raw in views_back:
+                if isinstance(array, np.ndarray) and array.flags.writeable:
+                    array.view(np.uint8).reshape(-1)[...] = raw[2:2 + array.nbytes]
+        if code == 0:
+            CHECKED["launches"] += report.launches
+            CHECKED["blocks"] += report.blocks
+            CHECKED["split_tiles"] += report.split_tiles
+        return Result(code, message.value.decode(), report, out if code in (0, 4) else None)
+
+
+def assert_clean(result: Result) -> None:
+    assert result.code == 0, f"attention host runner: code {result.code}\n{result.message}"
+    assert result.report.faults() == 0

@@ -1,0 +1,402 @@
+// Test-only host runner of the attention CUDA kernels (MultiHeadAttention, MultiHeadCacheAttention): validates and
+// plans a call exactly as the GPU path does (cpu/*_validate.h, cuda/attention_params.h), then runs every block of
+// the tile launch and of the merge launch through the kernels' own work (cuda/attention_work.h), each block's team
+// of threads phase by phase: team.Each runs every thread's part of a phase, team.Sync ends the phase. Every access
+// goes through a checking memory policy, and a run is flagged when
+//   (a) an access falls outside its buffer, or is misaligned for its size (both fault on a GPU);
+//   (b) two threads of one launch write the same byte of global memory, or two threads of a block write the same
+//       shared byte within one phase (races on the GPU);
+//   (c) a thread reads a byte another thread writes in the same launch (global) or phase (shared): the reader
+//       could see either value on the GPU — a missing barrier;
+//   (d) a thread reads shared memory no thread of its block has written (garbage on the GPU).
+// MultiHeadCacheAttention's stores are KeyValueCache's store kernel, checked by its own host runner; here they run
+// unchecked before the attention, so the attention reads the cache the GPU would.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "attention_params.h"
+#include "attention_work.h"
+#include "c_tensors.h"
+#include "kv_cache_work.h"
+#include "kv_cuda_params.h"
+#include "kvcache_op.h"
+#include "mhca_validate.h"
+
+extern "C" {
+struct AttnHostRunOptions {
+  int64_t min_blocks, min_split_keys;  // the planner's policy (the GPU reads min_blocks off the device)
+  int64_t skip_sync;                   // 1: team.Sync() does not end a phase (shows (c) is caught)
+};
+
+struct AttnHostRunReport {
+  int64_t launches, blocks, threads, tiles, merges, split_tiles;
+  int64_t out_of_bounds, misaligned, write_write, read_write, uninitialized;
+};
+}  // extern "C"
+
+namespace kvcache {
+namespace {
+
+using cuda::ABuf;
+
+constexpr int64_t kNobody = -1, kMany = -2;
+
+const char* BufName(int b) {
+  static const char* const names[] = {"query", "key", "value", "cache", "scale", "attn_mask", "output",
+                                      "index words", "tile words", "partials", "shared memory"};
+  return names[b];
+}
+
+struct Shadow {
+  int64_t writer = kNobody, reader = kNobody;
+  bool written = false;  // shared memory: written by some thread of the block
+};
+
+struct CheckingMem {
+  char* base[cuda::kABufCount] = {};
+  int64_t bytes[cuda::kABufCount] = {};
+  std::vector<Shadow> shadow[cuda::kABufCount];  // per byte, for the buffers written by the kernels
+  AttnHostRunReport* report;
+  std::vector<std::string> first;
+  std::string where;    // the launch and block, for messages
+  int64_t thread = -1;  // -1: a block-uniform read outside team.Each (not traced)
+  int64_t block_id = 0;
+
+  void Note(int64_t& counter, const std::string& what) {
+    ++counter;
+    if (first.size() < 6) first.push_back(where + ": " + what);
+  }
+  static bool Traced(ABuf b) { return b == cuda::kAOut || b == cuda::kAPartials || b == cuda::kAShared; }
+  int64_t Who() const { return thread < 0 ? kNobody : block_id * cuda::kAttnThreads + thread; }
+
+  bool Reach(ABuf buf, int64_t offset, int64_t size, const char* verb) {
+    if (base[buf] == nullptr || offset < 0 || offset > bytes[buf] - size) {
+      std::ostringstream s;
+      s << "thread " << thread << " " << verb << " bytes [" << offset << ", " << offset + size << ") of "
+        << BufName(buf) << ", which has " << bytes[buf] << " bytes";
+      Note(report->out_of_bounds, s.str());
+      return false;
+    }
+    if (reinterpret_cast<uintptr_t>(base[buf] + offset) % size != 0) {
+      std::ostringstream s;
+      s << "thread " << thread << " " << verb << " " << size << " bytes at offset " << offset << " of " << BufName(buf)
+        << ", not " << size << "-byte aligned";
+      Note(report->misaligned, s.str());
+      return false;
+    }
+    return true;
+  }
+
+  template <class T>
+  T Load(ABuf buf, int64_t offset) {
+    T value{};
+    if (!Reach(buf, offset, sizeof(T), "reads")) return value;
+    if (Traced(buf) && thread >= 0) {
+      for (size_t i = 0; i < sizeof(T); ++i) {
+        Shadow& s = shadow[buf][offset + i];
+        if (buf == cuda::kAShared && !s.written) {
+          Note(report->uninitialized, "thread " + std::to_string(thread) + " reads shared byte " +
+                                          std::to_string(offset + i) + ", which no thread of the block wrote");
+          s.written = true;  // one report per byte
+        }
+        if (s.writer != kNobody && s.writer != Who()) {
+          Note(report->read_write, "thread " + std::to_string(thread) + " reads byte " + std::to_string(offset + i) +
+                                       " of " + BufName(buf) + ", which another thread writes in the same " +
+                                       (buf == cuda::kAShared ? "phase" : "launch"));
+          s.writer = kMany;
+        }
+        s.reader = s.reader == kNobody || s.reader == Who() ? Who() : kMany;
+      }
+    }
+    std::memcpy(&value, base[buf] + offset, sizeof(T));
+    return value;
+  }
+
+  template <class T>
+  void Store(ABuf buf, int64_t offset, T value) {
+    if (!Reach(buf, offset, sizeof(T), "writes")) return;
+    if (!Traced(buf) || thread < 0) {
+      Note(report->write_write, std::string("a write to ") + BufName(buf) + " outside the traced buffers or threads");
+      return;
+    }
+    for (size_t i = 0; i < sizeof(T); ++i) {
+      Shadow& s = shadow[buf][offset + i];
+      if (s.writer != kNobody && s.writer != Who())
+        Note(report->write_write, "thread " + std::to_string(thread) + " writes byte " + std::to_string(offset + i) +
+                                      " of " + BufName(buf) + ", also written by another thread");
+      if (s.reader != kNobody && s.reader != Who())
+        Note(report->read_write, "thread " + std::to_string(thread) + " writes byte " + std::to_string(offset + i) +
+                                     " of " + BufName(buf) + ", which another thread reads in the same " +
+                                     (buf == cuda::kAShared ? "phase" : "launch"));
+      s.writer = Who();
+      s.written = true;
+    }
+    std::memcpy(base[buf] + offset, &value, sizeof(T));
+  }
+
+  // A barrier: shared bytes keep whether they were written, nothing else.
+  void EndPhase() {
+    for (Shadow& s : shadow[cuda::kAShared]) s = Shadow{kNobody, kNobody, s.written};
+  }
+  void StartBlock(int64_t id) {
+    block_id = id;
+    for (Shadow& s : shadow[cuda::kAShared]) s = Shadow{};
+    std::vector<float> poison(static_cast<size_t>(cuda::kSharedWords), std::nanf(""));
+    std::memcpy(base[cuda::kAShared], poison.data(), poison.size() * sizeof(float));
+  }
+  void StartLaunch(const char* name) {
+    where = name;
+    for (ABuf b : {cuda::kAOut, cuda::kAPartials})
+      for (Shadow& s : shadow[b]) s = Shadow{};
+  }
+};
+
+struct HostTeam {
+  CheckingMem& mem;
+  bool skip_sync;
+  std::vector<cuda::AttnThread> state = std::vector<cuda::AttnThread>(cuda::kAttnThreads);
+  template <class F>
+  void Each(F&& f) {
+    for (int64_t t = 0; t < cuda::kAttnThreads; ++t) {
+      mem.thread = t;
+      f(t, state[static_cast<size_t>(t)]);
+    }
+    mem.thread = -1;
+  }
+  void Sync() {
+    if (!skip_sync) mem.EndPhase();
+  }
+};
+
+// KeyValueCache's memory policy, unchecked (its own host runner checks the stores).
+struct PlainMem {
+  const cuda::Params& p;
+  template <class T>
+  T Load(cuda::Buf buf, int64_t offset) const {
+    T v;
+    std::memcpy(&v, static_cast<const char*>(p.ptr[buf]) + offset, sizeof(T));
+    return v;
+  }
+  template <class T>
+  void Store(cuda::Buf buf, int64_t offset, T v) const {
+    std::memcpy(static_cast<char*>(p.ptr[buf]) + offset, &v, sizeof(T));
+  }
+};
+
+struct StoreRunner {
+  const cuda::Params& p;
+  template <class T1, class T3, int QBits>
+  int Run() const {
+    PlainMem mem{p};
+    const cuda::Grid g = cuda::StoreGrid(p, QBits);
+    if (g.Empty()) return 0;
+    for (int64_t by = 0; by < g.blocks_y; ++by)
+      for (int64_t bx = 0; bx < g.blocks_x; ++bx)
+        for (int64_t tx = 0; tx < g.threads; ++tx) cuda::StoreThread<T1, T3, QBits>(p, mem, g.unit, bx, by, tx, g.threads);
+    return 0;
+  }
+};
+
+// The tile launch then the merge launch of a planned call.
+template <class T1, class Rows>
+void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
+  HostTeam team{mem, skip_sync};
+  mem.StartLaunch("tile launch");
+  for (int64_t tile = 0; tile < p.tiles; ++tile) {
+    mem.StartBlock(tile);
+    mem.where = "tile launch, block " + std::to_string(tile);
+    cuda::AttentionTile<T1>(p, Rows{}, mem, team, tile);
+  }
+  mem.StartLaunch("merge launch");
+  for (int64_t m = 0; m < p.merges; ++m) {
+    mem.block_id = m;
+    mem.where = "merge launch, block " + std::to_string(m);
+    for (int64_t t = 0; t < cuda::kAttnThreads; ++t) {
+      mem.thread = t;
+      cuda::MergeThread<T1>(p, mem, m, t);
+    }
+    mem.thread = -1;
+  }
+  mem.report->launches += 1 + (p.merges > 0);
+  mem.report->blocks += p.tiles + p.merges;
+  mem.report->threads += (p.tiles + p.merges) * cuda::kAttnThreads;
+}
+
+template <class T1>
+void RunCache(const cuda::AttnParams& p, CheckingMem& mem, int32_t scale_type, int quant_bit, bool skip_sync) {
+  const bool f16 = scale_type == int32_t(Elem::kFloat16);
+  switch (quant_bit) {
+    case 0: return RunLaunches<T1, cuda::CacheRows<T1, F32, 0>>(p, mem, skip_sync);
+    case 8:
+      return f16 ? RunLaunches<T1, cuda::CacheRows<T1, F16, 8>>(p, mem, skip_sync)
+                 : RunLaunches<T1, cuda::CacheRows<T1, F32, 8>>(p, mem, skip_sync);
+    default:
+      return f16 ? RunLaunches<T1, cuda::CacheRows<T1, F16, 4>>(p, mem, skip_sync)
+                 : RunLaunches<T1, cuda::CacheRows<T1, F32, 4>>(p, mem, skip_sync);
+  }
+}
+
+void RunAll(const cuda::AttnParams& p, CheckingMem& mem, int32_t t1, int32_t scale_type, int quant_bit, bool cache,
+            bool skip_sync) {
+  switch (static_cast<Elem>(t1)) {
+    case Elem::kFloat32:
+      return cache ? RunCache<F32>(p, mem, scale_type, quant_bit, skip_sync)
+                   : RunLaunches<F32, cuda::PackedRows<F32>>(p, mem, skip_sync);
+    case Elem::kFloat16:
+      return cache ? RunCache<F16>(p, mem, scale_type, quant_bit, skip_sync)
+                   : RunLaunches<F16, cuda::PackedRows<F16>>(p, mem, skip_sync);
+    default:
+      return cache ? RunCache<BF16>(p, mem, scale_type, quant_bit, skip_sync)
+                   : RunLaunches<BF16, cuda::PackedRows<BF16>>(p, mem, skip_sync);
+  }
+}
+
+int64_t BytesOf(const TensorArg& t) { return t.present ? TensorBytes(t.type, t.shape) : 0; }
+
+// Plans, then runs the launches through the checking memory. The output is written in place.
+int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide* cache, const TensorArg* in,
+                   const cuda::AttnTensors& t, int32_t scale_type, int quant_bit, const AttnHostRunOptions& o,
+                   AttnHostRunReport* report, char* message, size_t message_size) {
+  cuda::TilePolicy policy;
+  if (o.min_blocks > 0) policy.min_blocks = o.min_blocks;
+  if (o.min_split_keys > 0) policy.min_split_keys = o.min_split_keys;
+  const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
+  std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
+  std::vector<float> shared(static_cast<size_t>(cuda::kSharedWords));
+  std::vector<int64_t> index(launch.index), work(launch.work);
+  const cuda::AttnParams p =
+      cuda::MakeAttnParams(a, plan, cache, launch, t, index.data(), work.data(), partials.data());
+  CheckingMem mem;
+  mem.report = report;
+  const int64_t sizes[cuda::kABufCount] = {
+      BytesOf(in[0]), cache ? 0 : BytesOf(in[1]), cache ? 0 : BytesOf(in[2]), 0, 0, 0, BytesOf(in[0]),
+      int64_t(index.size() * 8), int64_t(work.size() * 8), int64_t(partials.size() * 4), cuda::kSharedWords * 4};
+  for (int b = 0; b < cuda::kABufCount; ++b) {
+    mem.base[b] = static_cast<char*>(p.ptr[b]);
+    mem.bytes[b] = sizes[b];
+  }
+  mem.base[cuda::kAShared] = reinterpret_cast<char*>(shared.data());
+  for (ABuf b : {cuda::kAOut, cuda::kAPartials, cuda::kAShared})
+    mem.shadow[b].resize(static_cast<size_t>(mem.bytes[b]));
+  if (cache) {
+    mem.bytes[cuda::kACache] = BytesOf(in[kMhcaCacheInput]);
+    mem.bytes[cuda::kAScale] = BytesOf(in[kMhcaScaleInput]);
+    mem.bytes[cuda::kAMask] = BytesOf(in[kMhcaMaskInput]);
+  } else {
+    mem.bytes[cuda::kAMask] = BytesOf(in[kMhaMaskInput]);
+  }
+  report->tiles = launch.tiles;
+  report->merges = launch.merges;
+  for (int64_t i = 0; i < launch.tiles; ++i) report->split_tiles += launch.work[i * cuda::kTileWords + 7] >= 0;
+  RunAll(p, mem, in[0].type, scale_type, quant_bit, cache != nullptr, o.skip_sync != 0);
+  const int64_t faults = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
+                         report->uninitialized;
+  if (faults == 0) return 0;
+  std::string text;
+  for (const std::string& f : mem.first) text += f + "\n";
+  WriteMessage(text, message, message_size);
+  return 4;
+}
+
+const char* const kMhaNames[kMhaNumInputs] = {"query", "key", "value", "seqstarts", "kvstarts",
+                                              "decoding_batches", "max_seqlen", "max_kvlen", "attn_mask"};
+const bool kMhaOptional[kMhaNumInputs] = {false, false, false, false, false, false, false, false, true};
+const char* const kMhcaNames[kMhcaNumInputs] = {"query", "current_key", "current_value", "seqstarts", "kvstarts",
+                                                "cachestarts", "start_pos", "decoding_batches", "max_seqlen",
+                                                "max_kvlen", "cache", "scale", "attn_mask"};
+const bool kMhcaOptional[kMhcaNumInputs] = {false, false, false, false, false, false, false,
+                                            false, false, false, false, true, true};
+
+MhaAttrs ToMha(const KvcacheMultiHeadAttentionAttrs& c) {
+  MhaAttrs a;
+  a.num_heads = c.num_heads;
+  a.head_dim = c.head_dim;
+  a.is_causal = c.is_causal;
+  a.is_alibi = c.is_alibi;
+  a.num_kv_heads = c.num_kv_heads;
+  a.sliding_window = c.sliding_window;
+  a.softmax_scale = c.softmax_scale;
+  a.softcap = c.softcap;
+  return a;
+}
+
+}  // namespace
+}  // namespace kvcache
+
+using namespace kvcache;
+
+extern "C" {
+
+// MultiHeadAttention: returns KVCACHE_OP_* for an invalid call (the message says why), 4 when a check flagged an
+// access (the message lists the first few), 0 otherwise; the output is written in place.
+__attribute__((visibility("default"))) int32_t mha_host_run(const KvcacheMultiHeadAttentionAttrs* attrs,
+                                                            const KvcacheTensor inputs[9], const KvcacheTensor* output,
+                                                            const AttnHostRunOptions* options,
+                                                            AttnHostRunReport* report, char* message,
+                                                            size_t message_size) {
+  *report = AttnHostRunReport{};
+  int32_t result = 0;
+  const int32_t code = CatchAll(
+      [&] {
+        const MhaAttrs a = ToMha(*attrs);
+        TensorArg in[kMhaNumInputs];
+        ToTensorArgs(inputs, kMhaNumInputs, kMhaNames, kMhaOptional, in);
+        const MhaPlan plan = ValidateAttention(a, in);
+        const cuda::AttnTensors t{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
+                                  in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
+        result = RunPlanned(a, plan, nullptr, in, t, 0, 0, *options, report, message, message_size);
+      },
+      message, message_size);
+  return code != KVCACHE_OP_OK ? code : result;
+}
+
+// MultiHeadCacheAttention: the stores (KeyValueCache's store kernel, unchecked), then the attention, checked.
+__attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiHeadCacheAttentionAttrs* attrs,
+                                                             const KvcacheTensor inputs[13],
+                                                             const KvcacheTensor* output,
+                                                             const AttnHostRunOptions* options,
+                                                             AttnHostRunReport* report, char* message,
+                                                             size_t message_size) {
+  *report = AttnHostRunReport{};
+  int32_t result = 0;
+  const int32_t code = CatchAll(
+      [&] {
+        const KvcacheMultiHeadCacheAttentionAttrs& c = *attrs;
+        MhcaAttrs a;
+        a.cache.num_layer = c.num_layer;
+        a.cache.layer_idx = c.layer_idx;
+        a.cache.quant_bit = c.quant_bit;
+        a.cache.quant_group = c.quant_group;
+        a.cache.cache_mode = c.cache_mode;
+        a.cache.cache_layout = c.cache_layout;
+        a.cache.page_size = c.page_size;
+        a.attention = ToMha(KvcacheMultiHeadAttentionAttrs{c.num_heads, c.head_dim, c.is_causal, c.is_alibi,
+                                                           c.num_kv_heads, c.sliding_window, c.softmax_scale,
+                                                           c.softcap});
+        TensorArg in[kMhcaNumInputs];
+        ToTensorArgs(inputs, kMhcaNumInputs, kMhcaNames, kMhcaOptional, in);
+        const MhcaPlan plan = ValidateCacheAttention(a, in);
+        const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
+        void* cache = const_cast<void*>(in[kMhcaCacheInput].data);
+        if (plan.cache.batch > 0) {
+          const std::vector<int64_t> indices = cuda::PackIndices(plan.cache);
+          const cuda::DeviceTensors stores{in[1].data, in[2].data, cache,
+                                           scale.present ? const_cast<void*>(scale.data) : nullptr, nullptr, nullptr};
+          const cuda::Params p = cuda::MakeParams(a.cache, plan.cache, indices.data(), stores);
+          cuda::DispatchTypes(in[0].type, scale.type, static_cast<int>(a.cache.quant_bit), StoreRunner{p});
+        }
+        const cuda::CacheSide side{&a.cache, &plan.cache};
+        const cuda::AttnTensors t{in[0].data, nullptr, nullptr, cache, scale.present ? scale.data : nullptr,
+                                  mask.present ? mask.data : nullptr, output->data};
+        result = RunPlanned(a.attention, plan.attention, &side, in, t, scale.type,
+                            static_cast<int>(a.cache.quant_bit), *options, report, message, message_size);
+      },
+      message, message_size);
+  return code != KVCACHE_OP_OK ? code : result;
+}
+
+}  // extern "C"

@@ -1,0 +1,129 @@
+"""The attention CUDA kernels' work (cuda/attention_work.h), run on the host for every block of the exact tile and
+merge launches the GPU path plans, each block's team phase by phase: within the spec's bound of the naive float64
+oracle (MultiHeadCacheAttention's cache bit for bit the naive KeyValueCache's), and no launch with an
+out-of-bounds or misaligned access, a race between threads of a launch or of a phase, or a read of shared memory
+nothing wrote. Long key ranges split over blocks (the log-sum-exp merge), tiles of many query rows, misaligned
+buffers (the element-by-element path) and a missing barrier are each exercised."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+from attention_host_runner import AttentionHostRunner, assert_clean, build
+from attention_strategies import attention_calls
+from ort_helpers import copies
+from test_mha_reference import assert_within, oracle
+from test_mhca_ort_cpu import naive_oracle
+from test_mhca_reference import cache_attention_calls
+
+from kvcache_op.validation.cases import Seq
+from kvcache_op.validation.mha_cases import build_attention
+from kvcache_op.validation.mhca_cases import build_cache_attention
+
+
+@pytest.fixture(scope="module")
+def runner(request, tmp_path_factory):
+    cache = getattr(request.config, "cache", None)  # reuse a build across runs when pytest's cache is on
+    path = build(cache.mkdir("attention_host_runner") if cache else tmp_path_factory.mktemp("attention_host_runner"))
+    return AttentionHostRunner(path)
+
+
+def check_mha(runner, case, **options):
+    exact, bound = oracle(case)
+    result = runner.run(copies(case.inputs), case.attributes, **options)
+    assert_clean(result)
+    assert_within(result.output, exact, bound, "CUDA attention kernels (host runner)")
+    assert np.all(result.output[bound == 0] == 0), "a row without an effective key must be exactly zero"
+    return result
+
+
+def check_mhca(runner, inputs, attributes, **options):
+    exact, bound, cache_after, scale_after = naive_oracle(inputs, attributes)
+    fresh = copies(inputs)
+    result = runner.run(fresh, attributes, **options)
+    assert_clean(result)
+    assert fresh["cache"].tobytes() == cache_after.tobytes()
+    if scale_after is not None:
+        assert fresh["scale"].tobytes() == scale_after.tobytes()
+    assert_within(result.output, exact, bound, "CUDA cache attention kernels (host runner)")
+    assert np.all(result.output[bound == 0] == 0), "a row without an effective key must be exactly zero"
+    return result
+
+
+@settings(deadline=None)
+@given(attention_calls(max_seqlen=20))
+def test_multi_head_attention_blocks_are_within_the_bound(runner, case):
+    check_mha(runner, case)
+
+
+@settings(deadline=None)
+@given(cache_attention_calls())
+def test_cache_attention_blocks_write_the_naive_cache_and_are_within_the_bound(runner, call):
+    check_mhca(runner, *call)
+
+
+@settings(deadline=None, max_examples=20)
+@given(attention_calls(max_kvlen=40, max_seqlen=3))
+def test_split_key_ranges_merge_within_the_bound(runner, case):
+    """Every tile with 4+ keys split into parts of 2+ keys: the parts' records and the merge launch."""
+    check_mha(runner, case, min_blocks=10**6, min_split_keys=2)
+
+
+@pytest.mark.parametrize("head_dim,t", [(128, "float16"), (24, "bfloat16"), (5, "float32"), (256, "float16")])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (4, 4), (16, 2)])
+def test_prefill_tiles_and_split_decodes(runner, head_dim, t, heads, kv_heads):
+    """Prefill sequences of more rows than a tile holds, a decoding chunk, and decodes long enough to split."""
+    case = build_attention(f"tiles-{head_dim}-{heads}", [(1, 300), (19, 25), (3, 7), (1, 1), (0, 4)], heads=heads,
+                           kv_heads=kv_heads, head_dim=head_dim, t=t, decoding=1, sliding_window=0)
+    result = check_mha(runner, case, min_blocks=64, min_split_keys=64)
+    assert result.report.split_tiles > 0 and result.report.merges > 0
+
+
+@pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (8, 3, 24), (4, 8, 32), (4, 5, 10)])
+@pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
+def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size):
+    seqs = [Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0)]
+    case = build_cache_attention(f"mhca-{quant_bit}-{group}-{layout}", seqs, group=4, decoding=1, is_alibi=1,
+                                 sliding_window=50, softcap=3.0, mask=True, heads=2, head_dim=head_dim,
+                                 quant_bit=quant_bit, quant_group=group, cache_mode=mode, cache_layout=layout,
+                                 page_size=page_size or 4, t1="float16", t3="float16")
+    check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16)
+
+
+@pytest.mark.parametrize("views", [("key", "value"), ("query",)])
+def test_misaligned_buffers_take_the_element_path(runner, views):
+    case = build_attention("views", [(1, 40), (5, 9)], heads=4, kv_heads=2, head_dim=16, t="float16", mask=3)
+    check_mha(runner, case, views=views)
+
+
+def test_misaligned_cache_takes_the_element_path(runner):
+    case = build_cache_attention("cache-view", [Seq(1, 30), Seq(4, 3)], group=2, heads=2, head_dim=16, quant_bit=8,
+                                 quant_group=8, cache_mode=1, page_size=8, t1="float16", t3="float16")
+    check_mhca(runner, case.inputs, case.attributes, views=("cache",))
+
+
+def test_a_missing_barrier_is_a_race_the_runner_reports(runner):
+    """With team.Sync() not ending phases, threads read shared words other threads write in the same phase: the
+    runner must flag it (a GPU could read either value)."""
+    case = build_attention("no-sync", [(1, 12), (3, 5)], heads=2, head_dim=8, t="float32")
+    result = runner.run(copies(case.inputs), case.attributes, skip_sync=True)
+    assert result.code == 4 and result.report.read_write > 0, result.message
+
+
+def test_head_dim_above_the_kernels_limit_is_refused_before_anything_runs(runner):
+    case = build_attention("wide", [(1, 2)], heads=1, head_dim=2056, t="float16")
+    result = runner.run(copies(case.inputs), case.attributes)
+    assert result.code not in (0, 4) and "head_dim <= 2048" in result.message and result.report.blocks == 0
+
+
+@pytest.mark.parametrize("t", ["float32", "bfloat16"])
+def test_a_rising_max_rescales_what_was_summed(runner, t):
+    """One block walks three chunks of keys whose scores rise from chunk to chunk (no split): each raised max must
+    rescale the sums of the chunks before it."""
+    case = build_attention(f"rising-{t}", [(1, 700), (2, 600)], heads=2, kv_heads=1, head_dim=16, t=t)
+    key, query = case.inputs["key"], case.inputs["query"].astype(np.float32)
+    direction = query[0, 0] / np.linalg.norm(query[0, 0])
+    ramp = np.linspace(0.0, 6.0, key.shape[0], dtype=np.float32)
+    key[...] = (ramp[:, None, None] * direction + 0.1 * key.astype(np.float32)).astype(key.dtype)
+    result = check_mha(runner, case, min_blocks=1)
+    assert result.report.split_tiles == 0

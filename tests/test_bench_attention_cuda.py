@@ -1,0 +1,76 @@
+"""The attention CUDA benchmark (python -m kvcache_op.benchmarks.gpu.attention): without a GPU it refuses in one
+line, its --help and arguments, its cases and the bytes it counts; on a GPU (marker gpu) its smoke run prints and
+writes a table of sane figures."""
+
+import json
+import math
+import subprocess
+import sys
+import types
+
+import pytest
+
+from kvcache_op.benchmarks.gpu import attention
+
+TIMES = ("op_ms", "copy_ms", "sdpa_ms", "read_GBps", "copy_GBps", "vs_copy", "vs_sdpa")
+
+
+def test_help_runs_as_a_module():
+    done = subprocess.run([sys.executable, "-m", "kvcache_op.benchmarks.gpu.attention", "--help"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "--quick" in done.stdout and "--out" in done.stdout and "scaled_dot_product_attention" in done.stdout
+
+
+def test_without_a_gpu_it_says_so_in_one_line(monkeypatch, capsys):
+    fake = types.SimpleNamespace(__version__="0.0-fake", cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert attention.main(["--quick"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err
+    assert lines[0].startswith("attention CUDA benchmark: cannot run: ") and "sees no CUDA GPU" in lines[0]
+
+
+def test_arguments():
+    args = attention.build_parser().parse_args(["--quick", "--out", "d", "--repeats", "5"])
+    assert (args.quick, str(args.out), args.repeats, args.warmup) == (True, "d", 5, 3)
+    with pytest.raises(SystemExit):
+        attention.build_parser().parse_args(["--repeats", "0"])
+
+
+def test_cases_and_the_bytes_they_read():
+    full = attention.cases(quick=False)
+    shapes = {(c.op, c.phase, c.batch, c.seqlen, c.kvlen, c.heads, c.kv_heads, c.head_dim, c.quant_bit, c.layout)
+              for c in full}
+    assert shapes == {("mhca", "decode", 64, 1, 1024, 8, 2, 128, 0, 0), ("mhca", "decode", 64, 1, 1024, 8, 2, 128, 0, 3),
+                      *{("mhca", "decode", 32, 1, 2048, 32, 8, 128, q, layout) for q in (0, 8) for layout in (0, 3)},
+                      ("mha", "decode", 64, 1, 1024, 8, 2, 128, 0, 0), ("mha", "prefill", 8, 1024, 1024, 32, 8, 128, 0, 0)}
+    assert all(c.dtype == "float16" and c.page_size == 16 for c in full)
+    assert full[0].bytes_read() == 64 * 1024 * 2 * 128 * 2 * 2  # K and V, float16
+    int8 = next(c for c in full if c.quant_bit == 8)
+    assert int8.bytes_read() == 32 * 2048 * 8 * 128 * 2 + 32 * 2048 * 8 * 16 * 2 * 2  # codes + float16 scales
+    assert len(attention.cases(quick=True)) >= 4
+
+
+@pytest.mark.gpu
+def test_quick_run_prints_and_writes_its_table(tmp_path, capsys):
+    import torch
+
+    assert attention.main(["--quick", "--repeats", "3", "--warmup", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    device = torch.cuda.get_device_name()
+    assert device in out.splitlines()[0]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == len(attention.cases(quick=True))
+    for row in rows:
+        for key in TIMES:
+            assert math.isfinite(row[key]) and row[key] > 0, (key, row)
+        if row["op"] == "mha":  # the same inputs as SDPA: float16 outputs close to each other
+            assert row["max_abs_diff_vs_sdpa"] < 0.05, row
+    md = (tmp_path / "results.md").read_text()
+    assert device in md and "--quick" in md
+    table = [line for line in md.splitlines() if line.startswith(("| mhca", "| mha"))]
+    assert len(table) == len(rows)
+    assert sum(line.startswith(("| mhca", "| mha")) for line in out.splitlines()) == len(rows)  # printed at the end
