@@ -18,7 +18,9 @@ namespace {
 
 // The ops and their one domain, created on the first registration and kept for the life of the process:
 // sessions keep pointers to the ops, and every SessionOptions that the library was registered in keeps
-// a pointer to the domain until a session is created from it.
+// a pointer to the domain until a session is created from it. ONNX Runtime unloads a registered library with the
+// last SessionOptions holding it (LibraryHandles, core/framework/library_handles.cc); the library is linked
+// -z nodelete (CMakeLists.txt) so it stays loaded and this registry is built once, not once per reload.
 //
 // One domain serves every registration. ONNX Runtime reads a domain only while creating a session:
 // CreateCustomRegistry (onnxruntime/core/session/custom_ops.cc) copies the domain's name into the
@@ -62,7 +64,7 @@ Registry& GetRegistry() {
 }  // namespace
 
 // Registers the ops in `options` (ONNX Runtime calls this from register_custom_ops_library). Adds the
-// process-wide domain: repeated registrations allocate nothing that outlives the SessionOptions.
+// process-wide domain: repeated registrations allocate nothing.
 // Asks for API version kOrtApiVersion exactly, whatever the headers' version, so the library runs on every
 // onnxruntime from kOrtMinRelease on; an older one gets an error status naming the release needed.
 extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
