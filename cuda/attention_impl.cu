@@ -39,7 +39,7 @@ struct DeviceTeam {
 };
 
 template <class T1, class Rows>
-__global__ void __launch_bounds__(kAttnThreads) TileKernel(AttnParams p) {
+__global__ void __launch_bounds__(kAttnThreads, 2) TileKernel(AttnParams p) {
   __shared__ float shared[kSharedWords];
   AttnDeviceMem mem{p, shared};
   DeviceTeam team{threadIdx.x, {}};

@@ -30,16 +30,26 @@
 namespace kvcache {
 namespace cuda {
 
-// What a thread keeps across chunks: its slice of one query vector's output sum, and that vector's weight sum.
+// What a thread keeps across chunks: its slice of up to kVectorGroup query vectors' output sums, and their weight
+// sums (one value row slice, once loaded, serves every vector of the group).
 struct AttnThread {
-  float acc[kSliceElems];
-  float weights;
+  float acc[kVectorGroup][kSliceElems];
+  float weights[kVectorGroup];
 };
 
 KV_HD float MinusInf() { return -INFINITY; }
 
+// Fully unrolled on the GPU (register arrays must be indexed by constants there); a no-op on the host.
+#if defined(__CUDACC__)
+#define KV_UNROLL _Pragma("unroll")
+#else
+#define KV_UNROLL
+#endif
+
 // The weight slot of a key the query does not see (a weight is otherwise >= 0 or NaN).
 constexpr float kHidden = -1.0f;
+// Reads a thread keeps in flight: slices of its key row in the score phase, value rows in the value phase.
+constexpr int64_t kKeyLoads = 2, kValueLoads = 2;
 
 // A float32 product rounded once (never fused into an add): the spec's dequantization.
 KV_HD float ProductRn(float a, float b) {
@@ -93,6 +103,12 @@ template <class Mem>
 KV_HD void SharedPut(Mem& mem, int64_t word, float v) {
   mem.template Store<float>(kAShared, 4 * word, v);
 }
+// Four shared words from a multiple-of-4 word: one 16-byte load (a broadcast when a warp reads one address).
+template <class Mem>
+KV_HD void SharedFour(Mem& mem, int64_t word, float* out) {
+  const Vec16 w = mem.template Load<Vec16>(kAShared, 4 * word);
+  for (int i = 0; i < 4; ++i) out[i] = BitsFloat(w.w[i]);
+}
 
 // [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see (spec: visible keys). |K - S + i| fits.
 KV_HD void VisibleKeys(const AttnParams& p, bool causal, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) {
@@ -127,18 +143,26 @@ KV_HD void LoadRowT1(const AttnParams& p, Mem& mem, int buf, int64_t elem, int64
     v[e] = e < n ? ElemToFloat<T1>(mem.template Load<T>(b, (elem + d0 + e) * int64_t(sizeof(T)))) : 0.0f;
 }
 
+// Where a key or value row starts: the element offset of its first element and, quantized, of its first scale.
+struct RowAt {
+  int64_t elem, scale;
+};
+
 // MultiHeadAttention's keys and values: packed rows [kv_tokens, Hkv, Dh] of T1.
 template <class T1>
 struct PackedRows {
-  // The element offset of key (kv 0) or value (kv 1) j of the sequence whose first key is col0, kv head g.
+  // Where key (and value) j of the sequence whose first key is col0 lies: its token.
   template <class Mem>
-  KV_HD int64_t Row(const AttnParams& p, Mem&, int, int64_t, int64_t col0, int64_t j, int64_t g) const {
-    return ((col0 + j) * p.kv_heads + g) * p.head_dim;
+  KV_HD int64_t Where(const AttnParams&, Mem&, int64_t, int64_t col0, int64_t j) const {
+    return col0 + j;
+  }
+  KV_HD RowAt At(const AttnParams& p, int, int64_t g, int64_t token) const {
+    return RowAt{(token * p.kv_heads + g) * p.head_dim, 0};
   }
   template <class Mem>
-  KV_HD void Load(const AttnParams& p, Mem& mem, int kv, int64_t, int64_t row, int64_t d0, int64_t n,
+  KV_HD void Load(const AttnParams& p, Mem& mem, int kv, const RowAt& r, int64_t d0, int64_t n,
                   float (&v)[kSliceElems]) const {
-    LoadRowT1<T1>(p, mem, kv ? kAValue : kAKey, row, d0, n, v);
+    LoadRowT1<T1>(p, mem, kv ? kAValue : kAKey, r.elem, d0, n, v);
   }
 };
 
@@ -146,14 +170,17 @@ struct PackedRows {
 // its slot (offset or paged); quantized rows dequantized exactly as KeyValueCache's gather gives them.
 template <class T1, class T3, int QBits>
 struct CacheRows {
+  // Where key (and value) j of sequence b lies: its slot.
   template <class Mem>
-  KV_HD int64_t Slot(const AttnParams& p, Mem& mem, int64_t b, int64_t j) const {
+  KV_HD int64_t Where(const AttnParams& p, Mem& mem, int64_t b, int64_t, int64_t j) const {
     if (p.cache_mode == 0) return IndexWord(mem, CachestartsAt(p) + b) + j;
     return IndexWord(mem, CachestartsAt(p) + b * p.max_p + j / p.page_size) + j % p.page_size;
   }
-  template <class Mem>
-  KV_HD int64_t Row(const AttnParams& p, Mem& mem, int, int64_t b, int64_t, int64_t j, int64_t) const {
-    return Slot(p, mem, b, j);  // the slot; Load places the row (its scale row differs)
+  KV_HD RowAt At(const AttnParams& p, int kv, int64_t g, int64_t slot) const {
+    return RowAt{p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * kv + p.cache_rows.head * g +
+                     p.cache_rows.slot * slot,
+                 p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * kv + p.scale_rows.head * g +
+                     p.scale_rows.slot * slot};
   }
   template <class Mem>
   KV_HD int32_t Code(Mem& mem, int64_t elem) const {
@@ -162,23 +189,22 @@ struct CacheRows {
     return (elem & 1) ? Int4High(byte) : Int4Low(byte);
   }
   template <class Mem>
-  KV_HD void Load(const AttnParams& p, Mem& mem, int kv, int64_t g, int64_t slot, int64_t d0, int64_t n,
+  KV_HD void Load(const AttnParams& p, Mem& mem, int, const RowAt& r, int64_t d0, int64_t n,
                   float (&v)[kSliceElems]) const {
-    const int64_t row = p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * kv + p.cache_rows.head * g +
-                        p.cache_rows.slot * slot;
     if constexpr (QBits == 0) {
-      LoadRowT1<T1>(p, mem, kACache, row, d0, n, v);
+      LoadRowT1<T1>(p, mem, kACache, r.elem, d0, n, v);
     } else {
       using S = typename T3::Storage;
-      const int64_t srow = p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * kv + p.scale_rows.head * g +
-                           p.scale_rows.slot * slot;
+      // Element and group indices within a row fit in 32 bits (head_dim <= kMaxCudaHeadDim): cheaper divisions.
+      const int32_t group_size = static_cast<int32_t>(p.quant_group);
       if (p.vector_rows && n == kSliceElems) {  // 8 codes of one group: one load, one scale
-        const float s = T3::ToFloat(mem.template Load<S>(kAScale, (srow + d0 / p.quant_group) * int64_t(sizeof(S))));
+        const int64_t group = static_cast<int32_t>(d0) / group_size;
+        const float s = T3::ToFloat(mem.template Load<S>(kAScale, (r.scale + group) * int64_t(sizeof(S))));
         uint64_t w;
         if constexpr (QBits == 8)
-          w = mem.template Load<uint64_t>(kACache, row + d0);
+          w = mem.template Load<uint64_t>(kACache, r.elem + d0);
         else
-          w = mem.template Load<uint32_t>(kACache, (row + d0) / 2);
+          w = mem.template Load<uint32_t>(kACache, (r.elem + d0) / 2);
         for (int e = 0; e < kSliceElems; ++e) {
           int32_t code;
           if constexpr (QBits == 8) {
@@ -196,9 +222,9 @@ struct CacheRows {
           v[e] = 0.0f;
           continue;
         }
-        const int64_t d = d0 + e;
-        const float s = T3::ToFloat(mem.template Load<S>(kAScale, (srow + d / p.quant_group) * int64_t(sizeof(S))));
-        v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(Code(mem, row + d)), s));
+        const int32_t d = static_cast<int32_t>(d0 + e);
+        const float s = T3::ToFloat(mem.template Load<S>(kAScale, (r.scale + d / group_size) * int64_t(sizeof(S))));
+        v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(Code(mem, r.elem + d)), s));
       }
     }
   }
@@ -213,17 +239,20 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
   const int64_t b = tile_word(0), row0 = tile_word(1), rows = tile_word(2), head0 = tile_word(3),
                 heads = tile_word(4), key0 = tile_word(5), key1 = tile_word(6), partial = tile_word(7);
   const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, slices = p.slices;
-  const int64_t groups = NT / (Q * slices);  // key groups of the value phase (>= 1: the planner's tiles fit)
+  // The value phase: threads own (key group, group of kVectorGroup query vectors, slice); `groups` key groups
+  // (>= 1: the planner's tiles fit) share the chunk's keys.
+  const int64_t vector_groups = (Q + kVectorGroup - 1) / kVectorGroup, lanes = vector_groups * slices;
+  const int64_t groups = NT / lanes;
   const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
   const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
   const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
   const int64_t g = head0 / p.group;
-  auto row_of = [&](int64_t qi) { return row0 + qi / heads; };
-  auto head_of = [&](int64_t qi) { return head0 + qi % heads; };
+  // Query vector qi (< kMaxTileQueries) is head head_of(qi) of row row_of(qi); its visible keys are in shared memory.
+  auto row_of = [&](int64_t qi) { return row0 + static_cast<int32_t>(qi) / static_cast<int32_t>(heads); };
+  auto head_of = [&](int64_t qi) { return head0 + static_cast<int32_t>(qi) % static_cast<int32_t>(heads); };
   auto visible = [&](int64_t qi, int64_t j) {
-    int64_t lo, hi;
-    VisibleKeys(p, causal, S, K, row_of(qi), &lo, &hi);
-    return j >= lo && j < hi;
+    return j >= mem.template Load<int64_t>(kAShared, 8 * (kSmemVisible / 2 + 2 * qi)) &&
+           j < mem.template Load<int64_t>(kAShared, 8 * (kSmemVisible / 2 + 2 * qi + 1));
   };
 
   team.Each([&](int64_t t, AttnThread& s) {
@@ -232,9 +261,17 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
       const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D + d;
       SharedPut(mem, kSmemQueries + i, ElemToFloat<T1>(mem.template Load<T>(kAQuery, at * int64_t(sizeof(T)))));
     }
-    if (t < Q) SharedPut(mem, kSmemMax + t, MinusInf());
-    for (int64_t e = 0; e < kSliceElems; ++e) s.acc[e] = 0.0f;
-    s.weights = 0.0f;
+    if (t < Q) {
+      SharedPut(mem, kSmemMax + t, MinusInf());
+      int64_t lo, hi;
+      VisibleKeys(p, causal, S, K, row_of(t), &lo, &hi);
+      mem.template Store<int64_t>(kAShared, 8 * (kSmemVisible / 2 + 2 * t), lo);
+      mem.template Store<int64_t>(kAShared, 8 * (kSmemVisible / 2 + 2 * t + 1), hi);
+    }
+    for (int64_t c = 0; c < kVectorGroup; ++c) {
+      for (int64_t e = 0; e < kSliceElems; ++e) s.acc[c][e] = 0.0f;
+      s.weights[c] = 0.0f;
+    }
   });
   team.Sync();
 
@@ -244,21 +281,40 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
     team.Each([&](int64_t t, AttnThread&) {  // scores of key c0 + t
       if (t >= n) return;
       const int64_t j = c0 + t;
-      const int64_t row = rows_of.Row(p, mem, 0, b, col0, j, g);
+      const int64_t where = rows_of.Where(p, mem, b, col0, j);
+      mem.template Store<int64_t>(kAShared, 8 * (kSmemRows / 2 + t), where);  // for the value phase
+      const RowAt row = rows_of.At(p, 0, g, where);
       float dot[kMaxTileQueries];
+      KV_UNROLL
       for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) dot[qi] = 0.0f;
-      for (int64_t d0 = 0; d0 < D; d0 += kSliceElems) {
-        const int64_t m = D - d0 < kSliceElems ? D - d0 : kSliceElems;
-        float k[kSliceElems];
-        rows_of.Load(p, mem, 0, g, row, d0, m, k);
-        for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) {
-          if (qi >= Q) break;
-          for (int64_t e = 0; e < kSliceElems; ++e)
-            if (e < m) dot[qi] += SharedAt(mem, kSmemQueries + qi * D + d0 + e) * k[e];
+      // kKeyLoads slices of the row loaded before any is used: that many reads in flight per thread.
+      for (int64_t d0 = 0; d0 < D; d0 += kKeyLoads * kSliceElems) {
+        float k[kKeyLoads][kSliceElems];
+        KV_UNROLL
+        for (int64_t u = 0; u < kKeyLoads; ++u) {
+          const int64_t at = d0 + u * kSliceElems, m = D - at < kSliceElems ? D - at : kSliceElems;
+          if (m > 0) rows_of.Load(p, mem, 0, row, at, m, k[u]);
+        }
+        KV_UNROLL
+        for (int64_t u = 0; u < kKeyLoads; ++u) {
+          const int64_t at = d0 + u * kSliceElems, m = D - at < kSliceElems ? D - at : kSliceElems;
+          KV_UNROLL
+          for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) {
+            if (qi >= Q || m <= 0) continue;
+            float q[kSliceElems];
+            if (m == kSliceElems && D % 4 == 0) {  // 16-byte aligned shared words
+              SharedFour(mem, kSmemQueries + qi * D + at, q);
+              SharedFour(mem, kSmemQueries + qi * D + at + 4, q + 4);
+            } else {
+              for (int64_t e = 0; e < kSliceElems; ++e) q[e] = e < m ? SharedAt(mem, kSmemQueries + qi * D + at + e) : 0.0f;
+            }
+            for (int64_t e = 0; e < kSliceElems; ++e) dot[qi] += q[e] * k[u][e];
+          }
         }
       }
+      KV_UNROLL
       for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) {
-        if (qi >= Q) break;
+        if (qi >= Q) continue;
         float sc = MinusInf();
         if (visible(qi, j)) {
           sc = p.scale * dot[qi];
@@ -295,68 +351,107 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
     });
     team.Sync();
     team.Each([&](int64_t t, AttnThread&) {  // the chunk's weights, once per (query vector, key), in place
-      for (int64_t i = t; i < Q * n; i += NT) {
-        const int64_t qi = i / n, k = i % n;
-        const float m = SharedAt(mem, kSmemMax + qi), sc = SharedAt(mem, kSmemScores + qi * NT + k);
+      if (t >= n) return;
+      for (int64_t qi = 0; qi < Q; ++qi) {
+        const float m = SharedAt(mem, kSmemMax + qi), sc = SharedAt(mem, kSmemScores + qi * NT + t);
         // Hidden keys never enter, whatever their values hold (kHidden); nothing but -inf so far: weight 0, which
         // still lets a non-finite value through.
-        const float w = !visible(qi, c0 + k) ? kHidden : m == MinusInf() ? 0.0f : expf(sc - m);
-        SharedPut(mem, kSmemScores + qi * NT + k, w);
+        const float w = !visible(qi, c0 + t) ? kHidden : m == MinusInf() ? 0.0f : expf(sc - m);
+        SharedPut(mem, kSmemScores + qi * NT + t, w);
       }
     });
     team.Sync();
     team.Each([&](int64_t t, AttnThread& s) {  // the value rows into the sums
-      if (t >= groups * Q * slices) return;
-      const int64_t kg = t / (Q * slices), qi = (t % (Q * slices)) / slices, d0 = (t % slices) * kSliceElems;
+      if (t >= groups * lanes) return;
+      const int64_t kg = t / lanes, q0 = (t % lanes) / slices * kVectorGroup, d0 = (t % slices) * kSliceElems;
       const int64_t width = D - d0 < kSliceElems ? D - d0 : kSliceElems;
-      const float f = SharedAt(mem, kSmemRescale + qi);
-      if (f != 1.0f) {
-        for (int64_t e = 0; e < kSliceElems; ++e) s.acc[e] *= f;
-        s.weights *= f;
+      KV_UNROLL
+      for (int64_t c = 0; c < kVectorGroup; ++c) {
+        const float f = q0 + c < Q ? SharedAt(mem, kSmemRescale + q0 + c) : 1.0f;
+        if (f != 1.0f) {
+          for (int64_t e = 0; e < kSliceElems; ++e) s.acc[c][e] *= f;
+          s.weights[c] *= f;
+        }
       }
-      for (int64_t k = kg; k < n; k += groups) {
-        const float w = SharedAt(mem, kSmemScores + qi * NT + k);
-        if (w == kHidden) continue;
-        s.weights += w;
-        float v[kSliceElems];
-        const int64_t j = c0 + k;
-        rows_of.Load(p, mem, 1, g, rows_of.Row(p, mem, 1, b, col0, j, g), d0, width, v);
-        for (int64_t e = 0; e < kSliceElems; ++e) s.acc[e] += w * v[e];
+      // kValueLoads keys at a time: their rows read before any is used.
+      for (int64_t k0 = kg; k0 < n; k0 += kValueLoads * groups) {
+        float w[kValueLoads][kVectorGroup], v[kValueLoads][kSliceElems];
+        KV_UNROLL
+        for (int64_t u = 0; u < kValueLoads; ++u) {
+          const int64_t k = k0 + u * groups;
+          bool any = false;
+          KV_UNROLL
+          for (int64_t c = 0; c < kVectorGroup; ++c) {
+            w[u][c] = k < n && q0 + c < Q ? SharedAt(mem, kSmemScores + (q0 + c) * NT + k) : kHidden;
+            any = any || w[u][c] != kHidden;
+          }
+          if (any) {
+            const int64_t where = mem.template Load<int64_t>(kAShared, 8 * (kSmemRows / 2 + k));
+            rows_of.Load(p, mem, 1, rows_of.At(p, 1, g, where), d0, width, v[u]);
+          }
+        }
+        KV_UNROLL
+        for (int64_t u = 0; u < kValueLoads; ++u) {
+          KV_UNROLL
+          for (int64_t c = 0; c < kVectorGroup; ++c) {
+            if (w[u][c] != kHidden) {  // hidden keys never enter, whatever their values hold
+              s.weights[c] += w[u][c];
+              for (int64_t e = 0; e < kSliceElems; ++e) s.acc[c][e] += w[u][c] * v[u][e];
+            }
+          }
+        }
       }
     });
     team.Sync();
   }
 
-  team.Each([&](int64_t t, AttnThread& s) {  // key groups 1.. hand their sums to group 0
-    if (t >= groups * Q * slices || t < Q * slices) return;
-    const int64_t kg = t / (Q * slices), qi = (t % (Q * slices)) / slices, sl = t % slices, d0 = sl * kSliceElems;
-    for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
-      SharedPut(mem, kSmemSums + (kg * Q + qi) * D + d0 + e, s.acc[e]);
-    if (sl == 0) SharedPut(mem, kSmemWeights + kg * Q + qi, s.weights);
-  });
-  team.Sync();
-  team.Each([&](int64_t t, AttnThread& s) {  // group 0: the totals, then the output rows or the part's records
-    if (t >= Q * slices) return;
-    const int64_t qi = t / slices, sl = t % slices, d0 = sl * kSliceElems;
-    for (int64_t kg = 1; kg < groups; ++kg) {
-      for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e) s.acc[e] += SharedAt(mem, kSmemSums + (kg * Q + qi) * D + d0 + e);
-      s.weights += SharedAt(mem, kSmemWeights + kg * Q + qi);
-    }
-    const float m = SharedAt(mem, kSmemMax + qi);
-    if (partial >= 0) {
-      const int64_t record = (partial + qi) * (D + 2);
-      if (sl == 0) {
-        mem.template Store<float>(kAPartials, 4 * record, m);
-        mem.template Store<float>(kAPartials, 4 * (record + 1), s.weights);
+  // The key groups' sums added pairwise (a tree of log2(groups) steps) into group 0, through the scores' words
+  // (free now: Q x threads words hold groups / 2 x Q x Dh) and the reduction's.
+  for (int64_t step = 1; step < groups; step *= 2) {
+    team.Each([&](int64_t t, AttnThread& s) {
+      const int64_t kg = t / lanes;
+      if (t >= groups * lanes || kg % (2 * step) != step) return;
+      const int64_t q0 = (t % lanes) / slices * kVectorGroup, d0 = (t % slices) * kSliceElems, slot = kg / (2 * step);
+      for (int64_t c = 0; c < kVectorGroup && q0 + c < Q; ++c) {
+        for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
+          SharedPut(mem, kSmemScores + (slot * Q + q0 + c) * D + d0 + e, s.acc[c][e]);
+        if (d0 == 0) SharedPut(mem, kSmemReduce + slot * Q + q0 + c, s.weights[c]);
       }
-      for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
-        mem.template Store<float>(kAPartials, 4 * (record + 2 + d0 + e), s.acc[e]);
-      return;
-    }
-    const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D + d0;
-    for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e) {
-      const float o = m == MinusInf() ? 0.0f : s.acc[e] / s.weights;
-      mem.template Store<T>(kAOut, (at + e) * int64_t(sizeof(T)), T1::FromFloat(o));
+    });
+    team.Sync();
+    team.Each([&](int64_t t, AttnThread& s) {
+      const int64_t kg = t / lanes;
+      if (t >= groups * lanes || kg % (2 * step) != 0 || kg + step >= groups) return;
+      const int64_t q0 = (t % lanes) / slices * kVectorGroup, d0 = (t % slices) * kSliceElems, slot = kg / (2 * step);
+      for (int64_t c = 0; c < kVectorGroup && q0 + c < Q; ++c) {
+        for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
+          s.acc[c][e] += SharedAt(mem, kSmemScores + (slot * Q + q0 + c) * D + d0 + e);
+        s.weights[c] += SharedAt(mem, kSmemReduce + slot * Q + q0 + c);
+      }
+    });
+    team.Sync();
+  }
+  team.Each([&](int64_t t, AttnThread& s) {  // group 0: the output rows, or the part's records
+    if (t >= lanes) return;
+    const int64_t q0 = t / slices * kVectorGroup, d0 = (t % slices) * kSliceElems;
+    for (int64_t c = 0; c < kVectorGroup && q0 + c < Q; ++c) {
+      const int64_t qi = q0 + c;
+      const float m = SharedAt(mem, kSmemMax + qi);
+      if (partial >= 0) {
+        const int64_t record = (partial + qi) * (D + 2);
+        if (d0 == 0) {
+          mem.template Store<float>(kAPartials, 4 * record, m);
+          mem.template Store<float>(kAPartials, 4 * (record + 1), s.weights[c]);
+        }
+        for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e)
+          mem.template Store<float>(kAPartials, 4 * (record + 2 + d0 + e), s.acc[c][e]);
+        continue;
+      }
+      const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D + d0;
+      for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e) {
+        const float o = m == MinusInf() ? 0.0f : s.acc[c][e] / s.weights[c];
+        mem.template Store<T>(kAOut, (at + e) * int64_t(sizeof(T)), T1::FromFloat(o));
+      }
     }
   });
 }

@@ -71,6 +71,9 @@ def test_quick_run_prints_and_writes_its_table(tmp_path, capsys):
             assert row["max_abs_diff_vs_sdpa"] < 0.05, row
     md = (tmp_path / "results.md").read_text()
     assert device in md and "--quick" in md
+    # two tables, a row per case in each: the figures, and where a call's time goes
     table = [line for line in md.splitlines() if line.startswith(("| mhca", "| mha"))]
-    assert len(table) == len(rows)
-    assert sum(line.startswith(("| mhca", "| mha")) for line in out.splitlines()) == len(rows)  # printed at the end
+    assert len(table) == 2 * len(rows)
+    assert sum(line.startswith(("| mhca", "| mha")) for line in out.splitlines()) == 2 * len(rows)  # printed last
+    for row in rows:
+        assert row["host_ms"] > 0 and row["device_breakdown"], row

@@ -242,6 +242,8 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
     op_ms = kernel_ms(call.run_op, warmup, repeats)
     sdpa_ms = kernel_ms(sdpa, warmup, repeats)
     copy_ms = min(copy_ms, kernel_ms(copy, warmup, repeats))  # the copy measured around the op, same run
+    host = host_ms(call.run_op)
+    breakdown = device_breakdown(call.run_op)
     diff = None
     if case.op == "mha":  # the same numbers: a sanity figure
         call.run_op()
@@ -257,8 +259,61 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
         "vs_copy": copy_ms / op_ms, "vs_sdpa": sdpa_ms / op_ms,
         "copy_target": COPY_TARGET.get(case.quant_bit) if case.phase == "decode" else None,
         "sdpa_target": SDPA_TARGET.get(case.phase),
-        "max_abs_diff_vs_sdpa": diff,
+        "max_abs_diff_vs_sdpa": diff, "host_ms": host, "device_breakdown": breakdown,
     }
+
+
+def host_ms(fn, calls: int = 10) -> float:
+    """Median wall-clock ms of ``fn()`` returning, each call on a drained stream: validation, planning and enqueueing,
+    the host's share of a call."""
+    import statistics
+    import time
+
+    import torch
+
+    times = []
+    for _ in range(calls):
+        torch.cuda.current_stream().synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.current_stream().synchronize()
+    return statistics.median(times)
+
+
+def device_breakdown(fn, calls: int = 10) -> dict:
+    """Device time per call in ms of each kernel and copy ``fn()`` enqueues (torch's profiler, CUDA activity), or
+    ``{"error": ...}`` where the profiler cannot run."""
+    import torch
+
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        fn()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        out = {}
+        for e in prof.key_averages():
+            total = getattr(e, "self_device_time_total", None)
+            if total is None:
+                total = getattr(e, "self_cuda_time_total", 0)
+            if total > 0:
+                out[e.key[:70]] = total / 1e3 / calls
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+    except Exception as error:  # noqa: BLE001 - a profiler that cannot run is reported, the timings stand
+        return {"error": f"{type(error).__name__}: {error}"}
+
+
+def breakdown_table(rows) -> str:
+    lines = ["| case | host ms per call | device ms per call, by kernel or copy |", "| --- | --- | --- |"]
+    for r in rows:
+        parts = r.get("device_breakdown") or {}
+        text = parts["error"] if "error" in parts else "; ".join(f"{k}: {v:.4f}" for k, v in parts.items())
+        lines.append(f"| {r['label']} | {r['host_ms']:.3f} | {text} |")
+    return "\n".join(lines) + "\n"
 
 
 def _verdict(value, target) -> str:
@@ -288,7 +343,9 @@ def write_results(rows, out, command: str, device: str, torch_version: str) -> N
     (out / "results.json").write_text(json.dumps({"command": command, "device": device, "torch": torch_version,
                                                   "definitions": notes, "rows": rows}, indent=1))
     text = [f"# Attention CUDA benchmark ({device})", "", f"Device: {device}, torch {torch_version}", "",
-            f"Command: `{command}`", "", notes, "", markdown_table(rows)]
+            f"Command: `{command}`", "", notes, "", markdown_table(rows), "",
+            "Where a call's time goes (host: validation, planning, enqueueing, on a drained stream; device: torch's "
+            "profiler, per call):", "", breakdown_table(rows)]
     (out / "results.md").write_text("\n".join(text))
 
 
@@ -329,6 +386,7 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}/results.md")
     print()
     print(markdown_table(rows), end="")
+    print(breakdown_table(rows), end="")
     return 0
 
 
