@@ -301,10 +301,19 @@ def device_breakdown(fn, calls: int = 10) -> dict:
             if total is None:
                 total = getattr(e, "self_cuda_time_total", 0)
             if total > 0:
-                out[e.key[:70]] = total / 1e3 / calls
+                name = short_name(e.key)
+                out[name] = out.get(name, 0.0) + total / 1e3 / calls
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
     except Exception as error:  # noqa: BLE001 - a profiler that cannot run is reported, the timings stand
         return {"error": f"{type(error).__name__}: {error}"}
+
+
+def short_name(kernel: str) -> str:
+    """A profiler event's name without return type, namespaces and template arguments ("TileKernel")."""
+    import re
+
+    name = re.sub(r"^void |[A-Za-z_]+::|\(anonymous namespace\)::", "", kernel)
+    return name.split("<", 1)[0].split("(", 1)[0] if not name.startswith("Memcpy") else name
 
 
 def breakdown_table(rows) -> str:
