@@ -682,8 +682,8 @@ struct AttentionKernel {
 
   // The output rows of one split (sequence, head chunk) from its tasks' partial results: each part's sum and
   // output rescaled by exp(its max - the overall max). A NaN max (a NaN score) makes the output NaN, an
-  // infinite one too (as in one pass: exp(inf - inf)); parts that see no key are skipped; no part seeing a key
-  // leaves the row zero.
+  // infinite one too (as in one pass: exp(inf - inf)); a part whose scores are all -inf enters with factor 0 (a NaN
+  // it summed still shows); no part seeing a key leaves the row zero.
   void Merge(const MergeRange& m, const std::vector<TaskRange>& tasks) const {
     const int64_t D = a.head_dim, H = a.num_heads, nh = m.h1 - m.h0;
     const int64_t row0 = p.seqstarts[m.b], S = p.seqstarts[m.b + 1] - row0;
@@ -703,8 +703,9 @@ struct AttentionKernel {
         float total = 0.0f;
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t t = 0; t < m.parts; ++t) {
+          // A part whose scores are all -inf enters with factor exp(-inf - top) = 0: its sums are 0, but a
+          // non-finite value under a -inf score still makes the row NaN, as in one pass.
           const float* c = cell(t);
-          if (c[0] == minus_inf) continue;
           const float f = std::exp(c[0] - top);
           total += f * c[1];
           for (int64_t d = 0; d < D; ++d) acc[d] += f * c[2 + d];

@@ -40,7 +40,7 @@ struct DeviceTeam {
 
 template <class T1, class Rows>
 __global__ void __launch_bounds__(kAttnThreads, 2) TileKernel(AttnParams p) {
-  __shared__ float shared[kSharedWords];
+  __shared__ __align__(16) float shared[kSharedWords];  // 16-byte and int64 accesses
   AttnDeviceMem mem{p, shared};
   DeviceTeam team{threadIdx.x, {}};
   AttentionTile<T1>(p, Rows{}, mem, team, blockIdx.x);

@@ -87,7 +87,7 @@ KV_HD int64_t TileQueries(int64_t slices) {
 
 // Shared memory of a block, in float32 words: the tile's queries [Q][Dh] (Q * Dh <= threads * kSliceElems), the
 // chunk's scores [Q][threads] (after the last chunk: the key groups' sums), per query vector the running max and
-// this chunk's rescale factor, the max reduction [threads] (after the last chunk: the key groups' weight sums), and
+// this chunk's rescale factor, the max reduction [2 x threads] (after the last chunk: the key groups' weight sums), and
 // the chunk's rows (int64 per key: where the score phase found each key's row, for the value phase), and per query
 // vector the range of keys it sees (two int64).
 constexpr int64_t kSmemQueries = 0;
@@ -95,7 +95,7 @@ constexpr int64_t kSmemScores = kSmemQueries + kAttnThreads * kSliceElems;
 constexpr int64_t kSmemMax = kSmemScores + kMaxTileQueries * kAttnThreads;
 constexpr int64_t kSmemRescale = kSmemMax + kMaxTileQueries;
 constexpr int64_t kSmemReduce = kSmemRescale + kMaxTileQueries;
-constexpr int64_t kSmemRows = kSmemReduce + kAttnThreads;  // even: 8-byte aligned
+constexpr int64_t kSmemRows = kSmemReduce + 2 * kAttnThreads;  // even: 8-byte aligned
 constexpr int64_t kSmemVisible = kSmemRows + 2 * kAttnThreads;  // per query vector its visible keys [lo, hi)
 constexpr int64_t kSharedWords = kSmemVisible + 4 * kMaxTileQueries;
 static_assert(kSmemRows % 2 == 0 && kSmemScores % 4 == 0, "shared rows 8-byte, queries 16-byte aligned");

@@ -406,7 +406,8 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
   }
 
   // The key groups' sums added pairwise (a tree of log2(groups) steps) into group 0, through the scores' words
-  // (free now: Q x threads words hold groups / 2 x Q x Dh) and the reduction's.
+  // (free now: groups / 2 x Q x Dh <= threads x kMaxTileQueries words) and the reduction's (groups / 2 x Q <=
+  // 2 x threads words: groups <= threads / ceil(Q / 4)).
   for (int64_t step = 1; step < groups; step *= 2) {
     team.Each([&](int64_t t, AttnThread& s) {
       const int64_t kg = t / lanes;
@@ -458,8 +459,8 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
 
 // Thread `thread` of merge block `merge_index`: output elements thread, thread + kAttnThreads, ... of the merge's
 // query vectors, from its parts' records: each part's sum and output rescaled by exp(its max - the overall max).
-// A NaN or +inf max makes the output NaN (as in one pass), parts that saw no key are skipped, and no part seeing
-// a key leaves the row zero.
+// A NaN or +inf max makes the output NaN (as in one pass), a part whose scores are all -inf enters with factor 0
+// (a NaN it summed still shows), and no part seeing a key leaves the row zero.
 template <class T1, class Mem>
 KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64_t thread) {
   using T = typename T1::Storage;
@@ -480,9 +481,9 @@ KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64
     if (top != MinusInf()) {
       float total = 0.0f, acc = 0.0f;
       for (int64_t k = 0; k < parts; ++k) {
-        const float m = rec(k, qi, 0);
-        if (m == MinusInf()) continue;
-        const float f = expf(m - top);
+        // A part whose scores are all -inf enters with factor exp(-inf - top) = 0: its sums are 0, but a
+        // non-finite value under a -inf score still makes the row NaN, as in one pass.
+        const float f = expf(rec(k, qi, 0) - top);
         total += f * rec(k, qi, 1);
         acc += f * rec(k, qi, 2 + d);
       }

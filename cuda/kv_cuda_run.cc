@@ -2,9 +2,11 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_impl.cuh"
+#include "byte_ranges.h"
 #include "kv_cache_impl.cuh"
 #include "rotary_impl.cuh"
 #include "rotary_params.h"
@@ -38,39 +40,67 @@ TilePolicy DevicePolicy() {
   return policy;
 }
 
-// Copies a planned attention call's index and work words to the device in one transfer and launches it.
+// A planned attention launch's device scratch: its index and tile words and the split parts' records, allocated
+// before anything of the call is enqueued (a call whose scratch cannot be had writes nothing, the cache included).
+struct PlannedScratch {
+  ScratchBlock words, partials;
+  PlannedScratch(DeviceScratch& scratch, const AttnLaunchPlan& launch, int64_t head_dim)
+      : words(scratch, launch.tiles ? (launch.index.size() + launch.work.size()) * sizeof(int64_t) : 0),
+        partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
+};
+
+// Copies a planned attention call's index and tile words to the device in one transfer and launches it.
 void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
                    int32_t t1, int32_t scale_type, int quant_bit, const AttnTensors& tensors, cudaStream_t stream,
-                   DeviceScratch& scratch) {
+                   PlannedScratch& scratch) {
   if (launch.tiles == 0) return;
   std::vector<int64_t> words(launch.index);
   words.insert(words.end(), launch.work.begin(), launch.work.end());
-  ScratchBlock device_words(scratch, words.size() * sizeof(int64_t));
-  ScratchBlock partials(scratch, static_cast<size_t>(launch.records * (a.head_dim + 2)) * sizeof(float));
-  Check(cudaMemcpyAsync(device_words.data, words.data(), words.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+  Check(cudaMemcpyAsync(scratch.words.data, words.data(), words.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
                         stream),
         "copying the index inputs and the tiles");
-  const auto* index = static_cast<const int64_t*>(device_words.data);
+  const auto* index = static_cast<const int64_t*>(scratch.words.data);
   const AttnParams p = MakeAttnParams(a, plan, cache, launch, tensors, index, index + launch.index.size(),
-                                      static_cast<float*>(partials.data));
+                                      static_cast<float*>(scratch.partials.data));
   Check(LaunchAttention(p, t1, scale_type, quant_bit, cache != nullptr, stream), "launching the attention kernels");
+}
+
+// The kernels read every element with its own type's width: a device pointer off that alignment would fault.
+void CheckAligned(const char* name, const void* data, int32_t type) {
+  const int64_t width = TensorBytes(type, {1});
+  if (data != nullptr && reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(width) != 0)
+    Fail(name, " must be aligned to its ", width, "-byte elements on CUDA, got address ", data);
+}
+
+void CheckAttentionAligned(const AttnTensors& t, int32_t t1) {
+  for (auto [name, data] : {std::pair<const char*, const void*>{"query", t.query}, {"key", t.key}, {"value", t.value},
+                            {"attn_mask", t.mask}, {"output", t.out}})
+    CheckAligned(name, data, t1);
 }
 
 }  // namespace
 
 void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
                            cudaStream_t stream, DeviceScratch& scratch) {
+  CheckAttentionAligned(tensors, t);
   const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy());  // throws before any launch
-  LaunchPlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, scratch);
+  PlannedScratch planned(scratch, launch, a.head_dim);
+  LaunchPlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, planned);
 }
 
 void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_t t1, int32_t scale_type,
                                 const void* key, const void* value, const AttnTensors& tensors, cudaStream_t stream,
                                 DeviceScratch& scratch) {
   const CacheSide side{&a.cache, &plan.cache};
-  // Both launches checked before either is enqueued: a call that cannot run leaves the cache unchanged.
+  // Everything checked and allocated before anything is enqueued: a call that cannot run leaves the cache unchanged.
+  CheckAttentionAligned(tensors, t1);
+  CheckAligned("current_key", key, t1);
+  CheckAligned("current_value", value, t1);
+  CheckAligned("cache", tensors.cache, a.cache.quant_bit ? int32_t(Elem::kInt8) : t1);
+  CheckAligned("scale", tensors.scale, scale_type);
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
   const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy());
+  PlannedScratch planned(scratch, launch, a.attention.head_dim);
   if (plan.cache.batch > 0) {
     const std::vector<int64_t> host = PackIndices(plan.cache);
     ScratchBlock indices(scratch, host.size() * sizeof(int64_t));
@@ -82,7 +112,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
     Check(LaunchKeyValueStores(p, t1, scale_type, static_cast<int>(a.cache.quant_bit), stream), "launching the stores");
   }
   LaunchPlanned(a.attention, plan.attention, &side, launch, t1, scale_type, static_cast<int>(a.cache.quant_bit),
-                tensors, stream, scratch);
+                tensors, stream, planned);
 }
 
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,

@@ -30,8 +30,13 @@ FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-We
 CHECKED = {"launches": 0, "blocks": 0, "split_tiles": 0}
 
 
+#: The launch's buffers, in the kernels' order (cuda/attention_launch.h, ABuf).
+BUFFERS = ("query", "key", "value", "cache", "scale", "attn_mask", "output", "index", "tiles", "partials", "shared")
+
+
 class Options(ctypes.Structure):
-    _fields_ = [("min_blocks", ctypes.c_int64), ("min_split_keys", ctypes.c_int64), ("skip_sync", ctypes.c_int64)]
+    _fields_ = [("min_blocks", ctypes.c_int64), ("min_split_keys", ctypes.c_int64), ("skip_sync", ctypes.c_int64),
+                ("buffer_bytes", ctypes.c_int64 * len(BUFFERS))]
 
 
 class Report(ctypes.Structure):
@@ -68,11 +73,12 @@ class AttentionHostRunner:
         self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
 
     def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
-            views=None) -> Result:
+            views=None, buffer_bytes=None) -> Result:
         """Runs the call (MultiHeadCacheAttention when ``inputs`` has a cache, else MultiHeadAttention; the cache
         and scale are written in place). ``views``: names of inputs passed 2 bytes past their array's start (a
         misaligned copy, written back after the call), so the kernels take their element-by-element path; not for int4
-        arrays."""
+        arrays. ``buffer_bytes``: {buffer name: size the checks assume} (smaller than the real one: an access past
+        it must be flagged)."""
         cache = "cache" in inputs
         names = c_api.MHCA_INPUTS if cache else c_api.MHA_INPUTS
         buffers, views_back = c_api.HostBuffers(), []
@@ -97,9 +103,11 @@ class AttentionHostRunner:
             attrs = c_api.multi_head_attention_attributes(**attributes)
             fn = self.lib.mha_host_run
         report, message = Report(), ctypes.create_string_buffer(8192)
-        code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()),
-                  ctypes.byref(Options(min_blocks, min_split_keys, int(skip_sync))), ctypes.byref(report), message,
-                  len(message))
+        options = Options(min_blocks, min_split_keys, int(skip_sync))
+        for i, name in enumerate(BUFFERS):
+            options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
+        code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()), ctypes.byref(options),
+                  ctypes.byref(report), message, len(message))
         if code in (0, 4):
             buffers.finish()
             for array, raw in views_back:

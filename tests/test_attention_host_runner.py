@@ -16,6 +16,7 @@ from test_mha_reference import assert_within, oracle
 from test_mhca_ort_cpu import naive_oracle
 from test_mhca_reference import cache_attention_calls
 
+from kvcache_op.reference import multi_head_attention
 from kvcache_op.validation.cases import Seq
 from kvcache_op.validation.mha_cases import build_attention
 from kvcache_op.validation.mhca_cases import build_cache_attention
@@ -127,3 +128,52 @@ def test_a_rising_max_rescales_what_was_summed(runner, t):
     key[...] = (ramp[:, None, None] * direction + 0.1 * key.astype(np.float32)).astype(key.dtype)
     result = check_mha(runner, case, min_blocks=1)
     assert result.report.split_tiles == 0
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runner, split):
+    """Spec, non-finite values: a key masked to -inf keeps weight 0 but stays in the sums. When the decode is split,
+    the part seeing only -inf scores still carries its NaN into the merge."""
+    case = build_attention("nan-under-mask", [(1, 1024)], heads=1, head_dim=8, t="float32", mask=2)
+    case.inputs["attn_mask"][0, :512] = -np.inf
+    case.inputs["value"][0, 0, 0] = np.nan
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=10**6 if split else 1, min_split_keys=256)
+    assert_clean(result)
+    assert (result.report.split_tiles > 0) == split
+    assert np.isnan(result.output[0]).any(), result.output[0]
+    assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)[0]).any()  # the reference agrees
+
+
+def test_split_parts_of_several_chunks_merge_within_the_bound(runner):
+    """Parts of 300-400 keys: each part walks two chunks (a rising max inside a part), then the merge."""
+    case = build_attention("long-parts", [(1, 1200), (2, 700)], heads=4, kv_heads=2, head_dim=16, t="bfloat16")
+    result = check_mha(runner, case, min_blocks=10**6, min_split_keys=300)
+    assert result.report.split_tiles >= 4
+
+
+@pytest.mark.parametrize("group", [16, 32])
+def test_eight_code_loads_across_larger_quantization_groups(runner, group):
+    case = build_cache_attention(f"groups-{group}", [Seq(1, 60), Seq(3, 5)], group=2, heads=2, head_dim=64,
+                                 quant_bit=8, quant_group=group, cache_mode=1, page_size=8, t1="float16",
+                                 t3="float32")
+    check_mhca(runner, case.inputs, case.attributes)
+
+
+@pytest.mark.parametrize("buffer", ["output", "key", "shared", "partials"])
+def test_an_access_past_a_buffer_is_reported(runner, buffer):
+    """The runner's bounds check is live: with a buffer assumed shorter than it is (the last 4 bytes of the output
+    and of the keys; all but 400 bytes of shared memory; 4 bytes of the split parts' records), accesses past it
+    are flagged (and never made)."""
+    case = build_attention("bounds", [(1, 600), (3, 9)], heads=2, head_dim=8, t="float32")
+    inputs = copies(case.inputs)
+    assumed = {"output": inputs["query"].nbytes - 4, "key": inputs["key"].nbytes - 4, "shared": 400, "partials": 4}
+    result = runner.run(inputs, case.attributes, min_blocks=10**6, min_split_keys=256,
+                        buffer_bytes={buffer: assumed[buffer]})
+    assert result.code == 4 and result.report.out_of_bounds > 0, result.message
+
+
+def test_a_misaligned_element_access_is_reported(runner):
+    """A float32 query 2 bytes off its alignment: its 4-byte reads are flagged (a GPU would fault)."""
+    case = build_attention("misaligned-float32", [(1, 5)], heads=1, head_dim=4, t="float32")
+    result = runner.run(copies(case.inputs), case.attributes, views=("query",))
+    assert result.code == 4 and result.report.misaligned > 0, result.message

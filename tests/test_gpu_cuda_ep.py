@@ -1,5 +1,7 @@
-"""The ORT CUDA EP variant against the reference: the hypothesis space of the CPU op, conformance vectors,
-multi-step serving, and every error with the device cache unchanged. Skipped centrally without a GPU."""
+"""The ORT CUDA EP variants against the reference: KeyValueCache over the hypothesis space of the CPU op,
+conformance vectors, multi-step serving, and every error with the device cache unchanged; KeyCacheRotaryShift; the
+two attention ops within the spec's bound of the naive oracle, with the device cache bit for bit the naive
+KeyValueCache's. Skipped centrally without a GPU."""
 
 import pathlib
 import re
@@ -14,6 +16,11 @@ from kvcache_op.validation.cases import CASES
 from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, reference_result
 from strategies import COMBINATIONS, calls_for, shift_calls
+from ort_helpers import copies
+from test_mha_reference import assert_within, oracle
+from test_mhca_ort_cpu import naive_oracle
+from kvcache_op.validation.mha_cases import ATTENTION_CASES
+from kvcache_op.validation.mhca_cases import CASES as CACHE_ATTENTION_CASES
 
 pytestmark = pytest.mark.ort_gpu
 
@@ -104,3 +111,52 @@ def test_rotary_shift_on_the_cuda_ep_matches_reference(call):
     assert np.array_equal(from_device(binding.get_outputs()[0], np.int64), want_slots)
     got = tuple(from_device(device[n], np.asarray(inputs[n]).dtype) if n in device else None for n in ("cache", "scale"))
     assert_same_bits(got, (want["cache"], want["scale"]), names=("cache", "scale"))
+
+
+ATTENTION_DEVICE_INPUTS = ("query", "key", "value", "attn_mask", "current_key", "current_value", "cache", "scale")
+
+
+def run_attention_on_cuda(model, inputs):
+    """An attention model on the CUDA EP (no CPU fallback), data inputs bound as device OrtValues, index inputs from
+    the host: (output, cache after, scale after) as host arrays (None where absent)."""
+    import numpy as np
+
+    from gpu_support import from_device, to_device
+    from kvcache_op.ort_ops import make_session
+
+    session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
+    binding = session.io_binding()
+    device = {}
+    for info in session.get_inputs():
+        array = np.asarray(inputs[info.name])
+        if info.name in ATTENTION_DEVICE_INPUTS:
+            device[info.name] = to_device(array)
+            binding.bind_ortvalue_input(info.name, device[info.name])
+        else:
+            binding.bind_cpu_input(info.name, array)
+    binding.bind_output(session.get_outputs()[0].name, "cuda", 0)
+    session.run_with_iobinding(binding)
+    out = from_device(binding.get_outputs()[0], np.asarray(inputs["query"]).dtype)
+    after = [from_device(device[n], np.asarray(inputs[n]).dtype) if n in device else None for n in ("cache", "scale")]
+    return out, *after
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_attention_on_the_cuda_ep_is_within_the_bound(name):
+    case = ATTENTION_CASES[name]()
+    exact, bound = oracle(case)
+    model = spec.make_attention_model(case.inputs, **case.attributes)
+    out, _, _ = run_attention_on_cuda(model, {k: v for k, v in case.inputs.items() if v is not None})
+    assert_within(out, exact, bound, f"CUDA EP {name}")
+
+
+@pytest.mark.parametrize("name", sorted(CACHE_ATTENTION_CASES))
+def test_cache_attention_on_the_cuda_ep_writes_the_naive_cache_and_is_within_the_bound(name):
+    case = CACHE_ATTENTION_CASES[name]()
+    exact, bound, cache_after, scale_after = naive_oracle(case.inputs, case.attributes)
+    model = spec.make_cache_attention_model(copies(case.inputs), **case.attributes)
+    out, cache, scale = run_attention_on_cuda(model, {k: v for k, v in case.inputs.items() if v is not None})
+    assert cache.tobytes() == cache_after.tobytes()
+    if scale_after is not None:
+        assert scale.tobytes() == scale_after.tobytes()
+    assert_within(out, exact, bound, f"CUDA EP {name}")

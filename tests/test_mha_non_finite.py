@@ -35,6 +35,17 @@ def test_a_nan_a_row_reads_makes_that_row_nan_not_zero(backend, where):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_a_nan_under_a_minus_inf_mask_reaches_the_row_when_a_long_decode_is_split(backend):
+    """The kernel splits a lone decode over 1024 keys into parts merged by log-sum-exp; the part whose scores are
+    all -inf (masked) still carries its NaN value into the row, as one pass does."""
+    case = build_attention("nan-split", [(1, 1024)], heads=1, head_dim=8, t="float32", mask=2)
+    case.inputs["attn_mask"][0, :512] = -np.inf
+    case.inputs["value"][0, 0, 0] = np.nan
+    out = BACKENDS[backend](**case.inputs, **case.attributes)
+    assert np.isnan(out[0]).any(), out[0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("bad", [np.inf, np.nan])
 def test_keys_outside_the_causal_range_never_reach_a_row(backend, bad):
     case = causal_chunk()

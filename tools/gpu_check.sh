@@ -11,7 +11,8 @@
 #    attention kernels' tests in a step of their own per tool: a few fast deterministic calls);
 # 5. runs the CUDA benchmarks (python -m kvcache_op.benchmarks.gpu.bench, and .attention for the attention ops);
 # 6. runs the ONNX Runtime CUDA EP tests when onnxruntime-gpu is importable, or can be installed from
-#    the parts in .ort-gpu/ (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps --target);
+#    the parts in .ort-gpu/ or $ORT_GPU_PARTS (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps
+#    --target; a folder outside the checkout lets the parts arrive in several transfers);
 # 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
 #    every step that was skipped, with the reason.
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
@@ -142,8 +143,9 @@ else
 dirs = {os.path.dirname(f) for sp in site.getsitepackages() for f in glob.glob(os.path.join(sp, "nvidia", "**", "lib*.so*"), recursive=True)}
 print(":".join(sorted(dirs)))' 2>/dev/null)
   if [ -n "$NVIDIA_LIBS" ]; then export LD_LIBRARY_PATH=$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
-  if [ -f "$ROOT/.ort-gpu/MANIFEST.json" ]; then
-    if wheel=$("$PY" "$ROOT/tools/wheel_parts.py" join "$ROOT/.ort-gpu" --out "$OUT/wheels" 2>"$OUT/logs/ort-gpu-install.log") \
+  PARTS=${ORT_GPU_PARTS:-$ROOT/.ort-gpu}
+  if [ -f "$PARTS/MANIFEST.json" ]; then
+    if wheel=$("$PY" "$ROOT/tools/wheel_parts.py" join "$PARTS" --out "$OUT/wheels" 2>"$OUT/logs/ort-gpu-install.log") \
        && "$PY" -m pip install -q --no-deps --no-index --target "$OUT/ort-gpu" "$wheel" >>"$OUT/logs/ort-gpu-install.log" 2>&1; then
       export PYTHONPATH=$OUT/ort-gpu:$PYTHONPATH
     else
@@ -151,9 +153,9 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     fi
   fi
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
-    run_pytest ort-cuda-ep 240 test_gpu_cuda_ep.py
+    run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
   else
-    step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/: README, GPU)"
+    step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
   fi
 fi
 

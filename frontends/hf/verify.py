@@ -54,8 +54,8 @@ def _cache(model, round_kv):
 
 def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> list:
     """``model.generate`` greedy continuation of one prompt, stopping after an end-of-sequence id of the
-    config or generation config (included), as the engine does."""
-    ids = torch.tensor([list(prompt)])
+    config or generation config (included), as the engine does; on the model's device."""
+    ids = torch.tensor([list(prompt)], device=model.device)
     # Plain greedy search and the stop ids the engine uses, not the checkpoint's generation defaults
     # (repetition penalties and the like would make it another decoding rule).
     # generate fills what a passed config leaves at its defaults from the model's own, so the model's is
@@ -75,6 +75,6 @@ def reference_logits(model, prompt, tokens, round_kv=None) -> np.ndarray:
     """The model's logits ``[len(tokens), vocab]`` predicting each of ``tokens`` after ``prompt`` (one
     forward pass over the whole sequence)."""
     with torch.no_grad():
-        ids = torch.tensor([list(prompt) + list(tokens)])
+        ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
         logits = model(ids, past_key_values=_cache(model, round_kv), use_cache=True).logits
-    return logits[0, len(prompt) - 1:-1].float().numpy()
+    return logits[0, len(prompt) - 1:-1].float().cpu().numpy()

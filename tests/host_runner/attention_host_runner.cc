@@ -11,6 +11,7 @@
 //   (d) a thread reads shared memory no thread of its block has written (garbage on the GPU).
 // MultiHeadCacheAttention's stores are KeyValueCache's store kernel, checked by its own host runner; here they run
 // unchecked before the attention, so the attention reads the cache the GPU would.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +31,7 @@ extern "C" {
 struct AttnHostRunOptions {
   int64_t min_blocks, min_split_keys;  // the planner's policy (the GPU reads min_blocks off the device)
   int64_t skip_sync;                   // 1: team.Sync() does not end a phase (shows (c) is caught)
+  int64_t buffer_bytes[kvcache::cuda::kABufCount];  // >= 0: the size the checks assume (shows (a) is caught)
 };
 
 struct AttnHostRunReport {
@@ -289,6 +291,8 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   } else {
     mem.bytes[cuda::kAMask] = BytesOf(in[kMhaMaskInput]);
   }
+  for (int b = 0; b < cuda::kABufCount; ++b)
+    if (o.buffer_bytes[b] >= 0) mem.bytes[b] = std::min(mem.bytes[b], o.buffer_bytes[b]);
   report->tiles = launch.tiles;
   report->merges = launch.merges;
   for (int64_t i = 0; i < launch.tiles; ++i) report->split_tiles += launch.work[i * cuda::kTileWords + 7] >= 0;

@@ -1,0 +1,36 @@
+"""The exported decoder on ONNX Runtime's CUDA EP: every op of the graph placed on the GPU (no CPU fallback), the
+cache allocated once on the device and written in place, and the engine's greedy tokens equal transformers' own
+greedy generation on the same GPU, for the fused node and the split pair. Skipped centrally without a GPU and
+onnxruntime-gpu."""
+
+import copy
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import hf_models  # noqa: E402
+from kvcache_op.hf.verify import reference_generate  # noqa: E402
+from kvcache_op.ort_ops import make_session  # noqa: E402
+from kvcache_op.serving import Engine  # noqa: E402
+
+pytestmark = pytest.mark.ort_gpu
+
+PROMPTS = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90))]
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(fused_attention=False)], ids=["fused", "split"])
+def test_no_node_of_the_exported_decoder_falls_back_to_the_cpu(settings):
+    """session.disable_cpu_ep_fallback: ONNX Runtime refuses the session if any node would run on the CPU EP."""
+    make_session(hf_models.exported("llama", **settings), providers=("CUDAExecutionProvider",),
+                 disable_cpu_fallback=True)
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(fused_attention=False)], ids=["fused", "split"])
+def test_the_engine_on_the_cuda_ep_serves_the_models_own_greedy_tokens(settings):
+    path = hf_models.exported("llama", **settings)
+    engine = Engine(path, num_pages=16, providers=["CUDAExecutionProvider"])
+    assert engine.runner.device == ("cuda", 0)
+    tokens = engine.generate(PROMPTS, 10)
+    model = copy.deepcopy(hf_models.model("llama")).to("cuda")  # the same GPU, float32 (the cached model stays put)
+    assert tokens == [reference_generate(model, p, 10) for p in PROMPTS]
