@@ -35,8 +35,7 @@ int32_t kvcache_op_key_value_cache_cuda(const KvcacheKeyValueCacheAttrs* attrs, 
       message, message_size);
 #else
   (void)attrs, (void)inputs, (void)outputs, (void)stream;
-  WriteMessage(kNoCuda, message, message_size);
-  return KVCACHE_OP_UNAVAILABLE;
+  return NoCuda(message, message_size);
 #endif
 }
 
@@ -58,8 +57,7 @@ int32_t kvcache_op_key_cache_rotary_shift_cuda(const KvcacheRotaryShiftAttrs* at
       message, message_size);
 #else
   (void)attrs, (void)inputs, (void)output, (void)stream;
-  WriteMessage(kNoCuda, message, message_size);
-  return KVCACHE_OP_UNAVAILABLE;
+  return NoCuda(message, message_size);
 #endif
 }
 

@@ -1,57 +1,10 @@
-// The C entry point of MultiHeadCacheAttention on host pointers: the ONNX Runtime op's validation and kernel,
-// with a caller-allocated output; the cache and scale written in place.
-#include <vector>
-
-#include "byte_ranges.h"
+// The C entry points of MultiHeadCacheAttention: the ONNX Runtime op's validation and kernels (CPU on host pointers,
+// CUDA on device pointers), with a caller-allocated output; the cache and scale written in place.
+#include "attention_c_args.h"
 #include "c_tensors.h"
 #include "kvcache_op.h"
 #include "mhca_cpu.h"
 #include "stream_scratch.h"
-
-namespace kvcache {
-namespace {
-
-const char* const kMhcaNames[kMhcaNumInputs] = {"query",      "current_key", "current_value", "seqstarts", "kvstarts",
-                                                "cachestarts", "start_pos", "decoding_batches", "max_seqlen",
-                                                "max_kvlen",  "cache",       "scale",         "attn_mask"};
-const bool kMhcaOptional[kMhcaNumInputs] = {false, false, false, false, false, false, false,
-                                            false, false, false, false, true,  true};
-
-MhcaAttrs ToMhcaAttrs(const KvcacheMultiHeadCacheAttentionAttrs& c) {
-  MhcaAttrs a;
-  a.cache.num_layer = c.num_layer;
-  a.cache.layer_idx = c.layer_idx;
-  a.cache.quant_bit = c.quant_bit;
-  a.cache.quant_group = c.quant_group;
-  a.cache.cache_mode = c.cache_mode;
-  a.cache.cache_layout = c.cache_layout;
-  a.cache.page_size = c.page_size;
-  a.attention.num_heads = c.num_heads;
-  a.attention.head_dim = c.head_dim;
-  a.attention.is_causal = c.is_causal;
-  a.attention.is_alibi = c.is_alibi;
-  a.attention.num_kv_heads = c.num_kv_heads;
-  a.attention.sliding_window = c.sliding_window;
-  a.attention.softmax_scale = c.softmax_scale;
-  a.attention.softcap = c.softcap;
-  return a;
-}
-
-// The validated call, its output checked: nothing is written before this returns.
-MhcaPlan ValidateWithOutput(const KvcacheMultiHeadCacheAttentionAttrs* attrs, const KvcacheTensor* inputs,
-                            const KvcacheTensor* output, MhcaAttrs* a, TensorArg* in) {
-  if (attrs == nullptr || inputs == nullptr) Fail("MultiHeadCacheAttention: attrs and inputs must not be NULL");
-  *a = ToMhcaAttrs(*attrs);
-  ToTensorArgs(inputs, kMhcaNumInputs, kMhcaNames, kMhcaOptional, in);
-  MhcaPlan plan = ValidateCacheAttention(*a, in);  // index inputs copied, then checked
-  if (output == nullptr) Fail("MultiHeadCacheAttention: output must not be NULL");
-  CheckOutput(*output, "output", in[0].type, in[0].shape);
-  CheckCacheAttentionApart(in, output->data);
-  return plan;
-}
-
-}  // namespace
-}  // namespace kvcache
 
 using namespace kvcache;
 
@@ -74,7 +27,7 @@ int32_t kvcache_op_multi_head_cache_attention_cpu(const KvcacheMultiHeadCacheAtt
       [&] {
         MhcaAttrs a;
         TensorArg in[kMhcaNumInputs];
-        const MhcaPlan plan = ValidateWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // nothing written before
         const TensorArg& scale = in[kMhcaScaleInput];
         const MhcaArgs args{&a, &plan, in[0].type, scale.type, in[0].data, in[1].data, in[2].data,
                             const_cast<void*>(in[kMhcaCacheInput].data),
@@ -95,7 +48,7 @@ int32_t kvcache_op_multi_head_cache_attention_cuda(const KvcacheMultiHeadCacheAt
       [&] {
         MhcaAttrs a;
         TensorArg in[kMhcaNumInputs];
-        const MhcaPlan plan = ValidateWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // nothing written before
         StreamScratch scratch(static_cast<cudaStream_t>(stream));
         const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
         const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, in[kMhcaCacheInput].data,
@@ -107,8 +60,7 @@ int32_t kvcache_op_multi_head_cache_attention_cuda(const KvcacheMultiHeadCacheAt
       message, message_size);
 #else
   (void)attrs, (void)inputs, (void)output, (void)stream;
-  WriteMessage(kNoCuda, message, message_size);
-  return KVCACHE_OP_UNAVAILABLE;
+  return NoCuda(message, message_size);
 #endif
 }
 

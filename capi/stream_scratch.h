@@ -2,6 +2,9 @@
 // build), and the answer of a build without CUDA.
 #pragma once
 
+#include "c_tensors.h"
+#include "kvcache_op.h"
+
 #ifdef KVCACHE_WITH_CUDA
 #include <stdexcept>
 #include <string>
@@ -11,8 +14,12 @@
 
 namespace kvcache {
 
-constexpr const char* kNoCuda =
-    "this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)";
+// A CUDA entry's answer in a build without CUDA: KVCACHE_OP_UNAVAILABLE, and the message saying why.
+inline int32_t NoCuda(char* message, size_t message_size) {
+  WriteMessage("this build of kvcache-op has no CUDA kernels (build it where nvcc is found, KVCACHE_OP_CUDA=1)",
+               message, message_size);
+  return KVCACHE_OP_UNAVAILABLE;
+}
 
 #ifdef KVCACHE_WITH_CUDA
 struct StreamScratch : cuda::DeviceScratch {  // stream-ordered allocations of the CUDA runtime

@@ -4,7 +4,6 @@
 // validation succeeds.
 #include "mha_ort_cuda_op.h"
 
-#include "byte_ranges.h"
 #include "kv_cuda_run.h"
 
 namespace kvcache {
@@ -26,16 +25,12 @@ void WithDevice(Ort::KernelContext& ctx, Fn&& fn) {
 OrtStatusPtr MhaCudaKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
-    TensorArg in[kMhaNumInputs];
-    ReadInputs(ctx, in, kMhaNumInputs);
-    const MhaPlan plan = ValidateAttention(attrs, in);  // throws before the output exists
-    auto out = ctx.GetOutput(0, in[0].shape);
-    CheckAttentionOutputApart(in, out.GetTensorMutableRawData());  // a bound output may point anywhere
-    const TensorArg& mask = in[kMhaMaskInput];
-    const cuda::AttnTensors tensors{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
-                                    mask.present ? mask.data : nullptr, out.GetTensorMutableRawData()};
+    MhaCall call;
+    PrepareMhaCall(ctx, attrs, &call);
+    const TensorArg* in = call.in;
+    const cuda::AttnTensors tensors{in[0].data, in[1].data, in[2].data, nullptr, nullptr, call.Mask(), call.out};
     WithDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
-      cuda::RunAttentionValidated(attrs, plan, in[0].type, tensors, stream, scratch);
+      cuda::RunAttentionValidated(attrs, call.plan, in[0].type, tensors, stream, scratch);
     });
     return nullptr;
   } catch (...) {
@@ -46,18 +41,13 @@ OrtStatusPtr MhaCudaKernel::ComputeV2(OrtKernelContext* context) {
 OrtStatusPtr MhcaCudaKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
-    TensorArg in[kMhcaNumInputs];
-    ReadInputs(ctx, in, kMhcaNumInputs);
-    const MhcaPlan plan = ValidateCacheAttention(attrs, in);  // throws before anything is written
-    auto out = ctx.GetOutput(0, in[0].shape);
-    CheckCacheAttentionApart(in, out.GetTensorMutableRawData());  // bound buffers may point anywhere
-    const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
-    const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, in[kMhcaCacheInput].data,
-                                    scale.present ? scale.data : nullptr, mask.present ? mask.data : nullptr,
-                                    out.GetTensorMutableRawData()};
+    MhcaCall call;
+    PrepareMhcaCall(ctx, attrs, &call);
+    const TensorArg* in = call.in;
+    const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, call.Cache(), call.Scale(), call.Mask(), call.out};
     WithDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
-      cuda::RunCacheAttentionValidated(attrs, plan, in[0].type, scale.type, in[1].data, in[2].data, tensors, stream,
-                                       scratch);
+      cuda::RunCacheAttentionValidated(attrs, call.plan, in[0].type, in[kMhcaScaleInput].type, in[1].data, in[2].data,
+                                       tensors, stream, scratch);
     });
     return nullptr;
   } catch (...) {

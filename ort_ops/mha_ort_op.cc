@@ -22,16 +22,20 @@ MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info, const char* op) {
   return a;
 }
 
+void PrepareMhaCall(Ort::KernelContext& ctx, const MhaAttrs& attrs, MhaCall* call) {
+  ReadInputs(ctx, call->in, kMhaNumInputs);
+  call->plan = ValidateAttention(attrs, call->in);  // throws before the output exists
+  call->out = ctx.GetOutput(0, call->in[0].shape).GetTensorMutableRawData();
+  CheckAttentionOutputApart(call->in, call->out);
+}
+
 OrtStatusPtr MhaCpuKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
-    TensorArg in[kMhaNumInputs];
-    ReadInputs(ctx, in, kMhaNumInputs);
-    const MhaPlan plan = ValidateAttention(attrs, in);  // throws before the output exists
-    auto out = ctx.GetOutput(0, in[0].shape);
-    CheckAttentionOutputApart(in, out.GetTensorMutableRawData());  // a bound output may point anywhere
-    const MhaArgs args{&attrs, &plan, in[0].type, in[0].data, in[1].data, in[2].data,
-                       in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, out.GetTensorMutableRawData()};
+    MhaCall call;
+    PrepareMhaCall(ctx, attrs, &call);
+    const TensorArg* in = call.in;
+    const MhaArgs args{&attrs, &call.plan, in[0].type, in[0].data, in[1].data, in[2].data, call.Mask(), call.out};
     MhaComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
     return nullptr;
   } catch (...) {

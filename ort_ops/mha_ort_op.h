@@ -13,6 +13,16 @@ constexpr const char* kMhaOpName = "MultiHeadAttention";
 // of a missing attribute.
 MhaAttrs ReadMhaAttrs(const OrtKernelInfo* info, const char* op = kMhaOpName);
 
+// A MultiHeadAttention call of a kernel context: its inputs, validated (the index inputs snapshotted), and its output
+// allocated and checked apart from them (a bound output may point anywhere). Nothing is written before this returns.
+struct MhaCall {
+  TensorArg in[kMhaNumInputs];
+  MhaPlan plan;
+  void* out = nullptr;
+  const void* Mask() const { return in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr; }
+};
+void PrepareMhaCall(Ort::KernelContext& ctx, const MhaAttrs& attrs, MhaCall* call);
+
 struct MhaCpuKernel {
   explicit MhaCpuKernel(const OrtKernelInfo* info) : attrs(ReadMhaAttrs(info)) {}
   OrtStatusPtr ComputeV2(OrtKernelContext* context);

@@ -19,19 +19,21 @@ MhcaAttrs ReadMhcaAttrs(const OrtKernelInfo* info) {
   return a;
 }
 
+void PrepareMhcaCall(Ort::KernelContext& ctx, const MhcaAttrs& attrs, MhcaCall* call) {
+  ReadInputs(ctx, call->in, kMhcaNumInputs);
+  call->plan = ValidateCacheAttention(attrs, call->in);  // throws before anything is written
+  call->out = ctx.GetOutput(0, call->in[0].shape).GetTensorMutableRawData();
+  CheckCacheAttentionApart(call->in, call->out);  // bound buffers may point anywhere
+}
+
 OrtStatusPtr MhcaCpuKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
-    TensorArg in[kMhcaNumInputs];
-    ReadInputs(ctx, in, kMhcaNumInputs);
-    const MhcaPlan plan = ValidateCacheAttention(attrs, in);  // throws before anything is written
-    auto out = ctx.GetOutput(0, in[0].shape);
-    CheckCacheAttentionApart(in, out.GetTensorMutableRawData());  // bound buffers may point anywhere
-    const TensorArg& scale = in[kMhcaScaleInput];
-    const MhcaArgs args{&attrs, &plan, in[0].type, scale.type, in[0].data, in[1].data, in[2].data,
-                        const_cast<void*>(in[kMhcaCacheInput].data),  // written in place (spec: in-out input)
-                        scale.present ? const_cast<void*>(scale.data) : nullptr,
-                        in[kMhcaMaskInput].present ? in[kMhcaMaskInput].data : nullptr, out.GetTensorMutableRawData()};
+    MhcaCall call;
+    PrepareMhcaCall(ctx, attrs, &call);
+    const TensorArg* in = call.in;
+    const MhcaArgs args{&attrs, &call.plan, in[0].type, in[kMhcaScaleInput].type, in[0].data, in[1].data, in[2].data,
+                        call.Cache(), call.Scale(), call.Mask(), call.out};
     MhcaComputeCpu(args, [&ctx](size_t n, const std::function<void(size_t)>& fn) { ParallelForOnOrt(ctx, n, fn); });
     return nullptr;
   } catch (...) {

@@ -13,6 +13,19 @@ constexpr const char* kMhcaOpName = "MultiHeadCacheAttention";
 // of them) and rejects invalid values (KvError), so a bad node fails when the session is created.
 MhcaAttrs ReadMhcaAttrs(const OrtKernelInfo* info);
 
+// A MultiHeadCacheAttention call of a kernel context: its inputs validated (the index inputs copied first), its
+// output allocated and checked apart from every buffer the call reads or writes. Nothing is written before this
+// returns.
+struct MhcaCall {
+  TensorArg in[kMhcaNumInputs];
+  MhcaPlan plan;
+  void* out = nullptr;
+  void* Cache() const { return const_cast<void*>(in[kMhcaCacheInput].data); }  // written in place (an in-out input)
+  void* Scale() const { return in[kMhcaScaleInput].present ? const_cast<void*>(in[kMhcaScaleInput].data) : nullptr; }
+  const void* Mask() const { return in[kMhcaMaskInput].present ? in[kMhcaMaskInput].data : nullptr; }
+};
+void PrepareMhcaCall(Ort::KernelContext& ctx, const MhcaAttrs& attrs, MhcaCall* call);
+
 struct MhcaCpuKernel {
   explicit MhcaCpuKernel(const OrtKernelInfo* info) : attrs(ReadMhcaAttrs(info)) {
     RejectConstantCache(info, kMhcaOpName, kMhcaCacheInput, attrs.cache.quant_bit);

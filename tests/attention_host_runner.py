@@ -17,12 +17,14 @@ from kvcache_op.capi import c_api
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCES = [ROOT / "tests/host_runner/attention_host_runner.cc", ROOT / "cpu/kv_validate.cc", ROOT / "cpu/kv_aliasing.cc",
            ROOT / "cpu/mha_validate.cc", ROOT / "cpu/mhca_validate.cc", ROOT / "cuda/kv_cuda_params.cc",
-           ROOT / "cuda/attention_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "cpu/byte_ranges.cc"]
+           ROOT / "cuda/attention_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "capi/attention_c_args.cc",
+           ROOT / "cpu/byte_ranges.cc"]
 HEADERS = [ROOT / "cuda/attention_work.h", ROOT / "cuda/attention_launch.h", ROOT / "cuda/attention_params.h",
            ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cache_access.h", ROOT / "cuda/kv_cache_launch.h",
            ROOT / "cuda/kv_cuda_params.h", ROOT / "cpu/kv_types.h", ROOT / "cpu/kv_quant.h", ROOT / "cpu/kv_validate.h",
            ROOT / "cpu/kv_checked.h", ROOT / "cpu/mha_validate.h", ROOT / "cpu/mhca_validate.h",
-           ROOT / "cpu/byte_ranges.h", ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h"]
+           ROOT / "cpu/byte_ranges.h", ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h",
+           ROOT / "capi/attention_c_args.h"]
 FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
          "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cpu'}", f"-I{ROOT / 'capi'}"]
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "attention_c_args.h"
 #include "attention_params.h"
 #include "attention_work.h"
 #include "c_tensors.h"
@@ -306,26 +307,13 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   return 4;
 }
 
-const char* const kMhaNames[kMhaNumInputs] = {"query", "key", "value", "seqstarts", "kvstarts",
-                                              "decoding_batches", "max_seqlen", "max_kvlen", "attn_mask"};
-const bool kMhaOptional[kMhaNumInputs] = {false, false, false, false, false, false, false, false, true};
-const char* const kMhcaNames[kMhcaNumInputs] = {"query", "current_key", "current_value", "seqstarts", "kvstarts",
-                                                "cachestarts", "start_pos", "decoding_batches", "max_seqlen",
-                                                "max_kvlen", "cache", "scale", "attn_mask"};
-const bool kMhcaOptional[kMhcaNumInputs] = {false, false, false, false, false, false, false,
-                                            false, false, false, false, true, true};
-
-MhaAttrs ToMha(const KvcacheMultiHeadAttentionAttrs& c) {
-  MhaAttrs a;
-  a.num_heads = c.num_heads;
-  a.head_dim = c.head_dim;
-  a.is_causal = c.is_causal;
-  a.is_alibi = c.is_alibi;
-  a.num_kv_heads = c.num_kv_heads;
-  a.sliding_window = c.sliding_window;
-  a.softmax_scale = c.softmax_scale;
-  a.softcap = c.softcap;
-  return a;
+// An entry's frame: the report cleared, a validation error's code and message, else the run's result.
+template <class Body>
+int32_t HostEntry(AttnHostRunReport* report, char* message, size_t message_size, Body&& body) {
+  *report = AttnHostRunReport{};
+  int32_t result = 0;
+  const int32_t code = CatchAll([&] { result = body(); }, message, message_size);
+  return code != KVCACHE_OP_OK ? code : result;
 }
 
 }  // namespace
@@ -342,20 +330,14 @@ __attribute__((visibility("default"))) int32_t mha_host_run(const KvcacheMultiHe
                                                             const AttnHostRunOptions* options,
                                                             AttnHostRunReport* report, char* message,
                                                             size_t message_size) {
-  *report = AttnHostRunReport{};
-  int32_t result = 0;
-  const int32_t code = CatchAll(
-      [&] {
-        const MhaAttrs a = ToMha(*attrs);
-        TensorArg in[kMhaNumInputs];
-        ToTensorArgs(inputs, kMhaNumInputs, kMhaNames, kMhaOptional, in);
-        const MhaPlan plan = ValidateAttention(a, in);
-        const cuda::AttnTensors t{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
-                                  in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
-        result = RunPlanned(a, plan, nullptr, in, t, 0, 0, *options, report, message, message_size);
-      },
-      message, message_size);
-  return code != KVCACHE_OP_OK ? code : result;
+  return HostEntry(report, message, message_size, [&] {
+    MhaAttrs a;
+    TensorArg in[kMhaNumInputs];
+    const MhaPlan plan = ValidateMhaWithOutput(attrs, inputs, output, &a, in);  // the C entry's checks
+    const cuda::AttnTensors t{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
+                              in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
+    return RunPlanned(a, plan, nullptr, in, t, 0, 0, *options, report, message, message_size);
+  });
 }
 
 // MultiHeadCacheAttention: the stores (KeyValueCache's store kernel, unchecked), then the attention, checked.
@@ -365,42 +347,25 @@ __attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiH
                                                              const AttnHostRunOptions* options,
                                                              AttnHostRunReport* report, char* message,
                                                              size_t message_size) {
-  *report = AttnHostRunReport{};
-  int32_t result = 0;
-  const int32_t code = CatchAll(
-      [&] {
-        const KvcacheMultiHeadCacheAttentionAttrs& c = *attrs;
-        MhcaAttrs a;
-        a.cache.num_layer = c.num_layer;
-        a.cache.layer_idx = c.layer_idx;
-        a.cache.quant_bit = c.quant_bit;
-        a.cache.quant_group = c.quant_group;
-        a.cache.cache_mode = c.cache_mode;
-        a.cache.cache_layout = c.cache_layout;
-        a.cache.page_size = c.page_size;
-        a.attention = ToMha(KvcacheMultiHeadAttentionAttrs{c.num_heads, c.head_dim, c.is_causal, c.is_alibi,
-                                                           c.num_kv_heads, c.sliding_window, c.softmax_scale,
-                                                           c.softcap});
-        TensorArg in[kMhcaNumInputs];
-        ToTensorArgs(inputs, kMhcaNumInputs, kMhcaNames, kMhcaOptional, in);
-        const MhcaPlan plan = ValidateCacheAttention(a, in);
-        const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
-        void* cache = const_cast<void*>(in[kMhcaCacheInput].data);
-        if (plan.cache.batch > 0) {
-          const std::vector<int64_t> indices = cuda::PackIndices(plan.cache);
-          const cuda::DeviceTensors stores{in[1].data, in[2].data, cache,
-                                           scale.present ? const_cast<void*>(scale.data) : nullptr, nullptr, nullptr};
-          const cuda::Params p = cuda::MakeParams(a.cache, plan.cache, indices.data(), stores);
-          cuda::DispatchTypes(in[0].type, scale.type, static_cast<int>(a.cache.quant_bit), StoreRunner{p});
-        }
-        const cuda::CacheSide side{&a.cache, &plan.cache};
-        const cuda::AttnTensors t{in[0].data, nullptr, nullptr, cache, scale.present ? scale.data : nullptr,
-                                  mask.present ? mask.data : nullptr, output->data};
-        result = RunPlanned(a.attention, plan.attention, &side, in, t, scale.type,
-                            static_cast<int>(a.cache.quant_bit), *options, report, message, message_size);
-      },
-      message, message_size);
-  return code != KVCACHE_OP_OK ? code : result;
+  return HostEntry(report, message, message_size, [&] {
+    MhcaAttrs a;
+    TensorArg in[kMhcaNumInputs];
+    const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // the C entry's checks
+    const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
+    void* cache = const_cast<void*>(in[kMhcaCacheInput].data);
+    if (plan.cache.batch > 0) {
+      const std::vector<int64_t> indices = cuda::PackIndices(plan.cache);
+      const cuda::DeviceTensors stores{in[1].data, in[2].data, cache,
+                                       scale.present ? const_cast<void*>(scale.data) : nullptr, nullptr, nullptr};
+      const cuda::Params p = cuda::MakeParams(a.cache, plan.cache, indices.data(), stores);
+      cuda::DispatchTypes(in[0].type, scale.type, static_cast<int>(a.cache.quant_bit), StoreRunner{p});
+    }
+    const cuda::CacheSide side{&a.cache, &plan.cache};
+    const cuda::AttnTensors t{in[0].data, nullptr, nullptr, cache, scale.present ? scale.data : nullptr,
+                              mask.present ? mask.data : nullptr, output->data};
+    return RunPlanned(a.attention, plan.attention, &side, in, t, scale.type, static_cast<int>(a.cache.quant_bit),
+                      *options, report, message, message_size);
+  });
 }
 
 }  // extern "C"
