@@ -65,10 +65,12 @@ void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cach
   Check(LaunchAttention(p, t1, scale_type, quant_bit, cache != nullptr, stream), "launching the attention kernels");
 }
 
-// The kernels read every element with its own type's width: a device pointer off that alignment would fault.
+// The kernels read every element with its own type's width: a device pointer off that alignment would fault, so
+// such a call is refused by name before anything is enqueued.
 void CheckAligned(const char* name, const void* data, int32_t type) {
+  if (data == nullptr) return;
   const int64_t width = TensorBytes(type, {1});
-  if (data != nullptr && reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(width) != 0)
+  if (reinterpret_cast<uintptr_t>(data) % static_cast<uintptr_t>(width) != 0)
     Fail(name, " must be aligned to its ", width, "-byte elements on CUDA, got address ", data);
 }
 
@@ -97,7 +99,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   CheckAligned("current_key", key, t1);
   CheckAligned("current_value", value, t1);
   CheckAligned("cache", tensors.cache, a.cache.quant_bit ? int32_t(Elem::kInt8) : t1);
-  CheckAligned("scale", tensors.scale, scale_type);
+  if (a.cache.quant_bit) CheckAligned("scale", tensors.scale, scale_type);  // read only when quantized
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
   const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy());
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
@@ -118,7 +120,13 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,
                   cudaStream_t stream, DeviceScratch& scratch) {
   if (plan.batch == 0) return;
-  CheckLaunchable(plan);  // before anything is enqueued: a call that cannot run leaves the cache unchanged
+  // Before anything is enqueued: a call that cannot run leaves the cache unchanged.
+  for (auto [name, data] : {std::pair<const char*, const void*>{"current_key", t.key}, {"current_value", t.value},
+                            {"output key", t.out_key}, {"output value", t.out_value}})
+    CheckAligned(name, data, t1);
+  CheckAligned("cache", t.cache, a.quant_bit ? int32_t(Elem::kInt8) : t1);
+  if (a.quant_bit) CheckAligned("scale", t.scale, scale_type);  // read only when quantized
+  CheckLaunchable(plan);
   // One host buffer with every index array (the plan's snapshots), copied to the device once. A pageable
   // source is staged by the driver before cudaMemcpyAsync returns, so `host` may go out of scope after.
   const std::vector<int64_t> host = PackIndices(plan);
@@ -132,7 +140,9 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
 void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
                         void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch) {
   if (plan.slots.empty()) return;
-  CheckRotaryLaunchable(a, plan);  // before anything is enqueued
+  CheckAligned("cache", cache, cache_type);  // before anything is enqueued
+  if (a.base.quant_bit) CheckAligned("scale", scale, scale_type);
+  CheckRotaryLaunchable(a, plan);
   const std::vector<uint8_t> host = PackRotaryTables(plan);
   ScratchBlock tables(scratch, host.size());
   Check(cudaMemcpyAsync(tables.data, host.data(), host.size(), cudaMemcpyHostToDevice, stream),

@@ -267,6 +267,53 @@ def test_attention_cuda_entries_without_a_usable_gpu_fail_cleanly(op):
     del buffers
 
 
+def _misaligned(tensor: c_api.Tensor, array: np.ndarray, keep: list) -> c_api.Tensor:
+    """``tensor`` with its bytes copied 2 bytes past a 4-byte boundary (a float32 view off its alignment)."""
+    raw = np.zeros(array.nbytes + 8, np.uint8)
+    raw[2:2 + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).reshape(-1)
+    keep.append(raw)
+    return c_api.Tensor(tensor.type, tensor.shape, raw.ctypes.data + 2)
+
+
+@pytest.mark.skipif(not c_api.has_cuda(), reason="a build without CUDA kernels answers 'no CUDA kernels' first")
+@pytest.mark.parametrize("op", ["KeyValueCache", "MultiHeadAttention", "MultiHeadCacheAttention"])
+def test_cuda_entries_refuse_a_pointer_off_its_element_alignment(op):
+    """The kernels read float32 elements 4 bytes at a time: a device pointer 2 bytes off would fault on the GPU,
+    so the call is refused by name before anything is enqueued (no GPU needed to see it), the cache untouched."""
+    from ort_helpers import copies
+
+    from kvcache_op.validation.mha_cases import ATTENTION_CASES
+    from kvcache_op.validation.mhca_cases import CASES as CACHE_ATTENTION_CASES
+
+    keep = []
+    if op == "KeyValueCache":
+        case = build("aligned", [Seq(2, 3)], heads=2, head_dim=8, t1="float32")
+        buffers, inputs, outputs, _ = raw_call(case)
+        inputs[0] = _misaligned(inputs[0], case.inputs["current_key"], keep)
+        before = case.inputs["cache"].tobytes()
+        with pytest.raises(KeyValueCacheError, match="current_key must be aligned to its 4-byte elements on CUDA"):
+            c_api.run_key_value_cache(inputs, outputs, device="cuda", **case.attributes)
+        assert case.inputs["cache"].tobytes() == before
+        return
+    mha = op == "MultiHeadAttention"
+    case = ATTENTION_CASES["mha_decode_batch_float32"]() if mha else CACHE_ATTENTION_CASES["mhca_float32_alibi_window2"]()
+    inputs = copies(case.inputs)
+    buffers = c_api.HostBuffers()
+    tensors = [buffers.tensor(n, inputs.get(n), written=n in ("cache", "scale"))
+               for n in (c_api.MHA_INPUTS if mha else c_api.MHCA_INPUTS)]
+    tensors[0] = _misaligned(tensors[0], inputs["query"], keep)
+    out = np.zeros_like(inputs["query"])
+    before = None if mha else inputs["cache"].tobytes()
+    run = c_api.run_multi_head_attention if mha else c_api.run_multi_head_cache_attention
+    with pytest.raises(KeyValueCacheError, match="query must be aligned to its 4-byte elements on CUDA"):
+        run(tensors, c_api.Tensor(c_api.onnx_type(out.dtype), out.shape, out.ctypes.data), device="cuda",
+            **case.attributes)
+    assert not out.view(np.uint8).any()
+    if not mha:
+        assert inputs["cache"].tobytes() == before
+    del buffers
+
+
 def test_the_header_is_installed_with_the_library():
     import pathlib
 
