@@ -6,11 +6,12 @@
 //   scores  one key per thread: the key row is read once (in place from the cache, dequantized in registers) and
 //           dotted with every query vector of the tile, so GQA heads share each loaded key;
 //   max     the chunk's max per query vector (a reduction in shared memory), the running max raised and the
-//           sums so far rescaled by exp(old max - new max) (online softmax, one pass over the keys);
-//   values  threads own (key group, query vector, slice of kSliceElems elements): each value row slice is read
-//           once per key group and multiplied into the accumulators of every query vector that needs it.
-// At the end the key groups' sums are added, and the block writes its output rows, or, for a long key range
-// split over several blocks, its (max, sum, output) records, which MergeThread combines (log-sum-exp merge).
+//           sums so far rescaled by exp(old max - new max) (online softmax, one pass over the keys), then the
+//           chunk's weights once per (query vector, key);
+//   values  threads own (key group, up to kVectorGroup query vectors, slice of kSliceElems elements): each value
+//           row slice is read once per key group and multiplied into the sums of the vectors the thread owns.
+// At the end the key groups' sums are added pairwise, and the block writes its output rows, or, for a long key
+// range split over several blocks, its (max, sum, output) records, which MergeThread combines (log-sum-exp merge).
 //
 // Cooperation goes through a small layer the host runner executes too: team.Each(f) calls f(thread, state) for
 // every thread of the block (on the GPU: this thread, with its registers `state`); team.Sync() is the barrier
