@@ -77,3 +77,20 @@ def test_quick_run_prints_and_writes_its_table(tmp_path, capsys):
     assert sum(line.startswith(("| mhca", "| mha")) for line in out.splitlines()) == 2 * len(rows)  # printed last
     for row in rows:
         assert row["host_ms"] > 0 and row["device_breakdown"], row
+
+
+def test_the_profiling_driver_lists_the_cases_and_refuses_without_a_gpu(monkeypatch, capsys):
+    """python -m kvcache_op.benchmarks.gpu.attention_profile (run under Nsight Compute by gpu_check.sh): --list
+    names the benchmark's cases by index; an index past them, or a machine without a GPU, is one line and 2."""
+    from kvcache_op.benchmarks.gpu import attention_profile
+
+    assert attention_profile.main(["--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed == [f"{i}: {c.label()}" for i, c in enumerate(attention.cases(quick=False))]
+    assert attention_profile.main(["--case", str(len(listed))]) == 2
+    assert "--case must be below" in capsys.readouterr().err
+    fake = types.SimpleNamespace(__version__="0.0-fake", cuda=types.SimpleNamespace(is_available=lambda: False))
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    assert attention_profile.main(["--case", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("attention profile: cannot run: ")

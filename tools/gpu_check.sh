@@ -17,7 +17,8 @@
 #    every step that was skipped, with the reason.
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason): for a short device
-# lease that re-checks only what changed.
+# lease that re-checks only what changed. GPU_CHECK_PROFILE=1 adds a step that runs the attention decode (B=64,
+# kvlen 1024) under Nsight Compute (logs/attention-ncu.log: speed of light, occupancy, memory workload).
 # Exit status: 0 when no step failed.
 set -u -o pipefail
 
@@ -134,6 +135,18 @@ else
     step attention-benchmark pass "attention-bench/results.md"
   else
     step attention-benchmark fail "exit $?: see logs/attention-benchmark.log"
+  fi
+
+  if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
+    NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
+        --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:TileKernel --launch-skip 2 \
+        --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case 0 \
+        >"$OUT/logs/attention-ncu.log" 2>&1; then
+      step attention-ncu pass "logs/attention-ncu.log"
+    else
+      step attention-ncu fail "ncu at $NCU: see logs/attention-ncu.log"
+    fi
   fi
 
   # 6. ONNX Runtime CUDA EP -----------------------------------------------------------------------------
