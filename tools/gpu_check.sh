@@ -10,6 +10,7 @@
 # 4. runs them again, fewer examples, under compute-sanitizer memcheck, racecheck, initcheck, synccheck (the
 #    attention kernels' tests in a step of their own per tool: a few fast deterministic calls);
 # 5. runs the CUDA benchmarks (python -m kvcache_op.benchmarks.gpu.bench, and .attention for the attention ops);
+#    with the CUDA EP (6.), the exported decoder served end to end against transformers (.serving);
 # 6. runs the ONNX Runtime CUDA EP tests when onnxruntime-gpu is importable, or can be installed from
 #    the parts in .ort-gpu/ or $ORT_GPU_PARTS (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps
 #    --target; a folder outside the checkout lets the parts arrive in several transfers);
@@ -167,6 +168,13 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
   fi
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
     run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
+    if skipped serving-benchmark; then :
+    elif timeout 300 "$PY" -m kvcache_op.benchmarks.gpu.serving --out "$OUT/serving-bench" \
+        >"$OUT/logs/serving-benchmark.log" 2>&1; then
+      step serving-benchmark pass "serving-bench/README.md"
+    else
+      step serving-benchmark fail "exit $?: see logs/serving-benchmark.log"
+    fi
   else
     step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
   fi

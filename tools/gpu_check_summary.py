@@ -24,8 +24,10 @@ def main(out: pathlib.Path) -> str:
     for row in (out / "steps.tsv").read_text().splitlines():
         name, status, detail = (row.split("\t") + ["", ""])[:3]
         lines.append(f"| {name} | {status} | {counts(out / 'logs' / f'{name}.xml')} | {detail} |")
-    for folder, title in (("bench", "Benchmark"), ("attention-bench", "Attention benchmark")):
-        bench = out / folder / "results.md"
+    for folder, title, name in (("bench", "Benchmark", "results.md"),
+                                ("attention-bench", "Attention benchmark", "results.md"),
+                                ("serving-bench", "Serving benchmark", "README.md")):
+        bench = out / folder / name
         if bench.is_file():
             lines += ["", f"## {title}", "", bench.read_text()]
     text = "\n".join(lines) + "\n"

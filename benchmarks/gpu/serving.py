@@ -1,0 +1,168 @@
+"""End to end on a GPU: an exported decoder served by the engine on ONNX Runtime's CUDA EP against transformers'
+own batched ``generate`` on the same GPU, the same weights and prompts, greedy, tokens compared, medians of repeats,
+side by side in one run.
+
+    python -m kvcache_op.benchmarks.gpu.serving --out DIR                 # 1024-wide 8-layer Llama, 64 x 1,000
+    python -m kvcache_op.benchmarks.gpu.serving --device cpu --quick      # a smoke run on the CPU EP
+
+The model is a float32 Llama with random weights (``kvcache_op.hf.tiny_checkpoint``, the serving peers' 1024x8
+sizes), exported by ``kvcache_op.hf.export_model`` (fused MultiHeadCacheAttention). Requests: ``--requests``
+prompts of ``--prompt-tokens`` random tokens each, ``--new-tokens`` tokens generated for each (end-of-sequence
+ignored by the engine, banned by ``min_new_tokens`` in transformers). tokens/s = generated tokens / wall time,
+prefill included. The issue's target: 2x transformers on the GPU. Needs the ``hf`` extra; on the GPU,
+onnxruntime-gpu, torch with CUDA and a CUDA build of the library.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from ...arguments import OneLineParser, at_least, out_folder
+from ..serving.peers import PEER_MODELS, agreement
+from ..serving.report import command_line, publish
+from ..timing import ort_version
+
+QUICK_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, max_position_embeddings=512)
+TARGET = 2.0
+
+
+def missing(device: str) -> list:
+    """What this machine lacks for ``device``, one phrase each (empty: nothing)."""
+    import onnxruntime as ort
+
+    out = []
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        out.append("transformers is not installed (the 'hf' extra)")
+    if device == "cuda":
+        from ...capi import c_api
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            out.append(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)")
+        if not c_api.has_cuda():
+            out.append("this build of kvcache-op has no CUDA kernels")
+        try:
+            import torch
+
+            if not torch.cuda.is_available():
+                out.append("torch sees no CUDA GPU")
+        except ImportError:
+            out.append("torch is not installed")
+    return out
+
+
+def run_engine(path: str, prompts: list, new_tokens: int, device: str) -> tuple:
+    """(tokens, seconds) of the engine serving every prompt at once."""
+    from ...serving import Engine, SamplingParams
+
+    providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+    pages = len(prompts) * -(-(len(prompts[0]) + new_tokens) // 16) + 16
+    engine = Engine(path, num_pages=pages, providers=providers)
+    began = time.perf_counter()
+    tokens = engine.generate(prompts, new_tokens, params=SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    seconds = time.perf_counter() - began
+    engine.close()
+    return tokens, seconds
+
+
+def run_transformers(model, prompts: list, new_tokens: int, device: str) -> tuple:
+    """(tokens, seconds) of transformers' batched greedy generate (equal prompt lengths: no padding)."""
+    import torch
+
+    ids = torch.tensor(prompts, device=device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    return out[:, len(prompts[0]):].tolist(), seconds
+
+
+def measure(args, folder: str, progress) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ...hf import export_model, tiny_checkpoint
+
+    sizes = QUICK_MODEL if args.quick else PEER_MODELS["1024x8"]
+    checkpoint = os.path.join(folder, "model")
+    model, tokenizer = tiny_checkpoint(checkpoint, **sizes)
+    progress("exporting ...")
+    path = export_model(model, os.path.join(folder, "model.onnx"))
+    reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval().to(args.device)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, len(tokenizer), args.prompt_tokens).tolist() for _ in range(args.requests)]
+    times = {"kvcache-op": [], "transformers": []}
+    tokens = {}
+    for repeat in range(args.repeats):
+        progress(f"repeat {repeat + 1}/{args.repeats}")
+        tokens["kvcache-op"], t = run_engine(path, prompts, args.new_tokens, args.device)
+        times["kvcache-op"].append(t)
+        tokens["transformers"], t = run_transformers(reference, prompts, args.new_tokens, args.device)
+        times["transformers"].append(t)
+    generated = args.requests * args.new_tokens
+    speed = {k: generated / float(np.median(v)) for k, v in times.items()}
+    return {"model": sizes, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+            "new_tokens": args.new_tokens, "tokens_per_s": speed,
+            "vs_transformers": speed["kvcache-op"] / speed["transformers"], "target": TARGET,
+            "agreement": agreement(tokens["kvcache-op"], tokens["transformers"], {model.config.eos_token_id})}
+
+
+def table(result: dict) -> str:
+    s = result["tokens_per_s"]
+    verdict = "met" if result["vs_transformers"] >= TARGET else "missed"
+    return "\n".join([
+        result["header"], "",
+        "| requests x prompt + new | kvcache-op tok/s | transformers tok/s | vs transformers | same tokens |",
+        "| --- | ---: | ---: | ---: | ---: |",
+        f"| {result['requests']} x {result['prompt_tokens']} + {result['new_tokens']} | {s['kvcache-op']:.0f} | "
+        f"{s['transformers']:.0f} | {result['vs_transformers']:.2f}x ({verdict} >= {TARGET}x) | "
+        f"{result['agreement']:.1%} |"]) + "\n"
+
+
+def main(argv=None) -> int:
+    """0 after the run; 2 (one line) where the machine lacks what the device needs."""
+    parser = OneLineParser(prog="python -m kvcache_op.benchmarks.gpu.serving", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--requests", type=at_least(1), default=64)
+    parser.add_argument("--prompt-tokens", type=at_least(1), default=1000)
+    parser.add_argument("--new-tokens", type=at_least(1), default=32)
+    parser.add_argument("--repeats", type=at_least(1), default=3)
+    parser.add_argument("--quick", action="store_true", help="a 64-wide 2-layer model: checks the tool runs")
+    parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")
+    args = parser.parse_args(argv)
+    lacking = missing(args.device)
+    if lacking:
+        print("GPU serving benchmark: cannot run: " + "; ".join(lacking), file=sys.stderr)
+        return 2
+
+    def progress(line):
+        print(line, file=sys.stderr, flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        result = measure(args, folder, progress)
+    device = "cpu"
+    if args.device == "cuda":
+        import torch
+
+        device = torch.cuda.get_device_name()
+    result["header"] = (f"Command: `{command_line('kvcache_op.benchmarks.gpu.serving', argv).strip()}` — {device}, "
+                        f"onnxruntime {ort_version()}; float32 Llama {result['model']['hidden_size']}x"
+                        f"{result['model']['num_hidden_layers']} with random weights, greedy, medians of {args.repeats}; "
+                        f"same tokens = positions where both chose the same token, to the first end-of-sequence")
+    publish(args.out, "The engine on the CUDA EP beside transformers on the same GPU", result, table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

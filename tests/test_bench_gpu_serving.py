@@ -1,0 +1,33 @@
+"""The end-to-end GPU serving benchmark (python -m kvcache_op.benchmarks.gpu.serving): a smoke run on the CPU EP
+(the same code path as on the GPU but the providers and the device) serves transformers' greedy tokens and writes
+its table; without onnxruntime-gpu or a GPU it refuses in one line."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from kvcache_op.benchmarks.gpu import serving  # noqa: E402
+
+
+def test_a_cpu_smoke_run_serves_transformers_tokens_and_writes_its_table(tmp_path, capsys):
+    argv = ["--device", "cpu", "--quick", "--requests", "3", "--prompt-tokens", "24", "--new-tokens", "6",
+            "--repeats", "1", "--out", str(tmp_path)]
+    assert serving.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["agreement"] == 1.0  # float32 on the CPU EP: the model's own greedy tokens
+    assert all(v > 0 for v in result["tokens_per_s"].values()) and result["vs_transformers"] > 0
+    readme = (tmp_path / "README.md").read_text()
+    assert "| 3 x 24 + 6 |" in readme and "--device cpu --quick" in readme
+    assert "| 3 x 24 + 6 |" in capsys.readouterr().out
+
+
+def test_without_the_cuda_ep_it_says_what_is_missing_in_one_line(monkeypatch, capsys):
+    import onnxruntime as ort
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    assert serving.main(["--quick"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("GPU serving benchmark: cannot run: ")
+    assert "has no CUDAExecutionProvider" in err[0]
