@@ -32,7 +32,7 @@ constexpr int64_t kAttnThreads = 256;
 // At most this many query vectors (rows x heads of one kv head) per tile.
 constexpr int64_t kMaxTileQueries = 16;
 // Elements of a row one thread holds in the value phase (a 16-byte load of float16).
-constexpr int64_t kSliceElems = 8;
+constexpr int64_t kSliceElems = kVec;
 // Query vectors a value-phase thread accumulates side by side (its registers: kVectorGroup x kSliceElems sums).
 constexpr int64_t kVectorGroup = 4;
 // The widest head the kernels run: one query vector's slices must fit in a block's threads.

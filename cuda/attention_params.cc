@@ -5,20 +5,17 @@
 
 #include "attention_work.h"
 #include "kv_checked.h"
+#include "kv_cuda_params.h"
 
 namespace kvcache {
 namespace cuda {
 
 namespace {
 
-bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 // The visible range of query row i of sequence b, as the kernels compute it.
 void Visible(const MhaAttrs& a, const MhaPlan& plan, int64_t b, int64_t i, int64_t* lo, int64_t* hi) {
-  AttnParams p{};
-  p.sliding_window = a.sliding_window;
   const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b], K = plan.kvstarts[b + 1] - plan.kvstarts[b];
-  VisibleKeys(p, plan.causal[b] != 0, S, K, i, lo, hi);
+  VisibleKeys(a.sliding_window, plan.causal[b] != 0, S, K, i, lo, hi);
   if (*hi < *lo) *hi = *lo;
 }
 
@@ -31,7 +28,7 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   if (D > kMaxCudaHeadDim)
     Fail("attention on CUDA runs head_dim <= ", kMaxCudaHeadDim, ", got ", D, " (the CPU kernel runs any)");
   // Index words: seqstarts, kvstarts, causal, cachestarts (B placeholders without a cache), ALiBi slopes.
-  auto& index = out.index;
+  auto& index = out.words;
   index.insert(index.end(), plan.seqstarts.begin(), plan.seqstarts.end());
   index.insert(index.end(), plan.kvstarts.begin(), plan.kvstarts.end());
   for (int64_t b = 0; b < B; ++b) index.push_back(plan.causal[b]);
@@ -96,16 +93,17 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
       !MulFits(floats, 4, &floats))
     Fail("attention on CUDA: the call needs ", out.tiles, " blocks and ", out.records,
          " partial records, more than one launch runs");
-  out.work.reserve(static_cast<size_t>((out.tiles + out.merges) * kTileWords));
+  out.index_words = static_cast<int64_t>(index.size());
+  index.reserve(index.size() + static_cast<size_t>((out.tiles + out.merges) * kTileWords));
   for (const Tile& t : tiles)
-    out.work.insert(out.work.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
+    index.insert(index.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
   for (const Merge& m : merges)
-    out.work.insert(out.work.end(), {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}});
+    index.insert(index.end(), {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}});
   return out;
 }
 
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
-                          const AttnTensors& t, const int64_t* index, const int64_t* work, float* partials) {
+                          const AttnTensors& t, const int64_t* words, float* partials) {
   AttnParams p{};
   p.num_heads = a.num_heads;
   p.head_dim = a.head_dim;
@@ -142,8 +140,8 @@ AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSid
   p.ptr[kAScale] = const_cast<void*>(t.scale);
   p.ptr[kAMask] = const_cast<void*>(t.mask);
   p.ptr[kAOut] = t.out;
-  p.ptr[kAIndex] = const_cast<int64_t*>(index);
-  p.ptr[kATiles] = const_cast<int64_t*>(work);
+  p.ptr[kAIndex] = const_cast<int64_t*>(words);
+  p.ptr[kATiles] = const_cast<int64_t*>(words + launch.index_words);
   p.ptr[kAPartials] = partials;
   return p;
 }

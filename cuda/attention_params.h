@@ -20,11 +20,12 @@ struct TilePolicy {
   int64_t min_split_keys = 512;
 };
 
-// The host side of one launch: kAIndex's words, the tiles then the merges (kATiles's words), and how many
-// partial records the split tiles write.
+// The host side of one launch, copied to the device as one block of words: kAIndex's words (the first
+// index_words), then the tiles and the merges (kATiles's words); and how many partial records the split tiles
+// write.
 struct AttnLaunchPlan {
-  std::vector<int64_t> index, work;
-  int64_t tiles = 0, merges = 0, records = 0;
+  std::vector<int64_t> words;
+  int64_t index_words = 0, tiles = 0, merges = 0, records = 0;
 };
 
 // The cache side of MultiHeadCacheAttention (nullptr for MultiHeadAttention).
@@ -48,9 +49,9 @@ struct AttnTensors {
   void* out;
 };
 
-// Params for a planned call whose index words, work words and partial records are at the given device addresses.
+// Params for a planned call whose words (launch.words) and partial records are at the given device addresses.
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
-                          const AttnTensors& t, const int64_t* index, const int64_t* work, float* partials);
+                          const AttnTensors& t, const int64_t* words, float* partials);
 
 }  // namespace cuda
 }  // namespace kvcache

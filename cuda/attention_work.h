@@ -26,6 +26,7 @@
 #include <cstdint>
 
 #include "attention_launch.h"
+#include "kv_cache_access.h"
 #include "kv_types.h"
 
 namespace kvcache {
@@ -111,16 +112,19 @@ KV_HD void SharedFour(Mem& mem, int64_t word, float* out) {
   for (int i = 0; i < 4; ++i) out[i] = BitsFloat(w.w[i]);
 }
 
-// [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see (spec: visible keys). |K - S + i| fits.
-KV_HD void VisibleKeys(const AttnParams& p, bool causal, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) {
+// [lo, hi): the keys query i of a sequence (seqlen S, kvlen K) may see under a sliding window W (0: none) (spec:
+// visible keys). |K - S + i| fits.
+KV_HD void VisibleKeys(int64_t window, bool causal, int64_t S, int64_t K, int64_t i, int64_t* lo, int64_t* hi) {
   const int64_t q = K - S + i;
   *hi = causal ? q + 1 : K;
   int64_t first = 0;
-  if (p.sliding_window && q >= p.sliding_window) first = q - p.sliding_window + 1;  // q - W + 1 <= K: no overflow
+  if (window && q >= window) first = q - window + 1;  // q - W + 1 <= K: no overflow
   *lo = first < K ? first : K;
 }
 
-// Eight (or n < 8) elements d0.. of a row, as floats, from T1 storage at element offset `elem` of `buf`.
+// Eight (or n < 8) elements d0.. of a row, as floats, from T1 storage at element offset `elem` of `buf`. Not
+// KeyValueCache's LoadEight: that one converts float16 portably, keeping NaN payloads for its bit-exact copies;
+// attention shows no payload, so the GPU's conversion instruction does here.
 template <class T1, class Mem>
 KV_HD void LoadRowT1(const AttnParams& p, Mem& mem, int buf, int64_t elem, int64_t d0, int64_t n,
                      float (&v)[kSliceElems]) {
@@ -184,12 +188,6 @@ struct CacheRows {
                      p.scale_rows.slot * slot};
   }
   template <class Mem>
-  KV_HD int32_t Code(Mem& mem, int64_t elem) const {
-    if constexpr (QBits == 8) return mem.template Load<int8_t>(kACache, elem);
-    const uint8_t byte = mem.template Load<uint8_t>(kACache, elem / 2);
-    return (elem & 1) ? Int4High(byte) : Int4Low(byte);
-  }
-  template <class Mem>
   KV_HD void Load(const AttnParams& p, Mem& mem, int, const RowAt& r, int64_t d0, int64_t n,
                   float (&v)[kSliceElems]) const {
     if constexpr (QBits == 0) {
@@ -201,21 +199,9 @@ struct CacheRows {
       if (p.vector_rows && n == kSliceElems) {  // 8 codes of one group: one load, one scale
         const int64_t group = static_cast<int32_t>(d0) / group_size;
         const float s = T3::ToFloat(mem.template Load<S>(kAScale, (r.scale + group) * int64_t(sizeof(S))));
-        uint64_t w;
-        if constexpr (QBits == 8)
-          w = mem.template Load<uint64_t>(kACache, r.elem + d0);
-        else
-          w = mem.template Load<uint32_t>(kACache, (r.elem + d0) / 2);
-        for (int e = 0; e < kSliceElems; ++e) {
-          int32_t code;
-          if constexpr (QBits == 8) {
-            code = static_cast<int8_t>(static_cast<uint8_t>(w >> (8 * e)));
-          } else {
-            const uint8_t byte = static_cast<uint8_t>(w >> (4 * (e & ~1)));
-            code = (e & 1) ? Int4High(byte) : Int4Low(byte);
-          }
-          v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(code), s));
-        }
+        int32_t code[kVec];
+        UnpackEightCodes<QBits>(LoadEightCodes<QBits>(mem, r.elem + d0, kACache), code);
+        for (int e = 0; e < kSliceElems; ++e) v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(code[e]), s));
         return;
       }
       for (int64_t e = 0; e < kSliceElems; ++e) {
@@ -225,7 +211,7 @@ struct CacheRows {
         }
         const int32_t d = static_cast<int32_t>(d0 + e);
         const float s = T3::ToFloat(mem.template Load<S>(kAScale, (r.scale + d / group_size) * int64_t(sizeof(S))));
-        v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(Code(mem, r.elem + d)), s));
+        v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(Codes<QBits>::Get(mem, r.elem + d, kACache)), s));
       }
     }
   }
@@ -265,7 +251,7 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
     if (t < Q) {
       SharedPut(mem, kSmemMax + t, MinusInf());
       int64_t lo, hi;
-      VisibleKeys(p, causal, S, K, row_of(t), &lo, &hi);
+      VisibleKeys(p.sliding_window, causal, S, K, row_of(t), &lo, &hi);
       mem.template Store<int64_t>(kAShared, 8 * (kSmemVisible / 2 + 2 * t), lo);
       mem.template Store<int64_t>(kAShared, 8 * (kSmemVisible / 2 + 2 * t + 1), hi);
     }
@@ -307,7 +293,8 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
               SharedFour(mem, kSmemQueries + qi * D + at, q);
               SharedFour(mem, kSmemQueries + qi * D + at + 4, q + 4);
             } else {
-              for (int64_t e = 0; e < kSliceElems; ++e) q[e] = e < m ? SharedAt(mem, kSmemQueries + qi * D + at + e) : 0.0f;
+              for (int64_t e = 0; e < kSliceElems; ++e)
+                q[e] = e < m ? SharedAt(mem, kSmemQueries + qi * D + at + e) : 0.0f;
             }
             for (int64_t e = 0; e < kSliceElems; ++e) dot[qi] += q[e] * k[u][e];
           }

@@ -59,9 +59,10 @@ struct Codes;
 template <>
 struct Codes<8> {
   static constexpr float kMax = 127.0f;
-  template <class Mem>
-  KV_HD static int32_t Get(Mem& mem, int64_t elem) {
-    return mem.template Load<int8_t>(kCache, elem);
+  // `buf`: the buffer holding the codes (the attention kernels name their own cache buffer).
+  template <class Mem, class B = Buf>
+  KV_HD static int32_t Get(Mem& mem, int64_t elem, B buf = kCache) {
+    return mem.template Load<int8_t>(buf, elem);
   }
   // Writes the code(s) of elements elem (and elem + 1 when `pair`).
   template <class Mem>
@@ -73,9 +74,9 @@ struct Codes<8> {
 template <>
 struct Codes<4> {
   static constexpr float kMax = 7.0f;
-  template <class Mem>
-  KV_HD static int32_t Get(Mem& mem, int64_t elem) {
-    const uint8_t byte = mem.template Load<uint8_t>(kCache, elem / 2);
+  template <class Mem, class B = Buf>
+  KV_HD static int32_t Get(Mem& mem, int64_t elem, B buf = kCache) {
+    const uint8_t byte = mem.template Load<uint8_t>(buf, elem / 2);
     return (elem & 1) ? Int4High(byte) : Int4Low(byte);
   }
   // elem is even and a pair is always written: one whole byte.
@@ -164,10 +165,10 @@ KV_HD bool IsFinite(float x) { return (FloatBits(x) & 0x7f800000u) != 0x7f800000
 
 // The eight codes starting at cache element `elem` (a multiple of 8) as one word: one 8-byte load of int8
 // codes, one 4-byte load of packed int4 pairs.
-template <int QBits, class Mem>
-KV_HD uint64_t LoadEightCodes(Mem& mem, int64_t elem) {
-  if constexpr (QBits == 8) return mem.template Load<uint64_t>(kCache, elem);
-  return mem.template Load<uint32_t>(kCache, elem / 2);
+template <int QBits, class Mem, class B = Buf>
+KV_HD uint64_t LoadEightCodes(Mem& mem, int64_t elem, B buf = kCache) {
+  if constexpr (QBits == 8) return mem.template Load<uint64_t>(buf, elem);
+  return mem.template Load<uint32_t>(buf, elem / 2);
 }
 
 // The eight signed codes of a word from LoadEightCodes, in element order.

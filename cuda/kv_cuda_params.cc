@@ -17,8 +17,6 @@ int64_t Longest(const std::vector<int64_t>& starts) {
   return longest;
 }
 
-bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
 }  // namespace
 
 std::vector<int64_t> PackIndices(const CallPlan& plan) {

@@ -12,6 +12,9 @@
 namespace kvcache {
 namespace cuda {
 
+// Whether a pointer is 16-byte aligned (a 16-byte access there does not fault).
+inline bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
 // The plan's index snapshots in one array: seqstarts, kvstarts, start_pos, cachestarts.
 std::vector<int64_t> PackIndices(const CallPlan& plan);
 

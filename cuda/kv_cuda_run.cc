@@ -1,5 +1,7 @@
 #include "kv_cuda_run.h"
 
+#include <array>
+#include <atomic>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -30,11 +32,19 @@ struct ScratchBlock {  // returned to the scratch at scope exit (stream order ke
   }
 };
 
-// The planner's policy on the current device: about four blocks per multiprocessor.
+// The planner's policy on the current device: about four blocks per multiprocessor. The count is read from the
+// driver once per device, not on every call.
 TilePolicy DevicePolicy() {
+  constexpr int kKnownDevices = 64;
+  static std::array<std::atomic<int>, kKnownDevices> counts{};
   int device = 0, sms = 0;
   Check(cudaGetDevice(&device), "reading the current device");
-  Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "reading the multiprocessor count");
+  const bool known = device >= 0 && device < kKnownDevices;
+  if (known) sms = counts[device].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "reading the multiprocessor count");
+    if (known) counts[device].store(sms, std::memory_order_relaxed);
+  }
   TilePolicy policy;
   policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
   return policy;
@@ -45,22 +55,20 @@ TilePolicy DevicePolicy() {
 struct PlannedScratch {
   ScratchBlock words, partials;
   PlannedScratch(DeviceScratch& scratch, const AttnLaunchPlan& launch, int64_t head_dim)
-      : words(scratch, launch.tiles ? (launch.index.size() + launch.work.size()) * sizeof(int64_t) : 0),
+      : words(scratch, launch.tiles ? launch.words.size() * sizeof(int64_t) : 0),
         partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
 };
 
-// Copies a planned attention call's index and tile words to the device in one transfer and launches it.
+// Copies a planned attention call's words (index inputs, tiles, merges) to the device in one transfer and
+// launches it.
 void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
                    int32_t t1, int32_t scale_type, int quant_bit, const AttnTensors& tensors, cudaStream_t stream,
                    PlannedScratch& scratch) {
   if (launch.tiles == 0) return;
-  std::vector<int64_t> words(launch.index);
-  words.insert(words.end(), launch.work.begin(), launch.work.end());
-  Check(cudaMemcpyAsync(scratch.words.data, words.data(), words.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
-                        stream),
+  Check(cudaMemcpyAsync(scratch.words.data, launch.words.data(), launch.words.size() * sizeof(int64_t),
+                        cudaMemcpyHostToDevice, stream),
         "copying the index inputs and the tiles");
-  const auto* index = static_cast<const int64_t*>(scratch.words.data);
-  const AttnParams p = MakeAttnParams(a, plan, cache, launch, tensors, index, index + launch.index.size(),
+  const AttnParams p = MakeAttnParams(a, plan, cache, launch, tensors, static_cast<const int64_t*>(scratch.words.data),
                                       static_cast<float*>(scratch.partials.data));
   Check(LaunchAttention(p, t1, scale_type, quant_bit, cache != nullptr, stream), "launching the attention kernels");
 }

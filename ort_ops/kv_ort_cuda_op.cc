@@ -4,7 +4,7 @@
 #include "kv_ort_cuda_op.h"
 
 #include "byte_ranges.h"
-#include "kv_cuda_run.h"
+#include "ort_cuda_device.h"
 
 namespace kvcache {
 
@@ -19,16 +19,13 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
     auto value = AllocateOutput(ctx, 1, plan, in[0].type);
     CheckKeyValueOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
     if (plan.batch == 0) return nullptr;
-    auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-    const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
-    Ort::MemoryInfo device_memory("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
-    Ort::Allocator allocator(ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(device_memory)));
-    cuda::AllocatorScratch scratch(allocator);
     const cuda::DeviceTensors tensors{in[0].data, in[1].data,
                                       const_cast<void*>(in[8].data),  // written in place (spec: in-out input)
                                       in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,
                                       key.GetTensorMutableRawData(), value.GetTensorMutableRawData()};
-    cuda::RunValidated(attrs, plan, in[0].type, in[kScaleInput].type, tensors, stream, scratch);
+    WithOrtDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+      cuda::RunValidated(attrs, plan, in[0].type, in[kScaleInput].type, tensors, stream, scratch);
+    });
     return nullptr;
   } catch (...) {
     return StatusFromCurrentException();

@@ -4,24 +4,9 @@
 // validation succeeds.
 #include "mha_ort_cuda_op.h"
 
-#include "kv_cuda_run.h"
+#include "ort_cuda_device.h"
 
 namespace kvcache {
-namespace {
-
-// Runs fn(stream, scratch) with ORT's compute stream and a scratch of ORT's allocator for the device of input 0.
-template <class Fn>
-void WithDevice(Ort::KernelContext& ctx, Fn&& fn) {
-  auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-  const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
-  Ort::MemoryInfo device_memory("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
-  Ort::Allocator allocator(ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(device_memory)));
-  cuda::AllocatorScratch scratch(allocator);
-  fn(stream, scratch);
-}
-
-}  // namespace
-
 OrtStatusPtr MhaCudaKernel::ComputeV2(OrtKernelContext* context) {
   try {
     Ort::KernelContext ctx(context);
@@ -29,7 +14,7 @@ OrtStatusPtr MhaCudaKernel::ComputeV2(OrtKernelContext* context) {
     PrepareMhaCall(ctx, attrs, &call);
     const TensorArg* in = call.in;
     const cuda::AttnTensors tensors{in[0].data, in[1].data, in[2].data, nullptr, nullptr, call.Mask(), call.out};
-    WithDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+    WithOrtDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
       cuda::RunAttentionValidated(attrs, call.plan, in[0].type, tensors, stream, scratch);
     });
     return nullptr;
@@ -45,7 +30,7 @@ OrtStatusPtr MhcaCudaKernel::ComputeV2(OrtKernelContext* context) {
     PrepareMhcaCall(ctx, attrs, &call);
     const TensorArg* in = call.in;
     const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, call.Cache(), call.Scale(), call.Mask(), call.out};
-    WithDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+    WithOrtDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
       cuda::RunCacheAttentionValidated(attrs, call.plan, in[0].type, in[kMhcaScaleInput].type, in[1].data, in[2].data,
                                        tensors, stream, scratch);
     });

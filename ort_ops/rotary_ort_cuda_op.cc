@@ -3,7 +3,7 @@
 // rotates there. The output (the slots as given) is device memory, copied from the snapshot.
 #include "rotary_ort_cuda_op.h"
 
-#include "kv_cuda_run.h"
+#include "ort_cuda_device.h"
 
 namespace kvcache {
 
@@ -14,18 +14,15 @@ OrtStatusPtr RotaryCudaKernel::ComputeV2(OrtKernelContext* context) {
     void* out = nullptr;
     const RotaryPlan plan = ValidateAndAllocate(ctx, attrs, in, &out);
     if (plan.slots.empty()) return nullptr;
-    auto stream = static_cast<cudaStream_t>(ctx.GetGPUComputeStream());
-    const int device = ctx.GetInput(0).GetTensorMemoryInfo().GetDeviceId();
-    Ort::MemoryInfo device_memory("Cuda", OrtDeviceAllocator, device, OrtMemTypeDefault);
-    Ort::Allocator allocator(ctx.GetAllocator(*static_cast<const OrtMemoryInfo*>(device_memory)));
-    cuda::AllocatorScratch scratch(allocator);
-    cuda::RunRotaryValidated(attrs, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
-                             in[1].present ? const_cast<void*>(in[1].data) : nullptr, stream, scratch);
-    // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
-    if (cudaError_t e = cudaMemcpyAsync(out, plan.slots.data(),
-                                        plan.slots.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream);
-        e != cudaSuccess)
-      throw std::runtime_error(std::string("kvcache-op CUDA: copying slots_out: ") + cudaGetErrorString(e));
+    WithOrtDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+      cuda::RunRotaryValidated(attrs, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
+                               in[1].present ? const_cast<void*>(in[1].data) : nullptr, stream, scratch);
+      // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
+      if (cudaError_t e = cudaMemcpyAsync(out, plan.slots.data(), plan.slots.size() * sizeof(int64_t),
+                                          cudaMemcpyHostToDevice, stream);
+          e != cudaSuccess)
+        throw std::runtime_error(std::string("kvcache-op CUDA: copying slots_out: ") + cudaGetErrorString(e));
+    });
     return nullptr;
   } catch (...) {
     return StatusFromCurrentException();

@@ -46,6 +46,23 @@ def from_device(value: ort.OrtValue, dtype) -> np.ndarray:
     return raw.view(dtype).reshape(shape)
 
 
+def bind_on_cuda(session, inputs: dict, device_names) -> tuple:
+    """(IOBinding, {name: device OrtValue}) of ``session``: the inputs named in ``device_names`` as device copies
+    (returned, to read back what the op wrote), the others from the host; every output bound to the device."""
+    binding = session.io_binding()
+    device_values = {}
+    for info in session.get_inputs():
+        array = np.asarray(inputs[info.name])
+        if info.name in device_names:
+            device_values[info.name] = to_device(array)
+            binding.bind_ortvalue_input(info.name, device_values[info.name])
+        else:
+            binding.bind_cpu_input(info.name, array)
+    for info in session.get_outputs():
+        binding.bind_output(info.name, "cuda", 0)
+    return binding, device_values
+
+
 def run_on_cuda(model, inputs: dict, session=None):
     """Runs on the CUDA EP (no CPU fallback) with device OrtValues bound; index inputs stay on the host.
     Returns (key, value, cache_after, scale_after) as host arrays; raises what ORT raises."""
@@ -53,17 +70,7 @@ def run_on_cuda(model, inputs: dict, session=None):
 
     if session is None:
         session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
-    binding = session.io_binding()
-    device_values = {}
-    for info in session.get_inputs():
-        array = np.asarray(inputs[info.name])
-        if info.name in ("current_key", "current_value", "cache", "scale"):
-            device_values[info.name] = to_device(array)
-            binding.bind_ortvalue_input(info.name, device_values[info.name])
-        else:
-            binding.bind_cpu_input(info.name, array)
-    for info in session.get_outputs():
-        binding.bind_output(info.name, "cuda", 0)
+    binding, device_values = bind_on_cuda(session, inputs, ("current_key", "current_value", "cache", "scale"))
     error = None
     try:
         session.run_with_iobinding(binding)

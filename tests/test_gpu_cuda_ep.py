@@ -89,7 +89,7 @@ def test_rotary_shift_on_the_cuda_ep_matches_reference(call):
     """KeyCacheRotaryShift's CUDA EP kernel: device cache and scale bound, slots and tables on the host."""
     import numpy as np
 
-    from gpu_support import from_device, to_device
+    from gpu_support import bind_on_cuda, from_device
     from kvcache_op.ort_ops import make_session
     from kvcache_op.reference import key_cache_rotary_shift
     from kvcache_op.spec.rotary_schema import make_rotary_shift_model
@@ -99,14 +99,7 @@ def test_rotary_shift_on_the_cuda_ep_matches_reference(call):
     want_slots = key_cache_rotary_shift(**want, **attrs)
     model = make_rotary_shift_model(inputs, **attrs)
     session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
-    binding = session.io_binding()
-    device = {name: to_device(np.asarray(inputs[name])) for name in ("cache", "scale") if inputs[name] is not None}
-    for info in session.get_inputs():
-        if info.name in device:
-            binding.bind_ortvalue_input(info.name, device[info.name])
-        else:
-            binding.bind_cpu_input(info.name, np.asarray(inputs[info.name]))
-    binding.bind_output("slots_out", "cuda", 0)
+    binding, device = bind_on_cuda(session, {k: v for k, v in inputs.items() if v is not None}, ("cache", "scale"))
     session.run_with_iobinding(binding)
     assert np.array_equal(from_device(binding.get_outputs()[0], np.int64), want_slots)
     got = tuple(from_device(device[n], np.asarray(inputs[n]).dtype) if n in device else None for n in ("cache", "scale"))
@@ -121,20 +114,11 @@ def run_attention_on_cuda(model, inputs):
     the host: (output, cache after, scale after) as host arrays (None where absent)."""
     import numpy as np
 
-    from gpu_support import from_device, to_device
+    from gpu_support import bind_on_cuda, from_device
     from kvcache_op.ort_ops import make_session
 
     session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
-    binding = session.io_binding()
-    device = {}
-    for info in session.get_inputs():
-        array = np.asarray(inputs[info.name])
-        if info.name in ATTENTION_DEVICE_INPUTS:
-            device[info.name] = to_device(array)
-            binding.bind_ortvalue_input(info.name, device[info.name])
-        else:
-            binding.bind_cpu_input(info.name, array)
-    binding.bind_output(session.get_outputs()[0].name, "cuda", 0)
+    binding, device = bind_on_cuda(session, inputs, ATTENTION_DEVICE_INPUTS)
     session.run_with_iobinding(binding)
     out = from_device(binding.get_outputs()[0], np.asarray(inputs["query"]).dtype)
     after = [from_device(device[n], np.asarray(inputs[n]).dtype) if n in device else None for n in ("cache", "scale")]

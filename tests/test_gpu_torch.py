@@ -12,7 +12,7 @@ import kvcache_op.torch as kt  # noqa: E402
 from invalid_calls import INVALID, make_invalid  # noqa: E402
 from ort_helpers import assert_same_bits, copies, reference_result  # noqa: E402
 from strategies import COMBINATIONS, calls_for, shift_calls  # noqa: E402
-from torch_convert import to_numpy, to_torch, torch_inputs  # noqa: E402
+from torch_convert import to_numpy, torch_inputs  # noqa: E402
 
 from kvcache_op.reference import INT4, KeyValueCacheError, key_cache_rotary_shift, rotary_shift_tables  # noqa: E402
 from kvcache_op.validation.cases import CASES  # noqa: E402
@@ -108,18 +108,13 @@ def test_a_quantized_cuda_shift_of_too_long_rows_is_refused_untouched():
     assert bool((cache == 1).all()) and bool((scale == 1).all())
 
 
-def _attention_tensors(inputs):
-    """Data inputs on the GPU, index inputs on the host (as a served graph feeds them)."""
-    data = ("query", "key", "value", "attn_mask", "current_key", "current_value", "cache", "scale")
-    return {name: to_torch(value, "cuda" if name in data else "cpu") for name, value in inputs.items()}
-
-
 @pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
 def test_cuda_attention_is_within_the_bound_of_the_naive_oracle(name):
     """kvcache_op.torch.multi_head_attention on CUDA tensors runs the library's CUDA kernel."""
     case = ATTENTION_CASES[name]()
     exact, bound = oracle(case)
-    out = kt.multi_head_attention(**_attention_tensors(copies(case.inputs)), **case.attributes)
+    tensors = torch_inputs(copies(case.inputs), device="cuda", index_device="cpu")  # index inputs on the host
+    out = kt.multi_head_attention(**tensors, **case.attributes)
     assert out.device.type == "cuda"
     got = to_numpy(out, case.inputs["query"])
     assert_within(got, exact, bound, f"CUDA {name}")
@@ -130,7 +125,7 @@ def test_cuda_attention_is_within_the_bound_of_the_naive_oracle(name):
 def test_cuda_cache_attention_writes_the_naive_cache_and_is_within_the_bound(name):
     case = MHCA_CASES[name]()
     exact, bound, cache_after, scale_after = naive_oracle(case.inputs, case.attributes)
-    tensors = _attention_tensors(copies(case.inputs))
+    tensors = torch_inputs(copies(case.inputs), device="cuda", index_device="cpu")
     out = kt.multi_head_cache_attention(**tensors, **case.attributes)
     assert out.device.type == "cuda"
     assert to_numpy(tensors["cache"], case.inputs["cache"]).tobytes() == cache_after.tobytes()

@@ -36,6 +36,6 @@ def to_numpy(tensor, like):
 def torch_inputs(inputs, device="cpu", index_device=None):
     """Every case input as a torch tensor: data on ``device``, index inputs on ``index_device`` (default
     ``device``)."""
-    data = ("current_key", "current_value", "cache", "scale")
+    data = ("current_key", "current_value", "cache", "scale", "query", "key", "value", "attn_mask")
     return {name: to_torch(value, device if name in data else (index_device or device))
             for name, value in inputs.items()}

@@ -54,6 +54,18 @@ run_pytest() {
 }
 PREFIX=()
 
+# Runs a benchmark module into OUTDIR/$3 with its log in logs/$1.log; records pass/fail. $1 step name, $2 timeout
+# (s), $3 output folder, $4 the table it writes there, $5 the module (kvcache_op.benchmarks.gpu.*).
+run_benchmark() {
+  local name=$1 limit=$2 folder=$3 table=$4 module=$5
+  if skipped "$name"; then return 0; fi
+  if timeout "$limit" "$PY" -m "$module" --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
+    step "$name" pass "$folder/$table"
+  else
+    step "$name" fail "exit $?: see logs/$name.log"
+  fi
+}
+
 # 1. Build ------------------------------------------------------------------------------------------
 if [ -z "${KVCACHE_OP_ORT_INCLUDE_DIR:-}" ] && [ -f "$ROOT/.ort-headers/onnxruntime_c_api.h" ]; then
   export KVCACHE_OP_ORT_INCLUDE_DIR=$ROOT/.ort-headers
@@ -124,19 +136,8 @@ else
   fi
 
   # 5. Benchmark ----------------------------------------------------------------------------------------
-  if skipped benchmark; then :
-  elif timeout 240 "$PY" -m kvcache_op.benchmarks.gpu.bench --out "$OUT/bench" >"$OUT/logs/benchmark.log" 2>&1; then
-    step benchmark pass "bench/results.md"
-  else
-    step benchmark fail "see logs/benchmark.log"
-  fi
-  if skipped attention-benchmark; then :
-  elif timeout 150 "$PY" -m kvcache_op.benchmarks.gpu.attention --out "$OUT/attention-bench" \
-      >"$OUT/logs/attention-benchmark.log" 2>&1; then
-    step attention-benchmark pass "attention-bench/results.md"
-  else
-    step attention-benchmark fail "exit $?: see logs/attention-benchmark.log"
-  fi
+  run_benchmark benchmark 240 bench results.md kvcache_op.benchmarks.gpu.bench
+  run_benchmark attention-benchmark 150 attention-bench results.md kvcache_op.benchmarks.gpu.attention
 
   if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
@@ -168,13 +169,7 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
   fi
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
     run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
-    if skipped serving-benchmark; then :
-    elif timeout 300 "$PY" -m kvcache_op.benchmarks.gpu.serving --out "$OUT/serving-bench" \
-        >"$OUT/logs/serving-benchmark.log" 2>&1; then
-      step serving-benchmark pass "serving-bench/README.md"
-    else
-      step serving-benchmark fail "exit $?: see logs/serving-benchmark.log"
-    fi
+    run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
   else
     step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
   fi

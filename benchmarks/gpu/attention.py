@@ -227,7 +227,7 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
     """One row: op, copy and SDPA times of ``case``, back to back on the current stream."""
     import torch
 
-    from .bench import kernel_ms
+    from .bench import host_ms, kernel_ms
 
     call = AttentionCall(case)
     nbytes = int(case.bytes_read())
@@ -242,7 +242,7 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
     op_ms = kernel_ms(call.run_op, warmup, repeats)
     sdpa_ms = kernel_ms(sdpa, warmup, repeats)
     copy_ms = min(copy_ms, kernel_ms(copy, warmup, repeats))  # the copy measured around the op, same run
-    host = host_ms(call.run_op)
+    host = host_ms(call.run_op, warmup, repeats, idle=True)  # validation, planning, enqueueing alone
     breakdown = device_breakdown(call.run_op)
     diff = None
     if case.op == "mha":  # the same numbers: a sanity figure
@@ -261,24 +261,6 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
         "sdpa_target": SDPA_TARGET.get(case.phase),
         "max_abs_diff_vs_sdpa": diff, "host_ms": host, "device_breakdown": breakdown,
     }
-
-
-def host_ms(fn, calls: int = 10) -> float:
-    """Median wall-clock ms of ``fn()`` returning, each call on a drained stream: validation, planning and enqueueing,
-    the host's share of a call."""
-    import statistics
-    import time
-
-    import torch
-
-    times = []
-    for _ in range(calls):
-        torch.cuda.current_stream().synchronize()
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.current_stream().synchronize()
-    return statistics.median(times)
 
 
 def device_breakdown(fn, calls: int = 10) -> dict:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
-from ..serving.peers import PEER_MODELS, agreement
+from ..serving.peers import PEER_MODELS, agreement, run_kvcache_op, run_transformers
 from ..serving.report import command_line, publish
 from ..timing import ort_version
+from .bench import missing_requirements
 
 QUICK_MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=512)
@@ -42,51 +42,10 @@ def missing(device: str) -> list:
     except ImportError:
         out.append("transformers is not installed (the 'hf' extra)")
     if device == "cuda":
-        from ...capi import c_api
-
         if "CUDAExecutionProvider" not in ort.get_available_providers():
             out.append(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (install onnxruntime-gpu)")
-        if not c_api.has_cuda():
-            out.append("this build of kvcache-op has no CUDA kernels")
-        try:
-            import torch
-
-            if not torch.cuda.is_available():
-                out.append("torch sees no CUDA GPU")
-        except ImportError:
-            out.append("torch is not installed")
+        out += missing_requirements()  # the library's CUDA kernels, torch with a GPU
     return out
-
-
-def run_engine(path: str, prompts: list, new_tokens: int, device: str) -> tuple:
-    """(tokens, seconds) of the engine serving every prompt at once."""
-    from ...serving import Engine, SamplingParams
-
-    providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
-    pages = len(prompts) * -(-(len(prompts[0]) + new_tokens) // 16) + 16
-    engine = Engine(path, num_pages=pages, providers=providers)
-    began = time.perf_counter()
-    tokens = engine.generate(prompts, new_tokens, params=SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    seconds = time.perf_counter() - began
-    engine.close()
-    return tokens, seconds
-
-
-def run_transformers(model, prompts: list, new_tokens: int, device: str) -> tuple:
-    """(tokens, seconds) of transformers' batched greedy generate (equal prompt lengths: no padding)."""
-    import torch
-
-    ids = torch.tensor(prompts, device=device)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    began = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - began
-    return out[:, len(prompts[0]):].tolist(), seconds
 
 
 def measure(args, folder: str, progress) -> dict:
@@ -105,11 +64,13 @@ def measure(args, folder: str, progress) -> dict:
     prompts = [rng.integers(2, len(tokenizer), args.prompt_tokens).tolist() for _ in range(args.requests)]
     times = {"kvcache-op": [], "transformers": []}
     tokens = {}
+    providers = ["CUDAExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
+    pages = args.requests * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
     for repeat in range(args.repeats):
         progress(f"repeat {repeat + 1}/{args.repeats}")
-        tokens["kvcache-op"], t = run_engine(path, prompts, args.new_tokens, args.device)
+        tokens["kvcache-op"], t = run_kvcache_op(path, prompts, args.new_tokens, pages, providers)
         times["kvcache-op"].append(t)
-        tokens["transformers"], t = run_transformers(reference, prompts, args.new_tokens, args.device)
+        tokens["transformers"], t = run_transformers(reference, prompts, args.new_tokens)
         times["transformers"].append(t)
     generated = args.requests * args.new_tokens
     speed = {k: generated / float(np.median(v)) for k, v in times.items()}
@@ -158,7 +119,8 @@ def main(argv=None) -> int:
         device = torch.cuda.get_device_name()
     result["header"] = (f"Command: `{command_line('kvcache_op.benchmarks.gpu.serving', argv).strip()}` — {device}, "
                         f"onnxruntime {ort_version()}; float32 Llama {result['model']['hidden_size']}x"
-                        f"{result['model']['num_hidden_layers']} with random weights, greedy, medians of {args.repeats}; "
+                        f"{result['model']['num_hidden_layers']} with random weights, greedy, medians of "
+                        f"{args.repeats}; "
                         f"same tokens = positions where both chose the same token, to the first end-of-sequence")
     publish(args.out, "The engine on the CUDA EP beside transformers on the same GPU", result, table(result))
     return 0

@@ -40,10 +40,11 @@ def workloads(vocab: int, seed: int = 0) -> dict:
     }
 
 
-def run_kvcache_op(path: str, prompts: list, new_tokens: int, num_pages: int) -> tuple:
+def run_kvcache_op(path: str, prompts: list, new_tokens: int, num_pages: int, providers=None) -> tuple:
+    """(tokens, seconds) of the engine serving every prompt at once (``providers``: the engine's default)."""
     from ...serving import Engine, SamplingParams
 
-    engine = Engine(path, num_pages=num_pages)
+    engine = Engine(path, num_pages=num_pages, providers=providers)
     began = time.perf_counter()
     tokens = engine.generate(prompts, new_tokens, params=SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     seconds = time.perf_counter() - began
@@ -68,13 +69,19 @@ def run_genai(folder: str, prompts: list, new_tokens: int) -> tuple:
 
 
 def run_transformers(model, prompts: list, new_tokens: int) -> tuple:
+    """(tokens, seconds) of transformers' batched greedy generate on the model's device (equal prompt lengths)."""
     import torch
 
-    ids = torch.tensor(prompts)
+    ids = torch.tensor(prompts, device=model.device)
+    cuda = ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     began = time.perf_counter()
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     return out[:, len(prompts[0]):].tolist(), seconds
 

@@ -148,8 +148,7 @@ struct CheckingMem {
   void StartBlock(int64_t id) {
     block_id = id;
     for (Shadow& s : shadow[cuda::kAShared]) s = Shadow{};
-    std::vector<float> poison(static_cast<size_t>(cuda::kSharedWords), std::nanf(""));
-    std::memcpy(base[cuda::kAShared], poison.data(), poison.size() * sizeof(float));
+    std::fill_n(reinterpret_cast<float*>(base[cuda::kAShared]), cuda::kSharedWords, std::nanf(""));  // poison
   }
   void StartLaunch(const char* name) {
     where = name;
@@ -199,7 +198,8 @@ struct StoreRunner {
     if (g.Empty()) return 0;
     for (int64_t by = 0; by < g.blocks_y; ++by)
       for (int64_t bx = 0; bx < g.blocks_x; ++bx)
-        for (int64_t tx = 0; tx < g.threads; ++tx) cuda::StoreThread<T1, T3, QBits>(p, mem, g.unit, bx, by, tx, g.threads);
+        for (int64_t tx = 0; tx < g.threads; ++tx)
+          cuda::StoreThread<T1, T3, QBits>(p, mem, g.unit, bx, by, tx, g.threads);
     return 0;
   }
 };
@@ -270,14 +270,13 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(cuda::kSharedWords));
-  std::vector<int64_t> index(launch.index), work(launch.work);
-  const cuda::AttnParams p =
-      cuda::MakeAttnParams(a, plan, cache, launch, t, index.data(), work.data(), partials.data());
+  const cuda::AttnParams p = cuda::MakeAttnParams(a, plan, cache, launch, t, launch.words.data(), partials.data());
+  const int64_t index_bytes = launch.index_words * 8, work_bytes = int64_t(launch.words.size() * 8) - index_bytes;
   CheckingMem mem;
   mem.report = report;
   const int64_t sizes[cuda::kABufCount] = {
       BytesOf(in[0]), cache ? 0 : BytesOf(in[1]), cache ? 0 : BytesOf(in[2]), 0, 0, 0, BytesOf(in[0]),
-      int64_t(index.size() * 8), int64_t(work.size() * 8), int64_t(partials.size() * 4), cuda::kSharedWords * 4};
+      index_bytes, work_bytes, int64_t(partials.size() * 4), cuda::kSharedWords * 4};
   for (int b = 0; b < cuda::kABufCount; ++b) {
     mem.base[b] = static_cast<char*>(p.ptr[b]);
     mem.bytes[b] = sizes[b];
@@ -296,7 +295,8 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
     if (o.buffer_bytes[b] >= 0) mem.bytes[b] = std::min(mem.bytes[b], o.buffer_bytes[b]);
   report->tiles = launch.tiles;
   report->merges = launch.merges;
-  for (int64_t i = 0; i < launch.tiles; ++i) report->split_tiles += launch.work[i * cuda::kTileWords + 7] >= 0;
+  for (int64_t i = 0; i < launch.tiles; ++i)
+    report->split_tiles += launch.words[size_t(launch.index_words + i * cuda::kTileWords + 7)] >= 0;
   RunAll(p, mem, in[0].type, scale_type, quant_bit, cache != nullptr, o.skip_sync != 0);
   const int64_t faults = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
                          report->uninitialized;
