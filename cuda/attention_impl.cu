@@ -4,6 +4,9 @@
 // product, ProductRn).
 #include "attention_impl.cuh"
 
+#include <type_traits>
+
+#include "attention_decode.h"
 #include "attention_work.h"
 
 namespace kvcache {
@@ -27,23 +30,42 @@ struct AttnDeviceMem {
   }
 };
 
-// This thread of the block: Each runs its part of a phase, Sync is the block's barrier.
+// This thread of the block: Each runs its part of a phase, Sync is the block's barrier, Butterfly exchanges
+// registers within the warp (every thread of the block calls it, so every lane of a warp takes part).
+template <class State>
 struct DeviceTeam {
   int64_t thread;
-  AttnThread state;
+  State state;
   template <class F>
   __device__ __forceinline__ void Each(F&& f) {
     f(thread, state);
   }
   __device__ __forceinline__ void Sync() { __syncthreads(); }
+  template <class Get, class Op>
+  __device__ __forceinline__ void Butterfly(int64_t lo, int64_t hi, Get&& get, Op&& op) {
+    auto& a = get(state);
+    constexpr int n = std::extent<std::remove_reference_t<decltype(a)>>::value;
+    for (int mask = static_cast<int>(lo); mask < hi; mask *= 2) {
+      KV_UNROLL
+      for (int i = 0; i < n; ++i) a[i] = op(a[i], __shfl_xor_sync(0xffffffffu, a[i], mask));
+    }
+  }
 };
 
 template <class T1, class Rows>
 __global__ void __launch_bounds__(kAttnThreads, 2) TileKernel(AttnParams p) {
   __shared__ __align__(16) float shared[kSharedWords];  // 16-byte and int64 accesses
   AttnDeviceMem mem{p, shared};
-  DeviceTeam team{threadIdx.x, {}};
+  DeviceTeam<AttnThread> team{threadIdx.x, {}};
   AttentionTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+}
+
+template <class T1, class Rows>
+__global__ void __launch_bounds__(kDecodeThreads, 3) DecodeKernel(AttnParams p) {
+  __shared__ __align__(16) float shared[kDecodeSharedWords];
+  AttnDeviceMem mem{p, shared};
+  DeviceTeam<DecodeThread> team{threadIdx.x, {}};
+  DecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
 }
 
 template <class T1>
@@ -57,6 +79,10 @@ cudaError_t Launch(const AttnParams& p, cudaStream_t stream) {
   // Grid sizes were checked on the host (PlanAttention): below 2^31 blocks each.
   if (p.tiles > 0) {
     TileKernel<T1, Rows><<<static_cast<unsigned>(p.tiles), kAttnThreads, 0, stream>>>(p);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.decode_tiles > 0) {
+    DecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kDecodeThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.merges > 0) {

@@ -38,6 +38,21 @@ constexpr int64_t kVectorGroup = 4;
 // The widest head the kernels run: one query vector's slices must fit in a block's threads.
 constexpr int64_t kMaxCudaHeadDim = kAttnThreads * kSliceElems;
 
+// The decode kernel (attention_decode.h) takes the tiles of one query row (sequences of one token): up to
+// kDecodeHeads heads of one kv head, in blocks of kDecodeWarps warps that walk their keys independently. A key row is
+// read by Dh / kVec lanes of a warp (kVec elements each, one 16-byte load of float16), so head_dim must be kVec times
+// a power of two, at most kWarp * kVec; each lane keeps kDecodeUnroll key rows and as many value rows in flight.
+constexpr int64_t kWarp = 32;
+constexpr int64_t kDecodeWarps = 4;
+constexpr int64_t kDecodeThreads = kDecodeWarps * kWarp;
+constexpr int64_t kDecodeHeads = 4;
+constexpr int64_t kDecodeUnroll = 4;
+constexpr int64_t kDecodeMaxHeadDim = kWarp * kVec;
+KV_HD bool DecodeKernelFits(int64_t head_dim) {
+  const int64_t lanes = head_dim / kVec;
+  return head_dim % kVec == 0 && lanes >= 1 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
+}
+
 // One block's work: query rows [row0, row0 + rows) of sequence b (row indices within the sequence), query heads
 // [head0, head0 + heads) (all of one kv head), over keys [key0, key1) of the sequence. partial < 0: the block writes
 // the output; else its results go to partial record `partial` and a merge combines the parts.
@@ -60,7 +75,7 @@ struct AttnParams {
   int64_t mask_rank, mask_cols, tokens;  // mask_rank 0: no attn_mask
   // the call
   int64_t batch;
-  int64_t tiles, merges;  // merges start at word tiles * kTileWords of kATiles
+  int64_t tiles, decode_tiles, merges;  // in kATiles: the tile kernel's tiles, the decode kernel's, the merges
   int64_t slices;         // ceil(head_dim / kSliceElems)
   // MultiHeadCacheAttention's cache (unused by MultiHeadAttention)
   int64_t layer_idx, quant_group, cache_mode, page_size, max_p;
@@ -99,6 +114,12 @@ constexpr int64_t kSmemRows = kSmemReduce + 2 * kAttnThreads;  // even: 8-byte a
 constexpr int64_t kSmemVisible = kSmemRows + 2 * kAttnThreads;  // per query vector its visible keys [lo, hi)
 constexpr int64_t kSharedWords = kSmemVisible + 4 * kMaxTileQueries;
 static_assert(kSmemRows % 2 == 0 && kSmemScores % 4 == 0, "shared rows 8-byte, queries 16-byte aligned");
+// A decode block's shared memory: per warp and query vector its (max, weight sum, output sums [Dh]), then the
+// tile's query vectors [kDecodeHeads][Dh] (16-byte aligned).
+constexpr int64_t kDecodeSmemQueries = kDecodeWarps * kDecodeHeads * (kDecodeMaxHeadDim + 2);
+constexpr int64_t kDecodeSharedWords = kDecodeSmemQueries + kDecodeHeads * kDecodeMaxHeadDim;
+static_assert(kDecodeSmemQueries % 4 == 0, "decode queries 16-byte aligned");
+static_assert(kDecodeSharedWords <= kSharedWords, "one shared array serves both kernels");
 
 }  // namespace cuda
 }  // namespace kvcache

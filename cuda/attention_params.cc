@@ -44,12 +44,22 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
       index.push_back(bits);
     }
 
-  // Tiles: per sequence and kv head, up to TileQueries() query vectors (its heads first, then rows).
+  // Tiles: per sequence and kv head, up to TileQueries() query vectors (its heads first, then rows). A sequence of
+  // one token goes to the decode kernel where its head_dim fits it, kDecodeHeads heads of one kv head per tile.
   const int64_t slices = (D + kSliceElems - 1) / kSliceElems, capacity = TileQueries(slices);
   const int64_t tile_heads = std::min(G, capacity), tile_rows = std::max<int64_t>(1, capacity / tile_heads);
-  std::vector<Tile> base;
+  const bool decode_kernel = policy.decode_kernel && DecodeKernelFits(D);
+  std::vector<Tile> base, decode_base;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
+    if (S == 1 && decode_kernel) {
+      int64_t lo, hi;
+      Visible(a, plan, b, 0, &lo, &hi);
+      for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t hh = 0; hh < G; hh += kDecodeHeads)
+          decode_base.push_back(Tile{b, 0, 1, g * G + hh, std::min(kDecodeHeads, G - hh), lo, hi, -1});
+      continue;
+    }
     for (int64_t g = 0; g < Hkv && S > 0; ++g)
       for (int64_t hh = 0; hh < G; hh += tile_heads)
         for (int64_t r0 = 0; r0 < S; r0 += tile_rows) {
@@ -61,42 +71,48 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
         }
   }
   // Too few blocks for the GPU: long key ranges split, each part a block of its own, merged after.
-  const int64_t count = static_cast<int64_t>(base.size());
-  const int64_t want = count < policy.min_blocks ? (policy.min_blocks + count - 1) / count : 1;
-  std::vector<Tile> tiles;
+  const int64_t count = static_cast<int64_t>(base.size() + decode_base.size());
+  auto want = [&](int64_t blocks) { return count < blocks ? (blocks + count - 1) / count : 1; };
+  std::vector<Tile> tiles, decode_tiles;
   std::vector<Merge> merges;
-  for (const Tile& t : base) {
-    const int64_t span = t.key1 - t.key0;
-    const int64_t parts = std::clamp<int64_t>(span / std::max<int64_t>(1, policy.min_split_keys), 1, want);
-    const int64_t part_keys = parts > 1 ? (span + parts - 1) / parts : span;
-    if (parts == 1 || part_keys >= span) {
-      tiles.push_back(t);
-      continue;
+  auto split = [&](const std::vector<Tile>& from, int64_t min_keys, int64_t most, std::vector<Tile>& into) {
+    for (const Tile& t : from) {
+      const int64_t span = t.key1 - t.key0;
+      const int64_t parts = std::clamp<int64_t>(span / std::max<int64_t>(1, min_keys), 1, most);
+      const int64_t part_keys = parts > 1 ? (span + parts - 1) / parts : span;
+      if (parts == 1 || part_keys >= span) {
+        into.push_back(t);
+        continue;
+      }
+      const int64_t q = t.rows * t.heads;
+      Merge m{t.b, t.row0, t.rows, t.head0, t.heads, out.records, 0, 0};
+      for (int64_t k0 = t.key0; k0 < t.key1; k0 += part_keys) {
+        Tile part = t;
+        part.key0 = k0;
+        part.key1 = std::min(t.key1, k0 + part_keys);
+        part.partial = out.records;
+        out.records += q;
+        ++m.parts;
+        into.push_back(part);
+      }
+      merges.push_back(m);
     }
-    const int64_t q = t.rows * t.heads;
-    Merge m{t.b, t.row0, t.rows, t.head0, t.heads, out.records, 0, 0};
-    for (int64_t k0 = t.key0; k0 < t.key1; k0 += part_keys) {
-      Tile part = t;
-      part.key0 = k0;
-      part.key1 = std::min(t.key1, k0 + part_keys);
-      part.partial = out.records;
-      out.records += q;
-      ++m.parts;
-      tiles.push_back(part);
-    }
-    merges.push_back(m);
-  }
+  };
+  split(base, policy.min_split_keys, want(policy.min_blocks), tiles);
+  split(decode_base, policy.min_decode_split_keys, want(policy.min_decode_blocks), decode_tiles);
   out.tiles = static_cast<int64_t>(tiles.size());
+  out.decode_tiles = static_cast<int64_t>(decode_tiles.size());
   out.merges = static_cast<int64_t>(merges.size());
   int64_t floats = 0;
-  if (out.tiles > 0x7fffffff || out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) ||
+  if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) ||
       !MulFits(floats, 4, &floats))
-    Fail("attention on CUDA: the call needs ", out.tiles, " blocks and ", out.records,
+    Fail("attention on CUDA: the call needs ", out.tiles + out.decode_tiles, " blocks and ", out.records,
          " partial records, more than one launch runs");
   out.index_words = static_cast<int64_t>(index.size());
-  index.reserve(index.size() + static_cast<size_t>((out.tiles + out.merges) * kTileWords));
-  for (const Tile& t : tiles)
-    index.insert(index.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
+  index.reserve(index.size() + static_cast<size_t>((out.tiles + out.decode_tiles + out.merges) * kTileWords));
+  for (const auto* list : {&tiles, &decode_tiles})
+    for (const Tile& t : *list)
+      index.insert(index.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
   for (const Merge& m : merges)
     index.insert(index.end(), {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}});
   return out;
@@ -118,6 +134,7 @@ AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSid
   p.tokens = plan.tokens;
   p.batch = plan.batch;
   p.tiles = launch.tiles;
+  p.decode_tiles = launch.decode_tiles;
   p.merges = launch.merges;
   p.slices = (a.head_dim + kSliceElems - 1) / kSliceElems;
   const bool quantized = cache && cache->attrs->quant_bit != 0;

@@ -14,18 +14,22 @@ namespace kvcache {
 namespace cuda {
 
 // How the planner cuts work. Long key ranges of few-query tiles are split (with a merge) until the launch has
-// about min_blocks blocks, each part keeping at least min_split_keys keys.
+// about min_blocks blocks (min_decode_blocks of the decode kernel's), each part keeping at least min_split_keys keys
+// (min_decode_split_keys).
 struct TilePolicy {
   int64_t min_blocks = 528;  // 4 blocks per multiprocessor of a 132-SM GPU; the GPU path reads the device's count
   int64_t min_split_keys = 512;
+  int64_t min_decode_blocks = 1056;  // 8 per multiprocessor: a decode block has half the threads
+  int64_t min_decode_split_keys = 256;
+  bool decode_kernel = true;  // false: every tile to the tile kernel (the host runner tests both kernels so)
 };
 
 // The host side of one launch, copied to the device as one block of words: kAIndex's words (the first
-// index_words), then the tiles and the merges (kATiles's words); and how many partial records the split tiles
+// index_words), then the tile kernel's tiles, the decode kernel's and the merges (kATiles's words); and how many partial records the split tiles
 // write.
 struct AttnLaunchPlan {
   std::vector<int64_t> words;
-  int64_t index_words = 0, tiles = 0, merges = 0, records = 0;
+  int64_t index_words = 0, tiles = 0, decode_tiles = 0, merges = 0, records = 0;
 };
 
 // The cache side of MultiHeadCacheAttention (nullptr for MultiHeadAttention).

@@ -122,6 +122,31 @@ KV_HD void VisibleKeys(int64_t window, bool causal, int64_t S, int64_t K, int64_
   *lo = first < K ? first : K;
 }
 
+// The score of a visible key: the query's dot product with the key, scaled, soft-capped, plus the mask's entry
+// (query token `token`, key column `col`) and the ALiBi bias (key position minus query position: `distance`), in
+// the spec's order.
+template <class T1, class Mem>
+KV_HD float ScoreOf(const AttnParams& p, Mem& mem, float dot, int64_t head, int64_t token, int64_t col,
+                    int64_t distance) {
+  using T = typename T1::Storage;
+  float sc = p.scale * dot;
+  if (p.softcap != 0.0f) sc = p.softcap * tanhf(sc / p.softcap);
+  if (p.mask_rank) {
+    const int64_t plane = p.mask_rank == 3 ? head * p.tokens : 0;
+    const int64_t at = (plane + token) * p.mask_cols + col;
+    sc = sc + ElemToFloat<T1>(mem.template Load<T>(kAMask, at * int64_t(sizeof(T))));
+  }
+  if (p.alibi) {
+    const float slope = BitsFloat(static_cast<uint32_t>(IndexWord(mem, SlopesAt(p) + head)));
+    sc = sc + slope * static_cast<float>(distance);
+  }
+  return sc;
+}
+
+// The factor a part's sums enter a combination with the largest max `top`: exp(m - top), 1 where they are equal
+// (both -inf too: nothing but -inf scores so far), NaN where either is NaN (the row is NaN, as in one pass).
+KV_HD float RescaleFactor(float m, float top) { return m == top ? 1.0f : expf(m - top); }
+
 // Eight (or n < 8) elements d0.. of a row, as floats, from T1 storage at element offset `elem` of `buf`. Not
 // KeyValueCache's LoadEight: that one converts float16 portably, keeping NaN payloads for its bit-exact copies;
 // attention shows no payload, so the GPU's conversion instruction does here.
@@ -179,7 +204,10 @@ struct CacheRows {
   template <class Mem>
   KV_HD int64_t Where(const AttnParams& p, Mem& mem, int64_t b, int64_t, int64_t j) const {
     if (p.cache_mode == 0) return IndexWord(mem, CachestartsAt(p) + b) + j;
-    return IndexWord(mem, CachestartsAt(p) + b * p.max_p + j / p.page_size) + j % p.page_size;
+    // A 64-bit division is a long instruction sequence on the GPU; keys and page sizes almost always fit 32 bits.
+    const bool narrow = (j >> 31) == 0 && (p.page_size >> 31) == 0;
+    const int64_t page = narrow ? int32_t(j) / int32_t(p.page_size) : j / p.page_size;
+    return IndexWord(mem, CachestartsAt(p) + b * p.max_p + page) + (j - page * p.page_size);
   }
   KV_HD RowAt At(const AttnParams& p, int kv, int64_t g, int64_t slot) const {
     return RowAt{p.cache_rows.layer * p.layer_idx + p.cache_rows.kv * kv + p.cache_rows.head * g +
@@ -303,20 +331,9 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
       KV_UNROLL
       for (int64_t qi = 0; qi < kMaxTileQueries; ++qi) {
         if (qi >= Q) continue;
-        float sc = MinusInf();
-        if (visible(qi, j)) {
-          sc = p.scale * dot[qi];
-          if (p.softcap != 0.0f) sc = p.softcap * tanhf(sc / p.softcap);
-          if (p.mask_rank) {
-            const int64_t plane = p.mask_rank == 3 ? head_of(qi) * p.tokens : 0;
-            const int64_t at = (plane + seq0 + row_of(qi)) * p.mask_cols + col0 + j;
-            sc = sc + ElemToFloat<T1>(mem.template Load<T>(kAMask, at * int64_t(sizeof(T))));
-          }
-          if (p.alibi) {
-            const float slope = BitsFloat(static_cast<uint32_t>(IndexWord(mem, SlopesAt(p) + head_of(qi))));
-            sc = sc + slope * static_cast<float>(j - (K - S + row_of(qi)));
-          }
-        }
+        const float sc = visible(qi, j) ? ScoreOf<T1>(p, mem, dot[qi], head_of(qi), seq0 + row_of(qi), col0 + j,
+                                                      j - (K - S + row_of(qi)))
+                                        : MinusInf();
         SharedPut(mem, kSmemScores + qi * NT + t, sc);
       }
     });
@@ -335,7 +352,7 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
       float m = old;
       for (int64_t k = 0; k < parts; ++k) m = MaxStep(m, SharedAt(mem, kSmemReduce + t * parts + k));
       SharedPut(mem, kSmemMax + t, m);
-      SharedPut(mem, kSmemRescale + t, m == old ? 1.0f : expf(old - m));  // 0 after -inf; NaN for a NaN max
+      SharedPut(mem, kSmemRescale + t, RescaleFactor(old, m));  // 0 after -inf; NaN for a NaN max
     });
     team.Sync();
     team.Each([&](int64_t t, AttnThread&) {  // the chunk's weights, once per (query vector, key), in place
@@ -445,6 +462,28 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
   });
 }
 
+// Parts of one query vector's attention (each its max, weight sum and output sum) combined by log-sum-exp: each
+// part's sums rescaled by RescaleFactor(its max, the largest). A part whose scores are all -inf enters with factor 0
+// (exp(-inf - top)): its sums are 0, but a non-finite value under a -inf score still makes the row NaN, as in one
+// pass; a NaN or +inf max makes the output NaN.
+struct Combined {
+  float top, total, acc;
+  // The output element: the sums' ratio, or exactly 0 where no key has a score above -inf.
+  KV_HD float Output() const { return top == MinusInf() ? 0.0f : acc / total; }
+};
+// part(k, 0): part k's max; part(k, 1): its weight sum; part(k, 2): its output sum (of the element combined).
+template <class Part>
+KV_HD Combined CombineParts(int64_t parts, Part&& part) {
+  Combined c{MinusInf(), 0.0f, 0.0f};
+  for (int64_t k = 0; k < parts; ++k) c.top = MaxStep(c.top, part(k, 0));
+  for (int64_t k = 0; k < parts; ++k) {
+    const float f = RescaleFactor(part(k, 0), c.top);
+    c.total += f * part(k, 1);
+    c.acc += f * part(k, 2);
+  }
+  return c;
+}
+
 // Thread `thread` of merge block `merge_index`: output elements thread, thread + kAttnThreads, ... of the merge's
 // query vectors, from its parts' records: each part's sum and output rescaled by exp(its max - the overall max).
 // A NaN or +inf max makes the output NaN (as in one pass), a part whose scores are all -inf enters with factor 0
@@ -453,7 +492,8 @@ template <class T1, class Mem>
 KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64_t thread) {
   using T = typename T1::Storage;
   auto word = [&](int64_t k) {
-    return mem.template Load<int64_t>(kATiles, 8 * (p.tiles * kTileWords + merge_index * kMergeWords + k));
+    return mem.template Load<int64_t>(kATiles,
+                                      8 * ((p.tiles + p.decode_tiles) * kTileWords + merge_index * kMergeWords + k));
   };
   const int64_t b = word(0), row0 = word(1), rows = word(2), head0 = word(3), heads = word(4), first = word(5),
                 parts = word(6);
@@ -463,22 +503,9 @@ KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64
   };
   for (int64_t i = thread; i < Q * D; i += kAttnThreads) {
     const int64_t qi = i / D, d = i % D;
-    float top = MinusInf();
-    for (int64_t k = 0; k < parts; ++k) top = MaxStep(top, rec(k, qi, 0));
-    float o = 0.0f;
-    if (top != MinusInf()) {
-      float total = 0.0f, acc = 0.0f;
-      for (int64_t k = 0; k < parts; ++k) {
-        // A part whose scores are all -inf enters with factor exp(-inf - top) = 0: its sums are 0, but a
-        // non-finite value under a -inf score still makes the row NaN, as in one pass.
-        const float f = expf(rec(k, qi, 0) - top);
-        total += f * rec(k, qi, 1);
-        acc += f * rec(k, qi, 2 + d);
-      }
-      o = acc / total;
-    }
+    const Combined c = CombineParts(parts, [&](int64_t k, int64_t field) { return rec(k, qi, field < 2 ? field : 2 + d); });
     const int64_t at = ((seq0 + row0 + qi / heads) * H + head0 + qi % heads) * D + d;
-    mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), T1::FromFloat(o));
+    mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), T1::FromFloat(c.Output()));
   }
 }
 

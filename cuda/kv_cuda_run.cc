@@ -32,7 +32,7 @@ struct ScratchBlock {  // returned to the scratch at scope exit (stream order ke
   }
 };
 
-// The planner's policy on the current device: about four blocks per multiprocessor. The count is read from the
+// The planner's policy on the current device: about four tile blocks (eight decode blocks) per multiprocessor. The count is read from the
 // driver once per device, not on every call.
 TilePolicy DevicePolicy() {
   constexpr int kKnownDevices = 64;
@@ -47,6 +47,7 @@ TilePolicy DevicePolicy() {
   }
   TilePolicy policy;
   policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
+  policy.min_decode_blocks = 2 * policy.min_blocks;
   return policy;
 }
 
@@ -55,7 +56,7 @@ TilePolicy DevicePolicy() {
 struct PlannedScratch {
   ScratchBlock words, partials;
   PlannedScratch(DeviceScratch& scratch, const AttnLaunchPlan& launch, int64_t head_dim)
-      : words(scratch, launch.tiles ? launch.words.size() * sizeof(int64_t) : 0),
+      : words(scratch, launch.tiles + launch.decode_tiles ? launch.words.size() * sizeof(int64_t) : 0),
         partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
 };
 
@@ -64,7 +65,7 @@ struct PlannedScratch {
 void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
                    int32_t t1, int32_t scale_type, int quant_bit, const AttnTensors& tensors, cudaStream_t stream,
                    PlannedScratch& scratch) {
-  if (launch.tiles == 0) return;
+  if (launch.tiles + launch.decode_tiles == 0) return;
   Check(cudaMemcpyAsync(scratch.words.data, launch.words.data(), launch.words.size() * sizeof(int64_t),
                         cudaMemcpyHostToDevice, stream),
         "copying the index inputs and the tiles");

@@ -30,6 +30,16 @@ def default_providers() -> list:
     return ["CPUExecutionProvider"]
 
 
+def exact_float32(providers: list, compute_dtype: str) -> list:
+    """``providers`` with the CUDA EP, where it is named without options and the model computes in float32, told not
+    to use TF32: ONNX Runtime's CUDA EP multiplies float32 matrices in TF32 by default (10-bit mantissas), and a
+    float32 model's tokens would then drift from the float32 model's own (as torch's default, which keeps float32
+    products in float32). Options a caller gives are kept as given."""
+    if compute_dtype != "float32":
+        return list(providers)
+    return [("CUDAExecutionProvider", {"use_tf32": "0"}) if p == "CUDAExecutionProvider" else p for p in providers]
+
+
 def provider_device(providers: list) -> tuple:
     """(``"cuda"`` or ``"cpu"``, device id) where the first provider (a name, or ``(name, options)``) keeps
     its tensors."""
@@ -86,7 +96,8 @@ class ModelRunner:
     def __init__(self, model_path, num_pages: int, providers=None, intra_op_num_threads: int = 0):
         model = onnx.load(str(model_path), load_external_data=False)
         self.info = ModelInfo.of_model(model)
-        self.providers = list(providers) if providers is not None else default_providers()
+        self.providers = exact_float32(list(providers) if providers is not None else default_providers(),
+                                       self.info.cache_dtype)
         self.device = provider_device(self.providers)
         if self.device[0] != "cpu":
             from ..capi import c_api

@@ -19,12 +19,9 @@ SOURCES = [ROOT / "tests/host_runner/attention_host_runner.cc", ROOT / "cpu/kv_v
            ROOT / "cpu/mha_validate.cc", ROOT / "cpu/mhca_validate.cc", ROOT / "cuda/kv_cuda_params.cc",
            ROOT / "cuda/attention_params.cc", ROOT / "capi/c_tensors.cc", ROOT / "capi/attention_c_args.cc",
            ROOT / "cpu/byte_ranges.cc"]
-HEADERS = [ROOT / "cuda/attention_work.h", ROOT / "cuda/attention_launch.h", ROOT / "cuda/attention_params.h",
-           ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cache_access.h", ROOT / "cuda/kv_cache_launch.h",
-           ROOT / "cuda/kv_cuda_params.h", ROOT / "cpu/kv_types.h", ROOT / "cpu/kv_quant.h", ROOT / "cpu/kv_validate.h",
-           ROOT / "cpu/kv_checked.h", ROOT / "cpu/mha_validate.h", ROOT / "cpu/mhca_validate.h",
-           ROOT / "cpu/byte_ranges.h", ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h",
-           ROOT / "capi/attention_c_args.h"]
+# Every header the runner could include: a build is reused only when none of them changed (a list by hand went
+# stale once, and a stale build tests old kernel code).
+HEADERS = sorted(path for folder in ("cuda", "cpu", "capi") for path in (ROOT / folder).glob("*.h"))
 FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
          "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cpu'}", f"-I{ROOT / 'capi'}"]
 
@@ -38,13 +35,13 @@ BUFFERS = ("query", "key", "value", "cache", "scale", "attn_mask", "output", "in
 
 class Options(ctypes.Structure):
     _fields_ = [("min_blocks", ctypes.c_int64), ("min_split_keys", ctypes.c_int64), ("skip_sync", ctypes.c_int64),
-                ("buffer_bytes", ctypes.c_int64 * len(BUFFERS))]
+                ("buffer_bytes", ctypes.c_int64 * len(BUFFERS)), ("tile_kernel_only", ctypes.c_int64)]
 
 
 class Report(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "launches", "blocks", "threads", "tiles", "merges", "split_tiles", "out_of_bounds", "misaligned",
-        "write_write", "read_write", "uninitialized")]
+        "write_write", "read_write", "uninitialized", "decode_tiles")]
 
     def faults(self) -> int:
         return self.out_of_bounds + self.misaligned + self.write_write + self.read_write + self.uninitialized
@@ -75,12 +72,13 @@ class AttentionHostRunner:
         self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
 
     def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
-            views=None, buffer_bytes=None) -> Result:
+            views=None, buffer_bytes=None, tile_kernel_only=False) -> Result:
         """Runs the call (MultiHeadCacheAttention when ``inputs`` has a cache, else MultiHeadAttention; the cache
         and scale are written in place). ``views``: names of inputs passed 2 bytes past their array's start (a
         misaligned copy, written back after the call), so the kernels take their element-by-element path; not for int4
         arrays. ``buffer_bytes``: {buffer name: size the checks assume} (smaller than the real one: an access past
-        it must be flagged)."""
+        it must be flagged). ``tile_kernel_only``: sequences of one token go to the tile kernel too, not the decode
+        kernel."""
         cache = "cache" in inputs
         names = c_api.MHCA_INPUTS if cache else c_api.MHA_INPUTS
         buffers, views_back = c_api.HostBuffers(), []
@@ -106,6 +104,7 @@ class AttentionHostRunner:
             fn = self.lib.mha_host_run
         report, message = Report(), ctypes.create_string_buffer(8192)
         options = Options(min_blocks, min_split_keys, int(skip_sync))
+        options.tile_kernel_only = int(tile_kernel_only)
         for i, name in enumerate(BUFFERS):
             options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
         code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()), ctypes.byref(options),

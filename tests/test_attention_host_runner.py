@@ -1,5 +1,5 @@
-"""The attention CUDA kernels' work (cuda/attention_work.h), run on the host for every block of the exact tile and
-merge launches the GPU path plans, each block's team phase by phase: within the spec's bound of the naive float64
+"""The attention CUDA kernels' work (cuda/attention_work.h, attention_decode.h), run on the host for every block of
+the exact tile, decode and merge launches the GPU path plans, each block's team phase by phase: within the spec's bound of the naive float64
 oracle (MultiHeadCacheAttention's cache bit for bit the naive KeyValueCache's), and no launch with an
 out-of-bounds or misaligned access, a race between threads of a launch or of a phase, or a read of shared memory
 nothing wrote. Long key ranges split over blocks (the log-sum-exp merge), tiles of many query rows, misaligned
@@ -80,15 +80,38 @@ def test_prefill_tiles_and_split_decodes(runner, head_dim, t, heads, kv_heads):
     assert result.report.split_tiles > 0 and result.report.merges > 0
 
 
-@pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (8, 3, 24), (4, 8, 32), (4, 5, 10)])
+@pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (8, 3, 24), (4, 8, 32), (4, 5, 10),
+                                                      (8, 4, 16)])
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
-def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size):
-    seqs = [Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0)]
+@pytest.mark.parametrize("kernel", ["decode", "tile"])
+def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size, kernel):
+    """The decode row (a sequence of one token) goes to the decode kernel where its head_dim fits it (8 x a power of
+    two), or to the tile kernel: both read every layout, page size and quantization in place."""
+    seqs = [Seq(70, 1), Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(33, 1)]
     case = build_cache_attention(f"mhca-{quant_bit}-{group}-{layout}", seqs, group=4, decoding=1, is_alibi=1,
                                  sliding_window=50, softcap=3.0, mask=True, heads=2, head_dim=head_dim,
                                  quant_bit=quant_bit, quant_group=group, cache_mode=mode, cache_layout=layout,
                                  page_size=page_size or 4, t1="float16", t3="float16")
-    check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16)
+    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16,
+                        tile_kernel_only=kernel == "tile")
+    assert (result.report.decode_tiles > 0) == (kernel == "decode" and head_dim in (16, 32, 64, 128))
+
+
+@pytest.mark.parametrize("head_dim,t", [(8, "float32"), (16, "bfloat16"), (32, "float16"), (64, "float32"),
+                                        (128, "float16"), (256, "bfloat16")])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 1), (6, 2), (2, 2)])
+@pytest.mark.parametrize("split", [False, True])
+def test_decode_kernel_lanes_head_groups_and_splits(runner, head_dim, t, heads, kv_heads, split):
+    """Decode rows of every lane count (1 to 32 lanes per key row), GQA groups of 4, 6 (tiles of 4 and 2 heads), 3
+    and 1, key ranges not a multiple of a step (warps with no keys in the last step), with and without splits; a
+    decoding chunk and a prefill row beside them go to the tile kernel."""
+    case = build_attention(f"decode-{head_dim}-{heads}-{kv_heads}", [(1, 300), (1, 1), (1, 37), (3, 9)], heads=heads,
+                           kv_heads=kv_heads, head_dim=head_dim, t=t, decoding=3, mask=3 if split else 2,
+                           is_alibi=int(split), softcap=3.0 if split else 0.0, sliding_window=0 if split else 20)
+    result = check_mha(runner, case, min_blocks=10**6 if split else 1, min_split_keys=16)
+    groups = heads // kv_heads
+    assert result.report.decode_tiles >= 3 * kv_heads * -(-groups // 4)
+    assert (result.report.split_tiles > 0) == split
 
 
 @pytest.mark.parametrize("views", [("key", "value"), ("query",)])
@@ -127,21 +150,36 @@ def test_a_rising_max_rescales_what_was_summed(runner, t):
     ramp = np.linspace(0.0, 6.0, key.shape[0], dtype=np.float32)
     key[...] = (ramp[:, None, None] * direction + 0.1 * key.astype(np.float32)).astype(key.dtype)
     result = check_mha(runner, case, min_blocks=1)
-    assert result.report.split_tiles == 0
+    assert result.report.split_tiles == 0 and result.report.decode_tiles > 0  # the decode row's warps rescale too
 
 
 @pytest.mark.parametrize("split", [False, True])
-def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runner, split):
+@pytest.mark.parametrize("kernel", ["decode", "tile"])
+def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runner, split, kernel):
     """Spec, non-finite values: a key masked to -inf keeps weight 0 but stays in the sums. When the decode is split,
-    the part seeing only -inf scores still carries its NaN into the merge."""
+    the part seeing only -inf scores still carries its NaN into the merge (in the decode kernel, the warp seeing
+    only -inf scores carries it into the block's combination too)."""
     case = build_attention("nan-under-mask", [(1, 1024)], heads=1, head_dim=8, t="float32", mask=2)
     case.inputs["attn_mask"][0, :512] = -np.inf
     case.inputs["value"][0, 0, 0] = np.nan
-    result = runner.run(copies(case.inputs), case.attributes, min_blocks=10**6 if split else 1, min_split_keys=256)
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=10**6 if split else 1, min_split_keys=256,
+                        tile_kernel_only=kernel == "tile")
     assert_clean(result)
     assert (result.report.split_tiles > 0) == split
+    assert (result.report.decode_tiles > 0) == (kernel == "decode")
     assert np.isnan(result.output[0]).any(), result.output[0]
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)[0]).any()  # the reference agrees
+
+
+@pytest.mark.parametrize("kernel", ["decode", "tile"])
+def test_keys_masked_to_minus_inf_before_finite_ones_leave_the_row_finite(runner, kernel):
+    """A warp (or chunk) whose first scores are all -inf weights them 0 until a finite score raises the max; exp(-inf
+    - -inf) would be NaN."""
+    case = build_attention("minus-inf-first", [(1, 600)], heads=4, kv_heads=1, head_dim=16, t="float32", mask=2)
+    case.inputs["attn_mask"][0, :300] = -np.inf
+    result = check_mha(runner, case, min_blocks=1, tile_kernel_only=kernel == "tile")
+    assert np.isfinite(result.output).all()
+    assert (result.report.decode_tiles > 0) == (kernel == "decode")
 
 
 def test_split_parts_of_several_chunks_merge_within_the_bound(runner):
@@ -153,7 +191,7 @@ def test_split_parts_of_several_chunks_merge_within_the_bound(runner):
 
 @pytest.mark.parametrize("group", [16, 32])
 def test_eight_code_loads_across_larger_quantization_groups(runner, group):
-    case = build_cache_attention(f"groups-{group}", [Seq(1, 60), Seq(3, 5)], group=2, heads=2, head_dim=64,
+    case = build_cache_attention(f"groups-{group}", [Seq(1, 60), Seq(3, 5), Seq(50, 1)], group=2, heads=2, head_dim=64,
                                  quant_bit=8, quant_group=group, cache_mode=1, page_size=8, t1="float16",
                                  t3="float32")
     check_mhca(runner, case.inputs, case.attributes)

@@ -61,3 +61,14 @@ def test_a_request_that_cannot_fit_the_pool_is_refused_before_any_token():
         engine.generate([list(range(1, 21))], 20, on_token=lambda i, t: streamed.append(t))
     assert streamed == [] and not engine.manager.requests
     assert len(engine.generate([list(range(1, 21))], 13)[0]) == 13  # 32 positions: exactly 2 pages
+
+
+def test_a_float32_model_on_the_cuda_ep_is_told_not_to_use_tf32():
+    """ONNX Runtime's CUDA EP multiplies float32 in TF32 unless told otherwise; a float32 model must not drift."""
+    from kvcache_op.serving.ort_runner import exact_float32
+
+    named = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert exact_float32(named, "float32") == [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    assert exact_float32(named, "float16") == named
+    given = [("CUDAExecutionProvider", {"use_tf32": "1"})]
+    assert exact_float32(given, "float32") == given  # the caller's options stand

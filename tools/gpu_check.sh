@@ -12,8 +12,9 @@
 # 5. runs the CUDA benchmarks (python -m kvcache_op.benchmarks.gpu.bench, and .attention for the attention ops);
 #    with the CUDA EP (6.), the exported decoder served end to end against transformers (.serving);
 # 6. runs the ONNX Runtime CUDA EP tests when onnxruntime-gpu is importable, or can be installed from
-#    the parts in .ort-gpu/ or $ORT_GPU_PARTS (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps
-#    --target; a folder outside the checkout lets the parts arrive in several transfers);
+#    .ort-gpu/ or $ORT_GPU_PARTS: a one-architecture bundle (tools/ort_gpu_bundle.py: SHA-256 checked, extracted),
+#    or the wheel's parts (tools/wheel_parts.py: reassembled and SHA-256 checked, pip --no-deps --target; a folder
+#    outside the checkout lets the parts arrive in several transfers);
 # 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
 #    every step that was skipped, with the reason.
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
@@ -141,8 +142,8 @@ else
 
   if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:TileKernel --launch-skip 2 \
+    if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+        --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel" --launch-skip 2 \
         --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case 0 \
         >"$OUT/logs/attention-ncu.log" 2>&1; then
       step attention-ncu pass "logs/attention-ncu.log"
@@ -159,7 +160,13 @@ dirs = {os.path.dirname(f) for sp in site.getsitepackages() for f in glob.glob(o
 print(":".join(sorted(dirs)))' 2>/dev/null)
   if [ -n "$NVIDIA_LIBS" ]; then export LD_LIBRARY_PATH=$NVIDIA_LIBS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
   PARTS=${ORT_GPU_PARTS:-$ROOT/.ort-gpu}
-  if [ -f "$PARTS/MANIFEST.json" ]; then
+  if [ -f "$PARTS/BUNDLE.json" ]; then  # a slim one-architecture bundle (tools/ort_gpu_bundle.py)
+    if "$PY" "$ROOT/tools/ort_gpu_bundle.py" unpack "$PARTS" --out "$OUT/ort-gpu" >"$OUT/logs/ort-gpu-install.log" 2>&1; then
+      export PYTHONPATH=$OUT/ort-gpu:$PYTHONPATH
+    else
+      step ort-gpu-install fail "see logs/ort-gpu-install.log"
+    fi
+  elif [ -f "$PARTS/MANIFEST.json" ]; then
     if wheel=$("$PY" "$ROOT/tools/wheel_parts.py" join "$PARTS" --out "$OUT/wheels" 2>"$OUT/logs/ort-gpu-install.log") \
        && "$PY" -m pip install -q --no-deps --no-index --target "$OUT/ort-gpu" "$wheel" >>"$OUT/logs/ort-gpu-install.log" 2>&1; then
       export PYTHONPATH=$OUT/ort-gpu:$PYTHONPATH

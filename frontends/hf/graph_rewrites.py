@@ -64,17 +64,31 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
     return fused
 
 
+# onnxscript's ONNX Runtime fusions the exported decoders take: norms (and residual adds with them) and GELU. Not its
+# rotary fusions: with the packed batch's computed cos/sin they make com.microsoft RotaryEmbedding nodes whose
+# caches are not constant, which ONNX Runtime's CUDA EP refuses ("Updating cos_cache and sin_cache ... is not
+# currently supported"); whether they match depends on the torch and transformers versions that traced the graph.
+# Nor its attention fusions: attention is our ops already.
+FUSIONS = ("fuse_erfgelu", "fuse_rms_normalization", "fuse_skip_layer_normalization", "fuse_skip_rms_normalization",
+           "fuse_gelu", "fuse_bias_gelu")
+
+
 def optimize_decoder(proto: onnx.ModelProto) -> tuple:
-    """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions (``fuse_xformers``) and :func:`fuse_sibling_matmuls`
-    applied, and how many of each were made. The graph's inputs, outputs, custom ops and metadata are kept."""
-    from onnxscript.rewriter.ort_fusions._core import fuse_xformers
+    """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions in :data:`FUSIONS` and
+    :func:`fuse_sibling_matmuls` applied, and how many of each were made. The graph's inputs, outputs, custom ops and
+    metadata are kept; every op it holds runs on ONNX Runtime's CPU and CUDA EPs."""
+    from onnxscript.rewriter.ort_fusions import _core
 
     from .. import spec  # noqa: F401 - our ops' schemas, for the shape inference the fusions run
 
-    model = ir.from_proto(proto)
+    model = _core._pre_optimize(ir.from_proto(proto))
     # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
     # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
-    model, counts = fuse_xformers(model)
-    counts = {name: count for name, count in counts.items() if count}
+    counts = {}
+    for name in FUSIONS:
+        count = getattr(_core, name)(model)
+        if count:
+            counts[name.removeprefix("fuse_")] = count
+    _core.optimize(model)
     counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
     return ir.to_proto(model), counts

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "attention_c_args.h"
+#include "attention_decode.h"
 #include "attention_params.h"
 #include "attention_work.h"
 #include "c_tensors.h"
@@ -33,11 +34,13 @@ struct AttnHostRunOptions {
   int64_t min_blocks, min_split_keys;  // the planner's policy (the GPU reads min_blocks off the device)
   int64_t skip_sync;                   // 1: team.Sync() does not end a phase (shows (c) is caught)
   int64_t buffer_bytes[kvcache::cuda::kABufCount];  // >= 0: the size the checks assume (shows (a) is caught)
+  int64_t tile_kernel_only;                          // 1: no tile goes to the decode kernel
 };
 
 struct AttnHostRunReport {
   int64_t launches, blocks, threads, tiles, merges, split_tiles;
   int64_t out_of_bounds, misaligned, write_write, read_write, uninitialized;
+  int64_t decode_tiles;
 };
 }  // extern "C"
 
@@ -157,13 +160,15 @@ struct CheckingMem {
   }
 };
 
+// A block of `Threads` threads, each with its registers `State`, run phase by phase.
+template <class State, int64_t Threads>
 struct HostTeam {
   CheckingMem& mem;
   bool skip_sync;
-  std::vector<cuda::AttnThread> state = std::vector<cuda::AttnThread>(cuda::kAttnThreads);
+  std::vector<State> state = std::vector<State>(Threads);
   template <class F>
   void Each(F&& f) {
-    for (int64_t t = 0; t < cuda::kAttnThreads; ++t) {
+    for (int64_t t = 0; t < Threads; ++t) {
       mem.thread = t;
       f(t, state[static_cast<size_t>(t)]);
     }
@@ -171,6 +176,24 @@ struct HostTeam {
   }
   void Sync() {
     if (!skip_sync) mem.EndPhase();
+  }
+  // The GPU's __shfl_xor_sync exchange: for each mask, every thread combines its value with the value thread
+  // (t ^ mask) held before the exchange. A mask must stay within a warp.
+  template <class Get, class Op>
+  void Butterfly(int64_t lo, int64_t hi, Get&& get, Op&& op) {
+    for (int64_t mask = lo; mask < hi; mask *= 2) {
+      if (mask >= cuda::kWarp) {
+        mem.Note(mem.report->out_of_bounds, "a butterfly mask of " + std::to_string(mask) + " leaves the warp");
+        return;
+      }
+      const std::vector<State> before = state;
+      for (int64_t t = 0; t < Threads; ++t) {
+        auto& mine = get(state[static_cast<size_t>(t)]);
+        const auto& own = get(const_cast<State&>(before[static_cast<size_t>(t)]));
+        const auto& other = get(const_cast<State&>(before[static_cast<size_t>(t ^ mask)]));
+        for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); ++i) mine[i] = op(own[i], other[i]);
+      }
+    }
   }
 };
 
@@ -207,12 +230,19 @@ struct StoreRunner {
 // The tile launch then the merge launch of a planned call.
 template <class T1, class Rows>
 void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
-  HostTeam team{mem, skip_sync};
+  HostTeam<cuda::AttnThread, cuda::kAttnThreads> team{mem, skip_sync};
   mem.StartLaunch("tile launch");
   for (int64_t tile = 0; tile < p.tiles; ++tile) {
     mem.StartBlock(tile);
     mem.where = "tile launch, block " + std::to_string(tile);
     cuda::AttentionTile<T1>(p, Rows{}, mem, team, tile);
+  }
+  HostTeam<cuda::DecodeThread, cuda::kDecodeThreads> decode{mem, skip_sync};
+  mem.StartLaunch("decode launch");
+  for (int64_t tile = 0; tile < p.decode_tiles; ++tile) {
+    mem.StartBlock(tile);
+    mem.where = "decode launch, block " + std::to_string(tile);
+    cuda::DecodeTile<T1>(p, Rows{}, mem, decode, tile);
   }
   mem.StartLaunch("merge launch");
   for (int64_t m = 0; m < p.merges; ++m) {
@@ -224,9 +254,9 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
     }
     mem.thread = -1;
   }
-  mem.report->launches += 1 + (p.merges > 0);
-  mem.report->blocks += p.tiles + p.merges;
-  mem.report->threads += (p.tiles + p.merges) * cuda::kAttnThreads;
+  mem.report->launches += (p.tiles > 0) + (p.decode_tiles > 0) + (p.merges > 0);
+  mem.report->blocks += p.tiles + p.decode_tiles + p.merges;
+  mem.report->threads += (p.tiles + p.merges) * cuda::kAttnThreads + p.decode_tiles * cuda::kDecodeThreads;
 }
 
 template <class T1>
@@ -265,8 +295,9 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
                    const cuda::AttnTensors& t, int32_t scale_type, int quant_bit, const AttnHostRunOptions& o,
                    AttnHostRunReport* report, char* message, size_t message_size) {
   cuda::TilePolicy policy;
-  if (o.min_blocks > 0) policy.min_blocks = o.min_blocks;
-  if (o.min_split_keys > 0) policy.min_split_keys = o.min_split_keys;
+  if (o.min_blocks > 0) policy.min_blocks = policy.min_decode_blocks = o.min_blocks;
+  if (o.min_split_keys > 0) policy.min_split_keys = policy.min_decode_split_keys = o.min_split_keys;
+  policy.decode_kernel = o.tile_kernel_only == 0;
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(cuda::kSharedWords));
@@ -294,8 +325,9 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   for (int b = 0; b < cuda::kABufCount; ++b)
     if (o.buffer_bytes[b] >= 0) mem.bytes[b] = std::min(mem.bytes[b], o.buffer_bytes[b]);
   report->tiles = launch.tiles;
+  report->decode_tiles = launch.decode_tiles;
   report->merges = launch.merges;
-  for (int64_t i = 0; i < launch.tiles; ++i)
+  for (int64_t i = 0; i < launch.tiles + launch.decode_tiles; ++i)
     report->split_tiles += launch.words[size_t(launch.index_words + i * cuda::kTileWords + 7)] >= 0;
   RunAll(p, mem, in[0].type, scale_type, quant_bit, cache != nullptr, o.skip_sync != 0);
   const int64_t faults = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
