@@ -113,6 +113,14 @@ class AttentionCall:
         return all(b.guards_intact() for b in [*self.device.values(), self.out])
 
 
+@pytest.fixture(params=["tile", "decode"])
+def kernel(request, monkeypatch):
+    """Sequences of one token through the tile kernel (the default) or the decode kernel
+    (KVCACHE_OP_CUDA_DECODE_KERNEL=1, read on every call)."""
+    monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", "1" if request.param == "decode" else "0")
+    return request.param
+
+
 def _expect_zero_rows(got, bound):
     assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
 
@@ -276,7 +284,7 @@ SPLIT_VARIANTS = {"plain": {}, "window-mask-alibi-softcap": dict(sliding_window=
 
 @pytest.mark.parametrize("t, variant", [("float32", "plain"), ("float16", "plain"), ("bfloat16", "plain"),
                                         ("float16", "window-mask-alibi-softcap")])
-def test_mha_split_decode(t, variant):
+def test_mha_split_decode(t, variant, kernel):
     """Two decodes of 3000 and 1500 keys, 8 query heads over 2 kv heads, head_dim 128: too few blocks for the GPU,
     so the planner splits their keys into parts merged after (log-sum-exp)."""
     case = build_attention(f"split-{t}-{variant}", [(1, 3000), (1, 1500)], heads=8, kv_heads=2, head_dim=128, t=t,
@@ -310,7 +318,7 @@ def test_mha_prefill(variant, head_dim):
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [128, 64, 24, 5, 256])
-def test_mha_head_dims_and_groups(head_dim, group):
+def test_mha_head_dims_and_groups(head_dim, group, kernel):
     case = build_attention(f"dims-{head_dim}-{group}", [(1, 700), (19, 19), (4, 30), (1, 1)], heads=2 * group,
                            kv_heads=2, head_dim=head_dim, decoding=1, t="float16", mask=2)
     check_mha_against_reference(case)
@@ -334,7 +342,7 @@ def test_mha_fully_masked_rows_are_zero():
 
 
 @pytest.mark.parametrize("t1", ["float32", "float16", "bfloat16"])
-def test_mhca_split_decode(t1):
+def test_mhca_split_decode(t1, kernel):
     """Decodes over 3000 and 1500 cached keys (offset cache), 8 query heads over 2 kv heads, head_dim 128."""
     case = build_cache_attention(f"mhca-split-{t1}", [Seq(2999, 1), Seq(1499, 1)], heads=2, head_dim=128, group=4,
                                  cache_mode=0, t1=t1)
@@ -353,7 +361,7 @@ QUANTIZED = {
 
 @pytest.mark.parametrize("layout", [0, 1, 2, 3])
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
-def test_mhca_quantized(kind, layout):
+def test_mhca_quantized(kind, layout, kernel):
     """int8 and int4 caches (groups of 8, and of 3: no 8-element units), layouts 0-3, offset and paged caches with
     pages of 16 and 5: a decode long enough to split, a chunk of a chunked prefill, a first prefill, GQA 4."""
     quant_bit, group, head_dim, mode, page, t1, t3 = QUANTIZED[kind]
@@ -365,7 +373,7 @@ def test_mhca_quantized(kind, layout):
 
 @pytest.mark.parametrize("layout", [0, 1, 2, 3])
 @pytest.mark.parametrize("page", [16, 5])
-def test_mhca_paged_float16(page, layout):
+def test_mhca_paged_float16(page, layout, kernel):
     case = build_cache_attention(f"mhca-paged-{page}-{layout}", [Seq(1200, 1), Seq(40, 24), Seq(0, 17)], heads=2,
                                  head_dim=128, group=4, cache_mode=1, page_size=page, cache_layout=layout,
                                  t1="float16", num_layer=2, layer_idx=1)

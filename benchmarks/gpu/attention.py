@@ -33,11 +33,15 @@ Figures, per case:
   ``is_causal=True``, the flash backend through ``torch.nn.attention.sdpa_kernel`` when it runs), GQA by
   ``enable_gqa=True`` or, where that is refused, keys expanded to H heads before timing. **vs sdpa** = sdpa ms /
   op ms (above 1: the op is faster; prefill target 0.8). For MultiHeadAttention the two get the same numbers:
-  **max |op - sdpa|** is their largest difference (a sanity figure).
+  **max |op - sdpa|** is their largest difference (a sanity figure);
+* rows ending **decode kernel**: sequences of one token through the decode kernel (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``)
+  instead of the tile kernel, the default, on shapes measured above.
 """
 
 import argparse
+import contextlib
 import dataclasses
+import os
 import shlex
 import sys
 
@@ -68,6 +72,7 @@ class Case:
     quant_bit: int = 0  # 0 or 8 (MultiHeadCacheAttention)
     layout: int = 0
     page_size: int = 16
+    decode_kernel: bool = False  # sequences of one token through the decode kernel (KVCACHE_OP_CUDA_DECODE_KERNEL=1)
 
     @property
     def op_name(self) -> str:
@@ -76,8 +81,9 @@ class Case:
     def label(self) -> str:
         size = f"S={self.seqlen}" if self.phase == "prefill" else f"kvlen={self.kvlen}"
         cache = f" q{self.quant_bit} L{self.layout} page={self.page_size}" if self.op == "mhca" else " packed"
+        kernel = " decode kernel" if self.decode_kernel else ""
         return (f"{self.op} {self.phase} B={self.batch} {size} H={self.heads}/{self.kv_heads} Dh={self.head_dim} "
-                f"{self.dtype}{cache}")
+                f"{self.dtype}{cache}{kernel}")
 
     def bytes_read(self) -> int:
         """Bytes of the keys and values the op reads, as stored (see the module's notes)."""
@@ -92,12 +98,30 @@ def cases(quick: bool) -> list:
     if quick:
         return ([Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, layout=layout) for layout in (0, 3)]
                 + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3)]
+                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, decode_kernel=True)]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64)])
     out = [Case("mhca", "decode", 64, 1, 1024, 8, 2, layout=layout) for layout in (0, 3)]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=q, layout=layout) for q in (0, 8) for layout in (0, 3)]
     out += [Case("mha", "decode", 64, 1, 1024, 8, 2), Case("mha", "prefill", 8, 1024, 1024, 32, 8)]
+    # the decode kernel beside the tile kernel (the default) on the same shapes
+    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, decode_kernel=True),
+            Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, decode_kernel=True)]
     return out
+
+
+@contextlib.contextmanager
+def decode_kernel(on: bool):
+    """KVCACHE_OP_CUDA_DECODE_KERNEL set to ``on`` inside (the library reads it on every call), restored after."""
+    name, before = "KVCACHE_OP_CUDA_DECODE_KERNEL", os.environ.get("KVCACHE_OP_CUDA_DECODE_KERNEL")
+    os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def missing_requirements() -> list:
@@ -225,6 +249,11 @@ class AttentionCall:
 
 def measure(case: Case, warmup: int, repeats: int) -> dict:
     """One row: op, copy and SDPA times of ``case``, back to back on the current stream."""
+    with decode_kernel(case.decode_kernel):
+        return _measure(case, warmup, repeats)
+
+
+def _measure(case: Case, warmup: int, repeats: int) -> dict:
     import torch
 
     from .bench import host_ms, kernel_ms
