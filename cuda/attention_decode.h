@@ -47,7 +47,8 @@ struct DecodeThread {
 struct AddOp {
   KV_HD float operator()(float a, float b) const { return a + b; }
 };
-struct MaxOp {  // numpy's max: NaN sticks (and a, b give the same as b, a, up to a NaN's payload)
+struct MaxOp {  // numpy's max: NaN sticks; a, b and b, a may differ only in a NaN's payload or a zero's sign, which
+               // the max is never shown through (it is subtracted and compared)
   KV_HD float operator()(float a, float b) const { return MaxStep(a, b); }
 };
 

@@ -70,9 +70,12 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
           base.push_back(Tile{b, r0, rows, g * G + hh, std::min(tile_heads, G - hh), lo, std::max(lo, hi_last), -1});
         }
   }
-  // Too few blocks for the GPU: long key ranges split, each part a block of its own, merged after.
-  const int64_t count = static_cast<int64_t>(base.size() + decode_base.size());
-  auto want = [&](int64_t blocks) { return count < blocks ? (blocks + count - 1) / count : 1; };
+  // Too few blocks for the GPU: long key ranges split, each part a block of its own, merged after. The tile and
+  // decode launches run one after the other: each fills the GPU by itself.
+  auto want = [](size_t tiles, int64_t blocks) {
+    const int64_t count = std::max<int64_t>(1, static_cast<int64_t>(tiles));
+    return count < blocks ? (blocks + count - 1) / count : 1;
+  };
   std::vector<Tile> tiles, decode_tiles;
   std::vector<Merge> merges;
   auto split = [&](const std::vector<Tile>& from, int64_t min_keys, int64_t most, std::vector<Tile>& into) {
@@ -98,8 +101,8 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
       merges.push_back(m);
     }
   };
-  split(base, policy.min_split_keys, want(policy.min_blocks), tiles);
-  split(decode_base, policy.min_decode_split_keys, want(policy.min_decode_blocks), decode_tiles);
+  split(base, policy.min_split_keys, want(base.size(), policy.min_blocks), tiles);
+  split(decode_base, policy.min_decode_split_keys, want(decode_base.size(), policy.min_decode_blocks), decode_tiles);
   out.tiles = static_cast<int64_t>(tiles.size());
   out.decode_tiles = static_cast<int64_t>(decode_tiles.size());
   out.merges = static_cast<int64_t>(merges.size());

@@ -319,6 +319,8 @@ def test_mha_prefill(variant, head_dim):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [128, 64, 24, 5, 256])
 def test_mha_head_dims_and_groups(head_dim, group, kernel):
+    if kernel == "decode" and head_dim not in (8, 16, 32, 64, 128, 256):
+        pytest.skip("the decode kernel takes head_dim 8 x a power of two, at most 256 (the tile kernel runs this one)")
     case = build_attention(f"dims-{head_dim}-{group}", [(1, 700), (19, 19), (4, 30), (1, 1)], heads=2 * group,
                            kv_heads=2, head_dim=head_dim, decoding=1, t="float16", mask=2)
     check_mha_against_reference(case)

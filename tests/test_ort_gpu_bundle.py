@@ -25,19 +25,22 @@ def fatbin(*entries: bytes) -> bytes:
 
 
 def library() -> bytes:
-    """Host code around two fat binaries, one with a stray magic before it."""
+    """Host code around three fat binaries (one with a stray magic before it, one without sm_90: machine code for
+    sm_80 and its PTX), and a stray magic in the last bytes."""
     first = fatbin(entry(80, b"A" * 40), entry(90, b"B" * 24), entry(120, b"C" * 8))
     second = fatbin(entry(90, b"D" * 16, kind=1), entry(75, b"E" * 32))
-    return b"host" * 10 + struct.pack("<I", 0xBA55ED50) + b"x" * 7 + first + b"more host" + second + b"tail"
+    third = fatbin(entry(80, b"F" * 12), entry(80, b"G" * 20, kind=1))
+    return (b"host" * 10 + struct.pack("<I", 0xBA55ED50) + b"x" * 7 + first + b"more host" + second + third
+            + b"tail" + struct.pack("<I", 0xBA55ED50) + b"\x01\x00")
 
 
 def test_other_architectures_are_zeroed_in_place():
     original = library()
     data = bytearray(original)
     found = bundle.prune_fatbins(data, 90)
-    assert found == {80: 40, 90: 40, 120: 8, 75: 32}
+    assert found == {80: 72, 90: 40, 120: 8, 75: 32}
     assert len(data) == len(original)
-    for kept in (b"B" * 24, b"D" * 16):
+    for kept in (b"B" * 24, b"D" * 16, b"F" * 12, b"G" * 20):  # a fat binary without sm_90 stays whole
         assert kept in data
     for gone in (b"A" * 40, b"C" * 8, b"E" * 32):
         assert gone not in data

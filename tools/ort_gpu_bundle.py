@@ -6,7 +6,7 @@ without network.
 
 The wheel (255 MB) is mostly ``libonnxruntime_providers_cuda.so``, whose CUDA kernels are stored once per GPU
 architecture (sm_75, 80, 86, 89, 90, 120) in fat binaries. ``make`` zeroes the payloads of every architecture but
-``--arch`` in place, so every offset in the library stays as it was and the zeroes compress to nothing. The CUDA
+``--arch`` in place (in each fat binary that has ``--arch``; one without it is kept whole), so every offset in the library stays as it was and the zeroes compress to nothing. The CUDA
 runtime loads the one image matching the device, so on that architecture the library behaves as the wheel's; on any
 other it has no kernels (the bundle's name says which architecture it serves). It also leaves out what the Python
 package does not load: the C-API library ``libonnxruntime.so.*`` (the Python module links ONNX Runtime in) and the
@@ -37,28 +37,34 @@ LEFT_OUT = ("onnxruntime/capi/libonnxruntime.so.", "onnxruntime/capi/libonnxrunt
 
 
 def prune_fatbins(data: bytearray, keep_arch: int) -> dict[int, int]:
-    """Zeroes, in place, the payload of every fat-binary entry whose architecture is not ``keep_arch``; headers and
-    offsets are untouched. Returns the payload bytes per architecture found. Raises ValueError when the data holds
-    no fat binary or none for ``keep_arch`` (the result would have no kernels for it)."""
+    """Zeroes, in place, the payload of every entry of another architecture in each fat binary that holds an entry
+    for ``keep_arch``; a fat binary without one is left whole (its PTX may be what the device compiles at load).
+    Headers and offsets are untouched. Returns the payload bytes per architecture found. Raises ValueError when the
+    data holds no fat binary or none for ``keep_arch`` (the result would have no kernels for it)."""
     found: dict[int, int] = {}
     pos = 0
     while (start := data.find(FATBIN_MAGIC, pos)) >= 0:
+        pos = start + 4
+        if start + 16 > len(data):
+            break
         version, header, size = struct.unpack_from("<HHQ", data, start + 4)
         end = start + header + size
         if version != 1 or header != 16 or end > len(data):
-            pos = start + 4  # the magic's bytes inside other data
-            continue
-        entry = start + header
+            continue  # the magic's bytes inside other data
+        entries, entry = [], start + header
         while entry + 32 <= end:
             entry_header, payload = struct.unpack_from("<IQ", data, entry + 4)
-            arch = struct.unpack_from("<I", data, entry + 28)[0]
             body = entry + entry_header
             if entry_header < 32 or body + payload > end:
                 raise ValueError(f"fat binary at byte {start}: entry at byte {entry} runs past its end")
-            found[arch] = found.get(arch, 0) + payload
-            if arch != keep_arch:
-                data[body:body + payload] = bytes(payload)
+            entries.append((struct.unpack_from("<I", data, entry + 28)[0], body, payload))
             entry = body + payload
+        for arch, _, payload in entries:
+            found[arch] = found.get(arch, 0) + payload
+        if any(arch == keep_arch for arch, _, _ in entries):
+            for arch, body, payload in entries:
+                if arch != keep_arch:
+                    data[body:body + payload] = bytes(payload)
         pos = end
     if not found:
         raise ValueError("no CUDA fat binary found")
@@ -90,8 +96,9 @@ def make(wheel: pathlib.Path, arch: int, out: pathlib.Path) -> pathlib.Path:
                 data = bytearray(zf.read(name))
                 if name == CUDA_PROVIDER:
                     found = prune_fatbins(data, arch)
-                    print(f"{name}: kept sm_{arch} ({found[arch] >> 20} MiB of kernels), zeroed "
-                          f"{', '.join(f'sm_{a}' for a in sorted(found) if a != arch)}", file=sys.stderr)
+                    others = ", ".join(f"sm_{a}" for a in sorted(found) if a != arch)
+                    print(f"{name}: kept sm_{arch} ({found[arch] >> 20} MiB of kernels); {others} zeroed wherever a "
+                          f"fat binary has sm_{arch}", file=sys.stderr)
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 info.mode = 0o755 if name.endswith(".so") or ".so." in name else 0o644

@@ -227,23 +227,34 @@ struct StoreRunner {
   }
 };
 
-// The tile launch then the merge launch of a planned call.
+// Every block of one launch of a block-cooperative kernel: work(team, block) with a fresh shared memory each, of
+// the kernel's own size (`shared_words`: an access past it is flagged, as past any buffer).
+template <class State, int64_t Threads, class Work>
+void RunBlocks(CheckingMem& mem, bool skip_sync, const char* launch, int64_t blocks, int64_t shared_words,
+               Work&& work) {
+  HostTeam<State, Threads> team{mem, skip_sync};
+  const int64_t shared_bytes = mem.bytes[cuda::kAShared];
+  mem.bytes[cuda::kAShared] = std::min(shared_bytes, shared_words * 4);
+  mem.StartLaunch(launch);
+  for (int64_t block = 0; block < blocks; ++block) {
+    mem.StartBlock(block);
+    mem.where = std::string(launch) + ", block " + std::to_string(block);
+    work(team, block);
+  }
+  mem.bytes[cuda::kAShared] = shared_bytes;
+}
+
+// The tile launch, the decode launch, then the merge launch of a planned call.
 template <class T1, class Rows>
 void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
-  HostTeam<cuda::AttnThread, cuda::kAttnThreads> team{mem, skip_sync};
-  mem.StartLaunch("tile launch");
-  for (int64_t tile = 0; tile < p.tiles; ++tile) {
-    mem.StartBlock(tile);
-    mem.where = "tile launch, block " + std::to_string(tile);
-    cuda::AttentionTile<T1>(p, Rows{}, mem, team, tile);
-  }
-  HostTeam<cuda::DecodeThread, cuda::kDecodeThreads> decode{mem, skip_sync};
-  mem.StartLaunch("decode launch");
-  for (int64_t tile = 0; tile < p.decode_tiles; ++tile) {
-    mem.StartBlock(tile);
-    mem.where = "decode launch, block " + std::to_string(tile);
-    cuda::DecodeTile<T1>(p, Rows{}, mem, decode, tile);
-  }
+  RunBlocks<cuda::AttnThread, cuda::kAttnThreads>(mem, skip_sync, "tile launch", p.tiles, cuda::kSharedWords,
+                                                  [&](auto& team, int64_t b) {
+                                                    cuda::AttentionTile<T1>(p, Rows{}, mem, team, b);
+                                                  });
+  RunBlocks<cuda::DecodeThread, cuda::kDecodeThreads>(mem, skip_sync, "decode launch", p.decode_tiles,
+                                                      cuda::kDecodeSharedWords, [&](auto& team, int64_t b) {
+                                                        cuda::DecodeTile<T1>(p, Rows{}, mem, team, b);
+                                                      });
   mem.StartLaunch("merge launch");
   for (int64_t m = 0; m < p.merges; ++m) {
     mem.block_id = m;
