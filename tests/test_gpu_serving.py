@@ -34,3 +34,18 @@ def test_the_engine_on_the_cuda_ep_serves_the_models_own_greedy_tokens(settings)
     tokens = engine.generate(PROMPTS, 10)
     model = copy.deepcopy(hf_models.model("llama")).to("cuda")  # the same GPU, float32 (the cached model stays put)
     assert tokens == [reference_generate(model, p, 10) for p in PROMPTS]
+
+
+def test_float16_agreement_with_transformers_on_the_same_gpu(tmp_path, record_property):
+    """A float16 export on the CUDA EP against the float16 model's own greedy generation on the same GPU: the share of
+    positions where both chose the same token (recorded in the junit report as float16_agreement)."""
+    from kvcache_op.benchmarks.serving.peers import agreement
+    from kvcache_op.hf import export_model
+
+    model = copy.deepcopy(hf_models.model("llama")).half()
+    path = export_model(model, tmp_path / "llama-float16.onnx")
+    tokens = Engine(path, num_pages=16, providers=["CUDAExecutionProvider"]).generate(PROMPTS, 10)
+    model = model.to("cuda")
+    rate = agreement(tokens, [reference_generate(model, p, 10) for p in PROMPTS])
+    record_property("float16_agreement", rate)
+    assert rate >= 0.5, rate  # float16 sums in another order may part ways after a near-tie, not at random

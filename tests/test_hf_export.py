@@ -1,6 +1,8 @@
 """kvcache_op.hf.export_model: the graph it writes, the metadata the engine reads, the models and settings
 it refuses, and a local checkpoint folder as its source."""
 
+import itertools
+
 import numpy as np
 import onnx
 import pytest
@@ -102,6 +104,28 @@ def test_a_local_bfloat16_checkpoint_folder_exports_in_float32(tmp_path):
     assert Engine(path, num_pages=8).generate(prompts, 8) == [reference_generate(model, p, 8) for p in prompts]
     with pytest.raises(ValueError, match="the model computes in bfloat16"):
         export_model(model.to(torch.bfloat16), tmp_path / "bf16.onnx")
+
+
+def test_a_float16_model_exports_and_serves_its_own_greedy_tokens(tmp_path):
+    """The routing check runs a float16 model widened to float32 (float16 rounding alone moved its logits by 0.024,
+    past the check's float32 bound) and leaves every parameter and buffer as it was; the export computes in float16,
+    and the engine's greedy tokens agree with the model's own float16 generation."""
+    import copy
+
+    import torch
+
+    from kvcache_op.benchmarks.serving.peers import agreement
+
+    model = copy.deepcopy(hf_models.model("llama")).half()
+    before = {name: t.clone() for name, t in itertools.chain(model.named_parameters(), model.named_buffers())}
+    path = export_model(model, tmp_path / "llama-float16.onnx")
+    after = dict(itertools.chain(model.named_parameters(), model.named_buffers()))
+    assert all(after[n].dtype == t.dtype and torch.equal(after[n], t) for n, t in before.items())
+    assert ModelInfo.of_model(path).cache_dtype == "float16"
+    prompts = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90))]
+    tokens = Engine(path, num_pages=16).generate(prompts, 10)
+    reference = [reference_generate(model, p, 10) for p in prompts]
+    assert agreement(tokens, reference) >= 0.9, (tokens, reference)  # all 30 agree on the machines tried
 
 
 def test_unsupported_settings_and_length_dependent_rotary_are_refused_clearly(tmp_path):

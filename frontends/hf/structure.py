@@ -6,6 +6,9 @@ refused with a ``ValueError`` naming the feature: no model exports and serves wr
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+
 import numpy as np
 import torch
 
@@ -47,11 +50,33 @@ def _routed_forward(model, arguments: dict):
                          f"have (ALiBi, a custom mask, ...)") from None
 
 
+@contextlib.contextmanager
+def _widened(model):
+    """The model's float16 and bfloat16 parameters and buffers as float32 inside; each back to its own dtype after
+    (they widen exactly, so the round trip changes no value; tensors of other dtypes are not touched)."""
+    narrow = [t for t in itertools.chain(model.parameters(), model.buffers())
+              if t.dtype in (torch.float16, torch.bfloat16)]
+    dtypes = [t.dtype for t in narrow]
+    for t in narrow:
+        t.data = t.data.float()
+    try:
+        yield
+    finally:
+        for t, dtype in zip(narrow, dtypes):
+            t.data = t.data.to(dtype)
+
+
 def check_routing(model, sizes: DecoderSizes, tokens: int = 40) -> float:
     """Runs ``tokens`` tokens through the model's own forward and through its forward with attention routed to the
-    ops (a scratch float32 cache, one prefill), and returns the largest logit difference; ``ValueError`` when they
-    differ beyond float32 noise: then the model attends in a way the ops do not express (a mask with a bias, an
-    attention it changes after the interface, ...), and exporting it would serve wrong tokens."""
+    ops (a scratch float32 cache, one prefill), both in float32 (a float16 or bfloat16 model widened for the check
+    and restored after), and returns the largest logit difference; ``ValueError`` when they differ beyond float32
+    noise: then the model attends in a way the ops do not express (a mask with a bias, an attention it changes after
+    the interface, ...), and exporting it would serve wrong tokens."""
+    with _widened(model):
+        return _check_routing(model, sizes, tokens)
+
+
+def _check_routing(model, sizes: DecoderSizes, tokens: int) -> float:
     from .. import torch as kt
 
     tokens = min(tokens, sizes.max_positions)
