@@ -27,3 +27,26 @@ def test_summary_lists_counts_verdicts_and_skip_reasons(tmp_path):
 def test_gpu_check_needs_an_output_folder():
     done = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh")], capture_output=True, text=True)
     assert done.returncode != 0 and "usage: tools/gpu_check.sh OUTDIR" in done.stderr
+
+
+def _which_steps_run(tmp_path, **env) -> dict:
+    """gpu_check.sh's own step() and skipped() functions, run on a few step names under ``env``."""
+    script = (ROOT / "tools/gpu_check.sh").read_text()
+    functions = script[script.index("step() {"):script.index("# Runs pytest")]
+    probe = functions + 'for s in host-runner gpu-tests attention-benchmark; do skipped "$s" || echo "$s runs"; done'
+    steps = tmp_path / "steps.tsv"
+    steps.write_text("")
+    done = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True,
+                          env={"PATH": "/usr/bin:/bin", "STEPS": str(steps), "START": "0", **env})
+    runs = {line.split()[0] for line in done.stdout.splitlines() if line.endswith(" runs")}
+    skipped = {line.split("\t")[0]: line.split("\t")[2] for line in steps.read_text().splitlines()}
+    return {"runs": runs, "skipped": skipped}
+
+
+def test_gpu_check_skip_and_only_choose_the_steps(tmp_path):
+    assert _which_steps_run(tmp_path)["runs"] == {"host-runner", "gpu-tests", "attention-benchmark"}
+    chosen = _which_steps_run(tmp_path, GPU_CHECK_ONLY="gpu-tests attention-benchmark",
+                              GPU_CHECK_SKIP="attention-benchmark")
+    assert chosen["runs"] == {"gpu-tests"}
+    assert chosen["skipped"] == {"host-runner": "not named in GPU_CHECK_ONLY",
+                                 "attention-benchmark": "named in GPU_CHECK_SKIP"}

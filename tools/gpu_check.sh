@@ -18,9 +18,10 @@
 # 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
 #    every step that was skipped, with the reason.
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
-# GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason): for a short device
-# lease that re-checks only what changed. GPU_CHECK_PROFILE=1 adds a step that runs the attention decode (B=64,
-# kvlen 1024) under Nsight Compute (logs/attention-ncu.log: speed of light, occupancy, memory workload).
+# GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
+# ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
+# GPU_CHECK_PROFILE=1 adds a step that runs the attention decode (B=64, kvlen 1024) under Nsight Compute
+# (logs/attention-ncu.log: speed of light, occupancy, memory workload, warp states).
 # Exit status: 0 when no step failed.
 set -u -o pipefail
 
@@ -34,9 +35,13 @@ START=$(date +%s)
 
 step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3"; }
 
-# True (and the step recorded as skipped) when $1 is named in $GPU_CHECK_SKIP.
+# True (and the step recorded as skipped) when $1 is named in $GPU_CHECK_SKIP, or $GPU_CHECK_ONLY is set and does
+# not name it.
 skipped() {
   case " ${GPU_CHECK_SKIP:-} " in *" $1 "*) step "$1" skip "named in GPU_CHECK_SKIP"; return 0 ;; esac
+  if [ -n "${GPU_CHECK_ONLY:-}" ]; then
+    case " $GPU_CHECK_ONLY " in *" $1 "*) ;; *) step "$1" skip "not named in GPU_CHECK_ONLY"; return 0 ;; esac
+  fi
   return 1
 }
 
