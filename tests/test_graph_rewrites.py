@@ -77,3 +77,21 @@ def test_an_exported_decoder_has_fused_norms_and_merged_projections(tmp_path):
     assert count(rewritten, "MatMul") == 4 * layers + 1  # qkv, o, gate+up, down; the head
     assert count(plain, "SimplifiedLayerNormalization") == 0 < count(rewritten, "SkipSimplifiedLayerNormalization")
     assert count(rewritten, "Pow") == 0
+
+
+def test_an_onnxscript_without_the_fusions_still_exports_with_a_warning(tmp_path, monkeypatch):
+    """The fusions are onnxscript's private names: where a version lacks one, the graph keeps its norms unfused,
+    the sibling MatMuls still merge, and a warning names what is missing."""
+    pytest.importorskip("transformers")
+    import hf_models
+    from onnxscript.rewriter.ort_fusions import _core
+
+    from kvcache_op.hf import export_model
+
+    monkeypatch.delattr(_core, "fuse_skip_rms_normalization")
+    with pytest.warns(UserWarning, match="no fuse_skip_rms_normalization"):
+        path = export_model(hf_models.model("llama"), tmp_path / "fallback.onnx")
+    proto = onnx.load(path, load_external_data=False)
+    ops = [n.op_type for n in proto.graph.node]
+    assert "SkipSimplifiedLayerNormalization" not in ops and "Pow" in ops
+    assert ops.count("MatMul") == 4 * hf_models.model("llama").config.num_hidden_layers + 1

@@ -77,18 +77,31 @@ def optimize_decoder(proto: onnx.ModelProto) -> tuple:
     """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions in :data:`FUSIONS` and
     :func:`fuse_sibling_matmuls` applied, and how many of each were made. The graph's inputs, outputs, custom ops and
     metadata are kept; every op it holds runs on ONNX Runtime's CPU and CUDA EPs."""
+    import warnings
+
+    import onnxscript
+    import onnxscript.optimizer
     from onnxscript.rewriter.ort_fusions import _core
 
     from .. import spec  # noqa: F401 - our ops' schemas, for the shape inference the fusions run
 
-    model = _core._pre_optimize(ir.from_proto(proto))
-    # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
-    # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
+    model = ir.from_proto(proto)
     counts = {}
-    for name in FUSIONS:
-        count = getattr(_core, name)(model)
-        if count:
-            counts[name.removeprefix("fuse_")] = count
-    _core.optimize(model)
+    # The fusion functions are onnxscript's own module-level names (0.7.x); another version may name them otherwise.
+    # They only make the graph faster, so without them the export goes on with a warning naming what is missing.
+    missing = [name for name in ("_pre_optimize", "optimize", *FUSIONS) if not hasattr(_core, name)]
+    if missing:
+        warnings.warn(f"onnxscript {onnxscript.__version__} has no {', '.join(missing)} in its ONNX Runtime fusions: "
+                      f"the exported graph keeps its norms unfused", stacklevel=2)
+        onnxscript.optimizer.optimize(model)  # constants folded: the weights the sibling MatMuls multiply by
+    else:
+        model = _core._pre_optimize(model)
+        # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
+        # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
+        for name in FUSIONS:
+            count = getattr(_core, name)(model)
+            if count:
+                counts[name.removeprefix("fuse_")] = count
+        _core.optimize(model)
     counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
     return ir.to_proto(model), counts
