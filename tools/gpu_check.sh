@@ -20,8 +20,9 @@
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
-# GPU_CHECK_PROFILE=1 adds a step that runs the attention decode (B=64, kvlen 1024) under Nsight Compute
-# (logs/attention-ncu.log: speed of light, occupancy, memory workload, warp states).
+# GPU_CHECK_PROFILE=1 adds steps that run the attention decode (B=64, kvlen 1024) under Nsight Compute, through
+# the tile kernel and through the decode kernel (logs/attention-ncu-CASE.log: speed of light, occupancy, memory
+# workload, warp states, the instruction mix and where the kernel stalls).
 # Exit status: 0 when no step failed.
 set -u -o pipefail
 
@@ -146,15 +147,20 @@ else
   run_benchmark attention-benchmark 150 attention-bench results.md kvcache_op.benchmarks.gpu.attention
 
   if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
+    # The benchmark's first case (the B=64 decode) through the tile kernel, then through the decode kernel.
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
-        --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel" --launch-skip 2 \
-        --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case 0 \
-        >"$OUT/logs/attention-ncu.log" 2>&1; then
-      step attention-ncu pass "logs/attention-ncu.log"
-    else
-      step attention-ncu fail "ncu at $NCU: see logs/attention-ncu.log"
-    fi
+    DECODE_CASE=$("$PY" -m kvcache_op.benchmarks.gpu.attention_profile --list | grep -m1 "decode kernel" | cut -d: -f1)
+    for case in 0 ${DECODE_CASE:-}; do
+      if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
+          --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
+          --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel" \
+          --launch-skip 2 --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case "$case" \
+          >"$OUT/logs/attention-ncu-$case.log" 2>&1; then
+        step "attention-ncu-$case" pass "logs/attention-ncu-$case.log"
+      else
+        step "attention-ncu-$case" fail "ncu at $NCU: see logs/attention-ncu-$case.log"
+      fi
+    done
   fi
 
   # 6. ONNX Runtime CUDA EP -----------------------------------------------------------------------------
