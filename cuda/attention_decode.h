@@ -1,20 +1,24 @@
 // The decode kernel's work: attention for tiles of one query row (a sequence of one token), up to kDecodeHeads
 // heads of one kv head, as __host__ __device__ functions over a block's team of kDecodeThreads threads.
 //
-// Decode reads every key and value of a sequence once for one query row: it is bound by how many bytes are in
-// flight, not by arithmetic. So the block's kDecodeWarps warps walk their keys independently, with no barrier
-// until the end, and a key row is read by Dh / kVec lanes of a warp side by side (one 16-byte load each for
-// float16, coalesced), kWarp / (Dh / kVec) keys per load instruction. A step of a warp:
-//   load    each lane loads its slice of kDecodeUnroll key rows and of their value rows (all in flight at once)
-//           and dots its key slices with its slices of the query vectors (in shared memory, read once per step:
-//           GQA heads share each loaded key);
-//   sum     the lanes of a key add their parts (team.Butterfly: on the GPU, shuffles within the warp);
-//   max     the step's scores finished (scale, softcap, mask, ALiBi) and the warp's largest per query vector;
-//   values  the running max raised, the sums rescaled by exp(old max - new max), each key's weight times its
+// Decode reads every key and value of a sequence once for one query row: it is bound by the bytes in flight and by
+// the instructions issued per key, not by arithmetic. The block's threads form head rows: a row is Dh / kVec
+// consecutive lanes (a power of two, so a row never straddles a warp), lane x holding elements [x kVec, (x+1) kVec)
+// of one head's query, output sums and of every key and value row it reads (one 16-byte load of float16,
+// coalesced across the row). Thread t is lane x = t % lanes of the row for head y = t / lanes % kDecodeHeads in key
+// group z = t / (lanes x kDecodeHeads); the groups walk different keys, the kDecodeHeads rows of a group the same
+// keys (their loads of one row meet in the L1 cache). A row keeps only its head's registers (a query slice, output
+// sums, max and weight sum), so many blocks fit a multiprocessor. A step of a row:
+//   load    each lane loads its slices of kDecodeUnroll key rows and of their value rows (all in flight at once)
+//           and dots its key slices with its query slice;
+//   sum     the row's lanes add their parts (team.Butterfly: on the GPU, shuffles within the warp), so every lane
+//           holds the step's dot products;
+//   values  the scores finished (scale, softcap, mask, ALiBi) and their max taken in every lane alike, the running
+//           max raised once per step and the sums rescaled by exp(old max - new max), each key's weight times its
 //           value slice added (online softmax, one pass over the keys).
-// At the end the warp's key groups' sums are added (a butterfly), each warp leaves (max, weight sum, output sums)
-// in shared memory, and the block combines its warps by log-sum-exp into the output rows or, for a key range split
-// over several blocks, into its parts' records for the merge (attention_work.h's MergeThread).
+// At the end each row leaves (max, weight sum, output sums) in shared memory, and the block combines its key groups
+// by log-sum-exp into the output rows or, for a key range split over several blocks, into its parts' records for
+// the merge (attention_work.h's MergeThread).
 //
 // team.Butterfly(lo, hi, get, op) is the one cooperation beyond attention_work.h's Each and Sync: for masks lo,
 // 2 lo, ... below hi, every thread replaces each element of its array get(state) by op(its value, the value of
@@ -32,71 +36,65 @@
 namespace kvcache {
 namespace cuda {
 
-// A decode thread's registers: its (and, after the last butterfly, its warp's) sums,
-// the warp's running max, and one step's value slices and dot products (then scores).
+// A decode thread's registers: its head's query slice, its slice of the output sums, the row's running max and
+// weight sum (the same in every lane of the row), and one step's value slices and dot products (then scores).
 struct DecodeThread {
-  static constexpr int64_t kSumWords = kVec + 1;  // per query vector: the output sums of its slice, the weight sum
-  float sums[kDecodeHeads * kSumWords];
-  float max[kDecodeHeads];
-  float top[kDecodeHeads];  // the step's largest score per query vector
+  float q[kVec];
+  float acc[kVec];
+  float max, sum;
   float v[kDecodeUnroll][kVec];
-  float dots[kDecodeUnroll * kDecodeHeads];
-  int32_t enters;  // bit u: the step's key u of this lane's group is one the query sees
+  float dots[kDecodeUnroll];
+  int32_t enters;  // bit u: the step's key u is one the query sees
 };
 
 struct AddOp {
   KV_HD float operator()(float a, float b) const { return a + b; }
-};
-struct MaxOp {  // numpy's max: NaN sticks; a, b and b, a may differ only in a NaN's payload or a zero's sign, which
-               // the max is never shown through (it is subtracted and compared)
-  KV_HD float operator()(float a, float b) const { return MaxStep(a, b); }
 };
 
 // Everything decode block `tile_index` (tile p.tiles + tile_index of kATiles) does, over its kDecodeThreads threads.
 template <class T1, class Rows, class Team, class Mem>
 KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
   using T = typename T1::Storage;
-  constexpr int64_t W = kDecodeWarps, U = kDecodeUnroll, HQ = kDecodeHeads, SW = DecodeThread::kSumWords;
+  constexpr int64_t U = kDecodeUnroll, HQ = kDecodeHeads;
   auto tile_word = [&](int64_t k) {
     return mem.template Load<int64_t>(kATiles, 8 * ((p.tiles + tile_index) * kTileWords + k));
   };
   const int64_t b = tile_word(0), row = tile_word(1), head0 = tile_word(3), Q = tile_word(4), key0 = tile_word(5),
                 key1 = tile_word(6), partial = tile_word(7);
-  const int64_t D = p.head_dim, H = p.num_heads, lanes = D / kVec, per_load = kWarp / lanes;
-  const int64_t warp_keys = per_load * U, block_keys = W * warp_keys;
+  const int64_t D = p.head_dim, H = p.num_heads, lanes = D / kVec, groups = kDecodeThreads / (lanes * HQ);
   const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
   const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
   const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
   const int64_t g = head0 / p.group, token = seq0 + row, position = K - S + row;
   int64_t lo, hi;
   VisibleKeys(p.sliding_window, causal, S, K, row, &lo, &hi);
-  // Key u of thread t's group in step `step`.
-  auto key_of = [&](int64_t step, int64_t t, int64_t u) {
-    return key0 + (step * W + t / kWarp) * warp_keys + u * per_load + t % kWarp / lanes;
-  };
+  // Thread t: lane, head (within the tile) and key group; the key of its group's step `step`, slot u.
+  auto lane_of = [&](int64_t t) { return t % lanes; };
+  auto head_of = [&](int64_t t) { return t / lanes % HQ; };
+  auto key_of = [&](int64_t step, int64_t t, int64_t u) { return key0 + (step * groups + t / (lanes * HQ)) * U + u; };
 
-  team.Each([&](int64_t t, DecodeThread& s) {  // the query vectors into shared memory (read by every warp)
-    for (int64_t i = t; i < Q * D; i += kDecodeThreads) {
-      const int64_t at = (token * H + head0 + i / D) * D + i % D;
-      SharedPut(mem, kDecodeSmemQueries + i, ElemToFloat<T1>(mem.template Load<T>(kAQuery, at * int64_t(sizeof(T)))));
+  team.Each([&](int64_t t, DecodeThread& s) {
+    const int64_t d0 = lane_of(t) * kVec, qi = head_of(t);
+    KV_UNROLL
+    for (int64_t e = 0; e < kVec; ++e) {
+      const int64_t at = (token * H + head0 + qi) * D + d0 + e;
+      s.q[e] = qi < Q ? ElemToFloat<T1>(mem.template Load<T>(kAQuery, at * int64_t(sizeof(T)))) : 0.0f;
+      s.acc[e] = 0.0f;
     }
-    KV_UNROLL
-    for (int64_t qi = 0; qi < HQ; ++qi) s.max[qi] = MinusInf();
-    KV_UNROLL
-    for (int64_t i = 0; i < HQ * SW; ++i) s.sums[i] = 0.0f;
+    s.max = MinusInf();
+    s.sum = 0.0f;
   });
-  team.Sync();
 
-  const int64_t steps = (key1 - key0 + block_keys - 1) / block_keys;
+  const int64_t steps = (key1 - key0 + groups * U - 1) / (groups * U);
   for (int64_t step = 0; step < steps; ++step) {
     team.Each([&](int64_t t, DecodeThread& s) {  // load: key and value slices, the parts of the dot products
-      const int64_t d0 = t % kWarp % lanes * kVec;
+      const int64_t d0 = lane_of(t) * kVec;
       float k[U][kVec];
       s.enters = 0;
       KV_UNROLL
       for (int64_t u = 0; u < U; ++u) {
         const int64_t j = key_of(step, t, u);
-        if (j < key1 && j >= lo && j < hi) {
+        if (head_of(t) < Q && j < key1 && j >= lo && j < hi) {
           s.enters |= 1 << u;
           const int64_t where = rows_of.Where(p, mem, b, col0, j);
           rows_of.Load(p, mem, 0, rows_of.At(p, 0, g, where), d0, kVec, k[u]);
@@ -107,88 +105,64 @@ KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
         }
       }
       KV_UNROLL
-      for (int64_t qi = 0; qi < HQ; ++qi) {  // each query slice read once per step (16-byte shared loads)
-        float q[kVec];
-        if (qi < Q) {
-          SharedFour(mem, kDecodeSmemQueries + qi * D + d0, q);
-          SharedFour(mem, kDecodeSmemQueries + qi * D + d0 + 4, q + 4);
-        }
+      for (int64_t u = 0; u < U; ++u) {
+        float dot = 0.0f;
         KV_UNROLL
-        for (int64_t u = 0; u < U; ++u) {
-          float dot = 0.0f;
-          KV_UNROLL
-          for (int64_t e = 0; e < kVec; ++e) dot += (qi < Q ? q[e] : 0.0f) * k[u][e];
-          s.dots[u * HQ + qi] = dot;
-        }
+        for (int64_t e = 0; e < kVec; ++e) dot += s.q[e] * k[u][e];
+        s.dots[u] = dot;
       }
     });
-    // sum: every lane of a key's group holds its dot products (bit for bit the same: addition commutes)
+    // sum: every lane of the row holds the dot products (bit for bit the same: addition commutes)
     team.Butterfly(1, lanes, [](DecodeThread& s) -> auto& { return s.dots; }, AddOp{});
-    team.Each([&](int64_t t, DecodeThread& s) {  // max: the scores, the step's largest per query vector
-      KV_UNROLL
-      for (int64_t qi = 0; qi < HQ; ++qi) s.top[qi] = MinusInf();
+    team.Each([&](int64_t t, DecodeThread& s) {  // values: scores, the running max, the weights times the values
+      if (s.enters == 0) return;  // no key this step (or a head past the tile's): nothing changes
+      const int64_t qi = head_of(t);
+      float top = MinusInf();
       KV_UNROLL
       for (int64_t u = 0; u < U; ++u) {
         if (!(s.enters >> u & 1)) continue;
         const int64_t j = key_of(step, t, u);
-        KV_UNROLL
-        for (int64_t qi = 0; qi < HQ; ++qi) {
-          if (qi >= Q) continue;
-          const float sc = ScoreOf<T1>(p, mem, s.dots[u * HQ + qi], head0 + qi, token, col0 + j, j - position);
-          s.dots[u * HQ + qi] = sc;
-          s.top[qi] = MaxStep(s.top[qi], sc);
-        }
+        s.dots[u] = ScoreOf<T1>(p, mem, s.dots[u], head0 + qi, token, col0 + j, j - position);
+        top = MaxStep(top, s.dots[u]);
       }
-    });
-    team.Butterfly(lanes, kWarp, [](DecodeThread& s) -> auto& { return s.top; }, MaxOp{});  // the warp's largest
-    team.Each([&](int64_t, DecodeThread& s) {  // values: the running max raised, the weights times the value slices
-      KV_UNROLL
-      for (int64_t qi = 0; qi < HQ; ++qi) {
-        if (qi >= Q) continue;
-        const float m = MaxStep(s.max[qi], s.top[qi]);
-        const float f = RescaleFactor(s.max[qi], m);  // 0 after -inf; NaN for a NaN max
-        if (f != 1.0f) {
-          KV_UNROLL
-          for (int64_t e = 0; e < SW; ++e) s.sums[qi * SW + e] *= f;
-        }
-        s.max[qi] = m;
+      const float m = MaxStep(s.max, top);
+      const float f = RescaleFactor(s.max, m);  // 0 after -inf; NaN for a NaN max
+      if (f != 1.0f) {
         KV_UNROLL
-        for (int64_t u = 0; u < U; ++u) {
-          if (!(s.enters >> u & 1)) continue;
-          // Nothing but -inf so far: weight 0, which still lets a non-finite value through.
-          const float w = m == MinusInf() ? 0.0f : expf(s.dots[u * HQ + qi] - m);
-          KV_UNROLL
-          for (int64_t e = 0; e < kVec; ++e) s.sums[qi * SW + e] += w * s.v[u][e];
-          s.sums[qi * SW + kVec] += w;
-        }
+        for (int64_t e = 0; e < kVec; ++e) s.acc[e] *= f;
+        s.sum *= f;
+      }
+      s.max = m;
+      KV_UNROLL
+      for (int64_t u = 0; u < U; ++u) {
+        if (!(s.enters >> u & 1)) continue;
+        // Nothing but -inf so far: weight 0, which still lets a non-finite value through.
+        const float w = m == MinusInf() ? 0.0f : expf(s.dots[u] - m);
+        KV_UNROLL
+        for (int64_t e = 0; e < kVec; ++e) s.acc[e] += w * s.v[u][e];
+        s.sum += w;
       }
     });
   }
 
-  // The warp's key groups share its max: their sums add. Group 0 of each warp leaves the warp's part in shared
-  // memory, [warp][query vector][max, weight sum, output sums].
-  team.Butterfly(lanes, kWarp, [](DecodeThread& s) -> auto& { return s.sums; }, AddOp{});
-  auto part_word = [&](int64_t warp, int64_t qi, int64_t k) { return (warp * HQ + qi) * (D + 2) + k; };
+  // Each row leaves its part in shared memory, [group][head][max, weight sum, output sums].
+  auto part_word = [&](int64_t z, int64_t qi, int64_t k) { return (z * HQ + qi) * (D + 2) + k; };
   team.Each([&](int64_t t, DecodeThread& s) {
-    const int64_t warp = t / kWarp, lane = t % kWarp;
-    if (lane >= lanes) return;
-    KV_UNROLL
-    for (int64_t qi = 0; qi < HQ; ++qi) {  // constant indices: the arrays stay in registers
-      if (qi >= Q) continue;
-      if (lane == 0) {
-        SharedPut(mem, part_word(warp, qi, 0), s.max[qi]);
-        SharedPut(mem, part_word(warp, qi, 1), s.sums[qi * SW + kVec]);
-      }
-      KV_UNROLL
-      for (int64_t e = 0; e < kVec; ++e) SharedPut(mem, part_word(warp, qi, 2 + lane * kVec + e), s.sums[qi * SW + e]);
+    const int64_t x = lane_of(t), qi = head_of(t), z = t / (lanes * HQ);
+    if (qi >= Q) return;
+    if (x == 0) {
+      SharedPut(mem, part_word(z, qi, 0), s.max);
+      SharedPut(mem, part_word(z, qi, 1), s.sum);
     }
+    KV_UNROLL
+    for (int64_t e = 0; e < kVec; ++e) SharedPut(mem, part_word(z, qi, 2 + x * kVec + e), s.acc[e]);
   });
   team.Sync();
-  team.Each([&](int64_t t, DecodeThread&) {  // the warps combined: the output rows, or the part's records
+  team.Each([&](int64_t t, DecodeThread&) {  // the groups combined: the output rows, or the part's records
     for (int64_t i = t; i < Q * D; i += kDecodeThreads) {
       const int64_t qi = i / D, d = i % D;
-      const Combined c =
-          CombineParts(W, [&](int64_t k, int64_t field) { return SharedAt(mem, part_word(k, qi, field < 2 ? field : 2 + d)); });
+      const Combined c = CombineParts(
+          groups, [&](int64_t k, int64_t field) { return SharedAt(mem, part_word(k, qi, field < 2 ? field : 2 + d)); });
       if (partial >= 0) {
         const int64_t record = (partial + qi) * (D + 2);
         if (d == 0) {

@@ -61,7 +61,7 @@ __global__ void __launch_bounds__(kAttnThreads, 2) TileKernel(AttnParams p) {
 }
 
 template <class T1, class Rows>
-__global__ void __launch_bounds__(kDecodeThreads, 3) DecodeKernel(AttnParams p) {
+__global__ void __launch_bounds__(kDecodeThreads, 4) DecodeKernel(AttnParams p) {
   __shared__ __align__(16) float shared[kDecodeSharedWords];
   AttnDeviceMem mem{p, shared};
   DeviceTeam<DecodeThread> team{threadIdx.x, {}};

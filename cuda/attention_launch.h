@@ -39,12 +39,12 @@ constexpr int64_t kVectorGroup = 4;
 constexpr int64_t kMaxCudaHeadDim = kAttnThreads * kSliceElems;
 
 // The decode kernel (attention_decode.h) takes the tiles of one query row (sequences of one token): up to
-// kDecodeHeads heads of one kv head, in blocks of kDecodeWarps warps that walk their keys independently. A key row is
-// read by Dh / kVec lanes of a warp (kVec elements each, one 16-byte load of float16), so head_dim must be kVec times
-// a power of two, at most kWarp * kVec; each lane keeps kDecodeUnroll key rows and as many value rows in flight.
+// kDecodeHeads heads of one kv head per block of kDecodeThreads threads. A row of Dh / kVec lanes (kVec elements
+// each: one 16-byte load of float16) serves one head, so head_dim must be kVec times a power of two, at most
+// kWarp * kVec; the block's kDecodeThreads / (kDecodeHeads x lanes) groups of head rows walk different keys, each
+// lane kDecodeUnroll key and value rows in flight.
 constexpr int64_t kWarp = 32;
-constexpr int64_t kDecodeWarps = 4;
-constexpr int64_t kDecodeThreads = kDecodeWarps * kWarp;
+constexpr int64_t kDecodeThreads = 128;
 constexpr int64_t kDecodeHeads = 4;
 constexpr int64_t kDecodeUnroll = 4;
 constexpr int64_t kDecodeMaxHeadDim = kWarp * kVec;
@@ -114,11 +114,10 @@ constexpr int64_t kSmemRows = kSmemReduce + 2 * kAttnThreads;  // even: 8-byte a
 constexpr int64_t kSmemVisible = kSmemRows + 2 * kAttnThreads;  // per query vector its visible keys [lo, hi)
 constexpr int64_t kSharedWords = kSmemVisible + 4 * kMaxTileQueries;
 static_assert(kSmemRows % 2 == 0 && kSmemScores % 4 == 0, "shared rows 8-byte, queries 16-byte aligned");
-// A decode block's shared memory: per warp and query vector its (max, weight sum, output sums [Dh]), then the
-// tile's query vectors [kDecodeHeads][Dh] (16-byte aligned).
-constexpr int64_t kDecodeSmemQueries = kDecodeWarps * kDecodeHeads * (kDecodeMaxHeadDim + 2);
-constexpr int64_t kDecodeSharedWords = kDecodeSmemQueries + kDecodeHeads * kDecodeMaxHeadDim;
-static_assert(kDecodeSmemQueries % 4 == 0, "decode queries 16-byte aligned");
+// A decode block's shared memory: per key group and head its (max, weight sum, output sums [Dh]). Groups x heads =
+// kDecodeThreads / lanes = kDecodeThreads x kVec / Dh, so the words, (kDecodeThreads x kVec / Dh) x (Dh + 2), are
+// most at the narrowest head (Dh = kVec).
+constexpr int64_t kDecodeSharedWords = kDecodeThreads * (kVec + 2);
 static_assert(kDecodeSharedWords <= kSharedWords, "one shared array serves both kernels");
 
 }  // namespace cuda

@@ -49,10 +49,10 @@ TilePolicy DevicePolicy() {
   TilePolicy policy;
   policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
   policy.min_decode_blocks = 2 * policy.min_blocks;
-  // The decode kernel measured slower than the tile kernel on an H200 (B=64 x 1,024 keys, 8/2 heads, Dh 128,
-  // float16: 0.133 against 0.087 ms; Nsight Compute: bound by issuing instructions, with spills, at 16% occupancy),
-  // so sequences of one token take the tile kernel unless KVCACHE_OP_CUDA_DECODE_KERNEL=1 (read on every call:
-  // tests and benchmarks switch it).
+  // The decode kernel's first form measured slower than the tile kernel on an H200 (B=64 x 1,024 keys, 8/2 heads,
+  // Dh 128, float16: 0.163 against 0.111 ms; Nsight Compute: issue-bound at 16% occupancy, with spills); its present
+  // form (a row of lanes per head, few registers) has not run on a GPU yet. So sequences of one token take the tile
+  // kernel unless KVCACHE_OP_CUDA_DECODE_KERNEL=1 (read on every call: tests and benchmarks switch it).
   const char* choice = std::getenv("KVCACHE_OP_CUDA_DECODE_KERNEL");
   policy.decode_kernel = choice != nullptr && std::string(choice) == "1";
   return policy;
