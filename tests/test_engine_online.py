@@ -6,6 +6,7 @@ requests; a failing step fails its requests without losing pages."""
 import asyncio
 import random
 import threading
+import time
 
 import pytest
 
@@ -98,6 +99,15 @@ def test_generate_runs_beside_submitted_requests(path, lone):
 
 def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     engine = Engine(path, num_pages=96, trace_steps=True)
+    # Steps paced at 5 ms while the calls run: the long request's 900 steps then outlast the calls however late the
+    # threads are scheduled on a loaded machine (unpaced, a tiny model's 900 steps once ended first).
+    calls_done, run = threading.Event(), engine.runner.run
+
+    def paced(feeds):
+        if not calls_done.is_set():
+            time.sleep(0.005)
+        return run(feeds)
+    engine.runner.run = paced
     long = engine.submit(PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True))  # runs through all the calls
     results = {}
 
@@ -108,6 +118,7 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
         t.start()
     for t in threads:
         t.join(120)
+    calls_done.set()
     assert results == {k: [lone[k], lone[(k + 1) % len(PROMPTS)]] for k in range(4)}
     assert not long.done, "the long request should still be running"
     # The calls' requests ran in steps beside the submitted one (and beside each other), not after it.
