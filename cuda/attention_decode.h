@@ -71,7 +71,8 @@ KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   // Thread t: lane, head (within the tile) and key group; the key of its group's step `step`, slot u.
   auto lane_of = [&](int64_t t) { return t % lanes; };
   auto head_of = [&](int64_t t) { return t / lanes % HQ; };
-  auto key_of = [&](int64_t step, int64_t t, int64_t u) { return key0 + (step * groups + t / (lanes * HQ)) * U + u; };
+  auto group_of = [&](int64_t t) { return t / (lanes * HQ); };
+  auto key_of = [&](int64_t step, int64_t t, int64_t u) { return key0 + (step * groups + group_of(t)) * U + u; };
 
   team.Each([&](int64_t t, DecodeThread& s) {
     const int64_t d0 = lane_of(t) * kVec, qi = head_of(t);
@@ -148,7 +149,7 @@ KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   // Each row leaves its part in shared memory, [group][head][max, weight sum, output sums].
   auto part_word = [&](int64_t z, int64_t qi, int64_t k) { return (z * HQ + qi) * (D + 2) + k; };
   team.Each([&](int64_t t, DecodeThread& s) {
-    const int64_t x = lane_of(t), qi = head_of(t), z = t / (lanes * HQ);
+    const int64_t x = lane_of(t), qi = head_of(t), z = group_of(t);
     if (qi >= Q) return;
     if (x == 0) {
       SharedPut(mem, part_word(z, qi, 0), s.max);

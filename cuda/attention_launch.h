@@ -47,7 +47,6 @@ constexpr int64_t kWarp = 32;
 constexpr int64_t kDecodeThreads = 128;
 constexpr int64_t kDecodeHeads = 4;
 constexpr int64_t kDecodeUnroll = 4;
-constexpr int64_t kDecodeMaxHeadDim = kWarp * kVec;
 KV_HD bool DecodeKernelFits(int64_t head_dim) {
   const int64_t lanes = head_dim / kVec;
   return head_dim % kVec == 0 && lanes >= 1 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;

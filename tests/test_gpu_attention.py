@@ -33,8 +33,9 @@ from kvcache_op.validation import mha_error_cases
 from kvcache_op.validation.cases import Seq
 from kvcache_op.validation.mha_cases import ATTENTION_CASES, build_attention
 from kvcache_op.validation.mhca_cases import ATTENTION_INVALID, CASES as CACHE_ATTENTION_CASES
-from kvcache_op.validation.mhca_cases import build_cache_attention, error_cases, with_query
+from kvcache_op.validation.mhca_cases import build_cache_attention, error_cases
 from kvcache_op.validation.error_cases import INVALID as CACHE_INVALID, MORE_INVALID as MORE_CACHE_INVALID
+from kvcache_op.validation import strategies
 from kvcache_op.validation.strategies import COMBINATIONS, calls_for
 
 pytestmark = pytest.mark.gpu
@@ -231,32 +232,12 @@ def test_mha_prefill_tiles_are_within_the_bound_of_the_naive_oracle(case):
     check_mha_against_naive(case)
 
 
-@st.composite
-def cache_attention_calls_for(draw, combo):
-    """A valid MultiHeadCacheAttention call over a KeyValueCache call pinned to (quant_bit, cache_mode,
-    cache_layout): as kvcache_op.validation.strategies.cache_attention_calls (query heads 1-3 per kv head, decoding
-    sequences, causal where it is valid, ALiBi, windows, softcap, a rank-2 mask). Returns (inputs, attributes)."""
-    case = draw(calls_for(combo))
-    seq_len, kv_len = np.diff(case.inputs["seqstarts"]), np.diff(case.inputs["kvstarts"])
-    batch = len(seq_len)
-    decoding = draw(st.integers(0, batch))
-    causal = draw(st.sampled_from((1, 1, 0)))
-    if causal and any(seq_len[b] > 1 and seq_len[b] > kv_len[b] for b in range(decoding, batch)):
-        causal = 0
-    call = with_query(f"gpu-{draw(st.integers(0, 2**32 - 1))}", case.inputs, {**case.attributes, "num_repeat": 1},
-                      group=draw(st.sampled_from((1, 2, 3))), decoding=decoding, is_causal=causal,
-                      is_alibi=draw(st.integers(0, 1)), sliding_window=draw(st.sampled_from((0, 0, 1, 3))),
-                      softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.3))),
-                      softcap=draw(st.sampled_from((0.0, 0.0, 0.5, 5.0))), mask=draw(st.booleans()))
-    return call.inputs, call.attributes
-
-
 @pytest.mark.parametrize("combo", COMBINATIONS, ids=lambda c: f"q{c[0]}-mode{c[1]}-layout{c[2]}")
 @given(data=st.data())
 def test_mhca_calls_write_the_naive_cache_and_are_within_the_bound(combo, data):
     """Every (quant_bit, cache_mode, cache_layout) gets its own examples, pages of 1-8 and shared prefix pages."""
-    inputs, attributes = data.draw(cache_attention_calls_for(combo))
-    check_mhca_against_naive(inputs, attributes)
+    call = data.draw(strategies.cache_attention_calls(calls_for(combo)))
+    check_mhca_against_naive(call.inputs, call.attributes)
 
 
 @given(cache_attention_calls())

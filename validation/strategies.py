@@ -134,13 +134,13 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
 
 
 @st.composite
-def cache_attention_calls(draw):
-    """A valid MultiHeadCacheAttention call: a :func:`calls` KeyValueCache call (num_repeat 1) with a query of 1-3
-    heads per kv head, decoding sequences, causal on/off (off where a causal sequence would have fewer keys than
-    queries), ALiBi, windows and an additive mask: a spec.cases.Case."""
+def cache_attention_calls(draw, kv_calls=None):
+    """A valid MultiHeadCacheAttention call: a KeyValueCache call drawn from ``kv_calls`` (default :func:`calls`;
+    num_repeat set to 1) with a query of 1-3 heads per kv head, decoding sequences, causal on/off (off where a causal
+    sequence would have fewer keys than queries), ALiBi, windows and an additive mask: a spec.cases.Case."""
     from .mhca_cases import with_query
 
-    case = draw(calls())
+    case = draw(kv_calls if kv_calls is not None else calls())
     seq_len, kv_len = np.diff(case.inputs["seqstarts"]), np.diff(case.inputs["kvstarts"])
     batch = len(seq_len)
     decoding = draw(st.integers(0, batch))

@@ -186,11 +186,11 @@ struct HostTeam {
         mem.Note(mem.report->out_of_bounds, "a butterfly mask of " + std::to_string(mask) + " leaves the warp");
         return;
       }
-      const std::vector<State> before = state;
+      std::vector<State> before = state;  // every thread reads its partner's value from before the exchange
       for (int64_t t = 0; t < Threads; ++t) {
         auto& mine = get(state[static_cast<size_t>(t)]);
-        const auto& own = get(const_cast<State&>(before[static_cast<size_t>(t)]));
-        const auto& other = get(const_cast<State&>(before[static_cast<size_t>(t ^ mask)]));
+        const auto& own = get(before[static_cast<size_t>(t)]);
+        const auto& other = get(before[static_cast<size_t>(t ^ mask)]);
         for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); ++i) mine[i] = op(own[i], other[i]);
       }
     }
