@@ -22,6 +22,7 @@
 
 #include "kv_cpu.h"
 #include "kv_cpu_rows.h"
+#include "attention_decode_tiles.h"
 #include "attention_tiles.h"
 #include "kv_types.h"
 #include "mha_validate.h"
@@ -273,10 +274,18 @@ constexpr int64_t kStreamQueries = 4;
 constexpr int64_t kMinStreamTasks = 16;
 // A split key range holds at least this many keys: fewer would cost more in merging than they save.
 constexpr int64_t kMinSplitKeys = 256;
-// Decode asks for the key and value rows this many keys ahead of their use (software prefetch), and attends
-// over blocks of this many keys at a time where a slot's key and value rows lie apart (measured on the
-// benchmark's decode step: 8-10 ms for blocks of 1 to 16, 18 ms for 32-key blocks read in two passes).
-constexpr int64_t kAheadRows = 4, kDecodeBlock = 8, kLongRowBytes = 512;
+// Decode with tiles (attention_decode_tiles.h) attends over blocks of kDecodeBlock keys, asking for the next
+// block's rows while it computes one. Measured on one core, blocks of 16 against 32: decode B=32 kv2048 32/8 heads
+// head_dim 128 float16 18.0 against 21.9 ms (32 slots' key rows, 64 KiB, outgrow L1), int8 cache B=64 kv1024 8/2
+// 6.8 against 11.3, B=1 kv16384 1.0 against 1.3; float16 B=64 kv1024 8/2 7.3 against 6.9. Without tiles it asks
+// for rows kAheadRows keys ahead and attends key by key where a slot's key and value rows lie together, else in
+// blocks of kKeyBlock keys (measured: 8-10 ms for blocks of 1 to 16, 18 ms for 32-key blocks read in two passes).
+constexpr int64_t kDecodeBlock = 16, kAheadRows = 4, kKeyBlock = 8, kLongRowBytes = 512, kPerKeyFloat32Heads = 8;
+#if KV_DECODE_TILES
+constexpr int64_t kDecodeWidth = DecodeVector::kWidth;  // head_dim a multiple of it runs the decode tiles
+#else
+constexpr int64_t kDecodeWidth = 1;
+#endif
 // A chunk holds at most this many scores (rows x heads x keys, float32: 16 MiB): a task's memory stays
 // O(kvlen) whatever num_heads is.
 constexpr int64_t kMaxChunkScores = int64_t{1} << 22;
@@ -568,10 +577,12 @@ struct AttentionKernel {
 
   // Task() for a sequence of one query (a decode step), the shape that serving runs most. Rows are read as
   // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them) and converted in
-  // registers. One pass over the visible keys, key by key where a slot's key and value rows lie together (one
-  // sequential stream; the heads' softmax steps side by side, OneKeySoftmax), else in blocks of kDecodeBlock:
-  // the block's scores from its key rows (each row serving every query head of its kv head), the running max
-  // raised and the sums so far rescaled by exp(old max - new max), then the block's value rows. The same
+  // registers. One pass over the visible keys in blocks: the block's scores from its key rows (each row serving
+  // every query head of its kv head), the running max raised and the sums so far rescaled by exp(old max - new
+  // max), then the block's value rows. With decode tiles (head_dim whole vectors) the blocks are kDecodeBlock keys
+  // and both halves run as register tiles (TileDots, TileValues); without them, key by key where a slot's key and
+  // value rows lie together (one sequential stream; the heads' softmax steps side by side, OneKeySoftmax), else
+  // blocks of kKeyBlock. The same
   // semantics as Task(): visible keys enter with their weight (0 for a -inf score, so a non-finite value there
   // still reaches the sums), a NaN max makes the row NaN, a row whose scores are all -inf stays zero.
   void DecodeTask(const TaskRange& task) const {
@@ -587,10 +598,17 @@ struct AttentionKernel {
     // Where a slot's key and value rows lie together and are long, key by key: one sequential stream over the
     // cache (blocks of keys, then their values, read each key row at the slot stride, and at large power-of-two
     // strides a block's rows compete for the same cache sets: measured, decode B=64 kv1024 8/2 heads head_dim
-    // 128 float32 8.5 ms key by key, 13 ms in blocks of 8); elsewhere blocks of kDecodeBlock keys.
+    // 128 float32 8.5 ms key by key, 13 ms in blocks of 8, with the per-key dot products and row updates).
     const bool by_key = source.KeyValueTogether() && (kv1 - kv0) * D * int64_t(sizeof(T)) >= kLongRowBytes;
-    const int64_t block = by_key ? 1 : kDecodeBlock;
-    std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * block), top(nh, minus_inf), sum(nh, 0.0f),
+    // Where the build has decode tiles and head_dim is whole vectors: blocks of kDecodeBlock keys tile by tile,
+    // whatever the layout; except float32 tasks of at most kPerKeyFloat32Heads heads, which the per-key form
+    // already reads at 0.9x of a copy's bandwidth (measured, that step in tiles: 8.8 against 7.6 ms in layout 0,
+    // 10.5 against 7.6 in layout 3; with 32 heads a task, 32/8, tiles take 28-31 ms against 43).
+    const bool tiles = KV_DECODE_TILES && D % kDecodeWidth == 0 &&
+                       (T1::kElem != kvcache::Elem::kFloat32 || nh > kPerKeyFloat32Heads);
+    const int64_t block = tiles ? kDecodeBlock : by_key ? 1 : kKeyBlock;
+    const int64_t stride = tiles ? kDecodeBlock : block;  // of w: head k's scores, then weights, at w[k * stride]
+    std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * stride), top(nh, minus_inf), sum(nh, 0.0f),
         slope(nh);
     for (int64_t k = 0; k < nh; ++k) slope[k] = a.is_alibi ? kvcache::AlibiSlope(h0 + k, H) : 0.0f;
     auto shared4 = [&](int64_t k) { return k + kRows <= nh && (h0 + k) / G == (h0 + k + kRows - 1) / G; };
@@ -621,19 +639,24 @@ struct AttentionKernel {
           }
         }
       };
-      for (int64_t i = 0; i < kAheadRows; ++i) prefetch(i);
+      for (int64_t i = 0; i < (tiles ? block : kAheadRows); ++i) prefetch(i);
       for (int64_t j0 = lo; j0 < hi; j0 += block) {
         const int64_t n = std::min(block, hi - j0);
-        for (int64_t i = 0; i < n; ++i) {  // raw dot products: w[k * block + i] for head k, key j0 + i
-          prefetch(j0 - lo + i + kAheadRows);
-          key_dots(keys.RawAt(slots[j0 - lo + i]), &w[i], block);
+        if (tiles) {  // the next block's rows asked for while this one is computed
+          for (int64_t i = 0; i < n; ++i) prefetch(j0 - lo + block + i);
+          TileDots(keys, &slots[j0 - lo], n, q.data(), w.data(), h0, nh, kv0);
+        } else {
+          for (int64_t i = 0; i < n; ++i) {  // raw dot products: w[k * block + i] for head k, key j0 + i
+            prefetch(j0 - lo + i + kAheadRows);
+            key_dots(keys.RawAt(slots[j0 - lo + i]), &w[i], block);
+          }
         }
         if (block == 1) {  // key by key: the heads' softmax steps side by side
           for (int64_t k = 0; k < nh; ++k) w[k] = Score(w[k], h0 + k, slope[k], row, col0 + j0, j0 - qpos);
           OneKeySoftmax(w.data(), nh, D, top.data(), sum.data(), acc.data());
         } else {
           for (int64_t k = 0; k < nh; ++k) {
-            float* x = &w[k * block];
+            float* x = &w[k * stride];
             float m = FinishScores(x, n, h0 + k, slope[k], row, col0 + j0, j0 - qpos);
             if (top[k] != top[k] || (m == m && m < top[k])) m = top[k];  // the running max; NaN sticks
             if (m == minus_inf) {  // nothing but -inf so far: weight 0, which still lets a non-finite value through
@@ -643,6 +666,10 @@ struct AttentionKernel {
             if (m != top[k]) RaiseMax(m, D, &top[k], &sum[k], &acc[k * D]);
             sum[k] += ExpShiftedSum(x, n, m);
           }
+        }
+        if (tiles) {
+          TileValues(values, &slots[j0 - lo], n, w.data(), acc.data(), h0, nh, kv0);
+          continue;
         }
         const T* rows[kDecodeBlock];
         values.RawRows(&slots[j0 - lo], n, rows);
@@ -678,6 +705,67 @@ struct AttentionKernel {
     for (int64_t k = 0; k < nh; ++k)
       for (int64_t d = 0; d < D; ++d)
         out_row[k * D + d] = top[k] == minus_inf ? T1::FromFloat(0.0f) : T1::FromFloat(acc[k * D + d] / sum[k]);
+  }
+
+  // fn(k, gs, offset) for the decode tiles of the chunk's heads [0, nh) (query heads h0 ..): runs of heads sharing
+  // a kv head, cut into powers of two of at most kMaxTileHeads; offset is their kv head's place in a chunk's row.
+  template <class Fn>
+  void ForHeadTiles(int64_t h0, int64_t nh, int64_t kv0, Fn&& fn) const {
+    const int64_t G = p.group;
+    for (int64_t k = 0; k < nh;) {
+      const int64_t kvh = (h0 + k) / G, end = std::min(nh, (kvh + 1) * G - h0);
+      const int gs = FloorPow2(end - k, kMaxTileHeads);
+      fn(k, gs, (kvh - kv0) * a.head_dim);
+      k += gs;
+    }
+  }
+
+  // (TileDots and TileValues stay out of line: inlined, they slowed DecodeTask's per-key form by 8%.)
+  // w[k * kDecodeBlock + i] = head k's query row (q[k * head_dim ..]) . key i of the block (the n <= kDecodeBlock
+  // slots), for every head of the chunk, tile by tile.
+  template <class Reader>
+  __attribute__((noinline)) void TileDots(Reader& keys, const int64_t* slots, int64_t n, const float* q, float* w, int64_t h0, int64_t nh,
+                int64_t kv0) const {
+#if KV_DECODE_TILES
+    const int64_t D = a.head_dim;
+    const T* rows[kDecodeBlock];
+    keys.RawRows(slots, n, rows);
+    ForHeadTiles(h0, nh, kv0, [&](int64_t k, int gs, int64_t offset) {
+      const T* heads_rows[kDecodeBlock];
+      for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + offset;
+      WithTileHeads(gs, [&](auto heads) {
+        constexpr int GS = decltype(heads)::value;
+        const float* qs[GS];
+        for (int h = 0; h < GS; ++h) qs[h] = q + (k + h) * D;
+        DotsBlockOf<T1, GS>(qs, heads_rows, n, D, w + k * kDecodeBlock, kDecodeBlock);
+      });
+    });
+#else
+    (void)keys, (void)slots, (void)n, (void)q, (void)w, (void)h0, (void)nh, (void)kv0;
+#endif
+  }
+
+  // acc[k * head_dim + d] += sum_i w[k * kDecodeBlock + i] * value i of the block [d], every head k of the chunk.
+  template <class Reader>
+  __attribute__((noinline)) void TileValues(Reader& values, const int64_t* slots, int64_t n, const float* w, float* acc, int64_t h0,
+                  int64_t nh, int64_t kv0) const {
+#if KV_DECODE_TILES
+    const int64_t D = a.head_dim;
+    const T* rows[kDecodeBlock];
+    values.RawRows(slots, n, rows);
+    ForHeadTiles(h0, nh, kv0, [&](int64_t k, int gs, int64_t offset) {
+      const T* heads_rows[kDecodeBlock];
+      for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + offset;
+      WithTileHeads(gs, [&](auto heads) {
+        constexpr int GS = decltype(heads)::value;
+        float* accs[GS];
+        for (int h = 0; h < GS; ++h) accs[h] = acc + (k + h) * D;
+        AxpyBlockOf<T1, GS>(accs, w + k * kDecodeBlock, kDecodeBlock, heads_rows, n, D);
+      });
+    });
+#else
+    (void)values, (void)slots, (void)n, (void)w, (void)acc, (void)h0, (void)nh, (void)kv0;
+#endif
   }
 
   // The output rows of one split (sequence, head chunk) from its tasks' partial results: each part's sum and

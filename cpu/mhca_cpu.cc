@@ -122,10 +122,10 @@ struct CacheSource {
   Reader Open(int kv, int64_t b, int64_t kv0, int64_t kv1) const {
     const int64_t nkv = kv1 - kv0;
     const auto width = static_cast<size_t>(nkv * p.head_dim), groups = static_cast<size_t>(nkv * p.groups);
-    const bool quantized = QBits != 0;
-    return Reader{*this, kv, b, kv0, nkv, nkv == 1 || p.cache_rows.head == p.head_dim,
+    const bool quantized = QBits != 0, adjacent = nkv == 1 || p.cache_rows.head == p.head_dim;
+    return Reader{*this, kv, b, kv0, nkv, adjacent,
                   std::vector<float>(width),
-                  std::vector<T>(width * kDecodeBlock),
+                  std::vector<T>(quantized || !adjacent ? width * kDecodeBlock : 0),  // RawRows' block of rows
                   std::vector<float>(quantized ? width : 0),
                   std::vector<float>(quantized ? width : 0),
                   std::vector<float>(quantized ? groups + 8 : 0),

@@ -99,6 +99,35 @@ def test_prefill_tiles_on_every_build_are_within_the_bound_of_the_exact_result(m
     assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
 
 
+@st.composite
+def tiled_decodes(draw):
+    """Decoding sequences of 0-100 keys (blocks of keys and ragged last blocks) with query heads per kv head that are
+    not powers of two (3, 5, 6, 7, 9, 12: tiles of 8, 4, 2 and 1 heads), head dims of 1 to 8 vectors (8, 16, 48, 80, 128,
+    and 20, which has no tiles), windows, masks, ALiBi and softcap."""
+    heads, kv_heads = draw(st.sampled_from(((9, 1), (12, 1), (14, 2), (10, 2), (7, 1), (6, 2), (3, 3), (5, 5), (16, 2))))
+    seqs = [(1, draw(st.integers(0, 100))) for _ in range(draw(st.integers(1, 3)))]
+    return build_attention(
+        "tiled-decode", seqs, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from((8, 16, 48, 80, 128, 20))),
+        t=draw(st.sampled_from(("float32", "float16", "bfloat16"))), decoding=len(seqs),
+        is_alibi=draw(st.integers(0, 1)), sliding_window=draw(st.sampled_from((0, 0, 7, 40))),
+        softcap=draw(st.sampled_from((0.0, 0.0, 5.0))), mask=draw(st.sampled_from((None, None, 2, 3))),
+        mask_neg_inf=draw(st.sampled_from((0.0, 0.3))), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@settings(max_examples=settings.default.max_examples, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # the build is the same for every example
+@given(case=tiled_decodes())
+def test_decode_tiles_on_every_build_are_within_the_bound_of_the_exact_result(monkeypatch, kernel, case):
+    """Decode steps run in blocks of keys, each block's dot products and value rows computed in register tiles of
+    up to 8 query heads of one kv head: every head count, head dim and ragged key count lands within the bound."""
+    use_cpu_kernel(monkeypatch, kernel)
+    exact, bound = oracle(case)
+    got = c_output(case, 2)
+    assert_within(got, exact, bound, f"{kernel} build")
+    assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
+
+
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_every_build_is_within_the_bound_and_deterministic(monkeypatch, kernel):
     use_cpu_kernel(monkeypatch, kernel)

@@ -1,0 +1,209 @@
+// The register-blocked halves of a decode step (AttentionKernel::DecodeTask) over a block of keys: the dot
+// products of up to kMaxTileHeads query heads of one kv head with a tile of key rows, and the same heads'
+// outputs updated by the block's weighted value rows. Every key or value vector loaded serves all heads of the
+// tile and every query vector all keys of it; the partial sums and outputs stay in registers across the tile,
+// so a decode step runs at the machine's multiply-add rate instead of waiting, key after key, on one chain of
+// loads, sums and stores (the per-key form, Dot4 / Axpy4, measured at about 86 ns per key of 4 heads x 128 on one
+// core; memory delivers such a key in about 28). Built once per instruction set (KV_CPU_ISA); the portable
+// build has no tiles and DecodeTask keeps its per-key form there.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kv_cpu_rows.h"
+#include "kv_types.h"
+
+namespace kvcache {
+namespace KV_CPU_ISA {
+namespace attention_detail {
+
+#if KV_AVX512 && defined(__FMA__)
+#define KV_DECODE_TILES 1
+// 16 floats a vector, 16 accumulators of the 32 registers (the rest hold query vectors, weights, a row).
+struct DecodeVector {
+  using V = __m512;
+  static constexpr int kWidth = 16, kAccs = 16;
+  static V Zero() { return _mm512_setzero_ps(); }
+  static V Load(const float* p) { return _mm512_loadu_ps(p); }
+  static V Splat(float x) { return _mm512_set1_ps(x); }
+  static V MulAdd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  // float(src[0..16)) of a row of E (exact).
+  template <class E>
+  static V LoadRow(const typename E::Storage* src) {
+    if constexpr (E::kElem == Elem::kFloat32) {
+      return _mm512_loadu_ps(src);
+    } else {
+      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+      if constexpr (E::kElem == Elem::kFloat16) return _mm512_cvtph_ps(bits);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    }
+  }
+  // out[i] = the sum of x[i]'s lanes, i < 16, by one transposing tree (45 instructions for 16 sums): pairs of
+  // vectors interleaved and added within 128-bit lanes, then pairs of those by 64-bit halves, then 128-bit blocks.
+  static void Sums(const V* x, float* out) {
+    auto lo_hi = [](V a, V b) { return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); };
+    auto halves = [](V a, V b) {
+      const __m512d u = _mm512_castps_pd(a), v = _mm512_castps_pd(b);
+      return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(u, v)), _mm512_castpd_ps(_mm512_unpackhi_pd(u, v)));
+    };
+    auto blocks = [](V a, V b) {  // [a0+a1, a2+a3, b0+b1, b2+b3] of 128-bit blocks
+      return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    };
+    V s[4];
+    for (int i = 0; i < 4; ++i)  // s[i]'s 128-bit block L, lane m: block L of x[4i + m], summed
+      s[i] = halves(lo_hi(x[4 * i], x[4 * i + 1]), lo_hi(x[4 * i + 2], x[4 * i + 3]));
+    _mm512_storeu_ps(out, blocks(blocks(s[0], s[1]), blocks(s[2], s[3])));
+  }
+};
+#elif KV_SIMD && defined(__FMA__)
+#define KV_DECODE_TILES 1
+// 8 floats a vector, 8 accumulators of the 16 registers.
+struct DecodeVector {
+  using V = __m256;
+  static constexpr int kWidth = 8, kAccs = 8;
+  static V Zero() { return _mm256_setzero_ps(); }
+  static V Load(const float* p) { return _mm256_loadu_ps(p); }
+  static V Splat(float x) { return _mm256_set1_ps(x); }
+  static V MulAdd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  template <class E>
+  static V LoadRow(const typename E::Storage* src) {
+    return LoadFloat8<E>(src);
+  }
+  // out[i] = the sum of x[i]'s lanes, i < 8: the same tree as the 16-wide one, its last level across the two
+  // 128-bit halves.
+  static void Sums(const V* x, float* out) {
+    auto lo_hi = [](V a, V b) { return _mm256_add_ps(_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b)); };
+    auto halves = [](V a, V b) {
+      const __m256d u = _mm256_castps_pd(a), v = _mm256_castps_pd(b);
+      return _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(u, v)), _mm256_castpd_ps(_mm256_unpackhi_pd(u, v)));
+    };
+    const V s0 = halves(lo_hi(x[0], x[1]), lo_hi(x[2], x[3])), s1 = halves(lo_hi(x[4], x[5]), lo_hi(x[6], x[7]));
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(s0, s1, 0x20), _mm256_permute2f128_ps(s0, s1, 0x31)));
+  }
+};
+#else
+#define KV_DECODE_TILES 0
+#endif
+
+// The largest power of two <= n (n >= 1), at most `cap`.
+inline int FloorPow2(int64_t n, int cap) {
+  int p = 1;
+  while (p * 2 <= cap && p * 2 <= n) p *= 2;
+  return p;
+}
+
+
+#if KV_DECODE_TILES
+// Heads a tile computes at most (half the accumulators: a tile of keys holds at least two).
+constexpr int kMaxTileHeads = DecodeVector::kAccs / 2;
+#else
+constexpr int kMaxTileHeads = 1;
+#endif
+
+#if KV_DECODE_TILES
+// out[h * stride + i] = sum_d q[h][d] * k[i][d] in float32 for heads h < GS and keys i < kAccs / GS, D a multiple of
+// the vector width: one accumulator per (head, key), summed across lanes at the end.
+template <class E, int GS>
+inline void DotsTile(const float* const* q, const typename E::Storage* const* k, int64_t D, float* out,
+                     int64_t stride) {
+  using X = DecodeVector;
+  constexpr int KG = X::kAccs / GS;
+  typename X::V acc[X::kAccs];
+#pragma GCC unroll 16
+  for (int i = 0; i < X::kAccs; ++i) acc[i] = X::Zero();
+  for (int64_t d = 0; d < D; d += X::kWidth) {
+    typename X::V qv[GS];
+#pragma GCC unroll 8
+    for (int h = 0; h < GS; ++h) qv[h] = X::Load(q[h] + d);
+#pragma GCC unroll 16
+    for (int i = 0; i < KG; ++i) {
+      const typename X::V kv = X::template LoadRow<E>(k[i] + d);
+#pragma GCC unroll 8
+      for (int h = 0; h < GS; ++h) acc[h * KG + i] = X::MulAdd(qv[h], kv, acc[h * KG + i]);
+    }
+  }
+  alignas(64) float sums[X::kAccs];
+  X::Sums(acc, sums);
+  for (int h = 0; h < GS; ++h)
+    for (int i = 0; i < KG; ++i) out[h * stride + i] = sums[h * KG + i];
+}
+
+// acc[h][d0 + d] += sum_{i < n} w[h * stride + i] * v[i][d0 + d] for heads h < GS and d < NV vector widths: the
+// outputs stay in registers over the n value rows.
+template <class E, int GS, int NV>
+inline void AxpyTile(float* const* acc, const float* w, int64_t stride, const typename E::Storage* const* v,
+                     int64_t n, int64_t d0) {
+  using X = DecodeVector;
+  constexpr int W = X::kWidth;
+  typename X::V out[GS][NV];
+#pragma GCC unroll 8
+  for (int h = 0; h < GS; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) out[h][c] = X::Load(acc[h] + d0 + c * W);
+  for (int64_t i = 0; i < n; ++i) {
+    typename X::V wi[GS];
+#pragma GCC unroll 8
+    for (int h = 0; h < GS; ++h) wi[h] = X::Splat(w[h * stride + i]);
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) {
+      const typename X::V x = X::template LoadRow<E>(v[i] + d0 + c * W);
+#pragma GCC unroll 8
+      for (int h = 0; h < GS; ++h) out[h][c] = X::MulAdd(wi[h], x, out[h][c]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int h = 0; h < GS; ++h)
+#pragma GCC unroll 16
+    for (int c = 0; c < NV; ++c) X::Store(acc[h] + d0 + c * W, out[h][c]);
+}
+
+// DotsTile for the first n keys of k[] (n <= kDecodeBlock, D a multiple of the vector width) and GS heads
+// (a power of two <= kMaxTileHeads): tiles of kAccs / GS keys, the last one padded with its last key (computed,
+// written to out past n, never read).
+template <class E, int GS>
+inline void DotsBlockOf(const float* const* q, const typename E::Storage* const* k, int64_t n, int64_t D, float* out,
+                        int64_t stride) {
+  constexpr int KG = DecodeVector::kAccs / GS;
+  for (int64_t i0 = 0; i0 < n; i0 += KG) {
+    const typename E::Storage* rows[KG];
+    for (int i = 0; i < KG; ++i) rows[i] = k[i0 + i < n ? i0 + i : n - 1];
+    DotsTile<E, GS>(q, rows, D, out + i0, stride);
+  }
+}
+
+// AxpyTile over all D (a multiple of the vector width) for GS heads: spans of the most vectors the accumulators
+// hold, a power of two each.
+template <class E, int GS>
+inline void AxpyBlockOf(float* const* acc, const float* w, int64_t stride, const typename E::Storage* const* v,
+                        int64_t n, int64_t D) {
+  constexpr int W = DecodeVector::kWidth, kMost = DecodeVector::kAccs / GS;
+  for (int64_t d0 = 0; d0 < D;) {
+    switch (FloorPow2((D - d0) / W, kMost)) {
+      case 16: if constexpr (kMost >= 16) { AxpyTile<E, GS, 16>(acc, w, stride, v, n, d0); d0 += 16 * W; } break;
+      case 8: if constexpr (kMost >= 8) { AxpyTile<E, GS, 8>(acc, w, stride, v, n, d0); d0 += 8 * W; } break;
+      case 4: if constexpr (kMost >= 4) { AxpyTile<E, GS, 4>(acc, w, stride, v, n, d0); d0 += 4 * W; } break;
+      case 2: AxpyTile<E, GS, 2>(acc, w, stride, v, n, d0); d0 += 2 * W; break;
+      default: AxpyTile<E, GS, 1>(acc, w, stride, v, n, d0); d0 += W; break;
+    }
+  }
+}
+
+// Runs fn.template operator()<GS>() for the power of two gs (<= kMaxTileHeads).
+template <class Fn>
+inline void WithTileHeads(int gs, Fn&& fn) {
+  switch (gs) {
+    case 8: if constexpr (kMaxTileHeads >= 8) { fn(std::integral_constant<int, 8>{}); return; } break;
+    case 4: fn(std::integral_constant<int, 4>{}); return;
+    case 2: fn(std::integral_constant<int, 2>{}); return;
+    default: break;
+  }
+  fn(std::integral_constant<int, 1>{});
+}
+#endif
+
+}  // namespace attention_detail
+}  // namespace KV_CPU_ISA
+}  // namespace kvcache
