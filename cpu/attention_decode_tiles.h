@@ -88,6 +88,10 @@ struct DecodeVector {
 #define KV_DECODE_TILES 0
 #endif
 
+#if KV_DECODE_TILES
+// Heads a tile computes at most (half the accumulators: a tile of keys holds at least two).
+constexpr int kMaxTileHeads = DecodeVector::kAccs / 2;
+
 // The largest power of two <= n (n >= 1), at most `cap`.
 inline int FloorPow2(int64_t n, int cap) {
   int p = 1;
@@ -95,15 +99,6 @@ inline int FloorPow2(int64_t n, int cap) {
   return p;
 }
 
-
-#if KV_DECODE_TILES
-// Heads a tile computes at most (half the accumulators: a tile of keys holds at least two).
-constexpr int kMaxTileHeads = DecodeVector::kAccs / 2;
-#else
-constexpr int kMaxTileHeads = 1;
-#endif
-
-#if KV_DECODE_TILES
 // out[h * stride + i] = sum_d q[h][d] * k[i][d] in float32 for heads h < GS and keys i < kAccs / GS, D a multiple of
 // the vector width: one accumulator per (head, key), summed across lanes at the end.
 template <class E, int GS>

@@ -707,38 +707,38 @@ struct AttentionKernel {
         out_row[k * D + d] = top[k] == minus_inf ? T1::FromFloat(0.0f) : T1::FromFloat(acc[k * D + d] / sum[k]);
   }
 
-  // fn(k, gs, offset) for the decode tiles of the chunk's heads [0, nh) (query heads h0 ..): runs of heads sharing
-  // a kv head, cut into powers of two of at most kMaxTileHeads; offset is their kv head's place in a chunk's row.
-  template <class Fn>
-  void ForHeadTiles(int64_t h0, int64_t nh, int64_t kv0, Fn&& fn) const {
-    const int64_t G = p.group;
+#if KV_DECODE_TILES
+  // fn(k, rows, heads) for every decode tile of the chunk's heads [0, nh) (query heads h0 ..) over a block's n
+  // slots: runs of heads sharing a kv head, cut into powers of two of at most kMaxTileHeads (heads: an
+  // std::integral_constant of the tile's head count, from head k); rows[i] = slot i's row of that kv head, read
+  // through `reader` (in place, or into its block buffer).
+  template <class Reader, class Fn>
+  void ForTiles(Reader& reader, const int64_t* slots, int64_t n, int64_t h0, int64_t nh, int64_t kv0, Fn&& fn) const {
+    const T* rows[kDecodeBlock];
+    reader.RawRows(slots, n, rows);
     for (int64_t k = 0; k < nh;) {
-      const int64_t kvh = (h0 + k) / G, end = std::min(nh, (kvh + 1) * G - h0);
+      const int64_t kvh = (h0 + k) / p.group, end = std::min(nh, (kvh + 1) * p.group - h0);
       const int gs = FloorPow2(end - k, kMaxTileHeads);
-      fn(k, gs, (kvh - kv0) * a.head_dim);
+      const T* heads_rows[kDecodeBlock];
+      for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + (kvh - kv0) * a.head_dim;
+      WithTileHeads(gs, [&](auto heads) { fn(k, heads_rows, heads); });
       k += gs;
     }
   }
+#endif
 
   // (TileDots and TileValues stay out of line: inlined, they slowed DecodeTask's per-key form by 8%.)
   // w[k * kDecodeBlock + i] = head k's query row (q[k * head_dim ..]) . key i of the block (the n <= kDecodeBlock
   // slots), for every head of the chunk, tile by tile.
   template <class Reader>
-  __attribute__((noinline)) void TileDots(Reader& keys, const int64_t* slots, int64_t n, const float* q, float* w, int64_t h0, int64_t nh,
-                int64_t kv0) const {
+  __attribute__((noinline)) void TileDots(Reader& keys, const int64_t* slots, int64_t n, const float* q, float* w,
+                                          int64_t h0, int64_t nh, int64_t kv0) const {
 #if KV_DECODE_TILES
-    const int64_t D = a.head_dim;
-    const T* rows[kDecodeBlock];
-    keys.RawRows(slots, n, rows);
-    ForHeadTiles(h0, nh, kv0, [&](int64_t k, int gs, int64_t offset) {
-      const T* heads_rows[kDecodeBlock];
-      for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + offset;
-      WithTileHeads(gs, [&](auto heads) {
-        constexpr int GS = decltype(heads)::value;
-        const float* qs[GS];
-        for (int h = 0; h < GS; ++h) qs[h] = q + (k + h) * D;
-        DotsBlockOf<T1, GS>(qs, heads_rows, n, D, w + k * kDecodeBlock, kDecodeBlock);
-      });
+    ForTiles(keys, slots, n, h0, nh, kv0, [&](int64_t k, const T* const* rows, auto heads) {
+      constexpr int GS = decltype(heads)::value;
+      const float* qs[GS];
+      for (int h = 0; h < GS; ++h) qs[h] = q + (k + h) * a.head_dim;
+      DotsBlockOf<T1, GS>(qs, rows, n, a.head_dim, w + k * kDecodeBlock, kDecodeBlock);
     });
 #else
     (void)keys, (void)slots, (void)n, (void)q, (void)w, (void)h0, (void)nh, (void)kv0;
@@ -747,21 +747,14 @@ struct AttentionKernel {
 
   // acc[k * head_dim + d] += sum_i w[k * kDecodeBlock + i] * value i of the block [d], every head k of the chunk.
   template <class Reader>
-  __attribute__((noinline)) void TileValues(Reader& values, const int64_t* slots, int64_t n, const float* w, float* acc, int64_t h0,
-                  int64_t nh, int64_t kv0) const {
+  __attribute__((noinline)) void TileValues(Reader& values, const int64_t* slots, int64_t n, const float* w,
+                                            float* acc, int64_t h0, int64_t nh, int64_t kv0) const {
 #if KV_DECODE_TILES
-    const int64_t D = a.head_dim;
-    const T* rows[kDecodeBlock];
-    values.RawRows(slots, n, rows);
-    ForHeadTiles(h0, nh, kv0, [&](int64_t k, int gs, int64_t offset) {
-      const T* heads_rows[kDecodeBlock];
-      for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + offset;
-      WithTileHeads(gs, [&](auto heads) {
-        constexpr int GS = decltype(heads)::value;
-        float* accs[GS];
-        for (int h = 0; h < GS; ++h) accs[h] = acc + (k + h) * D;
-        AxpyBlockOf<T1, GS>(accs, w + k * kDecodeBlock, kDecodeBlock, heads_rows, n, D);
-      });
+    ForTiles(values, slots, n, h0, nh, kv0, [&](int64_t k, const T* const* rows, auto heads) {
+      constexpr int GS = decltype(heads)::value;
+      float* accs[GS];
+      for (int h = 0; h < GS; ++h) accs[h] = acc + (k + h) * a.head_dim;
+      AxpyBlockOf<T1, GS>(accs, w + k * kDecodeBlock, kDecodeBlock, rows, n, a.head_dim);
     });
 #else
     (void)values, (void)slots, (void)n, (void)w, (void)acc, (void)h0, (void)nh, (void)kv0;
