@@ -280,7 +280,7 @@ constexpr int64_t kMinSplitKeys = 256;
 // 6.8 against 11.3, B=1 kv16384 1.0 against 1.3; float16 B=64 kv1024 8/2 7.3 against 6.9. Without tiles it asks
 // for rows kAheadRows keys ahead and attends key by key where a slot's key and value rows lie together, else in
 // blocks of kKeyBlock keys (measured: 8-10 ms for blocks of 1 to 16, 18 ms for 32-key blocks read in two passes).
-constexpr int64_t kDecodeBlock = 16, kAheadRows = 4, kKeyBlock = 8, kLongRowBytes = 512, kPerKeyFloat32Heads = 8;
+constexpr int64_t kDecodeBlock = 16, kAheadRows = 4, kKeyBlock = 8, kLongRowBytes = 512;
 #if KV_DECODE_TILES
 constexpr int64_t kDecodeWidth = DecodeVector::kWidth;  // head_dim a multiple of it runs the decode tiles
 #else
@@ -575,6 +575,21 @@ struct AttentionKernel {
     }
   }
 
+  // Whether a decode task of nh query heads runs in tiles (head_dim whole vectors assumed), as measured on one
+  // core (AMD EPYC Zen 5, AVX-512) with 64 MiB of cache read per step, tiles' time over the per-key form's:
+  //   float16  head_dim 32: 8/2 heads 1.27, 32/8 0.85, 8/8 0.83, 32/4 0.82; head_dim 64: 1.34, 0.93, 0.90, 1.05;
+  //            head_dim 128: 0.96, 0.47, 0.66, 0.77 (and B=1 with 16,384 keys, 8/2: about 0.5)
+  //   float32  head_dim 32: 1.46, 1.25, 1.24, 1.23; head_dim 64: 1.15, 0.68, 1.16, 1.76;
+  //            head_dim 128: 1.25, 0.51, 1.0, 0.87
+  // The per-key form keeps up where a task holds few heads of a wide GQA group (one slot's rows serve them all
+  // in Dot4 / Axpy4) and rows are short; the tiles win where a task holds many heads, heads without a group
+  // (the per-key form's one-head path), and long 16-bit rows.
+  bool TilesPay(int64_t nh) const {
+    const int64_t D = a.head_dim;
+    if (T1::kElem == kvcache::Elem::kFloat32) return nh > 8 && D >= 128;
+    return D >= 128 || nh > 8 || p.group == 1;
+  }
+
   // Task() for a sequence of one query (a decode step), the shape that serving runs most. Rows are read as
   // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them) and converted in
   // registers. One pass over the visible keys in blocks: the block's scores from its key rows (each row serving
@@ -600,12 +615,7 @@ struct AttentionKernel {
     // strides a block's rows compete for the same cache sets: measured, decode B=64 kv1024 8/2 heads head_dim
     // 128 float32 8.5 ms key by key, 13 ms in blocks of 8, with the per-key dot products and row updates).
     const bool by_key = source.KeyValueTogether() && (kv1 - kv0) * D * int64_t(sizeof(T)) >= kLongRowBytes;
-    // Where the build has decode tiles and head_dim is whole vectors: blocks of kDecodeBlock keys tile by tile,
-    // whatever the layout; except float32 tasks of at most kPerKeyFloat32Heads heads, which the per-key form
-    // already reads at 0.9x of a copy's bandwidth (measured, that step in tiles: 8.8 against 7.6 ms in layout 0,
-    // 10.5 against 7.6 in layout 3; with 32 heads a task, 32/8, tiles take 28-31 ms against 43).
-    const bool tiles = KV_DECODE_TILES && D % kDecodeWidth == 0 &&
-                       (T1::kElem != kvcache::Elem::kFloat32 || nh > kPerKeyFloat32Heads);
+    const bool tiles = KV_DECODE_TILES && D % kDecodeWidth == 0 && TilesPay(nh);
     const int64_t block = tiles ? kDecodeBlock : by_key ? 1 : kKeyBlock;
     const int64_t stride = tiles ? kDecodeBlock : block;  // of w: head k's scores, then weights, at w[k * stride]
     std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * stride), top(nh, minus_inf), sum(nh, 0.0f),
