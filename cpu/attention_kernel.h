@@ -275,12 +275,14 @@ constexpr int64_t kMinStreamTasks = 16;
 // A split key range holds at least this many keys: fewer would cost more in merging than they save.
 constexpr int64_t kMinSplitKeys = 256;
 // Decode with tiles (attention_decode_tiles.h) attends over blocks of kDecodeBlock keys, asking for the next
-// block's rows while it computes one. Measured on one core, blocks of 16 against 32: decode B=32 kv2048 32/8 heads
-// head_dim 128 float16 18.0 against 21.9 ms (32 slots' key rows, 64 KiB, outgrow L1), int8 cache B=64 kv1024 8/2
-// 6.8 against 11.3, B=1 kv16384 1.0 against 1.3; float16 B=64 kv1024 8/2 7.3 against 6.9. Without tiles it asks
-// for rows kAheadRows keys ahead and attends key by key where a slot's key and value rows lie together, else in
-// blocks of kKeyBlock keys (measured: 8-10 ms for blocks of 1 to 16, 18 ms for 32-key blocks read in two passes).
-constexpr int64_t kDecodeBlock = 16, kAheadRows = 4, kKeyBlock = 8, kLongRowBytes = 512;
+// block's rows while it computes one (measured on one core, blocks of 32 keys against 16: decode B=64 kv1024 8/2
+// heads float16 head_dim 32 5.7 against 6.8 ms, head_dim 64 4.0 against 4.4, 128 the same; B=1 16,384 keys 0.68
+// against 0.79; float32 8.0 against 8.6; an int8 cache 5.4 against 4.9; without the prefetch, head_dim 64 takes
+// 13.2 ms). Without tiles (the portable build, head dims that are not whole
+// vectors) it attends key by key where a slot's key and value rows lie together, else in blocks of kKeyBlock keys
+// (measured: 8-10 ms for blocks of 1 to 16, 18 ms for 32-key blocks read in two passes), and leaves the reads to
+// the hardware prefetchers (asking for rows 4 keys ahead measured 7-14% slower there).
+constexpr int64_t kDecodeBlock = 32, kKeyBlock = 8, kLongRowBytes = 512;
 #if KV_DECODE_TILES
 constexpr int64_t kDecodeWidth = DecodeVector::kWidth;  // head_dim a multiple of it runs the decode tiles
 #else
@@ -575,21 +577,6 @@ struct AttentionKernel {
     }
   }
 
-  // Whether a decode task of nh query heads runs in tiles (head_dim whole vectors assumed), as measured on one
-  // core (AMD EPYC Zen 5, AVX-512) with 64 MiB of cache read per step, tiles' time over the per-key form's:
-  //   float16  head_dim 32: 8/2 heads 1.27, 32/8 0.85, 8/8 0.83, 32/4 0.82; head_dim 64: 1.34, 0.93, 0.90, 1.05;
-  //            head_dim 128: 0.96, 0.47, 0.66, 0.77 (and B=1 with 16,384 keys, 8/2: about 0.5)
-  //   float32  head_dim 32: 1.46, 1.25, 1.24, 1.23; head_dim 64: 1.15, 0.68, 1.16, 1.76;
-  //            head_dim 128: 1.25, 0.51, 1.0, 0.87
-  // The per-key form keeps up where a task holds few heads of a wide GQA group (one slot's rows serve them all
-  // in Dot4 / Axpy4) and rows are short; the tiles win where a task holds many heads, heads without a group
-  // (the per-key form's one-head path), and long 16-bit rows.
-  bool TilesPay(int64_t nh) const {
-    const int64_t D = a.head_dim;
-    if (T1::kElem == kvcache::Elem::kFloat32) return nh > 8 && D >= 128;
-    return D >= 128 || nh > 8 || p.group == 1;
-  }
-
   // Task() for a sequence of one query (a decode step), the shape that serving runs most. Rows are read as
   // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them) and converted in
   // registers. One pass over the visible keys in blocks: the block's scores from its key rows (each row serving
@@ -615,7 +602,12 @@ struct AttentionKernel {
     // strides a block's rows compete for the same cache sets: measured, decode B=64 kv1024 8/2 heads head_dim
     // 128 float32 8.5 ms key by key, 13 ms in blocks of 8, with the per-key dot products and row updates).
     const bool by_key = source.KeyValueTogether() && (kv1 - kv0) * D * int64_t(sizeof(T)) >= kLongRowBytes;
-    const bool tiles = KV_DECODE_TILES && D % kDecodeWidth == 0 && TilesPay(nh);
+    // With decode tiles (head_dim whole vectors), every layout and head count. Measured on one core (AMD EPYC Zen
+    // 5, AVX-512), decode B=64 kv1024 8/2 heads against the per-key form: float16 head_dim 128 5.4 against 7.6 ms,
+    // 64 (B=128) 4.0 against 9.5, 32 (B=256) 5.7 against 14.1; 32/8 heads 20 against 40; an int8 cache 5.4 against
+    // 8.5; B=1 16,384 keys 0.68 against 1.84; float32 head_dim 128 8.0 against 7.4 (layout 3: 7.9 against 7.1),
+    // the one shape measured slower.
+    const bool tiles = KV_DECODE_TILES && D % kDecodeWidth == 0;
     const int64_t block = tiles ? kDecodeBlock : by_key ? 1 : kKeyBlock;
     const int64_t stride = tiles ? kDecodeBlock : block;  // of w: head k's scores, then weights, at w[k * stride]
     std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * stride), top(nh, minus_inf), sum(nh, 0.0f),
@@ -649,7 +641,8 @@ struct AttentionKernel {
           }
         }
       };
-      for (int64_t i = 0; i < (tiles ? block : kAheadRows); ++i) prefetch(i);
+      if (tiles)
+        for (int64_t i = 0; i < block; ++i) prefetch(i);
       for (int64_t j0 = lo; j0 < hi; j0 += block) {
         const int64_t n = std::min(block, hi - j0);
         if (tiles) {  // the next block's rows asked for while this one is computed
@@ -657,7 +650,6 @@ struct AttentionKernel {
           TileDots(keys, &slots[j0 - lo], n, q.data(), w.data(), h0, nh, kv0);
         } else {
           for (int64_t i = 0; i < n; ++i) {  // raw dot products: w[k * block + i] for head k, key j0 + i
-            prefetch(j0 - lo + i + kAheadRows);
             key_dots(keys.RawAt(slots[j0 - lo + i]), &w[i], block);
           }
         }

@@ -160,10 +160,9 @@ struct Kernel {
     } else {
       row = reinterpret_cast<const char*>(CacheCodes(kv, h, slot));
       const auto* scales = reinterpret_cast<const char*>(CacheScales(kv, h, slot));
-      for (int64_t k = 0; k < heads * p.groups * int64_t(sizeof(S)); k += 64) __builtin_prefetch(scales + k);
+      PrefetchBytes(scales, heads * p.groups * int64_t(sizeof(S)));
     }
-    const int64_t bytes = heads * (QBits == 0 ? p.head_dim * int64_t(sizeof(T)) : p.head_dim * QBits / 8);
-    for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
+    PrefetchBytes(row, heads * (QBits == 0 ? p.head_dim * int64_t(sizeof(T)) : p.head_dim * QBits / 8));
   }
 
   // Prefetch of all H heads of a slot: one run where they lie together, else head by head.

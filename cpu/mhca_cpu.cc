@@ -66,9 +66,9 @@ struct CacheSource {
           bytes = heads * s.p.head_dim * QBits / 8;
           const auto* scales = reinterpret_cast<const char*>(static_cast<const S*>(s.scale) +
                                                               s.p.scale_rows.Row(s.a.layer_idx, kv, kv0 + h, slot));
-          for (int64_t k = 0; k < heads * s.p.groups * int64_t(sizeof(S)); k += 64) __builtin_prefetch(scales + k);
+          PrefetchBytes(scales, heads * s.p.groups * int64_t(sizeof(S)));
         }
-        for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(row + k);
+        PrefetchBytes(row, bytes);
       }
     }
     // The chunk's heads of `slot` as T1 values into dst: copied, or dequantized exactly as KeyValueCache's gather
