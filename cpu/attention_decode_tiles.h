@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "attention_tiles.h"
+#include "kv_cpu_quant_avx512.h"
 #include "kv_cpu_rows.h"
 #include "kv_types.h"
 
@@ -20,25 +22,14 @@ namespace attention_detail {
 
 #if KV_AVX512 && defined(__FMA__)
 #define KV_DECODE_TILES 1
-// 16 floats a vector, 16 accumulators of the 32 registers (the rest hold query vectors, weights, a row).
-struct DecodeVector {
-  using V = __m512;
-  static constexpr int kWidth = 16, kAccs = 16;
-  static V Zero() { return _mm512_setzero_ps(); }
-  static V Load(const float* p) { return _mm512_loadu_ps(p); }
-  static V Splat(float x) { return _mm512_set1_ps(x); }
-  static V MulAdd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-  static void Store(float* p, V v) { _mm512_storeu_ps(p, v); }
+// The prefill tiles' 16-float vector (zero, load, splat, multiply-add, store), with 16 accumulators of the 32
+// registers (the rest hold query vectors, weights, a row).
+struct DecodeVector : TileVector {
+  static constexpr int kAccs = 16;
   // float(src[0..16)) of a row of E (exact).
   template <class E>
   static V LoadRow(const typename E::Storage* src) {
-    if constexpr (E::kElem == Elem::kFloat32) {
-      return _mm512_loadu_ps(src);
-    } else {
-      const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      if constexpr (E::kElem == Elem::kFloat16) return _mm512_cvtph_ps(bits);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    }
+    return LoadFloat16<E>(src);
   }
   // out[i] = the sum of x[i]'s lanes, i < 16, by one transposing tree (45 instructions for 16 sums): pairs of
   // vectors interleaved and added within 128-bit lanes, then pairs of those by 64-bit halves, then 128-bit blocks.
@@ -59,15 +50,9 @@ struct DecodeVector {
 };
 #elif KV_SIMD && defined(__FMA__)
 #define KV_DECODE_TILES 1
-// 8 floats a vector, 8 accumulators of the 16 registers.
-struct DecodeVector {
-  using V = __m256;
-  static constexpr int kWidth = 8, kAccs = 8;
-  static V Zero() { return _mm256_setzero_ps(); }
-  static V Load(const float* p) { return _mm256_loadu_ps(p); }
-  static V Splat(float x) { return _mm256_set1_ps(x); }
-  static V MulAdd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-  static void Store(float* p, V v) { _mm256_storeu_ps(p, v); }
+// The prefill tiles' 8-float vector, with 8 accumulators of the 16 registers.
+struct DecodeVector : TileVector {
+  static constexpr int kAccs = 8;
   template <class E>
   static V LoadRow(const typename E::Storage* src) {
     return LoadFloat8<E>(src);
@@ -141,7 +126,7 @@ inline void AxpyTile(float* const* acc, const float* w, int64_t stride, const ty
   for (int64_t i = 0; i < n; ++i) {
     typename X::V wi[GS];
 #pragma GCC unroll 8
-    for (int h = 0; h < GS; ++h) wi[h] = X::Splat(w[h * stride + i]);
+    for (int h = 0; h < GS; ++h) wi[h] = X::Splat(&w[h * stride + i]);
 #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) {
       const typename X::V x = X::template LoadRow<E>(v[i] + d0 + c * W);

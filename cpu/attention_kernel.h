@@ -609,8 +609,7 @@ struct AttentionKernel {
     // the one shape measured slower.
     const bool tiles = KV_DECODE_TILES && D % kDecodeWidth == 0;
     const int64_t block = tiles ? kDecodeBlock : by_key ? 1 : kKeyBlock;
-    const int64_t stride = tiles ? kDecodeBlock : block;  // of w: head k's scores, then weights, at w[k * stride]
-    std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * stride), top(nh, minus_inf), sum(nh, 0.0f),
+    std::vector<float> q(nh * D), acc(nh * D, 0.0f), w(nh * block), top(nh, minus_inf), sum(nh, 0.0f),
         slope(nh);
     for (int64_t k = 0; k < nh; ++k) slope[k] = a.is_alibi ? kvcache::AlibiSlope(h0 + k, H) : 0.0f;
     auto shared4 = [&](int64_t k) { return k + kRows <= nh && (h0 + k) / G == (h0 + k + kRows - 1) / G; };
@@ -658,7 +657,7 @@ struct AttentionKernel {
           OneKeySoftmax(w.data(), nh, D, top.data(), sum.data(), acc.data());
         } else {
           for (int64_t k = 0; k < nh; ++k) {
-            float* x = &w[k * stride];
+            float* x = &w[k * block];
             float m = FinishScores(x, n, h0 + k, slope[k], row, col0 + j0, j0 - qpos);
             if (top[k] != top[k] || (m == m && m < top[k])) m = top[k];  // the running max; NaN sticks
             if (m == minus_inf) {  // nothing but -inf so far: weight 0, which still lets a non-finite value through
