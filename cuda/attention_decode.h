@@ -47,10 +47,6 @@ struct DecodeThread {
   int32_t enters;  // bit u: the step's key u is one the query sees
 };
 
-struct AddOp {
-  KV_HD float operator()(float a, float b) const { return a + b; }
-};
-
 // Everything decode block `tile_index` (tile p.tiles + tile_index of kATiles) does, over its kDecodeThreads threads.
 template <class T1, class Rows, class Team, class Mem>
 KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {

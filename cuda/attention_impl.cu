@@ -4,9 +4,14 @@
 // product, ProductRn).
 #include "attention_impl.cuh"
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+
 #include <type_traits>
 
 #include "attention_decode.h"
+#include "attention_mma.h"
 #include "attention_work.h"
 
 namespace kvcache {
@@ -30,8 +35,21 @@ struct AttnDeviceMem {
   }
 };
 
+// The tensor cores' element type of a T1.
+template <class T1>
+struct WmmaElem;
+template <>
+struct WmmaElem<F16> {
+  using type = __half;
+};
+template <>
+struct WmmaElem<BF16> {
+  using type = __nv_bfloat16;
+};
+
 // This thread of the block: Each runs its part of a phase, Sync is the block's barrier, Butterfly exchanges
-// registers within the warp (every thread of the block calls it, so every lane of a warp takes part).
+// registers within the warp (every thread of the block calls it, so every lane of a warp takes part), SyncOr is the
+// barrier that votes, MatMul is this thread's lane of its warp's matrix product (attention_mma.h's WarpProduct).
 template <class State>
 struct DeviceTeam {
   int64_t thread;
@@ -49,6 +67,47 @@ struct DeviceTeam {
       KV_UNROLL
       for (int i = 0; i < n; ++i) a[i] = op(a[i], __shfl_xor_sync(0xffffffffu, a[i], mask));
     }
+  }
+  template <class Get>
+  __device__ __forceinline__ bool SyncOr(Get&& get) {
+    return __syncthreads_or(get(state) != 0) != 0;
+  }
+  template <class T1, bool BCols, bool Accumulate>
+  __device__ __forceinline__ void MatMul(AttnDeviceMem& mem, const WarpProduct& m) {
+#if __CUDA_ARCH__ >= 800  // bfloat16 fragments are sm_80's; the planner sends no tile here below sm_80
+    namespace wmma = nvcuda::wmma;
+    using E = typename WmmaElem<T1>::type;
+    using BLayout = std::conditional_t<BCols, wmma::col_major, wmma::row_major>;
+    constexpr int F = kMmaFrag, depth = kMmaMaxProductDepth / kMmaFrag;
+    const int64_t warp = thread / kWarp;
+    char* base = mem.Base(kAShared);
+    const E* a = reinterpret_cast<const E*>(base + m.a + warp * m.a_warp);
+    const E* b = reinterpret_cast<const E*>(base + m.b);
+    float* c = reinterpret_cast<float*>(base + m.c + warp * m.c_warp);
+    const unsigned lda = static_cast<unsigned>(m.lda), ldb = static_cast<unsigned>(m.ldb),
+                   ldc = static_cast<unsigned>(m.ldc);
+    wmma::fragment<wmma::matrix_a, F, F, F, E, wmma::row_major> af[depth];  // A's fragments, loaded once
+    KV_UNROLL
+    for (int i = 0; i < depth; ++i)
+      if (i * F < m.k) wmma::load_matrix_sync(af[i], a + i * F, lda);
+    for (int64_t j = 0; j < m.n; j += F) {
+      wmma::fragment<wmma::accumulator, F, F, F, float> acc;
+      if constexpr (Accumulate)
+        wmma::load_matrix_sync(acc, c + j, ldc, wmma::mem_row_major);
+      else
+        wmma::fill_fragment(acc, 0.0f);
+      KV_UNROLL
+      for (int i = 0; i < depth; ++i) {
+        if (i * F >= m.k) continue;
+        wmma::fragment<wmma::matrix_b, F, F, F, E, BLayout> bf;
+        wmma::load_matrix_sync(bf, BCols ? b + j * ldb + i * F : b + int64_t(i) * F * ldb + j, ldb);
+        wmma::mma_sync(acc, af[i], bf, acc);
+      }
+      wmma::store_matrix_sync(c + j, acc, ldc, wmma::mem_row_major);
+    }
+#else
+    __trap();
+#endif
   }
 };
 
@@ -68,6 +127,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) DecodeKernel(AttnParams p) 
   DecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
 }
 
+template <class T1, class Rows>
+__global__ void __launch_bounds__(kMmaThreads, 2) MmaKernel(AttnParams p) {
+  extern __shared__ __align__(128) float mma_shared[];  // kMmaSharedBytes, above the 48 KB of a static array
+  AttnDeviceMem mem{p, mma_shared};
+  DeviceTeam<MmaThread> team{threadIdx.x, {}};
+  MmaTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+}
+
 template <class T1>
 __global__ void __launch_bounds__(kAttnThreads) MergeKernel(AttnParams p) {
   AttnDeviceMem mem{p, nullptr};
@@ -84,6 +151,19 @@ cudaError_t Launch(const AttnParams& p, cudaStream_t stream) {
   if (p.decode_tiles > 0) {
     DecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kDecodeThreads, 0, stream>>>(p);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
+  if (p.mma_tiles > 0) {
+    if constexpr (sizeof(typename T1::Storage) == 2) {
+      // Set on every launch: the attribute is per device, and a call is cheap beside a prefill.
+      if (cudaError_t e = cudaFuncSetAttribute(MmaKernel<T1, Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(kMmaSharedBytes));
+          e != cudaSuccess)
+        return e;
+      MmaKernel<T1, Rows><<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, kMmaSharedBytes, stream>>>(p);
+      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+    } else {
+      return cudaErrorInvalidValue;  // the planner gives float32 calls no tensor-core tiles
+    }
   }
   if (p.merges > 0) {
     MergeKernel<T1><<<static_cast<unsigned>(p.merges), kAttnThreads, 0, stream>>>(p);

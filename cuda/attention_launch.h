@@ -52,6 +52,20 @@ KV_HD bool DecodeKernelFits(int64_t head_dim) {
   return head_dim % kVec == 0 && lanes >= 1 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
 }
 
+// The tensor-core tile kernel (attention_mma.h) takes the tiles of longer sequences (prefill, chunks) where T1 is
+// float16 or bfloat16: kMmaQueries query vectors (rows x heads of one kv head) per block of kMmaThreads threads, a
+// warp's kMmaWarpRows of them one fragment of the matrix products, kMmaKeys keys per chunk staged in shared memory;
+// head_dim a multiple of kMmaFrag, at most kMmaMaxHeadDim.
+constexpr int64_t kMmaThreads = 128;
+constexpr int64_t kMmaFrag = 16;  // the products' fragment side (m16n16k16)
+constexpr int64_t kMmaWarpRows = kMmaFrag;
+constexpr int64_t kMmaQueries = kMmaThreads / kWarp * kMmaWarpRows;
+constexpr int64_t kMmaKeys = 64;
+constexpr int64_t kMmaMaxHeadDim = 128;
+KV_HD bool MmaKernelFits(int64_t head_dim) {
+  return head_dim % kMmaFrag == 0 && head_dim >= kMmaFrag && head_dim <= kMmaMaxHeadDim;
+}
+
 // One block's work: query rows [row0, row0 + rows) of sequence b (row indices within the sequence), query heads
 // [head0, head0 + heads) (all of one kv head), over keys [key0, key1) of the sequence. partial < 0: the block writes
 // the output; else its results go to partial record `partial` and a merge combines the parts.
@@ -74,7 +88,8 @@ struct AttnParams {
   int64_t mask_rank, mask_cols, tokens;  // mask_rank 0: no attn_mask
   // the call
   int64_t batch;
-  int64_t tiles, decode_tiles, merges;  // in kATiles: the tile kernel's tiles, the decode kernel's, the merges
+  int64_t tiles, decode_tiles, mma_tiles, merges;  // in kATiles: the tile kernel's tiles, the decode kernel's, the
+                                                    // tensor-core kernel's, the merges
   int64_t slices;         // ceil(head_dim / kSliceElems)
   // MultiHeadCacheAttention's cache (unused by MultiHeadAttention)
   int64_t layer_idx, quant_group, cache_mode, page_size, max_p;

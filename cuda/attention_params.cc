@@ -49,9 +49,23 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   const int64_t slices = (D + kSliceElems - 1) / kSliceElems, capacity = TileQueries(slices);
   const int64_t tile_heads = std::min(G, capacity), tile_rows = std::max<int64_t>(1, capacity / tile_heads);
   const bool decode_kernel = policy.decode_kernel && DecodeKernelFits(D);
-  std::vector<Tile> base, decode_base;
+  const bool mma_kernel = policy.mma_kernel && MmaKernelFits(D);
+  const int64_t mma_heads = std::min(G, kMmaQueries), mma_rows = std::max<int64_t>(1, kMmaQueries / mma_heads);
+  std::vector<Tile> base, decode_base, mma_base;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
+    if (mma_kernel && (S > 1 || (S == 1 && policy.mma_decode))) {
+      for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t hh = 0; hh < G; hh += mma_heads)
+          for (int64_t r0 = 0; r0 < S; r0 += mma_rows) {
+            const int64_t rows = std::min(mma_rows, S - r0);
+            int64_t lo, hi, lo_last, hi_last;
+            Visible(a, plan, b, r0, &lo, &hi);
+            Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
+            mma_base.push_back(Tile{b, r0, rows, g * G + hh, std::min(mma_heads, G - hh), lo, std::max(lo, hi_last), -1});
+          }
+      continue;
+    }
     if (S == 1 && decode_kernel) {
       int64_t lo, hi;
       Visible(a, plan, b, 0, &lo, &hi);
@@ -76,7 +90,7 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
     const int64_t count = std::max<int64_t>(1, static_cast<int64_t>(tiles));
     return count < blocks ? (blocks + count - 1) / count : 1;
   };
-  std::vector<Tile> tiles, decode_tiles;
+  std::vector<Tile> tiles, decode_tiles, mma_tiles;
   std::vector<Merge> merges;
   auto split = [&](const std::vector<Tile>& from, int64_t min_keys, int64_t most, std::vector<Tile>& into) {
     for (const Tile& t : from) {
@@ -103,22 +117,32 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   };
   split(base, policy.min_split_keys, want(base.size(), policy.min_blocks), tiles);
   split(decode_base, policy.min_decode_split_keys, want(decode_base.size(), policy.min_decode_blocks), decode_tiles);
+  split(mma_base, policy.min_split_keys, want(mma_base.size(), policy.min_blocks), mma_tiles);
   out.tiles = static_cast<int64_t>(tiles.size());
   out.decode_tiles = static_cast<int64_t>(decode_tiles.size());
+  out.mma_tiles = static_cast<int64_t>(mma_tiles.size());
   out.merges = static_cast<int64_t>(merges.size());
   int64_t floats = 0;
-  if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) ||
-      !MulFits(floats, 4, &floats))
-    Fail("attention on CUDA: the call needs ", out.tiles + out.decode_tiles, " blocks and ", out.records,
+  if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.mma_tiles > 0x7fffffff ||
+      out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) || !MulFits(floats, 4, &floats))
+    Fail("attention on CUDA: the call needs ", out.tiles + out.decode_tiles + out.mma_tiles, " blocks and ", out.records,
          " partial records, more than one launch runs");
   out.index_words = static_cast<int64_t>(index.size());
-  index.reserve(index.size() + static_cast<size_t>((out.tiles + out.decode_tiles + out.merges) * kTileWords));
-  for (const auto* list : {&tiles, &decode_tiles})
+  index.reserve(index.size() +
+                static_cast<size_t>((out.tiles + out.decode_tiles + out.mma_tiles + out.merges) * kTileWords));
+  for (const auto* list : {&tiles, &decode_tiles, &mma_tiles})
     for (const Tile& t : *list)
       index.insert(index.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
   for (const Merge& m : merges)
     index.insert(index.end(), {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}});
   return out;
+}
+
+bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
+  if (t1 != int32_t(Elem::kFloat16) && t1 != int32_t(Elem::kBFloat16)) return false;
+  const bool rows_aligned = cache ? Aligned16(t.cache) : Aligned16(t.key) && Aligned16(t.value);
+  const bool groups = !cache || cache->attrs->quant_bit == 0 || cache->attrs->quant_group % kVec == 0;
+  return Aligned16(t.query) && rows_aligned && groups;
 }
 
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
@@ -138,6 +162,7 @@ AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSid
   p.batch = plan.batch;
   p.tiles = launch.tiles;
   p.decode_tiles = launch.decode_tiles;
+  p.mma_tiles = launch.mma_tiles;
   p.merges = launch.merges;
   p.slices = (a.head_dim + kSliceElems - 1) / kSliceElems;
   const bool quantized = cache && cache->attrs->quant_bit != 0;

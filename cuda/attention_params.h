@@ -22,6 +22,10 @@ struct TilePolicy {
   int64_t min_decode_blocks = 1056;  // 8 per multiprocessor: a decode block has half the threads
   int64_t min_decode_split_keys = 256;
   bool decode_kernel = true;  // false: every tile to the tile kernel (the host runner tests both kernels so)
+  // Sequences of more than one token to the tensor-core kernel where its head_dim fits it: for float16 / bfloat16
+  // calls whose rows it can read 16 bytes at a time (MmaRowsFit) on a GPU that has its products (sm_80 on).
+  bool mma_kernel = false;
+  bool mma_decode = false;  // sequences of one token too (instead of the tile or decode kernel)
 };
 
 // The host side of one launch, copied to the device as one block of words: kAIndex's words (the first
@@ -29,7 +33,7 @@ struct TilePolicy {
 // write.
 struct AttnLaunchPlan {
   std::vector<int64_t> words;
-  int64_t index_words = 0, tiles = 0, decode_tiles = 0, merges = 0, records = 0;
+  int64_t index_words = 0, tiles = 0, decode_tiles = 0, mma_tiles = 0, merges = 0, records = 0;
 };
 
 // The cache side of MultiHeadCacheAttention (nullptr for MultiHeadAttention).
@@ -52,6 +56,10 @@ struct AttnTensors {
   const void* mask;
   void* out;
 };
+
+// Whether the tensor-core kernel can read this call: T1 float16 or bfloat16, the query and the key and value rows
+// (packed, or the cache) 16-byte aligned, quantization groups a whole number of 8-element loads.
+bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
 
 // Params for a planned call whose words (launch.words) and partial records are at the given device addresses.
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,

@@ -93,6 +93,14 @@ KV_HD float RoundToT1(float x) {
 // numpy's max step: NaN sticks.
 KV_HD float MaxStep(float m, float x) { return (x > m || x != x) && m == m ? x : m; }
 
+// The combinations team.Butterfly exchanges with.
+struct AddOp {
+  KV_HD float operator()(float a, float b) const { return a + b; }
+};
+struct MaxOp {
+  KV_HD float operator()(float a, float b) const { return MaxStep(a, b); }
+};
+
 template <class Mem>
 KV_HD int64_t IndexWord(Mem& mem, int64_t i) {
   return mem.template Load<int64_t>(kAIndex, 8 * i);
@@ -181,6 +189,7 @@ struct RowAt {
 // MultiHeadAttention's keys and values: packed rows [kv_tokens, Hkv, Dh] of T1.
 template <class T1>
 struct PackedRows {
+  static constexpr bool kStoredAsT1 = true;  // LoadVec16 copies eight elements as they are
   // Where key (and value) j of the sequence whose first key is col0 lies: its token.
   template <class Mem>
   KV_HD int64_t Where(const AttnParams&, Mem&, int64_t, int64_t col0, int64_t j) const {
@@ -194,12 +203,18 @@ struct PackedRows {
                   float (&v)[kSliceElems]) const {
     LoadRowT1<T1>(p, mem, kv ? kAValue : kAKey, r.elem, d0, n, v);
   }
+  // Eight elements [d0, d0 + 8) of a 16-byte aligned row, as stored (16 bytes of float16 / bfloat16).
+  template <class Mem>
+  KV_HD Vec16 LoadVec16(Mem& mem, int kv, const RowAt& r, int64_t d0) const {
+    return mem.template Load<Vec16>(kv ? kAValue : kAKey, (r.elem + d0) * int64_t(sizeof(typename T1::Storage)));
+  }
 };
 
 // MultiHeadCacheAttention's keys and values, read in place from the cache: key j of sequence b is position j, at
 // its slot (offset or paged); quantized rows dequantized exactly as KeyValueCache's gather gives them.
 template <class T1, class T3, int QBits>
 struct CacheRows {
+  static constexpr bool kStoredAsT1 = QBits == 0;
   // Where key (and value) j of sequence b lies: its slot.
   template <class Mem>
   KV_HD int64_t Where(const AttnParams& p, Mem& mem, int64_t b, int64_t, int64_t j) const {
@@ -242,6 +257,10 @@ struct CacheRows {
         v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(Codes<QBits>::Get(mem, r.elem + d, kACache)), s));
       }
     }
+  }
+  template <class Mem>
+  KV_HD Vec16 LoadVec16(Mem& mem, int, const RowAt& r, int64_t d0) const {
+    return mem.template Load<Vec16>(kACache, (r.elem + d0) * int64_t(sizeof(typename T1::Storage)));
   }
 };
 
@@ -493,7 +512,8 @@ KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64
   using T = typename T1::Storage;
   auto word = [&](int64_t k) {
     return mem.template Load<int64_t>(kATiles,
-                                      8 * ((p.tiles + p.decode_tiles) * kTileWords + merge_index * kMergeWords + k));
+                                      8 * ((p.tiles + p.decode_tiles + p.mma_tiles) * kTileWords +
+                                         merge_index * kMergeWords + k));
   };
   const int64_t b = word(0), row0 = word(1), rows = word(2), head0 = word(3), heads = word(4), first = word(5),
                 parts = word(6);

@@ -33,28 +33,44 @@ struct ScratchBlock {  // returned to the scratch at scope exit (stream order ke
   }
 };
 
-// The planner's policy on the current device: about four tile blocks (eight decode blocks) per multiprocessor. The count is read from the
-// driver once per device, not on every call.
-TilePolicy DevicePolicy() {
+// A device attribute, read from the driver once per device, not on every call.
+int CachedAttribute(cudaDeviceAttr attr, int device, const char* what) {
   constexpr int kKnownDevices = 64;
-  static std::array<std::atomic<int>, kKnownDevices> counts{};
-  int device = 0, sms = 0;
-  Check(cudaGetDevice(&device), "reading the current device");
+  static std::array<std::atomic<int>, kKnownDevices> sms{}, majors{};
+  auto& cache = attr == cudaDevAttrMultiProcessorCount ? sms : majors;
   const bool known = device >= 0 && device < kKnownDevices;
-  if (known) sms = counts[device].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    Check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device), "reading the multiprocessor count");
-    if (known) counts[device].store(sms, std::memory_order_relaxed);
+  int value = known ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (value == 0) {
+    Check(cudaDeviceGetAttribute(&value, attr, device), what);
+    if (known) cache[device].store(value, std::memory_order_relaxed);
   }
+  return value;
+}
+
+bool EnvIs(const char* name, const char* value) {
+  const char* set = std::getenv(name);
+  return set != nullptr && std::string(set) == value;
+}
+
+// The planner's policy on the current device for a call of element type t1 over these tensors: about four tile
+// blocks (eight decode blocks) per multiprocessor.
+TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide* cache) {
+  int device = 0;
+  Check(cudaGetDevice(&device), "reading the current device");
+  const int sms = CachedAttribute(cudaDevAttrMultiProcessorCount, device, "reading the multiprocessor count");
+  const int major = CachedAttribute(cudaDevAttrComputeCapabilityMajor, device, "reading the compute capability");
   TilePolicy policy;
   policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
   policy.min_decode_blocks = 2 * policy.min_blocks;
-  // The decode kernel's first form measured slower than the tile kernel on an H200 (B=64 x 1,024 keys, 8/2 heads,
-  // Dh 128, float16: 0.163 against 0.111 ms; Nsight Compute: issue-bound at 16% occupancy, with spills); its present
-  // form (a row of lanes per head, few registers) has not run on a GPU yet. So sequences of one token take the tile
-  // kernel unless KVCACHE_OP_CUDA_DECODE_KERNEL=1 (read on every call: tests and benchmarks switch it).
-  const char* choice = std::getenv("KVCACHE_OP_CUDA_DECODE_KERNEL");
-  policy.decode_kernel = choice != nullptr && std::string(choice) == "1";
+  // Measured on an H100 (B=64 x 1,024 keys, 8/2 heads, Dh 128, float16; benchmarks/gpu/attention_h100): the tile
+  // kernel decodes in 0.113 ms, the decode kernel in 0.203 (it executes 2.3x the tile kernel's instructions) and the
+  // tensor-core kernel in 0.209; a B=8 x 1,024-row prefill (32/8 heads) takes 3.57 ms in the tensor-core kernel and
+  // 9.48 in the tile kernel. So sequences of one token take the tile kernel unless KVCACHE_OP_CUDA_DECODE_KERNEL=1
+  // or KVCACHE_OP_CUDA_MMA_DECODE=1, and longer float16 / bfloat16 sequences the tensor-core kernel unless
+  // KVCACHE_OP_CUDA_MMA=0. All three are read on every call: tests and benchmarks switch them.
+  policy.decode_kernel = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
+  policy.mma_kernel = major >= 8 && !EnvIs("KVCACHE_OP_CUDA_MMA", "0") && MmaRowsFit(t1, tensors, cache);
+  policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
   return policy;
 }
 
@@ -63,7 +79,7 @@ TilePolicy DevicePolicy() {
 struct PlannedScratch {
   ScratchBlock words, partials;
   PlannedScratch(DeviceScratch& scratch, const AttnLaunchPlan& launch, int64_t head_dim)
-      : words(scratch, launch.tiles + launch.decode_tiles ? launch.words.size() * sizeof(int64_t) : 0),
+      : words(scratch, launch.tiles + launch.decode_tiles + launch.mma_tiles ? launch.words.size() * sizeof(int64_t) : 0),
         partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
 };
 
@@ -72,7 +88,7 @@ struct PlannedScratch {
 void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
                    int32_t t1, int32_t scale_type, int quant_bit, const AttnTensors& tensors, cudaStream_t stream,
                    PlannedScratch& scratch) {
-  if (launch.tiles + launch.decode_tiles == 0) return;
+  if (launch.tiles + launch.decode_tiles + launch.mma_tiles == 0) return;
   Check(cudaMemcpyAsync(scratch.words.data, launch.words.data(), launch.words.size() * sizeof(int64_t),
                         cudaMemcpyHostToDevice, stream),
         "copying the index inputs and the tiles");
@@ -101,7 +117,7 @@ void CheckAttentionAligned(const AttnTensors& t, int32_t t1) {
 void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
                            cudaStream_t stream, DeviceScratch& scratch) {
   CheckAttentionAligned(tensors, t);
-  const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy());  // throws before any launch
+  const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy(t, tensors, nullptr));  // throws first
   PlannedScratch planned(scratch, launch, a.head_dim);
   LaunchPlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, planned);
 }
@@ -117,7 +133,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   CheckAligned("cache", tensors.cache, a.cache.quant_bit ? int32_t(Elem::kInt8) : t1);
   if (a.cache.quant_bit) CheckAligned("scale", tensors.scale, scale_type);  // read only when quantized
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
-  const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy());
+  const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, tensors, &side));
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
   if (plan.cache.batch > 0) {
     const std::vector<int64_t> host = PackIndices(plan.cache);

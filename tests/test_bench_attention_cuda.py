@@ -2,8 +2,10 @@
 line, its --help and arguments, its cases and the bytes it counts; on a GPU (marker gpu) its smoke run prints and
 writes a table of sane figures."""
 
+import dataclasses
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -46,12 +48,30 @@ def test_cases_and_the_bytes_they_read():
               for c in full}
     assert shapes == {("mhca", "decode", 64, 1, 1024, 8, 2, 128, 0, 0), ("mhca", "decode", 64, 1, 1024, 8, 2, 128, 0, 3),
                       *{("mhca", "decode", 32, 1, 2048, 32, 8, 128, q, layout) for q in (0, 8) for layout in (0, 3)},
-                      ("mha", "decode", 64, 1, 1024, 8, 2, 128, 0, 0), ("mha", "prefill", 8, 1024, 1024, 32, 8, 128, 0, 0)}
-    assert all(c.dtype == "float16" and c.page_size == 16 for c in full)
+                      ("mha", "decode", 64, 1, 1024, 8, 2, 128, 0, 0), ("mha", "prefill", 8, 1024, 1024, 32, 8, 128, 0, 0),
+                      *{("mhca", "prefill", 8, 1024, 1024, 32, 8, 128, q, 0) for q in (0, 8)}}
+    assert all(c.dtype == "float16" and c.page_size == 16 for c in full if c.dtype != "bfloat16")
+    assert [c.label() for c in full if c.dtype == "bfloat16"] == [
+        "mha prefill B=8 S=1024 H=32/8 Dh=128 bfloat16 packed"]
+    # every route beside the default on a shape the default runs too
+    assert {c.kernel for c in full} == set(attention.KERNELS)
+    defaults = {dataclasses.replace(c, kernel="") for c in full if c.kernel}
+    assert defaults <= set(full)
     assert full[0].bytes_read() == 64 * 1024 * 2 * 128 * 2 * 2  # K and V, float16
     int8 = next(c for c in full if c.quant_bit == 8)
     assert int8.bytes_read() == 32 * 2048 * 8 * 128 * 2 + 32 * 2048 * 8 * 16 * 2 * 2  # codes + float16 scales
     assert len(attention.cases(quick=True)) >= 4
+
+
+def test_a_route_sets_its_variable_and_restores_the_environment(monkeypatch):
+    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", "0")
+    monkeypatch.delenv("KVCACHE_OP_CUDA_DECODE_KERNEL", raising=False)
+    with attention.kernel_route("decode"):
+        assert os.environ["KVCACHE_OP_CUDA_DECODE_KERNEL"] == "1"
+        assert "KVCACHE_OP_CUDA_MMA" not in os.environ  # every other route variable unset inside
+    assert os.environ["KVCACHE_OP_CUDA_MMA"] == "0" and "KVCACHE_OP_CUDA_DECODE_KERNEL" not in os.environ
+    with attention.kernel_route("tile"):
+        assert os.environ["KVCACHE_OP_CUDA_MMA"] == "0"
 
 
 @pytest.mark.gpu

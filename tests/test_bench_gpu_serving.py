@@ -31,3 +31,30 @@ def test_without_the_cuda_ep_it_says_what_is_missing_in_one_line(monkeypatch, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("GPU serving benchmark: cannot run: ")
     assert "has no CUDAExecutionProvider" in err[0]
+
+
+def test_a_float16_run_exports_what_transformers_loads_and_records_the_baseline(tmp_path, monkeypatch):
+    """--dtype float16: the exported model is the checkpoint as transformers loads it in float16, its rotary
+    frequencies still float32 (a model.to(float16) export rounded them, and its tokens parted from transformers' at
+    long positions); the table says how often transformers' own float16 tokens agree with its float32 ones."""
+    import torch
+
+    import kvcache_op.hf
+
+    exported = []
+    real_export = kvcache_op.hf.export_model
+
+    def capture(model, *args, **kwargs):
+        exported.append(model)
+        return real_export(model, *args, **kwargs)
+
+    monkeypatch.setattr(kvcache_op.hf, "export_model", capture)
+    argv = ["--device", "cpu", "--quick", "--dtype", "float16", "--requests", "3", "--prompt-tokens", "40",
+            "--new-tokens", "6", "--repeats", "1", "--out", str(tmp_path)]
+    assert serving.main(argv) == 0
+    (model,) = exported
+    assert model.model.embed_tokens.weight.dtype == torch.float16
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["dtype"] == "float16" and 0.0 <= result["baseline_agreement"] <= 1.0
+    assert "Baseline: transformers' own float16 tokens" in (tmp_path / "README.md").read_text()

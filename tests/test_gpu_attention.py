@@ -122,6 +122,14 @@ def kernel(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["mma", "tile"])
+def prefill_kernel(request, monkeypatch):
+    """Sequences of more than one token in float16 / bfloat16 through the tensor-core kernel (the default) or the tile
+    kernel (KVCACHE_OP_CUDA_MMA=0, read on every call)."""
+    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", "0" if request.param == "tile" else "1")
+    return request.param
+
+
 def _expect_zero_rows(got, bound):
     assert np.all(got[bound == 0] == 0), "a row without an effective key must be exactly zero"
 
@@ -288,7 +296,7 @@ PREFILL_VARIANTS = {
 
 @pytest.mark.parametrize("head_dim", [128, 24])
 @pytest.mark.parametrize("variant", sorted(PREFILL_VARIANTS))
-def test_mha_prefill(variant, head_dim):
+def test_mha_prefill(variant, head_dim, prefill_kernel):
     """Chunked prefill (S > 1, causal aligned to the last keys), decoding_batches = 2 with S > 1 rows, GQA 4;
     head_dim 24 with 1 query head per kv head: tiles of 16 query rows."""
     heads, kv_heads = (8, 2) if head_dim == 128 else (3, 3)
@@ -299,7 +307,7 @@ def test_mha_prefill(variant, head_dim):
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [128, 64, 24, 5, 256])
-def test_mha_head_dims_and_groups(head_dim, group, kernel):
+def test_mha_head_dims_and_groups(head_dim, group, kernel, prefill_kernel):
     if kernel == "decode" and head_dim not in (8, 16, 32, 64, 128, 256):
         pytest.skip("the decode kernel takes head_dim 8 x a power of two, at most 256 (the tile kernel runs this one)")
     case = build_attention(f"dims-{head_dim}-{group}", [(1, 700), (19, 19), (4, 30), (1, 1)], heads=2 * group,
@@ -344,7 +352,7 @@ QUANTIZED = {
 
 @pytest.mark.parametrize("layout", [0, 1, 2, 3])
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
-def test_mhca_quantized(kind, layout, kernel):
+def test_mhca_quantized(kind, layout, kernel, prefill_kernel):
     """int8 and int4 caches (groups of 8, and of 3: no 8-element units), layouts 0-3, offset and paged caches with
     pages of 16 and 5: a decode long enough to split, a chunk of a chunked prefill, a first prefill, GQA 4."""
     quant_bit, group, head_dim, mode, page, t1, t3 = QUANTIZED[kind]
@@ -372,13 +380,51 @@ CACHE_PREFILL_VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(CACHE_PREFILL_VARIANTS))
-def test_mhca_prefill(variant):
+def test_mhca_prefill(variant, prefill_kernel):
     """Decoding sequences with S > 1 rows first, chunks and first prefills after, paged int8 layout 3, GQA 2."""
     case = build_cache_attention(f"mhca-prefill-{variant}", [Seq(17, 3), Seq(6, 2), Seq(0, 24), Seq(30, 19),
                                                              Seq(900, 1)],
                                  heads=2, head_dim=64, group=2, cache_mode=1, page_size=16, quant_bit=8,
                                  cache_layout=3, t1="float16", **CACHE_PREFILL_VARIANTS[variant])
     check_mhca_against_reference(case)
+
+
+# -- the tensor-core kernel: long prefills, decodes through it, non-finite values ------------------------------------
+
+@pytest.mark.parametrize("head_dim, heads, kv_heads, t", [(128, 16, 4, "float16"), (128, 16, 4, "bfloat16"),
+                                                       (64, 8, 8, "bfloat16"), (96, 16, 2, "float16")])
+def test_mma_long_prefills(t, head_dim, heads, kv_heads, prefill_kernel):
+    """Prefills of 512 and 200 rows (many chunks of keys, many tiles), causal, GQA 4, 1 and 8, beside a decode."""
+    case = build_attention(f"mma-long-{t}-{head_dim}", [(512, 512), (200, 200), (1, 300)], heads=heads,
+                           kv_heads=kv_heads, head_dim=head_dim, t=t)
+    check_mha_against_reference(case)
+
+
+def test_mma_decode_rows(monkeypatch):
+    """KVCACHE_OP_CUDA_MMA_DECODE=1: sequences of one token through the tensor-core kernel, split and merged."""
+    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA_DECODE", "1")
+    case = build_attention("mma-decode", [(1, 3000), (1, 700), (1, 1), (4, 40)], heads=8, kv_heads=2, head_dim=128,
+                           t="float16", decoding=3, mask=2)
+    check_mha_against_reference(case)
+    cache_case = build_cache_attention("mma-decode-cache", [Seq(1200, 1), Seq(40, 1)], heads=2, head_dim=128, group=4,
+                                       cache_mode=1, page_size=16, quant_bit=8, quant_group=8, cache_layout=3,
+                                       t1="bfloat16")
+    check_mhca_against_reference(cache_case)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_mma_non_finite_value_reaches_only_the_queries_that_see_it(bad):
+    """A causal prefill whose last key's value row holds NaN or inf: the rows that do not see it stay finite (a matrix
+    product would give them 0 x inf), the last row's element is not finite, as in the reference."""
+    case = build_attention(f"mma-nonfinite-{bad}", [(200, 200)], heads=4, kv_heads=2, head_dim=64, t="float16")
+    case.inputs["value"][199, :, 3] = bad
+    call = AttentionCall("mha", case.inputs, case.attributes)
+    call.run()
+    got = call.output()
+    want = multi_head_attention(**case.inputs, **case.attributes)
+    assert np.isfinite(got[:199]).all() and np.isfinite(want[:199]).all()
+    np.testing.assert_array_equal(np.isfinite(got[199]), np.isfinite(want[199]))
+    assert not np.isfinite(got[199, :, 3]).any()
 
 
 def test_mhca_rank3_mask():

@@ -21,8 +21,9 @@
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
 # GPU_CHECK_PROFILE=1 adds steps that run the attention decode (B=64, kvlen 1024) under Nsight Compute, through
-# the tile kernel and through the decode kernel (logs/attention-ncu-CASE.log: speed of light, occupancy, memory
-# workload, warp states, the instruction mix and where the kernel stalls).
+# the tile kernel and through the decode kernel, and the float16 prefill through the tensor-core kernel
+# (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
+# where the kernel stalls).
 # Exit status: 0 when no step failed.
 set -u -o pipefail
 
@@ -66,7 +67,8 @@ PREFIX=()
 run_benchmark() {
   local name=$1 limit=$2 folder=$3 table=$4 module=$5
   if skipped "$name"; then return 0; fi
-  if timeout "$limit" "$PY" -m "$module" --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
+  # $module may carry arguments after the module name (split on spaces)
+  if timeout "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
     step "$name" pass "$folder/$table"
   else
     step "$name" fail "exit $?: see logs/$name.log"
@@ -108,21 +110,25 @@ DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/nul
 printf '%s\n' "${DEVICE:-none}" >"$OUT/device.txt"
 
 if [ -n "$GPU_REASON" ]; then
-  for s in gpu-tests sanitizer-memcheck sanitizer-attention-memcheck sanitizer-racecheck sanitizer-attention-racecheck \
+  for s in gpu-tests gpu-attention-tests sanitizer-memcheck sanitizer-attention-memcheck sanitizer-racecheck sanitizer-attention-racecheck \
            sanitizer-initcheck sanitizer-attention-initcheck sanitizer-synccheck sanitizer-attention-synccheck benchmark \
-           attention-benchmark ort-cuda-ep; do
+           attention-benchmark serving-benchmark serving-benchmark-float16 ort-cuda-ep; do
     step "$s" skip "$GPU_REASON"
   done
 else
   # 3. GPU tests ----------------------------------------------------------------------------------------
-  run_pytest gpu-tests 420 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py test_gpu_attention.py \
-    test_bench_attention_cuda.py
+  run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
+  run_pytest gpu-attention-tests 300 test_gpu_attention.py test_bench_attention_cuda.py
 
   # 4. compute-sanitizer ------------------------------------------------------------------------------
   SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
   ATTENTION_SANITIZE="mha_split_decode and softcap or mhca_split_decode and bfloat16 or int4-g3-d24-page5-2"
   ATTENTION_SANITIZE+=" or int8-g8-d128-page16-3 or mha_prefill and causal-float16-24"
   ATTENTION_SANITIZE+=" or mhca_misaligned_buffers and 2-8 or invalid_mhca_call and offset_beyond_max_t or head_dim_4096"
+  # the tensor-core kernel: a float16 prefill of GQA 4 (dynamic shared memory, chunks, the products), an int8 paged
+  # head-major cache staged through it, and the one-by-one path of a NaN value
+  ATTENTION_SANITIZE+=" or mha_prefill and causal-float16 and 128 and mma or mhca_prefill and alibi-mask2 and mma"
+  ATTENTION_SANITIZE+=" or mma_non_finite and nan"
   if [ -x "$SANITIZER" ]; then
     for tool in memcheck racecheck initcheck synccheck; do
       PREFIX=("$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20)
@@ -147,13 +153,16 @@ else
   run_benchmark attention-benchmark 150 attention-bench results.md kvcache_op.benchmarks.gpu.attention
 
   if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
-    # The benchmark's first case (the B=64 decode) through the tile kernel, then through the decode kernel.
+    # The benchmark's first case (the B=64 decode) through the tile kernel, then through the decode kernel, and the
+    # float16 prefill through the tensor-core kernel.
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-    DECODE_CASE=$("$PY" -m kvcache_op.benchmarks.gpu.attention_profile --list | grep -m1 "decode kernel" | cut -d: -f1)
-    for case in 0 ${DECODE_CASE:-}; do
+    LISTED=$("$PY" -m kvcache_op.benchmarks.gpu.attention_profile --list)
+    DECODE_CASE=$(grep -m1 "decode kernel" <<<"$LISTED" | cut -d: -f1)
+    PREFILL_CASE=$(grep -m1 "mha prefill .* float16 packed$" <<<"$LISTED" | cut -d: -f1)
+    for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-}; do
       if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-          --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel" \
+          --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel|MmaKernel" \
           --launch-skip 2 --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case "$case" \
           >"$OUT/logs/attention-ncu-$case.log" 2>&1; then
         step "attention-ncu-$case" pass "logs/attention-ncu-$case.log"
@@ -188,6 +197,7 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
     run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
     run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
+    run_benchmark serving-benchmark-float16 300 serving-bench-float16 README.md "kvcache_op.benchmarks.gpu.serving --dtype float16"
   else
     step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
   fi

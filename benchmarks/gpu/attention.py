@@ -34,8 +34,10 @@ Figures, per case:
   ``enable_gqa=True`` or, where that is refused, keys expanded to H heads before timing. **vs sdpa** = sdpa ms /
   op ms (above 1: the op is faster; prefill target 0.8). For MultiHeadAttention the two get the same numbers:
   **max |op - sdpa|** is their largest difference (a sanity figure);
-* rows ending **decode kernel**: sequences of one token through the decode kernel (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``)
-  instead of the tile kernel, the default, on shapes measured above.
+* rows ending **decode kernel** / **tensor-core kernel**: sequences of one token through the decode kernel
+  (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``) or the tensor-core kernel (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the
+  tile kernel, the default, on shapes measured above; **tile kernel**: a prefill through the tile kernel
+  (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16.
 """
 
 import argparse
@@ -72,7 +74,7 @@ class Case:
     quant_bit: int = 0  # 0 or 8 (MultiHeadCacheAttention)
     layout: int = 0
     page_size: int = 16
-    decode_kernel: bool = False  # sequences of one token through the decode kernel (KVCACHE_OP_CUDA_DECODE_KERNEL=1)
+    kernel: str = ""  # "": the default route; else the route KERNELS names (its environment variable)
 
     @property
     def op_name(self) -> str:
@@ -81,7 +83,7 @@ class Case:
     def label(self) -> str:
         size = f"S={self.seqlen}" if self.phase == "prefill" else f"kvlen={self.kvlen}"
         cache = f" q{self.quant_bit} L{self.layout} page={self.page_size}" if self.op == "mhca" else " packed"
-        kernel = " decode kernel" if self.decode_kernel else ""
+        kernel = f" {KERNELS[self.kernel][0]}" if self.kernel else ""
         return (f"{self.op} {self.phase} B={self.batch} {size} H={self.heads}/{self.kv_heads} Dh={self.head_dim} "
                 f"{self.dtype}{cache}{kernel}")
 
@@ -98,30 +100,49 @@ def cases(quick: bool) -> list:
     if quick:
         return ([Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, layout=layout) for layout in (0, 3)]
                 + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3)]
-                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, decode_kernel=True)]
+                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k) for k in ("decode", "mma")]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
-                   Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64)])
+                   Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64),
+                   Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="tile")])
     out = [Case("mhca", "decode", 64, 1, 1024, 8, 2, layout=layout) for layout in (0, 3)]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=q, layout=layout) for q in (0, 8) for layout in (0, 3)]
     out += [Case("mha", "decode", 64, 1, 1024, 8, 2), Case("mha", "prefill", 8, 1024, 1024, 32, 8)]
-    # the decode kernel beside the tile kernel (the default) on the same shapes
-    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, decode_kernel=True),
-            Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, decode_kernel=True)]
+    out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, dtype="bfloat16"),
+            Case("mhca", "prefill", 8, 1024, 1024, 32, 8), Case("mhca", "prefill", 8, 1024, 1024, 32, 8, quant_bit=8)]
+    # the other routes beside the defaults on the same shapes: decodes through the decode kernel and through the
+    # tensor-core kernel, the prefill through the tile kernel
+    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, kernel=k) for k in ("decode", "mma")]
+    out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, kernel=k) for k in ("decode", "mma")]
+    out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
     return out
 
 
+#: A case's route: (its label, the environment the library reads on every call). The default: sequences of one token
+#: through the tile kernel, longer float16 / bfloat16 ones through the tensor-core kernel.
+KERNELS = {
+    "": ("", {}),
+    "decode": ("decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "1"}),
+    "mma": ("tensor-core kernel", {"KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
+    "tile": ("tile kernel", {"KVCACHE_OP_CUDA_MMA": "0"}),
+}
+ROUTE_VARIABLES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACHE_OP_CUDA_MMA_DECODE")
+
+
 @contextlib.contextmanager
-def decode_kernel(on: bool):
-    """KVCACHE_OP_CUDA_DECODE_KERNEL set to ``on`` inside (the library reads it on every call), restored after."""
-    name, before = "KVCACHE_OP_CUDA_DECODE_KERNEL", os.environ.get("KVCACHE_OP_CUDA_DECODE_KERNEL")
-    os.environ[name] = "1" if on else "0"
+def kernel_route(kernel: str):
+    """The route ``kernel`` (KERNELS) set inside, every other route variable unset; the environment restored after."""
+    before = {name: os.environ.get(name) for name in ROUTE_VARIABLES}
+    for name in ROUTE_VARIABLES:
+        os.environ.pop(name, None)
+    os.environ.update(KERNELS[kernel][1])
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def missing_requirements() -> list:
@@ -249,7 +270,7 @@ class AttentionCall:
 
 def measure(case: Case, warmup: int, repeats: int) -> dict:
     """One row: op, copy and SDPA times of ``case``, back to back on the current stream."""
-    with decode_kernel(case.decode_kernel):
+    with kernel_route(case.kernel):
         return _measure(case, warmup, repeats)
 
 

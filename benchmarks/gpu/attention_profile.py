@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from ...arguments import OneLineParser, at_least
-from .attention import AttentionCall, cases, decode_kernel, missing_requirements
+from .attention import AttentionCall, cases, kernel_route, missing_requirements
 
 
 def main(argv=None) -> int:
@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     case = every[args.case]
     call = AttentionCall(case)
-    with decode_kernel(case.decode_kernel), torch.cuda.stream(torch.cuda.Stream()):
+    with kernel_route(case.kernel), torch.cuda.stream(torch.cuda.Stream()):
         for _ in range(args.calls):
             call.run_op()
         torch.cuda.current_stream().synchronize()

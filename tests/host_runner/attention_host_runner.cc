@@ -21,6 +21,7 @@
 
 #include "attention_c_args.h"
 #include "attention_decode.h"
+#include "attention_mma.h"
 #include "attention_params.h"
 #include "attention_work.h"
 #include "c_tensors.h"
@@ -34,13 +35,14 @@ struct AttnHostRunOptions {
   int64_t min_blocks, min_split_keys;  // the planner's policy (the GPU reads min_blocks off the device)
   int64_t skip_sync;                   // 1: team.Sync() does not end a phase (shows (c) is caught)
   int64_t buffer_bytes[kvcache::cuda::kABufCount];  // >= 0: the size the checks assume (shows (a) is caught)
-  int64_t tile_kernel_only;                          // 1: no tile goes to the decode kernel
+  int64_t tile_kernel_only;                          // 1: every tile to the tile kernel (no decode, no tensor-core)
+  int64_t mma_decode;                                // 1: sequences of one token to the tensor-core kernel too
 };
 
 struct AttnHostRunReport {
   int64_t launches, blocks, threads, tiles, merges, split_tiles;
   int64_t out_of_bounds, misaligned, write_write, read_write, uninitialized;
-  int64_t decode_tiles;
+  int64_t decode_tiles, mma_tiles;
 };
 }  // extern "C"
 
@@ -50,6 +52,8 @@ namespace {
 using cuda::ABuf;
 
 constexpr int64_t kNobody = -1, kMany = -2;
+// Every block kernel's shared memory fits this many words (one host array serves them all).
+constexpr int64_t kSharedWordsMost = std::max(cuda::kSharedWords, cuda::kMmaSharedWords);
 
 const char* BufName(int b) {
   static const char* const names[] = {"query", "key", "value", "cache", "scale", "attn_mask", "output",
@@ -151,7 +155,7 @@ struct CheckingMem {
   void StartBlock(int64_t id) {
     block_id = id;
     for (Shadow& s : shadow[cuda::kAShared]) s = Shadow{};
-    std::fill_n(reinterpret_cast<float*>(base[cuda::kAShared]), cuda::kSharedWords, std::nanf(""));  // poison
+    std::fill_n(reinterpret_cast<float*>(base[cuda::kAShared]), kSharedWordsMost, std::nanf(""));  // poison
   }
   void StartLaunch(const char* name) {
     where = name;
@@ -194,6 +198,44 @@ struct HostTeam {
         for (size_t i = 0; i < sizeof(mine) / sizeof(mine[0]); ++i) mine[i] = op(own[i], other[i]);
       }
     }
+  }
+  // __syncthreads_or: the barrier, and whether get(state) is non-zero in any thread.
+  template <class Get>
+  bool SyncOr(Get&& get) {
+    Sync();
+    bool any = false;
+    for (State& s : state) any = any || get(s) != 0;
+    return any;
+  }
+  // Each warp's matrix product (attention_mma.h's WarpProduct), in float over the checked shared memory: the warp's
+  // accesses are its lane 0's. Each element of A and B is read once, as the fragments load them.
+  template <class T1, bool BCols, bool Accumulate>
+  void MatMul(CheckingMem&, const cuda::WarpProduct& m) {
+    using T = typename T1::Storage;
+    const int64_t F = cuda::kMmaFrag;
+    if (m.n % F != 0 || m.k % F != 0 || m.k > cuda::kMmaMaxProductDepth) {
+      mem.Note(mem.report->out_of_bounds, "a product of " + std::to_string(m.n) + " columns and depth " +
+                                              std::to_string(m.k) + " the fragments cannot take");
+      return;
+    }
+    auto elem = [&](int64_t byte) { return T1::ToFloat(mem.Load<T>(cuda::kAShared, byte)); };
+    for (int64_t w = 0; w < Threads / cuda::kWarp; ++w) {
+      mem.thread = w * cuda::kWarp;
+      std::vector<float> a(static_cast<size_t>(F * m.k)), b(static_cast<size_t>(m.k * m.n));
+      for (int64_t r = 0; r < F; ++r)
+        for (int64_t i = 0; i < m.k; ++i) a[size_t(r * m.k + i)] = elem(m.a + w * m.a_warp + (r * m.lda + i) * 2);
+      for (int64_t i = 0; i < m.k; ++i)
+        for (int64_t j = 0; j < m.n; ++j)
+          b[size_t(i * m.n + j)] = elem(m.b + (BCols ? j * m.ldb + i : i * m.ldb + j) * 2);
+      for (int64_t r = 0; r < F; ++r)
+        for (int64_t j = 0; j < m.n; ++j) {
+          const int64_t at = m.c + w * m.c_warp + (r * m.ldc + j) * 4;
+          float acc = Accumulate ? mem.Load<float>(cuda::kAShared, at) : 0.0f;
+          for (int64_t i = 0; i < m.k; ++i) acc += a[size_t(r * m.k + i)] * b[size_t(i * m.n + j)];
+          mem.Store<float>(cuda::kAShared, at, acc);
+        }
+    }
+    mem.thread = -1;
   }
 };
 
@@ -255,6 +297,14 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                       cuda::kDecodeSharedWords, [&](auto& team, int64_t b) {
                                                         cuda::DecodeTile<T1>(p, Rows{}, mem, team, b);
                                                       });
+  if constexpr (sizeof(typename T1::Storage) == 2) {
+    RunBlocks<cuda::MmaThread, cuda::kMmaThreads>(mem, skip_sync, "tensor-core launch", p.mma_tiles,
+                                                  cuda::kMmaSharedWords, [&](auto& team, int64_t b) {
+                                                    cuda::MmaTile<T1>(p, Rows{}, mem, team, b);
+                                                  });
+  } else if (p.mma_tiles > 0) {
+    mem.Note(mem.report->out_of_bounds, "tensor-core tiles planned for a float32 call");
+  }
   mem.StartLaunch("merge launch");
   for (int64_t m = 0; m < p.merges; ++m) {
     mem.block_id = m;
@@ -265,9 +315,10 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
     }
     mem.thread = -1;
   }
-  mem.report->launches += (p.tiles > 0) + (p.decode_tiles > 0) + (p.merges > 0);
-  mem.report->blocks += p.tiles + p.decode_tiles + p.merges;
-  mem.report->threads += (p.tiles + p.merges) * cuda::kAttnThreads + p.decode_tiles * cuda::kDecodeThreads;
+  mem.report->launches += (p.tiles > 0) + (p.decode_tiles > 0) + (p.mma_tiles > 0) + (p.merges > 0);
+  mem.report->blocks += p.tiles + p.decode_tiles + p.mma_tiles + p.merges;
+  mem.report->threads += (p.tiles + p.merges) * cuda::kAttnThreads + p.decode_tiles * cuda::kDecodeThreads +
+                         p.mma_tiles * cuda::kMmaThreads;
 }
 
 template <class T1>
@@ -309,16 +360,18 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   if (o.min_blocks > 0) policy.min_blocks = policy.min_decode_blocks = o.min_blocks;
   if (o.min_split_keys > 0) policy.min_split_keys = policy.min_decode_split_keys = o.min_split_keys;
   policy.decode_kernel = o.tile_kernel_only == 0;
+  policy.mma_kernel = o.tile_kernel_only == 0 && cuda::MmaRowsFit(in[0].type, t, cache);
+  policy.mma_decode = o.mma_decode != 0;
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
-  std::vector<float> shared(static_cast<size_t>(cuda::kSharedWords));
+  std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
   const cuda::AttnParams p = cuda::MakeAttnParams(a, plan, cache, launch, t, launch.words.data(), partials.data());
   const int64_t index_bytes = launch.index_words * 8, work_bytes = int64_t(launch.words.size() * 8) - index_bytes;
   CheckingMem mem;
   mem.report = report;
   const int64_t sizes[cuda::kABufCount] = {
       BytesOf(in[0]), cache ? 0 : BytesOf(in[1]), cache ? 0 : BytesOf(in[2]), 0, 0, 0, BytesOf(in[0]),
-      index_bytes, work_bytes, int64_t(partials.size() * 4), cuda::kSharedWords * 4};
+      index_bytes, work_bytes, int64_t(partials.size() * 4), kSharedWordsMost * 4};
   for (int b = 0; b < cuda::kABufCount; ++b) {
     mem.base[b] = static_cast<char*>(p.ptr[b]);
     mem.bytes[b] = sizes[b];
@@ -337,8 +390,9 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
     if (o.buffer_bytes[b] >= 0) mem.bytes[b] = std::min(mem.bytes[b], o.buffer_bytes[b]);
   report->tiles = launch.tiles;
   report->decode_tiles = launch.decode_tiles;
+  report->mma_tiles = launch.mma_tiles;
   report->merges = launch.merges;
-  for (int64_t i = 0; i < launch.tiles + launch.decode_tiles; ++i)
+  for (int64_t i = 0; i < launch.tiles + launch.decode_tiles + launch.mma_tiles; ++i)
     report->split_tiles += launch.words[size_t(launch.index_words + i * cuda::kTileWords + 7)] >= 0;
   RunAll(p, mem, in[0].type, scale_type, quant_bit, cache != nullptr, o.skip_sync != 0);
   const int64_t faults = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
