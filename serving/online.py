@@ -35,6 +35,10 @@ class RequestHandle:
         self._logprobs = []
         self._error = None
         self._cancelled = threading.Event()
+        # result() waits on its own event, not on the condition every token notifies: a batch caller waiting for
+        # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
+        # engine's thread in the middle of its step)
+        self._finished = threading.Event()
         self._changed = threading.Condition()
         self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
 
@@ -54,6 +58,7 @@ class RequestHandle:
         with self._changed:
             if self.finish_reason is None:
                 self.finish_reason, self._error = reason, error
+            self._finished.set()
             self._changed.notify_all()
             watchers = list(self._watchers)
         for watcher in watchers:
@@ -149,9 +154,9 @@ class RequestHandle:
     def result(self, timeout: float = None) -> list:
         """Every token, once the request finished (``TimeoutError`` after ``timeout`` seconds; the request's
         own exception if its step failed). A cancelled request returns what it had."""
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
         with self._changed:
-            if not self._changed.wait_for(lambda: self.done, timeout):
-                raise TimeoutError(f"request {self.request_id!r} did not finish within {timeout} s")
             if self._error is not None:
                 raise self._error
             return list(self._tokens)
