@@ -27,6 +27,12 @@ class Inspection:
         r = self._get(rid)
         return r.known(int(self.rows.computed[r.row]), r.token_base + len(r.tokens))
 
+    def has_pending_tokens(self, rid) -> bool:
+        """Whether prompt tokens are still to be fed: ``bool(pending_tokens(rid))`` without building the list
+        (asked once per running request per step)."""
+        r = self._get(rid)
+        return int(self.rows.computed[r.row]) < r.token_base + len(r.tokens)
+
     def metrics(self) -> dict:
         """Prefix-cache and pool figures."""
         return {

@@ -248,7 +248,7 @@ class Engine(OnlineEngine):
         choosing = []
         for row, rid in enumerate(plan.request_ids):
             by_id[rid].ran = True
-            if not self.manager.pending_tokens(rid):  # else a prefill chunk: its logits predict a prompt token
+            if not self.manager.has_pending_tokens(rid):  # else a prefill chunk: its logits predict a prompt token
                 choosing.append((row, by_id[rid]))
         rows = [row for row, _ in choosing]
         chosen = logits if len(rows) == len(logits) else logits[rows]  # decode steps: every row, no copy
@@ -288,6 +288,8 @@ class Engine(OnlineEngine):
         blocking the others): requests that arrive together then share their common prefix instead of all
         computing it, since those pages are published once computed and matched on admission."""
         ps, reserved = self.info.page_size, 0
+        if not (waiting and waiting[0].arrival <= step and len(running) < self.max_running):
+            return  # nobody to admit (most decode steps): no leaders to look for
         leaders = collections.defaultdict(list)  # first full page -> running requests still computing prompts
         for q in running:
             self._note_leader(q, leaders)
@@ -326,7 +328,7 @@ class Engine(OnlineEngine):
     def _note_leader(self, q: Sequence, leaders: dict) -> None:
         """Records a running request that still has prompt tokens to compute under its first page (decodes,
         most of a step's requests, are passed over before their key is built)."""
-        if self.manager.pending_tokens(q.index):
+        if self.manager.has_pending_tokens(q.index):
             key = self._first_page(q)
             if key is not None:
                 leaders[key].append(q)

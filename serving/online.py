@@ -39,7 +39,7 @@ class RequestHandle:
         # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
         # engine's thread in the middle of its step)
         self._finished = threading.Event()
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper to take than an RLock
         self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
 
     # ---- the engine's side ---------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ class RequestHandle:
             if logprobs is not None:
                 self._logprobs.append(logprobs)
             self._changed.notify_all()
-            watchers = list(self._watchers)
+            watchers = list(self._watchers) if self._watchers else ()
         for watcher in watchers:
             watcher()
 

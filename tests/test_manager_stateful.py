@@ -90,6 +90,7 @@ class ManagerMachine(RuleBasedStateMachine):
         feeds = {}
         for rid in chosen:
             remaining = self.m.pending_tokens(rid)
+            assert self.m.has_pending_tokens(rid) == bool(remaining)
             if remaining:
                 feeds[rid] = remaining[:data.draw(st.integers(1, len(remaining)))]
             elif self.m.computed(rid) < self.capacity(rid):
