@@ -12,6 +12,7 @@
 
 #include "attention_decode.h"
 #include "attention_mma.h"
+#include "attention_mma_regs.h"
 #include "attention_work.h"
 
 namespace kvcache {
@@ -67,6 +68,29 @@ struct DeviceTeam {
       KV_UNROLL
       for (int i = 0; i < n; ++i) a[i] = op(a[i], __shfl_xor_sync(0xffffffffu, a[i], mask));
     }
+  }
+  // One m16n8k16 product of the warp: c += a b on the fragments get_a(state) (4 words), get_b(state) (2 words),
+  // get_c(state) (4 floats).
+  template <class T1, class GetA, class GetB, class GetC>
+  __device__ __forceinline__ void Mma(GetA&& get_a, GetB&& get_b, GetC&& get_c) {
+#if __CUDA_ARCH__ >= 800
+    const uint32_t(&a)[4] = get_a(state);
+    const uint32_t(&b)[2] = get_b(state);
+    float(&c)[4] = get_c(state);
+    if constexpr (T1::kElem == Elem::kFloat16) {
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    } else {
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                   "{%0,%1,%2,%3};"
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+    }
+#else
+    __trap();
+#endif
   }
   template <class Get>
   __device__ __forceinline__ bool SyncOr(Get&& get) {
@@ -135,6 +159,14 @@ __global__ void __launch_bounds__(kMmaThreads, 2) MmaKernel(AttnParams p) {
   MmaTile<T1>(p, Rows{}, mem, team, blockIdx.x);
 }
 
+template <class T1, class Rows>
+__global__ void __launch_bounds__(kMmaThreads, 2) MmaRegKernel(AttnParams p) {
+  extern __shared__ __align__(128) float mma_reg_shared[];  // kMmaRegSharedBytes
+  AttnDeviceMem mem{p, mma_reg_shared};
+  DeviceTeam<MmaRegThread> team{threadIdx.x, {}};
+  MmaRegTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+}
+
 template <class T1>
 __global__ void __launch_bounds__(kAttnThreads) MergeKernel(AttnParams p) {
   AttnDeviceMem mem{p, nullptr};
@@ -155,11 +187,13 @@ cudaError_t Launch(const AttnParams& p, cudaStream_t stream) {
   if (p.mma_tiles > 0) {
     if constexpr (sizeof(typename T1::Storage) == 2) {
       // Set on every launch: the attribute is per device, and a call is cheap beside a prefill.
-      if (cudaError_t e = cudaFuncSetAttribute(MmaKernel<T1, Rows>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(kMmaSharedBytes));
+      auto kernel = p.mma_form == 2 ? MmaRegKernel<T1, Rows> : MmaKernel<T1, Rows>;
+      const int64_t bytes = p.mma_form == 2 ? kMmaRegSharedBytes : kMmaSharedBytes;
+      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(bytes));
           e != cudaSuccess)
         return e;
-      MmaKernel<T1, Rows><<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, kMmaSharedBytes, stream>>>(p);
+      kernel<<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, static_cast<size_t>(bytes), stream>>>(p);
       if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     } else {
       return cudaErrorInvalidValue;  // the planner gives float32 calls no tensor-core tiles

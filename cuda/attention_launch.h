@@ -91,6 +91,7 @@ struct AttnParams {
   int64_t tiles, decode_tiles, mma_tiles, merges;  // in kATiles: the tile kernel's tiles, the decode kernel's, the
                                                     // tensor-core kernel's, the merges
   int64_t slices;         // ceil(head_dim / kSliceElems)
+  int64_t mma_form;       // the tensor-core tiles' kernel: 1 attention_mma.h, 2 attention_mma_regs.h
   // MultiHeadCacheAttention's cache (unused by MultiHeadAttention)
   int64_t layer_idx, quant_group, cache_mode, page_size, max_p;
   Rows cache_rows, scale_rows;

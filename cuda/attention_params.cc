@@ -121,6 +121,7 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   out.tiles = static_cast<int64_t>(tiles.size());
   out.decode_tiles = static_cast<int64_t>(decode_tiles.size());
   out.mma_tiles = static_cast<int64_t>(mma_tiles.size());
+  out.mma_form = policy.mma_form;
   out.merges = static_cast<int64_t>(merges.size());
   int64_t floats = 0;
   if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.mma_tiles > 0x7fffffff ||
@@ -163,6 +164,7 @@ AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSid
   p.tiles = launch.tiles;
   p.decode_tiles = launch.decode_tiles;
   p.mma_tiles = launch.mma_tiles;
+  p.mma_form = launch.mma_form;
   p.merges = launch.merges;
   p.slices = (a.head_dim + kSliceElems - 1) / kSliceElems;
   const bool quantized = cache && cache->attrs->quant_bit != 0;

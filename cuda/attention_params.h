@@ -26,6 +26,7 @@ struct TilePolicy {
   // calls whose rows it can read 16 bytes at a time (MmaRowsFit) on a GPU that has its products (sm_80 on).
   bool mma_kernel = false;
   bool mma_decode = false;  // sequences of one token too (instead of the tile or decode kernel)
+  int mma_form = 1;  // 1: products through shared memory (attention_mma.h); 2: in registers (attention_mma_regs.h)
 };
 
 // The host side of one launch, copied to the device as one block of words: kAIndex's words (the first
@@ -34,6 +35,7 @@ struct TilePolicy {
 struct AttnLaunchPlan {
   std::vector<int64_t> words;
   int64_t index_words = 0, tiles = 0, decode_tiles = 0, mma_tiles = 0, merges = 0, records = 0;
+  int64_t mma_form = 1;
 };
 
 // The cache side of MultiHeadCacheAttention (nullptr for MultiHeadAttention).

@@ -71,6 +71,7 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   policy.decode_kernel = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
   policy.mma_kernel = major >= 8 && !EnvIs("KVCACHE_OP_CUDA_MMA", "0") && MmaRowsFit(t1, tensors, cache);
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
+  policy.mma_form = EnvIs("KVCACHE_OP_CUDA_MMA", "2") ? 2 : 1;  // the second form: not measured on a GPU yet
   return policy;
 }
 

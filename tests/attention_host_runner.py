@@ -36,7 +36,7 @@ BUFFERS = ("query", "key", "value", "cache", "scale", "attn_mask", "output", "in
 class Options(ctypes.Structure):
     _fields_ = [("min_blocks", ctypes.c_int64), ("min_split_keys", ctypes.c_int64), ("skip_sync", ctypes.c_int64),
                 ("buffer_bytes", ctypes.c_int64 * len(BUFFERS)), ("tile_kernel_only", ctypes.c_int64),
-                ("mma_decode", ctypes.c_int64)]
+                ("mma_decode", ctypes.c_int64), ("mma_form", ctypes.c_int64)]
 
 
 class Report(ctypes.Structure):
@@ -73,14 +73,15 @@ class AttentionHostRunner:
         self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
 
     def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
-            views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False) -> Result:
+            views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False, mma_form=1) -> Result:
         """Runs the call (MultiHeadCacheAttention when ``inputs`` has a cache, else MultiHeadAttention; the cache
         and scale are written in place). ``views``: names of inputs passed 2 bytes past their array's start (a
         misaligned copy, written back after the call), so the kernels take their element-by-element path; not for int4
         arrays. ``buffer_bytes``: {buffer name: size the checks assume} (smaller than the real one: an access past
         it must be flagged). ``tile_kernel_only``: every tile goes to the tile kernel (sequences of one token not to
         the decode kernel, float16 / bfloat16 prefills not to the tensor-core kernel). ``mma_decode``: sequences of one
-        token go to the tensor-core kernel too (where it takes the call)."""
+        token go to the tensor-core kernel too (where it takes the call). ``mma_form``: that kernel's form, 1 (products
+        through shared memory) or 2 (in registers)."""
         cache = "cache" in inputs
         names = c_api.MHCA_INPUTS if cache else c_api.MHA_INPUTS
         buffers, views_back = c_api.HostBuffers(), []
@@ -108,6 +109,7 @@ class AttentionHostRunner:
         options = Options(min_blocks, min_split_keys, int(skip_sync))
         options.tile_kernel_only = int(tile_kernel_only)
         options.mma_decode = int(mma_decode)
+        options.mma_form = int(mma_form)
         for i, name in enumerate(BUFFERS):
             options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
         code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()), ctypes.byref(options),

@@ -1,4 +1,4 @@
-"""The tensor-core tile kernel's work (cuda/attention_mma.h) run on the host through the attention host runner: the
+"""The tensor-core tile kernel's work, both forms (cuda/attention_mma.h, attention_mma_regs.h), run on the host through the attention host runner: the
 blocks of the launch the GPU path plans for float16 and bfloat16 prefills and chunks, each block's team phase by
 phase, its warps' matrix products in float over the checked shared memory. Within the spec's bound of the naive
 float64 oracle (and the cache bit for bit the naive KeyValueCache's), with no out-of-bounds access, race, or read
@@ -21,6 +21,12 @@ from kvcache_op.validation.mhca_cases import build_cache_attention
 SEQS = [(1, 150), (19, 25), (70, 70), (3, 7), (0, 4), (1, 1)]
 
 
+@pytest.fixture(params=[1, 2], ids=["smem-products", "register-products"])
+def form(request):
+    """The tensor-core kernel's form: its products through shared memory (1) or in fragment registers (2)."""
+    return request.param
+
+
 @pytest.mark.parametrize("head_dim,t,heads,kv_heads,extras", [
     (128, "float16", 8, 2, {}),
     (64, "bfloat16", 4, 4, {"mask": 3, "softcap": 3.0}),
@@ -28,54 +34,54 @@ SEQS = [(1, 150), (19, 25), (70, 70), (3, 7), (0, 4), (1, 1)]
     (32, "bfloat16", 6, 2, {"mask": 2, "sliding_window": 9}),
     (80, "float16", 2, 1, {"is_causal": 0}),
 ])
-def test_prefill_tiles_are_within_the_bound(runner, head_dim, t, heads, kv_heads, extras):
+def test_prefill_tiles_are_within_the_bound(runner, form, head_dim, t, heads, kv_heads, extras):
     """GQA groups of 4, 1, 16 (a tile of four rows of sixteen heads), 3 and 2; masks, softcap, ALiBi, windows."""
     case = build_attention(f"mma-{head_dim}-{t}-{heads}", SEQS, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                            t=t, decoding=1, **extras)
-    result = check_mha(runner, case, min_blocks=1)
+    result = check_mha(runner, case, min_blocks=1, mma_form=form)
     assert result.report.mma_tiles > 0
 
 
-def test_float32_and_unfit_head_dims_take_the_tile_kernel(runner):
+def test_float32_and_unfit_head_dims_take_the_tile_kernel(runner, form):
     for t, head_dim in (("float32", 64), ("float16", 24), ("bfloat16", 144)):
         case = build_attention(f"no-mma-{t}-{head_dim}", [(5, 9)], heads=2, head_dim=head_dim, t=t)
-        result = check_mha(runner, case, min_blocks=1)
+        result = check_mha(runner, case, min_blocks=1, mma_form=form)
         assert result.report.mma_tiles == 0 and result.report.tiles > 0, (t, head_dim)
 
 
-def test_split_key_ranges_of_tensor_core_tiles_merge_within_the_bound(runner):
+def test_split_key_ranges_of_tensor_core_tiles_merge_within_the_bound(runner, form):
     case = build_attention("mma-split", [(2, 400), (40, 300)], heads=4, kv_heads=2, head_dim=32, t="float16")
-    result = check_mha(runner, case, min_blocks=10**6, min_split_keys=64)
+    result = check_mha(runner, case, min_blocks=10**6, min_split_keys=64, mma_form=form)
     assert result.report.mma_tiles > 0 and result.report.split_tiles > 0 and result.report.merges > 0
 
 
-def test_a_rising_max_rescales_the_output_sums_of_earlier_chunks(runner):
+def test_a_rising_max_rescales_the_output_sums_of_earlier_chunks(runner, form):
     """Scores rising from chunk to chunk: every raised max must rescale the output sums already in shared memory."""
     case = build_attention("mma-rising", [(3, 600)], heads=2, kv_heads=1, head_dim=16, t="bfloat16")
     key, query = case.inputs["key"], case.inputs["query"].astype(np.float32)
     direction = query[0, 0] / np.linalg.norm(query[0, 0])
     ramp = np.linspace(0.0, 6.0, key.shape[0], dtype=np.float32)
     key[...] = (ramp[:, None, None] * direction + 0.1 * key.astype(np.float32)).astype(key.dtype)
-    result = check_mha(runner, case, min_blocks=1)
+    result = check_mha(runner, case, min_blocks=1, mma_form=form)
     assert result.report.mma_tiles == 1 and result.report.split_tiles == 0
 
 
-def test_decode_rows_through_the_tensor_core_kernel(runner):
+def test_decode_rows_through_the_tensor_core_kernel(runner, form):
     case = build_attention("mma-decode", [(1, 200), (1, 1), (1, 65)], heads=8, kv_heads=2, head_dim=64, t="float16",
                            decoding=3, mask=2)
-    result = check_mha(runner, case, min_blocks=1, mma_decode=True)
+    result = check_mha(runner, case, min_blocks=1, mma_decode=True, mma_form=form)
     assert result.report.mma_tiles > 0 and result.report.decode_tiles == 0 and result.report.tiles == 0
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_a_non_finite_value_reaches_only_the_queries_that_see_it(runner, bad):
+def test_a_non_finite_value_reaches_only_the_queries_that_see_it(runner, form, bad):
     """A causal prefill whose last key's value row holds NaN (or inf): in a matrix product the queries that do not
     see that key would still multiply it by their weight 0 (0 x inf is NaN), so that chunk adds its weights one by
     one. Rows before the last stay finite; in the last row the element of that column is not (NaN, or inf), as in
     the reference."""
     case = build_attention(f"mma-nonfinite-{bad}", [(40, 40)], heads=2, kv_heads=1, head_dim=16, t="float16")
     case.inputs["value"][39, 0, 3] = bad
-    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1)
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, mma_form=form)
     assert result.code == 0 and result.report.faults() == 0, result.message
     assert result.report.mma_tiles > 0
     want = multi_head_attention(**case.inputs, **case.attributes)
@@ -85,12 +91,12 @@ def test_a_non_finite_value_reaches_only_the_queries_that_see_it(runner, bad):
     assert not np.isfinite(result.output[39, :, 3]).any()
 
 
-def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan(runner):
+def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan(runner, form):
     """Spec, non-finite values: a visible key masked to -inf has weight 0 but stays in the sums (weight 0 x NaN)."""
     case = build_attention("mma-nan-under-mask", [(4, 100)], heads=1, head_dim=16, t="bfloat16", mask=2)
     case.inputs["attn_mask"][:, :50] = -np.inf
     case.inputs["value"][0, 0, 0] = np.nan
-    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1)
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, mma_form=form)
     assert result.code == 0 and result.report.mma_tiles > 0, result.message
     assert np.isnan(result.output).any(axis=-1).all()
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)).any(axis=-1).all()
@@ -98,7 +104,7 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan(runner):
 
 @pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (4, 16, 32), (8, 16, 16)])
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
-def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size):
+def test_cache_layouts_pages_and_quantization(runner, form, quant_bit, group, head_dim, mode, layout, page_size):
     """Prefill rows read every layout, page size and quantization in place, staged as KeyValueCache's gather gives
     them (dequantized and rounded to T1)."""
     seqs = [Seq(70, 1), Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(33, 1)]
@@ -107,11 +113,11 @@ def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim
                                  quant_bit=quant_bit, quant_group=group, cache_mode=mode, cache_layout=layout,
                                  page_size=page_size or 4, t1="bfloat16" if quant_bit == 4 else "float16",
                                  t3="float16")
-    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16)
+    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16, mma_form=form)
     assert result.report.mma_tiles > 0
 
 
-def test_a_missing_barrier_in_the_tensor_core_kernel_is_a_race_the_runner_reports(runner):
+def test_a_missing_barrier_in_the_tensor_core_kernel_is_a_race_the_runner_reports(runner, form):
     case = build_attention("mma-no-sync", [(20, 20)], heads=2, head_dim=16, t="float16")
-    result = runner.run(copies(case.inputs), case.attributes, skip_sync=True)
+    result = runner.run(copies(case.inputs), case.attributes, skip_sync=True, mma_form=form)
     assert result.code == 4 and result.report.read_write > 0, result.message

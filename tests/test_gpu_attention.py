@@ -122,12 +122,24 @@ def kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["mma", "tile"])
+@pytest.fixture(params=["mma", "mma2", "tile"])
 def prefill_kernel(request, monkeypatch):
-    """Sequences of more than one token in float16 / bfloat16 through the tensor-core kernel (the default) or the tile
-    kernel (KVCACHE_OP_CUDA_MMA=0, read on every call)."""
-    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", "0" if request.param == "tile" else "1")
+    """Sequences of more than one token in float16 / bfloat16 through the tensor-core kernel (the default), its
+    second form (products in registers, KVCACHE_OP_CUDA_MMA=2) or the tile kernel (KVCACHE_OP_CUDA_MMA=0); read on
+    every call."""
+    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", {"mma": "1", "mma2": "2", "tile": "0"}[request.param])
     return request.param
+
+
+@pytest.fixture(params=["tile+mma", "decode+mma2", "tile+tile"])
+def routes(request, monkeypatch):
+    """Both routes at once (fewer calls than every pairing): decodes through the tile or the decode kernel, longer
+    float16 / bfloat16 sequences through either form of the tensor-core kernel or the tile kernel. Returns the
+    decode route."""
+    decode, prefill = request.param.split("+")
+    monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", "1" if decode == "decode" else "0")
+    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", {"mma": "1", "mma2": "2", "tile": "0"}[prefill])
+    return decode
 
 
 def _expect_zero_rows(got, bound):
@@ -307,8 +319,8 @@ def test_mha_prefill(variant, head_dim, prefill_kernel):
 
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [128, 64, 24, 5, 256])
-def test_mha_head_dims_and_groups(head_dim, group, kernel, prefill_kernel):
-    if kernel == "decode" and head_dim not in (8, 16, 32, 64, 128, 256):
+def test_mha_head_dims_and_groups(head_dim, group, routes):
+    if routes == "decode" and head_dim not in (8, 16, 32, 64, 128, 256):
         pytest.skip("the decode kernel takes head_dim 8 x a power of two, at most 256 (the tile kernel runs this one)")
     case = build_attention(f"dims-{head_dim}-{group}", [(1, 700), (19, 19), (4, 30), (1, 1)], heads=2 * group,
                            kv_heads=2, head_dim=head_dim, decoding=1, t="float16", mask=2)
@@ -352,7 +364,7 @@ QUANTIZED = {
 
 @pytest.mark.parametrize("layout", [0, 1, 2, 3])
 @pytest.mark.parametrize("kind", sorted(QUANTIZED))
-def test_mhca_quantized(kind, layout, kernel, prefill_kernel):
+def test_mhca_quantized(kind, layout, routes):
     """int8 and int4 caches (groups of 8, and of 3: no 8-element units), layouts 0-3, offset and paged caches with
     pages of 16 and 5: a decode long enough to split, a chunk of a chunked prefill, a first prefill, GQA 4."""
     quant_bit, group, head_dim, mode, page, t1, t3 = QUANTIZED[kind]
@@ -413,7 +425,7 @@ def test_mma_decode_rows(monkeypatch):
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf])
-def test_mma_non_finite_value_reaches_only_the_queries_that_see_it(bad):
+def test_mma_non_finite_value_reaches_only_the_queries_that_see_it(bad, prefill_kernel):
     """A causal prefill whose last key's value row holds NaN or inf: the rows that do not see it stay finite (a matrix
     product would give them 0 x inf), the last row's element is not finite, as in the reference."""
     case = build_attention(f"mma-nonfinite-{bad}", [(200, 200)], heads=4, kv_heads=2, head_dim=64, t="float16")

@@ -21,7 +21,7 @@
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
 # GPU_CHECK_PROFILE=1 adds steps that run the attention decode (B=64, kvlen 1024) under Nsight Compute, through
-# the tile kernel and through the decode kernel, and the float16 prefill through the tensor-core kernel
+# the tile kernel and through the decode kernel, and the float16 prefill through both forms of the tensor-core kernel
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
 # where the kernel stalls).
 # Exit status: 0 when no step failed.
@@ -128,7 +128,7 @@ else
   # the tensor-core kernel: a float16 prefill of GQA 4 (dynamic shared memory, chunks, the products), an int8 paged
   # head-major cache staged through it, and the one-by-one path of a NaN value
   ATTENTION_SANITIZE+=" or mha_prefill and causal-float16 and 128 and mma or mhca_prefill and alibi-mask2 and mma"
-  ATTENTION_SANITIZE+=" or mma_non_finite and nan"
+  ATTENTION_SANITIZE+=" or mma_non_finite and nan"  # (mma matches mma2 too: both forms)
   if [ -x "$SANITIZER" ]; then
     for tool in memcheck racecheck initcheck synccheck; do
       PREFIX=("$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20)
@@ -159,10 +159,11 @@ else
     LISTED=$("$PY" -m kvcache_op.benchmarks.gpu.attention_profile --list)
     DECODE_CASE=$(grep -m1 "decode kernel" <<<"$LISTED" | cut -d: -f1)
     PREFILL_CASE=$(grep -m1 "mha prefill .* float16 packed$" <<<"$LISTED" | cut -d: -f1)
-    for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-}; do
+    PREFILL2_CASE=$(grep -m1 "mha prefill .* float16 packed tensor-core kernel in registers$" <<<"$LISTED" | cut -d: -f1)
+    for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-} ${PREFILL2_CASE:-}; do
       if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
-          --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel|MmaKernel" \
+          --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel|MmaKernel|MmaRegKernel" \
           --launch-skip 2 --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case "$case" \
           >"$OUT/logs/attention-ncu-$case.log" 2>&1; then
         step "attention-ncu-$case" pass "logs/attention-ncu-$case.log"

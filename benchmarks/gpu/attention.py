@@ -37,7 +37,8 @@ Figures, per case:
 * rows ending **decode kernel** / **tensor-core kernel**: sequences of one token through the decode kernel
   (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``) or the tensor-core kernel (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the
   tile kernel, the default, on shapes measured above; **tile kernel**: a prefill through the tile kernel
-  (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16.
+  (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16; **tensor-core
+  kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``).
 """
 
 import argparse
@@ -103,7 +104,8 @@ def cases(quick: bool) -> list:
                 + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k) for k in ("decode", "mma")]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64),
-                   Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="tile")])
+                   Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="tile"),
+                   Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="mma2")])
     out = [Case("mhca", "decode", 64, 1, 1024, 8, 2, layout=layout) for layout in (0, 3)]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=q, layout=layout) for q in (0, 8) for layout in (0, 3)]
     out += [Case("mha", "decode", 64, 1, 1024, 8, 2), Case("mha", "prefill", 8, 1024, 1024, 32, 8)]
@@ -114,6 +116,9 @@ def cases(quick: bool) -> list:
     out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, kernel=k) for k in ("decode", "mma")]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, kernel=k) for k in ("decode", "mma")]
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
+    # the tensor-core kernel's second form (products in registers) on the prefills
+    out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2"),
+            Case("mhca", "prefill", 8, 1024, 1024, 32, 8, quant_bit=8, kernel="mma2")]
     return out
 
 
@@ -124,6 +129,7 @@ KERNELS = {
     "decode": ("decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "1"}),
     "mma": ("tensor-core kernel", {"KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
     "tile": ("tile kernel", {"KVCACHE_OP_CUDA_MMA": "0"}),
+    "mma2": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2"}),
 }
 ROUTE_VARIABLES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACHE_OP_CUDA_MMA_DECODE")
 

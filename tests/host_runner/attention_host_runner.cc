@@ -22,6 +22,7 @@
 #include "attention_c_args.h"
 #include "attention_decode.h"
 #include "attention_mma.h"
+#include "attention_mma_regs.h"
 #include "attention_params.h"
 #include "attention_work.h"
 #include "c_tensors.h"
@@ -37,6 +38,7 @@ struct AttnHostRunOptions {
   int64_t buffer_bytes[kvcache::cuda::kABufCount];  // >= 0: the size the checks assume (shows (a) is caught)
   int64_t tile_kernel_only;                          // 1: every tile to the tile kernel (no decode, no tensor-core)
   int64_t mma_decode;                                // 1: sequences of one token to the tensor-core kernel too
+  int64_t mma_form;                                  // the tensor-core kernel's form (1 or 2; 0: 1)
 };
 
 struct AttnHostRunReport {
@@ -53,7 +55,8 @@ using cuda::ABuf;
 
 constexpr int64_t kNobody = -1, kMany = -2;
 // Every block kernel's shared memory fits this many words (one host array serves them all).
-constexpr int64_t kSharedWordsMost = std::max(cuda::kSharedWords, cuda::kMmaSharedWords);
+constexpr int64_t kSharedWordsMost =
+    std::max({cuda::kSharedWords, cuda::kMmaSharedWords, cuda::kMmaRegSharedWords});
 
 const char* BufName(int b) {
   static const char* const names[] = {"query", "key", "value", "cache", "scale", "attn_mask", "output",
@@ -207,6 +210,43 @@ struct HostTeam {
     for (State& s : state) any = any || get(s) != 0;
     return any;
   }
+  // Each warp's m16n8k16 product on its lanes' fragment registers (attention_mma_regs.h), in the layout of the
+  // GPU's mma.sync: lane l (group g = l / 4, pair c = 2 (l % 4)) holds A rows g and g + 8, columns c, c + 1, c + 8,
+  // c + 9 (words: (g, c), (g + 8, c), (g, c + 8), (g + 8, c + 8)); B (k x n) rows c, c + 1 and c + 8, c + 9 of
+  // column g; C rows g (elements 0, 1) and g + 8 (2, 3), columns c, c + 1. Sums in float, in k order.
+  template <class T1, class GetA, class GetB, class GetC>
+  void Mma(GetA&& get_a, GetB&& get_b, GetC&& get_c) {
+    auto lo = [](uint32_t w) { return T1::ToFloat(static_cast<uint16_t>(w & 0xffffu)); };
+    auto hi = [](uint32_t w) { return T1::ToFloat(static_cast<uint16_t>(w >> 16)); };
+    for (int64_t w = 0; w < Threads / cuda::kWarp; ++w) {
+      float a[16][16], b[16][8], c[16][8];
+      for (int64_t l = 0; l < cuda::kWarp; ++l) {
+        State& st = state[static_cast<size_t>(w * cuda::kWarp + l)];
+        const int g = static_cast<int>(l / 4), k = static_cast<int>(2 * (l % 4));
+        const auto& ra = get_a(st);
+        const auto& rb = get_b(st);
+        const auto& rc = get_c(st);
+        const int arow[4] = {g, g + 8, g, g + 8}, acol[4] = {k, k, k + 8, k + 8};
+        for (int r = 0; r < 4; ++r) {
+          a[arow[r]][acol[r]] = lo(ra[r]);
+          a[arow[r]][acol[r] + 1] = hi(ra[r]);
+        }
+        for (int r = 0; r < 2; ++r) {
+          b[k + 8 * r][g] = lo(rb[r]);
+          b[k + 8 * r + 1][g] = hi(rb[r]);
+        }
+        for (int e = 0; e < 4; ++e) c[g + 8 * (e / 2)][k + e % 2] = rc[e];
+      }
+      for (int r = 0; r < 16; ++r)
+        for (int j = 0; j < 8; ++j)
+          for (int i = 0; i < 16; ++i) c[r][j] += a[r][i] * b[i][j];
+      for (int64_t l = 0; l < cuda::kWarp; ++l) {
+        auto& rc = get_c(state[static_cast<size_t>(w * cuda::kWarp + l)]);
+        const int g = static_cast<int>(l / 4), k = static_cast<int>(2 * (l % 4));
+        for (int e = 0; e < 4; ++e) rc[e] = c[g + 8 * (e / 2)][k + e % 2];
+      }
+    }
+  }
   // Each warp's matrix product (attention_mma.h's WarpProduct), in float over the checked shared memory: the warp's
   // accesses are its lane 0's. Each element of A and B is read once, as the fragments load them.
   template <class T1, bool BCols, bool Accumulate>
@@ -298,10 +338,16 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                         cuda::DecodeTile<T1>(p, Rows{}, mem, team, b);
                                                       });
   if constexpr (sizeof(typename T1::Storage) == 2) {
-    RunBlocks<cuda::MmaThread, cuda::kMmaThreads>(mem, skip_sync, "tensor-core launch", p.mma_tiles,
-                                                  cuda::kMmaSharedWords, [&](auto& team, int64_t b) {
-                                                    cuda::MmaTile<T1>(p, Rows{}, mem, team, b);
-                                                  });
+    if (p.mma_form == 2)
+      RunBlocks<cuda::MmaRegThread, cuda::kMmaThreads>(mem, skip_sync, "tensor-core launch", p.mma_tiles,
+                                                       cuda::kMmaRegSharedWords, [&](auto& team, int64_t b) {
+                                                         cuda::MmaRegTile<T1>(p, Rows{}, mem, team, b);
+                                                       });
+    else
+      RunBlocks<cuda::MmaThread, cuda::kMmaThreads>(mem, skip_sync, "tensor-core launch", p.mma_tiles,
+                                                    cuda::kMmaSharedWords, [&](auto& team, int64_t b) {
+                                                      cuda::MmaTile<T1>(p, Rows{}, mem, team, b);
+                                                    });
   } else if (p.mma_tiles > 0) {
     mem.Note(mem.report->out_of_bounds, "tensor-core tiles planned for a float32 call");
   }
@@ -362,6 +408,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   policy.decode_kernel = o.tile_kernel_only == 0;
   policy.mma_kernel = o.tile_kernel_only == 0 && cuda::MmaRowsFit(in[0].type, t, cache);
   policy.mma_decode = o.mma_decode != 0;
+  policy.mma_form = o.mma_form == 2 ? 2 : 1;
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
