@@ -52,11 +52,9 @@ template <class T1, class Rows, class Team, class Mem>
 KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
   using T = typename T1::Storage;
   constexpr int64_t U = kDecodeUnroll, HQ = kDecodeHeads;
-  auto tile_word = [&](int64_t k) {
-    return mem.template Load<int64_t>(kATiles, 8 * ((p.tiles + tile_index) * kTileWords + k));
-  };
-  const int64_t b = tile_word(0), row = tile_word(1), head0 = tile_word(3), Q = tile_word(4), key0 = tile_word(5),
-                key1 = tile_word(6), partial = tile_word(7);
+  const Tile tile = TileAt(mem, p.tiles + tile_index);
+  const int64_t b = tile.b, row = tile.row0, head0 = tile.head0, Q = tile.heads, key0 = tile.key0, key1 = tile.key1,
+                partial = tile.partial;
   const int64_t D = p.head_dim, H = p.num_heads, lanes = D / kVec, groups = kDecodeThreads / (lanes * HQ);
   const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
   const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;

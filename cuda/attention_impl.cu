@@ -223,6 +223,14 @@ cudaError_t LaunchFor(const AttnParams& p, int32_t scale_type, int quant_bit, bo
 
 }  // namespace
 
+cudaError_t MmaKernelPtxVersion(int* version) {
+  cudaFuncAttributes first{}, second{};
+  if (cudaError_t e = cudaFuncGetAttributes(&first, MmaKernel<F16, PackedRows<F16>>); e != cudaSuccess) return e;
+  if (cudaError_t e = cudaFuncGetAttributes(&second, MmaRegKernel<F16, PackedRows<F16>>); e != cudaSuccess) return e;
+  *version = first.ptxVersion < second.ptxVersion ? first.ptxVersion : second.ptxVersion;
+  return cudaSuccess;
+}
+
 cudaError_t LaunchAttention(const AttnParams& p, int32_t t1, int32_t scale_type, int quant_bit, bool cache,
                             cudaStream_t stream) {
   switch (static_cast<Elem>(t1)) {

@@ -17,5 +17,9 @@ namespace cuda {
 cudaError_t LaunchAttention(const AttnParams& params, int32_t t1, int32_t scale_type, int quant_bit, bool cache,
                             cudaStream_t stream);
 
+// The PTX architecture the tensor-core kernels were compiled for on the current device (e.g. 90), read from the
+// kernel as the driver loaded it: below 80 their products are not there (a build without sm_80 code, JIT-compiled).
+cudaError_t MmaKernelPtxVersion(int* version);
+
 }  // namespace cuda
 }  // namespace kvcache

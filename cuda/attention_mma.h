@@ -108,18 +108,64 @@ KV_HD bool AnyNonFinite(const Vec16& w) {
 // Stores in flight per thread while staging a chunk: kMmaStageLoads key and value slices loaded before any is stored.
 constexpr int64_t kMmaStageLoads = 4;
 
+// Thread t's part of staging the tile's query vectors as T1 rows of shared memory at byte offset `base` (vectors
+// [Q, kMmaQueries) zero); vector qi is head head_of(qi) of token seq0 + row_of(qi).
+template <class T1, class Mem, class RowOf, class HeadOf>
+KV_HD void StageQueries(const AttnParams& p, Mem& mem, int64_t t, int64_t Q, int64_t seq0, RowOf&& row_of,
+                        HeadOf&& head_of, int64_t base) {
+  const int64_t D = p.head_dim, slices = D / kVec;
+  for (int64_t u = t; u < kMmaQueries * slices; u += kMmaThreads) {
+    const int64_t qi = u / slices, d0 = u % slices * kVec;
+    Vec16 w{};
+    if (qi < Q)
+      w = mem.template Load<Vec16>(kAQuery, (((seq0 + row_of(qi)) * p.num_heads + head_of(qi)) * D + d0) *
+                                                int64_t(sizeof(typename T1::Storage)));
+    mem.template Store<Vec16>(kAShared, base + (qi * kMmaLdRows + d0) * 2, w);
+  }
+}
+
+// Thread t's part of staging keys [c0, c0 + n) of sequence b (kv head g) as T1 rows of shared memory at byte offsets
+// k_base and v_base (rows [n, kMmaKeys) zero); true when a value row it staged holds inf or NaN.
+template <class T1, class Rows, class Mem>
+KV_HD bool StageChunk(const AttnParams& p, const Rows& rows_of, Mem& mem, int64_t t, int64_t b, int64_t col0,
+                      int64_t g, int64_t c0, int64_t n, int64_t k_base, int64_t v_base) {
+  constexpr int64_t NK = kMmaKeys, NT = kMmaThreads;
+  const int64_t slices = p.head_dim / kVec;
+  bool nonfinite = false;
+  for (int64_t u0 = t; u0 < NK * slices; u0 += NT * kMmaStageLoads) {
+    Vec16 k[kMmaStageLoads], v[kMmaStageLoads];
+    KV_UNROLL
+    for (int64_t i = 0; i < kMmaStageLoads; ++i) {  // every load issued before any store
+      const int64_t u = u0 + i * NT, kk = u / slices, d0 = u % slices * kVec;
+      k[i] = v[i] = Vec16{};
+      if (u < NK * slices && kk < n) {
+        const int64_t where = rows_of.Where(p, mem, b, col0, c0 + kk);
+        k[i] = StageEight<T1>(p, rows_of, mem, 0, rows_of.At(p, 0, g, where), d0);
+        v[i] = StageEight<T1>(p, rows_of, mem, 1, rows_of.At(p, 1, g, where), d0);
+      }
+    }
+    KV_UNROLL
+    for (int64_t i = 0; i < kMmaStageLoads; ++i) {
+      const int64_t u = u0 + i * NT, kk = u / slices, d0 = u % slices * kVec;
+      if (u >= NK * slices) continue;
+      mem.template Store<Vec16>(kAShared, k_base + (kk * kMmaLdRows + d0) * 2, k[i]);
+      mem.template Store<Vec16>(kAShared, v_base + (kk * kMmaLdRows + d0) * 2, v[i]);
+      nonfinite = nonfinite || AnyNonFinite<T1>(v[i]);
+    }
+  }
+  return nonfinite;
+}
+
 // Everything tensor-core block `tile_index` (tile p.tiles + p.decode_tiles + tile_index of kATiles) does.
 template <class T1, class Rows, class Team, class Mem>
 KV_HD void MmaTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
   using T = typename T1::Storage;
   static_assert(sizeof(T) == 2, "the tensor-core kernel runs float16 and bfloat16");
-  constexpr int64_t NT = kMmaThreads, NK = kMmaKeys, HALF = kMmaKeys / 2;
-  auto tile_word = [&](int64_t k) {
-    return mem.template Load<int64_t>(kATiles, 8 * ((p.tiles + p.decode_tiles + tile_index) * kTileWords + k));
-  };
-  const int64_t b = tile_word(0), row0 = tile_word(1), rows = tile_word(2), head0 = tile_word(3),
-                heads = tile_word(4), key0 = tile_word(5), key1 = tile_word(6), partial = tile_word(7);
-  const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, slices = D / kVec, half_d = D / 2;
+  constexpr int64_t NK = kMmaKeys, HALF = kMmaKeys / 2;
+  const Tile tile = TileAt(mem, p.tiles + p.decode_tiles + tile_index);
+  const int64_t b = tile.b, row0 = tile.row0, rows = tile.rows, head0 = tile.head0, heads = tile.heads,
+                key0 = tile.key0, key1 = tile.key1, partial = tile.partial;
+  const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, half_d = D / 2;
   const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
   const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
   const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
@@ -130,13 +176,7 @@ KV_HD void MmaTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& tea
 
   // The tile's query vectors as T1 (vectors past Q zero), the output sums zeroed; thread t serves query vector t / 2.
   team.Each([&](int64_t t, MmaThread& s) {
-    for (int64_t u = t; u < kMmaQueries * slices; u += NT) {
-      const int64_t qi = u / slices, d0 = u % slices * kVec;
-      Vec16 w{};
-      if (qi < Q)
-        w = mem.template Load<Vec16>(kAQuery, (((seq0 + row_of(qi)) * H + head_of(qi)) * D + d0) * int64_t(sizeof(T)));
-      mem.template Store<Vec16>(kAShared, kMmaSmemQ + (qi * kMmaLdRows + d0) * 2, w);
-    }
+    StageQueries<T1>(p, mem, t, Q, seq0, row_of, head_of, kMmaSmemQ);
     const int64_t qi = t / 2, d0 = t % 2 * half_d;
     for (int64_t d = 0; d < half_d; d += 4) mem.template Store<Vec16>(kAShared, 4 * out_word(qi, d0 + d), Vec16{});
     s.max = MinusInf();
@@ -150,28 +190,7 @@ KV_HD void MmaTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& tea
     // The barrier before staging: the previous chunk's products have read the rows this overwrites.
     team.Sync();
     team.Each([&](int64_t t, MmaThread& s) {  // stage the chunk's key and value rows
-      s.nonfinite = 0;
-      for (int64_t u0 = t; u0 < NK * slices; u0 += NT * kMmaStageLoads) {
-        Vec16 k[kMmaStageLoads], v[kMmaStageLoads];
-        KV_UNROLL
-        for (int64_t i = 0; i < kMmaStageLoads; ++i) {  // every load issued before any store
-          const int64_t u = u0 + i * NT, kk = u / slices, d0 = u % slices * kVec;
-          k[i] = v[i] = Vec16{};
-          if (u < NK * slices && kk < n) {
-            const int64_t where = rows_of.Where(p, mem, b, col0, c0 + kk);
-            k[i] = StageEight<T1>(p, rows_of, mem, 0, rows_of.At(p, 0, g, where), d0);
-            v[i] = StageEight<T1>(p, rows_of, mem, 1, rows_of.At(p, 1, g, where), d0);
-          }
-        }
-        KV_UNROLL
-        for (int64_t i = 0; i < kMmaStageLoads; ++i) {
-          const int64_t u = u0 + i * NT, kk = u / slices, d0 = u % slices * kVec;
-          if (u >= NK * slices) continue;
-          mem.template Store<Vec16>(kAShared, kMmaSmemK + (kk * kMmaLdRows + d0) * 2, k[i]);
-          mem.template Store<Vec16>(kAShared, kMmaSmemV + (kk * kMmaLdRows + d0) * 2, v[i]);
-          if (AnyNonFinite<T1>(v[i])) s.nonfinite = 1;
-        }
-      }
+      s.nonfinite = StageChunk<T1>(p, rows_of, mem, t, b, col0, g, c0, n, kMmaSmemK, kMmaSmemV);
     });
     const bool nonfinite_values = team.SyncOr([](MmaThread& s) -> int32_t& { return s.nonfinite; });
     team.template MatMul<T1, true, false>(

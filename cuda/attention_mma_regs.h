@@ -67,13 +67,11 @@ template <class T1, class Rows, class Team, class Mem>
 KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
   using T = typename T1::Storage;
   static_assert(sizeof(T) == 2, "the tensor-core kernel runs float16 and bfloat16");
-  constexpr int64_t NT = kMmaThreads, NK = kMmaKeys;
-  auto tile_word = [&](int64_t k) {
-    return mem.template Load<int64_t>(kATiles, 8 * ((p.tiles + p.decode_tiles + tile_index) * kTileWords + k));
-  };
-  const int64_t b = tile_word(0), row0 = tile_word(1), rows = tile_word(2), head0 = tile_word(3),
-                heads = tile_word(4), key0 = tile_word(5), key1 = tile_word(6), partial = tile_word(7);
-  const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, slices = D / kVec;
+  constexpr int64_t NK = kMmaKeys;
+  const Tile tile = TileAt(mem, p.tiles + p.decode_tiles + tile_index);
+  const int64_t b = tile.b, row0 = tile.row0, rows = tile.rows, head0 = tile.head0, heads = tile.heads,
+                key0 = tile.key0, key1 = tile.key1, partial = tile.partial;
+  const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads;
   const int ksteps = static_cast<int>(D / 16), dtiles = static_cast<int>(D / 8);
   const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
   const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
@@ -92,13 +90,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   };
 
   team.Each([&](int64_t t, MmaRegThread&) {  // the tile's query vectors as T1 (vectors past Q zero)
-    for (int64_t u = t; u < kMmaQueries * slices; u += NT) {
-      const int64_t qi = u / slices, d0 = u % slices * kVec;
-      Vec16 w{};
-      if (qi < Q)
-        w = mem.template Load<Vec16>(kAQuery, (((seq0 + row_of(qi)) * H + head_of(qi)) * D + d0) * int64_t(sizeof(T)));
-      mem.template Store<Vec16>(kAShared, kMmaRegSmemQ + (qi * kMmaLdRows + d0) * 2, w);
-    }
+    StageQueries<T1>(p, mem, t, Q, seq0, row_of, head_of, kMmaRegSmemQ);
   });
   team.Sync();
   team.Each([&](int64_t t, MmaRegThread& s) {  // the queries' fragments, the sums zeroed, the rows' visible keys
@@ -130,28 +122,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     // The barrier before staging: the previous chunk's products (and the query fragments' loads) are done.
     team.Sync();
     team.Each([&](int64_t t, MmaRegThread& s) {  // stage the chunk's key and value rows
-      s.nonfinite = 0;
-      for (int64_t u0 = t; u0 < NK * slices; u0 += NT * kMmaStageLoads) {
-        Vec16 k[kMmaStageLoads], v[kMmaStageLoads];
-        KV_UNROLL
-        for (int64_t i = 0; i < kMmaStageLoads; ++i) {  // every load issued before any store
-          const int64_t u = u0 + i * NT, kk = u / slices, d0 = u % slices * kVec;
-          k[i] = v[i] = Vec16{};
-          if (u < NK * slices && kk < n) {
-            const int64_t where = rows_of.Where(p, mem, b, col0, c0 + kk);
-            k[i] = StageEight<T1>(p, rows_of, mem, 0, rows_of.At(p, 0, g, where), d0);
-            v[i] = StageEight<T1>(p, rows_of, mem, 1, rows_of.At(p, 1, g, where), d0);
-          }
-        }
-        KV_UNROLL
-        for (int64_t i = 0; i < kMmaStageLoads; ++i) {
-          const int64_t u = u0 + i * NT, kk = u / slices, d0 = u % slices * kVec;
-          if (u >= NK * slices) continue;
-          mem.template Store<Vec16>(kAShared, kMmaRegSmemK + (kk * kMmaLdRows + d0) * 2, k[i]);
-          mem.template Store<Vec16>(kAShared, kMmaRegSmemV + (kk * kMmaLdRows + d0) * 2, v[i]);
-          if (AnyNonFinite<T1>(v[i])) s.nonfinite = 1;
-        }
-      }
+      s.nonfinite = StageChunk<T1>(p, rows_of, mem, t, b, col0, g, c0, n, kMmaRegSmemK, kMmaRegSmemV);
     });
     const bool nonfinite_values = team.SyncOr([](MmaRegThread& s) -> int32_t& { return s.nonfinite; });
 

@@ -52,18 +52,22 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   const bool mma_kernel = policy.mma_kernel && MmaKernelFits(D);
   const int64_t mma_heads = std::min(G, kMmaQueries), mma_rows = std::max<int64_t>(1, kMmaQueries / mma_heads);
   std::vector<Tile> base, decode_base, mma_base;
+  // Sequence b's tiles of up to `heads` heads (of one kv head) x `tile_rows` rows, each over the keys its rows see.
+  auto row_tiles = [&](int64_t b, int64_t S, int64_t heads, int64_t tile_rows, std::vector<Tile>& into) {
+    for (int64_t g = 0; g < Hkv && S > 0; ++g)
+      for (int64_t hh = 0; hh < G; hh += heads)
+        for (int64_t r0 = 0; r0 < S; r0 += tile_rows) {
+          const int64_t rows = std::min(tile_rows, S - r0);
+          int64_t lo, hi, lo_last, hi_last;
+          Visible(a, plan, b, r0, &lo, &hi);
+          Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
+          into.push_back(Tile{b, r0, rows, g * G + hh, std::min(heads, G - hh), lo, std::max(lo, hi_last), -1});
+        }
+  };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
     if (mma_kernel && (S > 1 || (S == 1 && policy.mma_decode))) {
-      for (int64_t g = 0; g < Hkv; ++g)
-        for (int64_t hh = 0; hh < G; hh += mma_heads)
-          for (int64_t r0 = 0; r0 < S; r0 += mma_rows) {
-            const int64_t rows = std::min(mma_rows, S - r0);
-            int64_t lo, hi, lo_last, hi_last;
-            Visible(a, plan, b, r0, &lo, &hi);
-            Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
-            mma_base.push_back(Tile{b, r0, rows, g * G + hh, std::min(mma_heads, G - hh), lo, std::max(lo, hi_last), -1});
-          }
+      row_tiles(b, S, mma_heads, mma_rows, mma_base);
       continue;
     }
     if (S == 1 && decode_kernel) {
@@ -74,15 +78,7 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
           decode_base.push_back(Tile{b, 0, 1, g * G + hh, std::min(kDecodeHeads, G - hh), lo, hi, -1});
       continue;
     }
-    for (int64_t g = 0; g < Hkv && S > 0; ++g)
-      for (int64_t hh = 0; hh < G; hh += tile_heads)
-        for (int64_t r0 = 0; r0 < S; r0 += tile_rows) {
-          const int64_t rows = std::min(tile_rows, S - r0);
-          int64_t lo, hi, lo_last, hi_last;
-          Visible(a, plan, b, r0, &lo, &hi);
-          Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
-          base.push_back(Tile{b, r0, rows, g * G + hh, std::min(tile_heads, G - hh), lo, std::max(lo, hi_last), -1});
-        }
+    row_tiles(b, S, tile_heads, tile_rows, base);
   }
   // Too few blocks for the GPU: long key ranges split, each part a block of its own, merged after. The tile and
   // decode launches run one after the other: each fills the GPU by itself.

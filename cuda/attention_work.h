@@ -181,6 +181,13 @@ KV_HD void LoadRowT1(const AttnParams& p, Mem& mem, int buf, int64_t elem, int64
     v[e] = e < n ? ElemToFloat<T1>(mem.template Load<T>(b, (elem + d0 + e) * int64_t(sizeof(T)))) : 0.0f;
 }
 
+// Tile record `index` of kATiles (the tile kernel's first, then the decode kernel's, then the tensor-core kernel's).
+template <class Mem>
+KV_HD Tile TileAt(Mem& mem, int64_t index) {
+  auto word = [&](int64_t k) { return mem.template Load<int64_t>(kATiles, 8 * (index * kTileWords + k)); };
+  return Tile{word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7)};
+}
+
 // Where a key or value row starts: the element offset of its first element and, quantized, of its first scale.
 struct RowAt {
   int64_t elem, scale;
@@ -269,9 +276,9 @@ template <class T1, class Rows, class Team, class Mem>
 KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
   using T = typename T1::Storage;
   constexpr int64_t NT = kAttnThreads;
-  auto tile_word = [&](int64_t k) { return mem.template Load<int64_t>(kATiles, 8 * (tile_index * kTileWords + k)); };
-  const int64_t b = tile_word(0), row0 = tile_word(1), rows = tile_word(2), head0 = tile_word(3),
-                heads = tile_word(4), key0 = tile_word(5), key1 = tile_word(6), partial = tile_word(7);
+  const Tile tile = TileAt(mem, tile_index);
+  const int64_t b = tile.b, row0 = tile.row0, rows = tile.rows, head0 = tile.head0, heads = tile.heads,
+                key0 = tile.key0, key1 = tile.key1, partial = tile.partial;
   const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads, slices = p.slices;
   // The value phase: threads own (key group, group of kVectorGroup query vectors, slice); `groups` key groups
   // (>= 1: the planner's tiles fit) share the chunk's keys.

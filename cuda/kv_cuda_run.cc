@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention_impl.cuh"
+#include "attention_mma_regs.h"
 #include "byte_ranges.h"
 #include "kv_cache_impl.cuh"
 #include "rotary_impl.cuh"
@@ -33,18 +34,39 @@ struct ScratchBlock {  // returned to the scratch at scope exit (stream order ke
   }
 };
 
-// A device attribute, read from the driver once per device, not on every call.
-int CachedAttribute(cudaDeviceAttr attr, int device, const char* what) {
-  constexpr int kKnownDevices = 64;
-  static std::array<std::atomic<int>, kKnownDevices> sms{}, majors{};
-  auto& cache = attr == cudaDevAttrMultiProcessorCount ? sms : majors;
-  const bool known = device >= 0 && device < kKnownDevices;
+// A value of the current device, read once per device (read(device, &value) on the first call), not on every call.
+// Each caller keeps its own cache (`cache`); 0 means not read yet.
+template <class Read>
+int CachedPerDevice(std::array<std::atomic<int>, 64>& cache, int device, Read&& read) {
+  const bool known = device >= 0 && device < static_cast<int>(cache.size());
   int value = known ? cache[device].load(std::memory_order_relaxed) : 0;
   if (value == 0) {
-    Check(cudaDeviceGetAttribute(&value, attr, device), what);
+    read(device, &value);
     if (known) cache[device].store(value, std::memory_order_relaxed);
   }
   return value;
+}
+
+// A device attribute, read from the driver once per device.
+template <cudaDeviceAttr Attr>
+int CachedAttribute(int device, const char* what) {
+  static std::array<std::atomic<int>, 64> cache{};
+  return CachedPerDevice(cache, device, [&](int d, int* v) { Check(cudaDeviceGetAttribute(v, Attr, d), what); });
+}
+
+// Whether the tensor-core kernels can run on the device in `form` (1 or 2): products compiled for sm_80 or newer
+// (a build without sm_80 code would reach their trap), and their shared memory within the device's per-block limit
+// (form 1's 113 KB exceeds the 99 KB of sm_86, sm_89 and sm_120; form 2's 52 KB fits every sm_80 GPU).
+bool MmaKernelRuns(int device, int form) {
+  static std::array<std::atomic<int>, 64> versions{};
+  const int major = CachedAttribute<cudaDevAttrComputeCapabilityMajor>(device, "reading the compute capability");
+  if (major < 8) return false;
+  const int ptx = CachedPerDevice(versions, device, [](int, int* v) {
+    Check(MmaKernelPtxVersion(v), "reading the tensor-core kernel's architecture");
+  });
+  const int shared = CachedAttribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>(
+      device, "reading the shared memory a block may have");
+  return ptx >= 80 && shared >= (form == 2 ? kMmaRegSharedBytes : kMmaSharedBytes);
 }
 
 bool EnvIs(const char* name, const char* value) {
@@ -57,8 +79,7 @@ bool EnvIs(const char* name, const char* value) {
 TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide* cache) {
   int device = 0;
   Check(cudaGetDevice(&device), "reading the current device");
-  const int sms = CachedAttribute(cudaDevAttrMultiProcessorCount, device, "reading the multiprocessor count");
-  const int major = CachedAttribute(cudaDevAttrComputeCapabilityMajor, device, "reading the compute capability");
+  const int sms = CachedAttribute<cudaDevAttrMultiProcessorCount>(device, "reading the multiprocessor count");
   TilePolicy policy;
   policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
   policy.min_decode_blocks = 2 * policy.min_blocks;
@@ -69,9 +90,10 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   // or KVCACHE_OP_CUDA_MMA_DECODE=1, and longer float16 / bfloat16 sequences the tensor-core kernel unless
   // KVCACHE_OP_CUDA_MMA=0. All three are read on every call: tests and benchmarks switch them.
   policy.decode_kernel = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
-  policy.mma_kernel = major >= 8 && !EnvIs("KVCACHE_OP_CUDA_MMA", "0") && MmaRowsFit(t1, tensors, cache);
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
   policy.mma_form = EnvIs("KVCACHE_OP_CUDA_MMA", "2") ? 2 : 1;  // the second form: not measured on a GPU yet
+  policy.mma_kernel = !EnvIs("KVCACHE_OP_CUDA_MMA", "0") && MmaRowsFit(t1, tensors, cache) &&
+                      MmaKernelRuns(device, policy.mma_form);
   return policy;
 }
 

@@ -258,6 +258,15 @@ struct HostTeam {
                                               std::to_string(m.k) + " the fragments cannot take");
       return;
     }
+    // WMMA's own rules: every fragment starts 32-byte aligned (offsets from the 128-byte aligned shared array; a
+    // fragment's columns step by 16 elements), and strides are multiples of 16 bytes.
+    for (int64_t w = 0; w < Threads / cuda::kWarp; ++w)
+      for (const int64_t offset : {m.a + w * m.a_warp, m.b, m.c + w * m.c_warp})
+        if (offset % 32 != 0)
+          mem.Note(mem.report->misaligned, "a fragment at shared byte " + std::to_string(offset) + ", not 32-byte aligned");
+    if (m.lda % 8 != 0 || m.ldb % 8 != 0 || m.ldc % 4 != 0)
+      mem.Note(mem.report->misaligned, "fragment strides " + std::to_string(m.lda) + ", " + std::to_string(m.ldb) +
+                                           ", " + std::to_string(m.ldc) + " not multiples of 16 bytes");
     auto elem = [&](int64_t byte) { return T1::ToFloat(mem.Load<T>(cuda::kAShared, byte)); };
     for (int64_t w = 0; w < Threads / cuda::kWarp; ++w) {
       mem.thread = w * cuda::kWarp;
