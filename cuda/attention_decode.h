@@ -56,9 +56,9 @@ KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   const int64_t b = tile.b, row = tile.row0, head0 = tile.head0, Q = tile.heads, key0 = tile.key0, key1 = tile.key1,
                 partial = tile.partial;
   const int64_t D = p.head_dim, H = p.num_heads, lanes = D / kVec, groups = kDecodeThreads / (lanes * HQ);
-  const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
-  const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
-  const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
+  const SeqSpan seq = SeqAt(p, mem, b);
+  const int64_t seq0 = seq.seq0, S = seq.S, col0 = seq.col0, K = seq.K;
+  const bool causal = seq.causal;
   const int64_t g = head0 / p.group, token = seq0 + row, position = K - S + row;
   int64_t lo, hi;
   VisibleKeys(p.sliding_window, causal, S, K, row, &lo, &hi);

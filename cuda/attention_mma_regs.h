@@ -73,9 +73,9 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
                 key0 = tile.key0, key1 = tile.key1, partial = tile.partial;
   const int64_t D = p.head_dim, H = p.num_heads, Q = rows * heads;
   const int ksteps = static_cast<int>(D / 16), dtiles = static_cast<int>(D / 8);
-  const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
-  const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
-  const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
+  const SeqSpan seq = SeqAt(p, mem, b);
+  const int64_t seq0 = seq.seq0, S = seq.S, col0 = seq.col0, K = seq.K;
+  const bool causal = seq.causal;
   const int64_t g = head0 / p.group;
   auto row_of = [&](int64_t qi) { return row0 + static_cast<int32_t>(qi) / static_cast<int32_t>(heads); };
   auto head_of = [&](int64_t qi) { return head0 + static_cast<int32_t>(qi) % static_cast<int32_t>(heads); };

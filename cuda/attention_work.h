@@ -188,6 +188,18 @@ KV_HD Tile TileAt(Mem& mem, int64_t index) {
   return Tile{word(0), word(1), word(2), word(3), word(4), word(5), word(6), word(7)};
 }
 
+// Sequence b of the call: its first query token and query rows, its first key column and keys, whether it is causal.
+struct SeqSpan {
+  int64_t seq0, S, col0, K;
+  bool causal;
+};
+template <class Mem>
+KV_HD SeqSpan SeqAt(const AttnParams& p, Mem& mem, int64_t b) {
+  const int64_t seq0 = IndexWord(mem, b), col0 = IndexWord(mem, KvstartsAt(p) + b);
+  return SeqSpan{seq0, IndexWord(mem, b + 1) - seq0, col0, IndexWord(mem, KvstartsAt(p) + b + 1) - col0,
+                 IndexWord(mem, CausalAt(p) + b) != 0};
+}
+
 // Where a key or value row starts: the element offset of its first element and, quantized, of its first scale.
 struct RowAt {
   int64_t elem, scale;
@@ -284,9 +296,9 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
   // (>= 1: the planner's tiles fit) share the chunk's keys.
   const int64_t vector_groups = (Q + kVectorGroup - 1) / kVectorGroup, lanes = vector_groups * slices;
   const int64_t groups = NT / lanes;
-  const int64_t seq0 = IndexWord(mem, b), S = IndexWord(mem, b + 1) - seq0;
-  const int64_t col0 = IndexWord(mem, KvstartsAt(p) + b), K = IndexWord(mem, KvstartsAt(p) + b + 1) - col0;
-  const bool causal = IndexWord(mem, CausalAt(p) + b) != 0;
+  const SeqSpan seq = SeqAt(p, mem, b);
+  const int64_t seq0 = seq.seq0, S = seq.S, col0 = seq.col0, K = seq.K;
+  const bool causal = seq.causal;
   const int64_t g = head0 / p.group;
   // Query vector qi (< kMaxTileQueries) is head head_of(qi) of row row_of(qi); its visible keys are in shared memory.
   auto row_of = [&](int64_t qi) { return row0 + static_cast<int32_t>(qi) / static_cast<int32_t>(heads); };
