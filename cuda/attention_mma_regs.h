@@ -218,7 +218,8 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
           const int64_t dim = 8 * d + t % kWarp / 4, c = pair_of(t);
           KV_UNROLL
           for (int kk = 0; kk < kMmaKeySteps; ++kk) {
-            s.kb[kk][0] = PackPair(half_at(kMmaRegSmemV, 16 * kk + c, dim), half_at(kMmaRegSmemV, 16 * kk + c + 1, dim));
+            s.kb[kk][0] = PackPair(half_at(kMmaRegSmemV, 16 * kk + c, dim),
+                                   half_at(kMmaRegSmemV, 16 * kk + c + 1, dim));
             s.kb[kk][1] = PackPair(half_at(kMmaRegSmemV, 16 * kk + c + 8, dim),
                                    half_at(kMmaRegSmemV, 16 * kk + c + 9, dim));
           }
@@ -231,7 +232,8 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
       }
     } else {
       team.Sync();
-      team.Each([&](int64_t t, MmaRegThread& s) {  // weights one by one: 0 x inf must not reach a query that does not see it
+      // Weights one by one: 0 x inf must not reach a query that does not see the key.
+      team.Each([&](int64_t t, MmaRegThread& s) {
         KV_UNROLL
         for (int d = 0; d < kMmaDimTiles; ++d) {
           if (d >= dtiles) continue;

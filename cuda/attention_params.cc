@@ -122,8 +122,8 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   int64_t floats = 0;
   if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.mma_tiles > 0x7fffffff ||
       out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) || !MulFits(floats, 4, &floats))
-    Fail("attention on CUDA: the call needs ", out.tiles + out.decode_tiles + out.mma_tiles, " blocks and ", out.records,
-         " partial records, more than one launch runs");
+    Fail("attention on CUDA: the call needs ", out.tiles + out.decode_tiles + out.mma_tiles, " blocks and ",
+         out.records, " partial records, more than one launch runs");
   out.index_words = static_cast<int64_t>(index.size());
   index.reserve(index.size() +
                 static_cast<size_t>((out.tiles + out.decode_tiles + out.mma_tiles + out.merges) * kTileWords));

@@ -102,7 +102,8 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
 struct PlannedScratch {
   ScratchBlock words, partials;
   PlannedScratch(DeviceScratch& scratch, const AttnLaunchPlan& launch, int64_t head_dim)
-      : words(scratch, launch.tiles + launch.decode_tiles + launch.mma_tiles ? launch.words.size() * sizeof(int64_t) : 0),
+      : words(scratch,
+              launch.tiles + launch.decode_tiles + launch.mma_tiles ? launch.words.size() * sizeof(int64_t) : 0),
         partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
 };
 

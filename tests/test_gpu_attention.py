@@ -412,9 +412,12 @@ def test_mma_long_prefills(t, head_dim, heads, kv_heads, prefill_kernel):
     check_mha_against_reference(case)
 
 
-def test_mma_decode_rows(monkeypatch):
-    """KVCACHE_OP_CUDA_MMA_DECODE=1: sequences of one token through the tensor-core kernel, split and merged."""
+@pytest.mark.parametrize("form", ["1", "2"])
+def test_mma_decode_rows(monkeypatch, form):
+    """KVCACHE_OP_CUDA_MMA_DECODE=1: sequences of one token through the tensor-core kernel (either form), split and
+    merged."""
     monkeypatch.setenv("KVCACHE_OP_CUDA_MMA_DECODE", "1")
+    monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", form)
     case = build_attention("mma-decode", [(1, 3000), (1, 700), (1, 1), (4, 40)], heads=8, kv_heads=2, head_dim=128,
                            t="float16", decoding=3, mask=2)
     check_mha_against_reference(case)
