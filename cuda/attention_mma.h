@@ -127,7 +127,7 @@ KV_HD void StageQueries(const AttnParams& p, Mem& mem, int64_t t, int64_t Q, int
 // Thread t's part of staging keys [c0, c0 + n) of sequence b (kv head g) as T1 rows of shared memory at byte offsets
 // k_base and v_base (rows [n, kMmaKeys) zero); true when a value row it staged holds inf or NaN.
 template <class T1, class Rows, class Mem>
-KV_HD bool StageChunk(const AttnParams& p, const Rows& rows_of, Mem& mem, int64_t t, int64_t b, int64_t col0,
+KV_HD bool StageChunkRows(const AttnParams& p, const Rows& rows_of, Mem& mem, int64_t t, int64_t b, int64_t col0,
                       int64_t g, int64_t c0, int64_t n, int64_t k_base, int64_t v_base) {
   constexpr int64_t NK = kMmaKeys, NT = kMmaThreads;
   const int64_t slices = p.head_dim / kVec;
@@ -154,6 +154,19 @@ KV_HD bool StageChunk(const AttnParams& p, const Rows& rows_of, Mem& mem, int64_
     }
   }
   return nonfinite;
+}
+
+// The whole block stages a chunk (StageChunkRows), behind a barrier (the previous chunk's products have read the rows
+// this overwrites) and before one (the vote): true when any value row of the chunk holds inf or NaN. The thread
+// state's `nonfinite` carries each thread's vote.
+template <class T1, class Rows, class Team, class Mem>
+KV_HD bool StageChunk(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t b, int64_t col0,
+                      int64_t g, int64_t c0, int64_t n, int64_t k_base, int64_t v_base) {
+  team.Sync();
+  team.Each([&](int64_t t, auto& s) {
+    s.nonfinite = StageChunkRows<T1>(p, rows_of, mem, t, b, col0, g, c0, n, k_base, v_base);
+  });
+  return team.SyncOr([](auto& s) -> int32_t& { return s.nonfinite; });
 }
 
 // Everything tensor-core block `tile_index` (tile p.tiles + p.decode_tiles + tile_index of kATiles) does.
@@ -187,12 +200,7 @@ KV_HD void MmaTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& tea
 
   for (int64_t c0 = key0; c0 < key1; c0 += NK) {
     const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
-    // The barrier before staging: the previous chunk's products have read the rows this overwrites.
-    team.Sync();
-    team.Each([&](int64_t t, MmaThread& s) {  // stage the chunk's key and value rows
-      s.nonfinite = StageChunk<T1>(p, rows_of, mem, t, b, col0, g, c0, n, kMmaSmemK, kMmaSmemV);
-    });
-    const bool nonfinite_values = team.SyncOr([](MmaThread& s) -> int32_t& { return s.nonfinite; });
+    const bool nonfinite_values = StageChunk<T1>(p, rows_of, mem, team, b, col0, g, c0, n, kMmaSmemK, kMmaSmemV);
     team.template MatMul<T1, true, false>(
         mem, WarpProduct{kMmaSmemQ, kMmaWarpRows * kMmaLdRows * 2, kMmaLdRows, kMmaSmemK, kMmaLdRows, kMmaSmemS,
                          kMmaWarpRows * kMmaLdScores * 4, kMmaLdScores, NK, D});

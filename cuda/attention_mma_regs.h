@@ -119,12 +119,9 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
 
   for (int64_t c0 = key0; c0 < key1; c0 += NK) {
     const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
-    // The barrier before staging: the previous chunk's products (and the query fragments' loads) are done.
-    team.Sync();
-    team.Each([&](int64_t t, MmaRegThread& s) {  // stage the chunk's key and value rows
-      s.nonfinite = StageChunk<T1>(p, rows_of, mem, t, b, col0, g, c0, n, kMmaRegSmemK, kMmaRegSmemV);
-    });
-    const bool nonfinite_values = team.SyncOr([](MmaRegThread& s) -> int32_t& { return s.nonfinite; });
+    // StageChunk's first barrier also orders the query fragments' loads before the one-by-one path's writes there.
+    const bool nonfinite_values =
+        StageChunk<T1>(p, rows_of, mem, team, b, col0, g, c0, n, kMmaRegSmemK, kMmaRegSmemV);
 
     KV_UNROLL
     for (int j = 0; j < kMmaKeyTiles; ++j) {  // S = Q K^T, one tile of 8 keys at a time
