@@ -187,8 +187,18 @@ cudaError_t Launch(const AttnParams& p, cudaStream_t stream) {
   if (p.mma_tiles > 0) {
     if constexpr (sizeof(typename T1::Storage) == 2) {
       // Set on every launch: the attribute is per device, and a call is cheap beside a prefill.
-      auto kernel = p.mma_form == 2 ? MmaRegKernel<T1, Rows> : MmaKernel<T1, Rows>;
-      const int64_t bytes = p.mma_form == 2 ? kMmaRegSharedBytes : kMmaSharedBytes;
+      // The second form is instantiated for rows stored as T1 only (MmaFormFor never asks it of others): twelve
+      // instantiations of it made this file take minutes longer to compile.
+      auto kernel = MmaKernel<T1, Rows>;
+      int64_t bytes = kMmaSharedBytes;
+      if constexpr (Rows::kStoredAsT1) {
+        if (p.mma_form == 2) {
+          kernel = MmaRegKernel<T1, Rows>;
+          bytes = kMmaRegSharedBytes;
+        }
+      } else if (p.mma_form == 2) {
+        return cudaErrorInvalidValue;
+      }
       if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                static_cast<int>(bytes));
           e != cudaSuccess)

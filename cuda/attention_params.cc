@@ -142,6 +142,10 @@ bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
   return Aligned16(t.query) && rows_aligned && groups;
 }
 
+int MmaFormFor(int asked, const CacheSide* cache) {
+  return asked == 2 && (cache == nullptr || cache->attrs->quant_bit == 0) ? 2 : 1;
+}
+
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
                           const AttnTensors& t, const int64_t* words, float* partials) {
   AttnParams p{};

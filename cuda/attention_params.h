@@ -63,6 +63,10 @@ struct AttnTensors {
 // (packed, or the cache) 16-byte aligned, quantization groups a whole number of 8-element loads.
 bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
 
+// The tensor-core kernel's form for a call that asks for `asked` (1 or 2): the second form is built only for rows
+// stored as T1 (packed keys, unquantized caches), so a quantized cache always takes the first.
+int MmaFormFor(int asked, const CacheSide* cache);
+
 // Params for a planned call whose words (launch.words) and partial records are at the given device addresses.
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
                           const AttnTensors& t, const int64_t* words, float* partials);

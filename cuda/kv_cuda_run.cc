@@ -91,7 +91,9 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   // KVCACHE_OP_CUDA_MMA=0. All three are read on every call: tests and benchmarks switch them.
   policy.decode_kernel = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
-  policy.mma_form = EnvIs("KVCACHE_OP_CUDA_MMA", "2") ? 2 : 1;  // the second form: not measured on a GPU yet
+  // The second form is not measured on a GPU yet. A quantized call asking for it takes the first (MmaFormFor), and
+  // the shared memory checked below is that form's.
+  policy.mma_form = MmaFormFor(EnvIs("KVCACHE_OP_CUDA_MMA", "2") ? 2 : 1, cache);
   policy.mma_kernel = !EnvIs("KVCACHE_OP_CUDA_MMA", "0") && MmaRowsFit(t1, tensors, cache) &&
                       MmaKernelRuns(device, policy.mma_form);
   return policy;

@@ -39,7 +39,7 @@ def test_prefill_tiles_are_within_the_bound(runner, form, head_dim, t, heads, kv
     case = build_attention(f"mma-{head_dim}-{t}-{heads}", SEQS, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                            t=t, decoding=1, **extras)
     result = check_mha(runner, case, min_blocks=1, mma_form=form)
-    assert result.report.mma_tiles > 0
+    assert result.report.mma_tiles > 0 and result.report.mma_form == form
 
 
 def test_float32_and_unfit_head_dims_take_the_tile_kernel(runner, form):
@@ -106,7 +106,8 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan(runner, form):
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
 def test_cache_layouts_pages_and_quantization(runner, form, quant_bit, group, head_dim, mode, layout, page_size):
     """Prefill rows read every layout, page size and quantization in place, staged as KeyValueCache's gather gives
-    them (dequantized and rounded to T1)."""
+    them (dequantized and rounded to T1). The second form is built for unquantized rows only: a quantized cache
+    asking for it runs the first."""
     seqs = [Seq(70, 1), Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(33, 1)]
     case = build_cache_attention(f"mma-mhca-{quant_bit}-{group}-{layout}", seqs, group=4, decoding=1, is_alibi=1,
                                  sliding_window=50, softcap=3.0, mask=True, heads=2, head_dim=head_dim,
@@ -115,6 +116,7 @@ def test_cache_layouts_pages_and_quantization(runner, form, quant_bit, group, he
                                  t3="float16")
     result = check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16, mma_form=form)
     assert result.report.mma_tiles > 0
+    assert result.report.mma_form == (form if quant_bit == 0 else 1)
 
 
 def test_a_missing_barrier_in_the_tensor_core_kernel_is_a_race_the_runner_reports(runner, form):

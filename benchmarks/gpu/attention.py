@@ -38,7 +38,8 @@ Figures, per case:
   (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``) or the tensor-core kernel (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the
   tile kernel, the default, on shapes measured above; **tile kernel**: a prefill through the tile kernel
   (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16; **tensor-core
-  kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``).
+  kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``; built for unquantized rows only, so int8 and
+  int4 caches keep the first).
 """
 
 import argparse
@@ -118,7 +119,7 @@ def cases(quick: bool) -> list:
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
     # the tensor-core kernel's second form (products in registers) on the prefills
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2"),
-            Case("mhca", "prefill", 8, 1024, 1024, 32, 8, quant_bit=8, kernel="mma2")]
+            Case("mhca", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2")]
     return out
 
 

@@ -45,6 +45,7 @@ struct AttnHostRunReport {
   int64_t launches, blocks, threads, tiles, merges, split_tiles;
   int64_t out_of_bounds, misaligned, write_write, read_write, uninitialized;
   int64_t decode_tiles, mma_tiles;
+  int64_t mma_form;  // the tensor-core kernel's form that ran (0: no tensor-core tiles)
 };
 }  // extern "C"
 
@@ -347,7 +348,10 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                         cuda::DecodeTile<T1>(p, Rows{}, mem, team, b);
                                                       });
   if constexpr (sizeof(typename T1::Storage) == 2) {
-    if (p.mma_form == 2)
+    if (p.mma_tiles > 0) mem.report->mma_form = p.mma_form == 2 ? 2 : 1;
+    if (p.mma_form == 2 && !Rows::kStoredAsT1)  // the library builds the second form for these rows only
+      mem.Note(mem.report->out_of_bounds, "the second tensor-core form planned for quantized rows");
+    else if (p.mma_form == 2)
       RunBlocks<cuda::MmaRegThread, cuda::kMmaThreads>(mem, skip_sync, "tensor-core launch", p.mma_tiles,
                                                        cuda::kMmaRegSharedWords, [&](auto& team, int64_t b) {
                                                          cuda::MmaRegTile<T1>(p, Rows{}, mem, team, b);
@@ -417,7 +421,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   policy.decode_kernel = o.tile_kernel_only == 0;
   policy.mma_kernel = o.tile_kernel_only == 0 && cuda::MmaRowsFit(in[0].type, t, cache);
   policy.mma_decode = o.mma_decode != 0;
-  policy.mma_form = o.mma_form == 2 ? 2 : 1;
+  policy.mma_form = cuda::MmaFormFor(o.mma_form == 2 ? 2 : 1, cache);
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
