@@ -57,7 +57,8 @@ class StepApplier:
             list(rids), lengths, planned.end, first_slot, R.table.take(rows, axis=0),
             self._fed_tokens(rids, lengths, ids),
             np.concatenate(shift_slots) if shift_slots else None,
-            np.concatenate(shift_deltas) if shift_deltas else None)
+            np.concatenate(shift_deltas) if shift_deltas else None,
+            input_ids=ids, page_columns=int(np.maximum.reduce(R.npages[rows], initial=0)))
         self._pending = step
         return step.plan
 

@@ -34,25 +34,43 @@ class StepPlan:
     and ``max_kvlen`` (int64 scalars), ``query_positions`` [seqstarts[B]] (absolute position of every
     fed token), ``key_positions`` [kvstarts[B]] (absolute position of every gathered key),
     ``fed_tokens`` (request id -> tokens fed, re-evaluated ones first), ``shift_slots``/``shift_deltas``
-    [S] (StreamingLLM shift-RoPE-K). All index arrays are int64.
+    [S] (StreamingLLM shift-RoPE-K), ``input_ids`` [seqstarts[B]] (``fed_tokens`` flattened in
+    ``request_ids`` order: the model's input ids), ``page_columns`` (how many leading columns of
+    ``cachestarts`` hold a page of some sequence; the rest are -1). All index arrays are int64.
 
-    ``key_positions`` and ``fed_tokens`` may be given as functions of no arguments: they are then built
-    on first access, so a decode step does not pay for an O(keys) array its caller never reads.
+    ``key_positions``, ``fed_tokens`` and ``input_ids`` may be given as functions of no arguments: they are
+    then built on first access, so a decode step does not pay for an O(keys) array or a dict of lists its
+    caller never reads.
     """
 
     key_positions = _BuiltOnFirstAccess()
     fed_tokens = _BuiltOnFirstAccess()
+    input_ids = _BuiltOnFirstAccess()
+    page_columns = _BuiltOnFirstAccess()
 
     def __init__(self, request_ids, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
-                 query_positions, key_positions, fed_tokens=None, shift_slots=None, shift_deltas=None):
+                 query_positions, key_positions, fed_tokens=None, shift_slots=None, shift_deltas=None,
+                 input_ids=None, page_columns=None):
         self.request_ids = request_ids
         self.seqstarts, self.kvstarts, self.cachestarts, self.start_pos = seqstarts, kvstarts, cachestarts, start_pos
         self.max_seqlen, self.max_kvlen = max_seqlen, max_kvlen
         self.query_positions = query_positions
         self.key_positions = key_positions
         self.fed_tokens = {} if fed_tokens is None else fed_tokens
+        self.input_ids = self._flat_fed_tokens if input_ids is None else input_ids
+        self.page_columns = self._used_columns if page_columns is None else page_columns
         self.shift_slots = _EMPTY.copy() if shift_slots is None else shift_slots
         self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
+
+    def _flat_fed_tokens(self) -> np.ndarray:
+        fed = self.fed_tokens
+        return np.fromiter((t for rid in self.request_ids for t in fed[rid]), np.int64,
+                           count=int(self.seqstarts[-1]))
+
+    def _used_columns(self) -> int:
+        table = self.cachestarts
+        used = np.flatnonzero((table >= 0).any(axis=0)) if table.ndim == 2 else np.zeros(0, np.int64)
+        return int(used[-1]) + 1 if used.size else 0
 
     def op_inputs(self) -> dict:
         """The op's index inputs by name (cache_mode 1)."""
@@ -82,11 +100,12 @@ def runs(first: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarr
 
 
 def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_tokens,
-               shift_slots=None, shift_deltas=None) -> StepPlan:
+               shift_slots=None, shift_deltas=None, input_ids=None, page_columns=None) -> StepPlan:
     """The plan of a step that fed ``lengths[b]`` tokens to request b (``lengths`` None: one token
     each), which then has positions ``[first_slot_pos[b], end[b])`` in its retained pages
     (``first_slot_pos`` = first retained page * page size). ``fed_tokens`` is a dict or a function
-    building it. The arrays passed in must not change later (the lazy ``key_positions`` reads them)."""
+    building it; ``input_ids`` the same tokens flattened (None: built from ``fed_tokens``). The arrays
+    passed in must not change later (the lazy ``key_positions`` reads them)."""
     kvlen = end - first_slot_pos
     kvstarts = starts_of(kvlen)
     if lengths is None:
@@ -101,4 +120,5 @@ def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_token
         request_ids=request_ids, seqstarts=seqstarts, kvstarts=kvstarts, cachestarts=cachestarts,
         start_pos=start_pos, max_seqlen=max_seqlen, max_kvlen=np.array(np.maximum.reduce(kvlen, initial=0), np.int64),
         query_positions=query_positions, key_positions=lambda: runs(first_slot_pos, kvlen, kvstarts),
-        fed_tokens=fed_tokens, shift_slots=shift_slots, shift_deltas=shift_deltas)
+        fed_tokens=fed_tokens, shift_slots=shift_slots, shift_deltas=shift_deltas, input_ids=input_ids,
+        page_columns=page_columns)

@@ -224,10 +224,11 @@ class Engine(OnlineEngine):
     def _step(self, step: int, waiting, running: list) -> None:
         began = time.perf_counter()
         self._admit(step, waiting, running)
-        plan = self._plan(waiting, running) if running else None
-        if plan is None:
+        planned = self._plan(waiting, running) if running else None
+        if planned is None:
             self._times["scheduling"] += time.perf_counter() - began
             return
+        plan, sequences = planned
         try:
             feeds = step_feeds(plan)
             scheduled = time.perf_counter()
@@ -244,41 +245,61 @@ class Engine(OnlineEngine):
         self._counters["steps"] += 1
         self._counters["fed_tokens"] += int(plan.seqstarts[-1])
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
-        by_id = {q.index: q for q in running}
-        choosing = []
-        for row, rid in enumerate(plan.request_ids):
-            by_id[rid].ran = True
-            if not self.manager.has_pending_tokens(rid):  # else a prefill chunk: its logits predict a prompt token
-                choosing.append((row, by_id[rid]))
-        rows = [row for row, _ in choosing]
-        chosen = logits if len(rows) == len(logits) else logits[rows]  # decode steps: every row, no copy
-        tokens, logprobs = choose_tokens(chosen, [q.params for _, q in choosing],
-                                         [(q.prompt, q.generated) for _, q in choosing],
-                                         [q.generator for _, q in choosing])
-        for (row, q), token, top in zip(choosing, tokens, logprobs):
-            q.generated.append(token)
-            if top is not None:
-                q.logprobs.append(top)
-            q.next_input = [token]
-            self._counters["generated_tokens"] += 1
-            q.handle._push(token, top)
-            if q.logits is not None:
-                q.logits.append(logits[row].copy())
-            if q.on_token is not None:
-                q.on_token(token)
-            stops = token in q.params.stop_token_ids or (token in self.info.eos_token_ids and not q.params.ignore_eos)
-            if q.stop_matcher is not None:  # stop strings: the text this token completes
-                stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
-            if len(q.generated) >= q.max_new_tokens or stops:
-                self.manager.finish(q.index)
-                running.remove(q)
-                q.handle._finish("stop" if stops else "length")
+        rows, choosing = self._choosers(sequences)
+        chosen = logits if rows is None else logits[rows]  # decode steps: every row, no copy
+        if all(q.params.plain_greedy for q in choosing):  # the hot path: one argmax, no per-request lists
+            tokens, logprobs = np.argmax(chosen, axis=1).tolist(), None
+        else:
+            tokens, logprobs = choose_tokens(chosen, [q.params for q in choosing],
+                                             [(q.prompt, q.generated) for q in choosing],
+                                             [q.generator for q in choosing])
+        self._counters["generated_tokens"] += len(tokens)
+        self._take_tokens(choosing, tokens, logprobs, logits, rows, running)
         done = time.perf_counter()
         self._times["scheduling"] += done - ran  # commit and finishing are manager work
         if self.step_trace is not None:
             self.step_trace.append(dict(sequences=len(plan.request_ids), decodes=int(feeds["decoding_batches"]),
                                         tokens=int(plan.seqstarts[-1]), kv_tokens=int(plan.kvstarts[-1]),
                                         scheduling_s=scheduled - began, ort_run_s=ran - scheduled, after_run_s=done - ran))
+
+    def _choosers(self, sequences: list) -> tuple:
+        """(rows, sequences) of the step's sequences that choose a token: decodes, and prefills whose prompt is
+        now complete (a chunk with prompt tokens still to come predicts a prompt token). ``rows`` None: every
+        row (a step of decodes and final chunks only)."""
+        has_pending = self.manager.has_pending_tokens
+        rows = []
+        for row, q in enumerate(sequences):
+            q.ran = True
+            if q.next_input is not None or not has_pending(q.index):  # a decode never has prompt tokens left
+                rows.append(row)
+        if len(rows) == len(sequences):
+            return None, sequences
+        return rows, [sequences[row] for row in rows]
+
+    def _take_tokens(self, choosing: list, tokens: list, logprobs, logits, rows, running: list) -> None:
+        """Hands each chosen token to its request (its list, handle, callbacks) and retires the requests that
+        are done: an end-of-sequence or stop token, a stop string, or ``max_new_tokens`` reached."""
+        now = time.perf_counter()  # one choice time for the step's tokens
+        eos = self.info.eos_token_ids
+        for i, (q, token) in enumerate(zip(choosing, tokens)):
+            top = logprobs[i] if logprobs is not None else None
+            q.generated.append(token)
+            if top is not None:
+                q.logprobs.append(top)
+            q.next_input = [token]
+            q.handle._push(token, top, now)
+            if q.logits is not None:
+                q.logits.append(logits[i if rows is None else rows[i]].copy())
+            if q.on_token is not None:
+                q.on_token(token)
+            params = q.params
+            stops = token in params.stop_token_ids or (token in eos and not params.ignore_eos)
+            if q.stop_matcher is not None:  # stop strings: the text this token completes
+                stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
+            if stops or len(q.generated) >= q.max_new_tokens:
+                self.manager.finish(q.index)
+                running.remove(q)
+                q.handle._finish("stop" if stops else "length")
 
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request
@@ -369,18 +390,25 @@ class Engine(OnlineEngine):
         return feeds
 
     def _plan(self, waiting, running: list):
-        """The manager's plan of this step. While pages are short, prefill chunks are halved first (a chunk
-        needs pages only for what it feeds), then the most recently admitted requests are preempted.
-        ``None`` when nothing can be fed."""
+        """(the manager's plan of this step, its sequences in the plan's order). While pages are short, prefill
+        chunks are halved first (a chunk needs pages only for what it feeds), then the most recently admitted
+        requests are preempted. ``None`` when nothing can be fed. A step of decodes alone (most steps) is
+        planned by ``schedule_decode``: the same plan, without a dict and a list per request."""
         chunk_limit = self._chunk_limit
         while running:
-            feeds = self._feeds(running, chunk_limit)
-            if not feeds:
+            decodes_only = len(running) <= self.max_batch_tokens and all(q.next_input is not None for q in running)
+            feeds = None if decodes_only else self._feeds(running, chunk_limit)
+            if not decodes_only and not feeds:
                 return None
             try:
-                return self.manager.schedule(feeds)
+                if decodes_only:
+                    tokens = np.fromiter((q.next_input[0] for q in running), np.int64, len(running))
+                    return self.manager.schedule_decode([q.index for q in running], tokens), list(running)
+                plan = self.manager.schedule(feeds)
+                by_id = {q.index: q for q in running}
+                return plan, [by_id[rid] for rid in plan.request_ids]
             except OutOfPages:
-                longest = max(len(tokens) for tokens in feeds.values())
+                longest = 1 if decodes_only else max(len(tokens) for tokens in feeds.values())
                 if longest > 1:
                     chunk_limit = longest // 2
                     continue

@@ -41,15 +41,18 @@ class RequestHandle:
         self._finished = threading.Event()
         self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper to take than an RLock
         self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
+        self._waiting = 0  # threads waiting on _changed for a token (iteration)
 
     # ---- the engine's side ---------------------------------------------------------------------------------
-    def _push(self, token: int, logprobs=None) -> None:
+    def _push(self, token: int, logprobs=None, when: float = None) -> None:
+        """One more token, chosen at ``when`` (``time.perf_counter()``; default now)."""
         with self._changed:
             self._tokens.append(token)
-            self._times.append(time.perf_counter())
+            self._times.append(time.perf_counter() if when is None else when)
             if logprobs is not None:
                 self._logprobs.append(logprobs)
-            self._changed.notify_all()
+            if self._waiting:  # a notify with nobody waiting still costs a call per token
+                self._changed.notify_all()
             watchers = list(self._watchers) if self._watchers else ()
         for watcher in watchers:
             watcher()
@@ -104,7 +107,12 @@ class RequestHandle:
     def _wait_beyond(self, count: int, timeout: float = None) -> tuple:
         """(tokens after the first ``count``, finished) once there are more tokens or the request is done."""
         with self._changed:
-            if not self._changed.wait_for(lambda: len(self._tokens) > count or self.done, timeout):
+            self._waiting += 1
+            try:
+                arrived = self._changed.wait_for(lambda: len(self._tokens) > count or self.done, timeout)
+            finally:
+                self._waiting -= 1
+            if not arrived:
                 raise TimeoutError(f"request {self.request_id!r}: no token within {timeout} s")
             return self._tokens[count:], self.done
 

@@ -93,6 +93,13 @@ class SamplingParams:
         """Temperature 0 (or below :data:`GREEDY_BELOW`): the most likely token, no draw."""
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty and no logprobs: the token is the argmax of the raw logits, nothing else is
+        computed (the engine's hot path)."""
+        return (self.greedy and self.logprobs is None and self.repetition_penalty == 1.0 and not self.presence_penalty
+                and not self.frequency_penalty)
+
 
 class TokenLogprobs(typing.NamedTuple):
     """What ``SamplingParams.logprobs`` keeps per chosen token: its log-probability in the distribution it was
@@ -158,9 +165,7 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
     """(tokens, logprobs): one token per row of ``logits`` ``[rows, vocab]``; ``params[r]``, ``histories[r]``
     (prompt ids, generated ids) and ``generators[r]`` (a numpy Generator) are row r's. ``logprobs[r]``: None, or
     the :class:`TokenLogprobs` of row r's chosen token (``params[r].logprobs`` most likely tokens)."""
-    plain = [p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 and not p.presence_penalty and
-             not p.frequency_penalty for p in params]
-    if all(plain):  # the common case, on the hot path: one argmax over the batch, no copy
+    if all(p.plain_greedy for p in params):  # the common case, on the hot path: one argmax over the batch, no copy
         return np.argmax(logits, axis=1).tolist() if len(params) else [], [None] * len(params)
     scores = _penalized(logits, params, histories)
     probs = distributions(scores, params)

@@ -26,3 +26,16 @@ def assert_stores_are_private(m, plan, page_size):
             page = start // page_size
             assert m.pool.ref_count[page] == 1, f"request {rid!r} stores into page {page}, which others hold too"
             assert not m.index.is_cached(page), f"request {rid!r} stores into published page {page}"
+
+
+def assert_plan_inputs_agree(plan):
+    """The plan's ``input_ids`` are its ``fed_tokens`` in request order (re-evaluated tokens included), and
+    ``page_columns`` counts the leading columns of ``cachestarts`` where some request has a page (the rest -1)."""
+    flat = [int(t) for rid in plan.request_ids for t in plan.fed_tokens[rid]]
+    assert np.asarray(plan.input_ids).dtype == np.int64 and plan.input_ids.tolist() == flat, "input_ids != fed tokens"
+    used = 0
+    for row in np.asarray(plan.cachestarts).tolist():
+        for column, slot in enumerate(row):
+            if slot >= 0:
+                used = max(used, column + 1)
+    assert plan.page_columns == used, f"page_columns {plan.page_columns}, but {used} columns hold pages"

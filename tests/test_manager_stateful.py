@@ -19,7 +19,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvcache_op.manager import KVCacheManager, OutOfPages, block_diagonal_causal_mask
 from kvcache_op.reference import cache_shape, key_value_cache
-from manager_checks import assert_stores_are_private, manager_state
+from manager_checks import assert_plan_inputs_agree, assert_stores_are_private, manager_state
 
 PAGE, PAGES, MAX_PAGES, HEADS, DH = 4, 20, 8, 1, 2
 FAMILIES = [[7, 7, 1, 2, 3, 4, 5, 6, 9, 9], [7, 7, 1, 2, 8, 8, 8, 8], [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8]]
@@ -132,6 +132,7 @@ class ManagerMachine(RuleBasedStateMachine):
             COVERAGE["out_of_pages"] += 1
             return
         assert_stores_are_private(self.m, plan, PAGE)
+        assert_plan_inputs_agree(plan)
         self.steps += 1
         current = []
         for rid in plan.request_ids:

@@ -27,7 +27,7 @@ from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, p
 
 from kvcache_op.manager import KVCacheManager, OutOfPages, StreamingPolicy
 from kvcache_op.reference import (cache_shape, key_cache_rotary_shift, key_value_cache, rotary_shift_tables)
-from manager_checks import assert_stores_are_private
+from manager_checks import assert_plan_inputs_agree, assert_stores_are_private
 
 PAGE, PAGES, MAX_PAGES, DH, SINKS, BUDGET = 4, 40, 6, 4, 3, 5
 SYSTEM = [1, 2, 3, 4, 5]  # a shared system prompt: its first page is the sink page
@@ -125,6 +125,7 @@ class StreamingMachine(RuleBasedStateMachine):
             assert "streaming budget" in str(error)
             return
         assert_stores_are_private(self.m, plan, PAGE)
+        assert_plan_inputs_agree(plan)
         for b, rid in enumerate(plan.request_ids):
             fed, n_q = plan.fed_tokens[rid], plan.seqstarts[b + 1] - plan.seqstarts[b]
             assert len(fed) == n_q, "fed tokens and query positions disagree"
