@@ -127,21 +127,48 @@ class ModelRunner:
                                                           else BYTES[ELEMENT_TYPES[i.scale_dtype]])
                                for v in (self.cache, self.scale) if v is not None)
         self._shift_session = None
+        # One binding for every step: the cache (and scale) bound once; each index input bound to a host buffer
+        # this runner owns, refilled in place while its shape holds (rebound when it changes, e.g. a page-table
+        # column more); the logits to a host buffer per batch size. Binding afresh each step cost more than a tenth
+        # of a small model's decode step.
+        self._binding = self.session.io_binding()
+        self._binding.bind_ortvalue_input("cache", self.cache)
+        if "scale" in self.session_inputs:
+            self._binding.bind_ortvalue_input("scale", self.scale)
+        self._inputs = {}  # name -> the host buffer bound to it
+        self._logits = None  # the host buffer bound to the logits
+        # The logits' host buffer's type; None: they stay in a tensor ONNX Runtime allocates, read each step (numpy has
+        # no bfloat16, and a device session's copy into a bound host buffer has not been run on a GPU yet).
+        output = self.session.get_outputs()[0]
+        self._logits_dtype = (None if self.device[0] != "cpu" else
+                              {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(output.type))
+        width = output.shape[-1] if output.shape else None
+        self._vocab = width if isinstance(width, int) else self.info.vocab_size
 
     def run(self, feeds: dict) -> np.ndarray:
         """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
-        (float32, host). The cache is updated in place."""
-        binding = self.session.io_binding()
+        (host, the graph's float type), in a buffer the next ``run`` may overwrite (copy what must outlive the
+        step). The cache is updated in place."""
+        binding = self._binding
         for name in self.session_inputs:
-            if name == "cache":
-                binding.bind_ortvalue_input(name, self.cache)
-            elif name == "scale":
-                binding.bind_ortvalue_input(name, self.scale)
+            if name == "cache" or name == "scale":
+                continue
+            value, bound = feeds[name], self._inputs.get(name)
+            if bound is not None and bound.shape == value.shape:
+                np.copyto(bound, value)
             else:
-                binding.bind_cpu_input(name, feeds[name])
-        binding.bind_output(OUTPUT_NAME, "cpu")
+                bound = self._inputs[name] = np.array(value, np.int64, order="C")  # owned: nobody changes it
+                binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(bound))
+        if self._logits_dtype is None:
+            binding.bind_output(OUTPUT_NAME, "cpu")
+            self.session.run_with_iobinding(binding)
+            return binding.get_outputs()[0].numpy()
+        rows = len(feeds["seqstarts"]) - 1
+        if self._logits is None or len(self._logits) != rows:
+            self._logits = np.empty((rows, self._vocab), self._logits_dtype)
+            binding.bind_ortvalue_output(OUTPUT_NAME, ort.OrtValue.ortvalue_from_numpy(self._logits))
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        return self._logits
 
     def shift_keys(self, slots: np.ndarray, deltas: np.ndarray) -> None:
         """Rotates the keys stored in ``slots`` by ``deltas`` positions in every layer (StreamingLLM's
