@@ -52,6 +52,7 @@ class StepApplier:
             R.known_end[r.row] = r.token_base + len(r.tokens)
         if fed:  # StreamingLLM re-evaluation feeds kept tokens again: lengths and ids change
             lengths, ids = self._refed(lengths, ids, fed)
+        ids.setflags(write=False)  # the plan's input_ids, read by fed_tokens later: an edit of the feeds fails
         first_slot = (before[:, 1] if plain is None else R.first_page[rows]) * ps
         step.plan = build_plan(
             list(rids), lengths, planned.end, first_slot, R.table.take(rows, axis=0),

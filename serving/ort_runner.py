@@ -127,10 +127,12 @@ class ModelRunner:
                                                           else BYTES[ELEMENT_TYPES[i.scale_dtype]])
                                for v in (self.cache, self.scale) if v is not None)
         self._shift_session = None
-        # One binding for every step: the cache (and scale) bound once; each index input bound to a host buffer
-        # this runner owns, refilled in place while its shape holds (rebound when it changes, e.g. a page-table
-        # column more); the logits to a host buffer per batch size. Binding afresh each step cost more than a tenth
-        # of a small model's decode step.
+        # One binding for every step: the cache (and scale) bound once. On the CPU EP each index input is bound to a
+        # host buffer this runner owns, refilled in place while its shape holds (rebound when it changes, e.g. a
+        # page-table column more), and the logits to a host buffer per batch size: binding afresh each step cost
+        # more than a tenth of a small model's decode step. A device session copies an input that a device node
+        # reads when it is bound (ONNX Runtime's IOBinding::BindInput), so a refill would never reach it: there
+        # every input is bound afresh each step.
         self._binding = self.session.io_binding()
         self._binding.bind_ortvalue_input("cache", self.cache)
         if "scale" in self.session_inputs:
@@ -148,17 +150,20 @@ class ModelRunner:
     def run(self, feeds: dict) -> np.ndarray:
         """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
         (host, the graph's float type), in a buffer the next ``run`` may overwrite (copy what must outlive the
-        step). The cache is updated in place."""
-        binding = self._binding
+        step). The cache is updated in place. One call at a time: the runner's buffers serve every step."""
+        binding, refill = self._binding, self.device[0] == "cpu"
         for name in self.session_inputs:
             if name == "cache" or name == "scale":
                 continue
             value, bound = feeds[name], self._inputs.get(name)
-            if bound is not None and bound.shape == value.shape:
+            if not refill:
+                binding.bind_cpu_input(name, value)  # copied to the device now, as the step's own array
+            elif bound is not None and bound.shape == value.shape:
                 np.copyto(bound, value)
             else:
-                bound = self._inputs[name] = np.array(value, np.int64, order="C")  # owned: nobody changes it
+                bound = np.array(value, np.int64, order="C")  # owned: nobody changes it
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(bound))
+                self._inputs[name] = bound  # after the bind: the buffer it replaces stays alive until then
         if self._logits_dtype is None:
             binding.bind_output(OUTPUT_NAME, "cpu")
             self.session.run_with_iobinding(binding)

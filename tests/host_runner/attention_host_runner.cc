@@ -349,7 +349,7 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                       });
   if constexpr (sizeof(typename T1::Storage) == 2) {
     if (p.mma_tiles > 0) mem.report->mma_form = p.mma_form == 2 ? 2 : 1;
-    if (p.mma_form == 2 && !Rows::kStoredAsT1)  // the library builds the second form for these rows only
+    if (p.mma_tiles > 0 && p.mma_form == 2 && !Rows::kStoredAsT1)  // the library builds form 2 for these rows only
       mem.Note(mem.report->out_of_bounds, "the second tensor-core form planned for quantized rows");
     else if (p.mma_form == 2)
       RunBlocks<cuda::MmaRegThread, cuda::kMmaThreads>(mem, skip_sync, "tensor-core launch", p.mma_tiles,
