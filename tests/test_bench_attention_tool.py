@@ -4,6 +4,7 @@ dense-mask attention from standard ONNX ops — computes the op's semantics."""
 import json
 
 import numpy as np
+import pytest
 
 from kvcache_op.cli import main
 from kvcache_op.reference import attention_tolerance
@@ -100,3 +101,26 @@ def test_results_name_the_cpu_model():
     assert cpu_model(intel) == "Intel(R) Xeon(R) Platinum 8488C, AVX-512"
     assert cpu_model(amd) == "AMD EPYC 9R14 96-Core Processor"
     assert cpu_model("") != ""  # falls back to the machine type
+
+
+def test_the_fused_benchmark_with_shared_pages_reads_sequence_0s_pages(tmp_path):
+    """--shared-pages: decode shapes only, every sequence's page table sequence 0's but its own last page (where it
+    stores), and the op still equals the reference on such a call."""
+    from kvcache_op import spec
+    from kvcache_op.benchmarks.attention import fused
+    from kvcache_op.ort_ops import run_model
+    from kvcache_op.reference import cache_attention_tolerance, multi_head_cache_attention
+
+    assert fused.main(["--quick", "--shared-pages", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    decodes = [s for s in fused.QUICK_SHAPES if s.seqlen == 1]
+    assert len(data["results"]) == len(decodes) and "shared-pages" in data["header"]
+    inputs, attributes = fused.make_call(decodes[0], shared_pages=True)
+    table = inputs["cachestarts"]
+    assert (table[:, :-1] == table[0, :-1]).all() and len(set(table[:, -1].tolist())) == len(table)
+    want = multi_head_cache_attention(**{k: (None if v is None else v.copy()) for k, v in inputs.items()}, **attributes)
+    (got,) = run_model(spec.make_cache_attention_model(inputs, **attributes),
+                       {k: v.copy() for k, v in inputs.items() if v is not None})
+    assert np.all(np.abs(got.astype(np.float64) - want) <= 2 * cache_attention_tolerance(**inputs, **attributes))
+    with pytest.raises(ValueError, match="decode shapes"):
+        fused.make_call(fused.Shape(2, 8, 8, 4, 2, head_dim=16), shared_pages=True)

@@ -9,7 +9,9 @@ would otherwise run, side by side in one run, ONNX Runtime's CPU EP, every input
 - **copy**: a plain copy of the bytes of cache the fused op reads (every sequence's keys and values), for the
   effective bandwidth: ``GB/s = those bytes / time``.
 
-Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Methods run in interleaved
+Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Every call reads the same cache,
+so one small enough for the last-level cache is read from there after the first call: B=1 kv16384 (16 MB) is,
+on a 32 MB cache; B=1 kv65536 (64 MB) is read from memory, as a served model's step reads each layer's cache. Methods run in interleaved
 rounds (the machine's noise lands on all alike), their thread pools told not to spin after a run (a spinning
 pool would take the cores from the next method); each figure is the median over rounds of per-round medians.
 
@@ -68,6 +70,7 @@ def _shapes(threads_both=True):
                    Shape(32, 1, 2048, 32, 8, threads=threads), Shape(32, 1, 2048, 32, 8, dtype="float16", threads=threads),
                    Shape(64, 1, 1024, 8, 2, dtype="float16", quant_bit=8, threads=threads),
                    Shape(1, 1, 16384, 8, 2, dtype="float16", threads=threads),
+                   Shape(1, 1, 65536, 8, 2, dtype="float16", threads=threads),
                    Shape(4, 512, 512, 8, 2, threads=threads), Shape(4, 512, 512, 8, 2, dtype="float16", threads=threads)]
     return shapes
 
@@ -77,9 +80,11 @@ SHAPES = _shapes()
 QUICK_SHAPES = [Shape(4, 1, 64, 4, 2, head_dim=16), Shape(2, 8, 8, 4, 2, head_dim=16, dtype="float16", quant_bit=8)]
 
 
-def make_call(shape: Shape, seed: int = 0) -> tuple:
+def make_call(shape: Shape, seed: int = 0, shared_pages: bool = False) -> tuple:
     """(inputs, attributes) of one MultiHeadCacheAttention step: sequence b owns pages [b P, (b + 1) P) of a
-    paged cache; its first kvlen - seqlen positions are already stored (random), this step stores seqlen more."""
+    paged cache; its first kvlen - seqlen positions are already stored (random), this step stores seqlen more.
+    ``shared_pages`` (decode shapes): every sequence reads sequence 0's pages but its own last one, where it stores:
+    the same arithmetic over a working set the caches hold (what the step costs without waiting on memory)."""
     rng = np.random.default_rng(seed)
     dtype = np.dtype(shape.dtype)
     b, s, k = shape.batch, shape.seqlen, shape.kvlen
@@ -104,6 +109,10 @@ def make_call(shape: Shape, seed: int = 0) -> tuple:
         "start_pos": np.full(b, k - s, np.int64), "decoding_batches": np.array(b if s == 1 else 0, np.int64),
         "max_seqlen": np.array(s, np.int64), "max_kvlen": np.array(k, np.int64), "cache": cache, "scale": scale,
     }
+    if shared_pages:
+        if s != 1:
+            raise ValueError("shared pages are for decode shapes: a prefill stores into every page it reads")
+        inputs["cachestarts"][:, :-1] = inputs["cachestarts"][0, :-1]
     attributes = dict(num_heads=shape.heads, head_dim=shape.head_dim, num_kv_heads=shape.kv_heads, cache_mode=1,
                       page_size=PAGE_SIZE, cache_layout=shape.layout, quant_bit=shape.quant_bit)
     return inputs, attributes
@@ -171,11 +180,11 @@ def gqa_run(shape: Shape, inputs: dict):
     return run
 
 
-def measure(shape: Shape, rounds: int, repeats: int) -> dict:
-    """Seconds per step of each method (medians) and the derived ratios."""
+def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False) -> dict:
+    """Seconds per step of each method (medians) and the derived ratios (``shared_pages``: see make_call)."""
     from ... import spec
 
-    inputs, attributes = make_call(shape)
+    inputs, attributes = make_call(shape, shared_pages=shared_pages)
     feeds = {k: v for k, v in inputs.items() if v is not None}
     out = aligned_empty(inputs["query"].shape, inputs["query"].dtype)
     runs = {"fused": bound_run(spec.make_cache_attention_model(inputs, **attributes), feeds, {"output": out},
@@ -222,21 +231,27 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=at_least(1), default=5, help="timed calls per method per round (default 5)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round: a smoke run, not a measurement")
     parser.add_argument("--match", default="", help="only shapes whose label contains this text")
+    parser.add_argument("--shared-pages", action="store_true",
+                        help="decode shapes only, every sequence reading sequence 0's pages: the same arithmetic over "
+                             "a working set the caches hold (what a step costs when it does not wait on memory)")
     args = parser.parse_args(argv)
-    shapes = [s for s in (QUICK_SHAPES if args.quick else SHAPES) if args.match in s.label]
+    shapes = [s for s in (QUICK_SHAPES if args.quick else SHAPES) if args.match in s.label and
+              (s.seqlen == 1 or not args.shared_pages)]
     if not shapes:
         parser.error(f"no shape's label contains {args.match!r}")
     rounds, repeats = (1, 2) if args.quick else (args.rounds, args.repeats)
     results = []
     for i, shape in enumerate(shapes, 1):
         print(f"[{i}/{len(shapes)}] {shape.label}", flush=True)
-        results.append(measure(shape, rounds, repeats))
+        results.append(measure(shape, rounds, repeats, args.shared_pages))
         r = results[-1]
         print(f"    fused/split {r['fused_vs_split']:.2f}x" +
               (f", fused/GQA {r['fused_vs_gqa']:.2f}x" if "fused_vs_gqa" in r else "") +
               f", {r['fused_vs_copy_bandwidth']:.2f}x copy bandwidth", flush=True)
     header = (f"MultiHeadCacheAttention vs the split pair and GroupQueryAttention — {cpu_device()}, onnxruntime "
-              f"{ort_version()}{kernel_build()}; medians of {rounds} rounds x {repeats} calls")
+              f"{ort_version()}{kernel_build()}; medians of {rounds} rounds x {repeats} calls"
+              + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
+                 if args.shared_pages else ""))
     text = report(results, header)
     print(text)
     if args.out:
