@@ -142,14 +142,12 @@ inline void AxpyTile(float* const* acc, const float* w, int64_t stride, const ty
 
 // DotsTile for the first n keys of k[] (n <= kDecodeBlock, D a multiple of the vector width) and GS heads
 // (a power of two <= kMaxTileHeads): tiles of kAccs / GS keys, the last one padded with its last key (computed,
-// written to out past n, never read). between(end) runs before each tile, `end` the key the tile stops before
-// (the caller's prefetches in step with the tiles).
-template <class E, int GS, class Between>
+// written to out past n, never read).
+template <class E, int GS>
 inline void DotsBlockOf(const float* const* q, const typename E::Storage* const* k, int64_t n, int64_t D, float* out,
-                        int64_t stride, Between&& between) {
+                        int64_t stride) {
   constexpr int KG = DecodeVector::kAccs / GS;
   for (int64_t i0 = 0; i0 < n; i0 += KG) {
-    between(i0 + KG);
     const typename E::Storage* rows[KG];
     for (int i = 0; i < KG; ++i) rows[i] = k[i0 + i < n ? i0 + i : n - 1];
     DotsTile<E, GS>(q, rows, D, out + i0, stride);

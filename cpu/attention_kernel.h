@@ -278,13 +278,7 @@ constexpr int64_t kMinSplitKeys = 256;
 // block's rows while it computes one (measured on one core, blocks of 32 keys against 16: decode B=64 kv1024 8/2
 // heads float16 head_dim 32 5.7 against 6.8 ms, head_dim 64 4.0 against 4.4, 128 the same; B=1 16,384 keys 0.68
 // against 0.79; float32 8.0 against 8.6; an int8 cache 5.4 against 4.9; without the prefetch, head_dim 64 takes
-// 13.2 ms). The next block's rows are asked for in step with the block's first dot products, the slots of each
-// tile of keys as it starts, not in one burst before them: a burst of a block's prefetches (512 lines at 8/2 heads
-// float16) outruns the line fills one core keeps in flight, and the step then waited on memory after its
-// arithmetic instead of during it (measured on one core of an AMD EPYC Zen 5, caches read from memory: float16 B=64
-// kv1024 8/2 heads 5.6 -> 3.6 ms, B=1 kv65536 6.0 -> 3.5, float32 layout 3 7.9 -> 5.6, int8 6.0 -> 5.4; a
-// second burst before the value rows did as well there but cost 15% where the pages were cached: shared prefixes,
-// a last-level cache holding the call). Without tiles (the portable build, head dims that are not whole
+// 13.2 ms). Without tiles (the portable build, head dims that are not whole
 // vectors) it attends key by key where a slot's key and value rows lie together, else in blocks of kKeyBlock keys
 // (measured: 8-10 ms for blocks of 1 to 16, 18 ms for 32-key blocks read in two passes), and leaves the reads to
 // the hardware prefetchers (asking for rows 4 keys ahead measured 7-14% slower there).
@@ -651,15 +645,8 @@ struct AttentionKernel {
       for (int64_t j0 = lo; j0 < hi; j0 += block) {
         const int64_t n = std::min(block, hi - j0);
         if (tiles) {  // the next block's rows asked for while this one is computed
-          // The next block's rows are asked for a few slots at a time, in step with this block's first dot
-          // products (see kDecodeBlock).
-          const int64_t next = j0 - lo + block;
-          int64_t asked = 0;
-          auto ask_until = [&](int64_t upto) {
-            for (const int64_t until = std::min(n, upto); asked < until; ++asked) prefetch(next + asked);
-          };
-          TileDots(keys, &slots[j0 - lo], n, q.data(), w.data(), h0, nh, kv0, ask_until);
-          ask_until(n);
+          for (int64_t i = 0; i < n; ++i) prefetch(j0 - lo + block + i);
+          TileDots(keys, &slots[j0 - lo], n, q.data(), w.data(), h0, nh, kv0);
         } else {
           for (int64_t i = 0; i < n; ++i) {  // raw dot products: w[k * block + i] for head k, key j0 + i
             key_dots(keys.RawAt(slots[j0 - lo + i]), &w[i], block);
@@ -744,18 +731,18 @@ struct AttentionKernel {
   // (TileDots and TileValues stay out of line: inlined, they slowed DecodeTask's per-key form by 8%.)
   // w[k * kDecodeBlock + i] = head k's query row (q[k * head_dim ..]) . key i of the block (the n <= kDecodeBlock
   // slots), for every head of the chunk, tile by tile.
-  template <class Reader, class Between>
+  template <class Reader>
   __attribute__((noinline)) void TileDots(Reader& keys, const int64_t* slots, int64_t n, const float* q, float* w,
-                                          int64_t h0, int64_t nh, int64_t kv0, Between& between) const {
+                                          int64_t h0, int64_t nh, int64_t kv0) const {
 #if KV_DECODE_TILES
     ForTiles(keys, slots, n, h0, nh, kv0, [&](int64_t k, const T* const* rows, auto heads) {
       constexpr int GS = decltype(heads)::value;
       const float* qs[GS];
       for (int h = 0; h < GS; ++h) qs[h] = q + (k + h) * a.head_dim;
-      DotsBlockOf<T1, GS>(qs, rows, n, a.head_dim, w + k * kDecodeBlock, kDecodeBlock, between);
+      DotsBlockOf<T1, GS>(qs, rows, n, a.head_dim, w + k * kDecodeBlock, kDecodeBlock);
     });
 #else
-    (void)keys, (void)slots, (void)n, (void)q, (void)w, (void)h0, (void)nh, (void)kv0, (void)between;
+    (void)keys, (void)slots, (void)n, (void)q, (void)w, (void)h0, (void)nh, (void)kv0;
 #endif
   }
 
