@@ -253,7 +253,6 @@ class Engine(OnlineEngine):
             tokens, logprobs = choose_tokens(chosen, [q.params for q in choosing],
                                              [(q.prompt, q.generated) for q in choosing],
                                              [q.generator for q in choosing])
-        self._counters["generated_tokens"] += len(tokens)
         self._take_tokens(choosing, tokens, logprobs, logits, rows, running)
         done = time.perf_counter()
         self._times["scheduling"] += done - ran  # commit and finishing are manager work
@@ -288,6 +287,7 @@ class Engine(OnlineEngine):
                 q.logprobs.append(top)
             q.next_input = [token]
             q.handle._push(token, top, now)
+            self._counters["generated_tokens"] += 1  # per token handed over (a raising on_token stops the count)
             if q.logits is not None:
                 q.logits.append(logits[i if rows is None else rows[i]].copy())
             if q.on_token is not None:
