@@ -37,16 +37,15 @@ class StepPlan:
     [S] (StreamingLLM shift-RoPE-K), ``input_ids`` [seqstarts[B]] (``fed_tokens`` flattened in
     ``request_ids`` order: the model's input ids), ``page_columns`` (how many leading columns of
     ``cachestarts`` hold a page of some sequence; the rest are -1). All index arrays are int64.
+    ``input_ids`` and ``page_columns`` are None in plans that carry no tokens (the offset manager's).
 
-    ``key_positions``, ``fed_tokens`` and ``input_ids`` may be given as functions of no arguments: they are
-    then built on first access, so a decode step does not pay for an O(keys) array or a dict of lists its
-    caller never reads.
+    ``key_positions`` and ``fed_tokens`` may be given as functions of no arguments: they are then built
+    on first access, so a decode step does not pay for an O(keys) array or a dict of lists its caller
+    never reads.
     """
 
     key_positions = _BuiltOnFirstAccess()
     fed_tokens = _BuiltOnFirstAccess()
-    input_ids = _BuiltOnFirstAccess()
-    page_columns = _BuiltOnFirstAccess()
 
     def __init__(self, request_ids, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
                  query_positions, key_positions, fed_tokens=None, shift_slots=None, shift_deltas=None,
@@ -57,20 +56,9 @@ class StepPlan:
         self.query_positions = query_positions
         self.key_positions = key_positions
         self.fed_tokens = {} if fed_tokens is None else fed_tokens
-        self.input_ids = self._flat_fed_tokens if input_ids is None else input_ids
-        self.page_columns = self._used_columns if page_columns is None else page_columns
+        self.input_ids, self.page_columns = input_ids, page_columns
         self.shift_slots = _EMPTY.copy() if shift_slots is None else shift_slots
         self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
-
-    def _flat_fed_tokens(self) -> np.ndarray:
-        fed = self.fed_tokens
-        return np.fromiter((t for rid in self.request_ids for t in fed[rid]), np.int64,
-                           count=int(self.seqstarts[-1]))
-
-    def _used_columns(self) -> int:
-        table = self.cachestarts
-        used = np.flatnonzero((table >= 0).any(axis=0)) if table.ndim == 2 else np.zeros(0, np.int64)
-        return int(used[-1]) + 1 if used.size else 0
 
     def op_inputs(self) -> dict:
         """The op's index inputs by name (cache_mode 1)."""
@@ -100,12 +88,13 @@ def runs(first: np.ndarray, lengths: np.ndarray, starts: np.ndarray) -> np.ndarr
 
 
 def build_plan(request_ids, lengths, end, first_slot_pos, cachestarts, fed_tokens,
-               shift_slots=None, shift_deltas=None, input_ids=None, page_columns=None) -> StepPlan:
+               shift_slots=None, shift_deltas=None, *, input_ids, page_columns) -> StepPlan:
     """The plan of a step that fed ``lengths[b]`` tokens to request b (``lengths`` None: one token
     each), which then has positions ``[first_slot_pos[b], end[b])`` in its retained pages
     (``first_slot_pos`` = first retained page * page size). ``fed_tokens`` is a dict or a function
-    building it; ``input_ids`` the same tokens flattened (None: built from ``fed_tokens``). The arrays
-    passed in must not change later (the lazy ``key_positions`` reads them)."""
+    building it; ``input_ids`` the same tokens flattened; ``page_columns`` the columns of
+    ``cachestarts`` in use. The arrays passed in must not change later (the lazy ``key_positions``
+    reads them)."""
     kvlen = end - first_slot_pos
     kvstarts = starts_of(kvlen)
     if lengths is None:

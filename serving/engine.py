@@ -247,12 +247,8 @@ class Engine(OnlineEngine):
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         rows, choosing = self._choosers(sequences)
         chosen = logits if rows is None else logits[rows]  # decode steps: every row, no copy
-        if all(q.params.plain_greedy for q in choosing):  # the hot path: one argmax, no per-request lists
-            tokens, logprobs = np.argmax(chosen, axis=1).tolist(), None
-        else:
-            tokens, logprobs = choose_tokens(chosen, [q.params for q in choosing],
-                                             [(q.prompt, q.generated) for q in choosing],
-                                             [q.generator for q in choosing])
+        tokens, logprobs = choose_tokens(chosen, [q.params for q in choosing], [(q.prompt, q.generated) for q in choosing],
+                                         [q.generator for q in choosing])
         self._take_tokens(choosing, tokens, logprobs, logits, rows, running)
         done = time.perf_counter()
         self._times["scheduling"] += done - ran  # commit and finishing are manager work
@@ -280,8 +276,7 @@ class Engine(OnlineEngine):
         are done: an end-of-sequence or stop token, a stop string, or ``max_new_tokens`` reached."""
         now = time.perf_counter()  # one choice time for the step's tokens
         eos = self.info.eos_token_ids
-        for i, (q, token) in enumerate(zip(choosing, tokens)):
-            top = logprobs[i] if logprobs is not None else None
+        for i, (q, token, top) in enumerate(zip(choosing, tokens, logprobs)):
             q.generated.append(token)
             if top is not None:
                 q.logprobs.append(top)

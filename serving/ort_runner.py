@@ -144,8 +144,6 @@ class ModelRunner:
         output = self.session.get_outputs()[0]
         self._logits_dtype = (None if self.device[0] != "cpu" else
                               {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(output.type))
-        width = output.shape[-1] if output.shape else None
-        self._vocab = width if isinstance(width, int) else self.info.vocab_size
 
     def run(self, feeds: dict) -> np.ndarray:
         """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
@@ -170,7 +168,7 @@ class ModelRunner:
             return binding.get_outputs()[0].numpy()
         rows = len(feeds["seqstarts"]) - 1
         if self._logits is None or len(self._logits) != rows:
-            self._logits = np.empty((rows, self._vocab), self._logits_dtype)
+            self._logits = np.empty((rows, self.info.vocab_size), self._logits_dtype)  # its width checked vs the graph
             binding.bind_ortvalue_output(OUTPUT_NAME, ort.OrtValue.ortvalue_from_numpy(self._logits))
         self.session.run_with_iobinding(binding)
         return self._logits
