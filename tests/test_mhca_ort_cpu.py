@@ -223,3 +223,21 @@ def test_ppl_pmx_node_forms_run(form):
     want = multi_head_cache_attention(**copies(case.inputs), **case.attributes)
     (got,) = run_model(model, {k: v for k, v in inputs.items() if v is not None})
     assert_within(got, want.astype(np.float64), 2 * cache_attention_tolerance(**case.inputs, **case.attributes), form)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("t1, head_dim, group, quant_bit", [
+    ("float16", 128, 3, 0),  # runs of 2 and 1 heads: a one-head run's key tiles are the longest
+    ("float32", 64, 1, 0),   # no grouping: every run one head
+    ("float16", 128, 4, 8),  # int8 rows, dequantized part by part
+    ("float16", 64, 3, 0)])  # rows under 256 bytes: one part per block
+def test_decode_blocks_computed_in_parts_match_the_reference(monkeypatch, kernel, t1, head_dim, group, quant_bit):
+    """Decodes over long rows run each block's dot products in parts of keys; key counts that end blocks and
+    parts early, and head runs whose tiles span more keys than a part of 8, leave every head's scores its own."""
+    use_cpu_kernel(monkeypatch, kernel)
+    seqs = [Seq(70, 1), Seq(45, 1), Seq(33, 1), Seq(9, 1), Seq(100, 1)]
+    case = build_cache_attention(f"parts-{t1}-{head_dim}-{group}", seqs, heads=2, head_dim=head_dim, group=group,
+                                 cache_mode=1, page_size=16, t1=t1, quant_bit=quant_bit)
+    want = multi_head_cache_attention(**copies(case.inputs), **case.attributes).astype(np.float64)
+    tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
+    assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, f"{kernel} build")
