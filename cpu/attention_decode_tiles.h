@@ -9,9 +9,11 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "attention_tiles.h"
+#include "kv_cpu_codes.h"
 #include "kv_cpu_quant_avx512.h"
 #include "kv_cpu_rows.h"
 #include "kv_types.h"
@@ -74,8 +76,81 @@ struct DecodeVector : TileVector {
 #endif
 
 #if KV_DECODE_TILES
+// float32 values of one DecodeVector of a quantized row in groups of 8: codes from `codes`, the group scales
+// from `scales` on. float32 code x scale rounded to T1 (to nearest even), as DequantizeRow gives them.
+template <class T1, class T3, int QBits>
+KV_ALWAYS_INLINE DecodeVector::V DequantizedVector(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales) {
+#if KV_AVX512
+  // Two groups: lanes 0-7 take scales[0], lanes 8-15 scales[1].
+  __m128 two;
+  if constexpr (T3::kElem == Elem::kFloat32) {
+    two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(scales)));
+  } else {
+    int32_t bits;
+    std::memcpy(&bits, scales, sizeof(bits));
+    const __m128i h = _mm_cvtsi32_si128(bits);
+    if constexpr (T3::kElem == Elem::kFloat16) two = _mm_cvtph_ps(h);
+    else two = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+  }
+  const __m512 s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                         _mm512_castps128_ps512(two));
+  const __m512 x = _mm512_mul_ps(_mm512_cvtepi32_ps(LoadCodes16<QBits>(codes)), s);
+  if constexpr (T1::kElem == Elem::kFloat32) return x;
+  else if constexpr (T1::kElem == Elem::kFloat16)
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  else return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(HalfBits16<T1>(x)), 16));
+#else
+  float scale;
+  if constexpr (T3::kElem == Elem::kFloat16) scale = _cvtsh_ss(scales[0]);  // F16C, not the portable conversion
+  else scale = T3::ToFloat(scales[0]);
+  const __m256 s = _mm256_set1_ps(scale);
+  const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(LoadCodes8<QBits>(codes)), s);
+  if constexpr (T1::kElem == Elem::kFloat32) return x;
+  else if constexpr (T1::kElem == Elem::kFloat16)
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  else return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(HalfBits8<T1>(x)), 16));
+#endif
+}
+
 // Heads a tile computes at most (half the accumulators: a tile of keys holds at least two).
 constexpr int kMaxTileHeads = DecodeVector::kAccs / 2;
+
+// The rows a tile reads (Load(i, d): float32 values [d, d + kWidth) of row i), and Pick<K>(i0, n): the K rows from
+// i0 on, the last of the n repeated past n (the padded tile of DotsBlockOf).
+//
+// StoredRows: T1 rows as stored (in the cache, or converted into a block buffer).
+template <class E, int N>
+struct StoredRows {
+  const typename E::Storage* rows[N];
+  KV_ALWAYS_INLINE DecodeVector::V Load(int64_t i, int64_t d) const { return DecodeVector::template LoadRow<E>(rows[i] + d); }
+  template <int K>
+  KV_ALWAYS_INLINE StoredRows<E, K> Pick(int64_t i0, int64_t n) const {
+    StoredRows<E, K> tile;
+    for (int i = 0; i < K; ++i) tile.rows[i] = rows[i0 + i < n ? i0 + i : n - 1];
+    return tile;
+  }
+};
+
+// CodeRows: quantized rows in groups of 8 (codes and their scales, in the cache), dequantized in registers exactly
+// as KeyValueCache's gather gives them: float32 code x scale, rounded to T1, read back as float32.
+template <class T1, class T3, int QBits, int N>
+struct CodeRows {
+  const typename Codes<QBits>::Storage* codes[N];
+  const typename T3::Storage* scales[N];  // a row's first group scale
+  KV_ALWAYS_INLINE DecodeVector::V Load(int64_t i, int64_t d) const {
+    return DequantizedVector<T1, T3, QBits>(codes[i] + d * QBits / 8, scales[i] + d / 8);
+  }
+  template <int K>
+  KV_ALWAYS_INLINE CodeRows<T1, T3, QBits, K> Pick(int64_t i0, int64_t n) const {
+    CodeRows<T1, T3, QBits, K> tile;
+    for (int i = 0; i < K; ++i) {
+      const int64_t r = i0 + i < n ? i0 + i : n - 1;
+      tile.codes[i] = codes[r];
+      tile.scales[i] = scales[r];
+    }
+    return tile;
+  }
+};
 
 // The largest power of two <= n (n >= 1), at most `cap`.
 inline int FloorPow2(int64_t n, int cap) {
@@ -86,9 +161,8 @@ inline int FloorPow2(int64_t n, int cap) {
 
 // out[h * stride + i] = sum_d q[h][d] * k[i][d] in float32 for heads h < GS and keys i < kAccs / GS, D a multiple of
 // the vector width: one accumulator per (head, key), summed across lanes at the end.
-template <class E, int GS>
-inline void DotsTile(const float* const* q, const typename E::Storage* const* k, int64_t D, float* out,
-                     int64_t stride) {
+template <int GS, class Tile>
+KV_ALWAYS_INLINE void DotsTile(const float* const* q, const Tile& k, int64_t D, float* out, int64_t stride) {
   using X = DecodeVector;
   constexpr int KG = X::kAccs / GS;
   typename X::V acc[X::kAccs];
@@ -100,7 +174,7 @@ inline void DotsTile(const float* const* q, const typename E::Storage* const* k,
     for (int h = 0; h < GS; ++h) qv[h] = X::Load(q[h] + d);
 #pragma GCC unroll 16
     for (int i = 0; i < KG; ++i) {
-      const typename X::V kv = X::template LoadRow<E>(k[i] + d);
+      const typename X::V kv = k.Load(i, d);
 #pragma GCC unroll 8
       for (int h = 0; h < GS; ++h) acc[h * KG + i] = X::MulAdd(qv[h], kv, acc[h * KG + i]);
     }
@@ -113,9 +187,8 @@ inline void DotsTile(const float* const* q, const typename E::Storage* const* k,
 
 // acc[h][d0 + d] += sum_{i < n} w[h * stride + i] * v[i][d0 + d] for heads h < GS and d < NV vector widths: the
 // outputs stay in registers over the n value rows.
-template <class E, int GS, int NV>
-inline void AxpyTile(float* const* acc, const float* w, int64_t stride, const typename E::Storage* const* v,
-                     int64_t n, int64_t d0) {
+template <int GS, int NV, class Rows>
+KV_ALWAYS_INLINE void AxpyTile(float* const* acc, const float* w, int64_t stride, const Rows& v, int64_t n, int64_t d0) {
   using X = DecodeVector;
   constexpr int W = X::kWidth;
   typename X::V out[GS][NV];
@@ -129,7 +202,7 @@ inline void AxpyTile(float* const* acc, const float* w, int64_t stride, const ty
     for (int h = 0; h < GS; ++h) wi[h] = X::Splat(&w[h * stride + i]);
 #pragma GCC unroll 16
     for (int c = 0; c < NV; ++c) {
-      const typename X::V x = X::template LoadRow<E>(v[i] + d0 + c * W);
+      const typename X::V x = v.Load(i, d0 + c * W);
 #pragma GCC unroll 8
       for (int h = 0; h < GS; ++h) out[h][c] = X::MulAdd(wi[h], x, out[h][c]);
     }
@@ -140,33 +213,27 @@ inline void AxpyTile(float* const* acc, const float* w, int64_t stride, const ty
     for (int c = 0; c < NV; ++c) X::Store(acc[h] + d0 + c * W, out[h][c]);
 }
 
-// DotsTile for the first n keys of k[] (n <= kDecodeBlock, D a multiple of the vector width) and GS heads
+// DotsTile for the first n rows of k (n <= kDecodeBlock, D a multiple of the vector width) and GS heads
 // (a power of two <= kMaxTileHeads): tiles of kAccs / GS keys, the last one padded with its last key (computed,
 // written to out past n, never read).
-template <class E, int GS>
-inline void DotsBlockOf(const float* const* q, const typename E::Storage* const* k, int64_t n, int64_t D, float* out,
-                        int64_t stride) {
+template <int GS, class Rows>
+KV_ALWAYS_INLINE void DotsBlockOf(const float* const* q, const Rows& k, int64_t n, int64_t D, float* out, int64_t stride) {
   constexpr int KG = DecodeVector::kAccs / GS;
-  for (int64_t i0 = 0; i0 < n; i0 += KG) {
-    const typename E::Storage* rows[KG];
-    for (int i = 0; i < KG; ++i) rows[i] = k[i0 + i < n ? i0 + i : n - 1];
-    DotsTile<E, GS>(q, rows, D, out + i0, stride);
-  }
+  for (int64_t i0 = 0; i0 < n; i0 += KG) DotsTile<GS>(q, k.template Pick<KG>(i0, n), D, out + i0, stride);
 }
 
 // AxpyTile over all D (a multiple of the vector width) for GS heads: spans of the most vectors the accumulators
 // hold, a power of two each.
-template <class E, int GS>
-inline void AxpyBlockOf(float* const* acc, const float* w, int64_t stride, const typename E::Storage* const* v,
-                        int64_t n, int64_t D) {
+template <int GS, class Rows>
+KV_ALWAYS_INLINE void AxpyBlockOf(float* const* acc, const float* w, int64_t stride, const Rows& v, int64_t n, int64_t D) {
   constexpr int W = DecodeVector::kWidth, kMost = DecodeVector::kAccs / GS;
   for (int64_t d0 = 0; d0 < D;) {
     switch (FloorPow2((D - d0) / W, kMost)) {
-      case 16: if constexpr (kMost >= 16) { AxpyTile<E, GS, 16>(acc, w, stride, v, n, d0); d0 += 16 * W; } break;
-      case 8: if constexpr (kMost >= 8) { AxpyTile<E, GS, 8>(acc, w, stride, v, n, d0); d0 += 8 * W; } break;
-      case 4: if constexpr (kMost >= 4) { AxpyTile<E, GS, 4>(acc, w, stride, v, n, d0); d0 += 4 * W; } break;
-      case 2: AxpyTile<E, GS, 2>(acc, w, stride, v, n, d0); d0 += 2 * W; break;
-      default: AxpyTile<E, GS, 1>(acc, w, stride, v, n, d0); d0 += W; break;
+      case 16: if constexpr (kMost >= 16) { AxpyTile<GS, 16>(acc, w, stride, v, n, d0); d0 += 16 * W; } break;
+      case 8: if constexpr (kMost >= 8) { AxpyTile<GS, 8>(acc, w, stride, v, n, d0); d0 += 8 * W; } break;
+      case 4: if constexpr (kMost >= 4) { AxpyTile<GS, 4>(acc, w, stride, v, n, d0); d0 += 4 * W; } break;
+      case 2: AxpyTile<GS, 2>(acc, w, stride, v, n, d0); d0 += 2 * W; break;
+      default: AxpyTile<GS, 1>(acc, w, stride, v, n, d0); d0 += W; break;
     }
   }
 }

@@ -725,18 +725,39 @@ struct AttentionKernel {
 #if KV_DECODE_TILES
   // fn(k, rows, heads) for every decode tile of the chunk's heads [0, nh) (query heads h0 ..) over a block's n
   // slots: runs of heads sharing a kv head, cut into powers of two of at most kMaxTileHeads (heads: an
-  // std::integral_constant of the tile's head count, from head k); rows[i] = slot i's row of that kv head, read
-  // through `reader` (in place, or into its block buffer).
+  // std::integral_constant of the tile's head count, from head k); rows: slot i's row of that kv head, read
+  // through `reader` as codes dequantized in registers (CodeRows: quantized rows in groups of 8), else as T1
+  // rows in place or in its block buffer (StoredRows).
   template <class Reader, class Fn>
   void ForTiles(Reader& reader, const int64_t* slots, int64_t n, int64_t h0, int64_t nh, int64_t kv0, Fn&& fn) const {
+    if constexpr (Source::kQuantBits != 0) {
+      if (reader.CodesInRegisters()) {
+        CodeRows<T1, typename Source::ScaleType, Source::kQuantBits, kDecodeBlock> rows;
+        int64_t filled = -1;  // the kv head whose rows `rows` holds
+        ForRuns(h0, nh, [&](int64_t k, int64_t kvh, auto heads) {
+          if (kvh != filled) reader.CodeRowsOf(slots, n, kvh, &rows);
+          filled = kvh;
+          fn(k, rows, heads);
+        });
+        return;
+      }
+    }
     const T* rows[kDecodeBlock];
     reader.RawRows(slots, n, rows);
+    StoredRows<T1, kDecodeBlock> heads_rows;
+    ForRuns(h0, nh, [&](int64_t k, int64_t kvh, auto heads) {
+      for (int64_t i = 0; i < n; ++i) heads_rows.rows[i] = rows[i] + (kvh - kv0) * a.head_dim;
+      fn(k, heads_rows, heads);
+    });
+  }
+
+  // fn(k, kv head, heads) for the runs of ForTiles.
+  template <class Fn>
+  void ForRuns(int64_t h0, int64_t nh, Fn&& fn) const {
     for (int64_t k = 0; k < nh;) {
       const int64_t kvh = (h0 + k) / p.group, end = std::min(nh, (kvh + 1) * p.group - h0);
       const int gs = FloorPow2(end - k, kMaxTileHeads);
-      const T* heads_rows[kDecodeBlock];
-      for (int64_t i = 0; i < n; ++i) heads_rows[i] = rows[i] + (kvh - kv0) * a.head_dim;
-      WithTileHeads(gs, [&](auto heads) { fn(k, heads_rows, heads); });
+      WithTileHeads(gs, [&](auto heads) { fn(k, kvh, heads); });
       k += gs;
     }
   }
@@ -749,12 +770,9 @@ struct AttentionKernel {
 #if KV_DECODE_TILES
     if (a.head_dim * int64_t(sizeof(T)) < kPartRowBytes) return kDecodeBlock;
     int64_t part = kDecodePart;
-    for (int64_t k = 0; k < nh;) {
-      const int64_t kvh = (h0 + k) / p.group, end = std::min(nh, (kvh + 1) * p.group - h0);
-      const int gs = FloorPow2(end - k, kMaxTileHeads);
-      part = std::max<int64_t>(part, DecodeVector::kAccs / gs);
-      k += gs;
-    }
+    ForRuns(h0, nh, [&](int64_t, int64_t, auto heads) {
+      part = std::max<int64_t>(part, DecodeVector::kAccs / decltype(heads)::value);
+    });
     return part;
 #else
     (void)h0, (void)nh;
@@ -769,11 +787,11 @@ struct AttentionKernel {
   __attribute__((noinline)) void TileDots(Reader& keys, const int64_t* slots, int64_t n, const float* q, float* w,
                                           int64_t h0, int64_t nh, int64_t kv0) const {
 #if KV_DECODE_TILES
-    ForTiles(keys, slots, n, h0, nh, kv0, [&](int64_t k, const T* const* rows, auto heads) {
+    ForTiles(keys, slots, n, h0, nh, kv0, [&](int64_t k, const auto& rows, auto heads) {
       constexpr int GS = decltype(heads)::value;
       const float* qs[GS];
       for (int h = 0; h < GS; ++h) qs[h] = q + (k + h) * a.head_dim;
-      DotsBlockOf<T1, GS>(qs, rows, n, a.head_dim, w + k * kDecodeBlock, kDecodeBlock);
+      DotsBlockOf<GS>(qs, rows, n, a.head_dim, w + k * kDecodeBlock, kDecodeBlock);
     });
 #else
     (void)keys, (void)slots, (void)n, (void)q, (void)w, (void)h0, (void)nh, (void)kv0;
@@ -785,11 +803,11 @@ struct AttentionKernel {
   __attribute__((noinline)) void TileValues(Reader& values, const int64_t* slots, int64_t n, const float* w,
                                             float* acc, int64_t h0, int64_t nh, int64_t kv0) const {
 #if KV_DECODE_TILES
-    ForTiles(values, slots, n, h0, nh, kv0, [&](int64_t k, const T* const* rows, auto heads) {
+    ForTiles(values, slots, n, h0, nh, kv0, [&](int64_t k, const auto& rows, auto heads) {
       constexpr int GS = decltype(heads)::value;
       float* accs[GS];
       for (int h = 0; h < GS; ++h) accs[h] = acc + (k + h) * a.head_dim;
-      AxpyBlockOf<T1, GS>(accs, w + k * kDecodeBlock, kDecodeBlock, rows, n, a.head_dim);
+      AxpyBlockOf<GS>(accs, w + k * kDecodeBlock, kDecodeBlock, rows, n, a.head_dim);
     });
 #else
     (void)values, (void)slots, (void)n, (void)w, (void)acc, (void)h0, (void)nh, (void)kv0;

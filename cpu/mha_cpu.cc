@@ -17,6 +17,8 @@ namespace {
 template <class T1>
 struct PackedSource {
   using T = typename T1::Storage;
+  using ScaleType = T1;  // no codes: rows are read as stored
+  static constexpr int kQuantBits = 0;
   const MhaPlan& p;
   const T* key;
   const T* value;

@@ -1,7 +1,7 @@
 // MultiHeadCacheAttention on the CPU: KeyValueCache's stores (kv_cpu.cc, gathers skipped), then the shared
 // attention kernel (attention_kernel.h) reading keys and values straight from the cache: float32 rows of
-// adjacent heads in place, others converted or dequantized (exactly as KeyValueCache's gather would) into a
-// row buffer of the task. Built once per instruction set like kv_cpu.cc.
+// adjacent heads in place; decode tiles dequantize codes in groups of 8 in registers; others are converted or
+// dequantized (exactly as KeyValueCache's gather would) into a row buffer of the task. Built once per instruction set like kv_cpu.cc.
 #include "mhca_cpu.h"
 
 #include <cstring>
@@ -22,6 +22,8 @@ struct CacheSource {
   using T = typename T1::Storage;
   using S = typename T3::Storage;
   using C = Codes<QBits>;
+  using ScaleType = T3;
+  static constexpr int kQuantBits = QBits;
   const Attrs& a;
   const CallPlan& p;
   const void* cache;
@@ -100,6 +102,17 @@ struct CacheSource {
         T* dst = &dequantized[i * nkv * s.p.head_dim];
         FillRaw(slots[i], dst);
         rows[i] = dst;
+      }
+    }
+    // Whether the decode tiles read this reader's rows as codes, dequantized in registers (CodeRows): quantized
+    // rows in groups of 8. Other group sizes are dequantized into the block buffer (RawRows).
+    bool CodesInRegisters() const { return QBits != 0 && s.a.quant_group == 8; }
+    // rows->codes[i] and rows->scales[i]: kv head kvh's codes and first group scale of slot slots[i], i < n.
+    template <class Rows>
+    void CodeRowsOf(const int64_t* slots, int64_t n, int64_t kvh, Rows* rows) const {
+      for (int64_t i = 0; i < n; ++i) {
+        rows->codes[i] = C::Row(s.cache, s.CacheRow(kv, kvh, slots[i]));
+        rows->scales[i] = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, kvh, slots[i]);
       }
     }
     const T* RawAt(int64_t slot) {

@@ -241,3 +241,33 @@ def test_decode_blocks_computed_in_parts_match_the_reference(monkeypatch, kernel
     want = multi_head_cache_attention(**copies(case.inputs), **case.attributes).astype(np.float64)
     tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
     assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, f"{kernel} build")
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("t1, quant_bit, layout", [
+    ("float16", 8, 0), ("float16", 4, 3), ("bfloat16", 8, 2), ("bfloat16", 4, 1), ("float32", 8, 0)])
+def test_decode_reads_codes_exactly_as_the_gather_gives_them(monkeypatch, kernel, t1, quant_bit, layout):
+    """A zero query weighs every key 1, so each output is the float32 running sum of the gathered value rows,
+    key by key, over their count: bit for bit what the kernel must give if it reads each value as
+    KeyValueCache's gather gives it (code x scale rounded to T1). Values left unrounded would differ."""
+    use_cpu_kernel(monkeypatch, kernel)
+    seqs = [Seq(4, 1), Seq(40, 1), Seq(7, 1)]
+    case = build_cache_attention(f"exact-codes-{t1}-{quant_bit}-{layout}", seqs, heads=2, head_dim=64, group=2,
+                                 cache_mode=1, page_size=8, t1=t1, quant_bit=quant_bit, cache_layout=layout)
+    inputs = copies(case.inputs)
+    inputs["query"][:] = 0
+    cache_attrs, _ = _split(case.attributes)
+    _, value, _, _ = naive_key_value_cache(
+        inputs["current_key"], inputs["current_value"], inputs["seqstarts"], inputs["kvstarts"],
+        inputs["cachestarts"], inputs["start_pos"], inputs["cache"], inputs["scale"], **cache_attrs)
+    group = case.attributes["num_heads"] // case.attributes["num_kv_heads"]
+    want = np.empty_like(inputs["query"])
+    for b in range(len(seqs)):
+        rows = value[inputs["kvstarts"][b]:inputs["kvstarts"][b + 1]].astype(np.float32)
+        total = np.zeros(rows.shape[1:], np.float32)
+        for row in rows:  # in key order, float32, as the kernel accumulates
+            total = total + row
+        mean = total / np.float32(len(rows))
+        want[inputs["seqstarts"][b]] = np.repeat(mean, group, axis=0).astype(want.dtype)
+    got = ort_call(inputs, case.attributes)[0]
+    np.testing.assert_array_equal(got, want)
