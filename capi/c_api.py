@@ -131,6 +131,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_has_cuda": ((), ctypes.c_int32),
         "kvcache_op_cpu_kernel": ((), ctypes.c_char_p),
         "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
+        "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -179,6 +180,13 @@ def cpu_stores(path: str | None = None) -> str:
     "cached"): chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_STORES``; the same bits
     either way."""
     return library(path).kvcache_op_cpu_stores().decode()
+
+
+def cpu_cached_gather(path: str | None = None) -> str:
+    """How KeyValueCache's CPU gathers read a layout-3 quantized cache into outputs that stay cached
+    ("head-runs" or "tokens"): chosen per CPU vendor by measurement, overridden by
+    ``$KVCACHE_OP_CACHED_GATHER``; the same bits either way."""
+    return library(path).kvcache_op_cpu_cached_gather().decode()
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

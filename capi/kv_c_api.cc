@@ -52,6 +52,8 @@ const char* kvcache_op_cpu_stores(void) {
   return !plan.stream ? "cached" : plan.side_by_side ? "side-by-side" : "stream";
 }
 
+const char* kvcache_op_cpu_cached_gather(void) { return kvcache::CachedGatherHeadRuns() ? "head-runs" : "tokens"; }
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

@@ -107,6 +107,11 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_kernel(void);
    "stream" (streaming stores, one source stream) or "cached" (plain stores). All give the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
 
+/* How KeyValueCache's CPU gathers read a layout-3 quantized cache into outputs that stay cached, chosen per CPU
+   vendor by measurement (or by $KVCACHE_OP_CACHED_GATHER): "head-runs" (a head's rows a page run at a time) or
+   "tokens" (token by token). Both give the same bits. */
+KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
+
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);

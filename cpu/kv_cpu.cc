@@ -59,6 +59,7 @@ struct Kernel {
   const CallPlan& p;
   bool stream;        // streaming stores for outputs too large to stay in cache
   bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
+  bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -123,22 +124,47 @@ struct Kernel {
   // Always inlined: a row is short work, called per head row in the gathers' inner loops.
   [[gnu::always_inline]] void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed,
                                        Scratch& scratch) const {
-    const int64_t n = heads * p.head_dim, D = p.head_dim;
-    const T* row;
     if constexpr (QBits == 0) {
-      row = CacheValues(kv, h, slot);
+      Repeat(CacheValues(kv, h, slot), heads * p.head_dim, dst, streamed);
     } else {
-      if (streamed && a.num_repeat == 1 &&
-          DequantizeRowStreamed<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), a.quant_group,
-                                               heads * p.groups, dst))
-        return;
-      T* into = streamed ? scratch.row.data() : dst;
-      DequantizeRow<T1, T3, QBits>(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), n, a.quant_group, heads * p.groups,
-                                   into, scratch.Rows());
-      row = into;
+      EmitCodes(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), heads, dst, streamed, scratch);
     }
+  }
+
+  // EmitRows of quantized rows from their codes and scales.
+  template <class Code>  // C::Storage (C is incomplete where QBits is 0)
+  [[gnu::always_inline]] void EmitCodes(const Code* codes, const S* scales, int64_t heads, T* dst, bool streamed,
+                                        Scratch& scratch) const {
+    if (streamed && a.num_repeat == 1 &&
+        DequantizeRowStreamed<T1, T3, QBits>(codes, scales, a.quant_group, heads * p.groups, dst))
+      return;
+    const int64_t n = heads * p.head_dim;
+    T* into = streamed ? scratch.row.data() : dst;
+    DequantizeRow<T1, T3, QBits>(codes, scales, n, a.quant_group, heads * p.groups, into, scratch.Rows());
+    Repeat(into, n, dst, streamed);
+  }
+
+  // The num_repeat copies of `row` (n values) into dst, one head_dim apart, but for dst itself.
+  [[gnu::always_inline]] void Repeat(const T* row, int64_t n, T* dst, bool streamed) const {
     for (int64_t k = 0; k < a.num_repeat; ++k)
-      if (row != dst + k * D) StoreRow(dst + k * D, row, static_cast<size_t>(n) * sizeof(T), streamed);
+      if (row != dst + k * p.head_dim) StoreRow(dst + k * p.head_dim, row, static_cast<size_t>(n) * sizeof(T), streamed);
+  }
+
+  // Head h's rows of the m consecutive slots from `slot` (layout 3: one after another in the cache) into dst,
+  // out_row values apart: one pass down the run's codes and scales, their addresses stepped rather than
+  // computed row by row, each row asked for `ahead` rows before its use.
+  void EmitHeadRun(int kv, int64_t h, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row, bool streamed,
+                   Scratch& scratch) const {
+    const auto* codes = CacheCodes(kv, h, slot);
+    const S* scales = CacheScales(kv, h, slot);
+    const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
+    for (int64_t j = 0; j < m; ++j) {
+      if (j + ahead < m) {
+        PrefetchBytes(codes + (j + ahead) * code_step, p.head_dim * QBits / 8);
+        PrefetchBytes(scales + (j + ahead) * scale_step, p.groups * int64_t(sizeof(S)));
+      }
+      EmitCodes(codes + j * code_step, scales + j * scale_step, 1, dst + j * out_row, streamed, scratch);
+    }
   }
 
   // Slots of load rows [row_begin, row_end) (position r - kvstarts[b] of sequence b).
@@ -192,10 +218,10 @@ struct Kernel {
     // per token, at any output alignment (measured on an AMD EPYC, int8 decode: 0.60-0.62x a copy head by head
     // into 64- and 16-byte aligned outputs alike, 0.35x token by token; the half-written lines that 16-byte
     // aligned head rows leave between heads cost less than the 4H streams of the token order).
-    // Outputs that stay cached go token by token: head by head they would be written a column of head rows
-    // at a time, each line read in first (measured: int8 prefill layout 3 0.46-0.61x a copy head by head,
-    // 0.60-0.71x token by token).
-    const bool head_major = HeadMajor() && QBits != 0 && stream;
+    // Outputs that stay cached go head by head where CachedGatherHeadRuns says so (AMD: a column of head rows
+    // written at a time costs less than the 4H streams), else token by token (Intel: each line of the column is
+    // read in first; kv_cpu_dispatch.cc has the figures).
+    const bool head_major = HeadMajor() && QBits != 0 && (stream || head_runs);
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
@@ -206,12 +232,16 @@ struct Kernel {
     };
     Scratch scratch = MakeScratch();
     if (head_major) {
-      for (int kv = 0; kv < 2; ++kv)
-        for (int64_t h = 0; h < H; ++h)
-          for (int64_t i = 0; i < rows; ++i) {
-            if (i + ahead < count) Prefetch(kv, h, slots[i + ahead], 1);
-            EmitRows(kv, h, slots[i], 1, head_row(kv, i, h), stream, scratch);
-          }
+      // Runs of consecutive slots (a page's) are one stream per head, read in one pass (EmitHeadRun); the next
+      // run's first rows are asked for as a run starts.
+      if constexpr (QBits != 0)
+        for (int kv = 0; kv < 2; ++kv)
+          for (int64_t h = 0; h < H; ++h)
+            for (int64_t i = 0, m = 1; i < rows; i += m) {
+              for (m = 1; i + m < rows && slots[i + m] == slots[i] + m;) ++m;
+              for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j) Prefetch(kv, h, slots[j], 1);
+              EmitHeadRun(kv, h, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch);
+            }
     } else if (QBits != 0) {
       // Quantized rows go token by token, a token's key rows then its value rows (measured faster than tiles
       // of one output at a time: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x).
@@ -277,7 +307,9 @@ struct Launch {
     const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
     const StorePlan stores = LargeOutputStores();
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
-    Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side}.Run(parallel_for);
+    Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
+                          CachedGatherHeadRuns()}
+        .Run(parallel_for);
   }
 };
 

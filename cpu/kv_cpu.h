@@ -39,5 +39,9 @@ struct StorePlan {
   bool side_by_side;  // streamed unquantized gathers read several source streams side by side
 };
 StorePlan LargeOutputStores();
+// Whether quantized layout-3 gathers into outputs that stay cached walk the cache a head's page run at a time
+// (else token by token): chosen per CPU vendor by measurement, or by $KVCACHE_OP_CACHED_GATHER ("head-runs" or
+// "tokens"). The same bits either way.
+bool CachedGatherHeadRuns();
 
 }  // namespace kvcache

@@ -165,6 +165,40 @@ def test_the_store_plan_follows_the_override_and_else_the_cpu_vendor(monkeypatch
     assert c_api.cpu_stores() == ("stream" if amd else "side-by-side")
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("order", ["head-runs", "tokens"])
+@pytest.mark.parametrize("quant_bit,head_dim,group,num_repeat,page_size",
+                         [(8, 128, 8, 1, 4), (4, 64, 8, 2, 16), (8, 24, 3, 1, 5), (8, 136, 8, 2, 64), (4, 128, 16, 1, 7)])
+def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_order(
+        order, quant_bit, head_dim, group, num_repeat, page_size, kernel, monkeypatch):
+    """Quantized layout-3 gathers into outputs that stay cached, a head's page runs at a time or token by
+    token: runs cut by pages and by the gather's tasks (64 tokens), a chunk loading part of its keys, repeats."""
+    use_cpu_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
+    assert c_api.cpu_cached_gather() == order
+    seqs = [Seq(0, 70), Seq(130, 1), Seq(9, 6, 7), Seq(61, 64)]
+    case = build(f"cached-gather-{quant_bit}-{head_dim}-{page_size}", seqs, heads=3, head_dim=head_dim,
+                 quant_bit=quant_bit, quant_group=group, num_repeat=num_repeat, cache_mode=1, cache_layout=3,
+                 page_size=page_size, t1="float16", t3="float16")
+    want = reference_result(case.inputs, case.attributes)
+    fresh = copies(case.inputs)
+    key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=2)
+    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+
+
+def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
+    """$KVCACHE_OP_CACHED_GATHER names the order outright; unset, AMD processors walk a head's page runs
+    (measured there faster than token by token) and others go token by token (measured so on an Intel Xeon)."""
+    for order in ("head-runs", "tokens"):
+        monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
+        assert c_api.cpu_cached_gather() == order
+    monkeypatch.delenv("KVCACHE_OP_CACHED_GATHER")
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    amd = x86 and cpuinfo.exists() and "AuthenticAMD" in cpuinfo.read_text()
+    assert c_api.cpu_cached_gather() == ("head-runs" if amd else "tokens")
+
+
 @pytest.fixture(scope="module")
 def mxcsr(tmp_path_factory):
     """tests/mxcsr.cc built once: kv_test_set_denormals_are_zero(on) -> the previous MXCSR."""
