@@ -80,6 +80,7 @@ struct DecodeVector : TileVector {
 // from `scales` on. float32 code x scale rounded to T1 (to nearest even), as DequantizeRow gives them.
 template <class T1, class T3, int QBits>
 KV_ALWAYS_INLINE DecodeVector::V DequantizedVector(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales) {
+  static_assert(T3::kElem == Elem::kFloat32 || T3::kElem == Elem::kFloat16, "scales are float32 or float16 (spec)");
 #if KV_AVX512
   // Two groups: lanes 0-7 take scales[0], lanes 8-15 scales[1].
   __m128 two;
@@ -88,9 +89,7 @@ KV_ALWAYS_INLINE DecodeVector::V DequantizedVector(const typename Codes<QBits>::
   } else {
     int32_t bits;
     std::memcpy(&bits, scales, sizeof(bits));
-    const __m128i h = _mm_cvtsi32_si128(bits);
-    if constexpr (T3::kElem == Elem::kFloat16) two = _mm_cvtph_ps(h);
-    else two = _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(h), 16));
+    two = _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
   }
   const __m512 s = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
                                          _mm512_castps128_ps512(two));
@@ -102,7 +101,7 @@ KV_ALWAYS_INLINE DecodeVector::V DequantizedVector(const typename Codes<QBits>::
 #else
   float scale;
   if constexpr (T3::kElem == Elem::kFloat16) scale = _cvtsh_ss(scales[0]);  // F16C, not the portable conversion
-  else scale = T3::ToFloat(scales[0]);
+  else scale = scales[0];
   const __m256 s = _mm256_set1_ps(scale);
   const __m256 x = _mm256_mul_ps(_mm256_cvtepi32_ps(LoadCodes8<QBits>(codes)), s);
   if constexpr (T1::kElem == Elem::kFloat32) return x;

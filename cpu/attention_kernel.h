@@ -294,7 +294,8 @@ constexpr int64_t kPartRowBytes = 256, kDecodePart = 8;
 #if KV_DECODE_TILES
 constexpr int64_t kDecodeWidth = DecodeVector::kWidth;  // head_dim a multiple of it runs the decode tiles
 static_assert(kDecodeBlock % DecodeVector::kAccs == 0 && kDecodeBlock % kDecodePart == 0,
-              "a block is a whole number of parts, and a part of every run's key tiles");
+              "a block is a whole number of parts and of the longest key tiles (DecodePart takes the longest "
+              "where it exceeds kDecodePart)");
 #else
 constexpr int64_t kDecodeWidth = 1;
 #endif
@@ -588,7 +589,8 @@ struct AttentionKernel {
   }
 
   // Task() for a sequence of one query (a decode step), the shape that serving runs most. Rows are read as
-  // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them) and converted in
+  // T1 (Reader::RawAt: in place, or dequantized to T1 as KeyValueCache's gather would give them; the tiles read
+  // codes in groups of 8 straight from the cache and dequantize them so in registers, ForTiles) and converted in
   // registers. One pass over the visible keys in blocks: the block's scores from its key rows (each row serving
   // every query head of its kv head), the running max raised and the sums so far rescaled by exp(old max - new
   // max), then the block's value rows. With decode tiles (head_dim whole vectors) the blocks are kDecodeBlock keys

@@ -244,16 +244,18 @@ def test_decode_blocks_computed_in_parts_match_the_reference(monkeypatch, kernel
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("t3", ["float16", "float32"])
 @pytest.mark.parametrize("t1, quant_bit, layout", [
     ("float16", 8, 0), ("float16", 4, 3), ("bfloat16", 8, 2), ("bfloat16", 4, 1), ("float32", 8, 0)])
-def test_decode_reads_codes_exactly_as_the_gather_gives_them(monkeypatch, kernel, t1, quant_bit, layout):
+def test_decode_reads_codes_exactly_as_the_gather_gives_them(monkeypatch, kernel, t1, quant_bit, layout, t3):
     """A zero query weighs every key 1, so each output is the float32 running sum of the gathered value rows,
     key by key, over their count: bit for bit what the kernel must give if it reads each value as
-    KeyValueCache's gather gives it (code x scale rounded to T1). Values left unrounded would differ."""
+    KeyValueCache's gather gives it (code x scale rounded to T1), with float16 or float32 scales. Values left
+    unrounded, or a group given its neighbour's scale, would differ."""
     use_cpu_kernel(monkeypatch, kernel)
     seqs = [Seq(4, 1), Seq(40, 1), Seq(7, 1)]
     case = build_cache_attention(f"exact-codes-{t1}-{quant_bit}-{layout}", seqs, heads=2, head_dim=64, group=2,
-                                 cache_mode=1, page_size=8, t1=t1, quant_bit=quant_bit, cache_layout=layout)
+                                 cache_mode=1, page_size=8, t1=t1, t3=t3, quant_bit=quant_bit, cache_layout=layout)
     inputs = copies(case.inputs)
     inputs["query"][:] = 0
     cache_attrs, _ = _split(case.attributes)
