@@ -152,6 +152,13 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
+def amd_processor() -> bool:
+    """Whether this is an x86-64 AMD processor (the CPU vendor the kernels' measured choices follow)."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    return x86 and cpuinfo.exists() and "AuthenticAMD" in cpuinfo.read_text()
+
+
 def test_the_store_plan_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
     """$KVCACHE_OP_STORES names the plan outright; unset, AMD processors stream one source stream (measured
     there: four side by side ran at 0.57x a copy, one at 0.84x) and others read several side by side."""
@@ -159,9 +166,7 @@ def test_the_store_plan_follows_the_override_and_else_the_cpu_vendor(monkeypatch
         monkeypatch.setenv("KVCACHE_OP_STORES", plan)
         assert c_api.cpu_stores() == plan
     monkeypatch.delenv("KVCACHE_OP_STORES")
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    amd = x86 and cpuinfo.exists() and "AuthenticAMD" in cpuinfo.read_text()
+    amd = amd_processor()
     assert c_api.cpu_stores() == ("stream" if amd else "side-by-side")
 
 
@@ -193,9 +198,7 @@ def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(mo
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
         assert c_api.cpu_cached_gather() == order
     monkeypatch.delenv("KVCACHE_OP_CACHED_GATHER")
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    x86 = platform.machine().lower() in ("x86_64", "amd64")
-    amd = x86 and cpuinfo.exists() and "AuthenticAMD" in cpuinfo.read_text()
+    amd = amd_processor()
     assert c_api.cpu_cached_gather() == ("head-runs" if amd else "tokens")
 
 
