@@ -159,10 +159,7 @@ struct Kernel {
     const S* scales = CacheScales(kv, h, slot);
     const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
     for (int64_t j = 0; j < m; ++j) {
-      if (j + ahead < m) {
-        PrefetchBytes(codes + (j + ahead) * code_step, p.head_dim * QBits / 8);
-        PrefetchBytes(scales + (j + ahead) * scale_step, p.groups * int64_t(sizeof(S)));
-      }
+      if (j + ahead < m) PrefetchCodes(codes + (j + ahead) * code_step, scales + (j + ahead) * scale_step, 1);
       EmitCodes(codes + j * code_step, scales + j * scale_step, 1, dst + j * out_row, streamed, scratch);
     }
   }
@@ -180,15 +177,18 @@ struct Kernel {
   // gather reads pages scattered over the cache, and the hardware prefetchers lose their stream at the end
   // of every page.
   void Prefetch(int kv, int64_t h, int64_t slot, int64_t heads) const {
-    const char* row;
     if constexpr (QBits == 0) {
-      row = reinterpret_cast<const char*>(CacheValues(kv, h, slot));
+      PrefetchBytes(CacheValues(kv, h, slot), heads * p.head_dim * int64_t(sizeof(T)));
     } else {
-      row = reinterpret_cast<const char*>(CacheCodes(kv, h, slot));
-      const auto* scales = reinterpret_cast<const char*>(CacheScales(kv, h, slot));
-      PrefetchBytes(scales, heads * p.groups * int64_t(sizeof(S)));
+      PrefetchCodes(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), heads);
     }
-    PrefetchBytes(row, heads * (QBits == 0 ? p.head_dim * int64_t(sizeof(T)) : p.head_dim * QBits / 8));
+  }
+
+  // Prefetch of `heads` consecutive quantized rows from their codes and scales.
+  template <class Code>  // C::Storage, as EmitCodes
+  void PrefetchCodes(const Code* codes, const S* scales, int64_t heads) const {
+    PrefetchBytes(scales, heads * p.groups * int64_t(sizeof(S)));
+    PrefetchBytes(codes, heads * p.head_dim * QBits / 8);
   }
 
   // Prefetch of all H heads of a slot: one run where they lie together, else head by head.

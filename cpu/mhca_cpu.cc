@@ -1,7 +1,8 @@
 // MultiHeadCacheAttention on the CPU: KeyValueCache's stores (kv_cpu.cc, gathers skipped), then the shared
 // attention kernel (attention_kernel.h) reading keys and values straight from the cache: float32 rows of
 // adjacent heads in place; decode tiles dequantize codes in groups of 8 in registers; others are converted or
-// dequantized (exactly as KeyValueCache's gather would) into a row buffer of the task. Built once per instruction set like kv_cpu.cc.
+// dequantized (exactly as KeyValueCache's gather would) into a row buffer of the task. Built once per
+// instruction set like kv_cpu.cc.
 #include "mhca_cpu.h"
 
 #include <cstring>
@@ -30,6 +31,10 @@ struct CacheSource {
   const void* scale;
 
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
+  // The first of the G scales of that row.
+  const S* Scales(int kv, int64_t h, int64_t slot) const {
+    return static_cast<const S*>(scale) + p.scale_rows.Row(a.layer_idx, kv, h, slot);
+  }
   // Whether a slot's heads lie together (layouts 0-2): a task may then read several kv heads as one row.
   bool HeadsTogether() const { return p.cache_rows.head == p.head_dim; }
   // Whether a slot's key and value rows lie together (layouts 0-1): decode then reads them key by key, one
@@ -66,9 +71,7 @@ struct CacheSource {
         } else {
           row = reinterpret_cast<const char*>(C::Row(s.cache, offset));
           bytes = heads * s.p.head_dim * QBits / 8;
-          const auto* scales = reinterpret_cast<const char*>(static_cast<const S*>(s.scale) +
-                                                              s.p.scale_rows.Row(s.a.layer_idx, kv, kv0 + h, slot));
-          PrefetchBytes(scales, heads * s.p.groups * int64_t(sizeof(S)));
+          PrefetchBytes(s.Scales(kv, kv0 + h, slot), heads * s.p.groups * int64_t(sizeof(S)));
         }
         PrefetchBytes(row, bytes);
       }
@@ -85,7 +88,7 @@ struct CacheSource {
         const RowScratch scratch{x.data(), scales.data(), codes.data(), sf.data()};
         const int64_t heads = adjacent ? nkv : 1;
         for (int64_t h = 0; h < (adjacent ? 1 : nkv); ++h) {
-          const S* row_scales = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, kv0 + h, slot);
+          const S* row_scales = s.Scales(kv, kv0 + h, slot);
           DequantizeRow<T1, T3, QBits>(C::Row(s.cache, s.CacheRow(kv, kv0 + h, slot)), row_scales, heads * D,
                                        s.a.quant_group, heads * s.p.groups, dst + h * D, scratch);
         }
@@ -112,7 +115,7 @@ struct CacheSource {
     void CodeRowsOf(const int64_t* slots, int64_t n, int64_t kvh, Rows* rows) const {
       for (int64_t i = 0; i < n; ++i) {
         rows->codes[i] = C::Row(s.cache, s.CacheRow(kv, kvh, slots[i]));
-        rows->scales[i] = static_cast<const S*>(s.scale) + s.p.scale_rows.Row(s.a.layer_idx, kv, kvh, slots[i]);
+        rows->scales[i] = s.Scales(kv, kvh, slots[i]);
       }
     }
     const T* RawAt(int64_t slot) {

@@ -11,8 +11,8 @@ would otherwise run, side by side in one run, ONNX Runtime's CPU EP, every input
 
 Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Every call reads the same cache,
 so one small enough for the last-level cache is read from there after the first call: B=1 kv16384 (16 MB) is,
-on a 32 MB cache; B=1 kv65536 (64 MB) is read from memory, as a served model's step reads each layer's cache. Methods run in interleaved
-rounds (the machine's noise lands on all alike), their thread pools told not to spin after a run (a spinning
+on a 32 MB cache; B=1 kv65536 (64 MB) is read from memory, as a served model's step reads each layer's cache.
+Methods run in interleaved rounds (the machine's noise lands on all alike), their thread pools told not to spin after a run (a spinning
 pool would take the cores from the next method); each figure is the median over rounds of per-round medians.
 
     python -m kvcache_op.benchmarks.attention.fused --out benchmarks/attention/fused
