@@ -114,43 +114,79 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             batch = self._check_each(feeds)  # raises the first request's error, in feed order
         return self._schedule(rids, batch, feeds)
 
-    def schedule_decode(self, request_ids, tokens) -> StepPlan:
+    def schedule_decode(self, request_ids, tokens, steps: int = 1) -> StepPlan:
         """Plans a step that feeds one token to each request: ``tokens[i]`` to ``request_ids[i]`` (a list
         or tuple of distinct active ids; ``tokens`` a 1-D integer array or a sequence of ints of the
         same length). Exactly ``schedule({rid: [token], ...})`` — the same plan, the same effect, the
         same errors with nothing changed — without a dict and a list per request, for large decode
-        batches."""
+        batches.
+
+        ``steps`` > 1 (at most ``page_size``; no sliding window or StreamingLLM; requests that only decode)
+        plans that many decode steps of the batch at once: the pages of all of them are taken now, the plan is
+        the first step's, and :meth:`advance` gives each next one from the tokens the previous one chose, so a
+        decode loop pays for planning once every ``steps`` steps. ``commit`` then commits the steps that ran
+        (returning the pages taken for those that did not), as that many one-step transactions would leave the
+        manager, except that a request's page for a step that did not run was taken (it goes back free; a cached
+        page evicted for it stays evicted, as on ``abort``); ``abort`` rolls all of them back."""
         self._check_idle()
         if not isinstance(request_ids, (list, tuple)):
             raise TypeError(f"request_ids must be a list or tuple, got {type(request_ids).__name__}")
+        steps = check_int("steps", steps)
+        if steps != 1:
+            if not 1 <= steps <= self.page_size:
+                raise ValueError(f"steps must be in [1, page_size={self.page_size}], got {steps}")
+            if self.sliding_window is not None or self.streaming is not None:
+                raise ValueError("decode steps planned at once need a manager without a sliding window or "
+                                 "StreamingLLM (their pages move within a step)")
         rids = list(request_ids)
         ids = token_array(tokens, len(rids), self.vocab_size, "schedule_decode: tokens")
         rows = self._rows_of(rids)
-        return self._schedule(rids, (rows, None, ids), None)
+        return self._schedule(rids, (rows, None, ids), None, steps)
+
+    def advance(self, plan: StepPlan, tokens) -> StepPlan:
+        """The plan of the next of the decode steps ``schedule_decode(..., steps)`` planned, once ``plan`` (the
+        step before it) ran: ``tokens[i]`` (what that step chose) fed to request ``i``. The same page tables
+        (they hold every planned step's pages), each request one position further. ``ValueError`` with nothing
+        changed for a plan that is not the outstanding one, when every planned step has run, or for bad
+        tokens."""
+        step = self._outstanding_step(plan, "advance")
+        if 1 + len(step.fed) >= step.steps:
+            raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")
+        ids = token_array(tokens, len(step.rids), self.vocab_size, "advance: tokens")
+        ids.setflags(write=False)
+        step.fed.append(ids)
+        step.plan = plan.next_decode(ids)
+        return step.plan
 
     def _check_idle(self) -> None:
         if self._pending is not None:
             raise RuntimeError("the previous step is outstanding: commit(plan) once the op ran it, or abort(plan)")
 
-    def _schedule(self, rids: list, batch: tuple, feeds) -> StepPlan:
+    def _schedule(self, rids: list, batch: tuple, feeds, steps: int = 1) -> StepPlan:
         """Plans and applies the step of a checked batch (``feeds``: the step as a dict, or None for one
         token each, to name the first bad request when planning fails)."""
         rows, lengths, ids = batch
         before = self.rows.state.take(rows, axis=0)  # also what abort restores
         try:
-            planned = self._plan(rids, before, lengths, ids)
+            planned = self._plan(rids, before, lengths, ids, steps)
         except ValueError:
             self._check_each(feeds if feeds is not None else {rid: [t] for rid, t in zip(rids, ids.tolist())})
             raise
         freed = sum(1 for w in planned.work for p in w.released if self.pool.ref_count[p] == 1)
         if planned.new_pages > self.pool.available() + freed:
             raise OutOfPages(planned.new_pages, self.pool.available() + freed)
-        return self._apply(rids, rows, before, lengths, ids, planned)
+        plan = self._apply(rids, rows, before, lengths, ids, planned)
+        self._pending.steps = steps
+        return plan
 
     def commit(self, plan: StepPlan) -> None:
         """The step of ``plan`` ran (the op stored its keys): its full pages are published for prefix
-        reuse and history no longer needed is dropped."""
-        self._publish(self._outstanding(plan, "commit"))
+        reuse and history no longer needed is dropped. Of decode steps planned at once, ``plan`` is the
+        last that ran (from :meth:`advance`)."""
+        step = self._outstanding(plan, "commit")
+        if step.steps > 1:
+            self._settle_steps(step)
+        self._publish(step)
 
     def abort(self, plan: StepPlan) -> None:
         """The step of ``plan`` did not run: rolls it back, so the manager is as before ``schedule``
@@ -181,11 +217,16 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             r.chain_open = False
 
     def _outstanding(self, plan: StepPlan, verb: str) -> OutstandingStep:
+        step = self._outstanding_step(plan, verb)
+        self._pending = None
+        return step
+
+    def _outstanding_step(self, plan: StepPlan, verb: str) -> OutstandingStep:
         step = self._pending
         if step is None or step.plan is not plan:
             raise ValueError(f"{verb}: this plan is not the outstanding step (each plan is committed or "
-                             f"aborted once, before the next schedule)")
-        self._pending = None
+                             f"aborted once, before the next schedule; of decode steps planned at once, the "
+                             f"last that advance gave)")
         return step
 
     # ---- lookup ------------------------------------------------------------------------------------

@@ -17,8 +17,9 @@ class PrefixPublisher:
     def _publish(self, step: OutstandingStep) -> None:
         """Publishes the full pages of a step that ran (``commit``) and drops history no later step needs."""
         R, ps = self.rows, self.page_size
-        # A plain append has something to publish only when it filled its page.
-        filled = step.end % ps == 0
+        # A plain append has something to publish only when it filled a page (decode steps planned at once: one of
+        # them did).
+        filled = step.end // ps > step.before[:, 0] // ps
         touched = np.flatnonzero(filled if step.plain is None else filled | ~step.plain)
         if not len(touched):
             return

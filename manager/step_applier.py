@@ -63,6 +63,42 @@ class StepApplier:
         self._pending = step
         return step.plan
 
+    def _settle_steps(self, step: OutstandingStep) -> None:
+        """Of decode steps planned at once (``step.steps``), the first ``1 + len(step.fed)`` ran: the rows take
+        their tokens (in the tail buffer; a row whose steps crossed into a new page first folds the page it
+        filled onto its token list, as a step ending it would have), pages taken for steps that did not run go
+        back to the pool (never written, never published), and ``step.end`` becomes where each row now ends."""
+        R, ps, rows = self.rows, self.page_size, step.rows
+        ran = 1 + len(step.fed)
+        computed = step.before[:, 0]
+        end = computed + ran
+        if step.appended is not None and ran < step.steps:
+            table_rows, columns = step.appended
+            # a page reached by no step that ran starts after the row's last position (rows hold the first step's
+            # end until now: last position = that end - 1 + ran - 1)
+            unused = np.flatnonzero(R.computed[table_rows] + (ran - 2) < (R.first_page[table_rows] + columns) * ps)
+            for u in unused[::-1].tolist():
+                page = int(R.table[table_rows[u], columns[u]]) // ps
+                self.pool.untake(page)
+                step.taken.remove(page)
+            R.table[table_rows[unused], columns[unused]] = -1
+            R.npages[table_rows[unused]] = columns[unused]
+        if ran > 1:
+            fed = np.stack(step.fed, axis=1)  # [B, ran - 1]: positions computed + 1 ...
+            crossed = (end - 1) // ps > computed // ps
+            straight = np.flatnonzero(~crossed)
+            positions = computed[straight, None] + np.arange(1, ran)
+            R.tail[rows[straight, None], positions % ps] = fed[straight]
+            for b in np.flatnonzero(crossed).tolist():
+                row, first = int(rows[b]), int(computed[b]) + 1
+                boundary = -(-first // ps) * ps
+                R.tail[row, np.arange(first, boundary) % ps] = fed[b, :boundary - first]
+                R.computed[row] = boundary
+                self._fold_tail(self.requests[step.rids[b]])  # the filled page's tokens, before its slots are reused
+                R.tail[row, np.arange(boundary, int(end[b])) % ps] = fed[b, boundary - first:]
+        R.computed[rows] = end
+        step.end = end
+
     def _hand_out(self, step: OutstandingStep, slots: np.ndarray, need: np.ndarray, work: list) -> None:
         """Appends the pages just taken (``slots``: their first slots, in batch order) to the page tables
         of the requests that asked for them (``need``: how many each)."""

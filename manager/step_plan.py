@@ -60,6 +60,20 @@ class StepPlan:
         self.shift_slots = _EMPTY.copy() if shift_slots is None else shift_slots
         self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
 
+    def next_decode(self, input_ids: np.ndarray) -> "StepPlan":
+        """The plan of the decode step after this one (a step of one token each) when the page tables already
+        hold its pages: every request one position further, fed ``input_ids`` (int64, one per request)."""
+        steps = np.arange(len(self.kvstarts), dtype=np.int64)
+        kvstarts, start_pos, query_positions = self.kvstarts + steps, self.start_pos + 1, self.query_positions + 1
+        rids = self.request_ids
+        return StepPlan(
+            request_ids=rids, seqstarts=self.seqstarts, kvstarts=kvstarts, cachestarts=self.cachestarts,
+            start_pos=start_pos, max_seqlen=self.max_seqlen, max_kvlen=self.max_kvlen + (1 if len(rids) else 0),
+            query_positions=query_positions,
+            key_positions=lambda: runs(query_positions - start_pos, start_pos + 1, kvstarts),
+            fed_tokens=lambda: {rid: [token] for rid, token in zip(rids, input_ids.tolist())},
+            input_ids=input_ids, page_columns=self.page_columns)
+
     def op_inputs(self) -> dict:
         """The op's index inputs by name (cache_mode 1)."""
         return {"seqstarts": self.seqstarts, "kvstarts": self.kvstarts, "cachestarts": self.cachestarts,

@@ -14,9 +14,10 @@ from .streaming import streaming_discard
 class StepPlanner:
     """The manager's planning (reads its ``rows``, ``requests`` and configuration; changes nothing)."""
 
-    def _plan(self, rids, before, lengths, ids) -> PlannedStep:
+    def _plan(self, rids, before, lengths, ids, steps: int = 1) -> PlannedStep:
         """What the step does to each request, from the rows as they are (``before``); ``ValueError``
-        for a step no page table can describe."""
+        for a step no page table can describe. ``steps`` > 1 (one token each, ``lengths`` None): pages are
+        planned for that many decode steps, each request's next ``steps`` positions."""
         ps = self.page_size
         computed, first, held, known_end = before.T
         end = computed + (1 if lengths is None else lengths)
@@ -29,8 +30,14 @@ class StepPlanner:
             plain &= np.maximum(computed - self.sliding_window + 1, 0) // ps <= first
         if self.streaming is not None:
             plain &= end <= self.streaming.budget_pages * ps
-        need = computed >= (first + held) * ps  # for a plain append: the token starts a new page
+        # For a plain append: the token (of several decode steps: the last) is past the pages held. Steps of at
+        # most a page each take at most one page.
+        need = (computed if steps == 1 else computed + (steps - 1)) >= (first + held) * ps
         all_plain = np.count_nonzero(plain) == len(plain)
+        if steps > 1 and not all_plain:
+            b = int(np.argmin(plain))
+            raise ValueError(f"request {rids[b]!r} has prompt tokens to feed: decode steps planned at once need "
+                             f"requests that only decode")
         if not all_plain:
             need &= plain
         new_pages = int(np.count_nonzero(need))

@@ -86,3 +86,5 @@ class OutstandingStep:
     appended: tuple  # (rows, columns) of page-table entries plain appends filled, or None
     taken: list  # pages taken from the pool, in order
     released: list  # pages released to the pool, in order
+    steps: int = 1  # decode steps planned at once (schedule_decode's steps)
+    fed: list = dataclasses.field(default_factory=list)  # [B] tokens of each step after the first that ran

@@ -130,3 +130,67 @@ def test_decode_steps_run_out_of_pages_and_wait_for_the_outstanding_step():
     m.abort(plan)
     assert manager_state(m) == before
     assert m.schedule_decode([], np.zeros(0, np.int64)).cachestarts.shape == (0, 4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed):
+    """``schedule_decode(..., steps)`` + ``advance`` + ``commit`` after any number of them, against the same
+    tokens fed one step at a time on a twin: every step's plan is the same (the page tables up to which pages:
+    the twin takes a page when a step reaches it), and after each commit both publish the same pages (equal
+    prefix hashes: same chains, same tokens), hold the same positions and count the same pages in use."""
+    rng = np.random.default_rng(seed)
+    a, b = twins()
+    rids = [0, 1, 2, 3]  # request 4 still has prompt tokens: refused below
+    with pytest.raises(ValueError, match="prompt tokens to feed"):
+        a.schedule_decode([0, 4], [1, 47], steps=2)  # 47: its next prompt token, fine for one step
+    for _ in range(6):
+        steps = int(rng.integers(2, 5))
+        ran = int(rng.integers(1, steps + 1))
+        tokens = rng.integers(0, 50, (ran, len(rids)))
+        plan = a.schedule_decode(rids, tokens[0], steps=steps)
+        for j in range(ran):
+            if j:
+                plan = a.advance(plan, tokens[j])
+            twin = b.schedule_decode(rids, tokens[j])
+            for name in PLAN_ARRAYS + ("input_ids",):
+                if name != "cachestarts":
+                    assert np.array_equal(getattr(plan, name), getattr(twin, name)), name
+            for row, (mine, theirs) in enumerate(zip(plan.cachestarts, twin.cachestarts)):
+                used = -(-(plan.kvstarts[row + 1] - plan.kvstarts[row]) // 4)
+                assert (mine[:used] >= 0).all() and (theirs[:used] >= 0).all() and (theirs[used:] == -1).all()
+            assert plan.fed_tokens == twin.fed_tokens
+            b.commit(twin)
+        if ran < steps:
+            with pytest.raises(ValueError, match="not the outstanding step"):
+                a.advance(twin, tokens[0])
+        a.commit(plan)
+        assert set(a.index.by_hash) == set(b.index.by_hash)
+        for rid in rids:
+            assert a.computed(rid) == b.computed(rid) and len(a.page_table(rid)) == len(b.page_table(rid))
+            assert a.requests[rid].registered == b.requests[rid].registered
+        assert a.metrics()["pages_in_use"] == b.metrics()["pages_in_use"]
+        a.check()
+    assert a.metrics()["pages_cached"] + a.metrics()["pages_in_use"] > 5  # pages were filled and published
+
+
+def test_decode_steps_planned_at_once_are_refused_where_they_cannot_be_exact():
+    """More steps than a page, a sliding window, and advancing past the planned steps are refused with nothing
+    changed; an abort after some steps rolls all of them back."""
+    a, b = twins()
+    before = manager_state(a)
+    with pytest.raises(ValueError, match="steps must be in"):
+        a.schedule_decode([0], [1], steps=5)
+    with pytest.raises(ValueError, match="steps must be in"):
+        a.schedule_decode([0], [1], steps=0)
+    assert manager_state(a) == before
+    windowed, _ = twins(sliding_window=5)
+    with pytest.raises(ValueError, match="sliding window"):
+        windowed.schedule_decode([0], [1], steps=2)
+    plan = a.schedule_decode([0, 1], [1, 2], steps=2)
+    plan = a.advance(plan, [3, 4])
+    with pytest.raises(ValueError, match="all 2 planned steps have run"):
+        a.advance(plan, [5, 6])
+    with pytest.raises(ValueError):
+        a.advance(plan, [5])  # one token per request
+    a.abort(plan)
+    assert manager_state(a) == before

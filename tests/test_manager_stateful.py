@@ -8,6 +8,7 @@ alone. The test keeps its own record of each request's tokens. Dedicated long ru
 ``HYPOTHESIS_PROFILE=long``.
 """
 
+import copy
 import zlib
 
 import numpy as np
@@ -26,7 +27,8 @@ FAMILIES = [[7, 7, 1, 2, 3, 4, 5, 6, 9, 9], [7, 7, 1, 2, 8, 8, 8, 8], [3, 1, 4, 
 
 
 COVERAGE = {"steps": 0, "gathered": 0, "hit_tokens": 0, "evictions": 0, "out_of_pages": 0, "window_releases": 0,
-            "aborts": 0, "hostile_refused": 0}
+            "aborts": 0, "hostile_refused": 0, "decode_steps": 0,
+            "decode_steps_committed": 0}
 HOSTILE_SALTS = [1, True, 1.0, ("tenant-b",), ["x"], {"tenant": "b"}]
 HOSTILE_TOKENS = [[1.9], "123", [True], [2**31], [-1], [2**63], [7 + 2**61 - 1], [None]]
 
@@ -131,20 +133,69 @@ class ManagerMachine(RuleBasedStateMachine):
             assert self.state() == before, "OutOfPages changed the manager's state"
             COVERAGE["out_of_pages"] += 1
             return
+        key, value = self.run_step(plan, feeds)
+        self.m.commit(plan)
+        self.check_gathered(plan, key, value)
+
+    @precondition(lambda self: self.live and self.window is None)
+    @rule(data=st.data())
+    def decode_steps(self, data):
+        """Decode steps planned at once (``schedule_decode(..., steps)``, then ``advance``): every step stores only
+        into pages its request holds alone and gathers exactly the keys its request wrote; committed after any
+        number of them, the requests end where that many steps end them, and prefix sharing stays exact (later
+        steps check the keys); aborted, the manager is as before."""
+        decoding = [rid for rid in sorted(self.live) if not self.m.has_pending_tokens(rid)]
+        if not decoding:
+            return
+        rids = data.draw(st.lists(st.sampled_from(decoding), min_size=1, unique=True))
+        steps = data.draw(st.integers(2, PAGE))
+        if any(self.m.computed(rid) + steps > self.capacity(rid) for rid in rids):
+            return
+        before, evictions, live = self.state(), self.m.pool.evictions, copy.deepcopy(self.live)
+        ends = [self.m.computed(rid) for rid in rids]
+        draw_tokens = lambda: data.draw(st.lists(st.integers(0, 3), min_size=len(rids), max_size=len(rids)))
+        tokens = draw_tokens()
+        try:
+            plan = self.m.schedule_decode(rids, tokens, steps=steps)
+        except OutOfPages:
+            assert self.state() == before, "OutOfPages changed the manager's state"
+            return
+        ran = data.draw(st.integers(1, steps))
+        for j in range(ran):
+            if j:
+                tokens = draw_tokens()
+                plan = self.m.advance(plan, tokens)
+            key, value = self.run_step(plan, {rid: [t] for rid, t in zip(rids, tokens)})
+            self.check_gathered(plan, key, value)
+            COVERAGE["decode_steps"] += 1
+        if data.draw(st.booleans()):
+            self.m.abort(plan)
+            self.live = live
+            if self.m.pool.evictions == evictions:
+                assert self.state() == before, "abort did not restore the manager"
+            return
+        self.m.commit(plan)
+        assert [self.m.computed(rid) for rid in rids] == [end + ran for end in ends]
+        COVERAGE["decode_steps_committed"] += 1
+
+    def run_step(self, plan, feeds):
+        """Stores the plan's keys (each a function of its request's whole prefix, from the test's own record of
+        its tokens) with the op's reference and returns what it gathers."""
         assert_stores_are_private(self.m, plan, PAGE)
         assert_plan_inputs_agree(plan)
         self.steps += 1
         current = []
-        for rid in plan.request_ids:
+        for b, rid in enumerate(plan.request_ids):
             salt, tokens = self.live[rid]
-            end = self.m.computed(rid)
-            tokens[end - len(feeds[rid]):end] = feeds[rid]
-            for pos in range(end - len(feeds[rid]), end):
+            positions = plan.query_positions[plan.seqstarts[b]:plan.seqstarts[b + 1]].tolist()
+            tokens[positions[0]:positions[-1] + 1] = feeds[rid]
+            for pos in positions:
                 current.append(np.full((HEADS, DH), key_of(salt, tokens[:pos + 1]), np.float32))
         current = np.stack(current)
-        key, value = key_value_cache(current, -current, **plan.op_inputs(), cache=self.cache, cache_mode=1,
-                                     page_size=PAGE)
-        self.m.commit(plan)
+        return key_value_cache(current, -current, **plan.op_inputs(), cache=self.cache, cache_mode=1, page_size=PAGE)
+
+    def check_gathered(self, plan, key, value):
+        """Every request got back exactly the keys of its own prefix, for the positions it should see."""
         for b, rid in enumerate(plan.request_ids):
             salt, tokens = self.live[rid]
             rows = slice(plan.kvstarts[b], plan.kvstarts[b + 1])
@@ -198,3 +249,4 @@ def test_the_machines_exercise_sharing_eviction_windows_and_out_of_pages():
     assert COVERAGE["hit_tokens"] > 0 and COVERAGE["evictions"] > 0, COVERAGE
     assert COVERAGE["out_of_pages"] > 0 and COVERAGE["window_releases"] > 0, COVERAGE
     assert COVERAGE["aborts"] > 0 and COVERAGE["hostile_refused"] > 0, COVERAGE
+    assert COVERAGE["decode_steps"] > 20 and COVERAGE["decode_steps_committed"] > 3, COVERAGE
