@@ -29,8 +29,10 @@ def ort_version() -> str:
 
 def cpu_model(cpuinfo: str = None) -> str:
     """The processor's model name (``/proc/cpuinfo``'s "model name", with "AVX-512" when its flags have
-    avx512f); the machine type where that is unknown. Results of different CPU kinds differ (store kinds,
-    prefetchers), so every table names the one it was measured on."""
+    avx512f); the machine type where that is unknown. A name without a model number (a hypervisor may show only
+    "AMD EPYC") gets the CPU family and model, which tell its generations apart (family 25 is Zen 3/4, 26 Zen 5).
+    Results of different CPU kinds differ (store kinds, prefetchers, vector width), so every table names the one
+    it was measured on."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
@@ -42,6 +44,8 @@ def cpu_model(cpuinfo: str = None) -> str:
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
     name = fields.get("model name") or platform.processor() or platform.machine()
+    if not any(c.isdigit() for c in name) and fields.get("cpu family") and fields.get("model"):
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
     return name + (", AVX-512" if "avx512f" in fields.get("flags", "").split() else "")
 
 

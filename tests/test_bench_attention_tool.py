@@ -100,6 +100,11 @@ def test_results_name_the_cpu_model():
     amd = "processor\t: 0\nmodel name\t: AMD EPYC 9R14 96-Core Processor\nflags\t\t: fpu avx2\n"
     assert cpu_model(intel) == "Intel(R) Xeon(R) Platinum 8488C, AVX-512"
     assert cpu_model(amd) == "AMD EPYC 9R14 96-Core Processor"
+    # a hypervisor's bare brand name: the family and model tell two generations apart
+    zen3 = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2\n"
+    zen5 = "processor\t: 0\ncpu family\t: 26\nmodel\t\t: 2\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f\n"
+    assert cpu_model(zen3) == "AMD EPYC (family 25, model 1)"
+    assert cpu_model(zen5) == "AMD EPYC (family 26, model 2), AVX-512"
     assert cpu_model("") != ""  # falls back to the machine type
 
 

@@ -7,6 +7,8 @@
 // order decides how many reads one core keeps in flight.
 //
 //   g++ -O2 -mavx512f traffic_bound.cc -o traffic_bound && ./traffic_bound
+//   g++ -O2 -mavx2 traffic_bound.cc -o traffic_bound && ./traffic_bound   (no AVX-512: "64-byte" stores are two
+//   32-byte ones)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -34,12 +36,14 @@ double Pattern(const char* in, char* out, size_t rows, size_t in_bytes, size_t o
         const char* s = in + (j * per + r) * in_bytes + h * in_head;
         char* d = out + (j * per + r) * out_bytes + h * out_head;
         for (size_t i = 0; i < in_head; i += 32) acc = _mm256_add_epi32(acc, _mm256_load_si256((const __m256i*)(s + i)));
+#ifdef __AVX512F__
         if constexpr (kStore == 64) {
           const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(acc), acc, 1);
           for (size_t i = 0; i < out_head; i += 64) _mm512_stream_si512((__m512i*)(d + i), v);
-        } else {
-          for (size_t i = 0; i < out_head; i += 32) _mm256_stream_si256((__m256i*)(d + i), acc);
+          continue;
         }
+#endif
+        for (size_t i = 0; i < out_head; i += 32) _mm256_stream_si256((__m256i*)(d + i), acc);
       }
     }
   }
