@@ -31,6 +31,7 @@ from .text import StopMatcher, TextStream
 
 DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
 DEFAULT_RUNNING = 64  # requests in flight at once
+DEFAULT_DECODE_STEPS = 8  # decode steps planned at once while every running request only decodes
 
 
 class Engine(OnlineEngine):
@@ -47,16 +48,23 @@ class Engine(OnlineEngine):
     ``trace_steps`` keeps one record per step in ``step_trace`` (sequences, decodes, tokens, and the
     seconds spent scheduling, in ONNX Runtime and after the run). ``tokenizer`` (anything with
     ``decode(ids) -> str``, e.g. the checkpoint's ``AutoTokenizer``) lets requests stop at ``SamplingParams.stop``
-    strings: a request ends with the token whose text completes one.
+    strings: a request ends with the token whose text completes one. ``decode_steps`` (default 8, at most a page):
+    while every running request only decodes, the manager plans that many steps at once and each further step
+    costs the host only its token choice and a few array additions (a step that ends a request, or an arrival due
+    sooner, ends the run early; cancellations wait for its end); 1 plans every step on its own. Not with a sliding
+    window or StreamingLLM, whose pages move from step to step. The tokens are the same either way.
     """
 
     def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = None,
                  max_running: int = None, max_context: int = None, streaming: StreamingPolicy = None,
                  prefix_caching: bool = True, intra_op_num_threads: int = 0, trace_steps: bool = False,
-                 tokenizer=None):
+                 tokenizer=None, decode_steps: int = None):
         max_batch_tokens = DEFAULT_BATCH_TOKENS if max_batch_tokens is None else check_int("max_batch_tokens",
                                                                                              max_batch_tokens)
         max_running = DEFAULT_RUNNING if max_running is None else check_int("max_running", max_running)
+        decode_steps = DEFAULT_DECODE_STEPS if decode_steps is None else check_int("decode_steps", decode_steps)
+        if decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {decode_steps}")
         num_pages = check_int("num_pages", num_pages)
         if max_batch_tokens < 1 or max_running < 1 or num_pages < 1:
             raise ValueError(f"num_pages, max_batch_tokens and max_running must be >= 1, got {num_pages}, "
@@ -93,6 +101,9 @@ class Engine(OnlineEngine):
         self.num_pages = num_pages
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
+        # Decode steps planned at once: not with a window or StreamingLLM (their pages move from step to step),
+        # and never more than a page (a request then takes at most one page for them).
+        self.decode_steps = (1 if window is not None or streaming is not None else min(decode_steps, ps))
         self.prefix_caching = prefix_caching
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(ids) method, got {type(tokenizer).__name__}")
@@ -221,14 +232,15 @@ class Engine(OnlineEngine):
         }
 
     # ---- one step --------------------------------------------------------------------------------------
-    def _step(self, step: int, waiting, running: list) -> None:
+    def _step(self, step: int, waiting, running: list) -> int:
+        """One step (or a run of decode steps planned at once); returns how many steps ran (at least 1)."""
         began = time.perf_counter()
         self._admit(step, waiting, running)
-        planned = self._plan(waiting, running) if running else None
+        planned = self._plan(waiting, running, self._steps_ahead(step, waiting, running)) if running else None
         if planned is None:
             self._times["scheduling"] += time.perf_counter() - began
-            return
-        plan, sequences = planned
+            return 1
+        plan, sequences, steps = planned
         try:
             feeds = step_feeds(plan)
             scheduled = time.perf_counter()
@@ -241,21 +253,87 @@ class Engine(OnlineEngine):
             raise
         ran = time.perf_counter()
         self._times["ort_run"] += ran - scheduled
-        self.manager.commit(plan)
-        self._counters["steps"] += 1
-        self._counters["fed_tokens"] += int(plan.seqstarts[-1])
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
+        if steps > 1:
+            return self._decode_steps(plan, sequences, steps, logits, waiting, running, (began, scheduled, ran))
+        self.manager.commit(plan)
+        self._count_step(plan)
         rows, choosing = self._choosers(sequences)
         chosen = logits if rows is None else logits[rows]  # decode steps: every row, no copy
         tokens, logprobs = choose_tokens(chosen, [q.params for q in choosing], [(q.prompt, q.generated) for q in choosing],
                                          [q.generator for q in choosing])
-        self._take_tokens(choosing, tokens, logprobs, logits, rows, running)
-        done = time.perf_counter()
-        self._times["scheduling"] += done - ran  # commit and finishing are manager work
+        self._retire(self._take_tokens(choosing, tokens, logprobs, logits, rows), running)
+        self._trace(plan, feeds, (began, scheduled, ran))
+        return 1
+
+    def _decode_steps(self, plan, sequences: list, steps: int, logits, waiting, running: list, times: tuple) -> int:
+        """Runs up to ``steps`` decode steps the manager planned at once, the first of which just ran (``logits``):
+        each step's tokens are chosen and handed over, then :meth:`KVCacheManager.advance` gives the next step's
+        plan; a step that ends a request ends the run. The steps that ran are committed together (also when handing
+        tokens over raised), then the requests that are done leave. Returns how many steps ran."""
+        for q in sequences:
+            q.ran = True
+        params, generators = [q.params for q in sequences], [q.generator for q in sequences]
+        histories = [(q.prompt, q.generated) for q in sequences]
+        count, stopped = 0, []
+        try:
+            while True:
+                count += 1
+                self._count_step(plan)
+                tokens, logprobs = choose_tokens(logits, params, histories, generators)
+                stopped = self._take_tokens(sequences, tokens, logprobs, logits, None)
+                self._trace(plan, None, times)
+                if stopped or count == steps:
+                    break
+                began = time.perf_counter()
+                plan = self.manager.advance(plan, tokens)
+                feeds = step_feeds(plan)
+                scheduled = time.perf_counter()
+                self._times["scheduling"] += scheduled - began
+                try:
+                    logits = self.runner.run(feeds)
+                except BaseException:
+                    self._roll_back(plan, waiting, running)  # every planned step: the requests are recomputed
+                    plan = None
+                    raise
+                times = (began, scheduled, time.perf_counter())
+                self._times["ort_run"] += times[2] - scheduled
+        finally:
+            if plan is not None:  # what ran stays, whatever raised after it ran
+                began = time.perf_counter()
+                self.manager.commit(plan)
+                self._times["scheduling"] += time.perf_counter() - began
+        self._retire(stopped, running)
+        return count
+
+    def _steps_ahead(self, step: int, waiting, running: list) -> int:
+        """How many decode steps to plan at once: ``decode_steps``, fewer when a request has fewer tokens to go
+        or a request arrives sooner (it is admitted at the step it arrives, as with one step at a time)."""
+        steps = self.decode_steps
+        if steps == 1:
+            return 1
+        for q in running:
+            steps = min(steps, q.max_new_tokens - len(q.generated))
+        if waiting and waiting[0].arrival > step:
+            steps = min(steps, waiting[0].arrival - step)
+        return max(steps, 1)
+
+    def _count_step(self, plan) -> None:
+        self._counters["steps"] += 1
+        self._counters["fed_tokens"] += int(plan.seqstarts[-1])
+
+    def _trace(self, plan, feeds, times: tuple) -> None:
+        """One record of ``step_trace`` (``times``: when the step began, was scheduled and had run)."""
         if self.step_trace is not None:
-            self.step_trace.append(dict(sequences=len(plan.request_ids), decodes=int(feeds["decoding_batches"]),
+            began, scheduled, ran = times
+            done = time.perf_counter()
+            self._times["scheduling"] += done - ran  # commit, choosing and finishing are host work
+            decodes = len(plan.request_ids) if feeds is None else int(feeds["decoding_batches"])
+            self.step_trace.append(dict(sequences=len(plan.request_ids), decodes=decodes,
                                         tokens=int(plan.seqstarts[-1]), kv_tokens=int(plan.kvstarts[-1]),
                                         scheduling_s=scheduled - began, ort_run_s=ran - scheduled, after_run_s=done - ran))
+        else:
+            self._times["scheduling"] += time.perf_counter() - times[2]
 
     def _choosers(self, sequences: list) -> tuple:
         """(rows, sequences) of the step's sequences that choose a token: decodes, and prefills whose prompt is
@@ -271,9 +349,11 @@ class Engine(OnlineEngine):
             return None, sequences
         return rows, [sequences[row] for row in rows]
 
-    def _take_tokens(self, choosing: list, tokens: list, logprobs, logits, rows, running: list) -> None:
-        """Hands each chosen token to its request (its list, handle, callbacks) and retires the requests that
-        are done: an end-of-sequence or stop token, a stop string, or ``max_new_tokens`` reached."""
+    def _take_tokens(self, choosing: list, tokens: list, logprobs, logits, rows) -> list:
+        """Hands each chosen token to its request (its list, handle, callbacks); returns ``(request, reason)`` of
+        the requests that are done: an end-of-sequence or stop token, a stop string, or ``max_new_tokens``
+        reached (:meth:`_retire` lets them leave once the step is committed)."""
+        stopped = []
         now = time.perf_counter()  # one choice time for the step's tokens
         eos = self.info.eos_token_ids
         for i, (q, token, top) in enumerate(zip(choosing, tokens, logprobs)):
@@ -292,9 +372,15 @@ class Engine(OnlineEngine):
             if q.stop_matcher is not None:  # stop strings: the text this token completes
                 stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
             if stops or len(q.generated) >= q.max_new_tokens:
-                self.manager.finish(q.index)
-                running.remove(q)
-                q.handle._finish("stop" if stops else "length")
+                stopped.append((q, "stop" if stops else "length"))
+        return stopped
+
+    def _retire(self, stopped: list, running: list) -> None:
+        """The requests that are done leave: their pages are released and their handles finish."""
+        for q, reason in stopped:
+            self.manager.finish(q.index)
+            running.remove(q)
+            q.handle._finish(reason)
 
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request
@@ -384,11 +470,12 @@ class Engine(OnlineEngine):
                 budget -= len(chunk)
         return feeds
 
-    def _plan(self, waiting, running: list):
-        """(the manager's plan of this step, its sequences in the plan's order). While pages are short, prefill
-        chunks are halved first (a chunk needs pages only for what it feeds), then the most recently admitted
-        requests are preempted. ``None`` when nothing can be fed. A step of decodes alone (most steps) is
-        planned by ``schedule_decode``: the same plan, without a dict and a list per request."""
+    def _plan(self, waiting, running: list, steps: int = 1):
+        """(the manager's plan of this step, its sequences in the plan's order, how many decode steps it plans).
+        While pages are short, prefill chunks are halved first (a chunk needs pages only for what it feeds), then
+        decode steps are planned one at a time, then the most recently admitted requests are preempted. ``None``
+        when nothing can be fed. A step of decodes alone (most steps) is planned by ``schedule_decode``: the same
+        plan, without a dict and a list per request, and ``steps`` of them at once."""
         chunk_limit = self._chunk_limit
         while running:
             decodes_only = len(running) <= self.max_batch_tokens and all(q.next_input is not None for q in running)
@@ -398,11 +485,14 @@ class Engine(OnlineEngine):
             try:
                 if decodes_only:
                     tokens = np.fromiter((q.next_input[0] for q in running), np.int64, len(running))
-                    return self.manager.schedule_decode([q.index for q in running], tokens), list(running)
+                    return self.manager.schedule_decode([q.index for q in running], tokens, steps), list(running), steps
                 plan = self.manager.schedule(feeds)
                 by_id = {q.index: q for q in running}
-                return plan, [by_id[rid] for rid in plan.request_ids]
+                return plan, [by_id[rid] for rid in plan.request_ids], 1
             except OutOfPages:
+                if decodes_only and steps > 1:
+                    steps = 1
+                    continue
                 longest = 1 if decodes_only else max(len(tokens) for tokens in feeds.values())
                 if longest > 1:
                     chunk_limit = longest // 2

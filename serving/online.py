@@ -255,9 +255,9 @@ class OnlineEngine:
                     self._drop_cancelled()
                 if not self._online_running and self._online_waiting[0].arrival > self._online_step:
                     self._online_step = self._online_waiting[0].arrival  # nothing to run before the next arrival
-                began = time.perf_counter()
+                began, ran = time.perf_counter(), 1
                 try:
-                    self._step(self._online_step, self._online_waiting, self._online_running)
+                    ran = self._step(self._online_step, self._online_waiting, self._online_running)
                 except BaseException as error:  # nothing of a failed step keeps pages; its requests fail
                     for q in self._online_running:
                         self.manager.finish(q.index)
@@ -265,7 +265,7 @@ class OnlineEngine:
                         q.handle._finish("error", error)
                     self._online_waiting.clear()
                     self._online_running.clear()
-                self._online_step += 1
+                self._online_step += ran
                 self._times["wall"] += time.perf_counter() - began  # metrics(): busy time, as generate counts it
 
     def _drop_cancelled(self) -> None:
