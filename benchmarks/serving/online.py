@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=4.0, help="Poisson arrivals per second (default 4)")
     parser.add_argument("--max-tokens", type=at_least(1), default=32)
     parser.add_argument("--num-pages", type=at_least(1), default=256)
+    parser.add_argument("--decode-steps", type=at_least(1), default=None,
+                        help="decode steps the engine plans at once (default: the engine's, 8)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
                         help="the decoder (the serving benchmark's: tiny 3 x 64, small 4 x 256; default small)")
     parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")
@@ -117,11 +119,11 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         path = export_model(model, os.path.join(folder, f"{args.model}.onnx"))
         print(f"online: {args.requests} requests at {args.rate}/s ...", file=sys.stderr, flush=True)
-        online_engine = Engine(path, num_pages=args.num_pages)
+        online_engine = Engine(path, num_pages=args.num_pages, decode_steps=args.decode_steps)
         online = run_online(online_engine, prompts, args.rate, args.max_tokens)
         online_engine.close(timeout=60)
         print("batch: the same requests in one generate call ...", file=sys.stderr, flush=True)
-        batch = run_batch(Engine(path, num_pages=args.num_pages), prompts, args.max_tokens)
+        batch = run_batch(Engine(path, num_pages=args.num_pages, decode_steps=args.decode_steps), prompts, args.max_tokens)
     command = command_line("kvcache_op.benchmarks.serving.online", argv)
     result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
                         f"({model.config.num_hidden_layers} x {model.config.hidden_size}), {args.requests} requests of 80 prompt tokens (4 shared system prompts) + "
