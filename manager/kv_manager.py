@@ -147,8 +147,8 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         """The plan of the next of the decode steps ``schedule_decode(..., steps)`` planned, once ``plan`` (the
         step before it) ran: ``tokens[i]`` (what that step chose) fed to request ``i``. The same page tables
         (they hold every planned step's pages), each request one position further. ``ValueError`` with nothing
-        changed for a plan that is not the outstanding one, when every planned step has run, or for bad
-        tokens."""
+        changed for a plan that is not the outstanding one or when every planned step has run;
+        ``TypeError``/``ValueError`` for bad tokens."""
         step = self._outstanding_step(plan, "advance")
         if 1 + len(step.fed) >= step.steps:
             raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")

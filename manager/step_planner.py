@@ -30,8 +30,8 @@ class StepPlanner:
             plain &= np.maximum(computed - self.sliding_window + 1, 0) // ps <= first
         if self.streaming is not None:
             plain &= end <= self.streaming.budget_pages * ps
-        # For a plain append: the token (of several decode steps: the last) is past the pages held. Steps of at
-        # most a page each take at most one page.
+        # For a plain append: the token (of several decode steps: the last one) lies past the pages held. At most
+        # a page of steps takes at most one page.
         need = (computed if steps == 1 else computed + (steps - 1)) >= (first + held) * ps
         all_plain = np.count_nonzero(plain) == len(plain)
         if steps > 1 and not all_plain:

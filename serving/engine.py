@@ -285,17 +285,17 @@ class Engine(OnlineEngine):
                 self._trace(plan, None, times)
                 if stopped or count == steps:
                     break
-                began = time.perf_counter()
-                plan = self.manager.advance(plan, tokens)
-                feeds = step_feeds(plan)
-                scheduled = time.perf_counter()
-                self._times["scheduling"] += scheduled - began
+                began = scheduled = time.perf_counter()
                 try:
+                    plan = self.manager.advance(plan, tokens)
+                    feeds = step_feeds(plan)
+                    scheduled = time.perf_counter()
                     logits = self.runner.run(feeds)
                 except BaseException:
                     self._roll_back(plan, waiting, running)  # every planned step: the requests are recomputed
                     plan = None
                     raise
+                self._times["scheduling"] += scheduled - began
                 times = (began, scheduled, time.perf_counter())
                 self._times["ort_run"] += times[2] - scheduled
         finally:
