@@ -72,6 +72,7 @@ class StepPlan:
             query_positions=query_positions,
             key_positions=lambda: runs(query_positions - start_pos, start_pos + 1, kvstarts),
             fed_tokens=lambda: {rid: [token] for rid, token in zip(rids, input_ids.tolist())},
+            shift_slots=self.shift_slots, shift_deltas=self.shift_deltas,  # empty (decode steps shift nothing)
             input_ids=input_ids, page_columns=self.page_columns)
 
     def op_inputs(self) -> dict:

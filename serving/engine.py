@@ -26,7 +26,7 @@ from .online import OnlineEngine
 from .ort_runner import ModelRunner
 from .sampling import SamplingParams, choose_tokens
 from .sequence import Sequence
-from .step_feeds import step_feeds
+from .step_feeds import NEXT_DECODE_CHANGES, next_decode_feeds, step_feeds
 from .text import StopMatcher, TextStream
 
 DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
@@ -255,7 +255,7 @@ class Engine(OnlineEngine):
         self._times["ort_run"] += ran - scheduled
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         if steps > 1:
-            return self._decode_steps(plan, sequences, steps, logits, waiting, running, (began, scheduled, ran))
+            return self._decode_steps(plan, feeds, sequences, steps, logits, waiting, running, (began, scheduled, ran))
         self.manager.commit(plan)
         self._count_step(plan)
         rows, choosing = self._choosers(sequences)
@@ -266,8 +266,10 @@ class Engine(OnlineEngine):
         self._trace(plan, feeds, (began, scheduled, ran))
         return 1
 
-    def _decode_steps(self, plan, sequences: list, steps: int, logits, waiting, running: list, times: tuple) -> int:
-        """Runs up to ``steps`` decode steps the manager planned at once, the first of which just ran (``logits``):
+    def _decode_steps(self, plan, feeds: dict, sequences: list, steps: int, logits, waiting, running: list,
+                      times: tuple) -> int:
+        """Runs up to ``steps`` decode steps the manager planned at once, the first of which just ran (``feeds``,
+        ``logits``):
         each step's tokens are chosen and handed over, then :meth:`KVCacheManager.advance` gives the next step's
         plan; a step that ends a request ends the run. The steps that ran are committed together (also when handing
         tokens over raised), then the requests that are done leave. Returns how many steps ran."""
@@ -288,9 +290,9 @@ class Engine(OnlineEngine):
                 began = scheduled = time.perf_counter()
                 try:
                     plan = self.manager.advance(plan, tokens)
-                    feeds = step_feeds(plan)
+                    feeds = next_decode_feeds(feeds, plan)
                     scheduled = time.perf_counter()
-                    logits = self.runner.run(feeds)
+                    logits = self.runner.run(feeds, NEXT_DECODE_CHANGES)
                 except BaseException:
                     self._roll_back(plan, waiting, running)  # every planned step: the requests are recomputed
                     plan = None

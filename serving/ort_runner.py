@@ -145,12 +145,15 @@ class ModelRunner:
         self._logits_dtype = (None if self.device[0] != "cpu" else
                               {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(output.type))
 
-    def run(self, feeds: dict) -> np.ndarray:
+    def run(self, feeds: dict, changed=None) -> np.ndarray:
         """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
         (host, the graph's float type), in a buffer the next ``run`` may overwrite (copy what must outlive the
-        step). The cache is updated in place. One call at a time: the runner's buffers serve every step."""
+        step). The cache is updated in place. One call at a time: the runner's buffers serve every step.
+        ``changed``: the names of the only inputs that differ from the previous call's (which fed the same shapes):
+        on the CPU EP the others are not copied again."""
         binding, refill = self._binding, self.device[0] == "cpu"
-        for name in self.session_inputs:
+        names = self.session_inputs if changed is None or not refill else changed
+        for name in names:
             if name == "cache" or name == "scale":
                 continue
             value, bound = feeds[name], self._inputs.get(name)

@@ -26,3 +26,15 @@ def step_feeds(plan) -> dict:
 def _ready(value) -> bool:
     """Whether ``value`` is already what ONNX Runtime binds without a copy: an int64 C-contiguous array."""
     return type(value) is np.ndarray and value.dtype == np.int64 and value.flags.c_contiguous
+
+
+#: The feeds a decode step planned ahead changes (``next_decode_feeds``); the others stay as the step before had them.
+NEXT_DECODE_CHANGES = ("input_ids", "positions", "kvstarts", "start_pos", "max_kvlen")
+
+
+def next_decode_feeds(feeds: dict, plan) -> dict:
+    """The feeds of ``plan``, a decode step planned ahead (:meth:`~kvcache_op.manager.StepPlan.next_decode`), from
+    ``feeds``, the step before it's: only :data:`NEXT_DECODE_CHANGES` differ (the plan's own arrays), the page tables
+    and sizes are the same objects."""
+    return {**feeds, "input_ids": plan.input_ids, "positions": plan.query_positions, "kvstarts": plan.kvstarts,
+            "start_pos": plan.start_pos, "max_kvlen": plan.max_kvlen}

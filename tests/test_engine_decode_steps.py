@@ -51,10 +51,10 @@ def test_a_run_failing_inside_planned_steps_rolls_them_back_and_the_engine_recov
     engine = Engine(path, num_pages=24, decode_steps=8)
     advances, real_run = counting_advances(engine), engine.runner.run
 
-    def failing_run(feeds):
+    def failing_run(feeds, *changed):
         if len(advances) == 5:  # the sixth step of a planned run (its first came from schedule_decode)
             raise RuntimeError("device lost")
-        return real_run(feeds)
+        return real_run(feeds, *changed)
 
     monkeypatch.setattr(engine.runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="device lost"):

@@ -103,10 +103,10 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     # threads are scheduled on a loaded machine (unpaced, a tiny model's 900 steps once ended first).
     calls_done, run = threading.Event(), engine.runner.run
 
-    def paced(feeds):
+    def paced(feeds, *changed):
         if not calls_done.is_set():
             time.sleep(0.005)
-        return run(feeds)
+        return run(feeds, *changed)
     engine.runner.run = paced
     long = engine.submit(PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True))  # runs through all the calls
     results = {}
@@ -151,7 +151,7 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
     handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
     assert len(handle.result(timeout=60)) == 4
 
-    def broken(feeds):
+    def broken(feeds, *changed):
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(engine.runner, "run", broken)

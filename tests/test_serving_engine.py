@@ -112,11 +112,11 @@ def test_a_failed_run_rolls_the_step_back_and_the_engine_recovers(monkeypatch):
     engine = Engine(path, **TIGHT)
     real_run, calls = engine.runner.run, []
 
-    def failing_run(feeds):
+    def failing_run(feeds, *changed):
         calls.append(1)
         if len(calls) == 7:
             raise RuntimeError("device lost")
-        return real_run(feeds)
+        return real_run(feeds, *changed)
 
     monkeypatch.setattr(engine.runner, "run", failing_run)
     with pytest.raises(RuntimeError, match="device lost"):
