@@ -126,7 +126,8 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         the first step's, and :meth:`advance` gives each next one from the tokens the previous one chose, so a
         decode loop pays for planning once every ``steps`` steps. ``commit`` then commits the steps that ran
         (returning the pages taken for those that did not), as that many one-step transactions would leave the
-        manager, except that a request's page for a step that did not run was taken (it goes back free; a cached
+        manager (what it reports and publishes; a crossed page's later tokens may sit in the request's token
+        list rather than its tail buffer), except that a request's page for a step that did not run was taken (it goes back free; a cached
         page evicted for it stays evicted, as on ``abort``); ``abort`` rolls all of them back."""
         self._check_idle()
         if not isinstance(request_ids, (list, tuple)):
@@ -154,9 +155,10 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")
         ids = token_array(tokens, len(step.rids), self.vocab_size, "advance: tokens")
         ids.setflags(write=False)
+        following = plan.next_decode(ids)  # before any change: a failure here leaves the step as it was
         step.fed.append(ids)
-        step.plan = plan.next_decode(ids)
-        return step.plan
+        step.plan = following
+        return following
 
     def _check_idle(self) -> None:
         if self._pending is not None:

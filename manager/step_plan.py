@@ -62,13 +62,14 @@ class StepPlan:
 
     def next_decode(self, input_ids: np.ndarray) -> "StepPlan":
         """The plan of the decode step after this one (a step of one token each) when the page tables already
-        hold its pages: every request one position further, fed ``input_ids`` (int64, one per request)."""
+        hold its pages: every request one position further, fed ``input_ids`` (int64, one per request). Its arrays
+        are of the kinds ``build_plan`` makes (``max_kvlen`` a 0-d int64 array, as ONNX Runtime binds it)."""
         steps = np.arange(len(self.kvstarts), dtype=np.int64)
         kvstarts, start_pos, query_positions = self.kvstarts + steps, self.start_pos + 1, self.query_positions + 1
         rids = self.request_ids
         return StepPlan(
             request_ids=rids, seqstarts=self.seqstarts, kvstarts=kvstarts, cachestarts=self.cachestarts,
-            start_pos=start_pos, max_seqlen=self.max_seqlen, max_kvlen=self.max_kvlen + (1 if len(rids) else 0),
+            start_pos=start_pos, max_seqlen=self.max_seqlen, max_kvlen=np.array(self.max_kvlen + (1 if len(rids) else 0), np.int64),
             query_positions=query_positions,
             key_positions=lambda: runs(query_positions - start_pos, start_pos + 1, kvstarts),
             fed_tokens=lambda: {rid: [token] for rid, token in zip(rids, input_ids.tolist())},

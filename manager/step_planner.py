@@ -43,6 +43,10 @@ class StepPlanner:
         new_pages = int(np.count_nonzero(need))
         # (the maximum first: one reduction where, as almost always, no request holds max_pages pages)
         if new_pages and held.max() >= self.max_pages and (held[need] >= self.max_pages).any():
+            if steps > 1:  # _check_each checks one step: name the request here
+                b = int(np.argmax(need & (held >= self.max_pages)))
+                raise ValueError(f"request {rids[b]!r}: {steps} decode steps need more than max_pages="
+                                 f"{self.max_pages} pages")
             raise ValueError("a request's step needs more than max_pages pages")  # _check_each says which
         work = []
         if not all_plain:

@@ -294,8 +294,8 @@ class Engine(OnlineEngine):
                     scheduled = time.perf_counter()
                     logits = self.runner.run(feeds, NEXT_DECODE_CHANGES)
                 except BaseException:
-                    self._roll_back(plan, waiting, running)  # every planned step: the requests are recomputed
-                    plan = None
+                    failed, plan = plan, None  # nothing to commit, whatever the roll-back raises
+                    self._roll_back(failed, waiting, running)  # every planned step: the requests are recomputed
                     raise
                 self._times["scheduling"] += scheduled - began
                 times = (began, scheduled, time.perf_counter())

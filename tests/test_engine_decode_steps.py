@@ -96,3 +96,16 @@ def test_decode_steps_are_checked_and_off_where_pages_move():
             Engine(path, num_pages=8, decode_steps=bad)
     assert Engine(path, num_pages=8, decode_steps=100).decode_steps == 16  # at most a page
     assert Engine(hf_models.exported("mistral"), num_pages=8, decode_steps=8).decode_steps == 1  # a window
+
+
+def test_planned_steps_bind_as_a_device_session_binds():
+    """A device session binds every input afresh each step (``bind_cpu_input``), which takes int64 arrays only (a
+    numpy scalar is refused): the runner's device path, run here over the CPU EP, gives the same tokens planning
+    steps ahead as one at a time."""
+    path, prompts = hf_models.exported("llama"), [[1, 2, 3, 4, 5], [9, 8, 7]]
+    results = []
+    for steps in (1, 4):
+        engine = Engine(path, num_pages=24, decode_steps=steps)
+        engine.runner.device = ("cuda", 0)  # the binding path of a device session; the session stays on the CPU
+        results.append(engine.generate(prompts, 10))
+    assert results[0] == results[1]

@@ -153,8 +153,12 @@ def test_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed)
                 plan = a.advance(plan, tokens[j])
             twin = b.schedule_decode(rids, tokens[j])
             for name in PLAN_ARRAYS + ("input_ids",):
+                mine, theirs = getattr(plan, name), getattr(twin, name)
+                # the same kinds of arrays (ONNX Runtime binds a 0-d array, not a numpy scalar)
+                assert type(mine) is type(theirs) is np.ndarray and mine.dtype == theirs.dtype == np.int64, name
+                assert mine.ndim == theirs.ndim, name
                 if name != "cachestarts":
-                    assert np.array_equal(getattr(plan, name), getattr(twin, name)), name
+                    assert np.array_equal(mine, theirs), name
             for row, (mine, theirs) in enumerate(zip(plan.cachestarts, twin.cachestarts)):
                 used = -(-(plan.kvstarts[row + 1] - plan.kvstarts[row]) // 4)
                 assert (mine[:used] >= 0).all() and (theirs[:used] >= 0).all() and (theirs[used:] == -1).all()
@@ -194,3 +198,31 @@ def test_decode_steps_planned_at_once_are_refused_where_they_cannot_be_exact():
         a.advance(plan, [5])  # one token per request
     a.abort(plan)
     assert manager_state(a) == before
+
+
+def test_a_failed_advance_changes_nothing():
+    """An ``advance`` that raises (here: the caller edited its plan) leaves the planned steps as they were: the commit
+    that follows commits the one step that ran, and no page holding an unwritten slot is ever served."""
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", [1, 2])
+    m.commit(m.schedule({"a": [1, 2]}))
+    plan = m.schedule_decode(["a"], [5], steps=4)  # stores position 2
+    plan.start_pos = list(plan.start_pos)
+    with pytest.raises(TypeError):
+        m.advance(plan, [6])
+    m.commit(plan)
+    assert m.computed("a") == 3
+    assert m.add_request("b", [1, 2, 5, 6, 7]) == 0  # position 3 was never written: page 0 is not offered
+    m.check()
+
+
+def test_planned_steps_past_max_pages_name_the_request():
+    m = KVCacheManager(16, 4, 2)
+    m.add_request("a", [1, 2, 3, 4, 5, 6])
+    m.commit(m.schedule({"a": [1, 2, 3, 4, 5, 6]}))  # 2 pages: positions up to 7 fit
+    before = manager_state(m)
+    with pytest.raises(ValueError, match="request 'a': 3 decode steps need more than max_pages=2"):
+        m.schedule_decode(["a"], [7], steps=3)  # positions 6, 7, 8
+    assert manager_state(m) == before
+    m.commit(m.advance(m.schedule_decode(["a"], [7], steps=2), [8]))  # positions 6, 7
+    assert m.computed("a") == 8
