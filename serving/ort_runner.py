@@ -152,7 +152,7 @@ class ModelRunner:
         ``changed``: the names of the only inputs that differ from the previous call's (which fed the same shapes):
         on the CPU EP the others are not copied again."""
         binding, refill = self._binding, self.device[0] == "cpu"
-        names = self.session_inputs if changed is None or not refill else changed
+        names = self.session_inputs if changed is None or not refill else [n for n in self.session_inputs if n in changed]
         for name in names:
             if name == "cache" or name == "scale":
                 continue
