@@ -80,7 +80,6 @@ class StepApplier:
             for u in unused[::-1].tolist():
                 page = int(R.table[table_rows[u], columns[u]]) // ps
                 self.pool.untake(page)
-                step.taken.remove(page)
             R.table[table_rows[unused], columns[unused]] = -1
             R.npages[table_rows[unused]] = columns[unused]
         if ran > 1:

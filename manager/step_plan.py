@@ -64,8 +64,8 @@ class StepPlan:
         """The plan of the decode step after this one (a step of one token each) when the page tables already
         hold its pages: every request one position further, fed ``input_ids`` (int64, one per request). Its arrays
         are of the kinds ``build_plan`` makes (``max_kvlen`` a 0-d int64 array, as ONNX Runtime binds it)."""
-        steps = np.arange(len(self.kvstarts), dtype=np.int64)
-        kvstarts, start_pos, query_positions = self.kvstarts + steps, self.start_pos + 1, self.query_positions + 1
+        keys_before = np.arange(len(self.kvstarts), dtype=np.int64)  # each earlier sequence gathers one key more
+        kvstarts, start_pos, query_positions = self.kvstarts + keys_before, self.start_pos + 1, self.query_positions + 1
         rids = self.request_ids
         return StepPlan(
             request_ids=rids, seqstarts=self.seqstarts, kvstarts=kvstarts, cachestarts=self.cachestarts,

@@ -236,7 +236,7 @@ class Engine(OnlineEngine):
         """One step (or a run of decode steps planned at once); returns how many steps ran (at least 1)."""
         began = time.perf_counter()
         self._admit(step, waiting, running)
-        planned = self._plan(waiting, running, self._steps_ahead(step, waiting, running)) if running else None
+        planned = self._plan(step, waiting, running) if running else None
         if planned is None:
             self._times["scheduling"] += time.perf_counter() - began
             return 1
@@ -325,7 +325,8 @@ class Engine(OnlineEngine):
         self._counters["fed_tokens"] += int(plan.seqstarts[-1])
 
     def _trace(self, plan, feeds, times: tuple) -> None:
-        """One record of ``step_trace`` (``times``: when the step began, was scheduled and had run)."""
+        """Counts the host work since the run ended (``times``: when the step began, was scheduled and had run) and,
+        with ``trace_steps``, keeps the step's record in ``step_trace``."""
         if self.step_trace is not None:
             began, scheduled, ran = times
             done = time.perf_counter()
@@ -472,15 +473,17 @@ class Engine(OnlineEngine):
                 budget -= len(chunk)
         return feeds
 
-    def _plan(self, waiting, running: list, steps: int = 1):
+    def _plan(self, step: int, waiting, running: list):
         """(the manager's plan of this step, its sequences in the plan's order, how many decode steps it plans).
         While pages are short, prefill chunks are halved first (a chunk needs pages only for what it feeds), then
         decode steps are planned one at a time, then the most recently admitted requests are preempted. ``None``
         when nothing can be fed. A step of decodes alone (most steps) is planned by ``schedule_decode``: the same
         plan, without a dict and a list per request, and ``steps`` of them at once."""
-        chunk_limit = self._chunk_limit
+        chunk_limit, steps = self._chunk_limit, None
         while running:
             decodes_only = len(running) <= self.max_batch_tokens and all(q.next_input is not None for q in running)
+            if decodes_only and steps is None:  # only a step of decodes alone plans several
+                steps = self._steps_ahead(step, waiting, running)
             feeds = None if decodes_only else self._feeds(running, chunk_limit)
             if not decodes_only and not feeds:
                 return None
