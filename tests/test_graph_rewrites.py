@@ -95,3 +95,30 @@ def test_an_onnxscript_without_the_fusions_still_exports_with_a_warning(tmp_path
     ops = [n.op_type for n in proto.graph.node]
     assert "SkipSimplifiedLayerNormalization" not in ops and "Pow" in ops
     assert ops.count("MatMul") == 4 * hf_models.model("llama").config.num_hidden_layers + 1
+
+
+def test_taking_the_one_row_of_a_batch_squeezes_instead_of_gathering():
+    from kvcache_op.hf.graph_rewrites import squeeze_unit_gathers
+
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("one", 1), ("row", [0]))]
+    nodes = [helper.make_node("Gather", ["x", "zero"], ["a"], axis=0),  # one row of a batch of one: squeezed
+             helper.make_node("Gather", ["w", "zero"], ["b"], axis=0),  # a batch of two: a real gather
+             helper.make_node("Gather", ["x", "one"], ["c"], axis=1),  # another axis
+             helper.make_node("Gather", ["x", "row"], ["d"], axis=0)]  # indices of rank 1 keep the axis
+    nodes += [helper.make_node("Identity", [n], [f"out_{n}"]) for n in "abcd"]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "t", 4]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [2, "t", 4])],
+                              [helper.make_tensor_value_info(f"out_{n}", TensorProto.FLOAT, None) for n in "abcd"],
+                              consts)
+    proto = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((1, 3, 4)).astype(np.float32), "w": rng.standard_normal((2, 3, 4)).astype(np.float32)}
+    before = _run(proto, feeds)
+    model = ir.from_proto(proto)
+    assert squeeze_unit_gathers(model) == 1
+    after_proto = ir.to_proto(model)
+    assert collections.Counter(n.op_type for n in after_proto.graph.node)["Gather"] == 3
+    after = _run(after_proto, feeds)
+    for name, value in before.items():
+        np.testing.assert_array_equal(after[name], value)
+        assert after[name].shape == value.shape

@@ -91,8 +91,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     2.4 ms per layer in layout 1 against 7.6 ms in layout 0, whose slots interleave the layers). The file carries
     :class:`~kvcache_op.serving.ModelInfo` as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
     progress; ``metadata``: more ``metadata_props`` to write (e.g. where the checkpoint came from). ``optimize``
-    applies :func:`~kvcache_op.hf.graph_rewrites.optimize_decoder` (fused norms and sibling MatMuls, for every
-    family). ``ValueError``
+    applies :func:`~kvcache_op.hf.graph_rewrites.optimize_decoder` (fused norms, sibling MatMuls and rotary
+    embeddings, for every family). ``ValueError``
     for a model or setting the graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
@@ -117,7 +117,7 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     with torch.no_grad():
         proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
     if optimize:
-        proto, _ = optimize_decoder(proto)
+        proto, _ = optimize_decoder(proto, max_positions=decoder.shape.max_positions)
     info = model_info(decoder)
     onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **(metadata or {}),
                                         **info.to_metadata()})

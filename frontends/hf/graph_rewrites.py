@@ -1,7 +1,9 @@
 """Graph rewrites applied to every exported decoder, whatever its family: onnxscript's ONNX Runtime fusions (RMS
-norms, and residual adds with them, to ``SimplifiedLayerNormalization``/``SkipSimplifiedLayerNormalization``), and
+norms, and residual adds with them, to ``SimplifiedLayerNormalization``/``SkipSimplifiedLayerNormalization``),
 sibling MatMuls fused: the MatMuls that multiply one tensor by constant weights (q/k/v, gate/up) become one MatMul
-over the concatenated weights and a Split, so a decode step reads its activations once and runs one kernel."""
+over the concatenated weights and a Split, so a decode step reads its activations once and runs one kernel; and
+rotary embeddings as ONNX Runtime's RotaryEmbedding over constant tables (``rotary_fusion``); and the packed batch's
+one row taken with a Squeeze rather than a copying Gather."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import collections
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from .rotary_fusion import fuse_rotary_embeddings
 
 
 def _constant_matrix(value):
@@ -64,6 +68,38 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
     return fused
 
 
+def squeeze_unit_gathers(model: ir.Model) -> int:
+    """Replaces each ``Gather(x, 0)`` on axis 0 of an ``x`` whose first dimension is 1 (the packed batch's one row,
+    taken apart for the attention ops) by ``Squeeze(x, [0])``: the same values, without the copy a Gather makes
+    (ONNX Runtime's Squeeze reuses its input's buffer). Returns how many were replaced."""
+    graph = model.graph
+    if model.opset_imports.get("", 0) < 13:  # Squeeze takes its axes as an input from opset 13
+        return 0
+    axes = None
+    replaced = 0
+    for node in list(graph):
+        if node.op_type != "Gather" or node.domain != "" or len(node.inputs) != 2:
+            continue
+        axis = node.attributes.get("axis")
+        index = node.inputs[1].const_value if node.inputs[1] is not None else None
+        shape = node.inputs[0].shape
+        if (axis is not None and axis.as_int() != 0) or index is None or index.numpy().shape != () or \
+                int(index.numpy()) not in (0, -1) or shape is None or len(shape) < 1 or shape[0] != 1:
+            continue
+        if node.outputs[0].is_graph_output():  # a graph output keeps its name
+            continue
+        if axes is None:
+            axes = ir.Value(name="unit_gather_axes", const_value=ir.tensor(np.array([0], np.int64)))
+            graph.register_initializer(axes)
+        squeeze = ir.Node("", "Squeeze", inputs=[node.inputs[0], axes], name=f"{node.name}_squeeze")
+        graph.insert_before(node, squeeze)
+        squeeze.outputs[0].shape, squeeze.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+        ir.convenience.replace_all_uses_with(node.outputs[0], squeeze.outputs[0])
+        graph.remove(node, safe=True)
+        replaced += 1
+    return replaced
+
+
 # onnxscript's ONNX Runtime fusions the exported decoders take: norms (and residual adds with them) and GELU. Not its
 # rotary fusions: with the packed batch's computed cos/sin they make com.microsoft RotaryEmbedding nodes whose
 # caches are not constant, which ONNX Runtime's CUDA EP refuses ("Updating cos_cache and sin_cache ... is not
@@ -73,10 +109,12 @@ FUSIONS = ("fuse_erfgelu", "fuse_rms_normalization", "fuse_skip_layer_normalizat
            "fuse_gelu", "fuse_bias_gelu")
 
 
-def optimize_decoder(proto: onnx.ModelProto) -> tuple:
-    """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions in :data:`FUSIONS` and
-    :func:`fuse_sibling_matmuls` applied, and how many of each were made. The graph's inputs, outputs, custom ops and
-    metadata are kept; every op it holds runs on ONNX Runtime's CPU and CUDA EPs."""
+def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
+    """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions in :data:`FUSIONS`,
+    :func:`fuse_sibling_matmuls`, with ``max_positions`` (the positions the model takes) rotary embeddings as
+    ONNX Runtime's RotaryEmbedding (:func:`~kvcache_op.hf.rotary_fusion.fuse_rotary_embeddings`), and
+    :func:`squeeze_unit_gathers` applied, and how many of each were made. The graph's inputs, outputs, custom ops and metadata are kept; every op it holds runs on
+    ONNX Runtime's CPU and CUDA EPs."""
     import warnings
 
     import onnxscript
@@ -104,4 +142,7 @@ def optimize_decoder(proto: onnx.ModelProto) -> tuple:
                 counts[name.removeprefix("fuse_")] = count
         _core.optimize(model)
     counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
+    if max_positions:
+        counts["rotary_embeddings"] = fuse_rotary_embeddings(model, max_positions)
+    counts["unit_gathers"] = squeeze_unit_gathers(model)
     return ir.to_proto(model), counts

@@ -1,0 +1,132 @@
+"""The rotary rewrite: ``x * cos + rotate_half(x) * sin`` with cos/sin computed from ``positions`` becomes ONNX
+Runtime's RotaryEmbedding over constant tables, with the same outputs (checked in ONNX Runtime against the graph
+before, at positions out of order); chains whose cos/sin are not per-position functions of the positions, or do not
+rotate by halves, are left as they are; and every exported decoder's rotary is fused."""
+
+import collections
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+pytest.importorskip("onnxscript")
+
+from kvcache_op.hf.rotary_fusion import fuse_rotary_embeddings  # noqa: E402
+
+HEADS, WIDTH, MAX_POSITIONS = 3, 8, 64
+INV_FREQ = (1.0 / 10000 ** (np.arange(0, WIDTH, 2) / WIDTH)).astype(np.float32)
+
+
+def _graph(angles="duplicated", transposed=False, source="positions"):
+    """A graph rotating ``x`` by halves as traced models do. ``angles``: "duplicated" (concat(f, f), as RoPE),
+    "distinct" (concat(f, 2f): not a rotation by halves), "cumulative" (angles from a running sum of the positions:
+    not one row per position). ``source``: the input the angles come from. ``transposed``: ``x`` arrives as
+    ``[1, T, H, D]`` and is moved to ``[1, H, T, D]`` and back around the rotation."""
+    nodes = [helper.make_node("Unsqueeze", [source, "axis0"], ["pos2"])]
+    if angles == "cumulative":
+        nodes.append(helper.make_node("CumSum", ["pos2", "axis1"], ["pos3"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["pos2"], ["pos3"]))
+    nodes += [helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
+              helper.make_node("Unsqueeze", ["posf", "axis_last"], ["posc"]),
+              helper.make_node("Mul", ["posc", "inv_freq"], ["freqs"])]
+    if angles == "distinct":
+        nodes += [helper.make_node("Mul", ["freqs", "two"], ["freqs2"]),
+                  helper.make_node("Concat", ["freqs", "freqs2"], ["emb"], axis=-1)]
+    else:
+        nodes.append(helper.make_node("Concat", ["freqs", "freqs"], ["emb"], axis=-1))
+    nodes += [helper.make_node("Cos", ["emb"], ["cos3"]), helper.make_node("Sin", ["emb"], ["sin3"]),
+              helper.make_node("Unsqueeze", ["cos3", "axis1"], ["cos"]),  # [1, 1, T, D]
+              helper.make_node("Unsqueeze", ["sin3", "axis1"], ["sin"])]
+    x = "x"
+    if transposed:
+        nodes.append(helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1, 3]))
+        x = "xt"
+    half = WIDTH // 2
+    nodes += [helper.make_node("Slice", [x, "zero", "half", "axis_last"], ["x1"]),
+              helper.make_node("Slice", [x, "half", "big", "axis_last"], ["x2"]),
+              helper.make_node("Neg", ["x2"], ["nx2"]),
+              helper.make_node("Concat", ["nx2", "x1"], ["rot"], axis=-1),
+              helper.make_node("Mul", [x, "cos"], ["xc"]),
+              helper.make_node("Mul", ["sin", "rot"], ["rs"]),  # operands in either order
+              helper.make_node("Add", ["rs", "xc"], ["yt" if transposed else "yr"])]
+    if transposed:
+        nodes.append(helper.make_node("Transpose", ["yt"], ["yr"], perm=[0, 2, 1, 3]))
+    nodes.append(helper.make_node("Identity", ["yr"], ["y"]))  # a graph output keeps its name: it is not rewritten
+    consts = {"axis0": [0], "axis1": [1], "axis_last": [-1], "zero": [0], "half": [half], "big": [2 ** 62]}
+    inits = [numpy_helper.from_array(np.array(v, np.int64), k) for k, v in consts.items()]
+    inits += [numpy_helper.from_array(INV_FREQ, "inv_freq"), numpy_helper.from_array(np.float32(2), "two")]
+    x_shape = [1, "T", HEADS, WIDTH] if transposed else [1, HEADS, "T", WIDTH]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
+              helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"])]
+    if source != "positions":
+        inputs.append(helper.make_tensor_value_info(source, TensorProto.INT64, ["T"]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    return onnx.shape_inference.infer_shapes(proto)
+
+
+def _run(proto, positions, transposed=False):
+    rng = np.random.default_rng(len(positions))
+    shape = (1, len(positions), HEADS, WIDTH) if transposed else (1, HEADS, len(positions), WIDTH)
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32), "positions": np.asarray(positions, np.int64)}
+    names = {i.name for i in proto.graph.input}
+    feeds.update({n: feeds["positions"] for n in names - set(feeds)})
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(["y"], {k: v for k, v in feeds.items() if k in names})[0]
+
+
+def _fused(proto):
+    model = ir.from_proto(proto)
+    count = fuse_rotary_embeddings(model, MAX_POSITIONS)
+    return count, ir.to_proto(model)
+
+
+def _ops(proto):
+    return collections.Counter(n.op_type for n in proto.graph.node)
+
+
+POSITIONS = [[5, 0, 63, 17, 1], [40], list(range(64))]
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_a_rotation_by_halves_becomes_one_node_with_the_same_outputs(transposed):
+    proto = _graph(transposed=transposed)
+    count, fused = _fused(proto)
+    assert count == 1
+    ops = _ops(fused)
+    assert ops["RotaryEmbedding"] == 1 and not ops["Neg"] and not ops["Cos"] and not ops["Sin"]
+    # Moved to [1, H, T, D] only for the rotation: the fused graph rotates [1, T, H * D] between Reshapes.
+    assert ops["Transpose"] == 0
+    for positions in POSITIONS:
+        np.testing.assert_allclose(_run(fused, positions, transposed), _run(proto, positions, transposed),
+                                   rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("why", ["distinct", "cumulative", "other input"])
+def test_chains_that_are_not_a_per_position_rotation_by_halves_stay(why):
+    proto = _graph(angles="duplicated", source="other") if why == "other input" else _graph(angles=why)
+    count, fused = _fused(proto)
+    assert count == 0
+    assert _ops(fused) == _ops(proto)
+    for positions in POSITIONS[:2]:
+        np.testing.assert_array_equal(_run(fused, positions), _run(proto, positions))
+
+
+def test_positions_past_the_tables_are_refused_by_onnx_runtime():
+    _, fused = _fused(_graph())
+    with pytest.raises(Exception, match="out of range"):
+        _run(fused, [0, MAX_POSITIONS])
+
+
+def test_every_exported_decoder_rotates_with_the_fused_node():
+    pytest.importorskip("transformers")
+    import hf_models
+
+    model = hf_models.model("llama")
+    ops = _ops(onnx.load(hf_models.exported("llama"), load_external_data=False))
+    assert ops["RotaryEmbedding"] == 2 * model.config.num_hidden_layers  # queries and keys of every layer
+    assert not ops["Neg"] and not ops["Cos"] and not ops["Sin"]
