@@ -90,13 +90,13 @@ def token_array(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
         ids = tokens.astype(np.int64)
         if tokens.dtype.kind == "u" and ids.size and int(tokens.max()) >= _INT64_LIMIT:
             raise ValueError(f"{what}: token id {int(tokens.max())} is outside [0, vocab_size={vocab_size})")
-    else:
+        if ids.size and int(ids.view(np.uint64).max()) >= vocab_size:  # a negative id is a huge unsigned one
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
+    else:  # token_ids checked every id in Python: a decode loop's list of a few ids costs no numpy reduction
         ids = np.array(token_ids(tokens, vocab_size, what), np.int64)
     if len(ids) != count:
         raise ValueError(f"{what}: {len(ids)} token ids for {count} requests")
-    if ids.size and int(ids.view(np.uint64).max()) >= vocab_size:  # a negative id is a huge unsigned one
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
     return ids
 
 

@@ -155,7 +155,8 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")
         ids = token_array(tokens, len(step.rids), self.vocab_size, "advance: tokens")
         ids.setflags(write=False)
-        following = plan.next_decode(ids)  # before any change: a failure here leaves the step as it was
+        # before any change: a failure here leaves the step as it was
+        following = plan.next_decode(ids, step.steps - 1 - len(step.fed))
         step.fed.append(ids)
         step.plan = following
         return following
