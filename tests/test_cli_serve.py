@@ -70,3 +70,18 @@ def test_the_api_key_comes_from_the_flag_else_the_environment(monkeypatch):
     assert api_key_of(None) == "from-env" and api_key_of("from-flag") == "from-flag"
     monkeypatch.setenv(API_KEY_VARIABLE, "")
     assert api_key_of(None) is None
+
+
+def test_the_engine_flags_reach_the_engine():
+    import hf_models
+    from kvcache_op.serve_command import engine_options_of
+    from kvcache_op.serving import Engine
+
+    path = hf_models.exported("llama")
+    args = build_parser().parse_args(["serve", "model.onnx", "--decode-steps", "3", "--max-running", "5",
+                                      "--num-pages", "40"])
+    options = engine_options_of(args)
+    assert options["decode_steps"] == 3 and options["max_running"] == 5 and options["num_pages"] == 40
+    engine = Engine(path, **options)
+    assert (engine.decode_steps, engine.max_running, engine.num_pages) == (3, 5, 40)
+    assert engine_options_of(build_parser().parse_args(["serve", "model.onnx"]))["decode_steps"] is None  # default

@@ -100,8 +100,7 @@ def serve(args) -> int:
     name = args.model_name or pathlib.Path(args.model).name.removesuffix(".onnx")
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue)
-    engine_options = dict(num_pages=args.num_pages, max_batch_tokens=args.max_batch_tokens,
-                          max_running=args.max_running, intra_op_num_threads=args.threads)
+    engine_options = engine_options_of(args)
     began = time.perf_counter()
     if args.replicas:
         _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
@@ -109,6 +108,12 @@ def serve(args) -> int:
         _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options)
     print(f"stopped after {time.perf_counter() - began:.1f} s", flush=True)
     return 0
+
+
+def engine_options_of(args) -> dict:
+    """The :class:`~kvcache_op.serving.Engine` keywords ``kvcache-op serve``'s flags give (None: the engine's default)."""
+    return dict(num_pages=args.num_pages, max_batch_tokens=args.max_batch_tokens, max_running=args.max_running,
+                intra_op_num_threads=args.threads, decode_steps=args.decode_steps)
 
 
 def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
