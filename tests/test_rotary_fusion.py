@@ -130,3 +130,22 @@ def test_every_exported_decoder_rotates_with_the_fused_node():
     ops = _ops(onnx.load(hf_models.exported("llama"), load_external_data=False))
     assert ops["RotaryEmbedding"] == 2 * model.config.num_hidden_layers  # queries and keys of every layer
     assert not ops["Neg"] and not ops["Cos"] and not ops["Sin"]
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+                                  {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}])
+def test_scaled_rotaries_fuse_and_give_the_models_own_tokens(rope, tmp_path):
+    """YaRN scales cos/sin by its attention factor (a constant folded into the traced subgraph) and Llama 3 bends
+    the frequencies: the tables come from the graph's own subgraph, so both fuse and stay exact."""
+    pytest.importorskip("transformers")
+    from kvcache_op.hf import export_model, tiny_model
+    from kvcache_op.hf.verify import reference_generate
+    from kvcache_op.serving import Engine
+
+    base = tiny_model("llama")
+    model = tiny_model("llama", rope_parameters={**base.config.rope_parameters, **rope})
+    path = export_model(model, tmp_path / "scaled.onnx", page_size=8)
+    assert _ops(onnx.load(path, load_external_data=False))["RotaryEmbedding"] == 2 * model.config.num_hidden_layers
+    prompts = [list(range(5, 45)), [200, 201, 202]]
+    assert Engine(path, num_pages=32).generate(prompts, 10) == [reference_generate(model, p, 10) for p in prompts]
