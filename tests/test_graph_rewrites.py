@@ -100,10 +100,10 @@ def test_an_onnxscript_without_the_fusions_still_exports_with_a_warning(tmp_path
 def test_taking_the_one_row_of_a_batch_squeezes_instead_of_gathering():
     from kvcache_op.hf.graph_rewrites import squeeze_unit_gathers
 
-    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("one", 1), ("row", [0]))]
+    consts = [numpy_helper.from_array(np.array(v, np.int64), n) for n, v in (("zero", 0), ("row", [0]))]
     nodes = [helper.make_node("Gather", ["x", "zero"], ["a"], axis=0),  # one row of a batch of one: squeezed
              helper.make_node("Gather", ["w", "zero"], ["b"], axis=0),  # a batch of two: a real gather
-             helper.make_node("Gather", ["x", "one"], ["c"], axis=1),  # another axis
+             helper.make_node("Gather", ["x", "zero"], ["c"], axis=1),  # another axis (x's first dim is 1 too)
              helper.make_node("Gather", ["x", "row"], ["d"], axis=0)]  # indices of rank 1 keep the axis
     nodes += [helper.make_node("Identity", [n], [f"out_{n}"]) for n in "abcd"]
     graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "t", 4]),

@@ -20,14 +20,20 @@ HEADS, WIDTH, MAX_POSITIONS = 3, 8, 64
 INV_FREQ = (1.0 / 10000 ** (np.arange(0, WIDTH, 2) / WIDTH)).astype(np.float32)
 
 
-def _graph(angles="duplicated", transposed=False, source="positions"):
+def _graph(angles="duplicated", transposed=False, source="positions", positions_type=TensorProto.INT64,
+           feedable_freq=False, unnamed=False, transpose_output=False):
     """A graph rotating ``x`` by halves as traced models do. ``angles``: "duplicated" (concat(f, f), as RoPE),
     "distinct" (concat(f, 2f): not a rotation by halves), "cumulative" (angles from a running sum of the positions:
-    not one row per position). ``source``: the input the angles come from. ``transposed``: ``x`` arrives as
-    ``[1, T, H, D]`` and is moved to ``[1, H, T, D]`` and back around the rotation."""
+    not one row per position), "relative" (positions less the batch's smallest: rows that depend on the batch).
+    ``source``: the input the angles come from. ``transposed``: ``x`` arrives as ``[1, T, H, D]`` and is moved to
+    ``[1, H, T, D]`` and back around the rotation (``transpose_output``: the moved ``x`` is a graph output too).
+    ``feedable_freq``: the frequencies are an initializer a caller may feed. ``unnamed``: no node has a name."""
     nodes = [helper.make_node("Unsqueeze", [source, "axis0"], ["pos2"])]
     if angles == "cumulative":
         nodes.append(helper.make_node("CumSum", ["pos2", "axis1"], ["pos3"]))
+    elif angles == "relative":
+        nodes += [helper.make_node("ReduceMin", ["pos2"], ["first"]),  # invisible when position 0 is in the batch
+                  helper.make_node("Sub", ["pos2", "first"], ["pos3"])]
     else:
         nodes.append(helper.make_node("Identity", ["pos2"], ["pos3"]))
     nodes += [helper.make_node("Cast", ["pos3"], ["posf"], to=TensorProto.FLOAT),
@@ -62,9 +68,19 @@ def _graph(angles="duplicated", transposed=False, source="positions"):
     x_shape = [1, "T", HEADS, WIDTH] if transposed else [1, HEADS, "T", WIDTH]
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape),
               helper.make_tensor_value_info("positions", TensorProto.INT64, ["T"])]
+    inputs[1] = helper.make_tensor_value_info("positions", positions_type, ["T"])
     if source != "positions":
         inputs.append(helper.make_tensor_value_info(source, TensorProto.INT64, ["T"]))
-    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    if feedable_freq:
+        inputs.append(helper.make_tensor_value_info("inv_freq", TensorProto.FLOAT, [WIDTH // 2]))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)]
+    if transpose_output:
+        outputs.append(helper.make_tensor_value_info("xt", TensorProto.FLOAT, None))
+    for node in nodes if unnamed else ():
+        node.name = ""
+    for i, node in enumerate(nodes if not unnamed else ()):
+        node.name = f"n{i}"
+    graph = helper.make_graph(nodes, "g", inputs, outputs, inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     return onnx.shape_inference.infer_shapes(proto)
 
@@ -75,13 +91,19 @@ def _run(proto, positions, transposed=False):
     feeds = {"x": rng.standard_normal(shape).astype(np.float32), "positions": np.asarray(positions, np.int64)}
     names = {i.name for i in proto.graph.input}
     feeds.update({n: feeds["positions"] for n in names - set(feeds)})
+    if "inv_freq" in names:
+        feeds["inv_freq"] = INV_FREQ
+    feeds["positions"] = feeds["positions"].astype(_INTEGER[proto.graph.input[1].type.tensor_type.elem_type])
     session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
     return session.run(["y"], {k: v for k, v in feeds.items() if k in names})[0]
 
 
-def _fused(proto):
+_INTEGER = {TensorProto.INT64: np.int64, TensorProto.INT32: np.int32}
+
+
+def _fused(proto, max_positions=MAX_POSITIONS):
     model = ir.from_proto(proto)
-    count = fuse_rotary_embeddings(model, MAX_POSITIONS)
+    count = fuse_rotary_embeddings(model, max_positions)
     return count, ir.to_proto(model)
 
 
@@ -106,13 +128,33 @@ def test_a_rotation_by_halves_becomes_one_node_with_the_same_outputs(transposed)
                                    rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("why", ["distinct", "cumulative", "other input"])
+@pytest.mark.parametrize("transposed, unnamed, transpose_output", [(True, True, False), (True, False, True)])
+def test_unnamed_nodes_and_a_rotated_input_read_outside_fuse_with_the_same_outputs(transposed, unnamed,
+                                                                                  transpose_output):
+    proto = _graph(transposed=transposed, unnamed=unnamed, transpose_output=transpose_output)
+    count, fused = _fused(proto)
+    assert count == 1
+    for positions in POSITIONS:
+        np.testing.assert_allclose(_run(fused, positions, transposed), _run(proto, positions, transposed),
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_a_table_of_one_position():
+    count, fused = _fused(_graph(), max_positions=1)
+    assert count == 1
+    np.testing.assert_allclose(_run(fused, [0]), _run(_graph(), [0]), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("why", ["distinct", "cumulative", "relative", "other input", "feedable frequencies",
+                                 "int32 positions"])
 def test_chains_that_are_not_a_per_position_rotation_by_halves_stay(why):
-    proto = _graph(angles="duplicated", source="other") if why == "other input" else _graph(angles=why)
+    proto = {"other input": lambda: _graph(source="other"),
+             "feedable frequencies": lambda: _graph(feedable_freq=True),
+             "int32 positions": lambda: _graph(positions_type=TensorProto.INT32)}.get(why, lambda: _graph(angles=why))()
     count, fused = _fused(proto)
     assert count == 0
     assert _ops(fused) == _ops(proto)
-    for positions in POSITIONS[:2]:
+    for positions in [*POSITIONS[:2], [10, 11, 12]]:
         np.testing.assert_array_equal(_run(fused, positions), _run(proto, positions))
 
 

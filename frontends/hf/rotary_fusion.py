@@ -116,8 +116,10 @@ def _position_subgraph(values):
         seen.add(id(value))
         node = value.producer()
         if node is None:
-            if value.is_graph_input() and value.name == POSITIONS:
-                continue
+            if value.is_graph_input():  # positions, or an initializer a caller may feed another value for
+                if value.name == POSITIONS:
+                    continue
+                return None
             if value.const_value is None:
                 return None
             continue
@@ -200,22 +202,26 @@ def _tables(model, cos, sin, width: int, max_positions: int):
     nodes = _position_subgraph([cos, sin])
     if nodes is None or width % 2 or cos.dtype is None or sin.dtype is None:
         return None
-    if 2 * max_positions * (width // 2) * 4 > TABLE_LIMIT:  # float32 tables (float16 ones are half)
+    if 2 * max_positions * (width // 2) * max(cos.dtype.itemsize, sin.dtype.itemsize) > TABLE_LIMIT:
         return None
-    sample = np.unique(np.array([max_positions - 1, 0, max_positions // 2, 1, max_positions // 3]))[::-1].copy()
+    last = max_positions - 1
+    # Positions out of order, with both ends of the table and without them: rows that depend on the other positions
+    # of the batch (its largest, its first) differ from the table's in one of them.
+    samples = [np.unique(np.array([last, 0, last // 2, min(1, last), last // 3]))[::-1].copy(),
+               np.unique(np.array([last // 2, (last + 1) // 3]))[::-1].copy()]
     try:
         full = _evaluate(model, nodes, [cos, sin], np.arange(max_positions))
-        part = _evaluate(model, nodes, [cos, sin], sample)
+        parts = [_evaluate(model, nodes, [cos, sin], sample) for sample in samples]
     except Exception as error:  # noqa: BLE001 - the chain then stays as traced, and the export says so
         warnings.warn(f"rotary embeddings left unfused: their cos/sin subgraph did not run alone in ONNX Runtime "
                       f"({type(error).__name__}: {error})", stacklevel=3)
         return None
     tables = []
-    for whole, sampled in zip(full, part):
-        rows = _rows(whole, sampled, max_positions, width, sample)
-        if rows is None or not _close(rows[:, :width // 2], rows[:, width // 2:]):
+    for k, whole in enumerate(full):
+        rows = [_rows(whole, part[k], max_positions, width, sample) for part, sample in zip(parts, samples)]
+        if any(r is None for r in rows) or not _close(rows[0][:, :width // 2], rows[0][:, width // 2:]):
             return None
-        tables.append(np.ascontiguousarray(rows[:, :width // 2]))
+        tables.append(np.ascontiguousarray(rows[0][:, :width // 2]))
     return tables
 
 
@@ -234,11 +240,11 @@ def fuse_rotary_embeddings(model: ir.Model, max_positions: int) -> int:
     rotary) matches on that part. The outputs are the same rotation (ONNX Runtime computes it in the input's type)."""
     graph = model.graph
     positions = next((v for v in graph.inputs if v.name == POSITIONS), None)
-    if positions is None or max_positions < 1:
+    if positions is None or positions.dtype != ir.DataType.INT64 or max_positions < 1:
         return 0
     position_ids = None
     tables = {}
-    fused = 0
+    fused, made = 0, []
     for add in list(graph):
         if add.op_type != "Add" or add.domain != "":
             continue
@@ -247,14 +253,16 @@ def fuse_rotary_embeddings(model: ir.Model, max_positions: int) -> int:
             continue
         x, cos, sin, half, upper_end, nodes = found
         dims = _dims(x)
-        if dims is None or dims[0] != 1 or dims[1] is None or dims[3] != 2 * half or upper_end < dims[3]:
+        # [1, heads, tokens, width]: the tokens axis (where cos/sin's rows land) is the one the packed batch's
+        # length sets, never a constant; the rotation keeps x's shape
+        if dims is None or dims[0] != 1 or dims[1] is None or dims[2] is not None or dims[3] != 2 * half or \
+                upper_end < dims[3] or add.outputs[0].shape != x.shape:
             continue
         key = (id(cos), id(sin))
         if key not in tables:  # once per cos/sin pair: the tables become initializers
             arrays = _tables(model, cos, sin, dims[3], max_positions)
             tables[key] = None if arrays is None else tuple(
-                _initializer(graph, f"rotary_{kind}_table_{len(tables)}", array)
-                for kind, array in zip(("cos", "sin"), arrays))
+                _initializer(graph, f"rotary_{kind}_table", array) for kind, array in zip(("cos", "sin"), arrays))
         if tables[key] is None:
             continue
         cos_table, sin_table = tables[key]
@@ -266,6 +274,7 @@ def fuse_rotary_embeddings(model: ir.Model, max_positions: int) -> int:
         rotary = ir.Node("com.microsoft", "RotaryEmbedding", inputs=[x, position_ids, cos_table, sin_table],
                          name=f"{add.name}_rotary")
         graph.insert_before(add, rotary)
+        made.append(rotary)
         out = rotary.outputs[0]
         out.shape, out.type = add.outputs[0].shape, add.outputs[0].type
         ir.convenience.replace_all_uses_with(add.outputs[0], out)
@@ -276,12 +285,19 @@ def fuse_rotary_embeddings(model: ir.Model, max_positions: int) -> int:
     if fused:
         model.opset_imports.setdefault("com.microsoft", 1)
         _drop_unused(graph)
-        drop_rotary_transposes(graph)
+        drop_rotary_transposes(graph, made)
     return fused
 
 
 def _initializer(graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, const_value=ir.tensor(array))
+    """A new initializer named ``name`` (with a suffix when a value of the graph already has that name)."""
+    taken = {v.name for v in graph.initializers.values()} | {v.name for n in graph for v in n.outputs} | \
+        {v.name for v in graph.inputs}
+    unique, i = name, 0
+    while unique in taken:
+        i += 1
+        unique = f"{name}_{i}"
+    value = ir.Value(name=unique, const_value=ir.tensor(array))
     graph.register_initializer(value)
     return value
 
@@ -304,16 +320,17 @@ def _transpose(value, producer: bool):
     return nodes
 
 
-def drop_rotary_transposes(graph) -> int:
-    """A RotaryEmbedding between two ``[0, 2, 1, 3]`` Transposes (heads moved before tokens for it, then back) reads
-    and writes ``[1, tokens, heads * width]`` instead, between free Reshapes; returns how many were changed."""
+def drop_rotary_transposes(graph, rotaries: list) -> int:
+    """Each of ``rotaries`` (RotaryEmbedding nodes with no attributes, over ``[1, heads, tokens, width]``) that sits
+    between two ``[0, 2, 1, 3]`` Transposes (heads moved before tokens for it, then back) reads and writes
+    ``[1, tokens, heads * width]`` instead, between free Reshapes; returns how many were changed."""
     changed = 0
-    for rotary in [n for n in graph if n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft"]:
+    for rotary in rotaries:
         before = _transpose(rotary.inputs[0], producer=True)
         after = _transpose(rotary.outputs[0], producer=False)
         dims = _dims(rotary.inputs[0])
-        if before is None or after is None or dims is None or len(rotary.inputs[0].uses()) != 1 or any(
-                node.outputs[0].is_graph_output() for node in after):
+        if before is None or after is None or dims is None or len(rotary.inputs[0].uses()) != 1 or rotary.attributes \
+                or any(node.outputs[0].is_graph_output() for node in [*before, *after]):
             continue
         heads, width = dims[1], dims[3]
         source = before[0].inputs[0]
