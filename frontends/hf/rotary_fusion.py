@@ -26,7 +26,6 @@ import onnx_ir as ir
 POSITIONS = "positions"
 # Tables above this many bytes (both together) are not built: the chain stays as it is.
 TABLE_LIMIT = 256 << 20
-_SAMPLE = 5  # positions evaluated out of order, to find the sequence axis and check rows are per position
 
 
 def _const(value):
@@ -65,7 +64,8 @@ def _slice_of(value):
 
 
 def _rotate_half_source(value):
-    """``(x, half, nodes)`` when ``value = Concat(-x[..., h:], x[..., :h])`` on the last axis, else None."""
+    """``(x, half, upper_end, nodes)`` when ``value = Concat(-x[..., half:upper_end], x[..., :half])`` on the last
+    axis, else None (the caller checks ``upper_end`` reaches x's width)."""
     concat = _producer(value, "Concat")
     if concat is None or len(concat.inputs) != 2:
         return None
@@ -206,7 +206,7 @@ def _tables(model, cos, sin, width: int, max_positions: int):
         return None
     last = max_positions - 1
     # Positions out of order, with both ends of the table and without them: rows that depend on the other positions
-    # of the batch (its largest, its first) differ from the table's in one of them.
+    # of the batch (its largest, its smallest) differ from the table's in one of them.
     samples = [np.unique(np.array([last, 0, last // 2, min(1, last), last // 3]))[::-1].copy(),
                np.unique(np.array([last // 2, (last + 1) // 3]))[::-1].copy()]
     try:
