@@ -13,6 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from .graph_values import new_initializer
 from .rotary_fusion import fuse_rotary_embeddings
 
 
@@ -49,12 +50,9 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
                 continue
             nodes = [node for node, _ in group]
             widths = [weights.shape[1] for _, weights in group]
-            combined = ir.Value(name=f"{nodes[0].name or 'matmul'}_fused_weight",
-                                const_value=ir.tensor(np.concatenate([w for _, w in group], axis=1)))
-            graph.register_initializer(combined)
-            sizes = ir.Value(name=f"{nodes[0].name or 'matmul'}_fused_split",
-                             const_value=ir.tensor(np.array(widths, np.int64)))
-            graph.register_initializer(sizes)
+            combined = new_initializer(graph, f"{nodes[0].name or 'matmul'}_fused_weight",
+                                       np.concatenate([w for _, w in group], axis=1))
+            sizes = new_initializer(graph, f"{nodes[0].name or 'matmul'}_fused_split", np.array(widths, np.int64))
             matmul = ir.Node("", "MatMul", inputs=[x, combined], name=f"{nodes[0].name}_fused")
             split = ir.Node("", "Split", inputs=[matmul.outputs[0], sizes], attributes=[ir.AttrInt64("axis", -1)],
                             num_outputs=len(nodes), name=f"{nodes[0].name}_fused_split")
@@ -89,8 +87,7 @@ def squeeze_unit_gathers(model: ir.Model) -> int:
         if node.outputs[0].is_graph_output():  # a graph output keeps its name
             continue
         if axes is None:
-            axes = ir.Value(name="unit_gather_axes", const_value=ir.tensor(np.array([0], np.int64)))
-            graph.register_initializer(axes)
+            axes = new_initializer(graph, "unit_gather_axes", np.array([0], np.int64))
         squeeze = ir.Node("", "Squeeze", inputs=[node.inputs[0], axes], name=f"{node.name}_squeeze")
         graph.insert_before(node, squeeze)
         squeeze.outputs[0].shape, squeeze.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
@@ -113,8 +110,8 @@ def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
     """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions in :data:`FUSIONS`,
     :func:`fuse_sibling_matmuls`, with ``max_positions`` (the positions the model takes) rotary embeddings as
     ONNX Runtime's RotaryEmbedding (:func:`~kvcache_op.hf.rotary_fusion.fuse_rotary_embeddings`), and
-    :func:`squeeze_unit_gathers` applied, and how many of each were made. The graph's inputs, outputs, custom ops and metadata are kept; every op it holds runs on
-    ONNX Runtime's CPU and CUDA EPs."""
+    :func:`squeeze_unit_gathers` applied, and how many of each were made. The graph's inputs, outputs, custom ops
+    and metadata are kept; every op it holds runs on ONNX Runtime's CPU and CUDA EPs."""
     import warnings
 
     import onnxscript

@@ -23,6 +23,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from .graph_values import new_initializer
+
 POSITIONS = "positions"
 # Tables above this many bytes (both together) are not built: the chain stays as it is.
 TABLE_LIMIT = 256 << 20
@@ -262,12 +264,12 @@ def fuse_rotary_embeddings(model: ir.Model, max_positions: int) -> int:
         if key not in tables:  # once per cos/sin pair: the tables become initializers
             arrays = _tables(model, cos, sin, dims[3], max_positions)
             tables[key] = None if arrays is None else tuple(
-                _initializer(graph, f"rotary_{kind}_table", array) for kind, array in zip(("cos", "sin"), arrays))
+                new_initializer(graph, f"rotary_{kind}_table", array) for kind, array in zip(("cos", "sin"), arrays))
         if tables[key] is None:
             continue
         cos_table, sin_table = tables[key]
         if position_ids is None:
-            axes = _initializer(graph, "rotary_position_axes", np.array([0], np.int64))
+            axes = new_initializer(graph, "rotary_position_axes", np.array([0], np.int64))
             unsqueeze = ir.Node("", "Unsqueeze", inputs=[positions, axes], name="rotary_position_ids")
             graph.insert_before(next(iter(graph)), unsqueeze)
             position_ids = unsqueeze.outputs[0]
@@ -287,19 +289,6 @@ def fuse_rotary_embeddings(model: ir.Model, max_positions: int) -> int:
         _drop_unused(graph)
         drop_rotary_transposes(graph, made)
     return fused
-
-
-def _initializer(graph, name: str, array: np.ndarray) -> ir.Value:
-    """A new initializer named ``name`` (with a suffix when a value of the graph already has that name)."""
-    taken = {v.name for v in graph.initializers.values()} | {v.name for n in graph for v in n.outputs} | \
-        {v.name for v in graph.inputs}
-    unique, i = name, 0
-    while unique in taken:
-        i += 1
-        unique = f"{name}_{i}"
-    value = ir.Value(name=unique, const_value=ir.tensor(array))
-    graph.register_initializer(value)
-    return value
 
 
 def _drop_unused(graph) -> None:
@@ -337,10 +326,10 @@ def drop_rotary_transposes(graph, rotaries: list) -> int:
         flatten = []
         flat_source = _unflattened(source, heads * width)
         if flat_source is None:  # [1, T, H, D] -> [1, T, H * D]
-            flat = _initializer(graph, f"{rotary.name}_flat_shape", np.array([0, 0, heads * width], np.int64))
+            flat = new_initializer(graph, f"{rotary.name}_flat_shape", np.array([0, 0, heads * width], np.int64))
             flatten = [ir.Node("", "Reshape", inputs=[source, flat], name=f"{rotary.name}_flatten")]
             flat_source = flatten[0].outputs[0]
-        split = _initializer(graph, f"{rotary.name}_head_shape", np.array([0, 0, heads, width], np.int64))
+        split = new_initializer(graph, f"{rotary.name}_head_shape", np.array([0, 0, heads, width], np.int64))
         rotated = ir.Node("com.microsoft", "RotaryEmbedding", inputs=[flat_source, *rotary.inputs[1:]],
                           attributes=[ir.AttrInt64("num_heads", heads)], name=rotary.name + "_tokens_major")
         unflatten = ir.Node("", "Reshape", inputs=[rotated.outputs[0], split], name=f"{rotary.name}_heads")
