@@ -100,6 +100,27 @@ def token_array(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
     return ids
 
 
+def token_rows(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
+    """Rows of ``count`` token ids each (a 2-D integer array or a list of lists of ints) as a new int64 array
+    ``[rows, count]``, at least one row, each id ``0 <= t < vocab_size``; ``TypeError``/``ValueError`` naming
+    ``what`` otherwise. One pass over all of them: no loop per row."""
+    try:
+        ids = np.array(tokens)
+    except (ValueError, OverflowError) as error:  # ragged rows, ids past int64
+        raise ValueError(f"{what}: not rows of {count} token ids ({error})") from None
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{what} must hold integer token ids, got {ids.dtype}")
+    if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] != count:
+        raise ValueError(f"{what}: expected rows of {count} token ids, got shape {ids.shape}")
+    if ids.dtype.kind == "u" and int(ids.max()) >= _INT64_LIMIT:
+        raise ValueError(f"{what}: token id {int(ids.max())} is outside [0, vocab_size={vocab_size})")
+    ids = ids.astype(np.int64)
+    if ids.size and int(ids.view(np.uint64).max()) >= vocab_size:  # a negative id is a huge unsigned one
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
+    return ids
+
+
 def salt_bytes(salt) -> bytes:
     """The identity bytes of a tenant salt: ``None`` (the shared tenant), a ``str`` or ``bytes``.
 

@@ -19,10 +19,12 @@ own, mixed into :class:`KVCacheManager`: admission (``admission``), batch lookup
 (``inspection``).
 """
 
+import numpy as np
+
 from .admission import Admission
 from .batch_lookup import BatchLookup
 from .errors import OutOfPages, UnknownRequest
-from .identity import DEFAULT_VOCAB_SIZE, check_int, check_vocab_size, key_bytes, token_array
+from .identity import DEFAULT_VOCAB_SIZE, check_int, check_vocab_size, key_bytes, token_array, token_rows
 from .inspection import Inspection
 from .page_pool import PagePool
 from .prefix_index import PrefixIndex
@@ -121,8 +123,8 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         same errors with nothing changed — without a dict and a list per request, for large decode
         batches.
 
-        ``steps`` > 1 (at most ``page_size``; no sliding window or StreamingLLM; requests that only decode)
-        plans that many decode steps of the batch at once: the pages of all of them are taken now, the plan is
+        ``steps`` > 1 (at most ``page_size * max_pages``; no sliding window or StreamingLLM; requests that only
+        decode) plans that many decode steps of the batch at once: the pages of all of them are taken now, the plan is
         the first step's, and :meth:`advance` gives each next one from the tokens the previous one chose, so a
         decode loop pays for planning once every ``steps`` steps. ``commit`` then commits the steps that ran
         (returning the pages taken for those that did not), as that many one-step transactions would leave the
@@ -134,8 +136,9 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             raise TypeError(f"request_ids must be a list or tuple, got {type(request_ids).__name__}")
         steps = check_int("steps", steps)
         if steps != 1:
-            if not 1 <= steps <= self.page_size:
-                raise ValueError(f"steps must be in [1, page_size={self.page_size}], got {steps}")
+            if not 1 <= steps <= self.page_size * self.max_pages:
+                raise ValueError(f"steps must be in [1, page_size * max_pages = {self.page_size * self.max_pages}], "
+                                 f"got {steps}")
             if self.sliding_window is not None or self.streaming is not None:
                 raise ValueError("decode steps planned at once need a manager without a sliding window or "
                                  "StreamingLLM (their pages move within a step)")
@@ -147,17 +150,27 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
     def advance(self, plan: StepPlan, tokens) -> StepPlan:
         """The plan of the next of the decode steps ``schedule_decode(..., steps)`` planned, once ``plan`` (the
         step before it) ran: ``tokens[i]`` (what that step chose) fed to request ``i``. The same page tables
-        (they hold every planned step's pages), each request one position further. ``ValueError`` with nothing
-        changed for a plan that is not the outstanding one or when every planned step has run;
-        ``TypeError``/``ValueError`` for bad tokens."""
+        (they hold every planned step's pages), each request one position further. ``tokens`` may also be k rows
+        (a 2-D integer array or a list of k lists): the plan k steps further, as k calls of one row each would give
+        (row j fed to the step after the one row j - 1 was fed to), for a caller that ran the steps without the
+        manager. ``ValueError`` with nothing changed for a plan that is not the outstanding one or past the planned
+        steps; ``TypeError``/``ValueError`` for bad tokens."""
         step = self._outstanding_step(plan, "advance")
         if 1 + len(step.fed) >= step.steps:
             raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")
-        ids = token_array(tokens, len(step.rids), self.vocab_size, "advance: tokens")
-        ids.setflags(write=False)
+        count = len(step.rids)
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 2 or \
+                isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple, np.ndarray)):
+            rows = token_rows(tokens, count, self.vocab_size, "advance: tokens")
+        else:
+            rows = token_array(tokens, count, self.vocab_size, "advance: tokens")[None]
+        left = step.steps - 1 - len(step.fed)
+        if len(rows) > left:
+            raise ValueError(f"advance: {len(rows)} rows of tokens, but only {left} planned steps are left")
+        rows.setflags(write=False)
         # before any change: a failure here leaves the step as it was
-        following = plan.next_decode(ids, step.steps - 1 - len(step.fed))
-        step.fed.append(ids)
+        following = plan.next_decode(rows[-1], left, later=len(rows))
+        step.fed.extend(rows)
         step.plan = following
         return following
 

@@ -81,7 +81,7 @@ class StepApplier:
                 page = int(R.table[table_rows[u], columns[u]]) // ps
                 self.pool.untake(page)
             R.table[table_rows[unused], columns[unused]] = -1
-            R.npages[table_rows[unused]] = columns[unused]
+            np.minimum.at(R.npages, table_rows[unused], columns[unused])  # a row's first unused column
         if ran > 1:
             fed = np.stack(step.fed, axis=1)  # [B, ran - 1]: positions computed + 1 ...
             crossed = (end - 1) // ps > computed // ps
@@ -89,12 +89,13 @@ class StepApplier:
             positions = computed[straight, None] + np.arange(1, ran)
             R.tail[rows[straight, None], positions % ps] = fed[straight]
             for b in np.flatnonzero(crossed).tolist():
-                row, first = int(rows[b]), int(computed[b]) + 1
-                boundary = -(-first // ps) * ps
-                R.tail[row, np.arange(first, boundary) % ps] = fed[b, :boundary - first]
-                R.computed[row] = boundary
-                self._fold_tail(self.requests[step.rids[b]])  # the filled page's tokens, before its slots are reused
-                R.tail[row, np.arange(boundary, int(end[b])) % ps] = fed[b, boundary - first:]
+                row, first, start, last = int(rows[b]), int(computed[b]) + 1, int(computed[b]) + 1, int(end[b])
+                for boundary in range(-(-first // ps) * ps, last, ps):  # each page the steps filled
+                    R.tail[row, np.arange(start, boundary) % ps] = fed[b, start - first:boundary - first]
+                    R.computed[row] = boundary
+                    self._fold_tail(self.requests[step.rids[b]])  # its tokens, before its slots are reused
+                    start = boundary
+                R.tail[row, np.arange(start, last) % ps] = fed[b, start - first:]
         R.computed[rows] = end
         step.end = end
 
@@ -102,6 +103,16 @@ class StepApplier:
         """Appends the pages just taken (``slots``: their first slots, in batch order) to the page tables
         of the requests that asked for them (``need``: how many each)."""
         R, rows = self.rows, step.rows
+        if step.plain is None and need.dtype != bool:  # decode steps planned at once past a page: counts
+            counts = need
+            appended = np.repeat(np.arange(len(counts)), counts)  # each request's pages, in batch order
+            within = np.arange(len(appended)) - np.repeat(np.cumsum(counts) - counts, counts)
+            cols = step.before[appended, 2] + within
+            step.appended = (rows[appended], cols)
+            R.table[step.appended] = slots
+            taking = np.flatnonzero(counts)
+            R.npages[rows[taking]] = step.before[taking, 2] + counts[taking]
+            return
         if step.plain is None:  # every request's step is plain: need is a bool mask
             appended = np.flatnonzero(need)
             offsets, starts = np.arange(len(appended)), None

@@ -61,7 +61,7 @@ class StepPlan:
         self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
         self._rows_ahead = None  # next_decode's arrays for the decode steps after this one, and which row is next
 
-    def next_decode(self, input_ids: np.ndarray, following: int = 1) -> "StepPlan":
+    def next_decode(self, input_ids: np.ndarray, following: int = 1, later: int = 1) -> "StepPlan":
         """The plan of the decode step after this one (a step of one token each) when the page tables already
         hold its pages: every request one position further, fed ``input_ids`` (int64, one per request). Its arrays
         are of the kinds ``build_plan`` makes (``max_kvlen`` a 0-d int64 array, as ONNX Runtime binds it).
@@ -70,8 +70,12 @@ class StepPlan:
         ``next_decode``). Their index arrays are then built together now, and each later plan's are views of one
         row. So a decode loop runs the same few operations every step: code that runs right after a model
         step is slow the first time (measured: an argmax over 4,096 logits takes 16 us just after an ONNX Runtime
-        step, 3 us the second time), so fewer distinct operations per step is what makes a step's host work short."""
+        step, 3 us the second time), so fewer distinct operations per step is what makes a step's host work short.
+        ``later``: the plan of the step that many decode steps after this one (``input_ids`` fed to it), skipping
+        the plans between."""
         rows = self._rows_ahead
+        if later > 1 and rows is None:  # a caller that ran the steps between itself: only that step's arrays
+            return self._decode_after(later, input_ids)
         if rows is None:
             ahead = np.arange(1, max(following, 1) + 1, dtype=np.int64)[:, None]
             kvstarts = self.kvstarts + ahead * np.arange(len(self.kvstarts), dtype=np.int64)  # each earlier
@@ -81,19 +85,29 @@ class StepPlan:
             rows = (list(kvstarts), list(self.start_pos + ahead), list(self.query_positions + ahead),
                     [max_kvlen[j, ...] for j in range(len(max_kvlen))], 0)
         kvstarts_rows, start_pos_rows, position_rows, max_kvlens, i = rows
+        i += later - 1
         if i >= len(kvstarts_rows):
             raise ValueError(f"next_decode: only {len(kvstarts_rows)} decode steps were planned to follow")
-        kvstarts, start_pos, query_positions = kvstarts_rows[i], start_pos_rows[i], position_rows[i]
+        plan = self._decode_plan(input_ids, kvstarts_rows[i], start_pos_rows[i], position_rows[i], max_kvlens[i])
+        plan._rows_ahead = (*rows[:4], i + 1)
+        return plan
+
+    def _decode_after(self, later: int, input_ids: np.ndarray) -> "StepPlan":
+        """The plan ``later`` decode steps after this one, built alone (see :meth:`next_decode`)."""
+        max_kvlen = np.array(self.max_kvlen + later if len(self.request_ids) else 0, np.int64)
+        return self._decode_plan(input_ids, self.kvstarts + later * np.arange(len(self.kvstarts), dtype=np.int64),
+                                 self.start_pos + later, self.query_positions + later, max_kvlen)
+
+    def _decode_plan(self, input_ids, kvstarts, start_pos, query_positions, max_kvlen) -> "StepPlan":
+        """A decode step after this one with these arrays: the same sequences and page tables."""
         rids = self.request_ids
-        plan = StepPlan(
+        return StepPlan(
             request_ids=rids, seqstarts=self.seqstarts, kvstarts=kvstarts, cachestarts=self.cachestarts,
-            start_pos=start_pos, max_seqlen=self.max_seqlen, max_kvlen=max_kvlens[i], query_positions=query_positions,
+            start_pos=start_pos, max_seqlen=self.max_seqlen, max_kvlen=max_kvlen, query_positions=query_positions,
             key_positions=lambda: runs(query_positions - start_pos, start_pos + 1, kvstarts),
             fed_tokens=lambda: {rid: [token] for rid, token in zip(rids, input_ids.tolist())},
             shift_slots=self.shift_slots, shift_deltas=self.shift_deltas,  # empty (decode steps shift nothing)
             input_ids=input_ids, page_columns=self.page_columns)
-        plan._rows_ahead = (*rows[:4], i + 1)
-        return plan
 
     def op_inputs(self) -> dict:
         """The op's index inputs by name (cache_mode 1)."""

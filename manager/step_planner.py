@@ -31,8 +31,10 @@ class StepPlanner:
         if self.streaming is not None:
             plain &= end <= self.streaming.budget_pages * ps
         # For a plain append: the token (of several decode steps: the last one) lies past the pages held. At most
-        # a page of steps takes at most one page.
+        # a page of steps takes at most one page (a bool mask); more steps may take several (counts).
         need = (computed if steps == 1 else computed + (steps - 1)) >= (first + held) * ps
+        if steps > ps:
+            need = np.maximum((computed + (steps - 1)) // ps - (first + held) + 1, 0)
         all_plain = np.count_nonzero(plain) == len(plain)
         if steps > 1 and not all_plain:
             b = int(np.argmin(plain))
@@ -40,11 +42,12 @@ class StepPlanner:
                              f"requests that only decode")
         if not all_plain:
             need &= plain
-        new_pages = int(np.count_nonzero(need))
+        new_pages = int(np.count_nonzero(need)) if need.dtype == bool else int(need.sum())
         # (the maximum first: one reduction where, as almost always, no request holds max_pages pages)
-        if new_pages and held.max() >= self.max_pages and (held[need] >= self.max_pages).any():
+        if new_pages and held.max() + (1 if need.dtype == bool else need.max()) > self.max_pages and \
+                (held + need > self.max_pages).any():
             if steps > 1:  # _check_each checks one step: name the request here
-                b = int(np.argmax(need & (held >= self.max_pages)))
+                b = int(np.argmax(held + need > self.max_pages))
                 raise ValueError(f"request {rids[b]!r}: {steps} decode steps need more than max_pages="
                                  f"{self.max_pages} pages")
             raise ValueError("a request's step needs more than max_pages pages")  # _check_each says which

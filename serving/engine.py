@@ -31,7 +31,7 @@ from .text import StopMatcher, TextStream
 
 DEFAULT_BATCH_TOKENS = 256  # tokens fed per step: decodes plus prefill chunks
 DEFAULT_RUNNING = 64  # requests in flight at once
-DEFAULT_DECODE_STEPS = 8  # decode steps planned at once while every running request only decodes
+DEFAULT_DECODE_STEPS = 64  # decode steps planned at once while every running request only decodes
 
 
 class Engine(OnlineEngine):
@@ -48,11 +48,14 @@ class Engine(OnlineEngine):
     ``trace_steps`` keeps one record per step in ``step_trace`` (sequences, decodes, tokens, and the
     seconds spent scheduling, in ONNX Runtime and after the run). ``tokenizer`` (anything with
     ``decode(ids) -> str``, e.g. the checkpoint's ``AutoTokenizer``) lets requests stop at ``SamplingParams.stop``
-    strings: a request ends with the token whose text completes one. ``decode_steps`` (default 8, at most a page):
-    while every running request only decodes, the manager plans that many steps at once and each further step
-    costs the host only its token choice and a few array additions (a step that ends a request, or an arrival due
-    sooner, ends the run early; cancellations wait for its end); 1 plans every step on its own. Not with a sliding
-    window or StreamingLLM, whose pages move from step to step. The tokens are the same either way.
+    strings: a request ends with the token whose text completes one. ``decode_steps`` (default 64, at most a request's
+    page table): while every running request only decodes, the manager plans that many steps at once (taking their
+    pages), and each further step costs the host only its token choice and a few array additions; where every request
+    takes plain greedy tokens (no penalty, no logprobs, no recorded logits) on the CPU EP, the graph chooses them and
+    feeds the next step itself, and the host only hands the tokens over. A step that ends a request, a request due
+    to arrive sooner, another caller queueing requests and a cancellation end the run early (at most one step
+    later); pages taken for steps that did not run go back. 1 plans every step on its own. Not with a sliding window
+    or StreamingLLM, whose pages move from step to step. The tokens are the same either way.
     """
 
     def __init__(self, model_path, *, num_pages: int, providers=None, max_batch_tokens: int = None,
@@ -101,9 +104,10 @@ class Engine(OnlineEngine):
         self.num_pages = num_pages
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
-        # Decode steps planned at once: not with a window or StreamingLLM (their pages move from step to step),
-        # and never more than a page (a request then takes at most one page for them).
-        self.decode_steps = (1 if window is not None or streaming is not None else min(decode_steps, ps))
+        # Decode steps planned at once: not with a window or StreamingLLM (their pages move from step to step), and
+        # never more than a page table holds.
+        self.decode_steps = (1 if window is not None or streaming is not None else
+                             min(decode_steps, self.manager.max_pages * ps))
         self.prefix_caching = prefix_caching
         if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
             raise TypeError(f"tokenizer must have a decode(ids) method, got {type(tokenizer).__name__}")
@@ -241,6 +245,9 @@ class Engine(OnlineEngine):
             self._times["scheduling"] += time.perf_counter() - began
             return 1
         plan, sequences, steps = planned
+        stepper = self._greedy_stepper(sequences, steps)
+        if stepper is not None:
+            return self._greedy_decode_steps(stepper, plan, sequences, steps, waiting, running, began)
         try:
             feeds = step_feeds(plan)
             scheduled = time.perf_counter()
@@ -285,7 +292,7 @@ class Engine(OnlineEngine):
                 tokens, logprobs = choose_tokens(logits, params, histories, generators)
                 stopped = self._take_tokens(sequences, tokens, logprobs, logits, None)
                 self._trace(plan, None, times)
-                if stopped or count == steps:
+                if stopped or count == steps or self._interrupted():
                     break
                 began = scheduled = time.perf_counter()
                 try:
@@ -307,6 +314,74 @@ class Engine(OnlineEngine):
                 self._times["scheduling"] += time.perf_counter() - began
         self._retire(stopped, running)
         return count
+
+    def _greedy_stepper(self, sequences: list, steps: int):
+        """The runner's :class:`~.greedy_steps.GreedySteps` when ``steps`` > 1 decode steps were planned at once for
+        ``sequences`` that all take plain greedy tokens (no penalty, no logprobs) and keep no logits; else None (and
+        on a device EP)."""
+        if steps < 2 or not all(q.params.plain_greedy and q.logits is None for q in sequences):
+            return None
+        return self.runner.greedy_steps()
+
+    def _greedy_decode_steps(self, stepper, plan, sequences: list, steps: int, waiting, running: list,
+                             began: float) -> int:
+        """Runs up to ``steps`` decode steps the manager planned at once (``plan``: the first) through ``stepper``:
+        the graph chooses each step's tokens and feeds the next step itself, and the host only hands each step's
+        tokens over; a step that ends a request ends the run. Then the manager advances through the steps that ran
+        and commits them (also when handing tokens over raised) and the requests that are done leave; a failed run
+        rolls every planned step back (the requests are recomputed), as :meth:`_decode_steps` does. The same tokens
+        as that loop's. Returns how many steps ran."""
+        try:
+            stepper.start(step_feeds(plan))
+        except BaseException:
+            self._roll_back(plan, waiting, running)
+            raise
+        for q in sequences:
+            q.ran = True
+        scheduled = time.perf_counter()
+        none, chosen, times, stopped = [None] * len(sequences), [], [], []
+        try:
+            while True:
+                before = time.perf_counter()
+                try:
+                    ids = stepper.step()
+                except BaseException:
+                    chosen = None  # nothing to commit, whatever the roll-back raises
+                    self._roll_back(plan, waiting, running)
+                    raise
+                times.append((before, time.perf_counter()))
+                tokens = ids.tolist()
+                chosen.append(tokens)
+                stopped = self._take_tokens(sequences, tokens, none, None, None)
+                if stopped or len(chosen) == steps or self._interrupted():
+                    break
+        finally:
+            if chosen:  # what ran stays, whatever raised after it ran
+                self._settle_greedy_steps(plan, chosen, times, began, scheduled)
+        self._retire(stopped, running)
+        return len(chosen)
+
+    def _settle_greedy_steps(self, plan, chosen: list, times: list, began: float, scheduled: float) -> None:
+        """The manager advances through the greedy decode steps that ran (``chosen[j]``: step j's tokens, fed to step
+        j + 1; ``times[j]``: when its run began and ended) and commits them; each is counted (and traced) as a
+        step of its own, and the time outside the runs is host time."""
+        self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
+        first, count = plan, len(plan.request_ids)
+        if len(chosen) > 1:
+            plan = self.manager.advance(plan, chosen[:-1])
+        self._counters["steps"] += len(chosen)
+        self._counters["fed_tokens"] += len(chosen) * count
+        self.manager.commit(plan)
+        if self.step_trace is not None:
+            done = [before for before, _ in times[1:]] + [time.perf_counter()]
+            for j, (before, after) in enumerate(times):  # each step gathers one key more per sequence
+                self.step_trace.append(dict(
+                    sequences=count, decodes=count, tokens=count, kv_tokens=int(first.kvstarts[-1]) + j * count,
+                    scheduling_s=before - (began if j == 0 else before), ort_run_s=after - before,
+                    after_run_s=done[j] - after))
+        run = sum(after - before for before, after in times)
+        self._times["ort_run"] += run
+        self._times["scheduling"] += time.perf_counter() - began - run
 
     def _steps_ahead(self, step: int, waiting, running: list) -> int:
         """How many decode steps to plan at once: ``decode_steps``, fewer when a request has fewer tokens to go
@@ -495,8 +570,8 @@ class Engine(OnlineEngine):
                 by_id = {q.index: q for q in running}
                 return plan, [by_id[rid] for rid in plan.request_ids], 1
             except OutOfPages:
-                if decodes_only and steps > 1:
-                    steps = 1
+                if decodes_only and steps > 1:  # fewer steps take fewer pages
+                    steps = 1 if steps <= self.info.page_size else self.info.page_size
                     continue
                 longest = 1 if decodes_only else max(len(tokens) for tokens in feeds.values())
                 if longest > 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import threading
 import time
@@ -35,6 +36,7 @@ class RequestHandle:
         self._logprobs = []
         self._error = None
         self._cancelled = threading.Event()
+        self._on_cancel = None  # the engine's: ends a run of decode steps at its next step
         # result() waits on its own event, not on the condition every token notifies: a batch caller waiting for
         # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
         # engine's thread in the middle of its step)
@@ -103,6 +105,8 @@ class RequestHandle:
         """Asks the engine to stop the request at the next step boundary (its pages are released then); the
         tokens chosen so far stay. Does nothing to a finished request. Safe from any thread."""
         self._cancelled.set()
+        if self._on_cancel is not None:
+            self._on_cancel()
 
     def _wait_beyond(self, count: int, timeout: float = None) -> tuple:
         """(tokens after the first ``count``, finished) once there are more tokens or the request is done."""
@@ -182,6 +186,17 @@ class OnlineEngine:
         self._online_step = 0
         self._thread = None
         self._closed = False
+        # A run of decode steps planned at once holds the lock for many steps: it ends at its next step while a
+        # caller waits to queue requests (one entry each, taken back once queued) or a request was cancelled since
+        # the engine last looked (cleared when it does). Deques: appending and popping are atomic.
+        self._arriving = collections.deque()
+        self._cancelling = collections.deque()
+        self._knock_cancel = functools.partial(self._cancelling.append, None)
+
+    def _interrupted(self) -> bool:
+        """Whether a run of decode steps should end at this step (a caller waits to queue requests, or a request
+        was cancelled)."""
+        return bool(self._arriving or self._cancelling)
 
     def submit(self, prompt, params: SamplingParams = None, *, salt=None) -> RequestHandle:
         """Queues ``prompt`` (token ids) for generation with ``params`` (default: greedy, ``max_tokens`` 16) and
@@ -195,29 +210,38 @@ class OnlineEngine:
         salt_bytes(salt)
         q = self._new_sequence(None, self._token_ids(prompt, "submitted"), params.max_tokens, salt, 0, params)
         self._check_fits(q, params.max_tokens, "submitted request")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the engine is closed")
-            return self._enqueue_batch([q])[0]
+        self._arriving.append(None)  # before the lock, which a run of decode steps may hold
+        try:
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the engine is closed")
+                return self._enqueue_batch([q])[0]
+        finally:
+            self._arriving.pop()
 
     def _enqueue_batch(self, sequences: list) -> list:
         """Queues checked sequences (their ``arrival``: steps after the engine's next step), each under a new
         request id with a new handle, in arrival order, and makes sure the background thread runs. Returns the
         handles."""
-        with self._lock:
-            base = self._online_step
-            for q in sequences:
-                q.index = next(self._online_ids)
-                q.arrival += base
-                q.handle = RequestHandle(q.index)
-                place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
-                while place and self._online_waiting[place - 1].arrival > q.arrival:
-                    place -= 1
-                self._online_waiting.insert(place, q)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
-                self._thread.start()
-            self._work.notify()
+        self._arriving.append(None)  # before the lock, which a run of decode steps may hold
+        try:
+            with self._lock:
+                base = self._online_step
+                for q in sequences:
+                    q.index = next(self._online_ids)
+                    q.arrival += base
+                    q.handle = RequestHandle(q.index)
+                    q.handle._on_cancel = self._knock_cancel
+                    place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
+                    while place and self._online_waiting[place - 1].arrival > q.arrival:
+                        place -= 1
+                    self._online_waiting.insert(place, q)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
+                    self._thread.start()
+                self._work.notify()
+        finally:
+            self._arriving.pop()
         return [q.handle for q in sequences]
 
     @property
@@ -270,6 +294,7 @@ class OnlineEngine:
 
     def _drop_cancelled(self) -> None:
         """At a step boundary: cancelled requests leave, their pages released."""
+        self._cancelling.clear()  # before looking: a cancellation after the look knocks again
         for q in [q for q in self._online_running if q.handle._cancelled.is_set()]:
             self.manager.finish(q.index)
             self._online_running.remove(q)

@@ -17,7 +17,9 @@ from ..reference.layout import cache_shape
 from ..spec import rotary_schema
 from ..spec.model import DEFAULT_OPSET, IR_VERSION
 from .decoder_io import OUTPUT_NAME
+from .greedy_steps import GreedySteps
 from .model_info import ModelInfo
+from .next_decode_graph import with_next_decode
 
 ELEMENT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.INT8: 1}
@@ -109,7 +111,17 @@ class ModelRunner:
                                  f"kernels: reinstall where nvcc is found, KVCACHE_OP_CUDA=1), or serve on the CPU EP")
         # Every op of an exported decoder has a CUDA kernel (the cache ops and both attention ops here, the rest ONNX
         # Runtime's own), so under the CUDA EP the cache stays on the device and is written in place.
-        self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
+        # On the CPU EP the graph also chooses greedy tokens and the next decode step's inputs (:mod:`.next_decode_graph`),
+        # for runs of decode steps with no host work between them (:meth:`greedy_steps`). A device session keeps the
+        # graph as exported: the device path of such runs has not been run on a GPU yet.
+        if self.device[0] == "cpu":
+            import os
+
+            self.session = make_session(with_next_decode(model), self.providers, intra_op_num_threads, config={
+                # the model is read from memory: its external data (if any) lies beside the file
+                "session.model_external_initializers_file_folder_path": os.path.dirname(os.path.abspath(model_path))})
+        else:
+            self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
         self.session_inputs = [i.name for i in self.session.get_inputs()]
         i = self.info
         self.cache_type = (TensorProto.INT8 if i.quant_bit == 8 else TensorProto.INT4 if i.quant_bit == 4
@@ -127,6 +139,7 @@ class ModelRunner:
                                                           else BYTES[ELEMENT_TYPES[i.scale_dtype]])
                                for v in (self.cache, self.scale) if v is not None)
         self._shift_session = None
+        self._greedy_steps = None
         # One binding for every step: the cache (and scale) bound once. On the CPU EP each index input is bound to a
         # host buffer this runner owns, refilled in place while its shape holds (rebound when it changes, e.g. a
         # page-table column more), and the logits to a host buffer per batch size: binding afresh each step cost
@@ -175,6 +188,16 @@ class ModelRunner:
             binding.bind_ortvalue_output(OUTPUT_NAME, ort.OrtValue.ortvalue_from_numpy(self._logits))
         self.session.run_with_iobinding(binding)
         return self._logits
+
+    def greedy_steps(self):
+        """A :class:`~.greedy_steps.GreedySteps` over this runner's session and cache (one, kept), or None on a device
+        EP (its graph has no next decode step). Steps run through it and through :meth:`run` must not overlap."""
+        if self.device[0] != "cpu":
+            return None
+        if self._greedy_steps is None:
+            self._greedy_steps = GreedySteps(self.session, self.cache, self.scale,
+                                             self._logits_dtype, self.info.vocab_size)
+        return self._greedy_steps
 
     def shift_keys(self, slots: np.ndarray, deltas: np.ndarray) -> None:
         """Rotates the keys stored in ``slots`` by ``deltas`` positions in every layer (StreamingLLM's

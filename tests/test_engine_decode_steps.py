@@ -1,6 +1,9 @@
 """Decode steps planned at once (``Engine(decode_steps=...)``): the same tokens as one step at a time and as
-transformers, runs that really span several steps, and failures inside a run that lose nothing."""
+transformers, runs that really span several steps (and pages), through the host's loop (sampled requests) and
+through the graph's own greedy choice (plain greedy requests), failures inside a run that lose nothing, and runs
+that end early for a caller queueing requests or a cancellation."""
 
+import numpy as np
 import pytest
 
 pytest.importorskip("transformers")
@@ -15,15 +18,32 @@ WORKLOAD = dict(count=10, vocab_size=384, seed=3)
 
 
 def counting_advances(engine) -> list:
-    """Records the batch size of every ``advance`` (a step planned ahead that ran)."""
+    """Records how many planned steps every ``advance`` moves on (one per row of tokens)."""
     calls, advance = [], engine.manager.advance
 
     def spy(plan, tokens):
-        calls.append(len(tokens))
+        calls.append(len(tokens) if np.ndim(tokens) == 2 else 1)
         return advance(plan, tokens)
 
     engine.manager.advance = spy
     return calls
+
+
+def counting_graph_steps(engine) -> list:
+    """Records every step run through the graph's greedy choice (:class:`GreedySteps`): the run's index, per step."""
+    stepper, runs = engine.runner.greedy_steps(), []
+    start, step = stepper.start, stepper.step
+
+    def counted_start(feeds):
+        runs.append(0)
+        return start(feeds)
+
+    def counted_step():
+        runs[-1] += 1
+        return step()
+
+    stepper.start, stepper.step = counted_start, counted_step
+    return runs
 
 
 @pytest.mark.parametrize("decode_steps", [3, 8])
@@ -39,51 +59,124 @@ def test_tokens_equal_one_step_at_a_time_and_transformers(decode_steps):
                                          arrival_steps=workload.arrival_steps)
         engine.manager.check()
         assert not engine.manager.requests and engine.metrics()["pages_in_use"] == 0
-        assert (len(advances) > 20) == (steps > 1), len(advances)  # runs of several steps happened, or none
+        assert (sum(advances) > 20) == (steps > 1), advances  # runs of several steps happened, or none
     assert results[1] == results[decode_steps]
     model = hf_models.model("llama")
     for i in range(0, len(workload.prompts), 2):  # the greedy ones
         assert results[decode_steps][i] == reference_generate(model, workload.prompts[i], NEW_TOKENS), f"request {i}"
 
 
-def test_a_run_failing_inside_planned_steps_rolls_them_back_and_the_engine_recovers(monkeypatch):
+#: Greedy requests with logprobs take the host's loop; plain greedy ones the graph's own choice. The same tokens.
+PATHS = {"host": SamplingParams(max_tokens=NEW_TOKENS, logprobs=1), "graph": SamplingParams(max_tokens=NEW_TOKENS)}
+
+
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_a_run_failing_inside_planned_steps_rolls_them_back_and_the_engine_recovers(monkeypatch, path_kind):
     path, workload = hf_models.exported("llama"), shared_prefix_workload(**WORKLOAD)
     engine = Engine(path, num_pages=24, decode_steps=8)
-    advances, real_run = counting_advances(engine), engine.runner.run
+    advances, graph_runs = counting_advances(engine), counting_graph_steps(engine)
+    stepper = engine.runner.greedy_steps()
+    real_run, real_step = engine.runner.run, stepper.step
 
     def failing_run(feeds, *changed):
         if len(advances) == 5:  # the sixth step of a planned run (its first came from schedule_decode)
             raise RuntimeError("device lost")
         return real_run(feeds, *changed)
 
+    def failing_step():
+        if graph_runs[-1] == 6:  # the sixth step of a run (the counter counts this call)
+            raise RuntimeError("device lost")
+        return real_step()
+
     monkeypatch.setattr(engine.runner, "run", failing_run)
+    monkeypatch.setattr(stepper, "step", failing_step)
     with pytest.raises(RuntimeError, match="device lost"):
-        engine.generate(workload.prompts[:3], NEW_TOKENS)
+        engine.generate(workload.prompts[:3], NEW_TOKENS, params=PATHS[path_kind])
+    assert (len(graph_runs) > 0) == (path_kind == "graph")
     engine.manager.check()
     assert not engine.manager.requests and engine.metrics()["pages_in_use"] == 0
     monkeypatch.setattr(engine.runner, "run", real_run)
-    tokens = engine.generate(workload.prompts[:3], NEW_TOKENS)
+    monkeypatch.setattr(stepper, "step", real_step)
+    tokens = engine.generate(workload.prompts[:3], NEW_TOKENS, params=PATHS[path_kind])
     model = hf_models.model("llama")
     assert tokens == [reference_generate(model, p, NEW_TOKENS) for p in workload.prompts[:3]]
 
 
-def test_a_raising_callback_inside_planned_steps_keeps_what_ran_and_leaves_the_manager_usable():
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_a_raising_callback_inside_planned_steps_keeps_what_ran_and_leaves_the_manager_usable(path_kind):
     path, workload = hf_models.exported("llama"), shared_prefix_workload(**WORKLOAD)
     engine = Engine(path, num_pages=24, decode_steps=8)
-    advances, seen = counting_advances(engine), []
+    graph_runs, seen = counting_graph_steps(engine), []
 
     def on_token(i, token):
         seen.append(token)
-        if len(advances) == 3:
+        if len(seen) == 2 * 5:  # within the first planned run (the prompts' first tokens came from their prefill)
             raise ValueError("the client went away")
 
     with pytest.raises(ValueError, match="client went away"):
-        engine.generate(workload.prompts[:2], NEW_TOKENS, on_token=on_token)
+        engine.generate(workload.prompts[:2], NEW_TOKENS, on_token=on_token, params=PATHS[path_kind])
+    assert (len(graph_runs) > 0) == (path_kind == "graph")
     engine.manager.check()
     assert not engine.manager.requests and engine.metrics()["pages_in_use"] == 0
     tokens = engine.generate(workload.prompts[:2], NEW_TOKENS)
     model = hf_models.model("llama")
     assert tokens == [reference_generate(model, p, NEW_TOKENS) for p in workload.prompts[:2]]
+
+
+def test_graph_chosen_runs_past_a_page_give_the_host_loops_tokens_and_transformers():
+    """Runs of greedy decode steps longer than a page (several pages taken at once) through the graph's own choice:
+    the same tokens as one step at a time, as the host's loop, and as transformers, requests ending (and giving back
+    the pages of the steps they did not run) at different steps; the trace counts every step."""
+    path, workload = hf_models.exported("llama"), shared_prefix_workload(**WORKLOAD)
+    page = Engine(path, num_pages=64, decode_steps=1).info.page_size
+    lengths = [page * 2 + 7 + 3 * i for i in range(4)]
+    prompts = workload.prompts[:4]
+    results, steps_run = {}, {}
+    for kind, steps, params in (("one", 1, None), ("host", 40, [SamplingParams(max_tokens=n, logprobs=1) for n in lengths]),
+                                ("graph", 40, None)):
+        engine = Engine(path, num_pages=64, decode_steps=steps, trace_steps=True)
+        graph_runs = counting_graph_steps(engine)
+        params = params or [SamplingParams(max_tokens=n) for n in lengths]
+        with engine._lock:  # queued together (submit sets each request's own max_tokens; generate one for all)
+            handles = [engine.submit(prompt, p) for prompt, p in zip(prompts, params)]
+        results[kind] = [handle.result(timeout=120) for handle in handles]
+        engine.close(timeout=60)
+        engine.manager.check()
+        assert not engine.manager.requests and engine.metrics()["pages_in_use"] == 0
+        steps_run[kind] = engine.metrics()["steps"]
+        assert steps_run[kind] == len(engine.step_trace) == steps_run["one"]  # every step counted, as one at a time
+        assert (max(graph_runs, default=0) > page) == (kind == "graph"), graph_runs
+    assert results["one"] == results["host"] == results["graph"]
+    model = hf_models.model("llama")
+    for prompt, n, tokens in zip(prompts, lengths, results["graph"]):
+        assert tokens == reference_generate(model, prompt, n)
+
+
+@pytest.mark.parametrize("interruption", ["submit", "cancel"])
+def test_a_caller_queueing_or_cancelling_ends_a_long_run_at_its_next_step(interruption):
+    """A run of many decode steps holds the engine: a request submitted (or a cancellation) while it runs ends it at
+    its next step, so the newcomer's first token comes long before the running request's last one (the cancelled
+    request stops long before its end)."""
+    path = hf_models.exported("llama")
+    engine = Engine(path, num_pages=64, decode_steps=200)
+    total = engine.decode_steps
+    first = engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=total, ignore_eos=True))
+    tokens = iter(first)
+    for _ in range(3):  # the long run has begun
+        next(tokens)
+    if interruption == "submit":
+        second = engine.submit([9, 10, 11], SamplingParams(max_tokens=4, ignore_eos=True))
+        second.result(timeout=60)
+        first.result(timeout=60)
+        assert second.token_times[0] < first.token_times[total // 2], "the newcomer waited for the long run"
+        assert first.result() == engine.generate([[5, 6, 7, 8]], total, params=SamplingParams(max_tokens=total,
+                                                                                          ignore_eos=True))[0]
+    else:
+        first.cancel()
+        first.result(timeout=60)
+        assert first.finish_reason == "cancelled" and len(first.tokens) < total // 2, len(first.tokens)
+    engine.close(timeout=60)
+    assert engine.metrics()["pages_in_use"] == 0
 
 
 def test_decode_steps_are_checked_and_off_where_pages_move():
@@ -94,7 +187,8 @@ def test_decode_steps_are_checked_and_off_where_pages_move():
     for bad in (2.5, True, "4"):
         with pytest.raises(TypeError, match="decode_steps"):
             Engine(path, num_pages=8, decode_steps=bad)
-    assert Engine(path, num_pages=8, decode_steps=100).decode_steps == 16  # at most a page
+    engine = Engine(path, num_pages=8, decode_steps=10**6)
+    assert engine.decode_steps == engine.manager.max_pages * engine.info.page_size  # at most a page table
     assert Engine(hf_models.exported("mistral"), num_pages=8, decode_steps=8).decode_steps == 1  # a window
 
 

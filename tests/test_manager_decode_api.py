@@ -52,12 +52,12 @@ TestWindowedDecodeApi = WindowedDecodeApiMachine.TestCase
 TestWindowedDecodeApi.settings = settings(stateful_step_count=40, deadline=None)
 
 
-def twins(**kwargs):
+def twins(num_pages=40, max_pages=8, **kwargs):
     """Two managers in the same state (one hash key): requests 0..4 prefilled, two prompt tokens of
     request 4 still pending."""
     out = []
     for _ in range(2):
-        m = KVCacheManager(40, 4, 8, hash_fn=keyed_page_hash(b"twins" * 4), **kwargs)
+        m = KVCacheManager(num_pages, 4, max_pages, hash_fn=keyed_page_hash(b"twins" * 4), **kwargs)
         for i in range(5):
             prompt = list(range(10 * i, 10 * i + 5 + i))
             m.add_request(i, prompt)
@@ -132,25 +132,30 @@ def test_decode_steps_run_out_of_pages_and_wait_for_the_outstanding_step():
     assert m.schedule_decode([], np.zeros(0, np.int64)).cachestarts.shape == (0, 4)
 
 
+@pytest.mark.parametrize("longest", [4, 13])
 @pytest.mark.parametrize("seed", range(6))
-def test_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed):
+def test_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed, longest):
     """``schedule_decode(..., steps)`` + ``advance`` + ``commit`` after any number of them, against the same
     tokens fed one step at a time on a twin: every step's plan is the same (the page tables up to which pages:
     the twin takes a page when a step reaches it), and after each commit both publish the same pages (equal
-    prefix hashes: same chains, same tokens), hold the same positions and count the same pages in use."""
+    prefix hashes: same chains, same tokens), hold the same positions and count the same pages in use. Runs of up
+    to a page (``longest`` 4) and of up to three pages (13: several pages taken at once, and given back when the
+    run stops early). The steps are advanced one at a time or, on odd seeds, all at once after they ran."""
     rng = np.random.default_rng(seed)
-    a, b = twins()
+    a, b = twins() if longest <= 4 else twins(num_pages=80, max_pages=16)
     rids = [0, 1, 2, 3]  # request 4 still has prompt tokens: refused below
     with pytest.raises(ValueError, match="prompt tokens to feed"):
         a.schedule_decode([0, 4], [1, 47], steps=2)  # 47: its next prompt token, fine for one step
-    for _ in range(6):
-        steps = int(rng.integers(2, 5))
+    for _ in range(6 if longest <= 4 else 3):
+        steps = int(rng.integers(2, longest + 1))
         ran = int(rng.integers(1, steps + 1))
         tokens = rng.integers(0, 50, (ran, len(rids)))
-        plan = a.schedule_decode(rids, tokens[0], steps=steps)
+        plan = first = a.schedule_decode(rids, tokens[0], steps=steps)
+        if seed % 2 and ran > 1:  # the caller ran every step itself: one advance over all the rows
+            last = a.advance(plan, tokens[1:])
         for j in range(ran):
             if j:
-                plan = a.advance(plan, tokens[j])
+                plan = first.next_decode(tokens[j], steps - 1, later=j) if seed % 2 else a.advance(plan, tokens[j])
             twin = b.schedule_decode(rids, tokens[j])
             for name in PLAN_ARRAYS + ("input_ids",):
                 mine, theirs = getattr(plan, name), getattr(twin, name)
@@ -164,6 +169,8 @@ def test_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed)
                 assert (mine[:used] >= 0).all() and (theirs[:used] >= 0).all() and (theirs[used:] == -1).all()
             assert plan.fed_tokens == twin.fed_tokens
             b.commit(twin)
+        if seed % 2 and ran > 1:
+            plan = last
         if ran < steps:
             with pytest.raises(ValueError, match="not the outstanding step"):
                 a.advance(twin, tokens[0])
@@ -178,12 +185,13 @@ def test_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed)
 
 
 def test_decode_steps_planned_at_once_are_refused_where_they_cannot_be_exact():
-    """More steps than a page, a sliding window, and advancing past the planned steps are refused with nothing
-    changed; an abort after some steps rolls all of them back."""
+    """More steps than the page tables hold, a sliding window, advancing past the planned steps and bad rows of
+    tokens are refused with nothing changed; an abort after some steps (of a run within a page, and of one past a
+    page) rolls all of them back."""
     a, b = twins()
     before = manager_state(a)
     with pytest.raises(ValueError, match="steps must be in"):
-        a.schedule_decode([0], [1], steps=5)
+        a.schedule_decode([0], [1], steps=4 * 8 + 1)  # past page_size * max_pages
     with pytest.raises(ValueError, match="steps must be in"):
         a.schedule_decode([0], [1], steps=0)
     assert manager_state(a) == before
@@ -196,6 +204,16 @@ def test_decode_steps_planned_at_once_are_refused_where_they_cannot_be_exact():
         a.advance(plan, [5, 6])
     with pytest.raises(ValueError):
         a.advance(plan, [5])  # one token per request
+    a.abort(plan)
+    assert manager_state(a) == before
+    plan = first = a.schedule_decode([0, 1], [1, 2], steps=9)  # past a page: several pages taken at once
+    for bad, error, match in ((np.zeros((9, 2), np.int64), ValueError, "only 8 planned steps are left"),
+                              ([[1, 2, 3]], ValueError, "rows of 2 token ids"), ([[1, 2], [3]], ValueError, "rows of 2"),
+                              ([[1, -2]], ValueError, "outside"), (np.zeros((2, 2)), TypeError, "integer")):
+        with pytest.raises(error, match=match):
+            a.advance(plan, bad)  # refused with nothing changed: the rows below still advance it
+    plan = a.advance(plan, [[3, 4], [5, 6]])  # the third step: fed the second row
+    assert (plan.start_pos == first.start_pos + 2).all() and plan.input_ids.tolist() == [5, 6]
     a.abort(plan)
     assert manager_state(a) == before
 

@@ -1,0 +1,68 @@
+"""The exported decoder with its next decode step computed in the graph: each row's greedy token and the next
+step's changing index inputs become graph outputs, so a run of greedy decode steps feeds each step's outputs to
+the next step's inputs by binding (no host work between the steps but reading the tokens).
+
+A decode step (one token per sequence, the page tables holding the following steps' pages) is followed by one whose
+``input_ids`` are the tokens just chosen and whose ``positions``, ``start_pos`` and ``max_kvlen`` are one more, and
+whose ``kvstarts`` grow by one per earlier sequence (``kvstarts + arange``): exactly what
+:meth:`~kvcache_op.manager.StepPlan.next_decode` builds on the host.
+"""
+
+from __future__ import annotations
+
+import onnx
+from onnx import TensorProto, helper
+
+from .decoder_io import OUTPUT_NAME
+
+#: The inputs a decode step planned ahead changes, each fed from the graph output ``NEXT_PREFIX + name``.
+NEXT_DECODE_INPUTS = ("input_ids", "positions", "kvstarts", "start_pos", "max_kvlen")
+NEXT_PREFIX = "next_"
+
+
+def with_next_decode(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the exported decoder ``model`` with one more output per :data:`NEXT_DECODE_INPUTS` (named
+    ``next_<input>``, int64, the input's shape): ``next_input_ids`` is each row's ArgMax of the logits (the first
+    of equal maxima, as numpy's ``argmax``; float16/bfloat16 logits widened to float32 first, which keeps their
+    order), the others are the following decode step's index inputs. The logits and the graph are unchanged.
+    ``ValueError`` when the graph lacks an input this needs or already has a value of one of the new names."""
+    graph = model.graph
+    inputs = {value.name for value in graph.input}
+    missing = [name for name in NEXT_DECODE_INPUTS if name not in inputs]
+    outputs = {value.name: value for value in graph.output}
+    if missing or OUTPUT_NAME not in outputs:
+        raise ValueError(f"not an exported decoder: it has no {', '.join(missing) or OUTPUT_NAME!r}")
+    prefix = NEXT_PREFIX
+    taken = inputs | set(outputs) | {name for node in graph.node for name in node.output}
+    added = [prefix + name for name in NEXT_DECODE_INPUTS] + [f"{prefix}{part}" for part in
+                                                               ("one", "zero", "rows", "ramp", "logits_f32")]
+    clash = sorted(taken.intersection(added))
+    if clash:
+        raise ValueError(f"the decoder already has values named {clash}: its next decode step cannot be added")
+    logits = OUTPUT_NAME
+    nodes = []
+    if outputs[OUTPUT_NAME].type.tensor_type.elem_type != TensorProto.FLOAT:
+        nodes.append(helper.make_node("Cast", [logits], [prefix + "logits_f32"], to=TensorProto.FLOAT))
+        logits = prefix + "logits_f32"
+    scalar = lambda name, value: helper.make_node(  # noqa: E731
+        "Constant", [], [prefix + name], value=helper.make_tensor(prefix + name, TensorProto.INT64, [], [value]))
+    one = prefix + "one"
+    nodes += [
+        helper.make_node("ArgMax", [logits], [prefix + "input_ids"], axis=1, keepdims=0),
+        scalar("one", 1), scalar("zero", 0),
+        helper.make_node("Add", ["positions", one], [prefix + "positions"]),
+        helper.make_node("Add", ["start_pos", one], [prefix + "start_pos"]),
+        helper.make_node("Add", ["max_kvlen", one], [prefix + "max_kvlen"]),
+        # kvstarts[b] + b: every earlier sequence holds one key more
+        helper.make_node("Size", ["kvstarts"], [prefix + "rows"]),
+        helper.make_node("Range", [prefix + "zero", prefix + "rows", one], [prefix + "ramp"]),
+        helper.make_node("Add", ["kvstarts", prefix + "ramp"], [prefix + "kvstarts"]),
+    ]
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.node.extend(nodes)
+    shapes = {value.name: value.type.tensor_type.shape for value in graph.input}
+    for name in NEXT_DECODE_INPUTS:
+        dims = [d.dim_param or d.dim_value for d in shapes[name].dim] if name != "input_ids" else None
+        result.graph.output.append(helper.make_tensor_value_info(prefix + name, TensorProto.INT64, dims))
+    return result
