@@ -1,0 +1,82 @@
+"""The decoder with its next decode step in the graph (serving/next_decode_graph.py): each row's greedy token is
+numpy's argmax of the logits (first of equal maxima, float16 logits too), the next step's index inputs are what the
+manager's ``next_decode`` builds, and the engine serves a model whose weights lie in an external data file."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from kvcache_op.serving.next_decode_graph import NEXT_DECODE_INPUTS, with_next_decode
+
+VOCAB = 64
+
+
+def logits_graph(element_type: int) -> onnx.ModelProto:
+    """A stand-in decoder: the decoder's index inputs, and logits gathered from a table by ``input_ids`` (one row
+    per token), of ``element_type``."""
+    table = np.random.default_rng(0).integers(0, 6, (VOCAB, VOCAB)).astype(np.float32)  # many equal maxima
+    inputs = [helper.make_tensor_value_info(name, TensorProto.INT64, ["n"]) for name in
+              ("input_ids", "positions", "kvstarts", "start_pos")]
+    inputs.append(helper.make_tensor_value_info("max_kvlen", TensorProto.INT64, []))
+    nodes = [helper.make_node("Gather", ["table", "input_ids"], ["rows"], axis=0),
+             helper.make_node("Cast", ["rows"], ["logits"], to=element_type)]
+    graph = helper.make_graph(nodes, "decoder", inputs, [helper.make_tensor_value_info("logits", element_type,
+                                                                                       ["n", VOCAB])],
+                              [numpy_helper.from_array(table, "table")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
+
+
+@pytest.mark.parametrize("element_type", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_next_outputs_are_numpys_argmax_and_the_next_decode_steps_inputs(element_type):
+    model = with_next_decode(logits_graph(element_type))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, VOCAB, 9)
+    feeds = dict(input_ids=ids, positions=rng.integers(0, 100, 9), kvstarts=np.cumsum(rng.integers(1, 9, 9)) - 1,
+                 start_pos=rng.integers(0, 50, 9), max_kvlen=np.array(17, np.int64))
+    names = ["logits"] + ["next_" + name for name in NEXT_DECODE_INPUTS]
+    logits, next_ids, positions, kvstarts, start_pos, max_kvlen = session.run(names, feeds)
+    assert np.array_equal(next_ids, np.argmax(logits, axis=1))  # ties: the first, as numpy's
+    assert (np.sort(logits, axis=1)[:, -2] == logits.max(axis=1)).any(), "no row had equal maxima"
+    assert np.array_equal(positions, feeds["positions"] + 1) and np.array_equal(start_pos, feeds["start_pos"] + 1)
+    assert np.array_equal(kvstarts, feeds["kvstarts"] + np.arange(9)) and int(max_kvlen) == 18
+    assert next_ids.dtype == np.int64 and max_kvlen.shape == ()
+
+
+def test_a_graph_that_is_not_a_decoder_or_already_has_the_names_is_refused():
+    model = logits_graph(TensorProto.FLOAT)
+    clash = onnx.ModelProto()
+    clash.CopyFrom(model)
+    clash.graph.node.append(helper.make_node("Identity", ["positions"], ["next_positions"]))
+    with pytest.raises(ValueError, match="already has values named"):
+        with_next_decode(clash)
+    missing = onnx.ModelProto()
+    missing.CopyFrom(model)
+    del missing.graph.input[1]  # positions
+    with pytest.raises(ValueError, match="not an exported decoder"):
+        with_next_decode(missing)
+    before = model.SerializeToString()
+    with_next_decode(model)
+    assert model.SerializeToString() == before  # a copy: the caller's model is unchanged
+
+
+def test_the_engine_serves_a_model_whose_weights_lie_in_an_external_file(tmp_path):
+    """The runner reads the graph without its weights and makes the session from memory: ONNX Runtime is told where
+    the weights file lies."""
+    pytest.importorskip("transformers")
+    import hf_models
+    from kvcache_op.serving import Engine
+
+    source = hf_models.exported("llama")
+    model = onnx.load(source)
+    outside = tmp_path / "weights" / "decoder.onnx"
+    outside.parent.mkdir()
+    # as the exporter saves a large model (ONNX's default threshold: small constants stay in the graph, which ONNX
+    # Runtime's shape inference must read however the model is loaded)
+    onnx.save(model, str(outside), save_as_external_data=True, location="decoder.onnx.data")
+    assert (outside.parent / "decoder.onnx.data").stat().st_size > outside.stat().st_size
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+    expected = Engine(source, num_pages=16).generate(prompts, 12)
+    assert Engine(str(outside), num_pages=16).generate(prompts, 12) == expected
