@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=at_least(1), default=32)
     parser.add_argument("--num-pages", type=at_least(1), default=256)
     parser.add_argument("--decode-steps", type=at_least(1), default=None,
-                        help="decode steps the engine plans at once (default: the engine's, 8)")
+                        help="decode steps the engine plans at once (default: the engine's, 64)")
     parser.add_argument("--model", choices=sorted(MODELS), default="small",
                         help="the decoder (the serving benchmark's: tiny 3 x 64, small 4 x 256; default small)")
     parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")

@@ -232,8 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-running", type=at_least(1), help="requests in flight at once (default 64)")
     serve.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
     serve.add_argument("--decode-steps", type=at_least(1), help="decode steps planned at once while every running "
-                                                                 "request only decodes (default 8, at most a page; "
-                                                                 "1: one at a time, a new request waits for none)")
+                                                                 "request only decodes (default 64; a new request or "
+                                                                 "a cancellation ends a run at its next step; 1: one "
+                                                                 "at a time)")
     serve.add_argument("--page-size", type=at_least(1), default=16, help="for a checkpoint folder: page size")
     serve.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0, help="for a checkpoint folder: "
                                                                                   "cache quantization")
