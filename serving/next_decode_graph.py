@@ -61,8 +61,11 @@ def with_next_decode(model: onnx.ModelProto) -> onnx.ModelProto:
     result = onnx.ModelProto()
     result.CopyFrom(model)
     result.graph.node.extend(nodes)
-    shapes = {value.name: value.type.tensor_type.shape for value in graph.input}
+    inputs = {value.name: value for value in graph.input}
     for name in NEXT_DECODE_INPUTS:
-        dims = [d.dim_param or d.dim_value for d in shapes[name].dim] if name != "input_ids" else None
-        result.graph.output.append(helper.make_tensor_value_info(prefix + name, TensorProto.INT64, dims))
+        output = helper.make_tensor_value_info(prefix + name, TensorProto.INT64, None)
+        # the input's shape as declared (named, fixed or anonymous dims alike); the tokens' is the logits' rows
+        if name != "input_ids" and inputs[name].type.tensor_type.HasField("shape"):
+            output.type.tensor_type.shape.CopyFrom(inputs[name].type.tensor_type.shape)
+        result.graph.output.append(output)
     return result

@@ -80,3 +80,23 @@ def test_the_engine_serves_a_model_whose_weights_lie_in_an_external_file(tmp_pat
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     expected = Engine(source, num_pages=16).generate(prompts, 12)
     assert Engine(str(outside), num_pages=16).generate(prompts, 12) == expected
+
+
+def test_inputs_with_anonymous_dynamic_dims_give_outputs_of_the_same_shapes(tmp_path):
+    """A decoder whose inputs' dynamic dims carry no name (valid ONNX): the next step's outputs keep them dynamic, so
+    the graph's own greedy runs give the tokens of one step at a time."""
+    pytest.importorskip("transformers")
+    import hf_models
+    from kvcache_op.serving import Engine, SamplingParams
+
+    model = onnx.load(hf_models.exported("llama"))
+    for value in model.graph.input:
+        for dim in value.type.tensor_type.shape.dim:
+            dim.ClearField("dim_param")
+    path = tmp_path / "anonymous.onnx"
+    onnx.save(model, str(path))
+    outputs = {value.name: value for value in with_next_decode(model).graph.output}
+    assert all(not d.HasField("dim_value") for d in outputs["next_kvstarts"].type.tensor_type.shape.dim)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    one = Engine(str(path), num_pages=16, decode_steps=1).generate([[1, 2, 3]], 30, params=params)
+    assert Engine(str(path), num_pages=16).generate([[1, 2, 3]], 30, params=params) == one
