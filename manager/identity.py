@@ -108,6 +108,8 @@ def token_rows(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
         ids = np.array(tokens)
     except (ValueError, OverflowError) as error:  # ragged rows, ids past int64
         raise ValueError(f"{what}: not rows of {count} token ids ({error})") from None
+    if ids.size == 0 and ids.dtype.kind == "f":  # numpy makes empty lists float: rows of an empty batch
+        ids = ids.astype(np.int64)
     if ids.dtype.kind not in "iu":
         raise TypeError(f"{what} must hold integer token ids, got {ids.dtype}")
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] != count:

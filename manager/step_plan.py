@@ -74,6 +74,8 @@ class StepPlan:
         ``later``: the plan of the step that many decode steps after this one (``input_ids`` fed to it), skipping
         the plans between."""
         rows = self._rows_ahead
+        if not 1 <= later <= (len(rows[0]) - rows[4] if rows is not None else max(following, 1)):
+            raise ValueError(f"next_decode: later={later} is outside the planned steps that follow")
         if later > 1 and rows is None:  # a caller that ran the steps between itself: only that step's arrays
             return self._decode_after(later, input_ids)
         if rows is None:

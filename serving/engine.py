@@ -215,7 +215,7 @@ class Engine(OnlineEngine):
         """Counters since the engine was made: prefix hits, evictions, preemptions, tokens, pages, cache bytes,
         throughput, and where the time went (scheduling = admission, manager and feed building; ort_run =
         the graph and key shifts; other = sampling and the rest). Safe from any thread."""
-        with self._lock:  # a consistent picture from any thread: not in the middle of a step
+        with self._lock_soon():  # a consistent picture from any thread: not in the middle of a step (a run ends)
             return self._metrics()
 
     def _metrics(self) -> dict:

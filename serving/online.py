@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import threading
@@ -187,16 +188,26 @@ class OnlineEngine:
         self._thread = None
         self._closed = False
         # A run of decode steps planned at once holds the lock for many steps: it ends at its next step while a
-        # caller waits to queue requests (one entry each, taken back once queued) or a request was cancelled since
+        # caller waits for the lock (one entry each, taken back once it has it) or a request was cancelled since
         # the engine last looked (cleared when it does). Deques: appending and popping are atomic.
-        self._arriving = collections.deque()
+        self._knocking = collections.deque()
         self._cancelling = collections.deque()
         self._knock_cancel = functools.partial(self._cancelling.append, None)
 
     def _interrupted(self) -> bool:
-        """Whether a run of decode steps should end at this step (a caller waits to queue requests, or a request
+        """Whether a run of decode steps should end at this step (a caller waits for the engine's lock, or a request
         was cancelled)."""
-        return bool(self._arriving or self._cancelling)
+        return bool(self._knocking or self._cancelling)
+
+    @contextlib.contextmanager
+    def _lock_soon(self):
+        """The engine's lock, without waiting out a run of decode steps: the run ends at its next step."""
+        self._knocking.append(None)
+        try:
+            with self._lock:
+                yield
+        finally:
+            self._knocking.pop()
 
     def submit(self, prompt, params: SamplingParams = None, *, salt=None) -> RequestHandle:
         """Queues ``prompt`` (token ids) for generation with ``params`` (default: greedy, ``max_tokens`` 16) and
@@ -210,38 +221,30 @@ class OnlineEngine:
         salt_bytes(salt)
         q = self._new_sequence(None, self._token_ids(prompt, "submitted"), params.max_tokens, salt, 0, params)
         self._check_fits(q, params.max_tokens, "submitted request")
-        self._arriving.append(None)  # before the lock, which a run of decode steps may hold
-        try:
-            with self._lock:
-                if self._closed:
-                    raise RuntimeError("the engine is closed")
-                return self._enqueue_batch([q])[0]
-        finally:
-            self._arriving.pop()
+        with self._lock_soon():
+            if self._closed:
+                raise RuntimeError("the engine is closed")
+            return self._enqueue_batch([q])[0]
 
     def _enqueue_batch(self, sequences: list) -> list:
         """Queues checked sequences (their ``arrival``: steps after the engine's next step), each under a new
         request id with a new handle, in arrival order, and makes sure the background thread runs. Returns the
         handles."""
-        self._arriving.append(None)  # before the lock, which a run of decode steps may hold
-        try:
-            with self._lock:
-                base = self._online_step
-                for q in sequences:
-                    q.index = next(self._online_ids)
-                    q.arrival += base
-                    q.handle = RequestHandle(q.index)
-                    q.handle._on_cancel = self._knock_cancel
-                    place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
-                    while place and self._online_waiting[place - 1].arrival > q.arrival:
-                        place -= 1
-                    self._online_waiting.insert(place, q)
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
-                    self._thread.start()
-                self._work.notify()
-        finally:
-            self._arriving.pop()
+        with self._lock_soon():
+            base = self._online_step
+            for q in sequences:
+                q.index = next(self._online_ids)
+                q.arrival += base
+                q.handle = RequestHandle(q.index)
+                q.handle._on_cancel = self._knock_cancel
+                place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
+                while place and self._online_waiting[place - 1].arrival > q.arrival:
+                    place -= 1
+                self._online_waiting.insert(place, q)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
+                self._thread.start()
+            self._work.notify()
         return [q.handle for q in sequences]
 
     @property
@@ -258,7 +261,7 @@ class OnlineEngine:
         """Cancels every submitted request still queued or running and stops the background thread (waiting up
         to ``timeout`` seconds for it). ``generate`` still works afterwards (it starts the thread again); ``submit``
         does not."""
-        with self._lock:
+        with self._lock_soon():
             self._closed = True
             for q in list(self._online_waiting) + self._online_running:
                 q.handle.cancel()

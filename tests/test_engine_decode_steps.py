@@ -152,14 +152,14 @@ def test_graph_chosen_runs_past_a_page_give_the_host_loops_tokens_and_transforme
         assert tokens == reference_generate(model, prompt, n)
 
 
-@pytest.mark.parametrize("interruption", ["submit", "cancel"])
-def test_a_caller_queueing_or_cancelling_ends_a_long_run_at_its_next_step(interruption):
-    """A run of many decode steps holds the engine: a request submitted (or a cancellation) while it runs ends it at
-    its next step, so the newcomer's first token comes long before the running request's last one (the cancelled
-    request stops long before its end)."""
+@pytest.mark.parametrize("interruption", ["submit", "cancel", "metrics"])
+def test_a_caller_queueing_cancelling_or_reading_metrics_ends_a_long_run_at_its_next_step(interruption):
+    """A run of many decode steps holds the engine: a request submitted, a cancellation, or a ``metrics()`` call while
+    it runs ends it at its next step (the newcomer's first token comes long before the running request's last one;
+    the cancelled request stops long before its end; the metrics do not wait for the run)."""
     path = hf_models.exported("llama")
     engine = Engine(path, num_pages=64, decode_steps=200)
-    total = engine.decode_steps
+    graph_runs, total = counting_graph_steps(engine), engine.decode_steps
     first = engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=total, ignore_eos=True))
     tokens = iter(first)
     for _ in range(3):  # the long run has begun
@@ -171,10 +171,14 @@ def test_a_caller_queueing_or_cancelling_ends_a_long_run_at_its_next_step(interr
         assert second.token_times[0] < first.token_times[total // 2], "the newcomer waited for the long run"
         assert first.result() == engine.generate([[5, 6, 7, 8]], total, params=SamplingParams(max_tokens=total,
                                                                                           ignore_eos=True))[0]
-    else:
+    elif interruption == "cancel":
         first.cancel()
         first.result(timeout=60)
         assert first.finish_reason == "cancelled" and len(first.tokens) < total // 2, len(first.tokens)
+    else:
+        assert engine.metrics()["generated_tokens"] < total // 2
+        first.result(timeout=60)
+    assert graph_runs[0] < total // 2, graph_runs  # the run that was going ended early
     engine.close(timeout=60)
     assert engine.metrics()["pages_in_use"] == 0
 

@@ -212,9 +212,17 @@ def test_decode_steps_planned_at_once_are_refused_where_they_cannot_be_exact():
                               ([[1, -2]], ValueError, "outside"), (np.zeros((2, 2)), TypeError, "integer")):
         with pytest.raises(error, match=match):
             a.advance(plan, bad)  # refused with nothing changed: the rows below still advance it
+    for later in (0, 9):  # not a planned step that follows
+        with pytest.raises(ValueError, match="outside the planned steps"):
+            first.next_decode(np.array([3, 4]), 8, later=later)
     plan = a.advance(plan, [[3, 4], [5, 6]])  # the third step: fed the second row
     assert (plan.start_pos == first.start_pos + 2).all() and plan.input_ids.tolist() == [5, 6]
+    with pytest.raises(ValueError, match="outside the planned steps"):
+        plan.next_decode(np.array([3, 4]), 6, later=7)  # 6 planned steps follow the third
     a.abort(plan)
+    assert manager_state(a) == before
+    empty = a.schedule_decode([], np.zeros(0, np.int64), steps=3)
+    a.abort(a.advance(empty, [[], []]))  # an empty batch's rows: empty lists
     assert manager_state(a) == before
 
 
