@@ -6,6 +6,7 @@ cache."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import onnx
@@ -72,8 +73,6 @@ def _zeroed(shape: tuple, element_type: int, device: tuple) -> ort.OrtValue:
 def _check_fits(num_pages: int, shape: tuple, element_type: int, info: ModelInfo, device: tuple) -> None:
     """``ValueError`` before allocating when the cache (and scale) of ``num_pages`` pages would not fit this
     machine's memory (host caches; a device's memory is the device's to refuse)."""
-    import os
-
     count = int(np.prod(shape, dtype=object))
     nbytes = (count + 1) // 2 if element_type == TensorProto.INT4 else count * BYTES[element_type]
     if info.quant_bit:
@@ -115,8 +114,6 @@ class ModelRunner:
         # for runs of decode steps with no host work between them (:meth:`greedy_steps`). A device session keeps the
         # graph as exported: the device path of such runs has not been run on a GPU yet.
         if self.device[0] == "cpu":
-            import os
-
             self.session = make_session(with_next_decode(model), self.providers, intra_op_num_threads, config={
                 # the model is read from memory: its external data (if any) lies beside the file
                 "session.model_external_initializers_file_folder_path": os.path.dirname(os.path.abspath(model_path))})
