@@ -156,7 +156,7 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         manager. ``ValueError`` with nothing changed for a plan that is not the outstanding one or past the planned
         steps; ``TypeError``/``ValueError`` for bad tokens."""
         step = self._outstanding_step(plan, "advance")
-        if 1 + len(step.fed) >= step.steps:
+        if 1 + step.fed_steps >= step.steps:
             raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")
         count = len(step.rids)
         if isinstance(tokens, np.ndarray) and tokens.ndim == 2 or \
@@ -164,13 +164,14 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             rows = token_rows(tokens, count, self.vocab_size, "advance: tokens")
         else:
             rows = token_array(tokens, count, self.vocab_size, "advance: tokens")[None]
-        left = step.steps - 1 - len(step.fed)
+        left = step.steps - 1 - step.fed_steps
         if len(rows) > left:
             raise ValueError(f"advance: {len(rows)} rows of tokens, but only {left} planned steps are left")
         rows.setflags(write=False)
         # before any change: a failure here leaves the step as it was
         following = plan.next_decode(rows[-1], left, later=len(rows))
-        step.fed.extend(rows)
+        step.fed.append(rows)
+        step.fed_steps += len(rows)
         step.plan = following
         return following
 

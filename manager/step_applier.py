@@ -64,12 +64,12 @@ class StepApplier:
         return step.plan
 
     def _settle_steps(self, step: OutstandingStep) -> None:
-        """Of decode steps planned at once (``step.steps``), the first ``1 + len(step.fed)`` ran: the rows take
+        """Of decode steps planned at once (``step.steps``), the first ``1 + step.fed_steps`` ran: the rows take
         their tokens (in the tail buffer; a row whose steps crossed into a new page first folds the page it
         filled onto its token list, as a step ending it would have), pages taken for steps that did not run go
         back to the pool (never written, never published), and ``step.end`` becomes where each row now ends."""
         R, ps, rows = self.rows, self.page_size, step.rows
-        ran = 1 + len(step.fed)
+        ran = 1 + step.fed_steps
         computed = step.before[:, 0]
         end = computed + ran
         if step.appended is not None and ran < step.steps:
@@ -83,7 +83,7 @@ class StepApplier:
             R.table[table_rows[unused], columns[unused]] = -1
             np.minimum.at(R.npages, table_rows[unused], columns[unused])  # a row's first unused column
         if ran > 1:
-            fed = np.stack(step.fed, axis=1)  # [B, ran - 1]: positions computed + 1 ...
+            fed = np.concatenate(step.fed).T  # [B, ran - 1]: positions computed + 1 ...
             crossed = (end - 1) // ps > computed // ps
             straight = np.flatnonzero(~crossed)
             positions = computed[straight, None] + np.arange(1, ran)

@@ -87,4 +87,6 @@ class OutstandingStep:
     taken: list  # pages taken from the pool, in order
     released: list  # pages released to the pool, in order
     steps: int = 1  # decode steps planned at once (schedule_decode's steps)
-    fed: list = dataclasses.field(default_factory=list)  # [B] tokens of each step after the first that ran
+    fed: list = dataclasses.field(default_factory=list)  # [k, B] blocks: the tokens of the steps after the first
+    # that ran, in order (one block per advance)
+    fed_steps: int = 0  # how many steps those blocks hold

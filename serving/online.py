@@ -42,14 +42,15 @@ class RequestHandle:
         # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
         # engine's thread in the middle of its step)
         self._finished = threading.Event()
-        self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper to take than an RLock
+        self._guard = threading.Lock()  # a plain lock: cheaper to take than an RLock
+        self._changed = threading.Condition(self._guard)
         self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
         self._waiting = 0  # threads waiting on _changed for a token (iteration)
 
     # ---- the engine's side ---------------------------------------------------------------------------------
     def _push(self, token: int, logprobs=None, when: float = None) -> None:
         """One more token, chosen at ``when`` (``time.perf_counter()``; default now)."""
-        with self._changed:
+        with self._guard:  # the condition's own lock, taken without the condition's Python-level wrapper (every token)
             self._tokens.append(token)
             self._times.append(time.perf_counter() if when is None else when)
             if logprobs is not None:
