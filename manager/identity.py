@@ -87,12 +87,7 @@ def token_array(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
             raise TypeError(f"{what} must hold integer token ids, got an array of {tokens.dtype}")
         if tokens.ndim != 1:
             raise ValueError(f"{what} must be 1-D, got shape {tokens.shape}")
-        ids = tokens.astype(np.int64)
-        if tokens.dtype.kind == "u" and ids.size and int(tokens.max()) >= _INT64_LIMIT:
-            raise ValueError(f"{what}: token id {int(tokens.max())} is outside [0, vocab_size={vocab_size})")
-        if ids.size and int(ids.view(np.uint64).max()) >= vocab_size:  # a negative id is a huge unsigned one
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")
+        ids = _ids_in_vocabulary(tokens, vocab_size, what)
     else:  # token_ids checked every id in Python: a decode loop's list of a few ids costs no numpy reduction
         ids = np.array(token_ids(tokens, vocab_size, what), np.int64)
     if len(ids) != count:
@@ -114,9 +109,15 @@ def token_rows(tokens, count: int, vocab_size: int, what: str) -> np.ndarray:
         raise TypeError(f"{what} must hold integer token ids, got {ids.dtype}")
     if ids.ndim != 2 or ids.shape[0] < 1 or ids.shape[1] != count:
         raise ValueError(f"{what}: expected rows of {count} token ids, got shape {ids.shape}")
-    if ids.dtype.kind == "u" and int(ids.max()) >= _INT64_LIMIT:
-        raise ValueError(f"{what}: token id {int(ids.max())} is outside [0, vocab_size={vocab_size})")
-    ids = ids.astype(np.int64)
+    return _ids_in_vocabulary(ids, vocab_size, what)
+
+
+def _ids_in_vocabulary(tokens: np.ndarray, vocab_size: int, what: str) -> np.ndarray:
+    """An integer array of token ids as a new int64 array; ``ValueError`` naming ``what`` for an id outside
+    ``[0, vocab_size)`` (two reductions, whatever the shape)."""
+    ids = tokens.astype(np.int64)
+    if tokens.dtype.kind == "u" and ids.size and int(tokens.max()) >= _INT64_LIMIT:
+        raise ValueError(f"{what}: token id {int(tokens.max())} is outside [0, vocab_size={vocab_size})")
     if ids.size and int(ids.view(np.uint64).max()) >= vocab_size:  # a negative id is a huge unsigned one
         bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
         raise ValueError(f"{what}: token id {bad} is outside [0, vocab_size={vocab_size})")

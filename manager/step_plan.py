@@ -88,8 +88,6 @@ class StepPlan:
                     [max_kvlen[j, ...] for j in range(len(max_kvlen))], 0)
         kvstarts_rows, start_pos_rows, position_rows, max_kvlens, i = rows
         i += later - 1
-        if i >= len(kvstarts_rows):
-            raise ValueError(f"next_decode: only {len(kvstarts_rows)} decode steps were planned to follow")
         plan = self._decode_plan(input_ids, kvstarts_rows[i], start_pos_rows[i], position_rows[i], max_kvlens[i])
         plan._rows_ahead = (*rows[:4], i + 1)
         return plan

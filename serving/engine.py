@@ -375,10 +375,8 @@ class Engine(OnlineEngine):
         if self.step_trace is not None:
             done = [before for before, _ in times[1:]] + [time.perf_counter()]
             for j, (before, after) in enumerate(times):  # each step gathers one key more per sequence
-                self.step_trace.append(dict(
-                    sequences=count, decodes=count, tokens=count, kv_tokens=int(first.kvstarts[-1]) + j * count,
-                    scheduling_s=before - (began if j == 0 else before), ort_run_s=after - before,
-                    after_run_s=done[j] - after))
+                self._record_step(count, count, count, int(first.kvstarts[-1]) + j * count,
+                                  (began if j == 0 else before, before, after, done[j]))
         run = sum(after - before for before, after in times)
         self._times["ort_run"] += run
         self._times["scheduling"] += time.perf_counter() - began - run
@@ -407,11 +405,17 @@ class Engine(OnlineEngine):
             done = time.perf_counter()
             self._times["scheduling"] += done - ran  # commit, choosing and finishing are host work
             decodes = len(plan.request_ids) if feeds is None else int(feeds["decoding_batches"])
-            self.step_trace.append(dict(sequences=len(plan.request_ids), decodes=decodes,
-                                        tokens=int(plan.seqstarts[-1]), kv_tokens=int(plan.kvstarts[-1]),
-                                        scheduling_s=scheduled - began, ort_run_s=ran - scheduled, after_run_s=done - ran))
+            self._record_step(len(plan.request_ids), decodes, int(plan.seqstarts[-1]), int(plan.kvstarts[-1]),
+                              (began, scheduled, ran, done))
         else:
             self._times["scheduling"] += time.perf_counter() - times[2]
+
+    def _record_step(self, sequences: int, decodes: int, tokens: int, kv_tokens: int, times: tuple) -> None:
+        """Keeps one step's record in ``step_trace``; ``times``: when the step began, its run began and ended, and
+        the host work after it was done."""
+        began, run_began, ran, done = times
+        self.step_trace.append(dict(sequences=sequences, decodes=decodes, tokens=tokens, kv_tokens=kv_tokens,
+                                    scheduling_s=run_began - began, ort_run_s=ran - run_began, after_run_s=done - ran))
 
     def _choosers(self, sequences: list) -> tuple:
         """(rows, sequences) of the step's sequences that choose a token: decodes, and prefills whose prompt is

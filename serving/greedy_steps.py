@@ -43,8 +43,8 @@ class GreedySteps:
         for name in self.input_names:
             value = feeds[name]
             replaced = self._fill(0, name, value)
-            if name in NEXT_DECODE_INPUTS:  # the second binding's input is the first's output
-                if self._fill(1, name, value) or replaced:
+            if name in NEXT_DECODE_INPUTS:  # the second binding's input is the first's output (written by it)
+                if self._fill(1, name, value, copy=False) or replaced:
                     for binding, buffers in ((self.bindings[0], second), (self.bindings[1], first)):
                         binding.bind_ortvalue_output(NEXT_PREFIX + name, buffers[name][1])
             elif first[name] is not second.get(name):  # the same in every step: one buffer bound to both
@@ -62,13 +62,14 @@ class GreedySteps:
             for binding in self.bindings:
                 binding.bind_ortvalue_output(OUTPUT_NAME, value)
 
-    def _fill(self, which: int, name: str, value) -> bool:
-        """Copies ``value`` into binding ``which``'s buffer for input ``name``; binds a new buffer (and returns
-        True) when there was none of its shape."""
+    def _fill(self, which: int, name: str, value, copy: bool = True) -> bool:
+        """Copies ``value`` into binding ``which``'s buffer for input ``name`` (``copy`` False: only a buffer of its
+        shape is needed); binds a new buffer (and returns True) when there was none of its shape."""
         buffers = self._buffers[which]
         bound = buffers.get(name)
         if bound is not None and bound[0].shape == np.shape(value):
-            np.copyto(bound[0], value)
+            if copy:
+                np.copyto(bound[0], value)
             return False
         array = np.array(value, np.int64, order="C")  # owned: nobody else changes it
         buffers[name] = array, ort.OrtValue.ortvalue_from_numpy(array)

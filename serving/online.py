@@ -28,7 +28,7 @@ class RequestHandle:
     id, included in the tokens), ``"length"`` (``max_tokens`` reached), ``"cancelled"`` or ``"error"`` (the
     step failed: :meth:`result` and iteration raise its exception); ``None`` while it runs."""
 
-    def __init__(self, request_id):
+    def __init__(self, request_id, on_cancel=None):
         self.request_id = request_id
         self.finish_reason = None
         self.submitted_at = time.perf_counter()  # time.perf_counter() clock, as token_times
@@ -37,7 +37,7 @@ class RequestHandle:
         self._logprobs = []
         self._error = None
         self._cancelled = threading.Event()
-        self._on_cancel = None  # the engine's: ends a run of decode steps at its next step
+        self._on_cancel = on_cancel  # the engine's: ends a run of decode steps at its next step
         # result() waits on its own event, not on the condition every token notifies: a batch caller waiting for
         # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
         # engine's thread in the middle of its step)
@@ -236,8 +236,7 @@ class OnlineEngine:
             for q in sequences:
                 q.index = next(self._online_ids)
                 q.arrival += base
-                q.handle = RequestHandle(q.index)
-                q.handle._on_cancel = self._knock_cancel
+                q.handle = RequestHandle(q.index, self._knock_cancel)
                 place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
                 while place and self._online_waiting[place - 1].arrival > q.arrival:
                     place -= 1
