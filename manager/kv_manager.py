@@ -97,11 +97,16 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         self._pending = None  # the outstanding OutstandingStep
 
     # ---- steps ---------------------------------------------------------------------------------------
-    def schedule(self, feeds: dict) -> StepPlan:
+    def schedule(self, feeds: dict, steps: int = 1) -> StepPlan:
         """Plans one step. ``feeds`` maps request id -> the token ids fed this step (a prefill chunk of
         the prompt, or generated tokens). Raises :class:`OutOfPages` when the pages cannot be had,
         ``ValueError``/``TypeError`` for a step no page table can describe, ``RuntimeError`` while an
         earlier step is outstanding — in every case with nothing changed.
+
+        ``steps`` > 1 plans this step and ``steps - 1`` decode steps after it at once, as
+        :meth:`schedule_decode` does (same limits), when every request's feed reaches the end of its prompt: a
+        prefill's last chunk and the first tokens it generates then cost one transaction. :meth:`advance` goes on
+        from the tokens this step chose.
 
         Cost: a fixed number of numpy operations over the batch, plus Python work per request only
         where the step does more than append one generated token (a prefill chunk, several tokens, a
@@ -110,11 +115,12 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         self._check_idle()
         if not isinstance(feeds, dict):
             raise TypeError(f"feeds must be a dict of request id -> token ids, got {type(feeds).__name__}")
+        steps = self._check_steps(steps)
         rids = list(feeds)
         batch = self._batch_of(feeds, rids)
         if batch is None:
             batch = self._check_each(feeds)  # raises the first request's error, in feed order
-        return self._schedule(rids, batch, feeds)
+        return self._schedule(rids, batch, feeds, steps)
 
     def schedule_decode(self, request_ids, tokens, steps: int = 1) -> StepPlan:
         """Plans a step that feeds one token to each request: ``tokens[i]`` to ``request_ids[i]`` (a list
@@ -134,14 +140,7 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         self._check_idle()
         if not isinstance(request_ids, (list, tuple)):
             raise TypeError(f"request_ids must be a list or tuple, got {type(request_ids).__name__}")
-        steps = check_int("steps", steps)
-        if steps != 1:
-            if not 1 <= steps <= self.page_size * self.max_pages:
-                raise ValueError(f"steps must be in [1, page_size * max_pages = {self.page_size * self.max_pages}], "
-                                 f"got {steps}")
-            if self.sliding_window is not None or self.streaming is not None:
-                raise ValueError("decode steps planned at once need a manager without a sliding window or "
-                                 "StreamingLLM (their pages move within a step)")
+        steps = self._check_steps(steps)
         rids = list(request_ids)
         ids = token_array(tokens, len(rids), self.vocab_size, "schedule_decode: tokens")
         rows = self._rows_of(rids)
@@ -175,6 +174,18 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         step.plan = following
         return following
 
+    def _check_steps(self, steps) -> int:
+        """``steps`` of ``schedule``/``schedule_decode``, checked."""
+        steps = check_int("steps", steps)
+        if steps != 1:
+            if not 1 <= steps <= self.page_size * self.max_pages:
+                raise ValueError(f"steps must be in [1, page_size * max_pages = {self.page_size * self.max_pages}], "
+                                 f"got {steps}")
+            if self.sliding_window is not None or self.streaming is not None:
+                raise ValueError("decode steps planned at once need a manager without a sliding window or "
+                                 "StreamingLLM (their pages move within a step)")
+        return steps
+
     def _check_idle(self) -> None:
         if self._pending is not None:
             raise RuntimeError("the previous step is outstanding: commit(plan) once the op ran it, or abort(plan)")
@@ -192,9 +203,7 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         freed = sum(1 for w in planned.work for p in w.released if self.pool.ref_count[p] == 1)
         if planned.new_pages > self.pool.available() + freed:
             raise OutOfPages(planned.new_pages, self.pool.available() + freed)
-        plan = self._apply(rids, rows, before, lengths, ids, planned)
-        self._pending.steps = steps
-        return plan
+        return self._apply(rids, rows, before, lengths, ids, planned)
 
     def commit(self, plan: StepPlan) -> None:
         """The step of ``plan`` ran (the op stored its keys): its full pages are published for prefix

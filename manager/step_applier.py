@@ -15,7 +15,7 @@ class StepApplier:
 
     def _apply(self, rids, rows, before, lengths, ids, planned: PlannedStep) -> StepPlan:
         ps, R, plain, need = self.page_size, self.rows, planned.plain, planned.need
-        step = OutstandingStep(None, rids, rows, before, planned.end, plain, [], None, [], [])
+        step = OutstandingStep(None, rids, rows, before, planned.end, plain, [], None, [], [], planned.steps)
         fed, shift_slots, shift_deltas = {}, [], []
         for w in planned.work:  # every release before any allocation: schedule() counted on them
             r = w.r
@@ -54,24 +54,32 @@ class StepApplier:
             lengths, ids = self._refed(lengths, ids, fed)
         ids.setflags(write=False)  # the plan's input_ids, read by fed_tokens later: an edit of the feeds fails
         first_slot = (before[:, 1] if plain is None else R.first_page[rows]) * ps
+        cachestarts, page_columns = R.table.take(rows, axis=0), int(np.maximum.reduce(R.npages[rows], initial=0))
         step.plan = build_plan(
-            list(rids), lengths, planned.end, first_slot, R.table.take(rows, axis=0),
+            list(rids), lengths, planned.end, first_slot, cachestarts,
             self._fed_tokens(rids, lengths, ids),
             np.concatenate(shift_slots) if shift_slots else None,
             np.concatenate(shift_deltas) if shift_deltas else None,
-            input_ids=ids, page_columns=int(np.maximum.reduce(R.npages[rows], initial=0)))
+            input_ids=ids, page_columns=page_columns)
+        if planned.steps > 1 and lengths is not None:  # decode steps follow a step of several tokens: they go on
+            # from a step that fed each request only its last token (the decode step the first one ends as)
+            last = ids[np.cumsum(lengths) - 1]
+            step.plan.decode_base = build_plan(list(rids), None, planned.end, first_slot, cachestarts,
+                                               self._fed_tokens(rids, None, last), input_ids=last,
+                                               page_columns=page_columns)
         self._pending = step
         return step.plan
 
     def _settle_steps(self, step: OutstandingStep) -> None:
-        """Of decode steps planned at once (``step.steps``), the first ``1 + step.fed_steps`` ran: the rows take
-        their tokens (in the tail buffer; a row whose steps crossed into a new page first folds the page it
-        filled onto its token list, as a step ending it would have), pages taken for steps that did not run go
-        back to the pool (never written, never published), and ``step.end`` becomes where each row now ends."""
+        """Of the steps planned at once (``step.steps``: a first step, then decode steps), the first
+        ``1 + step.fed_steps`` ran: the rows take the decode steps' tokens (in the tail buffer; a row whose steps
+        crossed into a new page first folds the page it filled onto its token list, as a step ending it would
+        have), pages taken for steps that did not run go back to the pool (never written, never published), and
+        ``step.end`` becomes where each row now ends."""
         R, ps, rows = self.rows, self.page_size, step.rows
         ran = 1 + step.fed_steps
-        computed = step.before[:, 0]
-        end = computed + ran
+        first_end = step.end  # where each row ends after the first step (the decode steps' first position)
+        end = first_end + (ran - 1)
         if step.appended is not None and ran < step.steps:
             table_rows, columns = step.appended
             # a page reached by no step that ran starts after the row's last position (rows hold the first step's
@@ -84,12 +92,12 @@ class StepApplier:
             np.minimum.at(R.npages, table_rows[unused], columns[unused])  # a row's first unused column
         if ran > 1:
             fed = np.concatenate(step.fed).T  # [B, ran - 1]: positions computed + 1 ...
-            crossed = (end - 1) // ps > computed // ps
+            crossed = (end - 1) // ps > (first_end - 1) // ps
             straight = np.flatnonzero(~crossed)
-            positions = computed[straight, None] + np.arange(1, ran)
+            positions = first_end[straight, None] + np.arange(ran - 1)
             R.tail[rows[straight, None], positions % ps] = fed[straight]
             for b in np.flatnonzero(crossed).tolist():
-                row, first, start, last = int(rows[b]), int(computed[b]) + 1, int(computed[b]) + 1, int(end[b])
+                row, first, start, last = int(rows[b]), int(first_end[b]), int(first_end[b]), int(end[b])
                 for boundary in range(-(-first // ps) * ps, last, ps):  # each page the steps filled
                     R.tail[row, np.arange(start, boundary) % ps] = fed[b, start - first:boundary - first]
                     R.computed[row] = boundary
@@ -103,7 +111,8 @@ class StepApplier:
         """Appends the pages just taken (``slots``: their first slots, in batch order) to the page tables
         of the requests that asked for them (``need``: how many each)."""
         R, rows = self.rows, step.rows
-        if step.plain is None and need.dtype != bool:  # decode steps planned at once past a page: counts
+        if need.dtype != bool and (step.plain is None or step.steps > 1):  # decode steps planned at once past a
+            # page, or after a step of several tokens (nothing is released then): counts
             counts = need
             appended = np.repeat(np.arange(len(counts)), counts)  # each request's pages, in batch order
             within = np.arange(len(appended)) - np.repeat(np.cumsum(counts) - counts, counts)

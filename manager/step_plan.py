@@ -60,6 +60,8 @@ class StepPlan:
         self.shift_slots = _EMPTY.copy() if shift_slots is None else shift_slots
         self.shift_deltas = _EMPTY.copy() if shift_deltas is None else shift_deltas
         self._rows_ahead = None  # next_decode's arrays for the decode steps after this one, and which row is next
+        self.decode_base = None  # of a step of several tokens that decode steps follow: the plan of a step that fed
+        # each request its last token only (the decode steps go on from it)
 
     def next_decode(self, input_ids: np.ndarray, following: int = 1, later: int = 1) -> "StepPlan":
         """The plan of the decode step after this one (a step of one token each) when the page tables already
@@ -73,6 +75,8 @@ class StepPlan:
         step, 3 us the second time), so fewer distinct operations per step is what makes a step's host work short.
         ``later``: the plan of the step that many decode steps after this one (``input_ids`` fed to it), skipping
         the plans between."""
+        if self.decode_base is not None:
+            return self.decode_base.next_decode(input_ids, following, later)
         rows = self._rows_ahead
         if not 1 <= later <= (len(rows[0]) - rows[4] if rows is not None else max(following, 1)):
             raise ValueError(f"next_decode: later={later} is outside the planned steps that follow")

@@ -36,12 +36,12 @@ class StepPlanner:
         if steps > ps:
             need = np.maximum((computed + (steps - 1)) // ps - (first + held) + 1, 0)
         all_plain = np.count_nonzero(plain) == len(plain)
-        if steps > 1 and not all_plain:
-            b = int(np.argmin(plain))
-            raise ValueError(f"request {rids[b]!r} has prompt tokens to feed: decode steps planned at once need "
-                             f"requests that only decode")
+        if steps > 1 and not all_plain and (end < known_end).any():
+            b = int(np.argmax(end < known_end))
+            raise ValueError(f"request {rids[b]!r} has prompt tokens to feed after this step: decode steps planned "
+                             f"at once need every request's feed to reach the end of its prompt")
         if not all_plain:
-            need &= plain
+            need = need & plain if need.dtype == bool else np.where(plain, need, 0)
         new_pages = int(np.count_nonzero(need)) if need.dtype == bool else int(need.sum())
         # (the maximum first: one reduction where, as almost always, no request holds max_pages pages)
         if new_pages and held.max() + (1 if need.dtype == bool else need.max()) > self.max_pages and \
@@ -61,13 +61,14 @@ class StepPlanner:
                 r = self.requests[rids[b]]
                 tokens = ids[starts[b]:ends[b]].tolist()
                 self._check_feed(r, tokens)
-                w = self._plan_request(b, r, tokens)
+                w = self._plan_request(b, r, tokens, steps - 1)
                 need[b], end[b] = w.new_pages, w.end
                 new_pages += w.new_pages
                 work.append(w)
-        return PlannedStep(end, None if all_plain else plain, need, new_pages, work)
+        return PlannedStep(end, None if all_plain else plain, need, new_pages, work, steps)
 
-    def _plan_request(self, b: int, r: Request, tokens: list) -> RequestWork:
+    def _plan_request(self, b: int, r: Request, tokens: list, later: int = 0) -> RequestWork:
+        """``later``: decode steps planned after this one (their pages are taken now)."""
         ps, R, row = self.page_size, self.rows, r.row
         computed, first_page, held = int(R.computed[row]), int(R.first_page[row]), int(R.npages[row])
         discard, dropped = (streaming_discard(self.streaming, self.sink_pages, ps, r.rid, computed, held, len(tokens))
@@ -76,7 +77,7 @@ class StepPlanner:
         first = first_page
         if self.sliding_window is not None:
             first = max(first, max(0, computed - self.sliding_window + 1) // ps)
-        pages_total = -(-end // ps)
+        pages_total = -(-(end + later) // ps)
         if pages_total - first > self.max_pages:
             raise ValueError(f"request {r.rid!r}: {pages_total - first} pages exceed max_pages={self.max_pages}")
         released = []

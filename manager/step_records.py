@@ -70,6 +70,7 @@ class PlannedStep:
     need: np.ndarray  # [B] pages each request takes (a bool mask when every step is plain)
     new_pages: int
     work: list  # RequestWork of the requests whose step is not plain
+    steps: int = 1  # steps planned at once: this one, then decode steps (pages are planned for all of them)
 
 
 @dataclasses.dataclass

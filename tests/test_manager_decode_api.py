@@ -252,3 +252,106 @@ def test_planned_steps_past_max_pages_name_the_request():
     assert manager_state(m) == before
     m.commit(m.advance(m.schedule_decode(["a"], [7], steps=2), [8]))  # positions 6, 7
     assert m.computed("a") == 8
+
+
+def prefill_twins(seed: int):
+    """Two managers in the same state: requests 0..3 decoding, and three new requests (one sharing a
+    published prefix with request 0, one with a chunk of its prompt already computed) whose prompts
+    are still to be fed; returns (a, b, the feeds of a step giving every request its last tokens)."""
+    rng = np.random.default_rng(seed)
+    shared = list(range(0, 8))  # request 0's first two full pages: published once computed
+    prompts = {i: (shared if i == 0 else list(range(10 * i, 10 * i + 5 + i))) + [99 - i] for i in range(4)}
+    prompts.update({5: shared + rng.integers(0, 50, int(rng.integers(1, 7))).tolist(),
+                    6: rng.integers(0, 50, int(rng.integers(1, 11))).tolist(),
+                    7: rng.integers(0, 50, 10).tolist()})
+    out = []
+    for _ in range(2):
+        m = KVCacheManager(80, 4, 16, hash_fn=keyed_page_hash(b"twins" * 4))
+        for i in range(4):
+            m.add_request(i, prompts[i])
+            m.commit(m.schedule({i: prompts[i]}))
+        fed = {i: [int(t)] for i, t in enumerate(rng.integers(0, 50, 4))}
+        for i in (5, 6, 7):
+            fed[i] = prompts[i][m.add_request(i, prompts[i]):]
+        m.commit(m.schedule({7: fed[7][:3]}))  # request 7: its first chunk computed already
+        fed[7] = fed[7][3:]
+        out.append(m)
+        rng = np.random.default_rng(seed)  # the twin draws the same
+        rng.integers(0, 50, int(rng.integers(1, 7))), rng.integers(0, 50, int(rng.integers(1, 11)))
+        rng.integers(0, 50, 10)
+    return out[0], out[1], fed, prompts
+
+
+@pytest.mark.parametrize("longest", [4, 13])
+@pytest.mark.parametrize("seed", range(6))
+def test_a_prompts_last_chunk_and_decode_steps_planned_at_once_leave_what_one_step_at_a_time_leaves(seed, longest):
+    """``schedule(feeds, steps)`` (decodes and prompts' last chunks, one with a prefix hit, then decode steps) +
+    ``advance`` + ``commit`` after any number of steps, against a twin that schedules the same first step alone
+    and then each decode step: the first step's plan is the twin's (the page tables up to which pages), each
+    later step's too, and after the commit both publish the same pages (equal prefix hashes: same chains, same
+    tokens), hold the same positions and pages, and count the same pages in use."""
+    a, b, feeds, prompts = prefill_twins(seed)
+    assert a.requests[5].token_base == 0 and a.computed(5) == 8  # request 5 matched request 0's published pages
+    rng = np.random.default_rng(100 + seed)
+    steps = int(rng.integers(2, longest + 1))
+    ran = int(rng.integers(1, steps + 1))
+    rids = list(feeds)
+    tokens = rng.integers(0, 50, (ran, len(rids)))  # row j: fed to step j + 1
+    plan = first = a.schedule(feeds, steps=steps)
+    twin = b.schedule(feeds)
+    for name in PLAN_ARRAYS + ("input_ids",):
+        if name != "cachestarts":
+            assert np.array_equal(getattr(plan, name), getattr(twin, name)), name
+    assert plan.fed_tokens == twin.fed_tokens
+    b.commit(twin)
+    if seed % 2 and ran > 1:  # the caller ran every step itself: one advance over all the rows
+        last = a.advance(plan, tokens[1:])
+    for j in range(1, ran):
+        plan = first.next_decode(tokens[j], steps - 1, later=j) if seed % 2 else a.advance(plan, tokens[j])
+        twin = b.schedule_decode(rids, tokens[j])
+        for name in PLAN_ARRAYS + ("input_ids",):
+            mine, theirs = getattr(plan, name), getattr(twin, name)
+            assert type(mine) is type(theirs) is np.ndarray and mine.dtype == theirs.dtype == np.int64, name
+            assert mine.ndim == theirs.ndim, name
+            if name != "cachestarts":
+                assert np.array_equal(mine, theirs), name
+        for row, (mine, theirs) in enumerate(zip(plan.cachestarts, twin.cachestarts)):
+            used = -(-(plan.kvstarts[row + 1] - plan.kvstarts[row]) // 4)
+            assert np.array_equal(mine[:used], theirs[:used]) or (mine[:used] >= 0).all()
+            assert (theirs[used:] == -1).all()
+        assert plan.fed_tokens == twin.fed_tokens
+        b.commit(twin)
+    if seed % 2 and ran > 1:
+        plan = last
+    a.commit(plan)
+    assert set(a.index.by_hash) == set(b.index.by_hash)
+    for rid in rids:
+        assert a.computed(rid) == b.computed(rid) and len(a.page_table(rid)) == len(b.page_table(rid))
+        assert a.requests[rid].registered == b.requests[rid].registered
+        assert a.pending_tokens(rid) == b.pending_tokens(rid) == []
+    assert a.metrics()["pages_in_use"] == b.metrics()["pages_in_use"]
+    a.check()
+    context = prompts[6] + tokens[1:, rids.index(6)].tolist()  # request 6's, up to the last stored position
+    hits = [m.add_request("late", context + [1]) for m in (a, b)]
+    assert hits[0] == hits[1] == len(context) // 4 * 4  # every full page of it published, on both
+
+
+def test_a_step_with_prompt_tokens_left_plans_no_decode_steps_and_an_abort_restores_all():
+    """``schedule(feeds, steps)`` is refused with nothing changed where a request would still have prompt tokens
+    after the step, or a chunk would pass max_pages with the steps; an abort of the steps planned after prompts'
+    last chunks leaves the manager as it was."""
+    a, _, feeds, _ = prefill_twins(0)
+    before = manager_state(a)
+    short = {**feeds, 7: feeds[7][:-1]}  # request 7's last prompt token not fed
+    with pytest.raises(ValueError, match="request 7 has prompt tokens to feed after this step"):
+        a.schedule(short, steps=2)
+    with pytest.raises(ValueError, match="steps must be in"):
+        a.schedule(feeds, steps=4 * 16 + 1)
+    with pytest.raises(ValueError, match="max_pages"):
+        a.schedule(feeds, steps=4 * 16)  # request 7's prompt and 64 more positions pass 16 pages
+    assert manager_state(a) == before
+    plan = a.schedule(feeds, steps=9)
+    plan = a.advance(plan, [[1] * len(feeds), [2] * len(feeds)])
+    a.abort(plan)
+    assert manager_state(a) == before
+    a.commit(a.schedule(short))  # as one step it is fine
