@@ -155,24 +155,30 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         manager. ``ValueError`` with nothing changed for a plan that is not the outstanding one or past the planned
         steps; ``TypeError``/``ValueError`` for bad tokens."""
         step = self._outstanding_step(plan, "advance")
-        if 1 + step.fed_steps >= step.steps:
-            raise ValueError(f"advance: all {step.steps} planned steps have run: commit(plan)")
-        count = len(step.rids)
-        if isinstance(tokens, np.ndarray) and tokens.ndim == 2 or \
-                isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple, np.ndarray)):
-            rows = token_rows(tokens, count, self.vocab_size, "advance: tokens")
-        else:
-            rows = token_array(tokens, count, self.vocab_size, "advance: tokens")[None]
-        left = step.steps - 1 - step.fed_steps
-        if len(rows) > left:
-            raise ValueError(f"advance: {len(rows)} rows of tokens, but only {left} planned steps are left")
-        rows.setflags(write=False)
+        rows, left = self._fed_rows(step, tokens, "advance")
         # before any change: a failure here leaves the step as it was
         following = plan.next_decode(rows[-1], left, later=len(rows))
         step.fed.append(rows)
         step.fed_steps += len(rows)
         step.plan = following
         return following
+
+    def _fed_rows(self, step: OutstandingStep, tokens, verb: str) -> tuple:
+        """(``tokens`` as k checked rows, read-only; how many planned steps were left before them) for ``advance``
+        or ``commit``; ``ValueError``/``TypeError`` with nothing changed."""
+        if 1 + step.fed_steps >= step.steps:
+            raise ValueError(f"{verb}: all {step.steps} planned steps have run: commit(plan)")
+        count = len(step.rids)
+        if isinstance(tokens, np.ndarray) and tokens.ndim == 2 or \
+                isinstance(tokens, (list, tuple)) and tokens and isinstance(tokens[0], (list, tuple, np.ndarray)):
+            rows = token_rows(tokens, count, self.vocab_size, f"{verb}: tokens")
+        else:
+            rows = token_array(tokens, count, self.vocab_size, f"{verb}: tokens")[None]
+        left = step.steps - 1 - step.fed_steps
+        if len(rows) > left:
+            raise ValueError(f"{verb}: {len(rows)} rows of tokens, but only {left} planned steps are left")
+        rows.setflags(write=False)
+        return rows, left
 
     def _check_steps(self, steps) -> int:
         """``steps`` of ``schedule``/``schedule_decode``, checked."""
@@ -205,10 +211,17 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             raise OutOfPages(planned.new_pages, self.pool.available() + freed)
         return self._apply(rids, rows, before, lengths, ids, planned)
 
-    def commit(self, plan: StepPlan) -> None:
+    def commit(self, plan: StepPlan, tokens=None) -> None:
         """The step of ``plan`` ran (the op stored its keys): its full pages are published for prefix
         reuse and history no longer needed is dropped. Of decode steps planned at once, ``plan`` is the
-        last that ran (from :meth:`advance`)."""
+        last that ran (from :meth:`advance`); or ``tokens`` (rows, as :meth:`advance` takes them) are fed to the
+        steps after it that ran too: ``commit(advance(plan, tokens))`` without the last plan's arrays, the same
+        errors with nothing changed."""
+        if tokens is not None:
+            step = self._outstanding_step(plan, "commit")
+            rows, _ = self._fed_rows(step, tokens, "commit")
+            step.fed.append(rows)
+            step.fed_steps += len(rows)
         step = self._outstanding(plan, "commit")
         if step.steps > 1:
             self._settle_steps(step)

@@ -289,7 +289,8 @@ def test_a_prompts_last_chunk_and_decode_steps_planned_at_once_leave_what_one_st
     ``advance`` + ``commit`` after any number of steps, against a twin that schedules the same first step alone
     and then each decode step: the first step's plan is the twin's (the page tables up to which pages), each
     later step's too, and after the commit both publish the same pages (equal prefix hashes: same chains, same
-    tokens), hold the same positions and pages, and count the same pages in use."""
+    tokens), hold the same positions and pages, and count the same pages in use. The steps are advanced one at a
+    time, all at once after they ran, or fed to ``commit`` itself (``seed % 3``)."""
     a, b, feeds, prompts = prefill_twins(seed)
     assert a.requests[5].token_base == 0 and a.computed(5) == 8  # request 5 matched request 0's published pages
     rng = np.random.default_rng(100 + seed)
@@ -304,10 +305,11 @@ def test_a_prompts_last_chunk_and_decode_steps_planned_at_once_leave_what_one_st
             assert np.array_equal(getattr(plan, name), getattr(twin, name)), name
     assert plan.fed_tokens == twin.fed_tokens
     b.commit(twin)
-    if seed % 2 and ran > 1:  # the caller ran every step itself: one advance over all the rows
+    mode = seed % 3  # 0: advance each step; 1: one advance over all the rows after they ran; 2: commit them
+    if mode == 1 and ran > 1:
         last = a.advance(plan, tokens[1:])
     for j in range(1, ran):
-        plan = first.next_decode(tokens[j], steps - 1, later=j) if seed % 2 else a.advance(plan, tokens[j])
+        plan = a.advance(plan, tokens[j]) if mode == 0 else first.next_decode(tokens[j], steps - 1, later=j)
         twin = b.schedule_decode(rids, tokens[j])
         for name in PLAN_ARRAYS + ("input_ids",):
             mine, theirs = getattr(plan, name), getattr(twin, name)
@@ -321,9 +323,12 @@ def test_a_prompts_last_chunk_and_decode_steps_planned_at_once_leave_what_one_st
             assert (theirs[used:] == -1).all()
         assert plan.fed_tokens == twin.fed_tokens
         b.commit(twin)
-    if seed % 2 and ran > 1:
+    if mode == 1 and ran > 1:
         plan = last
-    a.commit(plan)
+    if mode == 2:
+        a.commit(first, tokens[1:] if ran > 1 else None)
+    else:
+        a.commit(plan)
     assert set(a.index.by_hash) == set(b.index.by_hash)
     for rid in rids:
         assert a.computed(rid) == b.computed(rid) and len(a.page_table(rid)) == len(b.page_table(rid))
@@ -351,7 +356,11 @@ def test_a_step_with_prompt_tokens_left_plans_no_decode_steps_and_an_abort_resto
         a.schedule(feeds, steps=4 * 16)  # request 7's prompt and 64 more positions pass 16 pages
     assert manager_state(a) == before
     plan = a.schedule(feeds, steps=9)
-    plan = a.advance(plan, [[1] * len(feeds), [2] * len(feeds)])
+    with pytest.raises(ValueError, match="commit: 9 rows of tokens, but only 8 planned steps are left"):
+        a.commit(plan, np.ones((9, len(feeds)), np.int64))
+    with pytest.raises(ValueError, match="commit: tokens"):
+        a.commit(plan, [[1] * (len(feeds) + 1)])
+    plan = a.advance(plan, [[1] * len(feeds), [2] * len(feeds)])  # the refused commits left the steps outstanding
     a.abort(plan)
     assert manager_state(a) == before
     a.commit(a.schedule(short))  # as one step it is fine
