@@ -325,14 +325,18 @@ class Engine(OnlineEngine):
 
     def _greedy_decode_steps(self, stepper, plan, sequences: list, steps: int, waiting, running: list,
                              began: float) -> int:
-        """Runs up to ``steps`` decode steps the manager planned at once (``plan``: the first) through ``stepper``:
-        the graph chooses each step's tokens and feeds the next step itself, and the host only hands each step's
-        tokens over; a step that ends a request ends the run. Then the manager advances through the steps that ran
+        """Runs up to ``steps`` steps the manager planned at once (``plan``: the first, a decode step or a step
+        ending prompts that leads the decode steps) through ``stepper``: the graph chooses each step's tokens and
+        feeds the next step itself, and the host only hands each step's tokens over; a step that ends a request ends
+        the run. Then the manager advances through the steps that ran
         and commits them (also when handing tokens over raised) and the requests that are done leave; a failed run
         rolls every planned step back (the requests are recomputed), as :meth:`_decode_steps` does. The same tokens
         as that loop's. Returns how many steps ran."""
         try:
-            stepper.start(step_feeds(plan))
+            if plan.decode_base is None:
+                stepper.start(step_feeds(plan))
+            else:  # the plan's step (prompts' last chunks) leads, and its chosen tokens feed the decode step after it
+                stepper.start(step_feeds(plan.next_decode(plan.decode_base.input_ids)), step_feeds(plan))
         except BaseException:
             self._roll_back(plan, waiting, running)
             raise
@@ -367,16 +371,16 @@ class Engine(OnlineEngine):
         step of its own, and the time outside the runs is host time."""
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         first, count = plan, len(plan.request_ids)
-        if len(chosen) > 1:
-            plan = self.manager.advance(plan, chosen[:-1])
+        fed = int(first.seqstarts[-1])  # the first step's (a leading one feeds more than one token a sequence)
         self._counters["steps"] += len(chosen)
-        self._counters["fed_tokens"] += len(chosen) * count
-        self.manager.commit(plan)
+        self._counters["fed_tokens"] += fed + (len(chosen) - 1) * count
+        self.manager.commit(plan, chosen[:-1] if len(chosen) > 1 else None)
         if self.step_trace is not None:
             done = [before for before, _ in times[1:]] + [time.perf_counter()]
+            decodes = count if first.decode_base is None else int(step_feeds(first)["decoding_batches"])
             for j, (before, after) in enumerate(times):  # each step gathers one key more per sequence
-                self._record_step(count, count, count, int(first.kvstarts[-1]) + j * count,
-                                  (began if j == 0 else before, before, after, done[j]))
+                self._record_step(count, decodes if j == 0 else count, fed if j == 0 else count,
+                                  int(first.kvstarts[-1]) + j * count, (began if j == 0 else before, before, after, done[j]))
         run = sum(after - before for before, after in times)
         self._times["ort_run"] += run
         self._times["scheduling"] += time.perf_counter() - began - run
@@ -557,8 +561,9 @@ class Engine(OnlineEngine):
         While pages are short, prefill chunks are halved first (a chunk needs pages only for what it feeds), then
         decode steps are planned one at a time, then the most recently admitted requests are preempted. ``None``
         when nothing can be fed. A step of decodes alone (most steps) is planned by ``schedule_decode``: the same
-        plan, without a dict and a list per request, and ``steps`` of them at once."""
-        chunk_limit, steps = self._chunk_limit, None
+        plan, without a dict and a list per request, and ``steps`` of them at once. A step that ends every prompt it
+        feeds may lead greedy decode steps (:meth:`_leads_greedy_steps`): it is planned with them, as one run."""
+        chunk_limit, steps, leading = self._chunk_limit, None, None
         while running:
             decodes_only = len(running) <= self.max_batch_tokens and all(q.next_input is not None for q in running)
             if decodes_only and steps is None:  # only a step of decodes alone plans several
@@ -566,16 +571,19 @@ class Engine(OnlineEngine):
             feeds = None if decodes_only else self._feeds(running, chunk_limit)
             if not decodes_only and not feeds:
                 return None
+            if not decodes_only and leading is None:  # or one that ends every prompt, where greedy steps follow it
+                leading = self._leads_greedy_steps(step, waiting, running, feeds)
+                steps = self._steps_ahead(step, waiting, running) if leading else 1
             try:
                 if decodes_only:
                     tokens = np.fromiter((q.next_input[0] for q in running), np.int64, len(running))
                     return self.manager.schedule_decode([q.index for q in running], tokens, steps), list(running), steps
-                plan = self.manager.schedule(feeds)
+                plan = self.manager.schedule(feeds, steps)
                 by_id = {q.index: q for q in running}
-                return plan, [by_id[rid] for rid in plan.request_ids], 1
+                return plan, [by_id[rid] for rid in plan.request_ids], steps
             except OutOfPages:
-                if decodes_only and steps > 1:  # fewer steps take fewer pages
-                    steps = 1 if steps <= self.info.page_size else self.info.page_size
+                if steps > 1:  # fewer steps take fewer pages
+                    steps = 1 if steps <= self.info.page_size or not decodes_only else self.info.page_size
                     continue
                 longest = 1 if decodes_only else max(len(tokens) for tokens in feeds.values())
                 if longest > 1:
@@ -588,6 +596,20 @@ class Engine(OnlineEngine):
                                        f"engine more pages") from None
                 self._preempt(running.pop(), waiting)
         return None
+
+    def _leads_greedy_steps(self, step: int, waiting, running: list, feeds: dict) -> bool:
+        """Whether a step of ``feeds`` (prompts' chunks, and decodes) should be planned with the greedy decode steps
+        after it, as one run: every running request is fed, each chunk ends its prompt, every request takes
+        plain greedy tokens on a runner with greedy steps, and no arrived request waits but for a place among the
+        running ones (a place frees when a request ends, which ends the run; but one waiting for a prefix this step
+        computes would only be admitted once the run is committed, which publishes it)."""
+        if self.decode_steps == 1 or len(feeds) != len(running) or \
+                (waiting and waiting[0].arrival <= step and len(running) < self.max_running):
+            return False
+        pending = self.manager.pending_tokens
+        if not all(q.next_input is not None or len(feeds[q.index]) == len(pending(q.index)) for q in running):
+            return False
+        return self._greedy_stepper(running, 2) is not None
 
     def _sampling(self, params, count: int) -> list:
         """One :class:`SamplingParams` per request from ``params`` (None: greedy; one for all; or one per prompt)."""

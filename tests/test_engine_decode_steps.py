@@ -10,6 +10,7 @@ pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
+from kvcache_op.manager import OutOfPages  # noqa: E402
 from kvcache_op.serving import Engine, SamplingParams  # noqa: E402
 from kvcache_op.serving.workload import shared_prefix_workload  # noqa: E402
 
@@ -34,9 +35,9 @@ def counting_graph_steps(engine) -> list:
     stepper, runs = engine.runner.greedy_steps(), []
     start, step = stepper.start, stepper.step
 
-    def counted_start(feeds):
+    def counted_start(feeds, leading=None):
         runs.append(0)
-        return start(feeds)
+        return start(feeds, leading)
 
     def counted_step():
         runs[-1] += 1
@@ -150,6 +151,53 @@ def test_graph_chosen_runs_past_a_page_give_the_host_loops_tokens_and_transforme
     model = hf_models.model("llama")
     for prompt, n, tokens in zip(prompts, lengths, results["graph"]):
         assert tokens == reference_generate(model, prompt, n)
+
+
+def test_prompts_last_chunks_lead_graph_runs_with_the_tokens_of_one_step_at_a_time():
+    """A step that ends prompts (chunked ones, prefix hits, late arrivals beside running decodes) is planned with
+    the decode steps after it and runs first in the graph's run, its chosen tokens feeding the next step in place:
+    the same tokens, steps and fed tokens as one step at a time, and as transformers; where the pages for the steps
+    run short, the step is planned alone."""
+    path, workload = hf_models.exported("llama"), shared_prefix_workload(**WORKLOAD)
+    arrivals = [12 * (i // 2) for i in range(len(workload.prompts))]  # pairs, while others decode
+    results, metrics, led = {}, {}, []
+    for steps, pages in ((1, 40), (8, 40), (8, 9)):
+        engine = Engine(path, num_pages=pages, max_running=4, max_batch_tokens=24, decode_steps=steps)
+        graph_runs, schedule = counting_graph_steps(engine), engine.manager.schedule
+        leading_starts, start = [], engine.runner.greedy_steps().start
+
+        def spied_start(feeds, leading=None, start=start, leading_starts=leading_starts):
+            leading_starts.append(leading is not None)
+            return start(feeds, leading)
+
+        def spied_schedule(feeds, steps=1, schedule=schedule, engine=engine):
+            try:
+                plan = schedule(feeds, steps)
+            except OutOfPages:
+                led.append((engine.num_pages, steps, "out of pages"))
+                raise
+            led.append((engine.num_pages, steps, "planned"))
+            return plan
+
+        engine.runner.greedy_steps().start, engine.manager.schedule = spied_start, spied_schedule
+        results[steps, pages] = engine.generate(workload.prompts, NEW_TOKENS, salts=workload.salts,
+                                                arrival_steps=arrivals)
+        m = engine.metrics()
+        metrics[steps, pages] = (m["steps"], m["fed_tokens"], m["generated_tokens"])
+        engine.manager.check()
+        assert not engine.manager.requests and m["pages_in_use"] == 0
+        if steps > 1 and pages == 40:
+            assert sum(leading_starts) >= 3, leading_starts  # several runs began with a prompt's last chunk
+    assert results[1, 40] == results[8, 40] == results[8, 9]
+    assert metrics[1, 40] == metrics[8, 40], metrics  # every step of a led run counted, as one at a time
+    short = [(steps, outcome) for pages, steps, outcome in led if pages == 9]  # led steps were planned, and where
+    # their pages ran short the step alone was
+    assert (8, "planned") in short or (7, "planned") in short, short
+    fell_back = [j for j, (steps, outcome) in enumerate(short) if steps > 1 and outcome == "out of pages"]
+    assert fell_back and all(short[j + 1] == (1, "planned") for j in fell_back), short
+    model = hf_models.model("llama")
+    for prompt, tokens in zip(workload.prompts, results[8, 40]):
+        assert tokens == reference_generate(model, prompt, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("interruption", ["submit", "cancel", "metrics"])

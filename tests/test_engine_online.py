@@ -151,10 +151,11 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
     handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))
     assert len(handle.result(timeout=60)) == 4
 
-    def broken(feeds, *changed):
+    def broken(*args):
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.runner.greedy_steps(), "step", broken)  # a greedy request's run: its prompt leads it
     failing = engine.submit(PROMPTS[2], SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="the device fell over"):
         failing.result(timeout=60)
