@@ -147,8 +147,8 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         return self._schedule(rids, (rows, None, ids), None, steps)
 
     def advance(self, plan: StepPlan, tokens) -> StepPlan:
-        """The plan of the next of the decode steps ``schedule_decode(..., steps)`` planned, once ``plan`` (the
-        step before it) ran: ``tokens[i]`` (what that step chose) fed to request ``i``. The same page tables
+        """The plan of the next of the decode steps ``schedule_decode(..., steps)`` (or ``schedule(feeds, steps)``)
+        planned, once ``plan`` (the step before it) ran: ``tokens[i]`` (what that step chose) fed to request ``i``. The same page tables
         (they hold every planned step's pages), each request one position further. ``tokens`` may also be k rows
         (a 2-D integer array or a list of k lists): the plan k steps further, as k calls of one row each would give
         (row j fed to the step after the one row j - 1 was fed to), for a caller that ran the steps without the

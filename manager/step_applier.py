@@ -91,7 +91,7 @@ class StepApplier:
             R.table[table_rows[unused], columns[unused]] = -1
             np.minimum.at(R.npages, table_rows[unused], columns[unused])  # a row's first unused column
         if ran > 1:
-            fed = np.concatenate(step.fed).T  # [B, ran - 1]: positions computed + 1 ...
+            fed = np.concatenate(step.fed).T  # [B, ran - 1]: positions first_end, first_end + 1, ...
             crossed = (end - 1) // ps > (first_end - 1) // ps
             straight = np.flatnonzero(~crossed)
             positions = first_end[straight, None] + np.arange(ran - 1)
