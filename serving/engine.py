@@ -380,7 +380,8 @@ class Engine(OnlineEngine):
             decodes = count if first.decode_base is None else int(step_feeds(first)["decoding_batches"])
             for j, (before, after) in enumerate(times):  # each step gathers one key more per sequence
                 self._record_step(count, decodes if j == 0 else count, fed if j == 0 else count,
-                                  int(first.kvstarts[-1]) + j * count, (began if j == 0 else before, before, after, done[j]))
+                                  int(first.kvstarts[-1]) + j * count,
+                                  (began if j == 0 else before, before, after, done[j]))
         run = sum(after - before for before, after in times)
         self._times["ort_run"] += run
         self._times["scheduling"] += time.perf_counter() - began - run

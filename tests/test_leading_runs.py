@@ -1,5 +1,5 @@
-"""Hostile traffic against prompts' last chunks leading decode steps (``schedule(feeds, steps)``, ``commit(plan, tokens)``), on
-the engine's leading greedy runs, and on the lock-free token hand-over of ``RequestHandle``.
+"""Hostile traffic against prompts' last chunks leading decode steps (``schedule(feeds, steps)``,
+``commit(plan, tokens)``), the engine's leading greedy runs, and the lock-free token hand-over of ``RequestHandle``.
 
 The manager part drives twin managers through many rounds of random traffic: one plans each step that ends prompts
 together with the decode steps after it (``schedule(feeds, steps)`` + ``advance``/``commit(plan, tokens)``), the

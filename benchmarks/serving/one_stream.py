@@ -42,8 +42,8 @@ def table(result: dict) -> str:
     for steps, rounds in result["rounds"].items():
         share = [r["host_share"] for r in rounds]
         med = {k: float(np.median([r[k] for r in rounds])) for k in rounds[0]}
-        lines.append(f"| {steps} | {med['host_share']:.1%} | {min(share):.1%}-{max(share):.1%} | {med['host_us']:.0f} | "
-                     f"{med['run_us']:.0f} | {med['tokens_per_s']:.0f} |")
+        lines.append(f"| {steps} | {med['host_share']:.1%} | {min(share):.1%}-{max(share):.1%} | "
+                     f"{med['host_us']:.0f} | {med['run_us']:.0f} | {med['tokens_per_s']:.0f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -77,8 +77,8 @@ def main(argv=None) -> int:
                 rounds[k].append(measure(engine, prompt, args.tokens))
     command = command_line("kvcache_op.benchmarks.serving.one_stream", argv)
     result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} "
-                        f"Llama ({model.config.num_hidden_layers} x {model.config.hidden_size}), one request: 128 prompt "
-                        f"tokens + {args.tokens} greedy tokens, {args.rounds} interleaved rounds",
+                        f"Llama ({model.config.num_hidden_layers} x {model.config.hidden_size}), one request: 128 "
+                        f"prompt tokens + {args.tokens} greedy tokens, {args.rounds} interleaved rounds",
               "rounds": rounds}
     publish(args.out, "The engine's host work on one stream", result, table(result))
     return 0
