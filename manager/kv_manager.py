@@ -217,12 +217,12 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         last that ran (from :meth:`advance`); or ``tokens`` (rows, as :meth:`advance` takes them) are fed to the
         steps after it that ran too: ``commit(advance(plan, tokens))`` without the last plan's arrays, the same
         errors with nothing changed."""
+        step = self._outstanding_step(plan, "commit")
         if tokens is not None:
-            step = self._outstanding_step(plan, "commit")
             rows, _ = self._fed_rows(step, tokens, "commit")
             step.fed.append(rows)
             step.fed_steps += len(rows)
-        step = self._outstanding(plan, "commit")
+        self._pending = None
         if step.steps > 1:
             self._settle_steps(step)
         self._publish(step)

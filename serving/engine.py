@@ -333,10 +333,11 @@ class Engine(OnlineEngine):
         rolls every planned step back (the requests are recomputed), as :meth:`_decode_steps` does. The same tokens
         as that loop's. Returns how many steps ran."""
         try:
+            feeds = step_feeds(plan)
             if plan.decode_base is None:
-                stepper.start(step_feeds(plan))
+                stepper.start(feeds)
             else:  # the plan's step (prompts' last chunks) leads, and its chosen tokens feed the decode step after it
-                stepper.start(step_feeds(plan.next_decode(plan.decode_base.input_ids)), step_feeds(plan))
+                stepper.start(step_feeds(plan.next_decode(plan.decode_base.input_ids)), feeds)
         except BaseException:
             self._roll_back(plan, waiting, running)
             raise
@@ -361,14 +362,15 @@ class Engine(OnlineEngine):
                     break
         finally:
             if chosen:  # what ran stays, whatever raised after it ran
-                self._settle_greedy_steps(plan, chosen, times, began, scheduled)
+                self._settle_greedy_steps(plan, int(feeds["decoding_batches"]), chosen, times, began, scheduled)
         self._retire(stopped, running)
         return len(chosen)
 
-    def _settle_greedy_steps(self, plan, chosen: list, times: list, began: float, scheduled: float) -> None:
+    def _settle_greedy_steps(self, plan, decodes: int, chosen: list, times: list, began: float,
+                             scheduled: float) -> None:
         """The manager advances through the greedy decode steps that ran (``chosen[j]``: step j's tokens, fed to step
-        j + 1; ``times[j]``: when its run began and ended) and commits them; each is counted (and traced) as a
-        step of its own, and the time outside the runs is host time."""
+        j + 1; ``times[j]``: when its run began and ended; ``decodes``: the first step's one-token sequences) and
+        commits them; each is counted (and traced) as a step of its own, and the time outside the runs is host time."""
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         first, count = plan, len(plan.request_ids)
         fed = int(first.seqstarts[-1])  # the first step's (a leading one feeds more than one token a sequence)
@@ -377,7 +379,6 @@ class Engine(OnlineEngine):
         self.manager.commit(plan, chosen[:-1] if len(chosen) > 1 else None)
         if self.step_trace is not None:
             done = [before for before, _ in times[1:]] + [time.perf_counter()]
-            decodes = count if first.decode_base is None else int(step_feeds(first)["decoding_batches"])
             for j, (before, after) in enumerate(times):  # each step gathers one key more per sequence
                 self._record_step(count, decodes if j == 0 else count, fed if j == 0 else count,
                                   int(first.kvstarts[-1]) + j * count,

@@ -67,9 +67,9 @@ class GreedySteps:
                     binding.bind_output(OUTPUT_NAME, "cpu")
         elif self._logits is None or len(self._logits) != rows:  # never read: where ONNX Runtime puts the logits
             self._logits = np.empty((rows, self._vocab), self._logits_dtype)
-            self._logits_value = ort.OrtValue.ortvalue_from_numpy(self._logits)
+            value = ort.OrtValue.ortvalue_from_numpy(self._logits)
             for binding in self.bindings:
-                binding.bind_ortvalue_output(OUTPUT_NAME, self._logits_value)
+                binding.bind_ortvalue_output(OUTPUT_NAME, value)
         self._lead = leading is not None
         if self._lead:
             self._bind_leading(leading)

@@ -42,8 +42,7 @@ class RequestHandle:
         # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
         # engine's thread in the middle of its step)
         self._finished = threading.Event()
-        self._guard = threading.Lock()  # a plain lock: cheaper to take than an RLock
-        self._changed = threading.Condition(self._guard)
+        self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper to take than an RLock
         self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
         self._waiting = 0  # threads waiting on _changed for a token (iteration)
 

@@ -189,6 +189,17 @@ class Twins:
                 assert hits[0] == (len(context) - 1) // PS * PS, (rid, hits, len(context))
 
     # ---- one round: a step ending prompts, then decode steps ---------------------------------------------------
+    def ran_as_twin(self, plan, twin, j: int) -> None:
+        """Step ``j`` of a led run (``plan``) against the twin's plan of the same step, which then commits: the same
+        arrays and fed tokens, stores only into private pages, and (both cache models) keys read as written."""
+        for name in PLAN_ARRAYS:
+            assert np.array_equal(getattr(plan, name), getattr(twin, name)), (j, name)
+        assert plan.fed_tokens == twin.fed_tokens
+        assert_stores_are_private(self.a, plan, PS)
+        self.oracles[0].ran(plan, self.truth, self.salts)
+        self.oracles[1].ran(twin, self.truth, self.salts)
+        self.b.commit(twin)
+
     def lead(self, rids, steps, ran, mode):
         """``rids`` fed their last chunks (or a decode) in a step planned with ``steps - 1`` decode steps after it, of
         which ``ran`` steps run. ``mode``: advanced one step at a time (each), in one advance of all the rows (rows),
@@ -208,14 +219,7 @@ class Twins:
         for rid, fed in feeds.items():  # the context gets the tokens fed past it
             known = len(self.truth[rid]) - a.computed(rid) + len(fed)
             self.truth[rid] += fed[known:]
-        twin = b.schedule(feeds)
-        for name in PLAN_ARRAYS:
-            assert np.array_equal(getattr(first, name), getattr(twin, name)), name
-        assert first.fed_tokens == twin.fed_tokens
-        assert_stores_are_private(a, first, PS)
-        self.oracles[0].ran(first, self.truth, self.salts)
-        self.oracles[1].ran(twin, self.truth, self.salts)
-        b.commit(twin)
+        self.ran_as_twin(first, b.schedule(feeds), 0)
         if mode == "rows" and ran > 1:
             last = a.advance(plan, tokens[:ran - 1])
         split = (ran + 1) // 2  # "mixed": the first steps advanced one at a time, the rest fed to commit
@@ -227,14 +231,7 @@ class Twins:
                 plan = advanced = a.advance(plan, tokens[j - 1])
             else:  # the plan of step j as the caller's own loop builds it
                 plan = first.next_decode(tokens[j - 1], steps - 1, later=j)
-            twin = b.schedule_decode(list(rids), tokens[j - 1])
-            for name in PLAN_ARRAYS:
-                assert np.array_equal(getattr(plan, name), getattr(twin, name)), (j, name)
-            assert plan.fed_tokens == twin.fed_tokens
-            assert_stores_are_private(a, plan, PS)
-            self.oracles[0].ran(plan, self.truth, self.salts)
-            self.oracles[1].ran(twin, self.truth, self.salts)
-            b.commit(twin)
+            self.ran_as_twin(plan, b.schedule_decode(list(rids), tokens[j - 1]), j)
         if mode == "rows" and ran > 1:
             a.commit(last)
         elif mode == "commit":
