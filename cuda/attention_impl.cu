@@ -1,245 +1,36 @@
-// Kernels of MultiHeadAttention and MultiHeadCacheAttention: thin wrappers that hand a block's team (this thread
-// and its registers) and its shared memory to the work of attention_work.h. Built with fused multiply-adds: the
-// spec leaves the order and rounding of the sums free within its tolerance (only the dequantization is an exact
-// product, ProductRn).
+// The attention launch's dispatch: the call's element type and rows pick one of the launchers that the generated
+// instance files compile (attention_instances.cuh).
 #include "attention_impl.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <mma.h>
-
-#include <type_traits>
-
-#include "attention_decode.h"
-#include "attention_mma.h"
-#include "attention_mma_regs.h"
+#include "attention_instances.cuh"
 #include "attention_work.h"
 
 namespace kvcache {
 namespace cuda {
 namespace {
 
-// Global buffers at params.ptr, shared memory at `shared`.
-struct AttnDeviceMem {
-  const AttnParams& p;
-  float* shared;
-  __device__ __forceinline__ char* Base(ABuf buf) const {
-    return buf == kAShared ? reinterpret_cast<char*>(shared) : static_cast<char*>(p.ptr[buf]);
-  }
-  template <class T>
-  __device__ __forceinline__ T Load(ABuf buf, int64_t offset) const {
-    return *reinterpret_cast<const T*>(Base(buf) + offset);
-  }
-  template <class T>
-  __device__ __forceinline__ void Store(ABuf buf, int64_t offset, T value) const {
-    *reinterpret_cast<T*>(Base(buf) + offset) = value;
-  }
-};
-
-// The tensor cores' element type of a T1.
-template <class T1>
-struct WmmaElem;
-template <>
-struct WmmaElem<F16> {
-  using type = __half;
-};
-template <>
-struct WmmaElem<BF16> {
-  using type = __nv_bfloat16;
-};
-
-// This thread of the block: Each runs its part of a phase, Sync is the block's barrier, Butterfly exchanges
-// registers within the warp (every thread of the block calls it, so every lane of a warp takes part), SyncOr is the
-// barrier that votes, MatMul is this thread's lane of its warp's matrix product (attention_mma.h's WarpProduct).
-template <class State>
-struct DeviceTeam {
-  int64_t thread;
-  State state;
-  template <class F>
-  __device__ __forceinline__ void Each(F&& f) {
-    f(thread, state);
-  }
-  __device__ __forceinline__ void Sync() { __syncthreads(); }
-  template <class Get, class Op>
-  __device__ __forceinline__ void Butterfly(int64_t lo, int64_t hi, Get&& get, Op&& op) {
-    auto& a = get(state);
-    constexpr int n = std::extent<std::remove_reference_t<decltype(a)>>::value;
-    for (int mask = static_cast<int>(lo); mask < hi; mask *= 2) {
-      KV_UNROLL
-      for (int i = 0; i < n; ++i) a[i] = op(a[i], __shfl_xor_sync(0xffffffffu, a[i], mask));
-    }
-  }
-  // One m16n8k16 product of the warp: c += a b on the fragments get_a(state) (4 words), get_b(state) (2 words),
-  // get_c(state) (4 floats).
-  template <class T1, class GetA, class GetB, class GetC>
-  __device__ __forceinline__ void Mma(GetA&& get_a, GetB&& get_b, GetC&& get_c) {
-#if __CUDA_ARCH__ >= 800
-    const uint32_t(&a)[4] = get_a(state);
-    const uint32_t(&b)[2] = get_b(state);
-    float(&c)[4] = get_c(state);
-    if constexpr (T1::kElem == Elem::kFloat16) {
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};"
-                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    } else {
-      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                   "{%0,%1,%2,%3};"
-                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-    }
-#else
-    __trap();
-#endif
-  }
-  template <class Get>
-  __device__ __forceinline__ bool SyncOr(Get&& get) {
-    return __syncthreads_or(get(state) != 0) != 0;
-  }
-  template <class T1, bool BCols, bool Accumulate>
-  __device__ __forceinline__ void MatMul(AttnDeviceMem& mem, const WarpProduct& m) {
-#if __CUDA_ARCH__ >= 800  // bfloat16 fragments are sm_80's; the planner sends no tile here below sm_80
-    namespace wmma = nvcuda::wmma;
-    using E = typename WmmaElem<T1>::type;
-    using BLayout = std::conditional_t<BCols, wmma::col_major, wmma::row_major>;
-    constexpr int F = kMmaFrag, depth = kMmaMaxProductDepth / kMmaFrag;
-    const int64_t warp = thread / kWarp;
-    char* base = mem.Base(kAShared);
-    const E* a = reinterpret_cast<const E*>(base + m.a + warp * m.a_warp);
-    const E* b = reinterpret_cast<const E*>(base + m.b);
-    float* c = reinterpret_cast<float*>(base + m.c + warp * m.c_warp);
-    const unsigned lda = static_cast<unsigned>(m.lda), ldb = static_cast<unsigned>(m.ldb),
-                   ldc = static_cast<unsigned>(m.ldc);
-    wmma::fragment<wmma::matrix_a, F, F, F, E, wmma::row_major> af[depth];  // A's fragments, loaded once
-    KV_UNROLL
-    for (int i = 0; i < depth; ++i)
-      if (i * F < m.k) wmma::load_matrix_sync(af[i], a + i * F, lda);
-    for (int64_t j = 0; j < m.n; j += F) {
-      wmma::fragment<wmma::accumulator, F, F, F, float> acc;
-      if constexpr (Accumulate)
-        wmma::load_matrix_sync(acc, c + j, ldc, wmma::mem_row_major);
-      else
-        wmma::fill_fragment(acc, 0.0f);
-      KV_UNROLL
-      for (int i = 0; i < depth; ++i) {
-        if (i * F >= m.k) continue;
-        wmma::fragment<wmma::matrix_b, F, F, F, E, BLayout> bf;
-        wmma::load_matrix_sync(bf, BCols ? b + j * ldb + i * F : b + int64_t(i) * F * ldb + j, ldb);
-        wmma::mma_sync(acc, af[i], bf, acc);
-      }
-      wmma::store_matrix_sync(c + j, acc, ldc, wmma::mem_row_major);
-    }
-#else
-    __trap();
-#endif
-  }
-};
-
-template <class T1, class Rows>
-__global__ void __launch_bounds__(kAttnThreads, 2) TileKernel(AttnParams p) {
-  __shared__ __align__(16) float shared[kSharedWords];  // 16-byte and int64 accesses
-  AttnDeviceMem mem{p, shared};
-  DeviceTeam<AttnThread> team{threadIdx.x, {}};
-  AttentionTile<T1>(p, Rows{}, mem, team, blockIdx.x);
-}
-
-template <class T1, class Rows>
-__global__ void __launch_bounds__(kDecodeThreads, 4) DecodeKernel(AttnParams p) {
-  __shared__ __align__(16) float shared[kDecodeSharedWords];
-  AttnDeviceMem mem{p, shared};
-  DeviceTeam<DecodeThread> team{threadIdx.x, {}};
-  DecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
-}
-
-template <class T1, class Rows>
-__global__ void __launch_bounds__(kMmaThreads, 2) MmaKernel(AttnParams p) {
-  extern __shared__ __align__(128) float mma_shared[];  // kMmaSharedBytes, above the 48 KB of a static array
-  AttnDeviceMem mem{p, mma_shared};
-  DeviceTeam<MmaThread> team{threadIdx.x, {}};
-  MmaTile<T1>(p, Rows{}, mem, team, blockIdx.x);
-}
-
-template <class T1, class Rows>
-__global__ void __launch_bounds__(kMmaThreads, 2) MmaRegKernel(AttnParams p) {
-  extern __shared__ __align__(128) float mma_reg_shared[];  // kMmaRegSharedBytes
-  AttnDeviceMem mem{p, mma_reg_shared};
-  DeviceTeam<MmaRegThread> team{threadIdx.x, {}};
-  MmaRegTile<T1>(p, Rows{}, mem, team, blockIdx.x);
-}
-
-template <class T1>
-__global__ void __launch_bounds__(kAttnThreads) MergeKernel(AttnParams p) {
-  AttnDeviceMem mem{p, nullptr};
-  MergeThread<T1>(p, mem, blockIdx.x, threadIdx.x);
-}
-
-template <class T1, class Rows>
-cudaError_t Launch(const AttnParams& p, cudaStream_t stream) {
-  // Grid sizes were checked on the host (PlanAttention): below 2^31 blocks each.
-  if (p.tiles > 0) {
-    TileKernel<T1, Rows><<<static_cast<unsigned>(p.tiles), kAttnThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  if (p.decode_tiles > 0) {
-    DecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kDecodeThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  if (p.mma_tiles > 0) {
-    if constexpr (sizeof(typename T1::Storage) == 2) {
-      // Set on every launch: the attribute is per device, and a call is cheap beside a prefill.
-      // The second form is instantiated for rows stored as T1 only (MmaFormFor never asks it of others): twelve
-      // instantiations of it made this file take minutes longer to compile.
-      auto kernel = MmaKernel<T1, Rows>;
-      int64_t bytes = kMmaSharedBytes;
-      if constexpr (Rows::kStoredAsT1) {
-        if (p.mma_form == 2) {
-          kernel = MmaRegKernel<T1, Rows>;
-          bytes = kMmaRegSharedBytes;
-        }
-      } else if (p.mma_form == 2) {
-        return cudaErrorInvalidValue;
-      }
-      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(bytes));
-          e != cudaSuccess)
-        return e;
-      kernel<<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, static_cast<size_t>(bytes), stream>>>(p);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    } else {
-      return cudaErrorInvalidValue;  // the planner gives float32 calls no tensor-core tiles
-    }
-  }
-  if (p.merges > 0) {
-    MergeKernel<T1><<<static_cast<unsigned>(p.merges), kAttnThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
 template <class T1>
 cudaError_t LaunchCache(const AttnParams& p, int32_t scale_type, int quant_bit, cudaStream_t stream) {
   const bool f16_scale = scale_type == int32_t(Elem::kFloat16);
   switch (quant_bit) {
-    case 0: return Launch<T1, CacheRows<T1, F32, 0>>(p, stream);
-    case 8: return f16_scale ? Launch<T1, CacheRows<T1, F16, 8>>(p, stream) : Launch<T1, CacheRows<T1, F32, 8>>(p, stream);
-    default: return f16_scale ? Launch<T1, CacheRows<T1, F16, 4>>(p, stream) : Launch<T1, CacheRows<T1, F32, 4>>(p, stream);
+    case 0: return LaunchRows<T1, CacheRows<T1, F32, 0>>(p, stream);
+    case 8:
+      return f16_scale ? LaunchRows<T1, CacheRows<T1, F16, 8>>(p, stream)
+                       : LaunchRows<T1, CacheRows<T1, F32, 8>>(p, stream);
+    default:
+      return f16_scale ? LaunchRows<T1, CacheRows<T1, F16, 4>>(p, stream)
+                       : LaunchRows<T1, CacheRows<T1, F32, 4>>(p, stream);
   }
 }
 
 template <class T1>
 cudaError_t LaunchFor(const AttnParams& p, int32_t scale_type, int quant_bit, bool cache, cudaStream_t stream) {
-  return cache ? LaunchCache<T1>(p, scale_type, quant_bit, stream) : Launch<T1, PackedRows<T1>>(p, stream);
+  return cache ? LaunchCache<T1>(p, scale_type, quant_bit, stream) : LaunchRows<T1, PackedRows<T1>>(p, stream);
 }
 
 }  // namespace
 
-cudaError_t MmaKernelPtxVersion(int* version) {
-  cudaFuncAttributes first{}, second{};
-  if (cudaError_t e = cudaFuncGetAttributes(&first, MmaKernel<F16, PackedRows<F16>>); e != cudaSuccess) return e;
-  if (cudaError_t e = cudaFuncGetAttributes(&second, MmaRegKernel<F16, PackedRows<F16>>); e != cudaSuccess) return e;
-  *version = first.ptxVersion < second.ptxVersion ? first.ptxVersion : second.ptxVersion;
-  return cudaSuccess;
-}
+cudaError_t MmaKernelPtxVersion(int* version) { return MmaPtxVersionOf<F16, PackedRows<F16>>(version); }
 
 cudaError_t LaunchAttention(const AttnParams& p, int32_t t1, int32_t scale_type, int quant_bit, bool cache,
                             cudaStream_t stream) {
