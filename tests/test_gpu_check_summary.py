@@ -10,8 +10,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 def test_summary_lists_counts_verdicts_and_skip_reasons(tmp_path):
     (tmp_path / "logs").mkdir()
     (tmp_path / "device.txt").write_text("NVIDIA H100 80GB HBM3\n")
-    (tmp_path / "steps.tsv").write_text("host-runner\tpass\t3 passed\nsanitizer-memcheck\tfail\texit 86\n"
-                                        "benchmark\tskip\tno CUDA device is visible\n")
+    (tmp_path / "steps.tsv").write_text("host-runner\tpass\t3 passed\t41\nsanitizer-memcheck\tfail\texit 86\t7\n"
+                                        "benchmark\tskip\tno CUDA device is visible\t\n")
     (tmp_path / "logs" / "host-runner.xml").write_text(
         '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1"/></testsuites>')
     out = subprocess.run([sys.executable, str(ROOT / "tools/gpu_check_summary.py"), str(tmp_path)], check=True,
@@ -19,9 +19,10 @@ def test_summary_lists_counts_verdicts_and_skip_reasons(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     assert out.strip() == summary.strip()
     assert "Device: NVIDIA H100 80GB HBM3" in summary
-    assert "| host-runner | pass | 3 passed, 1 failed, 1 skipped | 3 passed |" in summary
-    assert "| sanitizer-memcheck | fail |  | exit 86 |" in summary
-    assert "| benchmark | skip |  | no CUDA device is visible |" in summary
+    assert "| host-runner | pass | 3 passed, 1 failed, 1 skipped | 3 passed | 41 |" in summary
+    assert "| sanitizer-memcheck | fail |  | exit 86 | 7 |" in summary
+    assert "| benchmark | skip |  | no CUDA device is visible |  |" in summary
+    assert "The steps that ran took 48 s in all." in summary
 
 
 def test_gpu_check_needs_an_output_folder():
@@ -50,3 +51,25 @@ def test_gpu_check_skip_and_only_choose_the_steps(tmp_path):
     assert chosen["runs"] == {"gpu-tests"}
     assert chosen["skipped"] == {"host-runner": "not named in GPU_CHECK_ONLY",
                                  "attention-benchmark": "named in GPU_CHECK_SKIP"}
+
+
+def _workers(tmp_path, *modes, **env) -> list:
+    """The pytest-xdist arguments gpu-check.sh's ``parallel MODE`` gives the test steps, one line per mode."""
+    script = (ROOT / "tools/gpu_check.sh").read_text()
+    setup = script[script.index("PREFIX=()"):script.index("# Runs a benchmark")]
+    probe = setup + "".join(f'parallel {mode}; echo "${{WORKERS[*]}}"\n' for mode in modes)
+    done = subprocess.run(["bash", "-c", f"PY={sys.executable}\n" + probe], capture_output=True, text=True,
+                          check=True, env={"PATH": "/usr/bin:/bin", **env})
+    return done.stdout.splitlines()
+
+
+def test_gpu_check_runs_test_steps_in_the_workers_asked_for(tmp_path):
+    assert _workers(tmp_path, "load", "loadfile", GPU_CHECK_WORKERS="3") == ["-n 3 --dist load",
+                                                                             "-n 3 --dist loadfile"]
+    assert _workers(tmp_path, "load", GPU_CHECK_WORKERS="1") == [""]
+    # by default: four workers on a machine of 8 cores or more that has pytest-xdist, else one process
+    import importlib.util
+    import os
+
+    many = importlib.util.find_spec("xdist") is not None and len(os.sched_getaffinity(0)) >= 8
+    assert _workers(tmp_path, "load") == ["-n 4 --dist load" if many else ""]

@@ -20,6 +20,9 @@
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
+# GPU_CHECK_WORKERS=N runs the test steps that need no sanitizer in N pytest-xdist worker processes (default: 4 where
+# pytest-xdist is importable and the machine has at least 8 cores, else 1: one process); the sanitizer steps always
+# run in one process, under the tool.
 # GPU_CHECK_PROFILE=1 adds steps that run the attention decode (B=64, kvlen 1024) under Nsight Compute, through
 # the tile kernel and through the decode kernel, and the float16 prefill through both forms of the tensor-core kernel
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
@@ -30,12 +33,12 @@ set -u -o pipefail
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
-STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail
+STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail <TAB> seconds (of the steps that ran)
 : >"$STEPS"
 PY=${PYTHON:-python3}
 START=$(date +%s)
 
-step() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >>"$STEPS"; printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3"; }
+step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$STEPS"; printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3${4:+ (${4} s)}"; }
 
 # True (and the step recorded as skipped) when $1 is named in $GPU_CHECK_SKIP, or $GPU_CHECK_ONLY is set and does
 # not name it.
@@ -47,31 +50,47 @@ skipped() {
   return 1
 }
 
-# Runs pytest with a junit report; records pass/fail. $1 step name, $2 timeout (s), rest: pytest args.
+# Runs pytest with a junit report; records pass/fail and seconds. $1 step name, $2 timeout (s), rest: pytest args
+# (WORKERS=(-n N ...) before them when set: pytest-xdist).
 run_pytest() {
-  local name=$1 limit=$2
+  local name=$1 limit=$2 began
   shift 2
   if skipped "$name"; then return 0; fi
-  (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+  began=$(date +%s)
+  (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${WORKERS[@]}" \
       --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   local tail_line
   tail_line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/logs/$name.log" | tail -1)
-  if [ $rc -eq 0 ]; then step "$name" pass "$tail_line"; else step "$name" fail "exit $rc: $tail_line (logs/$name.log)"; fi
+  if [ $rc -eq 0 ]; then step "$name" pass "$tail_line" $(( $(date +%s) - began ));
+  else step "$name" fail "exit $rc: $tail_line (logs/$name.log)" $(( $(date +%s) - began )); fi
   return $rc
 }
 PREFIX=()
+WORKERS=()
+# Worker processes for the test steps that run no sanitizer: the GPU tests are many small launches, each bound by
+# its process's host work (hypothesis, numpy references), so processes side by side share one GPU well.
+if [ -z "${GPU_CHECK_WORKERS:-}" ]; then
+  GPU_CHECK_WORKERS=1
+  if "$PY" -c 'import xdist' 2>/dev/null && [ "$(nproc)" -ge 8 ]; then GPU_CHECK_WORKERS=4; fi
+fi
+parallel() {  # WORKERS for the next run_pytest: $1 the xdist distribution mode
+  WORKERS=()
+  if [ "$GPU_CHECK_WORKERS" -gt 1 ]; then WORKERS=(-n "$GPU_CHECK_WORKERS" --dist "$1"); fi
+}
 
 # Runs a benchmark module into OUTDIR/$3 with its log in logs/$1.log; records pass/fail. $1 step name, $2 timeout
 # (s), $3 output folder, $4 the table it writes there, $5 the module (kvcache_op.benchmarks.gpu.*).
 run_benchmark() {
   local name=$1 limit=$2 folder=$3 table=$4 module=$5
+  local began
   if skipped "$name"; then return 0; fi
+  began=$(date +%s)
   # $module may carry arguments after the module name (split on spaces)
   if timeout "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
-    step "$name" pass "$folder/$table"
+    step "$name" pass "$folder/$table" $(( $(date +%s) - began ))
   else
-    step "$name" fail "exit $?: see logs/$name.log"
+    step "$name" fail "exit $?: see logs/$name.log" $(( $(date +%s) - began ))
   fi
 }
 
@@ -85,14 +104,18 @@ else
   export KVCACHE_OP_CUDA=0
 fi
 rm -rf "$OUT/site"
+BUILD_BEGAN=$(date +%s)
 if ! "$PY" -c 'import scikit_build_core' 2>/dev/null; then
   step build fail "scikit-build-core is not installed (pip install scikit-build-core, or carry its wheel): the offline build needs it"
   "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
   exit 1
 fi
+# every core: the kernels compile in many files (CMakeLists.txt), the largest of them about a minute
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 if timeout 480 "$PY" -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" "$ROOT" \
     >"$OUT/logs/build.log" 2>&1; then
-  step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}"
+  step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}" \
+    $(( $(date +%s) - BUILD_BEGAN ))
 else
   step build fail "see logs/build.log"
   "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
@@ -101,6 +124,7 @@ fi
 export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. No GPU needed ------------------------------------------------------------------------------------
+parallel load
 run_pytest host-runner 300 test_cuda_host_runner.py test_attention_host_runner.py test_c_api_cpu.py
 
 # Is there a GPU the tests can use? (the same reason the test suite prints when it skips)
@@ -119,6 +143,7 @@ else
   # 3. GPU tests ----------------------------------------------------------------------------------------
   run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
   run_pytest gpu-attention-tests 300 test_gpu_attention.py test_bench_attention_cuda.py
+  WORKERS=()
 
   # 4. compute-sanitizer ------------------------------------------------------------------------------
   SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -196,7 +221,9 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     fi
   fi
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
+    parallel loadfile  # the two files side by side, each with its session's exported models
     run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
+    WORKERS=()
     run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
     run_benchmark serving-benchmark-float16 300 serving-bench-float16 README.md "kvcache_op.benchmarks.gpu.serving --dtype float16"
   else

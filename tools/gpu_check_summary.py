@@ -1,5 +1,5 @@
 """Writes OUTDIR/summary.md for tools/gpu_check.sh: the device, each step's verdict with its pass / fail /
-skip counts (from the junit reports), the compute-sanitizer verdicts, the benchmark tables (KeyValueCache's and
+skip counts (from the junit reports) and seconds, the compute-sanitizer verdicts, the benchmark tables (KeyValueCache's and
 the attention ops'), and every skipped step with its reason. Prints the summary too."""
 
 import pathlib
@@ -20,10 +20,14 @@ def counts(report: pathlib.Path) -> str:
 
 def main(out: pathlib.Path) -> str:
     device = (out / "device.txt").read_text().strip() if (out / "device.txt").is_file() else "unknown"
-    lines = ["# GPU check", "", f"Device: {device}", "", "| step | verdict | counts | detail |", "|---|---|---|---|"]
+    lines = ["# GPU check", "", f"Device: {device}", "", "| step | verdict | counts | detail | seconds |",
+             "|---|---|---|---|---:|"]
+    total = 0
     for row in (out / "steps.tsv").read_text().splitlines():
-        name, status, detail = (row.split("\t") + ["", ""])[:3]
-        lines.append(f"| {name} | {status} | {counts(out / 'logs' / f'{name}.xml')} | {detail} |")
+        name, status, detail, seconds = (row.split("\t") + ["", "", ""])[:4]
+        total += int(seconds) if seconds.isdigit() else 0
+        lines.append(f"| {name} | {status} | {counts(out / 'logs' / f'{name}.xml')} | {detail} | {seconds} |")
+    lines += ["", f"The steps that ran took {total} s in all."]
     for folder, title, name in (("bench", "Benchmark", "results.md"),
                                 ("attention-bench", "Attention benchmark", "results.md"),
                                 ("serving-bench", "Serving benchmark", "README.md")):
