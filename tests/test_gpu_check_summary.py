@@ -12,6 +12,7 @@ def test_summary_lists_counts_verdicts_and_skip_reasons(tmp_path):
     (tmp_path / "device.txt").write_text("NVIDIA H100 80GB HBM3\n")
     (tmp_path / "steps.tsv").write_text("host-runner\tpass\t3 passed\t41\nsanitizer-memcheck\tfail\texit 86\t7\n"
                                         "benchmark\tskip\tno CUDA device is visible\t\n")
+    (tmp_path / "seconds.txt").write_text("63\n")
     (tmp_path / "logs" / "host-runner.xml").write_text(
         '<testsuites><testsuite tests="5" failures="1" errors="0" skipped="1"/></testsuites>')
     out = subprocess.run([sys.executable, str(ROOT / "tools/gpu_check_summary.py"), str(tmp_path)], check=True,
@@ -22,7 +23,7 @@ def test_summary_lists_counts_verdicts_and_skip_reasons(tmp_path):
     assert "| host-runner | pass | 3 passed, 1 failed, 1 skipped | 3 passed | 41 |" in summary
     assert "| sanitizer-memcheck | fail |  | exit 86 | 7 |" in summary
     assert "| benchmark | skip |  | no CUDA device is visible |  |" in summary
-    assert "The steps that ran took 48 s in all." in summary
+    assert "The check took 63 s from its start to this summary." in summary
 
 
 def test_gpu_check_needs_an_output_folder():

@@ -22,7 +22,8 @@
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
 # GPU_CHECK_WORKERS=N runs the test steps that need no sanitizer in N pytest-xdist worker processes (default: 4 where
 # pytest-xdist is importable and the machine has at least 8 cores, else 1: one process); the sanitizer steps always
-# run in one process, under the tool.
+# run in one process, under the tool. GPU_CHECK_SANITIZERS_TOGETHER=1 runs the four tools' steps side by side (each
+# tool's two steps one after the other) instead of one tool after another.
 # GPU_CHECK_PROFILE=1 adds steps that run the attention decode (B=64, kvlen 1024) under Nsight Compute, through
 # the tile kernel and through the decode kernel, and the float16 prefill through both forms of the tensor-core kernel
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
@@ -39,6 +40,9 @@ PY=${PYTHON:-python3}
 START=$(date +%s)
 
 step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$STEPS"; printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3${4:+ (${4} s)}"; }
+
+# OUTDIR/summary.md, with the seconds since the start in OUTDIR/seconds.txt.
+summarize() { echo $(( $(date +%s) - START )) >"$OUT/seconds.txt"; "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"; }
 
 # True (and the step recorded as skipped) when $1 is named in $GPU_CHECK_SKIP, or $GPU_CHECK_ONLY is set and does
 # not name it.
@@ -107,7 +111,7 @@ rm -rf "$OUT/site"
 BUILD_BEGAN=$(date +%s)
 if ! "$PY" -c 'import scikit_build_core' 2>/dev/null; then
   step build fail "scikit-build-core is not installed (pip install scikit-build-core, or carry its wheel): the offline build needs it"
-  "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
+  summarize
   exit 1
 fi
 # every core: the kernels compile in many files (CMakeLists.txt), the largest of them about a minute
@@ -118,7 +122,7 @@ if timeout 480 "$PY" -m pip install -q --no-deps --no-build-isolation --no-cache
     $(( $(date +%s) - BUILD_BEGAN ))
 else
   step build fail "see logs/build.log"
-  "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
+  summarize
   exit 1
 fi
 export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
@@ -154,18 +158,25 @@ else
   # head-major cache staged through it, and the one-by-one path of a NaN value
   ATTENTION_SANITIZE+=" or mha_prefill and causal-float16 and 128 and mma or mhca_prefill and alibi-mask2 and mma"
   ATTENTION_SANITIZE+=" or mma_non_finite and nan"  # (mma matches mma2 too: both forms)
+  sanitize() {  # the two steps of one tool ($1): KeyValueCache's kernels, then the attention kernels
+    PREFIX=("$SANITIZER" --tool "$1" --error-exitcode 86 --print-limit 20)
+    HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$1" 150 test_gpu_c_entry.py \
+      -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
+    # the attention kernels: a split decode with its merges (mask, ALiBi, softcap), a cache-attention split decode,
+    # int4 paged with groups of 3 and int8 head-major caches, tiles of 16 query rows, misaligned buffers, invalid
+    # calls (nothing launched, nothing written)
+    HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-attention-$1" 120 test_gpu_attention.py \
+      -k "$ATTENTION_SANITIZE"
+    PREFIX=()
+  }
   if [ -x "$SANITIZER" ]; then
-    for tool in memcheck racecheck initcheck synccheck; do
-      PREFIX=("$SANITIZER" --tool "$tool" --error-exitcode 86 --print-limit 20)
-      HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$tool" 150 test_gpu_c_entry.py \
-        -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
-      # the attention kernels: a split decode with its merges (mask, ALiBi, softcap), a cache-attention split decode,
-      # int4 paged with groups of 3 and int8 head-major caches, tiles of 16 query rows, misaligned buffers, invalid
-      # calls (nothing launched, nothing written)
-      HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-attention-$tool" 120 test_gpu_attention.py \
-        -k "$ATTENTION_SANITIZE"
-      PREFIX=()
-    done
+    if [ "${GPU_CHECK_SANITIZERS_TOGETHER:-0}" = 1 ]; then
+      # the four tools side by side, each in its own processes (their steps' lines land in steps.tsv as they end)
+      for tool in memcheck racecheck initcheck synccheck; do sanitize "$tool" & done
+      wait
+    else
+      for tool in memcheck racecheck initcheck synccheck; do sanitize "$tool"; done
+    fi
   else
     for tool in memcheck racecheck initcheck synccheck; do
       step "sanitizer-$tool" skip "compute-sanitizer not found"
@@ -231,5 +242,5 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
   fi
 fi
 
-"$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"
+summarize
 ! grep -q $'\tfail\t' "$STEPS"
