@@ -1,7 +1,7 @@
 // The attention compute shared by MultiHeadAttention (keys and values from packed inputs) and
 // MultiHeadCacheAttention (keys and values read in place from the cache): one task per (sequence, chunk of
 // query heads[, range of keys]), float32 accumulation, max-subtracted softmax, memory per task O(kvlen *
-// head_dim). Where the keys come from is the Source (mha_cpu.cc, mhca_cpu.cc). Built once per instruction set
+// head_dim). Where the keys come from is the Source (mha_cpu.cc, mhca_cpu_source.h). Built once per instruction set
 // like kv_cpu.cc (KV_CPU_ISA names the namespace).
 //
 // Decode-shaped sequences (few queries) are computed for all query heads of a kv head at once, so each loaded

@@ -162,6 +162,8 @@ struct Launch {
 
 }  // namespace
 
+// Reaches the sources of the including file's anonymous namespace: each specialization is instantiated in exactly
+// one file (per instruction set), its mhca_cpu_instance.cc.in instance.
 template <class T1>
 void MhcaAttend(const MhcaArgs& args, const ParallelFor& parallel_for) {
   DispatchQuantTypes<Launch, T1>(args.attrs->cache.quant_bit, args.scale_type, args, parallel_for);

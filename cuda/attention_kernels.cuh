@@ -178,6 +178,9 @@ __global__ void __launch_bounds__(kAttnThreads) MergeKernel(AttnParams p) {
 
 }  // namespace
 
+// LaunchRows and MmaPtxVersionOf reach the kernels of the including file's anonymous namespace (kernels of internal
+// linkage: each generated file registers its own). So each of their specializations is instantiated in exactly one
+// file, its attention_instance.cu.in instance, and no two files define the same one.
 template <class T1, class Rows>
 cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream) {
   // Grid sizes were checked on the host (PlanAttention): below 2^31 blocks each.
@@ -192,8 +195,8 @@ cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream) {
   if (p.mma_tiles > 0) {
     if constexpr (sizeof(typename T1::Storage) == 2) {
       // Set on every launch: the attribute is per device, and a call is cheap beside a prefill.
-      // The second form is instantiated for rows stored as T1 only (MmaFormFor never asks it of others): twelve
-      // instantiations of it made this file take minutes longer to compile.
+      // The second form is instantiated for rows stored as T1 only (MmaFormFor never asks it of others): for every
+      // kind of rows it took the kernels minutes longer to compile.
       auto kernel = MmaKernel<T1, Rows>;
       int64_t bytes = kMmaSharedBytes;
       if constexpr (Rows::kStoredAsT1) {

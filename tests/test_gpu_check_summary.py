@@ -54,23 +54,36 @@ def test_gpu_check_skip_and_only_choose_the_steps(tmp_path):
                                  "attention-benchmark": "named in GPU_CHECK_SKIP"}
 
 
-def _workers(tmp_path, *modes, **env) -> list:
-    """The pytest-xdist arguments gpu-check.sh's ``parallel MODE`` gives the test steps, one line per mode."""
+def _workers(tmp_path, *modes, fake_xdist=False, **env) -> list:
+    """The pytest-xdist arguments gpu_check.sh's ``xdist_workers MODE`` gives the test steps, one line per mode
+    (``fake_xdist``: with an importable stand-in for pytest-xdist), or its exit status and error."""
+    if fake_xdist:
+        (tmp_path / "fake" / "xdist").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "fake" / "xdist" / "__init__.py").write_text("")
+        env["PYTHONPATH"] = str(tmp_path / "fake")
     script = (ROOT / "tools/gpu_check.sh").read_text()
     setup = script[script.index("PREFIX=()"):script.index("# Runs a benchmark")]
-    probe = setup + "".join(f'parallel {mode}; echo "${{WORKERS[*]}}"\n' for mode in modes)
+    probe = setup + "".join(f'xdist_workers {mode}; echo "${{WORKERS[*]}}"\n' for mode in modes)
     done = subprocess.run(["bash", "-c", f"PY={sys.executable}\n" + probe], capture_output=True, text=True,
-                          check=True, env={"PATH": "/usr/bin:/bin", **env})
-    return done.stdout.splitlines()
+                          env={"PATH": "/usr/bin:/bin", **env})
+    return done.stdout.splitlines() if done.returncode == 0 else [f"exit {done.returncode}: {done.stderr.strip()}"]
 
 
 def test_gpu_check_runs_test_steps_in_the_workers_asked_for(tmp_path):
-    assert _workers(tmp_path, "load", "loadfile", GPU_CHECK_WORKERS="3") == ["-n 3 --dist load",
-                                                                             "-n 3 --dist loadfile"]
+    assert _workers(tmp_path, "load", "loadfile", GPU_CHECK_WORKERS="3", fake_xdist=True) == [
+        "-n 3 --dist load", "-n 3 --dist loadfile"]
     assert _workers(tmp_path, "load", GPU_CHECK_WORKERS="1") == [""]
     # by default: four workers on a machine of 8 cores or more that has pytest-xdist, else one process
     import importlib.util
     import os
 
-    many = importlib.util.find_spec("xdist") is not None and len(os.sched_getaffinity(0)) >= 8
+    xdist = importlib.util.find_spec("xdist") is not None
+    many = xdist and len(os.sched_getaffinity(0)) >= 8
     assert _workers(tmp_path, "load") == ["-n 4 --dist load" if many else ""]
+    # a value that is no count of processes, or workers without pytest-xdist: a clear error, not one process
+    assert _workers(tmp_path, "load", GPU_CHECK_WORKERS="four") == [
+        "exit 2: GPU_CHECK_WORKERS=four: a number of processes (1 or more) was expected"]
+    if not xdist:
+        assert _workers(tmp_path, "load", GPU_CHECK_WORKERS="2") == [
+            f"exit 2: GPU_CHECK_WORKERS=2 needs pytest-xdist, which {sys.executable} cannot import (or set "
+            "GPU_CHECK_WORKERS=1)"]

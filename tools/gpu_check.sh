@@ -20,6 +20,7 @@
 # Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
+# GPU_CHECK_BUILD_LIMIT=S gives the build S seconds (default 480).
 # GPU_CHECK_WORKERS=N runs the test steps that need no sanitizer in N pytest-xdist worker processes (default: 4 where
 # pytest-xdist is importable and the machine has at least 8 cores, else 1: one process); the sanitizer steps always
 # run in one process, under the tool. GPU_CHECK_SANITIZERS_TOGETHER=1 runs the four tools' steps side by side (each
@@ -74,11 +75,18 @@ PREFIX=()
 WORKERS=()
 # Worker processes for the test steps that run no sanitizer: the GPU tests are many small launches, each bound by
 # its process's host work (hypothesis, numpy references), so processes side by side share one GPU well.
+CORES=$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')  # the cores this process may use
 if [ -z "${GPU_CHECK_WORKERS:-}" ]; then
   GPU_CHECK_WORKERS=1
-  if "$PY" -c 'import xdist' 2>/dev/null && [ "$(nproc)" -ge 8 ]; then GPU_CHECK_WORKERS=4; fi
+  if "$PY" -c 'import xdist' 2>/dev/null && [ "$CORES" -ge 8 ]; then GPU_CHECK_WORKERS=4; fi
+elif ! [[ "$GPU_CHECK_WORKERS" =~ ^[1-9][0-9]*$ ]]; then
+  echo "GPU_CHECK_WORKERS=$GPU_CHECK_WORKERS: a number of processes (1 or more) was expected" >&2
+  exit 2
+elif [ "$GPU_CHECK_WORKERS" -gt 1 ] && ! "$PY" -c 'import xdist' 2>/dev/null; then
+  echo "GPU_CHECK_WORKERS=$GPU_CHECK_WORKERS needs pytest-xdist, which $PY cannot import (or set GPU_CHECK_WORKERS=1)" >&2
+  exit 2
 fi
-parallel() {  # WORKERS for the next run_pytest: $1 the xdist distribution mode
+xdist_workers() {  # WORKERS for the next run_pytest: $1 the xdist distribution mode
   WORKERS=()
   if [ "$GPU_CHECK_WORKERS" -gt 1 ]; then WORKERS=(-n "$GPU_CHECK_WORKERS" --dist "$1"); fi
 }
@@ -114,21 +122,26 @@ if ! "$PY" -c 'import scikit_build_core' 2>/dev/null; then
   summarize
   exit 1
 fi
-# every core: the kernels compile in many files (CMakeLists.txt), the largest of them about a minute
-export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-if timeout 480 "$PY" -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" "$ROOT" \
-    >"$OUT/logs/build.log" 2>&1; then
+# every core: the kernels compile in many files (CMakeLists.txt), the largest of them 68-85 s on one core of a 2-core
+# machine; GPU_CHECK_BUILD_LIMIT seconds at most (default 480)
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$CORES}
+BUILD_LIMIT=${GPU_CHECK_BUILD_LIMIT:-480}
+timeout "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" \
+  "$ROOT" >"$OUT/logs/build.log" 2>&1
+BUILD_RC=$?
+if [ $BUILD_RC -eq 0 ]; then
   step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}" \
     $(( $(date +%s) - BUILD_BEGAN ))
 else
-  step build fail "see logs/build.log"
+  if [ $BUILD_RC -eq 124 ]; then why="timed out after $BUILD_LIMIT s (GPU_CHECK_BUILD_LIMIT)"; else why="exit $BUILD_RC"; fi
+  step build fail "$why: see logs/build.log" $(( $(date +%s) - BUILD_BEGAN ))
   summarize
   exit 1
 fi
 export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
 
 # 2. No GPU needed ------------------------------------------------------------------------------------
-parallel load
+# (one process: the host runners' summary lines, and one build of each runner)
 run_pytest host-runner 300 test_cuda_host_runner.py test_attention_host_runner.py test_c_api_cpu.py
 
 # Is there a GPU the tests can use? (the same reason the test suite prints when it skips)
@@ -145,6 +158,7 @@ if [ -n "$GPU_REASON" ]; then
   done
 else
   # 3. GPU tests ----------------------------------------------------------------------------------------
+  xdist_workers load
   run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
   run_pytest gpu-attention-tests 300 test_gpu_attention.py test_bench_attention_cuda.py
   WORKERS=()
@@ -158,24 +172,30 @@ else
   # head-major cache staged through it, and the one-by-one path of a NaN value
   ATTENTION_SANITIZE+=" or mha_prefill and causal-float16 and 128 and mma or mhca_prefill and alibi-mask2 and mma"
   ATTENTION_SANITIZE+=" or mma_non_finite and nan"  # (mma matches mma2 too: both forms)
-  sanitize() {  # the two steps of one tool ($1): KeyValueCache's kernels, then the attention kernels
+  sanitize() {  # the two steps of one tool ($1): KeyValueCache's kernels, then the attention kernels; $2 scales the limits
     PREFIX=("$SANITIZER" --tool "$1" --error-exitcode 86 --print-limit 20)
-    HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$1" 150 test_gpu_c_entry.py \
+    HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$1" $(( 150 * $2 )) test_gpu_c_entry.py \
       -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
     # the attention kernels: a split decode with its merges (mask, ALiBi, softcap), a cache-attention split decode,
     # int4 paged with groups of 3 and int8 head-major caches, tiles of 16 query rows, misaligned buffers, invalid
     # calls (nothing launched, nothing written)
-    HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-attention-$1" 120 test_gpu_attention.py \
+    HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-attention-$1" $(( 120 * $2 )) test_gpu_attention.py \
       -k "$ATTENTION_SANITIZE"
     PREFIX=()
   }
   if [ -x "$SANITIZER" ]; then
     if [ "${GPU_CHECK_SANITIZERS_TOGETHER:-0}" = 1 ]; then
-      # the four tools side by side, each in its own processes (their steps' lines land in steps.tsv as they end)
-      for tool in memcheck racecheck initcheck synccheck; do sanitize "$tool" & done
+      # the four tools side by side, each in its own processes sharing the GPU (twice the time limits); their steps'
+      # lines land in steps.tsv as they end, and a step a job never reported (the job itself killed) is a failure
+      for tool in memcheck racecheck initcheck synccheck; do sanitize "$tool" 2 & done
       wait
+      for tool in memcheck racecheck initcheck synccheck; do
+        for name in "sanitizer-$tool" "sanitizer-attention-$tool"; do
+          cut -f1 "$STEPS" | grep -qx "$name" || step "$name" fail "no verdict: its background job ended before it"
+        done
+      done
     else
-      for tool in memcheck racecheck initcheck synccheck; do sanitize "$tool"; done
+      for tool in memcheck racecheck initcheck synccheck; do sanitize "$tool" 1; done
     fi
   else
     for tool in memcheck racecheck initcheck synccheck; do
@@ -232,7 +252,7 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     fi
   fi
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
-    parallel loadfile  # the two files side by side, each with its session's exported models
+    xdist_workers loadfile  # the two files side by side, each with its session's exported models
     run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
     WORKERS=()
     run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
