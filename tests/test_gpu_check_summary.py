@@ -55,7 +55,7 @@ def test_gpu_check_skip_and_only_choose_the_steps(tmp_path):
 
 
 def _workers(tmp_path, *modes, fake_xdist=False, **env) -> list:
-    """The pytest-xdist arguments gpu_check.sh's ``xdist_workers MODE`` gives the test steps, one line per mode
+    """The pytest-xdist arguments gpu_check.sh's ``xdist_args MODE`` gives the test steps, one line per mode
     (``fake_xdist``: with an importable stand-in for pytest-xdist), or its exit status and error."""
     if fake_xdist:
         (tmp_path / "fake" / "xdist").mkdir(parents=True, exist_ok=True)
@@ -63,7 +63,7 @@ def _workers(tmp_path, *modes, fake_xdist=False, **env) -> list:
         env["PYTHONPATH"] = str(tmp_path / "fake")
     script = (ROOT / "tools/gpu_check.sh").read_text()
     setup = script[script.index("PREFIX=()"):script.index("# Runs a benchmark")]
-    probe = setup + "".join(f'xdist_workers {mode}; echo "${{WORKERS[*]}}"\n' for mode in modes)
+    probe = setup + "".join(f'echo "$(xdist_args {mode})"\n' for mode in modes)
     done = subprocess.run(["bash", "-c", f"PY={sys.executable}\n" + probe], capture_output=True, text=True,
                           env={"PATH": "/usr/bin:/bin", **env})
     return done.stdout.splitlines() if done.returncode == 0 else [f"exit {done.returncode}: {done.stderr.strip()}"]

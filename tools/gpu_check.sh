@@ -36,11 +36,16 @@ OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
 STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail <TAB> seconds (of the steps that ran)
+# step NAME STATUS DETAIL [BEGAN]: records a step; BEGAN, the date +%s it started at, gives its seconds.
 : >"$STEPS"
 PY=${PYTHON:-python3}
 START=$(date +%s)
 
-step() { printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "${4:-}" >>"$STEPS"; printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3${4:+ (${4} s)}"; }
+step() {
+  local seconds=${4:+$(( $(date +%s) - $4 ))}
+  printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$seconds" >>"$STEPS"
+  printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3${seconds:+ ($seconds s)}"
+}
 
 # OUTDIR/summary.md, with the seconds since the start in OUTDIR/seconds.txt.
 summarize() { echo $(( $(date +%s) - START )) >"$OUT/seconds.txt"; "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"; }
@@ -56,23 +61,22 @@ skipped() {
 }
 
 # Runs pytest with a junit report; records pass/fail and seconds. $1 step name, $2 timeout (s), rest: pytest args
-# (WORKERS=(-n N ...) before them when set: pytest-xdist).
+# (with XDIST=MODE in its environment: in GPU_CHECK_WORKERS pytest-xdist processes, distributed by MODE).
 run_pytest() {
   local name=$1 limit=$2 began
   shift 2
   if skipped "$name"; then return 0; fi
   began=$(date +%s)
-  (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${WORKERS[@]}" \
+  local workers=($(xdist_args "${XDIST:-}"))
+  (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
       --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   local tail_line
   tail_line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/logs/$name.log" | tail -1)
-  if [ $rc -eq 0 ]; then step "$name" pass "$tail_line" $(( $(date +%s) - began ));
-  else step "$name" fail "exit $rc: $tail_line (logs/$name.log)" $(( $(date +%s) - began )); fi
+  if [ $rc -eq 0 ]; then step "$name" pass "$tail_line" "$began"; else step "$name" fail "exit $rc: $tail_line (logs/$name.log)" "$began"; fi
   return $rc
 }
 PREFIX=()
-WORKERS=()
 # Worker processes for the test steps that run no sanitizer: the GPU tests are many small launches, each bound by
 # its process's host work (hypothesis, numpy references), so processes side by side share one GPU well.
 CORES=$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')  # the cores this process may use
@@ -86,9 +90,8 @@ elif [ "$GPU_CHECK_WORKERS" -gt 1 ] && ! "$PY" -c 'import xdist' 2>/dev/null; th
   echo "GPU_CHECK_WORKERS=$GPU_CHECK_WORKERS needs pytest-xdist, which $PY cannot import (or set GPU_CHECK_WORKERS=1)" >&2
   exit 2
 fi
-xdist_workers() {  # WORKERS for the next run_pytest: $1 the xdist distribution mode
-  WORKERS=()
-  if [ "$GPU_CHECK_WORKERS" -gt 1 ]; then WORKERS=(-n "$GPU_CHECK_WORKERS" --dist "$1"); fi
+xdist_args() {  # pytest's arguments for GPU_CHECK_WORKERS processes distributed by mode $1 (none: one process)
+  if [ -n "$1" ] && [ "$GPU_CHECK_WORKERS" -gt 1 ]; then echo "-n $GPU_CHECK_WORKERS --dist $1"; fi
 }
 
 # Runs a benchmark module into OUTDIR/$3 with its log in logs/$1.log; records pass/fail. $1 step name, $2 timeout
@@ -100,9 +103,9 @@ run_benchmark() {
   began=$(date +%s)
   # $module may carry arguments after the module name (split on spaces)
   if timeout "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
-    step "$name" pass "$folder/$table" $(( $(date +%s) - began ))
+    step "$name" pass "$folder/$table" "$began"
   else
-    step "$name" fail "exit $?: see logs/$name.log" $(( $(date +%s) - began ))
+    step "$name" fail "exit $?: see logs/$name.log" "$began"
   fi
 }
 
@@ -130,11 +133,10 @@ timeout "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --
   "$ROOT" >"$OUT/logs/build.log" 2>&1
 BUILD_RC=$?
 if [ $BUILD_RC -eq 0 ]; then
-  step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}" \
-    $(( $(date +%s) - BUILD_BEGAN ))
+  step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}" "$BUILD_BEGAN"
 else
   if [ $BUILD_RC -eq 124 ]; then why="timed out after $BUILD_LIMIT s (GPU_CHECK_BUILD_LIMIT)"; else why="exit $BUILD_RC"; fi
-  step build fail "$why: see logs/build.log" $(( $(date +%s) - BUILD_BEGAN ))
+  step build fail "$why: see logs/build.log" "$BUILD_BEGAN"
   summarize
   exit 1
 fi
@@ -158,10 +160,8 @@ if [ -n "$GPU_REASON" ]; then
   done
 else
   # 3. GPU tests ----------------------------------------------------------------------------------------
-  xdist_workers load
-  run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
-  run_pytest gpu-attention-tests 300 test_gpu_attention.py test_bench_attention_cuda.py
-  WORKERS=()
+  XDIST=load run_pytest gpu-tests 300 test_gpu_c_entry.py test_bench_cuda_gpu.py test_gpu_torch.py
+  XDIST=load run_pytest gpu-attention-tests 300 test_gpu_attention.py test_bench_attention_cuda.py
 
   # 4. compute-sanitizer ------------------------------------------------------------------------------
   SANITIZER=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
@@ -252,9 +252,8 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     fi
   fi
   if "$PY" -c 'import onnxruntime as o, sys; sys.exit("CUDAExecutionProvider" not in o.get_available_providers())' 2>/dev/null; then
-    xdist_workers loadfile  # the two files side by side, each with its session's exported models
-    run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
-    WORKERS=()
+    # the two files side by side, each with its session's exported models
+    XDIST=loadfile run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
     run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
     run_benchmark serving-benchmark-float16 300 serving-bench-float16 README.md "kvcache_op.benchmarks.gpu.serving --dtype float16"
   else
