@@ -30,15 +30,16 @@ def aligned_copy(array: np.ndarray) -> np.ndarray:
 NO_SPINNING = {"session.intra_op.allow_spinning": "0"}
 
 
-def bound_run(model, feeds: dict, outputs: dict, threads: int, config: dict | None = None):
-    """``run()`` of ``model`` on the CPU EP (the library loaded, graph rules checked; ``config``: session config
-    entries): every graph input is bound once to an OrtValue on ``feeds``' memory, each ``outputs`` name to its
-    preallocated numpy array, which every run overwrites. The function keeps all of them alive."""
+def bound_run(model, feeds: dict, outputs: dict, threads: int, config: dict | None = None, library: str | None = None):
+    """``run()`` of ``model`` on the CPU EP (the library loaded, or the build at ``library``; graph rules checked;
+    ``config``: session config entries): every graph input is bound once to an OrtValue on ``feeds``' memory,
+    each ``outputs`` name to its preallocated numpy array, which every run overwrites. The function keeps all of
+    them alive."""
     import onnxruntime as ort
 
     from ..ort_ops import make_session
 
-    session = make_session(model, intra_op_num_threads=threads, config=config)
+    session = make_session(model, intra_op_num_threads=threads, config=config, library=library)
     binding = session.io_binding()
     inputs = []
     for info in session.get_inputs():

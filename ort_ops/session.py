@@ -35,13 +35,13 @@ from .graph_rules import check_attribute_names, in_place_inputs
 LOG_SEVERITY_ENV = "KVCACHE_OP_ORT_LOG_SEVERITY"
 
 
-def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
-    """SessionOptions with the custom-op library registered (0 threads: ORT's default). ONNX Runtime's own log
-    lines are off (severity 4, fatal only): an op's error reaches the caller as the exception ORT raises, with
-    the same text, and ORT would print it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them
-    back for debugging."""
+def session_options(intra_op_num_threads: int = 0, library: str | None = None) -> ort.SessionOptions:
+    """SessionOptions with the custom-op library registered (0 threads: ORT's default; ``library``: the path of
+    another build of it, default :func:`library_path`). ONNX Runtime's own log lines are off (severity 4, fatal
+    only): an op's error reaches the caller as the exception ORT raises, with the same text, and ORT would print
+    it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them back for debugging."""
     options = ort.SessionOptions()
-    options.register_custom_ops_library(library_path())
+    options.register_custom_ops_library(library or library_path())
     options.intra_op_num_threads = intra_op_num_threads
     level = os.environ.get(LOG_SEVERITY_ENV, "4")
     if level not in ("0", "1", "2", "3", "4"):
@@ -51,9 +51,11 @@ def session_options(intra_op_num_threads: int = 0) -> ort.SessionOptions:
 
 
 def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_threads: int = 0,
-                 disable_cpu_fallback: bool = False, config: dict | None = None) -> ort.InferenceSession:
-    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded; ``config``: more
-    session config entries (e.g. ``{"session.intra_op.allow_spinning": "0"}``).
+                 disable_cpu_fallback: bool = False, config: dict | None = None,
+                 library: str | None = None) -> ort.InferenceSession:
+    """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded (``library``: the
+    path of another build of it, see :func:`session_options`); ``config``: more session config entries (e.g.
+    ``{"session.intra_op.allow_spinning": "0"}``).
 
     ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input, or when
     a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`)."""
@@ -61,7 +63,7 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
 
     in_place_inputs(model)
     check_attribute_names(model)
-    options = session_options(intra_op_num_threads)
+    options = session_options(intra_op_num_threads, library)
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     for key, value in (config or {}).items():

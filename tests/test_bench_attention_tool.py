@@ -129,3 +129,35 @@ def test_the_fused_benchmark_with_shared_pages_reads_sequence_0s_pages(tmp_path)
     assert np.all(np.abs(got.astype(np.float64) - want) <= 2 * cache_attention_tolerance(**inputs, **attributes))
     with pytest.raises(ValueError, match="decode shapes"):
         fused.make_call(fused.Shape(2, 8, 8, 4, 2, head_dim=16), shared_pages=True)
+
+
+def test_the_fused_benchmark_runs_another_build_beside_this_one(tmp_path, capsys):
+    """--against LIBRARY: the other build's fused op runs in the same rounds, its time and ratio are in the table
+    and data, and whether its outputs equal this build's bit for bit (the same build here, so they must)."""
+    from kvcache_op.benchmarks.attention import fused
+    from kvcache_op.ort_ops import library_path
+
+    assert fused.main(["--quick", "--against", library_path(), "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert library_path() in data["header"]
+    for row in data["results"]:
+        assert row["seconds"]["against"] > 0 and row["fused_vs_against"] > 0
+        assert row["equal_to_other_build"] is True
+    table = (tmp_path / "README.md").read_text()
+    assert "| fused / other build |" in table and table.count("bit for bit equal") == len(fused.QUICK_SHAPES)
+    row = dict(data["results"][0], equal_to_other_build=False)
+    assert "| differ |" in fused.report([row], "header")
+
+
+@pytest.mark.parametrize("content", [None, b"not a shared library"])
+def test_the_fused_benchmark_refuses_an_other_build_it_cannot_load(tmp_path, capsys, content):
+    from kvcache_op.benchmarks.attention import fused
+
+    path = tmp_path / "libother.so"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        fused.main(["--quick", "--against", str(path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "--against" in err and str(path) in err

@@ -7,7 +7,10 @@ would otherwise run, side by side in one run, ONNX Runtime's CPU EP, every input
 - **GQA**: ONNX Runtime's own ``com.microsoft::GroupQueryAttention`` on the same shapes, its past key/value
   buffers (B, kv heads, capacity, head_dim) bound as its present outputs too (shared, written in place);
 - **copy**: a plain copy of the bytes of cache the fused op reads (every sequence's keys and values), for the
-  effective bandwidth: ``GB/s = those bytes / time``.
+  effective bandwidth: ``GB/s = those bytes / time``;
+- **other build** (``--against LIBRARY``): the fused op from another build of the custom-op library, loaded in
+  the same process beside this install's, for an A/B of a kernel change that the machine's noise cannot tilt
+  (both run in every round); the table says whether the two builds' outputs were bit for bit equal.
 
 Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Every call reads the same cache,
 so one small enough for the last-level cache is read from there after the first call: B=1 kv16384 (16 MB) is,
@@ -26,7 +29,7 @@ import statistics
 
 import numpy as np
 
-from ...arguments import OneLineParser, at_least, out_folder
+from ...arguments import OneLineParser, at_least, library_file, out_folder
 from ..bound_session import NO_SPINNING, aligned_copy, aligned_empty, bound_run
 from ..timing import cpu_device, kernel_build, median_seconds, ort_version
 
@@ -180,16 +183,26 @@ def gqa_run(shape: Shape, inputs: dict):
     return run
 
 
-def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False) -> dict:
-    """Seconds per step of each method (medians) and the derived ratios (``shared_pages``: see make_call)."""
+def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False, against: str | None = None) -> dict:
+    """Seconds per step of each method (medians) and the derived ratios (``shared_pages``: see make_call;
+    ``against``: the path of another build of the library, whose fused op runs as one more method)."""
     from ... import spec
 
     inputs, attributes = make_call(shape, shared_pages=shared_pages)
     feeds = {k: v for k, v in inputs.items() if v is not None}
     out = aligned_empty(inputs["query"].shape, inputs["query"].dtype)
-    runs = {"fused": bound_run(spec.make_cache_attention_model(inputs, **attributes), feeds, {"output": out},
-                               shape.threads, NO_SPINNING),
+    fused_model = spec.make_cache_attention_model(inputs, **attributes)
+    runs = {"fused": bound_run(fused_model, feeds, {"output": out}, shape.threads, NO_SPINNING),
             "split": bound_run(split_model(inputs, attributes), feeds, {"output": out}, shape.threads, NO_SPINNING)}
+    equal_to_other_build = None
+    if against:
+        # One call of each build on the same step (each stores the same keys at the same slots, so the cache the
+        # second reads is the one the first read), outputs compared bit for bit.
+        other_out = aligned_empty(out.shape, out.dtype)
+        runs["against"] = bound_run(fused_model, feeds, {"output": other_out}, shape.threads, NO_SPINNING, against)
+        runs["fused"]()
+        runs["against"]()
+        equal_to_other_build = bool(np.array_equal(out.view(np.uint8), other_out.view(np.uint8)))
     if not shape.quant_bit:  # GroupQueryAttention has no quantized cache
         runs["gqa"] = gqa_run(shape, inputs)
     source = aligned_empty((shape.cache_read_bytes,), np.uint8)
@@ -207,20 +220,29 @@ def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False)
               "fused_vs_copy_bandwidth": seconds["copy"] / seconds["fused"]}
     if "gqa" in seconds:
         result["fused_vs_gqa"] = seconds["fused"] / seconds["gqa"]
+    if against:
+        result["fused_vs_against"] = seconds["fused"] / seconds["against"]
+        result["equal_to_other_build"] = equal_to_other_build
     return result
 
 
 def report(results: list, header: str) -> str:
     """A markdown table of the results: time ratios (below 1: the fused op is faster) and bandwidths."""
+    other = any("fused_vs_against" in r for r in results)
     lines = [header, "", "| shape | fused ms | split ms | GQA ms | fused / split | fused / GQA | cache GB/s | copy GB/s | "
-             "of copy |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "of copy |" + (" other build ms | fused / other build | outputs |" if other else ""),
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | --- |" if other else "")]
     for r in results:
         s = r["seconds"]
         gqa = f"{s['gqa'] * 1e3:.2f}" if "gqa" in s else "—"
         vs_gqa = f"{r['fused_vs_gqa']:.2f}x" if "fused_vs_gqa" in r else "—"
-        lines.append(f"| {r['label']} | {s['fused'] * 1e3:.2f} | {s['split'] * 1e3:.2f} | {gqa} | "
-                     f"{r['fused_vs_split']:.2f}x | {vs_gqa} | {r['cache_GBps']:.1f} | {r['copy_GBps']:.1f} | "
-                     f"{r['fused_vs_copy_bandwidth']:.2f}x |")
+        line = (f"| {r['label']} | {s['fused'] * 1e3:.2f} | {s['split'] * 1e3:.2f} | {gqa} | "
+                f"{r['fused_vs_split']:.2f}x | {vs_gqa} | {r['cache_GBps']:.1f} | {r['copy_GBps']:.1f} | "
+                f"{r['fused_vs_copy_bandwidth']:.2f}x |")
+        if other:
+            line += (f" {s['against'] * 1e3:.2f} | {r['fused_vs_against']:.3f}x | "
+                     f"{'bit for bit equal' if r['equal_to_other_build'] else 'differ'} |")
+        lines.append(line)
     return "\n".join(lines) + "\n"
 
 
@@ -234,7 +256,17 @@ def main(argv=None) -> int:
     parser.add_argument("--shared-pages", action="store_true",
                         help="decode shapes only, every sequence reading sequence 0's pages: the same arithmetic over "
                              "a working set the caches hold (what a step costs when it does not wait on memory)")
+    parser.add_argument("--against", type=library_file, metavar="LIBRARY",
+                        help="another build of the custom-op library (a libkvcache_op_ort.so): its fused op runs in "
+                             "the same rounds as this install's, for an A/B of a kernel change")
     args = parser.parse_args(argv)
+    if args.against:
+        from ...ort_ops import session_options
+
+        try:  # a file that is no build of the library is refused here, in one line, before any measuring
+            session_options(1, args.against)
+        except Exception as error:  # noqa: BLE001 - ONNX Runtime raises its own Fail class
+            parser.error(f"argument --against: cannot load {args.against}: {str(error).splitlines()[-1]}")
     shapes = [s for s in (QUICK_SHAPES if args.quick else SHAPES) if args.match in s.label and
               (s.seqlen == 1 or not args.shared_pages)]
     if not shapes:
@@ -243,15 +275,17 @@ def main(argv=None) -> int:
     results = []
     for i, shape in enumerate(shapes, 1):
         print(f"[{i}/{len(shapes)}] {shape.label}", flush=True)
-        results.append(measure(shape, rounds, repeats, args.shared_pages))
+        results.append(measure(shape, rounds, repeats, args.shared_pages, args.against))
         r = results[-1]
         print(f"    fused/split {r['fused_vs_split']:.2f}x" +
               (f", fused/GQA {r['fused_vs_gqa']:.2f}x" if "fused_vs_gqa" in r else "") +
-              f", {r['fused_vs_copy_bandwidth']:.2f}x copy bandwidth", flush=True)
+              f", {r['fused_vs_copy_bandwidth']:.2f}x copy bandwidth" +
+              (f", fused/other build {r['fused_vs_against']:.3f}x" if args.against else ""), flush=True)
     header = (f"MultiHeadCacheAttention vs the split pair and GroupQueryAttention — {cpu_device()}, onnxruntime "
               f"{ort_version()}{kernel_build()}; medians of {rounds} rounds x {repeats} calls"
               + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
-                 if args.shared_pages else ""))
+                 if args.shared_pages else "")
+              + (f"; other build: {args.against}" if args.against else ""))
     text = report(results, header)
     print(text)
     if args.out:

@@ -65,3 +65,13 @@ def out_folder(text: str):
     if problem:
         raise argparse.ArgumentTypeError(problem)
     return pathlib.Path(text)
+
+
+def library_file(text: str) -> str:
+    """An argparse type: an existing file (a shared library to load), as an absolute path."""
+    import pathlib
+
+    path = pathlib.Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text} is not a file")
+    return str(path.resolve())
