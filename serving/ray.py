@@ -23,10 +23,10 @@ class EngineReplica:
     def __init__(self, model_path: str, tokenizer_dir: str, model_name: str, api_key, limits: dict,
                  engine_options: dict):
         from .engine import Engine
-        from .tokenizer import load_tokenizer
+        from .tokenizer import PlainText, load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_dir)
-        self.engine = Engine(model_path, tokenizer=self.tokenizer, **engine_options)
+        self.engine = Engine(model_path, tokenizer=PlainText(self.tokenizer), **engine_options)
         self.model_name, self.api_key, self.limits = model_name, api_key, ServerLimits(**limits)
 
     def __serve_build_asgi_app__(self):

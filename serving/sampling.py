@@ -110,18 +110,25 @@ class TokenLogprobs(typing.NamedTuple):
     top: list
 
 
+#: The largest finite float64: logits are kept within +-FINITE, so that no shift of them by their max is inf - inf.
+FINITE = float(np.finfo(np.float64).max)
+
+
 def _penalized(logits: np.ndarray, params: list, histories: list) -> np.ndarray:
-    """float64 logits after each row's penalties; ``histories[r]``: (prompt ids, generated ids)."""
+    """float64 logits after each row's penalties, within +-FINITE (NaN stays NaN); ``histories[r]``: (prompt ids,
+    generated ids). A repetition penalty tiny enough to overflow a seen token's logit leaves it at FINITE (the seen
+    tokens so raised tie for the top)."""
     out = logits.astype(np.float64)
     for r, (p, (prompt, generated)) in enumerate(zip(params, histories)):
         if p.repetition_penalty != 1.0:
             seen = np.unique(np.asarray(list(prompt) + list(generated), np.int64))
             row = out[r, seen]
-            out[r, seen] = np.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            with np.errstate(over="ignore"):  # clipped to +-FINITE below
+                out[r, seen] = np.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
         if (p.presence_penalty or p.frequency_penalty) and len(generated):
             tokens, counts = np.unique(np.asarray(generated, np.int64), return_counts=True)
             out[r, tokens] -= p.frequency_penalty * counts + p.presence_penalty
-    return out
+    return np.clip(out, -FINITE, FINITE, out=out)
 
 
 def distributions(logits: np.ndarray, params: list) -> np.ndarray:
@@ -137,7 +144,8 @@ def distributions(logits: np.ndarray, params: list) -> np.ndarray:
     top_k = np.array([min(p.top_k, logits.shape[1]) for p in chosen], np.int64)[:, None]  # any int: no overflow
     top_p = np.array([p.top_p for p in chosen])[:, None]
     min_p = np.array([p.min_p for p in chosen])[:, None]
-    z = np.asarray(logits, np.float64)[rows] / temperature
+    with np.errstate(over="ignore"):  # a temperature below 1 may overflow a logit near FINITE: clipped back
+        z = np.clip(np.asarray(logits, np.float64)[rows] / temperature, -FINITE, FINITE)
     z = np.exp(z - z.max(axis=1, keepdims=True))
     q = z / z.sum(axis=1, keepdims=True)
     order = np.argsort(-q, axis=1, kind="stable")

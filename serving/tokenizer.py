@@ -49,3 +49,40 @@ class PlainText:
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def _byte_level_alphabet() -> dict:
+    """The byte-level BPE alphabet (GPT-2's, used by Llama 3, Qwen, Mistral's newer tokenizers and others) read back:
+    each character a token string uses -> the byte it stands for. Printable Latin-1 bytes stand for themselves; the
+    other 68 bytes are numbered in order from U+0100."""
+    kept = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    alphabet, moved = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(0x100 + moved)] = byte
+            moved += 1
+    return alphabet
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token: int) -> bytes:
+    """The bytes token ``token`` stands for, also where it holds part of a character (its text alone then decodes to
+    a replacement character): read from a byte-level token string, or a byte-fallback token ``<0xHH>``; otherwise
+    (special tokens, whole-character vocabularies) its decoded text's UTF-8."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None) if backend is not None else None
+    if token not in getattr(tokenizer, "all_special_ids", ()):
+        piece = tokenizer.convert_ids_to_tokens(int(token)) if hasattr(tokenizer, "convert_ids_to_tokens") else None
+        if isinstance(piece, str) and piece:
+            if type(decoder).__name__ == "ByteLevel" and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+    return tokenizer.decode([int(token)]).encode("utf-8", errors="replace")

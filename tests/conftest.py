@@ -116,6 +116,27 @@ SERVER_API_KEY = "sk-test-0123456789"
 
 
 @pytest.fixture(scope="session")
+def exported(served_checkpoint, tmp_path_factory):
+    """The served checkpoint exported once for the session (the ONNX file's path)."""
+    from kvcache_op.export_command import export_checkpoint
+
+    out = tmp_path_factory.mktemp("exported") / "model.onnx"
+    export_checkpoint(served_checkpoint[0], out, progress=lambda line: None)
+    return out
+
+
+def served_app(exported, tokenizer, api_key=None, engine_options=None, **limits):
+    """The server's FastAPI app in this process, over a fresh engine on ``exported`` (64 pages unless
+    ``engine_options`` say otherwise) serving as "tiny"; ``limits``: ServerLimits fields."""
+    from kvcache_op.serving import Engine
+    from kvcache_op.serving.server import ServerLimits, create_app
+    from kvcache_op.serving.tokenizer import PlainText
+
+    engine = Engine(exported, tokenizer=PlainText(tokenizer), **{"num_pages": 64, **(engine_options or {})})
+    return create_app(engine, tokenizer, model_name="tiny", api_key=api_key, limits=ServerLimits(**limits))
+
+
+@pytest.fixture(scope="session")
 def api_server(served_checkpoint, tmp_path_factory):
     """The base URL of ``kvcache-op serve`` on the served checkpoint folder (exported into a fresh cache folder),
     requiring :data:`SERVER_API_KEY`; one process for the session, stopped at its end."""

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from conftest import SERVER_API_KEY  # noqa: E402
+from conftest import SERVER_API_KEY, served_app as _app  # noqa: E402
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
 AUTH = {"Authorization": f"Bearer {SERVER_API_KEY}"}
@@ -107,23 +107,6 @@ def test_the_server_still_serves_after_the_refusals(api_server):
 
 
 # ---- in process: the queue limit and random bodies ---------------------------------------------------------------
-@pytest.fixture(scope="module")
-def exported(served_checkpoint, tmp_path_factory):
-    from kvcache_op.export_command import export_checkpoint
-
-    out = tmp_path_factory.mktemp("exported") / "model.onnx"
-    export_checkpoint(served_checkpoint[0], out, progress=lambda line: None)
-    return out
-
-
-def _app(exported, tokenizer, api_key=None, engine_options=None, **limits):
-    from kvcache_op.serving import Engine
-    from kvcache_op.serving.server import ServerLimits, create_app
-
-    engine = Engine(exported, tokenizer=tokenizer, **{"num_pages": 64, **(engine_options or {})})
-    return create_app(engine, tokenizer, model_name="tiny", api_key=api_key, limits=ServerLimits(**limits))
-
-
 def test_a_full_queue_answers_503_with_retry_after(exported, served_checkpoint):
     from fastapi.testclient import TestClient
 

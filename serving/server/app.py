@@ -20,7 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..tokenizer import chat_prompt_ids, text_prompt_ids
+from ..tokenizer import PlainText, chat_prompt_ids, text_prompt_ids
 from .errors import APIError, bad_request
 from .generation import Generation
 from .metrics import ServerMetrics
@@ -64,6 +64,15 @@ class _Gate:
             return await self.app(scope, receive, send)
         path = _route_path(scope)
         route = path if path in ROUTES else "other"
+        status = [500]
+
+        async def send_noting_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                # Which engine answered (refusals included): replicas (Ray Serve) are told apart by their process.
+                headers = [*message.get("headers", []), (b"x-kvcache-op-engine", self.engine_id)]
+                message = {**message, "headers": headers}
+            await send(message)
         if self.expected is not None and path not in OPEN_ROUTES:
             given = dict(scope["headers"]).get(b"authorization", b"")
             token = given[7:] if given[:7].lower() == b"bearer " else b""
@@ -71,15 +80,7 @@ class _Gate:
                 self.metrics.observe_request(route, 401)
                 refusal = self.reject(APIError(401, "a valid API key is required: Authorization: Bearer <key>",
                                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
-                return await refusal(scope, receive, send)
-        status = [500]
-
-        async def send_noting_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                # Which engine answered: replicas (Ray Serve) are told apart by their process.
-                message = {**message, "headers": [*message.get("headers", []), (b"x-kvcache-op-engine", self.engine_id)]}
-            await send(message)
+                return await refusal(scope, receive, send_noting_status)  # counted here: the try below is not run
         try:
             await self.app(scope, receive, send_noting_status)
         finally:
@@ -87,9 +88,13 @@ class _Gate:
 
 
 def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None) -> FastAPI:
-    """The app serving ``engine`` (an :class:`Engine` made with ``tokenizer``) as ``model_name``. With ``api_key``,
-    ``/v1`` routes need ``Authorization: Bearer <api_key>`` (compared in constant time). The engine is closed when
-    the app shuts down."""
+    """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
+    (``ValueError`` otherwise), so that it ends a request at a stop string in the same text the reply holds, which
+    leaves special tokens out. With ``api_key``, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (compared in
+    constant time). The engine is closed when the app shuts down."""
+    if not (isinstance(engine.tokenizer, PlainText) and engine.tokenizer.tokenizer is tokenizer):
+        raise ValueError("the engine must find stop strings in the reply's text: make it with "
+                         "Engine(..., tokenizer=PlainText(tokenizer)) for the tokenizer the app is given")
     limits = limits or ServerLimits()
     context = engine.max_context or engine.info.max_positions
     max_prompt = min(limits.max_prompt_tokens or context, context)
@@ -143,7 +148,7 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    def settle_max_tokens(requested, prompt_len: int, default) -> int:
+    def settle_max_tokens(requested, prompt_len: int, default, field: str) -> int:
         if prompt_len > max_prompt:
             raise bad_request(f"the prompt has {prompt_len} tokens, over the limit of {max_prompt}", "prompt",
                               "context_length_exceeded")
@@ -156,20 +161,21 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
                 raise bad_request(f"the prompt's {prompt_len} tokens leave no room in the context of {context}",
                                   "prompt", "context_length_exceeded")
         if requested < 1 or requested > limits.max_tokens_limit:
-            raise bad_request(f"max_tokens must be in [1, {limits.max_tokens_limit}], got {requested}", "max_tokens")
+            raise bad_request(f"{field} must be in [1, {limits.max_tokens_limit}], got {requested}", field)
         if prompt_len + requested > context:
-            raise bad_request(f"{prompt_len} prompt tokens + max_tokens={requested} exceed the context of {context}",
-                              "max_tokens", "context_length_exceeded")
+            raise bad_request(f"{prompt_len} prompt tokens + {field}={requested} exceed the context of {context}",
+                              field, "context_length_exceeded")
         return requested
 
-    async def start(req, prompt_ids: list, max_tokens, default_max, logprobs) -> Generation:
+    async def start(req, prompt_ids: list, max_tokens, default_max, logprobs,
+                    max_tokens_field: str = "max_tokens") -> Generation:
         if engine.queue_length + admitting[0] >= limits.max_queue:
             raise APIError(503, f"the server is busy ({engine.queue_length + admitting[0]} requests waiting): retry "
                            f"later", type="server_overloaded", headers={"Retry-After": "1"})
         vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-        params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max), logprobs)
+        params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max, max_tokens_field), logprobs)
         admitting[0] += 1
         try:  # the engine checks the prompt and the salt; what it refuses is the client's error
             return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt)
@@ -232,9 +238,8 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         check_model(req.model)
         prompt = req.the_prompt()
         if isinstance(prompt, str):
-            if len(prompt) > 8 * max_prompt + 64:  # more characters than the prompt limit could ever need
-                raise bad_request(f"the prompt is over the limit of {max_prompt} tokens", "prompt",
-                                  "context_length_exceeded")
+            # Tokenized whole, then counted: characters bound no token count (a token may hold any number of them);
+            # the body limit bounds the work.
             try:
                 ids = await asyncio.to_thread(text_prompt_ids, tokenizer, prompt)  # off the event loop
             except Exception as error:  # e.g. a lone surrogate the tokenizer cannot encode
@@ -254,7 +259,8 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
             raise bad_request(str(error), "messages") from None
         except Exception as error:  # the template itself refused the conversation (e.g. roles out of order)
             raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
-        generation = await start(req, ids, req.requested_max_tokens(), None, req.top_logprobs_count())
+        max_tokens, field = req.requested_max_tokens()
+        generation = await start(req, ids, max_tokens, None, req.top_logprobs_count(), field)
         return await respond(request, req, generation, chat=True)
 
     @app.get("/v1/models")

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 
 from ..text import StopMatcher, TextStream
-from ..tokenizer import PlainText
+from ..tokenizer import PlainText, token_bytes
 
 
 @dataclasses.dataclass
@@ -73,3 +73,7 @@ class Generation:
     def token_text(self, token: int) -> str:
         """One token's own text (for logprobs)."""
         return self.tokenizer.decode([token])
+
+    def token_bytes(self, token: int) -> bytes:
+        """One token's own bytes (for chat logprobs): a token holding part of a character has its part."""
+        return token_bytes(self.tokenizer, token)

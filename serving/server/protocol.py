@@ -159,8 +159,11 @@ class ChatRequest(_Request):
             out["messages"] = "messages must not be empty"
         return out
 
-    def requested_max_tokens(self):
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+    def requested_max_tokens(self) -> tuple:
+        """(the completion's token limit, the field that set it): ``max_completion_tokens`` over ``max_tokens``."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def top_logprobs_count(self):
         """How many top tokens to report per token, or None (``logprobs`` false)."""
@@ -179,10 +182,14 @@ def _union_tag(part: str) -> bool:
 
 
 def parse(model: type, body) -> _Request:
-    """``body`` (decoded JSON) as ``model``; a 400 naming the first offending field otherwise, or the first field
-    this server cannot honour."""
+    """``body`` (decoded JSON) as ``model`` (an optional field given as null: its default); a 400 naming the first
+    offending field otherwise, or the first field this server cannot honour."""
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
+    # An optional field sent as null takes its default, as OpenAI's API reads it (the openai client sends null for
+    # a None argument); a required one sent as null is still refused.
+    body = {k: v for k, v in body.items() if v is not None or k not in model.model_fields
+            or model.model_fields[k].is_required()}
     try:
         request = model.model_validate(body)
     except ValidationError as error:

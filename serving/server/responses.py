@@ -57,8 +57,8 @@ class Reply:
         text = self.generation.token_text
         if self.chat:
             def entry(token, logprob):
-                s = text(token)
-                return {"token": s, "logprob": _finite(logprob), "bytes": list(s.encode(errors="replace"))}
+                return {"token": text(token), "logprob": _finite(logprob),
+                        "bytes": list(self.generation.token_bytes(token))}
             return {"content": [dict(entry(p.token, p.logprobs.logprob),
                                      top_logprobs=[entry(t, lp) for t, lp in p.logprobs.top]) for p in pieces]}
         offsets = []

@@ -116,20 +116,36 @@ def engine_options_of(args) -> dict:
                 intra_op_num_threads=args.threads, decode_steps=args.decode_steps)
 
 
+def _draining_server(uvicorn, engine):
+    """uvicorn's Server class, made to end the engine's requests first when it shuts down (a signal, or
+    ``--stop-after``): their replies then finish with finish_reason "abort" (a stream with its last chunk and
+    ``[DONE]``) while uvicorn waits for them, instead of uvicorn cancelling their handlers at its graceful timeout
+    (a plain-text 500, streams cut mid-body)."""
+    import asyncio
+
+    class DrainingServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            await asyncio.to_thread(engine.close, 10.0)
+            await super().shutdown(sockets=sockets)
+
+    return DrainingServer
+
+
 def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
     """One engine in this process, under uvicorn."""
     import uvicorn
 
     from .serving import Engine
     from .serving.server import create_app
-    from .serving.tokenizer import load_tokenizer
+    from .serving.tokenizer import PlainText, load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_dir)
-    engine = Engine(path, tokenizer=tokenizer, **engine_options)
+    engine = Engine(path, tokenizer=PlainText(tokenizer), **engine_options)
     app = create_app(engine, tokenizer, model_name=name, api_key=api_key, limits=limits)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = _draining_server(uvicorn, engine)(config)
     if args.stop_after:  # a bounded lifetime (tests, load tests): the server stops by itself
         timer = threading.Timer(args.stop_after, lambda: setattr(server, "should_exit", True))
         timer.daemon = True
