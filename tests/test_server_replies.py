@@ -226,3 +226,10 @@ def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
         else:
             reasons.append(json.loads(result)["choices"][0]["finish_reason"])
     assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_chat_token_limit_out_of_range_is_refused_by_its_own_name(client, field):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], field: 0}
+    error = client.post("/v1/chat/completions", json=body).json()["error"]
+    assert error["param"] == field and error["message"].startswith(f"{field} must be in [1, ")
