@@ -1,7 +1,7 @@
 """The graph-input rule for the ops' in-place inputs, checked on a model before a session runs it.
 
-KeyValueCache writes its ``cache`` and ``scale`` inputs, KeyCacheRotaryShift its ``cache`` and
-``scale``, in place. Those inputs must be fed directly by a graph input that has no initializer of
+KeyValueCache and MultiHeadCacheAttention write their ``cache`` and ``scale`` inputs, KeyCacheRotaryShift
+its ``cache`` and ``scale``, in place. Those inputs must be fed directly by a graph input that has no initializer of
 the same name: only then do the writes land in the caller's buffer. Anything else — a constant
 initializer, an initializer behind ``Identity``/``Reshape`` (with graph optimizations off ONNX
 Runtime keeps such a node, and the "constant" then keeps the previous run's writes), an initializer
@@ -18,6 +18,7 @@ from .write_order import check_write_order
 #: (domain, op type) -> positions of the inputs the op writes in place.
 IN_PLACE_INPUTS = {
     ("opmx.dynamic_batching", "KeyValueCache"): {8: "cache", 9: "scale"},
+    ("opmx.dynamic_batching", "MultiHeadCacheAttention"): {10: "cache", 11: "scale"},
     ("opmx.dynamic_batching", "KeyCacheRotaryShift"): {0: "cache", 1: "scale"},
 }
 

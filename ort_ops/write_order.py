@@ -2,7 +2,8 @@
 path in either order (ONNX Runtime does reorder them). For in-place writes that would make the result
 depend on the runtime's choice, so a model is refused when
 
-* two nodes write the same layer of one cache (KeyValueCache stores, KeyCacheRotaryShift's rotation)
+* two nodes write the same layer of one cache (KeyValueCache's and MultiHeadCacheAttention's stores,
+  KeyCacheRotaryShift's rotation)
   and neither depends on the other through data, or
 * any other node reads an in-place input's data (it may see the cache before or after the writes).
 

@@ -121,3 +121,32 @@ def test_in_place_inputs_of_a_model_from_a_path(tmp_path):
     onnx.save(model, path)
     assert in_place_inputs(str(path)) == {"cache", "scale"}
     assert in_place_inputs(model.SerializeToString()) == {"cache", "scale"}
+
+
+def mhca_case():
+    """A small valid MultiHeadCacheAttention call (decode, paged int8 cache) and its model."""
+    from kvcache_op.benchmarks.attention.fused import Shape, make_call
+
+    inputs, attributes = make_call(Shape(2, 1, 8, 4, 2, head_dim=16, dtype="float16", quant_bit=8))
+    return inputs, spec.make_cache_attention_model(inputs, **attributes)
+
+
+def test_the_fused_ops_cache_and_scale_follow_the_same_rule():
+    """MultiHeadCacheAttention stores this step's keys into its cache and scale in place, as KeyValueCache does: a
+    cache it cannot write through is refused, not copied (its stores would be lost), and so is one behind a node."""
+    inputs, model = mhca_case()
+    assert in_place_inputs(model) == {"cache", "scale"}
+    feeds = {k: v.copy() for k, v in inputs.items() if v is not None}
+    frozen = feeds["cache"].copy()
+    feeds["cache"].flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        run_model(model, feeds)
+    feeds["cache"] = np.asfortranarray(frozen)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        run_model(model, feeds)
+    assert np.array_equal(feeds["cache"], frozen)
+    with pytest.raises(ValueError, match="MultiHeadCacheAttention node .* computed by another node"):
+        make_session(with_cache_behind(model, "Identity"))
+    model.graph.initializer.append(onnx.numpy_helper.from_array(inputs["cache"], "cache"))
+    with pytest.raises(ValueError, match="is an initializer"):
+        make_session(model)

@@ -78,3 +78,40 @@ def test_other_nodes_may_read_only_the_caches_shape(op_type, refused):
             in_place_inputs(model)
     else:
         assert in_place_inputs(model) == {"cache"}
+
+
+def fused_with_second_writer(op_type: str, layer_idx: int):
+    """A two-layer MultiHeadCacheAttention model (layer 1) plus a second node writing layer ``layer_idx`` of the same
+    cache with no data path between them: another MultiHeadCacheAttention, or a KeyValueCache."""
+    from kvcache_op.benchmarks.attention.fused import Shape, make_call
+
+    inputs, attributes = make_call(Shape(2, 1, 8, 4, 2, head_dim=16))
+    inputs["cache"] = np.concatenate([inputs["cache"]] * 2, axis=1)  # layout 0: (slots, layers, 2, kv heads, dim)
+    model = spec.make_cache_attention_model(inputs, **dict(attributes, num_layer=2, layer_idx=1))
+    fused = model.graph.node[0]
+    if op_type == "MultiHeadCacheAttention":
+        second = copy.deepcopy(fused)
+        second.name = "second"
+        del second.output[:]
+        second.output.append("output2")
+    else:
+        second = helper.make_node("KeyValueCache", [*(fused.input[i] for i in (1, 2, 3, 4, 5, 6, 8, 9)), "cache", ""],
+                                  ["key2", "value2"],
+                                  name="second", domain=spec.schema.DOMAIN, num_layer=2, num_heads=2, head_dim=16,
+                                  cache_mode=1, page_size=128)
+    for attribute in second.attribute:
+        if attribute.name == "layer_idx":
+            attribute.i = layer_idx
+    if not any(a.name == "layer_idx" for a in second.attribute):
+        second.attribute.append(helper.make_attribute("layer_idx", layer_idx))
+    model.graph.node.append(second)
+    return model
+
+
+@pytest.mark.parametrize("op_type", ["MultiHeadCacheAttention", "KeyValueCache"])
+def test_the_fused_op_is_a_writer_of_its_layer(op_type):
+    """The fused op writes its layer like KeyValueCache: beside a writer of another layer it is accepted (one node per
+    layer), beside an unordered writer of its own layer refused."""
+    assert in_place_inputs(fused_with_second_writer(op_type, layer_idx=0)) == {"cache"}
+    with pytest.raises(ValueError, match="both write layer 1 of 'cache' and no data path orders them"):
+        in_place_inputs(fused_with_second_writer(op_type, layer_idx=1))
