@@ -289,8 +289,12 @@ constexpr int64_t kDecodeBlock = 32, kKeyBlock = 8, kLongRowBytes = 512;
 // flight, so the loads and the arithmetic barely overlapped. Measured on one core (AMD EPYC Zen 5), decode B=64
 // kv1024 8/2 heads head_dim 128 float16 from memory: 5.56 ms in one burst, 4.00 in parts of 8 keys; the same
 // arithmetic over cached pages 2.57 against 2.79. Shorter rows (head_dim 32 float32, the served small model)
-// keep the one burst: their blocks ask for a quarter of the lines.
-constexpr int64_t kPartRowBytes = 256, kDecodePart = 8;
+// keep the one burst: their blocks ask for a quarter of the lines. The AVX2 build takes parts of 4 keys: on the
+// machine it was measured on (AMD EPYC Zen 3, 32 KB first-level cache, no AVX-512; both builds side by side in one
+// process), decode B=64 kv1024 8/2 heads float16 from memory took 0.74-0.85x the time of parts of 8, an int8
+// cache 0.80-0.84x, B=1 16,384 keys 0.79x, the same arithmetic over cached pages 1.00x, 32/8 heads 0.98-1.06x;
+// parts of 2 lost up to 17% at 32/8 heads. The AVX-512 build keeps 8, as measured on Zen 5 above.
+constexpr int64_t kPartRowBytes = 256, kDecodePart = KV_AVX512 ? 8 : 4;
 #if KV_DECODE_TILES
 constexpr int64_t kDecodeWidth = DecodeVector::kWidth;  // head_dim a multiple of it runs the decode tiles
 static_assert(kDecodeBlock % DecodeVector::kAccs == 0 && kDecodeBlock % kDecodePart == 0,
