@@ -52,7 +52,7 @@ class PlainText:
 
 
 def _byte_level_alphabet() -> dict:
-    """The byte-level BPE alphabet (GPT-2's, used by Llama 3, Qwen, Mistral's newer tokenizers and others) read back:
+    """The byte-level BPE alphabet (GPT-2's, as Llama 3's and Qwen's tokenizers use it) read back:
     each character a token string uses -> the byte it stands for. Printable Latin-1 bytes stand for themselves; the
     other 68 bytes are numbered in order from U+0100."""
     kept = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
