@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 import pathlib
 
 
@@ -51,22 +52,13 @@ class PlainText:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
+@functools.lru_cache(maxsize=None)
 def _byte_level_alphabet() -> dict:
-    """The byte-level BPE alphabet (GPT-2's, as Llama 3's and Qwen's tokenizers use it) read back:
-    each character a token string uses -> the byte it stands for. Printable Latin-1 bytes stand for themselves; the
-    other 68 bytes are numbered in order from U+0100."""
-    kept = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    alphabet, moved = {}, 0
-    for byte in range(256):
-        if byte in kept:
-            alphabet[chr(byte)] = byte
-        else:
-            alphabet[chr(0x100 + moved)] = byte
-            moved += 1
-    return alphabet
+    """The byte-level BPE alphabet (GPT-2's, as Llama 3's and Qwen's tokenizers use it) read back: each character a
+    token string uses -> the byte it stands for (``transformers``' own table, inverted)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-
-_BYTE_LEVEL = _byte_level_alphabet()
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 def token_bytes(tokenizer, token: int) -> bytes:
@@ -78,8 +70,9 @@ def token_bytes(tokenizer, token: int) -> bytes:
     if token not in getattr(tokenizer, "all_special_ids", ()):
         piece = tokenizer.convert_ids_to_tokens(int(token)) if hasattr(tokenizer, "convert_ids_to_tokens") else None
         if isinstance(piece, str) and piece:
-            if type(decoder).__name__ == "ByteLevel" and all(c in _BYTE_LEVEL for c in piece):
-                return bytes(_BYTE_LEVEL[c] for c in piece)
+            alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else {}
+            if alphabet and all(c in alphabet for c in piece):
+                return bytes(alphabet[c] for c in piece)
             if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 try:
                     return bytes([int(piece[3:5], 16)])

@@ -1,8 +1,10 @@
 """What the server's replies hold where the engine and the reply could disagree: a stop string around a special token
 generated mid-text ends the request in the engine (usage, logprobs and the stream stop there too), optional fields
 sent as null take their defaults (the openai client sends null for None), a long text prompt within the token limit
-is served whatever its characters per token, refusals of the API key carry the engine header, and the logprobs'
-bytes of tokens that split a character join to the reply's bytes."""
+is served whatever its characters per token, refusals of the API key carry the engine header, the logprobs' bytes
+of tokens that split a character join to the reply's bytes, a repetition penalty that overflows samples no NaN, a
+token limit out of range is refused by the name the client used, and a shutdown ends requests in flight as whole
+"abort" replies."""
 
 import json
 
