@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kv_cuda_run.h"
+#include "launch_errors.h"
 #endif
 
 namespace kvcache {
@@ -27,11 +28,16 @@ struct StreamScratch : cuda::DeviceScratch {  // stream-ordered allocations of t
   explicit StreamScratch(cudaStream_t s) : stream(s) {}
   void* Alloc(size_t bytes) override {
     void* data = nullptr;
-    if (cudaError_t e = cudaMallocAsync(&data, bytes, stream); e != cudaSuccess)
+    if (cudaError_t e = cudaMallocAsync(&data, bytes, stream); e != cudaSuccess) {
+      cuda::DropError();  // reported here, not again as a later call's launch error
       throw std::runtime_error(std::string("kvcache-op CUDA: allocating scratch: ") + cudaGetErrorString(e));
+    }
     return data;
   }
-  void Free(void* data) override { cudaFreeAsync(data, stream); }
+  // A free that fails (the stream broken) leaks the block; its error must not become a later launch's.
+  void Free(void* data) override {
+    if (cudaFreeAsync(data, stream) != cudaSuccess) cuda::DropError();
+  }
 };
 #endif
 

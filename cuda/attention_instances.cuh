@@ -11,10 +11,16 @@
 namespace kvcache {
 namespace cuda {
 
-// Launches the tile, decode and tensor-core kernels a planned call has tiles for, then its merges, on `stream`;
-// returns the first launch error.
+// The two steps of an attention call's launch: kPrepare does what may fail short of launching (granting the
+// tensor-core kernel its shared memory), so that MultiHeadCacheAttention can do it before its stores are enqueued;
+// kLaunch launches the kernels.
+enum class AttnStep { kPrepare, kLaunch };
+
+// kLaunch: launches the tile, decode and tensor-core kernels a planned call has tiles for, then its merges, on
+// `stream`; returns the first launch error. kPrepare: grants the tensor-core kernel its shared memory (where the
+// call has tensor-core tiles), and launches nothing.
 template <class T1, class Rows>
-cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream);
+cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream, AttnStep step);
 
 // The PTX architecture both tensor-core kernels of these rows were compiled for on the current device (the lower);
 // cudaErrorInvalidValue for rows that have no tensor-core kernels.

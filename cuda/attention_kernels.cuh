@@ -17,6 +17,7 @@
 #include "attention_mma.h"
 #include "attention_mma_regs.h"
 #include "attention_work.h"
+#include "launch_errors.h"
 
 namespace kvcache {
 namespace cuda {
@@ -178,49 +179,64 @@ __global__ void __launch_bounds__(kAttnThreads) MergeKernel(AttnParams p) {
 
 }  // namespace
 
-// LaunchRows and MmaPtxVersionOf reach the kernels of the including file's anonymous namespace (kernels of internal
-// linkage: each generated file registers its own). So each of their specializations is instantiated in exactly one
-// file, its attention_instance.cu.in instance, and no two files define the same one.
+// The tensor-core kernel of a call's tiles in its form, and the dynamic shared memory it asks for; no kernel for rows
+// that have none in that form (the planner gives float32 calls no tensor-core tiles, and quantized rows the first
+// form only). The second form is instantiated for rows stored as T1 only: for every kind of rows it took the
+// kernels minutes longer to compile.
+struct MmaLaunch {
+  void (*kernel)(AttnParams) = nullptr;
+  int64_t bytes = 0;
+};
+
+// LaunchRows, MmaLaunchOf and MmaPtxVersionOf reach the kernels of the including file's anonymous namespace
+// (kernels of internal linkage: each generated file registers its own). So each of their specializations is
+// instantiated in exactly one file, its attention_instance.cu.in instance, and no two files define the same one.
 template <class T1, class Rows>
-cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream) {
+MmaLaunch MmaLaunchOf(const AttnParams& p) {
+  if constexpr (sizeof(typename T1::Storage) == 2) {
+    if (p.mma_form != 2) return {MmaKernel<T1, Rows>, kMmaSharedBytes};
+    if constexpr (Rows::kStoredAsT1) return {MmaRegKernel<T1, Rows>, kMmaRegSharedBytes};
+  }
+  return {};
+}
+
+template <class T1, class Rows>
+cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream, AttnStep step) {
+  const MmaLaunch mma = p.mma_tiles > 0 ? MmaLaunchOf<T1, Rows>(p) : MmaLaunch{};
+  if (p.mma_tiles > 0 && mma.kernel == nullptr) return cudaErrorInvalidValue;
+  if (step == AttnStep::kPrepare) {
+    // Granted on every call: the attribute is per device, and a call is cheap beside a prefill.
+    if (mma.kernel == nullptr) return cudaSuccess;
+    const cudaError_t e =
+        cudaFuncSetAttribute(mma.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(mma.bytes));
+    if (e != cudaSuccess) DropError();
+    return e;
+  }
   // Grid sizes were checked on the host (PlanAttention): below 2^31 blocks each.
-  if (p.tiles > 0) {
-    TileKernel<T1, Rows><<<static_cast<unsigned>(p.tiles), kAttnThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  if (p.decode_tiles > 0) {
-    DecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kDecodeThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
-  if (p.mma_tiles > 0) {
-    if constexpr (sizeof(typename T1::Storage) == 2) {
-      // Set on every launch: the attribute is per device, and a call is cheap beside a prefill.
-      // The second form is instantiated for rows stored as T1 only (MmaFormFor never asks it of others): for every
-      // kind of rows it took the kernels minutes longer to compile.
-      auto kernel = MmaKernel<T1, Rows>;
-      int64_t bytes = kMmaSharedBytes;
-      if constexpr (Rows::kStoredAsT1) {
-        if (p.mma_form == 2) {
-          kernel = MmaRegKernel<T1, Rows>;
-          bytes = kMmaRegSharedBytes;
-        }
-      } else if (p.mma_form == 2) {
-        return cudaErrorInvalidValue;
-      }
-      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(bytes));
-          e != cudaSuccess)
-        return e;
-      kernel<<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, static_cast<size_t>(bytes), stream>>>(p);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-    } else {
-      return cudaErrorInvalidValue;  // the planner gives float32 calls no tensor-core tiles
-    }
-  }
-  if (p.merges > 0) {
-    MergeKernel<T1><<<static_cast<unsigned>(p.merges), kAttnThreads, 0, stream>>>(p);
-    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  }
+  if (p.tiles > 0)
+    if (cudaError_t e = Launched([&] {
+          TileKernel<T1, Rows><<<static_cast<unsigned>(p.tiles), kAttnThreads, 0, stream>>>(p);
+        });
+        e != cudaSuccess)
+      return e;
+  if (p.decode_tiles > 0)
+    if (cudaError_t e = Launched([&] {
+          DecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kDecodeThreads, 0, stream>>>(p);
+        });
+        e != cudaSuccess)
+      return e;
+  if (mma.kernel != nullptr)
+    if (cudaError_t e = Launched([&] {
+          mma.kernel<<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, static_cast<size_t>(mma.bytes), stream>>>(p);
+        });
+        e != cudaSuccess)
+      return e;
+  if (p.merges > 0)
+    if (cudaError_t e = Launched([&] {
+          MergeKernel<T1><<<static_cast<unsigned>(p.merges), kAttnThreads, 0, stream>>>(p);
+        });
+        e != cudaSuccess)
+      return e;
   return cudaSuccess;
 }
 

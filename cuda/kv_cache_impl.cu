@@ -7,6 +7,7 @@
 #include "kv_cache_impl.cuh"
 
 #include "device_mem.cuh"
+#include "launch_errors.h"
 
 namespace kvcache {
 namespace cuda {
@@ -37,13 +38,21 @@ struct Launcher {
     // The grids were checked against the device limits on the host (CheckLaunchable).
     const Grid store = StoreGrid(p, QBits);
     if (!store.Empty()) {
-      StoreKernel<T1, T3, QBits><<<GridDim(store), static_cast<unsigned>(store.threads), 0, stream>>>(p, store.unit);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+      if (cudaError_t e = Launched([&] {
+            StoreKernel<T1, T3, QBits><<<GridDim(store), static_cast<unsigned>(store.threads), 0, stream>>>(p,
+                                                                                                       store.unit);
+          });
+          e != cudaSuccess)
+        return e;
     }
     const Grid gather = GatherGrid(p);
     if (this->gather && !gather.Empty()) {
-      GatherKernel<T1, T3, QBits><<<GridDim(gather), static_cast<unsigned>(gather.threads), 0, stream>>>(p, gather.unit);
-      if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+      if (cudaError_t e = Launched([&] {
+            GatherKernel<T1, T3, QBits><<<GridDim(gather), static_cast<unsigned>(gather.threads), 0, stream>>>(p,
+                                                                                                         gather.unit);
+          });
+          e != cudaSuccess)
+        return e;
     }
     return cudaSuccess;
   }

@@ -3,6 +3,7 @@
 #include <array>
 #include <atomic>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -12,6 +13,7 @@
 #include "attention_mma_regs.h"
 #include "byte_ranges.h"
 #include "kv_cache_impl.cuh"
+#include "launch_errors.h"
 #include "rotary_impl.cuh"
 #include "rotary_params.h"
 
@@ -20,9 +22,11 @@ namespace cuda {
 
 namespace {
 
+// Throws for a failed runtime call, its error dropped first: it must not be read again as a later launch's.
 void Check(cudaError_t error, const char* what) {
-  if (error != cudaSuccess)
-    throw std::runtime_error(std::string("kvcache-op CUDA: ") + what + ": " + cudaGetErrorString(error));
+  if (error == cudaSuccess) return;
+  DropError();
+  throw std::runtime_error(std::string("kvcache-op CUDA: ") + what + ": " + cudaGetErrorString(error));
 }
 
 struct ScratchBlock {  // returned to the scratch at scope exit (stream order keeps it alive for the kernels)
@@ -109,18 +113,36 @@ struct PlannedScratch {
         partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
 };
 
-// Copies a planned attention call's words (index inputs, tiles, merges) to the device in one transfer and
-// launches it.
-void LaunchPlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,
-                   int32_t t1, int32_t scale_type, int quant_bit, const AttnTensors& tensors, cudaStream_t stream,
-                   PlannedScratch& scratch) {
-  if (launch.tiles + launch.decode_tiles + launch.mma_tiles == 0) return;
+// A planned attention call made ready to launch: its words (index inputs, tiles, merges) copied to the device in
+// one transfer and the tensor-core kernel granted its shared memory. Everything of the call that may fail short of
+// the launches, so MultiHeadCacheAttention does it before its stores are enqueued. Empty for a call with no tiles.
+struct StagedAttention {
+  std::optional<AttnParams> params;
+  int32_t t1, scale_type;
+  int quant_bit;
+  bool cache;
+};
+
+StagedAttention StagePlanned(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache,
+                             const AttnLaunchPlan& launch, int32_t t1, int32_t scale_type, int quant_bit,
+                             const AttnTensors& tensors, cudaStream_t stream, PlannedScratch& scratch) {
+  StagedAttention staged{std::nullopt, t1, scale_type, quant_bit, cache != nullptr};
+  if (launch.tiles + launch.decode_tiles + launch.mma_tiles == 0) return staged;
   Check(cudaMemcpyAsync(scratch.words.data, launch.words.data(), launch.words.size() * sizeof(int64_t),
                         cudaMemcpyHostToDevice, stream),
         "copying the index inputs and the tiles");
-  const AttnParams p = MakeAttnParams(a, plan, cache, launch, tensors, static_cast<const int64_t*>(scratch.words.data),
-                                      static_cast<float*>(scratch.partials.data));
-  Check(LaunchAttention(p, t1, scale_type, quant_bit, cache != nullptr, stream), "launching the attention kernels");
+  staged.params = MakeAttnParams(a, plan, cache, launch, tensors, static_cast<const int64_t*>(scratch.words.data),
+                                 static_cast<float*>(scratch.partials.data));
+  Check(LaunchAttention(*staged.params, t1, scale_type, quant_bit, staged.cache, stream, AttnStep::kPrepare),
+        "granting the tensor-core kernel its shared memory");
+  return staged;
+}
+
+void LaunchStaged(const StagedAttention& staged, cudaStream_t stream) {
+  if (!staged.params) return;
+  Check(LaunchAttention(*staged.params, staged.t1, staged.scale_type, staged.quant_bit, staged.cache, stream,
+                        AttnStep::kLaunch),
+        "launching the attention kernels");
 }
 
 // The kernels read every element with its own type's width: a device pointer off that alignment would fault, so
@@ -145,7 +167,7 @@ void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, co
   CheckAttentionAligned(tensors, t);
   const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy(t, tensors, nullptr));  // throws first
   PlannedScratch planned(scratch, launch, a.head_dim);
-  LaunchPlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, planned);
+  LaunchStaged(StagePlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, planned), stream);
 }
 
 void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_t t1, int32_t scale_type,
@@ -161,6 +183,8 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
   const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, tensors, &side));
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
+  const StagedAttention attention = StagePlanned(a.attention, plan.attention, &side, launch, t1, scale_type,
+                                                 static_cast<int>(a.cache.quant_bit), tensors, stream, planned);
   if (plan.cache.batch > 0) {
     const std::vector<int64_t> host = PackIndices(plan.cache);
     ScratchBlock indices(scratch, host.size() * sizeof(int64_t));
@@ -171,8 +195,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
     const Params p = MakeParams(a.cache, plan.cache, static_cast<const int64_t*>(indices.data), stores);
     Check(LaunchKeyValueStores(p, t1, scale_type, static_cast<int>(a.cache.quant_bit), stream), "launching the stores");
   }
-  LaunchPlanned(a.attention, plan.attention, &side, launch, t1, scale_type, static_cast<int>(a.cache.quant_bit),
-                tensors, stream, planned);
+  LaunchStaged(attention, stream);
 }
 
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,

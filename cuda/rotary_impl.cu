@@ -3,6 +3,7 @@
 #include "rotary_impl.cuh"
 
 #include "device_mem.cuh"
+#include "launch_errors.h"
 
 namespace kvcache {
 namespace cuda {
@@ -21,9 +22,10 @@ struct RotaryLauncher {
   cudaError_t Run() const {
     const Grid grid = RotaryGrid(p);  // checked against the launch limits on the host (CheckRotaryLaunchable)
     if (grid.Empty()) return cudaSuccess;
-    RotaryKernel<T2, T3, QBits><<<static_cast<unsigned>(grid.blocks_x), static_cast<unsigned>(grid.threads), 0,
-                                  stream>>>(p);
-    return cudaGetLastError();
+    return Launched([&] {
+      RotaryKernel<T2, T3, QBits><<<static_cast<unsigned>(grid.blocks_x), static_cast<unsigned>(grid.threads), 0,
+                                    stream>>>(p);
+    });
   }
 };
 

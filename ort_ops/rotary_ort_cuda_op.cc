@@ -15,13 +15,16 @@ OrtStatusPtr RotaryCudaKernel::ComputeV2(OrtKernelContext* context) {
     const RotaryPlan plan = ValidateAndAllocate(ctx, attrs, in, &out);
     if (plan.slots.empty()) return nullptr;
     WithOrtDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
-      cuda::RunRotaryValidated(attrs, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
-                               in[1].present ? const_cast<void*>(in[1].data) : nullptr, stream, scratch);
+      // slots_out first: a copy that fails after the rotation would fail the call with the cache already rotated.
       // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
       if (cudaError_t e = cudaMemcpyAsync(out, plan.slots.data(), plan.slots.size() * sizeof(int64_t),
                                           cudaMemcpyHostToDevice, stream);
-          e != cudaSuccess)
+          e != cudaSuccess) {
+        cuda::DropError();
         throw std::runtime_error(std::string("kvcache-op CUDA: copying slots_out: ") + cudaGetErrorString(e));
+      }
+      cuda::RunRotaryValidated(attrs, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
+                               in[1].present ? const_cast<void*>(in[1].data) : nullptr, stream, scratch);
     });
     return nullptr;
   } catch (...) {
