@@ -17,21 +17,12 @@ namespace kvcache {
 namespace cuda {
 
 // Device scratch in stream order: Alloc's memory may be used by work enqueued on the stream afterwards,
-// and Free may be called as soon as that work is enqueued.
+// and Free may be called as soon as that work is enqueued (no other stream may have the block before that work is
+// done: the CUDA runtime's cudaMallocAsync / cudaFreeAsync, ONNX Runtime's scratch tied to its compute stream).
 struct DeviceScratch {
   virtual void* Alloc(size_t bytes) = 0;
   virtual void Free(void* data) = 0;
   virtual ~DeviceScratch() = default;
-};
-
-// Scratch from an allocator with Alloc / Free (ONNX Runtime's device allocator: its arena is stream
-// ordered).
-template <class Allocator>
-struct AllocatorScratch : DeviceScratch {
-  Allocator& allocator;
-  explicit AllocatorScratch(Allocator& a) : allocator(a) {}
-  void* Alloc(size_t bytes) override { return allocator.Alloc(bytes); }
-  void Free(void* data) override { allocator.Free(data); }
 };
 
 // Throws KvError when the call cannot be launched (CheckLaunchable) and std::runtime_error for a CUDA
