@@ -51,6 +51,23 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   const bool decode_kernel = policy.decode_kernel && DecodeKernelFits(D);
   const bool mma_kernel = policy.mma_kernel && MmaKernelFits(D);
   const int64_t mma_heads = std::min(G, kMmaQueries), mma_rows = std::max<int64_t>(1, kMmaQueries / mma_heads);
+  // Whether sequence b (S queries) runs in the tensor-core kernel, else (one query) in the decode kernel.
+  auto mma_takes = [&](int64_t S) { return mma_kernel && (S > 1 || (S == 1 && policy.mma_decode)); };
+  auto decode_takes = [&](int64_t S) { return S == 1 && decode_kernel; };
+  // The tiles counted before any is built: a call needing more blocks than one launch runs is refused before the
+  // host holds them (at 64 bytes a tile, 2^31 tiles would be 128 GiB). Splitting adds fewer tiles than the GPU has
+  // blocks to fill (`want` below), so only the unsplit count can be out of range.
+  auto ceil_div = [](int64_t n, int64_t d) { return (n + d - 1) / d; };
+  int64_t counted = 0;  // <= 2^31 + one sequence's tiles (<= H * S, within the query's elements): fits
+  for (int64_t b = 0; b < B && counted <= 0x7fffffff; ++b) {
+    const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
+    if (S == 0) continue;
+    counted += Hkv * (mma_takes(S)      ? ceil_div(G, mma_heads) * ceil_div(S, mma_rows)
+                      : decode_takes(S) ? ceil_div(G, kDecodeHeads)
+                                        : ceil_div(G, tile_heads) * ceil_div(S, tile_rows));
+  }
+  if (counted > 0x7fffffff)
+    Fail("attention on CUDA: the call needs at least ", counted, " blocks, more than one launch runs");
   std::vector<Tile> base, decode_base, mma_base;
   // Sequence b's tiles of up to `heads` heads (of one kv head) x `tile_rows` rows, each over the keys its rows see.
   auto row_tiles = [&](int64_t b, int64_t S, int64_t heads, int64_t tile_rows, std::vector<Tile>& into) {
@@ -66,11 +83,11 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   };
   for (int64_t b = 0; b < B; ++b) {
     const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
-    if (mma_kernel && (S > 1 || (S == 1 && policy.mma_decode))) {
+    if (mma_takes(S)) {
       row_tiles(b, S, mma_heads, mma_rows, mma_base);
       continue;
     }
-    if (S == 1 && decode_kernel) {
+    if (decode_takes(S)) {
       int64_t lo, hi;
       Visible(a, plan, b, 0, &lo, &hi);
       for (int64_t g = 0; g < Hkv; ++g)

@@ -30,7 +30,8 @@ std::vector<int64_t> PackIndices(const CallPlan& plan) {
 void CheckLaunchable(const CallPlan& plan) {
   // Grids (StoreGrid / GatherGrid): y = batch <= 65535, x = ceil(longest / 8) < 2^31.
   if (plan.batch > 65535)
-    Fail("KeyValueCache on CUDA runs at most 65535 sequences per call, got B = ", plan.batch);
+    Fail("the cache's stores on CUDA (KeyValueCache, MultiHeadCacheAttention) run at most 65535 sequences per "
+         "call, got B = ", plan.batch);
   const int64_t longest = std::max(Longest(plan.seqstarts), Longest(plan.kvstarts));
   if ((longest + kTokensPerBlock - 1) / kTokensPerBlock > 0x7fffffff)
     Fail("KeyValueCache on CUDA runs sequences of at most 2^34 tokens, got ", longest);

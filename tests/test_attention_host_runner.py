@@ -215,3 +215,53 @@ def test_a_misaligned_element_access_is_reported(runner):
     case = build_attention("misaligned-float32", [(1, 5)], heads=1, head_dim=4, t="float32")
     result = runner.run(copies(case.inputs), case.attributes, views=("query",))
     assert result.code == 4 and result.report.misaligned > 0, result.message
+
+
+# A call of 2^31 one-token sequences x kv heads: its query (65,536 tokens x 32,768 heads x 8 float16, 32 GiB on a
+# GPU) and output are addresses never touched, since validation and planning read shapes and the index inputs only.
+# The process may hold 3 GiB: building the 2^31 tiles first (128 GiB) would fail for want of memory, or, without
+# the cap, take the machine's.
+_TOO_MANY_BLOCKS = r'''
+import resource, sys
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import ctypes
+import numpy as np
+from attention_host_runner import Options, Report
+from kvcache_op.capi import c_api
+
+lib = ctypes.CDLL(sys.argv[1])
+lib.mha_host_run.restype = ctypes.c_int32
+B, H, D = 65536, 32768, 8
+f16 = c_api.onnx_type(np.dtype(np.float16))
+index = {"seqstarts": np.arange(B + 1, dtype=np.int64), "kvstarts": np.zeros(B + 1, np.int64),
+         "decoding_batches": np.array(B, np.int64), "max_seqlen": np.array(1, np.int64),
+         "max_kvlen": np.array(0, np.int64)}
+query, key, value, output = (c_api.Tensor(f16, shape, (i + 1) << 44)
+                             for i, shape in enumerate([(B, H, D), (0, H, D), (0, H, D), (B, H, D)]))
+tensors = [query, key, value] + [c_api.Tensor(c_api.onnx_type(index[n].dtype), index[n].shape, index[n].ctypes.data)
+                                 for n in ("seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen")]
+tensors.append(c_api.ABSENT)
+attrs = c_api.multi_head_attention_attributes(num_heads=H, head_dim=D, num_kv_heads=H, is_causal=0)
+report, message = Report(), ctypes.create_string_buffer(4096)
+options = Options(0, 0, 0)
+options.tile_kernel_only = 1
+for i in range(len(options.buffer_bytes)):
+    options.buffer_bytes[i] = -1
+code = lib.mha_host_run(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()),
+                        ctypes.byref(options), ctypes.byref(report), message, len(message))
+print(code, report.blocks, message.value.decode())
+'''
+
+
+def test_a_call_of_more_blocks_than_one_launch_runs_is_refused_before_its_tiles_are_built(runner):
+    import pathlib
+    import subprocess
+    import sys
+
+    tests = pathlib.Path(__file__).resolve().parent
+    done = subprocess.run([sys.executable, "-c", _TOO_MANY_BLOCKS, runner.lib._name], capture_output=True, text=True,
+                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(tests)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    code, blocks, message = done.stdout.strip().split(" ", 2)
+    assert code not in ("0", "4") and blocks == "0", done.stdout
+    assert "blocks, more than one launch runs" in message, message
