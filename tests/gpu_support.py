@@ -1,6 +1,7 @@
 """Device-side helpers for the GPU tests: device buffers from numpy and back through torch or CuPy
 (whichever is installed), and device OrtValues for the ONNX Runtime CUDA EP tests (bfloat16 and int4 too)."""
 
+import contextlib
 import functools
 
 import numpy as np
@@ -106,6 +107,38 @@ def device_framework():
     except Exception:  # noqa: BLE001 - CuPy raises its own error type when there is no driver or device
         pass
     return None
+
+
+@contextlib.contextmanager
+def device_memory_full():
+    """Holds (through the framework in use) all the device memory it can get, down to chunks of 1 MiB, and gives it
+    back on leaving: a device allocation of more than a few MiB meanwhile fails."""
+    held = []
+    if device_framework() == "torch":
+        import torch
+
+        def grab(n):
+            return torch.empty(n, dtype=torch.uint8, device="cuda")
+
+        refused, release = torch.cuda.OutOfMemoryError, torch.cuda.empty_cache
+    else:
+        import cupy
+
+        def grab(n):
+            return cupy.empty(n, cupy.uint8)
+
+        refused, release = cupy.cuda.memory.OutOfMemoryError, cupy.get_default_memory_pool().free_all_blocks
+    chunk = 1 << 30
+    try:
+        while chunk >= 1 << 20:
+            try:
+                held.append(grab(chunk))
+            except refused:
+                chunk //= 2
+        yield
+    finally:
+        held.clear()
+        release()
 
 
 class DeviceBuffer:

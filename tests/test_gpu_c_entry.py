@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given
 
-from gpu_support import DeviceBuffer, Stream
+from gpu_support import DeviceBuffer, Stream, device_memory_full
 from invalid_calls import INVALID, make_invalid
 from ort_helpers import assert_same_bits, copies, reference_result
 from strategies import COMBINATIONS, calls_for, shift_calls
@@ -101,6 +101,34 @@ def test_invalid_call_on_gpu_fails_and_leaves_the_device_cache_unchanged(row):
     after = {k: device[k].to_host().tobytes() for k in before}
     assert after == before
     assert all(b.guards_intact() for b in device.values())
+
+
+def test_a_call_refused_for_want_of_device_memory_leaves_no_error_for_the_next_call():
+    """A call whose device scratch cannot be had (its 2 MiB of index words, the device full) is refused with the
+    cache unchanged, and the next call runs and gives the reference's bits: the failed allocation's error is not read
+    again as the next call's launch error, which would report a failure with that call's stores done."""
+    case = build("scratch refused", [Seq(3, 1)] * 64, cache_mode=1, page_size=16, max_pages=4096)
+    inputs, attrs = case.inputs, case.attributes
+    want = reference_result(copies(inputs), attrs)
+    host = c_api.HostBuffers()
+    device = {n: DeviceBuffer(inputs[n]) for n in DEVICE_INPUTS if inputs.get(n) is not None}
+    tensors = [c_api.Tensor(c_api.onnx_type(device[n].dtype), device[n].shape, device[n].ptr) if n in device
+               else host.tensor(n, inputs.get(n)) for n in c_api.KV_INPUTS]
+    shape = c_api.output_shape(tensors, **attrs)
+    dtype = np.asarray(inputs["current_key"]).dtype
+    outs = [DeviceBuffer(np.zeros(shape, dtype)) for _ in range(2)]
+    outputs = [c_api.Tensor(c_api.onnx_type(dtype), shape, o.ptr) for o in outs]
+    stream = Stream()
+    before = device["cache"].to_host().tobytes()
+    with device_memory_full():
+        with pytest.raises(KeyValueCacheError, match="allocating scratch"):
+            c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
+        stream.synchronize()
+    assert device["cache"].to_host().tobytes() == before
+    c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
+    stream.synchronize()
+    assert_same_bits((outs[0].to_host(), outs[1].to_host(), device["cache"].to_host(), None), want)
+    assert all(b.guards_intact() for b in list(device.values()) + outs)
 
 
 @given(shift_calls())
