@@ -48,6 +48,15 @@ def test_an_accepted_invalid_call_and_a_wrong_output_fail_through_the_runner(all
     assert {"test_gqa_repeat2_cpu", "test_decode_batch_int8_gqa_cpu"} <= set(failed)
 
 
+def test_a_backend_writing_a_read_only_input_fails_through_the_runner(all_vectors):
+    """The runner compares outputs and the cache only: a start_pos written by the backend is caught by the Backend,
+    as validate catches it."""
+    _, failed, _ = run(Backend.using(planted_backends.shifts_start_pos), all_vectors)
+    assert "test_offset_layout0_cpu" in failed and "test_paged_layout0_cpu" in failed
+    assert failed["test_offset_layout0_cpu"].startswith(
+        "AssertionError: start_pos: the backend changed this read-only input"), failed["test_offset_layout0_cpu"]
+
+
 def test_ops_the_backend_lacks_are_skipped_and_the_declared_device_runs(all_vectors, tmp_path):
     vectors.write_conformance(tmp_path / "some", ["mha_batch0", "offset_layout0"], progress=None)
     ran, failed, skipped = run(Backend.using(planted_backends.correct, device="CUDA"), tmp_path / "some")

@@ -86,6 +86,19 @@ def test_a_backend_writing_a_read_only_input_fails(all_vectors, monkeypatch, iso
     assert failed["paged_layout0"][0].startswith(f"{name}: the backend changed this read-only input; first at ")
 
 
+@pytest.mark.parametrize("isolate", [True, False])
+def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(all_vectors, monkeypatch, isolate):
+    """Returning is accepting: None instead of the outputs fails an invalid call (it is not an error the backend
+    raised), and the line says what was returned."""
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, "planted_backends:returns_none_for_an_invalid_call", cases=["error_*"],
+                      isolate=isolate)
+    failed = _failed(report)
+    assert report.results and set(failed) == {r.name for r in report.results}
+    line = failed["error_offset_beyond_max_t"][0]
+    assert line.startswith("the backend returned None, not key_value_cache's outputs"), line
+
+
 def test_attention_writing_its_query_fails(all_vectors, monkeypatch):
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, "planted_backends:attention_query_nan", cases=["mha_*"])

@@ -47,7 +47,19 @@ def _as_outputs(op: str, result) -> dict:
     values = tuple(result) if len(names) > 1 else (result,)
     if len(values) != len(names):
         raise TypeError(f"{OP_FUNCTIONS[op]} returned {len(values)} values, expected {len(names)} ({', '.join(names)})")
+    for name, value in zip(names, values):
+        if value is None:
+            raise TypeError(f"{OP_FUNCTIONS[op]} returned None for {name}")
     return {name: np.asarray(value) for name, value in zip(names, values)}
+
+
+def _summary(value) -> str:
+    """A short description of a backend's return value for an error line."""
+    if value is None:
+        return "None"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    return f"a {type(value).__name__}"
 
 
 def run_reference(model, inputs: dict) -> tuple:
@@ -108,12 +120,14 @@ class CallableBackend:
         self.name = name
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
-        """Calls the op's function on ``inputs`` (which it may write); an exception becomes the outcome's error.
-        Ending the process (``sys.exit``, ``os._exit``) or raising any other ``BaseException`` but
-        ``KeyboardInterrupt`` fails the call (crashed): it would otherwise end or break the run as if it passed."""
+        """Calls the op's function on ``inputs`` (which it may write); an exception it raises becomes the outcome's
+        error. Ending the process (``sys.exit``, ``os._exit``) or raising any other ``BaseException`` but
+        ``KeyboardInterrupt`` fails the call (crashed): it would otherwise end or break the run as if it passed. So
+        does returning something that is not the op's outputs (``None`` for an invalid call, say): that is the
+        backend's failure, never an error it raised, so it cannot pass an invalid call."""
         try:
             with _no_process_exit():
-                return Outcome(_as_outputs(op, self.functions[op](**inputs, **attributes)), in_place_after(op, inputs))
+                result = self.functions[op](**inputs, **attributes)
         except SystemExit as error:
             return Outcome(None, {}, crashed=True, error=f"the backend called sys.exit({error.code!r}): a backend "
                                                           "must return or raise, never end the process")
@@ -127,6 +141,13 @@ class CallableBackend:
         except BaseException as error:  # noqa: BLE001 - GeneratorExit, a test framework's outcome exceptions ...
             return Outcome(None, {}, crashed=True, error=f"the backend raised {error_text(error)}, which is not an "
                                                           "Exception: a backend must return or raise an Exception")
+        try:
+            outputs = _as_outputs(op, result)
+        except Exception as error:  # noqa: BLE001 - whatever the return value is, it is not the op's outputs
+            return Outcome(None, {}, crashed=True,
+                           error=f"the backend returned {_summary(result)}, not {OP_FUNCTIONS[op]}'s outputs "
+                                 f"({error_text(error)}): a backend must return its outputs or raise")
+        return Outcome(outputs, in_place_after(op, inputs))
 
     def close(self):
         """Nothing to release."""

@@ -25,7 +25,7 @@ import onnx.backend.base
 from onnx.backend.test.loader import load_model_tests
 from onnx.backend.test.runner import Runner
 
-from .outcome import IN_PLACE, OUTPUTS
+from .outcome import IN_PLACE, OUTPUTS, run_on_copies
 from .vectors import EXPECT_KEY, ERROR_KEY, _signature, runnable_model
 
 
@@ -46,16 +46,19 @@ class BackendRep(onnx.backend.base.BackendRep):
 
     def run(self, inputs, **kwargs) -> list:
         """Runs the call on copies of ``inputs`` (a list in graph-input order, or a dict by graph input name);
-        returns the graph outputs' values: the node's outputs, then the in-place inputs after the call."""
+        returns the graph outputs' values: the node's outputs, then the in-place inputs after the call. A backend
+        that changed a read-only input fails the case (``AssertionError`` naming it), as in ``validate``."""
         import numpy as np
 
         if not isinstance(inputs, dict):
             inputs = dict(zip(self.graph_inputs, inputs))
         feeds = {formal: None for formal in _signature(self.model.graph.node[0])}
-        feeds.update({self.formal[name]: np.array(value, copy=True) for name, value in inputs.items()})
-        outcome = self.backend.run(self.op, feeds, self.attributes, self.model)
+        feeds.update({self.formal[name]: np.asarray(value) for name, value in inputs.items()})
+        outcome = run_on_copies(self.backend, self.op, feeds, self.attributes, self.model)
         if outcome.crashed:
             raise AssertionError(outcome.error)
+        if outcome.changed_inputs:  # the runner compares outputs and the in-place inputs only: checked here
+            raise AssertionError("; ".join(outcome.changed_inputs))
         if self.expected_error is not None:
             if outcome.error is None:
                 raise AssertionError(f"the backend accepted an invalid call; expected an error "
