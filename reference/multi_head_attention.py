@@ -69,7 +69,8 @@ def attention_rows(q, k, v, scale, biases, visible, softcap=0.0):
     row_max = scores.max(axis=1, initial=np.float32(-np.inf))
     live = ~np.isneginf(row_max)  # a NaN maximum is live: NaN propagates
     weights = np.exp(scores[live] - row_max[live][:, None])  # exp(-inf) = 0
-    terms = np.where(visible[live][:, :, None], weights[:, :, None] * v[None, :, :], np.float32(0))
+    with np.errstate(invalid="ignore"):  # 0 * inf under a hidden key is computed, then never taken
+        terms = np.where(visible[live][:, :, None], weights[:, :, None] * v[None, :, :], np.float32(0))
     out[live] = terms.sum(axis=1, dtype=np.float32) / weights.sum(axis=1, dtype=np.float32)[:, None]
     return out
 

@@ -42,8 +42,8 @@ def test_fuzz_finds_each_planted_bug_and_shrinks_it(bug):
     assert result.failure is not None, result.by_op
     case, lines = result.failure
     assert lines and SIGNS[bug](case, lines), (case, lines)
-    if not case.expect_error:  # shrunk: one sequence of a few tokens
-        assert len(case.inputs["start_pos"]) == 1 and case.inputs["current_key"].shape[0] <= 4, case.inputs
+    if not case.expect_error:  # shrunk: a few sequences of a few tokens (a rounding bug may need a few values)
+        assert len(case.inputs["start_pos"]) <= 3 and case.inputs["current_key"].shape[0] <= 4, case.inputs
 
 
 def test_a_correct_backend_of_every_op_shows_no_disagreement():

@@ -62,10 +62,14 @@ def _fill(rng, shape, dtype, quant_bit):
 
 def build(name, seqs, *, heads=2, head_dim=8, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
           num_repeat=1, cache_mode=0, cache_layout=0, page_size=128, t1="float16", t3="float32", max_t=None,
-          max_pages=None, scalar_max=True, extra_max=0, seed=None):
+          max_pages=None, scalar_max=True, extra_max=0, seed=None, tail_slots=3, spare_pages=1,
+          empty_offsets_minus_one=False):
     """Builds a case: sequences laid out disjointly in the cache (or sharing pages when asked).
 
-    Random data comes from ``seed`` (default: derived from ``name``), so a case is reproducible.
+    Random data comes from ``seed`` (default: derived from ``name``), so a case is reproducible. Unless ``max_t`` /
+    ``max_pages`` are given: offset mode leaves ``tail_slots`` slots after the last sequence's end (0: it ends at
+    MaxT), paged mode ``spare_pages`` unused columns in the page table (0: the longest sequence fills it).
+    ``empty_offsets_minus_one``: offset mode gives sequences that store and load nothing the offset -1 (never read).
     """
     rng = np.random.default_rng(zlib.crc32(name.encode()) if seed is None else seed)
     t1 = _T1[t1]
@@ -75,11 +79,13 @@ def build(name, seqs, *, heads=2, head_dim=8, num_layer=1, layer_idx=0, quant_bi
         for span in spans:
             starts.append(cursor)
             cursor += span + 1  # a one-slot gap keeps sequences apart
-        max_t = max_t or cursor + 2
+        max_t = max_t or max(cursor - 1 + tail_slots, 1)
+        if empty_offsets_minus_one:
+            starts = [-1 if span == 0 else start for start, span in zip(starts, spans)]
         cachestarts = np.asarray(starts, np.int64).reshape(len(seqs))
     else:
         needed = [-(-span // page_size) for span in spans]
-        max_pages = max_pages or max(needed, default=0) + 1
+        max_pages = max_pages or max(max(needed, default=0) + spare_pages, 1)
         total_pages = max(sum(needed), 1) + 2
         max_t = max_t or total_pages * page_size
         free = list(rng.permutation(max_t // page_size))
@@ -125,11 +131,51 @@ MIXED = [Seq(0, 5), Seq(7, 1), Seq(3, 4)]  # a prefill, a decode, a chunk of a c
 DECODE = [Seq(p, 1) for p in (0, 4, 9, 2, 15, 6)]
 
 
+def _last_page_first(case):
+    """Sequence 0's first page moved to the last page of the cache (the slots an off-by-one bound refuses)."""
+    table, page = case.inputs["cachestarts"], case.attributes["page_size"]
+    last = case.inputs["cache"].shape[0] - page if case.attributes["cache_layout"] == 0 else None
+    if last is None:
+        raise ValueError("_last_page_first is for layout 0")
+    taken = np.argwhere(table == last)
+    if len(taken):
+        table[tuple(taken[0])] = table[0, 0]
+    table[0, 0] = last
+    return case
+
+
+def _empty_offset_minus_one(case):
+    """Sequence 1 (empty: nothing stored, nothing loaded) has offset -1: the spec never reads it."""
+    case.inputs["cachestarts"][1] = -1
+    return case
+
+
+def _special_values(case):
+    """current_key with an all-zero group (its scale is eps), a group below eps, a NaN, an infinity, and groups
+    whose quotients are exact ties (amax / qmax = 2: 0.5, 1.5, -2.5 round to even)."""
+    k = case.inputs["current_key"]
+    k[0, 0, 0:4] = 0
+    k[0, 0, 4:8] = [1e-4, -2e-4, 3e-5, 0]
+    k[1, 0, 0] = np.nan
+    k[1, 1, 4] = np.inf
+    k[2, 1, 0:4] = [254, 1, 3, -5]
+    k[3, 0, 4:8] = [254, 5, -7, 9]
+    return case
+
+
+def _int4_ties(case):
+    """Groups whose int4 quotients are exact ties (amax / 7 = 2)."""
+    k = case.inputs["current_key"]
+    k[0, 0, 0:4] = [14, 1, 3, -5]
+    k[1, 1, 4:8] = [-14, 5, 7, 9]
+    return case
+
+
 def _registry():
     cases = {}
 
-    def case(name, seqs, **kw):
-        cases[name] = lambda: build(name, seqs, **kw)
+    def case(name, seqs, then=None, **kw):
+        cases[name] = (lambda: build(name, seqs, **kw)) if then is None else (lambda: then(build(name, seqs, **kw)))
 
     for layout in range(4):
         case(f"offset_layout{layout}", MIXED, cache_layout=layout)
@@ -172,6 +218,19 @@ def _registry():
     case("max_len_shape1", MIXED, scalar_max=False)
     case("max_len_larger_than_needed", MIXED, extra_max=5, cache_mode=1, page_size=4)
     case("wide_heads_dh64", [Seq(0, 4), Seq(3, 2)], heads=4, head_dim=64, quant_bit=8, quant_group=32)
+    # Bounds at their limits, each refused by an off-by-one check: the last sequence ending at MaxT (MIXED spans 5, 8
+    # and 7 slots at 0, 6 and 15), a page table with no spare column, a page at the cache's end, an empty sequence's
+    # offset -1.
+    case("offset_sequence_ends_at_max_t", MIXED, max_t=22)
+    case("paged_table_exactly_full", MIXED, cache_mode=1, page_size=4, max_pages=2)
+    case("paged_last_page_of_cache", MIXED, then=_last_page_first, cache_mode=1, page_size=4)
+    case("offset_empty_sequence_minus_one", [Seq(0, 3), Seq(0, 0, kvlen=0), Seq(2, 2)], then=_empty_offset_minus_one,
+         quant_bit=8)
+    # Special values and ties in the quantization.
+    case("quant_special_values", [Seq(0, 4), Seq(3, 2)], then=_special_values, quant_bit=8, quant_group=4)
+    case("quant_special_values_scale_float16", [Seq(0, 4), Seq(3, 2)], then=_special_values, quant_bit=8,
+         quant_group=4, t3="float16")
+    case("quant_ties_int4", [Seq(0, 2)], then=_int4_ties, quant_bit=4, quant_group=4, cache_mode=1, page_size=4)
     return cases
 
 

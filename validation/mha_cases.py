@@ -57,6 +57,15 @@ def fully_masked_rows() -> Case:
 MIXED = [(1, 7), (1, 3), (4, 9), (5, 5)]  # two decodes, a chunk of a chunked prefill, a first prefill
 
 
+def hidden_keys_not_finite() -> Case:
+    """Values of keys no query sees (before a 2-key window) are an infinity and a NaN: a hidden key never enters a
+    row, so every output stays finite (a weight of 0 would let inf * 0 = NaN through)."""
+    case = build_attention("mha_hidden_keys_not_finite", [(2, 4), (1, 6)], decoding=1, sliding_window=2, t="float32")
+    case.inputs["value"][0, 0, 0] = np.inf  # key 0 of sequence 0: outside the window of both its queries
+    case.inputs["value"][4, 1, 3] = np.nan  # key 0 of sequence 1: outside its decode query's window
+    return case
+
+
 def _registry():
     cases = {}
 
@@ -88,6 +97,7 @@ def _registry():
     case("mha_max_len_shape1", MIXED, decoding=2, scalar_max=False, extra_max=4)
     case("mha_head_dim128", [(1, 40), (6, 30)], heads=4, kv_heads=2, head_dim=128, decoding=1)
     cases["mha_fully_masked_rows"] = fully_masked_rows
+    cases["mha_hidden_keys_not_finite"] = hidden_keys_not_finite
     return cases
 
 

@@ -31,11 +31,21 @@ def build_rotary(name, *, quant_bit=0, heads=2, head_dim=8, max_t=10, num_layer=
     return Case(name, {"cache": cache, "scale": scale, "slots": slots, "cos": cos, "sin": sin}, attributes)
 
 
+def _ties_int8(case):
+    """Slot 2, kv head 0 holds codes [127, 125, 0, 0] at scale 1, rotated by cos 1, sin 0.5 (half split): the
+    rotated values are 127, 125, 63.5 and 62.5, the new scale 1, so two quotients are exact ties (round to even)."""
+    case.inputs["cache"][2, 0, 0, 0] = [127, 125, 0, 0]
+    case.inputs["scale"][2, 0, 0, 0] = 1.0
+    case.inputs["cos"][:] = 1.0
+    case.inputs["sin"][:] = 0.5
+    return case
+
+
 def _registry():
     cases = {}
 
-    def case(name, **kw):
-        cases[name] = lambda: build_rotary(name, **kw)
+    def case(name, then=None, **kw):
+        cases[name] = (lambda: build_rotary(name, **kw)) if then is None else (lambda: then(build_rotary(name, **kw)))
 
     case("rotary_float16_half_split")
     case("rotary_bfloat16_interleaved_layout2", t="bfloat16", rotary_interleaved=1, cache_layout=2)
@@ -44,6 +54,8 @@ def _registry():
     case("rotary_int4_layout3_scale_float16", quant_bit=4, cache_layout=3, t3="float16", quant_group=2)
     case("rotary_layers2_layer_idx1_interleaved", num_layer=2, layer_idx=1, rotary_interleaved=1, quant_bit=8)
     case("rotary_no_slots", slots=())
+    case("rotary_unsorted_slots", slots=(7, 1, 4))
+    case("rotary_ties_int8", then=_ties_int8, quant_bit=8, head_dim=4, quant_group=4, slots=(2, 5))
     return cases
 
 

@@ -54,6 +54,8 @@ def calls(draw, quant_bits=(0, 4, 8), modes=(0, 1), layouts=(0, 1, 2, 3), t1s=("
         num_repeat=draw(st.integers(1, 3)), cache_mode=mode, cache_layout=draw(st.sampled_from(layouts)),
         page_size=page_size, t1=draw(st.sampled_from(t1s)), t3=draw(st.sampled_from(("float32", "float16"))),
         scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
+        tail_slots=draw(st.integers(0, 3)), spare_pages=draw(st.integers(0, 2)),
+        empty_offsets_minus_one=draw(st.booleans()),
     )
 
 

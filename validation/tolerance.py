@@ -74,9 +74,9 @@ def outputs_outside(got, want, got_pair, want_pair, t3) -> np.ndarray:
     """Quantized outputs beyond ``|c' s' - c s|`` plus one ulp of T3 and of T1 (the pairs: (code, scale)
     arrays of the output's shape, from the backend's cache and the expected one)."""
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    dequantized = [np.asarray(c, np.float64) * np.asarray(s, np.float64) for c, s in (got_pair, want_pair)]
     special, bad_special = _special(g, w)
-    with np.errstate(invalid="ignore"):
+    with np.errstate(invalid="ignore"):  # a code times an infinite (or NaN) scale: the special values' rule decides
+        dequantized = [np.asarray(c, np.float64) * np.asarray(s, np.float64) for c, s in (got_pair, want_pair)]
         magnitude = np.maximum.reduce([np.abs(g), np.abs(w), np.abs(dequantized[0]), np.abs(dequantized[1])])
         bound = np.abs(dequantized[0] - dequantized[1]) + ulp(magnitude, t3) + ulp(magnitude, got.dtype)
         outside = ~(np.abs(g - w) <= bound)
