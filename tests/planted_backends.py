@@ -235,6 +235,31 @@ def returns_none_for_an_invalid_call(*args, **attributes):
         return None
 
 
+def refuses_a_sequence_ending_at_max_t(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                                       max_seqlen, max_kvlen, cache, scale=None, **attributes):
+    """The correct KeyValueCache, but offset mode's bound checked as end < MaxT (off by one: the last slot is
+    valid)."""
+    if attributes.get("cache_mode", 0) == 0:
+        from kvcache_op.reference import KeyValueCacheError, canonical_view
+
+        max_t = canonical_view(cache, attributes.get("cache_layout", 0)).shape[3]
+        ends = cachestarts + np.maximum(start_pos + np.diff(seqstarts), np.diff(kvstarts))
+        if np.any((ends == max_t) & (np.diff(kvstarts) > 0)):
+            raise KeyValueCacheError("cachestarts: a sequence runs past MaxT")
+    return correct(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                   cache, scale, **attributes)
+
+
+def scale_floor_missing(*args, scale=None, **attributes):
+    """The correct KeyValueCache, but a group whose scale is the floor (all its values 0, or tiny) stores scale 0."""
+    outputs = correct(*args, scale=scale, **attributes)
+    if scale is not None:
+        from kvcache_op.reference.dtypes import SCALE_EPS
+
+        scale[scale == scale.dtype.type(SCALE_EPS)] = 0
+    return outputs
+
+
 def stores_into_a_copy(*args, cache=None, scale=None, **attributes):
     return correct(*args, cache=cache.copy(), scale=None if scale is None else scale.copy(), **attributes)
 
@@ -264,7 +289,13 @@ def _attention_window_ignored(*args, sliding_window=0, **attributes):
 ALL_OPS = types.SimpleNamespace(key_value_cache=correct, key_cache_rotary_shift=key_cache_rotary_shift,
                                 multi_head_attention=multi_head_attention,
                                 multi_head_cache_attention=multi_head_cache_attention)
+def _rotary_slots_sorted(cache, scale, slots, cos, sin, **attributes):
+    """Rotates the slots in sorted order with the rows of cos and sin as given (rows meant for other slots)."""
+    return key_cache_rotary_shift(cache, scale, np.sort(slots), cos, sin, **attributes)
+
+
 rotary_sin_negated = types.SimpleNamespace(key_cache_rotary_shift=_rotary_sin_negated)
+rotary_slots_sorted = types.SimpleNamespace(key_cache_rotary_shift=_rotary_slots_sorted)
 attention_window_ignored = types.SimpleNamespace(multi_head_attention=_attention_window_ignored)
 attention_query_nan = types.SimpleNamespace(multi_head_attention=_attention_query_nan)
 

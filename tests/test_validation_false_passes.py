@@ -99,6 +99,19 @@ def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(a
     assert line.startswith("the backend returned None, not key_value_cache's outputs"), line
 
 
+@pytest.mark.parametrize("bug, cases", [
+    ("refuses_a_sequence_ending_at_max_t", {"offset_sequence_ends_at_max_t"}),
+    ("scale_floor_missing", {"quant_special_values", "quant_special_values_scale_float16"}),
+    ("rotary_slots_sorted", {"rotary_unsorted_slots"}),
+])
+def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, monkeypatch, bug, cases):
+    """Each bug shows only at a bound (the last slot of the cache), at a special value (a group of zeros, whose
+    scale is the floor) or in an order (slots not sorted): the cases built for them fail, and only those."""
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, f"planted_backends:{bug}", isolate=False)
+    assert set(_failed(report)) == cases
+
+
 def test_attention_writing_its_query_fails(all_vectors, monkeypatch):
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, "planted_backends:attention_query_nan", cases=["mha_*"])
