@@ -110,3 +110,13 @@ def test_fuzz_command(tmp_path, capsys, monkeypatch):
     assert main(["fuzz", "--backend", "reference", "--examples", "20", "--out", str(tmp_path / "none")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == "no disagreement found"
     assert not (tmp_path / "none").exists()
+
+
+def test_an_op_asked_for_that_the_backend_lacks_is_refused_by_name(capsys, monkeypatch):
+    """Asking for an op the backend does not provide is an error, not a fuzz of the others that exits 0."""
+    monkeypatch.chdir(pathlib.Path(__file__).parent)
+    with pytest.raises(ValueError, match="does not provide MultiHeadAttention"):
+        fuzz(import_callables("planted_backends:correct"), examples=4, ops=["KeyValueCache", "MultiHeadAttention"])
+    assert main(["fuzz", "--backend", "planted_backends:correct", "--op", "kv", "--op", "attention",
+                 "--examples", "4"]) == 2
+    assert "the backend does not provide MultiHeadAttention" in capsys.readouterr().err

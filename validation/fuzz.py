@@ -121,16 +121,20 @@ def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, c
 
 def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid", "invalid"),
          tolerance: str = "exact", out=None, backend_spec=None, backend_options=None) -> FuzzResult:
-    """Draws ``examples`` calls of ``ops`` (default: every op ``backend`` provides), shared between the kinds of
+    """Draws ``examples`` calls of ``ops`` (default: every op ``backend`` provides; ``ValueError`` for an op asked for
+    that it does not provide), shared between the kinds of
     call in ``kinds``, runs each through ``backend`` (a backend object, kvcache_op.validation.backends) and the
     reference from hypothesis seed ``seed``, and shrinks the first disagreement of each kind; when ``out`` is
     given, writes their reproducer there (``backend_spec`` and ``backend_options`` say how ``reproduce.py``
     loads the backend again)."""
     if examples < 1:
         raise ValueError(f"examples must be >= 1, got {examples}")
-    ops = [op for op in (ops or sorted(backend.ops)) if op in backend.ops]
+    missing = [op for op in (ops or ()) if op not in backend.ops]
+    if missing:  # asked for by name: never fuzzed silently as if it passed
+        raise ValueError(f"the backend does not provide {', '.join(missing)} (it has: {', '.join(sorted(backend.ops))})")
+    ops = list(ops or sorted(backend.ops))
     if not ops:
-        raise ValueError(f"the backend provides none of the ops asked for (it has: {', '.join(sorted(backend.ops))})")
+        raise ValueError("the backend provides none of the ops")
     kinds = [k for k in ("valid", "invalid") if k in kinds]
     result, found = FuzzResult(0, {}), {}
     for i, kind in enumerate(kinds):

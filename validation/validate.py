@@ -132,11 +132,12 @@ def summary_table(results: list) -> list:
     for r in results:
         counts = rows.setdefault((r.op, r.kind), {"ok": 0, "FAIL": 0, "skip": 0})
         counts[r.status] += 1
-    lines = [f"{'op':<22}{'calls':<10}{'passed':>8}{'failed':>8}{'skipped':>9}"]
+    width = max([len("op")] + [len(op) for op, _ in rows]) + 2  # MultiHeadCacheAttention is 23 characters
+    lines = [f"{'op':<{width}}{'calls':<10}{'passed':>8}{'failed':>8}{'skipped':>9}"]
     for (op, kind), c in sorted(rows.items()):
-        lines.append(f"{op:<22}{kind:<10}{c['ok']:>8}{c['FAIL']:>8}{c['skip']:>9}")
+        lines.append(f"{op:<{width}}{kind:<10}{c['ok']:>8}{c['FAIL']:>8}{c['skip']:>9}")
     total = {s: sum(r.status == s for r in results) for s in ("ok", "FAIL", "skip")}
-    lines.append(f"{'total':<32}{total['ok']:>8}{total['FAIL']:>8}{total['skip']:>9}")
+    lines.append(f"{'total':<{width + 10}}{total['ok']:>8}{total['FAIL']:>8}{total['skip']:>9}")
     failed = [r.name for r in results if r.status == "FAIL"]
     if failed:
         lines.append("failed: " + ", ".join(failed))
