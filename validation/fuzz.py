@@ -122,8 +122,7 @@ def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, c
 def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid", "invalid"),
          tolerance: str = "exact", out=None, backend_spec=None, backend_options=None) -> FuzzResult:
     """Draws ``examples`` calls of ``ops`` (default: every op ``backend`` provides; ``ValueError`` for an op asked for
-    that it does not provide), shared between the kinds of
-    call in ``kinds``, runs each through ``backend`` (a backend object, kvcache_op.validation.backends) and the
+    that it does not provide), shared between the kinds of call in ``kinds``, runs each through ``backend`` (a backend object, kvcache_op.validation.backends) and the
     reference from hypothesis seed ``seed``, and shrinks the first disagreement of each kind; when ``out`` is
     given, writes their reproducer there (``backend_spec`` and ``backend_options`` say how ``reproduce.py``
     loads the backend again)."""
