@@ -121,7 +121,7 @@ def test_a_call_refused_for_want_of_device_memory_leaves_no_error_for_the_next_c
     stream = Stream()
     before = device["cache"].to_host().tobytes()
     with device_memory_full():
-        with pytest.raises(KeyValueCacheError, match="allocating scratch"):
+        with pytest.raises(RuntimeError, match="allocating scratch"):  # a CUDA failure, not an invalid call
             c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
         stream.synchronize()
     assert device["cache"].to_host().tobytes() == before
