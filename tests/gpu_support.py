@@ -121,6 +121,7 @@ def device_memory_full():
             return torch.empty(n, dtype=torch.uint8, device="cuda")
 
         refused, release = torch.cuda.OutOfMemoryError, torch.cuda.empty_cache
+        torch.cuda.synchronize()  # the runtime's stream-ordered pool gives back what it holds at a synchronization
     else:
         import cupy
 
@@ -128,6 +129,7 @@ def device_memory_full():
             return cupy.empty(n, cupy.uint8)
 
         refused, release = cupy.cuda.memory.OutOfMemoryError, cupy.get_default_memory_pool().free_all_blocks
+        cupy.cuda.Device().synchronize()
     chunk = 1 << 30
     try:
         while chunk >= 1 << 20:
