@@ -314,3 +314,15 @@ def _cache_attention_loads_first(query, current_key, current_value, seqstarts, k
 
 
 cache_attention_loads_first = types.SimpleNamespace(multi_head_cache_attention=_cache_attention_loads_first)
+
+
+def _cache_attention_nan_when_all_masked(*args, attn_mask=None, **attributes):
+    """The fused op, but a query row whose mask entries are all -inf gets NaN (0 / 0) instead of zeros."""
+    output = multi_head_cache_attention(*args, attn_mask=attn_mask, **attributes)
+    if attn_mask is not None:
+        output[np.all(np.isneginf(np.asarray(attn_mask, np.float32)), axis=1)] = np.nan
+    return output
+
+
+cache_attention_nan_when_all_masked = types.SimpleNamespace(
+    multi_head_cache_attention=_cache_attention_nan_when_all_masked)

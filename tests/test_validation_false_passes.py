@@ -103,10 +103,12 @@ def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(a
     ("refuses_a_sequence_ending_at_max_t", {"offset_sequence_ends_at_max_t"}),
     ("scale_floor_missing", {"quant_special_values", "quant_special_values_scale_float16"}),
     ("rotary_slots_sorted", {"rotary_unsorted_slots"}),
+    ("cache_attention_nan_when_all_masked", {"mhca_mask_minus_inf"}),
 ])
 def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, monkeypatch, bug, cases):
     """Each bug shows only at a bound (the last slot of the cache), at a special value (a group of zeros, whose
-    scale is the floor) or in an order (slots not sorted): the cases built for them fail, and only those."""
+    scale is the floor; a query row masked whole) or in an order (slots not sorted): the cases built for them fail,
+    and only those."""
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, f"planted_backends:{bug}", isolate=False)
     assert set(_failed(report)) == cases

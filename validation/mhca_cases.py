@@ -53,11 +53,21 @@ def build_cache_attention(name, seqs, *, group=2, decoding=0, is_causal=1, is_al
 DECODES_FIRST = [Seq(5, 1), Seq(2, 1), Seq(0, 4), Seq(3, 3)]  # two decodes, a prefill, a chunk
 
 
+def _minus_inf_mask(case):
+    """The mask's first row all -inf (that query's output row is zeros) and every third entry of the others -inf
+    (those keys enter with weight 0)."""
+    mask = case.inputs["attn_mask"]
+    mask[0, :] = -np.inf
+    mask[1:, ::3] = -np.inf
+    return case
+
+
 def _registry():
     cases = {}
 
-    def case(name, seqs, **kw):
-        cases[name] = lambda: build_cache_attention(name, seqs, **kw)
+    def case(name, seqs, then=None, **kw):
+        cases[name] = ((lambda: build_cache_attention(name, seqs, **kw)) if then is None
+                       else (lambda: then(build_cache_attention(name, seqs, **kw))))
 
     case("mhca_offset_float16", MIXED, cache_mode=0, group=1)
     case("mhca_paged_gqa2", MIXED, cache_mode=1, page_size=4)
@@ -70,6 +80,8 @@ def _registry():
     case("mhca_not_causal", [Seq(0, 3, kvlen=2), Seq(4, 2)], cache_mode=0, is_causal=0)
     case("mhca_batch0", [], cache_mode=1, page_size=4)
     case("mhca_softcap_int8", MIXED, cache_mode=1, page_size=4, quant_bit=8, softmax_scale=1.5, softcap=2.0)
+    case("mhca_mask_minus_inf", DECODES_FIRST, then=_minus_inf_mask, cache_mode=1, page_size=4, decoding=2, mask=True,
+         quant_bit=8)
     return cases
 
 
