@@ -44,6 +44,7 @@ import numpy as np
 
 from kvcache_op.reference import (canonical_view, key_cache_rotary_shift, multi_head_attention,
                                   multi_head_cache_attention)
+from kvcache_op.reference.dtypes import SCALE_EPS
 from kvcache_op.reference.validate import Attributes, KeyValueCacheError, effective_scale, validate_call
 
 QMAX = {8: 127, 4: 7}
@@ -240,8 +241,6 @@ def refuses_a_sequence_ending_at_max_t(current_key, current_value, seqstarts, kv
     """The correct KeyValueCache, but offset mode's bound checked as end < MaxT (off by one: the last slot is
     valid)."""
     if attributes.get("cache_mode", 0) == 0:
-        from kvcache_op.reference import KeyValueCacheError, canonical_view
-
         max_t = canonical_view(cache, attributes.get("cache_layout", 0)).shape[3]
         ends = cachestarts + np.maximum(start_pos + np.diff(seqstarts), np.diff(kvstarts))
         if np.any((ends == max_t) & (np.diff(kvstarts) > 0)):
@@ -254,8 +253,6 @@ def scale_floor_missing(*args, scale=None, **attributes):
     """The correct KeyValueCache, but a group whose scale is the floor (all its values 0, or tiny) stores scale 0."""
     outputs = correct(*args, scale=scale, **attributes)
     if scale is not None:
-        from kvcache_op.reference.dtypes import SCALE_EPS
-
         scale[scale == scale.dtype.type(SCALE_EPS)] = 0
     return outputs
 

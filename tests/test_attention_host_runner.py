@@ -5,6 +5,11 @@ out-of-bounds or misaligned access, a race between threads of a launch or of a p
 nothing wrote. Long key ranges split over blocks (the log-sum-exp merge), tiles of many query rows, misaligned
 buffers (the element-by-element path) and a missing barrier are each exercised."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -254,13 +259,9 @@ print(code, report.blocks, message.value.decode())
 
 
 def test_a_call_of_more_blocks_than_one_launch_runs_is_refused_before_its_tiles_are_built(runner):
-    import pathlib
-    import subprocess
-    import sys
-
     tests = pathlib.Path(__file__).resolve().parent
     done = subprocess.run([sys.executable, "-c", _TOO_MANY_BLOCKS, runner.lib._name], capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PYTHONPATH": str(tests)})
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(tests)})
     assert done.returncode == 0, done.stderr[-2000:]
     code, blocks, message = done.stdout.strip().split(" ", 2)
     assert code not in ("0", "4") and blocks == "0", done.stdout

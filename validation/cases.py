@@ -131,6 +131,12 @@ MIXED = [Seq(0, 5), Seq(7, 1), Seq(3, 4)]  # a prefill, a decode, a chunk of a c
 DECODE = [Seq(p, 1) for p in (0, 4, 9, 2, 15, 6)]
 
 
+def deferred(make, *args, then=None, **kw):
+    """A registry entry: a function of nothing building ``make(*args, **kw)``, then passing it through ``then``
+    (a case's finishing touch: special values, a moved page) when given."""
+    return lambda: make(*args, **kw) if then is None else then(make(*args, **kw))
+
+
 def _last_page_first(case):
     """Sequence 0's first page moved to the last page of the cache (the slots an off-by-one bound refuses)."""
     table, page = case.inputs["cachestarts"], case.attributes["page_size"]
@@ -175,7 +181,7 @@ def _registry():
     cases = {}
 
     def case(name, seqs, then=None, **kw):
-        cases[name] = (lambda: build(name, seqs, **kw)) if then is None else (lambda: then(build(name, seqs, **kw)))
+        cases[name] = deferred(build, name, seqs, then=then, **kw)
 
     for layout in range(4):
         case(f"offset_layout{layout}", MIXED, cache_layout=layout)

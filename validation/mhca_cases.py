@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from .cases import MIXED, Case, Seq, build
+from .cases import MIXED, Case, Seq, build, deferred
 from .error_cases import INVALID as CACHE_INVALID
 from .error_cases import MORE_INVALID as MORE_CACHE_INVALID
 from .error_cases import make_invalid as make_cache_invalid
@@ -66,8 +66,7 @@ def _registry():
     cases = {}
 
     def case(name, seqs, then=None, **kw):
-        cases[name] = ((lambda: build_cache_attention(name, seqs, **kw)) if then is None
-                       else (lambda: then(build_cache_attention(name, seqs, **kw))))
+        cases[name] = deferred(build_cache_attention, name, seqs, then=then, **kw)
 
     case("mhca_offset_float16", MIXED, cache_mode=0, group=1)
     case("mhca_paged_gqa2", MIXED, cache_mode=1, page_size=4)

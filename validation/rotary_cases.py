@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 
 from ..reference import INT4, cache_shape, rotary_shift_tables
-from .cases import _T1, Case
+from .cases import _T1, Case, deferred
 
 
 def build_rotary(name, *, quant_bit=0, heads=2, head_dim=8, max_t=10, num_layer=1, layer_idx=0, cache_layout=0,
@@ -45,7 +45,7 @@ def _registry():
     cases = {}
 
     def case(name, then=None, **kw):
-        cases[name] = (lambda: build_rotary(name, **kw)) if then is None else (lambda: then(build_rotary(name, **kw)))
+        cases[name] = deferred(build_rotary, name, then=then, **kw)
 
     case("rotary_float16_half_split")
     case("rotary_bfloat16_interleaved_layout2", t="bfloat16", rotary_interleaved=1, cache_layout=2)
