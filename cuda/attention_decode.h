@@ -47,53 +47,146 @@ struct DecodeThread {
   int32_t enters;  // bit u: the step's key u is one the query sees
 };
 
+// What every thread of a decode block knows of its tile: the tile, its sequence, the query token and position,
+// the keys the query sees [lo, hi), and how the block's threads divide (lanes per head row, key groups).
+struct DecodeBlock {
+  Tile tile;
+  SeqSpan seq;
+  int64_t g, token, position, lo, hi, lanes, groups;
+  // Thread t's lane, head (within the tile) and key group.
+  KV_HD int64_t LaneOf(int64_t t) const { return t % lanes; }
+  KV_HD int64_t HeadOf(int64_t t) const { return t / lanes % kDecodeHeads; }
+  KV_HD int64_t GroupOf(int64_t t) const { return t / (lanes * kDecodeHeads); }
+};
+
+template <class Mem>
+KV_HD DecodeBlock DecodeBlockAt(const AttnParams& p, Mem& mem, int64_t tile_index, int64_t threads) {
+  DecodeBlock d;
+  d.tile = TileAt(mem, p.tiles + tile_index);
+  d.seq = SeqAt(p, mem, d.tile.b);
+  d.g = d.tile.head0 / p.group;
+  d.token = d.seq.seq0 + d.tile.row0;
+  d.position = d.seq.K - d.seq.S + d.tile.row0;
+  VisibleKeys(p.sliding_window, d.seq.causal, d.seq.S, d.seq.K, d.tile.row0, &d.lo, &d.hi);
+  d.lanes = p.head_dim / kVec;
+  d.groups = threads / (d.lanes * kDecodeHeads);
+  return d;
+}
+
+// Thread t's start: its head's query slice, zero sums, a max of -inf.
+template <class T1, class Mem, class State>
+KV_HD void DecodeStart(const AttnParams& p, Mem& mem, const DecodeBlock& d, int64_t t, State& s) {
+  using T = typename T1::Storage;
+  const int64_t d0 = d.LaneOf(t) * kVec, qi = d.HeadOf(t);
+  KV_UNROLL
+  for (int64_t e = 0; e < kVec; ++e) {
+    const int64_t at = (d.token * p.num_heads + d.tile.head0 + qi) * p.head_dim + d0 + e;
+    s.q[e] = qi < d.tile.heads ? ElemToFloat<T1>(mem.template Load<T>(kAQuery, at * int64_t(sizeof(T)))) : 0.0f;
+    s.acc[e] = 0.0f;
+  }
+  s.max = MinusInf();
+  s.sum = 0.0f;
+}
+
+// The values step of thread t for the U keys of its step whose bits are set in s.enters (key_of(u): the key's index
+// in the sequence) and whose dot products s.dots holds: the scores finished, the running max raised once and the
+// sums rescaled, each key's weight times its value slice added (add_value(u, w, s.acc): acc[e] += w x element e of
+// key u's value slice, one key's slice at a time in registers).
+template <int64_t U, class T1, class Mem, class State, class KeyOf, class AddValue>
+KV_HD void DecodeAddKeys(const AttnParams& p, Mem& mem, const DecodeBlock& d, int64_t t, State& s, KeyOf&& key_of,
+                         AddValue&& add_value) {
+  if (s.enters == 0) return;  // no key this step (or a head past the tile's): nothing changes
+  float top = MinusInf();
+  KV_UNROLL
+  for (int64_t u = 0; u < U; ++u) {
+    if (!(s.enters >> u & 1)) continue;
+    const int64_t j = key_of(u);
+    s.dots[u] = ScoreOf<T1>(p, mem, s.dots[u], d.tile.head0 + d.HeadOf(t), d.token, d.seq.col0 + j, j - d.position);
+    top = MaxStep(top, s.dots[u]);
+  }
+  const float m = MaxStep(s.max, top);
+  const float f = RescaleFactor(s.max, m);  // 0 after -inf; NaN for a NaN max
+  if (f != 1.0f) {
+    KV_UNROLL
+    for (int64_t e = 0; e < kVec; ++e) s.acc[e] *= f;
+    s.sum *= f;
+  }
+  s.max = m;
+  KV_UNROLL
+  for (int64_t u = 0; u < U; ++u) {
+    if (!(s.enters >> u & 1)) continue;
+    // Nothing but -inf so far: weight 0, which still lets a non-finite value through.
+    const float w = m == MinusInf() ? 0.0f : expf(s.dots[u] - m);
+    add_value(u, w, s.acc);
+    s.sum += w;
+  }
+}
+
+// The block's end: each head row leaves its part in shared memory from word 0, [group][head][max, weight sum,
+// output sums], and the groups combined by log-sum-exp give the output rows or, for a split key range, the part's
+// records. Shared memory from word 0 must be free for it (no copy in flight to it).
+template <class T1, int64_t Threads, class Team, class Mem>
+KV_HD void DecodeFinish(const AttnParams& p, Mem& mem, Team& team, const DecodeBlock& d) {
+  using T = typename T1::Storage;
+  const int64_t D = p.head_dim, Q = d.tile.heads, groups = d.groups;
+  auto part_word = [&](int64_t z, int64_t qi, int64_t k) { return (z * kDecodeHeads + qi) * (D + 2) + k; };
+  team.Each([&](int64_t t, auto& s) {
+    const int64_t x = d.LaneOf(t), qi = d.HeadOf(t), z = d.GroupOf(t);
+    if (qi >= Q) return;
+    if (x == 0) {
+      SharedPut(mem, part_word(z, qi, 0), s.max);
+      SharedPut(mem, part_word(z, qi, 1), s.sum);
+    }
+    KV_UNROLL
+    for (int64_t e = 0; e < kVec; ++e) SharedPut(mem, part_word(z, qi, 2 + x * kVec + e), s.acc[e]);
+  });
+  team.Sync();
+  team.Each([&](int64_t t, auto&) {  // the groups combined: the output rows, or the part's records
+    for (int64_t i = t; i < Q * D; i += Threads) {
+      const int64_t qi = i / D, dd = i % D;
+      const Combined c = CombineParts(groups, [&](int64_t k, int64_t field) {
+        return SharedAt(mem, part_word(k, qi, field < 2 ? field : 2 + dd));
+      });
+      if (d.tile.partial >= 0) {
+        const int64_t record = (d.tile.partial + qi) * (D + 2);
+        if (dd == 0) {
+          mem.template Store<float>(kAPartials, 4 * record, c.top);
+          mem.template Store<float>(kAPartials, 4 * (record + 1), c.total);
+        }
+        mem.template Store<float>(kAPartials, 4 * (record + 2 + dd), c.acc);
+        continue;
+      }
+      const int64_t at = (d.token * p.num_heads + d.tile.head0 + qi) * D + dd;
+      mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), T1::FromFloat(c.Output()));
+    }
+  });
+}
+
 // Everything decode block `tile_index` (tile p.tiles + tile_index of kATiles) does, over its kDecodeThreads threads.
 template <class T1, class Rows, class Team, class Mem>
 KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
-  using T = typename T1::Storage;
-  constexpr int64_t U = kDecodeUnroll, HQ = kDecodeHeads;
-  const Tile tile = TileAt(mem, p.tiles + tile_index);
-  const int64_t b = tile.b, row = tile.row0, head0 = tile.head0, Q = tile.heads, key0 = tile.key0, key1 = tile.key1,
-                partial = tile.partial;
-  const int64_t D = p.head_dim, H = p.num_heads, lanes = D / kVec, groups = kDecodeThreads / (lanes * HQ);
-  const SeqSpan seq = SeqAt(p, mem, b);
-  const int64_t seq0 = seq.seq0, S = seq.S, col0 = seq.col0, K = seq.K;
-  const bool causal = seq.causal;
-  const int64_t g = head0 / p.group, token = seq0 + row, position = K - S + row;
-  int64_t lo, hi;
-  VisibleKeys(p.sliding_window, causal, S, K, row, &lo, &hi);
-  // Thread t: lane, head (within the tile) and key group; the key of its group's step `step`, slot u.
-  auto lane_of = [&](int64_t t) { return t % lanes; };
-  auto head_of = [&](int64_t t) { return t / lanes % HQ; };
-  auto group_of = [&](int64_t t) { return t / (lanes * HQ); };
-  auto key_of = [&](int64_t step, int64_t t, int64_t u) { return key0 + (step * groups + group_of(t)) * U + u; };
+  constexpr int64_t U = kDecodeUnroll;
+  const DecodeBlock d = DecodeBlockAt(p, mem, tile_index, kDecodeThreads);
+  const int64_t key0 = d.tile.key0, key1 = d.tile.key1, groups = d.groups;
+  // The key of thread t's group's step `step`, slot u.
+  auto key_of = [&](int64_t step, int64_t t, int64_t u) { return key0 + (step * groups + d.GroupOf(t)) * U + u; };
 
-  team.Each([&](int64_t t, DecodeThread& s) {
-    const int64_t d0 = lane_of(t) * kVec, qi = head_of(t);
-    KV_UNROLL
-    for (int64_t e = 0; e < kVec; ++e) {
-      const int64_t at = (token * H + head0 + qi) * D + d0 + e;
-      s.q[e] = qi < Q ? ElemToFloat<T1>(mem.template Load<T>(kAQuery, at * int64_t(sizeof(T)))) : 0.0f;
-      s.acc[e] = 0.0f;
-    }
-    s.max = MinusInf();
-    s.sum = 0.0f;
-  });
+  team.Each([&](int64_t t, DecodeThread& s) { DecodeStart<T1>(p, mem, d, t, s); });
 
   const int64_t steps = (key1 - key0 + groups * U - 1) / (groups * U);
   for (int64_t step = 0; step < steps; ++step) {
     team.Each([&](int64_t t, DecodeThread& s) {  // load: key and value slices, the parts of the dot products
-      const int64_t d0 = lane_of(t) * kVec;
+      const int64_t d0 = d.LaneOf(t) * kVec;
       float k[U][kVec];
       s.enters = 0;
       KV_UNROLL
       for (int64_t u = 0; u < U; ++u) {
         const int64_t j = key_of(step, t, u);
-        if (head_of(t) < Q && j < key1 && j >= lo && j < hi) {
+        if (d.HeadOf(t) < d.tile.heads && j < key1 && j >= d.lo && j < d.hi) {
           s.enters |= 1 << u;
-          const int64_t where = rows_of.Where(p, mem, b, col0, j);
-          rows_of.Load(p, mem, 0, rows_of.At(p, 0, g, where), d0, kVec, k[u]);
-          rows_of.Load(p, mem, 1, rows_of.At(p, 1, g, where), d0, kVec, s.v[u]);
+          const int64_t where = rows_of.Where(p, mem, d.tile.b, d.seq.col0, j);
+          rows_of.Load(p, mem, 0, rows_of.At(p, 0, d.g, where), d0, kVec, k[u]);
+          rows_of.Load(p, mem, 1, rows_of.At(p, 1, d.g, where), d0, kVec, s.v[u]);
         } else {
           KV_UNROLL
           for (int64_t e = 0; e < kVec; ++e) k[u][e] = s.v[u][e] = 0.0f;
@@ -108,69 +201,17 @@ KV_HD void DecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
       }
     });
     // sum: every lane of the row holds the dot products (bit for bit the same: addition commutes)
-    team.Butterfly(1, lanes, [](DecodeThread& s) -> auto& { return s.dots; }, AddOp{});
+    team.Butterfly(1, d.lanes, [](DecodeThread& s) -> auto& { return s.dots; }, AddOp{});
     team.Each([&](int64_t t, DecodeThread& s) {  // values: scores, the running max, the weights times the values
-      if (s.enters == 0) return;  // no key this step (or a head past the tile's): nothing changes
-      const int64_t qi = head_of(t);
-      float top = MinusInf();
-      KV_UNROLL
-      for (int64_t u = 0; u < U; ++u) {
-        if (!(s.enters >> u & 1)) continue;
-        const int64_t j = key_of(step, t, u);
-        s.dots[u] = ScoreOf<T1>(p, mem, s.dots[u], head0 + qi, token, col0 + j, j - position);
-        top = MaxStep(top, s.dots[u]);
-      }
-      const float m = MaxStep(s.max, top);
-      const float f = RescaleFactor(s.max, m);  // 0 after -inf; NaN for a NaN max
-      if (f != 1.0f) {
-        KV_UNROLL
-        for (int64_t e = 0; e < kVec; ++e) s.acc[e] *= f;
-        s.sum *= f;
-      }
-      s.max = m;
-      KV_UNROLL
-      for (int64_t u = 0; u < U; ++u) {
-        if (!(s.enters >> u & 1)) continue;
-        // Nothing but -inf so far: weight 0, which still lets a non-finite value through.
-        const float w = m == MinusInf() ? 0.0f : expf(s.dots[u] - m);
-        KV_UNROLL
-        for (int64_t e = 0; e < kVec; ++e) s.acc[e] += w * s.v[u][e];
-        s.sum += w;
-      }
+      DecodeAddKeys<U, T1>(
+          p, mem, d, t, s, [&](int64_t u) { return key_of(step, t, u); },
+          [&](int64_t u, float w, float(&acc)[kVec]) {
+            KV_UNROLL
+            for (int64_t e = 0; e < kVec; ++e) acc[e] += w * s.v[u][e];
+          });
     });
   }
-
-  // Each row leaves its part in shared memory, [group][head][max, weight sum, output sums].
-  auto part_word = [&](int64_t z, int64_t qi, int64_t k) { return (z * HQ + qi) * (D + 2) + k; };
-  team.Each([&](int64_t t, DecodeThread& s) {
-    const int64_t x = lane_of(t), qi = head_of(t), z = group_of(t);
-    if (qi >= Q) return;
-    if (x == 0) {
-      SharedPut(mem, part_word(z, qi, 0), s.max);
-      SharedPut(mem, part_word(z, qi, 1), s.sum);
-    }
-    KV_UNROLL
-    for (int64_t e = 0; e < kVec; ++e) SharedPut(mem, part_word(z, qi, 2 + x * kVec + e), s.acc[e]);
-  });
-  team.Sync();
-  team.Each([&](int64_t t, DecodeThread&) {  // the groups combined: the output rows, or the part's records
-    for (int64_t i = t; i < Q * D; i += kDecodeThreads) {
-      const int64_t qi = i / D, d = i % D;
-      const Combined c = CombineParts(
-          groups, [&](int64_t k, int64_t field) { return SharedAt(mem, part_word(k, qi, field < 2 ? field : 2 + d)); });
-      if (partial >= 0) {
-        const int64_t record = (partial + qi) * (D + 2);
-        if (d == 0) {
-          mem.template Store<float>(kAPartials, 4 * record, c.top);
-          mem.template Store<float>(kAPartials, 4 * (record + 1), c.total);
-        }
-        mem.template Store<float>(kAPartials, 4 * (record + 2 + d), c.acc);
-        continue;
-      }
-      const int64_t at = (token * H + head0 + qi) * D + d;
-      mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), T1::FromFloat(c.Output()));
-    }
-  });
+  DecodeFinish<T1, kDecodeThreads>(p, mem, team, d);
 }
 
 }  // namespace cuda

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "attention_decode.h"
+#include "attention_decode_staged.h"
 #include "attention_instances.cuh"
 #include "attention_mma.h"
 #include "attention_mma_regs.h"
@@ -96,6 +97,32 @@ struct DeviceTeam {
     __trap();
 #endif
   }
+  // This thread's asynchronous copy of 16 bytes at `byte` of `buf` to `shared_byte` of shared memory (both 16-byte
+  // aligned); Commit closes this thread's group of copies; WaitSync<N> waits until at most its N latest groups are
+  // in flight, then is the block's barrier (so every thread's landed copies are seen). Below sm_80 (no cp.async)
+  // the copy is made at once.
+  __device__ __forceinline__ void CopyAsync16(AttnDeviceMem& mem, int64_t shared_byte, ABuf buf, int64_t byte) {
+    const char* from = mem.Base(buf) + byte;
+    char* to = mem.Base(kAShared) + shared_byte;
+#if __CUDA_ARCH__ >= 800
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(to));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(from) : "memory");
+#else
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+#endif
+  }
+  __device__ __forceinline__ void Commit() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+  }
+  template <int N>
+  __device__ __forceinline__ void WaitSync() {
+#if __CUDA_ARCH__ >= 800
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+#endif
+    __syncthreads();
+  }
   template <class Get>
   __device__ __forceinline__ bool SyncOr(Get&& get) {
     return __syncthreads_or(get(state) != 0) != 0;
@@ -153,6 +180,14 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) DecodeKernel(AttnParams p) 
   AttnDeviceMem mem{p, shared};
   DeviceTeam<DecodeThread> team{threadIdx.x, {}};
   DecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+}
+
+template <class T1, class Rows>
+__global__ void __launch_bounds__(kStagedThreads, 6) StagedDecodeKernel(AttnParams p) {
+  __shared__ __align__(16) float shared[kStagedSharedWords];
+  AttnDeviceMem mem{p, shared};
+  DeviceTeam<StagedThread> team{threadIdx.x, {}};
+  StagedDecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
 }
 
 template <class T1, class Rows>
@@ -219,12 +254,23 @@ cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream, AttnStep step) 
         });
         e != cudaSuccess)
       return e;
-  if (p.decode_tiles > 0)
+  if (p.decode_tiles > 0 && p.decode_form == 2) {
+    if constexpr (sizeof(typename T1::Storage) == 2 && Rows::kStoredAsT1) {
+      if (cudaError_t e = Launched([&] {
+            StagedDecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kStagedThreads, 0, stream>>>(p);
+          });
+          e != cudaSuccess)
+        return e;
+    } else {
+      return cudaErrorInvalidValue;  // the planner gives these rows the first form (StagedRowsFit)
+    }
+  } else if (p.decode_tiles > 0) {
     if (cudaError_t e = Launched([&] {
           DecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kDecodeThreads, 0, stream>>>(p);
         });
         e != cudaSuccess)
       return e;
+  }
   if (mma.kernel != nullptr)
     if (cudaError_t e = Launched([&] {
           mma.kernel<<<static_cast<unsigned>(p.mma_tiles), kMmaThreads, static_cast<size_t>(mma.bytes), stream>>>(p);

@@ -52,6 +52,18 @@ KV_HD bool DecodeKernelFits(int64_t head_dim) {
   return head_dim % kVec == 0 && lanes >= 1 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
 }
 
+// The decode kernel's second form (attention_decode_staged.h) takes the same tiles where the key and value rows are
+// float16 / bfloat16 as stored (packed, or an unquantized cache) and 16-byte aligned: the block copies its keys' rows
+// into a ring of kStagedStages stages in shared memory (cp.async: the copies in flight hold no registers), each stage
+// kStagedStageBytes of key rows then as many of value rows, kStagedStageBytes / (2 Dh) keys, so every key group of
+// the block takes kStagedKeysPerGroup keys of a stage whatever Dh is.
+constexpr int64_t kStagedThreads = 128;
+constexpr int64_t kStagedStages = 4;
+constexpr int64_t kStagedStageBytes = 4096;  // one stage's key rows (its value rows as many again)
+constexpr int64_t kStagedKeysPerGroup = kStagedStageBytes / 2 / kVec * kDecodeHeads / kStagedThreads;
+constexpr int64_t kStagedSharedWords = kStagedStages * 2 * kStagedStageBytes / 4;
+static_assert(kStagedKeysPerGroup == 8, "a key group's keys of a stage: the dots each lane sums in one butterfly");
+
 // The tensor-core tile kernel (attention_mma.h) takes the tiles of longer sequences (prefill, chunks) where T1 is
 // float16 or bfloat16: kMmaQueries query vectors (rows x heads of one kv head) per block of kMmaThreads threads, a
 // warp's kMmaWarpRows of them one fragment of the matrix products, kMmaKeys keys per chunk staged in shared memory;
@@ -92,6 +104,7 @@ struct AttnParams {
                                                     // tensor-core kernel's, the merges
   int64_t slices;         // ceil(head_dim / kSliceElems)
   int64_t mma_form;       // the tensor-core tiles' kernel: 1 attention_mma.h, 2 attention_mma_regs.h
+  int64_t decode_form;    // the decode tiles' kernel: 1 attention_decode.h, 2 attention_decode_staged.h
   // MultiHeadCacheAttention's cache (unused by MultiHeadAttention)
   int64_t layer_idx, quant_group, cache_mode, page_size, max_p;
   Rows cache_rows, scale_rows;
@@ -134,6 +147,8 @@ static_assert(kSmemRows % 2 == 0 && kSmemScores % 4 == 0, "shared rows 8-byte, q
 // most at the narrowest head (Dh = kVec).
 constexpr int64_t kDecodeSharedWords = kDecodeThreads * (kVec + 2);
 static_assert(kDecodeSharedWords <= kSharedWords, "one shared array serves both kernels");
+static_assert(kDecodeThreads == kStagedThreads && kDecodeSharedWords <= kStagedSharedWords,
+              "the staged form leaves its groups' parts where its stages were, as the first form does");
 
 }  // namespace cuda
 }  // namespace kvcache

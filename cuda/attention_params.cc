@@ -135,6 +135,7 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   out.decode_tiles = static_cast<int64_t>(decode_tiles.size());
   out.mma_tiles = static_cast<int64_t>(mma_tiles.size());
   out.mma_form = policy.mma_form;
+  out.decode_form = policy.decode_form;
   out.merges = static_cast<int64_t>(merges.size());
   int64_t floats = 0;
   if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.mma_tiles > 0x7fffffff ||
@@ -157,6 +158,12 @@ bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
   const bool rows_aligned = cache ? Aligned16(t.cache) : Aligned16(t.key) && Aligned16(t.value);
   const bool groups = !cache || cache->attrs->quant_bit == 0 || cache->attrs->quant_group % kVec == 0;
   return Aligned16(t.query) && rows_aligned && groups;
+}
+
+bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
+  if (t1 != int32_t(Elem::kFloat16) && t1 != int32_t(Elem::kBFloat16)) return false;
+  if (cache) return cache->attrs->quant_bit == 0 && Aligned16(t.cache);
+  return Aligned16(t.key) && Aligned16(t.value);
 }
 
 int MmaFormFor(int asked, const CacheSide* cache) {
@@ -182,6 +189,7 @@ AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSid
   p.decode_tiles = launch.decode_tiles;
   p.mma_tiles = launch.mma_tiles;
   p.mma_form = launch.mma_form;
+  p.decode_form = launch.decode_form;
   p.merges = launch.merges;
   p.slices = (a.head_dim + kSliceElems - 1) / kSliceElems;
   const bool quantized = cache && cache->attrs->quant_bit != 0;

@@ -27,6 +27,9 @@ struct TilePolicy {
   bool mma_kernel = false;
   bool mma_decode = false;  // sequences of one token too (instead of the tile or decode kernel)
   int mma_form = 1;  // 1: products through shared memory (attention_mma.h); 2: in registers (attention_mma_regs.h)
+  // The decode kernel's form: 1 (reads in registers, attention_decode.h) or 2 (rows staged in shared memory,
+  // attention_decode_staged.h: only where StagedRowsFit).
+  int decode_form = 1;
 };
 
 // The host side of one launch, copied to the device as one block of words: kAIndex's words (the first
@@ -36,6 +39,7 @@ struct AttnLaunchPlan {
   std::vector<int64_t> words;
   int64_t index_words = 0, tiles = 0, decode_tiles = 0, mma_tiles = 0, merges = 0, records = 0;
   int64_t mma_form = 1;
+  int64_t decode_form = 1;
 };
 
 // The cache side of MultiHeadCacheAttention (nullptr for MultiHeadAttention).
@@ -66,6 +70,10 @@ bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
 // The tensor-core kernel's form for a call that asks for `asked` (1 or 2): the second form is built only for rows
 // stored as T1 (packed keys, unquantized caches), so a quantized cache always takes the first.
 int MmaFormFor(int asked, const CacheSide* cache);
+
+// Whether the decode kernel's second form can read this call: T1 float16 or bfloat16, the key and value rows stored
+// as T1 (packed, or an unquantized cache) and 16-byte aligned (it copies them 16 bytes at a time).
+bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
 
 // Params for a planned call whose words (launch.words) and partial records are at the given device addresses.
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,

@@ -217,6 +217,7 @@ struct PackedRows {
   KV_HD RowAt At(const AttnParams& p, int, int64_t g, int64_t token) const {
     return RowAt{(token * p.kv_heads + g) * p.head_dim, 0};
   }
+  KV_HD ABuf BufferOf(int kv) const { return kv ? kAValue : kAKey; }  // the buffer of a key (0) or value (1) row
   template <class Mem>
   KV_HD void Load(const AttnParams& p, Mem& mem, int kv, const RowAt& r, int64_t d0, int64_t n,
                   float (&v)[kSliceElems]) const {
@@ -249,6 +250,7 @@ struct CacheRows {
                  p.scale_rows.layer * p.layer_idx + p.scale_rows.kv * kv + p.scale_rows.head * g +
                      p.scale_rows.slot * slot};
   }
+  KV_HD ABuf BufferOf(int) const { return kACache; }  // the buffer of a key or value row
   template <class Mem>
   KV_HD void Load(const AttnParams& p, Mem& mem, int, const RowAt& r, int64_t d0, int64_t n,
                   float (&v)[kSliceElems]) const {

@@ -36,13 +36,14 @@ BUFFERS = ("query", "key", "value", "cache", "scale", "attn_mask", "output", "in
 class Options(ctypes.Structure):
     _fields_ = [("min_blocks", ctypes.c_int64), ("min_split_keys", ctypes.c_int64), ("skip_sync", ctypes.c_int64),
                 ("buffer_bytes", ctypes.c_int64 * len(BUFFERS)), ("tile_kernel_only", ctypes.c_int64),
-                ("mma_decode", ctypes.c_int64), ("mma_form", ctypes.c_int64)]
+                ("mma_decode", ctypes.c_int64), ("mma_form", ctypes.c_int64), ("decode_form", ctypes.c_int64),
+                ("short_wait", ctypes.c_int64)]
 
 
 class Report(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "launches", "blocks", "threads", "tiles", "merges", "split_tiles", "out_of_bounds", "misaligned",
-        "write_write", "read_write", "uninitialized", "decode_tiles", "mma_tiles", "mma_form")]
+        "write_write", "read_write", "uninitialized", "decode_tiles", "mma_tiles", "mma_form", "decode_form")]
 
     def faults(self) -> int:
         return self.out_of_bounds + self.misaligned + self.write_write + self.read_write + self.uninitialized
@@ -73,7 +74,7 @@ class AttentionHostRunner:
         self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
 
     def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
-            views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False, mma_form=1) -> Result:
+            views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False, mma_form=1, decode_form=1, short_wait=0) -> Result:
         """Runs the call (MultiHeadCacheAttention when ``inputs`` has a cache, else MultiHeadAttention; the cache
         and scale are written in place). ``views``: names of inputs passed 2 bytes past their array's start (a
         misaligned copy, written back after the call), so the kernels take their element-by-element path; not for int4
@@ -81,7 +82,10 @@ class AttentionHostRunner:
         it must be flagged). ``tile_kernel_only``: every tile goes to the tile kernel (sequences of one token not to
         the decode kernel, float16 / bfloat16 prefills not to the tensor-core kernel). ``mma_decode``: sequences of one
         token go to the tensor-core kernel too (where it takes the call). ``mma_form``: that kernel's form, 1 (products
-        through shared memory) or 2 (in registers)."""
+        through shared memory) or 2 (in registers). ``decode_form``: the decode kernel's, 1 (reads in registers) or 2
+        (rows staged in shared memory, where the rows are float16 / bfloat16 as stored and 16-byte aligned; else 1).
+        ``short_wait``: a wait for asynchronous copies leaves that many more groups in flight than the kernel asks
+        (reads of copies not yet made must be flagged)."""
         cache = "cache" in inputs
         names = c_api.MHCA_INPUTS if cache else c_api.MHA_INPUTS
         buffers, views_back = c_api.HostBuffers(), []
@@ -110,6 +114,8 @@ class AttentionHostRunner:
         options.tile_kernel_only = int(tile_kernel_only)
         options.mma_decode = int(mma_decode)
         options.mma_form = int(mma_form)
+        options.decode_form = int(decode_form)
+        options.short_wait = int(short_wait)
         for i, name in enumerate(BUFFERS):
             options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
         code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()), ctypes.byref(options),

@@ -88,32 +88,38 @@ def test_prefill_tiles_and_split_decodes(runner, head_dim, t, heads, kv_heads):
 @pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (8, 3, 24), (4, 8, 32), (4, 5, 10),
                                                       (8, 4, 16)])
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
-@pytest.mark.parametrize("kernel", ["decode", "tile"])
+@pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
 def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size, kernel):
     """The decode row (a sequence of one token) goes to the decode kernel where its head_dim fits it (8 x a power of
-    two), or to the tile kernel: both read every layout, page size and quantization in place."""
+    two), in its staged form where the cache is unquantized, or to the tile kernel: each reads every layout, page size
+    and quantization in place."""
     seqs = [Seq(70, 1), Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(33, 1)]
     case = build_cache_attention(f"mhca-{quant_bit}-{group}-{layout}", seqs, group=4, decoding=1, is_alibi=1,
                                  sliding_window=50, softcap=3.0, mask=True, heads=2, head_dim=head_dim,
                                  quant_bit=quant_bit, quant_group=group, cache_mode=mode, cache_layout=layout,
                                  page_size=page_size or 4, t1="float16", t3="float16")
     result = check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16,
-                        tile_kernel_only=kernel == "tile")
-    assert (result.report.decode_tiles > 0) == (kernel == "decode" and head_dim in (16, 32, 64, 128))
+                        tile_kernel_only=kernel == "tile", decode_form=2 if kernel == "staged" else 1)
+    assert (result.report.decode_tiles > 0) == (kernel != "tile" and head_dim in (16, 32, 64, 128))
+    if result.report.decode_tiles:
+        assert result.report.decode_form == (2 if kernel == "staged" and quant_bit == 0 else 1)
 
 
 @pytest.mark.parametrize("head_dim,t", [(8, "float32"), (16, "bfloat16"), (32, "float16"), (64, "float32"),
                                         (128, "float16"), (256, "bfloat16")])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 1), (6, 2), (2, 2)])
 @pytest.mark.parametrize("split", [False, True])
-def test_decode_kernel_lanes_head_groups_and_splits(runner, head_dim, t, heads, kv_heads, split):
+@pytest.mark.parametrize("form", [1, 2])
+def test_decode_kernel_lanes_head_groups_and_splits(runner, head_dim, t, heads, kv_heads, split, form):
     """Decode rows of every lane count (1 to 32 lanes per key row), GQA groups of 4, 6 (tiles of 4 and 2 heads), 3
-    and 1, key ranges not a multiple of a step (warps with no keys in the last step), with and without splits; a
-    decoding chunk and a prefill row beside them go to the tile kernel."""
+    and 1, key ranges not a multiple of a step or a stage (warps with no keys in the last step, stages part empty),
+    with and without splits, through both forms (the staged one for float16 / bfloat16 rows; float32 rows take the
+    first); a decoding chunk and a prefill row beside them go to the tile kernel."""
     case = build_attention(f"decode-{head_dim}-{heads}-{kv_heads}", [(1, 300), (1, 1), (1, 37), (3, 9)], heads=heads,
                            kv_heads=kv_heads, head_dim=head_dim, t=t, decoding=3, mask=3 if split else 2,
                            is_alibi=int(split), softcap=3.0 if split else 0.0, sliding_window=0 if split else 20)
-    result = check_mha(runner, case, min_blocks=10**6 if split else 1, min_split_keys=16)
+    result = check_mha(runner, case, min_blocks=10**6 if split else 1, min_split_keys=16, decode_form=form)
+    assert result.report.decode_form == (2 if form == 2 and t != "float32" else 1)
     tiles = 3 * kv_heads * -(-(heads // kv_heads) // 4)  # three decode rows, tiles of up to four heads
     assert result.report.decode_tiles >= tiles if split else result.report.decode_tiles == tiles
     assert (result.report.split_tiles > 0) == split
@@ -137,6 +143,7 @@ def test_a_missing_barrier_is_a_race_the_runner_reports(runner):
     case = build_attention("no-sync", [(1, 12), (3, 5)], heads=2, head_dim=8, t="float32")
     result = runner.run(copies(case.inputs), case.attributes, skip_sync=True)
     assert result.code == 4 and result.report.read_write > 0, result.message
+    assert "in the same phase" in result.message  # the first faults reach the caller, to say what raced
 
 
 def test_head_dim_above_the_kernels_limit_is_refused_before_anything_runs(runner):
@@ -145,46 +152,61 @@ def test_head_dim_above_the_kernels_limit_is_refused_before_anything_runs(runner
     assert result.code not in (0, 4) and "head_dim <= 2048" in result.message and result.report.blocks == 0
 
 
-@pytest.mark.parametrize("t", ["float32", "bfloat16"])
-def test_a_rising_max_rescales_what_was_summed(runner, t):
+@pytest.mark.parametrize("t,form", [("float32", 1), ("bfloat16", 1), ("bfloat16", 2)])
+def test_a_rising_max_rescales_what_was_summed(runner, t, form):
     """One block walks three chunks of keys whose scores rise from chunk to chunk (no split): each raised max must
-    rescale the sums of the chunks before it."""
+    rescale the sums of the chunks before it (the decode row's steps or stages too)."""
     case = build_attention(f"rising-{t}", [(1, 700), (2, 600)], heads=2, kv_heads=1, head_dim=16, t=t)
     key, query = case.inputs["key"], case.inputs["query"].astype(np.float32)
     direction = query[0, 0] / np.linalg.norm(query[0, 0])
     ramp = np.linspace(0.0, 6.0, key.shape[0], dtype=np.float32)
     key[...] = (ramp[:, None, None] * direction + 0.1 * key.astype(np.float32)).astype(key.dtype)
-    result = check_mha(runner, case, min_blocks=1)
+    result = check_mha(runner, case, min_blocks=1, decode_form=form)
     assert result.report.split_tiles == 0 and result.report.decode_tiles > 0  # the decode row's warps rescale too
+    assert result.report.decode_form == form
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("kernel", ["decode", "tile"])
+@pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
 def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runner, split, kernel):
     """Spec, non-finite values: a key masked to -inf keeps weight 0 but stays in the sums. When the decode is split,
     the part seeing only -inf scores still carries its NaN into the merge (in the decode kernel, the warp seeing
     only -inf scores carries it into the block's combination too)."""
-    case = build_attention("nan-under-mask", [(1, 1024)], heads=1, head_dim=8, t="float32", mask=2)
+    t = "float16" if kernel == "staged" else "float32"  # the staged form copies rows of two-byte elements
+    case = build_attention("nan-under-mask", [(1, 1024)], heads=1, head_dim=8, t=t, mask=2)
     case.inputs["attn_mask"][0, :512] = -np.inf
     case.inputs["value"][0, 0, 0] = np.nan
     result = runner.run(copies(case.inputs), case.attributes, min_blocks=10**6 if split else 1, min_split_keys=256,
-                        tile_kernel_only=kernel == "tile")
+                        tile_kernel_only=kernel == "tile", decode_form=2 if kernel == "staged" else 1)
     assert_clean(result)
     assert (result.report.split_tiles > 0) == split
-    assert (result.report.decode_tiles > 0) == (kernel == "decode")
+    assert (result.report.decode_tiles > 0) == (kernel != "tile")
+    assert result.report.decode_form == {"decode": 1, "staged": 2, "tile": 0}[kernel]
     assert np.isnan(result.output[0]).any(), result.output[0]
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)[0]).any()  # the reference agrees
 
 
-@pytest.mark.parametrize("kernel", ["decode", "tile"])
+@pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
 def test_keys_masked_to_minus_inf_before_finite_ones_leave_the_row_finite(runner, kernel):
-    """A warp (or chunk) whose first scores are all -inf weights them 0 until a finite score raises the max; exp(-inf
-    - -inf) would be NaN."""
-    case = build_attention("minus-inf-first", [(1, 600)], heads=4, kv_heads=1, head_dim=16, t="float32", mask=2)
+    """A warp (or chunk, or stage) whose first scores are all -inf weights them 0 until a finite score raises the
+    max; exp(-inf - -inf) would be NaN."""
+    t = "bfloat16" if kernel == "staged" else "float32"
+    case = build_attention("minus-inf-first", [(1, 600)], heads=4, kv_heads=1, head_dim=16, t=t, mask=2)
     case.inputs["attn_mask"][0, :300] = -np.inf
-    result = check_mha(runner, case, min_blocks=1, tile_kernel_only=kernel == "tile")
+    result = check_mha(runner, case, min_blocks=1, tile_kernel_only=kernel == "tile",
+                       decode_form=2 if kernel == "staged" else 1)
     assert np.isfinite(result.output).all()
-    assert (result.report.decode_tiles > 0) == (kernel == "decode")
+    assert result.report.decode_form == {"decode": 1, "staged": 2, "tile": 0}[kernel]
+
+
+def test_a_wait_that_leaves_copies_in_flight_is_a_race_the_runner_reports(runner):
+    """The staged decode kernel reads a stage only after waiting for its copies. With every wait leaving one more
+    group of copies in flight than the kernel asks, it reads rows a copy still writes: the runner must flag it."""
+    case = build_attention("short-wait", [(1, 300)], heads=4, kv_heads=1, head_dim=128, t="float16")
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2, short_wait=1)
+    assert result.code == 4 and result.report.read_write > 0, result.message
+    assert "asynchronous copy in flight" in result.message
+    assert_clean(runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2))
 
 
 def test_split_parts_of_several_chunks_merge_within_the_bound(runner):

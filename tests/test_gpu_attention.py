@@ -114,11 +114,16 @@ class AttentionCall:
         return all(b.guards_intact() for b in [*self.device.values(), self.out])
 
 
-@pytest.fixture(params=["tile", "decode"])
+#: KVCACHE_OP_CUDA_DECODE_KERNEL of a decode route: the tile kernel (the default), the decode kernel, its staged
+#: form (float16 / bfloat16 rows as stored; other rows to the tile kernel).
+DECODE_ROUTES = {"tile": "0", "decode": "1", "staged": "2"}
+
+
+@pytest.fixture(params=list(DECODE_ROUTES))
 def kernel(request, monkeypatch):
-    """Sequences of one token through the tile kernel (the default) or the decode kernel
-    (KVCACHE_OP_CUDA_DECODE_KERNEL=1, read on every call)."""
-    monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", "1" if request.param == "decode" else "0")
+    """Sequences of one token through the tile kernel (the default), the decode kernel or its staged form
+    (KVCACHE_OP_CUDA_DECODE_KERNEL, read on every call)."""
+    monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", DECODE_ROUTES[request.param])
     return request.param
 
 
@@ -131,13 +136,13 @@ def prefill_kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["tile+mma", "decode+mma2", "tile+tile"])
+@pytest.fixture(params=["tile+mma", "decode+mma2", "staged+mma", "tile+tile"])
 def routes(request, monkeypatch):
     """Both routes at once (fewer calls than every pairing): decodes through the tile or the decode kernel, longer
     float16 / bfloat16 sequences through either form of the tensor-core kernel or the tile kernel. Returns the
     decode route."""
     decode, prefill = request.param.split("+")
-    monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", "1" if decode == "decode" else "0")
+    monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", DECODE_ROUTES[decode])
     monkeypatch.setenv("KVCACHE_OP_CUDA_MMA", {"mma": "1", "mma2": "2", "tile": "0"}[prefill])
     return decode
 
@@ -320,7 +325,7 @@ def test_mha_prefill(variant, head_dim, prefill_kernel):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [128, 64, 24, 5, 256])
 def test_mha_head_dims_and_groups(head_dim, group, routes):
-    if routes == "decode" and head_dim not in (8, 16, 32, 64, 128, 256):
+    if routes in ("decode", "staged") and head_dim not in (8, 16, 32, 64, 128, 256):
         pytest.skip("the decode kernel takes head_dim 8 x a power of two, at most 256 (the tile kernel runs this one)")
     case = build_attention(f"dims-{head_dim}-{group}", [(1, 700), (19, 19), (4, 30), (1, 1)], heads=2 * group,
                            kv_heads=2, head_dim=head_dim, decoding=1, t="float16", mask=2)

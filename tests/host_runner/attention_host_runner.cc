@@ -21,6 +21,7 @@
 
 #include "attention_c_args.h"
 #include "attention_decode.h"
+#include "attention_decode_staged.h"
 #include "attention_mma.h"
 #include "attention_mma_regs.h"
 #include "attention_params.h"
@@ -39,13 +40,16 @@ struct AttnHostRunOptions {
   int64_t tile_kernel_only;                          // 1: every tile to the tile kernel (no decode, no tensor-core)
   int64_t mma_decode;                                // 1: sequences of one token to the tensor-core kernel too
   int64_t mma_form;                                  // the tensor-core kernel's form (1 or 2; 0: 1)
+  int64_t decode_form;                               // 2: the staged decode kernel where the rows fit it
+  int64_t short_wait;  // > 0: team.WaitSync<N> leaves N + short_wait groups of copies in flight (shows it is caught)
 };
 
 struct AttnHostRunReport {
   int64_t launches, blocks, threads, tiles, merges, split_tiles;
   int64_t out_of_bounds, misaligned, write_write, read_write, uninitialized;
   int64_t decode_tiles, mma_tiles;
-  int64_t mma_form;  // the tensor-core kernel's form that ran (0: no tensor-core tiles)
+  int64_t mma_form;     // the tensor-core kernel's form that ran (0: no tensor-core tiles)
+  int64_t decode_form;  // the decode kernel's form that ran (0: no decode tiles)
 };
 }  // extern "C"
 
@@ -57,7 +61,7 @@ using cuda::ABuf;
 constexpr int64_t kNobody = -1, kMany = -2;
 // Every block kernel's shared memory fits this many words (one host array serves them all).
 constexpr int64_t kSharedWordsMost =
-    std::max({cuda::kSharedWords, cuda::kMmaSharedWords, cuda::kMmaRegSharedWords});
+    std::max({cuda::kSharedWords, cuda::kMmaSharedWords, cuda::kMmaRegSharedWords, cuda::kStagedSharedWords});
 
 const char* BufName(int b) {
   static const char* const names[] = {"query", "key", "value", "cache", "scale", "attn_mask", "output",
@@ -74,6 +78,8 @@ struct CheckingMem {
   char* base[cuda::kABufCount] = {};
   int64_t bytes[cuda::kABufCount] = {};
   std::vector<Shadow> shadow[cuda::kABufCount];  // per byte, for the buffers written by the kernels
+  std::vector<int32_t> in_flight;                // per shared byte: the asynchronous copies to it not yet made
+  int64_t short_wait = 0;                        // AttnHostRunOptions::short_wait
   AttnHostRunReport* report;
   std::vector<std::string> first;
   std::string where;    // the launch and block, for messages
@@ -112,6 +118,10 @@ struct CheckingMem {
     if (Traced(buf) && thread >= 0) {
       for (size_t i = 0; i < sizeof(T); ++i) {
         Shadow& s = shadow[buf][offset + i];
+        if (buf == cuda::kAShared && in_flight[static_cast<size_t>(offset) + i] > 0) {
+          Note(report->read_write, "thread " + std::to_string(thread) + " reads shared byte " +
+                                       std::to_string(offset + i) + ", which an asynchronous copy in flight writes");
+        }
         if (buf == cuda::kAShared && !s.written) {
           Note(report->uninitialized, "thread " + std::to_string(thread) + " reads shared byte " +
                                           std::to_string(offset + i) + ", which no thread of the block wrote");
@@ -139,6 +149,9 @@ struct CheckingMem {
     }
     for (size_t i = 0; i < sizeof(T); ++i) {
       Shadow& s = shadow[buf][offset + i];
+      if (buf == cuda::kAShared && in_flight[static_cast<size_t>(offset) + i] > 0)
+        Note(report->write_write, "thread " + std::to_string(thread) + " writes shared byte " +
+                                      std::to_string(offset + i) + ", which an asynchronous copy in flight writes");
       if (s.writer != kNobody && s.writer != Who())
         Note(report->write_write, "thread " + std::to_string(thread) + " writes byte " + std::to_string(offset + i) +
                                       " of " + BufName(buf) + ", also written by another thread");
@@ -184,6 +197,58 @@ struct HostTeam {
   }
   void Sync() {
     if (!skip_sync) mem.EndPhase();
+  }
+  // Asynchronous copies (the GPU's cp.async): a copy is checked where it is issued (both ends in bounds and 16-byte
+  // aligned, no other copy in flight to its bytes, no other thread reading them in this phase) and made at the
+  // WaitSync that covers its group, as the issuing thread's write; until then any access to its bytes is a race.
+  struct PendingCopy {
+    int64_t thread, shared_byte;
+    ABuf buf;
+    int64_t byte;
+  };
+  std::vector<PendingCopy> open;                 // issued, not yet committed
+  std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
+  void CopyAsync16(CheckingMem& m, int64_t shared_byte, ABuf buf, int64_t byte) {
+    if (!m.Reach(buf, byte, 16, "copies from") || !m.Reach(cuda::kAShared, shared_byte, 16, "copies to")) return;
+    for (int64_t i = 0; i < 16; ++i) {
+      const size_t at = static_cast<size_t>(shared_byte + i);
+      const Shadow& s = m.shadow[cuda::kAShared][at];
+      if (m.in_flight[at] > 0)
+        m.Note(m.report->write_write, "thread " + std::to_string(m.thread) + " copies to shared byte " +
+                                          std::to_string(shared_byte + i) + ", which another copy in flight writes");
+      else if (s.reader != kNobody && s.reader != m.Who())
+        m.Note(m.report->read_write, "thread " + std::to_string(m.thread) + " copies to shared byte " +
+                                         std::to_string(shared_byte + i) + ", which another thread reads in this phase");
+      ++m.in_flight[at];
+    }
+    open.push_back(PendingCopy{m.thread, shared_byte, buf, byte});
+  }
+  void Commit() {
+    groups.push_back(std::move(open));
+    open.clear();
+  }
+  template <int N>
+  void WaitSync() {
+    while (groups.size() > static_cast<size_t>(N + mem.short_wait)) {
+      for (const PendingCopy& c : groups.front()) {
+        mem.thread = c.thread;
+        for (int64_t i = 0; i < 16; ++i) --mem.in_flight[static_cast<size_t>(c.shared_byte + i)];
+        mem.Store(cuda::kAShared, c.shared_byte, mem.Load<cuda::Vec16>(c.buf, c.byte));
+      }
+      mem.thread = -1;
+      groups.erase(groups.begin());
+    }
+    Sync();
+  }
+  // A block that ends with copies in flight: reported, and dropped (its shared memory is gone).
+  void EndBlock() {
+    size_t left = open.size();
+    for (const auto& g : groups) left += g.size();
+    if (left > 0)
+      mem.Note(mem.report->write_write, std::to_string(left) + " asynchronous copies still in flight at the block's end");
+    open.clear();
+    groups.clear();
+    std::fill(mem.in_flight.begin(), mem.in_flight.end(), 0);
   }
   // The GPU's __shfl_xor_sync exchange: for each mask, every thread combines its value with the value thread
   // (t ^ mask) held before the exchange. A mask must stay within a warp.
@@ -324,7 +389,7 @@ struct StoreRunner {
 template <class State, int64_t Threads, class Work>
 void RunBlocks(CheckingMem& mem, bool skip_sync, const char* launch, int64_t blocks, int64_t shared_words,
                Work&& work) {
-  HostTeam<State, Threads> team{mem, skip_sync};
+  HostTeam<State, Threads> team{mem, skip_sync, std::vector<State>(Threads), {}, {}};
   const int64_t shared_bytes = mem.bytes[cuda::kAShared];
   mem.bytes[cuda::kAShared] = std::min(shared_bytes, shared_words * 4);
   mem.StartLaunch(launch);
@@ -332,6 +397,7 @@ void RunBlocks(CheckingMem& mem, bool skip_sync, const char* launch, int64_t blo
     mem.StartBlock(block);
     mem.where = std::string(launch) + ", block " + std::to_string(block);
     work(team, block);
+    team.EndBlock();
   }
   mem.bytes[cuda::kAShared] = shared_bytes;
 }
@@ -343,10 +409,23 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                   [&](auto& team, int64_t b) {
                                                     cuda::AttentionTile<T1>(p, Rows{}, mem, team, b);
                                                   });
-  RunBlocks<cuda::DecodeThread, cuda::kDecodeThreads>(mem, skip_sync, "decode launch", p.decode_tiles,
-                                                      cuda::kDecodeSharedWords, [&](auto& team, int64_t b) {
-                                                        cuda::DecodeTile<T1>(p, Rows{}, mem, team, b);
-                                                      });
+  if (p.decode_form == 2) {
+    if constexpr (sizeof(typename T1::Storage) == 2 && Rows::kStoredAsT1) {
+      if (p.decode_tiles > 0) mem.report->decode_form = 2;
+      RunBlocks<cuda::StagedThread, cuda::kStagedThreads>(mem, skip_sync, "staged decode launch", p.decode_tiles,
+                                                          cuda::kStagedSharedWords, [&](auto& team, int64_t b) {
+                                                            cuda::StagedDecodeTile<T1>(p, Rows{}, mem, team, b);
+                                                          });
+    } else if (p.decode_tiles > 0) {  // the library builds the staged form for these rows only
+      mem.Note(mem.report->out_of_bounds, "the staged decode kernel planned for rows it cannot copy as stored");
+    }
+  } else {
+    if (p.decode_tiles > 0) mem.report->decode_form = 1;
+    RunBlocks<cuda::DecodeThread, cuda::kDecodeThreads>(mem, skip_sync, "decode launch", p.decode_tiles,
+                                                        cuda::kDecodeSharedWords, [&](auto& team, int64_t b) {
+                                                          cuda::DecodeTile<T1>(p, Rows{}, mem, team, b);
+                                                        });
+  }
   if constexpr (sizeof(typename T1::Storage) == 2) {
     if (p.mma_tiles > 0) mem.report->mma_form = p.mma_form == 2 ? 2 : 1;
     if (p.mma_tiles > 0 && p.mma_form == 2 && !Rows::kStoredAsT1)  // the library builds form 2 for these rows only
@@ -414,7 +493,7 @@ int64_t BytesOf(const TensorArg& t) { return t.present ? TensorBytes(t.type, t.s
 // Plans, then runs the launches through the checking memory. The output is written in place.
 int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide* cache, const TensorArg* in,
                    const cuda::AttnTensors& t, int32_t scale_type, int quant_bit, const AttnHostRunOptions& o,
-                   AttnHostRunReport* report, char* message, size_t message_size) {
+                   AttnHostRunReport* report, std::string* faults) {
   cuda::TilePolicy policy;
   if (o.min_blocks > 0) policy.min_blocks = policy.min_decode_blocks = o.min_blocks;
   if (o.min_split_keys > 0) policy.min_split_keys = policy.min_decode_split_keys = o.min_split_keys;
@@ -422,6 +501,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   policy.mma_kernel = o.tile_kernel_only == 0 && cuda::MmaRowsFit(in[0].type, t, cache);
   policy.mma_decode = o.mma_decode != 0;
   policy.mma_form = cuda::MmaFormFor(o.mma_form == 2 ? 2 : 1, cache);
+  policy.decode_form = o.decode_form == 2 && cuda::StagedRowsFit(in[0].type, t, cache) ? 2 : 1;
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
@@ -439,6 +519,8 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   mem.base[cuda::kAShared] = reinterpret_cast<char*>(shared.data());
   for (ABuf b : {cuda::kAOut, cuda::kAPartials, cuda::kAShared})
     mem.shadow[b].resize(static_cast<size_t>(mem.bytes[b]));
+  mem.in_flight.assign(static_cast<size_t>(mem.bytes[cuda::kAShared]), 0);
+  mem.short_wait = o.short_wait;
   if (cache) {
     mem.bytes[cuda::kACache] = BytesOf(in[kMhcaCacheInput]);
     mem.bytes[cuda::kAScale] = BytesOf(in[kMhcaScaleInput]);
@@ -455,22 +537,24 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   for (int64_t i = 0; i < launch.tiles + launch.decode_tiles + launch.mma_tiles; ++i)
     report->split_tiles += launch.words[size_t(launch.index_words + i * cuda::kTileWords + 7)] >= 0;
   RunAll(p, mem, in[0].type, scale_type, quant_bit, cache != nullptr, o.skip_sync != 0);
-  const int64_t faults = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
-                         report->uninitialized;
-  if (faults == 0) return 0;
-  std::string text;
-  for (const std::string& f : mem.first) text += f + "\n";
-  WriteMessage(text, message, message_size);
+  const int64_t counted = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
+                          report->uninitialized;
+  if (counted == 0) return 0;
+  for (const std::string& f : mem.first) *faults += f + "\n";
   return 4;
 }
 
-// An entry's frame: the report cleared, a validation error's code and message, else the run's result.
+// An entry's frame: the report cleared, a validation error's code and message, else the run's result with the
+// first faults it found as the message (written after CatchAll, which writes its own message, empty on success).
 template <class Body>
 int32_t HostEntry(AttnHostRunReport* report, char* message, size_t message_size, Body&& body) {
   *report = AttnHostRunReport{};
   int32_t result = 0;
-  const int32_t code = CatchAll([&] { result = body(); }, message, message_size);
-  return code != KVCACHE_OP_OK ? code : result;
+  std::string faults;
+  const int32_t code = CatchAll([&] { result = body(&faults); }, message, message_size);
+  if (code != KVCACHE_OP_OK) return code;
+  WriteMessage(faults, message, message_size);
+  return result;
 }
 
 }  // namespace
@@ -487,13 +571,13 @@ __attribute__((visibility("default"))) int32_t mha_host_run(const KvcacheMultiHe
                                                             const AttnHostRunOptions* options,
                                                             AttnHostRunReport* report, char* message,
                                                             size_t message_size) {
-  return HostEntry(report, message, message_size, [&] {
+  return HostEntry(report, message, message_size, [&](std::string* faults) {
     MhaAttrs a;
     TensorArg in[kMhaNumInputs];
     const MhaPlan plan = ValidateMhaWithOutput(attrs, inputs, output, &a, in);  // the C entry's checks
     const cuda::AttnTensors t{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
                               in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
-    return RunPlanned(a, plan, nullptr, in, t, 0, 0, *options, report, message, message_size);
+    return RunPlanned(a, plan, nullptr, in, t, 0, 0, *options, report, faults);
   });
 }
 
@@ -504,7 +588,7 @@ __attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiH
                                                              const AttnHostRunOptions* options,
                                                              AttnHostRunReport* report, char* message,
                                                              size_t message_size) {
-  return HostEntry(report, message, message_size, [&] {
+  return HostEntry(report, message, message_size, [&](std::string* faults) {
     MhcaAttrs a;
     TensorArg in[kMhcaNumInputs];
     const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // the C entry's checks
@@ -521,7 +605,7 @@ __attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiH
     const cuda::AttnTensors t{in[0].data, nullptr, nullptr, cache, scale.present ? scale.data : nullptr,
                               mask.present ? mask.data : nullptr, output->data};
     return RunPlanned(a.attention, plan.attention, &side, in, t, scale.type, static_cast<int>(a.cache.quant_bit),
-                      *options, report, message, message_size);
+                      *options, report, faults);
   });
 }
 
