@@ -11,7 +11,7 @@
 //
 // A stage holds C = kStagedStageBytes / (2 Dh) consecutive keys of the tile: their key rows, then their value rows,
 // each row Dh / kVec chunks of 16 bytes. The block's threads are head rows as in the first form (lane x of head y in
-// key group z); key group z takes the stage's keys z kStagedKeysPerGroup + u. A stage:
+// key group z); key group z takes the stage's keys u groups + z (u < kStagedKeysPerGroup). A stage:
 //   wait    the stage's copies landed (team.WaitSync<kStagedStages - 2>: this thread's older copy groups done,
 //           then the block's barrier, so every thread's copies are seen);
 //   issue   the copies of the stage kStagedStages - 1 ahead, into the slot the previous stage read (every thread
@@ -64,14 +64,21 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
   auto staged_at = [&](int64_t stage, int kv, int64_t k, int64_t x) {
     return ((stage % S) * 2 + kv) * kStagedStageBytes + k * row_bytes + x * 16;
   };
-  // This thread's copies of stage `stage`: chunk i of its 2 C Dh / kVec chunks is (kv, key, lane) in that order.
+  // This thread's copies of stage `stage`: of its 2 kStagedStageBytes / 16 chunks, chunk i is (kv, key, lane) in
+  // that order. Lanes and C are powers of two, so shifts and masks (no division on the GPU's long path).
+  int lane_bits = 0;
+  while ((int64_t{1} << lane_bits) < d.lanes) ++lane_bits;
+  constexpr int64_t kChunksPerKv = kStagedStageBytes / 16;
   auto issue = [&](int64_t stage) {
     if (stage >= stages) return;
     team.Each([&](int64_t t, StagedThread&) {
-      const int64_t chunks = 2 * C * d.lanes;
-      for (int64_t i = t; i < chunks; i += kStagedThreads) {
-        const int kv = static_cast<int>(i / (C * d.lanes));
-        const int64_t k = i / d.lanes % C, x = i % d.lanes, j = first + stage * C + k;
+      KV_UNROLL
+      for (int64_t n = 0; n < 2 * kChunksPerKv / kStagedThreads; ++n) {
+        const int32_t i = static_cast<int32_t>(t + n * kStagedThreads);
+        const int kv = i >= kChunksPerKv ? 1 : 0;
+        const int32_t within = i & int32_t(kChunksPerKv - 1), k = within >> lane_bits,
+                      x = within & int32_t(d.lanes - 1);
+        const int64_t j = first + stage * C + k;
         if (j >= last) continue;
         const RowAt r = rows_of.At(p, kv, d.g, rows_of.Where(p, mem, d.tile.b, d.seq.col0, j));
         team.CopyAsync16(mem, staged_at(stage, kv, k, x), rows_of.BufferOf(kv), (r.elem + x * kVec) * int64_t(sizeof(T)));
@@ -89,7 +96,8 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
     issue(stage + S - 1);
     team.Commit();
     // The stage's key k of thread t's group for its slot u, and whether the thread's query sees it.
-    auto key_in_stage = [&](int64_t t, int64_t u) { return d.GroupOf(t) * U + u; };
+    // (Groups interleaved: the groups of one warp, at small Dh, read adjacent rows, not rows U apart in one bank.)
+    auto key_in_stage = [&](int64_t t, int64_t u) { return u * d.groups + d.GroupOf(t); };
     team.Each([&](int64_t t, StagedThread& s) {  // dots: this lane's parts of its group's keys
       const int64_t x = d.LaneOf(t);
       s.enters = 0;
