@@ -323,3 +323,22 @@ def _cache_attention_nan_when_all_masked(*args, attn_mask=None, **attributes):
 
 cache_attention_nan_when_all_masked = types.SimpleNamespace(
     multi_head_cache_attention=_cache_attention_nan_when_all_masked)
+
+
+#: MultiHeadCacheAttention's attributes of its cache (the rest are its attention's).
+_CACHE_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_mode", "cache_layout", "page_size")
+
+
+def ppl_style_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
+                              decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None,
+                              output_factor=1.0, **attributes):
+    """MultiHeadCacheAttention with ppl's store arithmetic (``ppl_style``'s codes and scales), then the reference's
+    attention over the keys and values it gathered from that cache; ``output_factor`` scales the output (a bug)."""
+    cache_attributes = {k: v for k, v in attributes.items() if k in _CACHE_ATTRIBUTES}
+    attention = {k: v for k, v in attributes.items() if k not in _CACHE_ATTRIBUTES}
+    key, value = ppl_style(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                           max_kvlen, cache, scale, num_repeat=1, **cache_attributes)
+    output = multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
+                                  attn_mask, **attention)
+    return (output * output_factor).astype(output.dtype) if output_factor != 1.0 else output
+

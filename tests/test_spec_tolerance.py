@@ -8,6 +8,7 @@ import pytest
 import planted_backends
 from kvcache_op.validation import vectors
 from kvcache_op.validation.cases import CASES, MIXED, build
+from kvcache_op.validation.mhca_cases import CASES as CACHE_ATTENTION_CASES
 from kvcache_op.validation.outcome import Outcome, copies, reference_outcome
 from kvcache_op.validation.adapters import CallableBackend
 from kvcache_op.validation.compare import compare
@@ -124,3 +125,36 @@ def test_a_quantized_output_not_explained_by_its_codes_fails_spec():
 
     result = _perturbed(CASES["int8_layout0"](), change)
     assert result["spec"] and result["spec"][0].startswith("key: 1 of ") and "code got" in result["spec"][0]
+
+
+def _quantized_cache_attention_cases():
+    return [make() for make in CACHE_ATTENTION_CASES.values() if make().attributes.get("quant_bit")]
+
+
+def _cache_attention_lines(backend, case, mode):
+    got = backend.run("MultiHeadCacheAttention", copies(case.inputs), case.attributes)
+    want = reference_outcome("MultiHeadCacheAttention", case.inputs, case.attributes)
+    return compare("MultiHeadCacheAttention", case.inputs, case.attributes, want, got, mode)
+
+
+def test_ppl_arithmetic_cache_attention_passes_the_spec_tolerance_over_its_own_cache():
+    """A fused op whose stores follow ppl's arithmetic (within the table) attends over its own codes and scales:
+    its output is held to the bound over the keys in its cache, not the reference's (over the reference's keys,
+    three quantized cases failed)."""
+    ppl = CallableBackend({"MultiHeadCacheAttention": planted_backends.ppl_style_cache_attention}, "ppl_style")
+    cases = _quantized_cache_attention_cases()
+    assert cases
+    assert {c.name: _cache_attention_lines(ppl, c, "spec") for c in cases} == {c.name: [] for c in cases}
+    assert any(_cache_attention_lines(ppl, c, "exact") for c in cases)  # its cache is not the reference's
+
+
+def test_a_wrong_output_over_a_cache_that_passes_still_fails_the_spec_tolerance():
+    """The output expected over the backend's own cache still holds it to the bound: 2% off fails."""
+    def off(*args, **attributes):
+        return planted_backends.ppl_style_cache_attention(*args, output_factor=1.02, **attributes)
+
+    backend = CallableBackend({"MultiHeadCacheAttention": off}, "ppl_style_2pc_off")
+    lines = [line for c in _quantized_cache_attention_cases() for line in _cache_attention_lines(backend, c, "spec")]
+    assert lines and all(line.startswith("output:") for line in lines), lines
+    assert any("over the keys and values in the backend's cache" in line for line in lines), lines
+
