@@ -29,6 +29,18 @@ void Check(cudaError_t error, const char* what) {
   throw std::runtime_error(std::string("kvcache-op CUDA: ") + what + ": " + cudaGetErrorString(error));
 }
 
+// Refuses a call on a stream that is being captured into a CUDA graph, before anything is enqueued. Each call copies
+// its validated plan (index snapshots, tiles) from host memory and sizes its launches by it: a pageable copy cannot
+// be captured, and a graph replayed on the next step would store to the slots of the step it was captured in.
+void RefuseGraphCapture(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  Check(cudaStreamIsCapturing(stream, &status), "reading the stream's capture status");
+  if (status != cudaStreamCaptureStatusNone)
+    Fail(op, " on CUDA cannot be captured into a CUDA graph: every call copies its validated indices from host "
+         "memory and sizes its launches by them, so a replay would repeat the captured step's slots (run it "
+         "outside stream capture; in ONNX Runtime, without the CUDA EP's enable_cuda_graph)");
+}
+
 struct ScratchBlock {  // returned to the scratch at scope exit (stream order keeps it alive for the kernels)
   DeviceScratch& scratch;
   void* data;
@@ -168,6 +180,7 @@ void CheckAttentionAligned(const AttnTensors& t, int32_t t1) {
 
 void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
                            cudaStream_t stream, DeviceScratch& scratch) {
+  RefuseGraphCapture(stream, "MultiHeadAttention");
   CheckAttentionAligned(tensors, t);
   const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy(t, tensors, nullptr));  // throws first
   PlannedScratch planned(scratch, launch, a.head_dim);
@@ -177,6 +190,7 @@ void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, co
 void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_t t1, int32_t scale_type,
                                 const void* key, const void* value, const AttnTensors& tensors, cudaStream_t stream,
                                 DeviceScratch& scratch) {
+  RefuseGraphCapture(stream, "MultiHeadCacheAttention");
   const CacheSide side{&a.cache, &plan.cache};
   // Everything checked and allocated before anything is enqueued: a call that cannot run leaves the cache unchanged.
   CheckAttentionAligned(tensors, t1);
@@ -204,6 +218,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
 
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,
                   cudaStream_t stream, DeviceScratch& scratch) {
+  RefuseGraphCapture(stream, "KeyValueCache");
   if (plan.batch == 0) return;
   // Before anything is enqueued: a call that cannot run leaves the cache unchanged.
   for (auto [name, data] : {std::pair<const char*, const void*>{"current_key", t.key}, {"current_value", t.value},
@@ -224,6 +239,7 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
 
 void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
                         void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch) {
+  RefuseGraphCapture(stream, "KeyCacheRotaryShift");
   if (plan.slots.empty()) return;
   CheckAligned("cache", cache, cache_type);  // before anything is enqueued
   if (a.base.quant_bit) CheckAligned("scale", scale, scale_type);

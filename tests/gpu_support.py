@@ -202,3 +202,26 @@ class Stream:
     def synchronize(self):
         self._s.synchronize()
 
+    @contextlib.contextmanager
+    def capturing(self):
+        """The stream captured into a CUDA graph inside (the graph ended and dropped on leaving); relaxed mode, so
+        only the code under test decides whether a call may be captured."""
+        if device_framework() == "torch":
+            import torch
+
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self._s):
+                graph.capture_begin(capture_error_mode="relaxed")
+                try:
+                    yield
+                finally:
+                    graph.capture_end()
+        else:
+            import cupy
+
+            self._s.begin_capture(mode=cupy.cuda.runtime.streamCaptureModeRelaxed)
+            try:
+                yield
+            finally:
+                self._s.end_capture()
+

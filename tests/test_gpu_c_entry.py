@@ -135,6 +135,33 @@ def test_a_call_refused_for_want_of_device_memory_leaves_no_error_for_the_next_c
     assert all(b.guards_intact() for b in list(device.values()) + outs)
 
 
+def test_a_call_on_a_stream_being_captured_into_a_cuda_graph_is_refused_with_the_cache_unchanged():
+    """A call copies its validated indices from host memory and sizes its launches by them, so a captured graph
+    would replay the captured step's slots: it is refused during capture, with nothing enqueued and the cache
+    unchanged, and runs as usual outside capture."""
+    case = build("captured", [Seq(3, 1), Seq(0, 4)], cache_mode=1, page_size=4)
+    inputs, attrs = case.inputs, case.attributes
+    want = reference_result(copies(inputs), attrs)
+    host = c_api.HostBuffers()
+    device = {n: DeviceBuffer(inputs[n]) for n in DEVICE_INPUTS if inputs.get(n) is not None}
+    tensors = [c_api.Tensor(c_api.onnx_type(device[n].dtype), device[n].shape, device[n].ptr) if n in device
+               else host.tensor(n, inputs.get(n)) for n in c_api.KV_INPUTS]
+    shape = c_api.output_shape(tensors, **attrs)
+    dtype = np.asarray(inputs["current_key"]).dtype
+    outs = [DeviceBuffer(np.zeros(shape, dtype)) for _ in range(2)]
+    outputs = [c_api.Tensor(c_api.onnx_type(dtype), shape, o.ptr) for o in outs]
+    stream = Stream()
+    before = device["cache"].to_host().tobytes()
+    with stream.capturing():
+        with pytest.raises(KeyValueCacheError, match="cannot be captured into a CUDA graph"):
+            c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
+    stream.synchronize()
+    assert device["cache"].to_host().tobytes() == before
+    c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
+    stream.synchronize()
+    assert_same_bits((outs[0].to_host(), outs[1].to_host(), device["cache"].to_host(), None), want)
+
+
 @given(shift_calls())
 def test_gpu_rotary_shift_matches_reference(call):
     """KeyCacheRotaryShift's kernel: the reference's bits in the whole cache and scale, guards intact."""
