@@ -105,61 +105,60 @@ def test_invalid_call_on_gpu_fails_and_leaves_the_device_cache_unchanged(row):
     assert all(b.guards_intact() for b in device.values())
 
 
+class RepeatableCall:
+    """A KeyValueCache call through the C entry on device buffers, run (and refused) as often as a test needs."""
+
+    def __init__(self, case):
+        self.inputs, self.attrs = case.inputs, case.attributes
+        self.want = reference_result(copies(self.inputs), self.attrs)
+        self.host = c_api.HostBuffers()
+        self.device = {n: DeviceBuffer(self.inputs[n]) for n in DEVICE_INPUTS if self.inputs.get(n) is not None}
+        self.tensors = [c_api.Tensor(c_api.onnx_type(self.device[n].dtype), self.device[n].shape, self.device[n].ptr)
+                        if n in self.device else self.host.tensor(n, self.inputs.get(n)) for n in c_api.KV_INPUTS]
+        shape = c_api.output_shape(self.tensors, **self.attrs)
+        dtype = np.asarray(self.inputs["current_key"]).dtype
+        self.outs = [DeviceBuffer(np.zeros(shape, dtype)) for _ in range(2)]
+        self.outputs = [c_api.Tensor(c_api.onnx_type(dtype), shape, o.ptr) for o in self.outs]
+        self.stream = Stream()
+        self.before = self.device["cache"].to_host().tobytes()
+
+    def run(self):
+        c_api.run_key_value_cache(self.tensors, self.outputs, device="cuda", stream=self.stream.handle, **self.attrs)
+
+    def check_unchanged_then_runs(self):
+        """The cache as it was given (what was refused wrote nothing), then a call that gives the reference's bits
+        (no error of the refused call left behind), every guard intact."""
+        self.stream.synchronize()
+        assert self.device["cache"].to_host().tobytes() == self.before
+        self.run()
+        self.stream.synchronize()
+        got = (self.outs[0].to_host(), self.outs[1].to_host(), self.device["cache"].to_host(), None)
+        assert_same_bits(got, self.want)
+        assert all(b.guards_intact() for b in list(self.device.values()) + self.outs)
+
+
 @pytest.mark.skipif(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1,
                     reason="fills the device's memory: runs only where no other test process shares the GPU")
 def test_a_call_refused_for_want_of_device_memory_leaves_no_error_for_the_next_call():
     """A call whose device scratch cannot be had (its 2 MiB of index words, the device full) is refused with the
     cache unchanged, and the next call runs and gives the reference's bits: the failed allocation's error is not read
     again as the next call's launch error, which would report a failure with that call's stores done."""
-    case = build("scratch refused", [Seq(3, 1)] * 64, cache_mode=1, page_size=16, max_pages=4096)
-    inputs, attrs = case.inputs, case.attributes
-    want = reference_result(copies(inputs), attrs)
-    host = c_api.HostBuffers()
-    device = {n: DeviceBuffer(inputs[n]) for n in DEVICE_INPUTS if inputs.get(n) is not None}
-    tensors = [c_api.Tensor(c_api.onnx_type(device[n].dtype), device[n].shape, device[n].ptr) if n in device
-               else host.tensor(n, inputs.get(n)) for n in c_api.KV_INPUTS]
-    shape = c_api.output_shape(tensors, **attrs)
-    dtype = np.asarray(inputs["current_key"]).dtype
-    outs = [DeviceBuffer(np.zeros(shape, dtype)) for _ in range(2)]
-    outputs = [c_api.Tensor(c_api.onnx_type(dtype), shape, o.ptr) for o in outs]
-    stream = Stream()
-    before = device["cache"].to_host().tobytes()
+    call = RepeatableCall(build("scratch refused", [Seq(3, 1)] * 64, cache_mode=1, page_size=16, max_pages=4096))
     with device_memory_full():
         with pytest.raises(RuntimeError, match="allocating scratch"):  # a CUDA failure, not an invalid call
-            c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
-        stream.synchronize()
-    assert device["cache"].to_host().tobytes() == before
-    c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
-    stream.synchronize()
-    assert_same_bits((outs[0].to_host(), outs[1].to_host(), device["cache"].to_host(), None), want)
-    assert all(b.guards_intact() for b in list(device.values()) + outs)
+            call.run()
+    call.check_unchanged_then_runs()
 
 
 def test_a_call_on_a_stream_being_captured_into_a_cuda_graph_is_refused_with_the_cache_unchanged():
     """A call copies its validated indices from host memory and sizes its launches by them, so a captured graph
     would replay the captured step's slots: it is refused during capture, with nothing enqueued and the cache
     unchanged, and runs as usual outside capture."""
-    case = build("captured", [Seq(3, 1), Seq(0, 4)], cache_mode=1, page_size=4)
-    inputs, attrs = case.inputs, case.attributes
-    want = reference_result(copies(inputs), attrs)
-    host = c_api.HostBuffers()
-    device = {n: DeviceBuffer(inputs[n]) for n in DEVICE_INPUTS if inputs.get(n) is not None}
-    tensors = [c_api.Tensor(c_api.onnx_type(device[n].dtype), device[n].shape, device[n].ptr) if n in device
-               else host.tensor(n, inputs.get(n)) for n in c_api.KV_INPUTS]
-    shape = c_api.output_shape(tensors, **attrs)
-    dtype = np.asarray(inputs["current_key"]).dtype
-    outs = [DeviceBuffer(np.zeros(shape, dtype)) for _ in range(2)]
-    outputs = [c_api.Tensor(c_api.onnx_type(dtype), shape, o.ptr) for o in outs]
-    stream = Stream()
-    before = device["cache"].to_host().tobytes()
-    with stream.capturing():
+    call = RepeatableCall(build("captured", [Seq(3, 1), Seq(0, 4)], cache_mode=1, page_size=4))
+    with call.stream.capturing():
         with pytest.raises(KeyValueCacheError, match="cannot be captured into a CUDA graph"):
-            c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
-    stream.synchronize()
-    assert device["cache"].to_host().tobytes() == before
-    c_api.run_key_value_cache(tensors, outputs, device="cuda", stream=stream.handle, **attrs)
-    stream.synchronize()
-    assert_same_bits((outs[0].to_host(), outs[1].to_host(), device["cache"].to_host(), None), want)
+            call.run()
+    call.check_unchanged_then_runs()
 
 
 @given(shift_calls())
