@@ -29,18 +29,6 @@ void Check(cudaError_t error, const char* what) {
   throw std::runtime_error(std::string("kvcache-op CUDA: ") + what + ": " + cudaGetErrorString(error));
 }
 
-// Refuses a call on a stream that is being captured into a CUDA graph, before anything is enqueued. Each call copies
-// its validated plan (index snapshots, tiles) from host memory and sizes its launches by it: a pageable copy cannot
-// be captured, and a graph replayed on the next step would store to the slots of the step it was captured in.
-void RefuseGraphCapture(cudaStream_t stream, const char* op) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  Check(cudaStreamIsCapturing(stream, &status), "reading the stream's capture status");
-  if (status != cudaStreamCaptureStatusNone)
-    Fail(op, " on CUDA cannot be captured into a CUDA graph: every call copies its validated indices from host "
-         "memory and sizes its launches by them, so a replay would repeat the captured step's slots (run it "
-         "outside stream capture; in ONNX Runtime, without the CUDA EP's enable_cuda_graph)");
-}
-
 struct ScratchBlock {  // returned to the scratch at scope exit (stream order keeps it alive for the kernels)
   DeviceScratch& scratch;
   void* data;
@@ -177,6 +165,15 @@ void CheckAttentionAligned(const AttnTensors& t, int32_t t1) {
 }
 
 }  // namespace
+
+void RefuseGraphCapture(cudaStream_t stream, const char* op) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  Check(cudaStreamIsCapturing(stream, &status), "reading the stream's capture status");
+  if (status != cudaStreamCaptureStatusNone)
+    Fail(op, " on CUDA cannot be captured into a CUDA graph: every call copies its validated indices from host "
+         "memory and sizes its launches by them, so a replay would repeat the captured step's slots (run it "
+         "outside stream capture; in ONNX Runtime, without the CUDA EP's enable_cuda_graph)");
+}
 
 void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
                            cudaStream_t stream, DeviceScratch& scratch) {

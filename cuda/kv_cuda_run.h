@@ -25,6 +25,12 @@ struct DeviceScratch {
   virtual ~DeviceScratch() = default;
 };
 
+// Throws KvError (op names the op) when `stream` is being captured into a CUDA graph, before anything is enqueued:
+// every call copies its validated plan (index snapshots, tiles) from host memory and sizes its launches by it, so a
+// pageable copy cannot be captured, and a graph replayed on the next step would store to the captured step's slots.
+// Each Run*Validated below calls it first; glue that enqueues anything of its own before them calls it before that.
+void RefuseGraphCapture(cudaStream_t stream, const char* op);
+
 // Throws KvError when the call cannot be launched (CheckLaunchable) and std::runtime_error for a CUDA
 // failure. `plan` must come from ValidateCall on the call whose device buffers are `t`; `t1` and
 // `scale_type` are the ONNX types of current_key and scale. Returns after enqueueing, without waiting.

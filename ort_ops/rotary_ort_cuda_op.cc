@@ -15,6 +15,7 @@ OrtStatusPtr RotaryCudaKernel::ComputeV2(OrtKernelContext* context) {
     const RotaryPlan plan = ValidateAndAllocate(ctx, attrs, in, &out);
     if (plan.slots.empty()) return nullptr;
     WithOrtDevice(ctx, [&](cudaStream_t stream, cuda::DeviceScratch& scratch) {
+      cuda::RefuseGraphCapture(stream, "KeyCacheRotaryShift");  // before the copy below is enqueued
       // slots_out first: a copy that fails after the rotation would fail the call with the cache already rotated.
       // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
       if (cudaError_t e = cudaMemcpyAsync(out, plan.slots.data(), plan.slots.size() * sizeof(int64_t),

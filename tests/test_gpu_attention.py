@@ -95,13 +95,17 @@ class AttentionCall:
     def _described(buffer):
         return c_api.Tensor(c_api.onnx_type(buffer.dtype), buffer.shape, buffer.ptr)
 
-    def run(self):
-        stream = self.runner.stream()
+    def run(self, stream=None):
+        """On a fresh stream, synchronized after; on ``stream`` when given, left to the caller to synchronize (a
+        stream being captured into a graph may not be)."""
+        own = stream is None
+        stream = self.runner.stream() if own else stream
         try:
             self._entry(self.inputs, self.output_tensor, device=self.runner.device, stream=stream.handle,
                         **self.attributes)
         finally:
-            stream.synchronize()
+            if own:
+                stream.synchronize()
 
     def output(self) -> np.ndarray:
         return self.out.to_host()
@@ -514,6 +518,29 @@ INVALID_MHCA_CALLS = ["query_rows_differ", "offset_beyond_max_t", "paged_sentine
 def test_invalid_mhca_call(name):
     case = error_cases()[f"mhca_error_{name}"]()
     check_invalid("mhca", case.inputs, case.attributes, MHCA_MESSAGES[name])
+
+
+@pytest.mark.parametrize("op", ["mha", "mhca"])
+def test_a_call_on_a_stream_being_captured_into_a_cuda_graph_is_refused_with_nothing_written(op):
+    """Every call copies its validated indices and tiles from host memory and sizes its launches by them: on a stream
+    being captured into a graph it is refused before anything is enqueued (cache and output as they were)."""
+    if op == "mha":
+        case = build_attention("captured", [(1, 9), (3, 3)], heads=4, kv_heads=2, head_dim=16, decoding=1)
+        error = MultiHeadAttentionError
+    else:
+        case = build_cache_attention("captured", [Seq(3, 1), Seq(0, 2)], heads=2, head_dim=16, group=2, cache_mode=1,
+                                     page_size=4)
+        error = KeyValueCacheError
+    call = AttentionCall(op, case.inputs, case.attributes)
+    before = {n: call.after(n).tobytes() for n in ("cache", "scale") if n in call.device}
+    stream = Stream()
+    with stream.capturing():
+        with pytest.raises(error, match="cannot be captured into a CUDA graph"):
+            call.run(stream)
+    stream.synchronize()
+    assert {n: call.after(n).tobytes() for n in before} == before, "a refused call wrote the cache"
+    assert call.output().tobytes() == call.unwritten.tobytes(), "a refused call wrote the output"
+    assert call.guards_intact()
 
 
 def test_head_dim_4096_is_refused_by_name():
