@@ -68,8 +68,20 @@ def _quantize(x, quant_bit, group, scale_dtype, t1, bug, arithmetic):
         used = scale if bug == "scale_not_rounded" else stored.astype(np.float32)
         quotient = groups / used[..., None]
     codes = np.clip(np.rint(quotient), -qmax, qmax)
-    codes = np.where(np.isnan(codes), 0, codes).astype(np.int8)
-    return codes.reshape(x.shape), stored
+    codes = np.where(np.isnan(codes), 0, codes)
+    codes = _CODE_BUGS.get(bug, lambda c, q: c)(codes, qmax)
+    return codes.astype(np.int8).reshape(x.shape), stored
+
+
+#: Code bugs each within the tolerance table's +-1 of the right code, but not what the backend's scales give:
+#: every code one higher (clamped), one further from zero, -qmax stored as -qmax - 1, and codes of magnitude 1
+#: flushed to 0.
+_CODE_BUGS = {
+    "codes_plus_one": lambda c, qmax: np.minimum(c + 1, qmax),
+    "codes_away_from_zero": lambda c, qmax: np.clip(c + np.sign(c), -qmax, qmax),
+    "minus_qmax_stored_one_below": lambda c, qmax: np.where(c == -qmax, -qmax - 1, c),
+    "small_codes_flushed": lambda c, qmax: np.where(np.abs(c) <= 1, 0, c),
+}
 
 
 def _dequantize(codes, scale, group, t1, arithmetic):
@@ -329,16 +341,21 @@ cache_attention_nan_when_all_masked = types.SimpleNamespace(
 _CACHE_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_mode", "cache_layout", "page_size")
 
 
-def ppl_style_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-                              decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None,
-                              output_factor=1.0, **attributes):
-    """MultiHeadCacheAttention with ppl's store arithmetic (``ppl_style``'s codes and scales), then the reference's
-    attention over the keys and values it gathered from that cache; ``output_factor`` scales the output (a bug)."""
-    cache_attributes = {k: v for k, v in attributes.items() if k in _CACHE_ATTRIBUTES}
-    attention = {k: v for k, v in attributes.items() if k not in _CACHE_ATTRIBUTES}
-    key, value = ppl_style(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                           max_kvlen, cache, scale, num_repeat=1, **cache_attributes)
-    output = multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
-                                  attn_mask, **attention)
-    return (output * output_factor).astype(output.dtype) if output_factor != 1.0 else output
+def cache_attention_over(stores):
+    """MultiHeadCacheAttention as ``stores`` (a KeyValueCache backend of this module) stores and gathers, then the
+    reference's attention over the keys and values it gathered; ``output_factor`` scales the output (a bug)."""
+    def op(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
+           max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, output_factor=1.0, **attributes):
+        cache_attributes = {k: v for k, v in attributes.items() if k in _CACHE_ATTRIBUTES}
+        attention = {k: v for k, v in attributes.items() if k not in _CACHE_ATTRIBUTES}
+        key, value = stores(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                            max_kvlen, cache, scale, num_repeat=1, **cache_attributes)
+        output = multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen,
+                                      max_kvlen, attn_mask, **attention)
+        return (output * output_factor).astype(output.dtype) if output_factor != 1.0 else output
+    return op
+
+
+#: The fused op with ppl's store arithmetic (``ppl_style``'s codes and scales).
+ppl_style_cache_attention = cache_attention_over(ppl_style)
 

@@ -158,3 +158,15 @@ def test_a_wrong_output_over_a_cache_that_passes_still_fails_the_spec_tolerance(
     assert lines and all(line.startswith("output:") for line in lines), lines
     assert any("over the keys and values in the backend's cache" in line for line in lines), lines
 
+
+@pytest.mark.parametrize("bug", ["codes_plus_one", "codes_away_from_zero", "minus_qmax_stored_one_below",
+                                 "small_codes_flushed"])
+def test_codes_their_own_scales_do_not_explain_keep_the_references_expected_output(bug):
+    """Codes within the table's +-1 but not the backend's values over its own scales (biased, past qmax, flushed)
+    pass the cache comparison; the fused op's output is then held to the reference's keys, which it fails. Held to
+    the keys in its own biased cache instead, every one of these passed every case."""
+    backend = CallableBackend({"MultiHeadCacheAttention": planted_backends.cache_attention_over(
+        planted_backends._backend(bug))}, bug)
+    failed = [c.name for c in _quantized_cache_attention_cases() if _cache_attention_lines(backend, c, "spec")]
+    assert failed, f"{bug} passed every quantized fused case in spec mode"
+
