@@ -81,7 +81,8 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
         const int64_t j = first + stage * C + k;
         if (j >= last) continue;
         const RowAt r = rows_of.At(p, kv, d.g, rows_of.Where(p, mem, d.tile.b, d.seq.col0, j));
-        team.CopyAsync16(mem, staged_at(stage, kv, k, x), rows_of.BufferOf(kv), (r.elem + x * kVec) * int64_t(sizeof(T)));
+        team.CopyAsync16(mem, staged_at(stage, kv, k, x), rows_of.BufferOf(kv),
+                         (r.elem + x * kVec) * int64_t(sizeof(T)));
       }
     });
   };

@@ -74,7 +74,8 @@ class AttentionHostRunner:
         self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
 
     def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
-            views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False, mma_form=1, decode_form=1, short_wait=0) -> Result:
+            views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False, mma_form=1, decode_form=1,
+            short_wait=0) -> Result:
         """Runs the call (MultiHeadCacheAttention when ``inputs`` has a cache, else MultiHeadAttention; the cache
         and scale are written in place). ``views``: names of inputs passed 2 bytes past their array's start (a
         misaligned copy, written back after the call), so the kernels take their element-by-element path; not for int4

@@ -199,8 +199,9 @@ struct HostTeam {
     if (!skip_sync) mem.EndPhase();
   }
   // Asynchronous copies (the GPU's cp.async): a copy is checked where it is issued (both ends in bounds and 16-byte
-  // aligned, no other copy in flight to its bytes, no other thread reading them in this phase) and made at the
-  // WaitSync that covers its group, as the issuing thread's write; until then any access to its bytes is a race.
+  // aligned, no other copy in flight to its bytes, no other thread writing or reading them in this phase) and made
+  // at the WaitSync that covers its group, as the issuing thread's write; until then any access to its bytes is a
+  // race.
   struct PendingCopy {
     int64_t thread, shared_byte;
     ABuf buf;
@@ -216,9 +217,14 @@ struct HostTeam {
       if (m.in_flight[at] > 0)
         m.Note(m.report->write_write, "thread " + std::to_string(m.thread) + " copies to shared byte " +
                                           std::to_string(shared_byte + i) + ", which another copy in flight writes");
+      else if (s.writer != kNobody && s.writer != m.Who())
+        m.Note(m.report->write_write, "thread " + std::to_string(m.thread) + " copies to shared byte " +
+                                          std::to_string(shared_byte + i) +
+                                          ", which another thread writes in this phase");
       else if (s.reader != kNobody && s.reader != m.Who())
         m.Note(m.report->read_write, "thread " + std::to_string(m.thread) + " copies to shared byte " +
-                                         std::to_string(shared_byte + i) + ", which another thread reads in this phase");
+                                         std::to_string(shared_byte + i) +
+                                         ", which another thread reads in this phase");
       ++m.in_flight[at];
     }
     open.push_back(PendingCopy{m.thread, shared_byte, buf, byte});
@@ -245,7 +251,8 @@ struct HostTeam {
     size_t left = open.size();
     for (const auto& g : groups) left += g.size();
     if (left > 0)
-      mem.Note(mem.report->write_write, std::to_string(left) + " asynchronous copies still in flight at the block's end");
+      mem.Note(mem.report->write_write,
+               std::to_string(left) + " asynchronous copies still in flight at the block's end");
     open.clear();
     groups.clear();
     std::fill(mem.in_flight.begin(), mem.in_flight.end(), 0);
