@@ -1,5 +1,5 @@
-// The decode kernel's second form: the decode tiles (one query row, up to kDecodeHeads heads of one kv head, a
-// range of keys) where the key and value rows are stored as T1 of two bytes (float16 / bfloat16: packed, or an
+// The staged decode kernel: the decode tiles (one query row, up to kDecodeHeads heads of one kv head, a range of
+// keys) where the key and value rows are stored as T1 of two bytes (float16 / bfloat16: packed, or an
 // unquantized cache) and 16-byte aligned.
 //
 // Decode reads every key and value row once: its speed is the bytes it keeps in flight per multiprocessor. The first

@@ -52,7 +52,7 @@ KV_HD bool DecodeKernelFits(int64_t head_dim) {
   return head_dim % kVec == 0 && lanes >= 1 && lanes <= kWarp && (lanes & (lanes - 1)) == 0;
 }
 
-// The decode kernel's second form (attention_decode_staged.h) takes the same tiles where the key and value rows are
+// The staged decode kernel (attention_decode_staged.h) takes the same tiles where the key and value rows are
 // float16 / bfloat16 as stored (packed, or an unquantized cache) and 16-byte aligned: the block copies its keys' rows
 // into a ring of kStagedStages stages in shared memory (cp.async: the copies in flight hold no registers), each stage
 // kStagedStageBytes of key rows then as many of value rows, kStagedStageBytes / (2 Dh) keys, so every key group of

@@ -71,7 +71,7 @@ bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
 // stored as T1 (packed keys, unquantized caches), so a quantized cache always takes the first.
 int MmaFormFor(int asked, const CacheSide* cache);
 
-// Whether the decode kernel's second form can read this call: T1 float16 or bfloat16, the key and value rows stored
+// Whether the staged decode kernel can read this call: T1 float16 or bfloat16, the key and value rows stored
 // as T1 (packed, or an unquantized cache) and 16-byte aligned (it copies them 16 bytes at a time).
 bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
 

@@ -93,7 +93,7 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   // 9.48 in the tile kernel. So sequences of one token take the tile kernel unless KVCACHE_OP_CUDA_DECODE_KERNEL=1
   // or KVCACHE_OP_CUDA_MMA_DECODE=1, and longer float16 / bfloat16 sequences the tensor-core kernel unless
   // KVCACHE_OP_CUDA_MMA=0. All three are read on every call: tests and benchmarks switch them.
-  // KVCACHE_OP_CUDA_DECODE_KERNEL=2: the decode kernel's second form (rows staged in shared memory) where the rows
+  // KVCACHE_OP_CUDA_DECODE_KERNEL=2: the staged decode kernel (rows staged in shared memory) where the rows
   // fit it (StagedRowsFit), the tile kernel where they do not.
   const bool staged = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2") && StagedRowsFit(t1, tensors, cache);
   policy.decode_kernel = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1") || staged;
