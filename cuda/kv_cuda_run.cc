@@ -177,8 +177,8 @@ void RefuseGraphCapture(cudaStream_t stream, const char* op) {
 
 void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, const AttnTensors& tensors,
                            cudaStream_t stream, DeviceScratch& scratch) {
-  RefuseGraphCapture(stream, "MultiHeadAttention");
   CheckAttentionAligned(tensors, t);
+  RefuseGraphCapture(stream, "MultiHeadAttention");
   const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy(t, tensors, nullptr));  // throws first
   PlannedScratch planned(scratch, launch, a.head_dim);
   LaunchStaged(StagePlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, planned), stream);
@@ -187,7 +187,6 @@ void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, co
 void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_t t1, int32_t scale_type,
                                 const void* key, const void* value, const AttnTensors& tensors, cudaStream_t stream,
                                 DeviceScratch& scratch) {
-  RefuseGraphCapture(stream, "MultiHeadCacheAttention");
   const CacheSide side{&a.cache, &plan.cache};
   // Everything checked and allocated before anything is enqueued: a call that cannot run leaves the cache unchanged.
   CheckAttentionAligned(tensors, t1);
@@ -196,6 +195,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   CheckAligned("cache", tensors.cache, a.cache.quant_bit ? int32_t(Elem::kInt8) : t1);
   if (a.cache.quant_bit) CheckAligned("scale", tensors.scale, scale_type);  // read only when quantized
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
+  RefuseGraphCapture(stream, "MultiHeadCacheAttention");
   const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, tensors, &side));
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
   const StagedAttention attention = StagePlanned(a.attention, plan.attention, &side, launch, t1, scale_type,
@@ -215,7 +215,6 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
 
 void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scale_type, const DeviceTensors& t,
                   cudaStream_t stream, DeviceScratch& scratch) {
-  RefuseGraphCapture(stream, "KeyValueCache");
   if (plan.batch == 0) return;
   // Before anything is enqueued: a call that cannot run leaves the cache unchanged.
   for (auto [name, data] : {std::pair<const char*, const void*>{"current_key", t.key}, {"current_value", t.value},
@@ -224,6 +223,7 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
   CheckAligned("cache", t.cache, a.quant_bit ? int32_t(Elem::kInt8) : t1);
   if (a.quant_bit) CheckAligned("scale", t.scale, scale_type);  // read only when quantized
   CheckLaunchable(plan);
+  RefuseGraphCapture(stream, "KeyValueCache");
   // One host buffer with every index array (the plan's snapshots), copied to the device once. A pageable
   // source is staged by the driver before cudaMemcpyAsync returns, so `host` may go out of scope after.
   const std::vector<int64_t> host = PackIndices(plan);
@@ -236,11 +236,11 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
 
 void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
                         void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch) {
-  RefuseGraphCapture(stream, "KeyCacheRotaryShift");
   if (plan.slots.empty()) return;
   CheckAligned("cache", cache, cache_type);  // before anything is enqueued
   if (a.base.quant_bit) CheckAligned("scale", scale, scale_type);
   CheckRotaryLaunchable(a, plan);
+  RefuseGraphCapture(stream, "KeyCacheRotaryShift");
   const std::vector<uint8_t> host = PackRotaryTables(plan);
   ScratchBlock tables(scratch, host.size());
   Check(cudaMemcpyAsync(tables.data, host.data(), host.size(), cudaMemcpyHostToDevice, stream),

@@ -28,7 +28,8 @@ struct DeviceScratch {
 // Throws KvError (op names the op) when `stream` is being captured into a CUDA graph, before anything is enqueued:
 // every call copies its validated plan (index snapshots, tiles) from host memory and sizes its launches by it, so a
 // pageable copy cannot be captured, and a graph replayed on the next step would store to the captured step's slots.
-// Each Run*Validated below calls it first; glue that enqueues anything of its own before them calls it before that.
+// Each Run*Validated below calls it after its host-side checks (alignment, launch limits: refused by name without a
+// GPU) and before its first CUDA call; glue that enqueues anything of its own before them calls it before that.
 void RefuseGraphCapture(cudaStream_t stream, const char* op);
 
 // Throws KvError when the call cannot be launched (CheckLaunchable) and std::runtime_error for a CUDA
