@@ -87,16 +87,18 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   TilePolicy policy;
   policy.min_blocks = 4 * int64_t(sms > 0 ? sms : 1);
   policy.min_decode_blocks = 2 * policy.min_blocks;
-  // Measured on an H100 (B=64 x 1,024 keys, 8/2 heads, Dh 128, float16; benchmarks/gpu/attention_h100): the tile
-  // kernel decodes in 0.113 ms, the decode kernel in 0.203 (it executes 2.3x the tile kernel's instructions) and the
-  // tensor-core kernel in 0.209; a B=8 x 1,024-row prefill (32/8 heads) takes 3.57 ms in the tensor-core kernel and
-  // 9.48 in the tile kernel. So sequences of one token take the tile kernel unless KVCACHE_OP_CUDA_DECODE_KERNEL=1
-  // or KVCACHE_OP_CUDA_MMA_DECODE=1, and longer float16 / bfloat16 sequences the tensor-core kernel unless
-  // KVCACHE_OP_CUDA_MMA=0. All three are read on every call: tests and benchmarks switch them.
-  // KVCACHE_OP_CUDA_DECODE_KERNEL=2: the staged decode kernel (rows staged in shared memory) where the rows
-  // fit it (StagedRowsFit), the tile kernel where they do not.
-  const bool staged = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2") && StagedRowsFit(t1, tensors, cache);
-  policy.decode_kernel = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1") || staged;
+  // Decodes (sequences of one token), measured on an H200 (benchmarks/gpu/attention_h200_staged; device time per
+  // call): the staged decode kernel beats the tile kernel on every shape measured, 1.09-1.32x (B=64 x 1,024 keys 8/2
+  // heads: 0.079 against 0.087 ms; B=32 x 2,048 32/8: 0.272 against 0.347; MultiHeadAttention's packed B=64: 0.062
+  // against 0.081), and the first decode kernel and the tensor-core kernel lose to both. So decodes take the staged
+  // kernel where the rows fit it (StagedRowsFit: float16 / bfloat16 as stored, 16-byte aligned), else the tile
+  // kernel; KVCACHE_OP_CUDA_DECODE_KERNEL=0 sends every decode to the tile kernel, =1 to the first decode kernel, and
+  // KVCACHE_OP_CUDA_MMA_DECODE=1 to the tensor-core kernel. Longer float16 / bfloat16 sequences take the tensor-core
+  // kernel (a B=8 x 1,024-row prefill, 32/8 heads, on an H100: 3.57 ms against 9.48 in the tile kernel) unless
+  // KVCACHE_OP_CUDA_MMA=0. All are read on every call: tests and benchmarks switch them.
+  const bool first_form = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
+  const bool staged = !first_form && !EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "0") && StagedRowsFit(t1, tensors, cache);
+  policy.decode_kernel = first_form || staged;
   policy.decode_form = staged ? 2 : 1;
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
   // The second form is not measured on a GPU yet. A quantized call asking for it takes the first (MmaFormFor), and

@@ -118,15 +118,15 @@ class AttentionCall:
         return all(b.guards_intact() for b in [*self.device.values(), self.out])
 
 
-#: KVCACHE_OP_CUDA_DECODE_KERNEL of a decode route: the tile kernel (the default), the decode kernel, its staged
-#: form (float16 / bfloat16 rows as stored; other rows to the tile kernel).
+#: KVCACHE_OP_CUDA_DECODE_KERNEL of a decode route: the tile kernel, the first decode kernel, the staged decode
+#: kernel (the default where the rows fit it: float16 / bfloat16 as stored; other rows to the tile kernel).
 DECODE_ROUTES = {"tile": "0", "decode": "1", "staged": "2"}
 
 
 @pytest.fixture(params=list(DECODE_ROUTES))
 def kernel(request, monkeypatch):
-    """Sequences of one token through the tile kernel (the default), the decode kernel or its staged form
-    (KVCACHE_OP_CUDA_DECODE_KERNEL, read on every call)."""
+    """Sequences of one token through the tile kernel, the first decode kernel or the staged one (the default where
+    it fits; KVCACHE_OP_CUDA_DECODE_KERNEL, read on every call)."""
     monkeypatch.setenv("KVCACHE_OP_CUDA_DECODE_KERNEL", DECODE_ROUTES[request.param])
     return request.param
 

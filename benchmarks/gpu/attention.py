@@ -34,11 +34,12 @@ Figures, per case:
   ``enable_gqa=True`` or, where that is refused, keys expanded to H heads before timing. **vs sdpa** = sdpa ms /
   op ms (above 1: the op is faster; prefill target 0.8). For MultiHeadAttention the two get the same numbers:
   **max |op - sdpa|** is their largest difference (a sanity figure);
-* rows ending **decode kernel** / **staged decode kernel** / **tensor-core kernel**: sequences of one token through
-  the decode kernel (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``), its staged form (``=2``: rows copied into shared memory
-  with cp.async, float16 / bfloat16 unquantized rows only) or the tensor-core kernel
-  (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the
-  tile kernel, the default, on shapes measured above; **tile kernel**: a prefill through the tile kernel
+* decodes of float16 / bfloat16 rows as stored (packed, unquantized caches) take the staged decode kernel by
+  default (rows copied into shared memory with cp.async), others the tile kernel; rows ending **decode kernel** /
+  **tile kernel** / **tensor-core kernel** on a decode: sequences of one token through the first decode kernel
+  (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``), the tile kernel (``=0``) or the tensor-core kernel
+  (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the default, on shapes measured above; **tile kernel** on a
+  prefill: through the tile kernel
   (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16; **tensor-core
   kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``; built for unquantized rows only, so int8 and
   int4 caches keep the first).
@@ -104,7 +105,7 @@ def cases(quick: bool) -> list:
     if quick:
         return ([Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, layout=layout) for layout in (0, 3)]
                 + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3)]
-                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k) for k in ("decode", "staged", "mma")]
+                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k) for k in ("decode", "tile-decode", "mma")]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="tile"),
@@ -117,10 +118,10 @@ def cases(quick: bool) -> list:
     # the other routes beside the defaults on the same shapes: decodes through the decode kernel and through the
     # tensor-core kernel, the prefill through the tile kernel
     out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, kernel=k) for k in ("decode", "mma")]
-    # the staged decode kernel on every unquantized decode shape above (its rows: float16 / bfloat16 as stored)
-    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, layout=layout, kernel="staged") for layout in (0, 3)]
-    out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, layout=layout, kernel="staged") for layout in (0, 3)]
-    out += [Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="staged")]
+    # the tile kernel on every unquantized decode shape above, which the staged decode kernel takes by default
+    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, layout=layout, kernel="tile-decode") for layout in (0, 3)]
+    out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, layout=layout, kernel="tile-decode") for layout in (0, 3)]
+    out += [Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="tile-decode")]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, kernel=k) for k in ("decode", "mma")]
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
     # the tensor-core kernel's second form (products in registers) on the prefills
@@ -130,11 +131,12 @@ def cases(quick: bool) -> list:
 
 
 #: A case's route: (its label, the environment the library reads on every call). The default: sequences of one token
-#: through the tile kernel, longer float16 / bfloat16 ones through the tensor-core kernel.
+#: through the staged decode kernel where their rows fit it (else the tile kernel), longer float16 / bfloat16 ones
+#: through the tensor-core kernel.
 KERNELS = {
     "": ("", {}),
     "decode": ("decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "1"}),
-    "staged": ("staged decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "2"}),
+    "tile-decode": ("tile kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "0"}),
     "mma": ("tensor-core kernel", {"KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
     "tile": ("tile kernel", {"KVCACHE_OP_CUDA_MMA": "0"}),
     "mma2": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2"}),
