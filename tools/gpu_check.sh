@@ -26,7 +26,8 @@
 # run in one process, under the tool. GPU_CHECK_SANITIZERS_TOGETHER=1 runs the four tools' steps side by side (each
 # tool's two steps one after the other) instead of one tool after another.
 # GPU_CHECK_PROFILE=1 adds steps that run the attention decode (B=64, kvlen 1024) under Nsight Compute, through
-# the tile kernel and through the decode kernel, and the float16 prefill through both forms of the tensor-core kernel
+# the staged decode kernel (the default) and through the tile kernel, and the float16 prefill through both forms of
+# the tensor-core kernel
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
 # where the kernel stalls).
 # Exit status: 0 when no step failed.
@@ -209,11 +210,11 @@ else
   run_benchmark attention-benchmark 150 attention-bench results.md kvcache_op.benchmarks.gpu.attention
 
   if [ "${GPU_CHECK_PROFILE:-0}" = 1 ]; then
-    # The benchmark's first case (the B=64 decode) through the tile kernel, then through the decode kernel, and the
-    # float16 prefill through the tensor-core kernel.
+    # The benchmark's first case (the B=64 decode) through the staged decode kernel (the default), then through the
+    # tile kernel, and the float16 prefill through the tensor-core kernel.
     NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
     LISTED=$("$PY" -m kvcache_op.benchmarks.gpu.attention_profile --list)
-    DECODE_CASE=$(grep -m1 "decode kernel" <<<"$LISTED" | cut -d: -f1)
+    DECODE_CASE=$(grep -m1 "mhca decode .* tile kernel$" <<<"$LISTED" | cut -d: -f1)
     PREFILL_CASE=$(grep -m1 "mha prefill .* float16 packed$" <<<"$LISTED" | cut -d: -f1)
     PREFILL2_CASE=$(grep -m1 "mha prefill .* float16 packed tensor-core kernel in registers$" <<<"$LISTED" | cut -d: -f1)
     for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-} ${PREFILL2_CASE:-}; do
