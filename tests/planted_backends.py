@@ -46,6 +46,7 @@ from kvcache_op.reference import (canonical_view, key_cache_rotary_shift, multi_
                                   multi_head_cache_attention)
 from kvcache_op.reference.dtypes import SCALE_EPS
 from kvcache_op.reference.validate import Attributes, KeyValueCacheError, effective_scale, validate_call
+from kvcache_op.spec.schema import ATTRIBUTE_DEFAULTS as CACHE_ATTRIBUTES
 
 QMAX = {8: 127, 4: 7}
 #: The reference's messages for the checks of the index values (launch bounds, slot bounds, aliasing): what a
@@ -337,17 +338,13 @@ cache_attention_nan_when_all_masked = types.SimpleNamespace(
     multi_head_cache_attention=_cache_attention_nan_when_all_masked)
 
 
-#: MultiHeadCacheAttention's attributes of its cache (the rest are its attention's).
-_CACHE_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_mode", "cache_layout", "page_size")
-
-
 def cache_attention_over(stores):
     """MultiHeadCacheAttention as ``stores`` (a KeyValueCache backend of this module) stores and gathers, then the
     reference's attention over the keys and values it gathered; ``output_factor`` scales the output (a bug)."""
     def op(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
            max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, output_factor=1.0, **attributes):
-        cache_attributes = {k: v for k, v in attributes.items() if k in _CACHE_ATTRIBUTES}
-        attention = {k: v for k, v in attributes.items() if k not in _CACHE_ATTRIBUTES}
+        cache_attributes = {k: v for k, v in attributes.items() if k in CACHE_ATTRIBUTES}
+        attention = {k: v for k, v in attributes.items() if k not in CACHE_ATTRIBUTES}
         key, value = stores(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
                             max_kvlen, cache, scale, num_repeat=1, **cache_attributes)
         output = multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen,

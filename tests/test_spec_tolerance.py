@@ -128,7 +128,8 @@ def test_a_quantized_output_not_explained_by_its_codes_fails_spec():
 
 
 def _quantized_cache_attention_cases():
-    return [make() for make in CACHE_ATTENTION_CASES.values() if make().attributes.get("quant_bit")]
+    cases = (make() for make in CACHE_ATTENTION_CASES.values())
+    return [case for case in cases if case.attributes.get("quant_bit")]
 
 
 def _cache_attention_lines(backend, case, mode):

@@ -17,6 +17,7 @@ call must fail and leave the in-place inputs byte-for-byte as they were.
 import numpy as np
 
 from ..reference.dtypes import INT4, QMAX
+from ..spec import mha_schema
 from ..spec.schema import ATTRIBUTE_DEFAULTS as CACHE_ATTRIBUTES
 from ..spec.schema import INPUTS as CACHE_INPUTS
 from . import tolerance as spec_tolerance
@@ -130,10 +131,9 @@ class _Context:
         return text
 
 
-#: MultiHeadCacheAttention's inputs and attributes its attention takes (the rest are its cache's).
-ATTENTION_INPUTS = ("query", "seqstarts", "kvstarts", "decoding_batches", "max_seqlen", "max_kvlen", "attn_mask")
-ATTENTION_ATTRIBUTES = ("num_heads", "head_dim", "num_kv_heads", "is_causal", "is_alibi", "softmax_scale",
-                        "sliding_window", "softcap")
+#: MultiHeadCacheAttention's inputs and attributes its attention takes: MultiHeadAttention's but the keys and values.
+ATTENTION_INPUTS = tuple(n for n in mha_schema.INPUTS if n not in ("key", "value"))
+ATTENTION_ATTRIBUTES = mha_schema.REQUIRED_ATTRIBUTES + tuple(mha_schema.ATTRIBUTE_DEFAULTS)
 
 
 def _stored_inputs(ctx: "_Context") -> np.ndarray:
@@ -142,11 +142,10 @@ def _stored_inputs(ctx: "_Context") -> np.ndarray:
     from ..reference import key_value_cache
 
     inputs, attributes = cache_call(ctx.op, ctx.inputs, ctx.attributes)
-    fresh = {k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v for k, v in inputs.items()}
-    for name in ("current_key", "current_value"):
-        fresh[name] = np.asarray(inputs[name]).astype(np.float32)
-    fresh["cache"] = np.zeros(np.shape(inputs["cache"]), np.float32)
-    fresh["scale"] = None
+    # Only the cache is written: a float32 one of the cache's shape, the rest read as given.
+    fresh = dict(inputs, current_key=np.asarray(inputs["current_key"]).astype(np.float32),
+                 current_value=np.asarray(inputs["current_value"]).astype(np.float32),
+                 cache=np.zeros(np.shape(inputs["cache"]), np.float32), scale=None)
     with np.errstate(all="ignore"):
         key_value_cache(**fresh, **dict(attributes, quant_bit=0))
     return fresh["cache"].astype(np.float64)
@@ -177,16 +176,13 @@ def _attention_over_backend_cache(ctx: "_Context") -> tuple:
     and scales at the slots the call reads, dequantized as the spec does (float32 product, one rounding to T1),
     then the reference's attention and twice its bound, as for the reference's own cache."""
     from ..reference import attention_tolerance, multi_head_attention
+    from ..reference.quantize import dequantize
 
     t1 = np.asarray(ctx.inputs["query"]).dtype
-    rows = []
-    for kv in (0, 1):
-        (codes, scales), _ = ctx.pairs(kv)
-        with np.errstate(over="ignore", invalid="ignore"):  # 0 x inf and overflow are the spec's results too
-            rows.append((codes.astype(np.float64) * scales).astype(np.float32).astype(t1))
+    # Each element's own scale (pairs gathers one per element): groups of one.
+    key, value = (dequantize(*ctx.pairs(kv)[0], 1, t1) for kv in (0, 1))
     call = {k: ctx.inputs.get(k) for k in ATTENTION_INPUTS}
     attributes = {k: v for k, v in ctx.attributes.items() if k in ATTENTION_ATTRIBUTES}
-    key, value = rows
     with np.errstate(all="ignore"):  # non-finite inputs have defined outcomes (the reference's own calls do this)
         output = multi_head_attention(key=key, value=value, **call, **attributes)
         bound = 2 * attention_tolerance(key=key, value=value, **call, **attributes)
