@@ -19,6 +19,13 @@ void Visible(const MhaAttrs& a, const MhaPlan& plan, int64_t b, int64_t i, int64
   if (*hi < *lo) *hi = *lo;
 }
 
+// Whether the key and value rows start 16-byte aligned: the cache's, or the packed keys' and values'.
+bool RowsAligned16(const AttnTensors& t, const CacheSide* cache) {
+  return cache ? Aligned16(t.cache) : Aligned16(t.key) && Aligned16(t.value);
+}
+
+bool TwoByteT1(int32_t t1) { return t1 == int32_t(Elem::kFloat16) || t1 == int32_t(Elem::kBFloat16); }
+
 }  // namespace
 
 AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const TilePolicy& policy) {
@@ -154,16 +161,12 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
 }
 
 bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
-  if (t1 != int32_t(Elem::kFloat16) && t1 != int32_t(Elem::kBFloat16)) return false;
-  const bool rows_aligned = cache ? Aligned16(t.cache) : Aligned16(t.key) && Aligned16(t.value);
   const bool groups = !cache || cache->attrs->quant_bit == 0 || cache->attrs->quant_group % kVec == 0;
-  return Aligned16(t.query) && rows_aligned && groups;
+  return TwoByteT1(t1) && Aligned16(t.query) && RowsAligned16(t, cache) && groups;
 }
 
 bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
-  if (t1 != int32_t(Elem::kFloat16) && t1 != int32_t(Elem::kBFloat16)) return false;
-  if (cache) return cache->attrs->quant_bit == 0 && Aligned16(t.cache);
-  return Aligned16(t.key) && Aligned16(t.value);
+  return TwoByteT1(t1) && (!cache || cache->attrs->quant_bit == 0) && RowsAligned16(t, cache);
 }
 
 int MmaFormFor(int asked, const CacheSide* cache) {
@@ -203,8 +206,8 @@ AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSid
     p.cache_rows = {c.cache_rows.layer, c.cache_rows.kv, c.cache_rows.head, c.cache_rows.slot};
     p.scale_rows = {c.scale_rows.layer, c.scale_rows.kv, c.scale_rows.head, c.scale_rows.slot};
   }
-  const bool rows_aligned = cache ? Aligned16(t.cache) : Aligned16(t.key) && Aligned16(t.value);
-  p.vector_rows = a.head_dim % kSliceElems == 0 && rows_aligned && (!quantized || p.quant_group % kSliceElems == 0);
+  p.vector_rows =
+      a.head_dim % kSliceElems == 0 && RowsAligned16(t, cache) && (!quantized || p.quant_group % kSliceElems == 0);
   p.ptr[kAQuery] = const_cast<void*>(t.query);
   p.ptr[kAKey] = const_cast<void*>(t.key);
   p.ptr[kAValue] = const_cast<void*>(t.value);

@@ -237,12 +237,17 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
 }
 
 void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
-                        void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch) {
+                        void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch, int64_t* slots_out) {
   if (plan.slots.empty()) return;
   CheckAligned("cache", cache, cache_type);  // before anything is enqueued
   if (a.base.quant_bit) CheckAligned("scale", scale, scale_type);
   CheckRotaryLaunchable(a, plan);
   RefuseGraphCapture(stream, "KeyCacheRotaryShift");
+  // A pageable source is staged by the driver before cudaMemcpyAsync returns: the plan may go.
+  if (slots_out)
+    Check(cudaMemcpyAsync(slots_out, plan.slots.data(), plan.slots.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                          stream),
+          "copying slots_out");
   const std::vector<uint8_t> host = PackRotaryTables(plan);
   ScratchBlock tables(scratch, host.size());
   Check(cudaMemcpyAsync(tables.data, host.data(), host.size(), cudaMemcpyHostToDevice, stream),

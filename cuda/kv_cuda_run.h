@@ -29,7 +29,7 @@ struct DeviceScratch {
 // every call copies its validated plan (index snapshots, tiles) from host memory and sizes its launches by it, so a
 // pageable copy cannot be captured, and a graph replayed on the next step would store to the captured step's slots.
 // Each Run*Validated below calls it after its host-side checks (alignment, launch limits: refused by name without a
-// GPU) and before its first CUDA call; glue that enqueues anything of its own before them calls it before that.
+// GPU) and before its first CUDA call.
 void RefuseGraphCapture(cudaStream_t stream, const char* op);
 
 // Throws KvError when the call cannot be launched (CheckLaunchable) and std::runtime_error for a CUDA
@@ -39,9 +39,12 @@ void RunValidated(const Attrs& a, const CallPlan& plan, int32_t t1, int32_t scal
                   cudaStream_t stream, DeviceScratch& scratch);
 
 // The same for KeyCacheRotaryShift: `plan` from ValidateRotaryShift on the call whose device cache and
-// scale (null without quantization) are given; cache_type / scale_type are their ONNX types.
+// scale (null without quantization) are given; cache_type / scale_type are their ONNX types. `slots_out`, when not
+// null, is device memory that receives the slots as given (the CUDA EP's output), copied before the rotation: a copy
+// that failed after it would fail the call with the cache already rotated.
 void RunRotaryValidated(const RotaryAttrs& a, const RotaryPlan& plan, int32_t cache_type, int32_t scale_type,
-                        void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch);
+                        void* cache, void* scale, cudaStream_t stream, DeviceScratch& scratch,
+                        int64_t* slots_out = nullptr);
 
 // MultiHeadAttention: `plan` from ValidateAttention on the call whose device buffers are `t` (key and value set,
 // cache and scale null); t is the ONNX type of query. Throws KvError before anything is enqueued when the call
