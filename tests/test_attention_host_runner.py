@@ -34,6 +34,15 @@ def runner(request, tmp_path_factory):
     return AttentionHostRunner(path)
 
 
+#: The decode form each decode route runs (0: no decode kernel).
+DECODE_FORM = {"decode": 1, "staged": 2, "tile": 0}
+
+
+def decode_route(kernel):
+    """The runner's options that send decodes to `kernel`: the tile kernel, the first decode kernel or the staged one."""
+    return {"tile_kernel_only": kernel == "tile", "decode_form": 2 if kernel == "staged" else 1}
+
+
 def check_mha(runner, case, **options):
     exact, bound = oracle(case)
     result = runner.run(copies(case.inputs), case.attributes, **options)
@@ -99,7 +108,7 @@ def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim
                                  quant_bit=quant_bit, quant_group=group, cache_mode=mode, cache_layout=layout,
                                  page_size=page_size or 4, t1="float16", t3="float16")
     result = check_mhca(runner, case.inputs, case.attributes, min_blocks=64, min_split_keys=16,
-                        tile_kernel_only=kernel == "tile", decode_form=2 if kernel == "staged" else 1)
+                        **decode_route(kernel))
     assert (result.report.decode_tiles > 0) == (kernel != "tile" and head_dim in (16, 32, 64, 128))
     if result.report.decode_tiles:
         assert result.report.decode_form == (2 if kernel == "staged" and quant_bit == 0 else 1)
@@ -177,11 +186,11 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runn
     case.inputs["attn_mask"][0, :512] = -np.inf
     case.inputs["value"][0, 0, 0] = np.nan
     result = runner.run(copies(case.inputs), case.attributes, min_blocks=10**6 if split else 1, min_split_keys=256,
-                        tile_kernel_only=kernel == "tile", decode_form=2 if kernel == "staged" else 1)
+                        **decode_route(kernel))
     assert_clean(result)
     assert (result.report.split_tiles > 0) == split
     assert (result.report.decode_tiles > 0) == (kernel != "tile")
-    assert result.report.decode_form == {"decode": 1, "staged": 2, "tile": 0}[kernel]
+    assert result.report.decode_form == DECODE_FORM[kernel]
     assert np.isnan(result.output[0]).any(), result.output[0]
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)[0]).any()  # the reference agrees
 
@@ -193,10 +202,9 @@ def test_keys_masked_to_minus_inf_before_finite_ones_leave_the_row_finite(runner
     t = "bfloat16" if kernel == "staged" else "float32"
     case = build_attention("minus-inf-first", [(1, 600)], heads=4, kv_heads=1, head_dim=16, t=t, mask=2)
     case.inputs["attn_mask"][0, :300] = -np.inf
-    result = check_mha(runner, case, min_blocks=1, tile_kernel_only=kernel == "tile",
-                       decode_form=2 if kernel == "staged" else 1)
+    result = check_mha(runner, case, min_blocks=1, **decode_route(kernel))
     assert np.isfinite(result.output).all()
-    assert result.report.decode_form == {"decode": 1, "staged": 2, "tile": 0}[kernel]
+    assert result.report.decode_form == DECODE_FORM[kernel]
 
 
 def test_a_wait_that_leaves_copies_in_flight_is_a_race_the_runner_reports(runner):

@@ -246,13 +246,13 @@ struct HostTeam {
     }
     Sync();
   }
-  // A block that ends with copies in flight: reported, and dropped (its shared memory is gone).
+  // A block that ends with copies in flight: reported, and dropped (its shared memory is gone). Without any, every
+  // count of in_flight is back at 0 already.
   void EndBlock() {
     size_t left = open.size();
     for (const auto& g : groups) left += g.size();
-    if (left > 0)
-      mem.Note(mem.report->write_write,
-               std::to_string(left) + " asynchronous copies still in flight at the block's end");
+    if (left == 0) return;
+    mem.Note(mem.report->write_write, std::to_string(left) + " asynchronous copies still in flight at the block's end");
     open.clear();
     groups.clear();
     std::fill(mem.in_flight.begin(), mem.in_flight.end(), 0);
