@@ -7,6 +7,7 @@
 #include "kv_cpu_quant_rows.h"
 #include "kv_cpu_rows.h"
 #include "kv_cpu_type_dispatch.h"
+#include "kv_line_streams.h"
 #include "kv_types.h"
 
 // Built once per instruction set; KV_CPU_ISA names the namespace (see kv_cpu_dispatch.cc).
@@ -81,12 +82,13 @@ struct Kernel {
     std::vector<int32_t> codes;   // a row's codes
     std::vector<float> sf;        // a row's scales as float32, then 8 zero floats
     std::vector<T> row;           // a dequantized row on its way to a streamed output
+    LineStreams lines;            // the streamed outputs' lines, written whole (Flush before the task ends)
     RowScratch Rows() { return RowScratch{x.data(), scale.data(), codes.data(), sf.data()}; }
   };
   Scratch MakeScratch() const {
     const auto d = static_cast<size_t>(p.heads * p.head_dim), g = static_cast<size_t>(p.heads * p.groups);
     return Scratch{std::vector<float>(d), std::vector<float>(d), std::vector<int32_t>(d), std::vector<float>(g + 8),
-                   std::vector<T>(d)};
+                   std::vector<T>(d), {}};
   }
 
   void StoreRows(int64_t row_begin, int64_t row_end) const {
@@ -125,7 +127,7 @@ struct Kernel {
   [[gnu::always_inline]] void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed,
                                        Scratch& scratch) const {
     if constexpr (QBits == 0) {
-      Repeat(CacheValues(kv, h, slot), heads * p.head_dim, dst, streamed);
+      Repeat(CacheValues(kv, h, slot), heads * p.head_dim, dst, streamed, scratch);
     } else {
       EmitCodes(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), heads, dst, streamed, scratch);
     }
@@ -136,18 +138,27 @@ struct Kernel {
   [[gnu::always_inline]] void EmitCodes(const Code* codes, const S* scales, int64_t heads, T* dst, bool streamed,
                                         Scratch& scratch) const {
     if (streamed && a.num_repeat == 1 &&
-        DequantizeRowStreamed<T1, T3, QBits>(codes, scales, a.quant_group, heads * p.groups, dst))
+        DequantizeRowStreamed<T1, T3, QBits>(codes, scales, a.quant_group, heads * p.groups, dst, scratch.lines))
       return;
     const int64_t n = heads * p.head_dim;
     T* into = streamed ? scratch.row.data() : dst;
     DequantizeRow<T1, T3, QBits>(codes, scales, n, a.quant_group, heads * p.groups, into, scratch.Rows());
-    Repeat(into, n, dst, streamed);
+    Repeat(into, n, dst, streamed, scratch);
   }
 
-  // The num_repeat copies of `row` (n values) into dst, one head_dim apart, but for dst itself.
-  [[gnu::always_inline]] void Repeat(const T* row, int64_t n, T* dst, bool streamed) const {
-    for (int64_t k = 0; k < a.num_repeat; ++k)
-      if (row != dst + k * p.head_dim) StoreRow(dst + k * p.head_dim, row, static_cast<size_t>(n) * sizeof(T), streamed);
+  // The num_repeat copies of `row` (n values) into dst, one head_dim apart, but for dst itself; streamed
+  // through the task's LineStreams (whole lines only, at any alignment), else with ordinary stores.
+  [[gnu::always_inline]] void Repeat(const T* row, int64_t n, T* dst, bool streamed, Scratch& scratch) const {
+    const auto bytes = static_cast<size_t>(n) * sizeof(T);
+    for (int64_t k = 0; k < a.num_repeat; ++k) {
+      T* to = dst + k * p.head_dim;
+      if (row == to) continue;
+      if (streamed) {
+        scratch.lines.Write(to, row, bytes);
+      } else {
+        std::memcpy(to, row, bytes);
+      }
+    }
   }
 
   // Head h's rows of the m consecutive slots from `slot` (layout 3: one after another in the cache) into dst,
@@ -197,13 +208,6 @@ struct Kernel {
     for (int64_t h = 0; h < p.heads; ++h) Prefetch(kv, h, slot, 1);
   }
 
-  // Whether streamed head rows of the outputs are whole cache lines: each is then written in full by its own
-  // streaming stores, in any order (a line left half written would cost a slow partial write).
-  bool HeadRowsWholeLines() const {
-    return OnCacheLine(args.out_key) && OnCacheLine(args.out_value) &&
-           (a.num_repeat * p.head_dim * int64_t(sizeof(T))) % 64 == 0;
-  }
-
   // Token i of this gather task (slot `slot`) into output row dst: one row of H * Dh where a token's heads lie
   // together in the cache and in the output (layouts 0-2 without repeats), else head by head.
   void EmitToken(int kv, int64_t slot, T* dst, Scratch& scratch) const {
@@ -215,9 +219,10 @@ struct Kernel {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
     // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it head by
     // head over the task's rows (whole pages): two short streams at a time (codes and scales) rather than 4H
-    // per token, at any output alignment (measured on an AMD EPYC, int8 decode: 0.60-0.62x a copy head by head
-    // into 64- and 16-byte aligned outputs alike, 0.35x token by token; the half-written lines that 16-byte
-    // aligned head rows leave between heads cost less than the 4H streams of the token order).
+    // per token (measured on an AMD EPYC, int8 decode: 0.60-0.62x a copy head by head, 0.35x token by token).
+    // Head rows that do not start on lines leave part lines between heads: the task's LineStreams holds them
+    // until the next head's row completes them (on an Intel Xeon, streamed part lines took the step from 0.8x
+    // a copy to 0.13x).
     // Outputs that stay cached go head by head where CachedGatherHeadRuns says so (AMD: a column of head rows
     // written at a time costs less than the 4H streams), else token by token (Intel: each line of the column is
     // read in first; kv_cpu_dispatch.cc has the figures).
@@ -251,10 +256,10 @@ struct Kernel {
           EmitToken(kv, slots[i], out(kv, i), scratch);
         }
     } else {
-      // Tiles of whole tokens, keys then values: long runs per output. Streamed, with head rows of whole cache
-      // lines (so lines are written whole in any order), a tile is read as kStreams streams side by side: in
-      // layout 3 a stream is a head's slots, kStreams heads at a time; elsewhere a run of the tile's tokens.
-      const bool side_by_side = stream && parallel_streams && HeadRowsWholeLines();
+      // Tiles of whole tokens, keys then values: long runs per output. Streamed side by side (LineStreams
+      // writes lines whole in any order), a tile is read as kStreams streams: in layout 3 a stream is a head's
+      // slots, kStreams heads at a time; elsewhere a run of the tile's tokens.
+      const bool side_by_side = stream && parallel_streams;
       const int64_t tile = std::max<int64_t>(1, kTileBytes / (out_row * int64_t(sizeof(T))));
       for (int64_t i0 = 0; i0 < rows; i0 += tile) {
         const int64_t m = std::min(tile, rows - i0);
@@ -282,6 +287,7 @@ struct Kernel {
         }
       }
     }
+    scratch.lines.Flush();
     StoreFence();
   }
 

@@ -15,8 +15,6 @@
 #include "kv_cpu_codes.h"
 #include "kv_quant.h"
 
-#define KV_ALWAYS_INLINE inline __attribute__((always_inline))
-
 namespace kvcache {
 namespace KV_CPU_ISA {
 

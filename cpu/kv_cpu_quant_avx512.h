@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kv_cpu_quant_avx2.h"
 
@@ -60,25 +61,26 @@ KV_ALWAYS_INLINE __m512i LoadCodes16(const typename Codes<QBits>::Storage* src) 
 }
 
 // DQ of 16 groups of 8 codes (128) with their 16 scales: each vector of two groups takes its scales from
-// one in-register permute of the scales loaded once. Stream: out is on a cache line and its 128 values are
-// written with streaming stores, a whole line per store.
-template <class T1, class T3, int QBits, bool Stream = false>
+// one in-register permute of the scales loaded once. Without a sink the values are stored at out; with one,
+// each 64 bytes of them go to sink->Put(__m512i) in order (a streamed output's writer, ShiftedRow).
+template <class T1, class T3, int QBits, class Sink = void>
 KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::Storage* codes,
-                                                 const typename T3::Storage* scales, typename T1::Storage* out) {
+                                                 const typename T3::Storage* scales, typename T1::Storage* out,
+                                                 Sink* sink = nullptr) {
+  constexpr bool kEmit = !std::is_void_v<Sink>;
   const __m512 s = LoadFloat16<T3>(scales);
   const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 v[8];
-  ForEachOf8([&](auto j) {
+  ForEachOf8([&](auto j) __attribute__((always_inline)) {  // one body with the sink's stores
     constexpr int J = decltype(j)::value;
     const __m512 sj = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * J)), s);
     v[J] = _mm512_mul_ps(_mm512_cvtepi32_ps(LoadCodes16<QBits>(codes + 2 * J * CodeBytes8(QBits))), sj);
-    if constexpr (!Stream) {
+    if constexpr (!kEmit) {
       StoreFloat16<T1>(v[J], out + 16 * J);
     } else if constexpr (T1::kElem == Elem::kFloat32) {
-      _mm512_stream_ps(out + 16 * J, v[J]);
+      sink->Put(_mm512_castps_si512(v[J]));
     } else if constexpr (J % 2 == 1) {
-      const __m512i line = _mm512_inserti64x4(_mm512_castsi256_si512(HalfBits16<T1>(v[J - 1])), HalfBits16<T1>(v[J]), 1);
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + 16 * (J - 1)), line);
+      sink->Put(_mm512_inserti64x4(_mm512_castsi256_si512(HalfBits16<T1>(v[J - 1])), HalfBits16<T1>(v[J]), 1));
     }
   });
 }

@@ -28,6 +28,9 @@
 
 #include "kv_types.h"
 
+// For the short helpers of inner loops, which GCC stops inlining once their callers grow.
+#define KV_ALWAYS_INLINE inline __attribute__((always_inline))
+
 namespace kvcache {
 namespace KV_CPU_ISA {
 
@@ -96,41 +99,6 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
 
 // Whether address p starts a 64-byte cache line (the unit a 64-byte streaming store writes whole).
 inline bool OnCacheLine(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
-
-// Copies a finished run of output rows. Large outputs use streaming stores (where dst is 16-byte aligned)
-// so they do not first read the destination into the cache (what a plain copy of the same size does too);
-// small outputs stay cached for the attention that reads them next. Callers stream long runs of one
-// output: a cache line the run shares with its neighbour is then only briefly half written (a half
-// written streamed line, once evicted from the write-combining buffers, costs a slow partial write).
-inline void StoreRow(void* dst, const void* src, size_t bytes, bool stream) {
-#if KV_SSE2
-  if (stream && reinterpret_cast<uintptr_t>(dst) % 16 == 0 && bytes % 16 == 0) {
-    auto* d = static_cast<char*>(dst);
-    const auto* s = static_cast<const char*>(src);
-    const char* end = s + bytes;
-#if KV_AVX512
-    // Whole cache lines per store: a line is complete in its write-combining buffer at once (measured ~25%
-    // more bandwidth on one core than two 32-byte stores per line).
-    for (; !OnCacheLine(d) && s != end; d += 16, s += 16)
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-    for (; end - s >= 64; d += 64, s += 64)
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
-#elif KV_SIMD
-    if (reinterpret_cast<uintptr_t>(d) % 32 != 0 && s != end) {  // to a 32-byte boundary, still streaming
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-      d += 16, s += 16;
-    }
-    for (; end - s >= 32; d += 32, s += 32)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-#endif
-    for (; s != end; d += 16, s += 16)
-      _mm_stream_si128(reinterpret_cast<__m128i*>(d), _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-    return;
-  }
-#endif
-  (void)stream;
-  std::memcpy(dst, src, bytes);
-}
 
 // Orders streaming stores before the op returns.
 inline void StoreFence() {

@@ -1,0 +1,236 @@
+// Streaming stores of an output written row by row at any alignment, as whole 64-byte cache lines only.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+
+#include "kv_cpu_rows.h"
+
+namespace kvcache {
+namespace KV_CPU_ISA {
+
+// A streaming store is fast only where its cache line is written whole in quick succession: a line left part
+// written when its write-combining buffer is given up costs a slow partial write to memory (measured on an Intel
+// Xeon, one core, int8 layout-3 decode into outputs 16 bytes past a line: 0.13x a copy, against 0.8x on lines).
+// The rows a gather writes rarely start on lines (numpy's arrays start 16 bytes past one; a head row of eight
+// float16 values is 16 bytes), and its orders (head by head in layout 3, streams side by side) write a line's two
+// parts far apart in time. So LineStreams streams the whole lines inside a row at once and keeps the part lines
+// at its edges until the rows that complete them (the next head of a token, the next token) are written, in any
+// order; only then is such a line streamed, whole. Lines still part written at Flush (shared with another task's
+// rows, or pushed out of the table) are written with ordinary stores of this task's bytes only. The bytes in
+// memory are the same whatever the order or alignment; only the speed differs.
+class LineStreams {
+ public:
+  LineStreams() = default;
+  LineStreams(const LineStreams&) = delete;
+  LineStreams& operator=(const LineStreams&) = delete;
+  ~LineStreams() {
+    if (borrowed_) ThisThread().lent = false;
+  }
+
+  // Writes src[0, bytes) to dst, as whole streamed lines (where this build has streaming stores; else memcpy).
+  void Write(void* dst, const void* src, size_t bytes) {
+#if KV_SSE2
+    auto* d = static_cast<unsigned char*>(dst);
+    const auto* s = static_cast<const unsigned char*>(src);
+    unsigned char* const end = d + bytes;
+    if (!OnCacheLine(d) && d != end) {  // the head of the row: part of a line another row shares
+      const size_t n = std::min<size_t>(bytes, 64 - reinterpret_cast<uintptr_t>(d) % 64);
+      Merge(d, s, n);
+      d += n, s += n;
+    }
+    for (; end - d >= 64; d += 64, s += 64) StreamLine(d, s);
+    if (d != end) Merge(d, s, static_cast<size_t>(end - d));
+#else
+    std::memcpy(dst, src, bytes);
+#endif
+  }
+
+#if KV_AVX512
+  // The bytes of v that `bits` selects, into the line at `line` (64-byte aligned): held with the line's other
+  // parts; streamed once the line is whole.
+  KV_ALWAYS_INLINE void MergeLine(unsigned char* line, __m512i v, __mmask64 bits) {
+    const int i = SlotOf(reinterpret_cast<uintptr_t>(line));
+    auto* held = reinterpret_cast<__m512i*>(table_->data[i]);
+    const __m512i merged = _mm512_mask_mov_epi8(_mm512_load_si512(held), bits, v);
+    if ((table_->filled[i] |= bits) == ~uint64_t{0}) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(line), merged);  // from the register: a load would wait
+      Free(i);
+    } else {
+      _mm512_store_si512(held, merged);
+    }
+  }
+#endif
+
+  // Writes every line still held part written, with ordinary stores of the bytes this task wrote. Call before
+  // the task ends (the lines belong to the outputs, not to this object).
+  void Flush() {
+    if (table_ == nullptr) return;
+    for (int w = 0; w < kSlots / 64; ++w)
+      for (uint64_t m = table_->used[w]; m != 0; m &= m - 1) WritePart(w * 64 + __builtin_ctzll(m));
+  }
+
+ private:
+  // Lines held at once. A task's rows each leave about one (64 in head order, with a token's first head waiting
+  // for its last), so the table stays mostly empty and a line rarely finds both its slots taken: a line pushed
+  // out is written part by part with ordinary stores, each reading its line in first (several times slower).
+  static constexpr int kSlots = 1024;
+
+  struct Table {
+    alignas(64) unsigned char data[kSlots][64];  // the bytes a slot's line holds so far
+    uintptr_t line[kSlots];                      // the line a used slot holds
+    uint64_t filled[kSlots];                     // which of its bytes this task wrote
+    uint64_t used[kSlots / 64] = {};             // which slots are used (nothing else is read of a free one)
+  };
+
+  // Bits [offset, offset + n) of a line's byte mask.
+  static uint64_t Bits(size_t offset, size_t n) { return (n >= 64 ? ~uint64_t{0} : (uint64_t{1} << n) - 1) << offset; }
+
+  static void StreamLine(void* dst, const void* src) {
+#if KV_AVX512
+    _mm512_stream_si512(static_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+#elif KV_SIMD
+    for (int k = 0; k < 64; k += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(static_cast<char*>(dst) + k),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const char*>(src) + k)));
+#elif KV_SSE2
+    for (int k = 0; k < 64; k += 16)
+      _mm_stream_si128(reinterpret_cast<__m128i*>(static_cast<char*>(dst) + k),
+                       _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const char*>(src) + k)));
+#else
+    std::memcpy(dst, src, 64);
+#endif
+  }
+
+  // The bytes src[0, n) at d, inside one line: held with the line's other parts; streamed once the line is whole.
+  void Merge(unsigned char* d, const unsigned char* src, size_t n) {
+    const size_t offset = reinterpret_cast<uintptr_t>(d) % 64;
+#if KV_AVX512
+    // One masked load places the bytes at their offset in the line (masked-off bytes are not read).
+    const __mmask64 bits = Bits(offset, n);
+    MergeLine(d - offset, _mm512_maskz_loadu_epi8(bits, src - offset), bits);
+#else
+    const int i = SlotOf(reinterpret_cast<uintptr_t>(d - offset));
+    std::memcpy(table_->data[i] + offset, src, n);
+    if ((table_->filled[i] |= Bits(offset, n)) == ~uint64_t{0}) {
+      StreamLine(reinterpret_cast<void*>(table_->line[i]), table_->data[i]);
+      Free(i);
+    }
+#endif
+  }
+
+  bool Used(int i) const { return (table_->used[i / 64] >> (i % 64)) & 1; }
+  void Free(int i) { table_->used[i / 64] &= ~(uint64_t{1} << (i % 64)); }
+
+  // The slot holding `line`, else one of its two free slots taken for it, else its first slot given up (its
+  // line written part by part) and taken.
+  KV_ALWAYS_INLINE int SlotOf(uintptr_t line) {
+    if (table_ == nullptr) table_ = Acquire();  // on first use: most tasks stream nothing
+    const uint64_t key = (line >> 6) * 0x9E3779B97F4A7C15ull;
+    const int first = static_cast<int>(key >> 54), second = static_cast<int>((key >> 40) % kSlots);
+    if (Used(first) && table_->line[first] == line) return first;
+    if (Used(second) && table_->line[second] == line) return second;
+    int i = first;
+    if (Used(first)) {
+      if (Used(second)) {
+        WritePart(first);
+      } else {
+        i = second;
+      }
+    }
+    table_->used[i / 64] |= uint64_t{1} << (i % 64);
+    table_->line[i] = line;
+    table_->filled[i] = 0;
+    return i;
+  }
+
+  // Slot i's bytes written to its line with ordinary stores (only the bytes this task wrote), the slot freed.
+  void WritePart(int i) {
+    auto* line = reinterpret_cast<unsigned char*>(table_->line[i]);
+    for (uint64_t m = table_->filled[i]; m != 0;) {
+      const int begin = __builtin_ctzll(m);
+      const uint64_t rest = ~(m >> begin);  // zero bits from `begin` on: the run's bytes
+      const int end = rest == 0 ? 64 : std::min(64, begin + __builtin_ctzll(rest));
+      std::memcpy(line + begin, table_->data[i] + begin, static_cast<size_t>(end - begin));
+      m = end == 64 ? 0 : m & (~uint64_t{0} << end);
+    }
+    Free(i);
+  }
+
+  // This thread's table, kept from task to task (a fresh 80 KB per task cost its page faults), or one of this
+  // writer's own where another writer of this thread holds it. Empty either way: Flush frees every slot.
+  struct Kept {
+    std::unique_ptr<Table> table;
+    bool lent = false;
+  };
+  static Kept& ThisThread() {
+    thread_local Kept kept;
+    return kept;
+  }
+  Table* Acquire() {
+    Kept& kept = ThisThread();
+    if (kept.lent) {
+      own_.reset(new Table);
+      return own_.get();
+    }
+    if (!kept.table) kept.table.reset(new Table);
+    kept.lent = borrowed_ = true;
+    std::memset(kept.table->used, 0, sizeof(kept.table->used));  // a task that threw may have left slots
+    return kept.table.get();
+  }
+
+  Table* table_ = nullptr;
+  std::unique_ptr<Table> own_;
+  bool borrowed_ = false;
+};
+
+#if KV_AVX512
+// A row of whole 64-byte vectors (in output order) streamed to out at any even byte offset from a line: each
+// line is cut from two neighbouring vectors in registers (one permute), so a row dequantized into registers is
+// streamed without a round trip through memory; the part lines at its two edges go through LineStreams.
+class ShiftedRow {
+ public:
+  ShiftedRow(LineStreams& lines, void* out)
+      : lines_(lines),
+        line_(static_cast<unsigned char*>(out) - reinterpret_cast<uintptr_t>(out) % 64),
+        offset_(static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64)),
+        // Word j of a line: word 32 - offset/2 + j of the previous vector below offset/2, else word j - offset/2
+        // of the next; permutex2var reads indices of 32 and up from its second vector, so one sum gives both.
+        index_(_mm512_add_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
+                                                 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                _mm512_set1_epi16(static_cast<int16_t>(32 - offset_ / 2)))) {}
+  // The next 64 bytes of the row.
+  KV_ALWAYS_INLINE void Put(__m512i v) {
+    if (offset_ == 0) {
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), v);
+    } else {
+      const __m512i line = _mm512_permutex2var_epi16(carry_, index_, v);
+      if (first_) {
+        lines_.MergeLine(line_, line, ~uint64_t{0} << offset_);
+        first_ = false;
+      } else {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), line);
+      }
+      carry_ = v;
+    }
+    line_ += 64;
+  }
+  // The row's last part line (call once, after the last Put).
+  KV_ALWAYS_INLINE void End() {
+    if (offset_ != 0 && !first_)
+      lines_.MergeLine(line_, _mm512_permutex2var_epi16(carry_, index_, _mm512_setzero_si512()), (uint64_t{1} << offset_) - 1);
+  }
+
+ private:
+  LineStreams& lines_;
+  unsigned char* line_;  // the line the next Put's bytes begin in
+  int offset_;           // the row's byte offset in its first line (even)
+  __m512i index_, carry_ = _mm512_setzero_si512();
+  bool first_ = true;
+};
+#endif
+
+}  // namespace KV_CPU_ISA
+}  // namespace kvcache

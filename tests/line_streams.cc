@@ -1,0 +1,55 @@
+// Test entry points of cpu/kv_line_streams.h, built once per instruction set (KV_CPU_ISA and its -m flags):
+// rows of an output written through LineStreams (or, in the AVX-512 build, ShiftedRow) in a given order, by one
+// task or by two threads each with its own LineStreams, as the gathers' tasks do.
+#include <cstdint>
+#include <thread>
+
+#include "kv_line_streams.h"
+
+namespace {
+
+using kvcache::KV_CPU_ISA::LineStreams;
+
+// Rows r = first, first + step, ... of (offsets, sizes): src's bytes at each offset into out at the same offset.
+int WriteRows(unsigned char* out, const unsigned char* src, const int64_t* offsets, const int64_t* sizes,
+              int64_t rows, int shifted, int64_t first, int64_t step) {
+  LineStreams lines;
+  for (int64_t r = first; r < rows; r += step) {
+    if (shifted) {
+#if KV_AVX512
+      if (sizes[r] % 64 != 0 || reinterpret_cast<uintptr_t>(out + offsets[r]) % 2 != 0) return -1;
+      kvcache::KV_CPU_ISA::ShiftedRow row(lines, out + offsets[r]);
+      for (int64_t k = 0; k < sizes[r]; k += 64) row.Put(_mm512_loadu_si512(src + offsets[r] + k));
+      row.End();
+#else
+      return -2;
+#endif
+    } else {
+      lines.Write(out + offsets[r], src + offsets[r], static_cast<size_t>(sizes[r]));
+    }
+  }
+  lines.Flush();
+  kvcache::KV_CPU_ISA::StoreFence();
+  return 0;
+}
+
+}  // namespace
+
+// Whether this build has ShiftedRow (AVX-512).
+extern "C" int line_streams_shifted() { return KV_AVX512; }
+
+// The rows in order, by one task. shifted: through ShiftedRow (sizes whole vectors, offsets even). 0 on success.
+extern "C" int line_streams_write(unsigned char* out, const unsigned char* src, const int64_t* offsets,
+                                  const int64_t* sizes, int64_t rows, int shifted) {
+  return WriteRows(out, src, offsets, sizes, rows, shifted, 0, 1);
+}
+
+// The even rows by one thread and the odd rows by another at the same time, each with its own LineStreams.
+extern "C" int line_streams_write_two_threads(unsigned char* out, const unsigned char* src, const int64_t* offsets,
+                                              const int64_t* sizes, int64_t rows, int shifted) {
+  int other = 0;
+  std::thread odd([&] { other = WriteRows(out, src, offsets, sizes, rows, shifted, 1, 2); });
+  const int even = WriteRows(out, src, offsets, sizes, rows, shifted, 0, 2);
+  odd.join();
+  return even != 0 ? even : other;
+}

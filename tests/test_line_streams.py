@@ -1,0 +1,143 @@
+"""The streamed outputs' line writer (cpu/kv_line_streams.h), byte for byte against numpy's assignment of the same
+rows: rows of any size at any offset from a cache line, in any order, with gaps between them left untouched; more
+lines left part written at once than its table holds (lines pushed out are written part by part with ordinary
+stores); two threads, each with its own writer, writing the two halves of shared lines at the same time (neither
+may stream a line it did not write whole); and, in the AVX-512 build, rows of whole vectors cut into lines in
+registers (ShiftedRow). Built once per instruction set with the kernel's flags; a build the processor cannot run is
+skipped with the reason."""
+
+import ctypes
+import pathlib
+
+import numpy as np
+import pytest
+from cpu_kernels import CPU_KERNELS
+from native_build import build_library
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "tests/line_streams.cc"
+HEADERS = [ROOT / "cpu/kv_line_streams.h", ROOT / "cpu/kv_cpu_rows.h", ROOT / "cpu/kv_types.h"]
+STRICT = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'cpu'}"]
+ISA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mf16c", "-mfma"],
+             "avx512": ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
+TABLE_SLOTS = 1024  # LineStreams::kSlots: the lines one writer holds at once
+
+
+@pytest.fixture(scope="module")
+def libraries(request, tmp_path_factory):
+    """Each build's library, by name, built on first use."""
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("line_streams") if cache else tmp_path_factory.mktemp("line_streams")
+    built = {}
+
+    def library(kernel):
+        if kernel not in built:
+            flags = STRICT + [f"-DKV_CPU_ISA={kernel}"] + ISA_FLAGS[kernel]
+            lib = ctypes.CDLL(str(build_library(f"line_streams-{kernel}", [SOURCE], HEADERS, flags, folder)))
+            pointers = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
+            for name in ("line_streams_write", "line_streams_write_two_threads"):
+                getattr(lib, name).argtypes = pointers
+                getattr(lib, name).restype = ctypes.c_int
+            lib.line_streams_shifted.restype = ctypes.c_int
+            built[kernel] = lib
+        return built[kernel]
+
+    return library
+
+
+def written(lib, rows, order, size=None, shifted=False, threads=1, seed=0):
+    """(what the writer left, what numpy's assignment gives) for ``rows`` [(offset, size)] written in ``order``
+    into a buffer of random bytes whose start is a cache line; src holds other random bytes."""
+    rng = np.random.default_rng(seed)
+    size = size or max(o + n for o, n in rows) + 256
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + size]
+    out[:] = rng.integers(0, 256, size, dtype=np.uint8)
+    src = rng.integers(0, 256, size, dtype=np.uint8)
+    want = out.copy()
+    for offset, n in rows:
+        want[offset:offset + n] = src[offset:offset + n]
+    offsets = np.array([rows[i][0] for i in order], np.int64)
+    sizes = np.array([rows[i][1] for i in order], np.int64)
+    fn = lib.line_streams_write if threads == 1 else lib.line_streams_write_two_threads
+    assert fn(out.ctypes.data, src.ctypes.data, offsets.ctypes.data, sizes.ctypes.data, len(order), int(shifted)) == 0
+    return out, want
+
+
+def tiling(rng, total, smallest, largest, start=0):
+    """Rows that tile [start, start + total) with sizes drawn from [smallest, largest]."""
+    rows, offset = [], start
+    while offset < start + total:
+        n = min(int(rng.integers(smallest, largest + 1)), start + total - offset)
+        rows.append((offset, n))
+        offset += n
+    return rows
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("seed", range(6))
+def test_rows_of_any_size_and_offset_in_any_order_give_numpys_bytes(libraries, kernel, seed):
+    """Rows of 1-300 bytes tiling a region that starts anywhere in a line, written in order, in reverse and
+    shuffled; and with every third row left out, whose bytes must keep the buffer's."""
+    lib = libraries(kernel)
+    rng = np.random.default_rng(seed)
+    rows = tiling(rng, 20000, 1, 300, start=int(rng.integers(0, 64)))
+    for order in (range(len(rows)), range(len(rows) - 1, -1, -1), rng.permutation(len(rows))):
+        out, want = written(lib, rows, list(order), seed=seed)
+        np.testing.assert_array_equal(out, want)
+    gapped = rows[::3] + rows[1::3]
+    out, want = written(lib, gapped, list(rng.permutation(len(gapped))), seed=seed)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_more_part_lines_than_the_table_holds_are_written_part_by_part(libraries, kernel):
+    """The first quarter of 4x as many lines as the table holds, then their other quarters (each line left part
+    written until its last quarter: lines are pushed out of the table), rows 16 bytes past each quarter's start
+    so that every row spans two lines; then the same head rows of 256 bytes in head order (a token's rows far
+    apart, as layout 3's gathers write them)."""
+    lib = libraries(kernel)
+    lines = 4 * TABLE_SLOTS
+    quarters = [(64 * line + 16 * q + 16, 16) for q in range(4) for line in range(lines - 1)]
+    out, want = written(lib, quarters, list(range(len(quarters))))
+    np.testing.assert_array_equal(out, want)
+    tokens, heads, row = 2 * TABLE_SLOTS, 8, 256
+    head_rows = [(16 + (t * heads + h) * row, row) for h in range(heads) for t in range(tokens)]
+    out, want = written(lib, head_rows, list(range(len(head_rows))))
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("row", [16, 48, 80, 256])
+def test_two_threads_sharing_lines_each_write_only_their_own_bytes(libraries, kernel, row):
+    """Alternate rows by two threads at once, each with its own writer: every line at a row's edge is shared
+    with the other thread, so neither may stream it (a whole-line store would overwrite the other's bytes);
+    repeated, since a lost write shows only when the two land close together."""
+    lib = libraries(kernel)
+    rows = [(16 + i * row, row) for i in range(40000 // row * 16)]
+    for seed in range(8):
+        out, want = written(lib, rows, list(range(len(rows))), threads=2, seed=seed)
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("offset", [0, 2, 16, 30, 62])
+def test_rows_cut_into_lines_in_registers_give_numpys_bytes(libraries, kernel, offset):
+    """ShiftedRow (the AVX-512 build's dequantized rows): rows of 1-4 vectors at an even offset from a line, in
+    order, shuffled, by two threads, and in head order over more tokens than the table holds."""
+    lib = libraries(kernel)
+    if not lib.line_streams_shifted():
+        pytest.skip(f"the {kernel} build has no ShiftedRow (AVX-512 only)")
+    rng = np.random.default_rng(offset)
+    rows, at = [], offset
+    for n in rng.integers(1, 5, 3000):
+        rows.append((at, 64 * int(n)))
+        at += 64 * int(n)
+    for order, threads in ((range(len(rows)), 1), (rng.permutation(len(rows)), 1), (range(len(rows)), 2)):
+        out, want = written(lib, rows, list(order), shifted=True, threads=threads)
+        np.testing.assert_array_equal(out, want)
+    tokens, heads = 2 * TABLE_SLOTS, 8
+    head_rows = [(offset + (t * heads + h) * 256, 256) for h in range(heads) for t in range(tokens)]
+    out, want = written(lib, head_rows, list(range(len(head_rows))), shifted=True)
+    np.testing.assert_array_equal(out, want)
