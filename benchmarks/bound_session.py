@@ -8,13 +8,16 @@ import numpy as np
 ALIGNMENT = 64
 
 
-def aligned_empty(shape, dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data (if any) starts on an
-    :data:`ALIGNMENT`-byte boundary."""
+def aligned_empty(shape, dtype, offset: int = 0) -> np.ndarray:
+    """An uninitialized C-contiguous array of ``shape`` and ``dtype`` whose data (if any) starts ``offset`` bytes
+    past an :data:`ALIGNMENT`-byte boundary (0: on one, as ONNX Runtime places its buffers; 16: where numpy's
+    large arrays start)."""
     dtype = np.dtype(dtype)
+    if offset % dtype.itemsize or not 0 <= offset < ALIGNMENT:
+        raise ValueError(f"offset {offset} is not a multiple of {dtype.itemsize} below {ALIGNMENT}")
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + ALIGNMENT, np.uint8)
-    start = -raw.ctypes.data % ALIGNMENT
+    raw = np.empty(nbytes + 2 * ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % ALIGNMENT + offset
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 

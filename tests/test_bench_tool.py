@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from kvcache_op.benchmarks import kv_shapes
 from kvcache_op.benchmarks.cpu import bench as cpu_bench
@@ -24,6 +25,15 @@ def test_bench_quick_run_writes_results(tmp_path, capsys):
     assert all(r["plain_ms"] > 0 and len(r["plain_ms_rounds"]) == 2 for r in data["rows"])
     assert "| op / copy (range) | plain run ms | plain / copy |" in (tmp_path / "results.md").read_text()
     assert "op/copy" in capsys.readouterr().out
+    assert data["output_offset"] == 0
+
+
+def test_bench_quick_run_with_outputs_off_their_cache_lines_says_so(tmp_path):
+    assert cpu_bench.main(["--quick", "--repeats", "1", "--warmup", "0", "--rounds", "1", "--threads", "1",
+                           "--reference-repeats", "1", "--output-offset", "16", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["output_offset"] == 16 and "--output-offset 16" in data["command"]
+    assert "start 16 bytes past one" in (tmp_path / "results.md").read_text()
 
 
 def test_bytes_moved_counts_reads_and_writes():
@@ -111,6 +121,12 @@ def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
         array = aligned_empty(shape, dtype)
         assert array.shape == shape and array.dtype == dtype and array.flags.c_contiguous
         assert array.ctypes.data % ALIGNMENT == 0
+    for offset in (2, 16, 48):  # outputs placed as numpy's large arrays start, for the benchmark's --output-offset
+        array = aligned_empty((3, 5), np.float16, offset)
+        assert array.ctypes.data % ALIGNMENT == offset and array.shape == (3, 5) and array.flags.c_contiguous
+    for offset, dtype in ((1, np.float16), (64, np.uint8), (-16, np.uint8)):
+        with pytest.raises(ValueError, match="offset"):
+            aligned_empty((4,), dtype, offset)
     source = np.arange(35, dtype=np.float32).reshape(5, 7)[:, ::2]  # not contiguous
     copy = aligned_copy(source)
     assert copy.ctypes.data % ALIGNMENT == 0 and np.array_equal(copy, source)
