@@ -73,10 +73,10 @@ CpuKernel ChosenKernel() {
 
 }  // namespace
 
+#ifdef KVCACHE_CPU_AVX2
 // Whether this is an Intel processor of family 6, model 207 (0xCF, a Xeon of the Emerald Rapids generation),
 // the Intel kind whose store plan has been measured apart from the first Intel machine's.
 static bool IntelModel207() {
-#ifdef KVCACHE_CPU_AVX2
   static const bool model_207 = [] {
     if (!__builtin_cpu_is("intel")) return false;
     unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
@@ -85,10 +85,8 @@ static bool IntelModel207() {
     return family == 6 && model == 207;
   }();
   return model_207;
-#else
-  return false;
-#endif
 }
+#endif
 
 StorePlan LargeOutputStores() {
   const char* choice = std::getenv("KVCACHE_OP_STORES");  // read each call: tests and benchmarks switch it

@@ -1,4 +1,4 @@
-// Row kernels of the CPU op: conversions between T1 rows and float32, and row copies.
+// Row kernels of the CPU op: conversions between T1 rows and float32, prefetches, and the streamed stores' fence.
 // Compiled once per instruction set (kv_cpu.cc is built generic, AVX2+F16C and AVX-512); every path
 // computes the same bits: F16C's conversion is round-to-nearest-even like FloatToHalf.
 #pragma once

@@ -19,7 +19,8 @@ namespace KV_CPU_ISA {
 // parts far apart in time. So LineStreams streams the whole lines inside a row at once and keeps the part lines
 // at its edges until the rows that complete them (the next head of a token, the next token) are written, in any
 // order; only then is such a line streamed, whole. Lines still part written at Flush (shared with another task's
-// rows, or pushed out of the table) are written with ordinary stores of this task's bytes only. The bytes in
+// rows), and lines pushed out of a full table when they are, are written with ordinary stores of this task's
+// bytes only. The bytes in
 // memory are the same whatever the order or alignment; only the speed differs.
 class LineStreams {
  public:
@@ -27,6 +28,7 @@ class LineStreams {
   LineStreams(const LineStreams&) = delete;
   LineStreams& operator=(const LineStreams&) = delete;
   ~LineStreams() {
+    Flush();  // a writer that leaves its scope writes what it holds (the gathers Flush before their fence)
     if (borrowed_) ThisThread().lent = false;
   }
 
@@ -73,8 +75,9 @@ class LineStreams {
   }
 
  private:
-  // Lines held at once. A task's rows each leave about one (64 in head order, with a token's first head waiting
-  // for its last), so the table stays mostly empty and a line rarely finds both its slots taken: a line pushed
+  // Lines held at once. Head order holds about two per token of a task (a head row's tail until the next head's
+  // pass, a token's first head until its last): about 128 for the gathers' 64 tokens, so the table stays mostly
+  // empty and a line rarely finds both its slots taken: a line pushed
   // out is written part by part with ordinary stores, each reading its line in first (several times slower).
   static constexpr int kSlots = 1024;
 
@@ -152,7 +155,7 @@ class LineStreams {
     for (uint64_t m = table_->filled[i]; m != 0;) {
       const int begin = __builtin_ctzll(m);
       const uint64_t rest = ~(m >> begin);  // zero bits from `begin` on: the run's bytes
-      const int end = rest == 0 ? 64 : std::min(64, begin + __builtin_ctzll(rest));
+      const int end = rest == 0 ? 64 : begin + __builtin_ctzll(rest);
       std::memcpy(line + begin, table_->data[i] + begin, static_cast<size_t>(end - begin));
       m = end == 64 ? 0 : m & (~uint64_t{0} << end);
     }
@@ -192,6 +195,7 @@ class LineStreams {
 // streamed without a round trip through memory; the part lines at its two edges go through LineStreams.
 class ShiftedRow {
  public:
+  // out: an even address (every caller's elements are 2 or 4 bytes); the row is Put as whole 64-byte vectors.
   ShiftedRow(LineStreams& lines, void* out)
       : lines_(lines),
         line_(static_cast<unsigned char*>(out) - reinterpret_cast<uintptr_t>(out) % 64),

@@ -44,6 +44,20 @@ extern "C" int line_streams_write(unsigned char* out, const unsigned char* src, 
   return WriteRows(out, src, offsets, sizes, rows, shifted, 0, 1);
 }
 
+// The even rows through one writer and the odd rows through another, both alive in this thread at once (the
+// second cannot borrow the thread's table and takes its own), written in turn.
+extern "C" int line_streams_write_nested(unsigned char* out, const unsigned char* src, const int64_t* offsets,
+                                         const int64_t* sizes, int64_t rows, int shifted) {
+  if (shifted) return -3;
+  LineStreams even, odd;
+  for (int64_t r = 0; r < rows; ++r)
+    (r % 2 == 0 ? even : odd).Write(out + offsets[r], src + offsets[r], static_cast<size_t>(sizes[r]));
+  odd.Flush();
+  even.Flush();
+  kvcache::KV_CPU_ISA::StoreFence();
+  return 0;
+}
+
 // The even rows by one thread and the odd rows by another at the same time, each with its own LineStreams.
 extern "C" int line_streams_write_two_threads(unsigned char* out, const unsigned char* src, const int64_t* offsets,
                                               const int64_t* sizes, int64_t rows, int shifted) {

@@ -109,8 +109,8 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
 
 def outputs_at(given, attributes, offset):
     """(key, value) of the C entry point run with outputs that start ``offset`` bytes past a 64-byte boundary
-    (0: whole cache lines, as ONNX Runtime's allocator gives; 16: numpy's large arrays; 2: no streaming
-    stores at all); the cache in ``given`` is written in place."""
+    (0: whole cache lines, as ONNX Runtime's allocator gives; 16: numpy's large arrays; 2: rows off every 16-byte
+    boundary); the cache in ``given`` is written in place."""
     args = c_api.HostBuffers()
     inputs = [args.tensor(n, given[n], written=n in ("cache", "scale")) for n in c_api.KV_INPUTS]
     shape = c_api.output_shape(inputs, **attributes)
@@ -135,11 +135,12 @@ def outputs_at(given, attributes, offset):
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
                                                    monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset: layout 3's streamed quantized rows go
-    head by head (head rows of whole cache lines or not: Dh 40's 80-byte rows, offsets 16 and 2); quantized
-    rows are dequantized straight into line-aligned streamed outputs and through a scratch row into the
-    others. With side-by-side streams, unquantized rows of whole cache lines are read as several streams (runs
-    of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the last task's
-    tiles are short); the others token by token."""
+    head by head (head rows of whole cache lines or not: Dh 40's 80-byte rows, offsets 16 and 2), their edge
+    lines held by the task's line writer until the next head's rows complete them; quantized rows are
+    dequantized straight into the streamed outputs (the AVX-512 build at any even offset, the others on lines)
+    and through a scratch row where that cannot be. With side-by-side streams, unquantized rows are read as
+    several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a
+    short last group, and the last task's tiles are short)."""
     use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
     want = reference_result(case.inputs, case.attributes)

@@ -35,7 +35,7 @@ def libraries(request, tmp_path_factory):
             flags = STRICT + [f"-DKV_CPU_ISA={kernel}"] + ISA_FLAGS[kernel]
             lib = ctypes.CDLL(str(build_library(f"line_streams-{kernel}", [SOURCE], HEADERS, flags, folder)))
             pointers = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
-            for name in ("line_streams_write", "line_streams_write_two_threads"):
+            for name in ("line_streams_write", "line_streams_write_two_threads", "line_streams_write_nested"):
                 getattr(lib, name).argtypes = pointers
                 getattr(lib, name).restype = ctypes.c_int
             lib.line_streams_shifted.restype = ctypes.c_int
@@ -45,9 +45,10 @@ def libraries(request, tmp_path_factory):
     return library
 
 
-def written(lib, rows, order, size=None, shifted=False, threads=1, seed=0):
+def written(lib, rows, order, size=None, shifted=False, threads=1, seed=0, nested=False):
     """(what the writer left, what numpy's assignment gives) for ``rows`` [(offset, size)] written in ``order``
-    into a buffer of random bytes whose start is a cache line; src holds other random bytes."""
+    into a buffer of random bytes whose start is a cache line; src holds other random bytes. threads=2: two
+    threads at once; nested: two writers in one thread."""
     rng = np.random.default_rng(seed)
     size = size or max(o + n for o, n in rows) + 256
     raw = np.empty(size + 64, np.uint8)
@@ -60,7 +61,8 @@ def written(lib, rows, order, size=None, shifted=False, threads=1, seed=0):
         want[offset:offset + n] = src[offset:offset + n]
     offsets = np.array([rows[i][0] for i in order], np.int64)
     sizes = np.array([rows[i][1] for i in order], np.int64)
-    fn = lib.line_streams_write if threads == 1 else lib.line_streams_write_two_threads
+    fn = (lib.line_streams_write_nested if nested else
+          lib.line_streams_write if threads == 1 else lib.line_streams_write_two_threads)
     assert fn(out.ctypes.data, src.ctypes.data, offsets.ctypes.data, sizes.ctypes.data, len(order), int(shifted)) == 0
     return out, want
 
@@ -93,10 +95,10 @@ def test_rows_of_any_size_and_offset_in_any_order_give_numpys_bytes(libraries, k
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_more_part_lines_than_the_table_holds_are_written_part_by_part(libraries, kernel):
-    """The first quarter of 4x as many lines as the table holds, then their other quarters (each line left part
-    written until its last quarter: lines are pushed out of the table), rows 16 bytes past each quarter's start
-    so that every row spans two lines; then the same head rows of 256 bytes in head order (a token's rows far
-    apart, as layout 3's gathers write them)."""
+    """One 16-byte quarter of each of 4x as many lines as the table holds, then their other quarters in turn
+    (every line left part written until its last quarter: lines are pushed out of the table and written part by
+    part); then head rows of 256 bytes 16 bytes past a line in head order over 2,048 tokens (a token's rows far
+    apart, as layout 3's gathers write them: about 4,000 lines held at once)."""
     lib = libraries(kernel)
     lines = 4 * TABLE_SLOTS
     quarters = [(64 * line + 16 * q + 16, 16) for q in range(4) for line in range(lines - 1)]
@@ -111,9 +113,10 @@ def test_more_part_lines_than_the_table_holds_are_written_part_by_part(libraries
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("row", [16, 48, 80, 256])
 def test_two_threads_sharing_lines_each_write_only_their_own_bytes(libraries, kernel, row):
-    """Alternate rows by two threads at once, each with its own writer: every line at a row's edge is shared
-    with the other thread, so neither may stream it (a whole-line store would overwrite the other's bytes);
-    repeated, since a lost write shows only when the two land close together."""
+    """Alternate rows by two threads at once, each with its own writer: lines at rows' edges (all of them for
+    rows of 16, 48 and 256 bytes 16 bytes past a line, three in four for 80) hold bytes of both threads, so
+    neither may stream them (a whole-line store would overwrite the other's bytes); repeated, since a lost write
+    shows only when the two land close together."""
     lib = libraries(kernel)
     rows = [(16 + i * row, row) for i in range(40000 // row * 16)]
     for seed in range(8):
@@ -122,7 +125,17 @@ def test_two_threads_sharing_lines_each_write_only_their_own_bytes(libraries, ke
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-@pytest.mark.parametrize("offset", [0, 2, 16, 30, 62])
+def test_two_writers_alive_in_one_thread_each_keep_their_lines(libraries, kernel):
+    """Alternate rows through two writers alive at once in one thread (the second takes a table of its own):
+    their shared lines are written part by part, each writer's bytes only."""
+    lib = libraries(kernel)
+    rows = [(16 + i * 48, 48) for i in range(3000)]
+    out, want = written(lib, rows, list(range(len(rows))), nested=True)
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("offset", range(0, 64, 2))
 def test_rows_cut_into_lines_in_registers_give_numpys_bytes(libraries, kernel, offset):
     """ShiftedRow (the AVX-512 build's dequantized rows): rows of 1-4 vectors at an even offset from a line, in
     order, shuffled, by two threads, and in head order over more tokens than the table holds."""
