@@ -179,8 +179,7 @@ class LineStreams {
       return own_.get();
     }
     if (!kept.table) kept.table.reset(new Table);
-    kept.lent = borrowed_ = true;
-    std::memset(kept.table->used, 0, sizeof(kept.table->used));  // a task that threw may have left slots
+    kept.lent = borrowed_ = true;  // empty: every writer flushes (frees every slot) as it ends
     return kept.table.get();
   }
 

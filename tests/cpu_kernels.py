@@ -12,16 +12,36 @@ from kvcache_op.capi import c_api
 NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}, "avx2": {"avx2", "f16c", "fma"}, "generic": set()}
 
 
-def cpu_flags() -> set:
-    """This processor's flags from /proc/cpuinfo (empty where there is none)."""
+def cpuinfo_fields() -> dict:
+    """The first processor's /proc/cpuinfo fields (vendor_id, cpu family, model, flags, ...); empty where there is
+    none."""
+    fields = {}
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break  # the first processor's block ends
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_flags() -> set:
+    """This processor's flags from /proc/cpuinfo (empty where there is none)."""
+    return set(cpuinfo_fields().get("flags", "").split())
+
+
+def amd_processor() -> bool:
+    """Whether this is an x86-64 AMD processor (the CPU kind the kernels' measured choices follow)."""
+    return cpuinfo_fields().get("vendor_id") == "AuthenticAMD"
+
+
+def intel_model_207() -> bool:
+    """Whether this is an Intel processor of family 6, model 207 (a Xeon of the Emerald Rapids generation)."""
+    fields = cpuinfo_fields()
+    return (fields.get("vendor_id"), fields.get("cpu family"), fields.get("model")) == ("GenuineIntel", "6", "207")
 
 
 def _skip_reason(name: str) -> str | None:

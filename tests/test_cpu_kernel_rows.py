@@ -11,7 +11,7 @@ import platform
 import numpy as np
 import pytest
 
-from cpu_kernels import CPU_KERNELS, use_cpu_kernel
+from cpu_kernels import CPU_KERNELS, amd_processor, intel_model_207, use_cpu_kernel
 from native_build import build_library
 from ort_helpers import assert_same_bits, copies, reference_result
 
@@ -151,30 +151,6 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             fresh = copies(case.inputs)
             key, value = outputs_at(fresh, case.attributes, offset)
             assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
-
-
-def cpuinfo_fields() -> dict:
-    """The first processor's /proc/cpuinfo fields on x86-64 (the CPU kind the kernels' measured choices follow);
-    empty elsewhere."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if platform.machine().lower() not in ("x86_64", "amd64") or not cpuinfo.exists():
-        return {}
-    fields = {}
-    for line in cpuinfo.read_text().splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
-    return fields
-
-
-def amd_processor() -> bool:
-    """Whether this is an x86-64 AMD processor."""
-    return cpuinfo_fields().get("vendor_id") == "AuthenticAMD"
-
-
-def intel_model_207() -> bool:
-    """Whether this is an Intel processor of family 6, model 207 (a Xeon of the Emerald Rapids generation)."""
-    fields = cpuinfo_fields()
-    return (fields.get("vendor_id"), fields.get("cpu family"), fields.get("model")) == ("GenuineIntel", "6", "207")
 
 
 def test_the_store_plan_follows_the_override_and_else_the_cpu_kind(monkeypatch):
