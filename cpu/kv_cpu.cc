@@ -111,6 +111,13 @@ struct Kernel {
       if (whole_token) {
         for (int64_t i = 0; i < n; ++i)
           for (int kv = 0; kv < 2; ++kv) store(kv, 0, i, H);
+      } else if constexpr (QBits != 0) {  // a token's H head rows in one call (QuantizeRows)
+        const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
+        for (int64_t i = 0; i < n; ++i)
+          for (int kv = 0; kv < 2; ++kv)
+            QuantizeRows<T1, T3, QBits>(static_cast<const T*>(kv ? args.value : args.key) + (r0 + i) * H * D, H, D,
+                                        a.quant_group, p.groups, C::Row(args.cache, CacheRow(kv, 0, slot + i)), code_step,
+                                        static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), scale_step, rows);
       } else {
         for (int64_t i = 0; i < n; ++i)
           for (int kv = 0; kv < 2; ++kv)

@@ -144,6 +144,16 @@ KV_ALWAYS_INLINE __m256i LoadCodes8(const typename Codes<QBits>::Storage* src) {
   }
 }
 
+#if KV_AVX512
+// Lanes 2J and 2J + 1 of v over the low and the high 8 lanes of a 64-byte vector: the scales of the two groups of
+// 8 that one vector holds.
+template <int J>
+KV_ALWAYS_INLINE __m512 PairOfLanes(__m512 v) {
+  constexpr int a = 2 * J, b = 2 * J + 1;
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(a, a, a, a, a, a, a, a, b, b, b, b, b, b, b, b), v);
+}
+#endif
+
 // Q of 8 groups of 8 elements (64): their maxima in one transposed reduction, their 8 scales in one division,
 // each group's codes from the vector it was loaded in.
 template <class T1, class T3, int QBits>
@@ -168,11 +178,9 @@ KV_ALWAYS_INLINE void QuantizeEightGroupsOf8(const typename T1::Storage* src, ty
     const __m512 s16 = _mm512_castps256_ps512(s);
     ForEachOf4([&](auto k) {
       constexpr int j = 2 * decltype(k)::value;
-      const __m512i pick = _mm512_setr_epi32(j, j, j, j, j, j, j, j, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1, j + 1,
-                                             j + 1);
       const __m512 pair = _mm512_castpd_ps(
           _mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(x[j])), _mm256_castps_pd(x[j + 1]), 1));
-      const __m512i codes = _mm512_cvtps_epi32(_mm512_div_ps(pair, _mm512_permutexvar_ps(pick, s16)));
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_div_ps(pair, PairOfLanes<decltype(k)::value>(s16)));
       c[j] = _mm512_castsi512_si256(codes);
       c[j + 1] = _mm512_extracti64x4_epi64(codes, 1);
     });

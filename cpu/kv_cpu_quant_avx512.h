@@ -1,6 +1,7 @@
-// AVX-512 building blocks of the quantized rows (kv_cpu_quant_rows.h): dequantization of sixteen groups of 8
-// codes at a time, two groups per 64-byte vector. Same arithmetic as the AVX2 and portable paths (float32
-// product of code and scale, rounded to T1 to nearest even), so the same bits.
+// AVX-512 building blocks of the quantized rows (kv_cpu_quant_rows.h): quantization and dequantization of sixteen
+// groups of 8 elements at a time, two groups per 64-byte vector. The same bits as the AVX2 and portable paths:
+// the same scales and products, and codes equal to the IEEE division's (by products with the scales' reciprocals
+// where that is exact, QuantizeCodes16ByReciprocal).
 #pragma once
 
 #include <cstdint>
@@ -60,6 +61,130 @@ KV_ALWAYS_INLINE __m512i LoadCodes16(const typename Codes<QBits>::Storage* src) 
   }
 }
 
+// Per group g of 8 lanes (group 2j + h in half h of a[j]), the max of its lanes (signed int32 compare), in lane
+// g: sixteen horizontal maxima at once.
+KV_ALWAYS_INLINE __m512i TransposedMax16(const __m512i* a) {
+  __m512i w[2];
+  for (int k = 0; k < 2; ++k) {
+    __m512i pair[2];
+    for (int i = 0; i < 2; ++i) {
+      const __m512i u = a[4 * k + 2 * i], v = a[4 * k + 2 * i + 1];
+      pair[i] = _mm512_max_epi32(_mm512_unpacklo_epi32(u, v), _mm512_unpackhi_epi32(u, v));
+    }
+    // 128-bit chunk c of w[k]: the max of chunk c of a[4k], ..., a[4k + 3] (4 lanes each), in that order.
+    w[k] = _mm512_max_epi32(_mm512_unpacklo_epi64(pair[0], pair[1]), _mm512_unpackhi_epi64(pair[0], pair[1]));
+  }
+  // A group is chunks 2h and 2h + 1 of its vector: chunks (0, 2) against (1, 3) of w[0], then of w[1].
+  const __m512i m = _mm512_max_epi32(_mm512_shuffle_i32x4(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                     _mm512_shuffle_i32x4(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // m holds groups 0 2 4 6 | 1 3 5 7 | 8 10 12 14 | 9 11 13 15.
+  return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), m);
+}
+
+// Codes of 16 lanes: clamp(rint(x / s), -qmax, qmax), 0 where the quotient is NaN (QuantizeCodes8).
+KV_ALWAYS_INLINE __m512i QuantizeCodes16(__m512 x, __m512 s, float qmax) {
+  const __m512 q = _mm512_div_ps(x, s);
+  __m512 r = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-qmax)), _mm512_set1_ps(qmax));
+  return _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(q, q, _CMP_ORD_Q), r);
+}
+
+// The codes QuantizeCodes8OwnScale gives 16 lanes, rint(x / s), without dividing: x and s are float16 or
+// bfloat16 values (at most 11 significant bits each), s the group's own finite scale (so |x / s| < 127.5), and
+// r = float32(1 / s).
+// - p = float32(x * r) lies within 2^-16 of q = x / s (two roundings of 2^-24 relative, |q| < 2^7).
+// - q is never within 2^-14 of a half-integer h unless equal to it: within 1/4 of one, |x| >= s / 4, so x - h s
+//   is a multiple of 2^(e_s - 12) (e_s the exponent of s: x's last significant bit is worth at least that, and
+//   s's half-ulp too), while s < 2^(e_s + 1).
+// So rint(p) = rint(float32(q)) except where q is a half-integer h itself, which is tested exactly: floor(p) + 1/2
+// is then h, and h * s (at most 20 significant bits) is exact, equal to x there only. A tie takes rint(h), half to
+// even as rint(q). float32 inputs or scales keep the division: their quotients come closer to half-integers.
+// tests/test_reciprocal_codes.py checks every pair of 16-bit operands this meets against the division.
+KV_ALWAYS_INLINE __m512i QuantizeCodes16ByReciprocal(__m512 x, __m512 s, __m512 r) {
+  const __m512 p = _mm512_mul_ps(x, r);
+  const __m512 h = _mm512_add_ps(_mm512_roundscale_ps(p, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm512_set1_ps(0.5f));
+  return _mm512_cvtps_epi32(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_mul_ps(h, s), x, _CMP_EQ_OQ), p, h));
+}
+
+// Stores 64 codes in [-127, 127] of c[0..4) (16 each, in order): 64 int8, or 32 bytes of int4 pairs.
+template <int QBits>
+KV_ALWAYS_INLINE void StoreCodes64(const __m512i* c, typename Codes<QBits>::Storage* dst) {
+  // The packs work per 128-bit chunk: dwords come out as c0 c1 c2 c3 of chunk 0, then of chunk 1, ...
+  const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
+  const __m512i ordered = _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), bytes);
+  if constexpr (QBits == 8) {
+    _mm512_storeu_si512(dst, ordered);
+  } else {
+    // Per int16 lane: code 2i in the low byte, 2i+1 in the high byte -> low nibble | high nibble << 4.
+    const __m512i nibbles = _mm512_or_si512(_mm512_and_si512(ordered, _mm512_set1_epi16(0x0f)),
+                                            _mm512_and_si512(_mm512_srli_epi16(ordered, 4), _mm512_set1_epi16(0xf0)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi16_epi8(nibbles));
+  }
+}
+
+// The scales of 16 groups of 8 elements (128), two groups per vector: their maxima in one transposed reduction,
+// then T3(max(amax / qmax, eps)) in one division, NaN kept (GroupScale of the canonical NaN, as the portable
+// path). Stores them at `scales`; returns them as floats.
+template <class T1, class T3, int QBits>
+KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename T3::Storage* scales) {
+  __m512i bits[8];
+  for (int j = 0; j < 8; ++j)
+    bits[j] = _mm512_and_si512(_mm512_castps_si512(LoadFloat16<T1>(src + 16 * j)),
+                               _mm512_set1_epi32(static_cast<int32_t>(kAbsMask)));
+  const __m512i amax_bits = TransposedMax16(bits);
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(amax_bits, _mm512_set1_epi32(static_cast<int32_t>(kInfBits)));
+  const __m512 amax = _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, amax_bits, _mm512_set1_epi32(kQuietNanBits)));
+  const __m512 eps = _mm512_set1_ps(kScaleEps);
+  __m512 s = _mm512_div_ps(amax, _mm512_set1_ps(Codes<QBits>::kMax));
+  s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, eps, _CMP_NLE_UQ), eps, s);  // s if s > eps or NaN
+  if constexpr (T3::kElem == Elem::kFloat16) {
+    const __m256i h = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(scales), h);
+    return _mm512_cvtph_ps(h);
+  } else {
+    static_assert(T3::kElem == Elem::kFloat32, "scales are float32 or float16");
+    _mm512_storeu_ps(scales, s);
+    return s;
+  }
+}
+
+// The codes of the 16 groups of 8 elements at src whose scales (as SixteenScales returns them) are s.
+template <class T1, class T3, int QBits>
+KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, typename Codes<QBits>::Storage* codes) {
+  auto spread = [&](auto j, __m512 v) { return PairOfLanes<decltype(j)::value>(v); };
+  auto x = [&](auto j) { return LoadFloat16<T1>(src + 16 * decltype(j)::value); };
+  __m512i c[8];
+  if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) == 0xffff) {
+    // Each group's own finite scale: |x / s| < qmax + 1/2 and never NaN (QuantizeCodes8OwnScale).
+    if constexpr (T1::kElem != Elem::kFloat32 && T3::kElem != Elem::kFloat32) {
+      const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), s);
+      ForEachOf8([&](auto j) { c[j] = QuantizeCodes16ByReciprocal(x(j), spread(j, s), spread(j, r)); });
+    } else {
+      ForEachOf8([&](auto j) { c[j] = _mm512_cvtps_epi32(_mm512_div_ps(x(j), spread(j, s))); });
+    }
+  } else {
+    ForEachOf8([&](auto j) { c[j] = QuantizeCodes16(x(j), spread(j, s), Codes<QBits>::kMax); });
+  }
+  StoreCodes64<QBits>(c, codes);
+  StoreCodes64<QBits>(c + 4, codes + 8 * CodeBytes8(QBits));
+}
+
+// Q of blocks of 16 groups of 8 elements: block b from src(b) to codes(b) and scales(b). Up to 8 blocks' scales
+// first, then their codes: each block's codes wait on one long chain of dependent steps (maxima, a division,
+// the rounding to T3 and back), and written block by block the chains overlapped too little to keep the
+// vector units busy (measured on an Intel Xeon: 128 elements took about as long as one chain).
+template <class T1, class T3, int QBits, class Src, class CodesAt, class ScalesAt>
+KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesAt&& codes, ScalesAt&& scales) {
+  constexpr int kBatch = 8;
+  for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
+    const int n = static_cast<int>(blocks - b0 < kBatch ? blocks - b0 : kBatch);
+    __m512 s[kBatch];
+    for (int k = 0; k < n; ++k) s[k] = SixteenScales<T1, T3, QBits>(src(b0 + k), scales(b0 + k));
+    for (int k = 0; k < n; ++k) SixteenCodes<T1, T3, QBits>(src(b0 + k), s[k], codes(b0 + k));
+  }
+}
+
 // DQ of 16 groups of 8 codes (128) with their 16 scales: each vector of two groups takes its scales from
 // one in-register permute of the scales loaded once. Without a sink the values are stored at out; with one,
 // each 64 bytes of them go to sink->Put(__m512i) in order (a streamed output's writer, ShiftedRow).
@@ -69,11 +194,10 @@ KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::St
                                                  Sink* sink = nullptr) {
   constexpr bool kEmit = !std::is_void_v<Sink>;
   const __m512 s = LoadFloat16<T3>(scales);
-  const __m512i pair = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   __m512 v[8];
   ForEachOf8([&](auto j) __attribute__((always_inline)) {  // one body with the sink's stores
     constexpr int J = decltype(j)::value;
-    const __m512 sj = _mm512_permutexvar_ps(_mm512_add_epi32(pair, _mm512_set1_epi32(2 * J)), s);
+    const __m512 sj = PairOfLanes<J>(s);
     v[J] = _mm512_mul_ps(_mm512_cvtepi32_ps(LoadCodes16<QBits>(codes + 2 * J * CodeBytes8(QBits))), sj);
     if constexpr (!kEmit) {
       StoreFloat16<T1>(v[J], out + 16 * J);

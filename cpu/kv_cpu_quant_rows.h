@@ -123,6 +123,14 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
 #if KV_SIMD
   if (group % 8 == 0) {
     int64_t g = 0;
+#if KV_AVX512
+    if (group == 8 && groups >= 32) {  // a single block goes faster through the eight-group path below
+      QuantizeBlocksOf16Groups<T1, T3, QBits>(
+          groups / 16, [&](int64_t b) { return src + b * 128; },
+          [&](int64_t b) { return codes + b * 16 * CodeBytes8(QBits); }, [&](int64_t b) { return scales + b * 16; });
+      g = groups / 16 * 16;
+    }
+#endif
     if (group == 8)
       for (; g + 8 <= groups; g += 8) QuantizeEightGroupsOf8<T1, T3, QBits>(src + g * 8, codes + g * CodeBytes8(QBits), scales + g);
     for (; g < groups; g += 8) {
@@ -143,6 +151,28 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
   }
 #endif
   QuantizeRowPortable<T1, T3, QBits>(src, n, group, groups, codes, scales, scratch);
+}
+
+// Q of `rows` rows of n elements each: row k from src + k * n, its codes to codes + k * code_step and its scales to
+// scales + k * scale_step (a token's head rows, far apart in layout 3's cache). In the AVX-512 build the rows'
+// blocks of 16 groups go through one QuantizeBlocksOf16Groups, so that one row's chain of dependent steps
+// overlaps the next rows'; elsewhere, and for a single block, row by row.
+template <class T1, class T3, int QBits>
+inline void QuantizeRows(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group, int64_t groups,
+                         typename Codes<QBits>::Storage* codes, int64_t code_step, typename T3::Storage* scales,
+                         int64_t scale_step, const RowScratch& scratch) {
+#if KV_AVX512
+  if (group == 8 && groups % 16 == 0 && rows * groups >= 32) {
+    const int64_t per_row = groups / 16;
+    QuantizeBlocksOf16Groups<T1, T3, QBits>(
+        rows * per_row, [&](int64_t b) { return src + b / per_row * n + b % per_row * 128; },
+        [&](int64_t b) { return codes + b / per_row * code_step + b % per_row * 16 * CodeBytes8(QBits); },
+        [&](int64_t b) { return scales + b / per_row * scale_step + b % per_row * 16; });
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < rows; ++k)
+    QuantizeRow<T1, T3, QBits>(src + k * n, n, group, groups, codes + k * code_step, scales + k * scale_step, scratch);
 }
 
 // DQ of one row of n elements in `groups` groups of `group` into out (spec "Quantization").

@@ -19,16 +19,18 @@ from kvcache_op.capi import c_api
 from kvcache_op.reference.dtypes import QMAX
 from kvcache_op.validation.cases import Seq, build
 
-# (head_dim, quant_group): group 8 in one partial batch (1, 3 groups), whole batches (8, 16), a batch and one
-# group (17); longer groups (16 ... 128); groups of 1, 2, 4 (spread scales); groups of 3 (the portable loop).
-ROW_SHAPES = [(8, 8), (24, 8), (64, 8), (128, 8), (136, 8), (128, 16), (64, 32), (256, 128), (128, 1), (64, 2),
-              (128, 4), (24, 3), (6, 3)]
+# (head_dim, quant_group): group 8 in one partial batch (1, 3 groups), whole batches (8, 16, 32: a head row of
+# one or two AVX-512 blocks), a batch and one group (17); longer groups (16 ... 128); groups of 1, 2, 4 (spread
+# scales); groups of 3 (the portable loop). The cases run every layout, so layout 3's rows quantized a token's
+# heads at a time meet one block and two per row.
+ROW_SHAPES = [(8, 8), (24, 8), (64, 8), (128, 8), (136, 8), (256, 8), (128, 16), (64, 32), (256, 128), (128, 1),
+              (64, 2), (128, 4), (24, 3), (6, 3)]
 TYPES = [(t1, t3) for t1 in ("float32", "float16", "bfloat16") for t3 in ("float32", "float16")]
 
 
 def special_rows(rng, shape, group, quant_bit, dtype):
     """Rows of ``shape`` (tokens, H, Dh) whose groups are each of one kind: plain, exact ties of the quotient
-    (max |x| = qmax * 2^e, the rest (k + 1/2) * 2^e), zeros and -0, subnormal-small, huge (a float16 scale
+    (max |x| = qmax * m * 2^e, the rest (k + 1/2) * m * 2^e, m odd), zeros and -0, subnormal-small, huge (a float16 scale
     overflows), one NaN, one infinity, one large element among small ones, small enough for the smallest
     scale (dequantized values then float16 subnormals), and max |x| just above eps * qmax, where a float16
     scale rounds down by up to 0.3% and |x / scale| reaches 1.003 qmax (the fast paths round it unclamped)."""
@@ -37,8 +39,10 @@ def special_rows(rng, shape, group, quant_bit, dtype):
     groups = x.reshape(-1, group)
     for g, kind in zip(groups, rng.integers(0, 10, len(groups))):
         at = rng.integers(group)
-        if kind == 1:
-            step = np.float32(2.0 ** int(rng.integers(-10, 4)))
+        if kind == 1:  # the scale an odd m of 1, 3, 5 or 7 times a power of two (the ties' quotient is then
+            # not a product with a power of two; in bfloat16, whose 8 bits cannot hold every (k + 1/2) * m, the
+            # inputs next to ties)
+            step = np.float32(rng.choice([1, 3, 5, 7]) * 2.0 ** int(rng.integers(-10, 4)))
             g[:] = (rng.integers(-qmax, qmax, group) + np.float32(0.5)) * step
             g[at] = qmax * step * rng.choice([-1, 1])
         elif kind == 2:
