@@ -136,13 +136,14 @@ def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
 
 def test_the_profiling_script_runs_a_benchmark_case():
     """benchmarks/cpu/bound/profile_case.py (run under a sampling profiler) still builds and runs the
-    benchmark's cases through the tool's own functions."""
+    benchmark's cases through the tool's own functions, outputs off their lines included."""
     import pathlib
     import subprocess
     import sys
 
     script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu" / "bound" / "profile_case.py"
-    done = subprocess.run([sys.executable, str(script), "--shape", "prefill", "--layout", "3", "--calls", "1"],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), "--shape", "prefill", "--layout", "3", "--output-offset", "16",
+                           "--calls", "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert "prefill cache_mode=1 quant_bit=8 layout=3:" in done.stdout and "ms per call (1 calls)" in done.stdout
+    assert "prefill cache_mode=1 quant_bit=8 layout=3 output_offset=16:" in done.stdout
+    assert "ms per call (1 calls)" in done.stdout

@@ -21,18 +21,21 @@ def main() -> None:
     parser.add_argument("--cache-mode", type=int, choices=[0, 1], default=1, help="0 offset, 1 paged")
     parser.add_argument("--quant-bit", type=int, choices=[0, 4, 8], default=8)
     parser.add_argument("--layout", type=int, choices=[0, 1, 2, 3], default=0)
+    parser.add_argument("--output-offset", type=int, default=0,
+                        help="bytes past a cache line the outputs start at (0: where ONNX Runtime places them)")
     parser.add_argument("--calls", type=int, default=400)
     args = parser.parse_args()
     shape = next(s for s in SHAPES if s.name == args.shape)
     attrs = case_attrs(shape, args.quant_bit, args.layout, args.cache_mode)
     inputs = make_inputs(shape, args.quant_bit, args.layout, cache_mode=args.cache_mode)
-    run = ort_runner({k: v for k, v in inputs.items() if v is not None}, attrs, 1)
+    run = ort_runner({k: v for k, v in inputs.items() if v is not None}, attrs, 1, args.output_offset)
     for _ in range(3):
         run()
     start = time.perf_counter()
     for _ in range(args.calls):
         run()
-    print(f"{args.shape} cache_mode={args.cache_mode} quant_bit={args.quant_bit} layout={args.layout}: "
+    print(f"{args.shape} cache_mode={args.cache_mode} quant_bit={args.quant_bit} layout={args.layout} "
+          f"output_offset={args.output_offset}: "
           f"{(time.perf_counter() - start) / args.calls * 1e3:.3f} ms per call ({args.calls} calls)")
 
 

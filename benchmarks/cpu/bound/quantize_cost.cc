@@ -1,15 +1,19 @@
-// What the CPU kernel's quantization costs per element on one core, next to the IEEE divisions the spec
-// prescribes: 9 division lanes per 8 elements with groups of 8 (one per element, one per group's scale); and
-// what dequantizing the rows back costs. Rows of 128 float16 elements stay in L1, so this is the arithmetic
-// alone. From the repository root:
+// What the CPU kernel's quantization costs per element on one core, next to the IEEE divisions the spec's formula
+// takes: 9 division lanes per 8 elements with groups of 8 (one per element, one per group's scale; the AVX-512
+// build takes 2, products with the scales' reciprocals standing in for the elements' divisions); and what
+// dequantizing the rows back costs. Rows of float16 elements, 32,768 in all, stay in the core's caches, so this is
+// the arithmetic alone. The argument is the row's length: 128 (one head row, as layout 3 stores them; the default)
+// or 1024 (a token's 8 heads, as layouts 0-2 store them). From the repository root:
 //
-//   g++ -O3 -std=gnu++17 -ffp-contract=off -fno-fast-math -fno-trapping-math -Iort_ops -DKV_CPU_ISA=avx2
-//       -mavx2 -mf16c benchmarks/cpu/bound/quantize_cost.cc -o /tmp/quantize_cost && /tmp/quantize_cost
+//   g++ -O3 -std=gnu++17 -ffp-contract=off -fno-fast-math -fno-trapping-math -Icpu -DKV_CPU_ISA=avx2
+//       -mavx2 -mf16c -mfma benchmarks/cpu/bound/quantize_cost.cc -o /tmp/quantize_cost && /tmp/quantize_cost 1024
 //
-// (one command; -DKV_CPU_ISA=generic without -mavx2 -mf16c for the generic build).
+// (one command; -DKV_CPU_ISA=avx512 -mavx2 -mf16c -mfma -mavx512f -mavx512bw -mavx512vl for the AVX-512 build,
+// -DKV_CPU_ISA=generic without the -m flags for the generic one).
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <random>
@@ -57,8 +61,13 @@ double DivisionLaneSeconds() {
 
 }  // namespace
 
-int main() {
-  const int n = 128, rows = 256, groups = n / 8;
+int main(int argc, char** argv) {
+  const int n = argc > 1 ? std::atoi(argv[1]) : 128;
+  if (n < 8 || n > 32768 || n % 8 != 0) {
+    std::fprintf(stderr, "usage: %s [row length: a multiple of 8 from 8 to 32768, default 128]\n", argv[0]);
+    return 2;
+  }
+  const int rows = 32768 / n, groups = n / 8;
   std::vector<uint16_t> src(n * rows);
   std::mt19937 gen(1);
   std::normal_distribution<float> normal;
@@ -89,8 +98,8 @@ int main() {
     division.push_back(DivisionLaneSeconds() * 9.0 / 8.0);  // 9 lanes divided per 8 elements
   }
   const double q = Median(per_element), d = Median(division), dq = Median(dequantized);
-  std::printf("int8 quantization (float16 in, float16 scales, groups of 8), medians of 7 rounds:\n");
-  std::printf("  quantizer %.3f ns per element | IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
+  std::printf("int8 quantization (float16 in, float16 scales, groups of 8, rows of %d), medians of 7 rounds:\n", n);
+  std::printf("  quantizer %.3f ns per element | the formula's IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
               d * 1e9, 100.0 * d / q);
   std::printf("  dequantizer %.3f ns per element\n", dq * 1e9);
   // The benchmark's int8 prefill (B=4, seqlen 512, H=8, Dh=128) stores and gathers 4 * 512 * 8 * 128 keys and
