@@ -64,7 +64,7 @@ extern "C" int64_t reciprocal_codes_check(int t1, int t3, int64_t* checked, floa
     if (s < smallest) continue;
     const float r = 1.0f / s;
     const size_t near = std::lower_bound(xs.begin(), xs.end(), s / 16) - xs.begin();
-    for (size_t i = 0; i < xs.size(); i += i < near ? 61 : 1) {
+    for (size_t i = 0; i < xs.size(); i = i < near ? std::min(i + 61, near) : i + 1) {
       const float x = xs[i];
       if (!(x / s < 127.5f)) break;
       batch.Add(x, s, r);

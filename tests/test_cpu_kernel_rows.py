@@ -68,11 +68,12 @@ def special_rows(rng, shape, group, quant_bit, dtype):
         return x.astype(dtype)
 
 
-def special_case(quant_bit, head_dim, group, t1, t3, index):
+def special_case(quant_bit, head_dim, group, t1, t3, index, layout=None):
+    """A case of special_rows in 2 heads; its layout is ``layout``, else index % 4."""
     seqs = [Seq(0, 21), Seq(9, 1), Seq(4, 6, 7), Seq(2, 0, 2)]  # prefill, decode, chunk with a partial load, empty
     case = build(f"rows-{quant_bit}-{head_dim}-{group}-{t1}-{t3}", seqs, heads=2, head_dim=head_dim,
                  quant_bit=quant_bit, quant_group=group, num_repeat=1 + index % 2, cache_mode=index % 2,
-                 cache_layout=index % 4, page_size=4, t1=t1, t3=t3)
+                 cache_layout=index % 4 if layout is None else layout, page_size=4, t1=t1, t3=t3)
     rng = np.random.default_rng(index)
     for name in ("current_key", "current_value"):
         x = case.inputs[name]
@@ -95,7 +96,10 @@ def special_case(quant_bit, head_dim, group, t1, t3, index):
 def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, kernel, monkeypatch):
     use_cpu_kernel(monkeypatch, kernel)
     for index, (t1, t3) in enumerate(TYPES):
-        case = special_case(quant_bit, head_dim, group, t1, t3, index + head_dim)
+        # the layout turns with the group count and the code width too, so that layout 3 meets other types than
+        # the one pair it would with head_dim (a multiple of 4) alone
+        layout = (index + head_dim + head_dim // 8 + quant_bit // 4) % 4
+        case = special_case(quant_bit, head_dim, group, t1, t3, index + head_dim, layout)
         want = reference_result(case.inputs, case.attributes)
         fresh = copies(case.inputs)
         key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=2)
@@ -202,12 +206,15 @@ def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(mo
 
 @pytest.fixture(scope="module")
 def mxcsr(tmp_path_factory):
-    """tests/mxcsr.cc built once: kv_test_set_denormals_are_zero(on) -> the previous MXCSR."""
+    """tests/mxcsr.cc built once: kv_test_set_denormals_are_zero(on), kv_test_set_rounding(mode) -> the previous
+    MXCSR."""
     source = pathlib.Path(__file__).with_name("mxcsr.cc")
     lib = ctypes.CDLL(str(build_library("mxcsr", [source], [], ["-O1", "-fPIC", "-shared"],
                                         tmp_path_factory.mktemp("mxcsr"))))
     lib.kv_test_set_denormals_are_zero.argtypes = [ctypes.c_int]
     lib.kv_test_set_denormals_are_zero.restype = ctypes.c_uint
+    lib.kv_test_set_rounding.argtypes = [ctypes.c_uint]
+    lib.kv_test_set_rounding.restype = ctypes.c_uint
     return lib
 
 
@@ -242,3 +249,36 @@ def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, mxcsr):
         cache = fresh["cache"].view(np.uint8 if quant_bit == 4 else np.int8).astype(np.int32)
         codes = cache if quant_bit == 8 else np.concatenate([(cache << 28) >> 28, (cache << 24) >> 28])
         assert codes.min() >= -qmax and codes.max() <= qmax
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
+@pytest.mark.parametrize("kernel", [k for k in CPU_KERNELS if k.id == "avx512"])
+@pytest.mark.parametrize("mode", [1, 2, 3], ids=["down", "up", "toward-zero"])
+def test_the_avx512_quantizer_rounds_to_nearest_in_any_rounding_mode(kernel, mode, monkeypatch, mxcsr):
+    """The AVX-512 build's blocks of 16 groups (every row here: a token's 2 heads of 128, or in layout 3 its 2 head
+    rows) quantize to nearest even, as the spec says, whatever rounding mode the caller's MXCSR holds: their
+    products with the scales' reciprocals are exact in that mode only (a directed mode took exact quotients such
+    as 21 / 3 to another code, for int4 to -8, which the spec never produces). Cache and scales against the
+    reference, bit for bit; the gathered outputs are not checked (their conversions follow the mode in force)."""
+    use_cpu_kernel(monkeypatch, kernel)
+    for quant_bit in (8, 4):
+        for layout in (0, 3):
+            for index, t1 in enumerate(("float16", "bfloat16")):
+                case = build(f"rounding-{quant_bit}-{layout}-{t1}", [Seq(0, 40), Seq(5, 3)], heads=2, head_dim=128,
+                             quant_bit=quant_bit, quant_group=8, num_repeat=1, cache_mode=1, cache_layout=layout,
+                             page_size=8, t1=t1, t3="float16")
+                rng = np.random.default_rng(10 * quant_bit + layout + index)
+                for name in ("current_key", "current_value"):
+                    x = case.inputs[name]
+                    case.inputs[name] = special_rows(rng, x.shape, 8, quant_bit, x.dtype)
+                    if quant_bit == 4:  # groups of max 21, scale 3: codes 7 exactly
+                        groups = case.inputs[name].reshape(-1, 8)
+                        groups[::3] = np.array([21, -21, 3, 6, -9, 12, 15, 18], np.float32).astype(x.dtype)
+                want = reference_result(case.inputs, case.attributes)
+                fresh = copies(case.inputs)
+                before = mxcsr.kv_test_set_rounding(mode)
+                try:
+                    c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
+                finally:
+                    mxcsr.kv_test_set_rounding((before >> 13) & 3)
+                assert_same_bits((fresh["cache"], fresh["scale"]), want[2:], names=("cache", "scale"))
