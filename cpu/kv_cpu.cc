@@ -301,11 +301,13 @@ struct Kernel {
   void Run(const ParallelFor& parallel_for) const {
     const int64_t store_tasks = (p.tokens + kRowsPerTask - 1) / kRowsPerTask;
     parallel_for(store_tasks, [this](size_t i) {
+      const NearestRounding nearest;
       StoreRows(int64_t(i) * kRowsPerTask, std::min(p.tokens, int64_t(i + 1) * kRowsPerTask));
     });
     if (args.out_key == nullptr) return;  // stores only (MultiHeadCacheAttention reads the cache in place)
     const int64_t gather_tasks = (p.kv_tokens + kRowsPerTask - 1) / kRowsPerTask;
     parallel_for(gather_tasks, [this](size_t i) {
+      const NearestRounding nearest;
       GatherRows(int64_t(i) * kRowsPerTask, std::min(p.kv_tokens, int64_t(i + 1) * kRowsPerTask));
     });
   }

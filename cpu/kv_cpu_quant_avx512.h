@@ -62,8 +62,8 @@ KV_ALWAYS_INLINE __m512i LoadCodes16(const typename Codes<QBits>::Storage* src) 
 }
 
 // The rounding of every quotient, product and conversion of the 16-group quantizer below: to nearest even as the
-// spec says, whatever rounding mode the caller's MXCSR holds (embedded rounding; the tie test of
-// QuantizeCodes16ByReciprocal holds in that mode only).
+// spec says, written into each instruction (embedded rounding), since the tie test of
+// QuantizeCodes16ByReciprocal holds in that mode only; the kernel's tasks also run so (NearestRounding).
 constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 // Per group g of 8 lanes (group 2j + h in half h of a[j]), the max of its lanes (signed int32 compare), in lane

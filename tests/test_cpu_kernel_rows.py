@@ -252,22 +252,23 @@ def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, mxcsr):
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
-@pytest.mark.parametrize("kernel", [k for k in CPU_KERNELS if k.id == "avx512"])
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("mode", [1, 2, 3], ids=["down", "up", "toward-zero"])
-def test_the_avx512_quantizer_rounds_to_nearest_in_any_rounding_mode(kernel, mode, monkeypatch, mxcsr):
-    """The AVX-512 build's blocks of 16 groups (every row here: a token's 2 heads of 128, or in layout 3 its 2 head
-    rows) quantize to nearest even, as the spec says, whatever rounding mode the caller's MXCSR holds: their
-    products with the scales' reciprocals are exact in that mode only (a directed mode took exact quotients such
-    as 21 / 3 to another code, for int4 to -8, which the spec never produces). Cache and scales against the
-    reference, bit for bit; the gathered outputs are not checked (their conversions follow the mode in force)."""
+def test_every_build_rounds_to_nearest_in_any_rounding_mode(kernel, mode, monkeypatch, mxcsr):
+    """The op rounds to nearest even, as the spec says, whatever rounding mode the caller's MXCSR holds: its tasks
+    set that mode and give the caller's back. Without that, a directed mode changed dequantized outputs, and in
+    the quantizers' fast paths took quotients just above 7 (a float16 scale rounded down) to code 8, stored in
+    int4 as -8, which the spec never produces; the AVX-512 build's products with the scales' reciprocals are
+    exact in that mode only (int4 21 / 3 became -8). All four outputs against the reference, bit for bit, with
+    rows of two blocks of 16 groups (a token's 2 heads of 128, in layout 3 its 2 head rows) and of one (Dh 64)."""
     use_cpu_kernel(monkeypatch, kernel)
     for quant_bit in (8, 4):
         for layout in (0, 3):
-            for index, t1 in enumerate(("float16", "bfloat16")):
-                case = build(f"rounding-{quant_bit}-{layout}-{t1}", [Seq(0, 40), Seq(5, 3)], heads=2, head_dim=128,
-                             quant_bit=quant_bit, quant_group=8, num_repeat=1, cache_mode=1, cache_layout=layout,
-                             page_size=8, t1=t1, t3="float16")
-                rng = np.random.default_rng(10 * quant_bit + layout + index)
+            for index, (t1, head_dim) in enumerate((("float16", 128), ("bfloat16", 128), ("float16", 64))):
+                case = build(f"rounding-{quant_bit}-{layout}-{t1}", [Seq(0, 40), Seq(5, 3)], heads=2,
+                             head_dim=head_dim, quant_bit=quant_bit, quant_group=8, num_repeat=1, cache_mode=1,
+                             cache_layout=layout, page_size=8, t1=t1, t3="float16")
+                rng = np.random.default_rng(10 * quant_bit + 3 * layout + index)
                 for name in ("current_key", "current_value"):
                     x = case.inputs[name]
                     case.inputs[name] = special_rows(rng, x.shape, 8, quant_bit, x.dtype)
@@ -278,7 +279,9 @@ def test_the_avx512_quantizer_rounds_to_nearest_in_any_rounding_mode(kernel, mod
                 fresh = copies(case.inputs)
                 before = mxcsr.kv_test_set_rounding(mode)
                 try:
-                    c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
+                    key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
+                    after = mxcsr.kv_test_set_rounding(mode)
                 finally:
                     mxcsr.kv_test_set_rounding((before >> 13) & 3)
-                assert_same_bits((fresh["cache"], fresh["scale"]), want[2:], names=("cache", "scale"))
+                assert (after >> 13) & 3 == mode, "the op did not give the caller's rounding mode back"
+                assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
