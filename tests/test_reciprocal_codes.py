@@ -15,8 +15,8 @@ from native_build import build_library, compiler
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/reciprocal_codes.cc"
-HEADERS = [ROOT / "cpu" / name for name in ("kv_cpu_quant_avx512.h", "kv_cpu_quant_avx2.h", "kv_cpu_rows.h", "kv_cpu_codes.h", "kv_quant.h",
-                                            "kv_types.h")]
+HEADERS = [ROOT / "cpu" / name for name in ("kv_cpu_quant_avx512.h", "kv_cpu_quant_avx2.h", "kv_cpu_rows.h",
+                                            "kv_cpu_codes.h", "kv_quant.h", "kv_types.h")]
 STRICT = ["-std=c++17", "-fPIC", "-shared", "-O2", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
           "-fno-fast-math", f"-I{ROOT / 'cpu'}"]
 AVX512_FLAGS = ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
