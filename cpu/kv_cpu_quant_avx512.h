@@ -61,11 +61,6 @@ KV_ALWAYS_INLINE __m512i LoadCodes16(const typename Codes<QBits>::Storage* src) 
   }
 }
 
-// The rounding of every quotient, product and conversion of the 16-group quantizer below: to nearest even as the
-// spec says, written into each instruction (embedded rounding), since the tie test of
-// QuantizeCodes16ByReciprocal holds in that mode only; the kernel's tasks also run so (NearestRounding).
-constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-
 // Per group g of 8 lanes (group 2j + h in half h of a[j]), the max of its lanes (signed int32 compare), in lane
 // g: sixteen horizontal maxima at once.
 KV_ALWAYS_INLINE __m512i TransposedMax16(const __m512i* a) {
@@ -88,10 +83,10 @@ KV_ALWAYS_INLINE __m512i TransposedMax16(const __m512i* a) {
 
 // Codes of 16 lanes: clamp(rint(x / s), -qmax, qmax), 0 where the quotient is NaN (QuantizeCodes8).
 KV_ALWAYS_INLINE __m512i QuantizeCodes16(__m512 x, __m512 s, float qmax) {
-  const __m512 q = _mm512_div_round_ps(x, s, kNearest);
+  const __m512 q = _mm512_div_ps(x, s);
   __m512 r = _mm512_roundscale_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   r = _mm512_min_ps(_mm512_max_ps(r, _mm512_set1_ps(-qmax)), _mm512_set1_ps(qmax));
-  return _mm512_maskz_cvt_roundps_epi32(_mm512_cmp_ps_mask(q, q, _CMP_ORD_Q), r, kNearest);
+  return _mm512_maskz_cvtps_epi32(_mm512_cmp_ps_mask(q, q, _CMP_ORD_Q), r);
 }
 
 // The codes QuantizeCodes8OwnScale gives 16 lanes, rint(x / s), without dividing: x and s are float16 or
@@ -103,14 +98,13 @@ KV_ALWAYS_INLINE __m512i QuantizeCodes16(__m512 x, __m512 s, float qmax) {
 //   s's half-ulp too), while s < 2^(e_s + 1).
 // So rint(p) = rint(float32(q)) except where q is a half-integer h itself, which is tested exactly: floor(p) + 1/2
 // is then h, and h * s (at most 20 significant bits) is exact, equal to x there only. A tie takes rint(h), half to
-// even as rint(q). float32 inputs or scales keep the division: their quotients come closer to half-integers.
+// even as rint(q). All of it rounds to nearest, as the kernel's tasks always do (NearestRounding). float32 inputs or
+// scales keep the division: their quotients come closer to half-integers.
 // tests/test_reciprocal_codes.py checks every pair of 16-bit operands this meets against the division.
 KV_ALWAYS_INLINE __m512i QuantizeCodes16ByReciprocal(__m512 x, __m512 s, __m512 r) {
-  const __m512 p = _mm512_mul_round_ps(x, r, kNearest);
-  const __m512 h = _mm512_add_round_ps(_mm512_roundscale_ps(p, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm512_set1_ps(0.5f),
-                                       kNearest);
-  const __mmask16 tie = _mm512_cmp_ps_mask(_mm512_mul_round_ps(h, s, kNearest), x, _CMP_EQ_OQ);
-  return _mm512_cvt_roundps_epi32(_mm512_mask_blend_ps(tie, p, h), kNearest);
+  const __m512 p = _mm512_mul_ps(x, r);
+  const __m512 h = _mm512_add_ps(_mm512_roundscale_ps(p, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm512_set1_ps(0.5f));
+  return _mm512_cvtps_epi32(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_mul_ps(h, s), x, _CMP_EQ_OQ), p, h));
 }
 
 // Stores 64 codes in [-127, 127] of c[0..4) (16 each, in order): 64 int8, or 32 bytes of int4 pairs.
@@ -143,7 +137,7 @@ KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename 
   const __mmask16 nan = _mm512_cmpgt_epi32_mask(amax_bits, _mm512_set1_epi32(static_cast<int32_t>(kInfBits)));
   const __m512 amax = _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, amax_bits, _mm512_set1_epi32(kQuietNanBits)));
   const __m512 eps = _mm512_set1_ps(kScaleEps);
-  __m512 s = _mm512_div_round_ps(amax, _mm512_set1_ps(Codes<QBits>::kMax), kNearest);
+  __m512 s = _mm512_div_ps(amax, _mm512_set1_ps(Codes<QBits>::kMax));
   s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, eps, _CMP_NLE_UQ), eps, s);  // s if s > eps or NaN
   if constexpr (T3::kElem == Elem::kFloat16) {
     const __m256i h = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -165,12 +159,10 @@ KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, ty
   if (_mm512_cmp_ps_mask(s, _mm512_set1_ps(INFINITY), _CMP_LT_OQ) == 0xffff) {
     // Each group's own finite scale: |x / s| < qmax + 1/2 and never NaN (QuantizeCodes8OwnScale).
     if constexpr (T1::kElem != Elem::kFloat32 && T3::kElem != Elem::kFloat32) {
-      const __m512 r = _mm512_div_round_ps(_mm512_set1_ps(1.0f), s, kNearest);
+      const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), s);
       ForEachOf8([&](auto j) { c[j] = QuantizeCodes16ByReciprocal(x(j), spread(j, s), spread(j, r)); });
     } else {
-      ForEachOf8([&](auto j) {
-        c[j] = _mm512_cvt_roundps_epi32(_mm512_div_round_ps(x(j), spread(j, s), kNearest), kNearest);
-      });
+      ForEachOf8([&](auto j) { c[j] = _mm512_cvtps_epi32(_mm512_div_ps(x(j), spread(j, s))); });
     }
   } else {
     ForEachOf8([&](auto j) { c[j] = QuantizeCodes16(x(j), spread(j, s), Codes<QBits>::kMax); });

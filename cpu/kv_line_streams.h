@@ -20,8 +20,7 @@ namespace KV_CPU_ISA {
 // at its edges until the rows that complete them (the next head of a token, the next token) are written, in any
 // order; only then is such a line streamed, whole. Lines still part written at Flush (shared with another task's
 // rows), and lines pushed out of a full table when they are, are written with ordinary stores of this task's
-// bytes only. The bytes in
-// memory are the same whatever the order or alignment; only the speed differs.
+// bytes only. The bytes in memory are the same whatever the order or alignment; only the speed differs.
 class LineStreams {
  public:
   LineStreams() = default;
@@ -77,8 +76,8 @@ class LineStreams {
  private:
   // Lines held at once. Head order holds about two per token of a task (a head row's tail until the next head's
   // pass, a token's first head until its last): about 128 for the gathers' 64 tokens, so the table stays mostly
-  // empty and a line rarely finds both its slots taken: a line pushed
-  // out is written part by part with ordinary stores, each reading its line in first (several times slower).
+  // empty and a line rarely finds both its slots taken: a line pushed out is written part by part with ordinary
+  // stores, each reading its line in first (several times slower).
   static constexpr int kSlots = 1024;
 
   struct Table {
