@@ -115,6 +115,19 @@ def served_checkpoint(tmp_path_factory):
 SERVER_API_KEY = "sk-test-0123456789"
 
 
+def metric_values(url) -> dict:
+    """{(name, labels...): value} of every sample a server's ``/metrics`` shows."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, *sorted(sample.labels.items()))] = sample.value
+    return out
+
+
 @pytest.fixture(scope="session")
 def exported(served_checkpoint, tmp_path_factory):
     """The served checkpoint exported once for the session (the ONNX file's path)."""

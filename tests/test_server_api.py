@@ -12,8 +12,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import SERVER_API_KEY  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from conftest import SERVER_API_KEY, metric_values  # noqa: E402
 
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
 
@@ -31,16 +30,6 @@ def expected(served_checkpoint, prompt_ids, max_tokens):
     tokens = reference_generate(model, prompt_ids, max_tokens)
     stopped = tokens[-1] == model.config.eos_token_id
     return tokenizer.decode(tokens, skip_special_tokens=True), "stop" if stopped else "length", len(tokens)
-
-
-def metric_values(url) -> dict:
-    """{(name, labels...): value} of every sample ``/metrics`` shows."""
-    text = httpx.get(url + "/metrics", timeout=30).text
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out[(sample.name, *sorted(sample.labels.items()))] = sample.value
-    return out
 
 
 def test_the_served_model_is_listed(client):
