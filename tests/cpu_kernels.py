@@ -2,6 +2,7 @@
 is skipped with the reason (the library would otherwise quietly run a lower one)."""
 
 import platform
+import subprocess
 
 import pytest
 
@@ -10,6 +11,23 @@ from kvcache_op.capi import c_api
 #: CPU flags (/proc/cpuinfo names) each build needs; the library picks the best one the processor has, and
 #: $KVCACHE_OP_CPU_KERNEL caps it.
 NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "f16c", "fma"}, "avx2": {"avx2", "f16c", "fma"}, "generic": set()}
+
+
+#: The -m flags each build compiles with (CMakeLists.txt's kv_cpu_<build> targets).
+ISA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mf16c", "-mfma"],
+             "avx512": ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
+
+
+def build_flags(kernel: str) -> list:
+    """The compiler flags of ``kernel``'s build, as CMakeLists.txt gives them: KV_CPU_ISA, its -m flags and, for
+    AVX-512 under GCC, off the warnings its headers raise at every use (GCC bug 105593)."""
+    from native_build import compiler
+
+    flags = [f"-DKV_CPU_ISA={kernel}"] + ISA_FLAGS[kernel]
+    if kernel == "avx512" and "clang" not in subprocess.run([compiler(), "--version"], capture_output=True,
+                                                            text=True).stdout:
+        flags += ["-Wno-maybe-uninitialized", "-Wno-uninitialized"]
+    return flags
 
 
 def cpuinfo_fields() -> dict:

@@ -11,15 +11,13 @@ import pathlib
 
 import numpy as np
 import pytest
-from cpu_kernels import CPU_KERNELS
+from cpu_kernels import CPU_KERNELS, build_flags
 from native_build import build_library
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/line_streams.cc"
 HEADERS = [ROOT / "cpu/kv_line_streams.h", ROOT / "cpu/kv_cpu_rows.h", ROOT / "cpu/kv_types.h"]
 STRICT = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'cpu'}"]
-ISA_FLAGS = {"generic": [], "avx2": ["-mavx2", "-mf16c", "-mfma"],
-             "avx512": ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
 TABLE_SLOTS = 1024  # LineStreams::kSlots: the lines one writer holds at once
 
 
@@ -32,7 +30,7 @@ def libraries(request, tmp_path_factory):
 
     def library(kernel):
         if kernel not in built:
-            flags = STRICT + [f"-DKV_CPU_ISA={kernel}"] + ISA_FLAGS[kernel]
+            flags = STRICT + build_flags(kernel)
             lib = ctypes.CDLL(str(build_library(f"line_streams-{kernel}", [SOURCE], HEADERS, flags, folder)))
             pointers = [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_int]
             for name in ("line_streams_write", "line_streams_write_two_threads", "line_streams_write_nested"):

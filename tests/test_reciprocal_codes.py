@@ -7,11 +7,10 @@ flags; skipped with the reason where the processor cannot run it."""
 
 import ctypes
 import pathlib
-import subprocess
 
 import pytest
-from cpu_kernels import CPU_KERNELS
-from native_build import build_library, compiler
+from cpu_kernels import CPU_KERNELS, build_flags
+from native_build import build_library
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/reciprocal_codes.cc"
@@ -19,16 +18,8 @@ HEADERS = [ROOT / "cpu" / name for name in ("kv_cpu_quant_avx512.h", "kv_cpu_qua
                                             "kv_cpu_codes.h", "kv_quant.h", "kv_types.h")]
 STRICT = ["-std=c++17", "-fPIC", "-shared", "-O2", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
           "-fno-fast-math", f"-I{ROOT / 'cpu'}"]
-AVX512_FLAGS = ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
 TYPES = {"float16": 0, "bfloat16": 1}
 AVX512 = next(k for k in CPU_KERNELS if k.id == "avx512")
-
-
-def avx512_flags() -> list:
-    """The AVX-512 build's -m flags; under GCC also off the warnings its headers raise at every use (GCC bug
-    105593), as the library's own AVX-512 build has them."""
-    gcc = "clang" not in subprocess.run([compiler(), "--version"], capture_output=True, text=True).stdout
-    return AVX512_FLAGS + (["-Wno-maybe-uninitialized", "-Wno-uninitialized"] if gcc else [])
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +29,7 @@ def library(request, tmp_path_factory):
         pytest.skip(AVX512.marks[0].kwargs["reason"])
     cache = getattr(request.config, "cache", None)
     folder = cache.mkdir("reciprocal_codes") if cache else tmp_path_factory.mktemp("reciprocal_codes")
-    flags = STRICT + ["-DKV_CPU_ISA=avx512"] + avx512_flags()
+    flags = STRICT + build_flags("avx512")
     lib = ctypes.CDLL(str(build_library("reciprocal_codes-avx512", [SOURCE], HEADERS, flags, folder)))
     lib.reciprocal_codes_check.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int64),
                                            ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float)]
