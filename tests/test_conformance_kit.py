@@ -83,11 +83,13 @@ def test_a_crashing_backend_fails_only_the_case_it_crashed_on(all_vectors, monke
 
 
 def test_a_hanging_call_times_out_and_the_run_goes_on(all_vectors, monkeypatch):
+    """The timeout also bounds each start of the worker (a fresh Python importing numpy, onnx and the kit, twice
+    here): 8 s leaves a loaded machine room for that, and is still far below the planted hang's 600 s."""
     monkeypatch.chdir(TESTS)
     names = ["layers3_layer_idx2", "offset_layout0"]
-    report = validate(all_vectors, "planted_backends:hangs_on_layers3", cases=names, timeout=1.5)
+    report = validate(all_vectors, "planted_backends:hangs_on_layers3", cases=names, timeout=8)
     assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("offset_layout0", "ok")]
-    assert report.results[0].lines == ["the backend did not return within 1.5 s (its process was killed)"]
+    assert report.results[0].lines == ["the backend did not return within 8 s (its process was killed)"]
 
 
 def test_failure_lines_name_tensor_index_values_count_and_the_code_and_scale(all_vectors):

@@ -200,6 +200,26 @@ def test_prompts_last_chunks_lead_graph_runs_with_the_tokens_of_one_step_at_a_ti
         assert tokens == reference_generate(model, prompt, NEW_TOKENS)
 
 
+def hold_until_interrupted(engine, runs, at_step, timeout=30.0):
+    """Makes the first graph run wait before its step ``at_step`` until a caller interrupts it (knocks for the lock or
+    cancels), at most ``timeout`` seconds: a tiny model's steps take a fraction of a millisecond, so without it the
+    run could end before the test's thread, woken by the OS, gets to interrupt it. ``runs``: what
+    :func:`counting_graph_steps` counts."""
+    import time
+
+    stepper = engine.runner.greedy_steps()
+    step = stepper.step
+
+    def held_step():
+        if len(runs) == 1 and runs[0] == at_step:
+            deadline = time.monotonic() + timeout
+            while not engine._interrupted() and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return step()
+
+    stepper.step = held_step
+
+
 @pytest.mark.parametrize("interruption", ["submit", "cancel", "metrics"])
 def test_a_caller_queueing_cancelling_or_reading_metrics_ends_a_long_run_at_its_next_step(interruption):
     """A run of many decode steps holds the engine: a request submitted, a cancellation, or a ``metrics()`` call while
@@ -208,6 +228,7 @@ def test_a_caller_queueing_cancelling_or_reading_metrics_ends_a_long_run_at_its_
     path = hf_models.exported("llama")
     engine = Engine(path, num_pages=64, decode_steps=200)
     graph_runs, total = counting_graph_steps(engine), engine.decode_steps
+    hold_until_interrupted(engine, graph_runs, at_step=5)
     first = engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=total, ignore_eos=True))
     tokens = iter(first)
     for _ in range(3):  # the long run has begun

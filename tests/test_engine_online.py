@@ -48,6 +48,9 @@ def test_many_threads_submitting_and_cancelling_agree_with_the_sequential_oracle
             with lock:
                 outcomes.append((i, handle.finish_reason, streamed, handle.result(timeout=60)))
 
+    with engine._lock:  # queued and cancelled before the engine can step it: one cancellation whatever the timing
+        doomed = engine.submit(PROMPTS[0], SamplingParams(max_tokens=8))
+        doomed.cancel()
     threads = [threading.Thread(target=client, args=(seed,)) for seed in range(6)]
     for t in threads:
         t.start()
@@ -55,6 +58,8 @@ def test_many_threads_submitting_and_cancelling_agree_with_the_sequential_oracle
         t.join(timeout=300)
     assert not any(t.is_alive() for t in threads)
     assert len(outcomes) == 24
+    assert doomed.result(timeout=60) is not None and doomed.finish_reason == "cancelled"
+    outcomes.append((0, doomed.finish_reason, doomed.result(), doomed.result()))
     for i, reason, streamed, result in outcomes:
         assert streamed == result  # the stream is the result, in order
         if reason == "cancelled":
@@ -98,13 +103,17 @@ def test_generate_runs_beside_submitted_requests(path, lone):
 
 
 def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
-    engine = Engine(path, num_pages=96, trace_steps=True)
-    # Steps paced at 5 ms while the calls run: the long request's 900 steps then outlast the calls however late the
-    # threads are scheduled on a loaded machine (unpaced, a tiny model's 900 steps once ended first).
+    # One decode step per graph run, so that every step goes through runner.run (runs of greedy steps do not), and
+    # steps paced at 5 ms there while the calls run: the long request's 900 steps then outlast the calls however
+    # late the threads are scheduled on a loaded machine (unpaced, a tiny model's 900 steps once ended first).
+    engine = Engine(path, num_pages=96, trace_steps=True, decode_steps=1)
     calls_done, run = threading.Event(), engine.runner.run
+
+    paced_steps = []
 
     def paced(feeds, *changed):
         if not calls_done.is_set():
+            paced_steps.append(1)
             time.sleep(0.005)
         return run(feeds, *changed)
     engine.runner.run = paced
@@ -120,6 +129,7 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
         t.join(120)
     calls_done.set()
     assert results == {k: [lone[k], lone[(k + 1) % len(PROMPTS)]] for k in range(4)}
+    assert len(paced_steps) > 10, "the steps did not go through the paced runner.run"
     assert not long.done, "the long request should still be running"
     # The calls' requests ran in steps beside the submitted one (and beside each other), not after it.
     assert max(t["sequences"] for t in engine.step_trace) >= 3

@@ -171,8 +171,21 @@ def test_a_client_that_disconnects_cancels_its_request(api_server, stream):
             lines = reply.iter_lines()
             assert next(lines).startswith("data: ")  # it started; now the client goes away
     else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(api_server + "/v1/completions", json=body, headers=headers, timeout=0.05)
+        # A bare socket, closed once the server runs the request (a client-side timeout could instead go before
+        # the server has read the request, which then never runs).
+        import json
+        import socket
+        from urllib.parse import urlsplit
+
+        where, payload = urlsplit(api_server), json.dumps(body).encode()
+        head = (f"POST /v1/completions HTTP/1.1\r\nHost: {where.netloc}\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {SERVER_API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n")
+        with socket.create_connection((where.hostname, where.port), timeout=30) as connection:
+            connection.sendall(head.encode() + payload)
+            deadline = time.monotonic() + 30
+            while metric_values(api_server)[("kvcache_op_running_requests",)] < 1:
+                assert time.monotonic() < deadline, "the request did not start running within 30 s"
+                time.sleep(0.005)
     m = _wait_until_idle_after_a_cancel(api_server, cancelled)
     assert m[("kvcache_op_finished_requests_total", ("reason", "cancelled"))] == cancelled + 1
 

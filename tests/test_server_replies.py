@@ -185,14 +185,13 @@ def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
     """SIGTERM with streams and plain requests running or queued (a pool of 64 pages runs one such request at a
     time): every one gets a whole reply (JSON, or a stream ending with its last chunk and [DONE]), those cut short
     with finish_reason "abort", or, sent once the shutdown began, a JSON 503; none gets a 500 or a cut body; the
-    server exits well within uvicorn's graceful timeout.
+    server exits before uvicorn's graceful timeout cancels any handler.
 
     The signal goes as soon as the server holds all nine requests, not after a fixed sleep: the tiny model
     generates a 900-token reply in about half a second, so a sleep could outlast the probe. Together the nine
     need several seconds, so some are still running or queued when the signal lands."""
     import signal
     import threading
-    import time
 
     import httpx
     from kvcache_op.serve_command import ServerProcess
@@ -228,13 +227,12 @@ def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
                 t.start()
             _wait_until_held(server.url, 1 + len(threads))
             server.process.send_signal(signal.SIGTERM)
-            began = time.monotonic()
             tail = [line for line in lines if line.startswith("data: ")]
-        server.process.wait(30)
-        exited_after = time.monotonic() - began
+        server.wait(30)
         for t in threads:
             t.join(60)
-    assert exited_after < 4.5, f"exited {exited_after:.1f} s after SIGTERM: uvicorn's graceful timeout ran out"
+    # uvicorn cancels the handlers still running at its graceful timeout, and says so.
+    assert "graceful shutdown exceeded" not in server.output, server.output[-2000:]
     assert tail[-1] == "data: [DONE]", tail[-3:]
     reasons = [json.loads(tail[-2][6:])["choices"][0]["finish_reason"]]
     for kind, status, result in outcomes:

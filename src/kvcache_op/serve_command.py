@@ -215,7 +215,7 @@ class ServerProcess:
     def __init__(self, model, *args, lifetime: float = 900, start_timeout: float = 180):
         self.command = [sys.executable, "-m", "kvcache_op", "serve", str(model), "--host", "127.0.0.1", "--port", "0",
                         "--stop-after", str(lifetime), *map(str, args)]
-        self.start_timeout, self.url, self.process, self._lines = start_timeout, None, None, []
+        self.start_timeout, self.url, self.process, self._lines, self._reader = start_timeout, None, None, [], None
 
     @property
     def output(self) -> str:
@@ -231,7 +231,8 @@ class ServerProcess:
                 self._lines.append(line)
                 if "listening on http://" in line:
                     listening.set()
-        threading.Thread(target=read, daemon=True).start()
+        self._reader = threading.Thread(target=read, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + self.start_timeout
         while not listening.wait(0.1):
             if self.process.poll() is not None or time.monotonic() > deadline:
@@ -239,6 +240,13 @@ class ServerProcess:
                 raise RuntimeError(f"the server did not start (exit {self.process.returncode}):\n{self.output[-3000:]}")
         self.url = re.search(r"listening on (http://\S+)", self.output).group(1)
         return self
+
+    def wait(self, timeout: float) -> int:
+        """Waits for the server to exit by itself, and for its last output to be read; its exit status
+        (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+        code = self.process.wait(timeout)
+        self._reader.join(timeout)
+        return code
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
