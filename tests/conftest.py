@@ -158,8 +158,10 @@ def api_server(served_checkpoint, tmp_path_factory):
 
     folder = served_checkpoint[0]
     cache = tmp_path_factory.mktemp("export-cache")
+    # Stopped at the session's end; its own limit (--stop-after) only ends one left behind, so it outlasts any
+    # order in which the tests that share it run.
     server = ServerProcess(folder, "--api-key", SERVER_API_KEY, "--cache-dir", cache, "--num-pages", 160,
-                           "--model-name", "tiny", "--max-tokens-limit", 1000)
+                           "--model-name", "tiny", "--max-tokens-limit", 1000, lifetime=3600)
     try:
         server.start()
     except RuntimeError as error:
