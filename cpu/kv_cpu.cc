@@ -33,9 +33,10 @@ int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
   return static_cast<int64_t>(std::upper_bound(starts + 1, starts + batch + 1, row) - (starts + 1));
 }
 
-// fn(row, slot, n) for each run of rows in [row_begin, row_end): n rows of one sequence whose positions,
-// and so their slots, are consecutive (within one page in paged mode). Row r of sequence b is position
-// first_pos[b] + r - starts[b] (first_pos: start_pos for stores; nullptr for loads, which start at 0).
+// fn(row, slot, n, b, pos) for each run of rows in [row_begin, row_end): n rows of sequence b whose positions,
+// and so their slots, are consecutive (within one page in paged mode), the first at position pos. Row r of
+// sequence b is position first_pos[b] + r - starts[b] (first_pos: start_pos for stores; nullptr for loads, which
+// start at 0).
 template <class Fn>
 void ForEachRun(const CallPlan& p, const Attrs& a, const std::vector<int64_t>& starts, const int64_t* first_pos,
                 int64_t row_begin, int64_t row_end, Fn&& fn) {
@@ -45,7 +46,7 @@ void ForEachRun(const CallPlan& p, const Attrs& a, const std::vector<int64_t>& s
     // start_pos >= 0 (validated); the sum may exceed INT64_MAX but not UINT64_MAX.
     const uint64_t pos = (first_pos ? static_cast<uint64_t>(first_pos[b]) : 0) + static_cast<uint64_t>(r - starts[b]);
     const int64_t end = std::min(row_end, starts[b + 1]);
-    ForEachSlotRun(p, a, b, pos, end - r, [&](int64_t i, int64_t slot, int64_t n) { fn(r + i, slot, n); });
+    ForEachSlotRun(p, a, b, pos, end - r, [&](int64_t i, int64_t slot, int64_t n) { fn(r + i, slot, n, b, pos + i); });
     r = end;
   }
 }
@@ -91,6 +92,17 @@ struct Kernel {
                    std::vector<T>(d), {}};
   }
 
+  // Whether position t of sequence b is one this call stores (t >= 0). Where it is also loaded, its output row is
+  // written by the store task, right after the store (Emit in StoreRows), and the gathers leave it.
+  bool Stored(int64_t b, int64_t t) const {
+    return t >= p.start_pos[b] && t - p.start_pos[b] < p.seqstarts[b + 1] - p.seqstarts[b];
+  }
+
+  // Output row of the token at position t of sequence b, in key or value.
+  T* OutRow(int kv, int64_t b, int64_t t) const {
+    return static_cast<T*>(kv ? args.out_value : args.out_key) + (p.kvstarts[b] + t) * p.out_heads * p.head_dim;
+  }
+
   void StoreRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim;
     Scratch scratch = MakeScratch();
@@ -98,7 +110,20 @@ struct Kernel {
     // Heads adjacent in the cache: one row of H * Dh per token and half. Layout 3 too goes token by token
     // (measured faster than head by head for stores: the source rows of a token lie together).
     const bool whole_token = HeadsAdjacent();
-    ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n) {
+    // A stored token that the call also loads goes to its output rows as soon as it is stored: what the gather
+    // would read, read back from the cache rows just written (still in the core's cache) by the gather's own
+    // code, so the bits are the gather's. The spec's aliasing rule makes this exact: a slot stored in a call is
+    // loaded in it only by its own sequence at its own position, so no later store changes it. (Prefill: the
+    // whole output, without a second pass over the cache; measured in benchmarks/cpu.)
+    bool emitted = false;
+    auto emit = [&](int64_t b, uint64_t pos, int64_t slot) {
+      const auto t = static_cast<int64_t>(pos);  // a stored position, below the cache's rows
+      if (args.out_key == nullptr || t >= p.kvstarts[b + 1] - p.kvstarts[b]) return;
+      for (int kv = 0; kv < 2; ++kv) EmitToken(kv, slot, OutRow(kv, b, t), scratch);
+      emitted = true;
+    };
+    ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n,
+                                                                              int64_t b, uint64_t pos) {
       auto store = [&](int kv, int64_t h, int64_t i, int64_t heads) {
         const T* src = static_cast<const T*>(kv ? args.value : args.key) + ((r0 + i) * H + h) * D;
         if constexpr (QBits == 0) {
@@ -108,22 +133,26 @@ struct Kernel {
                                      static_cast<S*>(args.scale) + ScaleRow(kv, h, slot + i), rows);
         }
       };
-      if (whole_token) {
-        for (int64_t i = 0; i < n; ++i)
+      for (int64_t i = 0; i < n; ++i) {
+        if (whole_token) {
           for (int kv = 0; kv < 2; ++kv) store(kv, 0, i, H);
-      } else if constexpr (QBits != 0) {  // a token's H head rows in one call (QuantizeRows)
-        const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
-        for (int64_t i = 0; i < n; ++i)
+        } else if constexpr (QBits != 0) {  // a token's H head rows in one call (QuantizeRows)
+          const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
           for (int kv = 0; kv < 2; ++kv)
             QuantizeRows<T1, T3, QBits>(static_cast<const T*>(kv ? args.value : args.key) + (r0 + i) * H * D, H, D,
                                         a.quant_group, p.groups, C::Row(args.cache, CacheRow(kv, 0, slot + i)), code_step,
                                         static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), scale_step, rows);
-      } else {
-        for (int64_t i = 0; i < n; ++i)
+        } else {
           for (int kv = 0; kv < 2; ++kv)
             for (int64_t h = 0; h < H; ++h) store(kv, h, i, 1);
+        }
+        emit(b, pos + static_cast<uint64_t>(i), slot + i);
       }
     });
+    if (emitted) {
+      scratch.lines.Flush();
+      StoreFence();
+    }
   }
 
   // Cache rows (kv, h .. h + heads, slot) into dst, num_repeat copies of each (heads > 1 only without repeats:
@@ -182,11 +211,15 @@ struct Kernel {
     }
   }
 
-  // Slots of load rows [row_begin, row_end) (position r - kvstarts[b] of sequence b).
+  // Slots of load rows [row_begin, row_end) (position r - kvstarts[b] of sequence b); kStoredRow for a row whose
+  // position this call stores (its store task has written its output rows).
+  static constexpr int64_t kStoredRow = -1;
   std::vector<int64_t> LoadSlots(int64_t row_begin, int64_t row_end) const {
     std::vector<int64_t> slots(static_cast<size_t>(row_end - row_begin));
-    ForEachRun(p, a, p.kvstarts, nullptr, row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n) {
-      for (int64_t i = 0; i < n; ++i) slots[r0 - row_begin + i] = slot + i;
+    ForEachRun(p, a, p.kvstarts, nullptr, row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n, int64_t b,
+                                                                   uint64_t pos) {
+      for (int64_t i = 0; i < n; ++i)
+        slots[r0 - row_begin + i] = Stored(b, static_cast<int64_t>(pos) + i) ? kStoredRow : slot + i;
     });
     return slots;
   }
@@ -240,7 +273,7 @@ struct Kernel {
     auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
     auto head_row = [&](int kv, int64_t i, int64_t h) { return out(kv, i) + h * R * D; };
     auto prefetch = [&](int kv, int64_t i) {
-      if (i + ahead < count) PrefetchToken(kv, slots[i + ahead]);
+      if (i + ahead < count && slots[i + ahead] != kStoredRow) PrefetchToken(kv, slots[i + ahead]);
     };
     Scratch scratch = MakeScratch();
     if (head_major) {
@@ -250,8 +283,11 @@ struct Kernel {
         for (int kv = 0; kv < 2; ++kv)
           for (int64_t h = 0; h < H; ++h)
             for (int64_t i = 0, m = 1; i < rows; i += m) {
-              for (m = 1; i + m < rows && slots[i + m] == slots[i] + m;) ++m;
-              for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j) Prefetch(kv, h, slots[j], 1);
+              m = 1;
+              if (slots[i] == kStoredRow) continue;
+              while (i + m < rows && slots[i + m] == slots[i] + m) ++m;
+              for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j)
+                if (slots[j] != kStoredRow) Prefetch(kv, h, slots[j], 1);
               EmitHeadRun(kv, h, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch);
             }
     } else if (QBits != 0) {
@@ -260,7 +296,7 @@ struct Kernel {
       for (int64_t i = 0; i < rows; ++i)
         for (int kv = 0; kv < 2; ++kv) {
           prefetch(kv, i);
-          EmitToken(kv, slots[i], out(kv, i), scratch);
+          if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch);
         }
     } else {
       // Tiles of whole tokens, keys then values: long runs per output. Streamed side by side (LineStreams
@@ -274,21 +310,22 @@ struct Kernel {
           if (!side_by_side) {
             for (int64_t i = i0; i < i0 + m; ++i) {
               prefetch(kv, i);
-              EmitToken(kv, slots[i], out(kv, i), scratch);
+              if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch);
             }
           } else if (HeadMajor()) {
             for (int64_t g = 0; g < H; g += kStreams)
               for (int64_t i = i0; i < i0 + m; ++i)
                 for (int64_t h = g; h < std::min(H, g + kStreams); ++h) {
-                  if (i + ahead < count) Prefetch(kv, h, slots[i + ahead], 1);
-                  EmitRows(kv, h, slots[i], 1, head_row(kv, i, h), stream, scratch);
+                  if (i + ahead < count && slots[i + ahead] != kStoredRow) Prefetch(kv, h, slots[i + ahead], 1);
+                  if (slots[i] != kStoredRow) EmitRows(kv, h, slots[i], 1, head_row(kv, i, h), stream, scratch);
                 }
           } else {
             const int64_t run = (m + kStreams - 1) / kStreams;  // stream j: tokens i0 + j * run + [0, run)
             for (int64_t t = 0; t < run; ++t) {
               for (int64_t i = i0 + t; i < i0 + m; i += run) prefetch(kv, i);
               for (int64_t h = 0; h < H; ++h)
-                for (int64_t i = i0 + t; i < i0 + m; i += run) EmitRows(kv, h, slots[i], 1, head_row(kv, i, h), stream, scratch);
+                for (int64_t i = i0 + t; i < i0 + m; i += run)
+                  if (slots[i] != kStoredRow) EmitRows(kv, h, slots[i], 1, head_row(kv, i, h), stream, scratch);
             }
           }
         }

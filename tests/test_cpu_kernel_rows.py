@@ -161,6 +161,50 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
+def guarded_outputs(given, attributes, guard=256):
+    """(key, value, their guards' bytes before and after, what the guards held) of the C entry point run with
+    outputs that hold a pattern first and lie between ``guard`` bytes of another pattern on either side; the
+    cache in ``given`` is written in place."""
+    args = c_api.HostBuffers()
+    inputs = [args.tensor(n, given[n], written=n in ("cache", "scale")) for n in c_api.KV_INPUTS]
+    shape = c_api.output_shape(inputs, **attributes)
+    dtype = given["current_key"].dtype
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    buffers = [np.full(nbytes + 2 * guard, 0xA5, np.uint8) for _ in range(2)]
+    for b in buffers:
+        b[guard:guard + nbytes] = 0x7F  # NaN-like bits in every type: a row left unwritten shows
+    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, b.ctypes.data + guard) for b in buffers]
+    c_api.run_key_value_cache(inputs, outputs, num_threads=2, **attributes)
+    args.finish()
+    body = [b[guard:guard + nbytes].view(dtype).reshape(shape) for b in buffers]
+    guards = [np.concatenate([b[:guard], b[guard + nbytes:]]) for b in buffers]
+    return body, guards
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("quant_bit,layout,num_repeat,cache_mode",
+                         [(0, 0, 1, 1), (0, 3, 2, 1), (0, 1, 1, 0), (8, 0, 2, 1), (8, 3, 1, 1), (8, 3, 1, 0),
+                          (4, 2, 1, 1), (4, 3, 2, 1)])
+def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layout, num_repeat, cache_mode, kernel,
+                                                                 monkeypatch):
+    """A token the call stores and loads is written to its output rows by the store (from the cache rows it has
+    just written) and left by the gather: every output row is the reference's, a stored token past its
+    sequence's kvlen reaches no output row (the last sequence's would lie past the outputs' end), and nothing
+    around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
+    position, or below every stored one), store without loading, load without storing, across pages and the
+    gather's tasks of 64 tokens."""
+    use_cpu_kernel(monkeypatch, kernel)
+    seqs = [Seq(0, 70, 40), Seq(5, 3), Seq(9, 0), Seq(30, 100), Seq(4, 6, 2), Seq(12, 5, 0), Seq(0, 66, 65)]
+    case = build(f"fused-{quant_bit}-{layout}-{num_repeat}-{cache_mode}", seqs, heads=3, head_dim=64,
+                 quant_bit=quant_bit, quant_group=8, num_repeat=num_repeat, cache_mode=cache_mode,
+                 cache_layout=layout, page_size=16, t1="float16", t3="float16")
+    want = reference_result(case.inputs, case.attributes)
+    fresh = copies(case.inputs)
+    (key, value), guards = guarded_outputs(fresh, case.attributes)
+    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+    assert all((g == 0xA5).all() for g in guards), "bytes around the outputs were written"
+
+
 def test_the_store_plan_follows_the_override_and_else_the_cpu_kind(monkeypatch):
     """$KVCACHE_OP_STORES names the plan outright; unset, AMD processors and Intel's family 6 model 207 stream one
     source stream (measured there: four side by side ran at 0.57x a copy on AMD, 0.72-0.76x against 0.81-0.93x
