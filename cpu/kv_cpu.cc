@@ -93,7 +93,7 @@ struct Kernel {
   }
 
   // Whether position t of sequence b is one this call stores (t >= 0). Where it is also loaded, its output row is
-  // written by the store task, right after the store (Emit in StoreRows), and the gathers leave it.
+  // written by the store task, right after the store (`emit` in StoreRows), and the gathers leave it.
   bool Stored(int64_t b, int64_t t) const {
     return t >= p.start_pos[b] && t - p.start_pos[b] < p.seqstarts[b + 1] - p.seqstarts[b];
   }
