@@ -112,14 +112,14 @@ struct Kernel {
     const bool whole_token = HeadsAdjacent();
     // A stored token that the call also loads goes to its output rows as soon as it is stored: what the gather
     // would read, read back from the cache rows just written (still in the core's cache) by the gather's own
-    // code, so the bits are the gather's. The spec's aliasing rule makes this exact: a slot stored in a call is
-    // loaded in it only by its own sequence at its own position, so no later store changes it. (Prefill: the
-    // whole output, without a second pass over the cache; measured in benchmarks/cpu.)
+    // code, so the bits are the gather's. The spec's aliasing rules make this exact: no slot is stored twice in
+    // a call, so no later store changes the rows. (Prefill: the whole output, without a second pass over the
+    // cache; measured in benchmarks/cpu.)
     bool emitted = false;
     auto emit = [&](int64_t b, uint64_t pos, int64_t slot) {
-      const auto t = static_cast<int64_t>(pos);  // a stored position, below the cache's rows
-      if (args.out_key == nullptr || t >= p.kvstarts[b + 1] - p.kvstarts[b]) return;
-      for (int kv = 0; kv < 2; ++kv) EmitToken(kv, slot, OutRow(kv, b, t), scratch);
+      // pos may pass INT64_MAX in paged mode (a page table reaching that far): compared unsigned, before any cast
+      if (args.out_key == nullptr || pos >= static_cast<uint64_t>(p.kvstarts[b + 1] - p.kvstarts[b])) return;
+      for (int kv = 0; kv < 2; ++kv) EmitToken(kv, slot, OutRow(kv, b, static_cast<int64_t>(pos)), scratch);
       emitted = true;
     };
     ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n,

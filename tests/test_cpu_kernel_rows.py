@@ -109,7 +109,7 @@ def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, ker
 def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
     """Outputs of > 16 MiB each, so the kernel writes them with streaming stores."""
     longest = 9000 if head_dim >= 128 else 45000  # either way outputs of > 16 MiB
-    seqs = [Seq(longest, 1), Seq(0, 70), Seq(8000, 3), Seq(1000, 1)]
+    seqs = [Seq(longest, 1), Seq(0, 70, 50), Seq(8000, 3), Seq(1000, 1), Seq(0, 130, 90)]  # partial loads too
     return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=heads, head_dim=head_dim, quant_bit=quant_bit,
                  quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=64, t1=t1,
                  t3="float16")
@@ -161,23 +161,24 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def guarded_outputs(given, attributes, guard=256):
-    """(key, value, their guards' bytes before and after, what the guards held) of the C entry point run with
-    outputs that hold a pattern first and lie between ``guard`` bytes of another pattern on either side; the
-    cache in ``given`` is written in place."""
+def guarded_outputs(given, attributes, offset=0, guard=256):
+    """(key, value), and their guards' bytes, of the C entry point run with outputs that hold a pattern first,
+    start ``offset`` bytes past a cache line and lie between ``guard`` bytes (a multiple of 64) of another
+    pattern on either side; the cache in ``given`` is written in place."""
     args = c_api.HostBuffers()
     inputs = [args.tensor(n, given[n], written=n in ("cache", "scale")) for n in c_api.KV_INPUTS]
     shape = c_api.output_shape(inputs, **attributes)
     dtype = given["current_key"].dtype
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    buffers = [np.full(nbytes + 2 * guard, 0xA5, np.uint8) for _ in range(2)]
-    for b in buffers:
-        b[guard:guard + nbytes] = 0x7F  # NaN-like bits in every type: a row left unwritten shows
-    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, b.ctypes.data + guard) for b in buffers]
+    buffers = [np.full(nbytes + 2 * guard + 128, 0xA5, np.uint8) for _ in range(2)]
+    starts = [(-b.ctypes.data) % 64 + guard + offset for b in buffers]
+    for b, start in zip(buffers, starts):
+        b[start:start + nbytes] = 0x7F  # NaN-like bits in every type: a row left unwritten shows
+    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, b.ctypes.data + start) for b, start in zip(buffers, starts)]
     c_api.run_key_value_cache(inputs, outputs, num_threads=2, **attributes)
     args.finish()
-    body = [b[guard:guard + nbytes].view(dtype).reshape(shape) for b in buffers]
-    guards = [np.concatenate([b[:guard], b[guard + nbytes:]]) for b in buffers]
+    body = [b[start:start + nbytes].view(dtype).reshape(shape) for b, start in zip(buffers, starts)]
+    guards = [np.concatenate([b[:start], b[start + nbytes:]]) for b, start in zip(buffers, starts)]
     return body, guards
 
 
@@ -192,17 +193,75 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     sequence's kvlen reaches no output row (the last sequence's would lie past the outputs' end), and nothing
     around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
     position, or below every stored one), store without loading, load without storing, across pages and the
-    gather's tasks of 64 tokens."""
+    gather's tasks of 64 tokens; the gathers in either cached order, outputs on a cache line or off it."""
     use_cpu_kernel(monkeypatch, kernel)
     seqs = [Seq(0, 70, 40), Seq(5, 3), Seq(9, 0), Seq(30, 100), Seq(4, 6, 2), Seq(12, 5, 0), Seq(0, 66, 65)]
+    t1 = ("float16", "bfloat16", "float32")[(quant_bit + layout + num_repeat) % 3]
     case = build(f"fused-{quant_bit}-{layout}-{num_repeat}-{cache_mode}", seqs, heads=3, head_dim=64,
                  quant_bit=quant_bit, quant_group=8, num_repeat=num_repeat, cache_mode=cache_mode,
-                 cache_layout=layout, page_size=16, t1="float16", t3="float16")
+                 cache_layout=layout, page_size=5 + 11 * cache_mode, t1=t1, t3="float16")
     want = reference_result(case.inputs, case.attributes)
-    fresh = copies(case.inputs)
-    (key, value), guards = guarded_outputs(fresh, case.attributes)
-    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
-    assert all((g == 0xA5).all() for g in guards), "bytes around the outputs were written"
+    for order, offset in (("tokens", 0), ("head-runs", 16), ("tokens", 2)):
+        monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
+        fresh = copies(case.inputs)
+        (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
+        assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+        assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({order}, {offset})"
+
+
+def reserved_zeros(nbytes):
+    """(address, unmap) of ``nbytes`` of zero pages reserved but not committed (MAP_NORESERVE): a cache whose
+    slots reach far while only the few the test touches take memory. Skips where the system refuses it."""
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0x4000)
+    address = libc.mmap(None, nbytes, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        pytest.skip(f"the system refused a {nbytes >> 40} TiB reservation (errno {ctypes.get_errno()})")
+    return address, lambda: libc.munmap(address, nbytes)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="reserves address space with Linux's mmap")
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+def test_a_stored_position_past_int64_max_reaches_no_output_row(kernel, monkeypatch):
+    """Paged positions may pass INT64_MAX (a page table of 2^22 pages of 2^41 slots): a sequence storing 200
+    tokens from INT64_MAX and loading none has no output row, and none of its tokens may land in one, nor past the
+    outputs' end. The other sequence stores one token at position 0 and loads it: the one output row."""
+    use_cpu_kernel(monkeypatch, kernel)
+    page, stored = 1 << 41, 200
+    first = (1 << 63) - 1
+    last_page = first // page
+    max_pages = (first + stored) // page + 1
+    slots = page + (1 << 20)  # the cache's MaxT: a page from slot 0, and sequence 0's page at 2^20 (its one slot)
+    address, unmap = reserved_zeros(slots * 2 * 2)  # layout 0: (MaxT, 1 layer, K/V, 1 head, Dh 1) float16
+    try:
+        cache = np.ctypeslib.as_array(ctypes.cast(address, ctypes.POINTER(ctypes.c_uint16)), shape=(slots * 2,))
+        table = np.full((2, max_pages), -1, np.int64)
+        table[0, 0] = 1 << 20
+        table[1, last_page], table[1, last_page + 1] = 0, 1  # position 2^63 - 1 at slot page - 1, the rest from 1
+        key = (np.arange(1 + stored) + 100).astype(np.float16).reshape(-1, 1, 1)
+        value = (np.arange(1 + stored) + 400).astype(np.float16).reshape(-1, 1, 1)
+        arrays = [key, value, np.array([0, 1, 1 + stored], np.int64), np.array([0, 1, 1], np.int64), table,
+                  np.array([0, first], np.int64), np.array(stored, np.int64), np.array(1, np.int64)]
+        inputs = [c_api.Tensor(c_api.onnx_type(a.dtype), a.shape, a.ctypes.data) for a in arrays]
+        inputs += [c_api.Tensor(c_api.ONNX_TYPES[np.dtype(np.float16)], (slots, 1, 2, 1, 1), address), c_api.ABSENT]
+        attributes = dict(cache_mode=1, page_size=page, cache_layout=0)
+        shape = c_api.output_shape(inputs, **attributes)
+        assert tuple(shape) == (1, 1, 1)
+        guard = 4096
+        buffers = [np.full(2 + 2 * guard, 0xA5, np.uint8) for _ in range(2)]
+        outputs = [c_api.Tensor(c_api.ONNX_TYPES[np.dtype(np.float16)], shape, b.ctypes.data + guard) for b in buffers]
+        c_api.run_key_value_cache(inputs, outputs, num_threads=2, **attributes)
+        assert [float(b[guard:guard + 2].view(np.float16)[0]) for b in buffers] == [100.0, 400.0]
+        assert all((np.delete(b, [guard, guard + 1]) == 0xA5).all() for b in buffers), "bytes past the outputs written"
+        stored_keys = np.concatenate([cache[(page - 1) * 2:(page - 1) * 2 + 1], cache[2:2 * stored:2]])
+        assert (stored_keys.view(np.float16) == key[1:, 0, 0]).all()  # the stores themselves happened
+    finally:
+        unmap()
 
 
 def test_the_store_plan_follows_the_override_and_else_the_cpu_kind(monkeypatch):
