@@ -201,8 +201,8 @@ def test_prompts_last_chunks_lead_graph_runs_with_the_tokens_of_one_step_at_a_ti
 
 
 def hold_until_interrupted(engine, runs, at_step, timeout=30.0):
-    """Makes the first graph run wait before its step ``at_step`` until a caller interrupts it (knocks for the lock or
-    cancels), at most ``timeout`` seconds: a tiny model's steps take a fraction of a millisecond, so without it the
+    """Makes the first graph run wait, once it has run ``at_step`` steps, until a caller interrupts it (knocks for the
+    lock or cancels), at most ``timeout`` seconds: a tiny model's steps take a fraction of a millisecond, so without it the
     run could end before the test's thread, woken by the OS, gets to interrupt it. ``runs``: what
     :func:`counting_graph_steps` counts."""
     import time
