@@ -128,6 +128,20 @@ def metric_values(url) -> dict:
     return out
 
 
+def wait_for_metrics(url, ready, what: str, timeout: float = 30.0, poll: float = 0.01) -> dict:
+    """The server's :func:`metric_values` once ``ready(values)`` holds; fails naming ``what`` after ``timeout`` s."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        m = metric_values(url)
+        if ready(m):
+            return m
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} within {timeout:g} s: {m}")
+        time.sleep(poll)
+
+
 @pytest.fixture(scope="session")
 def exported(served_checkpoint, tmp_path_factory):
     """The served checkpoint exported once for the session (the ONNX file's path)."""

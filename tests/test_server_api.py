@@ -4,7 +4,6 @@ weights, a tokenizer trained here, a chat template) exported by the server itsel
 logprobs, seeded sampling, stop strings, tenant salts, cancellation by disconnecting, and the Prometheus metrics."""
 
 import asyncio
-import time
 
 import pytest
 
@@ -12,7 +11,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from conftest import SERVER_API_KEY, metric_values  # noqa: E402
+from conftest import SERVER_API_KEY, metric_values, wait_for_metrics  # noqa: E402
 
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
 
@@ -150,14 +149,10 @@ def test_cache_salt_isolates_a_tenants_prefix(client, api_server):
 
 
 def _wait_until_idle_after_a_cancel(api_server, cancelled_before):
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = metric_values(api_server)
-        if m.get(("kvcache_op_finished_requests_total", ("reason", "cancelled")), 0) > cancelled_before and \
-                m[("kvcache_op_running_requests",)] == 0 and m[("kvcache_op_pages_in_use",)] == 0:
-            return m
-        time.sleep(0.1)
-    pytest.fail(f"the request was not cancelled within 30 s: {m}")
+    return wait_for_metrics(
+        api_server, lambda m: m.get(("kvcache_op_finished_requests_total", ("reason", "cancelled")), 0) >
+        cancelled_before and m[("kvcache_op_running_requests",)] == 0 and m[("kvcache_op_pages_in_use",)] == 0,
+        "the request was not cancelled", poll=0.1)
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -182,10 +177,8 @@ def test_a_client_that_disconnects_cancels_its_request(api_server, stream):
                 f"Authorization: Bearer {SERVER_API_KEY}\r\nContent-Length: {len(payload)}\r\n\r\n")
         with socket.create_connection((where.hostname, where.port), timeout=30) as connection:
             connection.sendall(head.encode() + payload)
-            deadline = time.monotonic() + 30
-            while metric_values(api_server)[("kvcache_op_running_requests",)] < 1:
-                assert time.monotonic() < deadline, "the request did not start running within 30 s"
-                time.sleep(0.005)
+            wait_for_metrics(api_server, lambda m: m[("kvcache_op_running_requests",)] >= 1,
+                             "the request did not start running")
     m = _wait_until_idle_after_a_cancel(api_server, cancelled)
     assert m[("kvcache_op_finished_requests_total", ("reason", "cancelled"))] == cancelled + 1
 

@@ -163,22 +163,14 @@ def test_a_tiny_repetition_penalty_still_samples_a_real_distribution():
                 assert tokens[0] in (1, 2) and np.isfinite(logprobs[0].logprob), (penalty, temperature, seed, tokens)
 
 
-def _wait_until_held(url, count, timeout=30.0):
+def _wait_until_held(url, count):
     """Returns once the server at ``url`` has received ``count`` generations (queued, running or finished), as its
     ``/metrics`` show."""
-    import time
+    from conftest import wait_for_metrics
 
-    from conftest import metric_values
-
-    deadline = time.monotonic() + timeout
-    while True:
-        m = metric_values(url)
-        held = m[("kvcache_op_queue_length",)] + m[("kvcache_op_running_requests",)] + sum(
-            value for key, value in m.items() if key[0] == "kvcache_op_finished_requests_total")
-        if held >= count:
-            return
-        assert time.monotonic() < deadline, f"the server holds {held:.0f} of {count} requests after {timeout} s"
-        time.sleep(0.01)
+    wait_for_metrics(url, lambda m: m[("kvcache_op_queue_length",)] + m[("kvcache_op_running_requests",)] + sum(
+        value for key, value in m.items() if key[0] == "kvcache_op_finished_requests_total") >= count,
+        f"the server did not hold {count} requests")
 
 
 def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
