@@ -112,20 +112,34 @@ struct Kernel {
     const bool whole_token = HeadsAdjacent();
     // A stored token that the call also loads goes to its output rows as soon as it is stored: what the gather
     // would read, read back from the cache rows just written (still in the core's cache) by the gather's own
-    // code, so the bits are the gather's. The spec's aliasing rules make this exact: no slot is stored twice in
-    // a call, so no later store changes the rows. (Prefill: the whole output, without a second pass over the
-    // cache; measured in benchmarks/cpu.)
+    // code, so the bits are the gather's; quantized rows that QuantizeRowsWithValues covers are not read back but
+    // written from the codes and scales in registers, the same bits (int8 prefill, layout 3: its 2H head rows a
+    // token lie 4 KiB-aligned apart, and reading them back cost a quarter of the call). The spec's aliasing rules
+    // make this exact: no slot is stored twice in a call, so no later store changes the rows. (Prefill: the
+    // whole output, without a second pass over the cache; measured in benchmarks/cpu.)
     bool emitted = false;
-    auto emit = [&](int64_t b, uint64_t pos, int64_t slot) {
-      // pos may pass INT64_MAX in paged mode (a page table reaching that far): compared unsigned, before any cast
-      if (args.out_key == nullptr || pos >= static_cast<uint64_t>(p.kvstarts[b + 1] - p.kvstarts[b])) return;
-      for (int kv = 0; kv < 2; ++kv) EmitToken(kv, slot, OutRow(kv, b, static_cast<int64_t>(pos)), scratch);
-      emitted = true;
-    };
     ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n,
                                                                               int64_t b, uint64_t pos) {
+      const T* sources[2] = {static_cast<const T*>(args.key) + r0 * H * D, static_cast<const T*>(args.value) + r0 * H * D};
+      // Quantized rows whose values go to `values` as they are stored (QuantizeRowsWithValues); false where
+      // that path does not cover them (then nothing is done).
+      auto store_with_values = [&](int kv, int64_t i, T* values) {
+        if constexpr (QBits == 0) {
+          return false;
+        } else {
+          const T* src = sources[kv] + i * H * D;
+          if (whole_token)
+            return QuantizeRowsWithValues<T1, T3, QBits>(src, 1, H * D, a.quant_group, H * p.groups,
+                                                         C::Row(args.cache, CacheRow(kv, 0, slot + i)), 0,
+                                                         static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), 0, values);
+          return QuantizeRowsWithValues<T1, T3, QBits>(src, H, D, a.quant_group, p.groups,
+                                                       C::Row(args.cache, CacheRow(kv, 0, slot + i)),
+                                                       p.cache_rows.head * QBits / 8, static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i),
+                                                       p.scale_rows.head, values);
+        }
+      };
       auto store = [&](int kv, int64_t h, int64_t i, int64_t heads) {
-        const T* src = static_cast<const T*>(kv ? args.value : args.key) + ((r0 + i) * H + h) * D;
+        const T* src = sources[kv] + (i * H + h) * D;
         if constexpr (QBits == 0) {
           std::memcpy(static_cast<T*>(args.cache) + CacheRow(kv, h, slot + i), src, heads * D * sizeof(T));
         } else {
@@ -133,20 +147,39 @@ struct Kernel {
                                      static_cast<S*>(args.scale) + ScaleRow(kv, h, slot + i), rows);
         }
       };
-      for (int64_t i = 0; i < n; ++i) {
+      auto store_token = [&](int kv, int64_t i) {
         if (whole_token) {
-          for (int kv = 0; kv < 2; ++kv) store(kv, 0, i, H);
+          store(kv, 0, i, H);
         } else if constexpr (QBits != 0) {  // a token's H head rows in one call (QuantizeRows)
           const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
-          for (int kv = 0; kv < 2; ++kv)
-            QuantizeRows<T1, T3, QBits>(static_cast<const T*>(kv ? args.value : args.key) + (r0 + i) * H * D, H, D,
-                                        a.quant_group, p.groups, C::Row(args.cache, CacheRow(kv, 0, slot + i)), code_step,
-                                        static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), scale_step, rows);
+          QuantizeRows<T1, T3, QBits>(sources[kv] + i * H * D, H, D, a.quant_group, p.groups,
+                                      C::Row(args.cache, CacheRow(kv, 0, slot + i)), code_step,
+                                      static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), scale_step, rows);
         } else {
-          for (int kv = 0; kv < 2; ++kv)
-            for (int64_t h = 0; h < H; ++h) store(kv, h, i, 1);
+          for (int64_t h = 0; h < H; ++h) store(kv, h, i, 1);
         }
-        emit(b, pos + static_cast<uint64_t>(i), slot + i);
+      };
+      for (int64_t i = 0; i < n; ++i) {
+        // pos may pass INT64_MAX in paged mode (a page table reaching that far): compared unsigned, before any cast
+        const uint64_t t = pos + static_cast<uint64_t>(i);
+        const bool loaded = args.out_key != nullptr && t < static_cast<uint64_t>(p.kvstarts[b + 1] - p.kvstarts[b]);
+        for (int kv = 0; kv < 2; ++kv) {
+          if (!loaded) {
+            store_token(kv, i);
+            continue;
+          }
+          T* out = OutRow(kv, b, static_cast<int64_t>(t));
+          // Quantized rows without repeats: the output row is the source row's values after DQ, written as the
+          // rows are quantized (into the streamed row first where the output is streamed); else read back.
+          T* values = stream ? scratch.row.data() : out;
+          if (a.num_repeat == 1 && store_with_values(kv, i, values)) {
+            if (stream) Repeat(values, H * D, out, true, scratch);
+          } else {
+            store_token(kv, i);
+            EmitToken(kv, slot + i, out, scratch);
+          }
+          emitted = true;
+        }
       }
     });
     if (emitted) {

@@ -150,9 +150,13 @@ KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename 
   }
 }
 
-// The codes of the 16 groups of 8 elements at src whose scales (as SixteenScales returns them) are s.
+// The codes of the 16 groups of 8 elements at src whose scales (as SixteenScales returns them) are s. With
+// `values` (not nullptr), also each element's value T1(float(code) * scale) there: the bits
+// DequantizeSixteenGroupsOf8 gives from the codes and scales stored (the codes lie in [-qmax, qmax], which their
+// packing keeps), without reading them back.
 template <class T1, class T3, int QBits>
-KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, typename Codes<QBits>::Storage* codes) {
+KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, typename Codes<QBits>::Storage* codes,
+                                   typename T1::Storage* values) {
   auto spread = [&](auto j, __m512 v) { return PairOfLanes<decltype(j)::value>(v); };
   auto x = [&](auto j) { return LoadFloat16<T1>(src + 16 * decltype(j)::value); };
   __m512i c[8];
@@ -169,20 +173,26 @@ KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, ty
   }
   StoreCodes64<QBits>(c, codes);
   StoreCodes64<QBits>(c + 4, codes + 8 * CodeBytes8(QBits));
+  if (values != nullptr)
+    ForEachOf8([&](auto j) {
+      StoreFloat16<T1>(_mm512_mul_ps(_mm512_cvtepi32_ps(c[j]), spread(j, s)), values + 16 * decltype(j)::value);
+    });
 }
 
-// Q of blocks of 16 groups of 8 elements: block b from src(b) to codes(b) and scales(b). Up to 8 blocks' scales
+// Q of blocks of 16 groups of 8 elements: block b from src(b) to codes(b) and scales(b), and its values to
+// values(b) where that is not nullptr (SixteenCodes). Up to 8 blocks' scales
 // first, then their codes: each block's codes wait on one long chain of dependent steps (maxima, a division,
 // the rounding to T3 and back), and written block by block the chains overlapped too little to keep the
 // vector units busy (measured on an Intel Xeon: 128 elements took about as long as one chain).
-template <class T1, class T3, int QBits, class Src, class CodesAt, class ScalesAt>
-KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesAt&& codes, ScalesAt&& scales) {
+template <class T1, class T3, int QBits, class Src, class CodesAt, class ScalesAt, class ValuesAt>
+KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesAt&& codes, ScalesAt&& scales,
+                                               ValuesAt&& values) {
   constexpr int kBatch = 8;
   for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
     const int n = static_cast<int>(blocks - b0 < kBatch ? blocks - b0 : kBatch);
     __m512 s[kBatch];
     for (int k = 0; k < n; ++k) s[k] = SixteenScales<T1, T3, QBits>(src(b0 + k), scales(b0 + k));
-    for (int k = 0; k < n; ++k) SixteenCodes<T1, T3, QBits>(src(b0 + k), s[k], codes(b0 + k));
+    for (int k = 0; k < n; ++k) SixteenCodes<T1, T3, QBits>(src(b0 + k), s[k], codes(b0 + k), values(b0 + k));
   }
 }
 

@@ -115,6 +115,37 @@ inline void DequantizeRowPortable(const typename Codes<QBits>::Storage* codes, c
   }
 }
 
+#if KV_AVX512
+// No values wanted from QuantizeBlocksOf16Groups (a ValuesAt).
+template <class T1>
+constexpr auto NoValues = [](int64_t) -> typename T1::Storage* { return nullptr; };
+#endif
+
+// Q of `rows` rows as QuantizeRows, in the AVX-512 build's blocks of 16 groups of 8 only: returns false, having
+// done nothing, where those do not cover the rows (another build, group != 8, groups not a multiple of 16).
+// With `values` (not nullptr), each row's elements' values after DQ go to values + k * n as well: the bits
+// DequantizeRow gives from the codes and scales stored, written without reading those back (a stored token's
+// output rows, from its store).
+template <class T1, class T3, int QBits>
+inline bool QuantizeRowsWithValues(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group,
+                                   int64_t groups, typename Codes<QBits>::Storage* codes, int64_t code_step,
+                                   typename T3::Storage* scales, int64_t scale_step, typename T1::Storage* values) {
+#if KV_AVX512
+  if (group == 8 && groups % 16 == 0) {
+    const int64_t per_row = groups / 16;
+    QuantizeBlocksOf16Groups<T1, T3, QBits>(
+        rows * per_row, [&](int64_t b) { return src + b / per_row * n + b % per_row * 128; },
+        [&](int64_t b) { return codes + b / per_row * code_step + b % per_row * 16 * CodeBytes8(QBits); },
+        [&](int64_t b) { return scales + b / per_row * scale_step + b % per_row * 16; },
+        [&](int64_t b) { return values == nullptr ? nullptr : values + b / per_row * n + b % per_row * 128; });
+    return true;
+  }
+#endif
+  (void)src, (void)rows, (void)n, (void)group, (void)groups, (void)codes, (void)code_step, (void)scales,
+      (void)scale_step, (void)values;
+  return false;
+}
+
 // Q of one row of n elements in `groups` groups of `group` (spec "Quantization"): codes and scales written to
 // the cache.
 template <class T1, class T3, int QBits>
@@ -127,7 +158,8 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
     if (group == 8 && groups >= 32) {  // a single block goes faster through the eight-group path below
       QuantizeBlocksOf16Groups<T1, T3, QBits>(
           groups / 16, [&](int64_t b) { return src + b * 128; },
-          [&](int64_t b) { return codes + b * 16 * CodeBytes8(QBits); }, [&](int64_t b) { return scales + b * 16; });
+          [&](int64_t b) { return codes + b * 16 * CodeBytes8(QBits); }, [&](int64_t b) { return scales + b * 16; },
+          NoValues<T1>);
       g = groups / 16 * 16;
     }
 #endif
@@ -161,16 +193,9 @@ template <class T1, class T3, int QBits>
 inline void QuantizeRows(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group, int64_t groups,
                          typename Codes<QBits>::Storage* codes, int64_t code_step, typename T3::Storage* scales,
                          int64_t scale_step, const RowScratch& scratch) {
-#if KV_AVX512
-  if (group == 8 && groups % 16 == 0 && rows * groups >= 32) {
-    const int64_t per_row = groups / 16;
-    QuantizeBlocksOf16Groups<T1, T3, QBits>(
-        rows * per_row, [&](int64_t b) { return src + b / per_row * n + b % per_row * 128; },
-        [&](int64_t b) { return codes + b / per_row * code_step + b % per_row * 16 * CodeBytes8(QBits); },
-        [&](int64_t b) { return scales + b / per_row * scale_step + b % per_row * 16; });
+  if (rows * groups >= 32 && QuantizeRowsWithValues<T1, T3, QBits>(src, rows, n, group, groups, codes, code_step, scales,
+                                                                   scale_step, nullptr))
     return;
-  }
-#endif
   for (int64_t k = 0; k < rows; ++k)
     QuantizeRow<T1, T3, QBits>(src + k * n, n, group, groups, codes + k * code_step, scales + k * scale_step, scratch);
 }

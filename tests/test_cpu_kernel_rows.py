@@ -176,18 +176,21 @@ def guarded_outputs(given, attributes, offset=0, guard=256):
 @pytest.mark.parametrize("quant_bit,layout,num_repeat,cache_mode",
                          [(0, 0, 1, 1), (0, 3, 2, 1), (0, 1, 1, 0), (8, 0, 2, 1), (8, 3, 1, 1), (8, 3, 1, 0),
                           (4, 2, 1, 1), (4, 3, 2, 1)])
-def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layout, num_repeat, cache_mode, kernel,
-                                                                 monkeypatch):
+@pytest.mark.parametrize("heads,head_dim", [(3, 64), (2, 128)])
+def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layout, num_repeat, cache_mode, heads,
+                                                                 head_dim, kernel, monkeypatch):
     """A token the call stores and loads is written to its output rows by the store (from the cache rows it has
     just written) and left by the gather: every output row is the reference's, a stored token past its
     sequence's kvlen reaches no output row (the last sequence's would lie past the outputs' end), and nothing
     around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
     position, or below every stored one), store without loading, load without storing, across pages and the
-    gather's tasks of 64 tokens; the gathers in either cached order, outputs on a cache line or off it."""
+    gather's tasks of 64 tokens; the gathers in either cached order, outputs on a cache line or off it. Head rows
+    of 128 quantized without repeats are blocks of 16 groups: the AVX-512 build writes their values as it quantizes
+    them (QuantizeRowsWithValues), the others read them back."""
     use_cpu_kernel(monkeypatch, kernel)
     seqs = [Seq(0, 70, 40), Seq(5, 3), Seq(9, 0), Seq(30, 100), Seq(4, 6, 2), Seq(12, 5, 0), Seq(0, 66, 65)]
     t1 = ("float16", "bfloat16", "float32")[(quant_bit + layout + num_repeat) % 3]
-    case = build(f"fused-{quant_bit}-{layout}-{num_repeat}-{cache_mode}", seqs, heads=3, head_dim=64,
+    case = build(f"fused-{quant_bit}-{layout}-{num_repeat}-{cache_mode}-{head_dim}", seqs, heads=heads, head_dim=head_dim,
                  quant_bit=quant_bit, quant_group=8, num_repeat=num_repeat, cache_mode=cache_mode,
                  cache_layout=layout, page_size=5 + 11 * cache_mode, t1=t1, t3="float16")
     want = reference_result(case.inputs, case.attributes)
