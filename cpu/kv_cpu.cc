@@ -121,42 +121,31 @@ struct Kernel {
     ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n,
                                                                               int64_t b, uint64_t pos) {
       const T* sources[2] = {static_cast<const T*>(args.key) + r0 * H * D, static_cast<const T*>(args.value) + r0 * H * D};
-      // Quantized rows whose values go to `values` as they are stored (QuantizeRowsWithValues); false where
-      // that path does not cover them (then nothing is done).
-      auto store_with_values = [&](int kv, int64_t i, T* values) {
+      // Token i's kv rows into the cache. With `values` (not nullptr), quantized rows that QuantizeRowsWithValues
+      // covers also go there as their values after DQ: returns whether they did.
+      auto store_token = [&](int kv, int64_t i, T* values) {
+        const T* src = sources[kv] + i * H * D;
         if constexpr (QBits == 0) {
+          if (whole_token) {
+            std::memcpy(static_cast<T*>(args.cache) + CacheRow(kv, 0, slot + i), src, H * D * sizeof(T));
+          } else {
+            for (int64_t h = 0; h < H; ++h)
+              std::memcpy(static_cast<T*>(args.cache) + CacheRow(kv, h, slot + i), src + h * D, D * sizeof(T));
+          }
           return false;
         } else {
-          const T* src = sources[kv] + i * H * D;
-          if (whole_token)
-            return QuantizeRowsWithValues<T1, T3, QBits>(src, 1, H * D, a.quant_group, H * p.groups,
-                                                         C::Row(args.cache, CacheRow(kv, 0, slot + i)), 0,
-                                                         static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), 0, values);
-          return QuantizeRowsWithValues<T1, T3, QBits>(src, H, D, a.quant_group, p.groups,
-                                                       C::Row(args.cache, CacheRow(kv, 0, slot + i)),
-                                                       p.cache_rows.head * QBits / 8, static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i),
-                                                       p.scale_rows.head, values);
-        }
-      };
-      auto store = [&](int kv, int64_t h, int64_t i, int64_t heads) {
-        const T* src = sources[kv] + (i * H + h) * D;
-        if constexpr (QBits == 0) {
-          std::memcpy(static_cast<T*>(args.cache) + CacheRow(kv, h, slot + i), src, heads * D * sizeof(T));
-        } else {
-          QuantizeRow<T1, T3, QBits>(src, heads * D, a.quant_group, heads * p.groups, C::Row(args.cache, CacheRow(kv, h, slot + i)),
-                                     static_cast<S*>(args.scale) + ScaleRow(kv, h, slot + i), rows);
-        }
-      };
-      auto store_token = [&](int kv, int64_t i) {
-        if (whole_token) {
-          store(kv, 0, i, H);
-        } else if constexpr (QBits != 0) {  // a token's H head rows in one call (QuantizeRows)
+          // A token's heads: one row of H * Dh where they lie together, else H rows (layout 3) in one call.
+          const int64_t heads_rows = whole_token ? 1 : H, n = whole_token ? H * D : D;
+          const int64_t groups = whole_token ? H * p.groups : p.groups;
           const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
-          QuantizeRows<T1, T3, QBits>(sources[kv] + i * H * D, H, D, a.quant_group, p.groups,
-                                      C::Row(args.cache, CacheRow(kv, 0, slot + i)), code_step,
-                                      static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i), scale_step, rows);
-        } else {
-          for (int64_t h = 0; h < H; ++h) store(kv, h, i, 1);
+          auto* codes = C::Row(args.cache, CacheRow(kv, 0, slot + i));
+          S* scales = static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i);
+          if (values != nullptr && QuantizeRowsWithValues<T1, T3, QBits>(src, heads_rows, n, a.quant_group, groups, codes,
+                                                                        code_step, scales, scale_step, values))
+            return true;
+          QuantizeRows<T1, T3, QBits>(src, heads_rows, n, a.quant_group, groups, codes, code_step, scales, scale_step,
+                                      rows);
+          return false;
         }
       };
       for (int64_t i = 0; i < n; ++i) {
@@ -165,17 +154,16 @@ struct Kernel {
         const bool loaded = args.out_key != nullptr && t < static_cast<uint64_t>(p.kvstarts[b + 1] - p.kvstarts[b]);
         for (int kv = 0; kv < 2; ++kv) {
           if (!loaded) {
-            store_token(kv, i);
+            store_token(kv, i, nullptr);
             continue;
           }
           T* out = OutRow(kv, b, static_cast<int64_t>(t));
           // Quantized rows without repeats: the output row is the source row's values after DQ, written as the
           // rows are quantized (into the streamed row first where the output is streamed); else read back.
-          T* values = stream ? scratch.row.data() : out;
-          if (a.num_repeat == 1 && store_with_values(kv, i, values)) {
+          T* values = a.num_repeat == 1 ? (stream ? scratch.row.data() : out) : nullptr;
+          if (store_token(kv, i, values)) {
             if (stream) Repeat(values, H * D, out, true, scratch);
           } else {
-            store_token(kv, i);
             EmitToken(kv, slot + i, out, scratch);
           }
           emitted = true;
