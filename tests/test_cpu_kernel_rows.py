@@ -71,8 +71,10 @@ def special_rows(rng, shape, group, quant_bit, dtype):
 def special_case(quant_bit, head_dim, group, t1, t3, index, layout=None):
     """A case of special_rows in 2 heads; its layout is ``layout``, else index % 4."""
     seqs = [Seq(0, 21), Seq(9, 1), Seq(4, 6, 7), Seq(2, 0, 2)]  # prefill, decode, chunk with a partial load, empty
+    # num_repeat turns with index // 2, so that both kinds of scales meet outputs without repeats (TYPES
+    # alternates them)
     case = build(f"rows-{quant_bit}-{head_dim}-{group}-{t1}-{t3}", seqs, heads=2, head_dim=head_dim,
-                 quant_bit=quant_bit, quant_group=group, num_repeat=1 + index % 2, cache_mode=index % 2,
+                 quant_bit=quant_bit, quant_group=group, num_repeat=1 + index // 2 % 2, cache_mode=index % 2,
                  cache_layout=index % 4 if layout is None else layout, page_size=4, t1=t1, t3=t3)
     rng = np.random.default_rng(index)
     for name in ("current_key", "current_value"):
@@ -172,6 +174,18 @@ def guarded_outputs(given, attributes, offset=0, guard=256):
     return body, guards
 
 
+def load_only(given):
+    """The inputs of a call that loads what ``given`` loads and stores nothing: the gathers' own reading of the
+    cache."""
+    loads = dict(given)
+    loads["seqstarts"] = np.zeros_like(given["seqstarts"])
+    loads["start_pos"] = np.diff(given["kvstarts"]).astype(np.int64)
+    loads["max_seqlen"] = np.zeros_like(given["max_seqlen"])
+    for name in ("current_key", "current_value"):
+        loads[name] = given[name][:0]
+    return loads
+
+
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("quant_bit,layout,num_repeat,cache_mode",
                          [(0, 0, 1, 1), (0, 3, 2, 1), (0, 1, 1, 0), (8, 0, 2, 1), (8, 3, 1, 1), (8, 3, 1, 0),
@@ -186,13 +200,21 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     position, or below every stored one), store without loading, load without storing, across pages and the
     gather's tasks of 64 tokens; the gathers in either cached order, outputs on a cache line or off it. Head rows
     of 128 quantized without repeats are blocks of 16 groups: the AVX-512 build writes their values as it quantizes
-    them (QuantizeRowsWithValues), the others read them back."""
+    them (QuantizeRowsWithValues), the others read them back. Quantized rows hold special_rows' values (NaN, inf,
+    ties, scales at float16's edges), and every output byte, NaN payloads included, is also the one a call that
+    only loads (the gathers' own dequantization) reads from the cache written."""
     use_cpu_kernel(monkeypatch, kernel)
     seqs = [Seq(0, 70, 40), Seq(5, 3), Seq(9, 0), Seq(30, 100), Seq(4, 6, 2), Seq(12, 5, 0), Seq(0, 66, 65)]
-    t1 = ("float16", "bfloat16", "float32")[(quant_bit + layout + num_repeat) % 3]
+    t1 = ("float16", "bfloat16", "float32")[(quant_bit + layout + num_repeat + head_dim // 64) % 3]
+    t3 = ("float16", "float32")[(layout + num_repeat + cache_mode) % 2]
     case = build(f"fused-{quant_bit}-{layout}-{num_repeat}-{cache_mode}-{head_dim}", seqs, heads=heads, head_dim=head_dim,
                  quant_bit=quant_bit, quant_group=8, num_repeat=num_repeat, cache_mode=cache_mode,
-                 cache_layout=layout, page_size=5 + 11 * cache_mode, t1=t1, t3="float16")
+                 cache_layout=layout, page_size=5 + 11 * cache_mode, t1=t1, t3=t3)
+    if quant_bit:
+        rng = np.random.default_rng(head_dim + layout)
+        for name in ("current_key", "current_value"):
+            x = case.inputs[name]
+            case.inputs[name] = special_rows(rng, x.shape, 8, quant_bit, x.dtype)
     want = reference_result(case.inputs, case.attributes)
     for order, offset in (("tokens", 0), ("head-runs", 16), ("tokens", 2)):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
@@ -200,6 +222,9 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({order}, {offset})"
+        loaded = c_api.key_value_cache(**load_only(copies(fresh)), **case.attributes, num_threads=2)
+        for got, gathered in zip((key, value), loaded):
+            assert got.tobytes() == gathered.tobytes(), f"bits other than the gathers' ({order}, {offset})"
 
 
 def reserved_zeros(nbytes):
