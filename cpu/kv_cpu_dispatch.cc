@@ -113,7 +113,9 @@ bool CachedGatherHeadRuns() {
   // Measured on one core, int8 prefill B=4 x 512 tokens, 8 heads of 128, layout 3 (benchmarks/cpu): on an AMD
   // EPYC (Zen 5) a head's page runs 1.12-1.17 ms against 1.26-1.42 token by token; on an Intel Xeon token by
   // token ran at 0.60-0.71x a copy and head by head (row by row, before page runs) 0.46-0.61x. Other
-  // processors keep the Intel choice.
+  // processors keep the Intel choice. (Measured when that prefill's outputs came from the gathers; the stores
+  // now write a stored token's outputs, so this orders the gathers of what a call loads without storing it: a
+  // chunked prefill's earlier tokens, a small decode's.)
 #ifdef KVCACHE_CPU_AVX2
   static const bool amd = __builtin_cpu_is("amd");
   return amd;
