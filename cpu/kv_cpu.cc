@@ -135,16 +135,16 @@ struct Kernel {
           return false;
         } else {
           // A token's heads: one row of H * Dh where they lie together, else H rows (layout 3) in one call.
-          const int64_t heads_rows = whole_token ? 1 : H, n = whole_token ? H * D : D;
+          const int64_t heads_rows = whole_token ? 1 : H, row_size = whole_token ? H * D : D;
           const int64_t groups = whole_token ? H * p.groups : p.groups;
           const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
           auto* codes = C::Row(args.cache, CacheRow(kv, 0, slot + i));
           S* scales = static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i);
-          if (values != nullptr && QuantizeRowsWithValues<T1, T3, QBits>(src, heads_rows, n, a.quant_group, groups, codes,
-                                                                        code_step, scales, scale_step, values))
+          if (values != nullptr && QuantizeRowsWithValues<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups,
+                                                                        codes, code_step, scales, scale_step, values))
             return true;
-          QuantizeRows<T1, T3, QBits>(src, heads_rows, n, a.quant_group, groups, codes, code_step, scales, scale_step,
-                                      rows);
+          QuantizeRows<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups, codes, code_step, scales,
+                                      scale_step, rows);
           return false;
         }
       };
