@@ -21,10 +21,13 @@ class Shape:
     page_size: int = 64
 
 
-SHAPES = [Shape("decode", 64, 1, 1023), Shape("prefill", 4, 512, 0)]
+#: A decode step, a prefill (every token it loads it also stores: the stores write the outputs) and a chunk of a
+#: chunked prefill (three quarters of what it loads were stored before: the gathers into outputs that stay cached).
+SHAPES = [Shape("decode", 64, 1, 1023), Shape("prefill", 4, 512, 0), Shape("chunk", 4, 256, 768)]
 #: --quick: the same mix, tiny (a smoke run of the tool, not a measurement).
 QUICK_SHAPES = [Shape("decode", 4, 1, 63, heads=2, head_dim=32, page_size=16),
-                Shape("prefill", 2, 32, 0, heads=2, head_dim=32, page_size=16)]
+                Shape("prefill", 2, 32, 0, heads=2, head_dim=32, page_size=16),
+                Shape("chunk", 2, 16, 48, heads=2, head_dim=32, page_size=16)]
 
 
 def make_indices(shape: Shape, rng, cache_mode: int = 1) -> dict:

@@ -14,7 +14,8 @@ def test_bench_quick_run_writes_results(tmp_path, capsys):
                            "--reference-repeats", "1", "--out", str(tmp_path)]) == 0
     data = json.loads((tmp_path / "results.json").read_text())
     # shapes x (paged: 4 layouts, offset: 2) x quant x threads
-    assert len(data["rows"]) == 2 * (4 + 2) * 2 * 2
+    assert len(data["rows"]) == len(kv_shapes.QUICK_SHAPES) * (4 + 2) * 2 * 2
+    assert {r["shape"] for r in data["rows"]} == {"decode", "prefill", "chunk"}
     assert all(r["op_GBps"] > 0 and r["vs_copy"] > 0 and r["rounds"] == 2 for r in data["rows"])
     assert all(len(r["op_ms_rounds"]) == 2 and r["vs_copy_range"][0] <= r["vs_copy"] <= r["vs_copy_range"][1]
                for r in data["rows"])
