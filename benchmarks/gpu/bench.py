@@ -80,7 +80,8 @@ def cases(quick: bool) -> list:
     and prefill B=8 seqlen 2048 (float16, quant 0/8, layout 0, pages of 128); H=8, Dh=128. ``quick``: the
     CPU tool's tiny shapes, for a smoke run."""
     if quick:
-        decode, prefill = QUICK_SHAPES
+        tiny = {shape.name: shape for shape in QUICK_SHAPES}
+        decode, prefill = tiny["decode"], tiny["prefill"]
         return ([Case(decode, t, q, layout) for t in VALUE_TYPES for q in (0, 8) for layout in (0, 3)]
                 + [Case(prefill, "float16", q, 0) for q in (0, 8)])
     out = []
