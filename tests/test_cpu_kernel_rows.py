@@ -68,6 +68,13 @@ def special_rows(rng, shape, group, quant_bit, dtype):
         return x.astype(dtype)
 
 
+def fill_special_rows(case, rng, group, quant_bit):
+    """Replaces the case's current_key, then its current_value, with special_rows of their shapes and types."""
+    for name in ("current_key", "current_value"):
+        x = case.inputs[name]
+        case.inputs[name] = special_rows(rng, x.shape, group, quant_bit, x.dtype)
+
+
 def special_case(quant_bit, head_dim, group, t1, t3, index, layout=None):
     """A case of special_rows in 2 heads; its layout is ``layout``, else index % 4."""
     seqs = [Seq(0, 21), Seq(9, 1), Seq(4, 6, 7), Seq(2, 0, 2)]  # prefill, decode, chunk with a partial load, empty
@@ -77,9 +84,7 @@ def special_case(quant_bit, head_dim, group, t1, t3, index, layout=None):
                  quant_bit=quant_bit, quant_group=group, num_repeat=1 + index // 2 % 2, cache_mode=index % 2,
                  cache_layout=index % 4 if layout is None else layout, page_size=4, t1=t1, t3=t3)
     rng = np.random.default_rng(index)
-    for name in ("current_key", "current_value"):
-        x = case.inputs[name]
-        case.inputs[name] = special_rows(rng, x.shape, group, quant_bit, x.dtype)
+    fill_special_rows(case, rng, group, quant_bit)
     cache = case.inputs["cache"]  # codes the op never writes, read by the loads: -128 and -8 included
     low = np.array(-128 if quant_bit == 8 else -8).astype(cache.dtype)
     cache.reshape(-1)[rng.integers(0, cache.size, cache.size // 10)] = low
@@ -211,10 +216,7 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
                  quant_bit=quant_bit, quant_group=8, num_repeat=num_repeat, cache_mode=cache_mode,
                  cache_layout=layout, page_size=5 + 11 * cache_mode, t1=t1, t3=t3)
     if quant_bit:
-        rng = np.random.default_rng(head_dim + layout)
-        for name in ("current_key", "current_value"):
-            x = case.inputs[name]
-            case.inputs[name] = special_rows(rng, x.shape, 8, quant_bit, x.dtype)
+        fill_special_rows(case, np.random.default_rng(head_dim + layout), 8, quant_bit)
     want = reference_result(case.inputs, case.attributes)
     for order, offset in (("tokens", 0), ("head-runs", 16), ("tokens", 2)):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
@@ -389,13 +391,11 @@ def test_every_build_rounds_to_nearest_in_any_rounding_mode(kernel, mode, monkey
                 case = build(f"rounding-{quant_bit}-{layout}-{t1}", [Seq(0, 40), Seq(5, 3)], heads=2,
                              head_dim=head_dim, quant_bit=quant_bit, quant_group=8, num_repeat=1, cache_mode=1,
                              cache_layout=layout, page_size=8, t1=t1, t3="float16")
-                rng = np.random.default_rng(10 * quant_bit + 3 * layout + index)
-                for name in ("current_key", "current_value"):
-                    x = case.inputs[name]
-                    case.inputs[name] = special_rows(rng, x.shape, 8, quant_bit, x.dtype)
-                    if quant_bit == 4:  # groups of max 21, scale 3: codes 7 exactly
+                fill_special_rows(case, np.random.default_rng(10 * quant_bit + 3 * layout + index), 8, quant_bit)
+                if quant_bit == 4:  # groups of max 21, scale 3: codes 7 exactly
+                    for name in ("current_key", "current_value"):
                         groups = case.inputs[name].reshape(-1, 8)
-                        groups[::3] = np.array([21, -21, 3, 6, -9, 12, 15, 18], np.float32).astype(x.dtype)
+                        groups[::3] = np.array([21, -21, 3, 6, -9, 12, 15, 18], np.float32).astype(groups.dtype)
                 want = reference_result(case.inputs, case.attributes)
                 fresh = copies(case.inputs)
                 before = mxcsr.kv_test_set_rounding(mode)
