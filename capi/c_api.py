@@ -132,6 +132,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_kernel": ((), ctypes.c_char_p),
         "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
+        "kvcache_op_cpu_streamed_heads": ((), ctypes.c_int64),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -187,6 +188,13 @@ def cpu_cached_gather(path: str | None = None) -> str:
     ("head-runs" or "tokens"): chosen per CPU vendor by measurement, overridden by
     ``$KVCACHE_OP_CACHED_GATHER``; the same bits either way."""
     return library(path).kvcache_op_cpu_cached_gather().decode()
+
+
+def cpu_streamed_heads(path: str | None = None) -> int:
+    """How many of a token's heads KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs:
+    chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a positive count; the
+    kernel uses at most 16); the same bits whatever the count."""
+    return int(library(path).kvcache_op_cpu_streamed_heads())
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

@@ -112,6 +112,11 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
    "tokens" (token by token). Both give the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
 
+/* How many of a token's heads KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs (a line
+   two heads share is then cut in registers rather than held), chosen per CPU vendor by measurement (or by
+   $KVCACHE_OP_STREAMED_HEADS, a positive count; the kernel uses at most 16). Every count gives the same bits. */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
+
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);

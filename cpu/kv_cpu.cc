@@ -27,6 +27,8 @@ constexpr int64_t kTileBytes = int64_t{32} << 10;
 // one core keeps more reads in flight over several streams than down one (measured on the benchmark's
 // float16 decode step: 0.83-0.89x a copy walking one stream, 0.87-1.06x walking four; eight gain no more).
 constexpr int64_t kStreams = 4;
+// Most of a token's layout-3 head rows written as one streamed output row (StreamedGatherHeads is clamped to it).
+constexpr int64_t kMaxStreamedHeads = 16;
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
 int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
@@ -62,6 +64,7 @@ struct Kernel {
   bool stream;        // streaming stores for outputs too large to stay in cache
   bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
+  int64_t streamed_heads;  // layout-3 streamed gathers write this many of a token's heads as one output row
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -195,7 +198,7 @@ struct Kernel {
   [[gnu::always_inline]] void EmitCodes(const Code* codes, const S* scales, int64_t heads, T* dst, bool streamed,
                                         Scratch& scratch) const {
     if (streamed && a.num_repeat == 1 &&
-        DequantizeRowStreamed<T1, T3, QBits>(codes, scales, a.quant_group, heads * p.groups, dst, scratch.lines))
+        DequantizeRowsStreamed<T1, T3, QBits>(&codes, &scales, 1, a.quant_group, heads * p.groups, dst, scratch.lines))
       return;
     const int64_t n = heads * p.head_dim;
     T* into = streamed ? scratch.row.data() : dst;
@@ -218,17 +221,57 @@ struct Kernel {
     }
   }
 
-  // Head h's rows of the m consecutive slots from `slot` (layout 3: one after another in the cache) into dst,
-  // out_row values apart: one pass down the run's codes and scales, their addresses stepped rather than
-  // computed row by row, each row asked for `ahead` rows before its use.
-  void EmitHeadRun(int kv, int64_t h, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row, bool streamed,
-                   Scratch& scratch) const {
-    const auto* codes = CacheCodes(kv, h, slot);
-    const S* scales = CacheScales(kv, h, slot);
+  // The `heads` head rows whose values or codes start at rows[q] (their scales at scales[q]; layout 3's heads of a
+  // token) into a streamed dst one after another, without repeats: one output row where this build can (WriteRows,
+  // DequantizeRowsStreamed), so a line two heads share is streamed at once rather than held; else head by head.
+  template <class Row>  // void, or C::Storage (C is incomplete where QBits is 0)
+  [[gnu::always_inline]] void EmitHeadRows(const Row* const* rows, const S* const* scales, int64_t heads, T* dst,
+                                           Scratch& scratch) const {
+    if constexpr (QBits == 0) {
+      WriteRows(scratch.lines, rows, heads, static_cast<size_t>(p.head_dim) * sizeof(T), dst);
+    } else if (!DequantizeRowsStreamed<T1, T3, QBits>(rows, scales, heads, a.quant_group, p.groups, dst, scratch.lines)) {
+      for (int64_t q = 0; q < heads; ++q) EmitCodes(rows[q], scales[q], 1, dst + q * p.head_dim, true, scratch);
+    }
+  }
+
+  // Heads h .. h + heads of slot `slot` (layout 3: H rows MaxT apart) into a streamed dst without repeats, as one
+  // output row (EmitHeadRows).
+  void EmitTokenHeads(int kv, int64_t h, int64_t heads, int64_t slot, T* dst, Scratch& scratch) const {
+    const S* scales[kMaxStreamedHeads] = {};
+    if constexpr (QBits == 0) {
+      const void* rows[kMaxStreamedHeads];
+      for (int64_t q = 0; q < heads; ++q) rows[q] = CacheValues(kv, h + q, slot);
+      EmitHeadRows(rows, scales, heads, dst, scratch);
+    } else {
+      const typename C::Storage* rows[kMaxStreamedHeads];
+      for (int64_t q = 0; q < heads; ++q) rows[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
+      EmitHeadRows(rows, scales, heads, dst, scratch);
+    }
+  }
+
+  // Heads h .. h + heads of the m consecutive slots from `slot` (layout 3: a head's slots one after another in the
+  // cache) into dst, out_row values apart: one pass down the run's codes and scales, their addresses stepped rather
+  // than computed row by row, each row asked for `ahead` rows before its use. More than one head only into a
+  // streamed dst without repeats: each slot's heads are then one output row (EmitHeadRows).
+  void EmitHeadRun(int kv, int64_t h, int64_t heads, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row,
+                   bool streamed, Scratch& scratch) const {
+    using Code = typename C::Storage;
+    const Code* codes[kMaxStreamedHeads];
+    const S* scales[kMaxStreamedHeads];
+    for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
     const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
     for (int64_t j = 0; j < m; ++j) {
-      if (j + ahead < m) PrefetchCodes(codes + (j + ahead) * code_step, scales + (j + ahead) * scale_step, 1);
-      EmitCodes(codes + j * code_step, scales + j * scale_step, 1, dst + j * out_row, streamed, scratch);
+      if (j + ahead < m)
+        for (int64_t q = 0; q < heads; ++q)
+          PrefetchCodes(codes[q] + (j + ahead) * code_step, scales[q] + (j + ahead) * scale_step, 1);
+      if (heads == 1) {
+        EmitCodes(codes[0] + j * code_step, scales[0] + j * scale_step, 1, dst + j * out_row, streamed, scratch);
+        continue;
+      }
+      const Code* row_codes[kMaxStreamedHeads];
+      const S* row_scales[kMaxStreamedHeads];
+      for (int64_t q = 0; q < heads; ++q) row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
+      EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch);
     }
   }
 
@@ -273,17 +316,24 @@ struct Kernel {
   // together in the cache and in the output (layouts 0-2 without repeats), else head by head.
   void EmitToken(int kv, int64_t slot, T* dst, Scratch& scratch) const {
     if (a.num_repeat == 1 && HeadsAdjacent()) return EmitRows(kv, 0, slot, p.heads, dst, stream, scratch);
+    if (stream && a.num_repeat == 1 && streamed_heads > 1) {  // layout 3 streamed: heads a row at a time
+      for (int64_t h = 0; h < p.heads; h += streamed_heads)
+        EmitTokenHeads(kv, h, std::min(streamed_heads, p.heads - h), slot, dst + h * p.head_dim, scratch);
+      return;
+    }
     for (int64_t h = 0; h < p.heads; ++h) EmitRows(kv, h, slot, 1, dst + h * a.num_repeat * p.head_dim, stream, scratch);
   }
 
   void GatherRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
-    // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it head by
-    // head over the task's rows (whole pages): two short streams at a time (codes and scales) rather than 4H
-    // per token (measured on an AMD EPYC, int8 decode: 0.60-0.62x a copy head by head, 0.35x token by token).
-    // Head rows that do not start on lines leave part lines between heads: the task's LineStreams holds them
-    // until the next head's row completes them (on an Intel Xeon, streamed part lines took the step from 0.8x
-    // a copy to 0.13x).
+    // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it
+    // streamed_heads heads at a time over the task's rows (whole pages), each slot's heads one output row: a few
+    // short streams (codes and scales) rather than 4H per token (measured on an AMD EPYC, int8 decode: 0.60-0.62x
+    // a copy head by head, 0.35x token by token). Head rows that do not start on lines leave part lines between
+    // heads: the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon,
+    // streamed part lines took the step from 0.8x a copy to 0.13x), except inside a row of several heads, where
+    // they are cut in registers (the Intel Xeon of model 207, int8 decode into outputs 16 bytes past a line:
+    // 0.44-0.55x a copy head by head, 0.66-0.70x four heads a row; on lines 0.67-0.75x and 0.77-0.83x).
     // Outputs that stay cached go head by head where CachedGatherHeadRuns says so (AMD: a column of head rows
     // written at a time costs less than the 4H streams), else token by token (Intel: each line of the column is
     // read in first; kv_cpu_dispatch.cc has the figures).
@@ -302,15 +352,18 @@ struct Kernel {
       // run's first rows are asked for as a run starts.
       if constexpr (QBits != 0)
         for (int kv = 0; kv < 2; ++kv)
-          for (int64_t h = 0; h < H; ++h)
+          for (int64_t h = 0, g = 1; h < H; h += g) {
+            g = stream && R == 1 ? std::min(streamed_heads, H - h) : 1;  // heads a pass (one streamed row a slot)
             for (int64_t i = 0, m = 1; i < rows; i += m) {
               m = 1;
               if (slots[i] == kStoredRow) continue;
               while (i + m < rows && slots[i + m] == slots[i] + m) ++m;
               for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j)
-                if (slots[j] != kStoredRow) Prefetch(kv, h, slots[j], 1);
-              EmitHeadRun(kv, h, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch);
+                if (slots[j] != kStoredRow)
+                  for (int64_t q = 0; q < g; ++q) Prefetch(kv, h + q, slots[j], 1);
+              EmitHeadRun(kv, h, g, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch);
             }
+          }
     } else if (QBits != 0) {
       // Quantized rows go token by token, a token's key rows then its value rows (measured faster than tiles
       // of one output at a time: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x).
@@ -381,7 +434,7 @@ struct Launch {
     const StorePlan stores = LargeOutputStores();
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
-                          CachedGatherHeadRuns()}
+                          CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads)}
         .Run(parallel_for);
   }
 };

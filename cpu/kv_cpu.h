@@ -43,5 +43,10 @@ StorePlan LargeOutputStores();
 // (else token by token): chosen per CPU vendor by measurement, or by $KVCACHE_OP_CACHED_GATHER ("head-runs" or
 // "tokens"). The same bits either way.
 bool CachedGatherHeadRuns();
+// How many of a token's heads layout-3 gathers into streamed outputs write as one output row (quantized: read
+// that many heads side by side, a page run at a time; unquantized: token by token, that many heads a row): chosen
+// per CPU kind by measurement, or by $KVCACHE_OP_STREAMED_HEADS (a positive count; the kernel caps it at 16).
+// The same bits whatever the count.
+int64_t StreamedGatherHeads();
 
 }  // namespace kvcache

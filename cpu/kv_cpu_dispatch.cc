@@ -124,6 +124,26 @@ bool CachedGatherHeadRuns() {
 #endif
 }
 
+int64_t StreamedGatherHeads() {
+  const char* choice = std::getenv("KVCACHE_OP_STREAMED_HEADS");  // read each call, as KVCACHE_OP_STORES
+  if (choice != nullptr) {
+    char* end = nullptr;
+    const long long heads = std::strtoll(choice, &end, 10);
+    if (end != choice && *end == '\0' && heads > 0) return heads;
+  }
+  // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128, layout 3 (benchmarks/cpu), on the Intel
+  // Xeon of family 6 model 207: int8 into outputs on lines 0.67-0.75x a copy a head at a time, 0.71-0.81x two,
+  // 0.77-0.83x four, 0.76-0.80x eight; 16 bytes past a line 0.44-0.55x, 0.62-0.68x, 0.66-0.70x, 0.66-0.69x;
+  // float16, 16 bytes past a line, 0.66x a head a row, 0.93-0.94x four or eight (on lines 0.90-1.01x either way).
+  // AMD processors keep a head at a time, as measured there before rows of several heads existed; others take
+  // the Intel choice.
+#ifdef KVCACHE_CPU_AVX2
+  static const bool amd = __builtin_cpu_is("amd");
+  if (amd) return 1;
+#endif
+  return 4;
+}
+
 const char* CpuKernelName() {
   switch (ChosenKernel()) {
     case CpuKernel::kAvx512: return "avx512";

@@ -239,40 +239,46 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
   DequantizeRowPortable<T1, T3, QBits>(codes, scales, n, group, groups, out, scratch);
 }
 
-// DQ of one row straight into out with streaming stores of whole lines, where this build can: AVX-512, groups of
-// 8, a multiple of 16 groups, out at any element alignment (each line cut from the row's vectors in registers,
-// the part lines at its edges held in `lines` until their neighbours complete them); AVX2, groups of 8, a
-// multiple of 8 groups, and the generic build on x86-64, groups of a multiple of 8, the row whole lines from a
-// line on. Returns false, having written nothing, elsewhere (the caller streams a scratch row through `lines`).
-// Saves the round trip through a scratch row, whose burst of stores at the end of each row measured up to 20%
-// slower (int8 decode, one core, on an Intel Xeon).
+// DQ of `rows` rows (codes[r] and scales[r], `groups` groups each), one after another, straight into out with
+// streaming stores of whole lines, where this build can: AVX-512, groups of 8, a multiple of 16 groups, out at any
+// element alignment (each line cut from the rows' vectors in registers, the part lines at the edges of the whole
+// held in `lines` until their neighbours complete them: a line two of the rows share is streamed at once); AVX2,
+// groups of 8, a multiple of 8 groups, and the generic build on x86-64, groups of a multiple of 8, each row whole
+// lines from a line on. Returns false, having written nothing, elsewhere (the caller streams a scratch row through
+// `lines`). Saves the round trip through a scratch row, whose burst of stores at the end of each row measured up
+// to 20% slower (int8 decode, one core, on an Intel Xeon).
 template <class T1, class T3, int QBits>
-KV_ALWAYS_INLINE bool DequantizeRowStreamed(const typename Codes<QBits>::Storage* codes, const typename T3::Storage* scales,
-                                  int64_t group, int64_t groups, typename T1::Storage* out, LineStreams& lines) {
+KV_ALWAYS_INLINE bool DequantizeRowsStreamed(const typename Codes<QBits>::Storage* const* codes,
+                                             const typename T3::Storage* const* scales, int64_t rows, int64_t group,
+                                             int64_t groups, typename T1::Storage* out, LineStreams& lines) {
 #if KV_AVX512
   if (group == 8 && groups % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
     ShiftedRow row(lines, out);
-    for (int64_t g = 0; g < groups; g += 16)
-      DequantizeSixteenGroupsOf8<T1, T3, QBits>(codes + g * CodeBytes8(QBits), scales + g, out, &row);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; g += 16)
+        DequantizeSixteenGroupsOf8<T1, T3, QBits>(codes[r] + g * CodeBytes8(QBits), scales[r] + g, out, &row);
     row.End();
     return true;
   }
 #else
   (void)lines;
-  const bool whole_lines = OnCacheLine(out) && (group * groups * int64_t(sizeof(*out))) % 64 == 0;
+  const int64_t n = group * groups;  // a row's elements; rows of whole lines keep every row on a line
+  const bool whole_lines = OnCacheLine(out) && (n * int64_t(sizeof(*out))) % 64 == 0;
 #if KV_SIMD
   if (whole_lines && group == 8 && groups % 8 == 0) {
-    for (int64_t g = 0; g < groups; g += 8)
-      DequantizeGroupsOf8<T1, QBits, true>(codes + g * CodeBytes8(QBits), LoadFloat8<T3>(scales + g), 8, out + g * 8);
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < groups; g += 8)
+        DequantizeGroupsOf8<T1, QBits, true>(codes[r] + g * CodeBytes8(QBits), LoadFloat8<T3>(scales[r] + g), 8,
+                                             out + r * n + g * 8);
     return true;
   }
 #elif KV_SSE2_ONLY
   if (whole_lines && group % 8 == 0) {
-    DequantizeGroupsSse2<T1, T3, QBits, true>(codes, scales, group, groups, out);
+    for (int64_t r = 0; r < rows; ++r) DequantizeGroupsSse2<T1, T3, QBits, true>(codes[r], scales[r], group, groups, out + r * n);
     return true;
   }
 #else
-  (void)codes, (void)scales, (void)whole_lines;
+  (void)codes, (void)scales, (void)rows, (void)whole_lines;
 #endif
 #endif
   return false;

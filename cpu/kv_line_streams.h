@@ -234,5 +234,24 @@ class ShiftedRow {
 };
 #endif
 
+// The rows srcs[0, count), `bytes` bytes each, one after another at dst, written as one row through `lines`. Where
+// this build has AVX-512 and the rows are whole 64-byte vectors, each line is cut from their vectors in registers
+// (ShiftedRow), so a line two neighbouring rows share is streamed whole at once instead of waiting in the table:
+// a token's head rows from layout 3's H cache rows are one output row (measured on an Intel Xeon, float16 decode
+// into outputs 16 bytes past a line: 0.66x a copy head row by head row, 0.93x so). Elsewhere row by row (Write).
+inline void WriteRows(LineStreams& lines, const void* const* srcs, int64_t count, size_t bytes, void* dst) {
+  auto* out = static_cast<unsigned char*>(dst);
+#if KV_AVX512
+  if (bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
+    ShiftedRow row(lines, out);
+    for (int64_t r = 0; r < count; ++r)
+      for (size_t k = 0; k < bytes; k += 64) row.Put(_mm512_loadu_si512(static_cast<const unsigned char*>(srcs[r]) + k));
+    row.End();
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < count; ++r) lines.Write(out + static_cast<size_t>(r) * bytes, srcs[r], bytes);
+}
+
 }  // namespace KV_CPU_ISA
 }  // namespace kvcache

@@ -139,23 +139,29 @@ def outputs_at(given, attributes, offset):
                           (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
                                                    monkeypatch):
-    """Under every store plan ($KVCACHE_OP_STORES) and output offset: layout 3's streamed quantized rows go
-    head by head (head rows of whole cache lines or not: Dh 40's 80-byte rows, offsets 16 and 2), their edge
-    lines held by the task's line writer until the next head's rows complete them; quantized rows are
-    dequantized straight into the streamed outputs (the AVX-512 build at any even offset, the others on lines)
-    and through a scratch row where that cannot be. With side-by-side streams, unquantized rows are read as
-    several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a
-    short last group, and the last task's tiles are short)."""
+    """Under every store plan ($KVCACHE_OP_STORES) and output offset: layout 3's streamed quantized rows go a few
+    heads at a time (head rows of whole cache lines or not: Dh 40's 80-byte rows, offsets 16 and 2), each token's
+    heads one row where they are whole vectors, the edge lines of rows held by the task's line writer until the
+    next rows complete them; quantized rows are dequantized straight into the streamed outputs (the AVX-512 build
+    at any even offset, the others on lines) and through a scratch row where that cannot be. Layout 3's
+    unquantized rows streamed token by token go that many heads a row too. The heads a row
+    ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
+    groups, and 16 is every head. With side-by-side streams, unquantized rows are read as several streams at any
+    offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
+    last task's tiles are short)."""
     use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
-    for stores in ("side-by-side", "stream", "cached"):
+    runs = [(stores, offset) for stores in ("side-by-side", "stream", "cached") for offset in (0, 16, 2)]
+    for index, (stores, offset) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
-        for offset in (0, 16, 2):
-            fresh = copies(case.inputs)
-            key, value = outputs_at(fresh, case.attributes, offset)
-            assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+        streamed_heads = (4, 3, 1, 16)[index % 4]  # "stream": 16 on lines, 4 and 3 off them
+        monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
+        assert c_api.cpu_streamed_heads() == streamed_heads
+        fresh = copies(case.inputs)
+        key, value = outputs_at(fresh, case.attributes, offset)
+        assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
 def guarded_outputs(given, attributes, offset=0, guard=256):
@@ -314,6 +320,19 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
     fresh = copies(case.inputs)
     key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=2)
     assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+
+
+def test_the_streamed_heads_follow_the_override_and_else_the_cpu_kind(monkeypatch):
+    """$KVCACHE_OP_STREAMED_HEADS names the count outright (a positive integer; anything else is not a count and
+    leaves the measured choice); unset, AMD processors write a head a row (as measured there) and others four
+    heads (measured on the Intel Xeon of model 207)."""
+    default = 1 if amd_processor() else 4
+    for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 40), ("0", default), ("-2", default),
+                        ("four", default), ("4x", default), ("", default)):
+        monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", given)
+        assert c_api.cpu_streamed_heads() == want, given
+    monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS")
+    assert c_api.cpu_streamed_heads() == default
 
 
 def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
