@@ -133,6 +133,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
         "kvcache_op_cpu_streamed_heads": ((), ctypes.c_int64),
+        "kvcache_op_cpu_gather_tile_bytes": ((), ctypes.c_int64),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -195,6 +196,13 @@ def cpu_streamed_heads(path: str | None = None) -> int:
     chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a positive count; the
     kernel uses at most 16); the same bits whatever the count."""
     return int(library(path).kvcache_op_cpu_streamed_heads())
+
+
+def cpu_gather_tile_bytes(path: str | None = None) -> int:
+    """How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache write to each output in
+    turn (one token where that is less than a token's row): chosen per CPU vendor by measurement, overridden by
+    ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size."""
+    return int(library(path).kvcache_op_cpu_gather_tile_bytes())
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

@@ -56,6 +56,8 @@ const char* kvcache_op_cpu_cached_gather(void) { return kvcache::CachedGatherHea
 
 int64_t kvcache_op_cpu_streamed_heads(void) { return kvcache::StreamedGatherHeads(); }
 
+int64_t kvcache_op_cpu_gather_tile_bytes(void) { return kvcache::GatherTileBytes(); }
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

@@ -117,6 +117,11 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
    $KVCACHE_OP_STREAMED_HEADS, a positive count; the kernel uses at most 16). Every count gives the same bits. */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
 
+/* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache write to each output in turn
+   (a tile's keys, then its values; one token where that is less than a token's row), chosen per CPU vendor by
+   measurement (or by $KVCACHE_OP_GATHER_TILE, bytes). Every size gives the same bits. */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(void);
+
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);

@@ -20,9 +20,6 @@ constexpr int64_t kRowsPerTask = 64;  // tokens per parallel task: large enough 
 // Gathers ask for cache rows this far ahead of their use (software prefetch): kAheadTokens tokens in token
 // order (layout 3's groups of heads included), kAheadRows rows of the same head in layout 3's head order.
 constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
-// Unquantized gathers in token order write each output in tiles of this many bytes of whole tokens, in turn
-// (measured best on the benchmark's decode step).
-constexpr int64_t kTileBytes = int64_t{32} << 10;
 // Streamed unquantized gathers read this many source streams side by side, a head row from each in turn:
 // one core keeps more reads in flight over several streams than down one (measured on the benchmark's
 // float16 decode step: 0.83-0.89x a copy walking one stream, 0.87-1.06x walking four; eight gain no more).
@@ -65,6 +62,7 @@ struct Kernel {
   bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
   int64_t streamed_heads;  // layout-3 streamed gathers write this many of a token's heads as one output row
+  int64_t tile_bytes;      // unquantized token-order gathers write each output in tiles of this many bytes (>= a token)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -373,11 +371,11 @@ struct Kernel {
           if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch);
         }
     } else {
-      // Tiles of whole tokens, keys then values: long runs per output. Streamed side by side (LineStreams
-      // writes lines whole in any order), a tile is read as kStreams streams: in layout 3 a stream is a head's
-      // slots, kStreams heads at a time; elsewhere a run of the tile's tokens.
+      // Tiles of whole tokens (GatherTileBytes: a token, or long runs per output), keys then values. Streamed
+      // side by side (LineStreams writes lines whole in any order), a tile is read as kStreams streams: in layout 3
+      // a stream is a head's slots, kStreams heads at a time; elsewhere a run of the tile's tokens.
       const bool side_by_side = stream && parallel_streams;
-      const int64_t tile = std::max<int64_t>(1, kTileBytes / (out_row * int64_t(sizeof(T))));
+      const int64_t tile = std::max<int64_t>(1, tile_bytes / (out_row * int64_t(sizeof(T))));
       for (int64_t i0 = 0; i0 < rows; i0 += tile) {
         const int64_t m = std::min(tile, rows - i0);
         for (int kv = 0; kv < 2; ++kv) {
@@ -434,7 +432,8 @@ struct Launch {
     const StorePlan stores = LargeOutputStores();
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
-                          CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads)}
+                          CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads),
+                          GatherTileBytes()}
         .Run(parallel_for);
   }
 };

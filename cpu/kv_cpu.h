@@ -48,5 +48,9 @@ bool CachedGatherHeadRuns();
 // per CPU kind by measurement, or by $KVCACHE_OP_STREAMED_HEADS (a positive count; the kernel caps it at 16).
 // The same bits whatever the count.
 int64_t StreamedGatherHeads();
+// How many bytes of whole tokens unquantized token-order gathers write to each output in turn (a tile's keys, then
+// its values), one token where that is less than a token's row: chosen per CPU kind by measurement, or by
+// $KVCACHE_OP_GATHER_TILE (bytes, a non-negative integer). The same bits whatever the size.
+int64_t GatherTileBytes();
 
 }  // namespace kvcache

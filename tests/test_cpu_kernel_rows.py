@@ -146,7 +146,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     at any even offset, the others on lines) and through a scratch row where that cannot be. Layout 3's
     unquantized rows streamed token by token go that many heads a row too. The heads a row
     ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
-    groups, and 16 is every head. With side-by-side streams, unquantized rows are read as several streams at any
+    groups, and 16 is every head. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
+    token, of 32 KiB or of bytes that are no whole number of tokens. With side-by-side streams, unquantized rows are read as several streams at any
     offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
     last task's tiles are short)."""
     use_cpu_kernel(monkeypatch, kernel)
@@ -159,6 +160,9 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         streamed_heads = (4, 3, 1, 16)[index % 4]  # "stream": 16 on lines, 4 and 3 off them
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
         assert c_api.cpu_streamed_heads() == streamed_heads
+        tile = (0, 32768, 5000)[index % 3]  # "stream": a token, then 32 KiB, then tiles that end mid-token
+        monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
+        assert c_api.cpu_gather_tile_bytes() == tile
         fresh = copies(case.inputs)
         key, value = outputs_at(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
@@ -209,7 +213,8 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     sequence's kvlen reaches no output row (the last sequence's would lie past the outputs' end), and nothing
     around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
     position, or below every stored one), store without loading, load without storing, across pages and the
-    gather's tasks of 64 tokens; the gathers in either cached order, outputs on a cache line or off it. Head rows
+    gather's tasks of 64 tokens; the gathers in either cached order and in tiles of one token, a few or many,
+    outputs on a cache line or off it. Head rows
     of 128 quantized without repeats are blocks of 16 groups: the AVX-512 build writes their values as it quantizes
     them (QuantizeRowsWithValues), the others read them back. Quantized rows hold special_rows' values (NaN, inf,
     ties, scales at float16's edges), and every output byte, NaN payloads included, is also the one a call that
@@ -224,8 +229,9 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     if quant_bit:
         fill_special_rows(case, np.random.default_rng(head_dim + layout), 8, quant_bit)
     want = reference_result(case.inputs, case.attributes)
-    for order, offset in (("tokens", 0), ("head-runs", 16), ("tokens", 2)):
+    for order, offset, tile in (("tokens", 0, 0), ("head-runs", 16, 32768), ("tokens", 2, 1000)):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
+        monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))  # unquantized gathers' tiles: 1, 2 or many tokens
         fresh = copies(case.inputs)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
@@ -333,6 +339,19 @@ def test_the_streamed_heads_follow_the_override_and_else_the_cpu_kind(monkeypatc
         assert c_api.cpu_streamed_heads() == want, given
     monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS")
     assert c_api.cpu_streamed_heads() == default
+
+
+def test_the_gather_tile_follows_the_override_and_else_the_cpu_kind(monkeypatch):
+    """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright (a non-negative integer; anything else leaves the
+    measured choice); unset, the Intel Xeon of model 207 goes a token at a time (measured there) and others write
+    tiles of 32 KiB."""
+    default = 0 if intel_model_207() else 32768
+    for given, want in (("0", 0), ("5000", 5000), ("32768", 32768), ("-1", default), ("32k", default),
+                        ("", default)):
+        monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", given)
+        assert c_api.cpu_gather_tile_bytes() == want, given
+    monkeypatch.delenv("KVCACHE_OP_GATHER_TILE")
+    assert c_api.cpu_gather_tile_bytes() == default
 
 
 def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
