@@ -192,16 +192,16 @@ def cpu_cached_gather(path: str | None = None) -> str:
 
 
 def cpu_streamed_heads(path: str | None = None) -> int:
-    """How many of a token's heads KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs:
-    chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a positive count; the
-    kernel uses at most 16); the same bits whatever the count."""
+    """How many of a token's heads (1-16) KeyValueCache's CPU gathers write as one row into streamed layout-3
+    outputs: chosen per CPU kind by measurement, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a positive count;
+    larger ones give 16); the same bits whatever the count."""
     return int(library(path).kvcache_op_cpu_streamed_heads())
 
 
 def cpu_gather_tile_bytes(path: str | None = None) -> int:
     """How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache write to each output in
-    turn (one token where that is less than a token's row): chosen per CPU vendor by measurement, overridden by
-    ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size."""
+    turn in token order (one token where that is less than a token's row): chosen per CPU kind by measurement,
+    overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size."""
     return int(library(path).kvcache_op_cpu_gather_tile_bytes())
 
 

@@ -112,14 +112,14 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
    "tokens" (token by token). Both give the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
 
-/* How many of a token's heads KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs (a line
-   two heads share is then cut in registers rather than held), chosen per CPU vendor by measurement (or by
-   $KVCACHE_OP_STREAMED_HEADS, a positive count; the kernel uses at most 16). Every count gives the same bits. */
+/* How many of a token's heads (1-16) KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs
+   (a line two heads share is then cut in registers rather than held), chosen per CPU kind by measurement (or by
+   $KVCACHE_OP_STREAMED_HEADS, a positive count; larger ones give 16). Every count gives the same bits. */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
 
 /* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache write to each output in turn
-   (a tile's keys, then its values; one token where that is less than a token's row), chosen per CPU vendor by
-   measurement (or by $KVCACHE_OP_GATHER_TILE, bytes). Every size gives the same bits. */
+   in token order (a tile's keys, then its values; one token where that is less than a token's row), chosen per CPU
+   kind by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes). Every size gives the same bits. */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);

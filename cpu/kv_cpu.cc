@@ -24,8 +24,9 @@ constexpr int64_t kAheadTokens = 2, kAheadRows = 8;
 // one core keeps more reads in flight over several streams than down one (measured on the benchmark's
 // float16 decode step: 0.83-0.89x a copy walking one stream, 0.87-1.06x walking four; eight gain no more).
 constexpr int64_t kStreams = 4;
-// Most of a token's layout-3 head rows written as one streamed output row (StreamedGatherHeads is clamped to it).
-constexpr int64_t kMaxStreamedHeads = 16;
+// Side by side, unquantized gathers read tiles of this many bytes of whole tokens as kStreams streams (measured best
+// on the first Intel machine's decode step).
+constexpr int64_t kSideBySideTileBytes = int64_t{32} << 10;
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
 int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
@@ -62,7 +63,7 @@ struct Kernel {
   bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
   int64_t streamed_heads;  // layout-3 streamed gathers write this many of a token's heads as one output row
-  int64_t tile_bytes;      // unquantized token-order gathers write each output in tiles of this many bytes (>= a token)
+  int64_t tile_bytes;      // unquantized token-order gathers write each output in tiles of this many bytes, at least a token
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -179,7 +180,7 @@ struct Kernel {
 
   // Cache rows (kv, h .. h + heads, slot) into dst, num_repeat copies of each (heads > 1 only without repeats:
   // then a token's heads lie together in the cache as in the output). Quantized rows are dequantized into
-  // dst; when dst is streamed (`streamed`), with streaming stores where DequantizeRowStreamed can, else into
+  // dst; when dst is streamed (`streamed`), with streaming stores where DequantizeRowsStreamed can, else into
   // scratch first.
   // Always inlined: a row is short work, called per head row in the gathers' inner loops.
   [[gnu::always_inline]] void EmitRows(int kv, int64_t h, int64_t slot, int64_t heads, T* dst, bool streamed,
@@ -311,7 +312,8 @@ struct Kernel {
   }
 
   // Token i of this gather task (slot `slot`) into output row dst: one row of H * Dh where a token's heads lie
-  // together in the cache and in the output (layouts 0-2 without repeats), else head by head.
+  // together in the cache and in the output (layouts 0-2 without repeats); layout 3 streamed without repeats,
+  // streamed_heads heads a row (EmitTokenHeads); else head by head.
   void EmitToken(int kv, int64_t slot, T* dst, Scratch& scratch) const {
     if (a.num_repeat == 1 && HeadsAdjacent()) return EmitRows(kv, 0, slot, p.heads, dst, stream, scratch);
     if (stream && a.num_repeat == 1 && streamed_heads > 1) {  // layout 3 streamed: heads a row at a time
@@ -325,7 +327,8 @@ struct Kernel {
   void GatherRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
     // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it
-    // streamed_heads heads at a time over the task's rows (whole pages), each slot's heads one output row: a few
+    // streamed_heads heads at a time (one with repeats) over the task's rows (whole pages), each slot's heads one
+    // output row: a few
     // short streams (codes and scales) rather than 4H per token (measured on an AMD EPYC, int8 decode: 0.60-0.62x
     // a copy head by head, 0.35x token by token). Head rows that do not start on lines leave part lines between
     // heads: the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon,
@@ -372,10 +375,12 @@ struct Kernel {
         }
     } else {
       // Tiles of whole tokens (GatherTileBytes: a token, or long runs per output), keys then values. Streamed
-      // side by side (LineStreams writes lines whole in any order), a tile is read as kStreams streams: in layout 3
-      // a stream is a head's slots, kStreams heads at a time; elsewhere a run of the tile's tokens.
+      // side by side (LineStreams writes lines whole in any order), a tile of kSideBySideTileBytes is read as
+      // kStreams streams: in layout 3 a stream is a head's slots, kStreams heads at a time; elsewhere a run of the
+      // tile's tokens.
       const bool side_by_side = stream && parallel_streams;
-      const int64_t tile = std::max<int64_t>(1, tile_bytes / (out_row * int64_t(sizeof(T))));
+      const int64_t tile = std::max<int64_t>(1, (side_by_side ? kSideBySideTileBytes : tile_bytes) /
+                                                    (out_row * int64_t(sizeof(T))));
       for (int64_t i0 = 0; i0 < rows; i0 += tile) {
         const int64_t m = std::min(tile, rows - i0);
         for (int kv = 0; kv < 2; ++kv) {

@@ -43,14 +43,15 @@ StorePlan LargeOutputStores();
 // (else token by token): chosen per CPU vendor by measurement, or by $KVCACHE_OP_CACHED_GATHER ("head-runs" or
 // "tokens"). The same bits either way.
 bool CachedGatherHeadRuns();
-// How many of a token's heads layout-3 gathers into streamed outputs write as one output row (quantized: read
-// that many heads side by side, a page run at a time; unquantized: token by token, that many heads a row): chosen
-// per CPU kind by measurement, or by $KVCACHE_OP_STREAMED_HEADS (a positive count; the kernel caps it at 16).
-// The same bits whatever the count.
+// How many of a token's heads (1 to kMaxStreamedHeads) layout-3 gathers into streamed outputs write as one output
+// row without repeats (quantized: read that many heads side by side, a page run at a time; unquantized: token by
+// token, that many heads a row): chosen per CPU kind by measurement, or by $KVCACHE_OP_STREAMED_HEADS (a positive
+// count, larger ones taken as kMaxStreamedHeads). The same bits whatever the count.
+constexpr int64_t kMaxStreamedHeads = 16;
 int64_t StreamedGatherHeads();
-// How many bytes of whole tokens unquantized token-order gathers write to each output in turn (a tile's keys, then
-// its values), one token where that is less than a token's row: chosen per CPU kind by measurement, or by
-// $KVCACHE_OP_GATHER_TILE (bytes, a non-negative integer). The same bits whatever the size.
+// How many bytes of whole tokens unquantized gathers in token order (not side by side) write to each output in
+// turn (a tile's keys, then its values), one token where that is less than a token's row: chosen per CPU kind by
+// measurement, or by $KVCACHE_OP_GATHER_TILE (bytes, a non-negative integer). The same bits whatever the size.
 int64_t GatherTileBytes();
 
 }  // namespace kvcache

@@ -129,7 +129,7 @@ int64_t StreamedGatherHeads() {
   if (choice != nullptr) {
     char* end = nullptr;
     const long long heads = std::strtoll(choice, &end, 10);
-    if (end != choice && *end == '\0' && heads > 0) return heads;
+    if (end != choice && *end == '\0' && heads > 0) return heads < kMaxStreamedHeads ? heads : kMaxStreamedHeads;
   }
   // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128, layout 3 (benchmarks/cpu), on the Intel
   // Xeon of family 6 model 207: int8 into outputs on lines 0.67-0.75x a copy a head at a time, 0.71-0.81x two,

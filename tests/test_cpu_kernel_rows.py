@@ -122,50 +122,47 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
                  t3="float16")
 
 
-def outputs_at(given, attributes, offset):
-    """(key, value) of the C entry point run with outputs that start ``offset`` bytes past a 64-byte boundary
-    (0: whole cache lines, as ONNX Runtime's allocator gives; 16: numpy's large arrays; 2: rows off every 16-byte
-    boundary); the cache in ``given`` is written in place."""
-    return guarded_outputs(given, attributes, offset)[0]
-
-
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("quant_bit,layout,num_repeat,t1,head_dim,heads",
                          [(0, 0, 1, "float16", 128, 4), (0, 3, 1, "float32", 128, 4), (0, 1, 2, "bfloat16", 128, 4),
                           (0, 2, 1, "float16", 128, 7), (0, 3, 1, "float16", 128, 6), (0, 3, 2, "bfloat16", 64, 5),
-                          (0, 0, 1, "float16", 40, 6), (0, 3, 1, "float16", 40, 6),
+                          (0, 0, 1, "float16", 40, 6), (0, 3, 1, "float16", 40, 6), (0, 3, 1, "float16", 48, 5),
                           (8, 0, 1, "float16", 128, 4), (8, 3, 1, "float16", 128, 4), (8, 3, 2, "float16", 128, 4),
                           (8, 3, 1, "float16", 40, 4), (8, 2, 2, "float32", 128, 4), (4, 3, 1, "bfloat16", 128, 4),
-                          (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4)])
+                          (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4), (8, 3, 1, "float32", 64, 4)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
                                                    monkeypatch):
-    """Under every store plan ($KVCACHE_OP_STORES) and output offset: layout 3's streamed quantized rows go a few
-    heads at a time (head rows of whole cache lines or not: Dh 40's 80-byte rows, offsets 16 and 2), each token's
+    """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
+    odd 33, which no row cut in registers takes): layout 3's streamed quantized rows go a few heads at a time (head
+    rows of whole cache lines or not: Dh 40's 80-byte rows, Dh 48's 96 bytes, 8 groups of Dh 64), each token's
     heads one row where they are whole vectors, the edge lines of rows held by the task's line writer until the
     next rows complete them; quantized rows are dequantized straight into the streamed outputs (the AVX-512 build
     at any even offset, the others on lines) and through a scratch row where that cannot be. Layout 3's
     unquantized rows streamed token by token go that many heads a row too. The heads a row
     ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
     groups, and 16 is every head. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
-    token, of 32 KiB or of bytes that are no whole number of tokens. With side-by-side streams, unquantized rows are read as several streams at any
+    token, of 32 KiB or of bytes that are no whole number of tokens. Nothing around the outputs is written. With
+    side-by-side streams, unquantized rows are read as several streams at any
     offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
     last task's tiles are short)."""
     use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
-    runs = [(stores, offset) for stores in ("side-by-side", "stream", "cached") for offset in (0, 16, 2)]
-    for index, (stores, offset) in enumerate(runs):
+    runs = [  # (store plan, output offset, heads a row, tile bytes)
+        ("side-by-side", 0, 4, 0), ("side-by-side", 16, 3, 32768), ("side-by-side", 2, 1, 5000),
+        ("stream", 0, 3, 5000), ("stream", 16, 16, 0), ("stream", 2, 4, 32768), ("stream", 33, 16, 0),
+        ("cached", 0, 16, 0), ("cached", 16, 1, 5000), ("cached", 2, 4, 32768)]
+    for stores, offset, streamed_heads, tile in runs:
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
-        streamed_heads = (4, 3, 1, 16)[index % 4]  # "stream": 16 on lines, 4 and 3 off them
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
         assert c_api.cpu_streamed_heads() == streamed_heads
-        tile = (0, 32768, 5000)[index % 3]  # "stream": a token, then 32 KiB, then tiles that end mid-token
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
         assert c_api.cpu_gather_tile_bytes() == tile
         fresh = copies(case.inputs)
-        key, value = outputs_at(fresh, case.attributes, offset)
+        (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+        assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({stores}, {offset})"
 
 
 def guarded_outputs(given, attributes, offset=0, guard=256):
@@ -329,11 +326,11 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
 
 
 def test_the_streamed_heads_follow_the_override_and_else_the_cpu_kind(monkeypatch):
-    """$KVCACHE_OP_STREAMED_HEADS names the count outright (a positive integer; anything else is not a count and
-    leaves the measured choice); unset, AMD processors write a head a row (as measured there) and others four
+    """$KVCACHE_OP_STREAMED_HEADS names the count outright (a positive integer, at most 16: more is taken as 16;
+    anything else is not a count and leaves the measured choice); unset, AMD processors write a head a row (as measured there) and others four
     heads (measured on the Intel Xeon of model 207)."""
     default = 1 if amd_processor() else 4
-    for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 40), ("0", default), ("-2", default),
+    for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", default), ("-2", default),
                         ("four", default), ("4x", default), ("", default)):
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", given)
         assert c_api.cpu_streamed_heads() == want, given
