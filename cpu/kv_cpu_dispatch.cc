@@ -124,13 +124,19 @@ bool CachedGatherHeadRuns() {
 #endif
 }
 
+// The integer $name holds where it is one (whole, in base 10) of at least `least`; else -1. Read each call, as
+// $KVCACHE_OP_STORES: tests and benchmarks switch it.
+static long long EnvInteger(const char* name, long long least) {
+  const char* text = std::getenv(name);
+  if (text == nullptr) return -1;
+  char* end = nullptr;
+  const long long value = std::strtoll(text, &end, 10);
+  return end != text && *end == '\0' && value >= least ? value : -1;
+}
+
 int64_t StreamedGatherHeads() {
-  const char* choice = std::getenv("KVCACHE_OP_STREAMED_HEADS");  // read each call, as KVCACHE_OP_STORES
-  if (choice != nullptr) {
-    char* end = nullptr;
-    const long long heads = std::strtoll(choice, &end, 10);
-    if (end != choice && *end == '\0' && heads > 0) return heads < kMaxStreamedHeads ? heads : kMaxStreamedHeads;
-  }
+  const long long heads = EnvInteger("KVCACHE_OP_STREAMED_HEADS", 1);
+  if (heads > 0) return heads < kMaxStreamedHeads ? heads : kMaxStreamedHeads;
   // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128, layout 3 (benchmarks/cpu), on the Intel
   // Xeon of family 6 model 207: int8 into outputs on lines 0.67-0.75x a copy a head at a time, 0.71-0.81x two,
   // 0.77-0.83x four, 0.76-0.80x eight; 16 bytes past a line 0.44-0.55x, 0.62-0.68x, 0.66-0.70x, 0.66-0.69x;
@@ -145,12 +151,8 @@ int64_t StreamedGatherHeads() {
 }
 
 int64_t GatherTileBytes() {
-  const char* choice = std::getenv("KVCACHE_OP_GATHER_TILE");  // read each call, as KVCACHE_OP_STORES
-  if (choice != nullptr) {
-    char* end = nullptr;
-    const long long bytes = std::strtoll(choice, &end, 10);
-    if (end != choice && *end == '\0' && bytes >= 0) return bytes;
-  }
+  const long long bytes = EnvInteger("KVCACHE_OP_GATHER_TILE", 0);
+  if (bytes >= 0) return bytes;
   // Measured on one core, float16 decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu), on the Intel Xeon
   // of family 6 model 207, tiles of 32 KiB against a token at a time (its key row, then its value row, which lie
   // together in the cache): layout 0 0.83-0.84x a copy against 0.87x, offset 0.85-0.86x against 0.91-0.92x,
