@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 4
+C_API_VERSION = 5
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -133,7 +133,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
         "kvcache_op_cpu_streamed_heads": ((), ctypes.c_int64),
-        "kvcache_op_cpu_gather_tile_bytes": ((), ctypes.c_int64),
+        "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -198,11 +198,15 @@ def cpu_streamed_heads(path: str | None = None) -> int:
     return int(library(path).kvcache_op_cpu_streamed_heads())
 
 
-def cpu_gather_tile_bytes(path: str | None = None) -> int:
-    """How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache write to each output in
-    turn in token order (one token where that is less than a token's row): chosen per CPU kind by measurement,
-    overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size."""
-    return int(library(path).kvcache_op_cpu_gather_tile_bytes())
+def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
+    """How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache of ``cache_layout`` write
+    to each output in turn in token order (one token where that is less than a token's row): chosen per layout by
+    measurement (a token where a token's key and value rows lie together, layouts 0 and 1; tiles where they lie
+    apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size. Raises
+    ValueError for a layout outside 0-3."""
+    if cache_layout not in (0, 1, 2, 3):
+        raise ValueError(f"cache_layout must be 0, 1, 2 or 3, not {cache_layout!r}")
+    return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

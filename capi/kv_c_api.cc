@@ -56,7 +56,9 @@ const char* kvcache_op_cpu_cached_gather(void) { return kvcache::CachedGatherHea
 
 int64_t kvcache_op_cpu_streamed_heads(void) { return kvcache::StreamedGatherHeads(); }
 
-int64_t kvcache_op_cpu_gather_tile_bytes(void) { return kvcache::GatherTileBytes(); }
+int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout) {
+  return cache_layout >= 0 && cache_layout <= 3 ? kvcache::GatherTileBytes(cache_layout) : -1;
+}
 
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 4
+#define KVCACHE_OP_C_API_VERSION 5
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -117,10 +117,11 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
    $KVCACHE_OP_STREAMED_HEADS, a positive count; larger ones give 16). Every count gives the same bits. */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
 
-/* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache write to each output in turn
-   in token order (a tile's keys, then its values; one token where that is less than a token's row), chosen per CPU
-   kind by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes). Every size gives the same bits. */
-KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(void);
+/* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache of `cache_layout` write to
+   each output in turn in token order (a tile's keys, then its values; one token where that is less than a token's
+   row), chosen per layout by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes); -1 for a layout outside 0-3.
+   Every size gives the same bits. (C API version 5: the layout argument.) */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);

@@ -438,7 +438,7 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads),
-                          GatherTileBytes()}
+                          GatherTileBytes(args.attrs->cache_layout)}
         .Run(parallel_for);
   }
 };

@@ -137,33 +137,33 @@ static long long EnvInteger(const char* name, long long least) {
 int64_t StreamedGatherHeads() {
   const long long heads = EnvInteger("KVCACHE_OP_STREAMED_HEADS", 1);
   if (heads > 0) return heads < kMaxStreamedHeads ? heads : kMaxStreamedHeads;
-  // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128, layout 3 (benchmarks/cpu), on the Intel
+  // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128, layout 3 (benchmarks/cpu). On the Intel
   // Xeon of family 6 model 207: int8 into outputs on lines 0.67-0.75x a copy a head at a time, 0.71-0.81x two,
   // 0.77-0.83x four, 0.76-0.80x eight; 16 bytes past a line 0.44-0.55x, 0.62-0.68x, 0.66-0.70x, 0.66-0.69x;
   // float16, 16 bytes past a line, 0.66x a head a row, 0.93-0.94x four or eight (on lines 0.90-1.01x either way).
-  // AMD processors keep a head at a time, as measured there before rows of several heads existed; others take
-  // the Intel choice.
-#ifdef KVCACHE_CPU_AVX2
-  static const bool amd = __builtin_cpu_is("amd");
-  if (amd) return 1;
-#endif
+  // On an AMD EPYC of family 25 model 17 (Zen 4): int8 on lines 0.75x, 0.81x, 0.85x, 0.73x (one, two, four, eight
+  // heads); 16 bytes past a line 0.48x, 0.53x, 0.58x, 0.58x; float16 past a line 0.68x, 0.77x, 0.88x, 0.94x (on
+  // lines 0.93-0.99x whatever the count). Four on both kinds, so four everywhere.
   return 4;
 }
 
-int64_t GatherTileBytes() {
+int64_t GatherTileBytes(int64_t cache_layout) {
   const long long bytes = EnvInteger("KVCACHE_OP_GATHER_TILE", 0);
   if (bytes >= 0) return bytes;
-  // Measured on one core, float16 decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu), on the Intel Xeon
-  // of family 6 model 207, tiles of 32 KiB against a token at a time (its key row, then its value row, which lie
-  // together in the cache): layout 0 0.83-0.84x a copy against 0.87x, offset 0.85-0.86x against 0.91-0.92x,
-  // layout 1 0.86x against 0.94x, layout 2 0.94x against 0.96x; 16 bytes past a line 0.76-0.88x against 0.81-0.89x;
-  // the chunk of a chunked prefill (outputs that stay cached) 0.88-0.94x against 0.96-0.98x. Quantized gathers
-  // already went a token at a time (kv_cpu.cc). AMD processors and others keep the 32 KiB tiles, measured best on
-  // the first Intel machine's decode with the kernel of then.
-#ifdef KVCACHE_CPU_AVX2
-  if (IntelModel207()) return 0;
-#endif
-  return int64_t{32} << 10;
+  // Measured on one core, float16 decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu), tiles of 32 KiB
+  // against a token at a time. Where a token's key and value rows lie together in the cache (layouts 0 and 1), a
+  // token at a time reads them as one run. On the Intel Xeon of family 6 model 207: layout 0 0.83-0.84x a copy
+  // (tiles) against 0.87x (a token), offset 0.85-0.86x against 0.91-0.92x, layout 1 0.86x against 0.94x; 16 bytes
+  // past a line 0.76-0.88x against 0.81-0.89x; the chunk of a chunked prefill (outputs that stay cached)
+  // 0.88-0.94x against 0.96-0.98x. On an AMD EPYC of family 25 model 17 (Zen 4): layout 0 0.69-0.72x against
+  // 1.15-1.24x, layout 1 0.69x against 1.01x, offset 0.71x against 1.18x; 16 bytes past a line 0.61-0.65x
+  // against 1.00-1.04x (tiles of 4, 8, 16 and 128 KiB as 32 KiB). Where they lie apart (layouts 2 and 3) a token
+  // at a time alternates between two distant runs of each: on that AMD EPYC layout 2 1.00-1.05x (a token) against
+  // 1.06-1.26x (32 KiB), 16 bytes past a line 0.69-0.87x against 0.87-0.99x; on the Intel Xeon 0.96x against
+  // 0.94x; layout 3 within noise on the AMD EPYC (0.96x either way; 0.85x either way past a line). Quantized
+  // gathers go a token at a time whatever the layout (kv_cpu.cc).
+  const bool key_value_together = cache_layout == 0 || cache_layout == 1;
+  return key_value_together ? 0 : int64_t{32} << 10;
 }
 
 const char* CpuKernelName() {

@@ -158,7 +158,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
         assert c_api.cpu_streamed_heads() == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
-        assert c_api.cpu_gather_tile_bytes() == tile
+        assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == [tile] * 4
         fresh = copies(case.inputs)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
@@ -327,9 +327,9 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
 
 def test_the_streamed_heads_follow_the_override_and_else_the_cpu_kind(monkeypatch):
     """$KVCACHE_OP_STREAMED_HEADS names the count outright (a positive integer, at most 16: more is taken as 16;
-    anything else is not a count and leaves the measured choice); unset, AMD processors write a head a row (as measured there) and others four
-    heads (measured on the Intel Xeon of model 207)."""
-    default = 1 if amd_processor() else 4
+    anything else is not a count and leaves the measured choice); unset, four heads, measured best on the Intel Xeon
+    of model 207 and on an AMD EPYC of Zen 4 alike."""
+    default = 4
     for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", default), ("-2", default),
                         ("four", default), ("4x", default), ("", default)):
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", given)
@@ -338,17 +338,23 @@ def test_the_streamed_heads_follow_the_override_and_else_the_cpu_kind(monkeypatc
     assert c_api.cpu_streamed_heads() == default
 
 
-def test_the_gather_tile_follows_the_override_and_else_the_cpu_kind(monkeypatch):
-    """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright (a non-negative integer; anything else leaves the
-    measured choice); unset, the Intel Xeon of model 207 goes a token at a time (measured there) and others write
-    tiles of 32 KiB."""
-    default = 0 if intel_model_207() else 32768
-    for given, want in (("0", 0), ("5000", 5000), ("32768", 32768), ("-1", default), ("32k", default),
-                        ("", default)):
+def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
+    """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright, in every layout (a non-negative integer; anything
+    else leaves the measured choice). Unset: a token at a time where a token's key and value rows lie together
+    (layouts 0 and 1), tiles of 32 KiB where they lie apart (layouts 2 and 3), as measured on the Intel Xeon of
+    model 207 and on an AMD EPYC of Zen 4. A layout the op does not have is refused, by the binding and by the C
+    function (-1)."""
+    default = [0, 0, 32768, 32768]
+    for given, want in (("0", [0] * 4), ("5000", [5000] * 4), ("32768", [32768] * 4), ("-1", default),
+                        ("32k", default), ("", default)):
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", given)
-        assert c_api.cpu_gather_tile_bytes() == want, given
+        assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == want, given
     monkeypatch.delenv("KVCACHE_OP_GATHER_TILE")
-    assert c_api.cpu_gather_tile_bytes() == default
+    assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == default
+    for layout in (-1, 4):
+        with pytest.raises(ValueError, match="cache_layout must be 0, 1, 2 or 3"):
+            c_api.cpu_gather_tile_bytes(layout)
+        assert c_api.library().kvcache_op_cpu_gather_tile_bytes(layout) == -1
 
 
 def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
