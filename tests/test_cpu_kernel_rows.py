@@ -357,6 +357,19 @@ def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
         assert c_api.library().kvcache_op_cpu_gather_tile_bytes(layout) == -1
 
 
+def test_benchmark_titles_name_the_heads_and_the_tiles_of_each_layout(monkeypatch):
+    """The benchmarks' titles record the choices that ran: the heads a streamed row and the tiles of layouts 0-3,
+    overrides included."""
+    from kvcache_op.benchmarks.timing import kernel_build
+
+    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_GATHER_TILE"):
+        monkeypatch.delenv(name, raising=False)
+    assert "4 streamed heads a row, gather tiles of 0/0/32768/32768 B" in kernel_build()
+    monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
+    monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
+    assert "3 streamed heads a row, gather tiles of 5000/5000/5000/5000 B" in kernel_build()
+
+
 def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
     """$KVCACHE_OP_CACHED_GATHER names the order outright; unset, AMD processors walk a head's page runs
     (measured there faster than token by token) and others go token by token (measured so on an Intel Xeon)."""
