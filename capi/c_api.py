@@ -193,8 +193,8 @@ def cpu_cached_gather(path: str | None = None) -> str:
 
 def cpu_streamed_heads(path: str | None = None) -> int:
     """How many of a token's heads (1-16) KeyValueCache's CPU gathers write as one row into streamed layout-3
-    outputs: chosen per CPU kind by measurement, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a positive count;
-    larger ones give 16); the same bits whatever the count."""
+    outputs: four, measured best on each CPU kind at hand, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a
+    positive count; larger ones give 16); the same bits whatever the count."""
     return int(library(path).kvcache_op_cpu_streamed_heads())
 
 
@@ -204,7 +204,7 @@ def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
     measurement (a token where a token's key and value rows lie together, layouts 0 and 1; tiles where they lie
     apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size. Raises
     ValueError for a layout outside 0-3."""
-    if cache_layout not in (0, 1, 2, 3):
+    if type(cache_layout) is not int or cache_layout not in (0, 1, 2, 3):  # not 1.0, not True
         raise ValueError(f"cache_layout must be 0, 1, 2 or 3, not {cache_layout!r}")
     return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))
 

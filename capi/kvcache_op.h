@@ -113,8 +113,8 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
 
 /* How many of a token's heads (1-16) KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs
-   (a line two heads share is then cut in registers rather than held), chosen per CPU kind by measurement (or by
-   $KVCACHE_OP_STREAMED_HEADS, a positive count; larger ones give 16). Every count gives the same bits. */
+   (a line two heads share is then cut in registers rather than held): four, measured best on each CPU kind at hand
+   (or $KVCACHE_OP_STREAMED_HEADS, a positive count; larger ones give 16). Every count gives the same bits. */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
 
 /* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache of `cache_layout` write to

@@ -45,8 +45,8 @@ StorePlan LargeOutputStores();
 bool CachedGatherHeadRuns();
 // How many of a token's heads (1 to kMaxStreamedHeads) layout-3 gathers into streamed outputs write as one output
 // row without repeats (quantized: read that many heads side by side, a page run at a time; unquantized: token by
-// token, that many heads a row): chosen per CPU kind by measurement, or by $KVCACHE_OP_STREAMED_HEADS (a positive
-// count, larger ones taken as kMaxStreamedHeads). The same bits whatever the count.
+// token, that many heads a row): four, measured best on both CPU kinds at hand, or $KVCACHE_OP_STREAMED_HEADS (a
+// positive count, larger ones taken as kMaxStreamedHeads). The same bits whatever the count.
 constexpr int64_t kMaxStreamedHeads = 16;
 int64_t StreamedGatherHeads();
 // How many bytes of whole tokens unquantized gathers in token order (not side by side) from a cache of

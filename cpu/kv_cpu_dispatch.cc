@@ -158,10 +158,10 @@ int64_t GatherTileBytes(int64_t cache_layout) {
   // 0.88-0.94x against 0.96-0.98x. On an AMD EPYC of family 25 model 17 (Zen 4): layout 0 0.69-0.72x against
   // 1.15-1.24x, layout 1 0.69x against 1.01x, offset 0.71x against 1.18x; 16 bytes past a line 0.61-0.65x
   // against 1.00-1.04x (tiles of 4, 8, 16 and 128 KiB as 32 KiB). Where they lie apart (layouts 2 and 3) a token
-  // at a time alternates between two distant runs of each: on that AMD EPYC layout 2 1.00-1.05x (a token) against
+  // at a time alternates between two distant runs of each: on that AMD EPYC layout 2 1.01-1.05x (a token) against
   // 1.06-1.26x (32 KiB), 16 bytes past a line 0.69-0.87x against 0.87-0.99x; on the Intel Xeon 0.96x against
-  // 0.94x; layout 3 within noise on the AMD EPYC (0.96x either way; 0.85x either way past a line). Quantized
-  // gathers go a token at a time whatever the layout (kv_cpu.cc).
+  // 0.94x (within its noise); layout 3 within noise on the AMD EPYC (0.96x either way; 0.85x either way past a
+  // line), not measured on the Intel Xeon. Quantized gathers go a token at a time whatever the layout (kv_cpu.cc).
   const bool key_value_together = cache_layout == 0 || cache_layout == 1;
   return key_value_together ? 0 : int64_t{32} << 10;
 }

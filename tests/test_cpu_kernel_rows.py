@@ -325,7 +325,7 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
     assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def test_the_streamed_heads_follow_the_override_and_else_the_cpu_kind(monkeypatch):
+def test_the_streamed_heads_follow_the_override_and_else_are_four(monkeypatch):
     """$KVCACHE_OP_STREAMED_HEADS names the count outright (a positive integer, at most 16: more is taken as 16;
     anything else is not a count and leaves the measured choice); unset, four heads, measured best on the Intel Xeon
     of model 207 and on an AMD EPYC of Zen 4 alike."""
@@ -351,9 +351,10 @@ def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
         assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == want, given
     monkeypatch.delenv("KVCACHE_OP_GATHER_TILE")
     assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == default
-    for layout in (-1, 4):
+    for layout in (-1, 4, 1.0, True):
         with pytest.raises(ValueError, match="cache_layout must be 0, 1, 2 or 3"):
             c_api.cpu_gather_tile_bytes(layout)
+    for layout in (-1, 4, 1 << 40):
         assert c_api.library().kvcache_op_cpu_gather_tile_bytes(layout) == -1
 
 
