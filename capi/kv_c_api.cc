@@ -57,7 +57,10 @@ const char* kvcache_op_cpu_cached_gather(void) { return kvcache::CachedGatherHea
 int64_t kvcache_op_cpu_streamed_heads(void) { return kvcache::StreamedGatherHeads(); }
 
 int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout) {
-  return cache_layout >= 0 && cache_layout <= 3 ? kvcache::GatherTileBytes(cache_layout) : -1;
+  if (cache_layout < 0 || cache_layout > 3) return -1;
+  // The layout's row strides for one layer of two slots of one head tell whether a slot's key and value rows lie
+  // together, as the kernel reads them from the call's strides.
+  return kvcache::GatherTileBytes(kvcache::LayoutRowStrides(cache_layout, 1, 2, 1, 1).KeyValueTogether());
 }
 
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {

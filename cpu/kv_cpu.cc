@@ -438,7 +438,7 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads),
-                          GatherTileBytes(args.attrs->cache_layout)}
+                          GatherTileBytes(p.cache_rows.KeyValueTogether())}
         .Run(parallel_for);
   }
 };

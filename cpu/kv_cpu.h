@@ -49,11 +49,11 @@ bool CachedGatherHeadRuns();
 // positive count, larger ones taken as kMaxStreamedHeads). The same bits whatever the count.
 constexpr int64_t kMaxStreamedHeads = 16;
 int64_t StreamedGatherHeads();
-// How many bytes of whole tokens unquantized gathers in token order (not side by side) from a cache of
-// `cache_layout` write to each output in turn (a tile's keys, then its values), one token where that is less than
-// a token's row: chosen per layout by measurement (a token where a token's key and value rows lie together, tiles
-// where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a non-negative integer). The same bits whatever the
-// size.
-int64_t GatherTileBytes(int64_t cache_layout);
+// How many bytes of whole tokens unquantized gathers in token order (not side by side) write to each output in
+// turn (a tile's keys, then its values), one token where that is less than a token's row, from a cache whose
+// slots hold a token's key and value rows together or not (RowStrides::KeyValueTogether): chosen by measurement
+// (a token where they lie together, tiles where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a
+// non-negative integer). The same bits whatever the size.
+int64_t GatherTileBytes(bool key_value_together);
 
 }  // namespace kvcache

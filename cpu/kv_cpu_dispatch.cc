@@ -147,7 +147,7 @@ int64_t StreamedGatherHeads() {
   return 4;
 }
 
-int64_t GatherTileBytes(int64_t cache_layout) {
+int64_t GatherTileBytes(bool key_value_together) {
   const long long bytes = EnvInteger("KVCACHE_OP_GATHER_TILE", 0);
   if (bytes >= 0) return bytes;
   // Measured on one core, float16 decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu), tiles of 32 KiB
@@ -162,7 +162,6 @@ int64_t GatherTileBytes(int64_t cache_layout) {
   // 1.06-1.26x (32 KiB), 16 bytes past a line 0.69-0.87x against 0.87-0.99x; on the Intel Xeon 0.96x against
   // 0.94x (within its noise); layout 3 within noise on the AMD EPYC (0.96x either way; 0.85x either way past a
   // line), not measured on the Intel Xeon. Quantized gathers go a token at a time whatever the layout (kv_cpu.cc).
-  const bool key_value_together = cache_layout == 0 || cache_layout == 1;
   return key_value_together ? 0 : int64_t{32} << 10;
 }
 

@@ -44,6 +44,8 @@ struct RowStrides {
   int64_t Row(int64_t l, int64_t kv_index, int64_t h, int64_t s) const {
     return l * layer + kv_index * kv + h * head + s * slot;
   }
+  // Whether a slot's key and value rows lie together, the value row right after the key row (layouts 0 and 1).
+  bool KeyValueTogether() const { return kv < slot; }
 };
 
 // Everything the compute needs about a validated call. The index inputs are owned copies, taken once

@@ -39,7 +39,7 @@ struct CacheSource {
   bool HeadsTogether() const { return p.cache_rows.head == p.head_dim; }
   // Whether a slot's key and value rows lie together (layouts 0-1): decode then reads them key by key, one
   // stream (measured: blocks of keys, then their values, run at half the speed there).
-  bool KeyValueTogether() const { return p.cache_rows.kv < p.cache_rows.slot; }
+  bool KeyValueTogether() const { return p.cache_rows.KeyValueTogether(); }
 
   struct Reader {
     const CacheSource& s;

@@ -158,11 +158,16 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
         assert c_api.cpu_streamed_heads() == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
-        assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == [tile] * 4
+        assert tile_bytes_by_layout() == [tile] * 4
         fresh = copies(case.inputs)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({stores}, {offset})"
+
+
+def tile_bytes_by_layout() -> list:
+    """c_api.cpu_gather_tile_bytes of cache layouts 0-3, in order."""
+    return [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)]
 
 
 def guarded_outputs(given, attributes, offset=0, guard=256):
@@ -348,9 +353,9 @@ def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
     for given, want in (("0", [0] * 4), ("5000", [5000] * 4), ("32768", [32768] * 4), ("-1", default),
                         ("32k", default), ("", default)):
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", given)
-        assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == want, given
+        assert tile_bytes_by_layout() == want, given
     monkeypatch.delenv("KVCACHE_OP_GATHER_TILE")
-    assert [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)] == default
+    assert tile_bytes_by_layout() == default
     for layout in (-1, 4, 1.0, True):
         with pytest.raises(ValueError, match="cache_layout must be 0, 1, 2 or 3"):
             c_api.cpu_gather_tile_bytes(layout)
