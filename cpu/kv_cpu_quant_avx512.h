@@ -14,15 +14,20 @@
 namespace kvcache {
 namespace KV_CPU_ISA {
 
+// The floats of 16 float16 / bfloat16 values' bits (exact).
+template <class T>
+KV_ALWAYS_INLINE __m512 FloatsOfBits16(__m256i bits) {
+  if constexpr (T::kElem == Elem::kFloat16) return _mm512_cvtph_ps(bits);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
 // float(src[0..16)) of a T1 / T3 row (exact).
 template <class T>
 KV_ALWAYS_INLINE __m512 LoadFloat16(const typename T::Storage* src) {
   if constexpr (T::kElem == Elem::kFloat32) {
     return _mm512_loadu_ps(src);
   } else {
-    const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-    if constexpr (T::kElem == Elem::kFloat16) return _mm512_cvtph_ps(bits);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    return FloatsOfBits16<T>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   }
 }
 
@@ -81,6 +86,22 @@ KV_ALWAYS_INLINE __m512i TransposedMax16(const __m512i* a) {
   return _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), m);
 }
 
+// Per group g of 8 words (group 4i + k in 128-bit chunk k of a[i]), the max of its words (signed int16 compare),
+// in word g of the result: sixteen horizontal maxima of 16-bit values, four vectors of them where the int32
+// lanes of TransposedMax16 take eight.
+KV_ALWAYS_INLINE __m256i TransposedMaxWords16(const __m512i* a) {
+  // Per chunk, dword j: (a[0], a[1]) and (a[2], a[3]) of max(word j, word j + 4).
+  const __m512i m01 = _mm512_max_epi16(_mm512_unpacklo_epi16(a[0], a[1]), _mm512_unpackhi_epi16(a[0], a[1]));
+  const __m512i m23 = _mm512_max_epi16(_mm512_unpacklo_epi16(a[2], a[3]), _mm512_unpackhi_epi16(a[2], a[3]));
+  // Per chunk, words 0-3: a[0..4) of max(words 0, 2, 4, 6); words 4-7: of words 1, 3, 5, 7.
+  __m512i m = _mm512_max_epi16(_mm512_unpacklo_epi32(m01, m23), _mm512_unpackhi_epi32(m01, m23));
+  // Per chunk k, words i < 4: group 4i + k's max (the chunk's halves against each other).
+  m = _mm512_max_epi16(m, _mm512_shuffle_epi32(m, _MM_PERM_BADC));
+  alignas(64) static constexpr int16_t kOrder[32] = {0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+                                                     0, 0, 0,  0,  0, 0, 0,  0,  0, 0,  0,  0,  0, 0,  0,  0};
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi16(_mm512_load_si512(kOrder), m));
+}
+
 // Codes of 16 lanes: clamp(rint(x / s), -qmax, qmax), 0 where the quotient is NaN (QuantizeCodes8).
 KV_ALWAYS_INLINE __m512i QuantizeCodes16(__m512 x, __m512 s, float qmax) {
   const __m512 q = _mm512_div_ps(x, s);
@@ -92,19 +113,21 @@ KV_ALWAYS_INLINE __m512i QuantizeCodes16(__m512 x, __m512 s, float qmax) {
 // The codes QuantizeCodes8OwnScale gives 16 lanes, rint(x / s), without dividing: x and s are float16 or
 // bfloat16 values (at most 11 significant bits each), s the group's own finite scale (so |x / s| < 127.5), and
 // r = float32(1 / s).
-// - p = float32(x * r) lies within 2^-16 of q = x / s (two roundings of 2^-24 relative, |q| < 2^7).
-// - q is never within 2^-14 of a half-integer h unless equal to it: within 1/4 of one, |x| >= s / 4, so x - h s
+// - p = float32(x * r) lies within 2^-16 of q = x / s: two roundings of 2^-24 relative each, |q| < 127.5, so
+//   |p - q| < 127.5 * (2 * 2^-24 + 2^-48) < 2^-16.
+// - q is never within 2^-13 of a half-integer h unless equal to it: within 1/4 of one, |x| >= s / 4, so x - h s
 //   is a multiple of 2^(e_s - 12) (e_s the exponent of s: x's last significant bit is worth at least that, and
 //   s's half-ulp too), while s < 2^(e_s + 1).
-// So rint(p) = rint(float32(q)) except where q is a half-integer h itself, which is tested exactly: floor(p) + 1/2
-// is then h, and h * s (at most 20 significant bits) is exact, equal to x there only. A tie takes rint(h), half to
-// even as rint(q). All of it rounds to nearest, as the kernel's tasks always do (NearestRounding). float32 inputs or
-// scales keep the division: their quotients come closer to half-integers.
+// So p rounded to a multiple of 2^-15 (one rounding instruction) is h itself where q is a half-integer h (h is
+// such a multiple, less than half a step from p), and elsewhere lies strictly between the same two
+// half-integers as q (within 2^-16 + 2^-16 of it, while they are at least 2^-13 away). Its rint, half to even as
+// the conversion rounds, is then rint(q) in both cases: three instructions where comparing h * s with x took
+// seven. All of it rounds to nearest, as the kernel's tasks always do (NearestRounding). float32 inputs or scales
+// keep the division: their quotients come closer to half-integers.
 // tests/test_reciprocal_codes.py checks every pair of 16-bit operands this meets against the division.
-KV_ALWAYS_INLINE __m512i QuantizeCodes16ByReciprocal(__m512 x, __m512 s, __m512 r) {
-  const __m512 p = _mm512_mul_ps(x, r);
-  const __m512 h = _mm512_add_ps(_mm512_roundscale_ps(p, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), _mm512_set1_ps(0.5f));
-  return _mm512_cvtps_epi32(_mm512_mask_blend_ps(_mm512_cmp_ps_mask(_mm512_mul_ps(h, s), x, _CMP_EQ_OQ), p, h));
+KV_ALWAYS_INLINE __m512i QuantizeCodes16ByReciprocal(__m512 x, __m512 r) {
+  constexpr int kOnGridOf2ToMinus15 = (15 << 4) | _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x, r), kOnGridOf2ToMinus15));
 }
 
 // Stores 64 codes in [-127, 127] of c[0..4) (16 each, in order): 64 int8, or 32 bytes of int4 pairs.
@@ -129,11 +152,21 @@ KV_ALWAYS_INLINE void StoreCodes64(const __m512i* c, typename Codes<QBits>::Stor
 // path). Stores them at `scales`; returns them as floats.
 template <class T1, class T3, int QBits>
 KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename T3::Storage* scales) {
-  __m512i bits[8];
-  for (int j = 0; j < 8; ++j)
-    bits[j] = _mm512_and_si512(_mm512_castps_si512(LoadFloat16<T1>(src + 16 * j)),
-                               _mm512_set1_epi32(static_cast<int32_t>(kAbsMask)));
-  const __m512i amax_bits = TransposedMax16(bits);
+  __m512i amax_bits;
+  if constexpr (T1::kElem == Elem::kFloat32) {
+    __m512i bits[8];
+    for (int j = 0; j < 8; ++j)
+      bits[j] = _mm512_and_si512(_mm512_castps_si512(LoadFloat16<T1>(src + 16 * j)),
+                                 _mm512_set1_epi32(static_cast<int32_t>(kAbsMask)));
+    amax_bits = TransposedMax16(bits);
+  } else {
+    // float16 and bfloat16 magnitudes order as their bits do, a NaN's above every number's as in float32: the
+    // maxima of the 16-bit bits, converted, are the float32 maxima, from half the vectors and no conversions.
+    __m512i bits[4];
+    for (int j = 0; j < 4; ++j)
+      bits[j] = _mm512_and_si512(_mm512_loadu_si512(src + 32 * j), _mm512_set1_epi16(0x7fff));
+    amax_bits = _mm512_castps_si512(FloatsOfBits16<T1>(TransposedMaxWords16(bits)));
+  }
   const __mmask16 nan = _mm512_cmpgt_epi32_mask(amax_bits, _mm512_set1_epi32(static_cast<int32_t>(kInfBits)));
   const __m512 amax = _mm512_castsi512_ps(_mm512_mask_blend_epi32(nan, amax_bits, _mm512_set1_epi32(kQuietNanBits)));
   const __m512 eps = _mm512_set1_ps(kScaleEps);
@@ -164,7 +197,7 @@ KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, ty
     // Each group's own finite scale: |x / s| < qmax + 1/2 and never NaN (QuantizeCodes8OwnScale).
     if constexpr (T1::kElem != Elem::kFloat32 && T3::kElem != Elem::kFloat32) {
       const __m512 r = _mm512_div_ps(_mm512_set1_ps(1.0f), s);
-      ForEachOf8([&](auto j) { c[j] = QuantizeCodes16ByReciprocal(x(j), spread(j, s), spread(j, r)); });
+      ForEachOf8([&](auto j) { c[j] = QuantizeCodes16ByReciprocal(x(j), spread(j, r)); });
     } else {
       ForEachOf8([&](auto j) { c[j] = _mm512_cvtps_epi32(_mm512_div_ps(x(j), spread(j, s))); });
     }

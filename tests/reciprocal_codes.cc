@@ -37,7 +37,7 @@ struct Batch {
     for (size_t i = 0; i < x.size(); i += 16) {
       alignas(64) int32_t fast[16], want[16];
       const __m512 xv = _mm512_loadu_ps(&x[i]), sv = _mm512_loadu_ps(&s[i]);
-      _mm512_store_si512(fast, QuantizeCodes16ByReciprocal(xv, sv, _mm512_loadu_ps(&r[i])));
+      _mm512_store_si512(fast, QuantizeCodes16ByReciprocal(xv, _mm512_loadu_ps(&r[i])));
       _mm512_store_si512(want, _mm512_cvtps_epi32(_mm512_div_ps(xv, sv)));
       for (int k = 0; k < 16; ++k) {
         // The spec's rint(x / s) once more, by the C library (half to even in the default rounding mode).
