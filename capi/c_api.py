@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 5
+C_API_VERSION = 6
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -134,6 +134,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
         "kvcache_op_cpu_streamed_heads": ((), ctypes.c_int64),
         "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
+        "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -207,6 +208,14 @@ def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
     if type(cache_layout) is not int or cache_layout not in (0, 1, 2, 3):  # not 1.0, not True
         raise ValueError(f"cache_layout must be 0, 1, 2 or 3, not {cache_layout!r}")
     return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))
+
+
+
+def cpu_code_stores(path: str | None = None) -> str:
+    """How KeyValueCache's CPU stores write quantized codes whose output rows are not read back ("stream" or
+    "cached"): chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_CODE_STORES``; stores-only calls
+    (MultiHeadCacheAttention's) keep them cached; the same bits either way."""
+    return library(path).kvcache_op_cpu_code_stores().decode()
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

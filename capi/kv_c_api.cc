@@ -63,6 +63,8 @@ int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout) {
   return kvcache::GatherTileBytes(kvcache::LayoutRowStrides(cache_layout, 1, 2, 1, 1).KeyValueTogether());
 }
 
+const char* kvcache_op_cpu_code_stores(void) { return kvcache::StreamedCodeStores() ? "stream" : "cached"; }
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 5
+#define KVCACHE_OP_C_API_VERSION 6
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -122,6 +122,13 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
    row), chosen per layout by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes); -1 for a layout outside 0-3.
    Every size gives the same bits. (C API version 5: the layout argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout);
+
+/* How KeyValueCache's CPU stores write quantized codes whose output rows are not read back from the cache, where
+   the AVX-512 build's blocks of 16 groups cover them and they start on a line, chosen per CPU vendor by
+   measurement (or by $KVCACHE_OP_CODE_STORES): "stream" (streaming stores) or "cached" (plain stores). Stores-only
+   calls (MultiHeadCacheAttention's, which reads the rows at once) always keep them cached. Both give the same
+   bits. (C API version 6.) */
+KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);

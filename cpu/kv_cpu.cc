@@ -64,6 +64,7 @@ struct Kernel {
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
   int64_t streamed_heads;  // layout-3 streamed gathers write this many of a token's heads as one output row
   int64_t tile_bytes;      // unquantized token-order gathers write each output in tiles of this many bytes, at least a token
+  bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -124,8 +125,9 @@ struct Kernel {
                                                                               int64_t b, uint64_t pos) {
       const T* sources[2] = {static_cast<const T*>(args.key) + r0 * H * D, static_cast<const T*>(args.value) + r0 * H * D};
       // Token i's kv rows into the cache. With `values` (not nullptr), quantized rows that QuantizeRowsWithValues
-      // covers also go there as their values after DQ: returns whether they did.
-      auto store_token = [&](int kv, int64_t i, T* values) {
+      // covers also go there as their values after DQ: returns whether they did. `loaded`: the token's output rows
+      // come from this store, read back from the cache unless they went to `values` (codes then not streamed).
+      auto store_token = [&](int kv, int64_t i, T* values, bool loaded) {
         const T* src = sources[kv] + i * H * D;
         if constexpr (QBits == 0) {
           if (whole_token) {
@@ -143,10 +145,11 @@ struct Kernel {
           auto* codes = C::Row(args.cache, CacheRow(kv, 0, slot + i));
           S* scales = static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i);
           if (values != nullptr && QuantizeRowsWithValues<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups,
-                                                                        codes, code_step, scales, scale_step, values))
+                                                                        codes, code_step, scales, scale_step, values,
+                                                                        stream_codes))
             return true;
           QuantizeRows<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups, codes, code_step, scales,
-                                      scale_step, rows);
+                                      scale_step, rows, stream_codes && !loaded);
           return false;
         }
       };
@@ -156,14 +159,14 @@ struct Kernel {
         const bool loaded = args.out_key != nullptr && t < static_cast<uint64_t>(p.kvstarts[b + 1] - p.kvstarts[b]);
         for (int kv = 0; kv < 2; ++kv) {
           if (!loaded) {
-            store_token(kv, i, nullptr);
+            store_token(kv, i, nullptr, false);
             continue;
           }
           T* out = OutRow(kv, b, static_cast<int64_t>(t));
           // Quantized rows without repeats: the output row is the source row's values after DQ, written as the
           // rows are quantized (into the streamed row first where the output is streamed); else read back.
           T* values = a.num_repeat == 1 ? (stream ? scratch.row.data() : out) : nullptr;
-          if (store_token(kv, i, values)) {
+          if (store_token(kv, i, values, true)) {
             if (stream) Repeat(values, H * D, out, true, scratch);
           } else {
             EmitToken(kv, slot + i, out, scratch);
@@ -172,10 +175,8 @@ struct Kernel {
         }
       }
     });
-    if (emitted) {
-      scratch.lines.Flush();
-      StoreFence();
-    }
+    if (emitted) scratch.lines.Flush();
+    if (emitted || stream_codes) StoreFence();
   }
 
   // Cache rows (kv, h .. h + heads, slot) into dst, num_repeat copies of each (heads > 1 only without repeats:
@@ -438,7 +439,8 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads),
-                          GatherTileBytes(p.cache_rows.KeyValueTogether())}
+                          GatherTileBytes(p.cache_rows.KeyValueTogether()),
+                          QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);
   }
 };

@@ -55,5 +55,10 @@ int64_t StreamedGatherHeads();
 // (a token where they lie together, tiles where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a
 // non-negative integer). The same bits whatever the size.
 int64_t GatherTileBytes(bool key_value_together);
+// Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's
+// blocks of 16 groups cover its rows and they start on a line (only tokens whose output rows are not read back
+// from the cache, and never for stores-only calls, whose rows MultiHeadCacheAttention reads at once): chosen per
+// CPU vendor by measurement, or by $KVCACHE_OP_CODE_STORES ("stream" or "cached"). The same bits either way.
+bool StreamedCodeStores();
 
 }  // namespace kvcache

@@ -130,20 +130,39 @@ KV_ALWAYS_INLINE __m512i QuantizeCodes16ByReciprocal(__m512 x, __m512 r) {
   return _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(x, r), kOnGridOf2ToMinus15));
 }
 
-// Stores 64 codes in [-127, 127] of c[0..4) (16 each, in order): 64 int8, or 32 bytes of int4 pairs.
+// The bytes of 64 codes in [-127, 127] of c[0..4) (16 each, in order): 64 int8, or 32 bytes of int4 pairs.
 template <int QBits>
-KV_ALWAYS_INLINE void StoreCodes64(const __m512i* c, typename Codes<QBits>::Storage* dst) {
+KV_ALWAYS_INLINE auto PackCodes64(const __m512i* c) {
   // The packs work per 128-bit chunk: dwords come out as c0 c1 c2 c3 of chunk 0, then of chunk 1, ...
   const __m512i bytes = _mm512_packs_epi16(_mm512_packs_epi32(c[0], c[1]), _mm512_packs_epi32(c[2], c[3]));
   const __m512i ordered = _mm512_permutexvar_epi32(
       _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), bytes);
   if constexpr (QBits == 8) {
-    _mm512_storeu_si512(dst, ordered);
+    return ordered;
   } else {
     // Per int16 lane: code 2i in the low byte, 2i+1 in the high byte -> low nibble | high nibble << 4.
     const __m512i nibbles = _mm512_or_si512(_mm512_and_si512(ordered, _mm512_set1_epi16(0x0f)),
                                             _mm512_and_si512(_mm512_srli_epi16(ordered, 4), _mm512_set1_epi16(0xf0)));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi16_epi8(nibbles));
+    return _mm512_cvtepi16_epi8(nibbles);
+  }
+}
+
+// Stores the 128 codes of c[0..8) at dst (two lines of int8, one of int4 pairs); with `stream`, where dst starts
+// on a line, with streaming stores (the caller fences them before its task ends).
+template <int QBits>
+KV_ALWAYS_INLINE void StoreCodes128(const __m512i* c, typename Codes<QBits>::Storage* dst, bool stream) {
+  constexpr int kLines = QBits == 8 ? 2 : 1;
+  __m512i lines[kLines];
+  if constexpr (QBits == 8) {
+    lines[0] = PackCodes64<8>(c), lines[1] = PackCodes64<8>(c + 4);
+  } else {
+    lines[0] = _mm512_inserti64x4(_mm512_castsi256_si512(PackCodes64<4>(c)), PackCodes64<4>(c + 4), 1);
+  }
+  auto* line = reinterpret_cast<__m512i*>(dst);
+  if (stream && OnCacheLine(dst)) {
+    for (int i = 0; i < kLines; ++i) _mm512_stream_si512(line + i, lines[i]);
+  } else {
+    for (int i = 0; i < kLines; ++i) _mm512_storeu_si512(line + i, lines[i]);
   }
 }
 
@@ -183,13 +202,13 @@ KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename 
   }
 }
 
-// The codes of the 16 groups of 8 elements at src whose scales (as SixteenScales returns them) are s. With
-// `values` (not nullptr), also each element's value T1(float(code) * scale) there: the bits
+// The codes of the 16 groups of 8 elements at src whose scales (as SixteenScales returns them) are s, streamed
+// where `stream_codes` says so (StoreCodes128). With `values` (not nullptr), also each element's value T1(float(code) * scale) there: the bits
 // DequantizeSixteenGroupsOf8 gives from the codes and scales stored (the codes lie in [-qmax, qmax], which their
 // packing keeps), without reading them back.
 template <class T1, class T3, int QBits>
 KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, typename Codes<QBits>::Storage* codes,
-                                   typename T1::Storage* values) {
+                                   typename T1::Storage* values, bool stream_codes) {
   auto spread = [&](auto j, __m512 v) { return PairOfLanes<decltype(j)::value>(v); };
   auto x = [&](auto j) { return LoadFloat16<T1>(src + 16 * decltype(j)::value); };
   __m512i c[8];
@@ -204,28 +223,28 @@ KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, ty
   } else {
     ForEachOf8([&](auto j) { c[j] = QuantizeCodes16(x(j), spread(j, s), Codes<QBits>::kMax); });
   }
-  StoreCodes64<QBits>(c, codes);
-  StoreCodes64<QBits>(c + 4, codes + 8 * CodeBytes8(QBits));
+  StoreCodes128<QBits>(c, codes, stream_codes);
   if (values != nullptr)
     ForEachOf8([&](auto j) {
       StoreFloat16<T1>(_mm512_mul_ps(_mm512_cvtepi32_ps(c[j]), spread(j, s)), values + 16 * decltype(j)::value);
     });
 }
 
-// Q of blocks of 16 groups of 8 elements: block b from src(b) to codes(b) and scales(b), and its values to
-// values(b) where that is not nullptr (SixteenCodes). Up to 8 blocks' scales
+// Q of blocks of 16 groups of 8 elements: block b from src(b) to codes(b) (streamed where `stream_codes` says so)
+// and scales(b), and its values to values(b) where that is not nullptr (SixteenCodes). Up to 8 blocks' scales
 // first, then their codes: each block's codes wait on one long chain of dependent steps (maxima, a division,
 // the rounding to T3 and back), and written block by block the chains overlapped too little to keep the
 // vector units busy (measured on an Intel Xeon: 128 elements took about as long as one chain).
 template <class T1, class T3, int QBits, class Src, class CodesAt, class ScalesAt, class ValuesAt>
 KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesAt&& codes, ScalesAt&& scales,
-                                               ValuesAt&& values) {
+                                               ValuesAt&& values, bool stream_codes) {
   constexpr int kBatch = 8;
   for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
     const int n = static_cast<int>(blocks - b0 < kBatch ? blocks - b0 : kBatch);
     __m512 s[kBatch];
     for (int k = 0; k < n; ++k) s[k] = SixteenScales<T1, T3, QBits>(src(b0 + k), scales(b0 + k));
-    for (int k = 0; k < n; ++k) SixteenCodes<T1, T3, QBits>(src(b0 + k), s[k], codes(b0 + k), values(b0 + k));
+    for (int k = 0; k < n; ++k)
+      SixteenCodes<T1, T3, QBits>(src(b0 + k), s[k], codes(b0 + k), values(b0 + k), stream_codes);
   }
 }
 

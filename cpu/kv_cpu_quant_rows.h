@@ -125,11 +125,13 @@ constexpr auto NoValues = [](int64_t) -> typename T1::Storage* { return nullptr;
 // done nothing, where those do not cover the rows (another build, group != 8, groups not a multiple of 16).
 // With `values` (not nullptr), each row's elements' values after DQ go to values + k * n as well: the bits
 // DequantizeRow gives from the codes and scales stored, written without reading those back (a stored token's
-// output rows, from its store).
+// output rows, from its store). With `stream_codes`, codes that start on a line are written with streaming
+// stores (StoreCodes128), to be fenced before the task ends.
 template <class T1, class T3, int QBits>
 inline bool QuantizeRowsWithValues(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group,
                                    int64_t groups, typename Codes<QBits>::Storage* codes, int64_t code_step,
-                                   typename T3::Storage* scales, int64_t scale_step, typename T1::Storage* values) {
+                                   typename T3::Storage* scales, int64_t scale_step, typename T1::Storage* values,
+                                   bool stream_codes) {
 #if KV_AVX512
   if (group == 8 && groups % 16 == 0) {
     const int64_t per_row = groups / 16;
@@ -137,12 +139,13 @@ inline bool QuantizeRowsWithValues(const typename T1::Storage* src, int64_t rows
         rows * per_row, [&](int64_t b) { return src + b / per_row * n + b % per_row * 128; },
         [&](int64_t b) { return codes + b / per_row * code_step + b % per_row * 16 * CodeBytes8(QBits); },
         [&](int64_t b) { return scales + b / per_row * scale_step + b % per_row * 16; },
-        [&](int64_t b) { return values == nullptr ? nullptr : values + b / per_row * n + b % per_row * 128; });
+        [&](int64_t b) { return values == nullptr ? nullptr : values + b / per_row * n + b % per_row * 128; },
+        stream_codes);
     return true;
   }
 #endif
   (void)src, (void)rows, (void)n, (void)group, (void)groups, (void)codes, (void)code_step, (void)scales,
-      (void)scale_step, (void)values;
+      (void)scale_step, (void)values, (void)stream_codes;
   return false;
 }
 
@@ -159,7 +162,7 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
       QuantizeBlocksOf16Groups<T1, T3, QBits>(
           groups / 16, [&](int64_t b) { return src + b * 128; },
           [&](int64_t b) { return codes + b * 16 * CodeBytes8(QBits); }, [&](int64_t b) { return scales + b * 16; },
-          NoValues<T1>);
+          NoValues<T1>, false);
       g = groups / 16 * 16;
     }
 #endif
@@ -188,13 +191,14 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
 // Q of `rows` rows of n elements each: row k from src + k * n, its codes to codes + k * code_step and its scales to
 // scales + k * scale_step (a token's head rows, far apart in layout 3's cache). In the AVX-512 build the rows'
 // blocks of 16 groups go through one QuantizeBlocksOf16Groups, so that one row's chain of dependent steps
-// overlaps the next rows'; elsewhere, and for a single block, row by row.
+// overlaps the next rows', their codes streamed where `stream_codes` says so (QuantizeRowsWithValues); elsewhere,
+// and for a single block, row by row with plain stores.
 template <class T1, class T3, int QBits>
 inline void QuantizeRows(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group, int64_t groups,
                          typename Codes<QBits>::Storage* codes, int64_t code_step, typename T3::Storage* scales,
-                         int64_t scale_step, const RowScratch& scratch) {
+                         int64_t scale_step, const RowScratch& scratch, bool stream_codes) {
   if (rows * groups >= 32 && QuantizeRowsWithValues<T1, T3, QBits>(src, rows, n, group, groups, codes, code_step, scales,
-                                                                   scale_step, nullptr))
+                                                                   scale_step, nullptr, stream_codes))
     return;
   for (int64_t k = 0; k < rows; ++k)
     QuantizeRow<T1, T3, QBits>(src + k * n, n, group, groups, codes + k * code_step, scales + k * scale_step, scratch);

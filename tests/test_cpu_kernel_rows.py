@@ -141,7 +141,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     unquantized rows streamed token by token go that many heads a row too. The heads a row
     ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
     groups, and 16 is every head. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
-    token, of 32 KiB or of bytes that are no whole number of tokens. Nothing around the outputs is written. With
+    token, of 32 KiB or of bytes that are no whole number of tokens; quantized codes are stored with streaming
+    stores and plain ones in turn ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With
     side-by-side streams, unquantized rows are read as several streams at any
     offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
     last task's tiles are short)."""
@@ -153,8 +154,9 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         ("side-by-side", 0, 4, 0), ("side-by-side", 16, 3, 32768), ("side-by-side", 2, 1, 5000),
         ("stream", 0, 3, 5000), ("stream", 16, 16, 0), ("stream", 2, 4, 32768), ("stream", 33, 16, 0),
         ("cached", 0, 16, 0), ("cached", 16, 1, 5000), ("cached", 2, 4, 32768)]
-    for stores, offset, streamed_heads, tile in runs:
+    for run, (stores, offset, streamed_heads, tile) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
+        monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
         assert c_api.cpu_streamed_heads() == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
@@ -216,9 +218,10 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
     position, or below every stored one), store without loading, load without storing, across pages and the
     gather's tasks of 64 tokens; the gathers in either cached order and in tiles of one token, a few or many,
-    outputs on a cache line or off it. Head rows
+    outputs on a cache line or off it, codes stored with streaming stores or plain ones. Head rows
     of 128 quantized without repeats are blocks of 16 groups: the AVX-512 build writes their values as it quantizes
-    them (QuantizeRowsWithValues), the others read them back. Quantized rows hold special_rows' values (NaN, inf,
+    them (QuantizeRowsWithValues, its codes then streamed where $KVCACHE_OP_CODE_STORES says so), the others read
+    them back. Quantized rows hold special_rows' values (NaN, inf,
     ties, scales at float16's edges), and every output byte, NaN payloads included, is also the one a call that
     only loads (the gathers' own dequantization) reads from the cache written."""
     use_cpu_kernel(monkeypatch, kernel)
@@ -231,9 +234,12 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     if quant_bit:
         fill_special_rows(case, np.random.default_rng(head_dim + layout), 8, quant_bit)
     want = reference_result(case.inputs, case.attributes)
-    for order, offset, tile in (("tokens", 0, 0), ("head-runs", 16, 32768), ("tokens", 2, 1000)):
+    for order, offset, tile, codes in (("tokens", 0, 0, "stream"), ("head-runs", 16, 32768, "cached"),
+                                       ("tokens", 2, 1000, "stream")):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))  # unquantized gathers' tiles: 1, 2 or many tokens
+        monkeypatch.setenv("KVCACHE_OP_CODE_STORES", codes)
+        assert c_api.cpu_code_stores() == codes
         fresh = copies(case.inputs)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
@@ -363,17 +369,34 @@ def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
         assert c_api.library().kvcache_op_cpu_gather_tile_bytes(layout) == -1
 
 
-def test_benchmark_titles_name_the_heads_and_the_tiles_of_each_layout(monkeypatch):
-    """The benchmarks' titles record the choices that ran: the heads a streamed row and the tiles of layouts 0-3,
-    overrides included."""
+def test_benchmark_titles_name_the_heads_the_tiles_of_each_layout_and_the_code_stores(monkeypatch):
+    """The benchmarks' titles record the choices that ran: the heads a streamed row, the tiles of layouts 0-3 and
+    how codes are stored, overrides included."""
     from kvcache_op.benchmarks.timing import kernel_build
 
-    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_GATHER_TILE"):
+    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_GATHER_TILE", "KVCACHE_OP_CODE_STORES"):
         monkeypatch.delenv(name, raising=False)
-    assert "4 streamed heads a row, gather tiles of 0/0/32768/32768 B" in kernel_build()
+    codes, other = ("stream", "cached") if amd_processor() else ("cached", "stream")
+    assert f"4 streamed heads a row, gather tiles of 0/0/32768/32768 B, {codes} code stores" in kernel_build()
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
-    assert "3 streamed heads a row, gather tiles of 5000/5000/5000/5000 B" in kernel_build()
+    monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
+    assert f"3 streamed heads a row, gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build()
+
+
+def test_the_code_stores_follow_the_override_and_else_the_cpu_vendor(monkeypatch):
+    """$KVCACHE_OP_CODE_STORES names how codes are stored outright ("stream" or "cached"; anything else leaves the
+    measured choice); unset, AMD processors stream them (measured there faster, layout 3 most) and others store them
+    plainly (not measured there)."""
+    for choice in ("stream", "cached"):
+        monkeypatch.setenv("KVCACHE_OP_CODE_STORES", choice)
+        assert c_api.cpu_code_stores() == choice
+    default = "stream" if amd_processor() else "cached"
+    for other in ("streaming", "", "Stream"):
+        monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
+        assert c_api.cpu_code_stores() == default, other
+    monkeypatch.delenv("KVCACHE_OP_CODE_STORES")
+    assert c_api.cpu_code_stores() == default
 
 
 def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
