@@ -4,6 +4,7 @@
 // where that is exact, QuantizeCodes16ByReciprocal).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <type_traits>
 
@@ -249,25 +250,25 @@ KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesA
 }
 
 // DQ of 16 groups of 8 codes (128) with their 16 scales: each vector of two groups takes its scales from
-// one in-register permute of the scales loaded once. Without a sink the values are stored at out; with one,
-// each 64 bytes of them go to sink->Put(__m512i) in order (a streamed output's writer, ShiftedRow).
-template <class T1, class T3, int QBits, class Sink = void>
+// one in-register permute of the scales loaded once. Without `emit` the values are stored at out; with it,
+// each 64 bytes of them go to emit(__m512i) in order (a streamed output's writer, ShiftedRow::Put).
+template <class T1, class T3, int QBits, class Emit = std::nullptr_t>
 KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::Storage* codes,
                                                  const typename T3::Storage* scales, typename T1::Storage* out,
-                                                 Sink* sink = nullptr) {
-  constexpr bool kEmit = !std::is_void_v<Sink>;
+                                                 Emit&& emit = nullptr) {
+  constexpr bool kEmit = !std::is_same_v<std::decay_t<Emit>, std::nullptr_t>;
   const __m512 s = LoadFloat16<T3>(scales);
   __m512 v[8];
-  ForEachOf8([&](auto j) __attribute__((always_inline)) {  // one body with the sink's stores
+  ForEachOf8([&](auto j) __attribute__((always_inline)) {  // one body with the emitted stores
     constexpr int J = decltype(j)::value;
     const __m512 sj = PairOfLanes<J>(s);
     v[J] = _mm512_mul_ps(_mm512_cvtepi32_ps(LoadCodes16<QBits>(codes + 2 * J * CodeBytes8(QBits))), sj);
     if constexpr (!kEmit) {
       StoreFloat16<T1>(v[J], out + 16 * J);
     } else if constexpr (T1::kElem == Elem::kFloat32) {
-      sink->Put(_mm512_castps_si512(v[J]));
+      emit(_mm512_castps_si512(v[J]));
     } else if constexpr (J % 2 == 1) {
-      sink->Put(_mm512_inserti64x4(_mm512_castsi256_si512(HalfBits16<T1>(v[J - 1])), HalfBits16<T1>(v[J]), 1));
+      emit(_mm512_inserti64x4(_mm512_castsi256_si512(HalfBits16<T1>(v[J - 1])), HalfBits16<T1>(v[J]), 1));
     }
   });
 }

@@ -258,10 +258,12 @@ KV_ALWAYS_INLINE bool DequantizeRowsStreamed(const typename Codes<QBits>::Storag
 #if KV_AVX512
   if (group == 8 && groups % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
     ShiftedRow row(lines, out);
+    ShiftedRow::Vectors vectors = row.Start();  // a local: kept in registers from one Put to the next
+    auto put = [&](__m512i v) __attribute__((always_inline)) { row.Put(v, vectors); };
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < groups; g += 16)
-        DequantizeSixteenGroupsOf8<T1, T3, QBits>(codes[r] + g * CodeBytes8(QBits), scales[r] + g, out, &row);
-    row.End();
+        DequantizeSixteenGroupsOf8<T1, T3, QBits>(codes[r] + g * CodeBytes8(QBits), scales[r] + g, out, put);
+    row.End(vectors);
     return true;
   }
 #else
