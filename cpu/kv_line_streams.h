@@ -191,54 +191,46 @@ class LineStreams {
 // A row of whole 64-byte vectors (in output order) streamed to out at any even byte offset from a line: each
 // line is cut from two neighbouring vectors in registers (one permute), so a row dequantized into registers is
 // streamed without a round trip through memory; the part lines at its two edges go through LineStreams when the
-// row ends. The vectors carried from one Put to the next (Vectors) are the caller's locals, not members: in an
-// object the compiler kept in memory, each Put stored 64 bytes and the next loaded them back, a load that waits
-// behind the streaming stores ahead of it (measured on an AMD EPYC of Zen 4, rows of 2 KiB streamed 16 bytes past
-// a line, one core: 14-19 GB/s so, 20-22 GB/s with the vectors as locals; 23-25 GB/s on lines).
+// row ends. The vector carried from one Put to the next is the caller's local (`previous`), not a member: as a
+// member the compiler kept it in memory, and each Put's load of it waited for the store of the Put before, behind
+// the streaming stores ahead of that (measured on an AMD EPYC of Zen 4, rows of 2 KiB streamed 16 bytes past a
+// line, one core: 14-19 GB/s so, 20-22 GB/s with a local, 23-25 GB/s on lines; int8 decode into such outputs,
+// layout 0, 25.4 -> 18.2 ms).
 class ShiftedRow {
  public:
-  struct Vectors {
-    __m512i index;     // the permute's indices for this row's offset
-    __m512i previous;  // the vector Put last
-    __m512i head;      // the row's first line, until End merges it
-  };
-
   // out: an even address (every caller's elements are 2 or 4 bytes); the row is Put as whole 64-byte vectors.
   ShiftedRow(LineStreams& lines, void* out)
       : lines_(lines),
         line_(static_cast<unsigned char*>(out) - reinterpret_cast<uintptr_t>(out) % 64),
         first_line_(line_),
-        offset_(static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64)) {}
+        offset_(static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64)),
+        // Word j of a line: word 32 - offset/2 + j of the previous vector below offset/2, else word j - offset/2
+        // of the next; permutex2var reads indices of 32 and up from its second vector, so one sum gives both.
+        index_(_mm512_add_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
+                                                 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                _mm512_set1_epi16(static_cast<int16_t>(32 - offset_ / 2)))) {}
 
-  // The vectors of a row about to start: keep them in a local and hand them to every Put and to End.
-  Vectors Start() const {
-    // Word j of a line: word 32 - offset/2 + j of the previous vector below offset/2, else word j - offset/2 of
-    // the next; permutex2var reads indices of 32 and up from its second vector, so one sum gives both.
-    const __m512i words = _mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
-                                           12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    return {_mm512_add_epi16(words, _mm512_set1_epi16(static_cast<int16_t>(32 - offset_ / 2))), _mm512_setzero_si512(),
-            _mm512_setzero_si512()};
-  }
-  // The next 64 bytes of the row.
-  KV_ALWAYS_INLINE void Put(__m512i v, Vectors& vectors) {
+  // The next 64 bytes of the row; `previous`: the caller's local, zero before the first Put, handed to every Put
+  // and to End.
+  KV_ALWAYS_INLINE void Put(__m512i v, __m512i& previous) {
     if (offset_ == 0) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), v);
     } else {
-      const __m512i line = _mm512_permutex2var_epi16(vectors.previous, vectors.index, v);
+      const __m512i line = _mm512_permutex2var_epi16(previous, index_, v);
       if (line_ == first_line_) {
-        vectors.head = line;  // a part line: merged as the row ends, so that no call interrupts the Puts
+        head_ = line;  // a part line: merged as the row ends, so that no call interrupts the Puts
       } else {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), line);
       }
-      vectors.previous = v;
+      previous = v;
     }
     line_ += 64;
   }
   // The row's two part lines, its first and its last (call once, after the last Put).
-  KV_ALWAYS_INLINE void End(const Vectors& vectors) {
+  KV_ALWAYS_INLINE void End(__m512i previous) {
     if (offset_ == 0 || line_ == first_line_) return;
-    lines_.MergeLine(first_line_, vectors.head, ~uint64_t{0} << offset_);
-    lines_.MergeLine(line_, _mm512_permutex2var_epi16(vectors.previous, vectors.index, _mm512_setzero_si512()),
+    lines_.MergeLine(first_line_, head_, ~uint64_t{0} << offset_);
+    lines_.MergeLine(line_, _mm512_permutex2var_epi16(previous, index_, _mm512_setzero_si512()),
                      (uint64_t{1} << offset_) - 1);
   }
 
@@ -247,6 +239,8 @@ class ShiftedRow {
   unsigned char* line_;        // the line the next Put's bytes begin in
   unsigned char* first_line_;  // the line the row begins in
   int offset_;                 // the row's byte offset in its first line (even)
+  __m512i index_;              // the permute's indices for that offset
+  __m512i head_ = _mm512_setzero_si512();  // the row's first line, until End merges it
 };
 #endif
 
@@ -260,11 +254,11 @@ inline void WriteRows(LineStreams& lines, const void* const* srcs, int64_t count
 #if KV_AVX512
   if (bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
     ShiftedRow row(lines, out);
-    ShiftedRow::Vectors vectors = row.Start();
+    __m512i previous = _mm512_setzero_si512();
     for (int64_t r = 0; r < count; ++r)
       for (size_t k = 0; k < bytes; k += 64)
-        row.Put(_mm512_loadu_si512(static_cast<const unsigned char*>(srcs[r]) + k), vectors);
-    row.End(vectors);
+        row.Put(_mm512_loadu_si512(static_cast<const unsigned char*>(srcs[r]) + k), previous);
+    row.End(previous);
     return;
   }
 #endif

@@ -19,9 +19,9 @@ int WriteRows(unsigned char* out, const unsigned char* src, const int64_t* offse
 #if KV_AVX512
       if (sizes[r] % 64 != 0 || reinterpret_cast<uintptr_t>(out + offsets[r]) % 2 != 0) return -1;
       kvcache::KV_CPU_ISA::ShiftedRow row(lines, out + offsets[r]);
-      kvcache::KV_CPU_ISA::ShiftedRow::Vectors vectors = row.Start();
-      for (int64_t k = 0; k < sizes[r]; k += 64) row.Put(_mm512_loadu_si512(src + offsets[r] + k), vectors);
-      row.End(vectors);
+      __m512i previous = _mm512_setzero_si512();
+      for (int64_t k = 0; k < sizes[r]; k += 64) row.Put(_mm512_loadu_si512(src + offsets[r] + k), previous);
+      row.End(previous);
 #else
       return -2;
 #endif
