@@ -88,6 +88,25 @@ static bool IntelModel207() {
 }
 #endif
 
+// Whether this is an AMD processor (__builtin_cpu_is is x86-only: elsewhere false).
+static bool AmdProcessor() {
+#ifdef KVCACHE_CPU_AVX2
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
+}
+
+// 1 where $name is `on`, 0 where it is `off`, else -1 (unset, or another word: the measured choice). Read each
+// call: tests and benchmarks switch it.
+static int EnvSwitch(const char* name, const char* on, const char* off) {
+  const char* choice = std::getenv(name);
+  if (choice != nullptr && std::strcmp(choice, on) == 0) return 1;
+  if (choice != nullptr && std::strcmp(choice, off) == 0) return 0;
+  return -1;
+}
+
 StorePlan LargeOutputStores() {
   const char* choice = std::getenv("KVCACHE_OP_STORES");  // read each call: tests and benchmarks switch it
   if (choice != nullptr && std::strcmp(choice, "side-by-side") == 0) return {true, true};
@@ -100,28 +119,21 @@ StorePlan LargeOutputStores() {
   // model not recorded) four streams side by side reached 1.08-1.21x a copy and one stream 0.74-0.97x
   // (benchmarks/cpu/bound). Other processors keep that first Intel choice.
 #ifdef KVCACHE_CPU_AVX2
-  static const bool amd = __builtin_cpu_is("amd");
-  if (amd || IntelModel207()) return {true, false};
+  if (AmdProcessor() || IntelModel207()) return {true, false};
 #endif
   return {true, true};
 }
 
 bool CachedGatherHeadRuns() {
-  const char* choice = std::getenv("KVCACHE_OP_CACHED_GATHER");  // read each call, as KVCACHE_OP_STORES
-  if (choice != nullptr && std::strcmp(choice, "head-runs") == 0) return true;
-  if (choice != nullptr && std::strcmp(choice, "tokens") == 0) return false;
+  const int choice = EnvSwitch("KVCACHE_OP_CACHED_GATHER", "head-runs", "tokens");
+  if (choice >= 0) return choice == 1;
   // Measured on one core, int8 prefill B=4 x 512 tokens, 8 heads of 128, layout 3 (benchmarks/cpu): on an AMD
   // EPYC (Zen 5) a head's page runs 1.12-1.17 ms against 1.26-1.42 token by token; on an Intel Xeon token by
   // token ran at 0.60-0.71x a copy and head by head (row by row, before page runs) 0.46-0.61x. Other
   // processors keep the Intel choice. (Measured when that prefill's outputs came from the gathers; the stores
   // now write a stored token's outputs, so this orders the gathers of what a call loads without storing it: a
   // chunked prefill's earlier tokens, a small decode's.)
-#ifdef KVCACHE_CPU_AVX2
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-#else
-  return false;
-#endif
+  return AmdProcessor();
 }
 
 // The integer $name holds where it is one (whole, in base 10) of at least `least`; else -1. Read each call, as
@@ -166,9 +178,8 @@ int64_t GatherTileBytes(bool key_value_together) {
 }
 
 bool StreamedCodeStores() {
-  const char* choice = std::getenv("KVCACHE_OP_CODE_STORES");  // read each call, as KVCACHE_OP_STORES
-  if (choice != nullptr && std::strcmp(choice, "stream") == 0) return true;
-  if (choice != nullptr && std::strcmp(choice, "cached") == 0) return false;
+  const int choice = EnvSwitch("KVCACHE_OP_CODE_STORES", "stream", "cached");
+  if (choice >= 0) return choice == 1;
   // Measured on one core, int8 B=4 x 512-token prefill, 8 heads of 128 (benchmarks/cpu), streaming against plain
   // code stores side by side, medians (fastest rounds) in ms. On an AMD EPYC of family 25 model 17 (Zen 4): layout
   // 3 2.13 (1.43) against 2.44 (2.18), offset mode 2.08 (1.30) against 2.44 (1.72), layout 2 1.41 (0.99) against
@@ -178,12 +189,7 @@ bool StreamedCodeStores() {
   // of the core's cache, where they evict each other and the rows around them; streaming stores take no line into
   // the cache. A cache row written is read again at the next step, by then long evicted. Not measured on Intel
   // processors, which keep plain stores.
-#ifdef KVCACHE_CPU_AVX2
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
-#else
-  return false;
-#endif
+  return AmdProcessor();
 }
 
 const char* CpuKernelName() {
