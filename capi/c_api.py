@@ -210,11 +210,11 @@ def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
     return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))
 
 
-
 def cpu_code_stores(path: str | None = None) -> str:
     """How KeyValueCache's CPU stores write quantized codes whose output rows are not read back ("stream" or
-    "cached"): chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_CODE_STORES``; stores-only calls
-    (MultiHeadCacheAttention's) keep them cached; the same bits either way."""
+    "cached"): streamed by default on AMD processors running the AVX-512 build (measured there), overridden by
+    ``$KVCACHE_OP_CODE_STORES`` (which only the AVX-512 build acts on); stores-only calls (MultiHeadCacheAttention's)
+    keep them cached; the same bits either way."""
     return library(path).kvcache_op_cpu_code_stores().decode()
 
 

@@ -124,10 +124,10 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout);
 
 /* How KeyValueCache's CPU stores write quantized codes whose output rows are not read back from the cache, where
-   the AVX-512 build's blocks of 16 groups cover them and they start on a line, chosen per CPU vendor by
-   measurement (or by $KVCACHE_OP_CODE_STORES): "stream" (streaming stores) or "cached" (plain stores). Stores-only
-   calls (MultiHeadCacheAttention's, which reads the rows at once) always keep them cached. Both give the same
-   bits. (C API version 6.) */
+   the AVX-512 build's blocks of 16 groups cover them and they start on a line, chosen by measurement (streamed on
+   AMD processors running the AVX-512 build) or by $KVCACHE_OP_CODE_STORES: "stream" (streaming stores) or
+   "cached" (plain stores). Other builds always store them plainly; stores-only calls (MultiHeadCacheAttention's,
+   which reads the rows at once) too. Both give the same bits. (C API version 6.) */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);

@@ -440,7 +440,7 @@ struct Launch {
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads),
                           GatherTileBytes(p.cache_rows.KeyValueTogether()),
-                          QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
+                          KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);
   }
 };

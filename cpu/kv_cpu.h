@@ -57,8 +57,9 @@ int64_t StreamedGatherHeads();
 int64_t GatherTileBytes(bool key_value_together);
 // Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's
 // blocks of 16 groups cover its rows and they start on a line (only tokens whose output rows are not read back
-// from the cache, and never for stores-only calls, whose rows MultiHeadCacheAttention reads at once): chosen per
-// CPU vendor by measurement, or by $KVCACHE_OP_CODE_STORES ("stream" or "cached"). The same bits either way.
+// from the cache, and never for stores-only calls, whose rows MultiHeadCacheAttention reads at once): by
+// measurement, on AMD processors running the AVX-512 build, or by $KVCACHE_OP_CODE_STORES ("stream" or
+// "cached"; the other builds never stream codes). The same bits either way.
 bool StreamedCodeStores();
 
 }  // namespace kvcache

@@ -188,8 +188,8 @@ bool StreamedCodeStores() {
   // multiple of 4 KiB apart where MaxT is a power of two, so plain stores bring all of them into the same few sets
   // of the core's cache, where they evict each other and the rows around them; streaming stores take no line into
   // the cache. A cache row written is read again at the next step, by then long evicted. Not measured on Intel
-  // processors, which keep plain stores.
-  return AmdProcessor();
+  // processors, which keep plain stores; nor in the other builds, which never stream codes.
+  return AmdProcessor() && ChosenKernel() == CpuKernel::kAvx512;
 }
 
 const char* CpuKernelName() {

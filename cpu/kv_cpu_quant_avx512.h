@@ -204,9 +204,9 @@ KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename 
 }
 
 // The codes of the 16 groups of 8 elements at src whose scales (as SixteenScales returns them) are s, streamed
-// where `stream_codes` says so (StoreCodes128). With `values` (not nullptr), also each element's value T1(float(code) * scale) there: the bits
-// DequantizeSixteenGroupsOf8 gives from the codes and scales stored (the codes lie in [-qmax, qmax], which their
-// packing keeps), without reading them back.
+// where `stream_codes` says so (StoreCodes128). With `values` (not nullptr), also each element's value
+// T1(float(code) * scale) there: the bits DequantizeSixteenGroupsOf8 gives from the codes and scales stored (the
+// codes lie in [-qmax, qmax], which their packing keeps), without reading them back.
 template <class T1, class T3, int QBits>
 KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, typename Codes<QBits>::Storage* codes,
                                    typename T1::Storage* values, bool stream_codes) {

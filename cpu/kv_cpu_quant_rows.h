@@ -250,12 +250,17 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
 // groups of 8, a multiple of 8 groups, and the generic build on x86-64, groups of a multiple of 8, each row whole
 // lines from a line on. Returns false, having written nothing, elsewhere (the caller streams a scratch row through
 // `lines`). Saves the round trip through a scratch row, whose burst of stores at the end of each row measured up
-// to 20% slower (int8 decode, one core, on an Intel Xeon). Never inlined: inside the gathers' large loops the
-// compiler kept ShiftedRow's carried vector in memory, each Put waiting on its reload; in a function of its own it
-// stays in a register (AMD EPYC of Zen 4, int8 layout-3 decode into outputs 16 bytes past a line: 35.1 -> 30.5 ms,
-// one core, medians side by side; a call a row costs nothing measurable).
+// to 20% slower (int8 decode, one core, on an Intel Xeon). Never inlined in the AVX-512 build: inside the gathers'
+// large loops the compiler kept ShiftedRow's carried vector in memory, each Put waiting on its reload; in a
+// function of its own it stays in a register (AMD EPYC of Zen 4, int8 layout-3 decode into outputs 16 bytes past a
+// line: 35.1 -> 30.5 ms, one core, medians side by side; a call a row costs nothing measurable).
+#if KV_AVX512
+#define KV_STREAMED_ROWS_INLINE __attribute__((noinline))
+#else
+#define KV_STREAMED_ROWS_INLINE KV_ALWAYS_INLINE
+#endif
 template <class T1, class T3, int QBits>
-__attribute__((noinline)) bool DequantizeRowsStreamed(const typename Codes<QBits>::Storage* const* codes,
+KV_STREAMED_ROWS_INLINE bool DequantizeRowsStreamed(const typename Codes<QBits>::Storage* const* codes,
                                                       const typename T3::Storage* const* scales, int64_t rows,
                                                       int64_t group, int64_t groups, typename T1::Storage* out,
                                                       LineStreams& lines) {

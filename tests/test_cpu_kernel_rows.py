@@ -162,9 +162,21 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
         assert tile_bytes_by_layout() == [tile] * 4
         fresh = copies(case.inputs)
+        fresh["cache"] = placed(fresh["cache"], 0)  # code rows on lines, where streaming stores take them
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({stores}, {offset})"
+
+
+def placed(array, offset):
+    """A copy of ``array`` starting ``offset`` bytes past a cache line (numpy's large arrays start where malloc
+    puts them, 16 bytes past one): the cache's code rows then start on lines, where the AVX-512 build may store
+    them with streaming stores, or off them, where it may not."""
+    raw = np.empty(array.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy
 
 
 def tile_bytes_by_layout() -> list:
@@ -218,7 +230,8 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
     position, or below every stored one), store without loading, load without storing, across pages and the
     gather's tasks of 64 tokens; the gathers in either cached order and in tiles of one token, a few or many,
-    outputs on a cache line or off it, codes stored with streaming stores or plain ones. Head rows
+    outputs on a cache line or off it, codes stored with streaming stores (the cache on a line or off it) or plain
+    ones. Head rows
     of 128 quantized without repeats are blocks of 16 groups: the AVX-512 build writes their values as it quantizes
     them (QuantizeRowsWithValues, its codes then streamed where $KVCACHE_OP_CODE_STORES says so), the others read
     them back. Quantized rows hold special_rows' values (NaN, inf,
@@ -234,13 +247,15 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
     if quant_bit:
         fill_special_rows(case, np.random.default_rng(head_dim + layout), 8, quant_bit)
     want = reference_result(case.inputs, case.attributes)
-    for order, offset, tile, codes in (("tokens", 0, 0, "stream"), ("head-runs", 16, 32768, "cached"),
-                                       ("tokens", 2, 1000, "stream")):
+    # (cached order, output offset, tile bytes, code stores, cache offset)
+    for order, offset, tile, codes, at in (("tokens", 0, 0, "stream", 0), ("head-runs", 16, 32768, "cached", 0),
+                                           ("tokens", 2, 1000, "stream", 16)):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))  # unquantized gathers' tiles: 1, 2 or many tokens
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", codes)
         assert c_api.cpu_code_stores() == codes
         fresh = copies(case.inputs)
+        fresh["cache"] = placed(fresh["cache"], at)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({order}, {offset})"
@@ -376,7 +391,9 @@ def test_benchmark_titles_name_the_heads_the_tiles_of_each_layout_and_the_code_s
 
     for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_GATHER_TILE", "KVCACHE_OP_CODE_STORES"):
         monkeypatch.delenv(name, raising=False)
-    codes, other = ("stream", "cached") if amd_processor() else ("cached", "stream")
+    monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
+    codes = default_code_stores()
+    other = "cached" if codes == "stream" else "stream"
     assert f"4 streamed heads a row, gather tiles of 0/0/32768/32768 B, {codes} code stores" in kernel_build()
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
@@ -384,19 +401,29 @@ def test_benchmark_titles_name_the_heads_the_tiles_of_each_layout_and_the_code_s
     assert f"3 streamed heads a row, gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build()
 
 
-def test_the_code_stores_follow_the_override_and_else_the_cpu_vendor(monkeypatch):
+def default_code_stores() -> str:
+    """The code stores measured best for this processor: streamed on AMD processors running the AVX-512 build."""
+    return "stream" if amd_processor() and c_api.cpu_kernel() == "avx512" else "cached"
+
+
+def test_the_code_stores_follow_the_override_and_else_the_cpu_vendor_and_build(monkeypatch):
     """$KVCACHE_OP_CODE_STORES names how codes are stored outright ("stream" or "cached"; anything else leaves the
-    measured choice); unset, AMD processors stream them (measured there faster, layout 3 most) and others store them
-    plainly (not measured there)."""
+    measured choice); unset, AMD processors running the AVX-512 build stream them (measured there faster, layout 3
+    most), other processors store them plainly (not measured there), and so do the other builds, which never stream
+    codes."""
+    monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     for choice in ("stream", "cached"):
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", choice)
         assert c_api.cpu_code_stores() == choice
-    default = "stream" if amd_processor() else "cached"
+    default = default_code_stores()
     for other in ("streaming", "", "Stream"):
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
         assert c_api.cpu_code_stores() == default, other
     monkeypatch.delenv("KVCACHE_OP_CODE_STORES")
     assert c_api.cpu_code_stores() == default
+    for build in ("avx2", "generic"):
+        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
+        assert c_api.cpu_code_stores() == "cached", build
 
 
 def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
