@@ -21,9 +21,9 @@ def aligned_empty(shape, dtype, offset: int = 0) -> np.ndarray:
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def aligned_copy(array: np.ndarray) -> np.ndarray:
-    """A C-contiguous copy of ``array`` placed like :func:`aligned_empty`."""
-    out = aligned_empty(array.shape, array.dtype)
+def aligned_copy(array: np.ndarray, offset: int = 0) -> np.ndarray:
+    """A C-contiguous copy of ``array`` placed like :func:`aligned_empty` (``offset`` bytes past a boundary)."""
+    out = aligned_empty(array.shape, array.dtype, offset)
     np.copyto(out, array)
     return out
 

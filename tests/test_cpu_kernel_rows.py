@@ -15,6 +15,7 @@ from cpu_kernels import CPU_KERNELS, amd_processor, intel_model_207, use_cpu_ker
 from native_build import build_library
 from ort_helpers import assert_same_bits, copies, reference_result
 
+from kvcache_op.benchmarks.bound_session import aligned_copy
 from kvcache_op.capi import c_api
 from kvcache_op.reference.dtypes import QMAX
 from kvcache_op.validation.cases import Seq, build
@@ -162,21 +163,10 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
         assert tile_bytes_by_layout() == [tile] * 4
         fresh = copies(case.inputs)
-        fresh["cache"] = placed(fresh["cache"], 0)  # code rows on lines, where streaming stores take them
+        fresh["cache"] = aligned_copy(fresh["cache"])  # code rows on lines, where streaming stores take them
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({stores}, {offset})"
-
-
-def placed(array, offset):
-    """A copy of ``array`` starting ``offset`` bytes past a cache line (numpy's large arrays start where malloc
-    puts them, 16 bytes past one): the cache's code rows then start on lines, where the AVX-512 build may store
-    them with streaming stores, or off them, where it may not."""
-    raw = np.empty(array.nbytes + 128, np.uint8)
-    start = (-raw.ctypes.data) % 64 + offset
-    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
-    copy[...] = array
-    return copy
 
 
 def tile_bytes_by_layout() -> list:
@@ -255,7 +245,8 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", codes)
         assert c_api.cpu_code_stores() == codes
         fresh = copies(case.inputs)
-        fresh["cache"] = placed(fresh["cache"], at)
+        # the cache on a line or 16 bytes past one: code rows streamed, or not streamable
+        fresh["cache"] = aligned_copy(fresh["cache"], at)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({order}, {offset})"
