@@ -148,3 +148,42 @@ def test_the_profiling_script_runs_a_benchmark_case():
     assert done.returncode == 0, done.stderr
     assert "prefill cache_mode=1 quant_bit=8 layout=3 output_offset=16:" in done.stdout
     assert "ms per call (1 calls)" in done.stdout
+
+
+def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tmp_path):
+    """benchmarks/cpu/bound/quantize_cost.cc still builds with the command its README gives (the generic build,
+    and the AVX-512 build where this CPU has it) and prints every figure, the streamed dequantizer's on a line
+    and 16 bytes past one included."""
+    import pathlib
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
+    flags = {"generic": []}
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    cpu_flags = set(re.findall(r"\w+", cpuinfo.read_text())) if cpuinfo.exists() else set()
+    if {"avx512f", "avx512bw", "avx512vl", "avx2", "f16c", "fma"} <= cpu_flags:
+        flags["avx512"] = ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
+    for isa, extra in flags.items():
+        binary = tmp_path / f"quantize_cost_{isa}"
+        built = subprocess.run([compiler, "-O3", "-std=gnu++17", "-ffp-contract=off", "-fno-fast-math",
+                                "-fno-trapping-math", f"-I{root / 'cpu'}", f"-DKV_CPU_ISA={isa}", *extra,
+                                str(root / "benchmarks" / "cpu" / "bound" / "quantize_cost.cc"), "-o", str(binary)],
+                               capture_output=True, text=True, timeout=300)
+        assert built.returncode == 0, built.stderr
+        done = subprocess.run([str(binary), "128"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        assert re.search(r"quantizer \d+\.\d+ ns per element", done.stdout), done.stdout
+        assert re.search(r"dequantizer \d+\.\d+ ns per element", done.stdout), done.stdout
+        streamed = r"dequantizer streamed \(output rows of 512 elements\): \d+\.\d+ ns per element on a line"
+        if platform.machine() not in ("x86_64", "AMD64"):  # the generic build streams rows on x86-64 only
+            streamed = r"dequantizer streamed: not at this row length in this build"
+        elif isa == "avx512":
+            streamed += r", \d+\.\d+ 16 bytes past one \(\d+\.\d+x\)"
+        assert re.search(streamed, done.stdout), done.stdout
+        bad = subprocess.run([str(binary), "12"], capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and "usage" in bad.stderr

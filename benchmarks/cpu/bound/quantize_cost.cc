@@ -10,6 +10,10 @@
 //
 // (one command; -DKV_CPU_ISA=avx512 -mavx2 -mf16c -mfma -mavx512f -mavx512bw -mavx512vl for the AVX-512 build,
 // -DKV_CPU_ISA=generic without the -m flags for the generic one).
+//
+// It also times the dequantizer as the gathers run it into large outputs: rows streamed to memory
+// (DequantizeRowsStreamed), four head rows of 128 an output row as layout 3's gathers write them (else one row),
+// into an output on a 64-byte line and one 16 bytes past a line (where numpy's large arrays start), interleaved.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -17,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "kv_cpu_quant_rows.h"
@@ -59,6 +64,42 @@ double DivisionLaneSeconds() {
   return t / (n * 8.0 * kLanes);
 }
 
+// Seconds per element of DequantizeRowsStreamed over every row, `per_call` rows an output row, into an output
+// on a line (first) and one 16 bytes past a line (second): medians of 15 rounds of 50 passes, the two interleaved
+// round by round (streamed stores reach memory, whose speed drifts on a shared machine); 0 where this build does
+// not stream such rows.
+std::pair<double, double> StreamedSeconds(const std::vector<int8_t>& codes, const std::vector<uint16_t>& scales, int n,
+                                          int per_call) {
+  const int rows = static_cast<int>(codes.size()) / n, groups = n / 8;
+  std::vector<unsigned char*> storage;
+  LineStreams lines;
+  std::vector<double> rounds[2];
+  bool streamed[2] = {true, true};
+  for (int k = 0; k < 2; ++k)
+    storage.push_back(static_cast<unsigned char*>(std::aligned_alloc(64, codes.size() * 2 + 64)));
+  for (int round = 0; round < 30; ++round) {
+    const int k = round % 2;
+    auto* out = reinterpret_cast<F16::Storage*>(storage[k] + 16 * k);
+    const double start = Now();
+    for (int pass = 0; pass < 50 && streamed[k]; ++pass)
+      for (int r = 0; r + per_call <= rows && streamed[k]; r += per_call) {
+        const Codes<8>::Storage* row_codes[4];
+        const F16::Storage* row_scales[4];
+        for (int q = 0; q < per_call; ++q) {
+          row_codes[q] = reinterpret_cast<const Codes<8>::Storage*>(codes.data() + (r + q) * n);
+          row_scales[q] = reinterpret_cast<const F16::Storage*>(scales.data() + (r + q) * groups);
+        }
+        streamed[k] =
+            DequantizeRowsStreamed<F16, F16, 8>(row_codes, row_scales, per_call, 8, groups, out + r * n, lines);
+      }
+    lines.Flush();
+    StoreFence();
+    rounds[k].push_back((Now() - start) / (50.0 * n * rows));
+  }
+  for (unsigned char* p : storage) std::free(p);
+  return {streamed[0] ? Median(rounds[0]) : 0, streamed[1] ? Median(rounds[1]) : 0};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -98,10 +139,21 @@ int main(int argc, char** argv) {
     division.push_back(DivisionLaneSeconds() * 9.0 / 8.0);  // 9 lanes divided per 8 elements
   }
   const double q = Median(per_element), d = Median(division), dq = Median(dequantized);
+  const int streamed_rows = n == 128 ? 4 : 1;  // head rows an output row
+  const auto [on_line, off_line] = StreamedSeconds(codes, scales, n, streamed_rows);
   std::printf("int8 quantization (float16 in, float16 scales, groups of 8, rows of %d), medians of 7 rounds:\n", n);
   std::printf("  quantizer %.3f ns per element | the formula's IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
               d * 1e9, 100.0 * d / q);
   std::printf("  dequantizer %.3f ns per element\n", dq * 1e9);
+  if (on_line > 0 && off_line > 0) {
+    std::printf("  dequantizer streamed (output rows of %d elements): %.3f ns per element on a line, %.3f 16 bytes "
+                "past one (%.2fx)\n", n * streamed_rows, on_line * 1e9, off_line * 1e9, on_line / off_line);
+  } else if (on_line > 0) {
+    std::printf("  dequantizer streamed (output rows of %d elements): %.3f ns per element on a line; 16 bytes past one "
+                "this build streams through a scratch row instead\n", n * streamed_rows, on_line * 1e9);
+  } else {
+    std::printf("  dequantizer streamed: not at this row length in this build\n");
+  }
   // The benchmark's int8 prefill (B=4, seqlen 512, H=8, Dh=128) stores and gathers 4 * 512 * 8 * 128 keys and
   // as many values: its arithmetic alone, with every row in L1.
   const double elements = 2.0 * 4 * 512 * 8 * 128;
