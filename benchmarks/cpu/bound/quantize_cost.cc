@@ -12,8 +12,10 @@
 // -DKV_CPU_ISA=generic without the -m flags for the generic one).
 //
 // It also times the dequantizer as the gathers run it into large outputs: rows streamed to memory
-// (DequantizeRowsStreamed), four head rows of 128 an output row as layout 3's gathers write them (else one row),
-// into an output on a 64-byte line and one 16 bytes past a line (where numpy's large arrays start), interleaved.
+// (DequantizeRowsStreamed) into an output on a 64-byte line and one 16 bytes past a line (where numpy's large
+// arrays start), the two interleaved. Rows of 128 go as layout 3's int8 gathers write them: tokens of 8 head rows,
+// 4 heads an output row (StreamedGatherHeads()), heads 0-3 of every token in one pass and heads 4-7 in a second,
+// so the lines that two passes share wait in LineStreams' table as in the kernel; other rows one after another.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -64,39 +66,56 @@ double DivisionLaneSeconds() {
   return t / (n * 8.0 * kLanes);
 }
 
-// Seconds per element of DequantizeRowsStreamed over every row, `per_call` rows an output row, into an output
-// on a line (first) and one 16 bytes past a line (second): medians of 15 rounds of 50 passes, the two interleaved
+// What StreamedSeconds writes: `per_call` rows an output row, tokens of `per_token` rows (per_token / per_call
+// passes over the tokens, as the gathers' passes over a token's heads).
+struct StreamedOrder {
+  int per_call, per_token;
+};
+
+// Seconds per element of DequantizeRowsStreamed over every row in `order` into an output on a line (first) and one
+// 16 bytes past a line (second): medians of 15 rounds of 500 passes (32 MB written a round), the two interleaved
 // round by round (streamed stores reach memory, whose speed drifts on a shared machine); 0 where this build does
 // not stream such rows.
 std::pair<double, double> StreamedSeconds(const std::vector<int8_t>& codes, const std::vector<uint16_t>& scales, int n,
-                                          int per_call) {
+                                          StreamedOrder order) {
   const int rows = static_cast<int>(codes.size()) / n, groups = n / 8;
-  std::vector<unsigned char*> storage;
+  // Each pass writes the next slice of 64 MiB, twice the last-level cache of the machines measured, as the
+  // gathers write outputs of hundreds of MB that are in no cache (a line in a cache changes what a store costs).
+  const size_t slice = codes.size() * sizeof(F16::Storage), slices = (size_t{64} << 20) / slice;
+  const size_t bytes = (slice * slices + 64 + 63) / 64 * 64;  // a multiple of the alignment
+  unsigned char* storage[2] = {static_cast<unsigned char*>(std::aligned_alloc(64, bytes)),
+                               static_cast<unsigned char*>(std::aligned_alloc(64, bytes))};
+  if (storage[0] == nullptr || storage[1] == nullptr) {
+    std::fprintf(stderr, "out of memory\n");
+    std::exit(1);
+  }
   LineStreams lines;
   std::vector<double> rounds[2];
   bool streamed[2] = {true, true};
-  for (int k = 0; k < 2; ++k)
-    storage.push_back(static_cast<unsigned char*>(std::aligned_alloc(64, codes.size() * 2 + 64)));
+  size_t next[2] = {0, 0};  // each output's next slice
   for (int round = 0; round < 30; ++round) {
     const int k = round % 2;
-    auto* out = reinterpret_cast<F16::Storage*>(storage[k] + 16 * k);
     const double start = Now();
-    for (int pass = 0; pass < 50 && streamed[k]; ++pass)
-      for (int r = 0; r + per_call <= rows && streamed[k]; r += per_call) {
-        const Codes<8>::Storage* row_codes[4];
-        const F16::Storage* row_scales[4];
-        for (int q = 0; q < per_call; ++q) {
-          row_codes[q] = reinterpret_cast<const Codes<8>::Storage*>(codes.data() + (r + q) * n);
-          row_scales[q] = reinterpret_cast<const F16::Storage*>(scales.data() + (r + q) * groups);
+    for (int pass = 0; pass < 500 && streamed[k]; ++pass) {
+      auto* out = reinterpret_cast<F16::Storage*>(storage[k] + 16 * k + next[k]++ % slices * slice);
+      for (int h = 0; h < order.per_token; h += order.per_call)
+        for (int t = 0; t + order.per_token <= rows && streamed[k]; t += order.per_token) {
+          const Codes<8>::Storage* row_codes[8];
+          const F16::Storage* row_scales[8];
+          for (int q = 0; q < order.per_call; ++q) {
+            row_codes[q] = codes.data() + (t + h + q) * n;
+            row_scales[q] = scales.data() + (t + h + q) * groups;
+          }
+          streamed[k] = DequantizeRowsStreamed<F16, F16, 8>(row_codes, row_scales, order.per_call, 8, groups,
+                                                            out + (t + h) * n, lines);
         }
-        streamed[k] =
-            DequantizeRowsStreamed<F16, F16, 8>(row_codes, row_scales, per_call, 8, groups, out + r * n, lines);
-      }
+    }
     lines.Flush();
     StoreFence();
-    rounds[k].push_back((Now() - start) / (50.0 * n * rows));
+    rounds[k].push_back((Now() - start) / (500.0 * n * rows));
   }
-  for (unsigned char* p : storage) std::free(p);
+  std::free(storage[0]);
+  std::free(storage[1]);
   return {streamed[0] ? Median(rounds[0]) : 0, streamed[1] ? Median(rounds[1]) : 0};
 }
 
@@ -139,18 +158,21 @@ int main(int argc, char** argv) {
     division.push_back(DivisionLaneSeconds() * 9.0 / 8.0);  // 9 lanes divided per 8 elements
   }
   const double q = Median(per_element), d = Median(division), dq = Median(dequantized);
-  const int streamed_rows = n == 128 ? 4 : 1;  // head rows an output row
-  const auto [on_line, off_line] = StreamedSeconds(codes, scales, n, streamed_rows);
+  const StreamedOrder order = n == 128 ? StreamedOrder{4, 8} : StreamedOrder{1, 1};
+  const auto [on_line, off_line] = StreamedSeconds(codes, scales, n, order);
   std::printf("int8 quantization (float16 in, float16 scales, groups of 8, rows of %d), medians of 7 rounds:\n", n);
   std::printf("  quantizer %.3f ns per element | the formula's IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
               d * 1e9, 100.0 * d / q);
   std::printf("  dequantizer %.3f ns per element\n", dq * 1e9);
+  char what[96];
+  std::snprintf(what, sizeof what, "output rows of %d elements, %d passes a token", n * order.per_call,
+                order.per_token / order.per_call);
   if (on_line > 0 && off_line > 0) {
-    std::printf("  dequantizer streamed (output rows of %d elements): %.3f ns per element on a line, %.3f 16 bytes "
-                "past one (%.2fx)\n", n * streamed_rows, on_line * 1e9, off_line * 1e9, on_line / off_line);
+    std::printf("  dequantizer streamed (%s; 15 rounds): %.3f ns per element on a line, %.3f 16 bytes past one "
+                "(%.2fx)\n", what, on_line * 1e9, off_line * 1e9, on_line / off_line);
   } else if (on_line > 0) {
-    std::printf("  dequantizer streamed (output rows of %d elements): %.3f ns per element on a line; 16 bytes past one "
-                "this build streams through a scratch row instead\n", n * streamed_rows, on_line * 1e9);
+    std::printf("  dequantizer streamed (%s; 15 rounds): %.3f ns per element on a line; 16 bytes past one this "
+                "build streams through a scratch row instead\n", what, on_line * 1e9);
   } else {
     std::printf("  dequantizer streamed: not at this row length in this build\n");
   }
