@@ -194,11 +194,14 @@ struct Kernel {
   }
 
   // EmitRows of quantized rows from their codes and scales.
+  // `lead` and `tail_follows` as DequantizeRowsStreamed's.
   template <class Code>  // C::Storage (C is incomplete where QBits is 0)
   [[gnu::always_inline]] void EmitCodes(const Code* codes, const S* scales, int64_t heads, T* dst, bool streamed,
-                                        Scratch& scratch) const {
+                                        Scratch& scratch, StreamedLead<Code, S> lead = {},
+                                        bool tail_follows = false) const {
     if (streamed && a.num_repeat == 1 &&
-        DequantizeRowsStreamed<T1, T3, QBits>(&codes, &scales, 1, a.quant_group, heads * p.groups, dst, scratch.lines))
+        DequantizeRowsStreamed<T1, T3, QBits>(&codes, &scales, 1, a.quant_group, heads * p.groups, dst, scratch.lines,
+                                              lead, tail_follows))
       return;
     const int64_t n = heads * p.head_dim;
     T* into = streamed ? scratch.row.data() : dst;
@@ -224,28 +227,52 @@ struct Kernel {
   // The `heads` head rows whose values or codes start at rows[q] (their scales at scales[q]; layout 3's heads of a
   // token) into a streamed dst one after another, without repeats: one output row where this build can (WriteRows,
   // DequantizeRowsStreamed), so a line two heads share is streamed at once rather than held; else head by head.
+  // `lead` and `tail_follows` as DequantizeRowsStreamed's; for values (QBits 0), lead.codes: the 64 bytes of
+  // values before dst in the output (WriteRows).
   template <class Row>  // void, or C::Storage (C is incomplete where QBits is 0)
   [[gnu::always_inline]] void EmitHeadRows(const Row* const* rows, const S* const* scales, int64_t heads, T* dst,
-                                           Scratch& scratch) const {
+                                           Scratch& scratch, StreamedLead<Row, S> lead = {},
+                                           bool tail_follows = false) const {
     if constexpr (QBits == 0) {
-      WriteRows(scratch.lines, rows, heads, static_cast<size_t>(p.head_dim) * sizeof(T), dst);
-    } else if (!DequantizeRowsStreamed<T1, T3, QBits>(rows, scales, heads, a.quant_group, p.groups, dst, scratch.lines)) {
+      WriteRows(scratch.lines, rows, heads, static_cast<size_t>(p.head_dim) * sizeof(T), dst, lead.codes,
+                tail_follows);
+    } else if (!DequantizeRowsStreamed<T1, T3, QBits>(rows, scales, heads, a.quant_group, p.groups, dst, scratch.lines,
+                                                      lead, tail_follows)) {
       for (int64_t q = 0; q < heads; ++q) EmitCodes(rows[q], scales[q], 1, dst + q * p.head_dim, true, scratch);
     }
   }
 
   // Heads h .. h + heads of slot `slot` (layout 3: H rows MaxT apart) into a streamed dst without repeats, as one
-  // output row (EmitHeadRows).
-  void EmitTokenHeads(int kv, int64_t h, int64_t heads, int64_t slot, T* dst, Scratch& scratch) const {
+  // output row (EmitHeadRows), chained to the output row before it (head row (kv, before_head, before_slot);
+  // before_slot kStoredRow: none this task writes) and, with tail_follows, to the one after.
+  void EmitTokenHeads(int kv, int64_t h, int64_t heads, int64_t slot, T* dst, Scratch& scratch,
+                      int64_t before_slot = kStoredRow, int64_t before_head = 0, bool tail_follows = false) const {
     const S* scales[kMaxStreamedHeads] = {};
     if constexpr (QBits == 0) {
       const void* rows[kMaxStreamedHeads];
       for (int64_t q = 0; q < heads; ++q) rows[q] = CacheValues(kv, h + q, slot);
-      EmitHeadRows(rows, scales, heads, dst, scratch);
+      EmitHeadRows(rows, scales, heads, dst, scratch, LeadOf(kv, before_head, before_slot, p.head_dim), tail_follows);
     } else {
       const typename C::Storage* rows[kMaxStreamedHeads];
       for (int64_t q = 0; q < heads; ++q) rows[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
-      EmitHeadRows(rows, scales, heads, dst, scratch);
+      EmitHeadRows(rows, scales, heads, dst, scratch, LeadOf(kv, before_head, before_slot, p.groups), tail_follows);
+    }
+  }
+
+  // The lead of the output row after the `n` values or groups from head row (kv, head, slot) on (which lie
+  // together): of quantized rows their last 16 groups (DequantizeRowsStreamed), of values their last 64 bytes
+  // (WriteRows). None where slot is kStoredRow or the rows are shorter (then no row is streamed chained).
+  template <int Q = QBits>  // a template so that Codes<0>, incomplete, is never named
+  auto LeadOf(int kv, int64_t head, int64_t slot, int64_t n) const {
+    if constexpr (Q == 0) {
+      const int64_t last = n - 64 / int64_t(sizeof(T));
+      return StreamedLead<void, S>{slot == kStoredRow || last < 0 ? nullptr : CacheValues(kv, head, slot) + last,
+                                   nullptr};
+    } else {
+      if (slot == kStoredRow || n < 16) return StreamedLead<typename Codes<Q>::Storage, S>{};
+      const int64_t g = n - 16;
+      return StreamedLead<typename Codes<Q>::Storage, S>{CacheCodes(kv, head, slot) + g * CodeBytes8(QBits),
+                                                         CacheScales(kv, head, slot) + g};
     }
   }
 
@@ -253,17 +280,33 @@ struct Kernel {
   // cache) into dst, out_row values apart: one pass down the run's codes and scales, their addresses stepped rather
   // than computed row by row, each row asked for `ahead` rows before its use. More than one head only into a
   // streamed dst without repeats: each slot's heads are then one output row (EmitHeadRows).
+  // Into a streamed dst without repeats, each output row is chained to its neighbours in the output that this
+  // task writes too (DequantizeRowsStreamed's lead and tail_follows), so that no line they share waits in the
+  // task's table: the row before the run's first token is of slot `before_slot` (kStoredRow: none this task
+  // writes), and `after_written` says whether this task writes the token after the run's last.
   void EmitHeadRun(int kv, int64_t h, int64_t heads, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row,
-                   bool streamed, Scratch& scratch) const {
+                   bool streamed, Scratch& scratch, int64_t before_slot = kStoredRow, bool after_written = false) const {
     using Code = typename C::Storage;
     const Code* codes[kMaxStreamedHeads];
     const S* scales[kMaxStreamedHeads];
     for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
     const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
+    const bool chained = streamed && a.num_repeat == 1 && p.groups >= 16;
     for (int64_t j = 0; j < m; ++j) {
       if (j + ahead < m)
         for (int64_t q = 0; q < heads; ++q)
           PrefetchCodes(codes[q] + (j + ahead) * code_step, scales[q] + (j + ahead) * scale_step, 1);
+      if (chained) {
+        const int64_t before = h > 0 ? slot + j : j > 0 ? slot + j - 1 : before_slot;  // the row before's slot
+        const StreamedLead<Code, S> lead = LeadOf(kv, h > 0 ? h - 1 : p.heads - 1, before, p.groups);
+        const bool tail_follows = h + heads < p.heads || j + 1 < m || after_written;
+        const Code* row_codes[kMaxStreamedHeads];
+        const S* row_scales[kMaxStreamedHeads];
+        for (int64_t q = 0; q < heads; ++q)
+          row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
+        EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch, lead, tail_follows);
+        continue;
+      }
       if (heads == 1) {
         EmitCodes(codes[0] + j * code_step, scales[0] + j * scale_step, 1, dst + j * out_row, streamed, scratch);
         continue;
@@ -315,11 +358,32 @@ struct Kernel {
   // Token i of this gather task (slot `slot`) into output row dst: one row of H * Dh where a token's heads lie
   // together in the cache and in the output (layouts 0-2 without repeats); layout 3 streamed without repeats,
   // streamed_heads heads a row (EmitTokenHeads); else head by head.
-  void EmitToken(int kv, int64_t slot, T* dst, Scratch& scratch) const {
-    if (a.num_repeat == 1 && HeadsAdjacent()) return EmitRows(kv, 0, slot, p.heads, dst, stream, scratch);
+  // Streamed rows without repeats are chained to the output rows beside them that this task writes (ShiftedRow's
+  // led and tail_follows: no line they share waits in the task's table): `before`, the slot of the token whose
+  // output row is just before dst (kStoredRow: none this task writes); `tail_follows`, the token after is this
+  // task's too.
+  void EmitToken(int kv, int64_t slot, T* dst, Scratch& scratch, int64_t before = kStoredRow,
+                 bool tail_follows = false) const {
+    const int64_t H = p.heads;
+    if (a.num_repeat == 1 && HeadsAdjacent()) {
+      if (stream) {
+        if constexpr (QBits == 0) {
+          const void* row = CacheValues(kv, 0, slot);
+          return WriteRows(scratch.lines, &row, 1, static_cast<size_t>(H * p.head_dim) * sizeof(T), dst,
+                           LeadOf(kv, 0, before, H * p.head_dim).codes, tail_follows);
+        } else if (H * p.groups >= 16) {
+          return EmitCodes(CacheCodes(kv, 0, slot), CacheScales(kv, 0, slot), H, dst, true, scratch,
+                           LeadOf(kv, 0, before, H * p.groups), tail_follows);
+        }
+      }
+      return EmitRows(kv, 0, slot, H, dst, stream, scratch);
+    }
     if (stream && a.num_repeat == 1 && streamed_heads > 1) {  // layout 3 streamed: heads a row at a time
-      for (int64_t h = 0; h < p.heads; h += streamed_heads)
-        EmitTokenHeads(kv, h, std::min(streamed_heads, p.heads - h), slot, dst + h * p.head_dim, scratch);
+      for (int64_t h = 0; h < H; h += streamed_heads) {
+        const int64_t g = std::min(streamed_heads, H - h);
+        EmitTokenHeads(kv, h, g, slot, dst + h * p.head_dim, scratch, h > 0 ? slot : before, h > 0 ? h - 1 : H - 1,
+                       h + g < H || tail_follows);
+      }
       return;
     }
     for (int64_t h = 0; h < p.heads; ++h) EmitRows(kv, h, slot, 1, dst + h * a.num_repeat * p.head_dim, stream, scratch);
@@ -345,6 +409,10 @@ struct Kernel {
     const auto count = static_cast<int64_t>(slots.size());
     auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
     auto head_row = [&](int kv, int64_t i, int64_t h) { return out(kv, i) + h * R * D; };
+    // The slot of the token before row i if this task writes its output rows (else kStoredRow), and whether it
+    // writes the next token's (EmitToken's chaining).
+    auto before = [&](int64_t i) { return i > 0 ? slots[i - 1] : kStoredRow; };
+    auto after = [&](int64_t i) { return i + 1 < rows && slots[i + 1] != kStoredRow; };
     auto prefetch = [&](int kv, int64_t i) {
       if (i + ahead < count && slots[i + ahead] != kStoredRow) PrefetchToken(kv, slots[i + ahead]);
     };
@@ -363,7 +431,8 @@ struct Kernel {
               for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j)
                 if (slots[j] != kStoredRow)
                   for (int64_t q = 0; q < g; ++q) Prefetch(kv, h + q, slots[j], 1);
-              EmitHeadRun(kv, h, g, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch);
+              EmitHeadRun(kv, h, g, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch, before(i),
+                          after(i + m - 1));
             }
           }
     } else if (QBits != 0) {
@@ -372,7 +441,7 @@ struct Kernel {
       for (int64_t i = 0; i < rows; ++i)
         for (int kv = 0; kv < 2; ++kv) {
           prefetch(kv, i);
-          if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch);
+          if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch, before(i), after(i));
         }
     } else {
       // Tiles of whole tokens (GatherTileBytes: a token, or long runs per output), keys then values. Streamed
@@ -388,7 +457,7 @@ struct Kernel {
           if (!side_by_side) {
             for (int64_t i = i0; i < i0 + m; ++i) {
               prefetch(kv, i);
-              if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch);
+              if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch, before(i), after(i));
             }
           } else if (HeadMajor()) {
             for (int64_t g = 0; g < H; g += kStreams)

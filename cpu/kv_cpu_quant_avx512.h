@@ -251,8 +251,9 @@ KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesA
 
 // DQ of 16 groups of 8 codes (128) with their 16 scales: each vector of two groups takes its scales from
 // one in-register permute of the scales loaded once. Without `emit` the values are stored at out; with it,
-// each 64 bytes of them go to emit(__m512i) in order (a streamed output's writer, ShiftedRow::Put).
-template <class T1, class T3, int QBits, class Emit = std::nullptr_t>
+// each 64 bytes of them go to emit(__m512i) in order (a streamed output's writer, ShiftedRow::Put), from the
+// vector of groups 2 * kFromPair on (the earlier ones not computed).
+template <class T1, class T3, int QBits, int kFromPair = 0, class Emit = std::nullptr_t>
 KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::Storage* codes,
                                                  const typename T3::Storage* scales, typename T1::Storage* out,
                                                  Emit&& emit = nullptr) {
@@ -261,6 +262,7 @@ KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::St
   __m512 v[8];
   ForEachOf8([&](auto j) __attribute__((always_inline)) {  // one body with the emitted stores
     constexpr int J = decltype(j)::value;
+    if constexpr (J < kFromPair) return;
     const __m512 sj = PairOfLanes<J>(s);
     v[J] = _mm512_mul_ps(_mm512_cvtepi32_ps(LoadCodes16<QBits>(codes + 2 * J * CodeBytes8(QBits))), sj);
     if constexpr (!kEmit) {
@@ -271,6 +273,18 @@ KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::St
       emit(_mm512_inserti64x4(_mm512_castsi256_si512(HalfBits16<T1>(v[J - 1])), HalfBits16<T1>(v[J]), 1));
     }
   });
+}
+
+// The last 64 bytes of T1 values that DequantizeSixteenGroupsOf8 emits for these 16 groups (the last two
+// groups' 16 floats, or the last four groups' 32 16-bit values), computed alone.
+template <class T1, class T3, int QBits>
+KV_ALWAYS_INLINE __m512i LastVectorOfSixteenGroupsOf8(const typename Codes<QBits>::Storage* codes,
+                                                      const typename T3::Storage* scales) {
+  constexpr int kFrom = T1::kElem == Elem::kFloat32 ? 7 : 6;
+  __m512i last = _mm512_setzero_si512();
+  DequantizeSixteenGroupsOf8<T1, T3, QBits, kFrom>(codes, scales, nullptr,
+                                                   [&](__m512i v) __attribute__((always_inline)) { last = v; });
+  return last;
 }
 
 }  // namespace KV_CPU_ISA

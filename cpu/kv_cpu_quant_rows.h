@@ -243,6 +243,13 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
   DequantizeRowPortable<T1, T3, QBits>(codes, scales, n, group, groups, out, scratch);
 }
 
+// The codes and scales of a row's last 16 groups (DequantizeRowsStreamed's `lead`); null codes: none.
+template <class Code, class Scale>
+struct StreamedLead {
+  const Code* codes = nullptr;
+  const Scale* scales = nullptr;
+};
+
 // DQ of `rows` rows (codes[r] and scales[r], `groups` groups each), one after another, straight into out with
 // streaming stores of whole lines, where this build can: AVX-512, groups of 8, a multiple of 16 groups, out at any
 // element alignment (each line cut from the rows' vectors in registers, the part lines at the edges of the whole
@@ -254,6 +261,11 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
 // large loops the compiler kept ShiftedRow's carried vector in memory, each Put waiting on its reload; in a
 // function of its own it stays in a register (AMD EPYC of Zen 4, int8 layout-3 decode into outputs 16 bytes past a
 // line: 35.1 -> 30.5 ms, one core, medians side by side; a call a row costs nothing measurable).
+//
+// `lead` (AVX-512 only): where its codes are not null, the last 16 groups of the row just before out in the
+// output, which the same writer writes with tail_follows; the first line is then streamed whole, with that row's
+// last values (ShiftedRow's `led`). `tail_follows`: the row just after these is written by the same writer, led.
+// Either way the same bytes.
 #if KV_AVX512
 #define KV_STREAMED_ROWS_INLINE __attribute__((noinline))
 #else
@@ -263,11 +275,16 @@ template <class T1, class T3, int QBits>
 KV_STREAMED_ROWS_INLINE bool DequantizeRowsStreamed(const typename Codes<QBits>::Storage* const* codes,
                                                       const typename T3::Storage* const* scales, int64_t rows,
                                                       int64_t group, int64_t groups, typename T1::Storage* out,
-                                                      LineStreams& lines) {
+                                                      LineStreams& lines,
+                                                      StreamedLead<typename Codes<QBits>::Storage, typename T3::Storage> lead = {},
+                                                      bool tail_follows = false) {
 #if KV_AVX512
   if (group == 8 && groups % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
-    ShiftedRow row(lines, out);
-    __m512i previous = _mm512_setzero_si512();  // a local: kept in a register from one Put to the next
+    const bool led = lead.codes != nullptr && reinterpret_cast<uintptr_t>(out) % 64 != 0;
+    ShiftedRow row(lines, out, led, tail_follows);
+    // A local: kept in a register from one Put to the next.
+    __m512i previous = led ? LastVectorOfSixteenGroupsOf8<T1, T3, QBits>(lead.codes, lead.scales)
+                           : _mm512_setzero_si512();
     auto put = [&](__m512i v) __attribute__((always_inline)) { row.Put(v, previous); };
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t g = 0; g < groups; g += 16)
@@ -276,7 +293,7 @@ KV_STREAMED_ROWS_INLINE bool DequantizeRowsStreamed(const typename Codes<QBits>:
     return true;
   }
 #else
-  (void)lines;
+  (void)lines, (void)lead, (void)tail_follows;
   const int64_t n = group * groups;  // a row's elements; rows of whole lines keep every row on a line
   const bool whole_lines = OnCacheLine(out) && (n * int64_t(sizeof(*out))) % 64 == 0;
 #if KV_SIMD

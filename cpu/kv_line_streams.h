@@ -196,13 +196,21 @@ class LineStreams {
 // the streaming stores ahead of that (measured on an AMD EPYC of Zen 4, rows of 2 KiB streamed 16 bytes past a
 // line, one core: 14-19 GB/s so, 20-22 GB/s with a local, 23-25 GB/s on lines; int8 decode into such outputs,
 // layout 0, 25.4 -> 18.2 ms).
+//
+// A row whose neighbours in the output are written by the same writer need not hold its part lines: given `led`
+// (the caller starts `previous` as the 64 bytes just before out, the end of the row before it), its first line is
+// streamed whole; given `tail_follows` (the row after it is written, led, by the same writer), its last part line
+// is left to that row. Each line is then streamed whole, once (measured on an AMD EPYC of Zen 4, int8 layout-3
+// decode into outputs 16 bytes past a line, one core: see kv_cpu_quant_rows.h).
 class ShiftedRow {
  public:
   // out: an even address (every caller's elements are 2 or 4 bytes); the row is Put as whole 64-byte vectors.
-  ShiftedRow(LineStreams& lines, void* out)
+  ShiftedRow(LineStreams& lines, void* out, bool led = false, bool tail_follows = false)
       : lines_(lines),
         line_(static_cast<unsigned char*>(out) - reinterpret_cast<uintptr_t>(out) % 64),
         first_line_(line_),
+        held_line_(led ? nullptr : line_),
+        tail_follows_(tail_follows),
         offset_(static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64)),
         // Word j of a line: word 32 - offset/2 + j of the previous vector below offset/2, else word j - offset/2
         // of the next; permutex2var reads indices of 32 and up from its second vector, so one sum gives both.
@@ -217,7 +225,7 @@ class ShiftedRow {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), v);
     } else {
       const __m512i line = _mm512_permutex2var_epi16(previous, index_, v);
-      if (line_ == first_line_) {
+      if (line_ == held_line_) {
         head_ = line;  // a part line: merged as the row ends, so that no call interrupts the Puts
       } else {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), line);
@@ -226,18 +234,22 @@ class ShiftedRow {
     }
     line_ += 64;
   }
-  // The row's two part lines, its first and its last (call once, after the last Put).
+  // The row's two part lines, its first (unless led) and its last (unless tail_follows); call once, after the last
+  // Put.
   KV_ALWAYS_INLINE void End(__m512i previous) {
     if (offset_ == 0 || line_ == first_line_) return;
-    lines_.MergeLine(first_line_, head_, ~uint64_t{0} << offset_);
-    lines_.MergeLine(line_, _mm512_permutex2var_epi16(previous, index_, _mm512_setzero_si512()),
-                     (uint64_t{1} << offset_) - 1);
+    if (held_line_ != nullptr) lines_.MergeLine(first_line_, head_, ~uint64_t{0} << offset_);
+    if (!tail_follows_)
+      lines_.MergeLine(line_, _mm512_permutex2var_epi16(previous, index_, _mm512_setzero_si512()),
+                       (uint64_t{1} << offset_) - 1);
   }
 
  private:
   LineStreams& lines_;
   unsigned char* line_;        // the line the next Put's bytes begin in
   unsigned char* first_line_;  // the line the row begins in
+  unsigned char* held_line_;   // the same, held until End; nullptr where led (streamed whole by its Put)
+  bool tail_follows_;          // the row's last part line is the next row's first
   int offset_;                 // the row's byte offset in its first line (even)
   __m512i index_;              // the permute's indices for that offset
   __m512i head_ = _mm512_setzero_si512();  // the row's first line, until End merges it
@@ -249,12 +261,18 @@ class ShiftedRow {
 // (ShiftedRow), so a line two neighbouring rows share is streamed whole at once instead of waiting in the table:
 // a token's head rows from layout 3's H cache rows are one output row (measured on an Intel Xeon, float16 decode
 // into outputs 16 bytes past a line: 0.66x a copy head row by head row, 0.93x so). Elsewhere row by row (Write).
-inline void WriteRows(LineStreams& lines, const void* const* srcs, int64_t count, size_t bytes, void* dst) {
+// With AVX-512 such rows take `lead` (not null: the 64 bytes before dst in the output, of a row the same writer
+// writes with tail_follows) and `tail_follows` as ShiftedRow's led and tail_follows; elsewhere they are ignored.
+inline void WriteRows(LineStreams& lines, const void* const* srcs, int64_t count, size_t bytes, void* dst,
+                      const void* lead = nullptr, bool tail_follows = false) {
   auto* out = static_cast<unsigned char*>(dst);
 #if KV_AVX512
-  if (bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {
-    ShiftedRow row(lines, out);
-    __m512i previous = _mm512_setzero_si512();
+  // On a line, rows of whole lines are streamed row by row (Write's tight loop: measured 10% faster than the
+  // shifted row's for float16 layout-2 decode, one core, Zen 4).
+  if (bytes % 64 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0 && !OnCacheLine(out)) {
+    const bool led = lead != nullptr;
+    ShiftedRow row(lines, out, led, tail_follows);
+    __m512i previous = led ? _mm512_loadu_si512(lead) : _mm512_setzero_si512();
     for (int64_t r = 0; r < count; ++r)
       for (size_t k = 0; k < bytes; k += 64)
         row.Put(_mm512_loadu_si512(static_cast<const unsigned char*>(srcs[r]) + k), previous);
@@ -262,6 +280,7 @@ inline void WriteRows(LineStreams& lines, const void* const* srcs, int64_t count
     return;
   }
 #endif
+  (void)lead, (void)tail_follows;
   for (int64_t r = 0; r < count; ++r) lines.Write(out + static_cast<size_t>(r) * bytes, srcs[r], bytes);
 }
 

@@ -153,7 +153,8 @@ def test_the_profiling_script_runs_a_benchmark_case():
 def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tmp_path):
     """benchmarks/cpu/bound/quantize_cost.cc still builds with the commands its header gives (the generic build,
     and the AVX2 and AVX-512 builds where this CPU has them) and prints every figure: the quantizer's, the
-    dequantizer's, and the streamed dequantizer's on a line and, where the build streams there, 16 bytes past one."""
+    dequantizer's, and the streamed dequantizer's on a line and, where the build streams there, 16 bytes past one
+    (rows chained as the gathers chain them, and with their part lines held)."""
     import pathlib
     import platform
     import re
@@ -187,7 +188,7 @@ def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tm
         if platform.machine() not in ("x86_64", "AMD64"):  # the generic build streams rows on x86-64 only
             streamed = r"^  dequantizer streamed: not at this row length in this build"
         elif isa == "avx512":
-            streamed += rf", {figure} 16 bytes past one \({figure}x\)"
+            streamed += rf", {figure} 16 bytes past one \({figure}x\), {figure} with part lines held \({figure}x\)"
         else:
             streamed += "; 16 bytes past one this build streams through a scratch row instead"
         assert re.search(streamed, done.stdout, re.M), done.stdout

@@ -19,11 +19,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <chrono>
 #include <cstdio>
 #include <random>
-#include <utility>
 #include <vector>
 
 #include "kv_cpu_quant_rows.h"
@@ -72,32 +72,41 @@ struct StreamedOrder {
   int per_call, per_token;
 };
 
-// Seconds per element of DequantizeRowsStreamed over every row in `order` into an output on a line (first) and one
-// 16 bytes past a line (second): medians of 15 rounds of 500 passes (32 MB written a round), the two interleaved
-// round by round (streamed stores reach memory, whose speed drifts on a shared machine); 0 where this build does
-// not stream such rows.
-std::pair<double, double> StreamedSeconds(const std::vector<int8_t>& codes, const std::vector<uint16_t>& scales, int n,
-                                          StreamedOrder order) {
+// Seconds per element of DequantizeRowsStreamed over every row in `order`, medians of 15 rounds of 500 passes (32 MB
+// written a round), the three ways interleaved round by round (streamed stores reach memory, whose speed drifts on
+// a shared machine): [0] into an output on a line; [1] 16 bytes past a line, each output row chained to its
+// neighbours as the gathers chain them (the last values of the row before lead its first line, and the row after
+// writes the line they share: DequantizeRowsStreamed's lead and tail_follows); [2] the same, each row's part
+// lines held in the table instead. 0 where this build does not stream such rows.
+std::array<double, 3> StreamedSeconds(const std::vector<int8_t>& codes, const std::vector<uint16_t>& scales, int n,
+                                      StreamedOrder order) {
   const int rows = static_cast<int>(codes.size()) / n, groups = n / 8;
   // Each pass writes the next slice of 64 MiB, twice the last-level cache of the machines measured, as the
   // gathers write outputs of hundreds of MB that are in no cache (a line in a cache changes what a store costs).
   const size_t slice = codes.size() * sizeof(F16::Storage), slices = (size_t{64} << 20) / slice;
   const size_t bytes = (slice * slices + 64 + 63) / 64 * 64;  // a multiple of the alignment
-  unsigned char* storage[2] = {static_cast<unsigned char*>(std::aligned_alloc(64, bytes)),
-                               static_cast<unsigned char*>(std::aligned_alloc(64, bytes))};
-  if (storage[0] == nullptr || storage[1] == nullptr) {
-    std::fprintf(stderr, "out of memory\n");
-    std::exit(1);
+  std::array<unsigned char*, 3> storage{};
+  for (auto& s : storage) {
+    s = static_cast<unsigned char*>(std::aligned_alloc(64, bytes));
+    if (s == nullptr) {
+      std::fprintf(stderr, "out of memory\n");
+      std::exit(1);
+    }
   }
   LineStreams lines;
-  std::vector<double> rounds[2];
-  bool streamed[2] = {true, true};
-  size_t next[2] = {0, 0};  // each output's next slice
-  for (int round = 0; round < 30; ++round) {
-    const int k = round % 2;
+  std::vector<double> rounds[3];
+  bool streamed[3] = {true, true, true};
+  size_t next[3] = {0, 0, 0};  // each output's next slice
+  // The last 16 groups of row r, the lead of the row after it in the output.
+  auto lead_of = [&](int r) {
+    return StreamedLead<int8_t, uint16_t>{codes.data() + r * n + (groups - 16) * 8, scales.data() + r * groups + groups - 16};
+  };
+  for (int round = 0; round < 45; ++round) {
+    const int k = round % 3;
+    const bool chained = k == 1 && groups >= 16;
     const double start = Now();
     for (int pass = 0; pass < 500 && streamed[k]; ++pass) {
-      auto* out = reinterpret_cast<F16::Storage*>(storage[k] + 16 * k + next[k]++ % slices * slice);
+      auto* out = reinterpret_cast<F16::Storage*>(storage[k] + (k ? 16 : 0) + next[k]++ % slices * slice);
       for (int h = 0; h < order.per_token; h += order.per_call)
         for (int t = 0; t + order.per_token <= rows && streamed[k]; t += order.per_token) {
           const Codes<8>::Storage* row_codes[8];
@@ -106,17 +115,23 @@ std::pair<double, double> StreamedSeconds(const std::vector<int8_t>& codes, cons
             row_codes[q] = codes.data() + (t + h + q) * n;
             row_scales[q] = scales.data() + (t + h + q) * groups;
           }
-          streamed[k] = DequantizeRowsStreamed<F16, F16, 8>(row_codes, row_scales, order.per_call, 8, groups,
-                                                            out + (t + h) * n, lines);
+          // The row before in the output: the previous pass's last head of this token, or the last of the token
+          // before; the row after: the next pass's, or the next token's first pass.
+          const int before = h > 0 ? t + h - 1 : t - 1;
+          const bool tail_follows = h + order.per_call < order.per_token || t + order.per_token < rows;
+          streamed[k] = DequantizeRowsStreamed<F16, F16, 8>(
+              row_codes, row_scales, order.per_call, 8, groups, out + (t + h) * n, lines,
+              chained && before >= 0 ? lead_of(before) : StreamedLead<int8_t, uint16_t>{}, chained && tail_follows);
         }
     }
     lines.Flush();
     StoreFence();
     rounds[k].push_back((Now() - start) / (500.0 * n * rows));
   }
-  std::free(storage[0]);
-  std::free(storage[1]);
-  return {streamed[0] ? Median(rounds[0]) : 0, streamed[1] ? Median(rounds[1]) : 0};
+  for (unsigned char* s : storage) std::free(s);
+  std::array<double, 3> seconds{};
+  for (int k = 0; k < 3; ++k) seconds[k] = streamed[k] ? Median(rounds[k]) : 0;
+  return seconds;
 }
 
 }  // namespace
@@ -159,7 +174,7 @@ int main(int argc, char** argv) {
   }
   const double q = Median(per_element), d = Median(division), dq = Median(dequantized);
   const StreamedOrder order = n == 128 ? StreamedOrder{4, 8} : StreamedOrder{1, 1};
-  const auto [on_line, off_line] = StreamedSeconds(codes, scales, n, order);
+  const auto [on_line, off_line, off_line_held] = StreamedSeconds(codes, scales, n, order);
   std::printf("int8 quantization (float16 in, float16 scales, groups of 8, rows of %d), medians of 7 rounds:\n", n);
   std::printf("  quantizer %.3f ns per element | the formula's IEEE divisions alone %.3f ns per element (%.0f%% of it)\n", q * 1e9,
               d * 1e9, 100.0 * d / q);
@@ -169,7 +184,8 @@ int main(int argc, char** argv) {
                 order.per_token / order.per_call);
   if (on_line > 0 && off_line > 0) {
     std::printf("  dequantizer streamed (%s; 15 rounds): %.3f ns per element on a line, %.3f 16 bytes past one "
-                "(%.2fx)\n", what, on_line * 1e9, off_line * 1e9, on_line / off_line);
+                "(%.2fx), %.3f with part lines held (%.2fx)\n", what, on_line * 1e9, off_line * 1e9, on_line / off_line,
+                off_line_held * 1e9, on_line / off_line_held);
   } else if (on_line > 0) {
     std::printf("  dequantizer streamed (%s; 15 rounds): %.3f ns per element on a line; 16 bytes past one this "
                 "build streams through a scratch row instead\n", what, on_line * 1e9);
