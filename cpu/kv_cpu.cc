@@ -261,7 +261,8 @@ struct Kernel {
 
   // The lead of the output row after the `n` values or groups from head row (kv, head, slot) on (which lie
   // together): of quantized rows their last 16 groups (DequantizeRowsStreamed), of values their last 64 bytes
-  // (WriteRows). None where slot is kStoredRow or the rows are shorter (then no row is streamed chained).
+  // (WriteRows). None where slot is kStoredRow, or where rows so made are never streamed chained (groups of other
+  // than 8, a row shorter than 16 groups or 64 bytes), so that no pointer past the row is formed.
   template <int Q = QBits>  // a template so that Codes<0>, incomplete, is never named
   auto LeadOf(int kv, int64_t head, int64_t slot, int64_t n) const {
     if constexpr (Q == 0) {
@@ -269,7 +270,7 @@ struct Kernel {
       return StreamedLead<void, S>{slot == kStoredRow || last < 0 ? nullptr : CacheValues(kv, head, slot) + last,
                                    nullptr};
     } else {
-      if (slot == kStoredRow || n < 16) return StreamedLead<typename Codes<Q>::Storage, S>{};
+      if (slot == kStoredRow || a.quant_group != 8 || n < 16) return StreamedLead<typename Codes<Q>::Storage, S>{};
       const int64_t g = n - 16;
       return StreamedLead<typename Codes<Q>::Storage, S>{CacheCodes(kv, head, slot) + g * CodeBytes8(QBits),
                                                          CacheScales(kv, head, slot) + g};
@@ -285,13 +286,14 @@ struct Kernel {
   // task's table: the row before the run's first token is of slot `before_slot` (kStoredRow: none this task
   // writes), and `after_written` says whether this task writes the token after the run's last.
   void EmitHeadRun(int kv, int64_t h, int64_t heads, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row,
-                   bool streamed, Scratch& scratch, int64_t before_slot = kStoredRow, bool after_written = false) const {
+                   bool streamed, Scratch& scratch, int64_t before_slot = kStoredRow,
+                   bool after_written = false) const {
     using Code = typename C::Storage;
     const Code* codes[kMaxStreamedHeads];
     const S* scales[kMaxStreamedHeads];
     for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
     const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
-    const bool chained = streamed && a.num_repeat == 1 && p.groups >= 16;
+    const bool chained = KV_AVX512 && streamed && a.num_repeat == 1 && p.groups >= 16;  // as DequantizeRowsStreamed
     for (int64_t j = 0; j < m; ++j) {
       if (j + ahead < m)
         for (int64_t q = 0; q < heads; ++q)
@@ -410,7 +412,7 @@ struct Kernel {
     auto out = [&](int kv, int64_t i) { return static_cast<T*>(kv ? args.out_value : args.out_key) + (row_begin + i) * out_row; };
     auto head_row = [&](int kv, int64_t i, int64_t h) { return out(kv, i) + h * R * D; };
     // The slot of the token before row i if this task writes its output rows (else kStoredRow), and whether it
-    // writes the next token's (EmitToken's chaining).
+    // writes the next token's: the chaining of streamed rows (EmitToken, EmitHeadRun).
     auto before = [&](int64_t i) { return i > 0 ? slots[i - 1] : kStoredRow; };
     auto after = [&](int64_t i) { return i + 1 < rows && slots[i + 1] != kStoredRow; };
     auto prefetch = [&](int kv, int64_t i) {

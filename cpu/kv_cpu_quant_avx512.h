@@ -252,12 +252,14 @@ KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesA
 // DQ of 16 groups of 8 codes (128) with their 16 scales: each vector of two groups takes its scales from
 // one in-register permute of the scales loaded once. Without `emit` the values are stored at out; with it,
 // each 64 bytes of them go to emit(__m512i) in order (a streamed output's writer, ShiftedRow::Put), from the
-// vector of groups 2 * kFromPair on (the earlier ones not computed).
+// vector of groups 2 * kFromPair on (the earlier ones not computed; even for 16-bit T1, whose 64 bytes are two
+// pairs).
 template <class T1, class T3, int QBits, int kFromPair = 0, class Emit = std::nullptr_t>
 KV_ALWAYS_INLINE void DequantizeSixteenGroupsOf8(const typename Codes<QBits>::Storage* codes,
                                                  const typename T3::Storage* scales, typename T1::Storage* out,
                                                  Emit&& emit = nullptr) {
   constexpr bool kEmit = !std::is_same_v<std::decay_t<Emit>, std::nullptr_t>;
+  static_assert(T1::kElem == Elem::kFloat32 || kFromPair % 2 == 0, "a 16-bit vector is two pairs");
   const __m512 s = LoadFloat16<T3>(scales);
   __m512 v[8];
   ForEachOf8([&](auto j) __attribute__((always_inline)) {  // one body with the emitted stores

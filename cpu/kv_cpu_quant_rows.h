@@ -243,7 +243,8 @@ inline void DequantizeRow(const typename Codes<QBits>::Storage* codes, const typ
   DequantizeRowPortable<T1, T3, QBits>(codes, scales, n, group, groups, out, scratch);
 }
 
-// The codes and scales of a row's last 16 groups (DequantizeRowsStreamed's `lead`); null codes: none.
+// The codes and scales of a row's last 16 groups (DequantizeRowsStreamed's `lead`); null codes: none. For
+// values (Code void: WriteRows' lead), codes points at the row's last 64 bytes and scales is unused.
 template <class Code, class Scale>
 struct StreamedLead {
   const Code* codes = nullptr;
@@ -276,7 +277,8 @@ KV_STREAMED_ROWS_INLINE bool DequantizeRowsStreamed(const typename Codes<QBits>:
                                                       const typename T3::Storage* const* scales, int64_t rows,
                                                       int64_t group, int64_t groups, typename T1::Storage* out,
                                                       LineStreams& lines,
-                                                      StreamedLead<typename Codes<QBits>::Storage, typename T3::Storage> lead = {},
+                                                      StreamedLead<typename Codes<QBits>::Storage,
+                                                                   typename T3::Storage> lead = {},
                                                       bool tail_follows = false) {
 #if KV_AVX512
   if (group == 8 && groups % 16 == 0 && reinterpret_cast<uintptr_t>(out) % 2 == 0) {

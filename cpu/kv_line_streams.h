@@ -200,8 +200,9 @@ class LineStreams {
 // A row whose neighbours in the output are written by the same writer need not hold its part lines: given `led`
 // (the caller starts `previous` as the 64 bytes just before out, the end of the row before it), its first line is
 // streamed whole; given `tail_follows` (the row after it is written, led, by the same writer), its last part line
-// is left to that row. Each line is then streamed whole, once (measured on an AMD EPYC of Zen 4, int8 layout-3
-// decode into outputs 16 bytes past a line, one core: see kv_cpu_quant_rows.h).
+// is left to that row. Each line is then streamed whole, once, and none waits in the table (measured on an AMD
+// EPYC of Zen 4, one core, decode into outputs 16 bytes past a line: int8 layout 0 0.98x -> 1.11x a copy, float16
+// layout 1 0.81x -> 1.04x; benchmarks/cpu/bound/quantize_cost.cc times chained rows against held ones).
 class ShiftedRow {
  public:
   // out: an even address (every caller's elements are 2 or 4 bytes); the row is Put as whole 64-byte vectors.
@@ -218,8 +219,8 @@ class ShiftedRow {
                                                  14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                 _mm512_set1_epi16(static_cast<int16_t>(32 - offset_ / 2)))) {}
 
-  // The next 64 bytes of the row; `previous`: the caller's local, zero before the first Put, handed to every Put
-  // and to End.
+  // The next 64 bytes of the row; `previous`: the caller's local, before the first Put zero (or, led, the 64
+  // bytes before out), handed to every Put and to End.
   KV_ALWAYS_INLINE void Put(__m512i v, __m512i& previous) {
     if (offset_ == 0) {
       _mm512_stream_si512(reinterpret_cast<__m512i*>(line_), v);
@@ -257,8 +258,9 @@ class ShiftedRow {
 #endif
 
 // The rows srcs[0, count), `bytes` bytes each, one after another at dst, written as one row through `lines`. Where
-// this build has AVX-512 and the rows are whole 64-byte vectors, each line is cut from their vectors in registers
-// (ShiftedRow), so a line two neighbouring rows share is streamed whole at once instead of waiting in the table:
+// this build has AVX-512, dst is off a line and the rows are whole 64-byte vectors, each line is cut from their
+// vectors in registers (ShiftedRow), so a line two neighbouring rows share is streamed whole at once instead of
+// waiting in the table:
 // a token's head rows from layout 3's H cache rows are one output row (measured on an Intel Xeon, float16 decode
 // into outputs 16 bytes past a line: 0.66x a copy head row by head row, 0.93x so). Elsewhere row by row (Write).
 // With AVX-512 such rows take `lead` (not null: the 64 bytes before dst in the output, of a row the same writer

@@ -117,7 +117,9 @@ def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, ker
 def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
     """Outputs of > 16 MiB each, so the kernel writes them with streaming stores."""
     longest = 9000 if head_dim >= 128 else 45000  # either way outputs of > 16 MiB
-    seqs = [Seq(longest, 1), Seq(0, 70, 50), Seq(8000, 3), Seq(1000, 1), Seq(0, 130, 90)]  # partial loads too
+    # partial loads too, and sequences that only load (gathered rows beside each other across sequences, and
+    # the output's last row gathered)
+    seqs = [Seq(longest, 1), Seq(0, 70, 50), Seq(3000, 0), Seq(8000, 3), Seq(1000, 1), Seq(0, 130, 90), Seq(500, 0)]
     return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=heads, head_dim=head_dim, quant_bit=quant_bit,
                  quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=64, t1=t1,
                  t3="float16")
@@ -130,7 +132,8 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
                           (0, 0, 1, "float16", 40, 6), (0, 3, 1, "float16", 40, 6), (0, 3, 1, "float16", 48, 5),
                           (8, 0, 1, "float16", 128, 4), (8, 3, 1, "float16", 128, 4), (8, 3, 2, "float16", 128, 4),
                           (8, 3, 1, "float16", 40, 4), (8, 2, 2, "float32", 128, 4), (4, 3, 1, "bfloat16", 128, 4),
-                          (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4), (8, 3, 1, "float32", 64, 4)])
+                          (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4), (8, 3, 1, "float32", 64, 4),
+                          (8, 3, 1, "float32", 128, 4), (8, 2, 1, "float16", 128, 4), (0, 2, 1, "bfloat16", 128, 4)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
                                                    monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an

@@ -12,10 +12,11 @@
 // -DKV_CPU_ISA=generic without the -m flags for the generic one).
 //
 // It also times the dequantizer as the gathers run it into large outputs: rows streamed to memory
-// (DequantizeRowsStreamed) into an output on a 64-byte line and one 16 bytes past a line (where numpy's large
-// arrays start), the two interleaved. Rows of 128 go as layout 3's int8 gathers write them: tokens of 8 head rows,
-// 4 heads an output row (StreamedGatherHeads()), heads 0-3 of every token in one pass and heads 4-7 in a second,
-// so the lines that two passes share wait in LineStreams' table as in the kernel; other rows one after another.
+// (DequantizeRowsStreamed) into an output on a 64-byte line, and 16 bytes past a line (where numpy's large arrays
+// start) both with the rows chained as the gathers chain them and with their part lines held, interleaved. Rows of
+// 128 go as layout 3's int8 gathers write them: tokens of 8 head rows, 4 heads an output row
+// (StreamedGatherHeads()), heads 0-3 of every token in one pass and heads 4-7 in a second; other rows one after
+// another.
 #include <immintrin.h>
 
 #include <algorithm>
