@@ -293,30 +293,27 @@ struct Kernel {
     const S* scales[kMaxStreamedHeads];
     for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
     const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
-    const bool chained = KV_AVX512 && streamed && a.num_repeat == 1 && p.groups >= 16;  // as DequantizeRowsStreamed
+    const bool chained = streamed && a.num_repeat == 1;  // else DequantizeRowsStreamed is not called
     for (int64_t j = 0; j < m; ++j) {
       if (j + ahead < m)
         for (int64_t q = 0; q < heads; ++q)
           PrefetchCodes(codes[q] + (j + ahead) * code_step, scales[q] + (j + ahead) * scale_step, 1);
+      StreamedLead<Code, S> lead;
+      bool tail_follows = false;
       if (chained) {
         const int64_t before = h > 0 ? slot + j : j > 0 ? slot + j - 1 : before_slot;  // the row before's slot
-        const StreamedLead<Code, S> lead = LeadOf(kv, h > 0 ? h - 1 : p.heads - 1, before, p.groups);
-        const bool tail_follows = h + heads < p.heads || j + 1 < m || after_written;
-        const Code* row_codes[kMaxStreamedHeads];
-        const S* row_scales[kMaxStreamedHeads];
-        for (int64_t q = 0; q < heads; ++q)
-          row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
-        EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch, lead, tail_follows);
-        continue;
+        lead = LeadOf(kv, h > 0 ? h - 1 : p.heads - 1, before, p.groups);
+        tail_follows = h + heads < p.heads || j + 1 < m || after_written;
       }
       if (heads == 1) {
-        EmitCodes(codes[0] + j * code_step, scales[0] + j * scale_step, 1, dst + j * out_row, streamed, scratch);
+        EmitCodes(codes[0] + j * code_step, scales[0] + j * scale_step, 1, dst + j * out_row, streamed, scratch, lead,
+                  tail_follows);
         continue;
       }
       const Code* row_codes[kMaxStreamedHeads];
       const S* row_scales[kMaxStreamedHeads];
       for (int64_t q = 0; q < heads; ++q) row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
-      EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch);
+      EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch, lead, tail_follows);
     }
   }
 
@@ -368,17 +365,15 @@ struct Kernel {
                  bool tail_follows = false) const {
     const int64_t H = p.heads;
     if (a.num_repeat == 1 && HeadsAdjacent()) {
-      if (stream) {
-        if constexpr (QBits == 0) {
-          const void* row = CacheValues(kv, 0, slot);
-          return WriteRows(scratch.lines, &row, 1, static_cast<size_t>(H * p.head_dim) * sizeof(T), dst,
-                           LeadOf(kv, 0, before, H * p.head_dim).codes, tail_follows);
-        } else if (H * p.groups >= 16) {
-          return EmitCodes(CacheCodes(kv, 0, slot), CacheScales(kv, 0, slot), H, dst, true, scratch,
-                           LeadOf(kv, 0, before, H * p.groups), tail_follows);
-        }
+      if constexpr (QBits == 0) {
+        if (!stream) return EmitRows(kv, 0, slot, H, dst, stream, scratch);
+        const void* row = CacheValues(kv, 0, slot);
+        return WriteRows(scratch.lines, &row, 1, static_cast<size_t>(H * p.head_dim) * sizeof(T), dst,
+                         LeadOf(kv, 0, before, H * p.head_dim).codes, tail_follows);
+      } else {  // the lead and tail_follows count only where the row is streamed (DequantizeRowsStreamed)
+        return EmitCodes(CacheCodes(kv, 0, slot), CacheScales(kv, 0, slot), H, dst, stream, scratch,
+                         LeadOf(kv, 0, before, H * p.groups), tail_follows);
       }
-      return EmitRows(kv, 0, slot, H, dst, stream, scratch);
     }
     if (stream && a.num_repeat == 1 && streamed_heads > 1) {  // layout 3 streamed: heads a row at a time
       for (int64_t h = 0; h < H; h += streamed_heads) {
