@@ -7,6 +7,7 @@
 #include "kv_cpu_quant_rows.h"
 #include "kv_cpu_rows.h"
 #include "kv_cpu_type_dispatch.h"
+#include "kv_interleaved_streams.h"
 #include "kv_line_streams.h"
 #include "kv_types.h"
 
@@ -121,6 +122,7 @@ struct Kernel {
     // make this exact: no slot is stored twice in a call, so no later store changes the rows. (Prefill: the
     // whole output, without a second pass over the cache; measured in benchmarks/cpu.)
     bool emitted = false;
+    InterleavedStreams scale_streams(QBits != 0 && stream_codes && !whole_token ? 2 * H : 0);
     ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n,
                                                                               int64_t b, uint64_t pos) {
       const T* sources[2] = {static_cast<const T*>(args.key) + r0 * H * D, static_cast<const T*>(args.value) + r0 * H * D};
@@ -144,12 +146,17 @@ struct Kernel {
           const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
           auto* codes = C::Row(args.cache, CacheRow(kv, 0, slot + i));
           S* scales = static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i);
+          // Where codes are streamed (rows not read back), layout 3's scale rows are too: the token's 2H rows
+          // continue 2H streams, each written a whole line at a time (InterleavedStreams).
+          InterleavedStreams* streams = whole_token ? nullptr : &scale_streams;
           if (values != nullptr && QuantizeRowsWithValues<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups,
                                                                         codes, code_step, scales, scale_step, values,
-                                                                        stream_codes))
+                                                                        stream_codes, stream_codes ? streams : nullptr,
+                                                                        kv * H))
             return true;
+          const bool streamed = stream_codes && !loaded;
           QuantizeRows<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups, codes, code_step, scales,
-                                      scale_step, rows, stream_codes && !loaded);
+                                      scale_step, rows, streamed, streamed ? streams : nullptr, kv * H);
           return false;
         }
       };
@@ -176,6 +183,7 @@ struct Kernel {
       }
     });
     if (emitted) scratch.lines.Flush();
+    scale_streams.Flush();
     if (emitted || stream_codes) StoreFence();
   }
 

@@ -56,8 +56,10 @@ int64_t StreamedGatherHeads();
 // non-negative integer). The same bits whatever the size.
 int64_t GatherTileBytes(bool key_value_together);
 // Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's
-// blocks of 16 groups cover its rows and they start on a line (only tokens whose output rows are not read back
-// from the cache, and never for stores-only calls, whose rows MultiHeadCacheAttention reads at once): by
+// blocks of 16 groups cover its rows and they start on a line, and in layout 3 its scale rows too, each head's a
+// whole line at a time (InterleavedStreams: rows of 32 bytes on a half line held until the next token's complete
+// the line, rows of 64 on a line streamed at once, others stored as before; only tokens whose output rows are not
+// read back from the cache, and never for stores-only calls, whose rows MultiHeadCacheAttention reads at once): by
 // measurement, on AMD processors running the AVX-512 build, or by $KVCACHE_OP_CODE_STORES ("stream" or
 // "cached"; the other builds never stream codes). The same bits either way.
 bool StreamedCodeStores();

@@ -167,11 +167,26 @@ KV_ALWAYS_INLINE void StoreCodes128(const __m512i* c, typename Codes<QBits>::Sto
   }
 }
 
+// Stores block b's 16 scales (the first 32 or 64 bytes of v: float16 or float32) at `at` with ordinary stores
+// (QuantizeBlocksOf16Groups' `put`).
+struct PlainScaleStores {
+  template <class S>
+  KV_ALWAYS_INLINE void operator()(int64_t /*b*/, S* at, __m512i v) const {
+    if constexpr (sizeof(S) == 2) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(at), _mm512_castsi512_si256(v));
+    } else {
+      _mm512_storeu_si512(at, v);
+    }
+  }
+};
+
 // The scales of 16 groups of 8 elements (128), two groups per vector: their maxima in one transposed reduction,
 // then T3(max(amax / qmax, eps)) in one division, NaN kept (GroupScale of the canonical NaN, as the portable
-// path). Stores them at `scales`; returns them as floats.
-template <class T1, class T3, int QBits>
-KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename T3::Storage* scales) {
+// path). Writes them to `scales` through store(scales, v), v's first 32 or 64 bytes their T3 bits; returns them
+// as floats.
+template <class T1, class T3, int QBits, class StoreScales>
+KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename T3::Storage* scales,
+                                      StoreScales&& store) {
   __m512i amax_bits;
   if constexpr (T1::kElem == Elem::kFloat32) {
     __m512i bits[8];
@@ -194,11 +209,11 @@ KV_ALWAYS_INLINE __m512 SixteenScales(const typename T1::Storage* src, typename 
   s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, eps, _CMP_NLE_UQ), eps, s);  // s if s > eps or NaN
   if constexpr (T3::kElem == Elem::kFloat16) {
     const __m256i h = _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(scales), h);
+    store(scales, _mm512_castsi256_si512(h));
     return _mm512_cvtph_ps(h);
   } else {
     static_assert(T3::kElem == Elem::kFloat32, "scales are float32 or float16");
-    _mm512_storeu_ps(scales, s);
+    store(scales, _mm512_castps_si512(s));
     return s;
   }
 }
@@ -232,18 +247,23 @@ KV_ALWAYS_INLINE void SixteenCodes(const typename T1::Storage* src, __m512 s, ty
 }
 
 // Q of blocks of 16 groups of 8 elements: block b from src(b) to codes(b) (streamed where `stream_codes` says so)
-// and scales(b), and its values to values(b) where that is not nullptr (SixteenCodes). Up to 8 blocks' scales
-// first, then their codes: each block's codes wait on one long chain of dependent steps (maxima, a division,
-// the rounding to T3 and back), and written block by block the chains overlapped too little to keep the
-// vector units busy (measured on an Intel Xeon: 128 elements took about as long as one chain).
-template <class T1, class T3, int QBits, class Src, class CodesAt, class ScalesAt, class ValuesAt>
+// and scales(b) (through put(b, at, v), PlainScaleStores' contract), and its values to values(b) where that is not
+// nullptr (SixteenCodes). Up to 8 blocks' scales first, then their codes: each block's codes wait on one long
+// chain of dependent steps (maxima, a division, the rounding to T3 and back), and written block by block the
+// chains overlapped too little to keep the vector units busy (measured on an Intel Xeon: 128 elements took about
+// as long as one chain).
+template <class T1, class T3, int QBits, class Src, class CodesAt, class ScalesAt, class ValuesAt,
+          class PutScales = PlainScaleStores>
 KV_ALWAYS_INLINE void QuantizeBlocksOf16Groups(int64_t blocks, Src&& src, CodesAt&& codes, ScalesAt&& scales,
-                                               ValuesAt&& values, bool stream_codes) {
+                                               ValuesAt&& values, bool stream_codes, PutScales&& put = {}) {
   constexpr int kBatch = 8;
   for (int64_t b0 = 0; b0 < blocks; b0 += kBatch) {
     const int n = static_cast<int>(blocks - b0 < kBatch ? blocks - b0 : kBatch);
     __m512 s[kBatch];
-    for (int k = 0; k < n; ++k) s[k] = SixteenScales<T1, T3, QBits>(src(b0 + k), scales(b0 + k));
+    for (int k = 0; k < n; ++k) {
+      auto store = [&](auto* at, __m512i v) __attribute__((always_inline)) { put(b0 + k, at, v); };
+      s[k] = SixteenScales<T1, T3, QBits>(src(b0 + k), scales(b0 + k), store);
+    }
     for (int k = 0; k < n; ++k)
       SixteenCodes<T1, T3, QBits>(src(b0 + k), s[k], codes(b0 + k), values(b0 + k), stream_codes);
   }

@@ -14,6 +14,7 @@
 #include "kv_cpu_quant_avx512.h"
 #include "kv_cpu_quant_sse2.h"
 #include "kv_cpu_rows.h"
+#include "kv_interleaved_streams.h"
 #include "kv_line_streams.h"
 #include "kv_quant.h"
 #include "kv_types.h"
@@ -126,26 +127,37 @@ constexpr auto NoValues = [](int64_t) -> typename T1::Storage* { return nullptr;
 // With `values` (not nullptr), each row's elements' values after DQ go to values + k * n as well: the bits
 // DequantizeRow gives from the codes and scales stored, written without reading those back (a stored token's
 // output rows, from its store). With `stream_codes`, codes that start on a line are written with streaming
-// stores (StoreCodes128), to be fenced before the task ends.
+// stores (StoreCodes128), to be fenced before the task ends. With `scale_streams`, row k's scales are the next
+// row of its stream first_stream + k (InterleavedStreams::Write, to be flushed and fenced before the task ends).
 template <class T1, class T3, int QBits>
 inline bool QuantizeRowsWithValues(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group,
                                    int64_t groups, typename Codes<QBits>::Storage* codes, int64_t code_step,
                                    typename T3::Storage* scales, int64_t scale_step, typename T1::Storage* values,
-                                   bool stream_codes) {
+                                   bool stream_codes, InterleavedStreams* scale_streams = nullptr,
+                                   int64_t first_stream = 0) {
 #if KV_AVX512
   if (group == 8 && groups % 16 == 0) {
     const int64_t per_row = groups / 16;
-    QuantizeBlocksOf16Groups<T1, T3, QBits>(
-        rows * per_row, [&](int64_t b) { return src + b / per_row * n + b % per_row * 128; },
-        [&](int64_t b) { return codes + b / per_row * code_step + b % per_row * 16 * CodeBytes8(QBits); },
-        [&](int64_t b) { return scales + b / per_row * scale_step + b % per_row * 16; },
-        [&](int64_t b) { return values == nullptr ? nullptr : values + b / per_row * n + b % per_row * 128; },
-        stream_codes);
+    auto blocks = [&](auto&& put) __attribute__((always_inline)) {
+      QuantizeBlocksOf16Groups<T1, T3, QBits>(
+          rows * per_row, [&](int64_t b) { return src + b / per_row * n + b % per_row * 128; },
+          [&](int64_t b) { return codes + b / per_row * code_step + b % per_row * 16 * CodeBytes8(QBits); },
+          [&](int64_t b) { return scales + b / per_row * scale_step + b % per_row * 16; },
+          [&](int64_t b) { return values == nullptr ? nullptr : values + b / per_row * n + b % per_row * 128; },
+          stream_codes, put);
+    };
+    if (scale_streams != nullptr) {
+      blocks([&](int64_t b, auto* at, __m512i v) __attribute__((always_inline)) {
+        scale_streams->Write(first_stream + b / per_row, at, v, static_cast<int>(16 * sizeof(*at)));
+      });
+    } else {
+      blocks(PlainScaleStores{});
+    }
     return true;
   }
 #endif
   (void)src, (void)rows, (void)n, (void)group, (void)groups, (void)codes, (void)code_step, (void)scales,
-      (void)scale_step, (void)values, (void)stream_codes;
+      (void)scale_step, (void)values, (void)stream_codes, (void)scale_streams, (void)first_stream;
   return false;
 }
 
@@ -191,14 +203,17 @@ inline void QuantizeRow(const typename T1::Storage* src, int64_t n, int64_t grou
 // Q of `rows` rows of n elements each: row k from src + k * n, its codes to codes + k * code_step and its scales to
 // scales + k * scale_step (a token's head rows, far apart in layout 3's cache). In the AVX-512 build the rows'
 // blocks of 16 groups go through one QuantizeBlocksOf16Groups, so that one row's chain of dependent steps
-// overlaps the next rows', their codes streamed where `stream_codes` says so (QuantizeRowsWithValues); elsewhere,
+// overlaps the next rows', their codes streamed where `stream_codes` says so and their scales through
+// `scale_streams` where given (QuantizeRowsWithValues); elsewhere,
 // and for a single block, row by row with plain stores.
 template <class T1, class T3, int QBits>
 inline void QuantizeRows(const typename T1::Storage* src, int64_t rows, int64_t n, int64_t group, int64_t groups,
                          typename Codes<QBits>::Storage* codes, int64_t code_step, typename T3::Storage* scales,
-                         int64_t scale_step, const RowScratch& scratch, bool stream_codes) {
+                         int64_t scale_step, const RowScratch& scratch, bool stream_codes,
+                         InterleavedStreams* scale_streams = nullptr, int64_t first_stream = 0) {
   if (rows * groups >= 32 && QuantizeRowsWithValues<T1, T3, QBits>(src, rows, n, group, groups, codes, code_step, scales,
-                                                                   scale_step, nullptr, stream_codes))
+                                                                   scale_step, nullptr, stream_codes, scale_streams,
+                                                                   first_stream))
     return;
   for (int64_t k = 0; k < rows; ++k)
     QuantizeRow<T1, T3, QBits>(src + k * n, n, group, groups, codes + k * code_step, scales + k * scale_step, scratch);

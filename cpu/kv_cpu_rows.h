@@ -100,6 +100,21 @@ inline void PrefetchBytes(const void* p, int64_t bytes) {
 // Whether address p starts a 64-byte cache line (the unit a 64-byte streaming store writes whole).
 inline bool OnCacheLine(const void* p) { return reinterpret_cast<uintptr_t>(p) % 64 == 0; }
 
+#if KV_AVX512
+// The bytes of v that `bits` selects, merged into a held part line: `held` (64-byte aligned) its bytes so far,
+// `filled` which of them are written. Once every byte is, the line is streamed to `line` from the register (a load
+// of `held` would wait on the store before it) and true returned, the holder to free `held`; else `held` keeps it.
+KV_ALWAYS_INLINE bool MergeHeldLine(unsigned char* held, uint64_t& filled, void* line, __m512i v, uint64_t bits) {
+  const __m512i merged = _mm512_mask_mov_epi8(_mm512_load_si512(held), bits, v);
+  if ((filled |= bits) == ~uint64_t{0}) {
+    _mm512_stream_si512(static_cast<__m512i*>(line), merged);
+    return true;
+  }
+  _mm512_store_si512(held, merged);
+  return false;
+}
+#endif
+
 // Orders streaming stores before the op returns.
 inline void StoreFence() {
 #if KV_SSE2

@@ -54,14 +54,7 @@ class LineStreams {
   // parts; streamed once the line is whole.
   KV_ALWAYS_INLINE void MergeLine(unsigned char* line, __m512i v, __mmask64 bits) {
     const int i = SlotOf(reinterpret_cast<uintptr_t>(line));
-    auto* held = reinterpret_cast<__m512i*>(table_->data[i]);
-    const __m512i merged = _mm512_mask_mov_epi8(_mm512_load_si512(held), bits, v);
-    if ((table_->filled[i] |= bits) == ~uint64_t{0}) {
-      _mm512_stream_si512(reinterpret_cast<__m512i*>(line), merged);  // from the register: a load would wait
-      Free(i);
-    } else {
-      _mm512_store_si512(held, merged);
-    }
+    if (MergeHeldLine(table_->data[i], table_->filled[i], line, v, bits)) Free(i);
   }
 #endif
 

@@ -194,3 +194,37 @@ def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tm
         assert re.search(streamed, done.stdout, re.M), done.stdout
         bad = subprocess.run([str(binary), "12"], capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_the_scale_rows_tool_builds_and_times_every_store_pattern(tmp_path):
+    """benchmarks/cpu/bound/scale_rows.cc builds with the command its header gives (x86-64) and, where the CPU has
+    AVX2, prints a time and a ratio to layout 0 for each of its five ways of storing an int8 prefill's scale rows;
+    a round count below 1 is refused with its usage."""
+    import pathlib
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the tool is written with x86-64 intrinsics")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
+    binary = tmp_path / "scale_rows"
+    built = subprocess.run([compiler, "-O2", "-mavx2", str(root / "benchmarks" / "cpu" / "bound" / "scale_rows.cc"),
+                            "-o", str(binary)], capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if "avx2" not in set(re.findall(r"\w+", cpuinfo.read_text() if cpuinfo.exists() else "")):
+        pytest.skip("built; this CPU has no AVX2 to run it")
+    done = subprocess.run([str(binary), "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^  (.+?) +(\d+\.\d+) ms \((\d+\.\d+)x layout 0\)$", done.stdout, re.M)
+    assert [name for name, _, _ in rows] == [
+        "layout 0 (a token's rows together), ordinary scale stores", "layout 3, scale rows with ordinary stores",
+        "layout 3, no scale rows written", "layout 3, a page's scale rows copied a head at a time",
+        "layout 3, scale lines held, streamed whole"], done.stdout
+    assert all(float(ms) > 0 for _, ms, _ in rows) and rows[0][2] == "1.00", done.stdout
+    bad = subprocess.run([str(binary), "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr

@@ -198,6 +198,17 @@ def guarded_outputs(given, attributes, offset=0, guard=256):
     return body, guards
 
 
+def guarded_copy(array, offset, guard=256):
+    """(copy, guards): a C-contiguous copy of ``array`` starting ``offset`` bytes past a cache line, between
+    ``guard`` bytes (a multiple of 64) of a pattern on either side; guards are views of those bytes, to check
+    after the copy is written in place."""
+    raw = np.full(array.nbytes + 2 * guard + 128, 0x5A, np.uint8)
+    start = (-raw.ctypes.data) % 64 + guard + offset
+    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    copy[...] = array
+    return copy, [raw[:start], raw[start + array.nbytes:]]
+
+
 def load_only(given):
     """The inputs of a call that loads what ``given`` loads and stores nothing: the gathers' own reading of the
     cache."""
@@ -214,35 +225,37 @@ def load_only(given):
 @pytest.mark.parametrize("quant_bit,layout,num_repeat,cache_mode",
                          [(0, 0, 1, 1), (0, 3, 2, 1), (0, 1, 1, 0), (8, 0, 2, 1), (8, 3, 1, 1), (8, 3, 1, 0),
                           (4, 2, 1, 1), (4, 3, 2, 1)])
-@pytest.mark.parametrize("heads,head_dim", [(3, 64), (2, 128)])
+@pytest.mark.parametrize("heads,head_dim", [(3, 64), (2, 128), (2, 256)])
 def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layout, num_repeat, cache_mode, heads,
                                                                  head_dim, kernel, monkeypatch):
-    """A token the call stores and loads is written to its output rows by the store (from the cache rows it has
-    just written) and left by the gather: every output row is the reference's, a stored token past its
-    sequence's kvlen reaches no output row (the last sequence's would lie past the outputs' end), and nothing
-    around the outputs is touched. Sequences store and load all, load part of what they store (up to a stored
-    position, or below every stored one), store without loading, load without storing, across pages and the
-    gather's tasks of 64 tokens; the gathers in either cached order and in tiles of one token, a few or many,
-    outputs on a cache line or off it, codes stored with streaming stores (the cache on a line or off it) or plain
-    ones. Head rows
-    of 128 quantized without repeats are blocks of 16 groups: the AVX-512 build writes their values as it quantizes
-    them (QuantizeRowsWithValues, its codes then streamed where $KVCACHE_OP_CODE_STORES says so), the others read
-    them back. Quantized rows hold special_rows' values (NaN, inf,
-    ties, scales at float16's edges), and every output byte, NaN payloads included, is also the one a call that
-    only loads (the gathers' own dequantization) reads from the cache written."""
+    """A token the call stores and loads is written to its output rows by the store (from the cache rows it has just
+    written) and left by the gather: every output row is the reference's, a stored token past its sequence's kvlen
+    reaches no output row (the last sequence's would lie past the outputs' end), and nothing around the outputs or
+    the scales is touched. Sequences store and load all, load part of what they store (up to a stored position, or
+    below every stored one), store without loading, load without storing, across pages (of 16, 5 or 7 slots with
+    head rows of 64, 128 or 256) and the gather's tasks of 64 tokens; the gathers in either cached order and in
+    tiles of one token, a few or many, outputs on a cache line or off it, codes stored with streaming stores (the
+    cache on a line or off it) or plain ones, scales on a line, 32 bytes past one (layout 3's scale rows of 16
+    float16 then streamed a whole line at a time, the halves held in between, starting on either half) or 16 past
+    (ordinary stores). Head rows of 128 and 256 quantized without repeats are one and two blocks of 16 groups: the
+    AVX-512 build writes their values as it quantizes them (QuantizeRowsWithValues, its codes then streamed where
+    $KVCACHE_OP_CODE_STORES says so), the others read them back. Quantized rows hold special_rows' values (NaN, inf,
+    ties, scales at float16's edges), and every output byte, NaN payloads included, is also the one a call that only
+    loads (the gathers' own dequantization) reads from the cache written."""
     use_cpu_kernel(monkeypatch, kernel)
     seqs = [Seq(0, 70, 40), Seq(5, 3), Seq(9, 0), Seq(30, 100), Seq(4, 6, 2), Seq(12, 5, 0), Seq(0, 66, 65)]
     t1 = ("float16", "bfloat16", "float32")[(quant_bit + layout + num_repeat + head_dim // 64) % 3]
-    t3 = ("float16", "float32")[(layout + num_repeat + cache_mode) % 2]
+    t3 = ("float16", "float32")[(layout + num_repeat + cache_mode + head_dim // 128) % 2]
     case = build(f"fused-{quant_bit}-{layout}-{num_repeat}-{cache_mode}-{head_dim}", seqs, heads=heads, head_dim=head_dim,
                  quant_bit=quant_bit, quant_group=8, num_repeat=num_repeat, cache_mode=cache_mode,
-                 cache_layout=layout, page_size=5 + 11 * cache_mode, t1=t1, t3=t3)
+                 cache_layout=layout, page_size=(16, 5, 7)[head_dim // 128], t1=t1, t3=t3)
     if quant_bit:
         fill_special_rows(case, np.random.default_rng(head_dim + layout), 8, quant_bit)
     want = reference_result(case.inputs, case.attributes)
-    # (cached order, output offset, tile bytes, code stores, cache offset)
-    for order, offset, tile, codes, at in (("tokens", 0, 0, "stream", 0), ("head-runs", 16, 32768, "cached", 0),
-                                           ("tokens", 2, 1000, "stream", 16)):
+    # (cached order, output offset, tile bytes, code stores, cache offset, scale offset)
+    for order, offset, tile, codes, at, scale_at in (
+            ("tokens", 0, 0, "stream", 0, 0), ("head-runs", 16, 32768, "cached", 0, 32),
+            ("tokens", 2, 1000, "stream", 16, 32), ("head-runs", 0, 0, "stream", 0, 16)):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))  # unquantized gathers' tiles: 1, 2 or many tokens
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", codes)
@@ -250,9 +263,13 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
         fresh = copies(case.inputs)
         # the cache on a line or 16 bytes past one: code rows streamed, or not streamable
         fresh["cache"] = aligned_copy(fresh["cache"], at)
+        scale_guards = []
+        if quant_bit:
+            fresh["scale"], scale_guards = guarded_copy(fresh["scale"], scale_at)
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({order}, {offset})"
+        assert all((g == 0x5A).all() for g in scale_guards), f"bytes around the scales were written ({scale_at})"
         loaded = c_api.key_value_cache(**load_only(copies(fresh)), **case.attributes, num_threads=2)
         for got, gathered in zip((key, value), loaded):
             assert got.tobytes() == gathered.tobytes(), f"bits other than the gathers' ({order}, {offset})"

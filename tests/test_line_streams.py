@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from cpu_kernels import CPU_KERNELS, build_flags
 from native_build import build_library
+from written_rows import row_buffers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/line_streams.cc"
@@ -47,16 +48,8 @@ def written(lib, rows, order, size=None, shifted=False, threads=1, seed=0, neste
     """(what the writer left, what numpy's assignment gives) for ``rows`` [(offset, size)] written in ``order``
     into a buffer of random bytes whose start is a cache line; src holds other random bytes. threads=2: two
     threads at once; nested: two writers in one thread."""
-    rng = np.random.default_rng(seed)
     size = size or max(o + n for o, n in rows) + 256
-    raw = np.empty(size + 64, np.uint8)
-    start = -raw.ctypes.data % 64
-    out = raw[start:start + size]
-    out[:] = rng.integers(0, 256, size, dtype=np.uint8)
-    src = rng.integers(0, 256, size, dtype=np.uint8)
-    want = out.copy()
-    for offset, n in rows:
-        want[offset:offset + n] = src[offset:offset + n]
+    out, src, want = row_buffers(size, rows, seed)
     offsets = np.array([rows[i][0] for i in order], np.int64)
     sizes = np.array([rows[i][1] for i in order], np.int64)
     fn = (lib.line_streams_write_nested if nested else
