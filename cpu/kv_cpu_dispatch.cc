@@ -189,7 +189,7 @@ bool StreamedCodeStores() {
   // of the core's cache, where they evict each other and the rows around them; streaming stores take no line into
   // the cache. A cache row written is read again at the next step, by then long evicted. With the codes, layout
   // 3's scale rows go out as whole streamed lines (InterleavedStreams): side by side on that AMD EPYC, layout 3's
-  // int8 prefill 5-23% faster in four runs of five, level in one (op / copy 0.64x -> 0.75x, 1.46 -> 1.13 ms, in
+  // int8 prefill 4-23% faster in four runs of five, level in one (op / copy 0.64x -> 0.75x, 1.46 -> 1.13 ms, in
   // the quietest; offset mode 0.51x -> 0.66x), the chunk 3.04 -> 2.76 ms, layout 0 level. Not measured on Intel
   // processors, which keep plain stores; nor in the other builds, which never stream codes.
   return AmdProcessor() && ChosenKernel() == CpuKernel::kAvx512;
