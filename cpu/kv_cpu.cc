@@ -122,7 +122,11 @@ struct Kernel {
     // make this exact: no slot is stored twice in a call, so no later store changes the rows. (Prefill: the
     // whole output, without a second pass over the cache; measured in benchmarks/cpu.)
     bool emitted = false;
-    InterleavedStreams scale_streams(QBits != 0 && stream_codes && !whole_token ? 2 * H : 0);
+    // Where codes are streamed (rows not read back), layout 3's scale rows are too: a token's 2H rows continue 2H
+    // streams, each written a whole line at a time (InterleavedStreams).
+    const bool stream_scales = QBits != 0 && stream_codes && !whole_token;
+    InterleavedStreams scale_streams(stream_scales ? 2 * H : 0);
+    InterleavedStreams* const streams = stream_scales ? &scale_streams : nullptr;
     ForEachRun(p, a, p.seqstarts, p.start_pos.data(), row_begin, row_end, [&](int64_t r0, int64_t slot, int64_t n,
                                                                               int64_t b, uint64_t pos) {
       const T* sources[2] = {static_cast<const T*>(args.key) + r0 * H * D, static_cast<const T*>(args.value) + r0 * H * D};
@@ -146,13 +150,9 @@ struct Kernel {
           const int64_t code_step = p.cache_rows.head * QBits / 8, scale_step = p.scale_rows.head;  // storage units
           auto* codes = C::Row(args.cache, CacheRow(kv, 0, slot + i));
           S* scales = static_cast<S*>(args.scale) + ScaleRow(kv, 0, slot + i);
-          // Where codes are streamed (rows not read back), layout 3's scale rows are too: the token's 2H rows
-          // continue 2H streams, each written a whole line at a time (InterleavedStreams).
-          InterleavedStreams* streams = whole_token ? nullptr : &scale_streams;
           if (values != nullptr && QuantizeRowsWithValues<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups,
                                                                         codes, code_step, scales, scale_step, values,
-                                                                        stream_codes, stream_codes ? streams : nullptr,
-                                                                        kv * H))
+                                                                        stream_codes, streams, kv * H))
             return true;
           const bool streamed = stream_codes && !loaded;
           QuantizeRows<T1, T3, QBits>(src, heads_rows, row_size, a.quant_group, groups, codes, code_step, scales,

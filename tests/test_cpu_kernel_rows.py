@@ -186,27 +186,34 @@ def guarded_outputs(given, attributes, offset=0, guard=256):
     shape = c_api.output_shape(inputs, **attributes)
     dtype = given["current_key"].dtype
     nbytes = int(np.prod(shape)) * dtype.itemsize
-    buffers = [np.full(nbytes + 2 * guard + 128, 0xA5, np.uint8) for _ in range(2)]
-    starts = [(-b.ctypes.data) % 64 + guard + offset for b in buffers]
-    for b, start in zip(buffers, starts):
-        b[start:start + nbytes] = 0x7F  # NaN-like bits in every type: a row left unwritten shows
-    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, b.ctypes.data + start) for b, start in zip(buffers, starts)]
+    placed = [guarded_bytes(nbytes, offset, guard, 0xA5) for _ in range(2)]
+    for bytes_, _ in placed:
+        bytes_[:] = 0x7F  # NaN-like bits in every type: a row left unwritten shows
+    outputs = [c_api.Tensor(c_api.ONNX_TYPES[dtype], shape, bytes_.ctypes.data) for bytes_, _ in placed]
     c_api.run_key_value_cache(inputs, outputs, num_threads=2, **attributes)
     args.finish()
-    body = [b[start:start + nbytes].view(dtype).reshape(shape) for b, start in zip(buffers, starts)]
-    guards = [np.concatenate([b[:start], b[start + nbytes:]]) for b, start in zip(buffers, starts)]
+    body = [bytes_.view(dtype).reshape(shape) for bytes_, _ in placed]
+    guards = [np.concatenate(sides) for _, sides in placed]
     return body, guards
+
+
+def guarded_bytes(nbytes, offset, guard, pattern):
+    """(body, guards): ``nbytes`` bytes starting ``offset`` bytes past a cache line, between ``guard`` bytes (a
+    multiple of 64) on either side, all holding ``pattern``; guards are views of the two sides, to check after the
+    body is written."""
+    raw = np.full(nbytes + 2 * guard + 128, pattern, np.uint8)
+    start = (-raw.ctypes.data) % 64 + guard + offset
+    return raw[start:start + nbytes], [raw[:start], raw[start + nbytes:]]
 
 
 def guarded_copy(array, offset, guard=256):
     """(copy, guards): a C-contiguous copy of ``array`` starting ``offset`` bytes past a cache line, between
     ``guard`` bytes (a multiple of 64) of a pattern on either side; guards are views of those bytes, to check
     after the copy is written in place."""
-    raw = np.full(array.nbytes + 2 * guard + 128, 0x5A, np.uint8)
-    start = (-raw.ctypes.data) % 64 + guard + offset
-    copy = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    body, guards = guarded_bytes(array.nbytes, offset, guard, 0x5A)
+    copy = body.view(array.dtype).reshape(array.shape)
     copy[...] = array
-    return copy, [raw[:start], raw[start + array.nbytes:]]
+    return copy, guards
 
 
 def load_only(given):
