@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 6
+C_API_VERSION = 7
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -132,7 +132,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_kernel": ((), ctypes.c_char_p),
         "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
-        "kvcache_op_cpu_streamed_heads": ((), ctypes.c_int64),
+        "kvcache_op_cpu_streamed_heads": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
@@ -192,11 +192,15 @@ def cpu_cached_gather(path: str | None = None) -> str:
     return library(path).kvcache_op_cpu_cached_gather().decode()
 
 
-def cpu_streamed_heads(path: str | None = None) -> int:
-    """How many of a token's heads (1-16) KeyValueCache's CPU gathers write as one row into streamed layout-3
-    outputs: four, measured best on each CPU kind at hand, overridden by ``$KVCACHE_OP_STREAMED_HEADS`` (a
-    positive count; larger ones give 16); the same bits whatever the count."""
-    return int(library(path).kvcache_op_cpu_streamed_heads())
+def cpu_streamed_heads(quant_bit: int, path: str | None = None) -> int:
+    """How many of a token's heads (1-16) KeyValueCache's CPU gathers of a cache of ``quant_bit`` (0, 4 or 8) read
+    side by side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row: four
+    quantized heads (codes and scales), eight unquantized, measured best on each CPU kind at hand; overridden by
+    ``$KVCACHE_OP_STREAMED_HEADS`` for both (a positive count; larger ones give 16); the same bits whatever the
+    count. Raises ValueError for another quant_bit."""
+    if type(quant_bit) is not int or quant_bit not in (0, 4, 8):  # not 8.0, not True
+        raise ValueError(f"quant_bit must be 0, 4 or 8, not {quant_bit!r}")
+    return int(library(path).kvcache_op_cpu_streamed_heads(quant_bit))
 
 
 def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:

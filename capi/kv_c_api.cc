@@ -54,7 +54,10 @@ const char* kvcache_op_cpu_stores(void) {
 
 const char* kvcache_op_cpu_cached_gather(void) { return kvcache::CachedGatherHeadRuns() ? "head-runs" : "tokens"; }
 
-int64_t kvcache_op_cpu_streamed_heads(void) { return kvcache::StreamedGatherHeads(); }
+int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit) {
+  if (quant_bit != 0 && quant_bit != 4 && quant_bit != 8) return -1;
+  return kvcache::StreamedGatherHeads(quant_bit != 0);
+}
 
 int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout) {
   if (cache_layout < 0 || cache_layout > 3) return -1;

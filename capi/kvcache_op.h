@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 6
+#define KVCACHE_OP_C_API_VERSION 7
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -112,10 +112,12 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
    "tokens" (token by token). Both give the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
 
-/* How many of a token's heads (1-16) KeyValueCache's CPU gathers write as one row into streamed layout-3 outputs
-   (a line two heads share is then cut in registers rather than held): four, measured best on each CPU kind at hand
-   (or $KVCACHE_OP_STREAMED_HEADS, a positive count; larger ones give 16). Every count gives the same bits. */
-KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(void);
+/* How many of a token's heads (1-16) KeyValueCache's CPU gathers of a cache of `quant_bit` (0, 4 or 8) read side by
+   side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row (a line two heads
+   share is then cut in registers rather than held): four quantized heads, eight unquantized, measured best on each
+   CPU kind at hand (or $KVCACHE_OP_STREAMED_HEADS for both, a positive count; larger ones give 16); -1 for another
+   quant_bit. Every count gives the same bits. (C API version 7: the quant_bit argument.) */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 
 /* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache of `cache_layout` write to
    each output in turn in token order (a tile's keys, then its values; one token where that is less than a token's

@@ -286,42 +286,70 @@ struct Kernel {
   }
 
   // Heads h .. h + heads of the m consecutive slots from `slot` (layout 3: a head's slots one after another in the
-  // cache) into dst, out_row values apart: one pass down the run's codes and scales, their addresses stepped rather
-  // than computed row by row, each row asked for `ahead` rows before its use. More than one head only into a
-  // streamed dst without repeats: each slot's heads are then one output row (EmitHeadRows).
+  // cache) into dst, out_row values apart: one pass down the run's rows (codes and scales, or values), their
+  // addresses stepped rather than computed row by row, each row asked for `ahead` rows before its use. Quantized
+  // rows: more than one head only into a streamed dst without repeats, each slot's heads then one output row
+  // (EmitHeadRows). Values: only into a streamed dst, any number of heads; without repeats each slot's heads are
+  // one output row (EmitHeadRows), with repeats each head's copies go through the task's lines (Repeat).
   // Into a streamed dst without repeats, each output row is chained to its neighbours in the output that this
-  // task writes too (DequantizeRowsStreamed's lead and tail_follows), so that no line they share waits in the
-  // task's table: the row before the run's first token is of slot `before_slot` (kStoredRow: none this task
-  // writes), and `after_written` says whether this task writes the token after the run's last.
+  // task writes too (DequantizeRowsStreamed's and WriteRows' lead and tail_follows), so that no line they share
+  // waits in the task's table: the row before the run's first token is of slot `before_slot` (kStoredRow: none
+  // this task writes), and `after_written` says whether this task writes the token after the run's last.
   void EmitHeadRun(int kv, int64_t h, int64_t heads, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row,
                    bool streamed, Scratch& scratch, int64_t before_slot = kStoredRow,
                    bool after_written = false) const {
-    using Code = typename C::Storage;
-    const Code* codes[kMaxStreamedHeads];
-    const S* scales[kMaxStreamedHeads];
-    for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
-    const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
     const bool chained = streamed && a.num_repeat == 1;  // else DequantizeRowsStreamed is not called
-    for (int64_t j = 0; j < m; ++j) {
-      if (j + ahead < m)
-        for (int64_t q = 0; q < heads; ++q)
-          PrefetchCodes(codes[q] + (j + ahead) * code_step, scales[q] + (j + ahead) * scale_step, 1);
-      StreamedLead<Code, S> lead;
-      bool tail_follows = false;
-      if (chained) {
-        const int64_t before = h > 0 ? slot + j : j > 0 ? slot + j - 1 : before_slot;  // the row before's slot
-        lead = LeadOf(kv, h > 0 ? h - 1 : p.heads - 1, before, p.groups);
-        tail_follows = h + heads < p.heads || j + 1 < m || after_written;
+    // The lead and tail_follows of slot j's output row (unused where not chained).
+    auto chain = [&](int64_t j, auto& lead, bool& tail_follows) {
+      if (!chained) return;
+      const int64_t before = h > 0 ? slot + j : j > 0 ? slot + j - 1 : before_slot;  // the row before's slot
+      lead = LeadOf(kv, h > 0 ? h - 1 : p.heads - 1, before, QBits == 0 ? p.head_dim : p.groups);
+      tail_follows = h + heads < p.heads || j + 1 < m || after_written;
+    };
+    if constexpr (QBits == 0) {  // values: only into a streamed dst without repeats (GatherRows)
+      const int64_t step = p.cache_rows.slot, bytes = p.head_dim * int64_t(sizeof(T));
+      const T* values[kMaxStreamedHeads];
+      const S* scales[kMaxStreamedHeads] = {};
+      for (int64_t q = 0; q < heads; ++q) values[q] = CacheValues(kv, h + q, slot);
+      for (int64_t j = 0; j < m; ++j) {
+        if (j + ahead < m)
+          for (int64_t q = 0; q < heads; ++q) PrefetchBytes(values[q] + (j + ahead) * step, bytes);
+        StreamedLead<void, S> lead;
+        bool tail_follows = false;
+        chain(j, lead, tail_follows);
+        if (a.num_repeat > 1) {  // each head's copies lie apart in the output row (through the task's lines)
+          for (int64_t q = 0; q < heads; ++q)
+            Repeat(values[q] + j * step, p.head_dim, dst + j * out_row + q * a.num_repeat * p.head_dim, streamed,
+                   scratch);
+          continue;
+        }
+        const void* rows[kMaxStreamedHeads];
+        for (int64_t q = 0; q < heads; ++q) rows[q] = values[q] + j * step;
+        EmitHeadRows(rows, scales, heads, dst + j * out_row, scratch, lead, tail_follows);
       }
-      if (heads == 1) {
-        EmitCodes(codes[0] + j * code_step, scales[0] + j * scale_step, 1, dst + j * out_row, streamed, scratch, lead,
-                  tail_follows);
-        continue;
+    } else {
+      using Code = typename C::Storage;
+      const Code* codes[kMaxStreamedHeads];
+      const S* scales[kMaxStreamedHeads];
+      for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
+      const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
+      for (int64_t j = 0; j < m; ++j) {
+        if (j + ahead < m)
+          for (int64_t q = 0; q < heads; ++q)
+            PrefetchCodes(codes[q] + (j + ahead) * code_step, scales[q] + (j + ahead) * scale_step, 1);
+        StreamedLead<Code, S> lead;
+        bool tail_follows = false;
+        chain(j, lead, tail_follows);
+        if (heads == 1) {
+          EmitCodes(codes[0] + j * code_step, scales[0] + j * scale_step, 1, dst + j * out_row, streamed, scratch, lead,
+                    tail_follows);
+          continue;
+        }
+        const Code* row_codes[kMaxStreamedHeads];
+        const S* row_scales[kMaxStreamedHeads];
+        for (int64_t q = 0; q < heads; ++q) row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
+        EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch, lead, tail_follows);
       }
-      const Code* row_codes[kMaxStreamedHeads];
-      const S* row_scales[kMaxStreamedHeads];
-      for (int64_t q = 0; q < heads; ++q) row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
-      EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch, lead, tail_follows);
     }
   }
 
@@ -396,19 +424,22 @@ struct Kernel {
 
   void GatherRows(int64_t row_begin, int64_t row_end) const {
     const int64_t H = p.heads, D = p.head_dim, R = a.num_repeat, out_row = p.out_heads * D, rows = row_end - row_begin;
-    // Layout 3 keeps a head's slots together. Its quantized gathers into streamed outputs walk it
-    // streamed_heads heads at a time (one with repeats) over the task's rows (whole pages), each slot's heads one
-    // output row: a few
-    // short streams (codes and scales) rather than 4H per token (measured on an AMD EPYC, int8 decode: 0.60-0.62x
-    // a copy head by head, 0.35x token by token). Head rows that do not start on lines leave part lines between
-    // heads: the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon,
-    // streamed part lines took the step from 0.8x a copy to 0.13x), except inside a row of several heads, where
-    // they are cut in registers (the Intel Xeon of model 207, int8 decode into outputs 16 bytes past a line:
-    // 0.44-0.55x a copy head by head, 0.66-0.70x four heads a row; on lines 0.67-0.75x and 0.77-0.83x).
-    // Outputs that stay cached go head by head where CachedGatherHeadRuns says so (AMD: a column of head rows
-    // written at a time costs less than the 4H streams), else token by token (Intel: each line of the column is
-    // read in first; kv_cpu_dispatch.cc has the figures).
-    const bool head_major = HeadMajor() && QBits != 0 && (stream || head_runs);
+    // Layout 3 keeps a head's slots together. Its gathers into streamed outputs walk it streamed_heads heads at a
+    // time over the task's rows (whole pages), each slot's heads one output row: a few source streams rather than
+    // a token's 2H (quantized, one head a pass with repeats: codes and scales; values, unless streams side by
+    // side: the rows themselves). A token's H head rows lie a multiple of 4 KiB apart where MaxT is a power of
+    // two, in the same set of each cache level, so more streams than the sets' ways evict each other's lines
+    // before they are read (measured on an AMD EPYC, one core: int8 decode 0.60-0.62x a copy head by head, 0.35x
+    // token by token; float16 decode with 32 heads of 128, 0.43x token by token, 0.97-0.98x eight heads a pass;
+    // kv_cpu_dispatch.cc has the counts). Head rows that do not start on lines leave part lines between heads:
+    // the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon, streamed part
+    // lines took the step from 0.8x a copy to 0.13x), except inside a row of several heads, where they are cut in
+    // registers (the Intel Xeon of model 207, int8 decode into outputs 16 bytes past a line: 0.44-0.55x a copy
+    // head by head, 0.66-0.70x four heads a row; on lines 0.67-0.75x and 0.77-0.83x).
+    // Quantized outputs that stay cached go head by head where CachedGatherHeadRuns says so (AMD: a column of head
+    // rows written at a time costs less than the 4H streams), else token by token (Intel: each line of the column
+    // is read in first; kv_cpu_dispatch.cc has the figures).
+    const bool head_major = HeadMajor() && (QBits != 0 ? stream || head_runs : stream && !parallel_streams);
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
@@ -425,10 +456,9 @@ struct Kernel {
     if (head_major) {
       // Runs of consecutive slots (a page's) are one stream per head, read in one pass (EmitHeadRun); the next
       // run's first rows are asked for as a run starts.
-      if constexpr (QBits != 0)
-        for (int kv = 0; kv < 2; ++kv)
+      for (int kv = 0; kv < 2; ++kv)
           for (int64_t h = 0, g = 1; h < H; h += g) {
-            g = stream && R == 1 ? std::min(streamed_heads, H - h) : 1;  // heads a pass (one streamed row a slot)
+            g = stream && (R == 1 || QBits == 0) ? std::min(streamed_heads, H - h) : 1;  // heads a pass
             for (int64_t i = 0, m = 1; i < rows; i += m) {
               m = 1;
               if (slots[i] == kStoredRow) continue;
@@ -512,7 +542,7 @@ struct Launch {
     const StorePlan stores = LargeOutputStores();
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
-                          CachedGatherHeadRuns(), std::min(StreamedGatherHeads(), kMaxStreamedHeads),
+                          CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
                           GatherTileBytes(p.cache_rows.KeyValueTogether()),
                           KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);

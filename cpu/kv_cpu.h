@@ -43,12 +43,13 @@ StorePlan LargeOutputStores();
 // (else token by token): chosen per CPU vendor by measurement, or by $KVCACHE_OP_CACHED_GATHER ("head-runs" or
 // "tokens"). The same bits either way.
 bool CachedGatherHeadRuns();
-// How many of a token's heads (1 to kMaxStreamedHeads) layout-3 gathers into streamed outputs write as one output
-// row without repeats (quantized: read that many heads side by side, a page run at a time; unquantized: token by
-// token, that many heads a row): four, measured best on both CPU kinds at hand, or $KVCACHE_OP_STREAMED_HEADS (a
-// positive count, larger ones taken as kMaxStreamedHeads). The same bits whatever the count.
+// How many of a token's heads (1 to kMaxStreamedHeads) layout-3 gathers into streamed outputs read side by side, a
+// page run at a time, each slot's heads one output row without repeats, from a quantized cache or not: four
+// quantized heads (codes and scales: eight source streams), eight heads of values, measured best on the CPU kinds
+// at hand; or $KVCACHE_OP_STREAMED_HEADS for both (a positive count, larger ones taken as kMaxStreamedHeads). The
+// same bits whatever the count.
 constexpr int64_t kMaxStreamedHeads = 16;
-int64_t StreamedGatherHeads();
+int64_t StreamedGatherHeads(bool quantized);
 // How many bytes of whole tokens unquantized gathers in token order (not side by side) write to each output in
 // turn (a tile's keys, then its values), one token where that is less than a token's row, from a cache whose
 // slots hold a token's key and value rows together or not (RowStrides::KeyValueTogether): chosen by measurement

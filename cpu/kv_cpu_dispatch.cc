@@ -146,17 +146,22 @@ static long long EnvInteger(const char* name, long long least) {
   return end != text && *end == '\0' && value >= least ? value : -1;
 }
 
-int64_t StreamedGatherHeads() {
+int64_t StreamedGatherHeads(bool quantized) {
   const long long heads = EnvInteger("KVCACHE_OP_STREAMED_HEADS", 1);
   if (heads > 0) return heads < kMaxStreamedHeads ? heads : kMaxStreamedHeads;
   // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128, layout 3 (benchmarks/cpu). On the Intel
   // Xeon of family 6 model 207: int8 into outputs on lines 0.67-0.75x a copy a head at a time, 0.71-0.81x two,
   // 0.77-0.83x four, 0.76-0.80x eight; 16 bytes past a line 0.44-0.55x, 0.62-0.68x, 0.66-0.70x, 0.66-0.69x;
-  // float16, 16 bytes past a line, 0.66x a head a row, 0.93-0.94x four or eight (on lines 0.90-1.01x either way).
-  // On an AMD EPYC of family 25 model 17 (Zen 4): int8 on lines 0.75x, 0.81x, 0.85x, 0.73x (one, two, four, eight
-  // heads); 16 bytes past a line 0.48x, 0.53x, 0.58x, 0.58x; float16 past a line 0.68x, 0.77x, 0.88x, 0.94x (on
-  // lines 0.93-0.99x whatever the count). Four on both kinds, so four everywhere.
-  return 4;
+  // float16, 16 bytes past a line, 0.66x a head a row, 0.93-0.94x four or eight (on lines 0.90-1.01x either way;
+  // then token by token). On an AMD EPYC of family 25 model 17 (Zen 4): int8 on lines 0.75x, 0.81x, 0.85x, 0.73x
+  // (one, two, four, eight heads); 16 bytes past a line 0.48x, 0.53x, 0.58x, 0.58x. Four for quantized rows, each
+  // head two source streams (codes and scales). Values walked a page run at a time, one stream a head, on that
+  // AMD EPYC, side by side in one process (on lines / 16 bytes past): 8 heads of 128 0.81x / 0.81x (two heads a
+  // pass), 0.95-0.97x / 0.92-0.93x (four), 0.98x / 1.00x (eight); 32 heads of 128 (B=16) 0.83x / 0.82x, 0.98x / 0.97x,
+  // 0.94-0.97x / 0.97-0.98x, sixteen 0.76x / 0.78x (token by token 0.43x); 16 heads of 64 0.67x / 0.65x, 0.82x /
+  // 0.75x, 0.86x / 0.80-0.82x, sixteen 0.78x / 0.84x. Eight for values: in both cases eight source streams a pass,
+  // what the cache's sets hold (the rows' addresses share their low bits: kv_cpu.cc, GatherRows).
+  return quantized ? 4 : 8;
 }
 
 int64_t GatherTileBytes(bool key_value_together) {

@@ -142,7 +142,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     heads one row where they are whole vectors, the edge lines of rows held by the task's line writer until the
     next rows complete them; quantized rows are dequantized straight into the streamed outputs (the AVX-512 build
     at any even offset, the others on lines) and through a scratch row where that cannot be. Layout 3's
-    unquantized rows streamed token by token go that many heads a row too. The heads a row
+    unquantized rows streamed one stream at a time go a page run and that many heads at a time too, with repeats
+    each head's copies through the line writer. The heads a row
     ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
     groups, and 16 is every head. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
     token, of 32 KiB or of bytes that are no whole number of tokens; quantized codes are stored with streaming
@@ -162,7 +163,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
-        assert c_api.cpu_streamed_heads() == streamed_heads
+        assert c_api.cpu_streamed_heads(quant_bit) == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
         assert tile_bytes_by_layout() == [tile] * 4
         fresh = copies(case.inputs)
@@ -369,17 +370,25 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
     assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def test_the_streamed_heads_follow_the_override_and_else_are_four(monkeypatch):
-    """$KVCACHE_OP_STREAMED_HEADS names the count outright (a positive integer, at most 16: more is taken as 16;
-    anything else is not a count and leaves the measured choice); unset, four heads, measured best on the Intel Xeon
-    of model 207 and on an AMD EPYC of Zen 4 alike."""
-    default = 4
-    for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", default), ("-2", default),
-                        ("four", default), ("4x", default), ("", default)):
+def test_the_streamed_heads_follow_the_override_and_else_are_four_quantized_and_eight_unquantized(monkeypatch):
+    """$KVCACHE_OP_STREAMED_HEADS names the count outright for quantized and unquantized caches alike (a positive
+    integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice); unset,
+    four quantized heads (eight source streams: codes and scales), measured best on the Intel Xeon of model 207 and
+    on an AMD EPYC of Zen 4 alike, and eight unquantized (measured on that AMD EPYC). A quant_bit the op does not
+    have is refused, by the binding and by the C function (-1)."""
+    defaults = {0: 8, 4: 4, 8: 4}
+    for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", None), ("-2", None), ("four", None),
+                        ("4x", None), ("", None)):
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", given)
-        assert c_api.cpu_streamed_heads() == want, given
+        for quant_bit, default in defaults.items():
+            assert c_api.cpu_streamed_heads(quant_bit) == (want or default), (given, quant_bit)
     monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS")
-    assert c_api.cpu_streamed_heads() == default
+    assert {q: c_api.cpu_streamed_heads(q) for q in defaults} == defaults
+    for quant_bit in (-1, 2, 16, 8.0, True):
+        with pytest.raises(ValueError, match="quant_bit must be 0, 4 or 8"):
+            c_api.cpu_streamed_heads(quant_bit)
+    for quant_bit in (-1, 1, 2, 16, 1 << 40):
+        assert c_api.library().kvcache_op_cpu_streamed_heads(quant_bit) == -1
 
 
 def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
@@ -412,11 +421,13 @@ def test_benchmark_titles_name_the_heads_the_tiles_of_each_layout_and_the_code_s
     monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     codes = default_code_stores()
     other = "cached" if codes == "stream" else "stream"
-    assert f"4 streamed heads a row, gather tiles of 0/0/32768/32768 B, {codes} code stores" in kernel_build()
+    assert (f"4/8 streamed heads a row (quantized/values), gather tiles of 0/0/32768/32768 B, {codes} code stores"
+            in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
     monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
-    assert f"3 streamed heads a row, gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build()
+    assert (f"3/3 streamed heads a row (quantized/values), gather tiles of 5000/5000/5000/5000 B, {other} code stores"
+            in kernel_build())
 
 
 def default_code_stores() -> str:
