@@ -63,7 +63,7 @@ struct Kernel {
   bool stream;        // streaming stores for outputs too large to stay in cache
   bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
-  int64_t streamed_heads;  // layout-3 streamed gathers write this many of a token's heads as one output row
+  int64_t streamed_heads;  // layout-3 streamed gathers read this many heads a pass (one output row a slot)
   int64_t tile_bytes;      // unquantized token-order gathers write each output in tiles of this many bytes, at least a token
   bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
 
@@ -306,7 +306,7 @@ struct Kernel {
       lead = LeadOf(kv, h > 0 ? h - 1 : p.heads - 1, before, QBits == 0 ? p.head_dim : p.groups);
       tail_follows = h + heads < p.heads || j + 1 < m || after_written;
     };
-    if constexpr (QBits == 0) {  // values: only into a streamed dst without repeats (GatherRows)
+    if constexpr (QBits == 0) {  // values: only into a streamed dst (GatherRows); repeats through Repeat
       const int64_t step = p.cache_rows.slot, bytes = p.head_dim * int64_t(sizeof(T));
       const T* values[kMaxStreamedHeads];
       const S* scales[kMaxStreamedHeads] = {};
@@ -430,7 +430,7 @@ struct Kernel {
     // side: the rows themselves). A token's H head rows lie a multiple of 4 KiB apart where MaxT is a power of
     // two, in the same set of each cache level, so more streams than the sets' ways evict each other's lines
     // before they are read (measured on an AMD EPYC, one core: int8 decode 0.60-0.62x a copy head by head, 0.35x
-    // token by token; float16 decode with 32 heads of 128, 0.43x token by token, 0.97-0.98x eight heads a pass;
+    // token by token; float16 decode with 32 heads of 128, 0.43x token by token, 0.97-1.00x eight heads a pass;
     // kv_cpu_dispatch.cc has the counts). Head rows that do not start on lines leave part lines between heads:
     // the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon, streamed part
     // lines took the step from 0.8x a copy to 0.13x), except inside a row of several heads, where they are cut in

@@ -183,8 +183,7 @@ int64_t GatherTileBytes(bool key_value_together) {
   // (32 KiB), 1.12x / 1.08x (128 KiB), 1.12x / 1.16x (512 KiB); with 32 heads of 128 (B=16) 0.87x / 0.85x, 1.02x /
   // 0.92x, 1.01x / 0.99x: fewer turns between the distant key and value runs. 512 KiB there (a task's 64 tokens of
   // rows up to 8 KiB); 32 KiB elsewhere, as measured on the Intel Xeons. Layout 3's streamed float16 gathers walk
-  // page runs a few heads at a time instead (StreamedGatherHeads); its tiles serve cached outputs and side-by-side
-  // streams.
+  // page runs a few heads at a time instead (StreamedGatherHeads); its tiles serve outputs that stay cached.
   if (key_value_together) return 0;
   return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
 }

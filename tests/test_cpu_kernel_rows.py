@@ -133,7 +133,8 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
                           (8, 0, 1, "float16", 128, 4), (8, 3, 1, "float16", 128, 4), (8, 3, 2, "float16", 128, 4),
                           (8, 3, 1, "float16", 40, 4), (8, 2, 2, "float32", 128, 4), (4, 3, 1, "bfloat16", 128, 4),
                           (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4), (8, 3, 1, "float32", 64, 4),
-                          (8, 3, 1, "float32", 128, 4), (8, 2, 1, "float16", 128, 4), (0, 2, 1, "bfloat16", 128, 4)])
+                          (8, 3, 1, "float32", 128, 4), (8, 2, 1, "float16", 128, 4), (0, 2, 1, "bfloat16", 128, 4),
+                          (0, 3, 1, "float16", 128, 12)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
                                                    monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
@@ -145,7 +146,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     unquantized rows streamed one stream at a time go a page run and that many heads at a time too, with repeats
     each head's copies through the line writer. The heads a row
     ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
-    groups, and 16 is every head. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
+    groups, 16 is every head, and the measured count (eight values, four quantized heads) leaves four of 12. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
     token, of 32 KiB, of bytes that are no whole number of tokens or of more than a task's tokens; quantized codes are stored with streaming
     stores and plain ones in turn ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With
     side-by-side streams, unquantized rows are read as several streams at any
@@ -155,15 +156,20 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
-    runs = [  # (store plan, output offset, heads a row, tile bytes)
+    runs = [  # (store plan, output offset, heads a row (None: the measured count), tile bytes)
         ("side-by-side", 0, 4, 0), ("side-by-side", 16, 3, 32768), ("side-by-side", 2, 1, 5000),
-        ("stream", 0, 3, 5000), ("stream", 16, 16, 524288), ("stream", 2, 4, 32768), ("stream", 33, 16, 0),
+        ("stream", 0, 3, 5000), ("stream", 16, None, 524288), ("stream", 16, 3, 0), ("stream", 2, 4, 32768),
+        ("stream", 33, 16, 0),
         ("cached", 0, 16, 0), ("cached", 16, 1, 5000), ("cached", 2, 4, 32768)]
     for run, (stores, offset, streamed_heads, tile) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
-        monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
-        assert c_api.cpu_streamed_heads(quant_bit) == streamed_heads
+        if streamed_heads is None:  # the measured count: 8 values, 4 quantized heads a pass
+            monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS", raising=False)
+            assert c_api.cpu_streamed_heads(quant_bit) == (4 if quant_bit else 8)
+        else:
+            monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
+            assert c_api.cpu_streamed_heads(quant_bit) == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
         assert tile_bytes_by_layout() == [tile] * 4
         fresh = copies(case.inputs)
