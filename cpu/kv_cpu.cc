@@ -430,7 +430,7 @@ struct Kernel {
     // side: the rows themselves). A token's H head rows lie a multiple of 4 KiB apart where MaxT is a power of
     // two, in the same set of each cache level, so more streams than the sets' ways evict each other's lines
     // before they are read (measured on an AMD EPYC, one core: int8 decode 0.60-0.62x a copy head by head, 0.35x
-    // token by token; float16 decode with 32 heads of 128, 0.43x token by token, 0.97-1.00x eight heads a pass;
+    // token by token; float16 decode with 32 heads of 128, 0.43-0.48x token by token, 0.97-1.00x eight heads a pass;
     // kv_cpu_dispatch.cc has the counts). Head rows that do not start on lines leave part lines between heads:
     // the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon, streamed part
     // lines took the step from 0.8x a copy to 0.13x), except inside a row of several heads, where they are cut in

@@ -158,7 +158,7 @@ int64_t StreamedGatherHeads(bool quantized) {
   // head two source streams (codes and scales). Values walked a page run at a time, one stream a head, on that
   // AMD EPYC, side by side in one process (on lines / 16 bytes past): 8 heads of 128 0.81x / 0.81x (two heads a
   // pass), 0.95-0.97x / 0.92-0.93x (four), 0.98x / 1.00x (eight); 32 heads of 128 (B=16) 0.83x / 0.82x, 0.98x / 0.97x,
-  // 0.94-0.97x / 0.97-0.98x, sixteen 0.76x / 0.78x (token by token 0.43x); 16 heads of 64 0.67x / 0.65x, 0.82x /
+  // 0.94-0.97x / 0.97-0.98x, sixteen 0.76x / 0.78x (token by token 0.43-0.48x); 16 heads of 64 0.67x / 0.65x, 0.82x /
   // 0.75x, 0.86x / 0.80-0.82x, sixteen 0.78x / 0.84x. Eight for values: in both cases eight source streams a pass,
   // what the cache's sets hold (the rows' addresses share their low bits: kv_cpu.cc, GatherRows).
   return quantized ? 4 : 8;
