@@ -331,7 +331,8 @@ struct Kernel {
       using Code = typename C::Storage;
       const Code* codes[kMaxStreamedHeads];
       const S* scales[kMaxStreamedHeads];
-      for (int64_t q = 0; q < heads; ++q) codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
+      for (int64_t q = 0; q < heads; ++q)
+        codes[q] = CacheCodes(kv, h + q, slot), scales[q] = CacheScales(kv, h + q, slot);
       const int64_t code_step = p.cache_rows.slot * QBits / 8, scale_step = p.scale_rows.slot;
       for (int64_t j = 0; j < m; ++j) {
         if (j + ahead < m)
@@ -347,7 +348,8 @@ struct Kernel {
         }
         const Code* row_codes[kMaxStreamedHeads];
         const S* row_scales[kMaxStreamedHeads];
-        for (int64_t q = 0; q < heads; ++q) row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
+        for (int64_t q = 0; q < heads; ++q)
+          row_codes[q] = codes[q] + j * code_step, row_scales[q] = scales[q] + j * scale_step;
         EmitHeadRows(row_codes, row_scales, heads, dst + j * out_row, scratch, lead, tail_follows);
       }
     }
@@ -430,8 +432,8 @@ struct Kernel {
     // side: the rows themselves). A token's H head rows lie a multiple of 4 KiB apart where MaxT is a power of
     // two, in the same set of each cache level, so more streams than the sets' ways evict each other's lines
     // before they are read (measured on an AMD EPYC, one core: int8 decode 0.60-0.62x a copy head by head, 0.35x
-    // token by token; float16 decode with 32 heads of 128, 0.43-0.48x token by token, 0.97-1.00x eight heads a pass;
-    // kv_cpu_dispatch.cc has the counts). Head rows that do not start on lines leave part lines between heads:
+    // token by token; float16 decode with 32 heads of 128, 0.43-0.48x token by token, 0.97-1.00x eight heads a
+    // pass; kv_cpu_dispatch.cc has the counts). Head rows that do not start on lines leave part lines between heads:
     // the task's LineStreams holds them until the next head's row completes them (on an Intel Xeon, streamed part
     // lines took the step from 0.8x a copy to 0.13x), except inside a row of several heads, where they are cut in
     // registers (the Intel Xeon of model 207, int8 decode into outputs 16 bytes past a line: 0.44-0.55x a copy
@@ -457,19 +459,19 @@ struct Kernel {
       // Runs of consecutive slots (a page's) are one stream per head, read in one pass (EmitHeadRun); the next
       // run's first rows are asked for as a run starts.
       for (int kv = 0; kv < 2; ++kv)
-          for (int64_t h = 0, g = 1; h < H; h += g) {
-            g = stream && (R == 1 || QBits == 0) ? std::min(streamed_heads, H - h) : 1;  // heads a pass
-            for (int64_t i = 0, m = 1; i < rows; i += m) {
-              m = 1;
-              if (slots[i] == kStoredRow) continue;
-              while (i + m < rows && slots[i + m] == slots[i] + m) ++m;
-              for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j)
-                if (slots[j] != kStoredRow)
-                  for (int64_t q = 0; q < g; ++q) Prefetch(kv, h + q, slots[j], 1);
-              EmitHeadRun(kv, h, g, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch, before(i),
-                          after(i + m - 1));
-            }
+        for (int64_t h = 0, g = 1; h < H; h += g) {
+          g = stream && (R == 1 || QBits == 0) ? std::min(streamed_heads, H - h) : 1;  // heads a pass
+          for (int64_t i = 0, m = 1; i < rows; i += m) {
+            m = 1;
+            if (slots[i] == kStoredRow) continue;
+            while (i + m < rows && slots[i + m] == slots[i] + m) ++m;
+            for (int64_t j = i + m; j < std::min(count, i + m + ahead); ++j)
+              if (slots[j] != kStoredRow)
+                for (int64_t q = 0; q < g; ++q) Prefetch(kv, h + q, slots[j], 1);
+            EmitHeadRun(kv, h, g, slots[i], m, ahead, head_row(kv, i, h), out_row, stream, scratch, before(i),
+                        after(i + m - 1));
           }
+        }
     } else if (QBits != 0) {
       // Quantized rows go token by token, a token's key rows then its value rows (measured faster than tiles
       // of one output at a time: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x).

@@ -144,13 +144,13 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     next rows complete them; quantized rows are dequantized straight into the streamed outputs (the AVX-512 build
     at any even offset, the others on lines) and through a scratch row where that cannot be. Layout 3's
     unquantized rows streamed one stream at a time go a page run and that many heads at a time too, with repeats
-    each head's copies through the line writer. The heads a row
-    ($KVCACHE_OP_STREAMED_HEADS) turn with the plan and offset: one, three and four of 4-7 heads leave short last
-    groups, 16 is every head, and the measured count (eight values, four quantized heads) leaves four of 12. Unquantized token-order gathers go in tiles ($KVCACHE_OP_GATHER_TILE) of a
-    token, of 32 KiB, of bytes that are no whole number of tokens or of more than a task's tokens; quantized codes are stored with streaming
-    stores and plain ones in turn ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With
-    side-by-side streams, unquantized rows are read as several streams at any
-    offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
+    each head's copies through the line writer. The heads a row ($KVCACHE_OP_STREAMED_HEADS) turn with the plan
+    and offset: one, three and four of 4-7 heads leave short last groups, 16 is every head, and the measured count
+    (eight values, four quantized heads) leaves four of 12. Unquantized token-order gathers go in tiles
+    ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
+    task's tokens; quantized codes are stored with streaming stores and plain ones in turn
+    ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With side-by-side streams, unquantized rows
+    are read as several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
     last task's tiles are short)."""
     use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
