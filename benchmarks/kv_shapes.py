@@ -23,10 +23,11 @@ class Shape:
 
 #: A decode step, a prefill (every token it loads it also stores: the stores write the outputs), a chunk of a
 #: chunked prefill (three quarters of what it loads were stored before: the gathers into outputs that stay cached),
-#: and a decode step of the same bytes with 32 heads that each keep their own keys (multi-head attention, as Llama 2
-#: 7B's): four times the head rows a token, which layout 3 keeps apart.
+#: a decode step of the same bytes with 32 heads that each keep their own keys (multi-head attention, as Llama 2
+#: 7B's): four times the head rows a token, which layout 3 keeps apart; and the decode step in pages of 16 slots
+#: (vLLM's default block size): four times the page turns, a page's run of a head in layout 3 a quarter as long.
 SHAPES = [Shape("decode", 64, 1, 1023), Shape("prefill", 4, 512, 0), Shape("chunk", 4, 256, 768),
-          Shape("decode-32h", 16, 1, 1023, heads=32)]
+          Shape("decode-32h", 16, 1, 1023, heads=32), Shape("decode-p16", 64, 1, 1023, page_size=16)]
 #: --quick: the same mix, tiny (a smoke run of the tool, not a measurement).
 QUICK_SHAPES = [Shape("decode", 4, 1, 63, heads=2, head_dim=32, page_size=16),
                 Shape("prefill", 2, 32, 0, heads=2, head_dim=32, page_size=16),

@@ -204,7 +204,7 @@ def cpu_streamed_heads(quant_bit: int, path: str | None = None) -> int:
 
 
 def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
-    """How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache of ``cache_layout`` write
+    """How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of ``cache_layout`` write
     to each output in turn in token order (one token where that is less than a token's row): chosen per layout by
     measurement (a token where a token's key and value rows lie together, layouts 0 and 1; tiles where they lie
     apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size. Raises

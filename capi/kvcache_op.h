@@ -120,7 +120,7 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
    argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 
-/* How many bytes of whole tokens KeyValueCache's CPU gathers of an unquantized cache of `cache_layout` write to
+/* How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of `cache_layout` write to
    each output in turn in token order (a tile's keys, then its values; one token where that is less than a token's
    row), chosen per layout by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes); -1 for a layout outside 0-3.
    Every size gives the same bits. (C API version 5: the layout argument.) */

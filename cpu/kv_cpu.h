@@ -50,7 +50,7 @@ bool CachedGatherHeadRuns();
 // kMaxStreamedHeads). The same bits whatever the count.
 constexpr int64_t kMaxStreamedHeads = 16;
 int64_t StreamedGatherHeads(bool quantized);
-// How many bytes of whole tokens unquantized gathers in token order (not side by side) write to each output in
+// How many bytes of whole tokens gathers in token order (not side by side) write to each output in
 // turn (a tile's keys, then its values), one token where that is less than a token's row, from a cache whose
 // slots hold a token's key and value rows together or not (RowStrides::KeyValueTogether): chosen by measurement
 // (a token where they lie together, tiles where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a

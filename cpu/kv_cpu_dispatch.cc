@@ -178,14 +178,16 @@ int64_t GatherTileBytes(bool key_value_together) {
   // at a time alternates between two distant runs of each: on that AMD EPYC layout 2 1.01-1.05x (a token) against
   // 1.06-1.26x (32 KiB), 16 bytes past a line 0.69-0.87x against 0.87-0.99x; on the Intel Xeon 0.96x against
   // 0.94x (within its noise); layout 3 within noise on the AMD EPYC (0.96x either way; 0.85x either way past a
-  // line), not measured on the Intel Xeon. Quantized gathers go a token at a time whatever the layout (kv_cpu.cc).
+  // line), not measured on the Intel Xeon.
   // Later, on that AMD EPYC (float16 decode, paged, side by side, on lines / 16 bytes past): layout 2 1.02x / 0.99x
   // (32 KiB), 1.12x / 1.08x (128 KiB), 1.12x / 1.16x (512 KiB); with 32 heads of 128 (B=16) 0.87x / 0.85x, 1.02x /
   // 0.92x, 1.01x / 0.99x: fewer turns between the distant key and value runs; the chunk of a chunked prefill
   // (outputs that stay cached) level, layout 2 0.61x against 0.65x (512 KiB), layout 3 0.65x either way. 512 KiB
   // there (a task's 64 tokens of rows up to 8 KiB); 32 KiB elsewhere, as measured on the Intel Xeons (against a
   // token at a time only). Layout 3's streamed float16 gathers walk page runs a few heads at a time instead
-  // (StreamedGatherHeads); its tiles serve outputs that stay cached.
+  // (StreamedGatherHeads); its tiles serve outputs that stay cached. Quantized gathers in token order take the
+  // same tiles (on that AMD EPYC, int8 decode with 32 heads of 128 in layout 2: 0.84x a token at a time, 0.98x in
+  // 512 KiB tiles; kv_cpu.cc).
   if (key_value_together) return 0;
   return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
 }

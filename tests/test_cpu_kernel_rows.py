@@ -146,7 +146,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     unquantized rows streamed one stream at a time go a page run and that many heads at a time too, with repeats
     each head's copies through the line writer. The heads a row ($KVCACHE_OP_STREAMED_HEADS) turn with the plan
     and offset: one, three and four of 4-7 heads leave short last groups, 16 is every head, and the measured count
-    (eight values, four quantized heads) leaves four of 12. Unquantized token-order gathers go in tiles
+    (eight values, four quantized heads) leaves four of 12. Token-order gathers go in tiles
     ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
     ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With side-by-side streams, unquantized rows
@@ -271,7 +271,7 @@ def test_stored_tokens_reach_their_output_rows_only_where_loaded(quant_bit, layo
             ("tokens", 0, 0, "stream", 0, 0), ("head-runs", 16, 32768, "cached", 0, 32),
             ("tokens", 2, 1000, "stream", 16, 32), ("head-runs", 0, 0, "stream", 0, 16)):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
-        monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))  # unquantized gathers' tiles: 1, 2 or many tokens
+        monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))  # token-order gathers' tiles: 1, 2 or many tokens
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", codes)
         assert c_api.cpu_code_stores() == codes
         fresh = copies(case.inputs)
