@@ -285,14 +285,21 @@ struct Kernel {
     }
   }
 
-  // The first rows of the pass a head run is followed by (EmitHeadRun's `next`): heads h .. h + heads of kv, of
-  // slots[0 .. rows) (kStoredRow: none to read).
+  // The rows read after a head run's last, in order, up to kAheadRows of them (EmitHeadRun's `next`): row k is
+  // heads h[k] .. h[k] + heads[k] of (kv[k], slot[k]).
   struct NextRows {
-    int kv = 0;
-    int64_t h = 0, heads = 0;
-    const int64_t* slots = nullptr;
-    int64_t rows = 0;
+    int kv[kAheadRows] = {};
+    int64_t h[kAheadRows] = {}, heads[kAheadRows] = {}, slot[kAheadRows] = {};
+    int64_t count = 0;
+    void Add(int row_kv, int64_t row_h, int64_t row_heads, int64_t row_slot) {
+      kv[count] = row_kv, h[count] = row_h, heads[count] = row_heads, slot[count] = row_slot;
+      ++count;
+    }
   };
+  // Prefetch of row k of `next`.
+  void PrefetchNext(const NextRows& next, int64_t k) const {
+    for (int64_t q = 0; q < next.heads[k]; ++q) Prefetch(next.kv[k], next.h[k] + q, next.slot[k], 1);
+  }
 
   // Heads h .. h + heads of the m consecutive slots from `slot` (layout 3: a head's slots one after another in the
   // cache) into dst, out_row values apart: one pass down the run's rows (codes and scales, or values), their
@@ -304,20 +311,22 @@ struct Kernel {
   // task writes too (DequantizeRowsStreamed's and WriteRows' lead and tail_follows), so that no line they share
   // waits in the task's table: the row before the run's first token is of slot `before_slot` (kStoredRow: none
   // this task writes), and `after_written` says whether this task writes the token after the run's last.
-  // Each row is asked for `ahead` rows before its use; the last rows' requests go to `next`, the first rows of the
-  // pass that follows, so that it does not start cold.
+  // Each row is asked for `ahead` (at most kAheadRows) rows before its use, the rows past the run's end from
+  // `next`, the rows read after it: no pass starts cold, and the requests come one row at a time.
   void EmitHeadRun(int kv, int64_t h, int64_t heads, int64_t slot, int64_t m, int64_t ahead, T* dst, int64_t out_row,
                    bool streamed, Scratch& scratch, int64_t before_slot = kStoredRow, bool after_written = false,
                    const NextRows& next = {}) const {
     const bool chained = streamed && a.num_repeat == 1;  // else DequantizeRowsStreamed is not called
-    // Row j + ahead of the run, or past its end the next pass's first rows: every pass then starts warm.
+    // Row j + ahead of the run, or past its end the rows read after it. A run shorter than `ahead` first asks for
+    // the rows after it that its own rows' requests do not reach.
     auto prefetch_ahead = [&](int64_t j) {
       if (j + ahead < m) {
         for (int64_t q = 0; q < heads; ++q) Prefetch(kv, h + q, slot + j + ahead, 1);
-      } else if (const int64_t k = j + ahead - m; k < next.rows && next.slots[k] != kStoredRow) {
-        for (int64_t q = 0; q < next.heads; ++q) Prefetch(next.kv, next.h + q, next.slots[k], 1);
+      } else if (const int64_t k = j + ahead - m; k < next.count) {
+        PrefetchNext(next, k);
       }
     };
+    for (int64_t k = 0; k < std::min(ahead - m, next.count); ++k) PrefetchNext(next, k);
     // The lead and tail_follows of slot j's output row (unused where not chained).
     auto chain = [&](int64_t j, auto& lead, bool& tail_follows) {
       if (!chained) return;
@@ -473,15 +482,18 @@ struct Kernel {
     Scratch scratch = MakeScratch();
     if (head_major) {
       // Runs of consecutive slots (a page's) are one stream per head, read in one pass (EmitHeadRun): per kv, per
-      // group of heads, run by run. Each pass asks for the next one's first rows as it nears its end, and the
-      // task's last for the next task's first, so that no pass starts cold (measured on an AMD EPYC of Zen 4, one
-      // core, against passes that asked for their own rows only: int8 decode 0.93x -> 1.00x a copy, with pages of
-      // 16 slots 0.62x -> 0.79x; float16 with pages of 16 slots 0.80x -> 0.90x, outputs 16 bytes past a line).
+      // group of heads, run by run. Each row is asked for kAheadRows rows before it is read, across passes, and
+      // the task's last rows ask for the next task's first: no pass starts cold, and no run starts with a burst
+      // of requests (measured on an AMD EPYC of Zen 4, one core, against runs that asked for the next run's first
+      // rows all at once as they started, the first run of each kv and group of heads cold: int8 decode 0.93x ->
+      // 1.00x a copy, with pages of 16 slots 0.62x -> 0.79x; float16 with pages of 16 slots 0.80x -> 0.90x,
+      // outputs 16 bytes past a line).
       struct Pass {
         int kv;
         int64_t h, heads, i, m;
       };
       std::vector<Pass> passes;
+      passes.reserve(static_cast<size_t>(2 * H));
       const int64_t first_heads = stream && (R == 1 || QBits == 0) ? std::min(streamed_heads, H) : 1;
       for (int kv = 0; kv < 2; ++kv)
         for (int64_t h = 0, g = first_heads; h < H; h += g) {
@@ -493,29 +505,32 @@ struct Kernel {
             passes.push_back({kv, h, g, i, m});
           }
         }
-      auto rows_of = [&](const Pass& pass) {
-        return NextRows{pass.kv, pass.h, pass.heads, slots.data() + pass.i, std::min(pass.m, ahead)};
+      // The first `ahead` rows read after pass n's last (n = passes.size(): none): the passes after it, then the
+      // next task's first rows (kv 0, the first heads, from row_end on; stored ones are not read).
+      auto rows_after = [&](size_t n) {
+        NextRows next;
+        for (size_t f = n; f < passes.size() && next.count < ahead; ++f)
+          for (int64_t j = 0; j < passes[f].m && next.count < ahead; ++j)
+            next.Add(passes[f].kv, passes[f].h, passes[f].heads, slots[passes[f].i] + j);
+        for (int64_t r = rows; r < count && next.count < ahead; ++r)
+          if (slots[r] != kStoredRow) next.Add(0, 0, first_heads, slots[r]);
+        return next;
       };
-      // The next task's first pass: kv 0, the first heads, its first rows (from row_end on).
-      const NextRows after_task{0, 0, first_heads, slots.data() + rows, count - rows};
-      if (!passes.empty()) {
-        const NextRows first = rows_of(passes.front());
-        for (int64_t k = 0; k < first.rows; ++k)
-          for (int64_t q = 0; q < first.heads; ++q) Prefetch(first.kv, first.h + q, first.slots[k], 1);
-      }
+      const NextRows first = rows_after(0);  // the task's first rows
+      for (int64_t k = 0; k < first.count; ++k) PrefetchNext(first, k);
       for (size_t n = 0; n < passes.size(); ++n) {
         const Pass& pass = passes[n];
         EmitHeadRun(pass.kv, pass.h, pass.heads, slots[pass.i], pass.m, ahead, head_row(pass.kv, pass.i, pass.h),
-                    out_row, stream, scratch, before(pass.i), after(pass.i + pass.m - 1),
-                    n + 1 < passes.size() ? rows_of(passes[n + 1]) : after_task);
+                    out_row, stream, scratch, before(pass.i), after(pass.i + pass.m - 1), rows_after(n + 1));
       }
     } else if (QBits != 0) {
       // Quantized rows go in the layout's tiles (GatherTileBytes) as unquantized ones do, a tile's key rows then
       // its value rows: a token at a time where a token's key and value rows lie together (measured faster than
       // tiles: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x), long tiles where they lie apart (on an AMD
       // EPYC of Zen 4, int8 decode with 32 heads of 128 in layout 2: 0.84x a token at a time, 0.98x in 512 KiB
-      // tiles; 0.80x and 0.93x 16 bytes past a line; 8 heads level).
-      const int64_t tile = std::max<int64_t>(1, tile_bytes / (out_row * int64_t(sizeof(T))));
+      // tiles; 0.80x and 0.93x 16 bytes past a line; 8 heads level). Layout 3 here (outputs that stay cached, on
+      // kinds that do not walk head runs for them) keeps a token at a time, as measured on the Intel Xeon.
+      const int64_t tile = HeadMajor() ? 1 : std::max<int64_t>(1, tile_bytes / (out_row * int64_t(sizeof(T))));
       for (int64_t i0 = 0; i0 < rows; i0 += tile)
         for (int kv = 0; kv < 2; ++kv)
           for (int64_t i = i0; i < std::min(rows, i0 + tile); ++i) {

@@ -114,29 +114,34 @@ def test_quantized_rows_give_the_references_bits(head_dim, group, quant_bit, ker
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4):
+def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4, page_size=64):
     """Outputs of > 16 MiB each, so the kernel writes them with streaming stores."""
     longest = 9000 if head_dim >= 128 else 45000  # either way outputs of > 16 MiB
     # partial loads too, and sequences that only load (gathered rows beside each other across sequences, and
     # the output's last row gathered)
     seqs = [Seq(longest, 1), Seq(0, 70, 50), Seq(3000, 0), Seq(8000, 3), Seq(1000, 1), Seq(0, 130, 90), Seq(500, 0)]
     return build(f"large-{quant_bit}-{layout}-{num_repeat}", seqs, heads=heads, head_dim=head_dim, quant_bit=quant_bit,
-                 quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=64, t1=t1,
+                 quant_group=8, num_repeat=num_repeat, cache_mode=1, cache_layout=layout, page_size=page_size, t1=t1,
                  t3="float16")
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1,head_dim,heads",
-                         [(0, 0, 1, "float16", 128, 4), (0, 3, 1, "float32", 128, 4), (0, 1, 2, "bfloat16", 128, 4),
-                          (0, 2, 1, "float16", 128, 7), (0, 3, 1, "float16", 128, 6), (0, 3, 2, "bfloat16", 64, 5),
-                          (0, 0, 1, "float16", 40, 6), (0, 3, 1, "float16", 40, 6), (0, 3, 1, "float16", 48, 5),
-                          (8, 0, 1, "float16", 128, 4), (8, 3, 1, "float16", 128, 4), (8, 3, 2, "float16", 128, 4),
-                          (8, 3, 1, "float16", 40, 4), (8, 2, 2, "float32", 128, 4), (4, 3, 1, "bfloat16", 128, 4),
-                          (4, 1, 1, "float16", 128, 4), (8, 1, 1, "float32", 128, 4), (8, 3, 1, "float32", 64, 4),
-                          (8, 3, 1, "float32", 128, 4), (8, 2, 1, "float16", 128, 4), (0, 2, 1, "bfloat16", 128, 4),
-                          (0, 3, 1, "float16", 128, 12)])
-def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, kernel,
-                                                   monkeypatch):
+@pytest.mark.parametrize("quant_bit,layout,num_repeat,t1,head_dim,heads,page_size",
+                         [(0, 0, 1, "float16", 128, 4, 64), (0, 3, 1, "float32", 128, 4, 64),
+                          (0, 1, 2, "bfloat16", 128, 4, 64), (0, 2, 1, "float16", 128, 7, 64),
+                          (0, 3, 1, "float16", 128, 6, 64), (0, 3, 2, "bfloat16", 64, 5, 64),
+                          (0, 0, 1, "float16", 40, 6, 64), (0, 3, 1, "float16", 40, 6, 64),
+                          (0, 3, 1, "float16", 48, 5, 64), (8, 0, 1, "float16", 128, 4, 64),
+                          (8, 3, 1, "float16", 128, 4, 64), (8, 3, 2, "float16", 128, 4, 64),
+                          (8, 3, 1, "float16", 40, 4, 64), (8, 2, 2, "float32", 128, 4, 64),
+                          (4, 3, 1, "bfloat16", 128, 4, 64), (4, 1, 1, "float16", 128, 4, 64),
+                          (8, 1, 1, "float32", 128, 4, 64), (8, 3, 1, "float32", 64, 4, 64),
+                          (8, 3, 1, "float32", 128, 4, 64), (8, 2, 1, "float16", 128, 4, 64),
+                          (0, 2, 1, "bfloat16", 128, 4, 64), (0, 3, 1, "float16", 128, 12, 64),
+                          (8, 3, 1, "float16", 128, 4, 5), (8, 3, 2, "float16", 128, 4, 5),
+                          (0, 3, 1, "float16", 128, 6, 16), (4, 2, 1, "float16", 128, 4, 64)])
+def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size,
+                                                   kernel, monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
     odd 33, which no row cut in registers takes): layout 3's streamed quantized rows go a few heads at a time (head
     rows of whole cache lines or not: Dh 40's 80-byte rows, Dh 48's 96 bytes, 8 groups of Dh 64), each token's
@@ -151,9 +156,10 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
     ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With side-by-side streams, unquantized rows
     are read as several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
-    last task's tiles are short)."""
+    last task's tiles are short). Pages of 64 slots, and in layout 3 of 5 and 16 (page runs shorter than the rows
+    the gathers ask for ahead of their use: the requests go on into the next passes)."""
     use_cpu_kernel(monkeypatch, kernel)
-    case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads)
+    case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
     runs = [  # (store plan, output offset, heads a row (None: the measured count), tile bytes)
