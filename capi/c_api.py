@@ -207,8 +207,8 @@ def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
     """How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of ``cache_layout`` write
     to each output in turn in token order (one token where that is less than a token's row): chosen per layout by
     measurement (a token where a token's key and value rows lie together, layouts 0 and 1; tiles where they lie
-    apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); the same bits whatever the size. Raises
-    ValueError for a layout outside 0-3."""
+    apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); quantized layout-3 gathers in token order go a
+    token at a time whatever it says; the same bits whatever the size. Raises ValueError for a layout outside 0-3."""
     if type(cache_layout) is not int or cache_layout not in (0, 1, 2, 3):  # not 1.0, not True
         raise ValueError(f"cache_layout must be 0, 1, 2 or 3, not {cache_layout!r}")
     return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))

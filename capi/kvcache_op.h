@@ -123,7 +123,8 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 /* How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of `cache_layout` write to
    each output in turn in token order (a tile's keys, then its values; one token where that is less than a token's
    row), chosen per layout by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes); -1 for a layout outside 0-3.
-   Every size gives the same bits. (C API version 5: the layout argument.) */
+   Quantized layout-3 gathers in token order go a token at a time whatever it says. Every size gives the same
+   bits. (C API version 5: the layout argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout);
 
 /* How KeyValueCache's CPU stores write quantized codes whose output rows are not read back from the cache, where

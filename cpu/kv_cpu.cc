@@ -64,7 +64,7 @@ struct Kernel {
   bool parallel_streams;  // streamed unquantized gathers may read kStreams source streams side by side
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
   int64_t streamed_heads;  // layout-3 streamed gathers read this many heads a pass (one output row a slot)
-  int64_t tile_bytes;      // token-order gathers write each output in tiles of this many bytes, at least a token
+  int64_t tile_bytes;  // token-order gathers (quantized: layouts 0-2) write each output in tiles of this many bytes
   bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
@@ -317,8 +317,8 @@ struct Kernel {
                    bool streamed, Scratch& scratch, int64_t before_slot = kStoredRow, bool after_written = false,
                    const NextRows& next = {}) const {
     const bool chained = streamed && a.num_repeat == 1;  // else DequantizeRowsStreamed is not called
-    // Row j + ahead of the run, or past its end the rows read after it. A run shorter than `ahead` first asks for
-    // the rows after it that its own rows' requests do not reach.
+    // Row j + ahead of the run, or past its end the rows read after it (a run shorter than `ahead` finds its own
+    // first rows after it asked for by the rows read before it).
     auto prefetch_ahead = [&](int64_t j) {
       if (j + ahead < m) {
         for (int64_t q = 0; q < heads; ++q) Prefetch(kv, h + q, slot + j + ahead, 1);
@@ -326,7 +326,6 @@ struct Kernel {
         PrefetchNext(next, k);
       }
     };
-    for (int64_t k = 0; k < std::min(ahead - m, next.count); ++k) PrefetchNext(next, k);
     // The lead and tail_follows of slot j's output row (unused where not chained).
     auto chain = [&](int64_t j, auto& lead, bool& tail_follows) {
       if (!chained) return;
@@ -484,10 +483,11 @@ struct Kernel {
       // Runs of consecutive slots (a page's) are one stream per head, read in one pass (EmitHeadRun): per kv, per
       // group of heads, run by run. Each row is asked for kAheadRows rows before it is read, across passes, and
       // the task's last rows ask for the next task's first: no pass starts cold, and no run starts with a burst
-      // of requests (measured on an AMD EPYC of Zen 4, one core, against runs that asked for the next run's first
-      // rows all at once as they started, the first run of each kv and group of heads cold: int8 decode 0.93x ->
-      // 1.00x a copy, with pages of 16 slots 0.62x -> 0.79x; float16 with pages of 16 slots 0.80x -> 0.90x,
-      // outputs 16 bytes past a line).
+      // of requests. Measured on an AMD EPYC of Zen 4, one core, against runs that asked for the next run's first
+      // rows all at once as they started, the first run of each kv and group of heads cold, with a first form of
+      // this that asked for the next pass's first rows only (the same requests in pages of 8 slots or more):
+      // int8 decode 0.93x -> 1.00x a copy, with pages of 16 slots 0.62x -> 0.79x; float16 with pages of 16 slots
+      // 0.80x -> 0.90x, outputs 16 bytes past a line.
       struct Pass {
         int kv;
         int64_t h, heads, i, m;

@@ -186,8 +186,8 @@ int64_t GatherTileBytes(bool key_value_together) {
   // there (a task's 64 tokens of rows up to 8 KiB); 32 KiB elsewhere, as measured on the Intel Xeons (against a
   // token at a time only). Layout 3's streamed float16 gathers walk page runs a few heads at a time instead
   // (StreamedGatherHeads); its tiles serve outputs that stay cached. Quantized gathers in token order take the
-  // same tiles (on that AMD EPYC, int8 decode with 32 heads of 128 in layout 2: 0.84x a token at a time, 0.98x in
-  // 512 KiB tiles; kv_cpu.cc).
+  // same tiles in layouts 0-2 (on that AMD EPYC, int8 decode with 32 heads of 128 in layout 2: 0.84x a token at a
+  // time, 0.98x in 512 KiB tiles; kv_cpu.cc).
   if (key_value_together) return 0;
   return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
 }

@@ -139,7 +139,8 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4, page_size=6
                           (8, 3, 1, "float32", 128, 4, 64), (8, 2, 1, "float16", 128, 4, 64),
                           (0, 2, 1, "bfloat16", 128, 4, 64), (0, 3, 1, "float16", 128, 12, 64),
                           (8, 3, 1, "float16", 128, 4, 5), (8, 3, 2, "float16", 128, 4, 5),
-                          (0, 3, 1, "float16", 128, 6, 16), (4, 2, 1, "float16", 128, 4, 64)])
+                          (0, 3, 1, "float16", 128, 6, 16), (0, 3, 1, "float16", 128, 6, 5),
+                          (4, 2, 1, "float16", 128, 4, 64)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size,
                                                    kernel, monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
@@ -156,8 +157,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
     ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With side-by-side streams, unquantized rows
     are read as several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
-    last task's tiles are short). Pages of 64 slots, and in layout 3 of 5 and 16 (page runs shorter than the rows
-    the gathers ask for ahead of their use: the requests go on into the next passes)."""
+    last task's tiles are short). Pages of 64 slots, and in layout 3 of 16 and of 5 (page runs shorter than the
+    rows the gathers ask for ahead of their use: the requests go on across passes)."""
     use_cpu_kernel(monkeypatch, kernel)
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size)
     want = reference_result(case.inputs, case.attributes)
