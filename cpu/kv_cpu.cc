@@ -298,7 +298,7 @@ struct Kernel {
   };
   // Prefetch of row k of `next`.
   void PrefetchNext(const NextRows& next, int64_t k) const {
-    for (int64_t q = 0; q < next.heads[k]; ++q) Prefetch(next.kv[k], next.h[k] + q, next.slot[k], 1);
+    PrefetchHeads(next.kv[k], next.h[k], next.heads[k], next.slot[k]);
   }
 
   // Heads h .. h + heads of the m consecutive slots from `slot` (layout 3: a head's slots one after another in the
@@ -321,7 +321,7 @@ struct Kernel {
     // first rows after it asked for by the rows read before it).
     auto prefetch_ahead = [&](int64_t j) {
       if (j + ahead < m) {
-        for (int64_t q = 0; q < heads; ++q) Prefetch(kv, h + q, slot + j + ahead, 1);
+        PrefetchHeads(kv, h, heads, slot + j + ahead);
       } else if (const int64_t k = j + ahead - m; k < next.count) {
         PrefetchNext(next, k);
       }
@@ -413,7 +413,12 @@ struct Kernel {
   // Prefetch of all H heads of a slot: one run where they lie together, else head by head.
   void PrefetchToken(int kv, int64_t slot) const {
     if (HeadsAdjacent()) return Prefetch(kv, 0, slot, p.heads);
-    for (int64_t h = 0; h < p.heads; ++h) Prefetch(kv, h, slot, 1);
+    PrefetchHeads(kv, 0, p.heads, slot);
+  }
+
+  // Prefetch of heads h .. h + heads of a slot, head by head (layout 3's lie MaxT rows apart).
+  void PrefetchHeads(int kv, int64_t h, int64_t heads, int64_t slot) const {
+    for (int64_t q = 0; q < heads; ++q) Prefetch(kv, h + q, slot, 1);
   }
 
   // Token i of this gather task (slot `slot`) into output row dst: one row of H * Dh where a token's heads lie
@@ -523,28 +528,21 @@ struct Kernel {
         EmitHeadRun(pass.kv, pass.h, pass.heads, slots[pass.i], pass.m, ahead, head_row(pass.kv, pass.i, pass.h),
                     out_row, stream, scratch, before(pass.i), after(pass.i + pass.m - 1), rows_after(n + 1));
       }
-    } else if (QBits != 0) {
-      // Quantized rows go in the layout's tiles (GatherTileBytes) as unquantized ones do, a tile's key rows then
-      // its value rows: a token at a time where a token's key and value rows lie together (measured faster than
-      // tiles: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x), long tiles where they lie apart (on an AMD
-      // EPYC of Zen 4, int8 decode with 32 heads of 128 in layout 2: 0.84x a token at a time, 0.98x in 512 KiB
-      // tiles; 0.80x and 0.93x 16 bytes past a line; 8 heads level). Layout 3 here (outputs that stay cached, on
-      // kinds that do not walk head runs for them) keeps a token at a time, as measured on the Intel Xeon.
-      const int64_t tile = HeadMajor() ? 1 : std::max<int64_t>(1, tile_bytes / (out_row * int64_t(sizeof(T))));
-      for (int64_t i0 = 0; i0 < rows; i0 += tile)
-        for (int kv = 0; kv < 2; ++kv)
-          for (int64_t i = i0; i < std::min(rows, i0 + tile); ++i) {
-            prefetch(kv, i);
-            if (slots[i] != kStoredRow) EmitToken(kv, slots[i], out(kv, i), scratch, before(i), after(i));
-          }
     } else {
       // Tiles of whole tokens (GatherTileBytes: a token, or long runs per output), keys then values. Streamed
-      // side by side (LineStreams writes lines whole in any order), a tile of kSideBySideTileBytes is read as
-      // kStreams streams: in layout 3 a stream is a head's slots, kStreams heads at a time; elsewhere a run of the
-      // tile's tokens.
-      const bool side_by_side = stream && parallel_streams;
-      const int64_t tile = std::max<int64_t>(1, (side_by_side ? kSideBySideTileBytes : tile_bytes) /
-                                                    (out_row * int64_t(sizeof(T))));
+      // side by side (LineStreams writes lines whole in any order; unquantized rows only), a tile of
+      // kSideBySideTileBytes is read as kStreams streams: in layout 3 a stream is a head's slots, kStreams heads at
+      // a time; elsewhere a run of the tile's tokens.
+      // Quantized rows take the layout's tiles too: a token at a time where a token's key and value rows lie
+      // together (measured faster than tiles: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x), long tiles
+      // where they lie apart (on an AMD EPYC of Zen 4, int8 decode with 32 heads of 128 in layout 2: 0.84x a token
+      // at a time, 0.98x in 512 KiB tiles; 0.80x and 0.93x 16 bytes past a line; 8 heads level). Quantized layout 3
+      // here (outputs that stay cached, on kinds that do not walk head runs for them) keeps a token at a time, as
+      // measured on the Intel Xeon.
+      const bool side_by_side = QBits == 0 && stream && parallel_streams;
+      const int64_t tile = QBits != 0 && HeadMajor() ? 1
+                           : std::max<int64_t>(1, (side_by_side ? kSideBySideTileBytes : tile_bytes) /
+                                                      (out_row * int64_t(sizeof(T))));
       for (int64_t i0 = 0; i0 < rows; i0 += tile) {
         const int64_t m = std::min(tile, rows - i0);
         for (int kv = 0; kv < 2; ++kv) {
