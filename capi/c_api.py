@@ -180,8 +180,8 @@ def cpu_kernel(path: str | None = None) -> str:
 
 def cpu_stores(path: str | None = None) -> str:
     """How KeyValueCache's CPU gathers write outputs too large to stay cached ("side-by-side", "stream" or
-    "cached"): chosen per CPU vendor by measurement, overridden by ``$KVCACHE_OP_STORES``; the same bits
-    either way."""
+    "cached"): "stream" by default, measured ahead on every processor kind at hand (AMD and Intel), overridden
+    by ``$KVCACHE_OP_STORES``; the same bits either way."""
     return library(path).kvcache_op_cpu_stores().decode()
 
 
@@ -195,8 +195,8 @@ def cpu_cached_gather(path: str | None = None) -> str:
 def cpu_streamed_heads(quant_bit: int, path: str | None = None) -> int:
     """How many of a token's heads (1-16) KeyValueCache's CPU gathers of a cache of ``quant_bit`` (0, 4 or 8) read
     side by side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row: four
-    quantized heads (codes and scales; measured best on both CPU kinds at hand), eight unquantized (measured on an
-    AMD EPYC); overridden by ``$KVCACHE_OP_STREAMED_HEADS`` for both (a positive count; larger ones give 16); the
+    quantized heads (codes and scales; measured best on both CPU kinds at hand), eight unquantized (measured best
+    on an AMD EPYC and an Intel Xeon); overridden by ``$KVCACHE_OP_STREAMED_HEADS`` for both (a positive count; larger ones give 16); the
     same bits whatever the count. Raises ValueError for another quant_bit."""
     if type(quant_bit) is not int or quant_bit not in (0, 4, 8):  # not 8.0, not True
         raise ValueError(f"quant_bit must be 0, 4 or 8, not {quant_bit!r}")
@@ -216,7 +216,7 @@ def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
 
 def cpu_code_stores(path: str | None = None) -> str:
     """How KeyValueCache's CPU stores write quantized codes whose output rows are not read back ("stream" or
-    "cached"): streamed by default on AMD processors running the AVX-512 build (measured there), overridden by
+    "cached"): streamed by default where the AVX-512 build runs (measured ahead on AMD and Intel), overridden by
     ``$KVCACHE_OP_CODE_STORES`` (which only the AVX-512 build acts on); stores-only calls (MultiHeadCacheAttention's)
     keep them cached; the same bits either way."""
     return library(path).kvcache_op_cpu_code_stores().decode()

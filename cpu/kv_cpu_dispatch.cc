@@ -73,21 +73,6 @@ CpuKernel ChosenKernel() {
 
 }  // namespace
 
-#ifdef KVCACHE_CPU_AVX2
-// Whether this is an Intel processor of family 6, model 207 (0xCF, a Xeon of the Emerald Rapids generation),
-// the Intel kind whose store plan has been measured apart from the first Intel machine's.
-static bool IntelModel207() {
-  static const bool model_207 = [] {
-    if (!__builtin_cpu_is("intel")) return false;
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    if (__get_cpuid(1, &eax, &ebx, &ecx, &edx) == 0) return false;
-    const unsigned family = (eax >> 8) & 0xf, model = ((eax >> 4) & 0xf) | ((eax >> 12) & 0xf0);
-    return family == 6 && model == 207;
-  }();
-  return model_207;
-}
-#endif
-
 // Whether this is an AMD processor (__builtin_cpu_is is x86-only: elsewhere false).
 static bool AmdProcessor() {
 #ifdef KVCACHE_CPU_AVX2
@@ -112,16 +97,17 @@ StorePlan LargeOutputStores() {
   if (choice != nullptr && std::strcmp(choice, "side-by-side") == 0) return {true, true};
   if (choice != nullptr && std::strcmp(choice, "stream") == 0) return {true, false};
   if (choice != nullptr && std::strcmp(choice, "cached") == 0) return {false, false};
-  // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu): on an AMD EPYC (Zen 5)
-  // streaming stores walking one source stream reach 0.84-0.86x a copy in layout 0 whatever the output's
-  // alignment, four streams side by side 0.57x; on an Intel Xeon of family 6 model 207 one stream 0.81-0.93x in
-  // layouts 0-2 and four side by side 0.72-0.76x (layout 3 0.97x both); on the first Intel Xeon measured (its
-  // model not recorded) four streams side by side reached 1.08-1.21x a copy and one stream 0.74-0.97x
-  // (benchmarks/cpu/bound). Other processors keep that first Intel choice.
-#ifdef KVCACHE_CPU_AVX2
-  if (AmdProcessor() || IntelModel207()) return {true, false};
-#endif
-  return {true, true};
+  // Measured on one core, decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu), streaming stores walking
+  // one source stream against four side by side: on an AMD EPYC (Zen 5) 0.84-0.86x a copy in layout 0 whatever
+  // the output's alignment against 0.57x; on an Intel Xeon of family 6 model 207 0.81-0.93x in layouts 0-2
+  // against 0.72-0.76x (layout 3 0.97x both); on an Intel Xeon of family 6 model 167 (side by side in one
+  // process, 7 rounds, on lines / 16 bytes past) layout 0 0.86x / 0.86x against 0.77x / 0.60x, layout 1 0.84x /
+  // 0.81x against 0.79x / 0.65x, layout 2 0.77-0.83x / 0.82-0.85x against 0.79-0.82x / 0.53-0.62x, layout 3
+  // 1.06x / 1.05x against 0.94x / 0.58x, 32 heads of 128 in layout 3 1.06x / 0.97x against 0.63x / 0.50x; cached
+  // stores 0.46-0.54x. One stream on every processor: the first Intel Xeon measured (its model not recorded),
+  // with the kernel of then, had four side by side ahead (1.08-1.21x against 0.74-0.97x), but no processor has
+  // measured them ahead since streamed rows off a line are chained (benchmarks/cpu/bound).
+  return {true, false};
 }
 
 bool CachedGatherHeadRuns() {
@@ -132,7 +118,9 @@ bool CachedGatherHeadRuns() {
   // token ran at 0.60-0.71x a copy and head by head (row by row, before page runs) 0.46-0.61x. Other
   // processors keep the Intel choice. (Measured when that prefill's outputs came from the gathers; the stores
   // now write a stored token's outputs, so this orders the gathers of what a call loads without storing it: a
-  // chunked prefill's earlier tokens, a small decode's.)
+  // chunked prefill's earlier tokens, a small decode's.) On an Intel Xeon of family 6 model 167, side by side in
+  // one process (9 rounds), the chunk of a chunked prefill, int8 layout 3: token by token 3.72 ms (0.61x a copy)
+  // against 4.81 ms (0.48x) a head's page runs; float16 and layout 0 within noise.
   return AmdProcessor();
 }
 
@@ -160,7 +148,10 @@ int64_t StreamedGatherHeads(bool quantized) {
   // pass), 0.95-0.97x / 0.92-0.93x (four), 0.98x / 1.00x (eight); 32 heads of 128 (B=16) 0.83x / 0.82x, 0.98x / 0.97x,
   // 0.94-0.97x / 0.97-0.98x, sixteen 0.76x / 0.78x (token by token 0.43-0.48x); 16 heads of 64 0.67x / 0.65x, 0.82x /
   // 0.75x, 0.86x / 0.80-0.82x, sixteen 0.78x / 0.84x. Eight for values: in both cases eight source streams a pass,
-  // what the cache's sets hold (the rows' addresses share their low bits: kv_cpu.cc, GatherRows).
+  // what the cache's sets hold (the rows' addresses share their low bits: kv_cpu.cc, GatherRows). On an Intel Xeon
+  // of family 6 model 167, values, side by side (7 rounds, on lines / 16 bytes past): 8 heads of 128 1.10x /
+  // 0.81x (four), 1.08x / 1.07x (eight), 1.08x / 1.13x (sixteen); 32 heads of 128 1.09x / 1.09x, 1.05x / 1.00x,
+  // 0.91x / 0.77x; pages of 16 slots 0.98x / 0.81x, 0.95x / 0.94x, 0.94x / 0.93x: eight there too.
   return quantized ? 4 : 8;
 }
 
@@ -187,7 +178,11 @@ int64_t GatherTileBytes(bool key_value_together) {
   // token at a time only). Layout 3's streamed float16 gathers walk page runs a few heads at a time instead
   // (StreamedGatherHeads); its tiles serve outputs that stay cached. Quantized gathers in token order take the
   // same tiles in layouts 0-2 (on that AMD EPYC, int8 decode with 32 heads of 128 in layout 2: 0.84x a token at a
-  // time, 0.98x in 512 KiB tiles; kv_cpu.cc).
+  // time, 0.98x in 512 KiB tiles; kv_cpu.cc). On an Intel Xeon of family 6 model 167, layout 2 side by side (7
+  // rounds, on lines / 16 bytes past), a token, 32 KiB and 512 KiB: float16 decode 0.91x / 0.85x, 0.81x / 0.85x,
+  // 0.76x / 0.87x; with 32 heads of 128 0.76x / 0.73x, 0.75x / 0.75x, 0.79x / 0.79x; int8 decode 0.96x / 0.86x,
+  // 0.92x / 0.86x, 0.91x / 0.89x; int8 with 32 heads 0.77x / 0.74x, 0.79x / 0.73x, 0.77x / 0.74x: all within
+  // that machine's noise, so Intel processors keep 32 KiB.
   if (key_value_together) return 0;
   return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
 }
@@ -205,9 +200,13 @@ bool StreamedCodeStores() {
   // the cache. A cache row written is read again at the next step, by then long evicted. With the codes, layout
   // 3's scale rows go out as whole streamed lines (InterleavedStreams): side by side on that AMD EPYC, layout 3's
   // int8 prefill 4-23% faster in four runs of five, level in one (op / copy 0.64x -> 0.75x, 1.46 -> 1.13 ms, in
-  // the quietest; offset mode 0.51x -> 0.66x), the chunk 3.04 -> 2.76 ms, layout 0 level. Not measured on Intel
-  // processors, which keep plain stores; nor in the other builds, which never stream codes.
-  return AmdProcessor() && ChosenKernel() == CpuKernel::kAvx512;
+  // the quietest; offset mode 0.51x -> 0.66x), the chunk 3.04 -> 2.76 ms, layout 0 level. Intel processors were
+  // not measured then. On an Intel Xeon of family 6 model 167 (side by side in one process, 13 rounds, int8 prefill,
+  // on lines / 16 bytes past, ms): layout 3 1.46 / 1.44 against 2.02 / 1.78 (op / copy 0.82x against 0.61-0.65x),
+  // layout 2 1.49 / 1.60 against 1.64 / 1.65, layout 0 1.59 / 1.60 against 1.70 / 1.84, offset mode level; the
+  // chunk, layout 3, 2.83 / 3.04 against 3.03 / 3.27; decode level. Streamed on every processor running the
+  // AVX-512 build; the other builds never stream codes.
+  return ChosenKernel() == CpuKernel::kAvx512;
 }
 
 const char* CpuKernelName() {

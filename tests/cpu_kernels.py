@@ -56,12 +56,6 @@ def amd_processor() -> bool:
     return cpuinfo_fields().get("vendor_id") == "AuthenticAMD"
 
 
-def intel_model_207() -> bool:
-    """Whether this is an Intel processor of family 6, model 207 (a Xeon of the Emerald Rapids generation)."""
-    fields = cpuinfo_fields()
-    return (fields.get("vendor_id"), fields.get("cpu family"), fields.get("model")) == ("GenuineIntel", "6", "207")
-
-
 def _skip_reason(name: str) -> str | None:
     """Why this processor cannot run build ``name``, or None."""
     if name == "generic":
