@@ -103,7 +103,7 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_has_cuda(void);
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_kernel(void);
 
 /* How KeyValueCache's CPU gathers write outputs too large to stay cached: "stream" (streaming stores, one source
-   stream; measured ahead on every processor kind at hand, AMD and Intel) unless $KVCACHE_OP_STORES names
+   stream; measured ahead on the AMD EPYCs and the two Intel Xeon models measured with the kernel as it is) unless $KVCACHE_OP_STORES names
    "side-by-side" (streaming stores, several source streams read side by side) or "cached" (plain stores). All give
    the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);

@@ -32,8 +32,8 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 // The build ComputeCpu runs now: "avx512", "avx2" or "generic".
 const char* CpuKernelName();
 
-// How gathers write outputs too large to stay cached: streaming stores of one source stream, measured ahead on every
-// processor kind at hand (kv_cpu_dispatch.cc; $KVCACHE_OP_STORES = side-by-side | stream | cached overrides it).
+// How gathers write outputs too large to stay cached: streaming stores of one source stream, measured ahead on AMD EPYCs
+// and two Intel Xeon models (kv_cpu_dispatch.cc; $KVCACHE_OP_STORES = side-by-side | stream | cached overrides it).
 struct StorePlan {
   bool stream;        // streaming stores (the output is not read into the cache first)
   bool side_by_side;  // streamed unquantized gathers read several source streams side by side
