@@ -103,9 +103,9 @@ KVCACHE_OP_EXPORT int32_t kvcache_op_has_cuda(void);
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_kernel(void);
 
 /* How KeyValueCache's CPU gathers write outputs too large to stay cached: "stream" (streaming stores, one source
-   stream; measured ahead on the AMD EPYCs and the two Intel Xeon models measured with the kernel as it is) unless $KVCACHE_OP_STORES names
-   "side-by-side" (streaming stores, several source streams read side by side) or "cached" (plain stores). All give
-   the same bits. */
+   stream; measured ahead on the AMD EPYCs and the two Intel Xeon models measured with the kernel as it is) unless
+   $KVCACHE_OP_STORES names "side-by-side" (streaming stores, several source streams read side by side) or "cached"
+   (plain stores). All give the same bits. */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
 
 /* How KeyValueCache's CPU gathers read a layout-3 quantized cache into outputs that stay cached, chosen per CPU
@@ -116,8 +116,8 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
 /* How many of a token's heads (1-16) KeyValueCache's CPU gathers of a cache of `quant_bit` (0, 4 or 8) read side by
    side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row (a line two heads
    share is then cut in registers rather than held): four quantized heads (measured best on both CPU kinds at hand),
-   eight unquantized (measured best on an AMD EPYC and an Intel Xeon), or $KVCACHE_OP_STREAMED_HEADS for both (a positive count; larger
-   ones give 16); -1 for another quant_bit. Every count gives the same bits. (C API version 7: the quant_bit
+   eight unquantized (measured best on an AMD EPYC and an Intel Xeon), or $KVCACHE_OP_STREAMED_HEADS for both (a
+   positive count; larger ones give 16); -1 for another quant_bit. Every count gives the same bits. (C API version 7: the quant_bit
    argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 
@@ -130,8 +130,8 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout)
 
 /* How KeyValueCache's CPU stores write quantized codes whose output rows are not read back from the cache, where
    the AVX-512 build's blocks of 16 groups cover them and they start on a line, chosen by measurement (streamed
-   wherever the AVX-512 build runs: measured ahead on AMD and Intel) or by $KVCACHE_OP_CODE_STORES: "stream" (streaming stores) or
-   "cached" (plain stores). Other builds always store them plainly; stores-only calls (MultiHeadCacheAttention's,
+   wherever the AVX-512 build runs: measured ahead on AMD and Intel) or by $KVCACHE_OP_CODE_STORES: "stream"
+   (streaming stores) or "cached" (plain stores). Other builds always store them plainly; stores-only calls (MultiHeadCacheAttention's,
    which reads the rows at once) too. Both give the same bits. (C API version 6.) */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
 

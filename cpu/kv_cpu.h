@@ -32,8 +32,8 @@ void ComputeCpu(const ComputeArgs& args, const ParallelFor& parallel_for);
 // The build ComputeCpu runs now: "avx512", "avx2" or "generic".
 const char* CpuKernelName();
 
-// How gathers write outputs too large to stay cached: streaming stores of one source stream, measured ahead on AMD EPYCs
-// and two Intel Xeon models (kv_cpu_dispatch.cc; $KVCACHE_OP_STORES = side-by-side | stream | cached overrides it).
+// How gathers write outputs too large to stay cached: streaming stores of one source stream, measured ahead on AMD
+// EPYCs and two Intel Xeon models (kv_cpu_dispatch.cc; $KVCACHE_OP_STORES = side-by-side | stream | cached overrides it).
 struct StorePlan {
   bool stream;        // streaming stores (the output is not read into the cache first)
   bool side_by_side;  // streamed unquantized gathers read several source streams side by side
@@ -46,8 +46,8 @@ bool CachedGatherHeadRuns();
 // How many of a token's heads (1 to kMaxStreamedHeads) layout-3 gathers into streamed outputs read side by side, a
 // page run at a time, each slot's heads one output row without repeats, from a quantized cache or not: four quantized
 // heads (codes and scales: eight source streams; measured best on both CPU kinds at hand), eight heads of values
-// (measured on an AMD EPYC and an Intel Xeon); or $KVCACHE_OP_STREAMED_HEADS for both (a positive count, larger ones taken as
-// kMaxStreamedHeads). The same bits whatever the count.
+// (measured on an AMD EPYC and an Intel Xeon); or $KVCACHE_OP_STREAMED_HEADS for both (a positive count, larger
+// ones taken as kMaxStreamedHeads). The same bits whatever the count.
 constexpr int64_t kMaxStreamedHeads = 16;
 int64_t StreamedGatherHeads(bool quantized);
 // How many bytes of whole tokens gathers in token order (not side by side) write to each output in

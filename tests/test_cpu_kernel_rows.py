@@ -390,8 +390,8 @@ def test_the_streamed_heads_follow_the_override_and_else_are_four_quantized_and_
     """$KVCACHE_OP_STREAMED_HEADS names the count outright for quantized and unquantized caches alike (a positive
     integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice); unset,
     four quantized heads (eight source streams: codes and scales), measured best on the Intel Xeon of model 207 and
-    on an AMD EPYC of Zen 4 alike, and eight unquantized (measured on that AMD EPYC and on an Intel Xeon of model 167). A quant_bit the op does not
-    have is refused, by the binding and by the C function (-1)."""
+    on an AMD EPYC of Zen 4 alike, and eight unquantized (measured on that AMD EPYC and on an Intel Xeon of model
+    167). A quant_bit the op does not have is refused, by the binding and by the C function (-1)."""
     defaults = {0: 8, 4: 4, 8: 4}
     for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", None), ("-2", None), ("four", None),
                         ("4x", None), ("", None)):
