@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 7
+C_API_VERSION = 8
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -135,6 +135,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_streamed_heads": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
+        "kvcache_op_cpu_token_streams": ((), ctypes.c_int64),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -220,6 +221,15 @@ def cpu_code_stores(path: str | None = None) -> str:
     ``$KVCACHE_OP_CODE_STORES`` (which only the AVX-512 build acts on); stores-only calls (MultiHeadCacheAttention's)
     keep them cached; the same bits either way."""
     return library(path).kvcache_op_cpu_code_stores().decode()
+
+
+def cpu_token_streams(path: str | None = None) -> int:
+    """How many runs of a task's rows KeyValueCache's CPU gathers read side by side into streamed outputs where a
+    token's heads are one row in the cache and in the output (layouts 0-2, unquantized, no repeats, the "stream"
+    store plan): 8 on Intel processors running the AVX-512 build (measured there), 1 (one row after another)
+    elsewhere, overridden by ``$KVCACHE_OP_TOKEN_STREAMS`` (a positive count; larger ones give 16); the same bits
+    whatever the count."""
+    return int(library(path).kvcache_op_cpu_token_streams())
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

@@ -68,6 +68,8 @@ int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout) {
 
 const char* kvcache_op_cpu_code_stores(void) { return kvcache::StreamedCodeStores() ? "stream" : "cached"; }
 
+int64_t kvcache_op_cpu_token_streams(void) { return kvcache::TokenStreams(); }
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

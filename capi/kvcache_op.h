@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 7
+#define KVCACHE_OP_C_API_VERSION 8
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -134,6 +134,14 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout)
    (streaming stores) or "cached" (plain stores). Other builds always store them plainly; stores-only calls (MultiHeadCacheAttention's,
    which reads the rows at once) too. Both give the same bits. (C API version 6.) */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
+
+/* How many runs of a task's rows KeyValueCache's CPU gathers read side by side into streamed outputs where a
+   token's heads are one row in the cache and in the output (layouts 0-2 without repeats, unquantized, the "stream"
+   store plan): a token's key row then its value row, 256 bytes of each run's row in turn; 1 reads them one row
+   after another. Chosen by measurement (8 on Intel processors running the AVX-512 build, 1 elsewhere) or by
+   $KVCACHE_OP_TOKEN_STREAMS (a positive count; larger ones give 16). Every count gives the same bits. (C API
+   version 8.) */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_streams(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);

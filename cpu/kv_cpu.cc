@@ -9,6 +9,7 @@
 #include "kv_cpu_type_dispatch.h"
 #include "kv_interleaved_streams.h"
 #include "kv_line_streams.h"
+#include "kv_row_streams.h"
 #include "kv_types.h"
 
 // Built once per instruction set; KV_CPU_ISA names the namespace (see kv_cpu_dispatch.cc).
@@ -28,6 +29,10 @@ constexpr int64_t kStreams = 4;
 // Side by side, unquantized gathers read tiles of this many bytes of whole tokens as kStreams streams (measured best
 // on the first Intel machine's decode step).
 constexpr int64_t kSideBySideTileBytes = int64_t{32} << 10;
+// Streamed unquantized gathers in token order that read token_streams runs side by side take this many bytes of a
+// row from each run in turn (measured on an Intel Xeon of model 167, one core: 128, 256 and 512 level).
+constexpr size_t kRowStreamChunkBytes = 256;
+static_assert(kMaxTokenStreams <= kMaxRowStreams, "every count TokenStreams gives is walked as asked");
 
 // Sequence of a row in a starts vector (the last b with starts[b] <= row, skipping empty sequences).
 int64_t SequenceOf(const int64_t* starts, int64_t batch, int64_t row) {
@@ -65,6 +70,7 @@ struct Kernel {
   bool head_runs;         // quantized layout-3 gathers into cached outputs walk a head's page runs
   int64_t streamed_heads;  // layout-3 streamed gathers read this many heads a pass (one output row a slot)
   int64_t tile_bytes;  // token-order gathers (quantized: layouts 0-2) write each output in tiles of this many bytes
+  int64_t token_streams;  // streamed unquantized token-order gathers read this many runs side by side (TokenStreams)
   bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
@@ -540,6 +546,22 @@ struct Kernel {
       // here (outputs that stay cached, on kinds that do not walk head runs for them) keeps a token at a time, as
       // measured on the Intel Xeon.
       const bool side_by_side = QBits == 0 && stream && parallel_streams;
+      if (QBits == 0 && stream && !side_by_side && token_streams > 1 && R == 1 && HeadsAdjacent() &&
+          rows <= kRowsPerTask) {
+        // A token's H heads are one row in the cache and in the output: the task's rows, a token's key row then its
+        // value row (which lie together in layouts 0 and 1), as token_streams runs side by side (measured on an
+        // Intel Xeon of family 6 model 167, one core, kv_cpu_dispatch.cc: TokenStreams).
+        StreamedRow list[2 * kRowsPerTask];
+        int64_t n = 0;
+        for (int64_t i = 0; i < rows; ++i)
+          for (int kv = 0; kv < 2 && slots[i] != kStoredRow; ++kv)
+            list[n++] = {CacheValues(kv, 0, slots[i]), out(kv, i), LeadOf(kv, 0, before(i), H * D).codes, after(i)};
+        WriteRowsSideBySide(scratch.lines, list, n, static_cast<size_t>(H * D) * sizeof(T), token_streams,
+                            kRowStreamChunkBytes);
+        scratch.lines.Flush();
+        StoreFence();
+        return;
+      }
       const int64_t tile = QBits != 0 && HeadMajor() ? 1
                            : std::max<int64_t>(1, (side_by_side ? kSideBySideTileBytes : tile_bytes) /
                                                       (out_row * int64_t(sizeof(T))));
@@ -600,7 +622,7 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
-                          GatherTileBytes(p.cache_rows.KeyValueTogether()),
+                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
                           KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);
   }

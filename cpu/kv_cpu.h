@@ -56,6 +56,14 @@ int64_t StreamedGatherHeads(bool quantized);
 // (a token where they lie together, tiles where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a
 // non-negative integer). The same bits whatever the size.
 int64_t GatherTileBytes(bool key_value_together);
+// How many runs of a gather task's rows streamed unquantized gathers read side by side where a token's heads are one
+// row in the cache and in the output (layouts 0-2 without repeats; one stream, not side by side, in the store plan):
+// a token's key row then its value row, the task's rows split into this many runs, 256 bytes of each run's row in
+// turn. 1 reads them one row after another (in tiles, GatherTileBytes). Chosen by measurement (8 on Intel processors
+// running the AVX-512 build; 1 elsewhere, not measured), or by $KVCACHE_OP_TOKEN_STREAMS (a positive count, larger
+// ones taken as kMaxTokenStreams). The same bits whatever the count.
+constexpr int64_t kMaxTokenStreams = 16;
+int64_t TokenStreams();
 // Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's
 // blocks of 16 groups cover its rows and they start on a line, and in layout 3 its scale rows too, each head's a
 // whole line at a time (InterleavedStreams: rows of 32 bytes on a half line held until the next token's complete

@@ -140,7 +140,7 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4, page_size=6
                           (0, 2, 1, "bfloat16", 128, 4, 64), (0, 3, 1, "float16", 128, 12, 64),
                           (8, 3, 1, "float16", 128, 4, 5), (8, 3, 2, "float16", 128, 4, 5),
                           (0, 3, 1, "float16", 128, 6, 16), (0, 3, 1, "float16", 128, 6, 5),
-                          (4, 2, 1, "float16", 128, 4, 64)])
+                          (4, 2, 1, "float16", 128, 4, 64), (0, 1, 1, "float32", 64, 3, 16)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size,
                                                    kernel, monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
@@ -155,7 +155,9 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     (eight values, four quantized heads) leaves four of 12. Token-order gathers go in tiles
     ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
-    ($KVCACHE_OP_CODE_STORES). Nothing around the outputs is written. With side-by-side streams, unquantized rows
+    ($KVCACHE_OP_CODE_STORES). Unquantized rows of layouts 0-2 without repeats are read as several runs of a task's
+    rows side by side ($KVCACHE_OP_TOKEN_STREAMS: one, three, five, the measured count and 16; rows of whole lines
+    or not, the odd 33 too), each row off a line chained to its neighbours or its edge lines held. Nothing around the outputs is written. With side-by-side streams, unquantized rows
     are read as several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
     last task's tiles are short). Pages of 64 slots, and in layout 3 of 16 and of 5 (page runs shorter than the
     rows the gathers ask for ahead of their use: the requests go on across passes)."""
@@ -163,12 +165,13 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
-    runs = [  # (store plan, output offset, heads a row (None: the measured count), tile bytes)
-        ("side-by-side", 0, 4, 0), ("side-by-side", 16, 3, 32768), ("side-by-side", 2, 1, 5000),
-        ("stream", 0, 3, 5000), ("stream", 16, None, 524288), ("stream", 16, 3, 0), ("stream", 2, 4, 32768),
-        ("stream", 33, 16, 0),
-        ("cached", 0, 16, 0), ("cached", 16, 1, 5000), ("cached", 2, 4, 32768)]
-    for run, (stores, offset, streamed_heads, tile) in enumerate(runs):
+    runs = [  # (store plan, output offset, heads a row (None: the measured count), tile bytes, token streams (None:
+        # the measured count))
+        ("side-by-side", 0, 4, 0, 3), ("side-by-side", 16, 3, 32768, None), ("side-by-side", 2, 1, 5000, 16),
+        ("stream", 0, 3, 5000, 1), ("stream", 16, None, 524288, None), ("stream", 16, 3, 0, 3),
+        ("stream", 2, 4, 32768, 16), ("stream", 0, 4, 0, None), ("stream", 33, 16, 0, 5),
+        ("cached", 0, 16, 0, 8), ("cached", 16, 1, 5000, None), ("cached", 2, 4, 32768, 3)]
+    for run, (stores, offset, streamed_heads, tile, token_streams) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
         if streamed_heads is None:  # the measured count: 8 values, 4 quantized heads a pass
@@ -179,6 +182,11 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             assert c_api.cpu_streamed_heads(quant_bit) == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
         assert tile_bytes_by_layout() == [tile] * 4
+        if token_streams is None:
+            monkeypatch.delenv("KVCACHE_OP_TOKEN_STREAMS", raising=False)
+        else:
+            monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", str(token_streams))
+            assert c_api.cpu_token_streams() == token_streams
         fresh = copies(case.inputs)
         fresh["cache"] = aligned_copy(fresh["cache"])  # code rows on lines, where streaming stores take them
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
