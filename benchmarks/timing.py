@@ -56,9 +56,10 @@ def cpu_device() -> str:
 
 def kernel_build() -> str:
     """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row (quantized/values),
-    gather tiles of <b0>/<b1>/<b2>/<b3> B, <stream|cached> code stores": the KeyValueCache CPU kernel build that
-    runs, how it writes large outputs, how layout 3's quantized gathers walk outputs that stay cached, how many heads
-    its layout-3 gathers read side by side into a streamed output (quantized caches, unquantized), the bytes of the
+    <n> token streams, gather tiles of <b0>/<b1>/<b2>/<b3> B, <stream|cached> code stores": the KeyValueCache CPU
+    kernel build that runs, how it writes large outputs, how layout 3's quantized gathers walk outputs that stay
+    cached, how many heads its layout-3 gathers read side by side into a streamed output (quantized caches,
+    unquantized), how many runs of a task's rows its token-order gathers read side by side into one, the bytes of the
     tiles its token-order gathers write in layouts 0-3 (below a token's row: a token at a time) and how its stores
     write quantized codes. Empty for a library of another C API version, which the binding refuses."""
     from ..capi import c_api
@@ -66,7 +67,7 @@ def kernel_build() -> str:
     try:
         return (f", {c_api.cpu_kernel()} kernel build, {c_api.cpu_stores()} stores, {c_api.cpu_cached_gather()} cached"
                 f" gathers, {c_api.cpu_streamed_heads(8)}/{c_api.cpu_streamed_heads(0)} streamed heads a row"
-                f" (quantized/values),"
+                f" (quantized/values), {c_api.cpu_token_streams()} token streams,"
                 f" gather tiles of {'/'.join(str(c_api.cpu_gather_tile_bytes(layout)) for layout in range(4))} B,"
                 f" {c_api.cpu_code_stores()} code stores")
     except RuntimeError:

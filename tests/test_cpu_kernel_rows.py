@@ -415,6 +415,32 @@ def test_the_streamed_heads_follow_the_override_and_else_are_four_quantized_and_
         assert c_api.library().kvcache_op_cpu_streamed_heads(quant_bit) == -1
 
 
+def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch):
+    """$KVCACHE_OP_TOKEN_STREAMS names how many runs of a task's rows token-order gathers read side by side (a
+    positive integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice);
+    unset, 8 on Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167) and 1, one row
+    after another, on AMD processors and under the other builds, where it has not been measured."""
+    monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
+    default = default_token_streams()
+    for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", default), ("-2", default),
+                        ("eight", default), ("8x", default), ("", default)):
+        monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", given)
+        assert c_api.cpu_token_streams() == want, given
+    monkeypatch.delenv("KVCACHE_OP_TOKEN_STREAMS")
+    assert c_api.cpu_token_streams() == default
+    for build in ("avx2", "generic"):
+        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
+        assert c_api.cpu_token_streams() == 1, build
+        monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
+        assert c_api.cpu_token_streams() == 5, build
+        monkeypatch.delenv("KVCACHE_OP_TOKEN_STREAMS")
+
+
+def default_token_streams() -> int:
+    """The token streams measured best for this processor: 8 on Intel processors running the AVX-512 build, else 1."""
+    return 8 if c_api.cpu_kernel() == "avx512" and not amd_processor() else 1
+
+
 def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
     """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright, in every layout (a non-negative integer; anything
     else leaves the measured choice). Unset: a token at a time where a token's key and value rows lie together
@@ -442,24 +468,25 @@ def default_gather_tiles() -> list:
     return [0, 0, apart, apart]
 
 
-def test_benchmark_titles_name_the_heads_the_tiles_of_each_layout_and_the_code_stores(monkeypatch):
-    """The benchmarks' titles record the choices that ran: the heads a streamed row, the tiles of layouts 0-3 and
-    how codes are stored, overrides included."""
+def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_layout_and_the_code_stores(monkeypatch):
+    """The benchmarks' titles record the choices that ran: the heads a streamed row, the runs token-order gathers
+    read side by side, the tiles of layouts 0-3 and how codes are stored, overrides included."""
     from kvcache_op.benchmarks.timing import kernel_build
 
-    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_GATHER_TILE", "KVCACHE_OP_CODE_STORES"):
+    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_TOKEN_STREAMS", "KVCACHE_OP_GATHER_TILE",
+                 "KVCACHE_OP_CODE_STORES", "KVCACHE_OP_CPU_KERNEL"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     codes = default_code_stores()
     other = "cached" if codes == "stream" else "stream"
     tiles = "/".join(map(str, default_gather_tiles()))
-    assert (f"4/8 streamed heads a row (quantized/values), gather tiles of {tiles} B, {codes} code stores"
-            in kernel_build())
+    assert (f"4/8 streamed heads a row (quantized/values), {default_token_streams()} token streams, gather tiles of"
+            f" {tiles} B, {codes} code stores" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
+    monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
     monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
-    assert (f"3/3 streamed heads a row (quantized/values), gather tiles of 5000/5000/5000/5000 B, {other} code stores"
-            in kernel_build())
+    assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, gather tiles of 5000/5000/5000/5000 B,"
+            f" {other} code stores" in kernel_build())
 
 
 def default_code_stores() -> str:
