@@ -535,7 +535,8 @@ struct Kernel {
                     out_row, stream, scratch, before(pass.i), after(pass.i + pass.m - 1), rows_after(n + 1));
       }
     } else {
-      // Tiles of whole tokens (GatherTileBytes: a token, or long runs per output), keys then values. Streamed
+      // Tiles of whole tokens (GatherTileBytes: a token, or long runs per output), keys then values, save where
+      // token_streams takes unquantized streamed rows whose heads are one row (below, before the tiles). Streamed
       // side by side (LineStreams writes lines whole in any order; unquantized rows only), a tile of
       // kSideBySideTileBytes is read as kStreams streams: in layout 3 a stream is a head's slots, kStreams heads at
       // a time; elsewhere a run of the tile's tokens.

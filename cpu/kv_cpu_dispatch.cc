@@ -177,7 +177,9 @@ int64_t GatherTileBytes(bool key_value_together) {
   // rounds, on lines / 16 bytes past), a token, 32 KiB and 512 KiB: float16 decode 0.91x / 0.85x, 0.81x / 0.85x,
   // 0.76x / 0.87x; with 32 heads of 128 0.76x / 0.73x, 0.75x / 0.75x, 0.79x / 0.79x; int8 decode 0.96x / 0.86x,
   // 0.92x / 0.86x, 0.91x / 0.89x; int8 with 32 heads 0.77x / 0.74x, 0.79x / 0.73x, 0.77x / 0.74x: all within
-  // that machine's noise, so Intel processors keep 32 KiB.
+  // that machine's noise, so Intel processors keep 32 KiB. Where token streams run (TokenStreams, below, above 1) the
+  // streamed unquantized gathers of layouts 0-2 read runs of a task's rows side by side instead of tiles; the
+  // tiles serve the rest.
   if (key_value_together) return 0;
   return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
 }
