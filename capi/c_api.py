@@ -209,7 +209,8 @@ def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
     to each output in turn in token order (one token where that is less than a token's row): chosen per layout by
     measurement (a token where a token's key and value rows lie together, layouts 0 and 1; tiles where they lie
     apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); quantized layout-3 gathers in token order go a
-    token at a time whatever it says; the same bits whatever the size. Raises ValueError for a layout outside 0-3."""
+    token at a time whatever it says, and streamed gathers that read runs side by side (:func:`cpu_token_streams`)
+    take no tiles; the same bits whatever the size. Raises ValueError for a layout outside 0-3."""
     if type(cache_layout) is not int or cache_layout not in (0, 1, 2, 3):  # not 1.0, not True
         raise ValueError(f"cache_layout must be 0, 1, 2 or 3, not {cache_layout!r}")
     return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))
@@ -226,7 +227,8 @@ def cpu_code_stores(path: str | None = None) -> str:
 def cpu_token_streams(path: str | None = None) -> int:
     """How many runs of a task's rows KeyValueCache's CPU gathers read side by side into streamed outputs where a
     token's heads are one row in the cache and in the output (layouts 0-2, unquantized, no repeats, the "stream"
-    store plan): 8 on Intel processors running the AVX-512 build (measured there), 1 (one row after another)
+    store plan; rows of whole 64-byte vectors at even addresses, in the AVX-512 build, which alone reads runs): 8 on
+    Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167), 1 (one row after another)
     elsewhere, overridden by ``$KVCACHE_OP_TOKEN_STREAMS`` (a positive count; larger ones give 16); the same bits
     whatever the count."""
     return int(library(path).kvcache_op_cpu_token_streams())

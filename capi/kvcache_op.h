@@ -124,8 +124,9 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 /* How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of `cache_layout` write to
    each output in turn in token order (a tile's keys, then its values; one token where that is less than a token's
    row), chosen per layout by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes); -1 for a layout outside 0-3.
-   Quantized layout-3 gathers in token order go a token at a time whatever it says. Every size gives the same
-   bits. (C API version 5: the layout argument.) */
+   Quantized layout-3 gathers in token order go a token at a time whatever it says, and streamed gathers that read
+   runs side by side (kvcache_op_cpu_token_streams) take no tiles. Every size gives the same bits. (C API version
+   5: the layout argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout);
 
 /* How KeyValueCache's CPU stores write quantized codes whose output rows are not read back from the cache, where
@@ -137,8 +138,9 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
 
 /* How many runs of a task's rows KeyValueCache's CPU gathers read side by side into streamed outputs where a
    token's heads are one row in the cache and in the output (layouts 0-2 without repeats, unquantized, the "stream"
-   store plan): a token's key row then its value row, 256 bytes of each run's row in turn; 1 reads them one row
-   after another. Chosen by measurement (8 on Intel processors running the AVX-512 build, 1 elsewhere) or by
+   store plan; rows of whole 64-byte vectors at even addresses, in the AVX-512 build, which alone reads runs): a
+   token's key row then its value row, 256 bytes of each run's row in turn; 1 reads them one row after another.
+   Chosen by measurement (8 on Intel processors running the AVX-512 build, 1 elsewhere) or by
    $KVCACHE_OP_TOKEN_STREAMS (a positive count; larger ones give 16). Every count gives the same bits. (C API
    version 8.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_streams(void);

@@ -547,8 +547,10 @@ struct Kernel {
       // here (outputs that stay cached, on kinds that do not walk head runs for them) keeps a token at a time, as
       // measured on the Intel Xeon.
       const bool side_by_side = QBits == 0 && stream && parallel_streams;
+#if KV_AVX512
+      const size_t row_bytes = static_cast<size_t>(H * D) * sizeof(T);
       if (QBits == 0 && stream && !side_by_side && token_streams > 1 && R == 1 && HeadsAdjacent() &&
-          rows <= kRowsPerTask) {
+          rows <= kRowsPerTask && RowsGoSideBySide(out(0, 0), out(1, 0), row_bytes)) {
         // A token's H heads are one row in the cache and in the output: the task's rows, a token's key row then its
         // value row (which lie together in layouts 0 and 1), as token_streams runs side by side (measured on an
         // Intel Xeon of family 6 model 167, one core, kv_cpu_dispatch.cc: TokenStreams).
@@ -557,12 +559,12 @@ struct Kernel {
         for (int64_t i = 0; i < rows; ++i)
           for (int kv = 0; kv < 2 && slots[i] != kStoredRow; ++kv)
             list[n++] = {CacheValues(kv, 0, slots[i]), out(kv, i), LeadOf(kv, 0, before(i), H * D).codes, after(i)};
-        WriteRowsSideBySide(scratch.lines, list, n, static_cast<size_t>(H * D) * sizeof(T), token_streams,
-                            kRowStreamChunkBytes);
+        WriteRowsSideBySide(scratch.lines, list, n, row_bytes, token_streams, kRowStreamChunkBytes);
         scratch.lines.Flush();
         StoreFence();
         return;
       }
+#endif
       const int64_t tile = QBits != 0 && HeadMajor() ? 1
                            : std::max<int64_t>(1, (side_by_side ? kSideBySideTileBytes : tile_bytes) /
                                                       (out_row * int64_t(sizeof(T))));

@@ -54,10 +54,12 @@ int64_t StreamedGatherHeads(bool quantized);
 // turn (a tile's keys, then its values), one token where that is less than a token's row, from a cache whose
 // slots hold a token's key and value rows together or not (RowStrides::KeyValueTogether): chosen by measurement
 // (a token where they lie together, tiles where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a
-// non-negative integer). The same bits whatever the size.
+// non-negative integer). Streamed gathers that read runs side by side (TokenStreams) take no tiles. The same bits
+// whatever the size.
 int64_t GatherTileBytes(bool key_value_together);
 // How many runs of a gather task's rows streamed unquantized gathers read side by side where a token's heads are one
-// row in the cache and in the output (layouts 0-2 without repeats; one stream, not side by side, in the store plan):
+// row in the cache and in the output (layouts 0-2 without repeats; one stream, not side by side, in the store plan;
+// rows of whole 64-byte vectors at even addresses, in the AVX-512 build: RowsGoSideBySide):
 // a token's key row then its value row, the task's rows split into this many runs, 256 bytes of each run's row in
 // turn. 1 reads them one row after another (in tiles, GatherTileBytes). Chosen by measurement (8 on Intel processors
 // running the AVX-512 build; 1 elsewhere, not measured), or by $KVCACHE_OP_TOKEN_STREAMS (a positive count, larger

@@ -188,13 +188,18 @@ int64_t TokenStreams() {
   const long long streams = EnvInteger("KVCACHE_OP_TOKEN_STREAMS", 1);
   if (streams > 0) return streams < kMaxTokenStreams ? streams : kMaxTokenStreams;
   // Measured on an Intel Xeon of family 6 model 167, one core, float16 decode B=64 with 1,024 keys, 8 heads of 128
-  // (benchmarks/cpu/intel-xeon-167). First the traffic alone, a task's 64 tokens of rows copied as the gathers copy
+  // (benchmarks/cpu/intel-xeon-167). First the traffic alone (benchmarks/cpu/bound/token_runs.cc; these figures its
+  // first runs, its later two in that folder's README), a task's 64 tokens of rows copied as the gathers copy
   // them, paged (shuffled pages of 64 slots), against a glibc memcpy of the same bytes: one row after another
   // (tiles of 16 tokens, two tokens of prefetch, as the gathers did) 0.77-0.90x in layouts 0 and 2; the task's
   // rows, a token's key row then its value row, as 4 runs side by side (256 bytes of each run's row in turn, no
   // software prefetch) 1.03-1.09x, as 8 runs 1.10-1.14x, 16 runs 1.10-1.16x (chunks of 128 to 512 bytes level;
   // with two rows of prefetch 0.83-0.86x; four runs of four tokens, the old side-by-side tiles, 0.81-0.83x). Keys
-  // then values, 8 runs: 1.14x in layout 2, 0.83x in layout 0, whose key rows alternate with value rows.
+  // then values, 8 runs: 1.14x in layout 2, 0.83x in layout 0, whose key rows alternate with value rows. Then the
+  // kernel, side by side in one process against one row after another (5-7 rounds, on lines): 1, 8 and 16 runs,
+  // layout 0 paged 0.85-0.91x, 1.05-1.13x, 1.09-1.10x; offset 0.85-0.88x, 1.04-1.14x, 1.10x; layout 2 0.81-0.87x,
+  // 1.03-1.07x, 1.01-1.03x; 32 heads of 128 in layout 2 0.76-0.80x, 1.09-1.10x, 1.13x. 16 bytes past a line,
+  // layout 0 0.85-0.89x, 0.97-1.08x, 1.04x. Prefill (outputs that stay cached) level.
   if (ChosenKernel() == CpuKernel::kAvx512 && !AmdProcessor()) return 8;
   return 1;
 }

@@ -75,13 +75,23 @@ class OffsetRow {
 };
 #endif
 
-// rows[0, count), `bytes` bytes each, written through `lines` as `streams` (1 to kMaxRowStreams) runs of consecutive
-// rows read side by side: `chunk` bytes of the current row of each run in turn. One core keeps more reads in flight
-// down several sequential streams than down one, as the hardware prefetchers run ahead on each stream they track
-// (glibc's large memcpy interleaves four pages for the same reason). A run is many rows long: runs of a few rows
-// restart the prefetchers at every turn. The bytes written are the same whatever the streams or chunk; every line
-// is written whole (whole streamed lines; where AVX-512 and rows of whole vectors allow, a row off a line is cut
-// in registers and chained to its led neighbours, OffsetRow; else part lines through `lines`).
+// Whether WriteRowsSideBySide takes rows of `bytes` bytes into outputs starting at these addresses: AVX-512, rows
+// of whole vectors, even addresses (every row of an output then shares its start's offset from a line). Elsewhere
+// the gathers write a row at a time as before: rows of part vectors or at odd addresses would be cut at every
+// chunk, each cut two more lines held part written.
+inline bool RowsGoSideBySide(const void* key_out, const void* value_out, size_t bytes) {
+  return KV_AVX512 && bytes % 64 == 0 && reinterpret_cast<uintptr_t>(key_out) % 2 == 0 &&
+         reinterpret_cast<uintptr_t>(value_out) % 2 == 0;
+}
+
+#if KV_AVX512
+// rows[0, count), `bytes` bytes each (RowsGoSideBySide), written as `streams` (1 to kMaxRowStreams) runs of
+// consecutive rows read side by side: `chunk` bytes of the current row of each run in turn. One core keeps more
+// reads in flight down several sequential streams than down one, as the hardware prefetchers run ahead on each
+// stream they track (glibc's large memcpy interleaves four pages for the same reason). A run is many rows long:
+// runs of a few rows restart the prefetchers at every turn. The bytes written are the same whatever the streams or
+// chunk. Lines a row writes whole are streamed; a row off a line is cut in registers and chained to its led
+// neighbours (OffsetRow), and the edge lines it shares with rows this call does not write are held in `lines`.
 inline void WriteRowsSideBySide(LineStreams& lines, const StreamedRow* rows, int64_t count, size_t bytes,
                                 int64_t streams, size_t chunk) {
   if (count <= 0) return;
@@ -90,40 +100,27 @@ inline void WriteRowsSideBySide(LineStreams& lines, const StreamedRow* rows, int
   chunk = std::max<size_t>(64, chunk / 64 * 64);
   for (int64_t r = 0; r < len; ++r) {
     const int64_t live = (count - r + len - 1) / len;  // the runs that have a row r: j * len + r < count
-#if KV_AVX512
-    if (bytes % 64 == 0) {
-      for (size_t c = 0; c < bytes; c += chunk) {
-        const size_t n = std::min(chunk, bytes - c);
-        for (int64_t j = 0; j < live; ++j) {
-          const StreamedRow& row = rows[j * len + r];
-          if (reinterpret_cast<uintptr_t>(row.dst) % 2 != 0) {
-            lines.Write(static_cast<unsigned char*>(row.dst) + c, static_cast<const unsigned char*>(row.src) + c, n);
-          } else if (OnCacheLine(row.dst)) {
-            const auto* s = static_cast<const unsigned char*>(row.src) + c;
-            auto* d = static_cast<unsigned char*>(row.dst) + c;
-            for (size_t k = 0; k < n; k += 64)
-              _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_loadu_si512(s + k));
-          } else {
-            OffsetRow(row).Put(lines, row, c, n);
-          }
-        }
-      }
-      for (int64_t j = 0; j < live; ++j) {  // the last lines of rows off a line
-        const StreamedRow& row = rows[j * len + r];
-        const auto at = reinterpret_cast<uintptr_t>(row.dst);
-        if (at % 64 != 0 && at % 2 == 0) OffsetRow(row).End(lines, row, bytes);
-      }
-      continue;
-    }
-#endif
-    for (size_t c = 0; c < bytes; c += chunk)
+    for (size_t c = 0; c < bytes; c += chunk) {
+      const size_t n = std::min(chunk, bytes - c);
       for (int64_t j = 0; j < live; ++j) {
         const StreamedRow& row = rows[j * len + r];
-        lines.Write(static_cast<unsigned char*>(row.dst) + c, static_cast<const unsigned char*>(row.src) + c,
-                    std::min(chunk, bytes - c));
+        if (OnCacheLine(row.dst)) {
+          const auto* s = static_cast<const unsigned char*>(row.src) + c;
+          auto* d = static_cast<unsigned char*>(row.dst) + c;
+          for (size_t k = 0; k < n; k += 64)
+            _mm512_stream_si512(reinterpret_cast<__m512i*>(d + k), _mm512_loadu_si512(s + k));
+        } else {
+          OffsetRow(row).Put(lines, row, c, n);
+        }
       }
+    }
+    for (int64_t j = 0; j < live; ++j) {  // the last lines of rows off a line
+      const StreamedRow& row = rows[j * len + r];
+      if (!OnCacheLine(row.dst)) OffsetRow(row).End(lines, row, bytes);
+    }
   }
 }
+#endif
 
 }  // namespace KV_CPU_ISA
 }  // namespace kvcache

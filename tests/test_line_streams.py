@@ -3,8 +3,8 @@ rows: rows of any size at any offset from a cache line, in any order, with gaps 
 lines left part written at once than its table holds (lines pushed out are written part by part with ordinary
 stores); two threads, each with its own writer, writing the two halves of shared lines at the same time (neither
 may stream a line it did not write whole); and, in the AVX-512 build, rows of whole vectors cut into lines in
-registers (ShiftedRow). Built once per instruction set with the kernel's flags; a build the processor cannot run is
-skipped with the reason."""
+registers (ShiftedRow) and rows read as runs side by side (cpu/kv_row_streams.h). Built once per instruction set with
+the kernel's flags; a build the processor cannot run is skipped with the reason."""
 
 import ctypes
 import pathlib
@@ -17,7 +17,8 @@ from written_rows import row_buffers
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "tests/line_streams.cc"
-HEADERS = [ROOT / "cpu/kv_line_streams.h", ROOT / "cpu/kv_cpu_rows.h", ROOT / "cpu/kv_types.h"]
+HEADERS = [ROOT / "cpu/kv_line_streams.h", ROOT / "cpu/kv_row_streams.h", ROOT / "cpu/kv_cpu_rows.h",
+           ROOT / "cpu/kv_types.h"]
 STRICT = ["-std=c++17", "-fPIC", "-shared", "-pthread", "-O2", "-Wall", "-Wextra", "-Werror", f"-I{ROOT / 'cpu'}"]
 TABLE_SLOTS = 1024  # LineStreams::kSlots: the lines one writer holds at once
 
@@ -38,6 +39,8 @@ def libraries(request, tmp_path_factory):
                 getattr(lib, name).argtypes = pointers
                 getattr(lib, name).restype = ctypes.c_int
             lib.line_streams_shifted.restype = ctypes.c_int
+            lib.line_streams_side_by_side.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_int]
+            lib.line_streams_side_by_side.restype = ctypes.c_int
             built[kernel] = lib
         return built[kernel]
 
@@ -145,3 +148,34 @@ def test_rows_cut_into_lines_in_registers_give_numpys_bytes(libraries, kernel, o
     head_rows = [(offset + (t * heads + h) * 256, 256) for h in range(heads) for t in range(tokens)]
     out, want = written(lib, head_rows, list(range(len(head_rows))), shifted=True)
     np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("offset", [0, 2, 16, 48, 62])
+def test_rows_read_as_runs_side_by_side_give_numpys_bytes(libraries, kernel, offset):
+    """WriteRowsSideBySide (the AVX-512 build's token streams): rows of 1, 2 and 5 vectors at an even offset from a
+    line, as 1 to 17 runs side by side (more runs than rows, runs of unequal length) in chunks of 64 to 320 bytes
+    (short last chunks), each row led by the row before where it is written too; with rows left out (the edge lines
+    next to a gap held until flushed, no byte of the gap written), a list of one row, an empty one, and two threads
+    each writing half the rows at once (the line where the halves meet shared, neither may stream it)."""
+    lib = libraries(kernel)
+    if not lib.line_streams_shifted():
+        pytest.skip(f"the {kernel} build has no runs side by side (AVX-512 only)")
+    rng = np.random.default_rng(offset)
+    for vectors in (1, 2, 5):
+        size = 64 * vectors
+        every = [(offset + i * size, size) for i in range(97)]
+        gapped = [row for row, keep in zip(every, rng.random(len(every)) < 0.7) if keep]
+        for rows, streams, chunk, threads in (
+                (every, 1, 256, 1), (every, 3, 64, 1), (every, 8, 256, 1), (every, 16, 320, 1), (every, 8, 256, 2),
+                (gapped, 8, 256, 1), (gapped, 17, 128, 1), (gapped, 5, 192, 2), (every[:5], 16, 256, 1),
+                (every[:1], 8, 256, 1), ([], 8, 256, 1)):
+            out, src, want = row_buffers(offset + len(every) * size + 256, rows, int(rng.integers(1 << 30)))
+            offsets = np.array([o for o, _ in rows], np.int64)
+            assert lib.line_streams_side_by_side(out.ctypes.data, src.ctypes.data, offsets.ctypes.data, len(rows), size,
+                                                 streams, chunk, threads) == 0
+            np.testing.assert_array_equal(out, want, err_msg=f"{len(rows)} rows of {size} B, {streams} runs, "
+                                                             f"chunk {chunk}, {threads} threads")
+    out, src, _ = row_buffers(4096, [], 0)
+    odd = np.array([offset + 1], np.int64)
+    assert lib.line_streams_side_by_side(out.ctypes.data, src.ctypes.data, odd.ctypes.data, 1, 128, 8, 256, 1) == -1
