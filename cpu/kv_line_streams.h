@@ -181,6 +181,16 @@ class LineStreams {
 };
 
 #if KV_AVX512
+// The permutex2var indices that cut each output line of a row starting `offset` (even) bytes past a line from the
+// row's two vectors the line straddles: word j of the line is word 32 - offset/2 + j of the first below offset/2,
+// else word j - offset/2 of the second (permutex2var reads indices of 32 and up from its second vector, so one sum
+// gives both). ShiftedRow's and OffsetRow's.
+KV_ALWAYS_INLINE __m512i LineWordIndex(int offset) {
+  return _mm512_add_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13,
+                                           12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                          _mm512_set1_epi16(static_cast<int16_t>(32 - offset / 2)));
+}
+
 // A row of whole 64-byte vectors (in output order) streamed to out at any even byte offset from a line: each
 // line is cut from two neighbouring vectors in registers (one permute), so a row dequantized into registers is
 // streamed without a round trip through memory; the part lines at its two edges go through LineStreams when the
@@ -206,11 +216,7 @@ class ShiftedRow {
         held_line_(led ? nullptr : line_),
         tail_follows_(tail_follows),
         offset_(static_cast<int>(reinterpret_cast<uintptr_t>(out) % 64)),
-        // Word j of a line: word 32 - offset/2 + j of the previous vector below offset/2, else word j - offset/2
-        // of the next; permutex2var reads indices of 32 and up from its second vector, so one sum gives both.
-        index_(_mm512_add_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
-                                                 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                _mm512_set1_epi16(static_cast<int16_t>(32 - offset_ / 2)))) {}
+        index_(LineWordIndex(offset_)) {}
 
   // The next 64 bytes of the row; `previous`: the caller's local, before the first Put zero (or, led, the 64
   // bytes before out), handed to every Put and to End.

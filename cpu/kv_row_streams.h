@@ -37,11 +37,7 @@ class OffsetRow {
       : src_(static_cast<const unsigned char*>(row.src)),
         first_line_(static_cast<unsigned char*>(row.dst) - reinterpret_cast<uintptr_t>(row.dst) % 64),
         offset_(static_cast<int>(reinterpret_cast<uintptr_t>(row.dst) % 64)),
-        // Word j of a line: word 32 - offset / 2 + j of the vector before below offset / 2, else word j - offset / 2
-        // of the vector after (permutex2var reads indices of 32 and up from its second vector).
-        index_(_mm512_add_epi16(_mm512_set_epi16(31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15,
-                                                 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                _mm512_set1_epi16(static_cast<int16_t>(32 - offset_ / 2)))) {}
+        index_(LineWordIndex(offset_)) {}
 
   // Lines c / 64 .. (c + n) / 64 of the row (c and n multiples of 64).
   KV_ALWAYS_INLINE void Put(LineStreams& lines, const StreamedRow& row, size_t c, size_t n) const {
