@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 8
+C_API_VERSION = 9
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -136,6 +136,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_token_streams": ((), ctypes.c_int64),
+        "kvcache_op_cpu_token_prefetch_bytes": ((), ctypes.c_int64),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -232,6 +233,15 @@ def cpu_token_streams(path: str | None = None) -> int:
     elsewhere, overridden by ``$KVCACHE_OP_TOKEN_STREAMS`` (a positive count; larger ones give 16); the same bits
     whatever the count."""
     return int(library(path).kvcache_op_cpu_token_streams())
+
+
+def cpu_token_prefetch_bytes(path: str | None = None) -> int:
+    """How many bytes of a quantized token's codes (from its first head on, with their scales) KeyValueCache's CPU
+    gathers in token order ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2),
+    0 for the whole row: 1024 on Intel processors (measured on an Intel Xeon of model 167: a whole 4 KiB row asked
+    for at once stalls the reads behind it), 0 elsewhere, overridden by ``$KVCACHE_OP_TOKEN_PREFETCH`` (bytes, a
+    non-negative integer); the same bits whatever the count."""
+    return int(library(path).kvcache_op_cpu_token_prefetch_bytes())
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

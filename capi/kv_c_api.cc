@@ -70,6 +70,8 @@ const char* kvcache_op_cpu_code_stores(void) { return kvcache::StreamedCodeStore
 
 int64_t kvcache_op_cpu_token_streams(void) { return kvcache::TokenStreams(); }
 
+int64_t kvcache_op_cpu_token_prefetch_bytes(void) { return kvcache::TokenPrefetchBytes(); }
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 8
+#define KVCACHE_OP_C_API_VERSION 9
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -144,6 +144,12 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
    $KVCACHE_OP_TOKEN_STREAMS (a positive count; larger ones give 16). Every count gives the same bits. (C API
    version 8.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_streams(void);
+
+/* How many bytes of a quantized token's codes (from its first head on, with their scales) KeyValueCache's CPU
+   gathers in token order ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2),
+   0 for the whole row: chosen by measurement (1024 on Intel processors, 0 elsewhere) or by
+   $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer). Every count gives the same bits. (C API version 9.) */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);

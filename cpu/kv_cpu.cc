@@ -71,6 +71,7 @@ struct Kernel {
   int64_t streamed_heads;  // layout-3 streamed gathers read this many heads a pass (one output row a slot)
   int64_t tile_bytes;  // token-order gathers (quantized: layouts 0-2) write each output in tiles of this many bytes
   int64_t token_streams;  // streamed unquantized token-order gathers read this many runs side by side (TokenStreams)
+  int64_t token_prefetch;  // bytes of a quantized token's codes asked for ahead, 0: all (TokenPrefetchBytes)
   bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
@@ -416,9 +417,15 @@ struct Kernel {
     PrefetchBytes(codes, heads * p.head_dim * QBits / 8);
   }
 
-  // Prefetch of all H heads of a slot: one run where they lie together, else head by head.
+  // Prefetch of a slot's H heads: one run where they lie together (of quantized rows, the heads whose codes start
+  // in the first token_prefetch bytes, at least one), else head by head.
   void PrefetchToken(int kv, int64_t slot) const {
-    if (HeadsAdjacent()) return Prefetch(kv, 0, slot, p.heads);
+    if (HeadsAdjacent()) {
+      int64_t heads = p.heads;
+      if (QBits != 0 && token_prefetch > 0)
+        heads = std::clamp<int64_t>(token_prefetch / std::max<int64_t>(1, p.head_dim * QBits / 8), 1, p.heads);
+      return Prefetch(kv, 0, slot, heads);
+    }
     PrefetchHeads(kv, 0, p.heads, slot);
   }
 
@@ -625,7 +632,7 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
-                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
+                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(), TokenPrefetchBytes(),
                           KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);
   }

@@ -66,6 +66,11 @@ int64_t GatherTileBytes(bool key_value_together);
 // ones taken as kMaxTokenStreams). The same bits whatever the count.
 constexpr int64_t kMaxTokenStreams = 16;
 int64_t TokenStreams();
+// How many bytes of a quantized token's codes (from its first head on, with their scales) gathers in token order
+// ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2; software prefetch), 0
+// for all of them: chosen by measurement (1 KiB on Intel processors; all elsewhere, not measured), or by
+// $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer). The same bits whatever the count.
+int64_t TokenPrefetchBytes();
 // Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's
 // blocks of 16 groups cover its rows and they start on a line, and in layout 3 its scale rows too, each head's a
 // whole line at a time (InterleavedStreams: rows of 32 bytes on a half line held until the next token's complete

@@ -156,7 +156,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     (eight values, four quantized heads) leaves four of 12. Token-order gathers go in tiles
     ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
-    ($KVCACHE_OP_CODE_STORES). Unquantized rows of layouts 0-2 without repeats, of whole vectors at even offsets,
+    ($KVCACHE_OP_CODE_STORES), and their tokens asked for ahead a head, 300 bytes, whole or past their end
+    ($KVCACHE_OP_TOKEN_PREFETCH). Unquantized rows of layouts 0-2 without repeats, of whole vectors at even offsets,
     are read as several runs of a task's rows side by side in the AVX-512 build ($KVCACHE_OP_TOKEN_STREAMS: one,
     three, eight, the measured count and 16; rows of 768, 1024 and 1792 bytes, and of 640, whose last 256-byte
     chunk is short), each row off a line chained to its neighbours or its edge lines held; the others (Dh 40's
@@ -177,6 +178,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     for run, (stores, offset, streamed_heads, tile, token_streams) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
+        monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", ("1", "0", "300", "1000000")[run % 4])
         if streamed_heads is None:  # the measured count: 8 values, 4 quantized heads a pass
             monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS", raising=False)
             assert c_api.cpu_streamed_heads(quant_bit) == (4 if quant_bit else 8)
@@ -439,6 +441,24 @@ def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kerne
         monkeypatch.delenv("KVCACHE_OP_TOKEN_STREAMS")
 
 
+def test_the_token_prefetch_follows_the_override_and_else_the_vendor(monkeypatch):
+    """$KVCACHE_OP_TOKEN_PREFETCH names how many bytes of a quantized token's codes token-order gathers ask for ahead
+    (a non-negative integer, 0 for the whole row; anything else is not a count and leaves the measured choice);
+    unset, 1024 on Intel processors (measured on an Intel Xeon of model 167) and the whole row on AMD processors,
+    where it has not been measured, whichever kernel build runs (every build prefetches)."""
+    default = 0 if amd_processor() else 1024
+    for build in (None, "avx2", "generic"):
+        if build is None:
+            monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
+        for given, want in (("0", 0), ("1", 1), ("4096", 4096), ("-1", default), ("1k", default), ("", default)):
+            monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", given)
+            assert c_api.cpu_token_prefetch_bytes() == want, (build, given)
+        monkeypatch.delenv("KVCACHE_OP_TOKEN_PREFETCH")
+        assert c_api.cpu_token_prefetch_bytes() == default, build
+
+
 def default_token_streams() -> int:
     """The token streams measured best for this processor: 8 on Intel processors running the AVX-512 build, else 1."""
     return 8 if c_api.cpu_kernel() == "avx512" and not amd_processor() else 1
@@ -476,20 +496,24 @@ def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_lay
     read side by side, the tiles of layouts 0-3 and how codes are stored, overrides included."""
     from kvcache_op.benchmarks.timing import kernel_build
 
-    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_TOKEN_STREAMS", "KVCACHE_OP_GATHER_TILE",
-                 "KVCACHE_OP_CODE_STORES", "KVCACHE_OP_CPU_KERNEL"):
+    for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_TOKEN_STREAMS", "KVCACHE_OP_TOKEN_PREFETCH",
+                 "KVCACHE_OP_GATHER_TILE", "KVCACHE_OP_CODE_STORES", "KVCACHE_OP_CPU_KERNEL"):
         monkeypatch.delenv(name, raising=False)
     codes = default_code_stores()
     other = "cached" if codes == "stream" else "stream"
     tiles = "/".join(map(str, default_gather_tiles()))
-    assert (f"4/8 streamed heads a row (quantized/values), {default_token_streams()} token streams, gather tiles of"
-            f" {tiles} B, {codes} code stores" in kernel_build())
+    prefetch = "whole rows" if amd_processor() else "1024 B"
+    assert (f"4/8 streamed heads a row (quantized/values), {default_token_streams()} token streams, quantized token"
+            f" prefetch of {prefetch}, gather tiles of {tiles} B, {codes} code stores" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
+    monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "300")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
     monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
-    assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, gather tiles of 5000/5000/5000/5000 B,"
-            f" {other} code stores" in kernel_build())
+    assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, quantized token prefetch of 300 B,"
+            f" gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build())
+    monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "0")
+    assert "quantized token prefetch of whole rows," in kernel_build()
 
 
 def default_code_stores() -> str:
