@@ -196,8 +196,9 @@ def cpu_cached_gather(path: str | None = None) -> str:
 
 def cpu_streamed_heads(quant_bit: int, path: str | None = None) -> int:
     """How many of a token's heads (1-16) KeyValueCache's CPU gathers of a cache of ``quant_bit`` (0, 4 or 8) read
-    side by side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row: four
-    quantized heads (codes and scales; measured best on both CPU kinds at hand), eight unquantized (measured best
+    side by side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row:
+    quantized heads eight on Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167) and
+    four elsewhere (codes and scales; measured best on an AMD EPYC), eight unquantized (measured best
     on an AMD EPYC and an Intel Xeon); overridden by ``$KVCACHE_OP_STREAMED_HEADS`` for both (a positive count;
     larger ones give 16); the same bits whatever the count. Raises ValueError for another quant_bit."""
     if type(quant_bit) is not int or quant_bit not in (0, 4, 8):  # not 8.0, not True

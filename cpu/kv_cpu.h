@@ -44,10 +44,11 @@ StorePlan LargeOutputStores();
 // "tokens"). The same bits either way.
 bool CachedGatherHeadRuns();
 // How many of a token's heads (1 to kMaxStreamedHeads) layout-3 gathers into streamed outputs read side by side, a
-// page run at a time, each slot's heads one output row without repeats, from a quantized cache or not: four quantized
-// heads (codes and scales: eight source streams; measured best on both CPU kinds at hand), eight heads of values
-// (measured on an AMD EPYC and an Intel Xeon); or $KVCACHE_OP_STREAMED_HEADS for both (a positive count, larger
-// ones taken as kMaxStreamedHeads). The same bits whatever the count.
+// page run at a time, each slot's heads one output row without repeats, from a quantized cache or not: quantized
+// heads eight on Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167), four elsewhere
+// (codes and scales: eight source streams; measured best on an AMD EPYC); eight heads of values (measured on an AMD
+// EPYC and an Intel Xeon); or $KVCACHE_OP_STREAMED_HEADS for both (a positive count, larger ones taken as
+// kMaxStreamedHeads). The same bits whatever the count.
 constexpr int64_t kMaxStreamedHeads = 16;
 int64_t StreamedGatherHeads(bool quantized);
 // How many bytes of whole tokens gathers in token order (not side by side) write to each output in

@@ -147,7 +147,15 @@ int64_t StreamedGatherHeads(bool quantized) {
   // of family 6 model 167, values, side by side (7 rounds, on lines / 16 bytes past): 8 heads of 128 1.10x /
   // 0.81x (four), 1.08x / 1.07x (eight), 1.08x / 1.13x (sixteen); 32 heads of 128 1.09x / 1.09x, 1.05x / 1.00x,
   // 0.91x / 0.77x; pages of 16 slots 0.98x / 0.81x, 0.95x / 0.94x, 0.94x / 0.93x: eight there too.
-  return quantized ? 4 : 8;
+  // Quantized rows on that Intel Xeon of model 167, int8, four heads against eight, side by side (7 rounds, on lines /
+  // 16 bytes past): decode B=64 x 1,024 keys, paged, 0.80x / 0.68x against 0.82x / 0.76x, offset 0.79x / 0.69x
+  // against 0.86x / 0.76x; 32 heads of 128 (B=16) 0.75x / 0.67x against 0.81x / 0.66x, offset 0.82x / 0.76x against
+  // 0.94x / 0.75x; pages of 16 slots 0.61x / 0.49x against 0.62x / 0.65x, offset 0.80x / 0.71x against 0.82x / 0.79x:
+  // eight ahead or level everywhere, so Intel processors running the AVX-512 build read eight (the Intel Xeon of model
+  // 207 measured four and eight level, with an earlier kernel; int4 not measured, it follows int8). AMD processors
+  // and the other builds keep four.
+  if (quantized && (ChosenKernel() != CpuKernel::kAvx512 || AmdProcessor())) return 4;
+  return 8;
 }
 
 int64_t GatherTileBytes(bool key_value_together) {

@@ -141,7 +141,7 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4, page_size=6
                           (8, 3, 1, "float16", 128, 4, 5), (8, 3, 2, "float16", 128, 4, 5),
                           (0, 3, 1, "float16", 128, 6, 16), (0, 3, 1, "float16", 128, 6, 5),
                           (4, 2, 1, "float16", 128, 4, 64), (0, 1, 1, "float32", 64, 3, 16),
-                          (0, 0, 1, "float16", 64, 5, 64)])
+                          (0, 0, 1, "float16", 64, 5, 64), (8, 3, 1, "float16", 128, 12, 64)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size,
                                                    kernel, monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
@@ -153,7 +153,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     unquantized rows streamed one stream at a time go a page run and that many heads at a time too, with repeats
     each head's copies through the line writer. The heads a row ($KVCACHE_OP_STREAMED_HEADS) turn with the plan
     and offset: one, three and four of 4-7 heads leave short last groups, 16 is every head, and the measured count
-    (eight values, four quantized heads) leaves four of 12. Token-order gathers go in tiles
+    (eight values; quantized, eight on Intel processors running the AVX-512 build, else four) leaves four of 12
+    or none. Token-order gathers go in tiles
     ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
     ($KVCACHE_OP_CODE_STORES), and their tokens asked for ahead a head, 300 bytes, whole or past their end
@@ -179,9 +180,9 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
         monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", ("1", "0", "300", "1000000")[run % 4])
-        if streamed_heads is None:  # the measured count: 8 values, 4 quantized heads a pass
+        if streamed_heads is None:  # the measured count: 8 values, 8 or 4 quantized heads a pass
             monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS", raising=False)
-            assert c_api.cpu_streamed_heads(quant_bit) == (4 if quant_bit else 8)
+            assert c_api.cpu_streamed_heads(quant_bit) == default_streamed_heads(quant_bit)
         else:
             monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
             assert c_api.cpu_streamed_heads(quant_bit) == streamed_heads
@@ -399,13 +400,15 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
     assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def test_the_streamed_heads_follow_the_override_and_else_are_four_quantized_and_eight_unquantized(monkeypatch):
+def test_the_streamed_heads_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch):
     """$KVCACHE_OP_STREAMED_HEADS names the count outright for quantized and unquantized caches alike (a positive
     integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice); unset,
-    four quantized heads (eight source streams: codes and scales), measured best on the Intel Xeon of model 207 and
-    on an AMD EPYC of Zen 4 alike, and eight unquantized (measured on that AMD EPYC and on an Intel Xeon of model
-    167). A quant_bit the op does not have is refused, by the binding and by the C function (-1)."""
-    defaults = {0: 8, 4: 4, 8: 4}
+    quantized heads eight on Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167) and
+    four on AMD processors and under the other builds (eight source streams: codes and scales; measured best on an
+    AMD EPYC of Zen 4), and eight unquantized everywhere (measured on that AMD EPYC and on the Intel Xeon). A
+    quant_bit the op does not have is refused, by the binding and by the C function (-1)."""
+    monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
+    defaults = {q: default_streamed_heads(q) for q in (0, 4, 8)}
     for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", None), ("-2", None), ("four", None),
                         ("4x", None), ("", None)):
         monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", given)
@@ -418,6 +421,15 @@ def test_the_streamed_heads_follow_the_override_and_else_are_four_quantized_and_
             c_api.cpu_streamed_heads(quant_bit)
     for quant_bit in (-1, 1, 2, 16, 1 << 40):
         assert c_api.library().kvcache_op_cpu_streamed_heads(quant_bit) == -1
+    for build in ("avx2", "generic"):
+        monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
+        assert {q: c_api.cpu_streamed_heads(q) for q in (0, 4, 8)} == {0: 8, 4: 4, 8: 4}, build
+
+
+def default_streamed_heads(quant_bit: int) -> int:
+    """The heads a streamed layout-3 row measured best for this processor: eight unquantized; quantized, eight on
+    Intel processors running the AVX-512 build, else four."""
+    return 8 if quant_bit == 0 or (c_api.cpu_kernel() == "avx512" and not amd_processor()) else 4
 
 
 def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch):
@@ -503,7 +515,7 @@ def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_lay
     other = "cached" if codes == "stream" else "stream"
     tiles = "/".join(map(str, default_gather_tiles()))
     prefetch = "whole rows" if amd_processor() else "1024 B"
-    assert (f"4/8 streamed heads a row (quantized/values), {default_token_streams()} token streams, quantized token"
+    assert (f"{default_streamed_heads(8)}/8 streamed heads a row (quantized/values), {default_token_streams()} token streams, quantized token"
             f" prefetch of {prefetch}, gather tiles of {tiles} B, {codes} code stores" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
