@@ -240,7 +240,8 @@ def cpu_token_prefetch_bytes(path: str | None = None) -> int:
     """How many bytes of a quantized token's codes (from its first head on, with their scales) KeyValueCache's CPU
     gathers in token order ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2),
     0 for the whole row: 1024 on Intel processors (measured on an Intel Xeon of model 167: a whole 4 KiB row asked
-    for at once stalls the reads behind it), 0 elsewhere, overridden by ``$KVCACHE_OP_TOKEN_PREFETCH`` (bytes, a
+    for at once stalls the reads behind it), 0 on AMD processors (not measured there), rounded down to whole
+    heads (at least one), overridden by ``$KVCACHE_OP_TOKEN_PREFETCH`` (bytes, a
     non-negative integer); the same bits whatever the count."""
     return int(library(path).kvcache_op_cpu_token_prefetch_bytes())
 

@@ -147,7 +147,8 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_streams(void);
 
 /* How many bytes of a quantized token's codes (from its first head on, with their scales) KeyValueCache's CPU
    gathers in token order ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2),
-   0 for the whole row: chosen by measurement (1024 on Intel processors, 0 elsewhere) or by
+   0 for the whole row: chosen by measurement (0 on AMD processors, not measured there; 1024 elsewhere,
+   measured on Intel; rounded down to whole heads, at least one) or by
    $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer). Every count gives the same bits. (C API version 9.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(void);
 

@@ -417,13 +417,15 @@ struct Kernel {
     PrefetchBytes(codes, heads * p.head_dim * QBits / 8);
   }
 
-  // Prefetch of a slot's H heads: one run where they lie together (of quantized rows, the heads whose codes start
-  // in the first token_prefetch bytes, at least one), else head by head.
+  // Prefetch of a slot's H heads: one run where they lie together (of quantized rows, the heads whose codes lie
+  // wholly in the first token_prefetch bytes, at least one), else head by head.
   void PrefetchToken(int kv, int64_t slot) const {
     if (HeadsAdjacent()) {
       int64_t heads = p.heads;
-      if (QBits != 0 && token_prefetch > 0)
-        heads = std::clamp<int64_t>(token_prefetch / std::max<int64_t>(1, p.head_dim * QBits / 8), 1, p.heads);
+      if constexpr (QBits != 0) {
+        if (token_prefetch > 0)
+          heads = std::clamp<int64_t>(token_prefetch / std::max<int64_t>(1, p.head_dim * QBits / 8), 1, p.heads);
+      }
       return Prefetch(kv, 0, slot, heads);
     }
     PrefetchHeads(kv, 0, p.heads, slot);

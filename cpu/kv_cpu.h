@@ -69,7 +69,8 @@ constexpr int64_t kMaxTokenStreams = 16;
 int64_t TokenStreams();
 // How many bytes of a quantized token's codes (from its first head on, with their scales) gathers in token order
 // ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2; software prefetch), 0
-// for all of them: chosen by measurement (1 KiB on Intel processors; all elsewhere, not measured), or by
+// for all of them: chosen by measurement (all on AMD processors, not measured there; 1 KiB
+// elsewhere, measured on Intel; rounded down to whole heads, at least one), or by
 // $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer). The same bits whatever the count.
 int64_t TokenPrefetchBytes();
 // Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's

@@ -174,7 +174,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         # the measured count))
         ("side-by-side", 0, 4, 0, 3), ("side-by-side", 16, 3, 32768, None), ("side-by-side", 2, 1, 5000, 16),
         ("stream", 0, 3, 5000, 1), ("stream", 16, None, 524288, None), ("stream", 16, 3, 0, 3),
-        ("stream", 2, 4, 32768, 16), ("stream", 0, 4, 0, 8), ("stream", 33, 16, 0, 5),
+        ("stream", 2, 4, 32768, 16), ("stream", 0, 8, 0, 8), ("stream", 33, 16, 0, 5),
         ("cached", 0, 16, 0, 8), ("cached", 16, 1, 5000, None), ("cached", 2, 4, 32768, 3)]
     for run, (stores, offset, streamed_heads, tile, token_streams) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)

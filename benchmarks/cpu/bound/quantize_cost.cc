@@ -15,7 +15,7 @@
 // (DequantizeRowsStreamed) into an output on a 64-byte line, and 16 bytes past a line (where numpy's large arrays
 // start) both with the rows chained as the gathers chain them and with their part lines held, interleaved. Rows of
 // 128 go as layout 3's int8 gathers write them: tokens of 8 head rows, 4 heads an output row
-// (StreamedGatherHeads(true)), heads 0-3 of every token in one pass and heads 4-7 in a second; other rows one after
+// (StreamedGatherHeads(true) on AMD and the builds without AVX-512; Intel's AVX-512 build reads 8), heads 0-3 of every token in one pass and heads 4-7 in a second; other rows one after
 // another.
 #include <immintrin.h>
 
