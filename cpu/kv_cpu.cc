@@ -71,7 +71,7 @@ struct Kernel {
   int64_t streamed_heads;  // layout-3 streamed gathers read this many heads a pass (one output row a slot)
   int64_t tile_bytes;  // token-order gathers (quantized: layouts 0-2) write each output in tiles of this many bytes
   int64_t token_streams;  // streamed unquantized token-order gathers read this many runs side by side (TokenStreams)
-  int64_t token_prefetch;  // bytes of a quantized token's codes asked for ahead, 0: all (TokenPrefetchBytes)
+  int64_t prefetch_heads;  // heads of a token asked for ahead where they lie together (PrefetchHeadsOfToken)
   bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
@@ -417,17 +417,9 @@ struct Kernel {
     PrefetchBytes(codes, heads * p.head_dim * QBits / 8);
   }
 
-  // Prefetch of a slot's H heads: one run where they lie together (of quantized rows, the heads whose codes lie
-  // wholly in the first token_prefetch bytes, at least one), else head by head.
+  // Prefetch of a slot's heads: where they lie together one run of its first prefetch_heads, else all H head by head.
   void PrefetchToken(int kv, int64_t slot) const {
-    if (HeadsAdjacent()) {
-      int64_t heads = p.heads;
-      if constexpr (QBits != 0) {
-        if (token_prefetch > 0)
-          heads = std::clamp<int64_t>(token_prefetch / std::max<int64_t>(1, p.head_dim * QBits / 8), 1, p.heads);
-      }
-      return Prefetch(kv, 0, slot, heads);
-    }
+    if (HeadsAdjacent()) return Prefetch(kv, 0, slot, prefetch_heads);
     PrefetchHeads(kv, 0, p.heads, slot);
   }
 
@@ -626,6 +618,15 @@ struct Kernel {
 // Outputs (key + value) above this size are written with streaming stores.
 constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
 
+// How many of a token's heads, lying together, token-order gathers ask for ahead: of quantized rows those whose codes
+// lie wholly in the first TokenPrefetchBytes (at least one; all where it is 0), else all of them.
+template <int QBits>
+int64_t PrefetchHeadsOfToken(const CallPlan& p) {
+  const int64_t bytes = QBits != 0 ? TokenPrefetchBytes() : 0;
+  if (bytes == 0) return p.heads;
+  return std::clamp<int64_t>(bytes / std::max<int64_t>(1, p.head_dim * QBits / 8), 1, p.heads);
+}
+
 template <class T1, class T3, int QBits>
 struct Launch {
   static void Run(const ComputeArgs& args, const ParallelFor& parallel_for) {
@@ -634,7 +635,7 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
-                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(), TokenPrefetchBytes(),
+                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(), PrefetchHeadsOfToken<QBits>(p),
                           KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);
   }
