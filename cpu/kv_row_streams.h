@@ -37,7 +37,7 @@ class OffsetRow {
       : src_(static_cast<const unsigned char*>(row.src)),
         first_line_(static_cast<unsigned char*>(row.dst) - reinterpret_cast<uintptr_t>(row.dst) % 64),
         offset_(static_cast<int>(reinterpret_cast<uintptr_t>(row.dst) % 64)),
-        index_(LineWordIndex(offset_)) {}
+        cut_(offset_) {}
 
   // Lines c / 64 .. (c + n) / 64 of the row (c and n multiples of 64).
   KV_ALWAYS_INLINE void Put(LineStreams& lines, const StreamedRow& row, size_t c, size_t n) const {
@@ -46,7 +46,7 @@ class OffsetRow {
                                            : _mm512_setzero_si512();
     for (size_t k = c; k < c + n; k += 64) {
       const __m512i v = _mm512_loadu_si512(src_ + k);
-      const __m512i line = _mm512_permutex2var_epi16(before, index_, v);
+      const __m512i line = cut_(before, v);
       if (k == 0 && row.lead == nullptr) {
         lines.MergeLine(first_line_, line, ~uint64_t{0} << offset_);
       } else {
@@ -59,7 +59,7 @@ class OffsetRow {
   // The row's last line (after its last Put), unless the row after writes it.
   KV_ALWAYS_INLINE void End(LineStreams& lines, const StreamedRow& row, size_t bytes) const {
     if (row.tail_follows) return;
-    const __m512i last = _mm512_permutex2var_epi16(_mm512_loadu_si512(src_ + bytes - 64), index_, _mm512_setzero_si512());
+    const __m512i last = cut_(_mm512_loadu_si512(src_ + bytes - 64), _mm512_setzero_si512());
     lines.MergeLine(first_line_ + bytes, last, (uint64_t{1} << offset_) - 1);
   }
 
@@ -67,7 +67,7 @@ class OffsetRow {
   const unsigned char* src_;
   unsigned char* first_line_;
   int offset_;
-  __m512i index_;
+  LineCut cut_;
 };
 #endif
 
