@@ -109,9 +109,10 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     engine = Engine(path, num_pages=96, trace_steps=True, decode_steps=1)
     calls_done, run = threading.Event(), engine.runner.run
 
-    paced_steps = []
+    paced_steps, runs = [], []
 
     def paced(feeds, *changed):
+        runs.append(1)
         if not calls_done.is_set():
             paced_steps.append(1)
             time.sleep(0.005)
@@ -139,6 +140,8 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     long.cancel()
     engine.close(timeout=30)
     assert long.finish_reason == "cancelled" and engine.metrics()["pages_in_use"] == 0
+    # And every step the engine counted was one call of runner.run: none went round it.
+    assert len(runs) == engine.metrics()["steps"]
 
 
 @pytest.mark.parametrize("args, kwargs, error, message", [
