@@ -183,13 +183,13 @@ class LineStreams {
 #if KV_AVX512
 // Cuts each output line of a row starting `offset` (even) bytes past a line from the row's two vectors the line
 // straddles: element j of the line is element n - k + j of the first below k, else element j - k of the second (n
-// elements a vector, k of them in `offset` bytes; permutex2var reads indices of n and up from its second vector,
-// so one sum gives both). Offsets of whole 4-byte words (every output numpy or ONNX Runtime allocates) take the
-// word permute, one instruction on the shuffle port, where the 2-byte permute is three on Intel processors (two on
-// that port) and that port also does the dequantization's widening, lane and float16 steps (measured on an Intel
-// Xeon of family 6 model 167, one core, side by side, 9 rounds, int8 decode into outputs 16 bytes past a line:
-// 3.7-3.8% less time in layouts 0 and 1 and with 32 heads in layout 3, layout 0 0.77x -> 0.80x a copy; the same
-// within noise on lines, where no line is cut). ShiftedRow's and OffsetRow's.
+// elements a vector, k of them in `offset` bytes; permutex2var reads indices of n and up from its second vector, so one
+// sum gives both). Offsets of whole 4-byte dwords (every output numpy or ONNX Runtime allocates) take the dword
+// permute, VPERMT2D: one uop, on port 5, where the word (2-byte) VPERMT2W is three on Intel's Skylake-SP to Ice Lake
+// and Rocket Lake cores (two on port 5), and port 5 also does the dequantization's widening, lane and float16 steps
+// (measured on an Intel Xeon of family 6 model 167, one core, side by side, 9 rounds, int8 decode into outputs 16 bytes
+// past a line: 3.7-3.8% less time in layouts 0 and 1 and with 32 heads in layout 3, layout 0 0.77x -> 0.80x a copy; the
+// same within noise on lines, where no line is cut). ShiftedRow's and OffsetRow's.
 class LineCut {
  public:
   explicit LineCut(int offset)
@@ -202,11 +202,13 @@ class LineCut {
 
   // The line whose first `offset` bytes are the last of `before` and whose others are the first of `v`.
   KV_ALWAYS_INLINE __m512i operator()(__m512i before, __m512i v) const {
-    return halves_ ? _mm512_permutex2var_epi16(before, index_, v) : _mm512_permutex2var_epi32(before, index_, v);
+    // The dword permute laid out as the fall-through of the hot loops: it is every allocator's case.
+    if (__builtin_expect(halves_, 0)) return _mm512_permutex2var_epi16(before, index_, v);
+    return _mm512_permutex2var_epi32(before, index_, v);
   }
 
  private:
-  bool halves_;  // the offset is an odd number of 2-byte halves of a word
+  bool halves_;  // the offset is an odd number of 2-byte halves of a dword
   __m512i index_;
 };
 

@@ -132,7 +132,7 @@ def test_two_writers_alive_in_one_thread_each_keep_their_lines(libraries, kernel
 @pytest.mark.parametrize("offset", range(0, 64, 2))
 def test_rows_cut_into_lines_in_registers_give_numpys_bytes(libraries, kernel, offset):
     """ShiftedRow (the AVX-512 build's dequantized rows): rows of 1-4 vectors at an even offset from a line (offsets
-    of whole 4-byte words cut by LineCut's 4-byte permute, the others by its 2-byte one), in order, shuffled, by two
+    of whole 4-byte dwords cut by LineCut's dword permute, the others by its word one; offset 0 not cut), in order, shuffled, by two
     threads, and in head order over more tokens than the table holds."""
     lib = libraries(kernel)
     if not lib.line_streams_shifted():
@@ -152,7 +152,7 @@ def test_rows_cut_into_lines_in_registers_give_numpys_bytes(libraries, kernel, o
 
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-@pytest.mark.parametrize("offset", [0, 2, 6, 16, 20, 48, 62])  # lines cut by the 2-byte permute and by the 4-byte one
+@pytest.mark.parametrize("offset", [0, 2, 6, 16, 20, 48, 62])  # lines cut by the word permute and by the dword one
 def test_rows_read_as_runs_side_by_side_give_numpys_bytes(libraries, kernel, offset):
     """WriteRowsSideBySide (the AVX-512 build's token streams): rows of 1, 2 and 5 vectors at an even offset from a
     line, as 1 to 17 runs side by side (more runs than rows, runs of unequal length) in chunks of 64 to 320 bytes
