@@ -114,11 +114,11 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_stores(void);
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
 
 /* How many of a token's heads (1-16) KeyValueCache's CPU gathers of a cache of `quant_bit` (0, 4 or 8) read side by
-   side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row (a line two heads
-   share is then cut in registers rather than held): quantized heads eight on Intel processors running the AVX-512
-   build (measured on an Intel Xeon of model 167) and four elsewhere (measured best on an AMD EPYC), eight
-   unquantized (measured best on an AMD EPYC and an Intel Xeon), or $KVCACHE_OP_STREAMED_HEADS for both (a
-   positive count; larger ones give 16); -1 for another quant_bit. Every count gives the same bits. (C API version 7: the quant_bit
+   side into streamed layout-3 outputs, a page run at a time, each slot's heads one output row (a line two heads share
+   is then cut in registers rather than held): quantized heads eight on Intel processors running the AVX-512 build
+   (measured on an Intel Xeon of model 167) and four elsewhere (measured best on an AMD EPYC), eight unquantized
+   (measured best on an AMD EPYC and an Intel Xeon), or $KVCACHE_OP_STREAMED_HEADS for both (a positive count; larger
+   ones give 16); -1 for another quant_bit. Every count gives the same bits. (C API version 7: the quant_bit
    argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 

@@ -635,7 +635,8 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
-                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(), PrefetchHeadsOfToken<QBits>(p),
+                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
+                          PrefetchHeadsOfToken<QBits>(p),
                           KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
         .Run(parallel_for);
   }

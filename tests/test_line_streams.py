@@ -132,8 +132,8 @@ def test_two_writers_alive_in_one_thread_each_keep_their_lines(libraries, kernel
 @pytest.mark.parametrize("offset", range(0, 64, 2))
 def test_rows_cut_into_lines_in_registers_give_numpys_bytes(libraries, kernel, offset):
     """ShiftedRow (the AVX-512 build's dequantized rows): rows of 1-4 vectors at an even offset from a line (offsets
-    of whole 4-byte dwords cut by LineCut's dword permute, the others by its word one; offset 0 not cut), in order, shuffled, by two
-    threads, and in head order over more tokens than the table holds."""
+    of whole 4-byte dwords cut by LineCut's dword permute, the others by its word one; offset 0 not cut), in order,
+    shuffled, by two threads, and in head order over more tokens than the table holds."""
     lib = libraries(kernel)
     if not lib.line_streams_shifted():
         pytest.skip(f"the {kernel} build has no ShiftedRow (AVX-512 only)")
