@@ -207,6 +207,20 @@ class LineCut {
     return _mm512_permutex2var_epi32(before, index_, v);
   }
 
+  // fn(cut), cut(before, v) the same line as operator()'s, its permute chosen once, before fn runs: a loop inside fn
+  // carries no test of the offset per line.
+  template <class Fn>
+  KV_ALWAYS_INLINE void Visit(Fn&& fn) const {
+    const __m512i index = index_;
+    if (__builtin_expect(halves_, 0)) {
+      fn([index](__m512i before, __m512i v)
+             __attribute__((always_inline)) { return _mm512_permutex2var_epi16(before, index, v); });
+    } else {
+      fn([index](__m512i before, __m512i v)
+             __attribute__((always_inline)) { return _mm512_permutex2var_epi32(before, index, v); });
+    }
+  }
+
  private:
   bool halves_;  // the offset is an odd number of 2-byte halves of a dword
   __m512i index_;

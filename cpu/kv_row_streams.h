@@ -39,21 +39,31 @@ class OffsetRow {
         offset_(static_cast<int>(reinterpret_cast<uintptr_t>(row.dst) % 64)),
         cut_(offset_) {}
 
-  // Lines c / 64 .. (c + n) / 64 of the row (c and n multiples of 64).
+  // Lines c / 64 .. (c + n) / 64 of the row (c and n multiples of 64, n > 0). The line held in `lines` (the first of
+  // a row not led) is put before the loop, and the permute chosen before it (LineCut::Visit): the loop only streams.
+  // With the hold tested in the loop (its MergeLine call inside), rows 16 bytes past a line ran slower than on lines
+  // (measured on an Intel Xeon of family 6 model 167, one core, benchmarks/cpu/bound/token_runs.cc, five runs each,
+  // the kernel's writer 16 bytes past a line: 8 heads of 128 0.98-1.11x a copy so, 1.07-1.14x now; 32 heads
+  // 0.99-1.13x, 1.11-1.24x; on lines 1.10-1.24x either way).
   KV_ALWAYS_INLINE void Put(LineStreams& lines, const StreamedRow& row, size_t c, size_t n) const {
-    __m512i before = c > 0                ? _mm512_loadu_si512(src_ + c - 64)
-                     : row.lead != nullptr ? _mm512_loadu_si512(row.lead)
-                                           : _mm512_setzero_si512();
-    for (size_t k = c; k < c + n; k += 64) {
-      const __m512i v = _mm512_loadu_si512(src_ + k);
-      const __m512i line = cut_(before, v);
-      if (k == 0 && row.lead == nullptr) {
-        lines.MergeLine(first_line_, line, ~uint64_t{0} << offset_);
-      } else {
-        _mm512_stream_si512(reinterpret_cast<__m512i*>(first_line_ + k), line);
+    cut_.Visit([&](auto cut) __attribute__((always_inline)) {
+      size_t k = c;
+      __m512i before;
+      if (c > 0) {
+        before = _mm512_loadu_si512(src_ + c - 64);
+      } else if (row.lead != nullptr) {
+        before = _mm512_loadu_si512(row.lead);
+      } else {  // the row's first line, shared with a row this call does not write: held
+        before = _mm512_loadu_si512(src_);
+        lines.MergeLine(first_line_, cut(_mm512_setzero_si512(), before), ~uint64_t{0} << offset_);
+        k = 64;
       }
-      before = v;
-    }
+      for (; k < c + n; k += 64) {
+        const __m512i v = _mm512_loadu_si512(src_ + k);
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(first_line_ + k), cut(before, v));
+        before = v;
+      }
+    });
   }
 
   // The row's last line (after its last Put), unless the row after writes it.

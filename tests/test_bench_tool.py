@@ -196,6 +196,43 @@ def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tm
         assert bad.returncode == 2 and "usage" in bad.stderr
 
 
+def test_the_token_runs_tool_builds_and_times_the_kernels_writer_on_and_off_lines(tmp_path):
+    """benchmarks/cpu/bound/token_runs.cc builds with the command its header gives (x86-64, the kernel's own
+    cpu/kv_row_streams.h included) and, where the CPU has AVX-512, prints a time and a ratio to memcpy for each
+    order and for the kernel's writer of runs side by side on lines and 16 bytes past one; a round count below 1
+    is refused with its usage."""
+    import pathlib
+    import platform
+    import re
+    import shutil
+    import subprocess
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the tool is written with x86-64 intrinsics")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
+    binary = tmp_path / "token_runs"
+    built = subprocess.run([compiler, "-O2", "-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                            "-DKV_CPU_ISA=avx512", f"-I{root}", "-std=c++17",
+                            str(root / "benchmarks" / "cpu" / "bound" / "token_runs.cc"), "-o", str(binary)],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr
+    bad = subprocess.run([str(binary), "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if not {"avx512f", "avx512bw", "avx512vl"} <= set(re.findall(r"\w+", cpuinfo.read_text() if cpuinfo.exists() else "")):
+        pytest.skip("built; this CPU has no AVX-512 to run it")
+    done = subprocess.run([str(binary), "1"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^  (.+?) +(\d+\.\d+) ms  (\d+\.\d+)x$", done.stdout, re.M)
+    orders = ["one row after another", "4 runs, token-major", "8 runs, token-major", "16 runs, token-major",
+              "8 runs, keys then values"]
+    kernel = [f"kernel, {heads} heads, {where}" for heads in (8, 32) for where in ("on lines", "16 B past")]
+    assert [name for name, _, _ in rows] == orders * 2 + kernel, done.stdout
+    assert all(float(ms) > 0 and float(ratio) > 0 for _, ms, ratio in rows), done.stdout
+
+
 def test_the_scale_rows_tool_builds_and_times_every_store_pattern(tmp_path):
     """benchmarks/cpu/bound/scale_rows.cc builds with the command its header gives (x86-64) and, where the CPU has
     AVX2, prints a time and a ratio to layout 0 for each of its five ways of storing an int8 prefill's scale rows;

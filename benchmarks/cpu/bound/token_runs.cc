@@ -4,10 +4,16 @@
 // task's 64 tokens of rows in the orders the CPU kernel has used: one row after another (tiles of 16 tokens,
 // keys then values, two tokens of prefetch), and runs side by side (the task's rows, a token's key row then its
 // value row, split into 4, 8 or 16 runs, 256 bytes of each run's row in turn, no software prefetch), plus runs of
-// keys then values. Outputs on lines only: it measures the order, not the edge lines.
+// keys then values. Outputs on lines: it measures the order, not the edge lines. Then the kernel's own writer of
+// runs side by side (cpu/kv_row_streams.h: WriteRowsSideBySide, 8 runs, each row led by the one before), into
+// outputs on lines and 16 bytes past one, rows of 8 heads of 128 and of 32: the cost of the edge lines.
 //
-//   g++ -O2 -mavx512f -std=c++17 benchmarks/cpu/bound/token_runs.cc -o /tmp/token_runs && /tmp/token_runs
+// From the repository root:
+//
+//   g++ -O2 -mavx2 -mf16c -mfma -mavx512f -mavx512bw -mavx512vl -DKV_CPU_ISA=avx512 -I. -std=c++17 benchmarks/cpu/bound/token_runs.cc -o /tmp/token_runs && /tmp/token_runs [rounds]
 #include <immintrin.h>
+
+#include "cpu/kv_row_streams.h"
 
 #include <algorithm>
 #include <chrono>
@@ -27,19 +33,22 @@ constexpr size_t kKeys = 1024;   // keys a sequence
 constexpr size_t kPage = 64;     // slots a page
 constexpr size_t kTask = 64;     // tokens a gather task
 constexpr size_t kTokens = kBatch * kKeys;
+constexpr size_t kWideRow = 4 * kRow;  // 32 heads of 128: a quarter of the tokens, the same bytes
 
 struct Buffers {
   int layout = 0;  // 0: a slot's key row then its value row; 2: every key row, then every value row
+  size_t row = kRow;  // bytes a row: kRow, or kWideRow with a quarter of the pages in use
   std::vector<size_t> pages;  // the page table, shuffled
   char* cache = nullptr;
   char* out[2] = {nullptr, nullptr};
 
+  size_t Tokens() const { return kTokens * kRow / row; }
   const char* Source(int kv, size_t token) const {
     const size_t slot = pages[token / kPage] * kPage + token % kPage;
-    if (layout == 2) return cache + (kv * pages.size() * kPage + slot) * kRow;
-    return cache + (slot * 2 + kv) * kRow;
+    if (layout == 2) return cache + (kv * Tokens() + slot) * row;
+    return cache + (slot * 2 + kv) * row;
   }
-  char* Output(int kv, size_t token) const { return out[kv] + token * kRow; }
+  char* Output(int kv, size_t token) const { return out[kv] + token * row; }
 };
 
 double Now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
@@ -84,6 +93,25 @@ void RunsSideBySide(const Buffers& b, size_t runs, bool token_major) {
     }
 }
 
+// The kernel's writer: each task's rows (a token's key row then its value row) as 8 runs side by side, 256 bytes
+// of each run's row in turn, outputs `offset` bytes past a line, every row led by the row before it in its output
+// but a task's first (its first line held, as the kernel's gathers hold it).
+void KernelRuns(const Buffers& b, size_t offset) {
+  using namespace kvcache::avx512;
+  LineStreams lines;
+  std::vector<StreamedRow> rows(2 * kTask);
+  for (size_t t0 = 0; t0 < b.Tokens(); t0 += kTask) {
+    for (size_t i = 0; i < kTask; ++i)
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* lead = i > 0 ? b.Source(kv, t0 + i - 1) + b.row - 64 : nullptr;
+        rows[2 * i + kv] = {b.Source(kv, t0 + i), b.Output(kv, t0 + i) + offset, lead, i + 1 < kTask};
+      }
+    WriteRowsSideBySide(lines, rows.data(), static_cast<int64_t>(rows.size()), b.row, 8, 256);
+    lines.Flush();
+    _mm_sfence();
+  }
+}
+
 double Median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
@@ -101,45 +129,73 @@ char* Filled(size_t bytes, int value) {
 
 }  // namespace
 
-int main() {
-  Buffers b;
-  b.pages.resize(kTokens / kPage);
-  for (size_t i = 0; i < b.pages.size(); ++i) b.pages[i] = i;
+using Orders = std::vector<std::pair<const char*, std::function<void()>>>;
+
+// Each order's time against `copy`'s, the same bytes: medians of `rounds` interleaved rounds.
+void Time(const Orders& orders, int layout, int rounds, const std::function<void()>& copy) {
+  std::vector<std::vector<double>> times(orders.size());
+  std::vector<double> copies;
+  for (int round = 0; round < rounds; ++round) {
+    double start = Now();
+    copy();
+    copies.push_back(Now() - start);
+    for (size_t k = 0; k < orders.size(); ++k) {
+      start = Now();
+      orders[k].second();
+      _mm_sfence();
+      times[k].push_back(Now() - start);
+    }
+  }
+  const double median = Median(copies);
+  std::printf("layout %d, pages of %zu slots: memcpy %.1f ms\n", layout, kPage, median * 1e3);
+  for (size_t k = 0; k < orders.size(); ++k)
+    std::printf("  %-28s %6.1f ms  %.2fx\n", orders[k].first, Median(times[k]) * 1e3, median / Median(times[k]));
+}
+
+// A shuffled page table of `pages` pages.
+std::vector<size_t> Shuffled(size_t pages) {
+  std::vector<size_t> table(pages);
+  for (size_t i = 0; i < pages; ++i) table[i] = i;
   std::mt19937 random(1);
-  std::shuffle(b.pages.begin(), b.pages.end(), random);
+  std::shuffle(table.begin(), table.end(), random);
+  return table;
+}
+
+int main(int argc, char** argv) {
+  const int rounds = argc > 1 ? std::atoi(argv[1]) : 7;
+  if (argc > 2 || rounds < 1) {
+    std::fprintf(stderr, "usage: %s [rounds >= 1, default 7]\n", argv[0]);
+    return 2;
+  }
+  Buffers b;
+  const std::vector<size_t> pages = Shuffled(kTokens / kPage), wide_pages = Shuffled(kTokens * kRow / kWideRow / kPage);
+  b.pages = pages;
   const size_t moved = 2 * kTokens * kRow;  // bytes written (and read) a call
   b.cache = Filled(moved, 1);
-  b.out[0] = Filled(moved / 2, 2);
-  b.out[1] = Filled(moved / 2, 2);
+  b.out[0] = Filled(moved / 2 + 64, 2);  // room for the rows 16 bytes past a line
+  b.out[1] = Filled(moved / 2 + 64, 2);
   char* copy_from = Filled(moved, 1);
   char* copy_to = Filled(moved, 3);
-  const std::vector<std::pair<const char*, std::function<void()>>> orders = {
+  const Orders orders = {
       {"one row after another", [&] { RowAfterRow(b); }},
       {"4 runs, token-major", [&] { RunsSideBySide(b, 4, true); }},
       {"8 runs, token-major", [&] { RunsSideBySide(b, 8, true); }},
       {"16 runs, token-major", [&] { RunsSideBySide(b, 16, true); }},
       {"8 runs, keys then values", [&] { RunsSideBySide(b, 8, false); }},
   };
-  std::printf("median of 7 rounds; ratio = memcpy's time / the order's, the same bytes\n");
+  auto rows_of = [&](size_t row) { b.row = row, b.pages = row == kRow ? pages : wide_pages; };
+  const Orders kernel = {
+      {"kernel, 8 heads, on lines", [&] { rows_of(kRow), KernelRuns(b, 0); }},
+      {"kernel, 8 heads, 16 B past", [&] { rows_of(kRow), KernelRuns(b, 16); }},
+      {"kernel, 32 heads, on lines", [&] { rows_of(kWideRow), KernelRuns(b, 0); }},
+      {"kernel, 32 heads, 16 B past", [&] { rows_of(kWideRow), KernelRuns(b, 16); }},
+  };
+  std::printf("median of %d rounds; ratio = memcpy's time / the order's, the same bytes\n", rounds);
   for (int layout : {0, 2}) {
     b.layout = layout;
-    std::vector<std::vector<double>> times(orders.size());
-    std::vector<double> copies;
-    for (int round = 0; round < 7; ++round) {
-      double start = Now();
-      std::memcpy(copy_to, copy_from, moved);
-      copies.push_back(Now() - start);
-      for (size_t k = 0; k < orders.size(); ++k) {
-        start = Now();
-        orders[k].second();
-        _mm_sfence();
-        times[k].push_back(Now() - start);
-      }
-    }
-    const double copy = Median(copies);
-    std::printf("layout %d, pages of %zu slots: memcpy %.1f ms\n", layout, kPage, copy * 1e3);
-    for (size_t k = 0; k < orders.size(); ++k)
-      std::printf("  %-26s %6.1f ms  %.2fx\n", orders[k].first, Median(times[k]) * 1e3, copy / Median(times[k]));
+    Time(orders, layout, rounds, [&] { std::memcpy(copy_to, copy_from, moved); });
   }
+  b.layout = 0;  // the kernel's rows: layout 0
+  Time(kernel, 0, rounds, [&] { std::memcpy(copy_to, copy_from, moved); });
   return 0;
 }
