@@ -1,12 +1,37 @@
 """The benchmark tool runs end to end (tiny shapes) and writes its table, data and chart."""
 
 import json
+import pathlib
+import platform
+import re
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
 from kvcache_op.benchmarks import kv_shapes
 from kvcache_op.benchmarks.cpu import bench as cpu_bench
+
+BOUND = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu" / "bound"
+
+
+def cpu_flags() -> set:
+    """The words of /proc/cpuinfo (its feature flags among them); empty where there is none."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    return set(re.findall(r"\w+", cpuinfo.read_text())) if cpuinfo.exists() else set()
+
+
+def build_bound_tool(source: str, binary: pathlib.Path, *flags: str) -> pathlib.Path:
+    """benchmarks/cpu/bound/`source` built to `binary` with the C++ compiler the package builds with and `flags`;
+    fails the test with the compiler's errors where it does not build."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
+    built = subprocess.run([compiler, *flags, str(BOUND / source), "-o", str(binary)], capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr
+    return binary
 
 
 def test_bench_quick_run_writes_results(tmp_path, capsys):
@@ -138,11 +163,7 @@ def test_benchmark_arrays_start_on_cache_lines_like_onnx_runtimes():
 def test_the_profiling_script_runs_a_benchmark_case():
     """benchmarks/cpu/bound/profile_case.py (run under a sampling profiler) still builds and runs the
     benchmark's cases through the tool's own functions, outputs off their lines included."""
-    import pathlib
-    import subprocess
-    import sys
-
-    script = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu" / "bound" / "profile_case.py"
+    script = BOUND / "profile_case.py"
     done = subprocess.run([sys.executable, str(script), "--shape", "prefill", "--layout", "3", "--output-offset", "16",
                            "--calls", "1"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -155,30 +176,17 @@ def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tm
     and the AVX2 and AVX-512 builds where this CPU has them) and prints every figure: the quantizer's, the
     dequantizer's, and the streamed dequantizer's on a line and, where the build streams there, 16 bytes past one
     (rows chained as the gathers chain them, and with their part lines held)."""
-    import pathlib
-    import platform
-    import re
-    import shutil
-    import subprocess
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    compiler = shutil.which("c++") or shutil.which("g++")
-    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    cpu_flags = set(re.findall(r"\w+", cpuinfo.read_text())) if cpuinfo.exists() else set()
+    flags = cpu_flags()
     builds = {"generic": []}
-    if {"avx2", "f16c", "fma"} <= cpu_flags:
+    if {"avx2", "f16c", "fma"} <= flags:
         builds["avx2"] = ["-mavx2", "-mf16c", "-mfma"]
-    if {"avx512f", "avx512bw", "avx512vl", "avx2", "f16c", "fma"} <= cpu_flags:
+    if {"avx512f", "avx512bw", "avx512vl", "avx2", "f16c", "fma"} <= flags:
         builds["avx512"] = ["-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
     figure = r"\d+\.\d+"
     for isa, extra in builds.items():
-        binary = tmp_path / f"quantize_cost_{isa}"
-        built = subprocess.run([compiler, "-O3", "-std=gnu++17", "-ffp-contract=off", "-fno-fast-math",
-                                "-fno-trapping-math", f"-I{root / 'cpu'}", f"-DKV_CPU_ISA={isa}", *extra,
-                                str(root / "benchmarks" / "cpu" / "bound" / "quantize_cost.cc"), "-o", str(binary)],
-                               capture_output=True, text=True, timeout=300)
-        assert built.returncode == 0, built.stderr
+        binary = build_bound_tool("quantize_cost.cc", tmp_path / f"quantize_cost_{isa}", "-O3", "-std=gnu++17",
+                                  "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
+                                  f"-I{BOUND.parents[2] / 'cpu'}", f"-DKV_CPU_ISA={isa}", *extra)
         done = subprocess.run([str(binary), "128"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert re.search(rf"^  quantizer {figure} ns per element", done.stdout, re.M), done.stdout
@@ -201,27 +209,13 @@ def test_the_token_runs_tool_builds_and_times_the_kernels_writer_on_and_off_line
     cpu/kv_row_streams.h included) and, where the CPU has AVX-512, prints a time and a ratio to memcpy for each
     order and for the kernel's writer of runs side by side on lines and 16 bytes past one; a round count below 1
     is refused with its usage."""
-    import pathlib
-    import platform
-    import re
-    import shutil
-    import subprocess
-
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the tool is written with x86-64 intrinsics")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    compiler = shutil.which("c++") or shutil.which("g++")
-    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
-    binary = tmp_path / "token_runs"
-    built = subprocess.run([compiler, "-O2", "-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                            "-DKV_CPU_ISA=avx512", f"-I{root}", "-std=c++17",
-                            str(root / "benchmarks" / "cpu" / "bound" / "token_runs.cc"), "-o", str(binary)],
-                           capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
+    binary = build_bound_tool("token_runs.cc", tmp_path / "token_runs", "-O2", "-mavx2", "-mf16c", "-mfma", "-mavx512f",
+                              "-mavx512bw", "-mavx512vl", "-DKV_CPU_ISA=avx512", f"-I{BOUND.parents[2]}", "-std=c++17")
     bad = subprocess.run([str(binary), "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if not {"avx512f", "avx512bw", "avx512vl"} <= set(re.findall(r"\w+", cpuinfo.read_text() if cpuinfo.exists() else "")):
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("built; this CPU has no AVX-512 to run it")
     done = subprocess.run([str(binary), "1"], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -237,23 +231,10 @@ def test_the_scale_rows_tool_builds_and_times_every_store_pattern(tmp_path):
     """benchmarks/cpu/bound/scale_rows.cc builds with the command its header gives (x86-64) and, where the CPU has
     AVX2, prints a time and a ratio to layout 0 for each of its five ways of storing an int8 prefill's scale rows;
     a round count below 1 is refused with its usage."""
-    import pathlib
-    import platform
-    import re
-    import shutil
-    import subprocess
-
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the tool is written with x86-64 intrinsics")
-    root = pathlib.Path(__file__).resolve().parents[1]
-    compiler = shutil.which("c++") or shutil.which("g++")
-    assert compiler, "a C++ compiler is needed to build the package, and so this tool"
-    binary = tmp_path / "scale_rows"
-    built = subprocess.run([compiler, "-O2", "-mavx2", str(root / "benchmarks" / "cpu" / "bound" / "scale_rows.cc"),
-                            "-o", str(binary)], capture_output=True, text=True, timeout=300)
-    assert built.returncode == 0, built.stderr
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    if "avx2" not in set(re.findall(r"\w+", cpuinfo.read_text() if cpuinfo.exists() else "")):
+    binary = build_bound_tool("scale_rows.cc", tmp_path / "scale_rows", "-O2", "-mavx2")
+    if "avx2" not in cpu_flags():
         pytest.skip("built; this CPU has no AVX2 to run it")
     done = subprocess.run([str(binary), "2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
