@@ -202,9 +202,9 @@ class LineCut {
 
   // The line whose first `offset` bytes are the last of `before` and whose others are the first of `v`.
   KV_ALWAYS_INLINE __m512i operator()(__m512i before, __m512i v) const {
-    __m512i line;
-    Visit([&](auto cut) __attribute__((always_inline)) { line = cut(before, v); });
-    return line;
+    // The dword permute laid out as the fall-through of the hot loops: it is every allocator's case.
+    if (__builtin_expect(halves_, 0)) return _mm512_permutex2var_epi16(before, index_, v);
+    return _mm512_permutex2var_epi32(before, index_, v);
   }
 
   // fn(cut), cut(before, v) the line operator() gives, its permute chosen once, before fn runs: a loop inside fn
@@ -212,7 +212,6 @@ class LineCut {
   template <class Fn>
   KV_ALWAYS_INLINE void Visit(Fn&& fn) const {
     const __m512i index = index_;
-    // The dword permute laid out as the fall-through of the hot loops: it is every allocator's case.
     if (__builtin_expect(halves_, 0)) {
       fn([index](__m512i before, __m512i v)
              __attribute__((always_inline)) { return _mm512_permutex2var_epi16(before, index, v); });

@@ -118,7 +118,7 @@ double Median(std::vector<double> v) {
 }
 
 char* Filled(size_t bytes, int value) {
-  char* p = static_cast<char*>(std::aligned_alloc(4096, bytes));
+  char* p = static_cast<char*>(std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096));  // a multiple of the alignment
   if (p == nullptr) {
     std::fprintf(stderr, "out of memory (%zu bytes)\n", bytes);
     std::exit(1);
@@ -132,10 +132,10 @@ char* Filled(size_t bytes, int value) {
 using Orders = std::vector<std::pair<const char*, std::function<void()>>>;
 
 // Each order's time against `copy`'s, the same bytes: medians of `rounds` interleaved rounds.
-void Time(const Orders& orders, int layout, int rounds, const std::function<void()>& copy) {
+void Time(const Orders& orders, const char* title, long rounds, const std::function<void()>& copy) {
   std::vector<std::vector<double>> times(orders.size());
   std::vector<double> copies;
-  for (int round = 0; round < rounds; ++round) {
+  for (long round = 0; round < rounds; ++round) {
     double start = Now();
     copy();
     copies.push_back(Now() - start);
@@ -147,7 +147,7 @@ void Time(const Orders& orders, int layout, int rounds, const std::function<void
     }
   }
   const double median = Median(copies);
-  std::printf("layout %d, pages of %zu slots: memcpy %.1f ms\n", layout, kPage, median * 1e3);
+  std::printf("%s, pages of %zu slots: memcpy %.1f ms\n", title, kPage, median * 1e3);
   for (size_t k = 0; k < orders.size(); ++k)
     std::printf("  %-28s %6.1f ms  %.2fx\n", orders[k].first, Median(times[k]) * 1e3, median / Median(times[k]));
 }
@@ -162,9 +162,10 @@ std::vector<size_t> Shuffled(size_t pages) {
 }
 
 int main(int argc, char** argv) {
-  const int rounds = argc > 1 ? std::atoi(argv[1]) : 7;
-  if (argc > 2 || rounds < 1) {
-    std::fprintf(stderr, "usage: %s [rounds >= 1, default 7]\n", argv[0]);
+  char* end = nullptr;
+  const long rounds = argc > 1 ? std::strtol(argv[1], &end, 10) : 7;
+  if (argc > 2 || (argc > 1 && *end != '\0') || rounds < 1 || rounds > 1000) {
+    std::fprintf(stderr, "usage: %s [rounds, 1 to 1000, default 7]\n", argv[0]);
     return 2;
   }
   Buffers b;
@@ -190,12 +191,12 @@ int main(int argc, char** argv) {
       {"kernel, 32 heads, on lines", [&] { rows_of(kWideRow), KernelRuns(b, 0); }},
       {"kernel, 32 heads, 16 B past", [&] { rows_of(kWideRow), KernelRuns(b, 16); }},
   };
-  std::printf("median of %d rounds; ratio = memcpy's time / the order's, the same bytes\n", rounds);
+  std::printf("median of %ld rounds; ratio = memcpy's time / the order's, the same bytes\n", rounds);
   for (int layout : {0, 2}) {
     b.layout = layout;
-    Time(orders, layout, rounds, [&] { std::memcpy(copy_to, copy_from, moved); });
+    Time(orders, layout == 0 ? "layout 0" : "layout 2", rounds, [&] { std::memcpy(copy_to, copy_from, moved); });
   }
   b.layout = 0;  // the kernel's rows: layout 0
-  Time(kernel, 0, rounds, [&] { std::memcpy(copy_to, copy_from, moved); });
+  Time(kernel, "the kernel's writer, layout 0", rounds, [&] { std::memcpy(copy_to, copy_from, moved); });
   return 0;
 }
