@@ -12,15 +12,11 @@ import pytest
 
 from kvcache_op.benchmarks import kv_shapes
 from kvcache_op.benchmarks.cpu import bench as cpu_bench
+from cpu_kernels import cpu_flags
 from native_build import compiler
 
-BOUND = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "cpu" / "bound"
-
-
-def cpu_flags() -> set:
-    """The words of /proc/cpuinfo (its feature flags among them); empty where there is none."""
-    cpuinfo = pathlib.Path("/proc/cpuinfo")
-    return set(re.findall(r"\w+", cpuinfo.read_text())) if cpuinfo.exists() else set()
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BOUND = ROOT / "benchmarks" / "cpu" / "bound"
 
 
 def build_bound_tool(source: str, binary: pathlib.Path, *flags: str) -> pathlib.Path:
@@ -184,7 +180,7 @@ def test_the_quantization_cost_tool_builds_and_times_the_streamed_dequantizer(tm
     for isa, extra in builds.items():
         binary = build_bound_tool("quantize_cost.cc", tmp_path / f"quantize_cost_{isa}", "-O3", "-std=gnu++17",
                                   "-ffp-contract=off", "-fno-fast-math", "-fno-trapping-math",
-                                  f"-I{BOUND.parents[2] / 'cpu'}", f"-DKV_CPU_ISA={isa}", *extra)
+                                  f"-I{ROOT / 'cpu'}", f"-DKV_CPU_ISA={isa}", *extra)
         done = subprocess.run([str(binary), "128"], capture_output=True, text=True, timeout=300)
         assert done.returncode == 0, done.stderr
         assert re.search(rf"^  quantizer {figure} ns per element", done.stdout, re.M), done.stdout
@@ -210,7 +206,7 @@ def test_the_token_runs_tool_builds_and_times_the_kernels_writer_on_and_off_line
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the tool is written with x86-64 intrinsics")
     binary = build_bound_tool("token_runs.cc", tmp_path / "token_runs", "-O2", "-mavx2", "-mf16c", "-mfma", "-mavx512f",
-                              "-mavx512bw", "-mavx512vl", "-DKV_CPU_ISA=avx512", f"-I{BOUND.parents[2]}", "-std=c++17")
+                              "-mavx512bw", "-mavx512vl", "-DKV_CPU_ISA=avx512", f"-I{ROOT}", "-std=c++17")
     if not {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags():
         pytest.skip("built; this CPU has no AVX-512 to run it")
     bad = subprocess.run([str(binary), "0"], capture_output=True, text=True, timeout=60)

@@ -38,13 +38,13 @@ constexpr size_t kWideRow = 4 * kRow;  // 32 heads of 128: a quarter of the toke
 struct Buffers {
   int layout = 0;  // 0: a slot's key row then its value row; 2: every key row, then every value row
   size_t row = kRow;  // bytes a row: kRow, or kWideRow with a quarter of the pages in use
-  std::vector<size_t> pages;  // the page table, shuffled
+  const std::vector<size_t>* pages = nullptr;  // the page table, shuffled
   char* cache = nullptr;
   char* out[2] = {nullptr, nullptr};
 
   size_t Tokens() const { return kTokens * kRow / row; }
   const char* Source(int kv, size_t token) const {
-    const size_t slot = pages[token / kPage] * kPage + token % kPage;
+    const size_t slot = (*pages)[token / kPage] * kPage + token % kPage;
     if (layout == 2) return cache + (kv * Tokens() + slot) * row;
     return cache + (slot * 2 + kv) * row;
   }
@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
   }
   Buffers b;
   const std::vector<size_t> pages = Shuffled(kTokens / kPage), wide_pages = Shuffled(kTokens * kRow / kWideRow / kPage);
-  b.pages = pages;
+  b.pages = &pages;
   const size_t moved = 2 * kTokens * kRow;  // bytes written (and read) a call
   b.cache = Filled(moved, 1);
   b.out[0] = Filled(moved / 2 + 64, 2);  // room for the rows 16 bytes past a line
@@ -184,7 +184,7 @@ int main(int argc, char** argv) {
       {"16 runs, token-major", [&] { RunsSideBySide(b, 16, true); }},
       {"8 runs, keys then values", [&] { RunsSideBySide(b, 8, false); }},
   };
-  auto rows_of = [&](size_t row) { b.row = row, b.pages = row == kRow ? pages : wide_pages; };
+  auto rows_of = [&](size_t row) { b.row = row, b.pages = row == kRow ? &pages : &wide_pages; };
   const Orders kernel = {
       {"kernel, 8 heads, on lines", [&] { rows_of(kRow), KernelRuns(b, 0); }},
       {"kernel, 8 heads, 16 B past", [&] { rows_of(kRow), KernelRuns(b, 16); }},
