@@ -61,7 +61,8 @@ def token_prefetch(size: int) -> str:
 
 def kernel_build() -> str:
     """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row (quantized/values),
-    <n> token streams, quantized token prefetch of <p> B (or of whole rows), gather tiles of <b0>/<b1>/<b2>/<b3> B,
+    <n> token streams, quantized token prefetch of <p1>/<p4> (rows of 1/4 KiB; <p> B or whole rows), gather tiles of
+    <b0>/<b1>/<b2>/<b3> B,
     <stream|cached> code stores": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout
     3's quantized gathers walk outputs that stay cached, how many heads its layout-3 gathers read side by side into a
     streamed output (quantized caches, unquantized), how many runs of a task's rows its token-order gathers read side by
@@ -74,7 +75,9 @@ def kernel_build() -> str:
         return (f", {c_api.cpu_kernel()} kernel build, {c_api.cpu_stores()} stores, {c_api.cpu_cached_gather()} cached"
                 f" gathers, {c_api.cpu_streamed_heads(8)}/{c_api.cpu_streamed_heads(0)} streamed heads a row"
                 f" (quantized/values), {c_api.cpu_token_streams()} token streams,"
-                f" quantized token prefetch of {token_prefetch(c_api.cpu_token_prefetch_bytes())},"
+                f" quantized token prefetch of"
+                f" {'/'.join(token_prefetch(c_api.cpu_token_prefetch_bytes(row)) for row in (1024, 4096))}"
+                f" (rows of 1/4 KiB),"
                 f" gather tiles of {'/'.join(str(c_api.cpu_gather_tile_bytes(layout)) for layout in range(4))} B,"
                 f" {c_api.cpu_code_stores()} code stores")
     except RuntimeError:

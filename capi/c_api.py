@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 9
+C_API_VERSION = 10
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -136,7 +136,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_token_streams": ((), ctypes.c_int64),
-        "kvcache_op_cpu_token_prefetch_bytes": ((), ctypes.c_int64),
+        "kvcache_op_cpu_token_prefetch_bytes": ((ctypes.c_int64,), ctypes.c_int64),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -229,21 +229,24 @@ def cpu_code_stores(path: str | None = None) -> str:
 def cpu_token_streams(path: str | None = None) -> int:
     """How many runs of a task's rows KeyValueCache's CPU gathers read side by side into streamed outputs where a
     token's heads are one row in the cache and in the output (layouts 0-2, unquantized, no repeats, the "stream"
-    store plan; rows of whole 64-byte vectors at even addresses, in the AVX-512 build, which alone reads runs): 8 on
-    Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167), 1 (one row after another)
-    elsewhere, overridden by ``$KVCACHE_OP_TOKEN_STREAMS`` (a positive count; larger ones give 16); the same bits
-    whatever the count."""
+    store plan; rows of whole 64-byte vectors at even addresses, in the AVX-512 build, which alone reads runs): in
+    the AVX-512 build 8 on Intel processors (measured on an Intel Xeon of model 167) and 4 on AMD processors
+    (measured on an AMD EPYC of Zen 4), 1 (one row after another) in the other builds, overridden by
+    ``$KVCACHE_OP_TOKEN_STREAMS`` (a positive count; larger ones give 16); the same bits whatever the count."""
     return int(library(path).kvcache_op_cpu_token_streams())
 
 
-def cpu_token_prefetch_bytes(path: str | None = None) -> int:
+def cpu_token_prefetch_bytes(row_bytes: int, path: str | None = None) -> int:
     """How many bytes of a quantized token's codes (from its first head on, with their scales) KeyValueCache's CPU
     gathers in token order ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2),
-    0 for the whole row: 1024 on Intel processors (measured on an Intel Xeon of model 167: a whole 4 KiB row asked
-    for at once stalls the reads behind it), 0 on AMD processors (not measured there), rounded down to whole
-    heads (at least one), overridden by ``$KVCACHE_OP_TOKEN_PREFETCH`` (bytes, a
-    non-negative integer); the same bits whatever the count."""
-    return int(library(path).kvcache_op_cpu_token_prefetch_bytes())
+    for tokens whose codes (every head's) take ``row_bytes``; 0 for the whole row: 1024 on Intel processors
+    (measured on an Intel Xeon of model 167: a whole 4 KiB row asked for at once stalls the reads behind it); on
+    AMD processors the whole row up to 1024 bytes and 512 of longer ones (measured on an AMD EPYC of Zen 4);
+    rounded down to whole heads (at least one), overridden by ``$KVCACHE_OP_TOKEN_PREFETCH`` (bytes, a non-negative
+    integer, whatever the row); the same bits whatever the count. Raises ValueError for a row below one byte."""
+    if type(row_bytes) is not int or row_bytes < 1:  # not 1.0, not True
+        raise ValueError(f"row_bytes must be a positive int, not {row_bytes!r}")
+    return int(library(path).kvcache_op_cpu_token_prefetch_bytes(row_bytes))
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

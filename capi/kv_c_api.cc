@@ -70,7 +70,9 @@ const char* kvcache_op_cpu_code_stores(void) { return kvcache::StreamedCodeStore
 
 int64_t kvcache_op_cpu_token_streams(void) { return kvcache::TokenStreams(); }
 
-int64_t kvcache_op_cpu_token_prefetch_bytes(void) { return kvcache::TokenPrefetchBytes(); }
+int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes) {
+  return row_bytes < 1 ? -1 : kvcache::TokenPrefetchBytes(row_bytes);
+}
 
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults

@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 9
+#define KVCACHE_OP_C_API_VERSION 10
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -141,17 +141,18 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_code_stores(void);
    token's heads are one row in the cache and in the output (layouts 0-2 without repeats, unquantized, the "stream"
    store plan; rows of whole 64-byte vectors at even addresses, in the AVX-512 build, which alone reads runs): a
    token's key row then its value row, 256 bytes of each run's row in turn; 1 reads them one row after another.
-   Chosen by measurement (8 on Intel processors running the AVX-512 build, 1 elsewhere) or by
+   Chosen by measurement (in the AVX-512 build 8 on Intel processors and 4 on AMD processors, 1 elsewhere) or by
    $KVCACHE_OP_TOKEN_STREAMS (a positive count; larger ones give 16). Every count gives the same bits. (C API
    version 8.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_streams(void);
 
 /* How many bytes of a quantized token's codes (from its first head on, with their scales) KeyValueCache's CPU
    gathers in token order ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2),
-   0 for the whole row: chosen by measurement (0 on AMD processors, not measured there; 1024 elsewhere,
-   measured on Intel; rounded down to whole heads, at least one) or by
-   $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer). Every count gives the same bits. (C API version 9.) */
-KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(void);
+   for tokens whose codes take row_bytes (every head's), 0 for the whole row: chosen by measurement (on AMD
+   processors 0 for rows up to 1024 bytes and 512 for longer ones; 1024 elsewhere, measured on Intel; rounded down
+   to whole heads, at least one) or by $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer, whatever the row).
+   -1 for row_bytes below 1. Every count gives the same bits. (C API version 10; version 9 took no row.) */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);

@@ -622,9 +622,11 @@ constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
 // lie wholly in the first TokenPrefetchBytes (at least one; all where it is 0), else all of them.
 template <int QBits>
 int64_t PrefetchHeadsOfToken(const CallPlan& p) {
-  const int64_t bytes = QBits != 0 ? TokenPrefetchBytes() : 0;
+  if (QBits == 0) return p.heads;
+  const int64_t head_bytes = std::max<int64_t>(1, p.head_dim * QBits / 8);
+  const int64_t bytes = TokenPrefetchBytes(p.heads * head_bytes);
   if (bytes == 0) return p.heads;
-  return std::clamp<int64_t>(bytes / std::max<int64_t>(1, p.head_dim * QBits / 8), 1, p.heads);
+  return std::clamp<int64_t>(bytes / head_bytes, 1, p.heads);
 }
 
 template <class T1, class T3, int QBits>

@@ -62,17 +62,19 @@ int64_t GatherTileBytes(bool key_value_together);
 // row in the cache and in the output (layouts 0-2 without repeats; one stream, not side by side, in the store plan;
 // rows of whole 64-byte vectors at even addresses, in the AVX-512 build: RowsGoSideBySide):
 // a token's key row then its value row, the task's rows split into this many runs, 256 bytes of each run's row in
-// turn. 1 reads them one row after another (in tiles, GatherTileBytes). Chosen by measurement (8 on Intel processors
-// running the AVX-512 build; 1 elsewhere, not measured), or by $KVCACHE_OP_TOKEN_STREAMS (a positive count, larger
-// ones taken as kMaxTokenStreams). The same bits whatever the count.
+// turn. 1 reads them one row after another (in tiles, GatherTileBytes). Chosen by measurement (in the AVX-512 build
+// 8 on Intel processors and 4 on AMD processors; 1 in the other builds, which never read runs), or by
+// $KVCACHE_OP_TOKEN_STREAMS (a positive count, larger ones taken as kMaxTokenStreams). The same bits whatever the
+// count.
 constexpr int64_t kMaxTokenStreams = 16;
 int64_t TokenStreams();
 // How many bytes of a quantized token's codes (from its first head on, with their scales) gathers in token order
-// ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2; software prefetch), 0
-// for all of them: chosen by measurement (all on AMD processors, not measured there; 1 KiB
-// elsewhere, measured on Intel; rounded down to whole heads, at least one), or by
-// $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer). The same bits whatever the count.
-int64_t TokenPrefetchBytes();
+// ask for ahead of their use where a token's heads lie together in the cache (layouts 0-2; software prefetch), for
+// tokens of row_bytes of codes; 0 for all of them: chosen by measurement (on AMD processors the whole row up to
+// 1 KiB and 512 B of longer ones; 1 KiB elsewhere, measured on Intel; rounded down to whole heads, at least one),
+// or by $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer, whatever the row). The same bits whatever the
+// count.
+int64_t TokenPrefetchBytes(int64_t row_bytes);
 // Whether KeyValueCache's stores write a token's quantized codes with streaming stores where the AVX-512 build's
 // blocks of 16 groups cover its rows and they start on a line, and in layout 3 its scale rows too, each head's a
 // whole line at a time (InterleavedStreams: rows of 32 bytes on a half line held until the next token's complete

@@ -208,11 +208,23 @@ int64_t TokenStreams() {
   // layout 0 paged 0.85-0.91x, 1.05-1.13x, 1.09-1.10x; offset 0.85-0.88x, 1.04-1.14x, 1.10x; layout 2 0.81-0.87x,
   // 1.03-1.07x, 1.01-1.03x; 32 heads of 128 in layout 2 0.76-0.80x, 1.09-1.10x, 1.13x. 16 bytes past a line,
   // layout 0 0.85-0.89x, 0.97-1.08x, 1.04x. Prefill (outputs that stay cached) level.
-  if (ChosenKernel() == CpuKernel::kAvx512 && !AmdProcessor()) return 8;
-  return 1;
+  // On an AMD EPYC of family 25 model 17 (Zen 4), the kernel side by side in one process (7 rounds, paged unless
+  // named, on lines / 16 bytes past), one row after another (in tiles in layout 2) against 4 and 8 runs: layout 0
+  // 1.12x / 0.88x, 1.23x / 1.13x, 1.23x / 1.03x; layout 1 1.08x / 1.10x, 1.23x / 1.30x, 1.27x / 1.09x; offset 1.12x /
+  // 1.04x, 1.37x / 1.20x, 1.21x / 1.20x; layout 2 1.10x / 1.07x, 1.17x / 0.99x, 1.03x / 0.88x; 32 heads of 128 in
+  // layout 0 0.87x / 0.89x, 1.35x / 1.35x, 1.31x / 1.21x, in layout 2 1.08x / 1.01x, 1.31x / 1.15x, 1.10x / 1.10x;
+  // pages of 16 slots, layout 0, 0.95x / 0.92x, 1.38x / 1.39x, 1.30x / 1.06x, layout 2 0.88x / 0.80x, 1.05x / 0.96x,
+  // 1.03x / 0.93x. A second run with 2 runs too (one, 2, 4, 8): layout 0 1.13x / 0.89x, 1.37x / 1.21x, 1.29x /
+  // 1.16x, 1.35x / 1.09x; layout 2 0.97x / 1.08x, 0.93x / 0.83x, 1.06x / 1.00x, 1.01x / 0.84x; 32 heads, layout 1,
+  // 0.92x / 0.91x, 1.44x / 1.51x, 1.40x / 1.22x, 1.33x / 1.22x; 16 heads of 128 (B=32), layout 2, 1.08x / 1.04x,
+  // 1.23x / 1.22x, 1.15x / 1.17x, 1.07x / 0.96x; pages of 16, layout 1, 0.91x / 0.92x, 1.27x / 1.30x, 1.28x / 1.18x,
+  // 1.35x / 1.21x. Four there (2 as fast but in layout 2 with 8 heads; only there, 16 bytes past a line, one row
+  // after another in 512 KiB tiles stays a little ahead, 1.07-1.08x against 0.99-1.00x).
+  if (ChosenKernel() != CpuKernel::kAvx512) return 1;
+  return AmdProcessor() ? 4 : 8;
 }
 
-int64_t TokenPrefetchBytes() {
+int64_t TokenPrefetchBytes(int64_t row_bytes) {
   const long long bytes = EnvInteger("KVCACHE_OP_TOKEN_PREFETCH", 0);
   if (bytes >= 0) return bytes;
   // A token's whole row asked for at once is a burst of requests, one a line, that the core's line fill buffers
@@ -225,9 +237,21 @@ int64_t TokenPrefetchBytes() {
   // 0.71x, 0.89x / 0.88x, 0.90x / 0.84x, 0.79x / 0.77x; layout 2 0.74x / 0.74x, 0.84x / 0.80x, 0.89x / 0.75x,
   // 0.78x / 0.76x; layout 1, the whole row against 1 KiB, 0.74x / 0.66x against 0.85x / 0.80x; a prefill chunk of
   // 4 x 256 tokens after 768 (outputs that stay cached), layout 0, 0.77x / 0.75x against 0.85x / 0.81x. Rows of
-  // 1 KiB (8 heads of 128) are asked for whole either way (level, within the machine's noise). AMD processors keep
-  // the whole row: not measured there.
-  return AmdProcessor() ? 0 : 1024;
+  // 1 KiB (8 heads of 128) are asked for whole either way (level, within the machine's noise).
+  // On an AMD EPYC of family 25 model 17 (Zen 4), one core, decode with 1,024 keys, paged unless named, side by side
+  // in one process (9 rounds, on lines / 16 bytes past), the whole row against 128 B, 256 B, 512 B and 1 KiB. Rows
+  // of 4 KiB (32 heads of 128, B=16): layout 0 0.95-1.00x / 0.88-0.91x, 1.20x / 1.01x, 1.12x / 1.06x, 1.11-1.20x /
+  // 1.04-1.15x, 1.08x / 0.98x; layout 1 0.90x / 0.90x, 512 B 1.14x / 1.11x, 1 KiB 0.91x / 0.93x; layout 2
+  // 0.97-1.01x / 0.89-0.97x, 1.08x / 1.00x, 1.18x / 1.14x, 1.18-1.19x / 1.11-1.15x, 1.12x / 1.04x; offset 0.93x /
+  // 0.91x, 512 B 1.01x / 1.08x, 1 KiB 0.96x / 0.97x. Rows of 8 KiB (64 heads, B=8), layout 0: 0.94x / 0.86x, 512 B
+  // 1.30x / 1.13x, 1 KiB 1.14x / 1.07x. Rows of 2 KiB (16 heads, B=32): layout 0 0.94x / 0.88x, 512 B 1.04x /
+  // 1.02x, 1 KiB 1.08x / 1.02x; layout 2 1.02x / 0.92x, 1.17x / 1.03x, 1.10x / 1.05x. Rows of 1 KiB (8 heads, B=64),
+  // where 1 KiB is the whole row: layout 0 1.15x / 1.00x against 0.97x / 0.96x (128 B), 0.98x / 0.90x (256 B),
+  // 1.01x / 0.92x (512 B); layout 1 1.13x / 1.02x against 1.04x / 0.96x (512 B); layout 2 1.13x / 1.03x against
+  // 1.02x / 0.95x (512 B); pages of 16 slots, layout 0, 1.05x / 0.93x against 0.89x / 0.84x (512 B). There a row of
+  // a kilobyte or less is asked for whole, a longer one its first 512 bytes.
+  if (!AmdProcessor()) return 1024;
+  return row_bytes > 1024 ? 512 : 0;
 }
 
 bool StreamedCodeStores() {

@@ -157,9 +157,9 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     or none. Token-order gathers go in tiles
     ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
-    ($KVCACHE_OP_CODE_STORES), and their tokens asked for ahead a head, 300 bytes, whole or past their end
-    ($KVCACHE_OP_TOKEN_PREFETCH). Unquantized rows of layouts 0-2 without repeats, of whole vectors at even offsets,
-    are read as several runs of a task's rows side by side in the AVX-512 build ($KVCACHE_OP_TOKEN_STREAMS: one,
+    ($KVCACHE_OP_CODE_STORES), and their tokens asked for ahead a head, 300 bytes, whole, past their end or the
+    measured bytes ($KVCACHE_OP_TOKEN_PREFETCH). Unquantized rows of layouts 0-2 without repeats, of whole vectors
+    at even offsets, are read as several runs of a task's rows side by side in the AVX-512 build ($KVCACHE_OP_TOKEN_STREAMS: one,
     three, eight, the measured count and 16; rows of 768, 1024 and 1792 bytes, and of 640, whose last 256-byte
     chunk is short), each row off a line chained to its neighbours or its edge lines held; the others (Dh 40's
     480-byte rows, the odd 33, the other builds) row after row whatever the count. Nothing around the outputs is written. With side-by-side streams, unquantized rows
@@ -179,7 +179,11 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     for run, (stores, offset, streamed_heads, tile, token_streams) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
-        monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", ("1", "0", "300", "1000000")[run % 4])
+        prefetch = ("1", "0", None, "300", "1000000")[run % 5]  # None: the measured bytes for the row
+        if prefetch is None:
+            monkeypatch.delenv("KVCACHE_OP_TOKEN_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", prefetch)
         if streamed_heads is None:  # the measured count: 8 values, 8 or 4 quantized heads a pass
             monkeypatch.delenv("KVCACHE_OP_STREAMED_HEADS", raising=False)
             assert c_api.cpu_streamed_heads(quant_bit) == default_streamed_heads(quant_bit)
@@ -435,8 +439,9 @@ def default_streamed_heads(quant_bit: int) -> int:
 def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch):
     """$KVCACHE_OP_TOKEN_STREAMS names how many runs of a task's rows token-order gathers read side by side (a
     positive integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice);
-    unset, 8 on Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167) and 1, one row
-    after another, on AMD processors and under the other builds, where it has not been measured."""
+    unset, in the AVX-512 build 8 on Intel processors (measured on an Intel Xeon of model 167) and 4 on AMD
+    processors (measured on an AMD EPYC of Zen 4); 1, one row after another, under the other builds, which never
+    read runs."""
     monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     default = default_token_streams()
     for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", default), ("-2", default),
@@ -453,27 +458,50 @@ def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kerne
         monkeypatch.delenv("KVCACHE_OP_TOKEN_STREAMS")
 
 
-def test_the_token_prefetch_follows_the_override_and_else_the_vendor(monkeypatch):
+PREFETCH_ROWS = (1, 512, 1024, 1025, 2048, 4096, 1 << 40)
+
+
+def default_token_prefetch(row_bytes: int) -> int:
+    """The token prefetch measured best for this processor and a token of ``row_bytes`` of codes: on AMD processors
+    the whole row (0) up to 1 KiB and 512 bytes of longer ones; 1024 bytes on others."""
+    if not amd_processor():
+        return 1024
+    return 0 if row_bytes <= 1024 else 512
+
+
+def test_the_token_prefetch_follows_the_override_and_else_the_vendor_and_the_row(monkeypatch):
     """$KVCACHE_OP_TOKEN_PREFETCH names how many bytes of a quantized token's codes token-order gathers ask for ahead
-    (a non-negative integer, 0 for the whole row; anything else is not a count and leaves the measured choice);
-    unset, 1024 on Intel processors (measured on an Intel Xeon of model 167) and the whole row on AMD processors,
-    where it has not been measured, whichever kernel build runs (every build prefetches)."""
-    default = 0 if amd_processor() else 1024
+    whatever the row (a non-negative integer, 0 for the whole row; anything else is not a count and leaves the
+    measured choice); unset, 1024 on Intel processors (measured on an Intel Xeon of model 167), and on AMD
+    processors the whole row up to 1 KiB and 512 bytes of longer rows (measured on an AMD EPYC of Zen 4), whichever
+    kernel build runs (every build prefetches). A row below one byte is refused, by the binding and by the C
+    function (-1)."""
     for build in (None, "avx2", "generic"):
         if build is None:
             monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
         else:
             monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
-        for given, want in (("0", 0), ("1", 1), ("4096", 4096), ("-1", default), ("1k", default), ("", default)):
-            monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", given)
-            assert c_api.cpu_token_prefetch_bytes() == want, (build, given)
-        monkeypatch.delenv("KVCACHE_OP_TOKEN_PREFETCH")
-        assert c_api.cpu_token_prefetch_bytes() == default, build
+        for row in PREFETCH_ROWS:
+            default = default_token_prefetch(row)
+            for given, want in (("0", 0), ("1", 1), ("4096", 4096), ("-1", default), ("1k", default),
+                                ("", default)):
+                monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", given)
+                assert c_api.cpu_token_prefetch_bytes(row) == want, (build, row, given)
+            monkeypatch.delenv("KVCACHE_OP_TOKEN_PREFETCH")
+            assert c_api.cpu_token_prefetch_bytes(row) == default, (build, row)
+    for row in (0, -1, 1.0, True, "1024"):
+        with pytest.raises(ValueError, match="row_bytes must be a positive int"):
+            c_api.cpu_token_prefetch_bytes(row)
+    for row in (0, -1, -(1 << 40)):
+        assert c_api.library().kvcache_op_cpu_token_prefetch_bytes(row) == -1
 
 
 def default_token_streams() -> int:
-    """The token streams measured best for this processor: 8 on Intel processors running the AVX-512 build, else 1."""
-    return 8 if c_api.cpu_kernel() == "avx512" and not amd_processor() else 1
+    """The token streams measured best for this processor: in the AVX-512 build 8 on Intel processors and 4 on AMD
+    processors; 1 in the other builds."""
+    if c_api.cpu_kernel() != "avx512":
+        return 1
+    return 4 if amd_processor() else 8
 
 
 def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
@@ -514,18 +542,19 @@ def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_lay
     codes = default_code_stores()
     other = "cached" if codes == "stream" else "stream"
     tiles = "/".join(map(str, default_gather_tiles()))
-    prefetch = "whole rows" if amd_processor() else "1024 B"
-    assert (f"{default_streamed_heads(8)}/8 streamed heads a row (quantized/values), {default_token_streams()} token streams, quantized token"
-            f" prefetch of {prefetch}, gather tiles of {tiles} B, {codes} code stores" in kernel_build())
+    prefetch = "whole rows/512 B" if amd_processor() else "1024 B/1024 B"
+    assert (f"{default_streamed_heads(8)}/8 streamed heads a row (quantized/values), {default_token_streams()} token"
+            f" streams, quantized token prefetch of {prefetch} (rows of 1/4 KiB), gather tiles of {tiles} B,"
+            f" {codes} code stores" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "300")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
     monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
-    assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, quantized token prefetch of 300 B,"
-            f" gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build())
+    assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, quantized token prefetch of 300 B/300 B"
+            f" (rows of 1/4 KiB), gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "0")
-    assert "quantized token prefetch of whole rows," in kernel_build()
+    assert "quantized token prefetch of whole rows/whole rows (rows of 1/4 KiB)," in kernel_build()
 
 
 def default_code_stores() -> str:
