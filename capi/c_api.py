@@ -244,7 +244,7 @@ def cpu_token_prefetch_bytes(row_bytes: int, path: str | None = None) -> int:
     AMD processors the whole row up to 1024 bytes and 512 of longer ones (measured on an AMD EPYC of Zen 4);
     rounded down to whole heads (at least one), overridden by ``$KVCACHE_OP_TOKEN_PREFETCH`` (bytes, a non-negative
     integer, whatever the row); the same bits whatever the count. Raises ValueError for a row below one byte."""
-    if type(row_bytes) is not int or row_bytes < 1:  # not 1.0, not True
+    if type(row_bytes) is not int or not 1 <= row_bytes < 1 << 63:  # not 1.0, not True; an int64 (ctypes wraps)
         raise ValueError(f"row_bytes must be a positive int, not {row_bytes!r}")
     return int(library(path).kvcache_op_cpu_token_prefetch_bytes(row_bytes))
 

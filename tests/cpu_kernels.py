@@ -1,6 +1,7 @@
 """The CPU kernel builds tests run one by one: AVX-512, AVX2 (with F16C and FMA) and generic. A build the processor cannot run
 is skipped with the reason (the library would otherwise quietly run a lower one)."""
 
+import os
 import platform
 import subprocess
 
@@ -52,8 +53,25 @@ def cpu_flags() -> set:
 
 
 def amd_processor() -> bool:
-    """Whether this is an x86-64 AMD processor (the CPU kind the kernels' measured choices follow)."""
+    """Whether the kernels' measured choices follow an AMD processor's: as $KVCACHE_OP_CPU_VENDOR names ("amd" or
+    "intel"), else whether this is an x86-64 AMD processor."""
+    named = os.environ.get("KVCACHE_OP_CPU_VENDOR")
+    if named in ("amd", "intel"):
+        return named == "amd"
     return cpuinfo_fields().get("vendor_id") == "AuthenticAMD"
+
+
+#: The kinds $KVCACHE_OP_CPU_VENDOR names, and None (this processor's own), for tests that hold each kind's
+#: measured choices.
+CPU_VENDORS = (None, "amd", "intel")
+
+
+def use_cpu_vendor(monkeypatch, vendor) -> None:
+    """Makes the library's measured choices follow ``vendor``'s ("amd", "intel"; None: this processor's)."""
+    if vendor is None:
+        monkeypatch.delenv("KVCACHE_OP_CPU_VENDOR", raising=False)
+    else:
+        monkeypatch.setenv("KVCACHE_OP_CPU_VENDOR", vendor)
 
 
 def _skip_reason(name: str) -> str | None:

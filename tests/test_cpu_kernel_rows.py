@@ -11,7 +11,7 @@ import platform
 import numpy as np
 import pytest
 
-from cpu_kernels import CPU_KERNELS, amd_processor, use_cpu_kernel
+from cpu_kernels import CPU_KERNELS, CPU_VENDORS, amd_processor, use_cpu_kernel, use_cpu_vendor
 from native_build import build_library
 from ort_helpers import assert_same_bits, copies, reference_result
 
@@ -141,7 +141,8 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4, page_size=6
                           (8, 3, 1, "float16", 128, 4, 5), (8, 3, 2, "float16", 128, 4, 5),
                           (0, 3, 1, "float16", 128, 6, 16), (0, 3, 1, "float16", 128, 6, 5),
                           (4, 2, 1, "float16", 128, 4, 64), (0, 1, 1, "float32", 64, 3, 16),
-                          (0, 0, 1, "float16", 64, 5, 64), (8, 3, 1, "float16", 128, 12, 64)])
+                          (0, 0, 1, "float16", 64, 5, 64), (8, 3, 1, "float16", 128, 12, 64),
+                          (8, 0, 1, "float16", 128, 12, 64)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size,
                                                    kernel, monkeypatch):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
@@ -158,7 +159,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     ($KVCACHE_OP_GATHER_TILE) of a token, of 32 KiB, of bytes that are no whole number of tokens or of more than a
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
     ($KVCACHE_OP_CODE_STORES), and their tokens asked for ahead a head, 300 bytes, whole, past their end or the
-    measured bytes ($KVCACHE_OP_TOKEN_PREFETCH). Unquantized rows of layouts 0-2 without repeats, of whole vectors
+    measured bytes ($KVCACHE_OP_TOKEN_PREFETCH; 12 heads of 128 int8 codes are rows over a kilobyte, of which AMD
+    processors ask for 512 bytes). Unquantized rows of layouts 0-2 without repeats, of whole vectors
     at even offsets, are read as several runs of a task's rows side by side in the AVX-512 build ($KVCACHE_OP_TOKEN_STREAMS: one,
     three, eight, the measured count and 16; rows of 768, 1024 and 1792 bytes, and of 640, whose last 256-byte
     chunk is short), each row off a line chained to its neighbours or its edge lines held; the others (Dh 40's
@@ -404,13 +406,15 @@ def test_layout3_gathers_into_cached_outputs_give_the_references_bits_in_either_
     assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-def test_the_streamed_heads_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch):
+@pytest.mark.parametrize("vendor", CPU_VENDORS)
+def test_the_streamed_heads_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch, vendor):
     """$KVCACHE_OP_STREAMED_HEADS names the count outright for quantized and unquantized caches alike (a positive
     integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice); unset,
     quantized heads eight on Intel processors running the AVX-512 build (measured on an Intel Xeon of model 167) and
     four on AMD processors and under the other builds (eight source streams: codes and scales; measured best on an
     AMD EPYC of Zen 4), and eight unquantized everywhere (measured on that AMD EPYC and on the Intel Xeon). A
     quant_bit the op does not have is refused, by the binding and by the C function (-1)."""
+    use_cpu_vendor(monkeypatch, vendor)
     monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     defaults = {q: default_streamed_heads(q) for q in (0, 4, 8)}
     for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", None), ("-2", None), ("four", None),
@@ -436,12 +440,14 @@ def default_streamed_heads(quant_bit: int) -> int:
     return 8 if quant_bit == 0 or (c_api.cpu_kernel() == "avx512" and not amd_processor()) else 4
 
 
-def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch):
+@pytest.mark.parametrize("vendor", CPU_VENDORS)
+def test_the_token_streams_follow_the_override_and_else_the_vendor_and_the_kernel_build(monkeypatch, vendor):
     """$KVCACHE_OP_TOKEN_STREAMS names how many runs of a task's rows token-order gathers read side by side (a
     positive integer, at most 16: more is taken as 16; anything else is not a count and leaves the measured choice);
     unset, in the AVX-512 build 8 on Intel processors (measured on an Intel Xeon of model 167) and 4 on AMD
     processors (measured on an AMD EPYC of Zen 4); 1, one row after another, under the other builds, which never
     read runs."""
+    use_cpu_vendor(monkeypatch, vendor)
     monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     default = default_token_streams()
     for given, want in (("1", 1), ("3", 3), ("16", 16), ("40", 16), ("0", default), ("-2", default),
@@ -469,13 +475,15 @@ def default_token_prefetch(row_bytes: int) -> int:
     return 0 if row_bytes <= 1024 else 512
 
 
-def test_the_token_prefetch_follows_the_override_and_else_the_vendor_and_the_row(monkeypatch):
+@pytest.mark.parametrize("vendor", CPU_VENDORS)
+def test_the_token_prefetch_follows_the_override_and_else_the_vendor_and_the_row(monkeypatch, vendor):
     """$KVCACHE_OP_TOKEN_PREFETCH names how many bytes of a quantized token's codes token-order gathers ask for ahead
     whatever the row (a non-negative integer, 0 for the whole row; anything else is not a count and leaves the
     measured choice); unset, 1024 on Intel processors (measured on an Intel Xeon of model 167), and on AMD
     processors the whole row up to 1 KiB and 512 bytes of longer rows (measured on an AMD EPYC of Zen 4), whichever
     kernel build runs (every build prefetches). A row below one byte is refused, by the binding and by the C
     function (-1)."""
+    use_cpu_vendor(monkeypatch, vendor)
     for build in (None, "avx2", "generic"):
         if build is None:
             monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
@@ -489,7 +497,7 @@ def test_the_token_prefetch_follows_the_override_and_else_the_vendor_and_the_row
                 assert c_api.cpu_token_prefetch_bytes(row) == want, (build, row, given)
             monkeypatch.delenv("KVCACHE_OP_TOKEN_PREFETCH")
             assert c_api.cpu_token_prefetch_bytes(row) == default, (build, row)
-    for row in (0, -1, 1.0, True, "1024"):
+    for row in (0, -1, 1.0, True, "1024", 1 << 63, (1 << 64) + 4096):  # ctypes would wrap the last two
         with pytest.raises(ValueError, match="row_bytes must be a positive int"):
             c_api.cpu_token_prefetch_bytes(row)
     for row in (0, -1, -(1 << 40)):
@@ -504,12 +512,28 @@ def default_token_streams() -> int:
     return 4 if amd_processor() else 8
 
 
-def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch):
+def test_the_cpu_vendor_override_names_amd_or_intel_and_else_leaves_the_processors_kind(monkeypatch):
+    """$KVCACHE_OP_CPU_VENDOR makes the measured choices follow AMD's ("amd") or Intel's ("intel") on any machine;
+    any other word, and none, leaves this processor's kind. Read through a choice that differs by kind: layout 2's
+    gather tiles, 512 KiB on AMD processors and 32 KiB on others."""
+    monkeypatch.delenv("KVCACHE_OP_GATHER_TILE", raising=False)
+    monkeypatch.delenv("KVCACHE_OP_CPU_VENDOR", raising=False)
+    this_kind_amd = amd_processor()
+    for given, amd in (("amd", True), ("intel", False), ("AMD", this_kind_amd), ("zen", this_kind_amd),
+                       ("", this_kind_amd)):
+        monkeypatch.setenv("KVCACHE_OP_CPU_VENDOR", given)
+        assert amd_processor() == amd, given
+        assert c_api.cpu_gather_tile_bytes(2) == (512 << 10 if amd else 32 << 10), given
+
+
+@pytest.mark.parametrize("vendor", CPU_VENDORS)
+def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch, vendor):
     """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright, in every layout (a non-negative integer; anything
     else leaves the measured choice). Unset: a token at a time where a token's key and value rows lie together
     (layouts 0 and 1), as measured on the Intel Xeon of model 207 and on an AMD EPYC of Zen 4; tiles where they
     lie apart (layouts 2 and 3), of 512 KiB on AMD processors (measured on that AMD EPYC) and of 32 KiB on others.
     A layout the op does not have is refused, by the binding and by the C function (-1)."""
+    use_cpu_vendor(monkeypatch, vendor)
     default = default_gather_tiles()
     for given, want in (("0", [0] * 4), ("5000", [5000] * 4), ("32768", [32768] * 4), ("-1", default),
                         ("32k", default), ("", default)):
@@ -581,9 +605,11 @@ def test_the_code_stores_follow_the_override_and_else_the_kernel_build(monkeypat
         assert c_api.cpu_code_stores() == "cached", build
 
 
-def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch):
+@pytest.mark.parametrize("vendor", CPU_VENDORS)
+def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(monkeypatch, vendor):
     """$KVCACHE_OP_CACHED_GATHER names the order outright; unset, AMD processors walk a head's page runs
     (measured there faster than token by token) and others go token by token (measured so on an Intel Xeon)."""
+    use_cpu_vendor(monkeypatch, vendor)
     for order in ("head-runs", "tokens"):
         monkeypatch.setenv("KVCACHE_OP_CACHED_GATHER", order)
         assert c_api.cpu_cached_gather() == order
