@@ -63,12 +63,12 @@ def kernel_build() -> str:
     """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row (quantized/values),
     <n> token streams, quantized token prefetch of <p1>/<p4> (rows of 1/4 KiB; <p> B or whole rows), gather tiles of
     <b0>/<b1>/<b2>/<b3> B,
-    <stream|cached> code stores": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout
+    <stream|cached> code stores, layout-3 value prefetch into <l1|l2>": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout
     3's quantized gathers walk outputs that stay cached, how many heads its layout-3 gathers read side by side into a
     streamed output (quantized caches, unquantized), how many runs of a task's rows its token-order gathers read side by
     side into one, the bytes of a quantized token its token-order gathers ask for ahead, the bytes of the tiles its
-    token-order gathers write in layouts 0-3 (below a token's row: a token at a time) and how its stores write quantized
-    codes. Empty for a library of another C API version, which the binding refuses."""
+    token-order gathers write in layouts 0-3 (below a token's row: a token at a time), how its stores write quantized
+    codes and which cache level its layout-3 gathers of unquantized rows ask for head rows into. Empty for a library of another C API version, which the binding refuses."""
     from ..capi import c_api
 
     try:
@@ -79,6 +79,6 @@ def kernel_build() -> str:
                 f" {'/'.join(token_prefetch(c_api.cpu_token_prefetch_bytes(row)) for row in (1024, 4096))}"
                 f" (rows of 1/4 KiB),"
                 f" gather tiles of {'/'.join(str(c_api.cpu_gather_tile_bytes(layout)) for layout in range(4))} B,"
-                f" {c_api.cpu_code_stores()} code stores")
+                f" {c_api.cpu_code_stores()} code stores, layout-3 value prefetch into {c_api.cpu_head_prefetch()}")
     except RuntimeError:
         return ""

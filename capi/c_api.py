@@ -30,7 +30,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 10
+C_API_VERSION = 11
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -137,6 +137,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_token_streams": ((), ctypes.c_int64),
         "kvcache_op_cpu_token_prefetch_bytes": ((ctypes.c_int64,), ctypes.c_int64),
+        "kvcache_op_cpu_head_prefetch": ((), ctypes.c_char_p),
         "kvcache_op_key_value_cache_defaults": ((kv_attrs,), None),
         "kvcache_op_key_cache_rotary_shift_defaults": ((rot_attrs,), None),
         "kvcache_op_key_value_cache_output_shape": ((kv_attrs, tensors, ctypes.POINTER(ctypes.c_int64)) + message,
@@ -247,6 +248,15 @@ def cpu_token_prefetch_bytes(row_bytes: int, path: str | None = None) -> int:
     if type(row_bytes) is not int or not 1 <= row_bytes < 1 << 63:  # not 1.0, not True; an int64 (ctypes wraps)
         raise ValueError(f"row_bytes must be a positive int, not {row_bytes!r}")
     return int(library(path).kvcache_op_cpu_token_prefetch_bytes(row_bytes))
+
+
+def cpu_head_prefetch(path: str | None = None) -> str:
+    """Where KeyValueCache's CPU gathers of an unquantized layout-3 cache ask for head rows ahead of their use:
+    "l2" (the second-level cache) on AMD processors, in every build (measured on an AMD EPYC of Zen 4: a slot's
+    head rows, a multiple of 4 KiB apart, share a set of the first level, whose ways the rows asked for ahead
+    fill), "l1" (the first) elsewhere (Intel processors not measured); overridden by ``$KVCACHE_OP_HEAD_PREFETCH``
+    ("l2" or "l1"); quantized rows go to the first level whatever it says; the same bits either way."""
+    return library(path).kvcache_op_cpu_head_prefetch().decode()
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):

@@ -74,6 +74,8 @@ int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes) {
   return row_bytes < 1 ? -1 : kvcache::TokenPrefetchBytes(row_bytes);
 }
 
+const char* kvcache_op_cpu_head_prefetch(void) { return kvcache::HeadPrefetchToL2() ? "l2" : "l1"; }
+
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,

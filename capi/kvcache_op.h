@@ -31,7 +31,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 10
+#define KVCACHE_OP_C_API_VERSION 11
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -153,6 +153,14 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_streams(void);
    to whole heads, at least one) or by $KVCACHE_OP_TOKEN_PREFETCH (bytes, a non-negative integer, whatever the row).
    -1 for row_bytes below 1. Every count gives the same bits. (C API version 10; version 9 took no row.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes);
+
+/* Where KeyValueCache's CPU gathers of an unquantized layout-3 cache ask for head rows ahead of their use: "l2"
+   (the second-level cache, prefetcht1) or "l1" (the first). Chosen by measurement: "l2" on AMD processors, in
+   every build (measured on an AMD EPYC of Zen 4: a slot's head rows share a set of the first level, whose ways the
+   rows asked for ahead fill), "l1" elsewhere (Intel processors not measured); or by $KVCACHE_OP_HEAD_PREFETCH
+   ("l2" or "l1"). Quantized rows go to the first level whatever it says. Both give the same bits. (C API version
+   11.) */
+KVCACHE_OP_EXPORT const char* kvcache_op_cpu_head_prefetch(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);

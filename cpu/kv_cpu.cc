@@ -73,6 +73,7 @@ struct Kernel {
   int64_t token_streams;  // streamed unquantized token-order gathers read this many runs side by side (TokenStreams)
   int64_t prefetch_heads;  // heads of a token asked for ahead where they lie together (PrefetchHeadsOfToken)
   bool stream_codes;       // stores write quantized codes not read back with streaming stores (StreamedCodeStores)
+  bool head_rows_to_l2;    // unquantized layout-3 head rows asked for into the second-level cache (HeadPrefetchToL2)
 
   // Element offset of cache row (kv, h, slot) of this call's layer, and of its scales.
   int64_t CacheRow(int kv, int64_t h, int64_t slot) const { return p.cache_rows.Row(a.layer_idx, kv, h, slot); }
@@ -423,8 +424,17 @@ struct Kernel {
     PrefetchHeads(kv, 0, p.heads, slot);
   }
 
-  // Prefetch of heads h .. h + heads of a slot, head by head (layout 3's lie MaxT rows apart).
+  // Prefetch of heads h .. h + heads of a slot, head by head (layout 3's lie MaxT rows apart). Values go to the
+  // second-level cache where head_rows_to_l2 says so: where MaxT is a power of two the heads' rows share their low
+  // twelve bits and so their set of the first level, whose ways (eight on Zen 4) the eight heads of a pass, asked for
+  // kAheadRows rows ahead, fill before anything else touches them (kv_cpu_dispatch.cc: HeadPrefetchToL2).
   void PrefetchHeads(int kv, int64_t h, int64_t heads, int64_t slot) const {
+    if constexpr (QBits == 0) {
+      if (head_rows_to_l2) {
+        for (int64_t q = 0; q < heads; ++q) PrefetchBytesToL2(CacheValues(kv, h + q, slot), p.head_dim * int64_t(sizeof(T)));
+        return;
+      }
+    }
     for (int64_t q = 0; q < heads; ++q) Prefetch(kv, h + q, slot, 1);
   }
 
@@ -639,7 +649,8 @@ struct Launch {
                           CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
                           GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
                           PrefetchHeadsOfToken<QBits>(p),
-                          KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores()}
+                          KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores(),
+                          QBits == 0 && HeadPrefetchToL2()}
         .Run(parallel_for);
   }
 };

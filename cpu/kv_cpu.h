@@ -83,5 +83,11 @@ int64_t TokenPrefetchBytes(int64_t row_bytes);
 // measurement, wherever the AVX-512 build runs (AMD and Intel measured), or by $KVCACHE_OP_CODE_STORES ("stream" or
 // "cached"; the other builds never stream codes). The same bits either way.
 bool StreamedCodeStores();
+// Whether gathers of an unquantized layout-3 cache ask for head rows ahead of their use into the second-level cache
+// (prefetcht1) rather than the first: on AMD processors, in every build (measured on an AMD EPYC of Zen 4; the
+// first level's sets cannot hold a token's heads, which lie a multiple of 4 KiB apart, kv_cpu_dispatch.cc), into
+// the first elsewhere (Intel processors not measured), or as $KVCACHE_OP_HEAD_PREFETCH says ("l2" or "l1").
+// Quantized rows are asked for into the first (measured level). The same bits either way.
+bool HeadPrefetchToL2();
 
 }  // namespace kvcache

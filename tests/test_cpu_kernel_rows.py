@@ -160,7 +160,8 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     task's tokens; quantized codes are stored with streaming stores and plain ones in turn
     ($KVCACHE_OP_CODE_STORES), and their tokens asked for ahead a head, 300 bytes, whole, past their end or the
     measured bytes ($KVCACHE_OP_TOKEN_PREFETCH; 12 heads of 128 int8 codes are rows over a kilobyte, of which AMD
-    processors ask for 512 bytes). Unquantized rows of layouts 0-2 without repeats, of whole vectors
+    processors ask for 512 bytes); layout 3's unquantized head rows are asked for into the second-level cache and
+    into the first in turn ($KVCACHE_OP_HEAD_PREFETCH). Unquantized rows of layouts 0-2 without repeats, of whole vectors
     at even offsets, are read as several runs of a task's rows side by side in the AVX-512 build ($KVCACHE_OP_TOKEN_STREAMS: one,
     three, eight, the measured count and 16; rows of 768, 1024 and 1792 bytes, and of 640, whose last 256-byte
     chunk is short), each row off a line chained to its neighbours or its edge lines held; the others (Dh 40's
@@ -181,6 +182,12 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     for run, (stores, offset, streamed_heads, tile, token_streams) in enumerate(runs):
         monkeypatch.setenv("KVCACHE_OP_STORES", stores)
         monkeypatch.setenv("KVCACHE_OP_CODE_STORES", ("stream", "cached")[run % 2])
+        head_prefetch = ("l2", "l1", None)[run % 3]  # None: the measured level (layout 3's value rows)
+        if head_prefetch is None:
+            monkeypatch.delenv("KVCACHE_OP_HEAD_PREFETCH", raising=False)
+        else:
+            monkeypatch.setenv("KVCACHE_OP_HEAD_PREFETCH", head_prefetch)
+            assert c_api.cpu_head_prefetch() == head_prefetch
         prefetch = ("1", "0", None, "300", "1000000")[run % 5]  # None: the measured bytes for the row
         if prefetch is None:
             monkeypatch.delenv("KVCACHE_OP_TOKEN_PREFETCH", raising=False)
@@ -557,11 +564,13 @@ def default_gather_tiles() -> list:
 
 def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_layout_and_the_code_stores(monkeypatch):
     """The benchmarks' titles record the choices that ran: the heads a streamed row, the runs token-order gathers
-    read side by side, the tiles of layouts 0-3 and how codes are stored, overrides included."""
+    read side by side, the tiles of layouts 0-3, how codes are stored and where layout 3's value rows are asked for
+    ahead, overrides included."""
     from kvcache_op.benchmarks.timing import kernel_build
 
     for name in ("KVCACHE_OP_STREAMED_HEADS", "KVCACHE_OP_TOKEN_STREAMS", "KVCACHE_OP_TOKEN_PREFETCH",
-                 "KVCACHE_OP_GATHER_TILE", "KVCACHE_OP_CODE_STORES", "KVCACHE_OP_CPU_KERNEL"):
+                 "KVCACHE_OP_GATHER_TILE", "KVCACHE_OP_CODE_STORES", "KVCACHE_OP_CPU_KERNEL",
+                 "KVCACHE_OP_HEAD_PREFETCH"):
         monkeypatch.delenv(name, raising=False)
     codes = default_code_stores()
     other = "cached" if codes == "stream" else "stream"
@@ -569,14 +578,17 @@ def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_lay
     prefetch = "whole rows/512 B" if amd_processor() else "1024 B/1024 B"
     assert (f"{default_streamed_heads(8)}/8 streamed heads a row (quantized/values), {default_token_streams()} token"
             f" streams, quantized token prefetch of {prefetch} (rows of 1/4 KiB), gather tiles of {tiles} B,"
-            f" {codes} code stores" in kernel_build())
+            f" {codes} code stores, layout-3 value prefetch into {default_head_prefetch()}" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "300")
     monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", "5000")
     monkeypatch.setenv("KVCACHE_OP_CODE_STORES", other)
+    other_level = "l1" if default_head_prefetch() == "l2" else "l2"
+    monkeypatch.setenv("KVCACHE_OP_HEAD_PREFETCH", other_level)
     assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, quantized token prefetch of 300 B/300 B"
-            f" (rows of 1/4 KiB), gather tiles of 5000/5000/5000/5000 B, {other} code stores" in kernel_build())
+            f" (rows of 1/4 KiB), gather tiles of 5000/5000/5000/5000 B, {other} code stores, layout-3 value prefetch"
+            f" into {other_level}" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "0")
     assert "quantized token prefetch of whole rows/whole rows (rows of 1/4 KiB)," in kernel_build()
 
@@ -603,6 +615,32 @@ def test_the_code_stores_follow_the_override_and_else_the_kernel_build(monkeypat
     for build in ("avx2", "generic"):
         monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
         assert c_api.cpu_code_stores() == "cached", build
+
+
+@pytest.mark.parametrize("vendor", CPU_VENDORS)
+def test_the_head_prefetch_follows_the_override_and_else_the_cpu_vendor(monkeypatch, vendor):
+    """$KVCACHE_OP_HEAD_PREFETCH names where layout 3's unquantized head rows are asked for ahead outright ("l2" or
+    "l1"; any other word leaves the measured choice); unset, AMD processors ask for them into the second-level cache
+    (measured ahead on an AMD EPYC of Zen 4) and others into the first (Intel processors not measured), whichever
+    kernel build runs (every build prefetches)."""
+    use_cpu_vendor(monkeypatch, vendor)
+    default = default_head_prefetch()
+    for build in (None, "avx2", "generic"):
+        if build is None:
+            monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
+        else:
+            monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", build)
+        for given, want in (("l2", "l2"), ("l1", "l1"), ("L2", default), ("2", default), ("", default)):
+            monkeypatch.setenv("KVCACHE_OP_HEAD_PREFETCH", given)
+            assert c_api.cpu_head_prefetch() == want, (build, given)
+        monkeypatch.delenv("KVCACHE_OP_HEAD_PREFETCH")
+        assert c_api.cpu_head_prefetch() == default, build
+
+
+def default_head_prefetch() -> str:
+    """The cache level layout 3's unquantized head rows are asked for into, measured best for this processor: the
+    second on AMD processors, else the first."""
+    return "l2" if amd_processor() else "l1"
 
 
 @pytest.mark.parametrize("vendor", CPU_VENDORS)

@@ -1,7 +1,8 @@
 """The cache readers' software prefetches survive the compiler. GCC counts ``__builtin_prefetch`` as free of side
 effects: a reader function whose only work is prefetching was found pure by its interprocedural analysis and every
 call of it deleted, leaving the library without a single prefetch instruction (and the decode step reading the
-cache at half the speed). The library must hold them."""
+cache at half the speed). The library must hold them, those into the first-level cache and, for layout 3's
+unquantized head rows (``c_api.cpu_head_prefetch``), those into the second."""
 
 import platform
 import shutil
@@ -23,3 +24,6 @@ def test_the_library_keeps_its_prefetch_instructions():
     # and MultiHeadCacheAttention readers of three kernel builds hold hundreds; with the calls deleted it held none.
     prefetches = sum(1 for line in listing.splitlines() if "\tprefetcht0" in line)
     assert prefetches >= 3, f"{prefetches} prefetch instructions in {library_path()}"
+    # The second-level ones, a few in each build's layout-3 value readers (none before those readers asked for them).
+    to_l2 = sum(1 for line in listing.splitlines() if "\tprefetcht1" in line)
+    assert to_l2 >= 3, f"{to_l2} second-level prefetch instructions in {library_path()}"
