@@ -150,7 +150,8 @@ int64_t StreamedGatherHeads(bool quantized) {
   // what the cache's sets hold (the rows' addresses share their low bits: kv_cpu.cc, GatherRows). On an Intel Xeon
   // of family 6 model 167, values, side by side (7 rounds, on lines / 16 bytes past): 8 heads of 128 1.10x /
   // 0.81x (four), 1.08x / 1.07x (eight), 1.08x / 1.13x (sixteen); 32 heads of 128 1.09x / 1.09x, 1.05x / 1.00x,
-  // 0.91x / 0.77x; pages of 16 slots 0.98x / 0.81x, 0.95x / 0.94x, 0.94x / 0.93x: eight there too.
+  // 0.91x / 0.77x; pages of 16 slots 0.98x / 0.81x, 0.95x / 0.94x, 0.94x / 0.93x: eight there too (sixteen with 8
+  // heads runs eight, the count capped at the call's heads: its columns there are that machine's noise).
   // Quantized rows on that Intel Xeon of model 167, int8, four heads against eight, side by side (7 rounds, on lines /
   // 16 bytes past): decode B=64 x 1,024 keys, paged, 0.80x / 0.68x against 0.82x / 0.76x, offset 0.79x / 0.69x
   // against 0.86x / 0.76x; 32 heads of 128 (B=16) 0.75x / 0.67x against 0.81x / 0.66x, offset 0.82x / 0.76x against
@@ -289,19 +290,23 @@ bool HeadPrefetchToL2() {
   // cache, whose eight ways (Zen 4's 32 KiB) the eight heads of a streamed pass fill with the rows they ask for
   // kAheadRows (8) rows ahead: a line the core touches meanwhile (the output's, the task's scratch) evicts one before
   // it is read. Asked for into the second level only (prefetcht1), the rows wait there. Measured on an AMD EPYC of
-  // family 25 model 17 (Zen 4), one core, float16, paged unless named, side by side in one process (7 rounds, on
-  // lines / 16 bytes past), the first level against the second: decode B=64 with 1,024 keys, 8 heads of 128, 1.0x /
-  // 1.06x against 1.33x / 1.26x a copy (24.0 -> 17.6 ms); offset 1.01x / 1.00x against 1.36x / 1.36x; 32 heads of 128
-  // (B=16) 1.11x / 1.04x against 1.41x / 1.33x; pages of 16 slots 0.95x / 0.81x against 1.02x / 1.09x, offset 1.02x
-  // / 1.00x against 1.40x / 1.37x; in two more runs of pages of 16 (5 rounds, separate processes) 0.86-0.89x /
-  // 0.83-0.92x against 1.10-1.12x / 0.98-1.05x; a chunked prefill's chunk (outputs that stay cached, token by token)
-  // 0.61x / 0.62x against 0.66x / 0.70x; a prefill level. Rows asked for 4, 8, 16 and 24 rows ahead with the second
-  // level: within noise of each other (8 stays). This setting itself, a third run (5 rounds): decode 0.99x /
-  // 0.98x against 1.32x / 1.30x, pages of 16 0.87x / 0.87x against 1.17x / 1.15x; the AVX2 build 0.98x / 0.59x against
-  // 1.25x / 0.66x and 0.85x / 0.55x against 1.16x / 0.63x. Int8 rows (codes and scales, four heads a pass) measured level (9
-  // rounds: pages of 16 0.70x / 0.63x against 0.76x / 0.64x, offset 1.16x / 0.82x against 0.97x / 0.82x; decode
-  // 0.89x / 0.80x against 0.95x / 0.85x), so quantized rows keep the first level. Intel processors were not measured
-  // with this: they keep the first level.
+  // family 25 model 17 (Zen 4), one core, float16, paged unless named, side by side in one process (7 rounds, on lines
+  // / 16 bytes past), the first level against the second: decode B=64 with 1,024 keys, 8 heads of 128, 0.99x / 1.06x
+  // against 1.33x / 1.26x a copy (24.0 -> 17.6 ms); offset 1.01x / 1.00x against 1.36x / 1.36x; 32 heads of 128 (B=16)
+  // 1.11x / 1.04x against 1.41x / 1.33x; pages of 16 slots 0.95x / 0.81x against 1.02x / 1.09x, offset 1.02x / 1.00x
+  // against 1.40x / 1.37x; in two more runs of pages of 16 (5 rounds, separate processes) 0.86-0.89x / 0.83-0.92x
+  // against 1.10-1.12x / 0.98-1.05x; a chunked prefill's chunk (outputs that stay cached, token by token) 0.61x / 0.62x
+  // against 0.66x / 0.70x; a prefill 0.56x / 0.49x against 0.56x / 0.61x. Rows asked for 4, 8 and 16 rows ahead with
+  // the second level (and 4-24 with the first): within noise of each other (8 stays). This setting itself, a third run
+  // (5 rounds): decode 0.99x / 0.98x against 1.32x / 1.30x, pages of 16 0.87x / 0.87x against 1.17x / 1.15x; the AVX2
+  // build 0.98x / 0.59x against 1.25x / 0.66x and 0.85x / 0.55x against 1.16x / 0.63x. Int8 rows (codes and scales,
+  // four heads a pass) measured mixed: 7 rounds, pages of 16 0.69x / 0.60x against 0.97x / 0.70x, decode 0.93x / 0.86x
+  // against 0.92x / 0.79x, offset 0.93x / 0.86x against 0.93x / 0.81x, 32 heads 1.03x / 0.97x against 1.07x / 0.90x; 9
+  // rounds, pages of 16 0.70x / 0.63x against 0.76x / 0.64x, pages of 16 offset 1.16x / 0.82x against 0.97x / 0.82x,
+  // decode 0.89x / 0.80x against 0.95x / 0.85x: ahead in pages of 16, behind or level elsewhere, so quantized rows keep
+  // the first level. Intel processors were not measured with this: they keep the first level. Other AMD kinds take the
+  // second unmeasured (Zen 5's first level has 12 ways of 48 KiB, where eight heads do not fill a set: there the reason
+  // is weaker).
   return AmdProcessor();
 }
 
