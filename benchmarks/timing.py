@@ -60,15 +60,16 @@ def token_prefetch(size: int) -> str:
 
 
 def kernel_build() -> str:
-    """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row (quantized/values),
-    <n> token streams, quantized token prefetch of <p1>/<p4> (rows of 1/4 KiB; <p> B or whole rows), gather tiles of
-    <b0>/<b1>/<b2>/<b3> B,
-    <stream|cached> code stores, layout-3 value prefetch into <l1|l2>": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout
-    3's quantized gathers walk outputs that stay cached, how many heads its layout-3 gathers read side by side into a
-    streamed output (quantized caches, unquantized), how many runs of a task's rows its token-order gathers read side by
-    side into one, the bytes of a quantized token its token-order gathers ask for ahead, the bytes of the tiles its
-    token-order gathers write in layouts 0-3 (below a token's row: a token at a time), how its stores write quantized
-    codes and which cache level its layout-3 gathers of unquantized rows ask for head rows into. Empty for a library of another C API version, which the binding refuses."""
+    """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row
+    (quantized/values), <n> token streams, quantized token prefetch of <p1>/<p4> (rows of 1/4 KiB; <p> B or whole
+    rows), gather tiles of <b0>/<b1>/<b2>/<b3> B, <stream|cached> code stores, layout-3 value prefetch into
+    <l1|l2>": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout 3's quantized
+    gathers walk outputs that stay cached, how many heads its layout-3 gathers read side by side into a streamed
+    output (quantized caches, unquantized), how many runs of a task's rows its token-order gathers read side by side
+    into one, the bytes of a quantized token its token-order gathers ask for ahead, the bytes of the tiles its
+    token-order gathers write in layouts 0-3 (below a token's row: a token at a time), how its stores write
+    quantized codes and which cache level its layout-3 gathers of unquantized rows ask for head rows into. Empty for
+    a library of another C API version, which the binding refuses."""
     from ..capi import c_api
 
     try:

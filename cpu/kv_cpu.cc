@@ -403,9 +403,10 @@ struct Kernel {
   // Asks for `heads` consecutive cache rows from (kv, h, slot), and their scales, ahead of their use: a
   // gather reads pages scattered over the cache, and the hardware prefetchers lose their stream at the end
   // of every page.
+  template <int Locality = kEveryLevel>  // values only: codes and scales go to every level
   void Prefetch(int kv, int64_t h, int64_t slot, int64_t heads) const {
     if constexpr (QBits == 0) {
-      PrefetchBytes(CacheValues(kv, h, slot), heads * p.head_dim * int64_t(sizeof(T)));
+      PrefetchBytes<Locality>(CacheValues(kv, h, slot), heads * p.head_dim * int64_t(sizeof(T)));
     } else {
       PrefetchCodes(CacheCodes(kv, h, slot), CacheScales(kv, h, slot), heads);
     }
@@ -429,13 +430,13 @@ struct Kernel {
   // twelve bits and so their set of the first level, whose ways (eight on Zen 4) the eight heads of a pass, asked for
   // kAheadRows rows ahead, fill before anything else touches them (kv_cpu_dispatch.cc: HeadPrefetchToL2).
   void PrefetchHeads(int kv, int64_t h, int64_t heads, int64_t slot) const {
-    if constexpr (QBits == 0) {
-      if (head_rows_to_l2) {
-        for (int64_t q = 0; q < heads; ++q) PrefetchBytesToL2(CacheValues(kv, h + q, slot), p.head_dim * int64_t(sizeof(T)));
-        return;
+    for (int64_t q = 0; q < heads; ++q) {
+      if (head_rows_to_l2) {  // values only (Launch)
+        Prefetch<kSecondLevel>(kv, h + q, slot, 1);
+      } else {
+        Prefetch(kv, h + q, slot, 1);
       }
     }
-    for (int64_t q = 0; q < heads; ++q) Prefetch(kv, h + q, slot, 1);
   }
 
   // Token i of this gather task (slot `slot`) into output row dst: one row of H * Dh where a token's heads lie

@@ -87,7 +87,7 @@ bool StreamedCodeStores();
 // (prefetcht1) rather than the first: on AMD processors, in every build (measured on an AMD EPYC of Zen 4; the
 // first level's sets cannot hold a token's heads, which lie a multiple of 4 KiB apart, kv_cpu_dispatch.cc), into
 // the first elsewhere (Intel processors not measured), or as $KVCACHE_OP_HEAD_PREFETCH says ("l2" or "l1").
-// Quantized rows are asked for into the first (measured level). The same bits either way.
+// Quantized rows are asked for into the first (measured mixed). The same bits either way.
 bool HeadPrefetchToL2();
 
 }  // namespace kvcache

@@ -90,18 +90,14 @@ inline void StoreFloat8(__m256 f, typename T1::Storage* dst) {
 // what keeps the prefetches: GCC counts __builtin_prefetch as free of side effects, so a reader function whose
 // only work is prefetching is found pure by its interprocedural analysis and every call of it is deleted as dead
 // (GCC 12 left no prefetch instruction at all in the library's cache readers; with them, a decode step of
-// float16 8/2 heads head_dim 128 went from 7.4 to 3.9 ms).
+// float16 8/2 heads head_dim 128 went from 7.4 to 3.9 ms). Into every cache level (prefetcht0), or with
+// kSecondLevel into the second and not the first (prefetcht1): for rows whose addresses share their low bits, which
+// the first level's few ways of a set cannot all hold until their use (kv_cpu.cc, PrefetchHeads).
+constexpr int kEveryLevel = 3, kSecondLevel = 2;  // __builtin_prefetch's locality
+template <int Locality = kEveryLevel>
 inline void PrefetchBytes(const void* p, int64_t bytes) {
   const auto* line = static_cast<const char*>(p);
-  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(line + k);
-  asm volatile("" : : "r"(line));
-}
-
-// PrefetchBytes into the second-level cache and not the first (prefetcht1): for rows whose addresses share their
-// low bits, which the first level's few ways of a set cannot all hold until their use (kv_cpu.cc, PrefetchHeads).
-inline void PrefetchBytesToL2(const void* p, int64_t bytes) {
-  const auto* line = static_cast<const char*>(p);
-  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(line + k, 0, 2);
+  for (int64_t k = 0; k < bytes; k += 64) __builtin_prefetch(line + k, 0, Locality);
   asm volatile("" : : "r"(line));
 }
 
