@@ -119,12 +119,13 @@ def plain_runner(inputs, attrs, threads):
     return lambda: session.run(None, inputs)
 
 
-def ort_runner(inputs, attrs, threads, output_offset: int = 0):
+def ort_runner(inputs, attrs, threads, output_offset: int = 0, library: str | None = None):
     """A zero-overhead call of the op: inputs and outputs bound once, then run_with_iobinding; the outputs start
-    ``output_offset`` bytes past a cache line (0: where ONNX Runtime's allocator places them)."""
+    ``output_offset`` bytes past a cache line (0: where ONNX Runtime's allocator places them); ``library``: another
+    build of the op's library to run (default: the one :func:`kvcache_op.ort_ops.library_path` names)."""
     from .. import spec
 
     kv_tokens = int(inputs["kvstarts"][-1])
     out_shape = (kv_tokens, inputs["current_key"].shape[1], inputs["current_key"].shape[2])
     outputs = {name: aligned_empty(out_shape, np.float16, output_offset) for name in ("key", "value")}
-    return bound_run(spec.make_model(inputs, **attrs), inputs, outputs, threads)
+    return bound_run(spec.make_model(inputs, **attrs), inputs, outputs, threads, library=library)

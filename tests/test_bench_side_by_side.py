@@ -1,0 +1,120 @@
+"""The side-by-side timing tool: each variant runs under its own settings and build, in turns that rotate, the
+environment is left as it was, and bad command lines are refused before any work."""
+
+import json
+import os
+
+import pytest
+
+from kvcache_op.benchmarks.cpu import side_by_side
+from kvcache_op.ort_ops import library_path
+
+SWITCH = "KVCACHE_OP_HEAD_PREFETCH"
+
+
+def test_each_variant_runs_under_its_settings_in_rotating_turns_and_the_environment_is_restored(monkeypatch):
+    monkeypatch.setenv(SWITCH, "before")
+    monkeypatch.delenv("KVCACHE_OP_STORES", raising=False)
+    seen = []
+    variants = [side_by_side.Variant("a", {SWITCH: "l1"}), side_by_side.Variant("b", {SWITCH: None}),
+                side_by_side.Variant("c", {"KVCACHE_OP_STORES": "cached"})]
+    runners = {v.name: (lambda name=v.name: seen.append((name, os.environ.get(SWITCH),
+                                                         os.environ.get("KVCACHE_OP_STORES"))))
+               for v in variants}
+    times = side_by_side.measure_rounds(runners, lambda: None, variants, rounds=3, warmup=0, repeats=1)
+    assert seen == [("a", "l1", None), ("b", None, None), ("c", "before", "cached"),
+                    ("b", None, None), ("c", "before", "cached"), ("a", "l1", None),
+                    ("c", "before", "cached"), ("a", "l1", None), ("b", None, None)]
+    assert all(len(t["op"]) == len(t["copy"]) == 3 for t in times.values())
+    assert os.environ[SWITCH] == "before" and "KVCACHE_OP_STORES" not in os.environ
+
+
+def test_a_variant_that_raises_leaves_the_environment_as_it_was(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+
+    def fails():
+        assert os.environ[SWITCH] == "l2"
+        raise RuntimeError("the op failed")
+
+    with pytest.raises(RuntimeError, match="the op failed"):
+        side_by_side.measure_rounds({"x": fails}, lambda: None, [side_by_side.Variant("x", {SWITCH: "l2"})],
+                                    rounds=1, warmup=0, repeats=1)
+    assert SWITCH not in os.environ
+
+
+def test_summaries_set_each_round_against_its_own_copy_and_the_first_variant():
+    times = {"a": {"op": [2.0, 4.0, 3.0], "copy": [1.0, 1.0, 3.0]},
+             "b": {"op": [1.0, 2.0, 6.0], "copy": [1.0, 4.0, 3.0]}}
+    s = side_by_side.summarize(times, "a")
+    assert s["a"]["vs_copy"] == pytest.approx(0.5) and s["a"]["vs_copy_range"] == pytest.approx([0.25, 1.0])
+    assert s["b"]["vs_copy"] == pytest.approx(1.0) and s["b"]["vs_copy_range"] == pytest.approx([0.5, 2.0])
+    assert s["b"]["time_vs_first"] == pytest.approx(0.5) and s["a"]["time_vs_first"] == pytest.approx(1.0)
+    assert s["b"]["op_ms"] == pytest.approx(2000.0)
+
+
+def test_a_variant_naming_a_build_gets_its_own_session_of_it(monkeypatch):
+    built = []
+
+    def fake_runner(feeds, attrs, threads, offset, library=None):
+        built.append(library)
+        return lambda: None
+
+    monkeypatch.setattr(side_by_side, "ort_runner", fake_runner)
+    variants = [side_by_side.Variant("a", {}), side_by_side.Variant("b", {SWITCH: "l2"}),
+                side_by_side.Variant("c", {}, "/some/build.so")]
+    args = type("Args", (), {"threads": 1, "rounds": 1, "warmup": 0, "repeats": 1})
+    case = side_by_side.Case(side_by_side.shape_named("decode", quick=True), 1, 0, 0)
+    summary = side_by_side.run_case(case, variants, 0, args)
+    assert built == [None, "/some/build.so"] and set(summary) == {"a", "b", "c"}
+
+
+def test_a_quick_run_times_every_case_offset_and_variant_and_records_them(tmp_path, capsys):
+    out = tmp_path / "ab.json"
+    assert side_by_side.main(["--quick", "--case", "decode:paged:8:3", "--case", "prefill:offset:0:0",
+                              "--variant", f"l1:{SWITCH}=l1", "--variant", f"l2:{SWITCH}=l2",
+                              "--variant", f"build:library={library_path()}", "--offsets", "0,16",
+                              "--rounds", "2", "--repeats", "1", "--warmup", "0", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["case"], r["output_offset"]) for r in data["results"]] == [
+        ("decode:paged:8:3", 0), ("decode:paged:8:3", 16), ("prefill:offset:0:0", 0), ("prefill:offset:0:0", 16)]
+    for r in data["results"]:
+        assert set(r["variants"]) == {"l1", "l2", "build"}
+        for v in r["variants"].values():
+            low, high = v["vs_copy_range"]
+            assert 0 < low <= v["vs_copy"] <= high and len(v["op_ms_rounds"]) == 2 and v["op_ms"] > 0
+    assert data["variants"]["build"]["library"] == library_path() and data["variants"]["l2"]["env"] == {SWITCH: "l2"}
+    printed = capsys.readouterr().out
+    assert "decode:paged:8:3 off16:" in printed and "of l1's" in printed and "l2: KVCACHE_OP_HEAD_PREFETCH=l2" in printed
+
+
+def test_decode_in_n_heads_keeps_the_decode_steps_bytes():
+    shape = side_by_side.shape_named("decode-16h")
+    assert (shape.batch, shape.heads, shape.head_dim, shape.seqlen, shape.start_pos) == (32, 16, 128, 1, 1023)
+    with pytest.raises(ValueError, match="decode-<N>h"):
+        side_by_side.shape_named("decode-7h")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--case", "decode:paged:8"], "is not SHAPE:MODE:QUANT_BIT:LAYOUT"),
+    (["--case", "decode:ring:8:0"], "the mode is paged or offset"),
+    (["--case", "decode:paged:3:0"], "quant_bit is 0, 4 or 8"),
+    (["--case", "decode:paged:8:4"], "the layout is 0, 1, 2 or 3"),
+    (["--case", "nope:paged:8:0"], "no shape 'nope'"),
+    (["--variant", "a:library=/no/such/build.so"], "is not a file"),
+    (["--variant", "a:NOEQUALS"], "is not ENV=VALUE or library=PATH"),
+    (["--variant", "a:X=1,X=2"], "sets X twice"),
+    (["--variant", "a", "--variant", "a"], "names must differ"),
+    (["--offsets", "0,17"], "even number of bytes below 64"),
+    (["--offsets", "x"], "not a comma-separated list"),
+    (["--json", "/proc/no/such/folder/ab.json"], "--json"),
+])
+def test_bad_command_lines_are_refused_in_one_line_before_any_work(argv, message, capsys):
+    base = {"--case": ["--case", "decode:paged:8:0"], "--variant": ["--variant", "a"]}
+    for option, default in base.items():
+        if option not in argv:
+            argv = argv + default
+    with pytest.raises(SystemExit) as exit_:
+        side_by_side.main(["--quick"] + argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr()
+    assert message in err.err and err.err.count("\n") == 1 and err.out == ""
