@@ -1,6 +1,7 @@
 #include "kv_cpu.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <vector>
 
@@ -646,13 +647,35 @@ struct Launch {
     const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
     const StorePlan stores = LargeOutputStores();
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
-    Kernel<T1, T3, QBits>{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
-                          CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
-                          GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
-                          PrefetchHeadsOfToken<QBits>(p),
-                          KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores(),
-                          QBits == 0 && HeadPrefetchToL2()}
-        .Run(parallel_for);
+    const Kernel<T1, T3, QBits> kernel{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
+                                       CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
+                                       GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
+                                       PrefetchHeadsOfToken<QBits>(p),
+                                       KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores(),
+                                       QBits == 0 && HeadPrefetchToL2()};
+    if (CallReportWanted()) Report(kernel);
+    kernel.Run(parallel_for);
+  }
+
+#define KV_ISA_NAME(isa) KV_ISA_TEXT(isa)
+#define KV_ISA_TEXT(isa) #isa
+  // The call's plan as the kernel received it, one line on stderr (CallReportWanted): what ran, not what the
+  // per-choice queries say a call would get.
+  static void Report(const Kernel<T1, T3, QBits>& k) {
+    const CallPlan& p = k.p;
+    std::fprintf(stderr,
+                 "kvcache_op KeyValueCache cpu: build=%s quant_bit=%d layout=%lld tokens=%lld kv_tokens=%lld heads=%lld "
+                 "head_dim=%lld outputs=%d out_bytes=%lld stream_outputs=%d side_by_side=%d cached_gather=%s "
+                 "streamed_heads=%lld tile_bytes=%lld token_streams=%lld prefetch_heads=%lld code_stores=%s "
+                 "head_prefetch=%s\n",
+                 KV_ISA_NAME(KV_CPU_ISA), QBits, static_cast<long long>(k.a.cache_layout), static_cast<long long>(p.tokens),
+                 static_cast<long long>(p.kv_tokens), static_cast<long long>(p.heads),
+                 static_cast<long long>(p.head_dim), k.args.out_key != nullptr ? 1 : 0,
+                 static_cast<long long>(p.out_bytes), k.stream ? 1 : 0, k.parallel_streams ? 1 : 0,
+                 k.head_runs ? "head-runs" : "tokens", static_cast<long long>(k.streamed_heads),
+                 static_cast<long long>(k.tile_bytes), static_cast<long long>(k.token_streams),
+                 static_cast<long long>(k.prefetch_heads), k.stream_codes ? "stream" : "cached",
+                 k.head_rows_to_l2 ? "l2" : "l1");
   }
 };
 

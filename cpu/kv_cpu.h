@@ -89,5 +89,9 @@ bool StreamedCodeStores();
 // the first elsewhere (Intel processors not measured), or as $KVCACHE_OP_HEAD_PREFETCH says ("l2" or "l1").
 // Quantized rows are asked for into the first (measured mixed). The same bits either way.
 bool HeadPrefetchToL2();
+// Whether each KeyValueCache call on the CPU prints its plan, one line on stderr ($KVCACHE_OP_CPU_VERBOSE=1, read each
+// call): the build, the call's shape and the choices above as the kernel received them. A call's own choices depend
+// on its size too (streaming stores only for large outputs), which the per-choice queries cannot say.
+bool CallReportWanted();
 
 }  // namespace kvcache

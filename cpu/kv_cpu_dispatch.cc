@@ -311,6 +311,8 @@ bool HeadPrefetchToL2() {
   return AmdProcessor();
 }
 
+bool CallReportWanted() { return EnvSwitch("KVCACHE_OP_CPU_VERBOSE", "1", "0") == 1; }
+
 const char* CpuKernelName() {
   switch (ChosenKernel()) {
     case CpuKernel::kAvx512: return "avx512";

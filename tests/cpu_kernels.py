@@ -97,3 +97,17 @@ def use_cpu_kernel(monkeypatch, kernel: str) -> None:
     """Makes the library run ``kernel`` (one of :data:`NEEDS`) in this test, and checks that it does."""
     monkeypatch.setenv("KVCACHE_OP_CPU_KERNEL", kernel)
     assert c_api.cpu_kernel() == kernel, f"asked for the {kernel} build, the library runs {c_api.cpu_kernel()}"
+
+
+REPORT_PREFIX = "kvcache_op KeyValueCache cpu: "
+
+
+def call_reports(stderr: str) -> list:
+    """The plans KeyValueCache calls on the CPU printed under $KVCACHE_OP_CPU_VERBOSE=1, in order: one dict a call,
+    each field as printed (numbers as ints)."""
+    reports = []
+    for line in stderr.splitlines():
+        if line.startswith(REPORT_PREFIX):
+            fields = dict(item.split("=", 1) for item in line[len(REPORT_PREFIX):].split())
+            reports.append({k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()})
+    return reports

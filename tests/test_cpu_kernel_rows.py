@@ -11,7 +11,7 @@ import platform
 import numpy as np
 import pytest
 
-from cpu_kernels import CPU_KERNELS, CPU_VENDORS, amd_processor, use_cpu_kernel, use_cpu_vendor
+from cpu_kernels import CPU_KERNELS, CPU_VENDORS, amd_processor, call_reports, use_cpu_kernel, use_cpu_vendor
 from native_build import build_library
 from ort_helpers import assert_same_bits, copies, reference_result
 
@@ -144,7 +144,7 @@ def large_case(quant_bit, layout, num_repeat, t1, head_dim, heads=4, page_size=6
                           (0, 0, 1, "float16", 64, 5, 64), (8, 3, 1, "float16", 128, 12, 64),
                           (8, 0, 1, "float16", 128, 12, 64)])
 def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size,
-                                                   kernel, monkeypatch):
+                                                   kernel, monkeypatch, capfd):
     """Under every store plan ($KVCACHE_OP_STORES) and output offset (on a line, 16 and 2 bytes past one, and an
     odd 33, which no row cut in registers takes): layout 3's streamed quantized rows go a few heads at a time (head
     rows of whole cache lines or not: Dh 40's 80-byte rows, Dh 48's 96 bytes, 8 groups of Dh 64), each token's
@@ -168,8 +168,11 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     480-byte rows, the odd 33, the other builds) row after row whatever the count. Nothing around the outputs is written. With side-by-side streams, unquantized rows
     are read as several streams at any offset (runs of tokens, or in layout 3 groups of heads: 5, 6 and 7 heads leave a short last group, and the
     last task's tiles are short). Pages of 64 slots, and in layout 3 of 16 and of 5 (page runs shorter than the
-    rows the gathers ask for ahead of their use: the requests go on across passes)."""
+    rows the gathers ask for ahead of their use: the requests go on across passes). Each call's own plan
+    ($KVCACHE_OP_CPU_VERBOSE) shows every setting reached the kernel and the outputs were streamed where the plan
+    streams."""
     use_cpu_kernel(monkeypatch, kernel)
+    monkeypatch.setenv("KVCACHE_OP_CPU_VERBOSE", "1")  # each call's plan as the kernel received it, checked below
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size)
     want = reference_result(case.inputs, case.attributes)
     assert want[0].nbytes > 16 << 20
@@ -208,9 +211,19 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             assert c_api.cpu_token_streams() == token_streams
         fresh = copies(case.inputs)
         fresh["cache"] = aligned_copy(fresh["cache"])  # code rows on lines, where streaming stores take them
+        capfd.readouterr()
         (key, value), guards = guarded_outputs(fresh, case.attributes, offset)
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
         assert all((g == 0xA5).all() for g in guards), f"bytes around the outputs were written ({stores}, {offset})"
+        # The settings reached the kernel: this call's own plan, not what the queries say a call would get.
+        [plan] = call_reports(capfd.readouterr().err)
+        level = "l1" if quant_bit else (head_prefetch or default_head_prefetch())
+        codes = "stream" if quant_bit and kernel == "avx512" and run % 2 == 0 else "cached"
+        assert (plan["build"], plan["stream_outputs"], plan["side_by_side"]) == (
+            kernel, int(stores != "cached"), int(stores == "side-by-side")), plan
+        assert (plan["streamed_heads"], plan["tile_bytes"], plan["token_streams"], plan["code_stores"],
+                plan["head_prefetch"]) == (streamed_heads or default_streamed_heads(quant_bit), tile,
+                                           token_streams or default_token_streams(), codes, level), plan
 
 
 def tile_bytes_by_layout() -> list:
