@@ -85,6 +85,9 @@ struct Kernel {
   }
   const S* CacheScales(int kv, int64_t h, int64_t slot) const { return static_cast<const S*>(args.scale) + ScaleRow(kv, h, slot); }
 
+  // Whether streamed unquantized gathers read kStreams source streams side by side (quantized ones never do).
+  bool SideBySideStreams() const { return QBits == 0 && stream && parallel_streams; }
+
   // Layout 3 keeps a head's slots contiguous (a slot's heads lie MaxT rows apart).
   bool HeadMajor() const { return p.cache_rows.slot < p.cache_rows.head; }
   // Layouts 0-2 keep a slot's H heads contiguous, and their scales.
@@ -559,7 +562,7 @@ struct Kernel {
       // at a time, 0.98x in 512 KiB tiles; 0.80x and 0.93x 16 bytes past a line; 8 heads level). Quantized layout 3
       // here (outputs that stay cached, on kinds that do not walk head runs for them) keeps a token at a time, as
       // measured on the Intel Xeon.
-      const bool side_by_side = QBits == 0 && stream && parallel_streams;
+      const bool side_by_side = SideBySideStreams();
 #if KV_AVX512
       const size_t row_bytes = static_cast<size_t>(H * D) * sizeof(T);
       if (QBits == 0 && stream && !side_by_side && token_streams > 1 && R == 1 && HeadsAdjacent() &&
@@ -627,6 +630,13 @@ struct Kernel {
   }
 };
 
+// The build's name as the call report prints it (KV_CPU_ISA: generic, avx2 or avx512).
+#define KV_ISA_TEXT(isa) #isa
+#define KV_ISA_NAME(isa) KV_ISA_TEXT(isa)
+constexpr const char* kBuildName = KV_ISA_NAME(KV_CPU_ISA);
+#undef KV_ISA_NAME
+#undef KV_ISA_TEXT
+
 // Outputs (key + value) above this size are written with streaming stores.
 constexpr int64_t kStreamOutputBytes = int64_t{32} << 20;
 
@@ -657,10 +667,9 @@ struct Launch {
     kernel.Run(parallel_for);
   }
 
-#define KV_ISA_NAME(isa) KV_ISA_TEXT(isa)
-#define KV_ISA_TEXT(isa) #isa
-  // The call's plan as the kernel received it, one line on stderr (CallReportWanted): what ran, not what the
-  // per-choice queries say a call would get.
+  // The call's plan, one line on stderr (CallReportWanted): the build running it, whether its outputs are streamed
+  // and whether its unquantized gathers read streams side by side (as the kernel decides them for this call), and
+  // each other choice as passed to the kernel (a path of the call that does not take one ignores it).
   static void Report(const Kernel<T1, T3, QBits>& k) {
     const CallPlan& p = k.p;
     std::fprintf(stderr,
@@ -668,10 +677,10 @@ struct Launch {
                  "head_dim=%lld outputs=%d out_bytes=%lld stream_outputs=%d side_by_side=%d cached_gather=%s "
                  "streamed_heads=%lld tile_bytes=%lld token_streams=%lld prefetch_heads=%lld code_stores=%s "
                  "head_prefetch=%s\n",
-                 KV_ISA_NAME(KV_CPU_ISA), QBits, static_cast<long long>(k.a.cache_layout), static_cast<long long>(p.tokens),
+                 kBuildName, QBits, static_cast<long long>(k.a.cache_layout), static_cast<long long>(p.tokens),
                  static_cast<long long>(p.kv_tokens), static_cast<long long>(p.heads),
                  static_cast<long long>(p.head_dim), k.args.out_key != nullptr ? 1 : 0,
-                 static_cast<long long>(p.out_bytes), k.stream ? 1 : 0, k.parallel_streams ? 1 : 0,
+                 static_cast<long long>(p.out_bytes), k.stream ? 1 : 0, k.SideBySideStreams() ? 1 : 0,
                  k.head_runs ? "head-runs" : "tokens", static_cast<long long>(k.streamed_heads),
                  static_cast<long long>(k.tile_bytes), static_cast<long long>(k.token_streams),
                  static_cast<long long>(k.prefetch_heads), k.stream_codes ? "stream" : "cached",

@@ -90,8 +90,8 @@ bool StreamedCodeStores();
 // Quantized rows are asked for into the first (measured mixed). The same bits either way.
 bool HeadPrefetchToL2();
 // Whether each KeyValueCache call on the CPU prints its plan, one line on stderr ($KVCACHE_OP_CPU_VERBOSE=1, read each
-// call): the build, the call's shape and the choices above as the kernel received them. A call's own choices depend
-// on its size too (streaming stores only for large outputs), which the per-choice queries cannot say.
+// call): the build running it, the call's shape, whether its outputs are streamed (a call's own size decides it,
+// which the per-choice queries cannot say) and the choices above as passed to its kernel.
 bool CallReportWanted();
 
 }  // namespace kvcache

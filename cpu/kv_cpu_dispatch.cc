@@ -305,9 +305,9 @@ bool HeadPrefetchToL2() {
   // rounds, pages of 16 0.70x / 0.63x against 0.76x / 0.64x, pages of 16 offset 1.16x / 0.82x against 0.97x / 0.82x,
   // decode 0.89x / 0.80x against 0.95x / 0.85x: ahead in pages of 16, behind or level elsewhere, so quantized rows keep
   // the first level. Intel processors were not measured with this: they keep the first level (the Intel Xeons measured
-  // elsewhere, of the Sapphire Rapids generation and later, have a first level of 12 ways of 48 KiB, where eight
-  // heads do not fill a set). Other AMD kinds take the second unmeasured (Zen 5's first level has 12 ways of 48 KiB
-  // too: there the reason is weaker).
+  // elsewhere are of the Sapphire Rapids generation or later, whose cores have a first level of 12 ways of 48 KiB,
+  // where eight heads do not fill a set: inferred from the generation, not measured). Other AMD kinds take the
+  // second unmeasured (Zen 5's first level has 12 ways of 48 KiB too: there the reason is weaker).
   return AmdProcessor();
 }
 

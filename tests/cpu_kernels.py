@@ -111,3 +111,14 @@ def call_reports(stderr: str) -> list:
             fields = dict(item.split("=", 1) for item in line[len(REPORT_PREFIX):].split())
             reports.append({k: int(v) if v.lstrip("-").isdigit() else v for k, v in fields.items()})
     return reports
+
+
+def expected_prefetch_heads(quant_bit: int, heads: int, head_dim: int) -> int:
+    """The heads of a token KeyValueCache's token-order gathers ask for ahead (the plan's prefetch_heads), from the
+    token prefetch query: every head unquantized; quantized, the heads whose codes lie wholly in the bytes asked for
+    (at least one; every head where the query says whole rows, 0)."""
+    if quant_bit == 0:
+        return heads
+    head_bytes = max(1, head_dim * quant_bit // 8)
+    asked = c_api.cpu_token_prefetch_bytes(heads * head_bytes)
+    return heads if asked == 0 else min(max(asked // head_bytes, 1), heads)

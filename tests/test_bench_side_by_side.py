@@ -53,23 +53,26 @@ def test_summaries_set_each_round_against_its_own_copy_and_the_first_variant():
 
 
 def test_a_variant_naming_a_build_gets_its_own_session_of_it(monkeypatch):
-    built = []
+    built, ran = [], []
 
     def fake_runner(feeds, attrs, threads, offset, library=None):
         built.append(library)
-        return lambda: None
+        return lambda: ran.append((library, os.environ.get(SWITCH)))
 
     monkeypatch.setattr(side_by_side, "ort_runner", fake_runner)
     variants = [side_by_side.Variant("a", {}), side_by_side.Variant("b", {SWITCH: "l2"}),
                 side_by_side.Variant("c", {}, "/some/build.so")]
     args = type("Args", (), {"threads": 1, "rounds": 1, "warmup": 0, "repeats": 1})
     case = side_by_side.Case(side_by_side.shape_named("decode", quick=True), 1, 0, 0)
+    monkeypatch.delenv(SWITCH, raising=False)
     summary = side_by_side.run_case(case, variants, 0, args)
     assert built == [None, "/some/build.so"] and set(summary) == {"a", "b", "c"}
+    # a and b share the loaded build's session, each under its own settings; c runs its build
+    assert ran == [(None, None), (None, "l2"), ("/some/build.so", None)]
 
 
 def test_a_quick_run_times_every_case_offset_and_variant_and_records_them(tmp_path, capsys):
-    out = tmp_path / "ab.json"
+    out = tmp_path / "new folder" / "ab.json"
     assert side_by_side.main(["--quick", "--case", "decode:paged:8:3", "--case", "prefill:offset:0:0",
                               "--variant", f"l1:{SWITCH}=l1", "--variant", f"l2:{SWITCH}=l2",
                               "--variant", f"build:library={library_path()}", "--offsets", "0,16",
@@ -83,8 +86,13 @@ def test_a_quick_run_times_every_case_offset_and_variant_and_records_them(tmp_pa
             low, high = v["vs_copy_range"]
             assert 0 < low <= v["vs_copy"] <= high and len(v["op_ms_rounds"]) == 2 and v["op_ms"] > 0
     assert data["variants"]["build"]["library"] == library_path() and data["variants"]["l2"]["env"] == {SWITCH: "l2"}
+    # each variant's build and choices are recorded as they were under its own settings
+    assert all("kernel build" in v["build"] for v in data["variants"].values())
+    assert data["variants"]["l1"]["build"].endswith("prefetch into l1")
+    assert data["variants"]["l2"]["build"].endswith("prefetch into l2")
     printed = capsys.readouterr().out
-    assert "decode:paged:8:3 off16:" in printed and "of l1's" in printed and "l2: KVCACHE_OP_HEAD_PREFETCH=l2" in printed
+    assert "decode:paged:8:3 off16:" in printed and "of l1's" in printed
+    assert f"  l2: {SWITCH}=l2: " in printed and f"  l1: {SWITCH}=l1: " in printed
 
 
 def test_decode_in_n_heads_keeps_the_decode_steps_bytes():
@@ -97,12 +105,17 @@ def test_decode_in_n_heads_keeps_the_decode_steps_bytes():
 @pytest.mark.parametrize("argv, message", [
     (["--case", "decode:paged:8"], "is not SHAPE:MODE:QUANT_BIT:LAYOUT"),
     (["--case", "decode:ring:8:0"], "the mode is paged or offset"),
-    (["--case", "decode:paged:3:0"], "quant_bit is 0, 4 or 8"),
+    (["--case", "decode:paged:3:0"], "quant_bit is 0 or 8"),
+    (["--case", "decode:paged:4:0"], "quant_bit is 0 or 8"),
     (["--case", "decode:paged:8:4"], "the layout is 0, 1, 2 or 3"),
     (["--case", "nope:paged:8:0"], "no shape 'nope'"),
     (["--variant", "a:library=/no/such/build.so"], "is not a file"),
     (["--variant", "a:NOEQUALS"], "is not ENV=VALUE or library=PATH"),
     (["--variant", "a:X=1,X=2"], "sets X twice"),
+    (["--variant", f"a:library={library_path()},library={library_path()}"], "sets library twice"),
+    (["--variant", "a:library=" + __file__], "is not a kvcache-op library"),
+    (["--variant", "a:KVCACHE_OP_LIBRARY=/x.so"], "names its build as library=PATH"),
+    (["--json", "/"], "is a folder"),
     (["--variant", "a", "--variant", "a"], "names must differ"),
     (["--offsets", "0,17"], "even number of bytes below 64"),
     (["--offsets", "x"], "not a comma-separated list"),

@@ -6,7 +6,7 @@ call does not take), so the tests that set a choice can see it reach the kernel.
 import numpy as np
 import pytest
 
-from cpu_kernels import CPU_KERNELS, call_reports, use_cpu_kernel
+from cpu_kernels import CPU_KERNELS, call_reports, expected_prefetch_heads, use_cpu_kernel
 from ort_helpers import assert_same_bits, copies, reference_result
 
 from kvcache_op.capi import c_api
@@ -74,14 +74,15 @@ def test_a_call_reports_its_shape_and_the_measured_choices(kernel, quant_bit, la
         "kv_tokens": int(case.inputs["kvstarts"][-1]), "heads": 3, "head_dim": 64, "outputs": 1, "out_bytes": got[0].nbytes,
         "stream_outputs": 0, "side_by_side": 0, "cached_gather": c_api.cpu_cached_gather(),
         "streamed_heads": c_api.cpu_streamed_heads(quant_bit), "tile_bytes": c_api.cpu_gather_tile_bytes(layout),
-        "token_streams": c_api.cpu_token_streams(), "prefetch_heads": plan["prefetch_heads"],
+        "token_streams": c_api.cpu_token_streams(), "prefetch_heads": expected_prefetch_heads(quant_bit, 3, 64),
         "code_stores": c_api.cpu_code_stores() if quant_bit else "cached",
         "head_prefetch": c_api.cpu_head_prefetch() if quant_bit == 0 else "l1"}
-    assert 1 <= plan["prefetch_heads"] <= 3 and (quant_bit or plan["prefetch_heads"] == 3)
 
 
 def test_the_overrides_reach_the_kernel(monkeypatch, capfd, measured_choices):
-    """Each switch set to the choice its processor kind would not make shows in the call's own plan."""
+    """The head prefetch's level, the cached order, the heads a streamed row, the tiles, the token streams and the
+    token prefetch, each set outright, show in the call's own plan (the store plans and code stores: in the
+    streamed-output test, whose outputs are large enough to stream)."""
     monkeypatch.setenv("KVCACHE_OP_CPU_VERBOSE", "1")
     monkeypatch.delenv("KVCACHE_OP_CPU_KERNEL", raising=False)
     case = small_case(0, 3)
@@ -97,6 +98,11 @@ def test_the_overrides_reach_the_kernel(monkeypatch, capfd, measured_choices):
             [plan] = call_reports(capfd.readouterr().err)
             assert (plan["head_prefetch"], plan["cached_gather"], plan["streamed_heads"], plan["tile_bytes"],
                     plan["token_streams"]) == (level, order, 3, 5000, 5), plan
+    for asked, heads in (("1", 1), ("130", 2), ("0", 3), ("100000", 3)):  # int8 heads of 64 bytes
+        monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", asked)
+        capfd.readouterr()
+        run_case(small_case(8, 0))
+        assert call_reports(capfd.readouterr().err)[0]["prefetch_heads"] == heads, asked
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "40")  # capped at the most a pass holds
     capfd.readouterr()
     run_case(case)

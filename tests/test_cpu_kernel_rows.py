@@ -11,7 +11,8 @@ import platform
 import numpy as np
 import pytest
 
-from cpu_kernels import CPU_KERNELS, CPU_VENDORS, amd_processor, call_reports, use_cpu_kernel, use_cpu_vendor
+from cpu_kernels import (CPU_KERNELS, CPU_VENDORS, amd_processor, call_reports, expected_prefetch_heads, use_cpu_kernel,
+                         use_cpu_vendor)
 from native_build import build_library
 from ort_helpers import assert_same_bits, copies, reference_result
 
@@ -170,7 +171,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
     last task's tiles are short). Pages of 64 slots, and in layout 3 of 16 and of 5 (page runs shorter than the
     rows the gathers ask for ahead of their use: the requests go on across passes). Each call's own plan
     ($KVCACHE_OP_CPU_VERBOSE) shows every setting reached the kernel and the outputs were streamed where the plan
-    streams."""
+    streams (side by side where it reads unquantized rows so)."""
     use_cpu_kernel(monkeypatch, kernel)
     monkeypatch.setenv("KVCACHE_OP_CPU_VERBOSE", "1")  # each call's plan as the kernel received it, checked below
     case = large_case(quant_bit, layout, num_repeat, t1, head_dim, heads, page_size)
@@ -220,10 +221,11 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
         level = "l1" if quant_bit else (head_prefetch or default_head_prefetch())
         codes = "stream" if quant_bit and kernel == "avx512" and run % 2 == 0 else "cached"
         assert (plan["build"], plan["stream_outputs"], plan["side_by_side"]) == (
-            kernel, int(stores != "cached"), int(stores == "side-by-side")), plan
+            kernel, int(stores != "cached"), int(stores == "side-by-side" and quant_bit == 0)), plan
         assert (plan["streamed_heads"], plan["tile_bytes"], plan["token_streams"], plan["code_stores"],
-                plan["head_prefetch"]) == (streamed_heads or default_streamed_heads(quant_bit), tile,
-                                           token_streams or default_token_streams(), codes, level), plan
+                plan["head_prefetch"], plan["prefetch_heads"]) == (
+            streamed_heads or default_streamed_heads(quant_bit), tile, token_streams or default_token_streams(), codes,
+            level, expected_prefetch_heads(quant_bit, heads, head_dim)), plan
 
 
 def tile_bytes_by_layout() -> list:

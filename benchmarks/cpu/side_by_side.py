@@ -7,16 +7,16 @@ variant alike. This is how a kernel choice is measured before it is kept.
         --variant l1:KVCACHE_OP_HEAD_PREFETCH=l1 --variant l2:KVCACHE_OP_HEAD_PREFETCH=l2 --offsets 0,16 --rounds 9
 
 A case is SHAPE:MODE:QUANT_BIT:LAYOUT: SHAPE one of the CPU benchmark's (decode, prefill, chunk, decode-32h,
-decode-p16) or decode-<N>h (the decode step's bytes as N heads of 128), MODE paged or offset. A variant is
-NAME[:SETTING,...]; a setting is ENV=VALUE (set while the variant runs; ENV= with no value unsets it) or
-library=PATH (the variant runs that build, in its own session on the same inputs). Each round runs the variants
+decode-p16) or decode-<N>h (the decode step's bytes as N heads of 128), MODE paged or offset, QUANT_BIT 0 or 8.
+A variant is NAME[:SETTING,...]; a setting is ENV=VALUE (set while the variant runs; ENV= with no value unsets it)
+or library=PATH (the variant runs that build, in its own session on the same inputs; KVCACHE_OP_LIBRARY is read
+when a session is made, so a variant names its build this way, not by that variable). Each round runs the variants
 in turn, starting one further along each round, so none always runs first. A line per case and output offset
 gives each variant's median over the rounds of copy time / op time (its range), its median call time and, after
 the first, the median of its time over the first variant's in the same round.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +27,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, library_file, writable_folder_problem
 from ..bound_session import aligned_empty
+from ..environment import environment
 from ..kv_shapes import QUICK_SHAPES, SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner
 from ..timing import cpu_device, kernel_build, median_seconds
 
@@ -82,16 +83,16 @@ def parse_case(text: str) -> tuple:
     name, mode, quant_bit, layout = parts
     if mode not in MODES:
         raise argparse.ArgumentTypeError(f"{text!r}: the mode is paged or offset, not {mode!r}")
-    if quant_bit not in ("0", "4", "8"):
-        raise argparse.ArgumentTypeError(f"{text!r}: quant_bit is 0, 4 or 8, not {quant_bit!r}")
+    if quant_bit not in ("0", "8"):  # the benchmark's inputs: float16 or int8 caches
+        raise argparse.ArgumentTypeError(f"{text!r}: quant_bit is 0 or 8, not {quant_bit!r}")
     if layout not in ("0", "1", "2", "3"):
         raise argparse.ArgumentTypeError(f"{text!r}: the layout is 0, 1, 2 or 3, not {layout!r}")
     return name, MODES[mode], int(quant_bit), int(layout)
 
 
 def parse_variant(text: str) -> Variant:
-    """An argparse type: NAME[:SETTING,...] with settings ENV=VALUE (ENV= unsets ENV) or library=PATH (an
-    existing file)."""
+    """An argparse type: NAME[:SETTING,...] with settings ENV=VALUE (ENV= unsets ENV; not KVCACHE_OP_LIBRARY) or
+    library=PATH (an existing file of this binding's C API version), each named once."""
     name, _, settings = text.partition(":")
     if not re.fullmatch(r"[A-Za-z0-9_.+-]+", name):
         raise argparse.ArgumentTypeError(f"{text!r}: a variant's name is letters, digits and _.+- (NAME:SETTINGS)")
@@ -100,33 +101,26 @@ def parse_variant(text: str) -> Variant:
         key, equals, value = setting.partition("=")
         if not equals or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise argparse.ArgumentTypeError(f"{text!r}: {setting!r} is not ENV=VALUE or library=PATH")
-        if key == "library":
-            library = library_file(value)
-        elif key in env:
+        if key in env or (key == "library" and library is not None):
             raise argparse.ArgumentTypeError(f"{text!r} sets {key} twice")
+        if key == "KVCACHE_OP_LIBRARY":
+            raise argparse.ArgumentTypeError(f"{text!r}: a variant names its build as library=PATH")
+        if key == "library":
+            library = checked_library(library_file(value))
         else:
             env[key] = value if value else None
     return Variant(name, env, library)
 
 
-@contextlib.contextmanager
-def environment(settings: dict):
-    """``settings`` in os.environ (None: unset) for the block; every name as it was before afterwards, whether
-    the block returns or raises."""
-    before = {key: os.environ.get(key) for key in settings}
+def checked_library(path: str) -> str:
+    """``path`` where it loads as a library of this binding's C API version; else an argparse error saying why."""
+    from ...capi import c_api
+
     try:
-        for key, value in settings.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        c_api.library(path)
+    except (OSError, RuntimeError, AttributeError) as error:
+        raise argparse.ArgumentTypeError(f"{path} is not a kvcache-op library this binding can use: {error}") from None
+    return path
 
 
 def measure_rounds(runners: dict, copy, variants: list, rounds: int, warmup: int, repeats: int) -> dict:
@@ -209,8 +203,11 @@ def main(argv=None) -> int:
         parser.error(f"--offsets: {args.offsets!r} is not a comma-separated list of integers")
     if any(not 0 <= x < 64 or x % 2 for x in offsets):
         parser.error(f"--offsets: each is an even number of bytes below 64 (float16 outputs), got {args.offsets}")
-    if args.json and writable_folder_problem(os.path.dirname(os.path.abspath(args.json))):
-        parser.error(f"--json: {writable_folder_problem(os.path.dirname(os.path.abspath(args.json)))}")
+    if args.json:
+        folder = os.path.dirname(os.path.abspath(args.json))
+        problem = f"{args.json} is a folder" if os.path.isdir(args.json) else writable_folder_problem(folder)
+        if problem:
+            parser.error(f"--json: {problem}")
     names = [v.name for v in args.variant]
     if len(set(names)) != len(names):
         parser.error(f"--variant: names must differ, got {', '.join(names)}")
@@ -218,11 +215,17 @@ def main(argv=None) -> int:
         cases = [Case(shape_named(name, args.quick), mode, qb, layout) for name, mode, qb, layout in args.case]
     except ValueError as error:
         parser.error(f"--case: {error}")
-    print(f"{cpu_device()}{kernel_build()}, {args.threads} thread(s), {args.rounds} rounds of "
-          f"{args.repeats} calls", flush=True)
+    # Settings that change what runs for every variant: the build loaded, BLAS threads competing for the cores.
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("KVCACHE_OP_LIBRARY", "KVCACHE_OP_CPU_KERNEL", "OPENBLAS_NUM_THREADS")
+                   if k in os.environ)
+    command = (env + " " if env else "") + "python -m kvcache_op.benchmarks.cpu.side_by_side " + " ".join(argv)
+    print(f"{cpu_device()}, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} calls", flush=True)
+    builds = {}
     for v in args.variant:
-        settings = [f"{k}={'' if x is None else x}" for k, x in v.env.items()] + ([f"library={v.library}"] * bool(v.library))
-        print(f"  {v.name}: {', '.join(settings) or 'as the environment is'}", flush=True)
+        with environment(v.env):  # the build and choices this variant runs, under its settings
+            builds[v.name] = kernel_build(v.library).lstrip(", ")
+        settings = [f"{k}={'' if x is None else x}" for k, x in v.env.items()] + [f"library={v.library}"] * bool(v.library)
+        print(f"  {v.name}: {', '.join(settings) or 'as the environment is'}: {builds[v.name]}", flush=True)
     results = []
     for case in cases:
         for offset in offsets:
@@ -230,10 +233,11 @@ def main(argv=None) -> int:
             print(case_line(case, offset, summary, names[0]), flush=True)
             results.append({"case": case.name, "output_offset": offset, "variants": summary})
     if args.json:
-        record = {"command": "python -m kvcache_op.benchmarks.cpu.side_by_side " + " ".join(argv),
-                  "device": cpu_device() + kernel_build(), "rounds": args.rounds, "repeats": args.repeats,
-                  "variants": {v.name: {"env": v.env, "library": v.library} for v in args.variant},
+        record = {"command": command, "device": cpu_device(), "rounds": args.rounds, "repeats": args.repeats,
+                  "variants": {v.name: {"env": v.env, "library": v.library, "build": builds[v.name]}
+                               for v in args.variant},
                   "results": results}
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.json}")

@@ -46,15 +46,14 @@ Figures, per case:
 """
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import shlex
 import sys
 
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
+from ..environment import environment
 
 QUANT_GROUP = 8
 SCALE_TYPE = "float16"
@@ -144,21 +143,9 @@ KERNELS = {
 ROUTE_VARIABLES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACHE_OP_CUDA_MMA_DECODE")
 
 
-@contextlib.contextmanager
 def kernel_route(kernel: str):
     """The route ``kernel`` (KERNELS) set inside, every other route variable unset; the environment restored after."""
-    before = {name: os.environ.get(name) for name in ROUTE_VARIABLES}
-    for name in ROUTE_VARIABLES:
-        os.environ.pop(name, None)
-    os.environ.update(KERNELS[kernel][1])
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment({**dict.fromkeys(ROUTE_VARIABLES), **KERNELS[kernel][1]})
 
 
 def missing_requirements() -> list:
