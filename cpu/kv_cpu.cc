@@ -492,7 +492,7 @@ struct Kernel {
     // Quantized outputs that stay cached go head by head where CachedGatherHeadRuns says so (AMD: a column of head
     // rows written at a time costs less than the 4H streams), else token by token (Intel: each line of the column
     // is read in first; kv_cpu_dispatch.cc has the figures).
-    const bool head_major = HeadMajor() && (QBits != 0 ? stream || head_runs : stream && !parallel_streams);
+    const bool head_major = HeadMajor() && (QBits != 0 ? stream || head_runs : stream && !SideBySideStreams());
     const int64_t ahead = head_major ? kAheadRows : kAheadTokens;  // rows of a head / tokens
     const std::vector<int64_t> slots = LoadSlots(row_begin, std::min(p.kv_tokens, row_end + ahead));
     const auto count = static_cast<int64_t>(slots.size());
@@ -657,12 +657,11 @@ struct Launch {
     const CallPlan& p = *args.plan;  // p.out_bytes: one output's size, checked by ValidateCall
     const StorePlan stores = LargeOutputStores();
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
-    const Kernel<T1, T3, QBits> kernel{args, *args.attrs, p, large && stores.stream, large && stores.side_by_side,
-                                       CachedGatherHeadRuns(), std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
-                                       GatherTileBytes(p.cache_rows.KeyValueTogether()), TokenStreams(),
-                                       PrefetchHeadsOfToken<QBits>(p),
-                                       KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores(),
-                                       QBits == 0 && HeadPrefetchToL2()};
+    const Kernel<T1, T3, QBits> kernel{
+        args, *args.attrs, p, large && stores.stream, large && stores.side_by_side, CachedGatherHeadRuns(),
+        std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads), GatherTileBytes(p.cache_rows.KeyValueTogether()),
+        TokenStreams(), PrefetchHeadsOfToken<QBits>(p),
+        KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores(), QBits == 0 && HeadPrefetchToL2()};
     if (CallReportWanted()) Report(kernel);
     kernel.Run(parallel_for);
   }
@@ -672,15 +671,17 @@ struct Launch {
   // each other choice as passed to the kernel (a path of the call that does not take one ignores it).
   static void Report(const Kernel<T1, T3, QBits>& k) {
     const CallPlan& p = k.p;
+    const bool gathers = k.args.out_key != nullptr;  // a stores-only call streams nothing, whatever its size
     std::fprintf(stderr,
-                 "kvcache_op KeyValueCache cpu: build=%s quant_bit=%d layout=%lld tokens=%lld kv_tokens=%lld heads=%lld "
-                 "head_dim=%lld outputs=%d out_bytes=%lld stream_outputs=%d side_by_side=%d cached_gather=%s "
-                 "streamed_heads=%lld tile_bytes=%lld token_streams=%lld prefetch_heads=%lld code_stores=%s "
-                 "head_prefetch=%s\n",
+                 "kvcache_op KeyValueCache cpu: build=%s quant_bit=%d layout=%lld tokens=%lld kv_tokens=%lld "
+                 "heads=%lld head_dim=%lld outputs=%d out_bytes=%lld stream_outputs=%d side_by_side=%d "
+                 "cached_gather=%s streamed_heads=%lld tile_bytes=%lld token_streams=%lld prefetch_heads=%lld "
+                 "code_stores=%s head_prefetch=%s\n",
                  kBuildName, QBits, static_cast<long long>(k.a.cache_layout), static_cast<long long>(p.tokens),
                  static_cast<long long>(p.kv_tokens), static_cast<long long>(p.heads),
-                 static_cast<long long>(p.head_dim), k.args.out_key != nullptr ? 1 : 0,
-                 static_cast<long long>(p.out_bytes), k.stream ? 1 : 0, k.SideBySideStreams() ? 1 : 0,
+                 static_cast<long long>(p.head_dim), gathers ? 1 : 0,
+                 static_cast<long long>(p.out_bytes), gathers && k.stream ? 1 : 0,
+                 gathers && k.SideBySideStreams() ? 1 : 0,
                  k.head_runs ? "head-runs" : "tokens", static_cast<long long>(k.streamed_heads),
                  static_cast<long long>(k.tile_bytes), static_cast<long long>(k.token_streams),
                  static_cast<long long>(k.prefetch_heads), k.stream_codes ? "stream" : "cached",

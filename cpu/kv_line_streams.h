@@ -189,8 +189,9 @@ class LineStreams {
 // and Rocket Lake cores (two on port 5), and port 5 also does the dequantization's widening, lane and float16 steps
 // (measured on an Intel Xeon of family 6 model 167, one core, side by side, 9 rounds, int8 decode into outputs 16 bytes
 // past a line: 3.7-3.8% less time in layouts 0 and 1 and with 32 heads in layout 3, layout 0 0.77x -> 0.80x a copy; the
-// same within noise on lines, where no line is cut; on an AMD EPYC of Zen 4, 11 rounds, layout 3's int8 decode took
-// 5-17% less time, the other rows level). ShiftedRow's and OffsetRow's.
+// same within noise on lines, where no line is cut; on an AMD EPYC of Zen 4, two runs of 11 rounds, int8 decode with
+// 8 heads in layout 3 took 5-15% less time, with 32 heads mixed, the other rows within noise). ShiftedRow's and
+// OffsetRow's.
 class LineCut {
  public:
   explicit LineCut(int offset)

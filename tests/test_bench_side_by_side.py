@@ -3,6 +3,7 @@ environment is left as it was, and bad command lines are refused before any work
 
 import json
 import os
+import shlex
 
 import pytest
 
@@ -93,6 +94,7 @@ def test_a_quick_run_times_every_case_offset_and_variant_and_records_them(tmp_pa
     printed = capsys.readouterr().out
     assert "decode:paged:8:3 off16:" in printed and "of l1's" in printed
     assert f"  l2: {SWITCH}=l2: " in printed and f"  l1: {SWITCH}=l1: " in printed
+    assert shlex.split(data["command"])[-2:] == ["--json", str(out)]  # its folder's name has a space: quoted
 
 
 def test_decode_in_n_heads_keeps_the_decode_steps_bytes():
@@ -116,6 +118,7 @@ def test_decode_in_n_heads_keeps_the_decode_steps_bytes():
     (["--variant", "a:library=" + __file__], "is not a kvcache-op library"),
     (["--variant", "a:KVCACHE_OP_LIBRARY=/x.so"], "names its build as library=PATH"),
     (["--json", "/"], "is a folder"),
+    (["--json", "/tmp/kvcache-op-no-such-folder/"], "is a folder"),
     (["--variant", "a", "--variant", "a"], "names must differ"),
     (["--offsets", "0,17"], "even number of bytes below 64"),
     (["--offsets", "x"], "not a comma-separated list"),

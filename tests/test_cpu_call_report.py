@@ -71,7 +71,8 @@ def test_a_call_reports_its_shape_and_the_measured_choices(kernel, quant_bit, la
     [plan] = call_reports(capfd.readouterr().err)
     assert plan == {
         "build": kernel, "quant_bit": quant_bit, "layout": layout, "tokens": int(case.inputs["seqstarts"][-1]),
-        "kv_tokens": int(case.inputs["kvstarts"][-1]), "heads": 3, "head_dim": 64, "outputs": 1, "out_bytes": got[0].nbytes,
+        "kv_tokens": int(case.inputs["kvstarts"][-1]), "heads": 3, "head_dim": 64, "outputs": 1,
+        "out_bytes": got[0].nbytes,
         "stream_outputs": 0, "side_by_side": 0, "cached_gather": c_api.cpu_cached_gather(),
         "streamed_heads": c_api.cpu_streamed_heads(quant_bit), "tile_bytes": c_api.cpu_gather_tile_bytes(layout),
         "token_streams": c_api.cpu_token_streams(), "prefetch_heads": expected_prefetch_heads(quant_bit, 3, 64),
@@ -133,3 +134,23 @@ def test_multi_head_cache_attentions_stores_report_no_outputs_and_plain_code_sto
     c_api.multi_head_cache_attention(**copies(case.inputs), **case.attributes)
     [plan] = call_reports(capfd.readouterr().err)
     assert (plan["outputs"], plan["code_stores"], plan["quant_bit"], plan["layout"]) == (0, "cached", 8, 3), plan
+
+
+def test_a_large_stores_only_call_streams_nothing_where_the_same_keyvaluecache_call_does(monkeypatch, capfd,
+                                                                                        measured_choices):
+    """Outputs of over 16 MiB are streamed; MultiHeadCacheAttention's stores of the same size write no outputs, so
+    its report says nothing streams, side by side or not."""
+    from kvcache_op.validation.mhca_cases import build_cache_attention
+
+    monkeypatch.setenv("KVCACHE_OP_CPU_VERBOSE", "1")
+    monkeypatch.setenv("KVCACHE_OP_STORES", "side-by-side")
+    seqs, cache = [Seq(20000, 1)], dict(heads=4, head_dim=128, cache_mode=1, page_size=64, t1="float16", t3="float16")
+    kv = build("report-large", seqs, **cache)
+    capfd.readouterr()
+    run_case(kv)
+    [plan] = call_reports(capfd.readouterr().err)
+    assert plan["out_bytes"] > 16 << 20 and (plan["outputs"], plan["stream_outputs"], plan["side_by_side"]) == (1, 1, 1)
+    attention = build_cache_attention("report-large", seqs, **cache)
+    c_api.multi_head_cache_attention(**copies(attention.inputs), **attention.attributes)
+    [plan] = call_reports(capfd.readouterr().err)
+    assert plan["out_bytes"] > 16 << 20 and (plan["outputs"], plan["stream_outputs"], plan["side_by_side"]) == (0, 0, 0)

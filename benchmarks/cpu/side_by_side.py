@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import re
+import shlex
 import sys
 
 import numpy as np
@@ -123,6 +124,25 @@ def checked_library(path: str) -> str:
     return path
 
 
+def writable_file_problem(path: str) -> str:
+    """Why ``path`` cannot be written as a file, or "": its folder is made where missing and the file opened for
+    appending (created empty where it was not there), so that a run never ends, its timing done, on an unwritable
+    path."""
+    if path.endswith(os.sep) or os.path.isdir(path):
+        return f"{path} is a folder"
+    folder = os.path.dirname(os.path.abspath(path))
+    problem = writable_folder_problem(folder)
+    if problem:
+        return problem
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as error:
+        return f"cannot write {path}: {error.strerror or error}"
+    return ""
+
+
 def measure_rounds(runners: dict, copy, variants: list, rounds: int, warmup: int, repeats: int) -> dict:
     """``rounds`` rounds; in each, every variant in turn (round r starts at variant r mod n) times its runner
     under its settings, then the copy: per variant name, lists over rounds of the op's and the copy's median
@@ -187,7 +207,7 @@ def main(argv=None) -> int:
     parser.add_argument("--case", type=parse_case, action="append", required=True,
                         help="SHAPE:MODE:QUANT_BIT:LAYOUT, e.g. decode:paged:8:3 (repeat for more)")
     parser.add_argument("--variant", type=parse_variant, action="append", required=True,
-                        help="NAME[:ENV=VALUE,...|library=PATH] (repeat; the first is the one the others are timed against)")
+                        help="NAME[:ENV=VALUE,...|library=PATH] (repeat; the others are timed against the first)")
     parser.add_argument("--offsets", default="0", help="comma-separated bytes past a cache line the outputs start at "
                                                          "(0: where ONNX Runtime allocates them; numpy's: 16)")
     parser.add_argument("--rounds", type=at_least(1), default=7)
@@ -204,10 +224,9 @@ def main(argv=None) -> int:
     if any(not 0 <= x < 64 or x % 2 for x in offsets):
         parser.error(f"--offsets: each is an even number of bytes below 64 (float16 outputs), got {args.offsets}")
     if args.json:
-        folder = os.path.dirname(os.path.abspath(args.json))
-        problem = f"{args.json} is a folder" if os.path.isdir(args.json) else writable_folder_problem(folder)
-        if problem:
-            parser.error(f"--json: {problem}")
+        json_problem = writable_file_problem(args.json)
+        if json_problem:
+            parser.error(f"--json: {json_problem}")
     names = [v.name for v in args.variant]
     if len(set(names)) != len(names):
         parser.error(f"--variant: names must differ, got {', '.join(names)}")
@@ -215,16 +234,17 @@ def main(argv=None) -> int:
         cases = [Case(shape_named(name, args.quick), mode, qb, layout) for name, mode, qb, layout in args.case]
     except ValueError as error:
         parser.error(f"--case: {error}")
-    # Settings that change what runs for every variant: the build loaded, BLAS threads competing for the cores.
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("KVCACHE_OP_LIBRARY", "KVCACHE_OP_CPU_KERNEL", "OPENBLAS_NUM_THREADS")
-                   if k in os.environ)
-    command = (env + " " if env else "") + "python -m kvcache_op.benchmarks.cpu.side_by_side " + " ".join(argv)
+    # Settings that change what runs for every variant: the op's switches and build, BLAS threads on the cores.
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("KVCACHE_OP_") or k == "OPENBLAS_NUM_THREADS"]
+    command = " ".join(env + ["python -m kvcache_op.benchmarks.cpu.side_by_side"] + [shlex.quote(a) for a in argv])
     print(f"{cpu_device()}, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} calls", flush=True)
     builds = {}
     for v in args.variant:
         with environment(v.env):  # the build and choices this variant runs, under its settings
             builds[v.name] = kernel_build(v.library).lstrip(", ")
-        settings = [f"{k}={'' if x is None else x}" for k, x in v.env.items()] + [f"library={v.library}"] * bool(v.library)
+        settings = [f"{k}={'' if x is None else x}" for k, x in v.env.items()]
+        settings += [f"library={v.library}"] * bool(v.library)
         print(f"  {v.name}: {', '.join(settings) or 'as the environment is'}: {builds[v.name]}", flush=True)
     results = []
     for case in cases:
@@ -237,7 +257,6 @@ def main(argv=None) -> int:
                   "variants": {v.name: {"env": v.env, "library": v.library, "build": builds[v.name]}
                                for v in args.variant},
                   "results": results}
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(record, f, indent=1)
         print(f"wrote {args.json}")
