@@ -194,8 +194,9 @@ class OnlineEngine:
         self._thread = None
         self._closed = False
         # A run of decode steps planned at once holds the lock for many steps: it ends at its next step while a
-        # caller waits for the lock (one entry each, taken back once it has it) or a request was cancelled since
-        # the engine last looked (cleared when it does). Deques: appending and popping are atomic.
+        # caller waits for the lock (one entry each, taken back once it has it; the background thread lets such
+        # callers take the lock before its next step) or a request was cancelled since the engine last looked
+        # (cleared when it does). Deques: appending and popping are atomic.
         self._knocking = collections.deque()
         self._cancelling = collections.deque()
         self._knock_cancel = functools.partial(self._cancelling.append, None)
@@ -207,13 +208,18 @@ class OnlineEngine:
 
     @contextlib.contextmanager
     def _lock_soon(self):
-        """The engine's lock, without waiting out a run of decode steps: the run ends at its next step."""
+        """The engine's lock, without waiting out a run of decode steps: the run ends at its next step, and the
+        background thread does not start another before this caller has the lock."""
         self._knocking.append(None)
+        waiting = True
         try:
             with self._lock:
+                self._knocking.pop()  # holding the lock: no run is in progress to end
+                waiting = False
                 yield
         finally:
-            self._knocking.pop()
+            if waiting:  # acquiring raised
+                self._knocking.pop()
 
     def submit(self, prompt, params: SamplingParams = None, *, salt=None) -> RequestHandle:
         """Queues ``prompt`` (token ids) for generation with ``params`` (default: greedy, ``max_tokens`` 16) and
@@ -277,6 +283,11 @@ class OnlineEngine:
     def _serve(self) -> None:
         """The background thread: one step at a time while submitted requests are pending."""
         while True:
+            # Callers waiting for the lock take it first: a lock is not fair, and this thread, which just let it
+            # go, would otherwise take it back at once, run one more step (the knock ends the run) and again, for
+            # as long as the waiting thread is not scheduled: hundreds of steps while it waited 50 ms).
+            while self._knocking:
+                time.sleep(50e-6)
             with self._lock:
                 self._drop_cancelled()
                 while not (self._online_waiting or self._online_running):

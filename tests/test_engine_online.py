@@ -179,3 +179,66 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
     monkeypatch.undo()
     assert engine.submit(PROMPTS[2], SamplingParams(max_tokens=4)).result(timeout=60)  # usable again
     engine.close(timeout=30)
+
+
+class SlowToTakeLock:
+    """The engine's lock, taken ``delay`` seconds late by one thread (``slow``): a caller the OS is slow to
+    schedule once the lock is free. Everything else is the wrapped RLock's, Condition's hooks included."""
+
+    def __init__(self, lock, delay):
+        self._inner, self.delay, self.slow = lock, delay, None
+
+    def acquire(self, *args, **kwargs):
+        if threading.current_thread() is self.slow:
+            time.sleep(self.delay)
+        return self._inner.acquire(*args, **kwargs)
+
+    def release(self):
+        self._inner.release()
+
+    __enter__ = acquire
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def __getattr__(self, name):  # _is_owned, _release_save, _acquire_restore: threading.Condition's
+        return getattr(self._inner, name)
+
+
+def test_a_caller_waiting_for_the_lock_gets_it_before_the_engine_steps_again(path):
+    """A caller knocking for the engine's lock ends a run of decode steps at its next step, and the engine starts no
+    other step until that caller holds the lock, however late the caller takes it (a lock is not fair: the engine's
+    thread, which just let it go, took it back at once, step after step, while the caller waited)."""
+    engine = Engine(path, num_pages=64, decode_steps=200)
+    engine._lock = SlowToTakeLock(engine._lock, delay=0.05)
+    engine._work = threading.Condition(engine._lock)
+    steps, step = [], engine._step
+
+    def counted_step(*args):
+        ran = step(*args)
+        steps.append(ran)
+        return ran
+
+    engine._step = counted_step
+    long = engine.submit([5, 6, 7, 8], SamplingParams(max_tokens=1000, ignore_eos=True))
+    tokens = iter(long)
+    for _ in range(3):
+        next(tokens)
+    held = {}
+
+    def knock():
+        before = len(steps)
+        with engine._lock_soon():
+            held["steps"] = len(steps) - before
+
+    knocker = threading.Thread(target=knock)
+    engine._lock.slow = knocker
+    knocker.start()
+    knocker.join(30)
+    long.cancel()
+    long.result(timeout=60)
+    engine.close(10)
+    # The run in progress when it knocked ends (one call of _step; two where a run began between the count and the
+    # knock, which ends at its next step); none begins while it waits 50 ms for the lock (without that, the engine
+    # ran some three hundred one-step runs meanwhile).
+    assert held["steps"] <= 2, held
