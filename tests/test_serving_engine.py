@@ -1,6 +1,8 @@
 """The engine serving exported decoders, checked token for token against transformers' own greedy
 generation (one request at a time), with prefix hits, evictions and preemptions actually happening."""
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -81,6 +83,19 @@ def test_quantized_caches_equal_the_model_with_the_spec_quantized_cache(settings
         assert np.abs(served - reference_logits(model, prompt, tokens[i], rounding)).max() < 0.05
         plain_gap = max(plain_gap, np.abs(served - reference_logits(model, prompt, tokens[i])).max())
     assert plain_gap > 0.05, "the quantization should be visible against the float32 model"
+
+
+def test_the_oracle_stores_its_cache_through_the_rounding_and_warns_of_nothing():
+    """The oracle hands transformers its cache under the name this transformers takes (an old name warns,
+    a wrong one would be dropped): a rounding that zeroes every stored key and value changes both the
+    generated tokens and the logits, and no FutureWarning is raised."""
+    model, prompt = hf_models.model("llama"), list(range(40, 70))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        plain = reference_generate(model, prompt, 8)
+        zeroed = reference_generate(model, prompt, 8, lambda x: x * 0)
+        gap = np.abs(reference_logits(model, prompt, plain) - reference_logits(model, prompt, plain, lambda x: x * 0))
+    assert plain != zeroed and gap.max() > 0.1
 
 
 def test_a_float16_cache_stays_within_its_bound():

@@ -48,8 +48,15 @@ class StoredKVCache(DynamicCache):
         return super().update(self.round_kv(key_states), self.round_kv(value_states), layer_idx, *args, **kwargs)
 
 
-def _cache(model, round_kv):
-    return StoredKVCache(model.config, round_kv) if round_kv is not None else DynamicCache(config=model.config)
+def _cache(model, round_kv) -> dict:
+    """The keyword argument that hands ``model`` (and its ``generate``) a fresh cache. transformers 5
+    renamed ``past_key_values`` to ``cache`` within its major version and warns on the old name, so the
+    name is the one the model's ``forward`` takes."""
+    import inspect
+
+    cache = StoredKVCache(model.config, round_kv) if round_kv is not None else DynamicCache(config=model.config)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return {name: cache}
 
 
 def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> list:
@@ -65,7 +72,7 @@ def reference_generate(model, prompt, max_new_tokens: int, round_kv=None) -> lis
     saved, model.generation_config = model.generation_config, config
     try:
         with torch.no_grad():  # an explicit mask: generate would otherwise mask every token equal to the pad id
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=_cache(model, round_kv))
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **_cache(model, round_kv))
     finally:
         model.generation_config = saved
     return out[0, len(prompt):].tolist()
@@ -76,5 +83,5 @@ def reference_logits(model, prompt, tokens, round_kv=None) -> np.ndarray:
     forward pass over the whole sequence)."""
     with torch.no_grad():
         ids = torch.tensor([list(prompt) + list(tokens)], device=model.device)
-        logits = model(ids, past_key_values=_cache(model, round_kv), use_cache=True).logits
+        logits = model(ids, **_cache(model, round_kv), use_cache=True).logits
     return logits[0, len(prompt) - 1:-1].float().cpu().numpy()
