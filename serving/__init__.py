@@ -8,10 +8,10 @@ It may import ``kvcache_op.manager``, ``kvcache_op.ort_ops``, ``kvcache_op.spec`
 from .engine import Engine
 from .sampling import SamplingParams
 from .model_info import ModelInfo
-from .online import RequestHandle
+from .online import EngineBusy, RequestHandle
 from .ort_runner import ModelRunner, default_providers
 from .step_feeds import step_feeds
 from .text import StopMatcher, TextStream
 
-__all__ = ["Engine", "ModelInfo", "RequestHandle", "SamplingParams", "ModelRunner", "StopMatcher", "TextStream",
-           "default_providers", "step_feeds"]
+__all__ = ["Engine", "EngineBusy", "ModelInfo", "RequestHandle", "SamplingParams", "ModelRunner", "StopMatcher",
+           "TextStream", "default_providers", "step_feeds"]

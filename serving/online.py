@@ -21,6 +21,15 @@ from ..manager.identity import salt_bytes
 from .sampling import SamplingParams
 
 
+class EngineBusy(RuntimeError):
+    """``submit``'s refusal of a request while ``max_waiting`` submitted requests already wait to be admitted;
+    ``waiting`` is their count."""
+
+    def __init__(self, waiting: int, max_waiting: int):
+        super().__init__(f"{waiting} requests are waiting to be admitted (the limit is {max_waiting})")
+        self.waiting = waiting
+
+
 class RequestHandle:
     """A submitted request. Iterating it yields its tokens as they are chosen (blocking); ``async for`` does
     the same without blocking an event loop; :meth:`result` waits for all of them; :meth:`cancel` stops it at
@@ -221,12 +230,14 @@ class OnlineEngine:
             if waiting:  # acquiring raised
                 self._knocking.pop()
 
-    def submit(self, prompt, params: SamplingParams = None, *, salt=None) -> RequestHandle:
+    def submit(self, prompt, params: SamplingParams = None, *, salt=None, max_waiting: int = None) -> RequestHandle:
         """Queues ``prompt`` (token ids) for generation with ``params`` (default: greedy, ``max_tokens`` 16) and
         returns its :class:`RequestHandle` at once; a background thread steps the engine while work is pending,
         batching it with whatever else runs. ``salt`` isolates the request's prefix cache. Everything is checked
-        here (``ValueError``/``TypeError``); a request that could never fit is refused before it is queued.
-        Safe from any thread."""
+        here (``ValueError``/``TypeError``); a request that could never fit is refused before it is queued. With
+        ``max_waiting``, :class:`EngineBusy` refuses it while that many submitted requests wait to be admitted,
+        counted under the lock that queues it (so concurrent callers can neither pass the limit together nor see
+        each other twice). Safe from any thread."""
         if params is None:
             params = SamplingParams()
         self._sampling(params, 1)  # its type and what this engine supports
@@ -236,6 +247,8 @@ class OnlineEngine:
         with self._lock_soon():
             if self._closed:
                 raise RuntimeError("the engine is closed")
+            if max_waiting is not None and len(self._online_waiting) >= max_waiting:
+                raise EngineBusy(len(self._online_waiting), max_waiting)
             return self._enqueue_batch([q])[0]
 
     def _enqueue_batch(self, sequences: list) -> list:

@@ -88,7 +88,8 @@ def test_a_run_writes_each_checks_rounds_through_the_side_by_side_tool(tmp_path,
     assert f"== {check.name}" in out and "ran 1 of 1 check(s)" in out
     record = json.loads((tmp_path / f"{check.name}.json").read_text())
     assert set(record["variants"]) == {"own", "l1"}
-    assert record["variants"]["own"]["env"] == {} and record["variants"]["l1"]["env"] == {"KVCACHE_OP_HEAD_PREFETCH": "l1"}
+    assert record["variants"]["own"]["env"] == {}
+    assert record["variants"]["l1"]["env"] == {"KVCACHE_OP_HEAD_PREFETCH": "l1"}
     cases = {pending.quick_case(c) for c in check.cases}
     assert {(r["case"], r["output_offset"]) for r in record["results"]} == {(c, o) for c in cases for o in (0, 16)}
     assert all(set(r["variants"]) == {"own", "l1"} for r in record["results"])

@@ -161,6 +161,44 @@ def test_submit_checks_everything_before_queueing(path, args, kwargs, error, mes
         engine.submit([1, 2])
 
 
+def test_max_waiting_refuses_a_request_while_that_many_wait_and_counts_each_once(path):
+    """Under max_waiting=2, with one request running alone: threads submitting at once queue exactly two (the
+    count is taken under the lock that queues them), the rest get EngineBusy naming two waiting, and once one
+    waiting request is cancelled a new one is queued."""
+    from kvcache_op.serving import EngineBusy
+
+    engine = Engine(path, num_pages=80, max_running=1)
+    running = engine.submit(PROMPTS[0], SamplingParams(max_tokens=900, ignore_eos=True))
+    deadline = time.monotonic() + 30
+    while engine.running_count != 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    outcomes, start = [], threading.Barrier(8)
+
+    def client(i):
+        start.wait()
+        try:
+            outcomes.append(engine.submit(PROMPTS[i % len(PROMPTS)], SamplingParams(max_tokens=2), max_waiting=2))
+        except EngineBusy as error:
+            outcomes.append(error)
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    queued = [o for o in outcomes if not isinstance(o, EngineBusy)]
+    refused = [o for o in outcomes if isinstance(o, EngineBusy)]
+    assert len(queued) == 2 and engine.queue_length == 2 and not running.done
+    assert all(e.waiting == 2 and "2 requests are waiting to be admitted (the limit is 2)" in str(e) for e in refused)
+    queued[0].cancel()
+    deadline = time.monotonic() + 30
+    while engine.queue_length != 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    queued.append(engine.submit(PROMPTS[1], SamplingParams(max_tokens=2), max_waiting=2))
+    assert engine.queue_length == 2
+    engine.close(timeout=30)
+    assert all(h.finish_reason == "cancelled" for h in [running] + queued)
+
+
 def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch):
     engine = Engine(path, num_pages=16)
     handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=4))

@@ -2,6 +2,7 @@
 dropped connection or a 500), the API key is required on /v1 routes, the limits are enforced, a full queue answers
 503, and the server keeps serving afterwards. Random JSON bodies never make it fail."""
 
+import functools
 import json
 
 import pytest
@@ -203,6 +204,60 @@ def test_a_burst_cannot_get_past_the_queue_limit(exported, served_checkpoint):
     codes = [r.status_code for r in replies]
     assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
     assert max(peaks) <= 1, f"queue grew to {max(peaks)} with max_queue=1"
+
+
+def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(exported, served_checkpoint):
+    """One request runs (max_running 1), B waits in the queue while its submit has not yet returned to the event
+    loop, and C arrives: one request waits, under max_queue=2, so C is queued too, not refused as if B were there
+    twice. Then D, with two waiting, is refused, and closing the engine ends every request."""
+    import asyncio
+    import threading
+    import time
+
+    from kvcache_op.serving import Engine
+    from kvcache_op.serving.server import ServerLimits, create_app
+    from kvcache_op.serving.tokenizer import PlainText
+
+    tokenizer = served_checkpoint[2]
+    engine = Engine(exported, tokenizer=PlainText(tokenizer), num_pages=64, max_running=1)
+    app = create_app(engine, tokenizer, model_name="tiny", limits=ServerLimits(max_queue=2))
+    slow, original = threading.Event(), engine.submit
+
+    def submit(*args, **kwargs):
+        handle = original(*args, **kwargs)
+        if slow.is_set():  # queued; the handler resumes only once this returns
+            time.sleep(0.5)
+        return handle
+    engine.submit = submit
+    body = {**GOOD, "max_tokens": 2}
+
+    async def until(condition):
+        for _ in range(2000):
+            if condition():
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("timed out")
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            post = functools.partial(client.post, "/v1/completions")
+            a = asyncio.create_task(post(json={**body, "max_tokens": 900, "ignore_eos": True}))
+            await until(lambda: engine.running_count == 1)
+            slow.set()
+            b = asyncio.create_task(post(json=body))
+            await until(lambda: engine.queue_length == 1)
+            slow.clear()
+            c = asyncio.create_task(post(json=body))
+            await until(lambda: engine.queue_length == 2 or c.done())
+            d = await post(json=body) if not c.done() else None
+            assert not b.done() and engine.running_count == 1
+            await asyncio.to_thread(engine.close, 10.0)
+            return await asyncio.gather(a, b, c), d
+    (a, b, c), d = asyncio.run(scenario())
+    assert c.status_code == 200, c.text
+    assert _error(d, 503)["message"] == "the server is busy (2 requests waiting): retry later"
+    assert [r.json()["choices"][0]["finish_reason"] for r in (a, b, c)] == ["abort"] * 3
 
 
 def test_logprobs_of_filtered_tokens_are_finite_json(fuzz_client):

@@ -225,6 +225,7 @@ def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
             t.join(60)
     # uvicorn cancels the handlers still running at its graceful timeout, and says so.
     assert "graceful shutdown exceeded" not in server.output, server.output[-2000:]
+    assert server.process.returncode == 0 and "stopped by SIGTERM after" in server.output, server.output[-2000:]
     assert tail[-1] == "data: [DONE]", tail[-3:]
     reasons = [json.loads(tail[-2][6:])["choices"][0]["finish_reason"]]
     for kind, status, result in outcomes:
@@ -240,6 +241,29 @@ def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
         else:
             reasons.append(json.loads(result)["choices"][0]["finish_reason"])
     assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+
+
+def test_ctrl_c_stops_the_server_quietly_with_its_last_line(exported):
+    """SIGINT (Ctrl-C) with a request running: the reply ends "abort", and the command ends as it does at
+    --stop-after: its last line, exit status 0, no traceback (uvicorn raises the signal again once it is down)."""
+    import signal
+
+    import httpx
+    from kvcache_op.serve_command import ServerProcess
+
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    with ServerProcess(exported, "--num-pages", 64, "--model-name", "tiny", "--max-tokens-limit", 1000,
+                       lifetime=120) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.process.send_signal(signal.SIGINT)
+            tail = [line for line in lines if line.startswith("data: ")]
+        code = server.wait(30)
+    assert tail[-1] == "data: [DONE]" and json.loads(tail[-2][6:])["choices"][0]["finish_reason"] == "abort"
+    assert code == 0 and "Traceback" not in server.output, server.output[-2000:]
+    assert server.output.splitlines()[-1].startswith("stopped by SIGINT after "), server.output[-500:]
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..online import EngineBusy
 from ..tokenizer import PlainText, chat_prompt_ids, text_prompt_ids
 from .errors import APIError, bad_request
 from .generation import Generation
@@ -100,7 +101,6 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
     max_prompt = min(limits.max_prompt_tokens or context, context)
     metrics = ServerMetrics(engine)
     expected = api_key.encode() if api_key else None
-    admitting = [0]  # requests between the queue check and their submit (the event loop's own count: no race)
     page_room = engine.num_pages * engine.info.page_size  # positions the pool holds (no window or StreamingLLM)
     bounded_by_pages = engine.manager.sliding_window is None and engine.manager.streaming is None
 
@@ -167,24 +167,26 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
                               field, "context_length_exceeded")
         return requested
 
+    def busy(waiting: int) -> APIError:
+        return APIError(503, f"the server is busy ({waiting} requests waiting): retry later", type="server_overloaded",
+                        headers={"Retry-After": "1"})
+
     async def start(req, prompt_ids: list, max_tokens, default_max, logprobs,
                     max_tokens_field: str = "max_tokens") -> Generation:
-        if engine.queue_length + admitting[0] >= limits.max_queue:
-            raise APIError(503, f"the server is busy ({engine.queue_length + admitting[0]} requests waiting): retry "
-                           f"later", type="server_overloaded", headers={"Retry-After": "1"})
+        if engine.queue_length >= limits.max_queue:  # early, before any work; submit holds the limit exactly
+            raise busy(engine.queue_length)
         vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max, max_tokens_field), logprobs)
-        admitting[0] += 1
         try:  # the engine checks the prompt and the salt; what it refuses is the client's error
-            return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt)
+            return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt, limits.max_queue)
         except (TypeError, ValueError) as error:
             raise bad_request(str(error)) from None
+        except EngineBusy as error:
+            raise busy(error.waiting) from None
         except RuntimeError as error:  # the engine is closed: shutting down
             raise APIError(503, str(error), type="server_overloaded") from None
-        finally:
-            admitting[0] -= 1
 
     async def respond(request: Request, req, generation: Generation, chat: bool):
         reply = Reply(generation, model_name, chat)

@@ -35,9 +35,10 @@ class Generation:
         self.completion_tokens = 0
 
     @classmethod
-    async def start(cls, engine, tokenizer, prompt_ids: list, params, salt) -> "Generation":
-        """Submits the request (``ValueError``/``TypeError`` from the engine's checks propagate)."""
-        handle = await asyncio.to_thread(engine.submit, prompt_ids, params, salt=salt)
+    async def start(cls, engine, tokenizer, prompt_ids: list, params, salt, max_waiting: int = None) -> "Generation":
+        """Submits the request (``ValueError``/``TypeError`` from the engine's checks and ``EngineBusy`` where
+        ``max_waiting`` requests wait already propagate)."""
+        handle = await asyncio.to_thread(engine.submit, prompt_ids, params, salt=salt, max_waiting=max_waiting)
         return cls(engine, tokenizer, prompt_ids, params, handle)
 
     async def pieces(self):

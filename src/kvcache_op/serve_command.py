@@ -104,9 +104,10 @@ def serve(args) -> int:
     began = time.perf_counter()
     if args.replicas:
         _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
+        stop_signal = None
     else:
-        _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options)
-    print(f"stopped after {time.perf_counter() - began:.1f} s", flush=True)
+        stop_signal = _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options)
+    print(f"stopped {f'by {stop_signal} ' if stop_signal else ''}after {time.perf_counter() - began:.1f} s", flush=True)
     return 0
 
 
@@ -120,10 +121,23 @@ def _draining_server(uvicorn, engine):
     """uvicorn's Server class, made to end the engine's requests first when it shuts down (a signal, or
     ``--stop-after``): their replies then finish with finish_reason "abort" (a stream with its last chunk and
     ``[DONE]``) while uvicorn waits for them, instead of uvicorn cancelling their handlers at its graceful timeout
-    (a plain-text 500, streams cut mid-body)."""
+    (a plain-text 500, streams cut mid-body). ``stop_signal``: the name of the signal that stopped it, if one did."""
     import asyncio
+    import signal
 
     class DrainingServer(uvicorn.Server):
+        stop_signal = None
+
+        def handle_exit(self, sig, frame):
+            # uvicorn's own handler has the signal raised again once the server is down, which turns a Ctrl-C into
+            # a KeyboardInterrupt traceback and a TERM into death by that signal; here the drained shutdown is the
+            # command's normal end, and the signal is named in its last line.
+            self.stop_signal = signal.Signals(sig).name
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True  # a second Ctrl-C: stop waiting for the replies
+            else:
+                self.should_exit = True
+
         async def shutdown(self, sockets=None):
             await asyncio.to_thread(engine.close, 10.0)
             await super().shutdown(sockets=sockets)
@@ -131,8 +145,8 @@ def _draining_server(uvicorn, engine):
     return DrainingServer
 
 
-def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
-    """One engine in this process, under uvicorn."""
+def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> str:
+    """One engine in this process, under uvicorn, until a signal or ``--stop-after``: the signal's name, or None."""
     import uvicorn
 
     from .serving import Engine
@@ -154,6 +168,7 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
           f"{'with' if api_key else 'without'} an API key", flush=True)
     _announce_when_started(server, f"listening on {_url(host, port)}")
     server.run(sockets=[sock])
+    return server.stop_signal
 
 
 def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
