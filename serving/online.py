@@ -26,8 +26,11 @@ class EngineBusy(RuntimeError):
     ``waiting`` is their count."""
 
     def __init__(self, waiting: int, max_waiting: int):
-        super().__init__(f"{waiting} requests are waiting to be admitted (the limit is {max_waiting})")
-        self.waiting = waiting
+        super().__init__(waiting, max_waiting)  # the arguments: it pickles, as an error crossing processes must
+        self.waiting, self.max_waiting = waiting, max_waiting
+
+    def __str__(self) -> str:
+        return f"{self.waiting} requests are waiting to be admitted (the limit is {self.max_waiting})"
 
 
 class RequestHandle:
@@ -240,6 +243,8 @@ class OnlineEngine:
         each other twice). Safe from any thread."""
         if params is None:
             params = SamplingParams()
+        if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
+            raise ValueError(f"max_waiting must be None or an int >= 0, got {max_waiting!r}")
         self._sampling(params, 1)  # its type and what this engine supports
         salt_bytes(salt)
         q = self._new_sequence(None, self._token_ids(prompt, "submitted"), params.max_tokens, salt, 0, params)

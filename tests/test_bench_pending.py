@@ -21,8 +21,9 @@ def cpuinfo(vendor: str, family: int, model: int) -> str:
     ("GenuineIntel", 6, 207, "intel-xeon-207"), ("GenuineIntel", 6, 167, "intel-xeon-167"),
     ("GenuineIntel", 6, 143, "intel-xeon-143"), ("AuthenticAMD", 25, 17, "amd-epyc-zen4"),
     ("AuthenticAMD", 25, 0xA0, "amd-epyc-zen4"), ("AuthenticAMD", 25, 1, "amd-epyc-zen3"),
-    ("AuthenticAMD", 25, 0x21, "amd-epyc-zen3"), ("AuthenticAMD", 26, 2, "amd-epyc"),
-    ("AuthenticAMD", 23, 49, ""), ("GenuineIntel", 15, 6, ""), ("HygonGenuine", 24, 1, ""),
+    ("AuthenticAMD", 25, 0x21, "amd-epyc-zen3"), ("AuthenticAMD", 25, 0x90, "amd-epyc-zen4"),
+    ("AuthenticAMD", 25, 0xB0, ""), ("AuthenticAMD", 26, 2, "amd-epyc"), ("AuthenticAMD", 26, 0x44, "amd-epyc"),
+    ("AuthenticAMD", 26, 0x50, ""), ("AuthenticAMD", 26, 0xC0, ""), ("AuthenticAMD", 23, 49, ""), ("GenuineIntel", 15, 6, ""), ("HygonGenuine", 24, 1, ""),
 ])
 def test_a_processors_kind_is_named_as_its_benchmark_folder_is(vendor, family, model, kind):
     assert pending.cpu_kind(cpuinfo(vendor, family, model)) == kind
@@ -38,10 +39,11 @@ def owed(kind: str) -> set:
 
 
 def test_each_kind_owes_what_its_readme_says_is_unmeasured_there():
-    intel = {"head-prefetch-l2", "token-streams", "token-prefetch", "streamed-heads", "code-stores", "gather-tiles"}
+    intel = {"head-prefetch-l2", "token-streams", "token-prefetch", "streamed-heads-int8", "streamed-heads-float16",
+             "code-stores", "gather-tiles"}
     assert owed("intel-xeon-207") == intel
     assert owed("intel-xeon-143") == intel  # a kind never measured owes every Intel check
-    assert owed("intel-xeon-167") == {"head-prefetch-l2", "gather-tiles"}  # measured the rest
+    assert owed("intel-xeon-167") == {"head-prefetch-l2"}  # measured the rest
     assert owed("amd-epyc") == owed("amd-epyc-zen3") == {"head-prefetch-l1"}
     assert owed("amd-epyc-zen4") == set() and owed("") == set()
 
@@ -53,8 +55,11 @@ def check_vendor(check) -> str:
 @pytest.mark.parametrize("check", pending.CHECKS, ids=lambda c: c.name)
 def test_every_variant_after_the_first_changes_the_kernels_own_choice_on_the_kind_that_owes_it(check, monkeypatch):
     """The first variant sets nothing (the kernel's own choice); under every other variant's settings the kernel
-    reports another choice than its own for that vendor's processors, so no check times a choice against itself
-    (a misspelt switch, or a default since moved to the measured setting, would)."""
+    reports other choices than its own for that vendor's processors (a misspelt switch, or a default since moved
+    to the measured setting, would report the same). The reports are the choices passed to the kernel: that a
+    check's cases take the path the choice steers is the check's own description, not tested here."""
+    if c_api.cpu_kernel() not in check.builds:
+        pytest.skip(f"{check.name} times the {'/'.join(check.builds)} build; the {c_api.cpu_kernel()} build is loaded")
     for name in pending.CHOICE_SWITCHES:
         monkeypatch.delenv(name, raising=False)
     variants = [side_by_side.parse_variant(v) for v in check.variants]
@@ -114,8 +119,8 @@ def test_a_kind_that_owes_nothing_says_so_and_times_nothing(tmp_path, monkeypatc
 def test_the_list_names_what_a_kind_owes(capsys):
     assert pending.main(["--list", "--kind", "intel-xeon-167"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith(" ")]
-    assert len(lines) == len(pending.CHECKS)
-    assert sum(" (owed by intel-xeon-167;" in line for line in lines) == 2
+    assert len(lines) == len(pending.CHECKS) + 1 and lines[-1].startswith("not timed by these checks")
+    assert sum(" (owed by intel-xeon-167;" in line for line in lines) == 1
 
 
 @pytest.mark.parametrize("argv, env, message", [

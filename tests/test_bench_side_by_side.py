@@ -104,6 +104,14 @@ def test_decode_in_n_heads_keeps_the_decode_steps_bytes():
         side_by_side.shape_named("decode-7h")
 
 
+def test_the_chunk_in_n_heads_keeps_its_batch_and_tokens():
+    shape = side_by_side.shape_named("chunk-32h")
+    assert (shape.batch, shape.heads, shape.head_dim, shape.seqlen, shape.start_pos) == (4, 32, 128, 256, 768)
+    for bad in ("chunk-0h", "chunk-65h"):
+        with pytest.raises(ValueError, match="chunk-<N>h with N from 1 to 64"):
+            side_by_side.shape_named(bad)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--case", "decode:paged:8"], "is not SHAPE:MODE:QUANT_BIT:LAYOUT"),
     (["--case", "decode:ring:8:0"], "the mode is paged or offset"),

@@ -4,6 +4,7 @@ page back when all are done); the asyncio face; arguments refused before queuein
 requests; a failing step fails its requests without losing pages."""
 
 import asyncio
+import pickle
 import random
 import threading
 import time
@@ -150,6 +151,8 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     (([1, 2], SamplingParams(stop=("x",))), {}, ValueError, "stop strings need a tokenizer"),
     (([1, 2],), {"salt": 3.5}, TypeError, "salt"),
     (([1] * 200, SamplingParams(max_tokens=100)), {}, ValueError, "more than num_pages=4"),
+    (([1, 2],), {"max_waiting": -1}, ValueError, "max_waiting must be None or an int >= 0"),
+    (([1, 2],), {"max_waiting": True}, ValueError, "max_waiting must be None or an int >= 0"),
 ])
 def test_submit_checks_everything_before_queueing(path, args, kwargs, error, message):
     engine = Engine(path, num_pages=4)
@@ -168,7 +171,14 @@ def test_max_waiting_refuses_a_request_while_that_many_wait_and_counts_each_once
     from kvcache_op.serving import EngineBusy
 
     engine = Engine(path, num_pages=80, max_running=1)
-    running = engine.submit(PROMPTS[0], SamplingParams(max_tokens=900, ignore_eos=True))
+    run = engine.runner.run
+
+    def paced(feeds, *changed):  # 900 steps take 4.5 s at least: the request runs through the test however fast
+        time.sleep(0.005)
+        return run(feeds, *changed)
+    engine.runner.run = paced
+    # Sampled, so that every step goes through runner.run (a greedy run may lead a prompt through its own graph).
+    running = engine.submit(PROMPTS[0], SamplingParams(max_tokens=900, ignore_eos=True, temperature=1.0, seed=1))
     deadline = time.monotonic() + 30
     while engine.running_count != 1 and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -189,6 +199,8 @@ def test_max_waiting_refuses_a_request_while_that_many_wait_and_counts_each_once
     refused = [o for o in outcomes if isinstance(o, EngineBusy)]
     assert len(queued) == 2 and engine.queue_length == 2 and not running.done
     assert all(e.waiting == 2 and "2 requests are waiting to be admitted (the limit is 2)" in str(e) for e in refused)
+    copy = pickle.loads(pickle.dumps(refused[0]))  # an error that crosses processes (Ray replicas) keeps its fields
+    assert (copy.waiting, copy.max_waiting, str(copy)) == (2, 2, str(refused[0]))
     queued[0].cancel()
     deadline = time.monotonic() + 30
     while engine.queue_length != 1 and time.monotonic() < deadline:

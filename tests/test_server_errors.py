@@ -211,7 +211,6 @@ def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(expor
     loop, and C arrives: one request waits, under max_queue=2, so C is queued too, not refused as if B were there
     twice. Then D, with two waiting, is refused, and closing the engine ends every request."""
     import asyncio
-    import threading
     import time
 
     from kvcache_op.serving import Engine
@@ -221,11 +220,11 @@ def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(expor
     tokenizer = served_checkpoint[2]
     engine = Engine(exported, tokenizer=PlainText(tokenizer), num_pages=64, max_running=1)
     app = create_app(engine, tokenizer, model_name="tiny", limits=ServerLimits(max_queue=2))
-    slow, original = threading.Event(), engine.submit
+    original, b_prompt = engine.submit, [7, 8, 9]
 
-    def submit(*args, **kwargs):
-        handle = original(*args, **kwargs)
-        if slow.is_set():  # queued; the handler resumes only once this returns
+    def submit(prompt, *args, **kwargs):
+        handle = original(prompt, *args, **kwargs)
+        if list(prompt) == b_prompt:  # B queued; its handler resumes only once this returns
             time.sleep(0.5)
         return handle
     engine.submit = submit
@@ -244,10 +243,8 @@ def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(expor
             post = functools.partial(client.post, "/v1/completions")
             a = asyncio.create_task(post(json={**body, "max_tokens": 900, "ignore_eos": True}))
             await until(lambda: engine.running_count == 1)
-            slow.set()
-            b = asyncio.create_task(post(json=body))
+            b = asyncio.create_task(post(json={**body, "prompt": b_prompt}))
             await until(lambda: engine.queue_length == 1)
-            slow.clear()
             c = asyncio.create_task(post(json=body))
             await until(lambda: engine.queue_length == 2 or c.done())
             d = await post(json=body) if not c.done() else None
@@ -258,6 +255,23 @@ def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(expor
     assert c.status_code == 200, c.text
     assert _error(d, 503)["message"] == "the server is busy (2 requests waiting): retry later"
     assert [r.json()["choices"][0]["finish_reason"] for r in (a, b, c)] == ["abort"] * 3
+
+
+def test_a_refusal_from_the_engines_own_count_is_a_503_with_retry_after(exported, served_checkpoint, monkeypatch):
+    """The queue looked short when the request arrived, but the engine, counting under its lock, refuses it: the
+    same 503 as the early check's, with Retry-After and the engine's count."""
+    from fastapi.testclient import TestClient
+    from kvcache_op.serving import Engine, EngineBusy
+
+    def busy(self, prompt, params=None, *, salt=None, max_waiting=None):
+        assert max_waiting == 5
+        raise EngineBusy(7, max_waiting)
+    monkeypatch.setattr(Engine, "submit", busy)
+    with TestClient(_app(exported, served_checkpoint[2], max_queue=5)) as client:
+        reply = client.post("/v1/completions", json=GOOD)
+        error = _error(reply, 503)
+    assert error["type"] == "server_overloaded" and reply.headers["retry-after"] == "1"
+    assert error["message"] == "the server is busy (7 requests waiting): retry later"
 
 
 def test_logprobs_of_filtered_tokens_are_finite_json(fuzz_client):

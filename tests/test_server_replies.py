@@ -244,24 +244,37 @@ def test_a_shutdown_ends_requests_in_flight_as_aborted_replies(exported):
 
 
 def test_ctrl_c_stops_the_server_quietly_with_its_last_line(exported):
-    """SIGINT (Ctrl-C) with a request running: the reply ends "abort", and the command ends as it does at
-    --stop-after: its last line, exit status 0, no traceback (uvicorn raises the signal again once it is down)."""
+    """SIGINT (Ctrl-C) with one request running and two queued behind it (--max-running 1, 900 tokens each): the
+    queued ones at least end "abort", and the command ends as it does at --stop-after: its last line, exit status
+    0, no traceback (uvicorn raises the signal again once it is down)."""
     import signal
+    import threading
 
     import httpx
     from kvcache_op.serve_command import ServerProcess
 
-    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    replies = []
+
+    def plain(url):
+        replies.append(httpx.post(url + "/v1/completions", json=body, timeout=60))
     with ServerProcess(exported, "--num-pages", 64, "--model-name", "tiny", "--max-tokens-limit", 1000,
-                       lifetime=120) as server:
-        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+                       "--max-running", 1, lifetime=120) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=60) as reply:
             lines = reply.iter_lines()
-            next(line for line in lines if line.startswith("data: {"))
+            next(line for line in lines if line.startswith("data: {"))  # running: the next two queue behind it
+            threads = [threading.Thread(target=plain, args=(server.url,)) for _ in range(2)]
+            for t in threads:
+                t.start()
+            _wait_until_held(server.url, 3)
             server.process.send_signal(signal.SIGINT)
             tail = [line for line in lines if line.startswith("data: ")]
         code = server.wait(30)
-    assert tail[-1] == "data: [DONE]" and json.loads(tail[-2][6:])["choices"][0]["finish_reason"] == "abort"
+        for t in threads:
+            t.join(60)
+    assert tail[-1] == "data: [DONE]" and json.loads(tail[-2][6:])["choices"][0]["finish_reason"] in ("abort", "length")
+    assert [r.status_code for r in replies] == [200, 200], [r.text for r in replies]
+    assert "abort" in [r.json()["choices"][0]["finish_reason"] for r in replies]
     assert code == 0 and "Traceback" not in server.output, server.output[-2000:]
     assert server.output.splitlines()[-1].startswith("stopped by SIGINT after "), server.output[-500:]
 

@@ -7,7 +7,8 @@ variant alike. This is how a kernel choice is measured before it is kept.
         --variant l1:KVCACHE_OP_HEAD_PREFETCH=l1 --variant l2:KVCACHE_OP_HEAD_PREFETCH=l2 --offsets 0,16 --rounds 9
 
 A case is SHAPE:MODE:QUANT_BIT:LAYOUT: SHAPE one of the CPU benchmark's (decode, prefill, chunk, decode-32h,
-decode-p16) or decode-<N>h (the decode step's bytes as N heads of 128), MODE paged or offset, QUANT_BIT 0 or 8.
+decode-p16), decode-<N>h (the decode step's bytes as N heads of 128) or chunk-<N>h (the chunk with N heads of
+128), MODE paged or offset, QUANT_BIT 0 or 8.
 A variant is NAME[:SETTING,...]; a setting is ENV=VALUE (set while the variant runs; ENV= with no value unsets it)
 or library=PATH (the variant runs that build, in its own session on the same inputs; KVCACHE_OP_LIBRARY is read
 when a session is made, so a variant names its build this way, not by that variable). Each round runs the variants
@@ -61,8 +62,9 @@ class Variant:
 
 
 def shape_named(name: str, quick: bool = False) -> Shape:
-    """The benchmark shape called ``name`` (``quick``: the tiny ones), or decode-<N>h: 512 head rows a token
-    (the decode step's) as N heads of 128, N dividing 512. Raises ValueError naming the choices."""
+    """The benchmark shape called ``name`` (``quick``: the tiny ones), decode-<N>h: 512 head rows a token (the
+    decode step's) as N heads of 128, N dividing 512, or chunk-<N>h: the chunk (4 x 256 tokens after 768) with N
+    heads of 128, N from 1 to 64. Raises ValueError naming the choices."""
     shapes = QUICK_SHAPES if quick else SHAPES
     for shape in shapes:
         if shape.name == name:
@@ -71,7 +73,11 @@ def shape_named(name: str, quick: bool = False) -> Shape:
     if heads and not quick and int(heads.group(1)) > 0 and 512 % int(heads.group(1)) == 0:
         n = int(heads.group(1))
         return Shape(name, 512 // n, 1, 1023, heads=n)
-    known = ", ".join(s.name for s in shapes) + ("" if quick else ", decode-<N>h with N dividing 512")
+    heads = re.fullmatch(r"chunk-(\d+)h", name)
+    if heads and not quick and 1 <= int(heads.group(1)) <= 64:
+        return Shape(name, 4, 256, 768, heads=int(heads.group(1)))
+    known = ", ".join(s.name for s in shapes) + ("" if quick else ", decode-<N>h with N dividing 512, chunk-<N>h "
+                                                                  "with N from 1 to 64")
     raise ValueError(f"no shape {name!r}{' among the --quick ones' if quick else ''} (shapes: {known})")
 
 

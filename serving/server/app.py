@@ -173,8 +173,9 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
 
     async def start(req, prompt_ids: list, max_tokens, default_max, logprobs,
                     max_tokens_field: str = "max_tokens") -> Generation:
-        if engine.queue_length >= limits.max_queue:  # early, before any work; submit holds the limit exactly
-            raise busy(engine.queue_length)
+        waiting = engine.queue_length
+        if waiting >= limits.max_queue:  # early, before any work; submit holds the limit exactly
+            raise busy(waiting)
         vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
