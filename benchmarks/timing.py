@@ -27,12 +27,9 @@ def ort_version() -> str:
     return onnxruntime.__version__
 
 
-def cpu_model(cpuinfo: str = None) -> str:
-    """The processor's model name (``/proc/cpuinfo``'s "model name", with "AVX-512" when its flags have
-    avx512f); the machine type where that is unknown. A name without a model number (a hypervisor may show only
-    "AMD EPYC") gets the CPU family and model, which tell its generations apart (family 25 is Zen 3/4, 26 Zen 5).
-    Results of different CPU kinds differ (store kinds, prefetchers, vector width), so every table names the one
-    it was measured on."""
+def cpuinfo_fields(cpuinfo: str = None) -> dict:
+    """``/proc/cpuinfo``'s fields of its first processor (``cpuinfo``: that file's text), name -> value; empty
+    where the file cannot be read."""
     if cpuinfo is None:
         try:
             with open("/proc/cpuinfo") as f:
@@ -43,6 +40,16 @@ def cpu_model(cpuinfo: str = None) -> str:
     for line in cpuinfo.splitlines():
         key, _, value = line.partition(":")
         fields.setdefault(key.strip(), value.strip())
+    return fields
+
+
+def cpu_model(cpuinfo: str = None) -> str:
+    """The processor's model name (``/proc/cpuinfo``'s "model name", with "AVX-512" when its flags have
+    avx512f); the machine type where that is unknown. A name without a model number (a hypervisor may show only
+    "AMD EPYC") gets the CPU family and model, which tell its generations apart (family 25 is Zen 3/4, 26 Zen 5).
+    Results of different CPU kinds differ (store kinds, prefetchers, vector width), so every table names the one
+    it was measured on."""
+    fields = cpuinfo_fields(cpuinfo)
     name = fields.get("model name") or platform.processor() or platform.machine()
     if not any(c.isdigit() for c in name) and fields.get("cpu family") and fields.get("model"):
         name += f" (family {fields['cpu family']}, model {fields['model']})"

@@ -67,12 +67,10 @@ def check_attention_attributes(a: AttentionAttributes) -> None:
         fail(f"num_kv_heads must be 0 (= num_heads) or divide num_heads = {a.num_heads}, got {a.num_kv_heads}")
     if a.sliding_window < 0:
         fail(f"sliding_window must be >= 0 (0: no window), got {a.sliding_window}")
-    with np.errstate(over="ignore"):  # the attribute is a float32 in ONNX: judged after that rounding (to inf)
-        scale = np.float32(a.softmax_scale)
+    with np.errstate(over="ignore"):  # float32 attributes in ONNX: judged after that rounding (to inf too)
+        scale, cap = np.float32(a.softmax_scale), np.float32(a.softcap)
     if not (np.isfinite(scale) and scale >= 0):
         fail(f"softmax_scale must be finite and >= 0 (0: 1/sqrt(head_dim)), got {float(scale):g}")
-    with np.errstate(over="ignore"):
-        cap = np.float32(a.softcap)  # a float32 attribute too
     if not (np.isfinite(cap) and cap >= 0):
         fail(f"softcap must be finite and >= 0 (0: off), got {float(cap):g}")
 

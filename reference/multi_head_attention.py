@@ -61,21 +61,19 @@ def attention_rows(q, k, v, scale, biases, visible, softcap=0.0):
     Rows with no visible key, or whose visible scores are all -inf, are zeros; a NaN score keeps its row
     live (NaN propagates). Keys outside ``visible`` (the causal and window ranges) never enter the sums, so
     a non-finite value there cannot reach the row; a key hidden by a -inf mask entry enters with weight 0."""
-    # IEEE float32 arithmetic defines the result: an overflow to inf, or inf - inf, is a value the spec settles
-    # (the rules above), not a fault to warn of.
+    # IEEE float32 arithmetic defines the result: an overflow to inf, inf - inf, or 0 * inf under a hidden key
+    # (computed, then never taken) is a value the spec settles (the rules above), not a fault to warn of.
     with np.errstate(over="ignore", invalid="ignore"):
         scores = capped(np.float32(scale) * (q @ k.T), softcap)  # float32 products and sums
         for bias in biases:
             scores = scores + bias
-    scores = np.where(visible, scores, np.float32(-np.inf))
-    out = np.zeros((q.shape[0], v.shape[1]), np.float32)
-    row_max = scores.max(axis=1, initial=np.float32(-np.inf))
-    live = ~np.isneginf(row_max)  # a NaN maximum is live: NaN propagates
-    with np.errstate(over="ignore", invalid="ignore"):
+        scores = np.where(visible, scores, np.float32(-np.inf))
+        out = np.zeros((q.shape[0], v.shape[1]), np.float32)
+        row_max = scores.max(axis=1, initial=np.float32(-np.inf))
+        live = ~np.isneginf(row_max)  # a NaN maximum is live: NaN propagates
         weights = np.exp(scores[live] - row_max[live][:, None])  # exp(-inf) = 0; inf - inf a NaN row
-    with np.errstate(invalid="ignore"):  # 0 * inf under a hidden key is computed, then never taken
         terms = np.where(visible[live][:, :, None], weights[:, :, None] * v[None, :, :], np.float32(0))
-    out[live] = terms.sum(axis=1, dtype=np.float32) / weights.sum(axis=1, dtype=np.float32)[:, None]
+        out[live] = terms.sum(axis=1, dtype=np.float32) / weights.sum(axis=1, dtype=np.float32)[:, None]
     return out
 
 

@@ -9,9 +9,9 @@ folder:
     python -m kvcache_op.benchmarks.cpu.pending --check head-prefetch-l2 --out /tmp/pending   # one, owed or not
 
 A kind is named as its folder is: intel-xeon-<model> for an Intel processor of family 6, amd-epyc-zen3,
-amd-epyc-zen4 or amd-epyc (Zen 5) for AMD's (other AMD models, Zen 6 among them, are no kind yet). --list also names
-what a kind's run owes that no check can time (other builds, the standard benchmark, the traffic programs). A check owed by a kind is timed on that kind
-only, with no KVCACHE_OP_ choice switch set in the shell. Once a check's figures are in the kind's README (and
+amd-epyc-zen4 or amd-epyc (Zen 5) for AMD's (other AMD models, Zen 6 among them, are no kind yet). --list also
+names what a kind's run owes that no check can time (other builds, the standard benchmark, the traffic programs).
+A check owed by a kind is timed on that kind only, with no KVCACHE_OP_ choice switch set in the shell. Once a check's figures are in the kind's README (and
 the kernel's choice is kept or changed by them), the kind goes into the check's ``measured_on``.
 """
 
@@ -23,7 +23,7 @@ import sys
 
 from ...arguments import OneLineParser, at_least, out_folder
 from ..kv_shapes import QUICK_SHAPES
-from ..timing import cpu_device
+from ..timing import cpu_device, cpuinfo_fields
 from . import side_by_side
 
 #: The switches of the CPU kernels' choices (read at each call, but the build's at load): none may be set in the
@@ -120,16 +120,7 @@ NOT_COVERED = (
 def cpu_kind(cpuinfo: str = None) -> str:
     """This processor's kind as its benchmark folder names it (see the module's docstring), from
     ``/proc/cpuinfo``'s first processor; "" where it is none of those (another vendor, family or machine)."""
-    if cpuinfo is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                cpuinfo = f.read()
-        except OSError:
-            return ""
-    fields = {}
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        fields.setdefault(key.strip(), value.strip())
+    fields = cpuinfo_fields(cpuinfo)
     try:
         family, model = int(fields.get("cpu family", "")), int(fields.get("model", ""))
     except ValueError:
