@@ -12,6 +12,13 @@ from kvcache_op.benchmarks.timing import kernel_build
 from kvcache_op.capi import c_api
 
 
+@pytest.fixture(autouse=True)
+def no_choice_switches(monkeypatch):
+    """Every test starts with no choice switch set, as the checks' runs must."""
+    for name in pending.CHOICE_SWITCHES:
+        monkeypatch.delenv(name, raising=False)
+
+
 def cpuinfo(vendor: str, family: int, model: int) -> str:
     return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
             "model name\t: Some Processor\n\nprocessor\t: 1\nvendor_id\t: Other\n")
@@ -60,8 +67,6 @@ def test_every_variant_after_the_first_changes_the_kernels_own_choice_on_the_kin
     check's cases take the path the choice steers is the check's own description, not tested here."""
     if c_api.cpu_kernel() not in check.builds:
         pytest.skip(f"{check.name} times the {'/'.join(check.builds)} build; the {c_api.cpu_kernel()} build is loaded")
-    for name in pending.CHOICE_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
     variants = [side_by_side.parse_variant(v) for v in check.variants]
     assert variants[0].env == {} and variants[0].library is None
     monkeypatch.setenv("KVCACHE_OP_CPU_VENDOR", check_vendor(check))
@@ -84,9 +89,7 @@ def test_every_checks_cases_are_cases_the_side_by_side_tool_takes(check):
     assert set(check.builds) <= {"avx512", "avx2", "generic"} and check.owed_by
 
 
-def test_a_run_writes_each_checks_rounds_through_the_side_by_side_tool(tmp_path, monkeypatch, capsys):
-    for name in pending.CHOICE_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
+def test_a_run_writes_each_checks_rounds_through_the_side_by_side_tool(tmp_path, capsys):
     check = next(c for c in pending.CHECKS if c.name == "head-prefetch-l1")
     assert pending.main(["--check", check.name, "--out", str(tmp_path), "--quick"]) == 0
     out = capsys.readouterr().out
@@ -101,8 +104,6 @@ def test_a_run_writes_each_checks_rounds_through_the_side_by_side_tool(tmp_path,
 
 
 def test_a_check_for_another_build_is_passed_over_in_words(tmp_path, monkeypatch, capsys):
-    for name in pending.CHOICE_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(c_api, "cpu_kernel", lambda *a, **k: "generic")
     assert pending.main(["--check", "token-streams", "--out", str(tmp_path), "--quick"]) == 0
     out = capsys.readouterr().out
@@ -133,8 +134,6 @@ def test_the_list_names_what_a_kind_owes(capsys):
 ])
 def test_bad_command_lines_are_refused_in_one_line_before_any_work(argv, env, message, tmp_path, monkeypatch,
                                                                     capsys):
-    for name in pending.CHOICE_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit) as exit_:
