@@ -16,14 +16,38 @@ CORPUS = ["héllo wörld, ça va? 你好，世界！ 🙂🚀 naïve café", "th
           "日本語のテキスト and English mixed 🎉 émoji"] * 20
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
+LONG = " ".join(CORPUS[:3]) * 4  # long enough for the stream's window to move many times
+
+
+def _byte_level():
+    """GPT-2's kind: bytes as characters, spaces part of the word that follows."""
     tok = tokenizers.Tokenizer(tokenizers.models.BPE())
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS, trainer)
     return tok
+
+
+def _metaspace_byte_fallback(folder):
+    """Llama's (sentencepiece) kind: "▁" for spaces, the decode dropping the text's first space, characters outside
+    the vocabulary as byte tokens <0xNN> of the model's own vocabulary (not special tokens, which a decode skips)."""
+    trained = tokenizers.Tokenizer(tokenizers.models.BPE())
+    trained.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=600, special_tokens=[f"<0x{b:02X}>" for b in range(256)],
+                                             limit_alphabet=40)  # rare characters left to the byte tokens
+    trained.train_from_iterator(CORPUS, trainer)
+    vocab, merges = trained.model.save(str(folder))
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE.from_file(vocab, merges, byte_fallback=True))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Metaspace()
+    dec = tokenizers.decoders
+    tok.decoder = dec.Sequence([dec.Replace("\u2581", " "), dec.ByteFallback(), dec.Fuse(), dec.Strip(" ", 1, 0)])
+    return tok
+
+
+@pytest.fixture(scope="module", params=["byte-level", "metaspace"])
+def tokenizer(request, tmp_path_factory):
+    return _byte_level() if request.param == "byte-level" else _metaspace_byte_fallback(tmp_path_factory.mktemp("bpe"))
 
 
 @settings(max_examples=60, deadline=None)
@@ -40,7 +64,62 @@ def test_chunks_join_to_the_decode_and_never_break_a_character(tokenizer, data):
     assert not any(REPLACEMENT in c for c in chunks)
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_a_long_reply_joins_to_its_decode_as_the_window_moves(tokenizer, data):
+    ids = tokenizer.encode(LONG).ids
+    start = data.draw(st.integers(0, 40))
+    stream = TextStream(tokenizer, prompt_ids=ids[:start])
+    chunks = [stream.push(t) for t in ids[start:]] + [stream.finish()]
+    prompt_text = tokenizer.decode(ids[:start]).rstrip(REPLACEMENT) if start else ""
+    assert prompt_text + "".join(chunks) == tokenizer.decode(ids)
+    assert not any(REPLACEMENT in c for c in chunks)
+
+
+class CountingDecode:
+    """A tokenizer whose decodes are counted by the tokens each is given."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.sizes = tokenizer, []
+
+    def decode(self, ids):
+        self.sizes.append(len(ids))
+        return self.tokenizer.decode(ids)
+
+
+def test_a_token_costs_the_same_however_long_the_reply(tokenizer):
+    """Each push decodes a bounded window, not every token so far: 2,000 tokens in, the largest decode is as small
+    as in the first hundred (decoding everything each time made a long reply quadratic, and with stop strings the
+    engine did it under its lock)."""
+    ids = (tokenizer.encode(LONG).ids * 8)[:2000]
+    while tokenizer.decode(ids).endswith(REPLACEMENT):  # whole characters: a byte-fallback decode of a cut run
+        ids.pop()                                       # differs from its stream (see the random sequences' test)
+    counting = CountingDecode(tokenizer)
+    stream = TextStream(counting, prompt_ids=ids[:10])
+    chunks = [stream.push(t) for t in ids[10:]]
+    bound = 3 * 4 + TextStream.SETTLE_AFTER
+    assert max(counting.sizes) <= bound, max(counting.sizes)
+    assert sum(counting.sizes) <= 20 * bound * len(chunks)  # the window's own retries included
+    prompt_text = tokenizer.decode(ids[:10]).rstrip(REPLACEMENT)
+    assert prompt_text + "".join(chunks) + stream.finish() == tokenizer.decode(ids)
+
+
+def test_finish_can_leave_out_a_character_the_reply_cut_in_half(tokenizer):
+    """A reply ending inside a character (max_tokens reached between its bytes): finish() returns what the bytes
+    decode to, finish(drop_incomplete=True) leaves the broken character out."""
+    ids = tokenizer.encode("ok \U0001D11E").ids  # a character outside both vocabularies: four byte tokens
+    assert tokenizer.decode(ids[:-1]).endswith(REPLACEMENT), "the clef must take more than one token"
+    for drop, want in ((False, tokenizer.decode(ids[:-1])), (True, tokenizer.decode(ids[:-1]).rstrip(REPLACEMENT))):
+        stream = TextStream(tokenizer)
+        assert "".join([stream.push(t) for t in ids[:-1]] + [stream.finish(drop_incomplete=drop)]) == want
+
+
 def test_random_token_sequences_still_join_to_their_decode(tokenizer):
+    """Any tokens, where the decode of a prefix is a prefix of the decode (byte-level). A byte-fallback decoder is not
+    so: a run of byte tokens that is not UTF-8 decodes byte by byte to replacement characters, so a byte token that
+    joins a run can turn an ASCII byte already out (the run's first) into one; a stream cannot take text back."""
+    if tokenizer.decoder.__class__.__name__ != "ByteLevel":
+        pytest.skip("a byte-fallback decode of random bytes is not prefix-stable: no stream can equal it")
     rng = random.Random(0)
     for _ in range(50):
         ids = [rng.randrange(tokenizer.get_vocab_size()) for _ in range(rng.randrange(1, 30))]
