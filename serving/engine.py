@@ -179,6 +179,8 @@ class Engine(OnlineEngine):
         q = Sequence(index, prompt, max_new_tokens, salt, arrival)
         q.params = params
         q.generator = np.random.default_rng(params.seed)
+        # Looked up on every token: a set, however many stop ids a request names.
+        q.ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.info.eos_token_ids)
         if params.stop:
             q.text_stream, q.stop_matcher = TextStream(self.tokenizer, prompt), StopMatcher(params.stop)
         return q
@@ -443,7 +445,6 @@ class Engine(OnlineEngine):
         reached (:meth:`_retire` lets them leave once the step is committed)."""
         stopped = []
         now = time.perf_counter()  # one choice time for the step's tokens
-        eos = self.info.eos_token_ids
         for i, (q, token, top) in enumerate(zip(choosing, tokens, logprobs)):
             q.generated.append(token)
             if top is not None:
@@ -455,8 +456,7 @@ class Engine(OnlineEngine):
                 q.logits.append(logits[i if rows is None else rows[i]].copy())
             if q.on_token is not None:
                 q.on_token(token)
-            params = q.params
-            stops = token in params.stop_token_ids or (token in eos and not params.ignore_eos)
+            stops = token in q.ends
             if q.stop_matcher is not None:  # stop strings: the text this token completes
                 stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
             if stops or len(q.generated) >= q.max_new_tokens:

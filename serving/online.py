@@ -22,8 +22,8 @@ from .sampling import SamplingParams
 
 
 class EngineBusy(RuntimeError):
-    """``submit``'s refusal of a request while ``max_waiting`` submitted requests already wait to be admitted;
-    ``waiting`` is their count."""
+    """``submit``'s refusal of a request while ``max_waiting`` submitted requests already wait for admission beyond
+    the free running slots; ``waiting`` is their count (``backlog``)."""
 
     def __init__(self, waiting: int, max_waiting: int):
         super().__init__(waiting, max_waiting)  # the arguments: it pickles, as an error crossing processes must
@@ -238,8 +238,8 @@ class OnlineEngine:
         returns its :class:`RequestHandle` at once; a background thread steps the engine while work is pending,
         batching it with whatever else runs. ``salt`` isolates the request's prefix cache. Everything is checked
         here (``ValueError``/``TypeError``); a request that could never fit is refused before it is queued. With
-        ``max_waiting``, :class:`EngineBusy` refuses it while that many submitted requests wait to be admitted,
-        counted under the lock that queues it (so concurrent callers can neither pass the limit together nor see
+        ``max_waiting``, :class:`EngineBusy` refuses it while that many submitted requests wait for admission beyond
+        the free running slots (:meth:`backlog`), counted under the lock that queues it (so concurrent callers can neither pass the limit together nor see
         each other twice). Safe from any thread."""
         if params is None:
             params = SamplingParams()
@@ -252,8 +252,8 @@ class OnlineEngine:
         with self._lock_soon():
             if self._closed:
                 raise RuntimeError("the engine is closed")
-            if max_waiting is not None and len(self._online_waiting) >= max_waiting:
-                raise EngineBusy(len(self._online_waiting), max_waiting)
+            if max_waiting is not None and self.backlog(adding=1) > max_waiting:
+                raise EngineBusy(self.backlog(), max_waiting)
             return self._enqueue_batch([q])[0]
 
     def _enqueue_batch(self, sequences: list) -> list:
@@ -280,6 +280,12 @@ class OnlineEngine:
     def queue_length(self) -> int:
         """Submitted requests waiting to be admitted (not yet running)."""
         return len(self._online_waiting)
+
+    def backlog(self, adding: int = 0) -> int:
+        """Submitted requests (and ``adding`` more) that would still wait once every free running slot
+        (``max_running`` less those running) took one: what a queue limit counts. Requests the next step can admit
+        are not a backlog, though admission also needs their pages."""
+        return max(0, len(self._online_waiting) + adding - max(0, self.max_running - len(self._online_running)))
 
     @property
     def running_count(self) -> int:

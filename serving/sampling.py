@@ -4,7 +4,7 @@
 Order, as vLLM applies them: the penalties (repetition over the prompt and the generated tokens, presence and
 frequency over the generated tokens), then temperature 0 is greedy (argmax: token-identical to ``transformers``'
 greedy ``generate``); otherwise the logits are divided by the temperature, the softmax is taken in float64, and
-top-k, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``) and min-p (tokens below
+top-k, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``; 0 keeps the most likely alone) and min-p (tokens below
 ``min_p`` times the most likely one's probability) keep a subset, renormalized, from which one token is drawn
 with the request's own generator: a seeded request draws the same tokens whatever runs beside it.
 """
@@ -69,7 +69,7 @@ class SamplingParams:
         check = object.__setattr__
         check(self, "max_tokens", _integer("max_tokens", self.max_tokens, 1))
         check(self, "temperature", _number("temperature", self.temperature, 0.0, math.inf))
-        check(self, "top_p", _number("top_p", self.top_p, 0.0, 1.0, low_open=True))
+        check(self, "top_p", _number("top_p", self.top_p, 0.0, 1.0))  # 0: the most likely token alone
         check(self, "top_k", _integer("top_k", self.top_k, 0))
         check(self, "min_p", _number("min_p", self.min_p, 0.0, 1.0))
         check(self, "seed", _integer("seed", self.seed, 0, none_ok=True))

@@ -24,6 +24,7 @@ class Sequence:
     logits: list = None  # generate(record_logits=True): each chosen token's logits
     text_stream: object = None  # with stop strings: its TextStream and StopMatcher
     stop_matcher: object = None
+    ends: frozenset = frozenset()  # the token ids that end it: its stop_token_ids and (unless ignore_eos) the eos ids
 
     @property
     def context(self) -> list:

@@ -59,6 +59,7 @@ def test_draws_follow_the_softmax_of_the_logits_over_the_temperature(temperature
     (SamplingParams(temperature=1.0, top_k=3), {0, 1, 2}),
     (SamplingParams(temperature=1.0, top_p=0.7), {0, 1}),       # softmax 0.531, 0.195, 0.118 ...: two reach 0.7
     (SamplingParams(temperature=1.0, top_p=0.5), {0}),          # the top one alone reaches 0.5
+    (SamplingParams(temperature=1.0, top_p=0.0), {0}),          # OpenAI's 0: the most likely token alone
     (SamplingParams(temperature=1.0, min_p=0.2), {0, 1, 2}),    # >= 0.2 x 0.531
 ])
 def test_top_k_top_p_and_min_p_keep_their_subset_renormalized(params, support):
@@ -128,7 +129,7 @@ def test_a_sampled_token_outside_the_top_n_keeps_its_own_logprob():
 @pytest.mark.parametrize("fields, error, message", [
     (dict(temperature=-0.1), ValueError, r"temperature must be in \[0.0, inf\]"),
     (dict(temperature=math.nan), TypeError, "temperature must be a finite number"),
-    (dict(top_p=0.0), ValueError, r"top_p must be in \(0.0, 1.0\]"),
+    (dict(top_p=-0.1), ValueError, r"top_p must be in \[0.0, 1.0\]"),
     (dict(top_k=-1), ValueError, "top_k must be >= 0"),
     (dict(top_k=2.0), TypeError, "top_k must be an integer"),
     (dict(min_p=1.5), ValueError, r"min_p must be in \[0.0, 1.0\]"),

@@ -34,6 +34,9 @@ def expected(served_checkpoint, prompt_ids, max_tokens):
 def test_the_served_model_is_listed(client):
     models = client.models.list().data
     assert [m.id for m in models] == ["tiny"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("another")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)

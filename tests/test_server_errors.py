@@ -4,6 +4,7 @@ dropped connection or a 500), the API key is required on /v1 routes, the limits 
 
 import functools
 import json
+import time
 
 import pytest
 
@@ -28,7 +29,7 @@ def _error(reply, status):
 @pytest.mark.parametrize("route, body, status, param", [
     ("/v1/completions", {**GOOD, "temperature": "1"}, 400, "temperature"),
     ("/v1/completions", {**GOOD, "temperature": 3}, 400, "temperature"),
-    ("/v1/completions", {**GOOD, "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {**GOOD, "top_p": -0.1}, 400, "top_p"),
     ("/v1/completions", {**GOOD, "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "max_tokens": 1001}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "max_tokens": 2.5}, 400, "max_tokens"),
@@ -36,14 +37,16 @@ def _error(reply, status):
     ("/v1/completions", {**GOOD, "echo": True}, 400, "echo"),
     ("/v1/completions", {**GOOD, "logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", {**GOOD, "logit_bias": {"3": 1}}, 400, "logit_bias"),
-    ("/v1/completions", {**GOOD, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, 400, None),  # outside the vocabulary
     ("/v1/completions", {**GOOD, "prompt": list(range(1, 300)) * 4}, 400, "prompt"),  # over the context
     ("/v1/completions", {**GOOD, "prompt": [5] * 1000, "max_tokens": 100}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "cache_salt": 7}, 400, "cache_salt"),
     ("/v1/completions", {**GOOD, "stop": [""]}, 400, "stop"),
-    ("/v1/completions", {**GOOD, "seed": -1}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "seed": -2 ** 63 - 1}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "seed": 2 ** 70}, 400, "seed"),
+    ("/v1/completions", {**GOOD, "stop_token_ids": [3] * 1025}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x"}, 400, "model"),
     ("/v1/completions", {**GOOD, "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {**GOOD, "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
@@ -108,12 +111,46 @@ def test_the_server_still_serves_after_the_refusals(api_server):
 
 
 # ---- in process: the queue limit and random bodies ---------------------------------------------------------------
-def test_a_full_queue_answers_503_with_retry_after(exported, served_checkpoint):
-    from fastapi.testclient import TestClient
+def test_a_burst_within_the_running_slots_is_served_and_the_next_request_answers_503(exported, served_checkpoint):
+    """max_queue=0, max_running=4: four requests at once on an idle server all start (a free running slot is no
+    queue; they once counted as waiting until the next step admitted them, and got 503s); with the four running, a
+    fifth is refused with Retry-After; closing the engine ends the four."""
+    import asyncio
 
-    with TestClient(_app(exported, served_checkpoint[2], max_queue=0)) as client:
-        reply = client.post("/v1/completions", json=GOOD)
-        assert _error(reply, 503)["type"] == "server_overloaded" and reply.headers["retry-after"] == "1"
+    from kvcache_op.serving import Engine
+    from kvcache_op.serving.server import ServerLimits, create_app
+    from kvcache_op.serving.tokenizer import PlainText
+
+    tokenizer = served_checkpoint[2]
+    engine = Engine(exported, tokenizer=PlainText(tokenizer), num_pages=256, max_running=4)
+    run = engine.runner.run
+
+    def paced(feeds, *changed):  # 900 steps take 4.5 s at least: the four run through the test however fast
+        time.sleep(0.005)
+        return run(feeds, *changed)
+    engine.runner.run = paced
+    app = create_app(engine, tokenizer, model_name="tiny", limits=ServerLimits(max_queue=0))
+    # Sampled, so that every step goes through runner.run (a greedy run may lead a prompt through its own graph).
+    body = {**GOOD, "max_tokens": 900, "ignore_eos": True, "temperature": 1.0, "seed": 3}
+
+    async def scenario():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=60) as client:
+            four = [asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(4)]
+            for _ in range(2000):
+                if engine.running_count == 4 or any(t.done() for t in four):
+                    break
+                await asyncio.sleep(0.005)
+            fifth = await client.post("/v1/completions", json={**body, "max_tokens": 2})
+            running = engine.running_count
+            await asyncio.to_thread(engine.close, 10.0)
+            return await asyncio.gather(*four), fifth, running
+    four, fifth, running = asyncio.run(scenario())
+    assert [r.status_code for r in four] == [200] * 4, [r.text for r in four]
+    assert running == 4 and [r.json()["choices"][0]["finish_reason"] for r in four] == ["abort"] * 4
+    error = _error(fifth, 503)
+    assert error["type"] == "server_overloaded" and fifth.headers["retry-after"] == "1"
+    assert error["message"] == "the server is busy (0 requests waiting for a running slot, the limit is 0): retry later"
 
 
 def test_the_prompt_limit_is_a_clear_400(exported, served_checkpoint):
@@ -155,7 +192,8 @@ def fuzz_client(exported, served_checkpoint):
         yield client
 
 
-@pytest.mark.parametrize("extra", [{"top_k": 2 ** 70, "temperature": 0.5}, {"seed": 2 ** 70, "temperature": 0.5},
+@pytest.mark.parametrize("extra", [{"top_k": 2 ** 70, "temperature": 0.5}, {"seed": 2 ** 63 - 1, "temperature": 0.5},
+                                   {"seed": -2 ** 63, "temperature": 0.5},
                                    {"temperature": 1e-300}, {"top_p": 1e-300, "temperature": 1.0},
                                    {"stop": ["\ud800"]}, {"cache_salt": "\x00" * 5000},
                                    {"repetition_penalty": 1e308}, {"prompt": [[1, 2]]}, {"logprobs": 0}])
@@ -188,7 +226,7 @@ def test_a_burst_cannot_get_past_the_queue_limit(exported, served_checkpoint):
 
     def submit(self, *args, **kwargs):
         handle = original(self, *args, **kwargs)
-        peaks.append(self.queue_length)
+        peaks.append(self.backlog())
         return handle
 
     async def burst():
@@ -203,7 +241,7 @@ def test_a_burst_cannot_get_past_the_queue_limit(exported, served_checkpoint):
         Engine.submit = original
     codes = [r.status_code for r in replies]
     assert set(codes) <= {200, 503} and 503 in codes and 200 in codes, codes
-    assert max(peaks) <= 1, f"queue grew to {max(peaks)} with max_queue=1"
+    assert max(peaks) <= 1, f"the backlog grew to {max(peaks)} with max_queue=1"
 
 
 def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(exported, served_checkpoint):
@@ -253,7 +291,8 @@ def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(expor
             return await asyncio.gather(a, b, c), d
     (a, b, c), d = asyncio.run(scenario())
     assert c.status_code == 200, c.text
-    assert _error(d, 503)["message"] == "the server is busy (2 requests waiting): retry later"
+    assert _error(d, 503)["message"] == "the server is busy (2 requests waiting for a running slot, the limit is 2): " \
+                                        "retry later"
     assert [r.json()["choices"][0]["finish_reason"] for r in (a, b, c)] == ["abort"] * 3
 
 
@@ -271,7 +310,7 @@ def test_a_refusal_from_the_engines_own_count_is_a_503_with_retry_after(exported
         reply = client.post("/v1/completions", json=GOOD)
         error = _error(reply, 503)
     assert error["type"] == "server_overloaded" and reply.headers["retry-after"] == "1"
-    assert error["message"] == "the server is busy (7 requests waiting): retry later"
+    assert error["message"] == "the server is busy (7 requests waiting for a running slot, the limit is 5): retry later"
 
 
 def test_logprobs_of_filtered_tokens_are_finite_json(fuzz_client):

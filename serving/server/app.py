@@ -37,8 +37,9 @@ DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its cli
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
     """What one request may ask: ``max_body_bytes`` of JSON, ``max_prompt_tokens`` of prompt (None: the engine's
-    context), ``max_tokens`` up to ``max_tokens_limit``; ``max_queue`` requests waiting for admission before new
-    ones are refused with 503 (0 refuses every request: a server being drained)."""
+    context), ``max_tokens`` up to ``max_tokens_limit``; ``max_queue`` requests waiting for admission beyond the
+    engine's free running slots before new ones are refused with 503 (0: none waits, a request is refused unless a
+    running slot is free)."""
 
     max_body_bytes: int = 1 << 20
     max_prompt_tokens: int = None
@@ -64,7 +65,7 @@ class _Gate:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = _route_path(scope)
-        route = path if path in ROUTES else "other"
+        route = path if path in ROUTES else "/v1/models" if path.startswith("/v1/models/") else "other"
         status = [500]
 
         async def send_noting_status(message):
@@ -88,6 +89,16 @@ class _Gate:
             self.metrics.observe_request(route, status[0])
 
 
+def usable_context(engine) -> int:
+    """Positions one request may fill (prompt and reply): the engine's context limit, and without a sliding window
+    or StreamingLLM (where a request holds a page for every position it fills but the last) what the page pool
+    holds. ``/v1/models`` reports it as ``max_model_len``."""
+    context = engine.max_context or engine.info.max_positions
+    if engine.manager.sliding_window is None and engine.manager.streaming is None:
+        context = min(context, engine.num_pages * engine.info.page_size + 1)
+    return context
+
+
 def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
     (``ValueError`` otherwise), so that it ends a request at a stop string in the same text the reply holds, which
@@ -97,12 +108,10 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         raise ValueError("the engine must find stop strings in the reply's text: make it with "
                          "Engine(..., tokenizer=PlainText(tokenizer)) for the tokenizer the app is given")
     limits = limits or ServerLimits()
-    context = engine.max_context or engine.info.max_positions
+    context = usable_context(engine)
     max_prompt = min(limits.max_prompt_tokens or context, context)
     metrics = ServerMetrics(engine)
     expected = api_key.encode() if api_key else None
-    page_room = engine.num_pages * engine.info.page_size  # positions the pool holds (no window or StreamingLLM)
-    bounded_by_pages = engine.manager.sliding_window is None and engine.manager.streaming is None
 
     async def lifespan(app):
         yield
@@ -148,18 +157,16 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
             raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    def settle_max_tokens(requested, prompt_len: int, default, field: str) -> int:
+    def settle_max_tokens(requested, prompt_len: int, default, field: str, prompt_field: str) -> int:
         if prompt_len > max_prompt:
-            raise bad_request(f"the prompt has {prompt_len} tokens, over the limit of {max_prompt}", "prompt",
+            raise bad_request(f"the prompt has {prompt_len} tokens, over the limit of {max_prompt}", prompt_field,
                               "context_length_exceeded")
         room = context - prompt_len
-        if bounded_by_pages:  # a default must also fit the pool (the engine refuses what never could)
-            room = min(room, page_room + 1 - prompt_len)
         if requested is None:
             requested = min(default if default is not None else room, room, limits.max_tokens_limit)
             if requested < 1:
                 raise bad_request(f"the prompt's {prompt_len} tokens leave no room in the context of {context}",
-                                  "prompt", "context_length_exceeded")
+                                  prompt_field, "context_length_exceeded")
         if requested < 1 or requested > limits.max_tokens_limit:
             raise bad_request(f"{field} must be in [1, {limits.max_tokens_limit}], got {requested}", field)
         if prompt_len + requested > context:
@@ -168,18 +175,20 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         return requested
 
     def busy(waiting: int) -> APIError:
-        return APIError(503, f"the server is busy ({waiting} requests waiting): retry later", type="server_overloaded",
-                        headers={"Retry-After": "1"})
+        return APIError(503, f"the server is busy ({waiting} requests waiting for a running slot, the limit is "
+                             f"{limits.max_queue}): retry later", type="server_overloaded", headers={"Retry-After": "1"})
 
     async def start(req, prompt_ids: list, max_tokens, default_max, logprobs,
-                    max_tokens_field: str = "max_tokens") -> Generation:
-        waiting = engine.queue_length
-        if waiting >= limits.max_queue:  # early, before any work; submit holds the limit exactly
-            raise busy(waiting)
+                    max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> Generation:
+        if engine.backlog(adding=1) > limits.max_queue:  # early, before any work; submit holds the limit exactly
+            raise busy(engine.backlog())
+        if not prompt_ids:
+            raise bad_request("the prompt encodes to no tokens", prompt_field)
         vocab = engine.info.vocab_size
         if any(not 0 <= t < vocab for t in req.stop_token_ids or ()):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
-        params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max, max_tokens_field), logprobs)
+        params = req.sampling(settle_max_tokens(max_tokens, len(prompt_ids), default_max, max_tokens_field,
+                                                prompt_field), logprobs)
         try:  # the engine checks the prompt and the salt; what it refuses is the client's error
             return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt, limits.max_queue)
         except (TypeError, ValueError) as error:
@@ -263,15 +272,21 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         except Exception as error:  # the template itself refused the conversation (e.g. roles out of order)
             raise bad_request(f"the chat template cannot render these messages: {error}", "messages") from None
         max_tokens, field = req.requested_max_tokens()
-        generation = await start(req, ids, max_tokens, None, req.top_logprobs_count(), field)
+        generation = await start(req, ids, max_tokens, None, req.top_logprobs_count(), field, "messages")
         return await respond(request, req, generation, chat=True)
+
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "kvcache-op", "max_model_len": context}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvcache-op", "max_model_len": context}]}
+        return {"object": "list", "data": [card]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        check_model(name)
+        return card
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         return {"status": "ok"}
 

@@ -57,10 +57,11 @@ class Generation:
                 self.handle.cancel()
 
     def tail(self) -> str:
-        """Text still held at the end (an incomplete character, a tail that never became a stop string)."""
+        """Text still held at the end (a tail that never became a stop string; a character whose bytes the reply
+        ends inside, max_tokens reached, is left out)."""
         if self._stops.stopped:
             return ""
-        text, _ = self._stops.feed(self._text.finish())
+        text, _ = self._stops.feed(self._text.finish(drop_incomplete=True))  # never half a character
         return text + self._stops.flush()
 
     @property

@@ -17,6 +17,8 @@ from .errors import bad_request
 
 MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token: bounded
+MAX_STOP_TOKEN_IDS = 1024  # looked up on every token (in a set), but a list a client sends is bounded all the same
+SEED_RANGE = (-2**63, 2**63 - 1)  # OpenAI's and vLLM's seed: a signed 64-bit integer
 
 
 class _Request(BaseModel):
@@ -70,9 +72,16 @@ class _Request(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise bad_request(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
+        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
+            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
+        seed = self.seed
+        if seed is not None:
+            if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+                raise bad_request(f"seed must be a signed 64-bit integer, got {seed}", "seed")
+            seed %= 2**64  # the generator's seed: the same bits, unsigned
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k,
-                                  min_p=self.min_p, seed=self.seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+                                  min_p=self.min_p, seed=seed, stop_token_ids=tuple(self.stop_token_ids or ()),
                                   stop=tuple(stop), presence_penalty=self.presence_penalty,
                                   frequency_penalty=self.frequency_penalty,
                                   repetition_penalty=self.repetition_penalty, logprobs=logprobs,
@@ -104,11 +113,12 @@ class CompletionRequest(_Request):
         return out
 
     def the_prompt(self):
-        """The prompt: a string, or a list of token ids."""
+        """The prompt: a string (``""`` too: it may encode to a beginning-of-sequence token), or a list of token ids
+        (not empty)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
-        if not prompt:
+        if isinstance(prompt, list) and not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         return prompt
 

@@ -47,7 +47,7 @@ class Reply:
         self.generation, self.model, self.chat = generation, model, chat
         self.id = new_id("chatcmpl" if chat else "cmpl")
         self.created = int(time.time())
-        self._offset = 0  # characters of text so far (completions' text_offset)
+        self._offset = 0  # characters of the tokens' own texts so far (completions' text_offset)
 
     # ---- logprobs ------------------------------------------------------------------------------------------
     def logprobs(self, pieces: list):
@@ -61,11 +61,13 @@ class Reply:
                         "bytes": list(self.generation.token_bytes(token))}
             return {"content": [dict(entry(p.token, p.logprobs.logprob),
                                      top_logprobs=[entry(t, lp) for t, lp in p.logprobs.top]) for p in pieces]}
-        offsets = []
-        for p in pieces:
+        # OpenAI's text_offset: where each token starts in its tokens' text joined (each token's own text, as
+        # "tokens" lists it), not in the reply's, which holds a character's bytes back and leaves stop strings out.
+        tokens, offsets = [text(p.token) for p in pieces], []
+        for token in tokens:
             offsets.append(self._offset)
-            self._offset += len(p.text)
-        return {"tokens": [text(p.token) for p in pieces],
+            self._offset += len(token)
+        return {"tokens": tokens,
                 "token_logprobs": [_finite(p.logprobs.logprob) for p in pieces],
                 "top_logprobs": [_by_text(text, p.logprobs.top) for p in pieces],
                 "text_offset": offsets}
