@@ -66,3 +66,5 @@ class Inspection:
         assert expected == self.pool.ref_count, "ref counts differ from the page tables"
         for page in self.index.by_page:
             assert self.pool.ref_count[page] > 0 or page in self.pool.cached, f"cached page {page} is free"
+        assert all(page in self.index.by_page for page in self.pool.cached), "an unregistered page is cached"
+        assert self.index.nodes == {self.index.ROOT, *(e.node for e in self.index.by_hash.values())}

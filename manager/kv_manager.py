@@ -19,6 +19,8 @@ own, mixed into :class:`KVCacheManager`: admission (``admission``), batch lookup
 (``inspection``).
 """
 
+import collections
+
 import numpy as np
 
 from .admission import Admission
@@ -206,7 +208,10 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         except ValueError:
             self._check_each(feeds if feeds is not None else {rid: [t] for rid, t in zip(rids, ids.tolist())})
             raise
-        freed = sum(1 for w in planned.work for p in w.released if self.pool.ref_count[p] == 1)
+        # A page the step releases as often as it is referenced is free or evictable once the step has run (two
+        # requests of a window can release one shared page in the same step).
+        releases = collections.Counter(p for w in planned.work for p in w.released)
+        freed = sum(1 for p, n in releases.items() if self.pool.ref_count[p] == n)
         if planned.new_pages > self.pool.available() + freed:
             raise OutOfPages(planned.new_pages, self.pool.available() + freed)
         return self._apply(rids, rows, before, lengths, ids, planned)

@@ -90,6 +90,12 @@ class PagePool:
                 self.free.remove(page)
         self.ref_count[page] += 1
 
+    def forget_cached(self, page: int) -> None:
+        """A cached page becomes free (its prefix entry was removed); a referenced page is left as it is."""
+        if self.ref_count[page] == 0 and page in self.cached:
+            del self.cached[page]
+            self.free.append(page)
+
     def drop_cached(self) -> None:
         """Every cached page becomes free (the prefix index was cleared)."""
         self.free.extend(self.cached)

@@ -64,6 +64,7 @@ class PrefixIndex:
         self.hash_fn = hash_fn if hash_fn is not None else keyed_page_hash()
         self.by_hash = {}
         self.by_page = {}
+        self.nodes = {self.ROOT}  # the nodes of registered entries, and the root: a chain can only go on from these
         self._nodes = itertools.count(1)
 
     def lookup(self, parent_hash, parent_node: int, tokens: tuple, identity: bytes):
@@ -85,18 +86,30 @@ class PrefixIndex:
         entry = Entry(page, next(self._nodes), parent_node, tokens, identity)
         self.by_hash[h] = entry
         self.by_page[page] = h
+        self.nodes.add(entry.node)
         return entry
+
+    def unreachable_page(self, h, parent_node: int, tokens: tuple, identity: bytes):
+        """The page of the entry under ``h`` if it holds ``tokens`` for ``identity`` after a parent that is no longer
+        registered (evicted while this page lived on), else None. No lookup can reach such an entry (a lookup walks
+        registered nodes from the root, and nodes are never reused), yet it holds the hash the same content has after
+        the parent's re-registration: left in place, it would keep that content from ever being published again."""
+        entry = self.by_hash.get(h)
+        if entry is None or entry.parent_node in self.nodes or entry.parent_node == parent_node:
+            return None
+        return entry.page if entry.tokens == tokens and entry.identity == identity else None
 
     def remove_page(self, page: int) -> None:
         """Forgets the page (it was evicted); no-op for a page that is not registered."""
         h = self.by_page.pop(page, None)
         if h is not None:
-            del self.by_hash[h]
+            self.nodes.discard(self.by_hash.pop(h).node)
 
     def clear(self) -> None:
         """Forgets every page."""
         self.by_hash.clear()
         self.by_page.clear()
+        self.nodes = {self.ROOT}
 
     def is_cached(self, page: int) -> bool:
         return page in self.by_page

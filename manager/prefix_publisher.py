@@ -66,6 +66,10 @@ class PrefixPublisher:
         """Publishes ``page`` (holding ``tokens``) as the next page of the request's chain, or closes
         the chain when its hash is taken by other content (only a weak ``hash_fn`` collides)."""
         h = self.index.hash_fn(r.chain_tail[0], tokens, r.identity)
+        stale = self.index.unreachable_page(h, r.chain_tail[1], tokens, r.identity)
+        if stale is not None:  # the same content, registered after a parent since evicted: this page replaces it
+            self.index.remove_page(stale)
+            self.pool.forget_cached(stale)  # a cached one is free now; a referenced one stays its requests', unshared
         entry = self.index.register(h, page, r.chain_tail[1], tokens, r.identity)
         if entry is None:
             r.chain_open = False

@@ -46,6 +46,45 @@ def test_a_re_inserted_parent_does_not_adopt_stale_children():
     m.check()
 
 
+def test_a_page_whose_parent_was_evicted_does_not_keep_its_content_from_being_published():
+    """A and B prefill one system prompt together: B's third page is registered after A's second. A finishes and its
+    second page is evicted while B still runs, which leaves B's entry after a parent no lookup can reach. C computes
+    the prompt again: its third page takes the hash's place (it was refused as a collision, closing C's chain), so D
+    and E find all three pages."""
+    m = KVCacheManager(num_pages=10, page_size=2, max_pages=8)
+    system, prompt = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7]
+    m.add_request("A", system + [0])
+    m.add_request("B", prompt)
+    m.commit(m.schedule({"A": system + [0], "B": prompt}))
+    m.finish("A")
+    run_prompt(m, "X", list(range(50, 60)))  # evicts A's page [3, 4] (the least recently used)
+    m.finish("X")
+    assert m.metrics()["evictions"] >= 1
+    hits = []
+    for rid in ("C", "D", "E"):
+        hits.append(run_prompt(m, rid, prompt))
+        m.check()
+        m.finish(rid)
+    assert hits == [2, 6, 6]
+    m.finish("B")
+    m.check()
+    assert m.metrics()["pages_in_use"] == 0
+
+
+def test_a_page_two_windows_release_in_one_step_counts_as_freed():
+    """Two windowed requests share a page and both release it in the step being planned: the step fits once it runs
+    (it was refused with OutOfPages, the page counted as freed only where one request held it)."""
+    m = KVCacheManager(num_pages=6, page_size=1, max_pages=6, sliding_window=2)
+    m.add_request("r13", [1, 2, 3, 4, 5, 6, 7])
+    m.commit(m.schedule({"r13": [1, 2, 3]}))
+    m.add_request("r15", [1, 2, 3, 4])
+    m.commit(m.schedule({"r15": [4], "r13": [4, 5, 6]}))
+    shared = set(m.page_table("r13")) & set(m.page_table("r15"))
+    assert shared and m.pool.available() == 1
+    m.commit(m.schedule({"r15": [2, 0, 3], "r13": [7]}))
+    m.check()
+
+
 def test_tenants_with_different_salts_never_share():
     m = KVCacheManager(16, 4, 8)
     run_prompt(m, "a", list(range(9)), salt="tenant-a")
