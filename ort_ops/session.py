@@ -50,12 +50,15 @@ def session_options(intra_op_num_threads: int = 0, library: str | None = None) -
     return options
 
 
+DISABLED_OPTIMIZERS = ["NchwcTransformer"]
+
+
 def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_threads: int = 0,
                  disable_cpu_fallback: bool = False, config: dict | None = None,
                  library: str | None = None) -> ort.InferenceSession:
     """An InferenceSession for ``model`` (ModelProto, bytes or path) with the library loaded (``library``: the
     path of another build of it, see :func:`session_options`); ``config``: more session config entries (e.g.
-    ``{"session.intra_op.allow_spinning": "0"}``).
+    ``{"session.intra_op.allow_spinning": "0"}``). ONNX Runtime's :data:`DISABLED_OPTIMIZERS` are off.
 
     ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input, or when
     a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`)."""
@@ -69,7 +72,10 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
     source = model.SerializeToString() if hasattr(model, "SerializeToString") else model
-    return ort.InferenceSession(source, options, providers=list(providers))
+    # ONNX Runtime's NCHWc layout transformer crashes the process while loading some float16 decoders (an exported
+    # GPT-NeoX in float16, onnxruntime 1.32); it only rewrites NCHW convolutions and pooling, which decoders have none
+    # of, so leaving it out costs nothing.
+    return ort.InferenceSession(source, options, providers=list(providers), disabled_optimizers=DISABLED_OPTIMIZERS)
 
 
 def packed_view(value: ort.OrtValue) -> np.ndarray:

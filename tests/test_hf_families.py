@@ -3,6 +3,8 @@ configs), the engine serving the exported graph gives transformers' own greedy t
 prefix, prompts longer than any sliding window and short ones. What the graph cannot express is refused from the
 model's structure, never by family name."""
 
+import os
+
 import onnx
 import pytest
 import torch
@@ -101,6 +103,15 @@ class _OwnAttention(torch.nn.Module):
     (lambda: _tiny("bloom", n_layer=2, n_head=4), r"layers \[0, 1\] of 2 do not attend through"),
     (lambda: tiny_model("llama", sliding_window=24, layer_types=["sliding_attention"] * 3),
      "layer 0 has a sliding window in its config that its attention does not pass"),
+    # Two attentions a layer (differential attention): their values would share one cache layer.
+    (lambda: _tiny("diffllama"), r"layer 0 \(DiffLlamaAttention\) calls attention more than once in a forward"),
+    # Llama 4's attention temperature takes positions from arange(T) plus the cache's length, not position_ids:
+    # right for one sequence prefilled from 0 (what the check once ran), wrong in a packed step or a continuation.
+    (lambda: _tiny("llama4_text", head_dim=16, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=128,
+                   interleave_moe_layer_step=1, layer_types=["full_attention"] * 2, no_rope_layers=[0, 0],
+                   attention_chunk_size=None, attn_temperature_tuning=True, floor_scale=4, attn_scale=0.5,
+                   use_qk_norm=False),
+     "a packed prefill of 36 and 21 tokens followed by a step continuing both"),
 ])
 def test_what_the_graph_cannot_express_is_refused_by_structure(tmp_path, make, message):
     with pytest.raises(ValueError, match=message):
@@ -125,6 +136,46 @@ def test_a_model_whose_attention_differs_after_the_interface_is_refused(tmp_path
                         lambda x: original(x * (1.5 if model.config._attn_implementation != "eager" else 1.0)))
     with pytest.raises(ValueError, match="differs from its own by"):
         export_model(model, tmp_path / "x.onnx")
+
+
+def test_stop_ids_past_the_vocabulary_are_left_out():
+    """A config's default end-of-sequence ids kept over a smaller vocabulary can never be generated: the export
+    leaves them out (the engine refuses metadata naming them, so such a file could not be served)."""
+    from kvcache_op.hf.structure import eos_token_ids
+
+    model = _tiny("llama", eos_token_id=[2, 5000, 127, 128])
+    assert eos_token_ids(model) == (2, 127)
+
+
+def test_an_op_the_onnx_exporter_cannot_convert_is_a_clear_error(tmp_path, monkeypatch):
+    """torch's exporter failing on an op it has no ONNX function for (Gemma 3n's activation sparsity computes
+    erfinv) is a ValueError naming the op, not the exporter's traceback."""
+    from kvcache_op import torch as kt
+
+    def unconvertible(*args, **kwargs):
+        raise RuntimeError("ConversionError: No ONNX function found for prims.erf_inv.default. Failure ...")
+    monkeypatch.setattr(kt, "export_onnx", unconvertible)
+    with pytest.raises(ValueError, match=r"computes prims\.erf_inv\.default, which torch's ONNX exporter has no "
+                                         r"function for"):
+        export_model(tiny_model("llama", seed=1), tmp_path / "x.onnx")
+    assert not (tmp_path / "x.onnx").exists()
+
+
+def serve_in_float16(family: str, folder: str) -> None:
+    """Exports the family's tiny model in float16 into ``folder`` and serves 4 greedy tokens (run in a subprocess)."""
+    path = export_model(tiny_model(family).half(), os.path.join(folder, "x.onnx"), page_size=8)
+    tokens = Engine(path, num_pages=32, intra_op_num_threads=1).generate([[1, 2, 3, 4, 5]], 4)
+    assert len(tokens[0]) == 4
+
+
+@pytest.mark.parametrize("family", ["gemma", "gpt_neox"])
+def test_a_float16_model_exports_a_file_onnx_runtime_serves(family, tmp_path):
+    """Gemma's norms compute in float32 over a float16 residual: fused with the residual add they made a
+    SkipSimplifiedLayerNormalization of two types, which ONNX Runtime refused at load. An exported GPT-NeoX in float16
+    crashed ONNX Runtime's NCHWc layout transformer while loading (in a subprocess here: a crash fails the test)."""
+    from isolated import assert_passes_isolated
+
+    assert_passes_isolated("test_hf_families", f"serve_in_float16({family!r}, {str(tmp_path)!r})")
 
 
 def test_the_demo_offers_every_tested_family():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import numpy as np
 import onnx
@@ -115,7 +116,15 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
         kwargs = dict(input_names=names, output_names=[OUTPUT_NAME], verbose=verbose,
                       dynamic_axes={**{n: axes[n] for n in names if n in axes}, OUTPUT_NAME: {0: "batch"}})
     with torch.no_grad():
-        proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
+        try:
+            proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
+        except Exception as error:
+            unconverted = re.search(r"No ONNX function found for (\S+)", str(error))
+            if unconverted is None:
+                raise
+            raise ValueError(f"the model computes {unconverted.group(1).rstrip('.,:')}, which torch's ONNX exporter "
+                             f"has no function for: it cannot be exported (switch the feature that uses it off in "
+                             f"the config where it has a switch)") from None
     if optimize:
         proto, _ = optimize_decoder(proto, max_positions=decoder.shape.max_positions)
     info = model_info(decoder)

@@ -106,6 +106,30 @@ FUSIONS = ("fuse_erfgelu", "fuse_rms_normalization", "fuse_skip_layer_normalizat
            "fuse_gelu", "fuse_bias_gelu")
 
 
+SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
+
+
+def _fused(proto: onnx.ModelProto, fusions, core) -> tuple:
+    """``(model, counts)``: onnxscript's ONNX Runtime fusions named in ``fusions`` applied to a fresh IR of ``proto``
+    (its pre-optimization first and its optimization after, as its own pipeline runs them)."""
+    model, counts = core._pre_optimize(ir.from_proto(proto)), {}
+    # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
+    # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
+    for name in fusions:
+        count = getattr(core, name)(model)
+        if count:
+            counts[name.removeprefix("fuse_")] = count
+    core.optimize(model)
+    return model, counts
+
+
+def _mixed_skip_norms(model: ir.Model) -> int:
+    """How many Skip*Normalization nodes take an input, skip and gamma of more than one element type (ONNX Runtime
+    binds them to one type parameter)."""
+    return sum(1 for node in model.graph.all_nodes() if node.op_type in SKIP_NORMS
+               and len({v.dtype for v in node.inputs[:3] if v is not None}) > 1)
+
+
 def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
     """``(model, counts)``: ``proto`` with onnxscript's ONNX Runtime fusions in :data:`FUSIONS`,
     :func:`fuse_sibling_matmuls`, with ``max_positions`` (the positions the model takes) rotary embeddings as
@@ -120,24 +144,23 @@ def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
 
     from .. import spec  # noqa: F401 - our ops' schemas, for the shape inference the fusions run
 
-    model = ir.from_proto(proto)
-    counts = {}
     # The fusion functions are onnxscript's own module-level names (0.7.x); another version may name them otherwise.
     # They only make the graph faster, so without them the export goes on with a warning naming what is missing.
     missing = [name for name in ("_pre_optimize", "optimize", *FUSIONS) if not hasattr(_core, name)]
     if missing:
         warnings.warn(f"onnxscript {onnxscript.__version__} has no {', '.join(missing)} in its ONNX Runtime fusions: "
                       f"the exported graph keeps its norms unfused", stacklevel=2)
+        model, counts = ir.from_proto(proto), {}
         onnxscript.optimizer.optimize(model)  # constants folded: the weights the sibling MatMuls multiply by
     else:
-        model = _core._pre_optimize(model)
-        # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
-        # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
-        for name in FUSIONS:
-            count = getattr(_core, name)(model)
-            if count:
-                counts[name.removeprefix("fuse_")] = count
-        _core.optimize(model)
+        model, counts = _fused(proto, FUSIONS, _core)
+        mixed = _mixed_skip_norms(model)
+        if mixed:
+            # A norm computed in float32 over a float16 residual (Gemma's, OLMo 2's, in a float16 model) fuses into a
+            # Skip*Normalization whose inputs differ in type, which ONNX Runtime refuses: those models keep their
+            # residual adds apart from their norms.
+            model, counts = _fused(proto, [n for n in FUSIONS if "skip" not in n], _core)
+            counts["skip_norms_left_unfused"] = mixed
     counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
     if max_positions:
         counts["rotary_embeddings"] = fuse_rotary_embeddings(model, max_positions)

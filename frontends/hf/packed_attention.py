@@ -19,6 +19,10 @@ ATTENTION = "kvcache_op_packed"  # the attention implementation's registered nam
 _STEP = contextvars.ContextVar("kvcache_op_packed_step", default=None)
 
 
+class Unexpressible(ValueError):
+    """What the packed attention found in a layer that the cache cannot hold (raised through the model's forward)."""
+
+
 @dataclasses.dataclass
 class PackedStep:
     """One step's inputs for every layer's attention, and what the layers showed of themselves (``seen``:
@@ -83,6 +87,9 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise RuntimeError("the packed attention runs only inside kvcache_op.hf's export (no step is set)")
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[-1]
     layer = getattr(module, "layer_idx", None)
+    if layer in step.seen:  # e.g. differential attention: two attentions whose values would share one cache layer
+        raise Unexpressible(f"layer {layer} ({type(module).__name__}) calls attention more than once in a forward: "
+                            f"the cache holds one key and one value per layer and position")
     step.seen[layer] = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, value_dim=value.shape[-1],
                             batch=query.shape[0], sliding_window=int(sliding_window or 0),
                             softcap=float(softcap or 0.0), scaling=float(scaling) if scaling is not None else None,
@@ -134,4 +141,4 @@ def register() -> None:
     _registered = True
 
 
-__all__ = ["ATTENTION", "PackedStep", "packed_attention", "register", "stepping"]
+__all__ = ["ATTENTION", "PackedStep", "Unexpressible", "packed_attention", "register", "stepping"]

@@ -15,7 +15,7 @@ import torch
 from ..reference.rotary import rotate
 from ..serving.model_info import DecoderSizes
 from .cache_settings import CacheSettings
-from .packed_attention import PackedStep, stepping
+from .packed_attention import PackedStep, Unexpressible, stepping
 
 # Rotary types whose inverse frequencies depend on the sequence length at run time: they cannot be one static
 # graph, and a cache of keys rotated under one length would be wrong under another.
@@ -44,6 +44,8 @@ def _routed_forward(model, arguments: dict):
     """The model's forward with attention routed to the ops; a failure there is a ``ValueError`` saying so."""
     try:
         return model(**arguments)
+    except Unexpressible:
+        raise
     except Exception as error:  # noqa: BLE001 - any failure means the model needs what the route does not give
         raise ValueError(f"the model's forward fails with its attention routed to the ops ({type(error).__name__}: "
                          f"{error}): it needs an attention mask or attention weights the packed graph does not "
@@ -66,12 +68,15 @@ def _widened(model):
             t.data = t.data.to(dtype)
 
 
-def check_routing(model, sizes: DecoderSizes, tokens: int = 40) -> float:
-    """Runs ``tokens`` tokens through the model's own forward and through its forward with attention routed to the
-    ops (a scratch float32 cache, one prefill), both in float32 (a float16 or bfloat16 model widened for the check
-    and restored after), and returns the largest logit difference; ``ValueError`` when they differ beyond float32
-    noise: then the model attends in a way the ops do not express (a mask with a bias, an attention it changes after
-    the interface, ...), and exporting it would serve wrong tokens."""
+def check_routing(model, sizes: DecoderSizes, tokens: int = 64) -> float:
+    """Runs two sequences through the model's own forward and through its forward with attention routed to the ops
+    (a scratch float32 cache), both in float32 (a float16 or bfloat16 model widened for the check and restored after),
+    and returns the largest logit difference. The routed forward sees what serving does: a packed step of both
+    sequences from position 0 (the first ``4/7`` of a ``tokens``-token prompt and a shorter one), then a packed step
+    in which the shorter decodes one token and the first prefills its remaining tokens from where it stopped.
+    ``ValueError`` when they differ beyond float32 noise: the model attends in a way the ops do not express (a mask
+    with a bias, an attention it changes after the interface, positions it takes from a cache's length rather than
+    from ``position_ids``, ...), and exporting it would serve wrong tokens."""
     with _widened(model):
         return _check_routing(model, sizes, tokens)
 
@@ -79,28 +84,48 @@ def check_routing(model, sizes: DecoderSizes, tokens: int = 40) -> float:
 def _check_routing(model, sizes: DecoderSizes, tokens: int) -> float:
     from .. import torch as kt
 
-    tokens = min(tokens, sizes.max_positions)
-    ids = torch.arange(tokens)[None] * 7 % sizes.vocab_size
+    n = min(tokens, sizes.max_positions)
+    first, short = (max(1, n * 4 // 7), max(1, min(n // 3, n - 1))) if n > 1 else (1, 1)
+    a = torch.arange(n) * 7 % sizes.vocab_size  # the long sequence: prefilled in two chunks
+    b = (torch.arange(short + 1) * 5 + 1) % sizes.vocab_size  # the short one: prefilled, then one token decoded
     settings = CacheSettings(page_size=16)
-    pages = -(-tokens // settings.page_size)
-    cache, _ = kt.new_cache(num_layer=sizes.num_layers, max_tokens=pages * settings.page_size,
+    ps = settings.page_size
+    pages_a, pages_b = -(-n // ps), -(-(short + 1) // ps)
+    cache, _ = kt.new_cache(num_layer=sizes.num_layers, max_tokens=(pages_a + pages_b) * ps,
                             heads=sizes.num_kv_heads, head_dim=sizes.head_dim, dtype=torch.float32,
                             cache_layout=settings.cache_layout)
-    inputs = dict(seqstarts=torch.tensor([0, tokens]), kvstarts=torch.tensor([0, tokens]),
-                  cachestarts=torch.arange(pages)[None] * settings.page_size, start_pos=torch.tensor([0]),
-                  decoding_batches=torch.tensor(0), max_seqlen=torch.tensor(tokens), max_kvlen=torch.tensor(tokens),
-                  cache=cache, scale=None)
+    table = {"a": torch.arange(pages_a) * ps, "b": (pages_a + torch.arange(pages_b)) * ps}
+
+    def routed(parts, decoding: int):
+        """The routed forward's logits of one packed step: ``parts`` as (sequence, its new tokens, start)."""
+        lengths = [len(t) for _, t, _ in parts]
+        starts = [start for _, _, start in parts]
+        width = max(len(table[name]) for name, _, _ in parts)
+        inputs = dict(seqstarts=torch.tensor([0, *itertools.accumulate(lengths)]),
+                      kvstarts=torch.tensor([0, *itertools.accumulate(s + q for s, q in zip(starts, lengths))]),
+                      cachestarts=torch.stack([torch.nn.functional.pad(table[name], (0, width - len(table[name])))
+                                               for name, _, _ in parts]),
+                      start_pos=torch.tensor(starts), decoding_batches=torch.tensor(decoding),
+                      max_seqlen=torch.tensor(max(lengths)),
+                      max_kvlen=torch.tensor(max(s + q for s, q in zip(starts, lengths))), cache=cache, scale=None)
+        positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, lengths)])
+        with stepping(model, PackedStep(inputs=inputs, cache=settings, sizes=sizes)):
+            return _routed_forward(model, dict(input_ids=torch.cat([t for _, t, _ in parts])[None],
+                                               position_ids=positions[None], use_cache=False)).logits[0].float()
+
     with torch.no_grad():
-        own = model(input_ids=ids, use_cache=False).logits[0].float()
-        step = PackedStep(inputs=inputs, cache=settings, sizes=sizes)
-        with stepping(model, step):
-            routed = _routed_forward(model, dict(input_ids=ids, position_ids=torch.arange(tokens)[None],
-                                                 use_cache=False)).logits[0].float()
-    gap = float((own - routed).abs().max())
+        own_a = model(input_ids=a[None], use_cache=False).logits[0].float()
+        own_b = model(input_ids=b[None], use_cache=False).logits[0].float()
+        step1 = routed([("a", a[:first], 0), ("b", b[:short], 0)], decoding=0)
+        step2 = routed([("b", b[short:], short)] + ([("a", a[first:], first)] if first < n else []), decoding=1)
+    own = torch.cat([own_a[:first], own_b[:short], own_b[short:], own_a[first:]])
+    gap = float((own - torch.cat([step1, step2])).abs().max())
     if not gap <= 1e-3 * max(1.0, float(own.abs().max())):
         raise ValueError(f"the model's forward with attention routed to the ops differs from its own by {gap:.3g} "
-                         f"in the logits of a {tokens}-token prompt: it attends in a way the ops do not express "
-                         f"(a biased or custom mask, attention changed after the interface, ...)")
+                         f"in the logits of a packed prefill of {first} and {short} tokens followed by a step "
+                         f"continuing both (a decode and {n - first} more prompt tokens): it attends in a way the ops "
+                         f"do not express (a biased or custom mask, attention changed after the interface, positions "
+                         f"not taken from position_ids, ...)")
     return gap
 
 
@@ -202,10 +227,12 @@ def decoder_sizes(model) -> DecoderSizes:
 
 def eos_token_ids(model) -> tuple:
     """The ids generation stops after: the config's and the generation config's (chat checkpoints keep their
-    end-of-turn id in the latter)."""
+    end-of-turn id in the latter), but for ids past the vocabulary, which no step can generate (a config's defaults
+    kept over a smaller vocabulary)."""
     eos = _ids(getattr(text_config(model), "eos_token_id", None)) + _ids(
         getattr(getattr(model, "generation_config", None), "eos_token_id", None))
-    return tuple(dict.fromkeys(eos))
+    vocab = text_config(model).vocab_size
+    return tuple(t for t in dict.fromkeys(eos) if 0 <= t < vocab)
 
 
 def _ids(value) -> tuple:
