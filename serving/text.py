@@ -14,9 +14,11 @@ class TextStream:
     spaces tokenizers attach to word starts; so the tokens not yet settled are decoded together after a few
     tokens of context (for the tokenizer's spacing rules) and the part not yet emitted is returned, minus a
     trailing replacement character, which is held until the character is complete. Once ``SETTLE_AFTER``
-    tokens are out whole, the window moves on (its last few tokens become the context), so a token costs the
-    same however long the reply: a decode of at most ``3 * context + SETTLE_AFTER`` tokens while characters
-    complete. The chunks joined equal ``tokenizer.decode(tokens)``, whatever the tokens."""
+    tokens are out whole, the window moves on (its last few tokens become the context), so a token of text that
+    decodes to whole characters costs the same however long the reply (a decode of at most ``3 * context +
+    SETTLE_AFTER`` tokens); a run of bytes that never completes a character keeps the window from moving until it
+    ends. The chunks joined equal ``tokenizer.decode(tokens)``, whatever the tokens, for a decoder whose text of a
+    prefix is a prefix of the text (byte-level BPE; see the tests for byte fallback)."""
 
     SETTLE_AFTER = 16  # generated tokens decoded again and again before the window moves past them
 
@@ -70,12 +72,9 @@ class TextStream:
         if tail is not None:
             (self._prefix, self._prefix_text), self._tokens, self._emitted = tail, [], 0
 
-    def finish(self, drop_incomplete: bool = False) -> str:
-        """Whatever is still held: an incomplete character at the end of the generation, as decoded (with
-        ``drop_incomplete``, left out: a reply that holds only whole characters)."""
+    def finish(self) -> str:
+        """Whatever is still held: an incomplete character at the end of the generation, as decoded."""
         text = self._text()
-        if drop_incomplete:
-            text = text[:max(self._emitted, len(text.rstrip(REPLACEMENT)))]
         chunk = text[self._emitted:]
         self._emitted = len(text)
         return chunk

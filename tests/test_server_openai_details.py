@@ -1,8 +1,10 @@
-"""Details of OpenAI's API a client relies on, checked in process: the reply's text never ends in half a character,
-completions' ``text_offset`` indexes the tokens' own texts, the context a request may fill is the one
-``/v1/models`` reports (the page pool's where it is smaller, refused with ``context_length_exceeded`` naming the
-field that carries the prompt), ``/v1/models/{id}``, ``HEAD /health``, an empty text prompt, any signed 64-bit
-seed, and ``top_p`` 0."""
+"""Details of OpenAI's API a client relies on, checked in process: a reply cut inside a character is the
+tokenizer's decode of its tokens and streams no half character before its end, completions' ``text_offset``
+indexes the tokens' own texts, the context a request may fill is the one ``/v1/models`` reports (the page pool's
+where it is smaller, refused with ``context_length_exceeded`` naming the field that carries the prompt),
+``/v1/models/{id}``, ``HEAD /health``, an empty text prompt, any signed 64-bit seed, and ``top_p`` 0."""
+
+import json
 
 import pytest
 
@@ -40,9 +42,10 @@ def _error(reply, status):
     return reply.json()["error"]
 
 
-def test_a_reply_cut_inside_a_character_leaves_the_half_character_out(served):
-    """max_tokens reached between the bytes of a character: the reply (streamed or not) ends before it, where it once
-    ended in U+FFFD. The cut is found from the model's own greedy tokens."""
+def test_a_reply_cut_inside_a_character_ends_as_the_tokenizer_decodes_it(served):
+    """max_tokens reached between the bytes of a character: the reply, streamed or not, is the tokenizer's decode of
+    its tokens (the cut character a U+FFFD at its end, as transformers' decode and vLLM's replies have it), and no
+    streamed chunk but the last holds a replacement character. The cut is found from the model's own greedy tokens."""
     from kvcache_op.serving import SamplingParams
 
     engine, client, tokenizer = served
@@ -53,7 +56,7 @@ def test_a_reply_cut_inside_a_character_leaves_the_half_character_out(served):
         for k in range(1, len(tokens)):
             text = tokenizer.decode(tokens[:k])
             if text.endswith(REPLACEMENT) and not tokenizer.decode(tokens)[len(text) - 1:].startswith(REPLACEMENT):
-                cut = prompt, k, text.rstrip(REPLACEMENT)
+                cut = prompt, k, text
                 break
         if cut:
             break
@@ -62,7 +65,11 @@ def test_a_reply_cut_inside_a_character_leaves_the_half_character_out(served):
     body = {"prompt": prompt, "max_tokens": k, "ignore_eos": True}
     assert _complete(client, **body)["text"] == want
     streamed = client.post("/v1/completions", json={"model": "tiny", "temperature": 0, "stream": True, **body})
-    assert REPLACEMENT not in streamed.text
+    chunks = [json.loads(line[6:])["choices"][0]["text"] for line in streamed.text.splitlines()
+              if line.startswith("data: {")]
+    assert "".join(chunks) == want
+    sent = [c for c in chunks if c]
+    assert sent[-1].endswith(REPLACEMENT) and not any(c.endswith(REPLACEMENT) for c in sent[:-1])
 
 
 def test_text_offset_indexes_the_tokens_own_texts(served):

@@ -104,14 +104,18 @@ def test_a_token_costs_the_same_however_long_the_reply(tokenizer):
     assert prompt_text + "".join(chunks) + stream.finish() == tokenizer.decode(ids)
 
 
-def test_finish_can_leave_out_a_character_the_reply_cut_in_half(tokenizer):
-    """A reply ending inside a character (max_tokens reached between its bytes): finish() returns what the bytes
-    decode to, finish(drop_incomplete=True) leaves the broken character out."""
-    ids = tokenizer.encode("ok \U0001D11E").ids  # a character outside both vocabularies: four byte tokens
-    assert tokenizer.decode(ids[:-1]).endswith(REPLACEMENT), "the clef must take more than one token"
-    for drop, want in ((False, tokenizer.decode(ids[:-1])), (True, tokenizer.decode(ids[:-1]).rstrip(REPLACEMENT))):
-        stream = TextStream(tokenizer)
-        assert "".join([stream.push(t) for t in ids[:-1]] + [stream.finish(drop_incomplete=drop)]) == want
+def test_a_prompt_cut_inside_a_long_run_of_byte_tokens_is_completed_by_the_reply(tokenizer):
+    """Characters outside the vocabulary are runs of byte tokens; a prompt may end anywhere in one. The context is
+    then found further back than the run (a byte-fallback decode turns a whole run that ends inside a character into
+    replacement characters, so no tail inside it decodes cleanly): the reply completes the cut character, and the
+    prompt's text and the chunks join to the text."""
+    text = "ok \U0001D11E\U0001D11E\U0001D11E\U0001D160 done"  # musical symbols: in neither vocabulary
+    ids = tokenizer.encode(text).ids
+    for cut in range(1, len(ids)):
+        stream = TextStream(tokenizer, prompt_ids=ids[:cut])
+        chunks = [stream.push(t) for t in ids[cut:]] + [stream.finish()]
+        assert tokenizer.decode(ids[:cut]).rstrip(REPLACEMENT) + "".join(chunks) == text, cut
+        assert not any(REPLACEMENT in c for c in chunks), cut
 
 
 def test_random_token_sequences_still_join_to_their_decode(tokenizer):

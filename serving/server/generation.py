@@ -57,11 +57,11 @@ class Generation:
                 self.handle.cancel()
 
     def tail(self) -> str:
-        """Text still held at the end (a tail that never became a stop string; a character whose bytes the reply
-        ends inside, max_tokens reached, is left out)."""
+        """Text still held at the end (an incomplete character, as the tokenizer decodes it; a tail that never became
+        a stop string)."""
         if self._stops.stopped:
             return ""
-        text, _ = self._stops.feed(self._text.finish(drop_incomplete=True))  # never half a character
+        text, _ = self._stops.feed(self._text.finish())
         return text + self._stops.flush()
 
     @property

@@ -223,9 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
                                          "$KVCACHE_OP_API_KEY, else none)")
     serve.add_argument("--model-name", help="the model id clients send (default: the file or folder name)")
-    serve.add_argument("--max-queue", type=at_least(1), default=256,
+    serve.add_argument("--max-queue", type=at_least(0), default=256,
                        help="requests waiting for admission beyond the free running slots before new ones get 503 "
-                            "(default 256)")
+                            "(default 256; 0: only what can start running at once)")
     serve.add_argument("--max-body-bytes", type=at_least(1), default=1 << 20, help="request body limit (1 MiB)")
     serve.add_argument("--max-prompt-tokens", type=at_least(1), help="prompt limit (default: the context)")
     serve.add_argument("--max-tokens-limit", type=at_least(1), default=4096, help="largest max_tokens (4096)")
