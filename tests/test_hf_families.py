@@ -138,6 +138,18 @@ def test_a_model_whose_attention_differs_after_the_interface_is_refused(tmp_path
         export_model(model, tmp_path / "x.onnx")
 
 
+def test_a_float16_model_keeps_its_key_shift():
+    """A float16 model's keys are probed widened to float32: in float16 they missed the rotation check's tolerance,
+    and the export recorded no frequencies (StreamingLLM's shift refused). Its frequencies are its own float16 ones,
+    and its parameters come back float16."""
+    from kvcache_op.hf.structure import decoder_sizes
+
+    model = tiny_model("llama").half()
+    sizes = decoder_sizes(model)
+    assert sizes.inv_freq == tuple(float(f) for f in model.model.rotary_emb.inv_freq.float())
+    assert len(sizes.inv_freq) == 8 and {p.dtype for p in model.parameters()} == {torch.float16}
+
+
 def test_stop_ids_past_the_vocabulary_are_left_out():
     """A config's default end-of-sequence ids kept over a smaller vocabulary can never be generated: the export
     leaves them out (the engine refuses metadata naming them, so such a file could not be served)."""

@@ -193,9 +193,15 @@ def _shift_frequencies(model, seen: dict, shifted: dict) -> tuple:
 def decoder_sizes(model) -> DecoderSizes:
     """The decoder's sizes, per-layer windows, softmax scale, stop ids and (when its keys rotate as the shift op
     rotates them) rotary frequencies, from probing its own forward; ``ValueError`` naming what the packed graph
-    cannot express."""
+    cannot express. A float16 model is probed widened to float32 (restored after): its keys in float16 would miss
+    the rotation check's float32 tolerance, and it would lose the key shift."""
     config = text_config(model)
     _refuse_unexpressible(model, config)
+    with _widened(model):
+        return _decoder_sizes(model, config)
+
+
+def _decoder_sizes(model, config) -> DecoderSizes:
     num_layers = config.num_hidden_layers
     seen = probe(model, [_PROBE_TOKEN], [_PROBE_POSITION])
     layers = sorted(k for k in seen if isinstance(k, int))
