@@ -179,11 +179,30 @@ class Engine(OnlineEngine):
         q = Sequence(index, prompt, max_new_tokens, salt, arrival)
         q.params = params
         q.generator = np.random.default_rng(params.seed)
-        # Looked up on every token: a set, however many stop ids a request names.
-        q.ends = frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.info.eos_token_ids)
+        q.ends = self.end_tokens(params)
         if params.stop:
             q.text_stream, q.stop_matcher = TextStream(self.tokenizer, prompt), StopMatcher(params.stop)
         return q
+
+    def end_tokens(self, params: SamplingParams) -> frozenset:
+        """The token ids that end a request of ``params``: its ``stop_token_ids`` and, unless ``ignore_eos``, the
+        model's end-of-sequence ids (a set: looked up on every token, however many stop ids a request names)."""
+        return frozenset(params.stop_token_ids) | frozenset(() if params.ignore_eos else self.info.eos_token_ids)
+
+    @property
+    def _holds_whole_contexts(self) -> bool:
+        """Whether a request holds a page for every position it fills (no sliding window, no StreamingLLM)."""
+        return self.manager.sliding_window is None and self.manager.streaming is None
+
+    @property
+    def usable_context(self) -> int:
+        """Positions one request may fill (prompt and generated tokens): ``max_context`` (the model's maximum
+        positions by default) and, where a request holds a page for every position but its last token's (which is
+        never fed back), what the page pool holds. Under StreamingLLM, the model's maximum positions."""
+        context = self.max_context or self.info.max_positions
+        if self._holds_whole_contexts:
+            context = min(context, self.num_pages * self.info.page_size + 1)
+        return context
 
     def _check_fits(self, q: Sequence, max_new_tokens: int, name: str) -> None:
         """``ValueError`` for a request that could never run: past the context limit, or (without a window or
@@ -195,7 +214,7 @@ class Engine(OnlineEngine):
                              f"positions)")
         ps = self.info.page_size
         needed = -(-(len(q.prompt) + max_new_tokens - 1) // ps)
-        if self.manager.sliding_window is None and self.manager.streaming is None and needed > self.num_pages:
+        if self._holds_whole_contexts and needed > self.num_pages:
             raise ValueError(f"{name}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} need {needed} pages "
                              f"of {ps}, more than num_pages={self.num_pages}: give the engine more pages")
 

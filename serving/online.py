@@ -239,8 +239,8 @@ class OnlineEngine:
         batching it with whatever else runs. ``salt`` isolates the request's prefix cache. Everything is checked
         here (``ValueError``/``TypeError``); a request that could never fit is refused before it is queued. With
         ``max_waiting``, :class:`EngineBusy` refuses it while that many submitted requests wait for admission beyond
-        the free running slots (:meth:`backlog`), counted under the lock that queues it (so concurrent callers can neither pass the limit together nor see
-        each other twice). Safe from any thread."""
+        the free running slots (:meth:`backlog`), counted under the lock that queues it (so concurrent callers can
+        neither pass the limit together nor see each other twice). Safe from any thread."""
         if params is None:
             params = SamplingParams()
         if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):

@@ -4,9 +4,10 @@
 Order, as vLLM applies them: the penalties (repetition over the prompt and the generated tokens, presence and
 frequency over the generated tokens), then temperature 0 is greedy (argmax: token-identical to ``transformers``'
 greedy ``generate``); otherwise the logits are divided by the temperature, the softmax is taken in float64, and
-top-k, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``; 0 keeps the most likely alone) and min-p (tokens below
-``min_p`` times the most likely one's probability) keep a subset, renormalized, from which one token is drawn
-with the request's own generator: a seeded request draws the same tokens whatever runs beside it.
+top-k, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``; 0 keeps the most likely
+alone) and min-p (tokens below ``min_p`` times the most likely one's probability) keep a subset, renormalized,
+from which one token is drawn with the request's own generator: a seeded request draws the same tokens whatever
+runs beside it.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ folder:
 A kind is named as its folder is: intel-xeon-<model> for an Intel processor of family 6, amd-epyc-zen3,
 amd-epyc-zen4 or amd-epyc (Zen 5) for AMD's (other AMD models, Zen 6 among them, are no kind yet). --list also
 names what a kind's run owes that no check can time (other builds, the standard benchmark, the traffic programs).
-A check owed by a kind is timed on that kind only, with no KVCACHE_OP_ choice switch set in the shell. Once a check's figures are in the kind's README (and
-the kernel's choice is kept or changed by them), the kind goes into the check's ``measured_on``.
+A check owed by a kind is timed on that kind only, with no KVCACHE_OP_ choice switch set in the shell. Once a
+check's figures are in the kind's README (and the kernel's choice is kept or changed by them), the kind goes into
+the check's ``measured_on``.
 """
 
 import argparse

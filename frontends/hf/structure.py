@@ -70,18 +70,13 @@ def _widened(model):
 
 def check_routing(model, sizes: DecoderSizes, tokens: int = 64) -> float:
     """Runs two sequences through the model's own forward and through its forward with attention routed to the ops
-    (a scratch float32 cache), both in float32 (a float16 or bfloat16 model widened for the check and restored after),
+    (a scratch float32 cache), the model in float32 (:func:`decoder_sizes` widens a float16 one around every probe),
     and returns the largest logit difference. The routed forward sees what serving does: a packed step of both
     sequences from position 0 (the first ``4/7`` of a ``tokens``-token prompt and a shorter one), then a packed step
     in which the shorter decodes one token and the first prefills its remaining tokens from where it stopped.
     ``ValueError`` when they differ beyond float32 noise: the model attends in a way the ops do not express (a mask
     with a bias, an attention it changes after the interface, positions it takes from a cache's length rather than
     from ``position_ids``, ...), and exporting it would serve wrong tokens."""
-    with _widened(model):
-        return _check_routing(model, sizes, tokens)
-
-
-def _check_routing(model, sizes: DecoderSizes, tokens: int) -> float:
     from .. import torch as kt
 
     n = min(tokens, sizes.max_positions)

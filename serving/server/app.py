@@ -89,16 +89,6 @@ class _Gate:
             self.metrics.observe_request(route, status[0])
 
 
-def usable_context(engine) -> int:
-    """Positions one request may fill (prompt and reply): the engine's context limit, and without a sliding window
-    or StreamingLLM (where a request holds a page for every position it fills but the last) what the page pool
-    holds. ``/v1/models`` reports it as ``max_model_len``."""
-    context = engine.max_context or engine.info.max_positions
-    if engine.manager.sliding_window is None and engine.manager.streaming is None:
-        context = min(context, engine.num_pages * engine.info.page_size + 1)
-    return context
-
-
 def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
     (``ValueError`` otherwise), so that it ends a request at a stop string in the same text the reply holds, which
@@ -108,7 +98,7 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         raise ValueError("the engine must find stop strings in the reply's text: make it with "
                          "Engine(..., tokenizer=PlainText(tokenizer)) for the tokenizer the app is given")
     limits = limits or ServerLimits()
-    context = usable_context(engine)
+    context = engine.usable_context  # what /v1/models reports as max_model_len
     max_prompt = min(limits.max_prompt_tokens or context, context)
     metrics = ServerMetrics(engine)
     expected = api_key.encode() if api_key else None
@@ -176,7 +166,8 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
 
     def busy(waiting: int) -> APIError:
         return APIError(503, f"the server is busy ({waiting} requests waiting for a running slot, the limit is "
-                             f"{limits.max_queue}): retry later", type="server_overloaded", headers={"Retry-After": "1"})
+                             f"{limits.max_queue}): retry later", type="server_overloaded",
+                        headers={"Retry-After": "1"})
 
     async def start(req, prompt_ids: list, max_tokens, default_max, logprobs,
                     max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> Generation:

@@ -31,7 +31,7 @@ class Generation:
         self._text = TextStream(PlainText(tokenizer), prompt_ids)
         self._stops = StopMatcher(params.stop)
         # Tokens that end a request carry no text of their own in the reply (OpenAI's and vLLM's default).
-        self._silent = set(params.stop_token_ids) | (set() if params.ignore_eos else set(engine.info.eos_token_ids))
+        self._silent = engine.end_tokens(params)
         self.completion_tokens = 0
 
     @classmethod

@@ -8,9 +8,9 @@ API and other compatible servers do."""
 
 from __future__ import annotations
 
-from typing import List, Literal, Optional, Union
+from typing import Annotated, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..sampling import SamplingParams
 from .errors import bad_request
@@ -32,7 +32,7 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: Optional[dict] = None
     stop: Optional[Union[str, List[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])]] = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: Optional[dict] = None
@@ -41,7 +41,7 @@ class _Request(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     ignore_eos: bool = False
-    stop_token_ids: Optional[List[int]] = None
+    stop_token_ids: Optional[Annotated[List[int], Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     cache_salt: Optional[str] = None
 
     def unsupported(self) -> dict:
@@ -72,13 +72,7 @@ class _Request(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
             raise bad_request(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters", "stop")
-        if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
-            raise bad_request(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids", "stop_token_ids")
-        seed = self.seed
-        if seed is not None:
-            if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-                raise bad_request(f"seed must be a signed 64-bit integer, got {seed}", "seed")
-            seed %= 2**64  # the generator's seed: the same bits, unsigned
+        seed = None if self.seed is None else self.seed % 2**64  # the generator's seed: the same bits, unsigned
         try:
             return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=top_k,
                                   min_p=self.min_p, seed=seed, stop_token_ids=tuple(self.stop_token_ids or ()),
