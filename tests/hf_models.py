@@ -1,10 +1,14 @@
 """Small transformers decoders and their exports, built once per test session (export takes seconds)."""
 
+import atexit
 import functools
 import pathlib
+import shutil
 import tempfile
 
 _FOLDER = pathlib.Path(tempfile.mkdtemp(prefix="kvcache-op-hf-"))
+# The exports take tens of megabytes a session; they go when the session's process ends.
+atexit.register(shutil.rmtree, _FOLDER, ignore_errors=True)
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,3 +28,12 @@ def test_a_mismatch_fails_the_demo(tmp_path, capsys, monkeypatch):
     assert demo.run_demo(requests=6, new_tokens=4, num_pages=12, out_dir=str(tmp_path)) == 1
     out = capsys.readouterr().out
     assert "MISMATCH request" in out and "FAILED:" in out
+
+
+def test_without_out_the_export_is_removed_at_the_end(tmp_path, capsys, monkeypatch):
+    """Without ``--out`` the model goes into a temporary folder that the demo removes when it ends."""
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert main(["demo", "--requests", "4", "--new-tokens", "3", "--num-pages", "10"]) == 0
+    out = capsys.readouterr().out
+    assert f"exported to {tmp_path}" in out and "removed at the end" in out
+    assert list(tmp_path.iterdir()) == []

@@ -196,7 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0)
     demo.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable; default: the "
                                                           "CUDA EP when available, else the CPU EP)")
-    demo.add_argument("--out", help="folder for the exported model (default: a new temporary folder)")
+    demo.add_argument("--out", help="folder that keeps the exported model (default: a temporary folder, removed at the end)")
     demo.add_argument("--seed", type=at_least(0), default=0)
     demo.set_defaults(func=_demo)
     export = sub.add_parser("export", help="export a local transformers checkpoint folder to the packed decoder graph "

@@ -47,7 +47,19 @@ def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, nu
              quant_bit: int = 0, page_size: int = 16, providers=None, out_dir=None, seed: int = 0) -> int:
     """Builds, exports, serves and verifies; prints figures; returns 0 iff every request matches the source
     model's own generation (quantized caches are checked against the source model with the same
-    quantization applied to its cache, which is what they compute)."""
+    quantization applied to its cache, which is what they compute). The exported model is kept in
+    ``out_dir``; without one it goes into a temporary folder removed at the end."""
+    settings = dict(family=family, requests=requests, new_tokens=new_tokens, num_pages=num_pages,
+                    quant_bit=quant_bit, page_size=page_size, providers=providers, seed=seed)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        return _run(out_dir, kept=True, **settings)
+    with tempfile.TemporaryDirectory(prefix="kvcache-op-demo-") as folder:
+        return _run(folder, kept=False, **settings)
+
+
+def _run(folder: str, kept: bool, family: str, requests: int, new_tokens: int, num_pages: int, quant_bit: int,
+         page_size: int, providers, seed: int) -> int:
     print(f"kvcache-op demo: a {family} decoder exported with the ops and served by ONNX Runtime")
     began = time.perf_counter()
     from kvcache_op.hf import export_model, tiny_model
@@ -61,14 +73,13 @@ def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, nu
     print(f"1. model: {c.num_hidden_layers} layers, hidden {c.hidden_size}, {c.num_attention_heads} query / "
           f"{c.num_key_value_heads} key-value heads, vocab {c.vocab_size}, {params / 1e6:.2f} M parameters "
           f"(seeded random weights; sliding window: {getattr(c, 'sliding_window', None) or 'none'})")
-    folder = out_dir or tempfile.mkdtemp(prefix="kvcache-op-demo-")
-    os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{family}.onnx")
     t = time.perf_counter()
     export_model(model, path, page_size=page_size, quant_bit=quant_bit)
     info = ModelInfo.of_model(path)
-    print(f"2. exported to {path} in {time.perf_counter() - t:.1f} s: per layer KeyValueCache -> "
-          f"MultiHeadAttention on one shared paged cache (page {info.page_size}, quant_bit {info.quant_bit})")
+    print(f"2. exported to {path}{'' if kept else ' (removed at the end; --out DIR keeps it)'} in "
+          f"{time.perf_counter() - t:.1f} s: per layer KeyValueCache -> MultiHeadAttention on one shared paged "
+          f"cache (page {info.page_size}, quant_bit {info.quant_bit})")
 
     workload = shared_prefix_workload(requests, c.vocab_size, seed=seed)
     engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=128, max_running=16)
