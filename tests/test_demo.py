@@ -13,6 +13,7 @@ def test_the_demo_serves_and_verifies_every_request(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "OK: all 12 requests match the source model token for token" in out
     assert (tmp_path / "llama.onnx").exists()
+    assert "per layer MultiHeadCacheAttention on one shared paged cache" in out  # the exporter's default form
     for figure in ("generated tokens/s", "prefix hits", "preemptions", "cache", "ONNX Runtime"):
         assert figure in out
 

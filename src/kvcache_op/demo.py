@@ -1,7 +1,8 @@
 """``kvcache-op demo``, the main job: a small decoder served end to end, and every answer checked.
 
 1. builds a ``transformers`` decoder from a config with seeded random weights (no download);
-2. exports it with :func:`kvcache_op.hf.export_model` (each layer: KeyValueCache then MultiHeadAttention);
+2. exports it with :func:`kvcache_op.hf.export_model` (each layer: one MultiHeadCacheAttention node, which
+   stores the step's keys and values and attends over the paged cache in place);
 3. serves requests that share system prompts through :class:`kvcache_op.serving.Engine` in ONNX Runtime
    (continuous batching, chunked prefill, prefix caching, preemption when pages run short);
 4. checks every request's tokens against the source model's own greedy ``generate``, one request at a
@@ -43,6 +44,16 @@ class Progress:
         return time.perf_counter() - self.started
 
 
+def _attention_form(path: str) -> str:
+    """The layers' attention as the exported graph holds it: the fused node or the split pair."""
+    import onnx
+
+    from kvcache_op.spec import DOMAIN
+
+    ops = {n.op_type for n in onnx.load(path, load_external_data=False).graph.node if n.domain == DOMAIN}
+    return "MultiHeadCacheAttention" if "MultiHeadCacheAttention" in ops else "KeyValueCache -> MultiHeadAttention"
+
+
 def run_demo(family: str = "llama", requests: int = 32, new_tokens: int = 16, num_pages: int = 24,
              quant_bit: int = 0, page_size: int = 16, providers=None, out_dir=None, seed: int = 0) -> int:
     """Builds, exports, serves and verifies; prints figures; returns 0 iff every request matches the source
@@ -78,8 +89,8 @@ def _run(folder: str, kept: bool, family: str, requests: int, new_tokens: int, n
     export_model(model, path, page_size=page_size, quant_bit=quant_bit)
     info = ModelInfo.of_model(path)
     print(f"2. exported to {path}{'' if kept else ' (removed at the end; --out DIR keeps it)'} in "
-          f"{time.perf_counter() - t:.1f} s: per layer KeyValueCache -> MultiHeadAttention on one shared paged "
-          f"cache (page {info.page_size}, quant_bit {info.quant_bit})")
+          f"{time.perf_counter() - t:.1f} s: per layer {_attention_form(path)} on one shared paged cache "
+          f"(page {info.page_size}, quant_bit {info.quant_bit})")
 
     workload = shared_prefix_workload(requests, c.vocab_size, seed=seed)
     engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=128, max_running=16)
