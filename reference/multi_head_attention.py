@@ -47,10 +47,11 @@ def mask_block(attn_mask, h: int, rows: slice, cols: slice):
 
 
 def capped(scores, softcap):
-    """``softcap * tanh(scores / softcap)`` in float32 (the extension's score cap); the scores as they are for 0."""
-    if not softcap:
-        return scores
+    """``softcap * tanh(scores / softcap)`` in float32 (the extension's score cap); the scores as they are for 0.
+    The cap is a float32 (an ONNX float attribute): a value that rounds to 0 in float32 is 0, off."""
     cap = np.float32(softcap)
+    if not cap:
+        return scores
     return (cap * np.tanh(scores / cap)).astype(np.float32)
 
 

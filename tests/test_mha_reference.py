@@ -95,6 +95,20 @@ def test_fully_masked_row_is_zero_not_nan():
     assert np.any(out[1] != 0) and np.any(out[3] != 0)
 
 
+def test_a_softcap_that_rounds_to_zero_in_float32_is_off():
+    """softcap is a float32 attribute: 1e-50 is 0 there, off (not a cap of 0, whose 0 * tanh(0 / 0) is NaN)."""
+    q = np.array([[[1, 0, 0, 0]], [[0, 0, 0, 0]]], np.float32)
+    k = np.array([[[1, 2, 3, 4]], [[0, 1, 0, 1]]], np.float32)
+    v = np.array([[[1, 1, 1, 1]], [[3, 3, 3, 3]]], np.float32)
+    args = dict(seqstarts=np.array([0, 1, 2]), kvstarts=np.array([0, 2, 4]), decoding_batches=np.array(0),
+                max_seqlen=np.array(1), max_kvlen=np.array(2), num_heads=1, head_dim=4)
+    keys, values = np.concatenate([k, k]), np.concatenate([v, v])
+    off = multi_head_attention(q, keys, values, **args)
+    tiny = multi_head_attention(q, keys, values, softcap=1e-50, **args)
+    assert not np.isnan(off).any()
+    np.testing.assert_array_equal(tiny, off)
+
+
 def test_decoding_sequences_are_never_causal():
     """A decoding sequence with seqlen > 1: every query sees every key (ppl), so its queries' outputs only
     differ through their own scores; as the last non-decoding sequence it is causal."""
