@@ -28,12 +28,7 @@ CallPlan ValidateWithOutputs(const KvcacheKeyValueCacheAttrs* c, const KvcacheTe
   const std::vector<int64_t> out_shape{plan.kv_tokens, plan.out_heads, plan.head_dim};
   const char* out_names[2] = {"output key", "output value"};
   for (int i = 0; i < 2; ++i) CheckOutput(outputs[i], out_names[i], in[0].type, out_shape);
-  // current_key/value are read while the cache and scale are written: they must not share memory either.
-  const ByteRange cache = RangeOf("cache", in[8]), scale = RangeOf("scale", in[9]);
-  const ByteRange current_key = RangeOf("current_key", in[0]), current_value = RangeOf("current_value", in[1]);
-  CheckApart(cache, {current_key, current_value});
-  CheckApart(scale, {current_key, current_value, cache});
-  CheckKeyValueOutputsApart(in, outputs[0].data, outputs[1].data, plan.out_bytes);
+  CheckKeyValueBuffersApart(in, outputs[0].data, outputs[1].data, plan.out_bytes);
   return plan;
 }
 

@@ -24,13 +24,9 @@ RotaryPlan ValidateRotaryWithOutput(const KvcacheRotaryShiftAttrs* c, const Kvca
   a->rotary_interleaved = c->rotary_interleaved;
   ToTensorArgs(inputs, 5, kRotaryNames, kRotaryOptional, in);
   const RotaryPlan plan = ValidateRotaryShift(*a, in);  // slots, cos, sin snapshotted, then checked
-  const ByteRange cache = RangeOf("cache", in[0]), scale = RangeOf("scale", in[1]);
-  CheckDisjoint(scale, cache);
-  if (output != nullptr) {
-    const int64_t n = static_cast<int64_t>(plan.slots.size());
-    CheckOutput(*output, "output slots", int32_t(Elem::kInt64), {n});
-    CheckApart({"output slots", output->data, n * 8}, {cache, scale});
-  }
+  const int64_t n = static_cast<int64_t>(plan.slots.size());
+  if (output != nullptr) CheckOutput(*output, "output slots", int32_t(Elem::kInt64), {n});
+  CheckRotaryBuffersApart(in, output != nullptr ? output->data : nullptr, n);
   return plan;
 }
 

@@ -45,10 +45,13 @@ ByteRange RangeOf(const char* name, const TensorArg& t) {
   return {name, t.present ? t.data : nullptr, t.present ? TensorBytes(t.type, t.shape) : 0};
 }
 
-void CheckKeyValueOutputsApart(const TensorArg* in, const void* key, const void* value, int64_t out_bytes) {
+void CheckKeyValueBuffersApart(const TensorArg* in, const void* key, const void* value, int64_t out_bytes) {
+  const ByteRange current_key = RangeOf("current_key", in[0]), current_value = RangeOf("current_value", in[1]),
+                  cache = RangeOf("cache", in[8]), scale = RangeOf("scale", in[9]);
+  CheckApart(cache, {current_key, current_value});
+  CheckApart(scale, {current_key, current_value, cache});
   const ByteRange out_key{"output key", key, out_bytes}, out_value{"output value", value, out_bytes};
-  const std::vector<ByteRange> data{RangeOf("current_key", in[0]), RangeOf("current_value", in[1]),
-                                    RangeOf("cache", in[8]), RangeOf("scale", in[9])};
+  const std::vector<ByteRange> data{current_key, current_value, cache, scale};
   CheckDisjoint(out_key, out_value);
   CheckApart(out_key, data);
   CheckApart(out_value, data);

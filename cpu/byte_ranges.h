@@ -27,10 +27,11 @@ struct TensorArg;
 // The byte range of an input as the validator saw it (empty when absent).
 ByteRange RangeOf(const char* name, const TensorArg& t);
 
-// KeyValueCache's outputs (inputs `in` in the op's order): key and value apart from each other and from
-// current_key, current_value, cache and scale. Outputs a caller allocated (C entry, IOBinding) may point
-// anywhere; throws KvError before anything is written.
-void CheckKeyValueOutputsApart(const TensorArg* in, const void* key, const void* value, int64_t out_bytes);
+// KeyValueCache's buffers (inputs `in` in the op's order): cache and scale, written in place, apart from each
+// other and from current_key and current_value, which are read meanwhile; the outputs key and value apart
+// from each other and from all four. Buffers a caller binds (C entry, IOBinding, OrtValues over its own
+// memory) may point anywhere; throws KvError before anything is written.
+void CheckKeyValueBuffersApart(const TensorArg* in, const void* key, const void* value, int64_t out_bytes);
 
 // MultiHeadAttention's output (query's type and shape) apart from query, key, value and attn_mask.
 void CheckAttentionOutputApart(const TensorArg* in, const void* output);

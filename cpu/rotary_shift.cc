@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "byte_ranges.h"
 #include "kv_quant.h"
 #include "kv_types.h"
 
@@ -72,8 +73,11 @@ RotaryPlan ValidateRotaryShift(const RotaryAttrs& ra, TensorArg* in) {
   if (p.heads < 1 || p.head_dim < 1) Fail("cache must have H >= 1 and Dh >= 1, got shape ", ShapeStr(cache.shape));
   p.max_t = CheckCacheAndScale(a, cache, scale, p.heads, p.head_dim);
   p.rotary = ra.rotary_dim ? ra.rotary_dim : p.head_dim;
-  if (p.rotary % 2 || p.rotary < 2 || p.rotary > p.head_dim)
+  if (p.rotary % 2 || p.rotary < 2 || p.rotary > p.head_dim) {
+    if (ra.rotary_dim == 0)  // the default rotates the whole head, which cannot be split in pairs
+      Fail("rotary_dim = 0 rotates the whole head, R = Dh = ", p.head_dim, ", which must be even and >= 2");
     Fail("rotary_dim must be 0 or even in [2, Dh=", p.head_dim, "], got ", ra.rotary_dim);
+  }
   CheckRotaryAttrs(ra);
   if (slots_t.type != int32_t(Elem::kInt64) || slots_t.shape.size() != 1)
     Fail("slots must be a 1-D int64 tensor, got ", ElemName(slots_t.type), ShapeStr(slots_t.shape));
@@ -157,6 +161,12 @@ void RotaryShiftCpu(const RotaryAttrs& ra, const RotaryPlan& p, const TensorArg*
       }
     }
   });
+}
+
+void CheckRotaryBuffersApart(const TensorArg* inputs, const void* out_slots, int64_t n) {
+  const ByteRange cache = RangeOf("cache", inputs[0]), scale = RangeOf("scale", inputs[1]);
+  CheckDisjoint(scale, cache);
+  if (out_slots != nullptr) CheckApart({"output slots", out_slots, n * int64_t(sizeof(int64_t))}, {cache, scale});
 }
 
 }  // namespace kvcache

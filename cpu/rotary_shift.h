@@ -32,6 +32,10 @@ struct RotaryPlan {
 // scale with quant_bit 0 is first made absent in `inputs` (DropEmptyScale).
 RotaryPlan ValidateRotaryShift(const RotaryAttrs& a, TensorArg* inputs);
 
+// The buffers the op writes apart: scale from cache, and the output slots (`n` int64 at `out_slots`, when not
+// null) from both. Buffers a caller binds may point anywhere; throws KvError before anything is written.
+void CheckRotaryBuffersApart(const TensorArg* inputs, const void* out_slots, int64_t n);
+
 // Rotates the key rows of plan.slots in place (cache, and scale when quantized). The plan must come from
 // ValidateRotaryShift on the same inputs.
 void RotaryShiftCpu(const RotaryAttrs& a, const RotaryPlan& plan, const TensorArg* inputs,

@@ -17,7 +17,7 @@ OrtStatusPtr CudaKernel::ComputeV2(OrtKernelContext* context) {
     const CallPlan plan = ValidateCall(attrs, in);
     auto key = AllocateOutput(ctx, 0, plan, in[0].type);
     auto value = AllocateOutput(ctx, 1, plan, in[0].type);
-    CheckKeyValueOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
+    CheckKeyValueBuffersApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
     if (plan.batch == 0) return nullptr;
     const cuda::DeviceTensors tensors{in[0].data, in[1].data,
                                       const_cast<void*>(in[8].data),  // written in place (spec: in-out input)

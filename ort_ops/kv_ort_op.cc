@@ -116,7 +116,7 @@ OrtStatusPtr CpuKernel::ComputeV2(OrtKernelContext* context) {
     const CallPlan plan = ValidateCall(attrs, in);  // throws before anything is written
     auto key = AllocateOutput(ctx, 0, plan, in[0].type);
     auto value = AllocateOutput(ctx, 1, plan, in[0].type);
-    CheckKeyValueOutputsApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
+    CheckKeyValueBuffersApart(in, key.GetTensorMutableRawData(), value.GetTensorMutableRawData(), plan.out_bytes);
     ComputeArgs args{&attrs, &plan, in[0].type, in[kScaleInput].type, in[0].data, in[1].data,
                      const_cast<void*>(in[8].data),  // the cache is written in place (spec: in-out input)
                      in[kScaleInput].present ? const_cast<void*>(in[kScaleInput].data) : nullptr,

@@ -23,7 +23,9 @@ RotaryPlan ValidateAndAllocate(Ort::KernelContext& ctx, const RotaryAttrs& attrs
   ReadInputs(ctx, in, 5);
   RotaryPlan plan = ValidateRotaryShift(attrs, in);  // throws before anything is written
   // Allocated before the rotation, so that a failure here leaves the cache unchanged.
-  *out = ctx.GetOutput(0, {static_cast<int64_t>(plan.slots.size())}).GetTensorMutableRawData();
+  const int64_t n = static_cast<int64_t>(plan.slots.size());
+  *out = ctx.GetOutput(0, {n}).GetTensorMutableRawData();
+  CheckRotaryBuffersApart(in, *out, n);  // a bound output may point anywhere
   return plan;
 }
 

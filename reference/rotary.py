@@ -52,6 +52,8 @@ def _check(cache, scale, slots, cos, sin, a: Attributes, rotary_dim: int) -> tup
     _, _, max_t = check_tensors(dummy, dummy, cache, scale, a)
     rotary = rotary_dim or head_dim
     if rotary % 2 or rotary < 2 or rotary > head_dim:
+        if not rotary_dim:  # the default rotates the whole head, which cannot be split in pairs
+            fail(f"rotary_dim = 0 rotates the whole head, R = Dh = {head_dim}, which must be even and >= 2")
         fail(f"rotary_dim must be 0 or even in [2, Dh={head_dim}], got {rotary_dim}")
     slots = np.asarray(slots)
     if slots.dtype != np.int64 or slots.ndim != 1:

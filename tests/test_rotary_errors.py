@@ -47,3 +47,12 @@ def test_rotary_rejection_names_only_rotary_inputs(name):
     assert not named, f"KeyCacheRotaryShift error names {named}: {message}"
     assert OWN_MESSAGE.get(name, str(reference.value)) in message
     assert {k: inputs[k].tobytes() for k in before} == before
+
+
+def test_the_default_rotary_dim_over_an_odd_head_says_what_is_odd():
+    """rotary_dim 0 means the whole head: the message says so, rather than that 0 is allowed but was refused."""
+    inputs, attrs = CASES["rotary_dim0_odd_head_dim"]()
+    message = "rotary_dim = 0 rotates the whole head, R = Dh = 3, which must be even and >= 2"
+    with pytest.raises(KeyValueCacheError, match=re.escape(message)):
+        key_cache_rotary_shift(**inputs, **attrs)
+    assert message in ort_error(inputs, attrs)
