@@ -15,6 +15,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``scale_not_rounded``: quantizes with the float32 scale instead of the scale rounded to its dtype;
 * ``ppl_style``: ppl's arithmetic: the scale computed in T1 (and used unrounded), the quotient rounded to
   float16 before ``rint``, dequantization in the scale's dtype then T1 (what the spec's tolerance table allows);
+* ``ties_away``: quotients rounded half away from zero (C's ``round``), not to even: codes one off at exact ties;
+* ``dequantize_in_t3``: the spec's codes and scales, dequantized in the scale's dtype then T1 (ppl's torch reference);
 * ``raises_on_layers3``: raises on calls with three layers, correct otherwise;
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
@@ -27,7 +29,12 @@ module-level function below is one variant with the reference's signature, loada
 * ``zeroes_current_key``: correct, then zeroes its ``current_key`` argument (a read-only input);
 * ``shifts_start_pos``: correct, then adds one to its ``start_pos`` argument (a read-only index input);
 * ``stores_into_a_copy``: correct outputs, but stores into a copy of the cache (the caller's stays as it was);
-* ``layer_idx_ignored``: every call as if ``layer_idx`` were 0, never checked against ``num_layer``.
+* ``layer_idx_ignored``: every call as if ``layer_idx`` were 0, never checked against ``num_layer``;
+* ``layer_ignored_in_layouts_0_and_2``: the same in layouts 0 and 2 only;
+* ``pages_assumed_aligned``: rounds each page's start down to a multiple of ``page_size``;
+* ``page_bounds_of_touched_slots_only``: accepts a page running past the cache when the slots it touches are in it;
+* ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
+  ``scale`` with ``quant_bit`` 0).
 
 ``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``, ``attention_query_nan``: correct, then
 sets its ``query`` argument to NaN, ``cache_attention_loads_first``: MultiHeadCacheAttention attending over the keys
@@ -68,7 +75,11 @@ def _quantize(x, quant_bit, group, scale_dtype, t1, bug, arithmetic):
         stored = scale.astype(scale_dtype)
         used = scale if bug == "scale_not_rounded" else stored.astype(np.float32)
         quotient = groups / used[..., None]
-    codes = np.clip(np.rint(quotient), -qmax, qmax)
+    if arithmetic == "ties_away":  # C's round(): half away from zero, another rounding to nearest
+        rounded = np.trunc(quotient.astype(np.float64) + np.copysign(0.5, quotient))
+    else:
+        rounded = np.rint(quotient)
+    codes = np.clip(rounded, -qmax, qmax)
     codes = np.where(np.isnan(codes), 0, codes)
     codes = _CODE_BUGS.get(bug, lambda c, q: c)(codes, qmax)
     return codes.astype(np.int8).reshape(x.shape), stored
@@ -87,7 +98,7 @@ _CODE_BUGS = {
 
 def _dequantize(codes, scale, group, t1, arithmetic):
     groups = codes.astype(np.float32).reshape(*codes.shape[:-1], codes.shape[-1] // group, group)
-    if arithmetic == "ppl":  # code.type_as(scale) * scale, in the scale's dtype
+    if arithmetic in ("ppl", "dequantize_in_t3"):  # code.type_as(scale) * scale, in the scale's dtype
         values = groups.astype(scale.dtype) * scale[..., None]
     else:
         values = groups * scale.astype(np.float32)[..., None]
@@ -134,7 +145,10 @@ def _backend(bug=None, arithmetic="spec"):
         def slots(b, positions):
             if cache_mode == 0:
                 return cachestarts[b] + positions
-            return cachestarts[b][positions // page_size] + positions % page_size
+            pages = cachestarts[b][positions // page_size]
+            if bug == "pages_assumed_aligned":  # a page's start rounded down to a multiple of page_size
+                pages = pages // page_size * page_size
+            return pages + positions % page_size
 
         for b in range(batch):
             rows = slice(seqstarts[b], seqstarts[b + 1])
@@ -171,6 +185,18 @@ def _backend(bug=None, arithmetic="spec"):
     return key_value_cache
 
 
+def decode_outputs(case, outcome) -> None:
+    """Sets a KeyValueCache outcome's outputs to what its own quantized cache holds at the slots the call loads
+    (float32 products, one rounding to T1): a backend's outputs after a test moved its codes or scales."""
+    from kvcache_op.validation.slot_map import SlotMap
+
+    slots, t1 = SlotMap(case.inputs, case.attributes), case.inputs["current_key"].dtype
+    codes = outcome.after["cache"].astype(np.int8).reshape(-1).astype(np.float32)
+    scales = outcome.after["scale"].astype(np.float32).reshape(-1)
+    for kv, name in enumerate(("key", "value")):
+        outcome.outputs[name] = (codes[slots.source(kv)] * scales[slots.source(kv, scale=True)]).astype(t1)
+
+
 correct = _backend()
 no_bounds_checks = _backend("no_bounds_checks")
 gqa_tiled = _backend("gqa_tiled")
@@ -178,6 +204,8 @@ kvlen_ignored = _backend("kvlen_ignored")
 int4_nibbles_swapped = _backend("int4_nibbles_swapped")
 scale_not_rounded = _backend("scale_not_rounded")
 ppl_style = _backend(arithmetic="ppl")
+ties_away = _backend(arithmetic="ties_away")
+dequantize_in_t3 = _backend(arithmetic="dequantize_in_t3")
 raises_on_layers3 = _backend("raises_on_layers3")
 crashes_on_page_size1 = _backend("crashes_on_page_size1")
 clobbers_last_slot = _backend("clobbers_last_slot")
@@ -278,8 +306,30 @@ def layer_idx_ignored(*args, layer_idx=0, num_layer=1, **attributes):
     return correct(*args, layer_idx=0, num_layer=num_layer, **attributes)
 
 
+pages_assumed_aligned = _backend("pages_assumed_aligned")
+
+
+def layer_ignored_in_layouts_0_and_2(*args, layer_idx=0, num_layer=1, cache_layout=0, **attributes):
+    """Correct in layouts 1 and 3; in 0 and 2 a valid layer_idx is taken as 0 (a layer stride left out)."""
+    ignored = cache_layout in (0, 2) and 0 <= layer_idx < num_layer
+    return correct(*args, layer_idx=0 if ignored else layer_idx, num_layer=num_layer, cache_layout=cache_layout,
+                   **attributes)
+
+
+def page_bounds_of_touched_slots_only(*args, **attributes):
+    """Checks that the slots a call touches lie in the cache, not that its pages do: a page running past the cache's
+    end whose touched slots are inside is accepted."""
+    try:
+        return correct(*args, **attributes)
+    except KeyValueCacheError as error:
+        if "+ page_size" not in str(error):
+            raise
+        return no_bounds_checks(*args, **attributes)  # numpy refuses a slot past the end (IndexError)
+
+
 #: The KV variants above that are bugs the kit must catch.
-BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded"]
+BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded",
+        "pages_assumed_aligned", "layer_ignored_in_layouts_0_and_2", "page_bounds_of_touched_slots_only"]
 
 
 def _rotary_sin_negated(cache, scale, slots, cos, sin, **attributes):
@@ -336,6 +386,31 @@ def _cache_attention_nan_when_all_masked(*args, attn_mask=None, **attributes):
 
 cache_attention_nan_when_all_masked = types.SimpleNamespace(
     multi_head_cache_attention=_cache_attention_nan_when_all_masked)
+
+
+def _cache_attention_kv_heads_required(*args, num_kv_heads=0, **attributes):
+    if not num_kv_heads:
+        raise ValueError("num_kv_heads must be set")
+    return multi_head_cache_attention(*args, num_kv_heads=num_kv_heads, **attributes)
+
+
+#: The fused op, refusing num_kv_heads 0 (the default, meaning num_heads).
+cache_attention_kv_heads_required = types.SimpleNamespace(multi_head_cache_attention=_cache_attention_kv_heads_required)
+
+
+def _refusing_empty_scale(op):
+    def refusing(*args, scale=None, quant_bit=0, **attributes):
+        if scale is not None and not quant_bit:
+            raise ValueError("scale must be absent when quant_bit is 0")
+        return op(*args, scale=scale, quant_bit=quant_bit, **attributes)
+    return refusing
+
+
+#: Every cache op, refusing the empty scale placeholder of ppl.pmx's export (which the specs read as absent).
+empty_scale_refused = types.SimpleNamespace(
+    key_value_cache=_refusing_empty_scale(correct),
+    key_cache_rotary_shift=_refusing_empty_scale(key_cache_rotary_shift),
+    multi_head_cache_attention=_refusing_empty_scale(multi_head_cache_attention))
 
 
 def cache_attention_over(stores):

@@ -27,7 +27,7 @@ def _failed(report, op="KeyValueCache"):
 def test_the_correct_planted_backend_passes_every_kv_case(all_vectors):
     """The planted bugs are the only thing wrong with their backends."""
     report = validate(all_vectors, planted_backends.correct)
-    assert _failed(report) == set() and report.count("ok") == 58 + 75
+    assert _failed(report) == set() and report.count("ok") == 63 + 76  # valid + invalid KeyValueCache cases
 
 
 #: bug -> cases it must fail (at least), and the kind of every case it fails
@@ -38,6 +38,10 @@ CAUGHT_BY = {
     "kvlen_ignored": ({"partial_load_kvlen_lt_end", "store_only_kvlen0"}, "valid"),
     "int4_nibbles_swapped": ({f"int4_layout{i}" for i in range(4)} | {"chunked_prefill_paged_int4"}, "valid"),
     "scale_not_rounded": ({"int8_scale_float16", "int4_scale_float16", "t1_bfloat16_int8_scale_float16"}, "valid"),
+    "pages_assumed_aligned": ({"paged_unaligned_pages", "paged_unaligned_pages_int4_layout3"}, "valid"),
+    "layer_ignored_in_layouts_0_and_2": ({"layers2_layer_idx1_layout0", "layers4_layer_idx3_paged_int8_layout2"},
+                                         "valid"),
+    "page_bounds_of_touched_slots_only": ({"error_paged_page_past_end_touched_inside"}, "invalid"),
 }
 
 

@@ -17,6 +17,7 @@ from kvcache_op.validation.validate import validate
 
 TESTS = pathlib.Path(__file__).parent
 EXAMPLES = 120  # each bug is found within this many calls (and shrunk) from seed 0
+MORE_EXAMPLES = {"layer_ignored_in_layouts_0_and_2": 200}  # a second layer in two of four layouts: found at 200
 
 
 def _kvlens_short(case):
@@ -33,12 +34,17 @@ SIGNS = {
     "kvlen_ignored": lambda case, lines: _kvlens_short(case),
     "int4_nibbles_swapped": lambda case, lines: case.attributes["quant_bit"] == 4,
     "scale_not_rounded": lambda case, lines: case.attributes["quant_bit"] and case.inputs["scale"].dtype == np.float16,
+    "pages_assumed_aligned": lambda case, lines: case.attributes["cache_mode"] == 1 and bool(
+        np.any(case.inputs["cachestarts"][case.inputs["cachestarts"] >= 0] % case.attributes["page_size"])),
+    "layer_ignored_in_layouts_0_and_2": lambda case, lines: case.attributes["layer_idx"] > 0 and
+    case.attributes["cache_layout"] in (0, 2),
+    "page_bounds_of_touched_slots_only": lambda case, lines: case.expect_error and case.attributes["cache_mode"] == 1,
 }
 
 
 @pytest.mark.parametrize("bug", planted_backends.BUGS)
 def test_fuzz_finds_each_planted_bug_and_shrinks_it(bug):
-    result = fuzz(import_callables(f"planted_backends:{bug}"), examples=EXAMPLES, seed=0)
+    result = fuzz(import_callables(f"planted_backends:{bug}"), examples=MORE_EXAMPLES.get(bug, EXAMPLES), seed=0)
     assert result.failure is not None, result.by_op
     case, lines = result.failure
     assert lines and SIGNS[bug](case, lines), (case, lines)

@@ -104,6 +104,8 @@ def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(a
     ("scale_floor_missing", {"quant_special_values", "quant_special_values_scale_float16"}),
     ("rotary_slots_sorted", {"rotary_unsorted_slots"}),
     ("cache_attention_nan_when_all_masked", {"mhca_mask_minus_inf"}),
+    ("cache_attention_kv_heads_required", {"mhca_num_kv_heads0"}),
+    ("empty_scale_refused", {"empty_scale_placeholder", "mhca_empty_scale_mask", "rotary_empty_scale_placeholder"}),
 ])
 def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, monkeypatch, bug, cases):
     """Each bug shows only at a bound (the last slot of the cache), at a special value (a group of zeros, whose

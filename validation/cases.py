@@ -63,13 +63,15 @@ def _fill(rng, shape, dtype, quant_bit):
 def build(name, seqs, *, heads=2, head_dim=8, num_layer=1, layer_idx=0, quant_bit=0, quant_group=8,
           num_repeat=1, cache_mode=0, cache_layout=0, page_size=128, t1="float16", t3="float32", max_t=None,
           max_pages=None, scalar_max=True, extra_max=0, seed=None, tail_slots=3, spare_pages=1,
-          empty_offsets_minus_one=False):
+          empty_offsets_minus_one=False, aligned_pages=True):
     """Builds a case: sequences laid out disjointly in the cache (or sharing pages when asked).
 
     Random data comes from ``seed`` (default: derived from ``name``), so a case is reproducible. Unless ``max_t`` /
     ``max_pages`` are given: offset mode leaves ``tail_slots`` slots after the last sequence's end (0: it ends at
     MaxT), paged mode ``spare_pages`` unused columns in the page table (0: the longest sequence fills it).
     ``empty_offsets_minus_one``: offset mode gives sequences that store and load nothing the offset -1 (never read).
+    ``aligned_pages=False``: paged mode starts pages one slot past multiples of ``page_size + 1`` (the spec lets a
+    page start at any slot; a kernel that rounds a start to a page boundary reads and writes the wrong slots).
     """
     rng = np.random.default_rng(zlib.crc32(name.encode()) if seed is None else seed)
     t1 = _T1[t1]
@@ -87,15 +89,16 @@ def build(name, seqs, *, heads=2, head_dim=8, num_layer=1, layer_idx=0, quant_bi
         needed = [-(-span // page_size) for span in spans]
         max_pages = max_pages or max(max(needed, default=0) + spare_pages, 1)
         total_pages = max(sum(needed), 1) + 2
-        max_t = max_t or total_pages * page_size
-        free = list(rng.permutation(max_t // page_size))
+        stride, first = (page_size, 0) if aligned_pages else (page_size + 1, 1)
+        max_t = max_t or first + total_pages * stride
+        free = list(rng.permutation((max_t - first) // stride))
         table = np.full((len(seqs), max_pages), -1, np.int64)  # unused entries stay -1
         for b, (s, n) in enumerate(zip(seqs, needed)):
             for p in range(n):
                 if s.share_pages_of >= 0 and p < s.shared_pages:
                     table[b, p] = table[s.share_pages_of, p]
                 else:
-                    table[b, p] = int(free.pop()) * page_size
+                    table[b, p] = first + int(free.pop()) * stride
         cachestarts = table
     cache_dtype = CACHE_TYPE_FOR_QUANT_BIT[quant_bit] or t1
     cache = _fill(rng, cache_shape(cache_layout, num_layer, max_t, heads, head_dim), cache_dtype, quant_bit)
@@ -156,6 +159,13 @@ def _empty_offset_minus_one(case):
     return case
 
 
+def with_empty_scale(case, dtype=BFLOAT16):
+    """quant_bit 0 with the empty ``scale`` ppl.pmx's export passes (bfloat16 by default, as its placeholder may
+    be): the spec reads it as absent."""
+    case.inputs["scale"] = np.zeros((0,), dtype)
+    return case
+
+
 def _special_values(case):
     """current_key with an all-zero group (its scale is eps), a group below eps, a NaN, an infinity, and groups
     whose quotients are exact ties (amax / qmax = 2: 0.5, 1.5, -2.5 round to even)."""
@@ -200,6 +210,13 @@ def _registry():
     case("gqa_repeat3_heads1", MIXED, num_repeat=3, heads=1)
     case("layers3_layer_idx2", MIXED, num_layer=3, layer_idx=2, cache_layout=1)
     case("layers3_layer_idx1_paged_layout3", MIXED, num_layer=3, layer_idx=1, cache_layout=3, cache_mode=1, page_size=4)
+    case("layers2_layer_idx1_layout0", MIXED, num_layer=2, layer_idx=1, cache_layout=0)
+    case("layers4_layer_idx3_paged_int8_layout2", MIXED, num_layer=4, layer_idx=3, cache_layout=2, cache_mode=1,
+         page_size=4, quant_bit=8)
+    case("paged_unaligned_pages", MIXED, cache_mode=1, page_size=4, aligned_pages=False)
+    case("paged_unaligned_pages_int4_layout3", MIXED, cache_mode=1, page_size=4, aligned_pages=False, quant_bit=4,
+         cache_layout=3)
+    case("empty_scale_placeholder", MIXED, then=with_empty_scale, cache_mode=1, page_size=4)
     case("quant_group1", MIXED, quant_bit=8, quant_group=1)
     case("quant_group2_int4", MIXED, quant_bit=4, quant_group=2)
     case("quant_group16_dh32", MIXED, quant_bit=8, quant_group=16, head_dim=32)

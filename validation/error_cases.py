@@ -158,6 +158,16 @@ INVALID = [
      "may only be loaded by its own sequence at its own position"),
 ]
 
+def _page_past_end_touched_inside(i, a):
+    """Sequence 0 (positions 0-2 of page 0) moved to three slots appended to the cache: every slot it touches is
+    inside, and nobody else's, but its page of 4 runs one slot past MaxT."""
+    cache, layout = i["cache"], a["cache_layout"]
+    max_t = cache.shape[layout]
+    i["cache"] = np.ascontiguousarray(np.concatenate([cache, np.take(cache, range(3), axis=layout)], axis=layout))
+    i["cachestarts"] = i["cachestarts"].copy()
+    i["cachestarts"][0, 0] = max_t
+
+
 def _empty_batch(i, a):
     """B = 0: no tokens, no sequences (max_seqlen is then only required to be >= 0)."""
     for name in ("current_key", "current_value"):
@@ -203,6 +213,8 @@ MORE_INVALID = [
      "max_seqlen = 1 is smaller than seqlen of sequence 0 = 3"),
     ("int4_paged_sentinel_minus_one", "paged_int4", _item("cachestarts", (1, 0), -1), r"cachestarts\[1, 0\] = -1"),
     ("int4_paged_page_beyond_max_p", "paged_int4", _item("start_pos", 1, 40), r"page 10, but cachestarts has MaxP"),
+    # The whole page must lie in the cache, not only its touched slots (a check of the touched slots passes it).
+    ("paged_page_past_end_touched_inside", "paged", _apply(_page_past_end_touched_inside), "page_size \\(4\\) <= MaxT"),
     ("int4_slot_stored_twice", "paged_int4",
      _apply(lambda i, a: i["cachestarts"].__setitem__((2, 0), i["cachestarts"][0, 0])), "is stored twice"),
 ]

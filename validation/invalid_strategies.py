@@ -28,6 +28,20 @@ def _set_entry(inputs, name, index, value):
     inputs[name][index] = value
 
 
+def _partly_used_last_pages(inputs, attrs) -> list:
+    """Paged mode: (sequence, page column, slots touched) of each sequence's last touched page when the call
+    touches fewer than page_size slots of it."""
+    if attrs["cache_mode"] != 1:
+        return []
+    page_size, found = attrs["page_size"], []
+    stored = inputs["start_pos"] + np.diff(inputs["seqstarts"])
+    for b, span in enumerate(np.maximum(stored, np.diff(inputs["kvstarts"]))):
+        used = int(span) % page_size
+        if span and used:
+            found.append((b, int(span) // page_size, used))
+    return found
+
+
 @st.composite
 def _mutated_kv(draw):
     case = draw(calls())
@@ -35,11 +49,24 @@ def _mutated_kv(draw):
     batch = len(inputs["start_pos"])
     max_t = inputs["cache"].shape[attrs["cache_layout"]]
     kinds = ["layer_idx", "max_len", "scale"] + (["cachestarts", "start_pos", "kvstarts", "alias"] if batch else [])
+    partly_used = _partly_used_last_pages(inputs, attrs)
+    kinds += ["page_past_end"] * bool(partly_used)
     kind = draw(st.sampled_from(kinds))
-    if kind == "cachestarts":
+    if kind == "page_past_end":  # the touched slots inside the cache and nobody else's, the page's end past it
+        b, column, used = draw(st.sampled_from(partly_used))
+        layout = attrs["cache_layout"]
+        for name in ("cache", "scale"):
+            if inputs[name] is not None and inputs[name].size:
+                x = inputs[name]
+                inputs[name] = np.ascontiguousarray(np.concatenate([x, np.take(x, range(used), axis=layout)], layout))
+        _set_entry(inputs, "cachestarts", (b, column), max_t)
+    elif kind == "cachestarts":
         table = inputs["cachestarts"]
         index = tuple(draw(st.integers(0, n - 1)) for n in table.shape) if table.size else None
-        bad = draw(st.sampled_from([-1, -attrs["page_size"], max_t - 1, max_t, max_t + 3, I64_MAX, I64_MIN]))
+        # max_t - page_size + 1: a page whose first slots are inside and last one past the end (the whole page
+        # must be inside)
+        bad = draw(st.sampled_from([-1, -attrs["page_size"], max_t - attrs["page_size"] + 1, max_t - 1, max_t,
+                                    max_t + 3, I64_MAX, I64_MIN]))
         if index is not None:
             _set_entry(inputs, "cachestarts", index, bad)
     elif kind == "start_pos":
@@ -120,11 +147,17 @@ def invalid_rotary_calls():
 
 
 def invalid_cache_attention_calls():
-    """Invalid MultiHeadCacheAttention calls: every named row (KeyValueCache's rules, then the attention's)."""
-    from .mhca_cases import error_cases
+    """Invalid MultiHeadCacheAttention calls: every named row (KeyValueCache's rules, then the attention's), and
+    mutated valid KeyValueCache calls with a query."""
+    from .mhca_cases import error_cases, with_query
 
     cases = error_cases()
-    return st.sampled_from(sorted(cases)).map(lambda name: cases[name]())
+
+    def with_a_query(case):
+        call = with_query(case.name, case.inputs, case.attributes, group=1, is_causal=0)
+        return Case(case.name, call.inputs, call.attributes, expect_error=True)
+
+    return st.one_of(st.sampled_from(sorted(cases)).map(lambda name: cases[name]()), _mutated_kv().map(with_a_query))
 
 
 def invalid_attention_calls():

@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from .cases import MIXED, Case, Seq, build, deferred
+from .cases import MIXED, Case, Seq, build, deferred, with_empty_scale
 from .error_cases import INVALID as CACHE_INVALID
 from .error_cases import MORE_INVALID as MORE_CACHE_INVALID
 from .error_cases import make_invalid as make_cache_invalid
@@ -62,6 +62,13 @@ def _minus_inf_mask(case):
     return case
 
 
+def _num_kv_heads_zero(case):
+    """num_kv_heads 0, the default: as many kv heads as query heads (the call's group is 1)."""
+    assert case.attributes["num_heads"] == case.attributes["num_kv_heads"]
+    case.attributes["num_kv_heads"] = 0
+    return case
+
+
 def _registry():
     cases = {}
 
@@ -79,6 +86,12 @@ def _registry():
     case("mhca_not_causal", [Seq(0, 3, kvlen=2), Seq(4, 2)], cache_mode=0, is_causal=0)
     case("mhca_batch0", [], cache_mode=1, page_size=4)
     case("mhca_softcap_int8", MIXED, cache_mode=1, page_size=4, quant_bit=8, softmax_scale=1.5, softcap=2.0)
+    case("mhca_float32_int4_scale_float16", MIXED, cache_mode=1, page_size=4, t1="float32", t3="float16", quant_bit=4,
+         quant_group=4)
+    case("mhca_num_kv_heads0", MIXED, then=_num_kv_heads_zero, cache_mode=1, page_size=4, group=1)
+    # ppl.pmx's 13-input export: an empty scale placeholder before the mask.
+    case("mhca_empty_scale_mask", MIXED, then=with_empty_scale, cache_mode=1, page_size=4, mask=True)
+    case("mhca_unaligned_pages_int8", MIXED, cache_mode=1, page_size=3, aligned_pages=False, quant_bit=8)
     case("mhca_mask_minus_inf", DECODES_FIRST, then=_minus_inf_mask, cache_mode=1, page_size=4, decoding=2, mask=True,
          quant_bit=8)
     return cases

@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 
 from ..reference import INT4, cache_shape, rotary_shift_tables
-from .cases import _T1, Case, deferred
+from .cases import _T1, Case, deferred, with_empty_scale
 
 
 def build_rotary(name, *, quant_bit=0, heads=2, head_dim=8, max_t=10, num_layer=1, layer_idx=0, cache_layout=0,
@@ -53,6 +53,7 @@ def _registry():
     case("rotary_int8_layout1", quant_bit=8, cache_layout=1)
     case("rotary_int4_layout3_scale_float16", quant_bit=4, cache_layout=3, t3="float16", quant_group=2)
     case("rotary_layers2_layer_idx1_interleaved", num_layer=2, layer_idx=1, rotary_interleaved=1, quant_bit=8)
+    case("rotary_empty_scale_placeholder", then=with_empty_scale)
     case("rotary_no_slots", slots=())
     case("rotary_unsorted_slots", slots=(7, 1, 4))
     case("rotary_ties_int8", then=_ties_int8, quant_bit=8, head_dim=4, quant_group=4, slots=(2, 5))
@@ -113,6 +114,8 @@ ERROR_CASES = {
     "scale_float64": lambda: _with({"scale": np.ones(cache_shape(0, 1, 8, 2, 2), np.float64)}),
     "scale_shape": lambda: _with({"scale": np.ones(cache_shape(0, 1, 8, 2, 4), np.float32)}),
     "rotary_dim_odd": lambda: _with(attrs={"rotary_dim": 3}),
+    "rotary_dim0_odd_head_dim": lambda: _with({"cache": np.zeros((8, 1, 2, 2, 3), np.float32)}, {"quant_bit": 0},
+                                              quant_bit=0),
     "rotary_dim_too_big": lambda: _with(attrs={"rotary_dim": 10}),
     "interleaved_2": lambda: _with(attrs={"rotary_interleaved": 2}),
     "slots_2d": lambda: _with({"slots": np.array([[1, 2]])}),

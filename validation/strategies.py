@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from ..reference import INT4, cache_shape, rotary_shift_tables
 from ..reference.dtypes import BFLOAT16
-from .cases import Seq, build
+from .cases import Seq, build, with_empty_scale
 from .mha_cases import build_attention
 from .outcome import copies  # noqa: F401 - the tests' helper, shared
 
@@ -48,15 +48,18 @@ def calls(draw, quant_bits=(0, 4, 8), modes=(0, 1), layouts=(0, 1, 2, 3), t1s=("
             if seqs[owner].share_pages_of < 0 and shareable and draw(st.booleans()):
                 s = seqs[b]
                 seqs[b] = Seq(s.start_pos, s.seqlen, s.kvlen, owner, draw(st.integers(1, shareable)))
-    return build(
+    case = build(
         "hypothesis", seqs, heads=draw(st.integers(1, 3)), head_dim=head_dim, num_layer=num_layer,
         layer_idx=draw(st.integers(0, num_layer - 1)), quant_bit=quant_bit, quant_group=quant_group,
         num_repeat=draw(st.integers(1, 3)), cache_mode=mode, cache_layout=draw(st.sampled_from(layouts)),
         page_size=page_size, t1=draw(st.sampled_from(t1s)), t3=draw(st.sampled_from(("float32", "float16"))),
         scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
         tail_slots=draw(st.integers(0, 3)), spare_pages=draw(st.integers(0, 2)),
-        empty_offsets_minus_one=draw(st.booleans()),
+        empty_offsets_minus_one=draw(st.booleans()), aligned_pages=mode == 0 or draw(st.booleans()),
     )
+    if not quant_bit and draw(st.booleans()):  # the empty placeholder scale of ppl.pmx's export: absent
+        case = with_empty_scale(case, DTYPES[draw(st.sampled_from(sorted(DTYPES)))])
+    return case
 
 
 #: (quant_bit, cache_mode, cache_layout): property tests are parametrized over all of them so every

@@ -11,7 +11,11 @@ quantization arithmetic, and nothing else:
 * outputs of a quantized call: within ``|code' * scale' - code * scale|`` of the expected value plus one
   ulp of T3 and one ulp of T1 at the output's magnitude, where ``(code', scale')`` is what the backend holds
   in the slot the element is loaded from and ``(code, scale)`` what the spec holds there (the backend may
-  dequantize in the scale's dtype, then round to T1).
+  dequantize in the scale's dtype, then round to T1); and each is the backend's own pair dequantized, within
+  those two roundings.
+
+Whether each stored code is its value over the backend's own scale rounded to nearest (the table's other
+arithmetic, not a bias of one) needs the call's inputs: kvcache_op.validation.compare checks it.
 
 Each function returns a boolean mask of the elements *outside* the tolerance.
 """
@@ -71,13 +75,15 @@ def scales_outside(got, want, stored, t1) -> np.ndarray:
 
 
 def outputs_outside(got, want, got_pair, want_pair, t3) -> np.ndarray:
-    """Quantized outputs beyond ``|c' s' - c s|`` plus one ulp of T3 and of T1 (the pairs: (code, scale)
-    arrays of the output's shape, from the backend's cache and the expected one)."""
+    """Quantized outputs beyond ``|c' s' - c s|`` plus one ulp of T3 and of T1 of the expected ones, or not the
+    backend's own ``c' s'`` within those two ulps (the pairs: (code, scale) arrays of the output's shape, from the
+    backend's cache and the expected one)."""
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
     special, bad_special = _special(g, w)
     with np.errstate(invalid="ignore"):  # a code times an infinite (or NaN) scale: the special values' rule decides
         dequantized = [np.asarray(c, np.float64) * np.asarray(s, np.float64) for c, s in (got_pair, want_pair)]
         magnitude = np.maximum.reduce([np.abs(g), np.abs(w), np.abs(dequantized[0]), np.abs(dequantized[1])])
-        bound = np.abs(dequantized[0] - dequantized[1]) + ulp(magnitude, t3) + ulp(magnitude, got.dtype)
-        outside = ~(np.abs(g - w) <= bound)
+        rounding = ulp(magnitude, t3) + ulp(magnitude, got.dtype)
+        outside = ~(np.abs(g - w) <= np.abs(dequantized[0] - dequantized[1]) + rounding)
+        outside |= ~(np.abs(g - dequantized[0]) <= rounding) & np.isfinite(dequantized[0])
     return np.where(special, bad_special, outside)
