@@ -253,3 +253,37 @@ def test_an_int4_shape_error_says_the_shapes_are_unpacked():
 def test_new_cache_refuses_impossible_settings(kw, message):
     with pytest.raises(ValueError, match=message):
         kt.new_cache(num_layer=1, max_tokens=4, heads=1, head_dim=8, **kw)
+
+
+@pytest.mark.parametrize("op, name", [("key_value_cache", "cache"), ("key_value_cache", "current_key"),
+                                      ("key_cache_rotary_shift", "cache"), ("multi_head_attention", "key"),
+                                      ("multi_head_cache_attention", "cache"), ("multi_head_cache_attention", "query")])
+def test_a_missing_data_tensor_is_the_ops_error(op, name):
+    """None where a data tensor is needed is the op's error naming it (it reached the kernels as an AttributeError)."""
+    from kvcache_op.reference import MultiHeadAttentionError
+
+    k = torch.randn(3, 2, 8)
+    index = dict(seqstarts=torch.tensor([0, 3]), kvstarts=torch.tensor([0, 3]), cachestarts=torch.tensor([0]),
+                 start_pos=torch.tensor([0]), max_seqlen=3, max_kvlen=3)
+    cache = torch.zeros(16, 1, 2, 2, 8)
+    calls = {
+        "key_value_cache": lambda **a: kt.key_value_cache(**{"current_key": k, "current_value": k, **index,
+                                                            "cache": cache, **a}),
+        "key_cache_rotary_shift": lambda **a: kt.key_cache_rotary_shift(**{"cache": cache, "scale": None,
+                                                                          "slots": torch.tensor([0]),
+                                                                          "cos": torch.ones(1, 4),
+                                                                          "sin": torch.zeros(1, 4), **a}),
+        "multi_head_attention": lambda **a: kt.multi_head_attention(**{"query": k, "key": k, "value": k,
+                                                                      "seqstarts": index["seqstarts"],
+                                                                      "kvstarts": index["kvstarts"],
+                                                                      "decoding_batches": 0, "max_seqlen": 3,
+                                                                      "max_kvlen": 3, **a}, num_heads=2, head_dim=8),
+        "multi_head_cache_attention": lambda **a: kt.multi_head_cache_attention(
+            **{"query": k, "current_key": k, "current_value": k, **index, "decoding_batches": 0, "cache": cache, **a},
+            num_heads=2, head_dim=8),
+    }
+    before = cache.clone()
+    error = MultiHeadAttentionError if op == "multi_head_attention" else KeyValueCacheError
+    with pytest.raises(error, match=f"^{name} must be a torch.Tensor, got NoneType$"):
+        calls[op](**{name: None})
+    assert torch.equal(cache, before)

@@ -311,3 +311,20 @@ def test_the_dynamo_path_checks_what_it_can_without_data(attrs, message):
 
     with pytest.raises(KeyValueCacheError, match=message):
         kt.export_onnx(KeyValueCacheModule(**attrs), _plain_args(), dynamo=True)
+
+
+def test_one_tensor_passed_twice_is_refused_by_the_dynamo_path():
+    """torch.export makes k passed as current_key and current_value one graph input, which then feeds both: a
+    graph that ignores the value fed at run time. The TorchScript exporter keeps two inputs."""
+    args = list(_plain_args())
+    args[1] = args[0]
+    with pytest.raises(ValueError, match=r"args\[0\] and args\[1\] are the same tensor"):
+        kt.export_onnx(KeyValueCacheModule(), tuple(args), dynamo=True)
+    model = kt.export_onnx(KeyValueCacheModule(), tuple(args), dynamo=False)
+    node = next(n for n in model.graph.node if n.op_type == "KeyValueCache")
+    assert node.input[0] != node.input[1]
+
+
+def test_the_dynamo_export_prints_nothing(capfd):
+    kt.export_onnx(KeyValueCacheModule(), _plain_args(), dynamo=True)
+    assert capfd.readouterr().out == ""

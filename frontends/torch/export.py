@@ -50,12 +50,27 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
 
 
 def _export(module, args, dynamo: bool, export_kwargs: dict) -> onnx.ModelProto:
+    export_kwargs.setdefault("verbose", False)  # torch's dynamo exporter prints its progress for None
     if dynamo:
+        _refuse_repeated_tensors(args)
         export_kwargs.setdefault("optimize", False)
         return torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
     buffer = io.BytesIO()
     torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
     return onnx.load_from_string(buffer.getvalue())
+
+
+def _refuse_repeated_tensors(args) -> None:
+    """torch.export makes one graph input of a tensor passed twice (k as both current_key and current_value), and
+    the one input then feeds both: a graph that ignores what is fed for the other at run time."""
+    seen = {}
+    for position, arg in enumerate(args if isinstance(args, tuple) else (args,)):
+        if isinstance(arg, torch.Tensor):
+            if id(arg) in seen:
+                raise ValueError(f"args[{seen[id(arg)]}] and args[{position}] are the same tensor: torch.export (dynamo=True) "
+                                 "exports them as one graph input feeding both places. Pass distinct tensors "
+                                 "(e.g. a clone)")
+            seen[id(arg)] = position
 
 
 @contextlib.contextmanager

@@ -52,6 +52,15 @@ def _index_inputs(names, given: dict, device, error=KeyValueCacheError) -> list:
     return tensors
 
 
+def _data_tensors(required: dict, optional: dict, error=KeyValueCacheError) -> None:
+    """Each ``required`` data input a torch.Tensor, each ``optional`` one a torch.Tensor or None: the op's own
+    error for anything else (None where a tensor is needed reached the kernels as an AttributeError)."""
+    for name, value in [*required.items(), *optional.items()]:
+        if not isinstance(value, torch.Tensor) and (name in required or value is not None):
+            kind = "a torch.Tensor" if name in required else "a torch.Tensor or None"
+            raise error(f"{name} must be {kind}, got {type(value).__name__}")
+
+
 def _no_empty_scale(scale, quant_bit: int):
     """An empty scale with quant_bit 0 is absent (spec: ppl.pmx's placeholder): drop it before anything."""
     if quant_bit == 0 and isinstance(scale, torch.Tensor) and scale.numel() == 0:
@@ -74,6 +83,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     this is one ``opmx.dynamic_batching::KeyValueCache`` node.
     """
     attrs = _attributes(KV_DEFAULTS, locals())
+    _data_tensors(dict(current_key=current_key, current_value=current_value, cache=cache), dict(scale=scale))
     if attrs["quant_bit"] == 4 and isinstance(current_key, torch.Tensor) and current_key.dim() == 3 and \
             current_key.shape[-1] % 2:  # no packed uint8 cache has an odd Dh: say what is wrong, not its shape
         raise KeyValueCacheError(f"int4 cache needs an even Dh (whole bytes per row), got Dh={current_key.shape[-1]}")
@@ -100,6 +110,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     output (e.g. return it), or the exporter may drop the node as dead code.
     """
     attrs = _attributes(ROTARY_DEFAULTS, locals())
+    _data_tensors(dict(cache=cache), dict(scale=scale))
     scale = _no_empty_scale(scale, attrs["quant_bit"])
     inputs = [cache, scale, slots, cos, sin]
     if torch.onnx.is_in_onnx_export():
@@ -129,6 +140,7 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     attrs = _attributes(ATTENTION_INT_ATTRIBUTES, locals())
     attrs["softmax_scale"] = _float_attribute("softmax_scale", softmax_scale)
     attrs["softcap"] = _float_attribute("softcap", softcap)
+    _data_tensors(dict(query=query, key=key, value=value), dict(attn_mask=attn_mask), MultiHeadAttentionError)
     index = _index_inputs(ATTENTION_INDEX_INPUTS, locals(), query.device if isinstance(query, torch.Tensor) else None,
                           MultiHeadAttentionError)
     inputs = [query, key, value, *index, attn_mask]
@@ -158,6 +170,8 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
     attrs = {**_attributes(CACHE_INT_ATTRIBUTES, given), **_attributes(ATTENTION_INT_ATTRIBUTES, given),
              "softmax_scale": _float_attribute("softmax_scale", softmax_scale),
              "softcap": _float_attribute("softcap", softcap)}
+    _data_tensors(dict(query=query, current_key=current_key, current_value=current_value, cache=cache),
+                  dict(scale=scale, attn_mask=attn_mask))
     index = _index_inputs(CACHE_ATTENTION_INDEX_INPUTS, given,
                           query.device if isinstance(query, torch.Tensor) else None)
     scale = _no_empty_scale(scale, attrs["quant_bit"])
