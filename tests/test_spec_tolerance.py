@@ -230,3 +230,40 @@ def test_the_fused_op_dequantizing_in_float16_scales_passes_spec():
     found = fuzz(backend, examples=200, seed=0, ops=["MultiHeadCacheAttention"], kinds=("valid",), tolerance="spec")
     assert found.failure is None, found.failure
 
+
+
+@pytest.mark.parametrize("t1", ["float32", "float16", "bfloat16"])
+def test_ppl_arithmetic_with_float16_scales_in_the_subnormal_range_passes_spec(t1):
+    """ppl's torch reference divides by the scale before its rounding to T3: a float16 scale in the subnormal range
+    (groups below 127 * 2^-14) moves that quotient by up to a third of a step at 127, which the rounding-to-nearest
+    rule allows for (it failed float32 values before)."""
+    case = build("ppl-subnormal", MIXED, quant_bit=8, t1=t1, t3="float16", cache_mode=1, page_size=4)
+    for name in ("current_key", "current_value"):
+        case.inputs[name] = (case.inputs[name].astype(np.float32) * 1e-3).astype(case.inputs[name].dtype)
+    _ppl_and_spec(case)
+
+
+def test_a_scale_of_the_wrong_dtype_is_the_only_line():
+    """A backend whose scale has another dtype has no (code, scale) pairs to decode: its outputs, bit for bit the
+    expected ones, are not reported outside a bound over pairs it does not have."""
+    case = CASES["int8_scale_float16"]()
+    want = reference_outcome("KeyValueCache", case.inputs, case.attributes)
+    got = Outcome({k: v.copy() for k, v in want.outputs.items()},
+                  {"cache": want.after["cache"].copy(), "scale": want.after["scale"].astype(np.float32)})
+    lines = compare("KeyValueCache", case.inputs, case.attributes, want, got, "spec")
+    assert lines == ["scale: got float32" + lines[0][len("scale: got float32"):]] and len(lines) == 1, lines
+
+
+@pytest.mark.parametrize("steps, passes", [(2, True), (3, False)])
+def test_an_output_within_its_own_pairs_rounding_passes_and_one_step_past_it_fails(steps, passes):
+    """The own-pair rule pinned: a tie stored rounded away (code 1, scale 2: the backend holds 2.0, the spec 0.0)
+    output ``steps`` float16 steps below 2.0 (2^-10 each), which (O) allows (within one code step of 0.0); the rule
+    allows ulp_T3 + ulp_T1 at 2.0 (2^-22 + 2^-9): two steps, not three."""
+    case, got, want = _ties_away_and_spec("quant_special_values")
+    slots = SlotMap(case.inputs, case.attributes)
+    codes, spec_codes = (o.after["cache"].astype(np.int8).reshape(-1) for o in (got, want))
+    element = tuple(np.argwhere(np.isin(slots.source(0), np.flatnonzero(codes != spec_codes)))[0])
+    assert got.outputs["key"][element] == 2.0 and want.outputs["key"][element] == 0.0
+    got.outputs["key"][element] = np.float16(2.0 - steps * 2.0 ** -10)
+    lines = compare("KeyValueCache", case.inputs, case.attributes, want, got, "spec")
+    assert (lines == []) == passes, lines

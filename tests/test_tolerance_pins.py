@@ -7,7 +7,7 @@ import pytest
 import planted_backends
 
 from kvcache_op.reference import attention_tolerance
-from kvcache_op.validation.cases import CASES
+from kvcache_op.validation.cases import CASES, MIXED, build
 from kvcache_op.validation.compare import compare
 from kvcache_op.validation.mha_cases import ATTENTION_CASES
 from kvcache_op.validation.outcome import Outcome, reference_outcome
@@ -66,3 +66,25 @@ def _scale_moved(steps_of_float32: int):
 def test_a_scale_at_the_bound_passes_and_one_float32_step_past_it_fails():
     assert _scale_moved(1) == []
     assert _scale_moved(2) and _scale_moved(2)[0].startswith("scale: 1 of ")
+
+
+def _one_code_moved_to(value: float, code: int):
+    """int8, float32 values and scales, one group [127, value, 0, 0] (scale 1.0, so value is its own quotient) whose
+    second code the backend stores as ``code``, its outputs decoded from what it holds: the spec-mode lines."""
+    case = build("pin-code", MIXED, quant_bit=8, quant_group=4, t1="float32", t3="float32")
+    case.inputs["current_key"][0, 0, 0:4] = [127.0, value, 0.0, 0.0]
+    want = reference_outcome("KeyValueCache", case.inputs, case.attributes)
+    assert want.after["scale"].reshape(-1)[SlotMap(case.inputs, case.attributes).source(0, True)[0, 0, 1]] == 1.0
+    got = Outcome({k: v.copy() for k, v in want.outputs.items()}, {k: v.copy() for k, v in want.after.items()})
+    got.after["cache"].reshape(-1)[SlotMap(case.inputs, case.attributes).source(0)[0, 0, 1]] = code
+    planted_backends.decode_outputs(case, got)
+    return compare("KeyValueCache", case.inputs, case.attributes, want, got, "spec")
+
+
+def test_a_code_half_a_step_plus_the_float16_quotient_rounding_off_passes_and_past_it_fails():
+    """The rule: |code' - q| <= 1/2 + ulp_fp16(q) + |q| ulp_T3(scale') / scale' + 2^-10; at q = 10.5..., ulp_fp16 is
+    2^-7 (0.0078), so code 10 is inside up to q = 10.5088 (float32 scale 1: the scale term is 2^-20)."""
+    assert _one_code_moved_to(10.5078, 11) == [] and _one_code_moved_to(10.5078, 10) == []
+    lines = _one_code_moved_to(10.5098, 10)
+    assert len(lines) == 1 and lines[0].startswith("cache: 1 of "), lines
+

@@ -34,7 +34,8 @@ def _partly_used_last_pages(inputs, attrs) -> list:
     if attrs["cache_mode"] != 1:
         return []
     page_size, found = attrs["page_size"], []
-    stored = inputs["start_pos"] + np.diff(inputs["seqstarts"])
+    seqlen = np.diff(inputs["seqstarts"])
+    stored = np.where(seqlen > 0, inputs["start_pos"] + seqlen, 0)  # a sequence storing nothing touches no slot
     for b, span in enumerate(np.maximum(stored, np.diff(inputs["kvstarts"]))):
         used = int(span) % page_size
         if span and used:

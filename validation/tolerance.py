@@ -74,10 +74,10 @@ def scales_outside(got, want, stored, t1) -> np.ndarray:
     return np.where(stored, np.where(special, bad_special, outside), bits_differ(got, want))
 
 
-def outputs_outside(got, want, got_pair, want_pair, t3) -> np.ndarray:
-    """Quantized outputs beyond ``|c' s' - c s|`` plus one ulp of T3 and of T1 of the expected ones, or not the
-    backend's own ``c' s'`` within those two ulps (the pairs: (code, scale) arrays of the output's shape, from the
-    backend's cache and the expected one)."""
+def outputs_outside(got, want, got_pair, want_pair, t3, own=True) -> np.ndarray:
+    """Quantized outputs beyond ``|c' s' - c s|`` plus one ulp of T3 and of T1 of the expected ones, or (``own``)
+    not the backend's own ``c' s'`` within those two ulps (the pairs: (code, scale) arrays of the output's shape,
+    from the backend's cache and the expected one)."""
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
     special, bad_special = _special(g, w)
     with np.errstate(invalid="ignore"):  # a code times an infinite (or NaN) scale: the special values' rule decides
@@ -85,5 +85,6 @@ def outputs_outside(got, want, got_pair, want_pair, t3) -> np.ndarray:
         magnitude = np.maximum.reduce([np.abs(g), np.abs(w), np.abs(dequantized[0]), np.abs(dequantized[1])])
         rounding = ulp(magnitude, t3) + ulp(magnitude, got.dtype)
         outside = ~(np.abs(g - w) <= np.abs(dequantized[0] - dequantized[1]) + rounding)
-        outside |= ~(np.abs(g - dequantized[0]) <= rounding) & np.isfinite(dequantized[0])
+        if own:
+            outside |= ~(np.abs(g - dequantized[0]) <= rounding) & np.isfinite(dequantized[0])
     return np.where(special, bad_special, outside)
