@@ -152,17 +152,17 @@ def _stored_inputs(ctx: "_Context") -> np.ndarray:
     return fresh["cache"].astype(np.float64)
 
 
-def _unexplained_codes(ctx: "_Context") -> np.ndarray:
+def _unexplained_codes(ctx: "_Context", values: np.ndarray, stored: np.ndarray) -> np.ndarray:
     """Mask over the cache of the stored codes that are not their input value over the backend's own stored scale,
     clipped to [-qmax, qmax] and rounded to nearest, within the rounding of a quotient computed in float16 (ppl's
     CUDA kernels) or in T1 (ppl's torch reference; bfloat16 the coarser), the quotient's move when the scale it
     divided by was the stored one before its rounding to T3 (ppl's torch reference: |q| ulp_T3(scale') / scale',
     large for a float16 scale in the subnormal range), plus 2^-10; where the quotient is not finite (special values)
     the reference's code is the only one. The tolerance table's other arithmetic rounds to nearest too: a code
-    biased by one (rounded up, truncated) is not in it."""
+    biased by one (rounded up, truncated) is not in it. ``values``: :func:`_stored_inputs`; ``stored``: the mask of
+    the elements the call stores."""
     qmax = QMAX[int(ctx.attributes["quant_bit"])]
     group = int(ctx.attributes.get("quant_group", 8))
-    stored = ctx.slots.stored()
     codes = np.asarray(ctx.got.after["cache"]).astype(np.float64)
     want = np.asarray(ctx.expected.after["cache"]).astype(np.float64)
     scales = np.repeat(np.asarray(ctx.got.after["scale"]).astype(np.float64), group, axis=-1)
@@ -170,7 +170,7 @@ def _unexplained_codes(ctx: "_Context") -> np.ndarray:
     quotient_type = t1 if t1 == BFLOAT16 else np.float16
     scale_rounding = spec_tolerance.ulp(scales, ctx.got.after["scale"].dtype)
     with np.errstate(all="ignore"):
-        quotient = _stored_inputs(ctx) / scales
+        quotient = values / scales
         clipped = np.clip(quotient, -qmax, qmax)
         slack = spec_tolerance.ulp(clipped, quotient_type) + np.abs(clipped) * scale_rounding / scales + 2.0 ** -10
         near = np.abs(codes - clipped) <= 0.5 + slack
@@ -178,13 +178,13 @@ def _unexplained_codes(ctx: "_Context") -> np.ndarray:
     return stored & ~explained
 
 
-def _unexplained_line(ctx: "_Context", unexplained: np.ndarray) -> str:
+def _unexplained_line(ctx: "_Context", unexplained: np.ndarray, values: np.ndarray, stored: np.ndarray) -> str:
     """The line saying which stored codes no rounding to nearest over the backend's own scales explains."""
     index = _first(unexplained)
     group = int(ctx.attributes.get("quant_group", 8))
     scale = ctx.got.after["scale"][tuple(index[:-1]) + (index[-1] // group,)]
-    value = float(_stored_inputs(ctx)[index])
-    return (f"cache: {int(unexplained.sum())} of {int(ctx.slots.stored().sum())} stored codes are not their input "
+    value = float(values[index])
+    return (f"cache: {int(unexplained.sum())} of {int(stored.sum())} stored codes are not their input "
             f"over the backend's own scale rounded to nearest; first at {_index(index)}: code got "
             f"{_value(ctx.got.after['cache'], index)}, expected {_value(ctx.expected.after['cache'], index)}, input "
             f"{value!r} over scale {float(scale)!r} = {value / float(scale)!r} (the tolerance table's arithmetic rounds "
@@ -197,12 +197,12 @@ def _attention_over_backend_cache(ctx: "_Context", dequantized_in=np.float32) ->
     with ``dequantized_in`` the scale's dtype, as the tolerance table's ppl torch row does (the product in T3, then
     T1), then the reference's attention and twice its bound, as for the reference's own cache."""
     from ..reference import attention_tolerance, multi_head_attention
+    from ..reference.quantize import dequantize
 
     t1 = np.asarray(ctx.inputs["query"]).dtype
-    with np.errstate(all="ignore"):
-        # Each element's own scale (pairs gathers one per element).
-        key, value = ((np.asarray(c).astype(dequantized_in) * np.asarray(s).astype(dequantized_in)).astype(t1)
-                      for c, s in (ctx.pairs(kv)[0] for kv in (0, 1)))
+    # Each element's own scale (pairs gathers one per element): groups of one. A float32 product rounded to float16 is
+    # float16's own product (a code of 8 bits times a scale of 11 is exact in float32).
+    key, value = (dequantize(*ctx.pairs(kv)[0], 1, dequantized_in).astype(t1) for kv in (0, 1))
     call = {k: ctx.inputs.get(k) for k in ATTENTION_INPUTS}
     attributes = {k: v for k, v in ctx.attributes.items() if k in ATTENTION_ATTRIBUTES}
     with np.errstate(all="ignore"):  # non-finite inputs have defined outcomes (the reference's own calls do this)
@@ -286,19 +286,21 @@ def compare(op: str, inputs: dict, attributes: dict, expected: Outcome, got: Out
     outputs, alternative = dict(expected.outputs), None
     if (tolerance == "spec" and ctx.quantized and ctx.slots is not None and ctx.has_pairs()
             and not any(after_lines.values())):
-        unexplained = _unexplained_codes(ctx)
+        values, stored = _stored_inputs(ctx), ctx.slots.stored()
+        unexplained = _unexplained_codes(ctx, values, stored)
         if unexplained.any():
-            after_lines["cache"].append(_unexplained_line(ctx, unexplained))
+            after_lines["cache"].append(_unexplained_line(ctx, unexplained, values, stored))
         elif op == "MultiHeadCacheAttention":
             if any(bits_differ(np.asarray(got.after[n]), expected.after[n]).any() for n in ("cache", "scale")):
                 # The backend's cache passes the table, is not the reference's, and quantizes faithfully with its
                 # own scales: its attention is over its own keys.
                 outputs["output"], ctx.attention_tolerance = _attention_over_backend_cache(ctx)
                 ctx.over_backend_cache = True
-            alternative = expected.after["scale"].dtype  # the table's ppl torch row dequantizes in T3
+            if expected.after["scale"].dtype != np.float32:
+                alternative = expected.after["scale"].dtype  # the table's ppl torch row dequantizes in T3
     for name, want in outputs.items():
         found = _tensor_lines(ctx, name, got.outputs.get(name), want, tolerance)
-        if found and alternative is not None and alternative != np.float32 and name == "output":
+        if found and alternative is not None and name == "output":
             primary = ctx.attention_tolerance, ctx.over_backend_cache
             in_t3, ctx.attention_tolerance = _attention_over_backend_cache(ctx, alternative)
             ctx.over_backend_cache = True

@@ -158,14 +158,22 @@ INVALID = [
      "may only be loaded by its own sequence at its own position"),
 ]
 
+def with_slots_appended(inputs, layout: int, count: int) -> int:
+    """Grows ``cache`` (and a non-empty ``scale``) by ``count`` slots past MaxT, copies of the first ones; returns the
+    old MaxT, the first new slot."""
+    max_t = inputs["cache"].shape[layout]
+    for name in ("cache", "scale"):
+        x = inputs[name]
+        if x is not None and x.size:
+            inputs[name] = np.ascontiguousarray(np.concatenate([x, np.take(x, range(count), axis=layout)], layout))
+    return max_t
+
+
 def _page_past_end_touched_inside(i, a):
     """Sequence 0 (positions 0-2 of page 0) moved to three slots appended to the cache: every slot it touches is
     inside, and nobody else's, but its page of 4 runs one slot past MaxT."""
-    cache, layout = i["cache"], a["cache_layout"]
-    max_t = cache.shape[layout]
-    i["cache"] = np.ascontiguousarray(np.concatenate([cache, np.take(cache, range(3), axis=layout)], axis=layout))
     i["cachestarts"] = i["cachestarts"].copy()
-    i["cachestarts"][0, 0] = max_t
+    i["cachestarts"][0, 0] = with_slots_appended(i, a["cache_layout"], 3)
 
 
 def _empty_batch(i, a):

@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import strategies as st
 
 from .cases import Case
-from .error_cases import INVALID, MORE_INVALID, make_invalid
+from .error_cases import INVALID, MORE_INVALID, make_invalid, with_slots_appended
 from .mha_error_cases import INVALID as ATTENTION_INVALID
 from .mha_error_cases import make_invalid as make_attention_invalid
 from .outcome import copies
@@ -55,12 +55,7 @@ def _mutated_kv(draw):
     kind = draw(st.sampled_from(kinds))
     if kind == "page_past_end":  # the touched slots inside the cache and nobody else's, the page's end past it
         b, column, used = draw(st.sampled_from(partly_used))
-        layout = attrs["cache_layout"]
-        for name in ("cache", "scale"):
-            if inputs[name] is not None and inputs[name].size:
-                x = inputs[name]
-                inputs[name] = np.ascontiguousarray(np.concatenate([x, np.take(x, range(used), axis=layout)], layout))
-        _set_entry(inputs, "cachestarts", (b, column), max_t)
+        _set_entry(inputs, "cachestarts", (b, column), with_slots_appended(inputs, attrs["cache_layout"], used))
     elif kind == "cachestarts":
         table = inputs["cachestarts"]
         index = tuple(draw(st.integers(0, n - 1)) for n in table.shape) if table.size else None

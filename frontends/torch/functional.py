@@ -84,10 +84,10 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     """
     attrs = _attributes(KV_DEFAULTS, locals())
     _data_tensors(dict(current_key=current_key, current_value=current_value, cache=cache), dict(scale=scale))
-    if attrs["quant_bit"] == 4 and isinstance(current_key, torch.Tensor) and current_key.dim() == 3 and \
-            current_key.shape[-1] % 2:  # no packed uint8 cache has an odd Dh: say what is wrong, not its shape
+    # No packed uint8 cache has an odd Dh: say what is wrong, not its shape.
+    if attrs["quant_bit"] == 4 and current_key.dim() == 3 and current_key.shape[-1] % 2:
         raise KeyValueCacheError(f"int4 cache needs an even Dh (whole bytes per row), got Dh={current_key.shape[-1]}")
-    index = _index_inputs(INDEX_INPUTS, locals(), current_key.device if isinstance(current_key, torch.Tensor) else None)
+    index = _index_inputs(INDEX_INPUTS, locals(), current_key.device)
     scale = _no_empty_scale(scale, attrs["quant_bit"])
     inputs = [current_key, current_value, *index, cache, scale]
     if torch.onnx.is_in_onnx_export():
@@ -141,8 +141,7 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     attrs["softmax_scale"] = _float_attribute("softmax_scale", softmax_scale)
     attrs["softcap"] = _float_attribute("softcap", softcap)
     _data_tensors(dict(query=query, key=key, value=value), dict(attn_mask=attn_mask), MultiHeadAttentionError)
-    index = _index_inputs(ATTENTION_INDEX_INPUTS, locals(), query.device if isinstance(query, torch.Tensor) else None,
-                          MultiHeadAttentionError)
+    index = _index_inputs(ATTENTION_INDEX_INPUTS, locals(), query.device, MultiHeadAttentionError)
     inputs = [query, key, value, *index, attn_mask]
     if torch.onnx.is_in_onnx_export():
         onnx_export.record_call(mha_schema.OP_TYPE, query)
@@ -172,8 +171,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
              "softcap": _float_attribute("softcap", softcap)}
     _data_tensors(dict(query=query, current_key=current_key, current_value=current_value, cache=cache),
                   dict(scale=scale, attn_mask=attn_mask))
-    index = _index_inputs(CACHE_ATTENTION_INDEX_INPUTS, given,
-                          query.device if isinstance(query, torch.Tensor) else None)
+    index = _index_inputs(CACHE_ATTENTION_INDEX_INPUTS, given, query.device)
     scale = _no_empty_scale(scale, attrs["quant_bit"])
     inputs = [query, current_key, current_value, *index, cache, scale, attn_mask]
     if torch.onnx.is_in_onnx_export():
