@@ -255,18 +255,12 @@ def test_new_cache_refuses_impossible_settings(kw, message):
         kt.new_cache(num_layer=1, max_tokens=4, heads=1, head_dim=8, **kw)
 
 
-@pytest.mark.parametrize("op, name", [("key_value_cache", "cache"), ("key_value_cache", "current_key"),
-                                      ("key_cache_rotary_shift", "cache"), ("multi_head_attention", "key"),
-                                      ("multi_head_cache_attention", "cache"), ("multi_head_cache_attention", "query")])
-def test_a_missing_data_tensor_is_the_ops_error(op, name):
-    """None where a data tensor is needed is the op's error naming it (it reached the kernels as an AttributeError)."""
-    from kvcache_op.reference import MultiHeadAttentionError
-
-    k = torch.randn(3, 2, 8)
+def _small_calls(k, cache):
+    """One small call of each op (three tokens of one sequence, 2 heads of 8) on ``cache``, by op name; keyword
+    arguments replace the call's inputs."""
     index = dict(seqstarts=torch.tensor([0, 3]), kvstarts=torch.tensor([0, 3]), cachestarts=torch.tensor([0]),
                  start_pos=torch.tensor([0]), max_seqlen=3, max_kvlen=3)
-    cache = torch.zeros(16, 1, 2, 2, 8)
-    calls = {
+    return {
         "key_value_cache": lambda **a: kt.key_value_cache(**{"current_key": k, "current_value": k, **index,
                                                             "cache": cache, **a}),
         "key_cache_rotary_shift": lambda **a: kt.key_cache_rotary_shift(**{"cache": cache, "scale": None,
@@ -282,8 +276,49 @@ def test_a_missing_data_tensor_is_the_ops_error(op, name):
             **{"query": k, "current_key": k, "current_value": k, **index, "decoding_batches": 0, "cache": cache, **a},
             num_heads=2, head_dim=8),
     }
+
+
+@pytest.mark.parametrize("op, name", [("key_value_cache", "cache"), ("key_value_cache", "current_key"),
+                                      ("key_cache_rotary_shift", "cache"), ("multi_head_attention", "key"),
+                                      ("multi_head_cache_attention", "cache"), ("multi_head_cache_attention", "query")])
+def test_a_missing_data_tensor_is_the_ops_error(op, name):
+    """None where a data tensor is needed is the op's error naming it (it reached the kernels as an AttributeError)."""
+    from kvcache_op.reference import MultiHeadAttentionError
+
+    k = torch.randn(3, 2, 8)
+    cache = torch.zeros(16, 1, 2, 2, 8)
+    calls = _small_calls(k, cache)
     before = cache.clone()
     error = MultiHeadAttentionError if op == "multi_head_attention" else KeyValueCacheError
     with pytest.raises(error, match=f"^{name} must be a torch.Tensor, got NoneType$"):
         calls[op](**{name: None})
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("op", ["key_value_cache", "key_cache_rotary_shift", "multi_head_cache_attention"])
+def test_a_cache_that_requires_grad_is_refused_unless_grad_is_off(op):
+    """The kernels write the cache where autograd cannot see it: as torch refuses an in-place write to a leaf that
+    requires grad, so does the op (untouched), and under torch.no_grad() it writes as torch's own ops would."""
+    k = torch.randn(3, 2, 8)
+    cache = torch.zeros(16, 1, 2, 2, 8, requires_grad=True)
+    if op == "key_cache_rotary_shift":
+        with torch.no_grad():
+            cache[0].fill_(1.0)  # keys to rotate
+    before = cache.detach().clone()
+    call = _small_calls(k, cache)[op]
+    with pytest.raises(KeyValueCacheError, match="^cache requires grad, and the op writes it in place"):
+        call(sin=torch.ones(1, 4), cos=torch.zeros(1, 4)) if op == "key_cache_rotary_shift" else call()
+    assert torch.equal(cache.detach(), before)
+    with torch.no_grad():
+        call(sin=torch.ones(1, 4), cos=torch.zeros(1, 4)) if op == "key_cache_rotary_shift" else call()
+    assert not torch.equal(cache.detach(), before)
+
+
+def test_a_scale_that_requires_grad_is_refused():
+    case = CASES["int8_layout0"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["scale"].requires_grad_(True)
+    cache, scale = tensors["cache"].clone(), tensors["scale"].detach().clone()
+    with pytest.raises(KeyValueCacheError, match="^scale requires grad"):
+        kt.key_value_cache(**tensors, **case.attributes)
+    assert torch.equal(tensors["cache"], cache) and torch.equal(tensors["scale"].detach(), scale)
