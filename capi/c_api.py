@@ -13,7 +13,10 @@ Two levels:
 
 Invalid calls raise :class:`kvcache_op.reference.KeyValueCacheError` (a ``ValueError``;
 :class:`~kvcache_op.reference.MultiHeadAttentionError` for MultiHeadAttention) with the same message the
-reference gives, and leave the cache, scale and outputs unchanged; CUDA or allocation failures raise
+reference gives, and leave the cache, scale and outputs unchanged; the binding's own checks (attributes that
+are not integers, arrays the C entry points cannot take, copied arrays sharing memory with written ones) say so
+in their words. MultiHeadCacheAttention's errors are all ``KeyValueCacheError``: the C entry point does not tell
+the attention's rules apart, where the reference raises its subclass. CUDA or allocation failures raise
 ``RuntimeError``.
 """
 
@@ -259,6 +262,16 @@ def cpu_head_prefetch(path: str | None = None) -> str:
     return library(path).kvcache_op_cpu_head_prefetch().decode()
 
 
+def _integer_attribute(name: str, value) -> int:
+    """``value`` as an int when it is an integer (a Python or numpy int, or a float with no fraction, as the
+    reference's comparisons take it); anything else is refused, never truncated into a call the reference
+    refuses."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or (isinstance(value, (float, np.floating)) and not float(value).is_integer()):
+        raise KeyValueCacheError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):
     unknown = set(given) - set(names)
     if unknown:
@@ -269,7 +282,7 @@ def _attrs(struct, names, defaults_fn, given: dict, floats=()):
         if name in floats:  # a float attribute: ctypes rounds it to the struct's float32
             setattr(attrs, name, float(value))
             continue
-        value = int(value)
+        value = _integer_attribute(name, value)
         if not -(2**63) <= value < 2**63:
             raise KeyValueCacheError(f"{name} = {value} does not fit in int64")
         setattr(attrs, name, value)
@@ -330,35 +343,67 @@ def output_shape(inputs, *, library_file: str | None = None, **attributes) -> tu
 
 class HostBuffers:
     """numpy arrays as C :class:`Tensor` s for one call: keeps every buffer alive until the call is over;
-    an int4 array (one code per byte in numpy) is passed packed, and :meth:`finish` writes the packed
-    bytes of written int4 arrays back."""
+    an int4 array (one code per byte in numpy) is passed packed, and :meth:`finish` writes back the codes the
+    call changed in written int4 arrays (only those: a call on another layer of the same array, running beside
+    this one, keeps its own). A read input that is not C-contiguous is passed as a copy. Since the C entry
+    points cannot see where a copy came from, :meth:`check_apart` checks those arrays against the written ones
+    here, with the C entry points' message. Errors are ``error`` (the op's class)."""
 
-    def __init__(self):
-        self.keep, self.write_back = [], []
+    def __init__(self, error=KeyValueCacheError):
+        self.keep, self.write_back, self.error = [], [], error
+        self.given = {}  # name -> (the caller's array, passed as a copy)
 
     def tensor(self, name: str, array, written: bool = False) -> Tensor:
         if array is None:
             return ABSENT
         if written:
             if not isinstance(array, np.ndarray):
-                raise KeyValueCacheError(f"{name} must be a numpy array: it is written in place")
+                raise self.error(f"{name} must be a numpy array: it is written in place")
             if not (array.flags.c_contiguous and array.flags.writeable):
-                raise KeyValueCacheError(f"{name} must be a writable C-contiguous array: it is written in place")
+                raise self.error(f"{name} must be a writable C-contiguous array: it is written in place")
         array = np.asarray(array)
+        if array.ndim > MAX_RANK:
+            raise self.error(f"{name} has rank {array.ndim}, more than the C entry points' {MAX_RANK}")
+        if not array.dtype.isnative:
+            raise self.error(f"{name} has dtype {array.dtype.str}, not in this machine's byte order: "
+                             "pass array.astype(array.dtype.newbyteorder('='))")
         if array.dtype == INT4:  # one code per byte in numpy; the kernels take ONNX's packed layout
-            packed = pack_int4(array)
+            # packed from one snapshot, which finish compares with: what another thread writes into the array
+            # meanwhile is in neither, so it is never written back over
+            before = array.copy()
+            packed = pack_int4(before)
             self.keep.append(packed)
+            self.given[name] = (array, True)
             if written:
-                self.write_back.append((array, packed))
+                self.write_back.append((array, packed, before))
             return Tensor(ONNX_TYPES[INT4], array.shape, packed.ctypes.data)
+        self.given[name] = (array, not array.flags.c_contiguous)
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         self.keep.append(array)
-        return Tensor(onnx_type(array.dtype), array.shape, array.ctypes.data)
+        try:
+            element = onnx_type(array.dtype)
+        except KeyValueCacheError as error:
+            raise self.error(f"{name}: {error}") from None
+        return Tensor(element, array.shape, array.ctypes.data)
+
+    def check_apart(self, written: str, others) -> None:
+        """Refuses ``written`` sharing memory with any of ``others`` where either was passed as a copy (the C
+        entry points check the rest themselves, with this message)."""
+        if written not in self.given:
+            return
+        array, copied = self.given[written]
+        for name in others:
+            if name in self.given and (copied or self.given[name][1]) \
+                    and np.may_share_memory(array, self.given[name][0]):
+                raise self.error(f"{written} overlaps {name}: the op writes {written} while it reads or writes "
+                                 f"{name}, so they must not share memory")
 
     def finish(self) -> None:
-        for array, packed in self.write_back:
-            array[...] = unpack_int4(packed, array.size).reshape(array.shape).astype(INT4)
+        for array, packed, before in self.write_back:
+            after = unpack_int4(packed, array.size).reshape(array.shape).astype(INT4)
+            changed = after != before
+            array[changed] = after[changed]
 
 
 def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
@@ -372,6 +417,8 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
                  cache=cache, scale=scale)
     inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in KV_INPUTS]
     shape = output_shape(inputs, library_file=library_file, **attributes)
+    args.check_apart("cache", ("current_key", "current_value"))
+    args.check_apart("scale", ("current_key", "current_value", "cache"))
     dtype = np.asarray(current_key).dtype
     key, value = np.empty(shape, dtype), np.empty(shape, dtype)
     outputs = [Tensor(ONNX_TYPES[dtype], shape, out.ctypes.data) for out in (key, value)]
@@ -417,6 +464,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 
     scale = effective_scale(scale, attributes.get("quant_bit", 0))
     inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
               args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
+    args.check_apart("scale", ("cache",))
     count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0
     out = np.empty(count, np.int64)
     run_key_cache_rotary_shift(inputs, Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data),
@@ -464,7 +512,7 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
     """The reference's :func:`~kvcache_op.reference.multi_head_attention` on the library's CPU kernel through the
     C entry point: returns the output, of query's dtype and shape (within the spec's tolerance of the
     reference, not bit-exact)."""
-    args = HostBuffers()
+    args = HostBuffers(MultiHeadAttentionError)
     given = dict(query=query, key=key, value=value, seqstarts=seqstarts, kvstarts=kvstarts,
                  decoding_batches=decoding_batches, max_seqlen=max_seqlen, max_kvlen=max_kvlen, attn_mask=attn_mask)
     inputs = [args.tensor(name, given[name]) for name in MHA_INPUTS]
@@ -516,6 +564,8 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                  kvstarts=kvstarts, cachestarts=cachestarts, start_pos=start_pos, decoding_batches=decoding_batches,
                  max_seqlen=max_seqlen, max_kvlen=max_kvlen, cache=cache, scale=scale, attn_mask=attn_mask)
     inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in MHCA_INPUTS]
+    args.check_apart("cache", ("query", "current_key", "current_value", "attn_mask"))
+    args.check_apart("scale", ("query", "current_key", "current_value", "cache", "attn_mask"))
     query = np.asarray(query)
     out = np.empty(query.shape, query.dtype)
     run_multi_head_cache_attention(inputs, Tensor(inputs[0].type, query.shape, out.ctypes.data),

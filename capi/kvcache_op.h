@@ -16,7 +16,8 @@
  * An int4 cache is packed two codes per byte (element 2i in the low nibble), as ONNX stores INT4.
  * Outputs are allocated by the caller with the shape the call produces: (kvstarts[B], H * num_repeat,
  * Dh) of current_key's type (kvcache_op_key_value_cache_output_shape computes it); an output of another
- * shape or type, or one that overlaps an input, is refused.
+ * shape or type, or one that overlaps a data input (keys, values, query, mask, cache, scale), is refused.
+ * Index inputs are copied before anything is written: an output over one changes only the caller's array.
  *
  * Return value: KVCACHE_OP_OK (0), or an error code with a NUL-terminated message written to
  * `message` (truncated to `message_size` bytes; `message` may be NULL). Thread-safe: calls share no state.

@@ -335,3 +335,134 @@ def test_a_library_of_another_version_is_refused_by_its_version_before_any_funct
     old = build_library("old_version", [source], [], ["-O1", "-fPIC", "-shared"], tmp_path / "build")
     with pytest.raises(RuntimeError, match=f"has C API version 2; this binding speaks version {c_api.C_API_VERSION}"):
         c_api.library(str(old))
+
+
+# The numpy wrapper passes an int4 array packed, and a read input that is not C-contiguous as a copy: the C entry
+# points never see the caller's memory for those, so the wrapper checks them apart itself.
+_H, _DH, _GROUP, _MAX_T = 1, 8, 8, 4
+_CACHE_SHAPE, _SCALE_SHAPE = (_MAX_T, 1, 2, _H, _DH), (_MAX_T, 1, 2, _H, 1)
+_ONE_TOKEN = dict(seqstarts=np.array([0, 1]), kvstarts=np.array([0, 1]), cachestarts=np.array([0]),
+                  start_pos=np.array([0]), max_seqlen=np.array(1), max_kvlen=np.array(1))
+
+
+def _cache_over(buffer, dtype):
+    """A layout-0 cache of ``dtype`` over the first bytes of the uint8 ``buffer``."""
+    return buffer[:int(np.prod(_CACHE_SHAPE))].view(dtype).reshape(_CACHE_SHAPE)
+
+
+def _scale_inside(buffer):
+    return buffer[16:16 + 4 * int(np.prod(_SCALE_SHAPE))].view(np.float32).reshape(_SCALE_SHAPE)
+
+
+def _kv_call(buffer, dtype, quant_bit):
+    key = buffer[32:32 + 4 * _DH].view(np.float32).reshape(1, _H, _DH)  # a key row read from the cache's bytes
+    return lambda: c_api.key_value_cache(key, np.ones((1, _H, _DH), np.float32), **_ONE_TOKEN,
+                                         cache=_cache_over(buffer, dtype), scale=np.ones(_SCALE_SHAPE, np.float32),
+                                         quant_bit=quant_bit, quant_group=_GROUP)
+
+
+def _mhca_call(buffer, dtype, quant_bit):
+    row = np.ones((1, _H, _DH), np.float32)
+    return lambda: c_api.multi_head_cache_attention(
+        row, row, row, _ONE_TOKEN["seqstarts"], _ONE_TOKEN["kvstarts"], _ONE_TOKEN["cachestarts"],
+        _ONE_TOKEN["start_pos"], np.array(0), _ONE_TOKEN["max_seqlen"], _ONE_TOKEN["max_kvlen"],
+        _cache_over(buffer, dtype), _scale_inside(buffer), quant_bit=quant_bit, quant_group=_GROUP, num_heads=_H,
+        head_dim=_DH)
+
+
+def _rotary_call(buffer, dtype, quant_bit):
+    cache = _cache_over(buffer, dtype)
+    cache[...] = 3
+    return lambda: c_api.key_cache_rotary_shift(cache, _scale_inside(buffer), np.array([1]),
+                                                np.zeros((1, _DH // 2), np.float32),
+                                                np.ones((1, _DH // 2), np.float32), quant_bit=quant_bit,
+                                                quant_group=_GROUP)
+
+
+@pytest.mark.parametrize("quant_bit", [8, 4])
+@pytest.mark.parametrize("make, message", [(_kv_call, "cache overlaps current_key"),
+                                           (_mhca_call, "scale overlaps cache"),
+                                           (_rotary_call, "scale overlaps cache")],
+                         ids=["kv-key-in-cache", "mhca-scale-in-cache", "rotary-scale-in-cache"])
+def test_buffers_sharing_memory_are_refused_for_int4_caches_too(make, message, quant_bit):
+    from kvcache_op.reference.dtypes import INT4
+
+    buffer = np.zeros(int(np.prod(_CACHE_SHAPE)) + 64, np.uint8)
+    call = make(buffer, INT4 if quant_bit == 4 else np.int8, quant_bit)
+    before = buffer.tobytes()
+    with pytest.raises(KeyValueCacheError, match=message):
+        call()
+    assert buffer.tobytes() == before
+
+
+def test_a_non_contiguous_input_over_the_cache_is_refused_as_a_contiguous_one_is():
+    for flip in (False, True):
+        cache = np.zeros(_CACHE_SHAPE, np.float32)
+        row = cache[3, 0, 0, 0][::-1] if flip else cache[3, 0, 0, 0]  # slot 3's key row, the same bytes
+        with pytest.raises(KeyValueCacheError, match="cache overlaps current_key"):
+            c_api.key_value_cache(row.reshape(1, _H, _DH), np.ones((1, _H, _DH), np.float32), **_ONE_TOKEN,
+                                  cache=cache)
+        assert not cache.any()
+
+
+def test_calls_on_two_layers_of_one_int4_array_from_two_threads_both_land():
+    """The wrapper writes back only the codes its call changed: a whole-array write-back lost the other layer's."""
+    import threading
+
+    from kvcache_op.reference.dtypes import INT4
+
+    tokens, layers = 1024, 2
+    rng = np.random.default_rng(0)
+    keys = [rng.standard_normal((tokens, 4, 64)).astype(np.float16) for _ in range(layers)]
+    index = dict(seqstarts=np.array([0, tokens]), kvstarts=np.array([0, tokens]), cachestarts=np.array([0]),
+                 start_pos=np.array([0]), max_seqlen=np.array(tokens), max_kvlen=np.array(tokens))
+    for _ in range(3):
+        cache = np.zeros((tokens, layers, 2, 4, 64), INT4)
+        scale = np.zeros((tokens, layers, 2, 4, 8), np.float32)
+        barrier = threading.Barrier(layers)
+
+        def store(layer):
+            barrier.wait()
+            c_api.key_value_cache(keys[layer], keys[layer], **index, cache=cache, scale=scale, num_layer=layers,
+                                  layer_idx=layer, quant_bit=4, quant_group=8)
+
+        threads = [threading.Thread(target=store, args=(layer,)) for layer in range(layers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for layer in range(layers):
+            alone = np.zeros_like(cache)
+            c_api.key_value_cache(keys[layer], keys[layer], **index, cache=alone, scale=np.zeros_like(scale),
+                                  num_layer=layers, layer_idx=layer, quant_bit=4, quant_group=8)
+            assert np.array_equal(cache[:, layer].astype(np.int8), alone[:, layer].astype(np.int8))
+
+
+@pytest.mark.parametrize("name, value", [("quant_bit", 8.5), ("cache_mode", 0.5), ("cache_layout", "0"),
+                                         ("layer_idx", True)])
+def test_attributes_that_are_not_integers_are_refused_not_truncated(name, value):
+    case = small_case()
+    inputs = copies(case.inputs)
+    with pytest.raises(KeyValueCacheError, match=f"^{name} must be an integer, got {value!r}$"):
+        c_api.key_value_cache(**inputs, **{**case.attributes, name: value})
+    assert inputs["cache"].tobytes() == case.inputs["cache"].tobytes()
+    key, _ = c_api.key_value_cache(**copies(case.inputs), **{**case.attributes, "cache_layout": 0.0})
+    assert key.size  # an integral float is the integer, as the reference compares it
+
+
+def test_wrapper_errors_name_the_input_and_are_the_ops_class():
+    from kvcache_op.reference import MultiHeadAttentionError
+
+    case = small_case()
+    inputs = copies(case.inputs)
+    inputs["seqstarts"] = inputs["seqstarts"].reshape((-1,) + (1,) * 8)
+    with pytest.raises(KeyValueCacheError, match="^seqstarts has rank 9, more than the C entry points' 8$"):
+        c_api.key_value_cache(**inputs, **case.attributes)
+    inputs = copies(case.inputs)
+    inputs["current_key"] = inputs["current_key"].astype(inputs["current_key"].dtype.newbyteorder(">"))
+    with pytest.raises(KeyValueCacheError, match="^current_key has dtype >.*not in this machine's byte order"):
+        c_api.key_value_cache(**inputs, **case.attributes)
+    query = np.ones((2, 1, 8) + (1,) * 6, np.float32)
+    with pytest.raises(MultiHeadAttentionError, match="^query has rank 9"):
+        c_api.multi_head_attention(query, query, query, np.array([0, 2]), np.array([0, 2]), 0, 2, 2, num_heads=1,
+                                   head_dim=8)
