@@ -3,10 +3,11 @@
 
 Order, as vLLM applies them: the penalties (repetition over the prompt and the generated tokens, presence and
 frequency over the generated tokens), then temperature 0 is greedy (argmax: token-identical to ``transformers``'
-greedy ``generate``); otherwise the logits are divided by the temperature, the softmax is taken in float64, and
-top-k, top-p (the smallest set of most likely tokens whose mass reaches ``top_p``; 0 keeps the most likely
-alone) and min-p (tokens below ``min_p`` times the most likely one's probability) keep a subset, renormalized,
-from which one token is drawn with the request's own generator: a seeded request draws the same tokens whatever
+greedy ``generate``); otherwise the logits are divided by the temperature, the softmax is taken in float64,
+min-p drops the tokens below ``min_p`` times the most likely one's probability, top-k keeps the ``top_k`` most
+likely (and every token tied with the k-th), and top-p keeps, of what those two left renormalized, the smallest
+set of most likely tokens whose mass reaches ``top_p`` (0 keeps the most likely alone). One token is drawn from
+that subset, renormalized, with the request's own generator: a seeded request draws the same tokens whatever
 runs beside it.
 """
 
@@ -134,8 +135,9 @@ def _penalized(logits: np.ndarray, params: list, histories: list) -> np.ndarray:
 
 def distributions(logits: np.ndarray, params: list) -> np.ndarray:
     """Per row, the float64 distribution a sampled token is drawn from: softmax of logits / temperature, then
-    top-k, top-p and min-p applied and renormalized (rows of greedy requests are left zero). One pass over the
-    sampled rows together: each row's filters are per-row vectors (0 / 1.0 / 0 where a request sets none)."""
+    min-p, top-k and top-p applied in vLLM's order and renormalized (rows of greedy requests are left zero). One
+    pass over the sampled rows together: each row's filters are per-row vectors (0 / 1.0 / 0 where a request sets
+    none)."""
     probs = np.zeros_like(logits, dtype=np.float64)
     rows = np.array([r for r, p in enumerate(params) if not p.greedy], np.int64)
     if not rows.size:
@@ -149,14 +151,20 @@ def distributions(logits: np.ndarray, params: list) -> np.ndarray:
         z = np.clip(np.asarray(logits, np.float64)[rows] / temperature, -FINITE, FINITE)
     z = np.exp(z - z.max(axis=1, keepdims=True))
     q = z / z.sum(axis=1, keepdims=True)
-    order = np.argsort(-q, axis=1, kind="stable")
+    # min-p over the whole distribution; top-k keeps every token at least as likely as the k-th (ties with it too:
+    # equal logits give equal q); top-p then cuts the distribution those two left, renormalized
+    keep = (min_p == 0) | (q >= min_p * q.max(axis=1, keepdims=True))
+    descending = -np.sort(-q, axis=1)
+    kth = np.take_along_axis(descending, np.maximum(top_k - 1, 0), axis=1)
+    keep &= (top_k == 0) | (q >= kth)
+    kept = np.where(keep, q, 0.0)
+    kept /= kept.sum(axis=1, keepdims=True)
+    order = np.argsort(-kept, axis=1, kind="stable")
     rank = np.empty_like(order)
     np.put_along_axis(rank, order, np.arange(q.shape[1])[None, :], axis=1)  # each token's place in its row
-    keep = (top_k == 0) | (rank < top_k)
-    mass = np.cumsum(np.take_along_axis(q, order, axis=1), axis=1)
+    mass = np.cumsum(np.take_along_axis(kept, order, axis=1), axis=1)
     cut = (mass < top_p).sum(axis=1, keepdims=True) + 1  # the smallest prefix whose mass reaches top_p
     keep &= (top_p >= 1.0) | (rank < cut)
-    keep &= (min_p == 0) | (q >= min_p * q.max(axis=1, keepdims=True))
     q = np.where(keep, q, 0.0)
     probs[rows] = q / q.sum(axis=1, keepdims=True)
     return probs

@@ -61,6 +61,8 @@ def test_draws_follow_the_softmax_of_the_logits_over_the_temperature(temperature
     (SamplingParams(temperature=1.0, top_p=0.5), {0}),          # the top one alone reaches 0.5
     (SamplingParams(temperature=1.0, top_p=0.0), {0}),          # OpenAI's 0: the most likely token alone
     (SamplingParams(temperature=1.0, min_p=0.2), {0, 1, 2}),    # >= 0.2 x 0.531
+    # top_p over what top_k left, renormalized (0.731, 0.269): the top one alone reaches 0.7, as in vLLM
+    (SamplingParams(temperature=1.0, top_k=2, top_p=0.7), {0}),
 ])
 def test_top_k_top_p_and_min_p_keep_their_subset_renormalized(params, support):
     probs = distributions(LOGITS[None].astype(np.float64), [params])[0]
@@ -149,29 +151,28 @@ def test_bad_parameters_are_refused_by_name(fields, error, message):
 
 
 def _row_by_row(logits, params):
-    """The filters one row at a time, written apart from the batch code: softmax / temperature, the top_k most
-    likely (stable order), the smallest prefix reaching top_p, min_p against the row's maximum."""
+    """The filters one row at a time, written apart from the batch code after vLLM's steps: softmax / temperature;
+    min_p masks the logits of tokens below min_p times the row's largest probability; top_k masks every logit
+    below the k-th largest of what is left; top_p sorts what is left ascending, takes its softmax again and masks
+    the tokens whose cumulative mass is at most 1 - top_p, the most likely always kept."""
     out = np.zeros(logits.shape)
     for r, p in enumerate(params):
         if p.greedy:
             continue
-        z = np.exp(logits[r] / p.temperature - (logits[r] / p.temperature).max())
-        q = z / z.sum()
-        order = sorted(range(len(q)), key=lambda t: -q[t])  # Python's sort is stable
-        kept = set(order[:p.top_k] if p.top_k else order)
-        if p.top_p < 1.0:
-            total, prefix = 0.0, []
-            for t in order:
-                prefix.append(t)
-                total += q[t]
-                if total >= p.top_p:
-                    break
-            kept &= set(prefix)
+        z = [float(v) / p.temperature for v in logits[r]]
+        q = _softmax(np.array(z))
         if p.min_p:
-            kept &= {t for t in range(len(q)) if q[t] >= p.min_p * q.max()}
-        for t in kept:
-            out[r, t] = q[t]
-        out[r] /= out[r].sum()
+            z = [v if q[t] >= p.min_p * q.max() else -math.inf for t, v in enumerate(z)]
+        if p.top_k:
+            kth = sorted(z, reverse=True)[min(p.top_k, len(z)) - 1]
+            z = [v if v >= kth else -math.inf for v in z]
+        if p.top_p < 1.0:
+            ascending = sorted(range(len(z)), key=lambda t: z[t])
+            mass = np.cumsum(_softmax(np.array([z[t] for t in ascending])))
+            for i, t in enumerate(ascending[:-1]):
+                if mass[i] <= 1 - p.top_p:
+                    z[t] = -math.inf
+        out[r] = _softmax(np.array(z))
     return out
 
 
@@ -185,3 +186,11 @@ def test_the_batch_filters_equal_the_row_by_row_ones_for_mixed_requests():
     got, want = distributions(logits, params), _row_by_row(logits, params)
     assert np.allclose(got, want, rtol=1e-12, atol=1e-15)
     assert np.array_equal(got > 0, want > 0)  # the same support, exactly
+
+
+def test_top_k_keeps_every_token_tied_with_the_kth():
+    """vLLM masks the logits below the k-th largest: a token equal to it stays, whatever its index."""
+    logits = np.array([[2.0, 1.0, 1.0, 0.0]])
+    probs = distributions(logits, [SamplingParams(temperature=1.0, top_k=2)])[0]
+    want = _softmax(np.array([2.0, 1.0, 1.0, -np.inf]))
+    assert np.allclose(probs, want, rtol=1e-12, atol=0) and probs[3] == 0
