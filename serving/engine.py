@@ -127,7 +127,8 @@ class Engine(OnlineEngine):
         :class:`SamplingParams` for every request or one per prompt (default: greedy; its ``max_tokens`` is
         ``max_new_tokens`` here); ``self.last_logprobs[i]`` holds what ``logprobs`` asks for, per token.
         ``salts[i]`` (str/bytes/None) isolates request ``i``'s prefix cache. ``on_token(i, token)`` streams each
-        token as it is chosen.
+        token as it is chosen; if it raises, the call cancels its other requests and raises that exception (the
+        other callers' requests go on).
         ``arrival_steps[i]``: the step at which request ``i`` arrives, counted from the engine's next step (default
         all at once). ``record_logits``: also keep each chosen token's logits (``self.last_logits[i]``, one row per
         token). The batch call over :meth:`submit`: its requests join the continuous batch with whatever else runs
@@ -164,7 +165,9 @@ class Engine(OnlineEngine):
         try:
             for handle in handles:
                 handle.result()
-        except BaseException:  # a failed step (or an interrupted caller): nothing of this call keeps running
+                if handle.finish_reason == "cancelled":  # only close() cancels them: never a short answer
+                    raise RuntimeError("the engine was closed while generate ran: its requests were cancelled")
+        except BaseException:  # a failed step, its on_token, or an interrupted caller: nothing of it keeps running
             for handle in handles:
                 handle.cancel()
             raise
@@ -460,8 +463,8 @@ class Engine(OnlineEngine):
 
     def _take_tokens(self, choosing: list, tokens: list, logprobs, logits, rows) -> list:
         """Hands each chosen token to its request (its list, handle, callbacks); returns ``(request, reason)`` of
-        the requests that are done: an end-of-sequence or stop token, a stop string, or ``max_new_tokens``
-        reached (:meth:`_retire` lets them leave once the step is committed)."""
+        the requests that are done: an end-of-sequence or stop token, a stop string, ``max_new_tokens`` reached, or
+        an ``on_token`` that raised (:meth:`_retire` lets them leave once the step is committed)."""
         stopped = []
         now = time.perf_counter()  # one choice time for the step's tokens
         for i, (q, token, top) in enumerate(zip(choosing, tokens, logprobs)):
@@ -470,11 +473,16 @@ class Engine(OnlineEngine):
                 q.logprobs.append(top)
             q.next_input = [token]
             q.handle._push(token, top, now)
-            self._counters["generated_tokens"] += 1  # per token handed over (a raising on_token stops the count)
+            self._counters["generated_tokens"] += 1  # per token handed over
             if q.logits is not None:
                 q.logits.append(logits[i if rows is None else rows[i]].copy())
             if q.on_token is not None:
-                q.on_token(token)
+                try:
+                    q.on_token(token)
+                except Exception as error:  # the caller's own callback: its request fails, the batch goes on
+                    q.error = error
+                    stopped.append((q, "error"))
+                    continue
             stops = token in q.ends
             if q.stop_matcher is not None:  # stop strings: the text this token completes
                 stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
@@ -487,7 +495,7 @@ class Engine(OnlineEngine):
         for q, reason in stopped:
             self.manager.finish(q.index)
             running.remove(q)
-            q.handle._finish(reason)
+            q.handle._finish(reason, q.error)
 
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request

@@ -241,11 +241,9 @@ class OnlineEngine:
         ``max_waiting``, :class:`EngineBusy` refuses it while that many submitted requests wait for admission beyond
         the free running slots (:meth:`backlog`), counted under the lock that queues it (so concurrent callers can
         neither pass the limit together nor see each other twice). Safe from any thread."""
-        if params is None:
-            params = SamplingParams()
         if max_waiting is not None and (type(max_waiting) is not int or max_waiting < 0):
             raise ValueError(f"max_waiting must be None or an int >= 0, got {max_waiting!r}")
-        self._sampling(params, 1)  # its type and what this engine supports
+        params = self._sampling(params, 1)[0]  # its type and what this engine supports (a list of one is one)
         salt_bytes(salt)
         q = self._new_sequence(None, self._token_ids(prompt, "submitted"), params.max_tokens, salt, 0, params)
         self._check_fits(q, params.max_tokens, "submitted request")
@@ -301,8 +299,9 @@ class OnlineEngine:
             for q in list(self._online_waiting) + self._online_running:
                 q.handle.cancel()
             self._work.notify()
-        if self._thread is not None:
-            self._thread.join(timeout)
+            thread = self._thread  # read once, under the lock: the thread sets it to None as it ends
+        if thread is not None:
+            thread.join(timeout)
 
     def _serve(self) -> None:
         """The background thread: one step at a time while submitted requests are pending."""

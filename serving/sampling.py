@@ -78,6 +78,9 @@ class SamplingParams:
         if isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__"):
             raise TypeError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         check(self, "stop_token_ids", tuple(_integer("stop_token_ids[i]", t, 0) for t in self.stop_token_ids))
+        if not isinstance(self.stop, (str, list, tuple)):  # a set or dict would pass as its members or keys
+            raise TypeError(f"stop must be a string or a list of non-empty strings, got {type(self.stop).__name__} "
+                            f"{self.stop!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
             raise TypeError(f"stop must be a string or a list of non-empty strings, got {self.stop!r}")

@@ -153,6 +153,7 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     (([1] * 200, SamplingParams(max_tokens=100)), {}, ValueError, "more than num_pages=4"),
     (([1, 2],), {"max_waiting": -1}, ValueError, "max_waiting must be None or an int >= 0"),
     (([1, 2],), {"max_waiting": True}, ValueError, "max_waiting must be None or an int >= 0"),
+    (([1, 2], [SamplingParams(), SamplingParams()]), {}, TypeError, "params must be a SamplingParams or a list of 1"),
 ])
 def test_submit_checks_everything_before_queueing(path, args, kwargs, error, message):
     engine = Engine(path, num_pages=4)
@@ -292,3 +293,88 @@ def test_a_caller_waiting_for_the_lock_gets_it_before_the_engine_steps_again(pat
     # knock, which ends at its next step); none begins while it waits 50 ms for the lock (without that, the engine
     # ran some three hundred one-step runs meanwhile).
     assert held["steps"] <= 2, held
+
+
+def test_submit_takes_a_list_of_one_sampling_params_as_generate_does(path, lone):
+    engine = Engine(path, num_pages=16)
+    assert engine.submit(PROMPTS[1], [SamplingParams(max_tokens=8)]).result(timeout=60) == lone[1]
+    engine.close(timeout=30)
+
+
+def test_a_raising_on_token_fails_its_own_call_alone(path, lone):
+    """generate's callback raising fails that call (its exception, its other requests cancelled); the requests of
+    other callers, running beside it or queued behind it, finish as they would alone, and no page is kept."""
+    engine = Engine(path, num_pages=32, max_running=2)
+    run = engine.runner.run
+
+    def paced(feeds, *changed):  # every step long enough for the others to be queued beside the failing call
+        time.sleep(0.01)
+        return run(feeds, *changed)
+    engine.runner.run = paced
+    started = threading.Event()
+
+    def callback(i, token):
+        started.set()
+        raise KeyError("the caller's own bug")
+
+    beside = engine.submit(PROMPTS[1], SamplingParams(max_tokens=8, temperature=1.0, seed=5))
+    errors = []
+    caller = threading.Thread(target=lambda: errors.append(pytest.raises(
+        KeyError, engine.generate, [PROMPTS[2], PROMPTS[3]], 8, on_token=callback,
+        params=SamplingParams(temperature=1.0, seed=2))))
+    caller.start()
+    assert started.wait(60)
+    queued = engine.submit(PROMPTS[3], SamplingParams(max_tokens=8))
+    caller.join(timeout=60)
+    assert errors and "the caller's own bug" in str(errors[0].value)
+    alone = Engine(path, num_pages=32).submit(PROMPTS[1], SamplingParams(max_tokens=8, temperature=1.0, seed=5))
+    assert beside.result(timeout=60) == alone.result(timeout=60) and beside.finish_reason == "length"
+    assert queued.result(timeout=60) == lone[3] and queued.finish_reason == "length"
+    engine.close(timeout=30)
+    assert engine.metrics()["pages_in_use"] == 0
+
+
+def test_close_during_generate_raises_in_it_rather_than_returning_short_answers(path):
+    engine = Engine(path, num_pages=80)
+    run = engine.runner.run
+
+    def paced(feeds, *changed):
+        time.sleep(0.005)
+        return run(feeds, *changed)
+    engine.runner.run = paced
+    outcome, tokens = [], threading.Event()
+
+    def call():
+        try:
+            outcome.append(engine.generate([PROMPTS[0]], 900, params=SamplingParams(ignore_eos=True, temperature=1.0,
+                                                                                     seed=1),
+                                           on_token=lambda i, t: tokens.set()))
+        except RuntimeError as error:
+            outcome.append(error)
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert tokens.wait(60)
+    engine.close(timeout=30)
+    caller.join(timeout=60)
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError), outcome
+    assert "closed while generate ran" in str(outcome[0])
+
+
+def test_close_reads_the_engine_thread_once_under_its_lock(path):
+    """The engine's thread sets _thread to None as it ends: close read it twice, outside the lock, and could join
+    None. Each read here yields to the other threads (a switch a busy machine makes at random)."""
+    class SlowToRead(Engine):
+        @property
+        def _thread(self):
+            value = self.__dict__.get("_thread_value")
+            time.sleep(0.01)
+            return value
+
+        @_thread.setter
+        def _thread(self, value):
+            self.__dict__["_thread_value"] = value
+
+    engine = SlowToRead(path, num_pages=16)
+    assert engine.generate([[1, 2, 3]], 2)
+    engine.close(timeout=30)
+    assert engine.__dict__["_thread_value"] is None
