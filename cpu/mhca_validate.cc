@@ -6,14 +6,22 @@
 #include "kv_types.h"
 
 namespace kvcache {
+namespace {
+void CheckNumRepeat(const Attrs& cache) {
+  if (cache.num_repeat != 1) Fail("num_repeat must be 1 in MultiHeadCacheAttention, got ", cache.num_repeat);
+}
+}  // namespace
+
 void CheckMhcaAttrs(const MhcaAttrs& a) {
-  if (a.cache.num_repeat != 1) Fail("num_repeat must be 1 in MultiHeadCacheAttention, got ", a.cache.num_repeat);
+  CheckNumRepeat(a.cache);
   CheckAttrs(a.cache);
   CheckMhaAttrs(a.attention);
 }
 
 MhcaPlan ValidateCacheAttention(const MhcaAttrs& a, TensorArg* in) {
-  CheckMhcaAttrs(a);
+  // The spec's order: every rule of KeyValueCache (its attributes, in ValidateCall), then the attention's (its
+  // attributes, in ValidateAttention), so a call breaking one of each is refused for the cache's.
+  CheckNumRepeat(a.cache);
   MhcaPlan plan;
   // Index inputs 3..9: int64 ones are copied once, here (others are refused by the rules below, unread).
   for (size_t i = 3; i <= 9; ++i) {

@@ -466,3 +466,39 @@ def test_wrapper_errors_name_the_input_and_are_the_ops_class():
     with pytest.raises(MultiHeadAttentionError, match="^query has rank 9"):
         c_api.multi_head_attention(query, query, query, np.array([0, 2]), np.array([0, 2]), 0, 2, 2, num_heads=1,
                                    head_dim=8)
+
+
+def _reference_error(function, inputs, attributes) -> str:
+    with pytest.raises(KeyValueCacheError) as raised:
+        function(**copies(inputs), **attributes)
+    return str(raised.value)
+
+
+def test_every_invalid_cache_attention_call_gets_the_references_message_and_writes_nothing():
+    from kvcache_op.reference import multi_head_cache_attention
+    from kvcache_op.validation.mhca_cases import error_cases
+
+    for name, make in error_cases().items():
+        case = make()
+        want = _reference_error(multi_head_cache_attention, case.inputs, case.attributes)
+        inputs = copies(case.inputs)
+        before = {k: inputs[k].tobytes() for k in ("cache", "scale") if inputs.get(k) is not None}
+        with pytest.raises(KeyValueCacheError) as raised:
+            c_api.multi_head_cache_attention(**inputs, **case.attributes)
+        assert str(raised.value) == want, name
+        assert {k: inputs[k].tobytes() for k in before} == before, name
+
+
+def test_a_cache_attention_call_breaking_a_cache_rule_and_an_attention_attribute_names_the_cache_rule():
+    """The spec's order: every rule of KeyValueCache before any of the attention's, attributes included (the C
+    entry checked the attention's attributes first)."""
+    from kvcache_op.reference import multi_head_cache_attention
+    from kvcache_op.validation.mhca_cases import CASES
+
+    case = CASES["mhca_paged_int8_layout3"]()
+    inputs = dict(case.inputs, cache=case.inputs["cache"].astype(np.float16))
+    attributes = {**case.attributes, "is_causal": 2}
+    want = _reference_error(multi_head_cache_attention, inputs, attributes)
+    assert want.startswith("cache dtype must be int8")
+    with pytest.raises(KeyValueCacheError, match="^cache dtype must be int8"):
+        c_api.multi_head_cache_attention(**copies(inputs), **attributes)
