@@ -1,4 +1,4 @@
-"""Hypothesis strategies for invalid calls of the three ops: every named validity row (validation/error_cases.py,
+"""Hypothesis strategies for invalid calls of the ops: every named validity row (validation/error_cases.py,
 validation/mha_error_cases.py, validation/rotary_cases.py), and valid calls (validation/strategies.py) with one index or
 attribute pushed out of range — a slot past the cache, a negative or sentinel page, a start position or a
 kvlen beyond what was stored, a launch bound too small, a layer that does not exist, a page or slot used

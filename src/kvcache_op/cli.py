@@ -105,7 +105,8 @@ def _add_backend_arguments(parser) -> None:
                         help="reference (the numpy reference), ort (ONNX Runtime with a custom-op library), or "
                              "module:function (a Python callable with the reference's signature, importable from "
                              "the current directory or PYTHONPATH; module:object for an object with "
-                             "key_value_cache / multi_head_attention / key_cache_rotary_shift)")
+                             "key_value_cache / multi_head_attention / key_cache_rotary_shift / "
+                             "multi_head_cache_attention)")
     parser.add_argument("--ort-library", metavar="PATH", help="with --backend ort: the custom-op library to register "
                                                               "(default: this package's)")
     parser.add_argument("--provider", metavar="NAME", help="with --backend ort: the execution provider "
@@ -191,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--requests", type=at_least(1), default=32)
     demo.add_argument("--new-tokens", type=at_least(1), default=16)
     demo.add_argument("--num-pages", type=at_least(1), default=24,
-                      help="cache pages (few: evictions and preemptions happen)")
+                      help="cache pages (few: cached prefixes are evicted)")
     demo.add_argument("--page-size", type=at_least(1), default=16)
     demo.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0)
     demo.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable; default: the "
@@ -220,7 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-remote", action="store_true", help="allow a --host that is not loopback")
     serve.add_argument("--num-pages", type=at_least(1), default=512, help="cache pages (default 512)")
     serve.add_argument("--tokenizer", help="tokenizer folder (default: beside the file, or the checkpoint's)")
-    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
+    serve.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+                                         "and /metrics (default: "
                                          "$KVCACHE_OP_API_KEY, else none)")
     serve.add_argument("--model-name", help="the model id clients send (default: the file or folder name)")
     serve.add_argument("--max-queue", type=at_least(0), default=256,
@@ -256,7 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     slots.add_argument("--steps", type=at_least(1), default=8, help="number of scheduler steps")
     slots.set_defaults(func=_slots_demo)
     conf = sub.add_parser("conformance", help="write the conformance vectors (ONNX backend-test layout): valid and "
-                                              "invalid calls of the three ops")
+                                              "invalid calls of the four ops")
     conf.add_argument("--out", help="output folder")
     conf.add_argument("--case", action="append", help="only this case (repeatable); default: all")
     conf.add_argument("--list", action="store_true", help="list the named cases (name, op, valid/invalid)")
