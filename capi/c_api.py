@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import operator
 
 import numpy as np
 
@@ -57,6 +58,12 @@ MHCA_INT_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "ca
 MHCA_ATTRIBUTES = MHCA_INT_ATTRIBUTES + ("softmax_scale", "softcap")
 ROTARY_ATTRIBUTES = ("num_layer", "layer_idx", "quant_bit", "quant_group", "cache_layout", "rotary_dim",
                      "rotary_interleaved")
+#: Each op's written buffers and the data inputs each must not share memory with (the C entry points' pairs:
+#: cpu/byte_ranges.cc, cpu/rotary_shift.cc, cpu/mhca_validate.cc), for the arrays the binding passes as copies.
+KV_APART = (("cache", ("current_key", "current_value")), ("scale", ("current_key", "current_value", "cache")))
+ROTARY_APART = (("scale", ("cache",)),)
+MHCA_APART = (("cache", ("query", "current_key", "current_value", "attn_mask")),
+              ("scale", ("query", "current_key", "current_value", "cache", "attn_mask")))
 
 
 def onnx_type(dtype) -> int:
@@ -263,13 +270,12 @@ def cpu_head_prefetch(path: str | None = None) -> str:
 
 
 def _integer_attribute(name: str, value) -> int:
-    """``value`` as an int when it is an integer (a Python or numpy int, or a float with no fraction, as the
-    reference's comparisons take it); anything else is refused, never truncated into a call the reference
-    refuses."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)) \
-            or (isinstance(value, (float, np.floating)) and not float(value).is_integer()):
-        raise KeyValueCacheError(f"{name} must be an integer, got {value!r}")
-    return int(value)
+    """``value`` as an int where it is one (whatever ``operator.index`` takes: a Python or numpy int, a 0-d integer
+    array); anything else, a float included, is refused, never truncated into a call the reference refuses."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise KeyValueCacheError(f"{name} must be an integer, got {value!r}") from None
 
 
 def _attrs(struct, names, defaults_fn, given: dict, floats=()):
@@ -387,17 +393,19 @@ class HostBuffers:
             raise self.error(f"{name}: {error}") from None
         return Tensor(element, array.shape, array.ctypes.data)
 
-    def check_apart(self, written: str, others) -> None:
-        """Refuses ``written`` sharing memory with any of ``others`` where either was passed as a copy (the C
-        entry points check the rest themselves, with this message)."""
-        if written not in self.given:
-            return
-        array, copied = self.given[written]
-        for name in others:
-            if name in self.given and (copied or self.given[name][1]) \
-                    and np.may_share_memory(array, self.given[name][0]):
-                raise self.error(f"{written} overlaps {name}: the op writes {written} while it reads or writes "
-                                 f"{name}, so they must not share memory")
+    def check_apart(self, rules) -> None:
+        """Refuses, for each ``(written, others)`` of ``rules`` (the C entry points' own pairs), ``written``
+        sharing memory with one of ``others`` where either was passed as a copy (the C entry points check the rest
+        themselves, with this message)."""
+        for written, others in rules:
+            if written not in self.given:
+                continue
+            array, copied = self.given[written]
+            for name in others:
+                if name in self.given and (copied or self.given[name][1]) \
+                        and np.may_share_memory(array, self.given[name][0]):
+                    raise self.error(f"{written} overlaps {name}: the op writes {written} while it reads or writes "
+                                     f"{name}, so they must not share memory")
 
     def finish(self) -> None:
         for array, packed, before in self.write_back:
@@ -417,8 +425,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
                  cache=cache, scale=scale)
     inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in KV_INPUTS]
     shape = output_shape(inputs, library_file=library_file, **attributes)
-    args.check_apart("cache", ("current_key", "current_value"))
-    args.check_apart("scale", ("current_key", "current_value", "cache"))
+    args.check_apart(KV_APART)
     dtype = np.asarray(current_key).dtype
     key, value = np.empty(shape, dtype), np.empty(shape, dtype)
     outputs = [Tensor(ONNX_TYPES[dtype], shape, out.ctypes.data) for out in (key, value)]
@@ -464,7 +471,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_threads: int = 
     scale = effective_scale(scale, attributes.get("quant_bit", 0))
     inputs = [args.tensor("cache", cache, written=True), args.tensor("scale", scale, written=True),
               args.tensor("slots", slots), args.tensor("cos", cos), args.tensor("sin", sin)]
-    args.check_apart("scale", ("cache",))
+    args.check_apart(ROTARY_APART)
     count = int(np.asarray(slots).size) if np.asarray(slots).ndim == 1 else 0
     out = np.empty(count, np.int64)
     run_key_cache_rotary_shift(inputs, Tensor(ONNX_TYPES[np.dtype(np.int64)], (count,), out.ctypes.data),
@@ -564,8 +571,7 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                  kvstarts=kvstarts, cachestarts=cachestarts, start_pos=start_pos, decoding_batches=decoding_batches,
                  max_seqlen=max_seqlen, max_kvlen=max_kvlen, cache=cache, scale=scale, attn_mask=attn_mask)
     inputs = [args.tensor(name, given[name], written=name in ("cache", "scale")) for name in MHCA_INPUTS]
-    args.check_apart("cache", ("query", "current_key", "current_value", "attn_mask"))
-    args.check_apart("scale", ("query", "current_key", "current_value", "cache", "attn_mask"))
+    args.check_apart(MHCA_APART)
     query = np.asarray(query)
     out = np.empty(query.shape, query.dtype)
     run_multi_head_cache_attention(inputs, Tensor(inputs[0].type, query.shape, out.ctypes.data),

@@ -20,7 +20,9 @@ void CheckMhcaAttrs(const MhcaAttrs& a) {
 
 MhcaPlan ValidateCacheAttention(const MhcaAttrs& a, TensorArg* in) {
   // The spec's order: every rule of KeyValueCache (its attributes, in ValidateCall), then the attention's (its
-  // attributes, in ValidateAttention), so a call breaking one of each is refused for the cache's.
+  // attributes, in ValidateAttention), so a call breaking one of each is refused for the cache's. (The ONNX
+  // Runtime op checks every attribute once, when its session is made: a node's attributes never change, so there
+  // an attribute is refused before any call.)
   CheckNumRepeat(a.cache);
   MhcaPlan plan;
   // Index inputs 3..9: int64 ones are copied once, here (others are refused by the rules below, unread).

@@ -439,15 +439,19 @@ def test_calls_on_two_layers_of_one_int4_array_from_two_threads_both_land():
 
 
 @pytest.mark.parametrize("name, value", [("quant_bit", 8.5), ("cache_mode", 0.5), ("cache_layout", "0"),
-                                         ("layer_idx", True)])
+                                         ("quant_group", 4.0)])
 def test_attributes_that_are_not_integers_are_refused_not_truncated(name, value):
     case = small_case()
     inputs = copies(case.inputs)
     with pytest.raises(KeyValueCacheError, match=f"^{name} must be an integer, got {value!r}$"):
         c_api.key_value_cache(**inputs, **{**case.attributes, name: value})
     assert inputs["cache"].tobytes() == case.inputs["cache"].tobytes()
-    key, _ = c_api.key_value_cache(**copies(case.inputs), **{**case.attributes, "cache_layout": 0.0})
-    assert key.size  # an integral float is the integer, as the reference compares it
+
+
+def test_integer_attributes_may_be_numpy_ints_and_0d_arrays_as_in_the_reference():
+    case = small_case()
+    given = {**case.attributes, "quant_group": np.array(case.attributes["quant_group"]), "num_layer": np.int32(1)}
+    assert_same_bits(c_api_result(case.inputs, given), reference_result(case.inputs, given))
 
 
 def test_wrapper_errors_name_the_input_and_are_the_ops_class():

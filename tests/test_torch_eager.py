@@ -296,22 +296,38 @@ def test_a_missing_data_tensor_is_the_ops_error(op, name):
 
 
 @pytest.mark.parametrize("op", ["key_value_cache", "key_cache_rotary_shift", "multi_head_cache_attention"])
-def test_a_cache_that_requires_grad_is_refused_unless_grad_is_off(op):
-    """The kernels write the cache where autograd cannot see it: as torch refuses an in-place write to a leaf that
-    requires grad, so does the op (untouched), and under torch.no_grad() it writes as torch's own ops would."""
+def test_a_cache_that_requires_grad_is_refused_and_its_detached_memory_written(op):
+    """The kernels write the cache where autograd cannot see: as torch refuses an in-place write to a leaf that
+    requires grad, so does the op (the cache untouched), under no_grad too; ``cache.detach()`` (the same memory)
+    is written."""
     k = torch.randn(3, 2, 8)
     cache = torch.zeros(16, 1, 2, 2, 8, requires_grad=True)
-    if op == "key_cache_rotary_shift":
-        with torch.no_grad():
-            cache[0].fill_(1.0)  # keys to rotate
-    before = cache.detach().clone()
-    call = _small_calls(k, cache)[op]
-    with pytest.raises(KeyValueCacheError, match="^cache requires grad, and the op writes it in place"):
-        call(sin=torch.ones(1, 4), cos=torch.zeros(1, 4)) if op == "key_cache_rotary_shift" else call()
-    assert torch.equal(cache.detach(), before)
     with torch.no_grad():
-        call(sin=torch.ones(1, 4), cos=torch.zeros(1, 4)) if op == "key_cache_rotary_shift" else call()
+        cache[0].fill_(1.0)  # keys to rotate
+    before = cache.detach().clone()
+    rotate = dict(sin=torch.ones(1, 4), cos=torch.zeros(1, 4)) if op == "key_cache_rotary_shift" else {}
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(KeyValueCacheError,
+                                                         match="^cache requires grad, and the op writes it in place"):
+            _small_calls(k, cache)[op](**rotate)
+        assert torch.equal(cache.detach(), before)
+    _small_calls(k, cache.detach())[op](**rotate)
     assert not torch.equal(cache.detach(), before)
+
+
+def test_the_registered_op_refuses_a_cache_that_requires_grad_too():
+    case = CASES["offset_layout0"]()
+    tensors = torch_inputs(copies(case.inputs))
+    tensors["cache"].requires_grad_(True)
+    before = tensors["cache"].detach().clone()
+    attrs = dict(case.attributes, num_repeat=case.attributes.get("num_repeat", 1))
+    args = [tensors[name] for name in ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts",
+                                       "start_pos", "max_seqlen", "max_kvlen", "cache", "scale")]
+    with pytest.raises(KeyValueCacheError, match="^cache requires grad"):
+        torch.ops.kvcache_op.key_value_cache(*args, *(attrs[n] for n in (
+            "num_layer", "layer_idx", "quant_bit", "quant_group", "num_repeat", "cache_mode", "cache_layout",
+            "page_size")))
+    assert torch.equal(tensors["cache"].detach(), before)
 
 
 def test_a_scale_that_requires_grad_is_refused():

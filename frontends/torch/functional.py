@@ -61,19 +61,6 @@ def _data_tensors(required: dict, optional: dict, error=KeyValueCacheError) -> N
             raise error(f"{name} must be {kind}, got {type(value).__name__}")
 
 
-def _written_without_grad(written: dict, error=KeyValueCacheError) -> None:
-    """Refuses a tensor the op writes in place (cache, scale) that requires grad while grad mode is on: the
-    kernels' writes are invisible to autograd, so torch's own rule for in-place writes applies (a leaf that
-    requires grad may not be written; a graph's tensor written in place would give wrong gradients)."""
-    if not torch.is_grad_enabled():
-        return
-    for name, value in written.items():
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            raise error(f"{name} requires grad, and the op writes it in place, which autograd cannot track: "
-                        f"pass a tensor that does not require grad (e.g. {name}.detach(), the same memory), "
-                        "or call the op under torch.no_grad()")
-
-
 def _no_empty_scale(scale, quant_bit: int):
     """An empty scale with quant_bit 0 is absent (spec: ppl.pmx's placeholder): drop it before anything."""
     if quant_bit == 0 and isinstance(scale, torch.Tensor) and scale.numel() == 0:
@@ -108,7 +95,6 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
         if onnx_export.exporting_with_dynamo():  # nothing runs: check what can be checked without data
             onnx_export.check_exported_call(attrs, scale)
             return onnx_export.key_value_cache_node(inputs, attrs)
-    _written_without_grad(dict(cache=cache, scale=scale))
     return custom_ops.key_value_cache_op(*inputs, **attrs)
 
 
@@ -132,7 +118,6 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
         if onnx_export.exporting_with_dynamo():
             onnx_export.check_exported_call(attrs, scale)
             return onnx_export.rotary_shift_node(inputs, attrs)
-    _written_without_grad(dict(cache=cache, scale=scale))
     return custom_ops.key_cache_rotary_shift_op(*inputs, **attrs)
 
 
@@ -194,5 +179,4 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
         if onnx_export.exporting_with_dynamo():
             onnx_export.check_exported_cache_attention(attrs, scale)
             return onnx_export.cache_attention_node(inputs, attrs)
-    _written_without_grad(dict(cache=cache, scale=scale))
     return custom_ops.multi_head_cache_attention_op(*inputs, **attrs)

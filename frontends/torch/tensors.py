@@ -43,11 +43,21 @@ def describe(tensor: torch.Tensor | None) -> Tensor:
     return Tensor(onnx_type(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
 
 
-def describe_cache(name: str, cache: torch.Tensor, quant_bit: int) -> Tensor:
-    """A cache (written in place) as a C description: contiguous, not a view the write could miss; a
-    ``quant_bit=4`` cache must be the packed ``uint8`` form and is handed over as INT4."""
-    if not cache.is_contiguous():
+def _writable(name: str, tensor: torch.Tensor) -> None:
+    """A tensor the kernels write in place: contiguous (not a view the write could miss), and not one autograd
+    tracks (the writes are invisible to it: torch refuses an in-place write to a leaf that requires grad, and one
+    to a graph's tensor would give wrong gradients)."""
+    if not tensor.is_contiguous():
         raise KeyValueCacheError(f"{name} must be contiguous: the op writes it in place")
+    if tensor.requires_grad:
+        raise KeyValueCacheError(f"{name} requires grad, and the op writes it in place, which autograd cannot "
+                                 f"track: pass {name}.detach() (the same memory) or a tensor made without grad")
+
+
+def describe_cache(name: str, cache: torch.Tensor, quant_bit: int) -> Tensor:
+    """A cache (written in place: see :func:`_writable`) as a C description; a ``quant_bit=4`` cache must be the
+    packed ``uint8`` form and is handed over as INT4."""
+    _writable(name, cache)
     if quant_bit == 4:
         if cache.dtype != torch.uint8:
             raise KeyValueCacheError(
@@ -63,9 +73,9 @@ def describe_cache(name: str, cache: torch.Tensor, quant_bit: int) -> Tensor:
 
 
 def describe_written(name: str, tensor: torch.Tensor | None) -> Tensor:
-    """A tensor the op writes in place (the scale): contiguous, described as it is."""
-    if tensor is not None and not tensor.is_contiguous():
-        raise KeyValueCacheError(f"{name} must be contiguous: the op writes it in place")
+    """A tensor the op writes in place (the scale; see :func:`_writable`), described as it is."""
+    if tensor is not None:
+        _writable(name, tensor)
     return describe(tensor)
 
 
