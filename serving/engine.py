@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import queue
 import time
 
 import numpy as np
@@ -161,15 +162,19 @@ class Engine(OnlineEngine):
                 q.logits = []
             if on_token is not None:
                 q.on_token = functools.partial(on_token, i)
-        handles = self._enqueue_batch(sequences)
+        finished = queue.SimpleQueue()  # the handles as they finish: a failure is acted on at once, in any order
+        handles = self._enqueue_batch(sequences, on_finish=finished.put)
         try:
-            for handle in handles:
-                handle.result()
+            for _ in handles:
+                handle = finished.get()
+                handle.result()  # a failed step's or its on_token's exception
                 if handle.finish_reason == "cancelled":  # only close() cancels them: never a short answer
                     raise RuntimeError("the engine was closed while generate ran: its requests were cancelled")
         except BaseException:  # a failed step, its on_token, or an interrupted caller: nothing of it keeps running
             for handle in handles:
                 handle.cancel()
+            for handle in handles:  # gone at the engine's next step boundary: the call leaves no page behind it
+                handle._finished.wait()
             raise
         self.last_logits = [q.logits for q in sequences] if record_logits else None
         self.last_logprobs = [q.logprobs for q in sequences]

@@ -38,9 +38,10 @@ class RequestHandle:
     the same without blocking an event loop; :meth:`result` waits for all of them; :meth:`cancel` stops it at
     the next step boundary and releases its pages. ``finish_reason``: ``"stop"`` (an end-of-sequence or stop
     id, included in the tokens), ``"length"`` (``max_tokens`` reached), ``"cancelled"`` or ``"error"`` (the
-    step failed: :meth:`result` and iteration raise its exception); ``None`` while it runs."""
+    step failed, or ``generate``'s ``on_token`` raised for it: :meth:`result` and iteration raise the exception);
+    ``None`` while it runs."""
 
-    def __init__(self, request_id, on_cancel=None):
+    def __init__(self, request_id, on_cancel=None, on_finish=None):
         self.request_id = request_id
         self.finish_reason = None
         self.submitted_at = time.perf_counter()  # time.perf_counter() clock, as token_times
@@ -50,6 +51,7 @@ class RequestHandle:
         self._error = None
         self._cancelled = threading.Event()
         self._on_cancel = on_cancel  # the engine's: ends a run of decode steps at its next step
+        self._on_finish = on_finish  # told of the handle once, when it finishes (generate's wait for any)
         # result() waits on its own event, not on the condition every token notifies: a batch caller waiting for
         # whole results is then woken once per request, not once per token (each wake-up takes the GIL from the
         # engine's thread in the middle of its step)
@@ -80,13 +82,16 @@ class RequestHandle:
 
     def _finish(self, reason: str, error: BaseException = None) -> None:
         with self._changed:
-            if self.finish_reason is None:
+            first = self.finish_reason is None
+            if first:
                 self.finish_reason, self._error = reason, error
             self._finished.set()
             self._changed.notify_all()
             watchers = list(self._watchers)
         for watcher in watchers:
             watcher()
+        if first and self._on_finish is not None:
+            self._on_finish(self)
 
     # ---- the caller's side ---------------------------------------------------------------------------------
     @property
@@ -254,16 +259,16 @@ class OnlineEngine:
                 raise EngineBusy(self.backlog(), max_waiting)
             return self._enqueue_batch([q])[0]
 
-    def _enqueue_batch(self, sequences: list) -> list:
+    def _enqueue_batch(self, sequences: list, on_finish=None) -> list:
         """Queues checked sequences (their ``arrival``: steps after the engine's next step), each under a new
-        request id with a new handle, in arrival order, and makes sure the background thread runs. Returns the
-        handles."""
+        request id with a new handle (``on_finish(handle)`` called once it finishes), in arrival order, and makes
+        sure the background thread runs. Returns the handles."""
         with self._lock_soon():
             base = self._online_step
             for q in sequences:
                 q.index = next(self._online_ids)
                 q.arrival += base
-                q.handle = RequestHandle(q.index, self._knock_cancel)
+                q.handle = RequestHandle(q.index, self._knock_cancel, on_finish)
                 place = len(self._online_waiting)  # after everything arriving no later (usually: at the end)
                 while place and self._online_waiting[place - 1].arrival > q.arrival:
                     place -= 1

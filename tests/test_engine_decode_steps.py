@@ -276,3 +276,36 @@ def test_planned_steps_bind_as_a_device_session_binds():
         engine.runner.device = ("cuda", 0)  # the binding path of a device session; the session stays on the CPU
         results.append(engine.generate(prompts, 10))
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("path_kind", PATHS)
+def test_a_raising_callback_in_planned_steps_fails_its_call_at_once_and_no_other_callers(path_kind):
+    """Inside a run of planned decode steps (the host's loop, or the graph's own choice), one generate call's callback
+    raises for its second request: the call raises at once (its first request does not run on to its end), and a
+    request another caller submitted, running in the same steps, gets its lone tokens."""
+    import threading
+
+    path, workload = hf_models.exported("llama"), shared_prefix_workload(**WORKLOAD)
+    engine = Engine(path, num_pages=64, decode_steps=8)
+    long = 400
+    params = SamplingParams(max_tokens=long, ignore_eos=True, logprobs=PATHS[path_kind].logprobs)
+    beside = engine.submit(workload.prompts[2], SamplingParams(max_tokens=NEW_TOKENS))
+    counts = [0, 0]
+
+    def on_token(i, token):
+        counts[i] += 1
+        if i == 1 and counts[1] == 5:  # a planned run's token (the first came from the prefill)
+            raise ValueError("the client went away")
+
+    caller = []
+    thread = threading.Thread(target=lambda: caller.append(pytest.raises(
+        ValueError, engine.generate, workload.prompts[:2], long, on_token=on_token, params=params)))
+    thread.start()
+    thread.join(timeout=120)
+    assert caller and "client went away" in str(caller[0].value)
+    assert counts[0] < long // 2, counts  # cancelled with its call, not waited for
+    model = hf_models.model("llama")
+    assert beside.result(timeout=60) == reference_generate(model, workload.prompts[2], NEW_TOKENS)
+    engine.close(timeout=30)
+    engine.manager.check()
+    assert not engine.manager.requests and engine.metrics()["pages_in_use"] == 0

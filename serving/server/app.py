@@ -92,8 +92,8 @@ class _Gate:
 def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
     (``ValueError`` otherwise), so that it ends a request at a stop string in the same text the reply holds, which
-    leaves special tokens out. With ``api_key``, ``/v1`` routes need ``Authorization: Bearer <api_key>`` (compared in
-    constant time). The engine is closed when the app shuts down."""
+    leaves special tokens out. With ``api_key``, every route but ``/health`` and ``/metrics`` needs
+    ``Authorization: Bearer <api_key>`` (compared in constant time). The engine is closed when the app shuts down."""
     if not (isinstance(engine.tokenizer, PlainText) and engine.tokenizer.tokenizer is tokenizer):
         raise ValueError("the engine must find stop strings in the reply's text: make it with "
                          "Engine(..., tokenizer=PlainText(tokenizer)) for the tokenizer the app is given")

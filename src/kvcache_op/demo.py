@@ -4,7 +4,7 @@
 2. exports it with :func:`kvcache_op.hf.export_model` (each layer: one MultiHeadCacheAttention node, which
    stores the step's keys and values and attends over the paged cache in place);
 3. serves requests that share system prompts through :class:`kvcache_op.serving.Engine` in ONNX Runtime
-   (continuous batching, chunked prefill, prefix caching, preemption when pages run short);
+   (continuous batching, chunked prefill, prefix caching with eviction under a small page pool);
 4. checks every request's tokens against the source model's own greedy ``generate``, one request at a
    time. The exit status is non-zero on any mismatch.
 """
