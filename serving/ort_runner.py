@@ -233,7 +233,7 @@ class ModelRunner:
             nodes.append(helper.make_node(
                 rotary_schema.OP_TYPE, [*names, slots, "cos", "sin"], [out], domain=rotary_schema.DOMAIN,
                 num_layer=i.num_layers, layer_idx=layer, cache_layout=i.cache_layout, quant_bit=i.quant_bit,
-                quant_group=i.quant_group))
+                quant_group=i.quant_group, rotary_dim=2 * len(i.inv_freq)))  # partial rotary: the leading dims
             slots = out
         graph = helper.make_graph(nodes, "key_shift", inputs,
                                   [helper.make_tensor_value_info("slots_out", TensorProto.INT64, ["n"])])
