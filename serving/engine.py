@@ -93,6 +93,10 @@ class Engine(OnlineEngine):
                                  "moves this model's cached keys (its export found none): use "
                                  "StreamingPolicy(sinks, budget_pages, \"reevaluate\")")
             held, limit = streaming.budget_pages * ps, None
+            if held > info.max_positions:  # cache positions run up to the budget: none may pass the model's
+                raise ValueError(f"a StreamingLLM budget of {streaming.budget_pages} pages of {ps} holds {held} "
+                                 f"positions, more than the model's max_positions = {info.max_positions}: give at "
+                                 f"most {info.max_positions // ps} pages")
         self.max_context = limit
         # A StreamingLLM step must fit the budget after dropping every page but the sinks.
         self._chunk_limit = ((streaming.budget_pages - -(-streaming.sinks // ps)) * ps if streaming is not None

@@ -73,3 +73,13 @@ def test_streaming_tokens_are_the_oracles(family, mode):
     engine = Engine(hf_models.exported(family, page_size=PAGE), num_pages=64,
                     streaming=StreamingPolicy(SINKS, BUDGET, mode))
     assert engine.generate(prompts, NEW) == [_oracle(model, prompt, mode) for prompt in prompts]
+
+
+def test_a_budget_past_the_models_positions_is_refused():
+    """Cache positions run up to the budget: one past the model's max_positions would feed positions it has no
+    rotary angles for (ONNX Runtime's RotaryEmbedding failed mid-run)."""
+    path = hf_models.exported("llama", page_size=PAGE)
+    most = Engine(path, num_pages=8).info.max_positions // PAGE
+    with pytest.raises(ValueError, match=f"more than the model's max_positions .* give at most {most} pages"):
+        Engine(path, num_pages=8, streaming=StreamingPolicy(SINKS, most + 1))
+    assert Engine(path, num_pages=8, streaming=StreamingPolicy(SINKS, most)).max_context is None
