@@ -186,3 +186,14 @@ def test_block_diagonal_causal_mask_with_window():
                          [0, 0, 1, 1, 1, 0, 0],
                          [0, 0, 0, 0, 0, 1, 1]], bool)
     assert np.array_equal(mask, expected)
+
+
+def test_block_diagonal_causal_mask_takes_a_window_of_zero_as_the_ops_do_no_window():
+    args = ([0, 2, 3], [0, 5, 7], [3, 4, 1], [0, 1, 2, 3, 4, 0, 1])
+    expected = np.array([[1, 1, 1, 1, 0, 0, 0],
+                         [1, 1, 1, 1, 1, 0, 0],
+                         [0, 0, 0, 0, 0, 1, 1]], bool)
+    assert np.array_equal(block_diagonal_causal_mask(*args), expected)
+    assert np.array_equal(block_diagonal_causal_mask(*args, sliding_window=0), expected)
+    with pytest.raises(ValueError, match="sliding_window must be None, 0 .off. or a window >= 1, got -1"):
+        block_diagonal_causal_mask(*args, sliding_window=-1)
