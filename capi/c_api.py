@@ -374,14 +374,14 @@ class HostBuffers:
             raise self.error(f"{name} has dtype {array.dtype.str}, not in this machine's byte order: "
                              "pass array.astype(array.dtype.newbyteorder('='))")
         if array.dtype == INT4:  # one code per byte in numpy; the kernels take ONNX's packed layout
-            # packed from one snapshot, which finish compares with: what another thread writes into the array
-            # meanwhile is in neither, so it is never written back over
-            before = array.copy()
-            packed = pack_int4(before)
+            # a written one is packed from one snapshot, which finish compares with: what another thread writes
+            # into the array meanwhile is in neither, so it is never written back over
+            source = array.copy() if written else array
+            packed = pack_int4(source)
             self.keep.append(packed)
             self.given[name] = (array, True)
             if written:
-                self.write_back.append((array, packed, before))
+                self.write_back.append((array, packed, source))
             return Tensor(ONNX_TYPES[INT4], array.shape, packed.ctypes.data)
         self.given[name] = (array, not array.flags.c_contiguous)
         if not array.flags.c_contiguous:

@@ -471,8 +471,8 @@ class Engine(OnlineEngine):
         return rows, [sequences[row] for row in rows]
 
     def _take_tokens(self, choosing: list, tokens: list, logprobs, logits, rows) -> list:
-        """Hands each chosen token to its request (its list, handle, callbacks); returns ``(request, reason)`` of
-        the requests that are done: an end-of-sequence or stop token, a stop string, ``max_new_tokens`` reached, or
+        """Hands each chosen token to its request (its list, handle, callbacks); returns ``(request, reason, error)``
+        of the requests that are done: an end-of-sequence or stop token, a stop string, ``max_new_tokens`` reached, or
         an ``on_token`` that raised (:meth:`_retire` lets them leave once the step is committed)."""
         stopped = []
         now = time.perf_counter()  # one choice time for the step's tokens
@@ -489,22 +489,21 @@ class Engine(OnlineEngine):
                 try:
                     q.on_token(token)
                 except Exception as error:  # the caller's own callback: its request fails, the batch goes on
-                    q.error = error
-                    stopped.append((q, "error"))
+                    stopped.append((q, "error", error))
                     continue
             stops = token in q.ends
             if q.stop_matcher is not None:  # stop strings: the text this token completes
                 stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
             if stops or len(q.generated) >= q.max_new_tokens:
-                stopped.append((q, "stop" if stops else "length"))
+                stopped.append((q, "stop" if stops else "length", None))
         return stopped
 
     def _retire(self, stopped: list, running: list) -> None:
         """The requests that are done leave: their pages are released and their handles finish."""
-        for q, reason in stopped:
+        for q, reason, error in stopped:
             self.manager.finish(q.index)
             running.remove(q)
-            q.handle._finish(reason, q.error)
+            q.handle._finish(reason, error)
 
     def _admit(self, step: int, waiting, running: list) -> None:
         """Admits arrived requests in order while the running set and the free pages allow: a request

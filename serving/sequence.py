@@ -25,7 +25,6 @@ class Sequence:
     text_stream: object = None  # with stop strings: its TextStream and StopMatcher
     stop_matcher: object = None
     ends: frozenset = frozenset()  # the token ids that end it: its stop_token_ids and (unless ignore_eos) the eos ids
-    error: BaseException = None  # what its own on_token raised: it alone fails with it
 
     @property
     def context(self) -> list:

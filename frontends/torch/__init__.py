@@ -7,9 +7,9 @@ Install with ``pip install "kvcache-op[torch]"``. Importing this module register
 their TorchScript-exporter translations.
 
 * :func:`key_value_cache`, :func:`key_cache_rotary_shift`: the reference's signatures; the cache and
-  scale are written in place (one that requires grad is refused: autograd cannot see the writes). :func:`multi_head_attention`: the companion varlen attention;
-  :func:`multi_head_cache_attention`: the two fused, reading the cache in place. CPU tensors run the library's
-  C++ kernels, CUDA tensors its CUDA kernels.
+  scale are written in place (one that requires grad is refused: autograd cannot see the writes).
+  :func:`multi_head_attention`: the companion varlen attention; :func:`multi_head_cache_attention`: the two
+  fused, reading the cache in place. CPU tensors run the library's C++ kernels, CUDA tensors its CUDA kernels.
 * int4 caches are ``torch.uint8`` tensors of packed pairs (the cache shape with last dim ``Dh / 2``,
   ONNX INT4 packing): :func:`pack_int4`, :func:`unpack_int4`, :func:`new_cache`.
 * :func:`int4_cache_inputs` retypes an exported graph's uint8 cache inputs to INT4; :func:`export_onnx`
