@@ -1,6 +1,6 @@
 """``kvcache-op serve --replicas 2``: the same app as two Ray Serve replicas on loopback, each with its own engine;
 requests spread over both (rounds of them until both have answered) and every answer is the model's own greedy
-text."""
+text; the server starts a Ray instance of its own, whose servers listen on loopback too."""
 
 import concurrent.futures
 
@@ -11,6 +11,7 @@ pytest.importorskip("ray.serve", reason="the Ray Serve deployment needs the 'ray
 httpx = pytest.importorskip("httpx")
 
 from conftest import SERVER_API_KEY  # noqa: E402
+from listening_sockets import is_loopback, listening_sockets, self_check  # noqa: E402
 
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
 from kvcache_op.serve_command import ServerProcess  # noqa: E402
@@ -22,7 +23,9 @@ def test_two_replicas_answer_with_the_models_own_text(served_checkpoint, tmp_pat
     want = [tokenizer.decode(reference_generate(model, tokenizer(p)["input_ids"], 6), skip_special_tokens=True)
             for p in prompts]
     with ServerProcess(folder, "--replicas", 2, "--api-key", SERVER_API_KEY, "--cache-dir", tmp_path,
-                       "--num-pages", 64, "--model-name", "tiny", lifetime=300, start_timeout=240) as server:
+                       "--num-pages", 64, "--model-name", "tiny", lifetime=300, start_timeout=240,
+                       # A cluster address in the environment is not joined: the server starts its own instance.
+                       env={"RAY_ADDRESS": "127.0.0.1:9"}) as server:
         def ask(prompt):
             reply = httpx.post(server.url + "/v1/completions", timeout=120,
                                headers={"Authorization": f"Bearer {SERVER_API_KEY}"},
@@ -40,5 +43,20 @@ def test_two_replicas_answer_with_the_models_own_text(served_checkpoint, tmp_pat
             if len(engines) == 2:
                 break
         assert len(engines) == 2, "both replicas should have answered within 10 rounds of 16 requests"
+        _assert_listens_on_loopback(server)
         unauthorized = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=60)
         assert unauthorized.status_code == 401
+
+
+def _assert_listens_on_loopback(server):
+    """Every socket the server's process tree listens on is loopback (Ray's GCS, raylet, agents and actors, and
+    the proxy), except each replica's inter-deployment gRPC port, which Ray Serve binds to ``[::]`` itself (behind
+    Ray's cluster token; README, Replicas)."""
+    self_check()
+    sockets = listening_sockets(server.process.pid)
+    port = int(server.url.rsplit(":", 1)[1])
+    assert any(p == port for *_, p in sockets), (port, sockets)  # the tree was read: the proxy is in it
+    exposed = [s for s in sockets if not is_loopback(s[2])]
+    replicas_wildcard = [s for s in exposed if s[1].startswith("ray::ServeRepli") and s[2].is_unspecified]
+    assert len({s[0] for s in replicas_wildcard}) == len(replicas_wildcard) <= 2, sockets
+    assert exposed == replicas_wildcard, f"listening beyond loopback: {sorted(set(exposed) - set(replicas_wildcard))}"

@@ -173,17 +173,14 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
 
 def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
     """``args.replicas`` replicas on a local Ray instance, behind Ray Serve's proxy on ``host:port``."""
-    try:
-        import ray
-        from ray import serve
-    except ImportError:
-        raise ValueError("--replicas needs Ray Serve: pip install 'kvcache-op[ray]'") from None
+    ray = _start_local_ray()
+    from ray import serve
+
     from .serving.ray import deployment
 
     port = args.port or _free_port(args.host)  # Ray Serve's proxy needs the number up front
     if not engine_options["intra_op_num_threads"]:  # replicas share the machine's cores
         engine_options["intra_op_num_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)
-    ray.init(include_dashboard=False, log_to_driver=False, configure_logging=False)
     try:
         serve.start(http_options={"host": args.host, "port": port})
         app = deployment(path, tokenizer_dir, replicas=args.replicas, model_name=name, api_key=api_key,
@@ -201,6 +198,34 @@ def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_optio
         serve.shutdown()
     finally:
         ray.shutdown()
+
+
+def _start_local_ray():
+    """A new Ray instance on this machine alone, its own servers (GCS, raylet, agents, actors) on loopback; the
+    ``ray`` module. Never joins a running cluster (``RAY_ADDRESS`` is ignored): ``serve.shutdown`` at the end would
+    tear down that cluster's Serve applications.
+
+    On Linux Ray replaces a loopback node address with the machine's outward one (``ray.init(_node_ip_address=
+    "127.0.0.1")`` included) and then binds its servers to every interface; with
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when ``ray`` is imported; named for the platforms where it is the
+    default) its node address stays loopback, and the servers bind there. Ray Serve's replicas still open their
+    inter-deployment gRPC port on every interface (Ray binds it to ``[::]`` itself; Ray's token authentication,
+    on in the Ray the tests run, guards it)."""
+    if "ray" not in sys.modules:
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    try:
+        import ray
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise ValueError("--replicas needs Ray Serve: pip install 'kvcache-op[ray]'") from None
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
+    node = ray.util.get_node_ip_address()
+    if node not in LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"the local Ray instance took the node address {node}, not loopback, and would listen "
+                           "on it: start the server in a fresh process (ray was imported before "
+                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 could be set)")
+    return ray
 
 
 def _free_port(host: str) -> int:
@@ -225,11 +250,13 @@ def _announce_when_started(server, line: str) -> None:
 class ServerProcess:
     """``kvcache-op serve MODEL ARGS...`` in a subprocess on a free loopback port, bounded by ``--stop-after
     lifetime`` seconds: :meth:`start` waits until it listens (``RuntimeError`` with its output if it exits or takes
-    longer than ``start_timeout``); ``url`` is its base URL; :meth:`stop` ends it. A context manager."""
+    longer than ``start_timeout``); ``url`` is its base URL; :meth:`stop` ends it. A context manager. ``env``: variables
+    set for it on top of this process's."""
 
-    def __init__(self, model, *args, lifetime: float = 900, start_timeout: float = 180):
+    def __init__(self, model, *args, lifetime: float = 900, start_timeout: float = 180, env: dict = None):
         self.command = [sys.executable, "-m", "kvcache_op", "serve", str(model), "--host", "127.0.0.1", "--port", "0",
                         "--stop-after", str(lifetime), *map(str, args)]
+        self.env = {**os.environ, **(env or {})}
         self.start_timeout, self.url, self.process, self._lines, self._reader = start_timeout, None, None, [], None
 
     @property
@@ -238,7 +265,8 @@ class ServerProcess:
         return "".join(self._lines)
 
     def start(self) -> "ServerProcess":
-        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(self.command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        env=self.env)
         listening = threading.Event()
 
         def read():
