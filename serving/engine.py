@@ -677,4 +677,5 @@ class Engine(OnlineEngine):
         for q in [q for q in running if q.index in scheduled][::-1]:
             running.remove(q)
             self._preempt(q, waiting)
+        self._rolled_back = frozenset(scheduled)  # whom the failure concerns: the rest of the batch is intact
 

@@ -208,6 +208,7 @@ class OnlineEngine:
         self._online_running = []
         self._online_ids = itertools.count()
         self._online_step = 0
+        self._rolled_back = None  # the request ids of the step the engine last rolled back (while it steps)
         self._thread = None
         self._closed = False
         # A run of decode steps planned at once holds the lock for many steps: it ends at its next step while a
@@ -326,18 +327,32 @@ class OnlineEngine:
                     self._drop_cancelled()
                 if not self._online_running and self._online_waiting[0].arrival > self._online_step:
                     self._online_step = self._online_waiting[0].arrival  # nothing to run before the next arrival
-                began, ran = time.perf_counter(), 1
+                began, ran, self._rolled_back = time.perf_counter(), 1, None
                 try:
                     ran = self._step(self._online_step, self._online_waiting, self._online_running)
-                except BaseException as error:  # nothing of a failed step keeps pages; its requests fail
-                    for q in self._online_running:
-                        self.manager.finish(q.index)
-                    for q in list(self._online_waiting) + self._online_running:
-                        q.handle._finish("error", error)
-                    self._online_waiting.clear()
-                    self._online_running.clear()
+                except BaseException as error:
+                    self._fail_step(error)
                 self._online_step += ran
                 self._times["wall"] += time.perf_counter() - began  # metrics(): busy time, as generate counts it
+
+    def _fail_step(self, error: BaseException) -> None:
+        """A step raised ``error``. Rolled back (``_rolled_back``: the requests it ran, moved back to the waiting
+        line with their pages released), those requests fail and every other goes on: requests queued behind it or
+        not scheduled in it are other callers'. A failure the roll-back did not reach (while admitting or
+        planning, or in the roll-back itself) leaves the batch's state unknown: every request fails and releases
+        its pages."""
+        failed = self._rolled_back
+        if failed is not None:
+            for q in [q for q in self._online_waiting if q.index in failed]:
+                self._online_waiting.remove(q)
+                q.handle._finish("error", error)
+            return
+        for q in self._online_running:
+            self.manager.finish(q.index)
+        for q in list(self._online_waiting) + self._online_running:
+            q.handle._finish("error", error)
+        self._online_waiting.clear()
+        self._online_running.clear()
 
     def _drop_cancelled(self) -> None:
         """At a step boundary: cancelled requests leave, their pages released."""

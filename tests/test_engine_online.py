@@ -1,7 +1,7 @@
 """Engine.submit: requests from many threads while others run, streamed token by token, cancelled at random,
 against a sequential oracle (each finished request equals its lone run; a cancelled one a prefix of it; every
 page back when all are done); the asyncio face; arguments refused before queueing; generate beside submitted
-requests; a failing step fails its requests without losing pages."""
+requests; a failing step fails the requests it ran (not those queued behind it) without losing pages."""
 
 import asyncio
 import pickle
@@ -230,6 +230,35 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
     monkeypatch.undo()
     assert engine.submit(PROMPTS[2], SamplingParams(max_tokens=4)).result(timeout=60)  # usable again
     engine.close(timeout=30)
+
+
+def test_a_failing_step_fails_the_requests_it_ran_and_those_queued_behind_it_go_on(path, lone):
+    """One step fails while one request runs (``max_running=1``) and two of other callers wait: the running one
+    fails with the step's exception, the waiting ones finish as they would alone, and no page is kept."""
+    engine = Engine(path, num_pages=32, max_running=1)
+    run, greedy = engine.runner.run, engine.runner.greedy_steps()
+    step, armed = greedy.step, threading.Event()
+
+    def once_broken(call):
+        def wrapped(*args):
+            time.sleep(0.01)  # long enough a step for the others to be queued while the first runs
+            if armed.is_set():
+                armed.clear()
+                raise RuntimeError("the device fell over once")
+            return call(*args)
+        return wrapped
+    engine.runner.run, greedy.step = once_broken(run), once_broken(step)
+    first = engine.submit(PROMPTS[0], SamplingParams(max_tokens=60))
+    next(iter(first))  # running
+    queued = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)) for i in (1, 3)]
+    armed.set()
+    with pytest.raises(RuntimeError, match="the device fell over once"):
+        first.result(timeout=60)
+    assert first.finish_reason == "error" and not armed.is_set()
+    assert [h.result(timeout=60) for h in queued] == [lone[1], lone[3]]
+    assert [h.finish_reason for h in queued] == ["length", "length"]
+    engine.close(timeout=30)
+    assert engine.metrics()["pages_in_use"] == 0
 
 
 class SlowToTakeLock:
