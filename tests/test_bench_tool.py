@@ -97,6 +97,44 @@ def test_the_standard_ops_baseline_reproduces_the_ops_bits():
             assert not np.array_equal(want_cache, inputs["cache"])  # the step stored something
 
 
+def test_every_contender_is_timed_as_often_as_the_op_in_each_round():
+    """No figure gets a second chance the others do not (the faster of two op timings against one copy timing
+    favours the op)."""
+    import types
+
+    calls = {"op": 0, "copy": 0, "standard": 0, "plain": 0}
+
+    def counting(name):
+        def call():
+            calls[name] += 1
+        return call
+    args = types.SimpleNamespace(rounds=3, warmup=1, repeats=4)
+    rounds = cpu_bench.measure_rounds(counting("op"), counting("copy"), counting("standard"), args,
+                                      plain=counting("plain"))
+    assert calls == dict.fromkeys(calls, 3 * (1 + 4))
+    assert {name: len(times) for name, times in rounds.items()} == dict.fromkeys(calls, 3)
+
+
+def test_the_standard_ops_baselines_gather_each_output_straight_from_the_cache():
+    """What a user would run copies no more than it must: each output is one Gather of the updated cache read as
+    rows (a Reshape), with no intermediate tensor (picking the layer, the half or the heads first copies rows
+    again) and no Transpose."""
+    from kvcache_op.benchmarks.cpu import standard_ops
+
+    shape = kv_shapes.QUICK_SHAPES[0]
+    models = [standard_ops.baseline_model(kv_shapes.make_inputs(shape, 0, layout, seed=1), layout) for layout in (0, 3)]
+    offset = kv_shapes.make_inputs(shape, 0, 0, seed=1, cache_mode=0)
+    models.append(standard_ops.offset_baseline_model(offset, standard_ops.offset_capacity(offset)))
+    for model in models:
+        nodes = {n.output[0]: n for n in model.graph.node}
+        gathers = [n for n in model.graph.node if n.op_type == "Gather"]
+        assert sorted(n.output[0] for n in gathers) == ["key", "value"]
+        for gather in gathers:
+            rows = nodes[gather.input[0]]
+            assert rows.op_type == "Reshape" and rows.input[0] == "cache_out", rows
+        assert not [n for n in model.graph.node if n.op_type in ("Transpose", "Slice", "Split")]
+
+
 def test_the_offset_baseline_updates_the_cache_in_place_with_the_ops_bits():
     """TensorScatter + Gather on an offset call: key, value and the cache it writes in place (its output bound
     to the cache's memory) are the reference's."""

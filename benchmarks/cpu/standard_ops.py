@@ -5,6 +5,9 @@ with the slot indices computed on the host, as a cache manager would hand them o
   step's keys/values into the cache, Gather loads every sequence's slots. Standard ops have no in-place
   update: ScatterND returns a new cache (a copy of the whole cache, then the scatter), which the graph
   outputs as ``cache_out``.
+* Each output is one Gather straight from the cache read as rows (a Reshape, which copies nothing): the row of
+  every loaded (slot, head) computed on the host with the slots, so no intermediate tensor is copied (picking
+  the layer, then the key or value half, then the slots, would copy the cache's rows up to three times).
 * Offset (cache_mode 0), layout 0 with one layer, every sequence owning ``MaxS`` consecutive slots from
   ``b * MaxS`` and storing the same number of tokens: the cache read as ``(B, MaxS, 1, 2, H, Dh)`` is what
   ONNX's ``TensorScatter`` (opset 24, its KV-cache update op) takes. TensorScatter writes this step's rows at
@@ -27,13 +30,27 @@ OFFSET_LAYOUTS = (0,)
 OPSET, TENSOR_SCATTER_OPSET = 21, 24
 
 
+def gather_rows(cache_shape: tuple, layout: int, layer: int, slots: np.ndarray) -> dict:
+    """``key_rows`` and ``value_rows``: where each loaded slot's rows lie in the cache read as rows, layout 0
+    ``(MaxT * L * 2, H, Dh)`` (one index per slot) or layout 3 ``(L * 2 * H * MaxT, Dh)`` (one per slot and head),
+    so that one Gather of them is the op's key or value output."""
+    slots = np.asarray(slots, np.int64)
+    if layout == 0:
+        layers = cache_shape[1]
+        return {name: (slots * layers + layer) * 2 + kv for kv, name in ((0, "key_rows"), (1, "value_rows"))}
+    heads, capacity = cache_shape[2], cache_shape[3]
+    h = np.arange(heads, dtype=np.int64)[None, :]
+    return {name: ((layer * 2 + kv) * heads + h) * capacity + slots[:, None]
+            for kv, name in ((0, "key_rows"), (1, "value_rows"))}
+
+
 def baseline_feeds(inputs: dict, page_size: int, layout: int, layer: int = 0) -> dict:
     """The paged baseline graph's inputs: the data tensors and the scatter/gather indices for ``layout``."""
     store, gather = call_slots(inputs["seqstarts"], inputs["kvstarts"], inputs["cachestarts"], inputs["start_pos"],
                                cache_mode=1, page_size=page_size)
     tokens, heads = inputs["current_key"].shape[:2]
     feeds = {"current_key": inputs["current_key"], "current_value": inputs["current_value"], "cache": inputs["cache"],
-             "gather_slots": gather}
+             **gather_rows(inputs["cache"].shape, layout, layer, gather)}
     for kv, name in ((0, "store_key"), (1, "store_value")):
         if layout == 0:  # one (slot, layer, kv) index per token, updating an (H, Dh) block
             feeds[name] = np.stack([store, np.full(tokens, layer), np.full(tokens, kv)], axis=1).astype(np.int64)
@@ -44,24 +61,26 @@ def baseline_feeds(inputs: dict, page_size: int, layout: int, layer: int = 0) ->
     return feeds
 
 
-def _scalar(name, value):
+def _gather_outputs(cache: str, row_shape: list, layout: int) -> tuple:
+    """The nodes that read ``cache`` as rows of ``row_shape`` and gather the key and value outputs from it, and
+    the graph inputs of their row indices."""
     import onnx
-
-    return onnx.numpy_helper.from_array(np.array(value, np.int64), name)
-
-
-def _gather_layout0(cache: str) -> list:
-    """Gathers of a layout-0 step: the rows of every loaded slot, then the layer and each K/V half."""
     from onnx import helper
 
-    return [helper.make_node("Gather", [cache, "gather_slots"], ["rows"], axis=0),
-            helper.make_node("Gather", ["rows", "layer"], ["layer_rows"], axis=1),
-            helper.make_node("Gather", ["layer_rows", "k"], ["key"], axis=1),
-            helper.make_node("Gather", ["layer_rows", "v"], ["value"], axis=1)]
+    index_shape = ["kv"] if layout == 0 else ["kv", "heads"]
+    nodes = [helper.make_node("Reshape", [cache, "row_shape"], ["cache_rows"]),
+             helper.make_node("Gather", ["cache_rows", "key_rows"], ["key"], axis=0),
+             helper.make_node("Gather", ["cache_rows", "value_rows"], ["value"], axis=0)]
+    inputs = [helper.make_tensor_value_info(n, onnx.TensorProto.INT64, index_shape) for n in ("key_rows", "value_rows")]
+    return nodes, inputs, [onnx.numpy_helper.from_array(np.array(row_shape, np.int64), "row_shape")]
+
+
+def _row_shape(cache_shape: tuple, layout: int) -> list:
+    """The cache read as rows: ``(-1, H, Dh)`` in layout 0 (a slot, layer and half's heads), ``(-1, Dh)`` in 3."""
+    return [-1, cache_shape[-2], cache_shape[-1]] if layout == 0 else [-1, cache_shape[-1]]
 
 
 def _model(nodes, graph_inputs, inputs, cache_out_shape, initializers, opset):
-    import onnx
     from onnx import helper
 
     elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
@@ -69,7 +88,7 @@ def _model(nodes, graph_inputs, inputs, cache_out_shape, initializers, opset):
     outputs = [helper.make_tensor_value_info(n, elem, ["kv", heads, head_dim]) for n in ("key", "value")]
     outputs.append(helper.make_tensor_value_info("cache_out", elem, list(cache_out_shape)))
     graph = helper.make_graph(nodes, "key_value_cache_from_standard_ops", graph_inputs, outputs,
-                              initializer=[_scalar("layer", 0), _scalar("k", 0), _scalar("v", 1)] + initializers)
+                              initializer=initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)],
                              ir_version=10 if opset <= 21 else 11)
 
@@ -83,24 +102,16 @@ def baseline_model(inputs: dict, layout: int, layer: int = 0):
         raise ValueError(f"the standard-ops baseline covers layouts {LAYOUTS}, got {layout}")
     elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
     tokens, heads, head_dim = inputs["current_key"].shape
+    gathers, row_inputs, row_shape = _gather_outputs("cache_out", _row_shape(inputs["cache"].shape, layout), layout)
     nodes = [helper.make_node("ScatterND", ["cache", "store_key", "current_key"], ["with_keys"]),
-             helper.make_node("ScatterND", ["with_keys", "store_value", "current_value"], ["cache_out"])]
-    if layout == 0:  # (MaxT, L, 2, H, Dh): gather slots, then pick the layer and the K/V half
-        nodes += _gather_layout0("cache_out")
-    else:  # (L, 2, H, MaxT, Dh): pick the layer and half, gather slots, then (KV, H, Dh)
-        nodes += [helper.make_node("Gather", ["cache_out", "layer"], ["halves"], axis=0)]
-        for half, out in (("k", "key"), ("v", "value")):
-            nodes += [helper.make_node("Gather", ["halves", half], [f"{out}_heads"], axis=0),
-                      helper.make_node("Gather", [f"{out}_heads", "gather_slots"], [f"{out}_hkd"], axis=1),
-                      helper.make_node("Transpose", [f"{out}_hkd"], [out], perm=[1, 0, 2])]
+             helper.make_node("ScatterND", ["with_keys", "store_value", "current_value"], ["cache_out"])] + gathers
     index_shape = [tokens, 3] if layout == 0 else [tokens, heads, 4]
     graph_inputs = [helper.make_tensor_value_info("current_key", elem, [tokens, heads, head_dim]),
                     helper.make_tensor_value_info("current_value", elem, [tokens, heads, head_dim]),
                     helper.make_tensor_value_info("cache", elem, list(inputs["cache"].shape)),
                     helper.make_tensor_value_info("store_key", onnx.TensorProto.INT64, index_shape),
-                    helper.make_tensor_value_info("store_value", onnx.TensorProto.INT64, index_shape),
-                    helper.make_tensor_value_info("gather_slots", onnx.TensorProto.INT64, ["kv"])]
-    return _model(nodes, graph_inputs, inputs, inputs["cache"].shape, [], OPSET)
+                    helper.make_tensor_value_info("store_value", onnx.TensorProto.INT64, index_shape)] + row_inputs
+    return _model(nodes, graph_inputs, inputs, inputs["cache"].shape, row_shape, OPSET)
 
 
 def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int):
@@ -109,7 +120,7 @@ def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int):
     from ..bound_session import aligned_empty, bound_run
 
     feeds = baseline_feeds(inputs, page_size, layout)
-    kv_shape = (len(feeds["gather_slots"]),) + inputs["current_key"].shape[1:]
+    kv_shape = (len(feeds["key_rows"]),) + inputs["current_key"].shape[1:]
     outputs = {"key": aligned_empty(kv_shape, inputs["current_key"].dtype),
                "value": aligned_empty(kv_shape, inputs["current_key"].dtype),
                "cache_out": aligned_empty(inputs["cache"].shape, inputs["cache"].dtype)}
@@ -155,8 +166,9 @@ def offset_capacity(inputs: dict) -> int:
 
 def offset_baseline_model(inputs: dict, capacity: int):
     """The TensorScatter + Gather graph (opset 24) of an offset call (see :func:`offset_capacity`); inputs
-    current_key/value, ``cache`` as ``(B, MaxS, 1, 2, H, Dh)``, ``write_indices`` (start_pos) and
-    ``gather_slots``; outputs key, value, cache_out (TensorScatter's present cache)."""
+    current_key/value, ``cache`` as ``(B, MaxS, 1, 2, H, Dh)``, ``write_indices`` (start_pos) and the rows
+    ``key_rows`` / ``value_rows`` (:func:`gather_rows`, layout 0); outputs key, value, cache_out (TensorScatter's
+    present cache)."""
     import onnx
     from onnx import helper
 
@@ -169,16 +181,14 @@ def offset_baseline_model(inputs: dict, capacity: int):
              helper.make_node("Reshape", ["current_value", "update_half"], ["value_update"]),
              helper.make_node("Concat", ["key_update", "value_update"], ["update"], axis=3),
              helper.make_node("TensorScatter", ["cache", "update", "write_indices"], ["cache_out"], axis=1,
-                              mode="linear"),
-             helper.make_node("Reshape", ["cache_out", "slot_rows"], ["slots"])] + _gather_layout0("slots")
-    shapes = [onnx.numpy_helper.from_array(np.array([batch, seqlen, 1, 1, heads, head_dim], np.int64), "update_half"),
-              onnx.numpy_helper.from_array(np.array([batch * capacity, 1, 2, heads, head_dim], np.int64), "slot_rows")]
+                              mode="linear")]
+    gathers, row_inputs, row_shape = _gather_outputs("cache_out", _row_shape(view, 0), 0)
+    shapes = [onnx.numpy_helper.from_array(np.array([batch, seqlen, 1, 1, heads, head_dim], np.int64), "update_half")]
     graph_inputs = [helper.make_tensor_value_info("current_key", elem, [tokens, heads, head_dim]),
                     helper.make_tensor_value_info("current_value", elem, [tokens, heads, head_dim]),
                     helper.make_tensor_value_info("cache", elem, view),
-                    helper.make_tensor_value_info("write_indices", onnx.TensorProto.INT64, [batch]),
-                    helper.make_tensor_value_info("gather_slots", onnx.TensorProto.INT64, ["kv"])]
-    return _model(nodes, graph_inputs, inputs, view, shapes, TENSOR_SCATTER_OPSET)
+                    helper.make_tensor_value_info("write_indices", onnx.TensorProto.INT64, [batch])] + row_inputs
+    return _model(nodes + gathers, graph_inputs, inputs, view, shapes + row_shape, TENSOR_SCATTER_OPSET)
 
 
 def offset_baseline_runner(inputs: dict, threads: int):
@@ -193,7 +203,8 @@ def offset_baseline_runner(inputs: dict, threads: int):
     tokens, heads, head_dim = inputs["current_key"].shape
     view = inputs["cache"].reshape(-1, capacity, 1, 2, heads, head_dim)  # the same memory
     feeds = {"current_key": inputs["current_key"], "current_value": inputs["current_value"], "cache": view,
-             "write_indices": np.asarray(inputs["start_pos"], np.int64), "gather_slots": gather}
+             "write_indices": np.asarray(inputs["start_pos"], np.int64),
+             **gather_rows(inputs["cache"].shape, 0, 0, gather)}
     outputs = {"key": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype),
                "value": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype), "cache_out": view}
     return bound_run(offset_baseline_model(inputs, capacity), feeds, outputs, threads), outputs
