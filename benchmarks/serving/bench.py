@@ -4,7 +4,9 @@ batch at a given context length (``python -m kvcache_op.benchmarks.serving.bench
 Every request shares a long system prompt (prefilled once, then prefix hits) plus a short own part, so
 the measured decode steps have the full batch at about ``--context`` keys each. Figures are medians
 over the decode steps in which every request decodes; "after run" is committing the step, greedy
-sampling and retiring finished requests.
+sampling and retiring finished requests. The engine plans one decode step at a time here, so that each step's
+record holds its own host work (planned many at once, as the engine does by default, the planning of a run of steps
+lands on the step before it and the steps themselves record none: ``serving.one_stream`` measures that form).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
                rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(requests)]
     pages_each = -(-(context + decode_steps) // 16)
     engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=2 * context, max_running=requests,
-                    intra_op_num_threads=threads, trace_steps=True)
+                    intra_op_num_threads=threads, trace_steps=True, decode_steps=1)
     engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1))
     full = [s for s in engine.step_trace if s["sequences"] == requests and s["decodes"] == requests]
     if not full:
@@ -60,7 +62,7 @@ def table(rows: list, command: str, requests: int, threads: int) -> str:
     """A markdown table of the measurements, with the command and machine."""
     lines = [f"Command: `{command}`", "",
              f"Machine: {platform.machine()}, {os.cpu_count()} cores, ONNX Runtime CPU EP, {threads or 'default'} "
-             f"intra-op threads, {requests} requests decoding together.", "",
+             f"intra-op threads, {requests} requests decoding together, one decode step planned at a time.", "",
              "| model | attention | parameters | layers x hidden | decode steps | keys attended per step "
              "| scheduling + feeds ms | ONNX Runtime run ms | after run ms | host / run | decode tokens/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
