@@ -90,16 +90,20 @@ def decode_figures(managers, args, stagger: bool) -> dict:
 def mixed_figures(managers, args) -> dict:
     """name -> {"context": {kvlen: s}, "prefills": {count: s}} (medians over rounds). Each round visits
     every case for every manager, so a change of the machine's load during the run hits them alike."""
-    max_pages = -(-(max(args.mixed_kvlens) + 2 * args.page_size + args.steps) // args.page_size)
-    cases = {(name, "context", kvlen): (cls, kvlen, args.mixed_prefills[1])
-             for kvlen in args.mixed_kvlens for name, cls in managers.items()}
-    cases.update({(name, "prefills", prefills): (cls, args.kvlen, prefills)
-                  for prefills in args.mixed_prefills for name, cls in managers.items()})
+    max_pages = -(-(max(max(args.mixed_kvlens), args.kvlen) + 2 * args.page_size + args.steps) // args.page_size)
+    sweeps = {"context": [(kvlen, args.mixed_prefills[1]) for kvlen in args.mixed_kvlens],
+              "prefills": [(args.kvlen, prefills) for prefills in args.mixed_prefills]}
+    # A case in both sweeps (kvlen = --kvlen at the second prefill count) is measured once and shown in both.
+    cases = {(name, kvlen, prefills): (cls, kvlen, prefills) for name, cls in managers.items()
+             for sweep in sweeps.values() for kvlen, prefills in sweep}
     rounds = side_by_side(cases, args.repeats, lambda case, _: work.mixed_step_seconds(
         case[0], args.batch, case[1], args.page_size, max_pages, case[2], args.prefill_len, args.steps))
     out = {name: {"context": {}, "prefills": {}} for name in managers}
-    for (name, sweep, value), seconds in rounds.items():
-        out[name][sweep][value] = statistics.median(seconds)
+    for name in managers:
+        for sweep, points in sweeps.items():
+            for kvlen, prefills in points:
+                out[name][sweep][kvlen if sweep == "context" else prefills] = statistics.median(
+                    rounds[(name, kvlen, prefills)])
     return out
 
 
@@ -258,13 +262,31 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if len(args.mixed_prefills) < 2:
         parser.error("--mixed-prefills needs at least two counts (the second is used for the context sweep)")
+    if args.baseline_name in ("manager", "seed", ARRAYS):
+        parser.error(f"--baseline-name {args.baseline_name!r} is this package's own row's name: choose another")
+    if args.shared > args.prompt_len:
+        parser.error(f"--shared {args.shared} exceeds --prompt-len {args.prompt_len}")
+    if args.pages < -(-args.prompt_len // args.page_size):
+        parser.error(f"--pages {args.pages} cannot hold one prompt of --prompt-len {args.prompt_len} "
+                     f"(pages of {args.page_size})")
+    chat_needs = work.chat_pages_needed(args.chat_turns, args.chat_user_len, args.chat_reply_len,
+                                        args.chat_concurrent, args.page_size)
+    if args.chat_pages < chat_needs:
+        parser.error(f"--chat-pages {args.chat_pages} cannot hold {args.chat_concurrent} conversations at once "
+                     f"(at least {chat_needs})")
+    baseline = None
+    if args.baseline:
+        try:
+            baseline = work.load_manager_class(args.baseline)
+        except (OSError, ImportError, AttributeError) as error:
+            parser.error(f"--baseline {args.baseline}: {error}")
     command = "python -m kvcache_op.benchmarks.manager.bench " + " ".join(argv if argv is not None else sys.argv[1:])
     load_at_start = load_average()
     from ...manager import KVCacheManager
 
     managers = {"manager": KVCacheManager}
-    if args.baseline:
-        managers[args.baseline_name] = work.load_manager_class(args.baseline)
+    if baseline is not None:
+        managers[args.baseline_name] = baseline
     names = list(managers)
 
     prompts = work.shared_prefix_prompts(args.requests, args.prompt_len, args.shared, args.families)

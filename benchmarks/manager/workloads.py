@@ -99,6 +99,12 @@ def mixed_step_seconds(manager_class, batch: int, kvlen: int, page_size: int, ma
     return statistics.median(times)
 
 
+def chat_pages_needed(turns: int, user_len: int, reply_len: int, concurrent: int, page_size: int) -> int:
+    """The fewest pages :func:`chat_hit_rate` runs with: ``concurrent`` conversations at their longest (a 64-token
+    system prompt and every turn's message and reply)."""
+    return concurrent * -(-(64 + turns * (user_len + reply_len)) // page_size)
+
+
 def chat_hit_rate(manager_class, conversations: int, turns: int, user_len: int, reply_len: int, concurrent: int,
                   num_pages: int, page_size: int, seed: int = 0) -> dict:
     """A multi-turn chat: each turn's prompt is the conversation so far plus a new user message; its
@@ -110,7 +116,7 @@ def chat_hit_rate(manager_class, conversations: int, turns: int, user_len: int, 
     history = {c: rng.integers(0, 32000, 64).tolist() for c in range(conversations)}  # a system prompt each
     order = [c for _ in range(turns) for c in rng.permutation(conversations).tolist()]
     max_pages = -(-(64 + turns * (user_len + reply_len)) // page_size)
-    if num_pages < concurrent * max_pages:
+    if num_pages < chat_pages_needed(turns, user_len, reply_len, concurrent, page_size):
         raise ValueError(f"{num_pages} pages cannot hold {concurrent} conversations of up to {max_pages} pages")
     m = manager_class(num_pages, page_size, max_pages)
     live, left = {}, {}  # conversation -> request id; request id -> reply tokens still to decode
