@@ -229,7 +229,9 @@ def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False,
 def report(results: list, header: str) -> str:
     """A markdown table of the results: time ratios (below 1: the fused op is faster) and bandwidths."""
     other = any("fused_vs_against" in r for r in results)
-    lines = [header, "", "| shape | fused ms | split ms | GQA ms | fused / split | fused / GQA | cache GB/s | copy GB/s | "
+    lines = [header, "", "cache GB/s: the cache bytes the fused op reads over its time; copy GB/s: the same bytes over the "
+             "time a one-thread plain copy of them takes (it reads them and writes them: this is its read rate, half "
+             "the bytes it moves); of copy: copy time / fused time.", "", "| shape | fused ms | split ms | GQA ms | fused / split | fused / GQA | cache GB/s | copy GB/s | "
              "of copy |" + (" other build ms | fused / other build | outputs |" if other else ""),
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: | --- |" if other else "")]
     for r in results:
