@@ -70,6 +70,8 @@ def test_the_fused_op_benchmark_runs_and_its_baselines_compute_the_same_attentio
     for row in data["results"]:
         assert all(t > 0 for t in row["seconds"].values()) and row["fused_vs_split"] > 0
     assert "| fused / split |" in (tmp_path / "README.md").read_text()
+    command = "python -m kvcache_op.benchmarks.attention.fused --quick --out " + str(tmp_path)
+    assert data["command"].endswith(command) and f"Command: `{data['command']}`" in (tmp_path / "README.md").read_text()
 
     shape = fused.QUICK_SHAPES[0]
     inputs, attributes = fused.make_call(shape)

@@ -24,8 +24,10 @@ pool would take the cores from the next method); each figure is the median over 
 import argparse
 import dataclasses
 import json
+import os
 import pathlib
 import statistics
+import sys
 
 import numpy as np
 
@@ -272,7 +274,8 @@ def main(argv=None) -> int:
     shapes = [s for s in (QUICK_SHAPES if args.quick else SHAPES) if args.match in s.label and
               (s.seqlen == 1 or not args.shared_pages)]
     if not shapes:
-        parser.error(f"no shape's label contains {args.match!r}")
+        parser.error(f"no {'decode ' if args.shared_pages else ''}shape's label contains {args.match!r}"
+                     + (" (--shared-pages measures decode shapes only)" if args.shared_pages else ""))
     rounds, repeats = (1, 2) if args.quick else (args.rounds, args.repeats)
     results = []
     for i, shape in enumerate(shapes, 1):
@@ -288,12 +291,17 @@ def main(argv=None) -> int:
               + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
                  if args.shared_pages else "")
               + (f"; other build: {args.against}" if args.against else ""))
+    command = " ".join(["python -m kvcache_op.benchmarks.attention.fused",
+                        *(argv if argv is not None else sys.argv[1:])])
+    library = os.environ.get("KVCACHE_OP_LIBRARY")
+    command = (f"KVCACHE_OP_LIBRARY={library} " if library else "") + command
     text = report(results, header)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "results.json").write_text(json.dumps({"header": header, "results": results}, indent=1) + "\n")
-        (args.out / "README.md").write_text(text)
+        (args.out / "results.json").write_text(json.dumps({"command": command, "header": header,
+                                                           "results": results}, indent=1) + "\n")
+        (args.out / "README.md").write_text(f"Command: `{command}`\n\n" + text)
     return 0
 
 
