@@ -1,14 +1,17 @@
 """The side-by-side timing tool: each variant runs under its own settings and build, in turns that rotate, the
 environment is left as it was, and bad command lines are refused before any work."""
 
+import argparse
 import json
 import os
+import re
 import shlex
 
 import pytest
 
 from kvcache_op.benchmarks.cpu import side_by_side
 from kvcache_op.ort_ops import library_path
+from repo_scripts import ROOT
 
 SWITCH = "KVCACHE_OP_HEAD_PREFETCH"
 
@@ -142,3 +145,33 @@ def test_bad_command_lines_are_refused_in_one_line_before_any_work(argv, message
     assert exit_.value.code == 2
     err = capsys.readouterr()
     assert message in err.err and err.err.count("\n") == 1 and err.out == ""
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("KVCACHE_OP_STREAMED_HEADS=banana", "takes a whole number >= 1"),
+    ("KVCACHE_OP_STREAMED_HEADS=0", "takes a whole number >= 1"),
+    ("KVCACHE_OP_GATHER_TILE=-1", "takes a whole number >= 0"),
+    ("KVCACHE_OP_HEAD_PREFETCH=l3", "takes l2 or l1"),
+    ("KVCACHE_OP_STORES=streamed", "takes side-by-side or stream or cached"),
+    ("KVCACHE_OP_HEAD_PREFTCH=l2", "is not a switch of this build's CPU kernels"),
+])
+def test_a_setting_the_kernels_would_ignore_is_refused(setting, message):
+    """The kernels run their default for a value they do not know: a variant setting one would time the default
+    under another name."""
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+        side_by_side.parse_variant(f"v:{setting}")
+
+
+def test_settings_the_kernels_take_are_accepted_and_another_build_may_set_its_own():
+    for setting in ("KVCACHE_OP_STREAMED_HEADS=8", "KVCACHE_OP_GATHER_TILE=0", "KVCACHE_OP_HEAD_PREFETCH=l1",
+                    "KVCACHE_OP_STORES=", "OPENBLAS_NUM_THREADS=1"):
+        assert side_by_side.parse_variant(f"v:{setting}").env
+    other = side_by_side.parse_variant(f"v:KVCACHE_OP_NEW_SWITCH=on,library={library_path()}")
+    assert other.env == {"KVCACHE_OP_NEW_SWITCH": "on"}
+
+
+def test_the_switch_table_names_every_switch_the_cpu_kernels_read():
+    """The table the settings are checked against is the kernels' own: every variable the dispatch reads."""
+    source = (ROOT / "cpu" / "kv_cpu_dispatch.cc").read_text()
+    read = set(re.findall(r'(?:getenv|EnvSwitch|EnvInteger)\("(KVCACHE_OP_[A-Z_]+)"', source))
+    assert read == set(side_by_side.CPU_SWITCHES)

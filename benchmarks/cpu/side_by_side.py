@@ -97,6 +97,34 @@ def parse_case(text: str) -> tuple:
     return name, MODES[mode], int(quant_bit), int(layout)
 
 
+#: The CPU kernels' switches (cpu/kv_cpu.h, read at each call) and what each takes: the words it knows, or the least
+#: whole number. A value the kernel does not know is ignored there (the default runs), so a variant setting one would
+#: measure the default under another name: refused here instead.
+CPU_SWITCHES = {
+    "KVCACHE_OP_CPU_KERNEL": ("avx512", "avx2", "generic"), "KVCACHE_OP_CPU_VENDOR": ("amd", "intel"),
+    "KVCACHE_OP_STORES": ("side-by-side", "stream", "cached"), "KVCACHE_OP_CACHED_GATHER": ("head-runs", "tokens"),
+    "KVCACHE_OP_CODE_STORES": ("stream", "cached"), "KVCACHE_OP_HEAD_PREFETCH": ("l2", "l1"),
+    "KVCACHE_OP_CPU_VERBOSE": ("1", "0"), "KVCACHE_OP_STREAMED_HEADS": 1, "KVCACHE_OP_TOKEN_STREAMS": 1,
+    "KVCACHE_OP_GATHER_TILE": 0, "KVCACHE_OP_TOKEN_PREFETCH": 0,
+}
+
+
+def switch_problem(key: str, value: str, library) -> str:
+    """Why ``key=value`` would not do what it says ('' where it would): a known switch's value it does not take,
+    or a ``KVCACHE_OP_`` name no switch of this build has (with ``library=PATH`` anything goes: that build's
+    switches are its own)."""
+    takes = CPU_SWITCHES.get(key)
+    if library is not None or (takes is None and not key.startswith("KVCACHE_OP_")):
+        return ""  # another build's switches are its own; other variables are the caller's
+    if takes is None:
+        return (f"{key} is not a switch of this build's CPU kernels (they read {', '.join(sorted(CPU_SWITCHES))}); "
+                "a variant of another build (library=PATH) may set it")
+    if isinstance(takes, tuple):
+        return "" if value in takes else f"{key} takes {' or '.join(takes)}, not {value!r}"
+    return "" if re.fullmatch(r"[0-9]+", value) and int(value) >= takes else \
+        f"{key} takes a whole number >= {takes}, not {value!r}"
+
+
 def parse_variant(text: str) -> Variant:
     """An argparse type: NAME[:SETTING,...] with settings ENV=VALUE (ENV= unsets ENV; not KVCACHE_OP_LIBRARY) or
     library=PATH (an existing file of this binding's C API version), each named once."""
@@ -116,6 +144,10 @@ def parse_variant(text: str) -> Variant:
             library = checked_library(library_file(value))
         else:
             env[key] = value if value else None
+    for key, value in env.items():
+        problem = value is not None and switch_problem(key, value, library)
+        if problem:
+            raise argparse.ArgumentTypeError(f"{text!r}: {problem}")
     return Variant(name, env, library)
 
 
