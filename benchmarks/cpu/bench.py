@@ -145,7 +145,8 @@ def write_results(rows, out: pathlib.Path, command: str, device: str, output_off
     lines = [f"# KeyValueCache benchmark ({device})", "", f"Command: `{command}`", "",
              f"onnxruntime {ort_version()}. Bytes moved = bytes read + bytes written by the op. Each figure is the "
              f"median of {rounds} rounds; a round times the op, a plain copy of half as many bytes (a copy reads and "
-             "writes each) and the standard-ops step side by side, each once, the median of its repeats. `op / copy` is "
+             "writes each; on one thread, in the two-thread rows too, so there `op / copy` is two threads against "
+             "one) and the standard-ops step side by side, each once, the median of its repeats. `op / copy` is "
              "the median of the rounds' copy time over op time, with its range over the rounds. `standard ops`: "
              "the same step composed from ONNX Runtime's built-in ops (kvcache_op.benchmarks.cpu.standard_ops), "
              "unquantized only: paged mode (layouts 0, 3): ScatterND into a copy of the cache, then each output one "
