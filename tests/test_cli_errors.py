@@ -28,6 +28,9 @@ def _one_line_error(capsys, argv) -> str:
     (["fuzz", "--timeout", "0"], "--timeout: must be a finite number of seconds > 0"),
     (["demo", "--num-pages", "0"], "--num-pages: must be >= 1, got 0"),
     (["demo", "--page-size", "0"], "--page-size: must be >= 1, got 0"),
+    (["demo", "--page-size", "100000000"], "--page-size: must be <= 4096, got 100000000"),
+    (["export", "ckpt", "out.onnx", "--page-size", "1000000000000"], "--page-size: must be <= 4096"),
+    (["serve", "m.onnx", "--port", "70000"], "--port: must be <= 65535, got 70000"),
     (["demo", "--new-tokens", "0"], "--new-tokens: must be >= 1, got 0"),
     (["demo", "--requests", "0"], "--requests: must be >= 1, got 0"),
     (["demo", "--requests", "many"], "--requests: 'many' is not an integer"),
@@ -79,3 +82,11 @@ def test_version(capsys):
 ])
 def test_benchmark_arguments_are_checked_as_one_line(capsys, argv, message):
     assert message in _one_line_error(capsys, argv)
+
+
+def test_the_page_size_bound_is_the_exporters():
+    pytest.importorskip("torch")
+    from kvcache_op.arguments import MAX_PAGE_SIZE
+    from kvcache_op.hf.export import MAX_PAGE_SIZE as exporters
+
+    assert MAX_PAGE_SIZE == exporters

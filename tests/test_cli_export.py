@@ -63,3 +63,63 @@ def test_the_split_pair_is_one_flag_away(checkpoint, tmp_path):
     ops = [n.op_type for n in onnx.load(str(out), load_external_data=False).graph.node]
     assert ops.count("KeyValueCache") == ops.count("MultiHeadAttention") == model.config.num_hidden_layers
     assert ModelInfo.of_model(out).quant_bit == 8
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: tmp.joinpath("out.onnx").mkdir() or tmp / "out.onnx", "is a folder: name the ONNX file to write"),
+    (lambda tmp: tmp.joinpath("out.tokenizer").write_text("x") and tmp / "out.onnx",
+     "is a file: the tokenizer files go to a folder of that name"),
+])
+def test_an_out_path_it_cannot_write_is_refused_before_the_export(checkpoint, tmp_path, capsys, make, message):
+    folder, _ = checkpoint
+    assert main(["export", str(folder), str(make(tmp_path))]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.err.count("\n") == 1 and "[1/3]" not in captured.out
+
+
+def test_a_checkpoint_without_weights_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_bytes((folder / "config.json").read_bytes())
+    assert main(["export", str(bare), str(tmp_path / "out.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache-op export: error:") and err.count("\n") == 1
+    assert not (tmp_path / "out.onnx").exists()
+
+
+def test_exporting_again_over_an_earlier_export_keeps_nothing_of_it(checkpoint, tmp_path, monkeypatch):
+    """Another checkpoint exported to the same file: no tokenizer file of the first is left to be read as the
+    second's; external weights are rewritten, not appended to; no partial file is left."""
+    from kvcache_op.hf import export as hf_export
+
+    folder, _ = checkpoint
+    other = tmp_path / "other"
+    other.mkdir()
+    tiny_model("llama").save_pretrained(other)  # no tokenizer files
+    out = tmp_path / "model.onnx"
+    monkeypatch.setattr(hf_export, "_PROTO_LIMIT", 1000)  # the weights go to model.onnx.data
+    assert main(["export", str(folder), str(out)]) == 0
+    size = (tmp_path / "model.onnx.data").stat().st_size
+    assert (tokenizer_folder(out) / "tokenizer.json").is_file()
+    assert main(["export", str(other), str(out)]) == 0
+    assert (tmp_path / "model.onnx.data").stat().st_size == size
+    assert not (tokenizer_folder(out) / "tokenizer.json").exists()
+    assert (tokenizer_folder(out) / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "model.tokenizer", "other"]
+    prompt = [5, 6, 7]
+    assert Engine(out, num_pages=8).generate([prompt], 3)[0] == reference_generate(
+        tiny_model("llama").from_pretrained(other), prompt, 3)
+
+
+def test_a_failed_export_leaves_no_file_that_looks_complete(checkpoint, tmp_path, monkeypatch):
+    folder, _ = checkpoint
+    out = tmp_path / "model.onnx"
+
+    def broken(proto, path, **kwargs):
+        with open(path, "wb") as f:
+            f.write(proto.SerializeToString()[:100])  # part of it written, then the disk filled
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(onnx, "save", broken)
+    assert main(["export", str(folder), str(out)]) == 2
+    assert not out.exists() and not (tmp_path / "model.onnx.partial").exists()

@@ -54,6 +54,46 @@ def test_what_cannot_be_served_is_refused_in_one_line(capsys, argv, message):
     assert message in err and err.count("\n") == 1
 
 
+def test_a_file_that_is_no_exported_decoder_is_refused_in_one_line_before_anything_starts(tmp_path, capsys):
+    """A truncated file, and an ONNX file without the export's metadata, with or without replicas (whose Ray
+    deployment would otherwise hide the reason)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    truncated = tmp_path / "truncated.onnx"
+    truncated.write_bytes(b"\x08\x07\x12\xff\xff")
+    plain = tmp_path / "plain.onnx"
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    onnx.save(helper.make_model(graph), str(plain))
+    for argv, message in [([str(truncated), "--tokenizer", str(tmp_path)], "is not a readable ONNX file"),
+                          ([str(plain), "--tokenizer", str(tmp_path)], "carries no kvcache_op metadata"),
+                          ([str(plain), "--tokenizer", str(tmp_path), "--replicas", "1"], "carries no kvcache_op")]:
+        assert main(["serve", *argv, "--port", "0"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+
+
+def test_export_settings_given_for_an_exported_file_are_refused(tmp_path, capsys):
+    import hf_models
+
+    for flags in (["--quant-bit", "8"], ["--page-size", "4", "--dtype", "float16"], ["--cache-dir", str(tmp_path)]):
+        assert main(["serve", hf_models.exported("llama"), "--tokenizer", str(tmp_path), *flags]) == 2
+        err = capsys.readouterr().err
+        assert f"{flags[0]}" in err and "set how a checkpoint folder is exported" in err and err.count("\n") == 1
+
+
+def test_the_served_name_of_a_relative_folder_is_the_folders_own(tmp_path, monkeypatch):
+    from kvcache_op.serve_command import served_name
+
+    (tmp_path / "my-model").mkdir()
+    monkeypatch.chdir(tmp_path / "my-model")
+    assert served_name(build_parser().parse_args(["serve", "."])) == "my-model"
+    assert served_name(build_parser().parse_args(["serve", "../x.onnx"])) == "x"
+    assert served_name(build_parser().parse_args(["serve", ".", "--model-name", "given"])) == "given"
+
+
 def test_the_readme_quick_start_parses():
     text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     block = re.search(r"## Serving over HTTP.*?```bash\n(.*?)```", text, re.S).group(1)

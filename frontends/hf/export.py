@@ -20,6 +20,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 # Example sizes for tracing, pairwise different so no two dynamic axes are taken for one another:
 # T = 4 tokens, B = 2 sequences (B + 1 = 3), P = 5 pages per table, MaxT = 7 pages of slots.
 _EXAMPLE_PAGES, _EXAMPLE_TABLE = 7, 5
+#: The largest page an export takes: its tracing step holds a cache of _EXAMPLE_PAGES pages (a page of 4,096 slots of
+#: a 32-layer model with 8 heads of 128 in float32: 1 GiB each), and serving engines page in tens of slots.
+MAX_PAGE_SIZE = 4096
 _PROTO_LIMIT = 1 << 30  # above this, weights go to an external data file (protobuf stops at 2 GiB)
 
 
@@ -99,8 +102,8 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
                              fused_attention=bool(fused_attention))
-    if settings.page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if not 1 <= settings.page_size <= MAX_PAGE_SIZE:
+        raise ValueError(f"page_size must be 1 to {MAX_PAGE_SIZE}, got {page_size}")
     if settings.quant_bit not in (0, 4, 8) or settings.cache_layout not in (0, 1, 2, 3):
         raise ValueError(f"quant_bit must be 0, 4 or 8 and cache_layout 0..3, got {quant_bit}, {cache_layout}")
     decoder = PackedDecoder(model, settings).eval()
@@ -132,7 +135,16 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
                                         **info.to_metadata()})
     path = os.fspath(path)
     large = proto.ByteSize() > _PROTO_LIMIT
-    onnx.save(proto, path, save_as_external_data=large, location=os.path.basename(path) + ".data" if large else None)
+    data, partial = path + ".data", path + ".partial"
+    if os.path.exists(data):  # an earlier export's weights: onnx would append the new ones to them
+        os.remove(data)
+    try:  # the file appears whole or not at all: a failed or interrupted export leaves no file that looks complete
+        onnx.save(proto, partial, save_as_external_data=large, location=os.path.basename(data) if large else None)
+        os.replace(partial, path)
+    except BaseException:
+        if os.path.exists(partial):
+            os.remove(partial)
+        raise
     return path
 
 

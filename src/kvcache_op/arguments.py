@@ -3,6 +3,9 @@ with exit status 2, numbers are checked by argparse before any work, and an outp
 
 import argparse
 
+#: The largest cache page an export takes (kvcache_op.hf.export.MAX_PAGE_SIZE, here without importing torch).
+MAX_PAGE_SIZE = 4096
+
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse whose errors are one line on stderr (``kvcache-op CMD: error: ...``), exit status 2."""
@@ -12,8 +15,8 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
-def at_least(low: int):
-    """An argparse type: an integer >= ``low``."""
+def at_least(low: int, high: int = None):
+    """An argparse type: an integer >= ``low`` (and <= ``high`` where given)."""
 
     def parse(text: str) -> int:
         try:
@@ -22,6 +25,8 @@ def at_least(low: int):
             raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {value}")
         return value
 
     return parse

@@ -5,7 +5,7 @@ import argparse
 import sys
 
 from . import __version__
-from .arguments import OneLineParser, at_least, positive_seconds, writable_folder_problem
+from .arguments import MAX_PAGE_SIZE, OneLineParser, at_least, positive_seconds, writable_folder_problem
 
 
 def _conformance(args) -> int:
@@ -35,7 +35,7 @@ def _export(args) -> int:
         export_checkpoint(args.checkpoint, args.out, page_size=args.page_size, quant_bit=args.quant_bit,
                           dtype=args.dtype, cache_layout=args.cache_layout,
                           fused_attention=not args.split_attention)
-    except (FileNotFoundError, ValueError) as error:
+    except (OSError, ValueError) as error:  # OSError: transformers' word for a checkpoint it cannot load, or a write
         return _fail("export", str(error))
     return 0
 
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--new-tokens", type=at_least(1), default=16)
     demo.add_argument("--num-pages", type=at_least(1), default=24,
                       help="cache pages (few: cached prefixes are evicted)")
-    demo.add_argument("--page-size", type=at_least(1), default=16)
+    demo.add_argument("--page-size", type=at_least(1, MAX_PAGE_SIZE), default=16)
     demo.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0)
     demo.add_argument("--provider", action="append", help="ONNX Runtime execution provider (repeatable; default: the "
                                                           "CUDA EP when available, else the CPU EP)")
@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
                                            "extra)")
     export.add_argument("checkpoint", help="a folder with config.json and the weights (save_pretrained's layout)")
     export.add_argument("out", help="the ONNX file to write (its tokenizer files go to OUT.tokenizer/ beside it)")
-    export.add_argument("--page-size", type=at_least(1), default=16, help="cache page size in tokens (default 16)")
+    export.add_argument("--page-size", type=at_least(1, MAX_PAGE_SIZE), default=16,
+                        help=f"cache page size in tokens (default 16, at most {MAX_PAGE_SIZE})")
     export.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0, help="cache quantization (default 0)")
     export.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
                         help="the cache's and attention's element type (default: the model's, float32)")
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "an exported file or a checkpoint folder (needs the 'serve' extra)")
     serve.add_argument("model", help="an exported .onnx file, or a checkpoint folder (exported once into --cache-dir)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback)")
-    serve.add_argument("--port", type=at_least(0), default=8000, help="port (default 8000; 0: a free one)")
+    serve.add_argument("--port", type=at_least(0, 65535), default=8000, help="port (default 8000; 0: a free one)")
     serve.add_argument("--allow-remote", action="store_true", help="allow a --host that is not loopback")
     serve.add_argument("--num-pages", type=at_least(1), default=512, help="cache pages (default 512)")
     serve.add_argument("--tokenizer", help="tokenizer folder (default: beside the file, or the checkpoint's)")
@@ -238,9 +239,10 @@ def build_parser() -> argparse.ArgumentParser:
                                                                  "request only decodes (default 64; a new request or "
                                                                  "a cancellation ends a run at its next step; 1: one "
                                                                  "at a time)")
-    serve.add_argument("--page-size", type=at_least(1), default=16, help="for a checkpoint folder: page size")
-    serve.add_argument("--quant-bit", type=int, choices=(0, 4, 8), default=0, help="for a checkpoint folder: "
-                                                                                  "cache quantization")
+    serve.add_argument("--page-size", type=at_least(1, MAX_PAGE_SIZE),
+                       help="for a checkpoint folder: page size (default 16)")
+    serve.add_argument("--quant-bit", type=int, choices=(0, 4, 8), help="for a checkpoint folder: "
+                                                                       "cache quantization (default 0)")
     serve.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), help="for a checkpoint folder: the "
                                                                                    "cache's element type")
     serve.add_argument("--cache-dir", help="where checkpoint folders are exported (default $KVCACHE_OP_CACHE or "

@@ -4,6 +4,7 @@ files copied beside it."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import shutil
 import time
@@ -37,8 +38,7 @@ def export_checkpoint(checkpoint, out, *, page_size: int = 16, quant_bit: int = 
         raise FileNotFoundError(f"no checkpoint folder at {checkpoint}")
     if not (checkpoint / "config.json").is_file():
         raise ValueError(f"{checkpoint} has no config.json: it is not a transformers checkpoint folder")
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"the folder of {out} does not exist")
+    _check_writable(out)
     began = time.perf_counter()
 
     def stage(text):
@@ -53,8 +53,25 @@ def export_checkpoint(checkpoint, out, *, page_size: int = 16, quant_bit: int = 
     present = [name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
     stage(f"[3/3] copying {len(present)} tokenizer and config file(s) to {folder} ...")
     folder.mkdir(exist_ok=True)
+    for name in TOKENIZER_FILES:  # an earlier export's files this checkpoint lacks would be read as its own
+        if name not in present and (folder / name).is_file():
+            (folder / name).unlink()
     for name in present:
         shutil.copy2(checkpoint / name, folder / name)
     seconds = time.perf_counter() - began
     progress(f"wrote {out} in {seconds:.1f} s")
     return {"path": str(out), "tokenizer_folder": str(folder), "copied": present, "seconds": seconds}
+
+
+def _check_writable(out: pathlib.Path) -> None:
+    """``out`` and its tokenizer folder can be written, checked before the slow export: ``FileNotFoundError`` or
+    ``ValueError`` saying why not."""
+    if not out.parent.is_dir():
+        raise FileNotFoundError(f"the folder of {out} does not exist")
+    if out.is_dir():
+        raise ValueError(f"{out} is a folder: name the ONNX file to write")
+    if not os.access(out.parent, os.W_OK):
+        raise ValueError(f"cannot write into {out.parent}")
+    folder = tokenizer_folder(out)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is a file: the tokenizer files go to a folder of that name")

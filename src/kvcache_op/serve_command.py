@@ -30,8 +30,11 @@ def default_cache_dir() -> pathlib.Path:
 
 def _checkpoint_key(folder: pathlib.Path, settings: dict) -> str:
     """Names a checkpoint's export: its path, the size and modification time of every file in it (a changed weight
-    file means a new export) and the export settings."""
-    entries = [str(folder.resolve()), json.dumps(settings, sort_keys=True)]
+    file means a new export), the export settings and the export format."""
+    from .serving.model_info import FORMAT_VERSION
+
+    # The export format too: an export of an older kvcache-op that this one cannot serve is made again, not reused.
+    entries = [str(folder.resolve()), json.dumps(settings, sort_keys=True), f"format {FORMAT_VERSION}"]
     for path in sorted(p for p in folder.iterdir() if p.is_file()):
         stat = path.stat()
         entries.append(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns}")
@@ -70,6 +73,27 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
                      "pass --tokenizer DIR")
 
 
+def served_name(args) -> str:
+    """The model id clients send: ``--model-name``, else the file's name without ``.onnx`` or the folder's name
+    (of its full path: ``serve .`` is named after the folder it means)."""
+    return args.model_name or pathlib.Path(args.model).resolve().name.removesuffix(".onnx")
+
+
+def exported_info(path):
+    """The :class:`~kvcache_op.serving.model_info.ModelInfo` of the exported file at ``path`` (its weights not
+    read); ``ValueError`` where it is no ONNX file or no decoder this package exported."""
+    from google.protobuf.message import DecodeError
+
+    from .serving.model_info import ModelInfo
+
+    try:
+        return ModelInfo.of_model(path)
+    except DecodeError:
+        raise ValueError(f"{path} is not a readable ONNX file (truncated, or not ONNX)") from None
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
+
+
 def api_key_of(given) -> str:
     """The API key the server requires: ``--api-key``, else ``$KVCACHE_OP_API_KEY``, else None (no key)."""
     return given or os.environ.get(API_KEY_VARIABLE) or None
@@ -94,10 +118,18 @@ def serve(args) -> int:
         raise ValueError(f"--host {args.host} is not loopback: pass --allow-remote to listen on other interfaces "
                          "(and set an API key)")
     api_key = api_key_of(args.api_key)
-    settings = {"page_size": args.page_size, "quant_bit": args.quant_bit, "dtype": args.dtype}
+    export_flags = {"--page-size": args.page_size, "--quant-bit": args.quant_bit, "--dtype": args.dtype,
+                    "--cache-dir": args.cache_dir}
+    given = [flag for flag, value in export_flags.items() if value is not None]
+    if given and not pathlib.Path(args.model).is_dir():
+        raise ValueError(f"{', '.join(given)} set how a checkpoint folder is exported; {args.model} is not one (an "
+                         "exported file keeps the settings it was exported with)")
+    settings = {"page_size": 16 if args.page_size is None else args.page_size,
+                "quant_bit": args.quant_bit or 0, "dtype": args.dtype}
     path, tokenizer_dir = resolve_model(args.model, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
                                         settings=settings)
-    name = args.model_name or pathlib.Path(args.model).name.removesuffix(".onnx")
+    exported_info(path)  # a file that is no exported decoder is refused here, in one line (before Ray, too)
+    name = served_name(args)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue)
     engine_options = engine_options_of(args)
