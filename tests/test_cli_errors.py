@@ -90,3 +90,15 @@ def test_the_page_size_bound_is_the_exporters():
     from kvcache_op.hf.export import MAX_PAGE_SIZE as exporters
 
     assert MAX_PAGE_SIZE == exporters
+
+
+def test_a_demo_provider_the_engine_cannot_keep_its_cache_on_is_refused_before_the_export(capsys):
+    onnxruntime = pytest.importorskip("onnxruntime")
+    others = [p for p in onnxruntime.get_available_providers()
+              if p not in ("CPUExecutionProvider", "CUDAExecutionProvider")]
+    if not others:
+        pytest.skip("this onnxruntime has only the CPU and CUDA execution providers")
+    assert main(["demo", "--provider", others[0], "--requests", "1"]) == 2
+    captured = capsys.readouterr()
+    assert "binds its cache on the CPU or CUDA execution provider" in captured.err
+    assert captured.err.count("\n") == 1 and "exported" not in captured.out

@@ -198,11 +198,36 @@ def test_cli_tolerance_spec_passes_ppl_arithmetic(all_vectors, capsys, monkeypat
     (["--backend", "no_such_module:f", "--in-process"], "cannot import module 'no_such_module'"),
     (["--backend", "planted_backends:no_such_function"], "'planted_backends' has no attribute 'no_such_function'"),
     (["--backend", "planted_backends", "--in-process"], "expected reference, ort or module:function"),
+    (["--backend", "planted_backends:ppl_style", "--in-process", "--timeout", "1"], "--timeout needs the backend in "
+                                                                                    "a worker process"),
+    (["--timeout", "1"], "--timeout needs the backend in a worker process"),  # the reference runs in this process
 ])
 def test_cli_bad_arguments_get_one_line(all_vectors, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(TESTS)
     status, out, err = _cli(capsys, "validate", str(all_vectors), *argv)
     assert status == 2 and out == "" and len(err.splitlines()) == 1 and message in err, err
+
+
+def test_cli_a_bare_library_file_name_means_the_file_in_the_current_folder(all_vectors, capsys, monkeypatch, tmp_path):
+    """A loader given a bare name searches its own path: the name is made absolute first."""
+    import shutil
+
+    from kvcache_op.ort_ops import library_path
+
+    shutil.copy(library_path(), tmp_path / "mylib.so")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = _cli(capsys, "validate", str(all_vectors), "--backend", "ort", "--ort-library", "mylib.so",
+                            "--in-process", "--case", "paged_layout0")
+    assert status == 0 and err == "" and out.startswith("ok"), err
+
+
+def test_cli_conformance_list_takes_its_cases_and_refuses_an_out_folder(tmp_path, capsys):
+    status, out, _ = _cli(capsys, "conformance", "--list", "--case", "paged_layout0", "--case", "batch0")
+    assert status == 0 and [line.split()[0] for line in out.splitlines()] == ["paged_layout0", "batch0"]
+    status, _, err = _cli(capsys, "conformance", "--list", "--case", "nope")
+    assert status == 2 and "unknown conformance case(s) ['nope']" in err
+    status, _, err = _cli(capsys, "conformance", "--list", "--out", str(tmp_path))
+    assert status == 2 and "give one" in err and not os.listdir(tmp_path)
 
 
 def test_cli_missing_folder_and_unknown_conformance_case(tmp_path, capsys):

@@ -80,3 +80,11 @@ def library_file(text: str) -> str:
     if not path.is_file():
         raise argparse.ArgumentTypeError(f"{text} is not a file")
     return str(path.resolve())
+
+
+def absolute_path(text: str) -> str:
+    """An argparse type: ``text`` as an absolute path, checked later (a library loader given a bare file name
+    searches its own path, not the current folder)."""
+    import os
+
+    return os.path.abspath(text)

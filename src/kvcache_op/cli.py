@@ -5,16 +5,26 @@ import argparse
 import sys
 
 from . import __version__
-from .arguments import MAX_PAGE_SIZE, OneLineParser, at_least, positive_seconds, writable_folder_problem
+from .arguments import (MAX_PAGE_SIZE, OneLineParser, absolute_path, at_least, positive_seconds,
+                        writable_folder_problem)
+
+
+DEFAULT_TIMEOUT = 300.0  # seconds a backend's worker may take to load, and each call
 
 
 def _conformance(args) -> int:
     from .validation import vectors
 
     if args.list:
+        if args.out:
+            return _fail("conformance", "--list prints the cases, --out writes them: give one")
+        unknown = sorted(set(args.case or ()) - set(vectors.ALL_CASES))
+        if unknown:
+            return _fail("conformance", f"unknown conformance case(s) {unknown} (--list names them)")
         for name, make in vectors.ALL_CASES.items():
-            case = make()
-            print(f"{name:<48} {case.op:<22} {'invalid' if case.expect_error else 'valid'}")
+            if not args.case or name in args.case:
+                case = make()
+                print(f"{name:<48} {case.op:<22} {'invalid' if case.expect_error else 'valid'}")
         return 0
     if not args.out:
         return _fail("conformance", "--out DIR is required (or --list)")
@@ -68,8 +78,14 @@ def _provider_options(pairs) -> dict:
 
 
 def _backend_options(args) -> dict:
+    """The backend keywords of ``validate``/``fuzz``; ``ValueError`` for a ``--timeout`` that could not be kept (a
+    backend in this process cannot be stopped in the middle of a call)."""
+    in_process = args.isolate is False or (args.isolate is None and args.backend == "reference")
+    if args.timeout is not None and in_process:
+        raise ValueError("--timeout needs the backend in a worker process (--isolate): one in this process cannot "
+                         "be stopped in the middle of a call")
     return dict(ort_library=args.ort_library, provider=args.provider, provider_options=_provider_options(args.provider_option),
-                isolate=args.isolate, timeout=args.timeout)
+                isolate=args.isolate, timeout=DEFAULT_TIMEOUT if args.timeout is None else args.timeout)
 
 
 def _validate(args) -> int:
@@ -107,8 +123,8 @@ def _add_backend_arguments(parser) -> None:
                              "the current directory or PYTHONPATH; module:object for an object with "
                              "key_value_cache / multi_head_attention / key_cache_rotary_shift / "
                              "multi_head_cache_attention)")
-    parser.add_argument("--ort-library", metavar="PATH", help="with --backend ort: the custom-op library to register "
-                                                              "(default: this package's)")
+    parser.add_argument("--ort-library", metavar="PATH", type=absolute_path,
+                        help="with --backend ort: the custom-op library to register (default: this package's)")
     parser.add_argument("--provider", metavar="NAME", help="with --backend ort: the execution provider "
                                                            "(default CPUExecutionProvider; inputs bound on its device)")
     parser.add_argument("--provider-option", metavar="KEY=VALUE", action="append", help="an option of the provider "
@@ -121,8 +137,9 @@ def _add_backend_arguments(parser) -> None:
                                 "(default for ort and module:function)")
     isolation.add_argument("--in-process", dest="isolate", action="store_false",
                            help="run the backend in this process (faster; a crash ends the run)")
-    parser.add_argument("--timeout", type=positive_seconds, default=300.0,
-                        help="seconds the worker may take to load the backend, and each call")
+    parser.add_argument("--timeout", type=positive_seconds,
+                        help=f"seconds the worker may take to load the backend, and each call (default "
+                             f"{DEFAULT_TIMEOUT:g}; needs a worker: --isolate)")
 
 
 def _demo(args) -> int:
@@ -139,6 +156,12 @@ def _demo(args) -> int:
         if missing:
             return _fail("demo", f"--provider {', '.join(missing)}: not in this onnxruntime (it has "
                                  f"{', '.join(onnxruntime.get_available_providers())}; the CUDA EP needs onnxruntime-gpu)")
+        from .serving.ort_runner import provider_device
+
+        try:  # before the export: the engine keeps its cache on the first provider's device
+            provider_device(args.provider)
+        except ValueError as error:
+            return _fail("demo", f"--provider {args.provider[0]}: {error}")
 
     return run_demo(family=args.family, requests=args.requests, new_tokens=args.new_tokens, num_pages=args.num_pages,
                     quant_bit=args.quant_bit, page_size=args.page_size,
