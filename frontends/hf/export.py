@@ -135,7 +135,7 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
                                         **info.to_metadata()})
     path = os.fspath(path)
     large = proto.ByteSize() > _PROTO_LIMIT
-    data, partial = path + ".data", path + ".partial"
+    data, partial = path + ".data", f"{path}.partial-{os.getpid()}"  # its own: two exports to one path do not mix
     if os.path.exists(data):  # an earlier export's weights: onnx would append the new ones to them
         os.remove(data)
     try:  # the file appears whole or not at all: a failed or interrupted export leaves no file that looks complete
