@@ -12,13 +12,20 @@ def load_tokenizer(folder):
     """The tokenizer saved in ``folder`` (a checkpoint folder, or the ``OUT.tokenizer`` folder ``kvcache-op export``
     writes), loaded offline. ``FileNotFoundError``/``ValueError`` naming the folder when it has none."""
     folder = pathlib.Path(folder)
+    check_tokenizer_folder(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+
+
+def check_tokenizer_folder(folder) -> None:
+    """``FileNotFoundError``/``ValueError`` naming ``folder`` unless it holds a tokenizer's files (cheap: what
+    ``kvcache-op serve`` checks before exporting a checkpoint)."""
+    folder = pathlib.Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"no tokenizer folder at {folder}")
     if not any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise ValueError(f"{folder} holds no tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
 
 
 def has_chat_template(tokenizer) -> bool:

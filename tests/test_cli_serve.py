@@ -75,6 +75,18 @@ def test_a_file_that_is_no_exported_decoder_is_refused_in_one_line_before_anythi
         assert message in err and err.count("\n") == 1, err
 
 
+def test_a_checkpoint_folder_without_a_tokenizer_is_refused_before_its_export(served_checkpoint, tmp_path, capsys):
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((served_checkpoint[0] / name).read_bytes())
+    cache = tmp_path / "cache"
+    assert main(["serve", str(folder), "--cache-dir", str(cache)]) == 2
+    captured = capsys.readouterr()
+    assert "holds no tokenizer" in captured.err and captured.err.count("\n") == 1
+    assert not cache.exists() and "exporting" not in captured.out
+
+
 def test_export_settings_given_for_an_exported_file_are_refused(tmp_path, capsys):
     import hf_models
 

@@ -75,6 +75,25 @@ def test_the_app_refuses_an_engine_that_matches_stops_in_other_text(exported, se
         create_app(engine, served_checkpoint[2], model_name="tiny")
 
 
+def test_the_app_refuses_a_tokenizer_with_more_tokens_than_the_model(exported):
+    """Another model's tokenizer (left beside a re-exported file, or given by mistake) would send ids past the
+    embedding."""
+    import tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from kvcache_op.serving import Engine, ModelInfo
+    from kvcache_op.serving.server import create_app
+    from kvcache_op.serving.tokenizer import PlainText
+
+    vocab = ModelInfo.of_model(exported).vocab_size
+    words = {f"w{i}": i for i in range(vocab + 1)}
+    big = PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(tokenizers.models.WordLevel(words, "w0")))
+    assert len(big) == vocab + 1
+    engine = Engine(exported, num_pages=8, tokenizer=PlainText(big))
+    with pytest.raises(ValueError, match=f"more than the model's vocabulary of {vocab}: it is not this model's"):
+        create_app(engine, big, model_name="tiny")
+
+
 @pytest.fixture(scope="module")
 def client(exported, served_checkpoint):
     from fastapi.testclient import TestClient

@@ -93,10 +93,14 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
     """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
     (``ValueError`` otherwise), so that it ends a request at a stop string in the same text the reply holds, which
     leaves special tokens out. With ``api_key``, every route but ``/health`` and ``/metrics`` needs
-    ``Authorization: Bearer <api_key>`` (compared in constant time). The engine is closed when the app shuts down."""
+    ``Authorization: Bearer <api_key>`` (compared in constant time). The engine is closed when the app shuts down.
+    A tokenizer with more tokens than the model's vocabulary is refused (``ValueError``)."""
     if not (isinstance(engine.tokenizer, PlainText) and engine.tokenizer.tokenizer is tokenizer):
         raise ValueError("the engine must find stop strings in the reply's text: make it with "
                          "Engine(..., tokenizer=PlainText(tokenizer)) for the tokenizer the app is given")
+    if len(tokenizer) > engine.info.vocab_size:  # another model's tokenizer: its ids would index past the embedding
+        raise ValueError(f"the tokenizer has {len(tokenizer)} tokens, more than the model's vocabulary of "
+                         f"{engine.info.vocab_size}: it is not this model's")
     limits = limits or ServerLimits()
     context = engine.usable_context  # what /v1/models reports as max_model_len
     max_prompt = min(limits.max_prompt_tokens or context, context)

@@ -48,6 +48,9 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
     missing."""
     model = pathlib.Path(model)
     if model.is_dir():
+        from .serving.tokenizer import check_tokenizer_folder
+
+        check_tokenizer_folder(tokenizer or model)  # before the export: a folder without one is refused at once
         settings = dict(settings or {})
         out = pathlib.Path(cache_dir or default_cache_dir()) / _checkpoint_key(model, settings) / "model.onnx"
         complete = out.with_name("complete")  # written last: an interrupted export is redone, not reused
