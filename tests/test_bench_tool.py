@@ -118,7 +118,7 @@ def test_every_contender_is_timed_as_often_as_the_op_in_each_round():
 def test_the_standard_ops_baselines_gather_each_output_straight_from_the_cache():
     """What a user would run copies no more than it must: each output is one Gather of the updated cache read as
     rows (a Reshape), with no intermediate tensor (picking the layer, the half or the heads first copies rows
-    again) and no Transpose."""
+    again) and no Transpose; the keys and values are stored by one ScatterND."""
     from kvcache_op.benchmarks.cpu import standard_ops
 
     shape = kv_shapes.QUICK_SHAPES[0]
@@ -133,6 +133,8 @@ def test_the_standard_ops_baselines_gather_each_output_straight_from_the_cache()
             rows = nodes[gather.input[0]]
             assert rows.op_type == "Reshape" and rows.input[0] == "cache_out", rows
         assert not [n for n in model.graph.node if n.op_type in ("Transpose", "Slice", "Split")]
+    for model in models[:2]:  # paged: one ScatterND (each copies the whole cache: ONNX Runtime cannot run it in place)
+        assert [n.op_type for n in model.graph.node].count("ScatterND") == 1
 
 
 def test_the_offset_baseline_updates_the_cache_in_place_with_the_ops_bits():

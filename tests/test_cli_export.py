@@ -98,28 +98,53 @@ def test_exporting_again_over_an_earlier_export_keeps_nothing_of_it(checkpoint, 
     other.mkdir()
     tiny_model("llama").save_pretrained(other)  # no tokenizer files
     out = tmp_path / "model.onnx"
-    monkeypatch.setattr(hf_export, "_PROTO_LIMIT", 1000)  # the weights go to model.onnx.data
+    monkeypatch.setattr(hf_export, "_PROTO_LIMIT", 1000)  # the weights go to a data file beside it
     assert main(["export", str(folder), str(out)]) == 0
-    size = (tmp_path / "model.onnx.data").stat().st_size
-    assert (tokenizer_folder(out) / "tokenizer.json").is_file()
+    first = _data_files(tmp_path)
+    assert len(first) == 1 and (tokenizer_folder(out) / "tokenizer.json").is_file()
+    size = first[0].stat().st_size
     assert main(["export", str(other), str(out)]) == 0
-    assert (tmp_path / "model.onnx.data").stat().st_size == size
+    data = _data_files(tmp_path)
+    assert len(data) == 1 and data != first and data[0].stat().st_size == size  # rewritten whole, the old one gone
     assert not (tokenizer_folder(out) / "tokenizer.json").exists()
     assert (tokenizer_folder(out) / "config.json").is_file()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.onnx", "model.onnx.data", "model.tokenizer", "other"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["model.onnx", data[0].name, "model.tokenizer", "other"])
     prompt = [5, 6, 7]
     assert Engine(out, num_pages=8).generate([prompt], 3)[0] == reference_generate(
         tiny_model("llama").from_pretrained(other), prompt, 3)
 
 
-def test_a_failed_export_leaves_no_file_that_looks_complete(checkpoint, tmp_path, monkeypatch):
-    folder, _ = checkpoint
+def _data_files(folder) -> list:
+    return sorted(p for p in folder.iterdir() if p.name.endswith(".data"))
+
+
+@pytest.mark.parametrize("external", [False, True])
+def test_a_failed_export_leaves_the_earlier_file_and_its_weights_as_they_were(checkpoint, tmp_path, monkeypatch,
+                                                                            external):
+    """Over nothing: no file. Over an earlier export: that export, whole, still serving its own model's tokens
+    (with its weights in a data file too: the new weights never go where the old file reads them)."""
+    from kvcache_op.hf import export as hf_export
+
+    folder, model = checkpoint
     out = tmp_path / "model.onnx"
+    if external:
+        monkeypatch.setattr(hf_export, "_PROTO_LIMIT", 1000)
+    save = onnx.save
 
     def broken(proto, path, **kwargs):
-        with open(path, "wb") as f:
-            f.write(proto.SerializeToString()[:100])  # part of it written, then the disk filled
+        save(proto, path, **kwargs)  # the whole export written (its weights too), then the disk filled
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(onnx, "save", broken)
     assert main(["export", str(folder), str(out)]) == 2
-    assert not out.exists() and not [p for p in tmp_path.iterdir() if "partial" in p.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    monkeypatch.setattr(onnx, "save", save)
+    assert main(["export", str(folder), str(out)]) == 0
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
+    other = tmp_path.parent / f"{tmp_path.name}-other"
+    other.mkdir()
+    tiny_model("llama").save_pretrained(other)
+    monkeypatch.setattr(onnx, "save", broken)
+    assert main(["export", str(other), str(out)]) == 2
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
+    prompt = [5, 6, 7]
+    assert Engine(out, num_pages=8).generate([prompt], 3)[0] == reference_generate(model, prompt, 3)

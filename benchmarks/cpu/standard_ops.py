@@ -1,8 +1,8 @@
 """What a user without the op would run: one KeyValueCache step composed from ONNX Runtime's built-in ops,
 with the slot indices computed on the host, as a cache manager would hand them over.
 
-* Paged (cache_mode 1), layouts 0 ``(MaxT, L, 2, H, Dh)`` and 3 ``(L, 2, H, MaxT, Dh)``: ScatterND stores this
-  step's keys/values into the cache, Gather loads every sequence's slots. Standard ops have no in-place
+* Paged (cache_mode 1), layouts 0 ``(MaxT, L, 2, H, Dh)`` and 3 ``(L, 2, H, MaxT, Dh)``: one ScatterND stores
+  this step's keys and values into the cache, Gather loads every sequence's slots. Standard ops have no in-place
   update: ScatterND returns a new cache (a copy of the whole cache, then the scatter), which the graph
   outputs as ``cache_out``.
 * Each output is one Gather straight from the cache read as rows (a Reshape, which copies nothing): the row of
@@ -51,13 +51,15 @@ def baseline_feeds(inputs: dict, page_size: int, layout: int, layer: int = 0) ->
     tokens, heads = inputs["current_key"].shape[:2]
     feeds = {"current_key": inputs["current_key"], "current_value": inputs["current_value"], "cache": inputs["cache"],
              **gather_rows(inputs["cache"].shape, layout, layer, gather)}
-    for kv, name in ((0, "store_key"), (1, "store_value")):
+    halves = []
+    for kv in (0, 1):  # the keys' indices, then the values': one ScatterND stores both
         if layout == 0:  # one (slot, layer, kv) index per token, updating an (H, Dh) block
-            feeds[name] = np.stack([store, np.full(tokens, layer), np.full(tokens, kv)], axis=1).astype(np.int64)
+            halves.append(np.stack([store, np.full(tokens, layer), np.full(tokens, kv)], axis=1))
         else:  # one (layer, kv, h, slot) index per token and head, updating a Dh row
             h = np.broadcast_to(np.arange(heads), (tokens, heads))
             s = np.broadcast_to(store[:, None], (tokens, heads))
-            feeds[name] = np.stack([np.full_like(s, layer), np.full_like(s, kv), h, s], axis=2).astype(np.int64)
+            halves.append(np.stack([np.full_like(s, layer), np.full_like(s, kv), h, s], axis=2))
+    feeds["store_rows"] = np.concatenate(halves).astype(np.int64)
     return feeds
 
 
@@ -103,14 +105,15 @@ def baseline_model(inputs: dict, layout: int, layer: int = 0):
     elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
     tokens, heads, head_dim = inputs["current_key"].shape
     gathers, row_inputs, row_shape = _gather_outputs("cache_out", _row_shape(inputs["cache"].shape, layout), layout)
-    nodes = [helper.make_node("ScatterND", ["cache", "store_key", "current_key"], ["with_keys"]),
-             helper.make_node("ScatterND", ["with_keys", "store_value", "current_value"], ["cache_out"])] + gathers
-    index_shape = [tokens, 3] if layout == 0 else [tokens, heads, 4]
+    # One ScatterND for keys and values: ONNX Runtime copies the whole cache into each ScatterND's output (it cannot
+    # write a graph input, or a graph output, in place), so two would copy it twice.
+    nodes = [helper.make_node("Concat", ["current_key", "current_value"], ["updates"], axis=0),
+             helper.make_node("ScatterND", ["cache", "store_rows", "updates"], ["cache_out"])] + gathers
+    index_shape = [2 * tokens, 3] if layout == 0 else [2 * tokens, heads, 4]
     graph_inputs = [helper.make_tensor_value_info("current_key", elem, [tokens, heads, head_dim]),
                     helper.make_tensor_value_info("current_value", elem, [tokens, heads, head_dim]),
                     helper.make_tensor_value_info("cache", elem, list(inputs["cache"].shape)),
-                    helper.make_tensor_value_info("store_key", onnx.TensorProto.INT64, index_shape),
-                    helper.make_tensor_value_info("store_value", onnx.TensorProto.INT64, index_shape)] + row_inputs
+                    helper.make_tensor_value_info("store_rows", onnx.TensorProto.INT64, index_shape)] + row_inputs
     return _model(nodes, graph_inputs, inputs, inputs["cache"].shape, row_shape, OPSET)
 
 

@@ -135,17 +135,45 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
                                         **info.to_metadata()})
     path = os.fspath(path)
     large = proto.ByteSize() > _PROTO_LIMIT
-    data, partial = path + ".data", f"{path}.partial-{os.getpid()}"  # its own: two exports to one path do not mix
-    if os.path.exists(data):  # an earlier export's weights: onnx would append the new ones to them
-        os.remove(data)
-    try:  # the file appears whole or not at all: a failed or interrupted export leaves no file that looks complete
-        onnx.save(proto, partial, save_as_external_data=large, location=os.path.basename(data) if large else None)
+    _save_whole(proto, path, large)
+    return path
+
+
+def _save_whole(proto, path: str, large: bool) -> None:
+    """Writes ``proto`` to ``path`` so that it appears whole or not at all, with its weights (``large``) in a data
+    file of this export's own name beside it: a failed or interrupted export leaves the earlier file and its
+    weights as they were, never a file that looks complete; an export over an earlier one removes that one's data
+    once it has replaced it (onnx appends to a data file that exists); two exports to one path write apart."""
+    import uuid
+
+    folder, name = os.path.split(os.path.abspath(path))
+    tag = uuid.uuid4().hex[:12]
+    partial, data = os.path.join(folder, f"{name}.partial-{tag}"), f"{name}.{tag}.data"
+    earlier = _data_files(path)
+    try:
+        onnx.save(proto, partial, save_as_external_data=large, location=data if large else None)
         os.replace(partial, path)
     except BaseException:
-        if os.path.exists(partial):
-            os.remove(partial)
+        for leftover in (partial, os.path.join(folder, data)):
+            if os.path.exists(leftover):
+                os.remove(leftover)
         raise
-    return path
+    for old in earlier:
+        os.remove(old)
+
+
+def _data_files(path: str) -> list:
+    """The external data files the ONNX file at ``path`` (if any) names beside it."""
+    if not os.path.isfile(path):
+        return []
+    try:
+        model = onnx.load(path, load_external_data=False)
+    except Exception:  # noqa: BLE001 - not a readable model: nothing of it to remove
+        return []
+    folder = os.path.dirname(os.path.abspath(path))
+    names = {entry.value for tensor in model.graph.initializer  # where an export keeps its weights
+             for entry in tensor.external_data if entry.key == "location"}
+    return [os.path.join(folder, n) for n in sorted(names) if os.path.isfile(os.path.join(folder, n))]
 
 
 def model_info(decoder: PackedDecoder) -> ModelInfo:
