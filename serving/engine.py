@@ -675,7 +675,7 @@ class Engine(OnlineEngine):
         self.manager.abort(plan)
         scheduled = set(plan.request_ids)
         for q in [q for q in running if q.index in scheduled][::-1]:
+            self._preempt(q, waiting)  # first: should it raise, q is still running, where a failure finds it
             running.remove(q)
-            self._preempt(q, waiting)
         self._rolled_back = frozenset(scheduled)  # whom the failure concerns: the rest of the batch is intact
 

@@ -348,7 +348,10 @@ class OnlineEngine:
                 q.handle._finish("error", error)
             return
         for q in self._online_running:
-            self.manager.finish(q.index)
+            try:
+                self.manager.finish(q.index)
+            except Exception:  # noqa: BLE001 - a manager that failed already: every request still gets its answer
+                pass
         for q in list(self._online_waiting) + self._online_running:
             q.handle._finish("error", error)
         self._online_waiting.clear()

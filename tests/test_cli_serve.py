@@ -67,7 +67,8 @@ def test_a_file_that_is_no_exported_decoder_is_refused_in_one_line_before_anythi
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     onnx.save(helper.make_model(graph), str(plain))
-    for argv, message in [([str(truncated), "--tokenizer", str(tmp_path)], "is not a readable ONNX file"),
+    for argv, message in [([str(truncated)], "is not a readable ONNX file"),
+                          ([str(truncated), "--tokenizer", str(tmp_path)], "is not a readable ONNX file"),
                           ([str(plain), "--tokenizer", str(tmp_path)], "carries no kvcache_op metadata"),
                           ([str(plain), "--tokenizer", str(tmp_path), "--replicas", "1"], "carries no kvcache_op")]:
         assert main(["serve", *argv, "--port", "0"]) == 2
@@ -104,6 +105,8 @@ def test_the_served_name_of_a_relative_folder_is_the_folders_own(tmp_path, monke
     assert served_name(build_parser().parse_args(["serve", "."])) == "my-model"
     assert served_name(build_parser().parse_args(["serve", "../x.onnx"])) == "x"
     assert served_name(build_parser().parse_args(["serve", ".", "--model-name", "given"])) == "given"
+    (tmp_path / "current.onnx").symlink_to(tmp_path / "llama-v2.onnx")  # a link names itself, as clients know it
+    assert served_name(build_parser().parse_args(["serve", "../current.onnx"])) == "current"
 
 
 def test_the_readme_quick_start_parses():

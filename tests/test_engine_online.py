@@ -261,6 +261,45 @@ def test_a_failing_step_fails_the_requests_it_ran_and_those_queued_behind_it_go_
     assert engine.metrics()["pages_in_use"] == 0
 
 
+def test_a_roll_back_that_fails_too_still_finishes_every_request_and_frees_its_pages(path):
+    """The step fails, then releasing a request's pages fails once during the roll-back: no request is left
+    unanswered (its caller would wait for ever) and no page is kept."""
+    engine = Engine(path, num_pages=32, max_running=2)
+    run, greedy = engine.runner.run, engine.runner.greedy_steps()
+    step, finish, armed = greedy.step, engine.manager.finish, threading.Event()
+
+    def once_broken(call, message):
+        def wrapped(*args):
+            time.sleep(0.01)
+            if armed.is_set():
+                if message == "the device fell over":
+                    armed.clear()
+                    finish_armed.set()
+                raise RuntimeError(message)
+            return call(*args)
+        return wrapped
+    finish_armed = threading.Event()
+
+    def flaky_finish(*args):
+        if finish_armed.is_set():
+            finish_armed.clear()
+            raise RuntimeError("the manager fell over too")
+        return finish(*args)
+    engine.runner.run = once_broken(run, "the device fell over")
+    greedy.step = once_broken(step, "the device fell over")
+    engine.manager.finish = flaky_finish
+    handles = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=60)) for i in (0, 2)]
+    for handle in handles:
+        next(iter(handle))
+    armed.set()
+    for handle in handles:
+        with pytest.raises(RuntimeError, match="fell over"):
+            handle.result(timeout=60)
+        assert handle.finish_reason == "error"
+    engine.close(timeout=30)
+    assert engine.metrics()["pages_in_use"] == 0
+
+
 class SlowToTakeLock:
     """The engine's lock, taken ``delay`` seconds late by one thread (``slow``): a caller the OS is slow to
     schedule once the lock is free. Everything else is the wrapped RLock's, Condition's hooks included."""

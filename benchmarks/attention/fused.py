@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shlex
 import statistics
 import sys
 
@@ -291,10 +292,11 @@ def main(argv=None) -> int:
               + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
                  if args.shared_pages else "")
               + (f"; other build: {args.against}" if args.against else ""))
-    command = " ".join(["python -m kvcache_op.benchmarks.attention.fused",
-                        *(argv if argv is not None else sys.argv[1:])])
-    library = os.environ.get("KVCACHE_OP_LIBRARY")
-    command = (f"KVCACHE_OP_LIBRARY={library} " if library else "") + command
+    # Settings that change what runs: the library and the kernels' switches, and BLAS threads.
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("KVCACHE_OP_") or k == "OPENBLAS_NUM_THREADS"]
+    command = " ".join(env + ["python -m kvcache_op.benchmarks.attention.fused"] +
+                       [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
     text = report(results, header)
     print(text)
     if args.out:

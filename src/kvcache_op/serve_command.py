@@ -63,6 +63,7 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
         return out, pathlib.Path(tokenizer) if tokenizer else model
     if not model.is_file():
         raise FileNotFoundError(f"no exported model or checkpoint folder at {model}")
+    exported_info(model)  # before its metadata is read for a tokenizer: a file that is no export is refused here
     if tokenizer:
         return model, pathlib.Path(tokenizer)
     beside = tokenizer_folder(model)
@@ -78,8 +79,8 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
 
 def served_name(args) -> str:
     """The model id clients send: ``--model-name``, else the file's name without ``.onnx`` or the folder's name
-    (of its full path: ``serve .`` is named after the folder it means)."""
-    return args.model_name or pathlib.Path(args.model).resolve().name.removesuffix(".onnx")
+    (of its full path, links not followed: ``serve .`` is named after the folder it means, a link after itself)."""
+    return args.model_name or pathlib.Path(os.path.abspath(args.model)).name.removesuffix(".onnx")  # links kept
 
 
 def exported_info(path):
@@ -208,12 +209,12 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
 
 def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
     """``args.replicas`` replicas on a local Ray instance, behind Ray Serve's proxy on ``host:port``."""
+    port = args.port or _free_port(args.host)  # Ray Serve's proxy needs the number up front
     ray = _start_local_ray()
     from ray import serve
 
     from .serving.ray import deployment
 
-    port = args.port or _free_port(args.host)  # Ray Serve's proxy needs the number up front
     if not engine_options["intra_op_num_threads"]:  # replicas share the machine's cores
         engine_options["intra_op_num_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)
     try:
@@ -257,7 +258,7 @@ def _start_local_ray():
     node = ray.util.get_node_ip_address()
     if node not in LOOPBACK:
         ray.shutdown()
-        raise RuntimeError(f"the local Ray instance took the node address {node}, not loopback, and would listen "
+        raise ValueError(f"the local Ray instance took the node address {node}, not loopback, and would listen "
                            "on it: start the server in a fresh process (ray was imported before "
                            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 could be set)")
     return ray
