@@ -125,7 +125,7 @@ def serve(args) -> int:
     export_flags = {"--page-size": args.page_size, "--quant-bit": args.quant_bit, "--dtype": args.dtype,
                     "--cache-dir": args.cache_dir}
     given = [flag for flag, value in export_flags.items() if value is not None]
-    if given and not pathlib.Path(args.model).is_dir():
+    if given and pathlib.Path(args.model).is_file():  # (a path that is neither is refused as such below)
         raise ValueError(f"{', '.join(given)} set how a checkpoint folder is exported; {args.model} is not one (an "
                          "exported file keeps the settings it was exported with)")
     settings = {"page_size": 16 if args.page_size is None else args.page_size,
