@@ -2,6 +2,7 @@
 
 import contextlib
 import os
+import shlex
 
 
 @contextlib.contextmanager
@@ -22,3 +23,11 @@ def _apply(settings: dict) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def recorded_command(module: str, argv: list) -> str:
+    """``python -m module ARGV`` as a results file records it, behind the settings in force that change what runs:
+    the library and the kernels' switches (``KVCACHE_OP_*``) and BLAS threads; every word shell-quoted."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
+           if k.startswith("KVCACHE_OP_") or k == "OPENBLAS_NUM_THREADS"]
+    return " ".join(env + [f"python -m {module}"] + [shlex.quote(a) for a in argv])

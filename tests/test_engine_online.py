@@ -232,22 +232,31 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
     engine.close(timeout=30)
 
 
+def _fail_one_step(engine, message: str, then=None) -> threading.Event:
+    """Every step of ``engine`` takes 10 ms at least (long enough for other requests to be queued meanwhile); once
+    the returned event is set, the next one raises ``RuntimeError(message)`` (through either path a step runs:
+    ``runner.run`` or a greedy run's step), clears the event and calls ``then()`` first."""
+    greedy, armed = engine.runner.greedy_steps(), threading.Event()
+
+    def once_broken(call):
+        def wrapped(*args):
+            time.sleep(0.01)
+            if armed.is_set():
+                armed.clear()
+                if then is not None:
+                    then()
+                raise RuntimeError(message)
+            return call(*args)
+        return wrapped
+    engine.runner.run, greedy.step = once_broken(engine.runner.run), once_broken(greedy.step)
+    return armed
+
+
 def test_a_failing_step_fails_the_requests_it_ran_and_those_queued_behind_it_go_on(path, lone):
     """One step fails while one request runs (``max_running=1``) and two of other callers wait: the running one
     fails with the step's exception, the waiting ones finish as they would alone, and no page is kept."""
     engine = Engine(path, num_pages=32, max_running=1)
-    run, greedy = engine.runner.run, engine.runner.greedy_steps()
-    step, armed = greedy.step, threading.Event()
-
-    def once_broken(call):
-        def wrapped(*args):
-            time.sleep(0.01)  # long enough a step for the others to be queued while the first runs
-            if armed.is_set():
-                armed.clear()
-                raise RuntimeError("the device fell over once")
-            return call(*args)
-        return wrapped
-    engine.runner.run, greedy.step = once_broken(run), once_broken(step)
+    armed = _fail_one_step(engine, "the device fell over once")
     first = engine.submit(PROMPTS[0], SamplingParams(max_tokens=60))
     next(iter(first))  # running
     queued = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)) for i in (1, 3)]
@@ -265,28 +274,14 @@ def test_a_roll_back_that_fails_too_still_finishes_every_request_and_frees_its_p
     """The step fails, then releasing a request's pages fails once during the roll-back: no request is left
     unanswered (its caller would wait for ever) and no page is kept."""
     engine = Engine(path, num_pages=32, max_running=2)
-    run, greedy = engine.runner.run, engine.runner.greedy_steps()
-    step, finish, armed = greedy.step, engine.manager.finish, threading.Event()
-
-    def once_broken(call, message):
-        def wrapped(*args):
-            time.sleep(0.01)
-            if armed.is_set():
-                if message == "the device fell over":
-                    armed.clear()
-                    finish_armed.set()
-                raise RuntimeError(message)
-            return call(*args)
-        return wrapped
-    finish_armed = threading.Event()
+    finish, finish_armed = engine.manager.finish, threading.Event()
 
     def flaky_finish(*args):
         if finish_armed.is_set():
             finish_armed.clear()
             raise RuntimeError("the manager fell over too")
         return finish(*args)
-    engine.runner.run = once_broken(run, "the device fell over")
-    greedy.step = once_broken(step, "the device fell over")
+    armed = _fail_one_step(engine, "the device fell over", then=finish_armed.set)
     engine.manager.finish = flaky_finish
     handles = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=60)) for i in (0, 2)]
     for handle in handles:

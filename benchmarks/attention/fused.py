@@ -24,9 +24,7 @@ pool would take the cores from the next method); each figure is the median over 
 import argparse
 import dataclasses
 import json
-import os
 import pathlib
-import shlex
 import statistics
 import sys
 
@@ -34,6 +32,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, library_file, out_folder
 from ..bound_session import NO_SPINNING, aligned_copy, aligned_empty, bound_run
+from ..environment import recorded_command
 from ..timing import cpu_device, kernel_build, median_seconds, ort_version
 
 PAGE_SIZE = 128
@@ -292,11 +291,7 @@ def main(argv=None) -> int:
               + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
                  if args.shared_pages else "")
               + (f"; other build: {args.against}" if args.against else ""))
-    # Settings that change what runs: the library and the kernels' switches, and BLAS threads.
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith("KVCACHE_OP_") or k == "OPENBLAS_NUM_THREADS"]
-    command = " ".join(env + ["python -m kvcache_op.benchmarks.attention.fused"] +
-                       [shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:])])
+    command = recorded_command("kvcache_op.benchmarks.attention.fused", sys.argv[1:] if argv is None else argv)
     text = report(results, header)
     print(text)
     if args.out:

@@ -22,14 +22,13 @@ import dataclasses
 import json
 import os
 import re
-import shlex
 import sys
 
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, library_file, writable_folder_problem
 from ..bound_session import aligned_empty
-from ..environment import environment
+from ..environment import environment, recorded_command
 from ..kv_shapes import QUICK_SHAPES, SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner
 from ..timing import cpu_device, kernel_build, median_seconds
 
@@ -273,9 +272,7 @@ def main(argv=None) -> int:
     except ValueError as error:
         parser.error(f"--case: {error}")
     # Settings that change what runs for every variant: the op's switches and build, BLAS threads on the cores.
-    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items())
-           if k.startswith("KVCACHE_OP_") or k == "OPENBLAS_NUM_THREADS"]
-    command = " ".join(env + ["python -m kvcache_op.benchmarks.cpu.side_by_side"] + [shlex.quote(a) for a in argv])
+    command = recorded_command("kvcache_op.benchmarks.cpu.side_by_side", argv)
     print(f"{cpu_device()}, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} calls", flush=True)
     builds = {}
     for v in args.variant:

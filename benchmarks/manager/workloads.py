@@ -100,9 +100,13 @@ def mixed_step_seconds(manager_class, batch: int, kvlen: int, page_size: int, ma
 
 
 def chat_pages_needed(turns: int, user_len: int, reply_len: int, concurrent: int, page_size: int) -> int:
-    """The fewest pages :func:`chat_hit_rate` runs with: ``concurrent`` conversations at their longest (a 64-token
-    system prompt and every turn's message and reply)."""
-    return concurrent * -(-(64 + turns * (user_len + reply_len)) // page_size)
+    """The fewest pages :func:`chat_hit_rate` runs with: ``concurrent`` conversations at their longest."""
+    return concurrent * _conversation_pages(turns, user_len, reply_len, page_size)
+
+
+def _conversation_pages(turns: int, user_len: int, reply_len: int, page_size: int) -> int:
+    """The pages of a conversation at its longest: a 64-token system prompt and every turn's message and reply."""
+    return -(-(64 + turns * (user_len + reply_len)) // page_size)
 
 
 def chat_hit_rate(manager_class, conversations: int, turns: int, user_len: int, reply_len: int, concurrent: int,
@@ -115,8 +119,8 @@ def chat_hit_rate(manager_class, conversations: int, turns: int, user_len: int, 
     rng = np.random.default_rng(seed)
     history = {c: rng.integers(0, 32000, 64).tolist() for c in range(conversations)}  # a system prompt each
     order = [c for _ in range(turns) for c in rng.permutation(conversations).tolist()]
-    max_pages = -(-(64 + turns * (user_len + reply_len)) // page_size)
-    if num_pages < chat_pages_needed(turns, user_len, reply_len, concurrent, page_size):
+    max_pages = _conversation_pages(turns, user_len, reply_len, page_size)
+    if num_pages < concurrent * max_pages:
         raise ValueError(f"{num_pages} pages cannot hold {concurrent} conversations of up to {max_pages} pages")
     m = manager_class(num_pages, page_size, max_pages)
     live, left = {}, {}  # conversation -> request id; request id -> reply tokens still to decode

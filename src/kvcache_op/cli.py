@@ -18,11 +18,12 @@ def _conformance(args) -> int:
     if args.list:
         if args.out:
             return _fail("conformance", "--list prints the cases, --out writes them: give one")
-        unknown = sorted(set(args.case or ()) - set(vectors.ALL_CASES))
-        if unknown:
-            return _fail("conformance", f"unknown conformance case(s) {unknown} (--list names them)")
+        try:
+            wanted = set(vectors.resolve_names(args.case or ()))
+        except ValueError as error:
+            return _fail("conformance", str(error))
         for name, make in vectors.ALL_CASES.items():
-            if not args.case or name in args.case:
+            if not wanted or name in wanted:
                 case = make()
                 print(f"{name:<48} {case.op:<22} {'invalid' if case.expect_error else 'valid'}")
         return 0

@@ -56,6 +56,7 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
         complete = out.with_name("complete")  # written last: an interrupted export is redone, not reused
         if complete.is_file():
             progress(f"using the export of {model} cached at {out}")
+            exported_model(out)  # a cache entry damaged since is refused here, in one line
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
             export_checkpoint(model, out, progress=progress, **settings)
@@ -63,13 +64,13 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
         return out, pathlib.Path(tokenizer) if tokenizer else model
     if not model.is_file():
         raise FileNotFoundError(f"no exported model or checkpoint folder at {model}")
-    exported_info(model)  # before its metadata is read for a tokenizer: a file that is no export is refused here
+    proto = exported_model(model)  # read once, here: a file that is no export is refused before anything starts
     if tokenizer:
         return model, pathlib.Path(tokenizer)
     beside = tokenizer_folder(model)
     if beside.is_dir():
         return model, beside
-    props = {p.key: p.value for p in onnx.load(str(model), load_external_data=False).metadata_props}
+    props = {p.key: p.value for p in proto.metadata_props}
     source = props.get(SOURCE_KEY)
     if source and pathlib.Path(source).is_dir():
         return model, pathlib.Path(source)
@@ -80,18 +81,21 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
 def served_name(args) -> str:
     """The model id clients send: ``--model-name``, else the file's name without ``.onnx`` or the folder's name
     (of its full path, links not followed: ``serve .`` is named after the folder it means, a link after itself)."""
-    return args.model_name or pathlib.Path(os.path.abspath(args.model)).name.removesuffix(".onnx")  # links kept
+    return args.model_name or pathlib.Path(os.path.abspath(args.model)).name.removesuffix(".onnx")
 
 
-def exported_info(path):
-    """The :class:`~kvcache_op.serving.model_info.ModelInfo` of the exported file at ``path`` (its weights not
-    read); ``ValueError`` where it is no ONNX file or no decoder this package exported."""
+def exported_model(path) -> onnx.ModelProto:
+    """The exported file at ``path`` (its weights not read), checked to be a decoder this package exported
+    (:meth:`~kvcache_op.serving.model_info.ModelInfo.of_model`); ``ValueError`` where it is no ONNX file or no such
+    decoder."""
     from google.protobuf.message import DecodeError
 
     from .serving.model_info import ModelInfo
 
     try:
-        return ModelInfo.of_model(path)
+        proto = onnx.load(str(path), load_external_data=False)
+        ModelInfo.of_model(proto)
+        return proto
     except DecodeError:
         raise ValueError(f"{path} is not a readable ONNX file (truncated, or not ONNX)") from None
     except ValueError as error:
@@ -132,7 +136,6 @@ def serve(args) -> int:
                 "quant_bit": args.quant_bit or 0, "dtype": args.dtype}
     path, tokenizer_dir = resolve_model(args.model, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
                                         settings=settings)
-    exported_info(path)  # a file that is no exported decoder is refused here, in one line (before Ray, too)
     name = served_name(args)
     limits = ServerLimits(max_body_bytes=args.max_body_bytes, max_prompt_tokens=args.max_prompt_tokens,
                           max_tokens_limit=args.max_tokens_limit, max_queue=args.max_queue)
