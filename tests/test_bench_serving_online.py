@@ -28,3 +28,41 @@ def test_percentiles_and_the_workload():
     prompts = online.workload(8, 100)
     assert len(prompts) == 8 and all(len(p) == 80 for p in prompts)
     assert prompts[0][:64] == prompts[4][:64] != prompts[1][:64]  # four shared system prompts
+
+
+class SlowSubmitEngine:
+    """An engine whose submit waits (as for a running step) before it stamps the request, then answers one token
+    right away; or, with ``refuse``, refuses the request."""
+
+    def __init__(self, wait_s=0.05, refuse=False):
+        self.wait_s, self.refuse = wait_s, refuse
+
+    def submit(self, prompt, params):
+        import time
+        from types import SimpleNamespace
+
+        if self.refuse:
+            raise ValueError("refused by the engine")
+        time.sleep(self.wait_s)
+        now = time.perf_counter()
+        return SimpleNamespace(submitted_at=now, token_times=[now + 0.001], tokens=[1], result=lambda timeout: [1])
+
+
+def test_time_to_first_token_counts_the_submit_calls_own_wait():
+    result = online.run_online(SlowSubmitEngine(wait_s=0.05), [[1]] * 3, rate=1000.0, max_tokens=1)
+    assert result["ttft"]["p50_ms"] >= 50
+
+
+def test_a_client_that_fails_fails_the_run():
+    with pytest.raises(ValueError, match="refused by the engine"):
+        online.run_online(SlowSubmitEngine(refuse=True), [[1]] * 2, rate=1000.0, max_tokens=1)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--num-pages", "2", "--max-tokens", "4"], "need 6 pages of 16, more than --num-pages 2"),
+    (["--max-tokens", "4017"], "exceed the model's 4096 positions"),
+])
+def test_requests_the_engine_cannot_hold_are_refused_before_the_export(capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        online.main(["--model", "tiny"] + argv)
+    assert stop.value.code == 2 and message in capsys.readouterr().err

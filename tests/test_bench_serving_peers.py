@@ -22,3 +22,10 @@ def test_one_row_beside_genai_and_transformers(tmp_path):
 def test_agreement_stops_at_the_first_end_of_sequence():
     assert peers.agreement([[1, 2, 9, 4]], [[1, 3, 5, 5]], eos={9}) == 0.5
     assert peers.agreement([[1, 2]], [[1, 2]]) == 1.0
+
+
+def test_a_failing_model_builder_says_why(tmp_path):
+    """The builder on a folder with no checkpoint fails: the error carries the builder's own last lines."""
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RuntimeError, match=r"GenAI's model builder failed \(exit \d+\): .+"):
+        peers.build_genai_model(str(tmp_path / "empty"), str(tmp_path / "out"), str(tmp_path / "cache"))

@@ -12,7 +12,6 @@ lands on the step before it and the steps themselves record none: ``serving.one_
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -20,6 +19,11 @@ import tempfile
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
+from ..timing import cpu_device, ort_version
+from .report import check_fits, command_line, publish
+
+#: Tokens of each prompt's own after the shared system prompt (or, ``distinct``, its own long part).
+OWN_TOKENS = 16
 
 MODELS = {  # name -> transformers config overrides of the demo's tiny decoder
     "tiny": dict(max_position_embeddings=4096),
@@ -39,29 +43,39 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
     model = tiny_model("llama", **MODELS[model_name])
     path = export_model(model, os.path.join(folder, f"{model_name}-{fused}.onnx"), fused_attention=fused)
     rng = np.random.default_rng(0)
-    system = rng.integers(0, model.config.vocab_size, context - 16).tolist()
-    prompts = [(rng.integers(0, model.config.vocab_size, context - 16).tolist() if distinct else system) +
-               rng.integers(0, model.config.vocab_size, 16).tolist() for _ in range(requests)]
+    system = rng.integers(0, model.config.vocab_size, context - OWN_TOKENS).tolist()
+    prompts = [(rng.integers(0, model.config.vocab_size, context - OWN_TOKENS).tolist() if distinct else system) +
+               rng.integers(0, model.config.vocab_size, OWN_TOKENS).tolist() for _ in range(requests)]
     pages_each = -(-(context + decode_steps) // 16)
     engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=2 * context, max_running=requests,
                     intra_op_num_threads=threads, trace_steps=True, decode_steps=1)
     engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1))
-    full = [s for s in engine.step_trace if s["sequences"] == requests and s["decodes"] == requests]
+    params = sum(p.numel() for p in model.parameters())
+    return dict(model=model_name, attention="fused" if fused else "split", params=params,
+                layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
+                **full_step_figures(engine.step_trace, requests))
+
+
+def full_step_figures(trace: list, requests: int) -> dict:
+    """The medians over the steps of ``trace`` in which all ``requests`` decode: each part of a step in ms, the
+    keys attended, the host's share of the run (median parts) and decode tokens/s (``requests`` over the median
+    step's whole time, not over a sum of the parts' medians, which no step took)."""
+    full = [s for s in trace if s["sequences"] == requests and s["decodes"] == requests]
     if not full:
         raise RuntimeError("no step decoded the whole batch: raise --decode-steps")
-    med = {k: statistics.median(s[k] for s in full) * 1e3 for k in ("scheduling_s", "ort_run_s", "after_run_s")}
-    params = sum(p.numel() for p in model.parameters())
-    return dict(model=model_name, attention="fused" if fused else "split", params=params, layers=model.config.num_hidden_layers,
-                hidden=model.config.hidden_size, steps=len(full), kv=statistics.median(s["kv_tokens"] for s in full),
+    parts = ("scheduling_s", "ort_run_s", "after_run_s")
+    med = {k: statistics.median(s[k] for s in full) * 1e3 for k in parts}
+    step_s = statistics.median(sum(s[k] for k in parts) for s in full)
+    return dict(steps=len(full), kv=statistics.median(s["kv_tokens"] for s in full),
                 scheduling_ms=med["scheduling_s"], ort_ms=med["ort_run_s"], after_ms=med["after_run_s"],
                 host_share=(med["scheduling_s"] + med["after_run_s"]) / med["ort_run_s"],
-                tokens_per_s=requests / (sum(med.values()) / 1e3))
+                tokens_per_s=requests / step_s)
 
 
 def table(rows: list, command: str, requests: int, threads: int) -> str:
     """A markdown table of the measurements, with the command and machine."""
     lines = [f"Command: `{command}`", "",
-             f"Machine: {platform.machine()}, {os.cpu_count()} cores, ONNX Runtime CPU EP, {threads or 'default'} "
+             f"Machine: {cpu_device()}, onnxruntime {ort_version()}, CPU EP, {threads or 'default'} "
              f"intra-op threads, {requests} requests decoding together, one decode step planned at a time.", "",
              "| model | attention | parameters | layers x hidden | decode steps | keys attended per step "
              "| scheduling + feeds ms | ONNX Runtime run ms | after run ms | host / run | decode tokens/s |",
@@ -90,8 +104,16 @@ def main(argv=None) -> int:
                         help="the export's attention: MultiHeadCacheAttention, the split pair, or both side by side")
     parser.add_argument("--distinct", action="store_true",
                         help="every prompt its own (default: a shared system prompt plus 16 own tokens)")
-    parser.add_argument("--out", type=out_folder, help="folder for README.md with the table")
+    parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")
     args = parser.parse_args(argv)
+    if args.context < OWN_TOKENS:
+        parser.error(f"--context must be at least {OWN_TOKENS} (each prompt ends in {OWN_TOKENS} tokens of its own), "
+                     f"got {args.context}")
+    if args.requests > 1 and args.decode_steps < 3:
+        parser.error(f"--decode-steps must be at least 3 with more than one request (the first arrives a step before "
+                     f"the rest, so the whole batch decodes together from the third step), got {args.decode_steps}")
+    for name in args.model or MODELS:
+        check_fits(parser, args.context, args.decode_steps, None, MODELS[name]["max_position_embeddings"])
     forms = {"fused": (True,), "split": (False,), "both": (False, True)}[args.attention]
     with tempfile.TemporaryDirectory() as folder:
         rows = []
@@ -101,13 +123,10 @@ def main(argv=None) -> int:
                       f"~{args.context} keys) ...", file=sys.stderr)
                 rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder, fused,
                                     args.distinct))
-    command = "python -m kvcache_op.benchmarks.serving.bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    text = table(rows, command.strip(), args.requests, args.threads)
-    print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "README.md"), "w") as f:
-            f.write("# Serving: per-step cost\n\n" + text)
+    command = command_line("kvcache_op.benchmarks.serving.bench", argv)
+    result = {"command": command, "machine": cpu_device(), "onnxruntime": ort_version(), "requests": args.requests,
+              "threads": args.threads, "rows": rows}
+    publish(args.out, "Serving: per-step cost", result, table(rows, command, args.requests, args.threads))
     return 0
 
 

@@ -20,13 +20,18 @@ import numpy as np
 from ...arguments import OneLineParser, at_least, out_folder, positive_seconds
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
-from .report import command_line, publish
+from .report import command_line, ms, publish
 from .online import percentiles
 
 SYSTEM_PROMPTS = ["You are a careful assistant. Answer briefly and cite the cache page you read. " * 2,
                   "You translate the user's words into French, keeping the accents: café, naïve, résumé. " * 2,
                   "You summarize text about paged attention, prefix caching and quantized keys. " * 2,
                   "You are a tutor. The quick brown fox jumps over the lazy dog; explain each word. " * 2]
+
+
+def arrivals(requests: int, rate: float, seed: int = 1) -> np.ndarray:
+    """The send times (s from the start) of ``requests`` Poisson arrivals at ``rate`` per second."""
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, requests))
 
 
 async def drive(url: str, api_key: str, requests: int, rate: float, max_tokens: int, time_limit: float,
@@ -36,8 +41,6 @@ async def drive(url: str, api_key: str, requests: int, rate: float, max_tokens: 
     import openai
 
     client = openai.AsyncOpenAI(base_url=url + "/v1", api_key=api_key, max_retries=0, timeout=time_limit * 2)
-    rng = np.random.default_rng(seed)
-    gaps = rng.exponential(1.0 / rate, requests)
     ttft, itl, tokens, errors = [], [], [], []
 
     async def one(i: int):
@@ -62,12 +65,14 @@ async def drive(url: str, api_key: str, requests: int, rate: float, max_tokens: 
 
     began = time.perf_counter()
     tasks = []
-    for i, due in enumerate(np.cumsum(gaps)):
+    for i, due in enumerate(arrivals(requests, rate, seed)):
         if due > time_limit:
             break
         await asyncio.sleep(max(0.0, began + due - time.perf_counter()))
         tasks.append(asyncio.create_task(one(i)))
-    done, pending = await asyncio.wait(tasks, timeout=max(1.0, 2 * time_limit - (time.perf_counter() - began)))
+    pending = ()
+    if tasks:
+        _, pending = await asyncio.wait(tasks, timeout=max(1.0, 2 * time_limit - (time.perf_counter() - began)))
     for task in pending:
         task.cancel()
     wall = time.perf_counter() - began
@@ -78,14 +83,18 @@ async def drive(url: str, api_key: str, requests: int, rate: float, max_tokens: 
 
 
 def table(result: dict) -> str:
+    """A markdown table of the load's figures ("-" where no request gave one), then any errors' first reasons."""
     r = result["load"]
-    return "\n".join([
+    lines = [
         result["header"], "",
-        "| sent | completed | errors | req/s | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-        f"| {r['sent']} | {r['completed']} | {r['errors']} | {r['requests_per_s']:.2f} | {r['tokens_per_s']:.0f} | "
-        f"{r['ttft']['p50_ms']:.1f} | {r['ttft']['p99_ms']:.1f} | {r['itl']['p50_ms']:.1f} | {r['itl']['p99_ms']:.1f} |",
-    ]) + "\n"
+        "| sent | completed | errors | unfinished | req/s | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        f"| {r['sent']} | {r['completed']} | {r['errors']} | {r['unfinished']} | {r['requests_per_s']:.2f} | "
+        f"{r['tokens_per_s']:.0f} | {ms(r['ttft']['p50_ms'])} | {ms(r['ttft']['p99_ms'])} | {ms(r['itl']['p50_ms'])} | "
+        f"{ms(r['itl']['p99_ms'])} |"]
+    if r["error_samples"]:
+        lines += ["", "Errors (the first of them):"] + [f"- {e}" for e in r["error_samples"]]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -102,6 +111,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.rate > 0:
         parser.error(f"--rate must be > 0, got {args.rate}")
+    first = arrivals(args.requests, args.rate)[0]
+    if first > args.time_limit:
+        parser.error(f"no request would be sent: the first is due at {first:.2f} s, after --time-limit "
+                     f"{args.time_limit:g} s (raise --rate or --time-limit)")
     from ...hf import tiny_checkpoint
     from ...serve_command import ServerProcess
 
@@ -122,7 +135,11 @@ def main(argv=None) -> int:
                         f"{args.max_tokens} new tokens each",
               "load": load}
     publish(args.out, "HTTP load on kvcache-op serve", result, table(result))
-    return 0 if load["completed"] else 1
+    if load["errors"] or load["unfinished"]:
+        print(f"http_load: {load['errors']} of {load['sent']} requests failed and {load['unfinished']} did not finish",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

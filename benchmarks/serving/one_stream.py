@@ -20,9 +20,14 @@ from .bench import MODELS
 from .report import command_line, publish
 
 
+#: Tokens of each round's prompt.
+PROMPT_TOKENS = 128
+
+
 def measure(engine, prompt: list, tokens: int) -> dict:
     """One ``generate`` of ``tokens`` greedy tokens after ``prompt``: tokens/s, the run and the host's time per
-    step, and the host's share of the run (from the engine's own counters)."""
+    step, and the host's share of the run (from the engine's own counters), with the steps, the tokens fed to the
+    model and the prompt tokens served from the prefix cache."""
     from ...serving import SamplingParams
 
     before = engine.metrics()
@@ -32,7 +37,9 @@ def measure(engine, prompt: list, tokens: int) -> dict:
     wall = after["wall_s"] - before["wall_s"]
     steps = after["steps"] - before["steps"]
     return {"tokens_per_s": tokens / wall, "run_us": run / steps * 1e6, "host_us": (wall - run) / steps * 1e6,
-            "host_share": (wall - run) / run}
+            "host_share": (wall - run) / run, "steps": steps,
+            "fed_tokens": after["fed_tokens"] - before["fed_tokens"],
+            "prefix_hit_tokens": after["prefix_hit_tokens"] - before["prefix_hit_tokens"]}
 
 
 def table(result: dict) -> str:
@@ -63,22 +70,25 @@ def main(argv=None) -> int:
 
     settings = args.decode_steps or [1, 8, 64]
     model = tiny_model("llama", **MODELS[args.model])
-    prompt = np.random.default_rng(0).integers(0, model.config.vocab_size, 128).tolist()
+    # A fresh prompt for the warm-up and for each round (the same for every setting in a round, each setting's
+    # engine its own): a prompt seen before would be served from the prefix cache, all but its last page.
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, model.config.vocab_size, PROMPT_TOKENS).tolist() for _ in range(args.rounds + 1)]
     with tempfile.TemporaryDirectory() as folder:
         path = export_model(model, os.path.join(folder, f"{args.model}.onnx"))
-        pages = 2 * -(-(len(prompt) + args.tokens + max(settings)) // 16)  # room for every planned step's pages
+        pages = 2 * -(-(PROMPT_TOKENS + args.tokens + max(settings)) // 16)  # room for every planned step's pages
         engines = {k: Engine(path, num_pages=pages, decode_steps=k) for k in settings}
         for engine in engines.values():  # warm: the first step of a session is slow
-            engine.generate([prompt], 8, params=SamplingParams(max_tokens=8, ignore_eos=True))
+            engine.generate([prompts[-1]], 8, params=SamplingParams(max_tokens=8, ignore_eos=True))
         rounds = {k: [] for k in settings}
         for r in range(args.rounds):
             print(f"round {r + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
             for k, engine in engines.items():
-                rounds[k].append(measure(engine, prompt, args.tokens))
+                rounds[k].append(measure(engine, prompts[r], args.tokens))
     command = command_line("kvcache_op.benchmarks.serving.one_stream", argv)
     result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} "
-                        f"Llama ({model.config.num_hidden_layers} x {model.config.hidden_size}), one request: 128 "
-                        f"prompt tokens + {args.tokens} greedy tokens, {args.rounds} interleaved rounds",
+                        f"Llama ({model.config.num_hidden_layers} x {model.config.hidden_size}), one request: {PROMPT_TOKENS} "
+                        f"prompt tokens (a fresh prompt each round: no prefix cache hits) + {args.tokens} greedy tokens, {args.rounds} interleaved rounds",
               "rounds": rounds}
     publish(args.out, "The engine's host work on one stream", result, table(result))
     return 0

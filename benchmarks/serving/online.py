@@ -18,14 +18,19 @@ import numpy as np
 from ...arguments import OneLineParser, at_least, out_folder
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
-from .report import command_line, publish
+from .report import check_fits, command_line, ms, publish
+
+
+#: A request's prompt: one of 4 shared system prompts of 64 tokens, then 16 of its own.
+SYSTEM_TOKENS, OWN_TOKENS = 64, 16
+PROMPT_TOKENS = SYSTEM_TOKENS + OWN_TOKENS
 
 
 def workload(requests: int, vocab: int, seed: int = 0) -> list:
-    """Prompts: one of 4 shared 64-token system prompts, then 16 tokens of the request's own."""
+    """Prompts: one of 4 shared system prompts of SYSTEM_TOKENS, then OWN_TOKENS of the request's own."""
     rng = np.random.default_rng(seed)
-    systems = [rng.integers(0, vocab, 64).tolist() for _ in range(4)]
-    return [systems[i % 4] + rng.integers(0, vocab, 16).tolist() for i in range(requests)]
+    systems = [rng.integers(0, vocab, SYSTEM_TOKENS).tolist() for _ in range(4)]
+    return [systems[i % 4] + rng.integers(0, vocab, OWN_TOKENS).tolist() for i in range(requests)]
 
 
 def percentiles(values: list) -> dict:
@@ -37,28 +42,36 @@ def percentiles(values: list) -> dict:
 
 def run_online(engine, prompts: list, rate: float, max_tokens: int, seed: int = 1) -> dict:
     """Submits ``prompts`` at Poisson arrival times of ``rate`` per second from one client thread; returns
-    TTFT and ITL percentiles and tokens/s over the whole stream."""
+    TTFT and ITL percentiles and tokens/s over the whole stream. TTFT counts from the client's call of ``submit``
+    (any wait of the call for a running step included), as the batch side's counts from its call of ``generate``;
+    an exception of the client is raised here, not left behind in its thread."""
     from ...serving import SamplingParams
 
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(prompts))
-    handles = []
+    handles, sent, failed = [], [], []
 
     def client():
-        start = time.perf_counter()
-        for prompt, due in zip(prompts, np.cumsum(gaps)):
-            delay = start + due - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            handles.append(engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        try:
+            start = time.perf_counter()
+            for prompt, due in zip(prompts, np.cumsum(gaps)):
+                delay = start + due - time.perf_counter()
+                if delay > 0:
+                    time.sleep(delay)
+                sent.append(time.perf_counter())
+                handles.append(engine.submit(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
+        except BaseException as error:  # handed to the caller below
+            failed.append(error)
 
     began = time.perf_counter()
     thread = threading.Thread(target=client)
     thread.start()
     thread.join()
+    if failed:
+        raise failed[0]
     for h in handles:
         h.result(timeout=600)
     wall = time.perf_counter() - began
-    ttft = [h.token_times[0] - h.submitted_at for h in handles]
+    ttft = [h.token_times[0] - at for h, at in zip(handles, sent)]
     itl = [b - a for h in handles for a, b in zip(h.token_times, h.token_times[1:])]
     tokens = sum(len(h.tokens) for h in handles)
     return {"ttft": percentiles(ttft), "itl": percentiles(itl), "tokens_per_s": tokens / wall, "wall_s": wall}
@@ -91,8 +104,8 @@ def table(result: dict) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for mode in ("online", "batch"):
         r = result[mode]
-        lines.append(f"| {mode} | {r['ttft']['p50_ms']:.1f} | {r['ttft']['p99_ms']:.1f} | {r['itl']['p50_ms']:.1f} | "
-                     f"{r['itl']['p99_ms']:.1f} | {r['tokens_per_s']:.0f} | {r['wall_s']:.2f} |")
+        lines.append(f"| {mode} | {ms(r['ttft']['p50_ms'])} | {ms(r['ttft']['p99_ms'])} | {ms(r['itl']['p50_ms'])} | "
+                     f"{ms(r['itl']['p99_ms'])} | {r['tokens_per_s']:.0f} | {r['wall_s']:.2f} |")
     lines += ["", f"Online engine host work: {result['online_host_share']:.1%} of its ONNX Runtime time."]
     return "\n".join(lines) + "\n"
 
@@ -111,6 +124,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.rate > 0:
         parser.error(f"--rate must be > 0, got {args.rate}")
+    check_fits(parser, PROMPT_TOKENS, args.max_tokens, args.num_pages, MODELS[args.model]["max_position_embeddings"])
     from ...hf import export_model, tiny_model
     from ...serving import Engine
 
@@ -126,7 +140,7 @@ def main(argv=None) -> int:
         batch = run_batch(Engine(path, num_pages=args.num_pages, decode_steps=args.decode_steps), prompts, args.max_tokens)
     command = command_line("kvcache_op.benchmarks.serving.online", argv)
     result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
-                        f"({model.config.num_hidden_layers} x {model.config.hidden_size}), {args.requests} requests of 80 prompt tokens (4 shared system prompts) + "
+                        f"({model.config.num_hidden_layers} x {model.config.hidden_size}), {args.requests} requests of {PROMPT_TOKENS} prompt tokens (4 shared system prompts) + "
                         f"{args.max_tokens} new tokens",
               "online": online, "batch": batch, "online_host_share": host_share(online_engine)}
     publish(args.out, "Online serving latency", result, table(result))

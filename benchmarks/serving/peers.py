@@ -117,6 +117,24 @@ def agreement(a: list, b: list, eos=()) -> float:
     return sum(x == y for x, y in pairs) / len(pairs) if pairs else 0.0
 
 
+#: Seconds GenAI's model builder may take for one of the benchmark's small models (it takes seconds).
+BUILDER_TIMEOUT_S = 600
+
+
+def build_genai_model(checkpoint: str, out: str, cache: str, timeout: float = BUILDER_TIMEOUT_S) -> None:
+    """Runs ONNX Runtime GenAI's model builder (fp32, CPU) on ``checkpoint`` into ``out``; a failure or a run past
+    ``timeout`` seconds is a RuntimeError naming the last lines the builder printed."""
+    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", checkpoint, "-o", out, "-p", "fp32",
+               "-e", "cpu", "-c", cache]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"GenAI's model builder did not finish within {timeout:g} s: {' '.join(command)}") from None
+    if done.returncode:
+        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
+        raise RuntimeError(f"GenAI's model builder failed (exit {done.returncode}): {tail}")
+
+
 def measure(name: str, sizes: dict, folder: str, new_tokens: int, repeats: int, rows, progress) -> list:
     """Every row of one model: tokens/s of the three systems (medians) and their token agreement."""
     import torch
@@ -129,9 +147,7 @@ def measure(name: str, sizes: dict, folder: str, new_tokens: int, repeats: int, 
     path = export_model(model, os.path.join(folder, f"{name}.onnx"))
     genai = os.path.join(folder, f"{name}-genai")
     progress(f"{name}: GenAI's model builder (fp32, cpu) ...")
-    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", checkpoint, "-o", genai, "-p",
-                    "fp32", "-e", "cpu", "-c", os.path.join(folder, "hf-cache")], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    build_genai_model(checkpoint, genai, os.path.join(folder, "hf-cache"))
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
     eos = {model.config.eos_token_id}
     results = []
