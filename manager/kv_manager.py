@@ -232,6 +232,12 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
             self._settle_steps(step)
         self._publish(step)
 
+    @property
+    def outstanding_plan(self):
+        """The plan :meth:`commit` or :meth:`abort` takes next (of decode steps planned at once, the last that
+        :meth:`advance` gave), or None when no step is outstanding."""
+        return None if self._pending is None else self._pending.plan
+
     def abort(self, plan: StepPlan) -> None:
         """The step of ``plan`` did not run: rolls it back, so the manager is as before ``schedule``
         except that cached pages the step evicted stay evicted (they may have been written).

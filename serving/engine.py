@@ -278,7 +278,11 @@ class Engine(OnlineEngine):
             self._times["scheduling"] += time.perf_counter() - began
             return 1
         plan, sequences, steps = planned
-        stepper = self._greedy_stepper(sequences, steps)
+        try:  # planned: from here a failure rolls the step back, or the manager would refuse every later step
+            stepper = self._greedy_stepper(sequences, steps)
+        except BaseException:
+            self._roll_back(plan, waiting, running)
+            raise
         if stepper is not None:
             return self._greedy_decode_steps(stepper, plan, sequences, steps, waiting, running, began)
         try:

@@ -339,14 +339,20 @@ class OnlineEngine:
         """A step raised ``error``. Rolled back (``_rolled_back``: the requests it ran, moved back to the waiting
         line with their pages released), those requests fail and every other goes on: requests queued behind it or
         not scheduled in it are other callers'. A failure the roll-back did not reach (while admitting or
-        planning, or in the roll-back itself) leaves the batch's state unknown: every request fails and releases
-        its pages."""
+        planning, or in the roll-back itself) leaves the batch's state unknown: a step still outstanding is aborted, and
+        every request fails and releases its pages."""
         failed = self._rolled_back
         if failed is not None:
             for q in [q for q in self._online_waiting if q.index in failed]:
                 self._online_waiting.remove(q)
                 q.handle._finish("error", error)
             return
+        outstanding = self.manager.outstanding_plan
+        if outstanding is not None:  # a step planned and never rolled back: the manager would refuse every next one
+            try:
+                self.manager.abort(outstanding)
+            except Exception:  # noqa: BLE001 - as below: every request still gets its answer
+                pass
         for q in self._online_running:
             try:
                 self.manager.finish(q.index)

@@ -295,6 +295,55 @@ def test_a_roll_back_that_fails_too_still_finishes_every_request_and_frees_its_p
     assert engine.metrics()["pages_in_use"] == 0
 
 
+def test_a_failure_readying_a_greedy_run_rolls_its_step_back_and_the_engine_goes_on(path, lone):
+    """The graph of greedy runs fails to load once, after the manager planned the run's steps: the requests of that
+    step fail, the manager is not left with the step outstanding (it refused every later step: no request could run
+    again) and later requests are served as alone, with no page kept."""
+    engine = Engine(path, num_pages=32)
+    greedy_steps, armed = engine.runner.greedy_steps, threading.Event()
+
+    def fails_once():
+        if armed.is_set() and engine.manager.outstanding_plan is not None:  # the call after the step was planned
+            armed.clear()
+            raise MemoryError("no memory for the greedy graph, once")
+        return greedy_steps()
+    engine.runner.greedy_steps = fails_once
+    armed.set()
+    failed = engine.submit(PROMPTS[0], SamplingParams(max_tokens=8))
+    with pytest.raises(MemoryError, match="once"):
+        failed.result(timeout=60)
+    assert failed.finish_reason == "error" and engine.manager.outstanding_plan is None
+    assert [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)).result(timeout=60) for i in (1, 3)] == \
+        [lone[1], lone[3]]
+    engine.close(timeout=30)
+    assert engine.metrics()["pages_in_use"] == 0
+
+
+def test_a_failure_after_planning_that_no_roll_back_reaches_leaves_no_step_outstanding(path, lone):
+    """Planning a step fails after the manager applied it (a failure no roll-back reaches): every request of the batch
+    fails, the outstanding step is aborted and later requests are served as alone, with no page kept."""
+    engine = Engine(path, num_pages=32, decode_steps=1)  # each decode step planned by its own schedule_decode
+    schedule_decode, armed = engine.manager.schedule_decode, threading.Event()
+
+    def applied_then_fails(*args):
+        plan = schedule_decode(*args)
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("the planner fell over after the manager planned")
+        return plan
+    engine.manager.schedule_decode = applied_then_fails
+    handle = engine.submit(PROMPTS[0], SamplingParams(max_tokens=60))
+    next(iter(handle))  # decoding
+    armed.set()
+    with pytest.raises(RuntimeError, match="fell over after the manager planned"):
+        handle.result(timeout=60)
+    assert engine.manager.outstanding_plan is None
+    assert [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)).result(timeout=60) for i in (1, 3)] == \
+        [lone[1], lone[3]]
+    engine.close(timeout=30)
+    assert engine.metrics()["pages_in_use"] == 0
+
+
 class SlowToTakeLock:
     """The engine's lock, taken ``delay`` seconds late by one thread (``slow``): a caller the OS is slow to
     schedule once the lock is free. Everything else is the wrapped RLock's, Condition's hooks included."""

@@ -159,3 +159,19 @@ def test_a_prompt_no_page_table_can_hold_is_refused_at_admission():
     with pytest.raises(ValueError, match="needs more than max_pages=2"):
         m.add_request("a", list(range(9)))
     assert not m.requests
+
+
+def test_the_outstanding_plan_is_the_one_commit_or_abort_takes_next():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", list(range(5)))
+    assert m.outstanding_plan is None
+    plan = m.schedule({"a": list(range(5))})
+    assert m.outstanding_plan is plan
+    m.commit(plan)
+    assert m.outstanding_plan is None
+    first = m.schedule_decode(["a"], [9], steps=3)
+    second = m.advance(first, [10])
+    assert m.outstanding_plan is second
+    m.abort(m.outstanding_plan)
+    assert m.outstanding_plan is None
+    m.check()
