@@ -34,6 +34,23 @@ OPEN_ROUTES = ("/health", "/metrics")  # everything else needs the API key when 
 DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is still there
 
 
+class GenerationStream(StreamingResponse):
+    """A streamed reply that ends its generation however the response ends, and then calls ``finished()`` once:
+    also when the call is cancelled before the body starts (while the headers are sent: a proxy such as Ray Serve's
+    cancels the call when its client goes away), where the body's own ``finally`` never runs."""
+
+    def __init__(self, generation: Generation, finished, content, **kwargs):
+        super().__init__(content, **kwargs)
+        self.generation, self.finished = generation, finished
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()
+            self.finished()
+
+
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
     """What one request may ask: ``max_body_bytes`` of JSON, ``max_prompt_tokens`` of prompt (None: the engine's
@@ -196,8 +213,10 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
     async def respond(request: Request, req, generation: Generation, chat: bool):
         reply = Reply(generation, model_name, chat)
         if req.stream:
-            return StreamingResponse(stream(reply, req.include_usage()), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return GenerationStream(generation, lambda: metrics.observe_finish(generation.handle,
+                                                                               len(generation.prompt_ids)),
+                                    stream(reply, req.include_usage()), media_type="text/event-stream",
+                                    headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(cancel_on_disconnect(request, generation))
         pieces, text = [], []
         try:
@@ -228,8 +247,6 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
                 yield sse(reply.usage_chunk())
         except Exception as error:  # the step failed: say so in the stream, then end it
             yield sse(APIError(500, f"generation failed: {error}", type="server_error").body())
-        finally:
-            metrics.observe_finish(g.handle, len(g.prompt_ids))
         yield sse("[DONE]")
 
     async def cancel_on_disconnect(request: Request, generation: Generation):

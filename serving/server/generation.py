@@ -37,9 +37,22 @@ class Generation:
     @classmethod
     async def start(cls, engine, tokenizer, prompt_ids: list, params, salt, max_waiting: int = None) -> "Generation":
         """Submits the request (``ValueError``/``TypeError`` from the engine's checks and ``EngineBusy`` where
-        ``max_waiting`` requests wait already propagate)."""
-        handle = await asyncio.to_thread(engine.submit, prompt_ids, params, salt=salt, max_waiting=max_waiting)
+        ``max_waiting`` requests wait already propagate). Cancelled while the submit waits (for the step in progress),
+        the request it queues is cancelled as soon as it is queued: nobody would read it."""
+        submitted = asyncio.ensure_future(asyncio.to_thread(engine.submit, prompt_ids, params, salt=salt,
+                                                            max_waiting=max_waiting))
+        try:
+            handle = await asyncio.shield(submitted)  # the thread's submit cannot be stopped, only answered
+        except asyncio.CancelledError:
+            submitted.add_done_callback(_cancel_submitted)
+            raise
         return cls(engine, tokenizer, prompt_ids, params, handle)
+
+    def close(self) -> None:
+        """Cancels the request unless it is done (its reader stopped early or went away); it leaves the engine at the
+        next step boundary."""
+        if not self.handle.done:
+            self.handle.cancel()
 
     async def pieces(self):
         """One :class:`Piece` per generated token, as the engine chooses it; raises the step's error if it failed."""
@@ -53,8 +66,7 @@ class Generation:
                 yield Piece(text, token, self.handle.logprobs_of(index))  # one entry, not a copy of all per token
                 index += 1
         finally:
-            if not self.handle.done:  # the client went away, or the reader stopped early
-                self.handle.cancel()
+            self.close()  # the client went away, or the reader stopped early
 
     def tail(self) -> str:
         """Text still held at the end (an incomplete character, as the tokenizer decodes it; a tail that never became
@@ -79,3 +91,9 @@ class Generation:
     def token_bytes(self, token: int) -> bytes:
         """One token's own bytes (for chat logprobs): a token holding part of a character has its part."""
         return token_bytes(self.tokenizer, token)
+
+
+def _cancel_submitted(submitted: asyncio.Future) -> None:
+    """Cancels the request a submit queued after its caller was cancelled (a refused submit queued none)."""
+    if not submitted.cancelled() and submitted.exception() is None:
+        submitted.result().cancel()
