@@ -156,15 +156,15 @@ def engine_options_of(args) -> dict:
                 intra_op_num_threads=args.threads, decode_steps=args.decode_steps)
 
 
-def _draining_server(uvicorn, engine):
-    """uvicorn's Server class, made to end the engine's requests first when it shuts down (a signal, or
-    ``--stop-after``): their replies then finish with finish_reason "abort" (a stream with its last chunk and
-    ``[DONE]``) while uvicorn waits for them, instead of uvicorn cancelling their handlers at its graceful timeout
-    (a plain-text 500, streams cut mid-body). ``stop_signal``: the name of the signal that stopped it, if one did."""
-    import asyncio
+def _draining_server():
+    """:class:`~kvcache_op.serving.server.DrainingServer` (the engine's requests end first when it shuts down: a
+    signal, or ``--stop-after``), with the command's signal handling. ``stop_signal``: the name of the signal that
+    stopped it, if one did."""
     import signal
 
-    class DrainingServer(uvicorn.Server):
+    from .serving.server import DrainingServer
+
+    class CommandServer(DrainingServer):
         stop_signal = None
 
         def handle_exit(self, sig, frame):
@@ -177,11 +177,7 @@ def _draining_server(uvicorn, engine):
             else:
                 self.should_exit = True
 
-        async def shutdown(self, sockets=None):
-            await asyncio.to_thread(engine.close, 10.0)
-            await super().shutdown(sockets=sockets)
-
-    return DrainingServer
+    return CommandServer
 
 
 def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> str:
@@ -198,7 +194,7 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    server = _draining_server(uvicorn, engine)(config)
+    server = _draining_server()(config, engine)
     if args.stop_after:  # a bounded lifetime (tests, load tests): the server stops by itself
         timer = threading.Timer(args.stop_after, lambda: setattr(server, "should_exit", True))
         timer.daemon = True
