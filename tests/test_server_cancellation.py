@@ -28,6 +28,18 @@ def _payload(stream: bool) -> bytes:
                        "temperature": 0, "ignore_eos": True, "stream": stream}).encode()
 
 
+def _body_then_silence(payload: bytes):
+    """An ASGI ``receive``: the request's body, then nothing (a client that neither sends nor leaves)."""
+    sent = []
+
+    async def receive():
+        if not sent:
+            sent.append(True)
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.sleep(3600)
+    return receive
+
+
 @pytest.fixture
 def app_and_handles(exported, served_checkpoint):
     """The app over a fresh engine whose submits are recorded (the handles the app holds)."""
@@ -69,13 +81,7 @@ def test_a_call_cancelled_while_its_submit_waits_cancels_the_request_it_queues(a
             time.sleep(1.0)
 
     async def call():
-        sent = asyncio.Event()
-
-        async def receive():
-            if not sent.is_set():
-                sent.set()
-                return {"type": "http.request", "body": payload, "more_body": False}
-            await asyncio.sleep(3600)
+        receive = _body_then_silence(payload)
 
         async def send(message):
             pass
@@ -106,13 +112,7 @@ def test_a_stream_cancelled_while_its_headers_are_sent_cancels_its_request(app_a
     payload = _payload(stream=True)
 
     async def call():
-        sent, started = asyncio.Event(), asyncio.Event()
-
-        async def receive():
-            if not sent.is_set():
-                sent.set()
-                return {"type": "http.request", "body": payload, "more_body": False}
-            await asyncio.sleep(3600)
+        receive, started = _body_then_silence(payload), asyncio.Event()
 
         async def send(message):
             if message["type"] == "http.response.start":  # a proxy's send that takes a moment
