@@ -175,3 +175,25 @@ def test_the_switch_table_names_every_switch_the_cpu_kernels_read():
     source = (ROOT / "cpu" / "kv_cpu_dispatch.cc").read_text()
     read = set(re.findall(r'(?:getenv|EnvSwitch|EnvInteger)\("(KVCACHE_OP_[A-Z_]+)"', source))
     assert read == set(side_by_side.CPU_SWITCHES)
+
+
+def test_the_cuda_switch_table_names_every_switch_the_cuda_routes_read():
+    from kvcache_op.benchmarks.environment import CUDA_SWITCHES
+
+    source = (ROOT / "cuda" / "kv_cuda_run.cc").read_text()
+    assert set(re.findall(r'EnvIs\("(KVCACHE_OP_[A-Z_]+)"', source)) == set(CUDA_SWITCHES)
+
+
+def test_a_recorded_command_holds_the_switches_in_force_and_nothing_else(monkeypatch):
+    """The kernels' switches and BLAS threads are recorded; a build setting is not (it changes nothing that runs),
+    nor a secret such as the server's API key."""
+    from kvcache_op.benchmarks.environment import recorded_command
+
+    for key, value in {"KVCACHE_OP_STORES": "stream", "KVCACHE_OP_CUDA_MMA": "0", "OPENBLAS_NUM_THREADS": "1",
+                       "KVCACHE_OP_API_KEY": "sk-secret", "KVCACHE_OP_CUDA": "1",
+                       "KVCACHE_OP_ORT_INCLUDE_DIR": "/headers"}.items():
+        monkeypatch.setenv(key, value)
+    line = recorded_command("kvcache_op.benchmarks.x", ["--out", "a b"])
+    assert line.startswith("KVCACHE_OP_CUDA_MMA=0 KVCACHE_OP_STORES=stream OPENBLAS_NUM_THREADS=1 python -m ")
+    assert "sk-secret" not in line and "KVCACHE_OP_CUDA=" not in line and "/headers" not in line
+    assert line.endswith("--out 'a b'")

@@ -28,7 +28,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, library_file, writable_folder_problem
 from ..bound_session import aligned_empty
-from ..environment import environment, recorded_command
+from ..environment import CPU_SWITCHES, environment, recorded_command
 from ..kv_shapes import QUICK_SHAPES, SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner
 from ..timing import cpu_device, kernel_build, median_seconds
 
@@ -96,18 +96,8 @@ def parse_case(text: str) -> tuple:
     return name, MODES[mode], int(quant_bit), int(layout)
 
 
-#: The CPU kernels' switches (cpu/kv_cpu.h, read at each call) and what each takes: the words it knows, or the least
-#: whole number. A value the kernel does not know is ignored there (the default runs), so a variant setting one would
-#: measure the default under another name: refused here instead.
-CPU_SWITCHES = {
-    "KVCACHE_OP_CPU_KERNEL": ("avx512", "avx2", "generic"), "KVCACHE_OP_CPU_VENDOR": ("amd", "intel"),
-    "KVCACHE_OP_STORES": ("side-by-side", "stream", "cached"), "KVCACHE_OP_CACHED_GATHER": ("head-runs", "tokens"),
-    "KVCACHE_OP_CODE_STORES": ("stream", "cached"), "KVCACHE_OP_HEAD_PREFETCH": ("l2", "l1"),
-    "KVCACHE_OP_CPU_VERBOSE": ("1", "0"), "KVCACHE_OP_STREAMED_HEADS": 1, "KVCACHE_OP_TOKEN_STREAMS": 1,
-    "KVCACHE_OP_GATHER_TILE": 0, "KVCACHE_OP_TOKEN_PREFETCH": 0,
-}
-
-
+# CPU_SWITCHES: the CPU kernels' switches and what each takes. A value the kernel does not know is ignored there (the
+# default runs), so a variant setting one would measure the default under another name: refused here instead.
 def switch_problem(key: str, value: str, library) -> str:
     """Why ``key=value`` would not do what it says ('' where it would): a known switch's value it does not take,
     or a ``KVCACHE_OP_`` name no switch of this build has (with ``library=PATH`` anything goes: that build's
