@@ -61,12 +61,16 @@ def test_a_bundle_round_trips_and_an_altered_one_is_refused(tmp_path):
         zf.writestr(bundle.CUDA_PROVIDER, library())
         zf.writestr("onnxruntime/__init__.py", "x = 1\n")
         zf.writestr("onnxruntime/capi/libonnxruntime.so.9.9", b"C API")  # left out
+        zf.writestr("onnxruntime/transformers/fusion_attention.py", "y = 2\n")  # left out: a tool subpackage
+        zf.writestr("onnxruntime/capi/_ld_preload.py", "z = 3\n")  # kept: the package's own module
     made = bundle.make(wheel, 90, tmp_path / "out")
     unpacked = bundle.unpack(tmp_path / "out", tmp_path / "site")
     provider = (unpacked / bundle.CUDA_PROVIDER).read_bytes()
     assert len(provider) == len(library()) and b"B" * 24 in provider and b"A" * 40 not in provider
     assert (unpacked / "onnxruntime/__init__.py").read_text() == "x = 1\n"
     assert not (unpacked / "onnxruntime/capi/libonnxruntime.so.9.9").exists()
+    assert not (unpacked / "onnxruntime/transformers").exists()
+    assert (unpacked / "onnxruntime/capi/_ld_preload.py").read_text() == "z = 3\n"
     made.write_bytes(made.read_bytes()[:-1] + b"!")
     with pytest.raises(ValueError, match="SHA-256 differs"):
         bundle.unpack(tmp_path / "out", tmp_path / "again")

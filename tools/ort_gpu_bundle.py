@@ -9,8 +9,8 @@ architecture (sm_75, 80, 86, 89, 90, 120) in fat binaries. ``make`` zeroes the p
 ``--arch`` in place (in each fat binary that has ``--arch``; one without it is kept whole), so every offset in the library stays as it was and the zeroes compress to nothing. The CUDA
 runtime loads the one image matching the device, so on that architecture the library behaves as the wheel's; on any
 other it has no kernels (the bundle's name says which architecture it serves). It also leaves out what the Python
-package does not load: the C-API library ``libonnxruntime.so.*`` (the Python module links ONNX Runtime in) and the
-TensorRT provider. The result is one ``.tar.xz`` (about 60 MB) beside ``BUNDLE.json`` (its name, SHA-256, the
+package does not load: the C-API library ``libonnxruntime.so.*`` (the Python module links ONNX Runtime in), the
+TensorRT provider and the tool subpackages (``transformers``, ``quantization``, ``tools``). The result is one ``.tar.xz`` (about 60 MB) beside ``BUNDLE.json`` (its name, SHA-256, the
 wheel's name and the architecture kept). ``unpack`` checks the hash, refuses on a mismatch, and extracts the
 package folder to put first on ``PYTHONPATH``.
 
@@ -32,8 +32,12 @@ import zipfile
 MANIFEST = "BUNDLE.json"
 FATBIN_MAGIC = struct.pack("<I", 0xBA55ED50)
 CUDA_PROVIDER = "onnxruntime/capi/libonnxruntime_providers_cuda.so"
-# Members of the wheel the Python package never loads.
-LEFT_OUT = ("onnxruntime/capi/libonnxruntime.so.", "onnxruntime/capi/libonnxruntime_providers_tensorrt.so")
+# Members of the wheel the Python package never loads: the C-API library, the TensorRT provider, and the tool
+# subpackages (model optimizers, quantization, converters) that `import onnxruntime` and sessions never import (only
+# the diagnostic print_debug_info reaches into onnxruntime.transformers); left out, the bundle leaves room under the
+# device's 64 MiB for the checkout that travels with it.
+LEFT_OUT = ("onnxruntime/capi/libonnxruntime.so.", "onnxruntime/capi/libonnxruntime_providers_tensorrt.so",
+            "onnxruntime/transformers/", "onnxruntime/quantization/", "onnxruntime/tools/")
 
 
 def prune_fatbins(data: bytearray, keep_arch: int) -> dict[int, int]:
