@@ -21,6 +21,11 @@
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
 # GPU_CHECK_BUILD_LIMIT=S gives the build S seconds (default 480).
+# GPU_CHECK_DEADLINE=S: the whole check ends within S seconds of its start (a device lease's limit): every step's
+# limit is cut to the time left less GPU_CHECK_RESERVE seconds (default 20, for the summary), and a step that would
+# get less than GPU_CHECK_MIN_STEP seconds (default 60) is recorded as skipped ("no time left") instead of starting;
+# without it, each step's own limit alone. An outer `timeout` alone stops this script but not the step it runs, and
+# loses the summary.
 # GPU_CHECK_WORKERS=N runs the test steps that need no sanitizer in N pytest-xdist worker processes (default: 4 where
 # pytest-xdist is importable and the machine has at least 8 cores, else 1: one process); the sanitizer steps always
 # run in one process, under the tool. GPU_CHECK_SANITIZERS_TOGETHER=1 runs the four tools' steps side by side (each
@@ -30,6 +35,7 @@
 # the tensor-core kernel
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
 # where the kernel stalls).
+# A test step passes when pytest passes and ran at least one test (every test skipped proves nothing on a GPU).
 # Exit status: 0 when no step failed.
 set -u -o pipefail
 
@@ -41,11 +47,43 @@ STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail <TAB> s
 : >"$STEPS"
 PY=${PYTHON:-python3}
 START=$(date +%s)
+DEADLINE=${GPU_CHECK_DEADLINE:-}
+RESERVE=${GPU_CHECK_RESERVE:-20}
+MIN_STEP=${GPU_CHECK_MIN_STEP:-60}  # a step given less than this is not started
+for setting in DEADLINE RESERVE MIN_STEP; do
+  if [ -n "${!setting}" ] && ! [[ "${!setting}" =~ ^[0-9]+$ ]]; then
+    echo "GPU_CHECK_$setting=${!setting}: a number of seconds was expected" >&2
+    exit 2
+  fi
+done
+# Every step name GPU_CHECK_ONLY and GPU_CHECK_SKIP may name.
+KNOWN_STEPS="host-runner gpu-tests gpu-attention-tests sanitizer-memcheck sanitizer-attention-memcheck
+  sanitizer-racecheck sanitizer-attention-racecheck sanitizer-initcheck sanitizer-attention-initcheck
+  sanitizer-synccheck sanitizer-attention-synccheck benchmark attention-benchmark ort-cuda-ep serving-benchmark
+  serving-benchmark-float16"
+for name in ${GPU_CHECK_ONLY:-} ${GPU_CHECK_SKIP:-}; do
+  case " $(echo $KNOWN_STEPS) " in *" $name "*) ;; *)
+    echo "GPU_CHECK_ONLY / GPU_CHECK_SKIP name $name, which is no step of this check (steps: $(echo $KNOWN_STEPS))" >&2
+    exit 2 ;;
+  esac
+done
 
 step() {
   local seconds=${4:+$(( $(date +%s) - $4 ))}
   printf '%s\t%s\t%s\t%s\n' "$1" "$2" "$3" "$seconds" >>"$STEPS"
   printf '[gpu_check %4ss] %-30s %-5s %s\n' "$(( $(date +%s) - START ))" "$1" "$2" "$3${seconds:+ ($seconds s)}"
+}
+
+# limit_for REQUESTED: the seconds a step may take, REQUESTED cut to the time GPU_CHECK_DEADLINE leaves (less the
+# reserve); prints nothing (and fails) when that is under GPU_CHECK_MIN_STEP.
+limit_for() {
+  local limit=$1
+  if [ -n "$DEADLINE" ]; then
+    local left=$(( START + DEADLINE - RESERVE - $(date +%s) ))
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -lt "$MIN_STEP" ]; then return 1; fi
+  fi
+  echo "$limit"
 }
 
 # OUTDIR/summary.md, with the seconds since the start in OUTDIR/seconds.txt.
@@ -64,9 +102,10 @@ skipped() {
 # Runs pytest with a junit report; records pass/fail and seconds. $1 step name, $2 timeout (s), rest: pytest args
 # (with XDIST=MODE in its environment: in GPU_CHECK_WORKERS pytest-xdist processes, distributed by MODE).
 run_pytest() {
-  local name=$1 limit=$2 began
+  local name=$1 requested=$2 limit began
   shift 2
   if skipped "$name"; then return 0; fi
+  if ! limit=$(limit_for "$requested"); then step "$name" skip "no time left (GPU_CHECK_DEADLINE=$DEADLINE)"; return 0; fi
   began=$(date +%s)
   local workers=($(xdist_args "${XDIST:-}"))
   (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
@@ -74,6 +113,11 @@ run_pytest() {
   local rc=$?
   local tail_line
   tail_line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/logs/$name.log" | tail -1)
+  if [ $rc -eq 124 ]; then tail_line="timed out after $limit s; $tail_line"; fi
+  if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ passed' <<<"$tail_line"; then
+    step "$name" fail "no test ran on the GPU: $tail_line (logs/$name.log)" "$began"
+    return 1
+  fi
   if [ $rc -eq 0 ]; then step "$name" pass "$tail_line" "$began"; else step "$name" fail "exit $rc: $tail_line (logs/$name.log)" "$began"; fi
   return $rc
 }
@@ -98,15 +142,17 @@ xdist_args() {  # pytest's arguments for GPU_CHECK_WORKERS processes distributed
 # Runs a benchmark module into OUTDIR/$3 with its log in logs/$1.log; records pass/fail. $1 step name, $2 timeout
 # (s), $3 output folder, $4 the table it writes there, $5 the module (kvcache_op.benchmarks.gpu.*).
 run_benchmark() {
-  local name=$1 limit=$2 folder=$3 table=$4 module=$5
+  local name=$1 limit folder=$3 table=$4 module=$5
   local began
   if skipped "$name"; then return 0; fi
+  if ! limit=$(limit_for "$2"); then step "$name" skip "no time left (GPU_CHECK_DEADLINE=$DEADLINE)"; return 0; fi
   began=$(date +%s)
   # $module may carry arguments after the module name (split on spaces)
   if timeout "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
     step "$name" pass "$folder/$table" "$began"
   else
-    step "$name" fail "exit $?: see logs/$name.log" "$began"
+    local rc=$?
+    step "$name" fail "exit $rc$([ $rc -eq 124 ] && echo ": timed out after $limit s"): see logs/$name.log" "$began"
   fi
 }
 
@@ -129,7 +175,7 @@ fi
 # every core: the kernels compile in many files (CMakeLists.txt), the largest of them 68-85 s on one core of a 2-core
 # machine; GPU_CHECK_BUILD_LIMIT seconds at most (default 480)
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$CORES}
-BUILD_LIMIT=${GPU_CHECK_BUILD_LIMIT:-480}
+BUILD_LIMIT=$(limit_for "${GPU_CHECK_BUILD_LIMIT:-480}") || BUILD_LIMIT=60
 timeout "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" \
   "$ROOT" >"$OUT/logs/build.log" 2>&1
 BUILD_RC=$?
@@ -148,7 +194,13 @@ export PYTHONPATH=$OUT/site${PYTHONPATH:+:$PYTHONPATH}
 run_pytest host-runner 300 test_cuda_host_runner.py test_attention_host_runner.py test_c_api_cpu.py
 
 # Is there a GPU the tests can use? (the same reason the test suite prints when it skips)
-GPU_REASON=$(cd "$ROOT/tests" && "$PY" -c 'import conftest; print(conftest._gpu_unavailable_reason() or "")' 2>&1 | tail -1)
+# A probe that fails (the library or a test module does not import) is a failure, not a reason to skip the GPU steps.
+if ! GPU_REASON=$(cd "$ROOT/tests" && "$PY" -c 'import conftest; print(conftest._gpu_unavailable_reason() or "")' \
+                  2>"$OUT/logs/gpu-probe.log"); then
+  step gpu-probe fail "the GPU probe failed: $(tail -1 "$OUT/logs/gpu-probe.log") (logs/gpu-probe.log)"
+  GPU_REASON="the GPU probe failed (logs/gpu-probe.log)"
+fi
+GPU_REASON=$(tail -1 <<<"$GPU_REASON")
 DEVICE=$("$PY" -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null \
          || nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 || true)
 printf '%s\n' "${DEVICE:-none}" >"$OUT/device.txt"
@@ -174,7 +226,9 @@ else
   ATTENTION_SANITIZE+=" or mha_prefill and causal-float16 and 128 and mma or mhca_prefill and alibi-mask2 and mma"
   ATTENTION_SANITIZE+=" or mma_non_finite and nan"  # (mma matches mma2 too: both forms)
   sanitize() {  # the two steps of one tool ($1): KeyValueCache's kernels, then the attention kernels; $2 scales the limits
-    PREFIX=("$SANITIZER" --tool "$1" --error-exitcode 86 --print-limit 20)
+    # torch's caching allocator off: each tensor its own allocation, so memcheck sees a read past its end and
+    # initcheck a read of memory nothing wrote (in a cached pool block both look valid)
+    PREFIX=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$1" --error-exitcode 86 --print-limit 20)
     HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$1" $(( 150 * $2 )) test_gpu_c_entry.py \
       -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
     # the attention kernels: a split decode with its merges (mask, ALiBi, softcap), a cache-attention split decode,
@@ -258,7 +312,9 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
     run_benchmark serving-benchmark-float16 300 serving-bench-float16 README.md "kvcache_op.benchmarks.gpu.serving --dtype float16"
   else
-    step ort-cuda-ep skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
+    for s in ort-cuda-ep serving-benchmark serving-benchmark-float16; do
+      step "$s" skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
+    done
   fi
 fi
 

@@ -29,7 +29,8 @@ def main(out: pathlib.Path) -> str:
         lines += ["", f"The check took {(out / 'seconds.txt').read_text().strip()} s from its start to this summary."]
     for folder, title, name in (("bench", "Benchmark", "results.md"),
                                 ("attention-bench", "Attention benchmark", "results.md"),
-                                ("serving-bench", "Serving benchmark", "README.md")):
+                                ("serving-bench", "Serving benchmark", "README.md"),
+                                ("serving-bench-float16", "Serving benchmark, float16", "README.md")):
         bench = out / folder / name
         if bench.is_file():
             lines += ["", f"## {title}", "", bench.read_text()]

@@ -1,0 +1,119 @@
+"""tools/gpu_check.sh's control flow, walked on this machine with a stand-in python (no GPU needed): a deadline that
+cuts every step's limit and skips what no longer fits (the summary still written), a test step in which no test ran
+counted as failed, a GPU probe that fails counted as failed (not as "no GPU"), unknown step names refused, and the
+float16 serving benchmark in the summary."""
+
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+# The stand-in: answers the script's probes, "builds" by making the target folder, runs a "test step" as
+# SIM_PYTEST_<step> says (sleep seconds and the summary line) and a benchmark by writing its table.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+case "$1" in
+  -c)
+    case "$2" in
+      *sched_getaffinity*) echo 16 ;;
+      *_gpu_unavailable_reason*) [ -n "${SIM_PROBE_FAILS:-}" ] && { echo "ImportError: library built wrong" >&2; exit 1; }
+                                 echo "${SIM_GPU_REASON:-}" ;;
+      *get_device_name*) echo "Stand-in GPU" ;;
+      *glob*) echo "" ;;
+      *) exit 0 ;;
+    esac ;;
+  -m)
+    module=$2; shift 2
+    case "$module" in
+      pip) prev=""; for a in "$@"; do [ "$prev" = --target ] && mkdir -p "$a"; prev=$a; done ;;
+      pytest)
+        xml=""; for a in "$@"; do case "$a" in --junitxml=*) xml=${a#--junitxml=} ;; esac; done
+        name=$(basename "$xml" .xml); var="SIM_PYTEST_${name//-/_}"; setting=${!var:-"0 3 passed in 1.0s"}
+        sleep "${setting%% *}"
+        echo "${setting#* }" ;;
+      kvcache_op.benchmarks.gpu.*)
+        out=""; prev=""; for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
+        mkdir -p "$out"; echo "| table of $module $* |" | tee "$out/results.md" > "$out/README.md" ;;
+    esac ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+"""
+
+
+# The stand-in compute-sanitizer: runs the command after its options.
+FAKE_SANITIZER = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift 2; done
+exec "$@"
+"""
+
+
+def run_check(tmp_path, **env) -> tuple:
+    """(exit status, steps.tsv as {step: (verdict, detail)}, summary.md or '', seconds) of the script run with the
+    stand-in python under ``env``."""
+    bin_folder = tmp_path / "bin"
+    bin_folder.mkdir()
+    for name, text in (("python", FAKE_PYTHON), ("compute-sanitizer", FAKE_SANITIZER)):
+        (bin_folder / name).write_text(text)
+        (bin_folder / name).chmod(0o755)
+    out = tmp_path / "out"
+    began = time.monotonic()
+    done = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), str(out)], capture_output=True, text=True,
+                          timeout=120, env={"PATH": f"{bin_folder}:/usr/bin:/bin", "PYTHON": str(bin_folder / "python"),
+                                            "REAL_PYTHON": sys.executable,
+                                            "GPU_CHECK_WORKERS": "1", **env})
+    steps = {}
+    if (out / "steps.tsv").is_file():
+        for row in (out / "steps.tsv").read_text().splitlines():
+            name, verdict, detail = row.split("\t")[:3]
+            steps[name] = (verdict, detail)
+    summary = (out / "summary.md").read_text() if (out / "summary.md").is_file() else ""
+    return done.returncode, steps, summary, time.monotonic() - began, done.stderr
+
+
+def test_every_step_runs_and_the_summary_holds_both_serving_benchmarks(tmp_path):
+    code, steps, summary, _, _ = run_check(tmp_path)
+    assert code == 0 and all(verdict == "pass" for verdict, _ in steps.values()), steps
+    assert {"gpu-tests", "sanitizer-attention-synccheck", "ort-cuda-ep", "serving-benchmark-float16"} <= set(steps)
+    assert "## Serving benchmark, float16" in summary and "--dtype float16" in summary
+
+
+def test_a_deadline_cuts_the_step_running_and_skips_what_no_longer_fits(tmp_path):
+    """With 14 s in all, 4 kept for the summary and steps of at least 3 s: the GPU tests, which would take 60 s, are
+    stopped when the time is up; the steps after them are not started; the summary is written in time."""
+    code, steps, summary, seconds, _ = run_check(
+        tmp_path, GPU_CHECK_DEADLINE="14", GPU_CHECK_RESERVE="4", GPU_CHECK_MIN_STEP="3",
+        SIM_PYTEST_gpu_tests="60 3 passed in 60.0s")
+    assert seconds < 14 and code == 1
+    assert steps["gpu-tests"][0] == "fail" and "timed out after" in steps["gpu-tests"][1]
+    for later in ("gpu-attention-tests", "sanitizer-attention-synccheck", "attention-benchmark",
+                  "serving-benchmark-float16"):
+        assert steps[later] == ("skip", "no time left (GPU_CHECK_DEADLINE=14)"), later
+    assert "| gpu-tests | fail |" in summary
+
+
+def test_a_test_step_in_which_no_test_ran_fails(tmp_path):
+    code, steps, _, _, _ = run_check(tmp_path, GPU_CHECK_ONLY="gpu-attention-tests",
+                                     SIM_PYTEST_gpu_attention_tests="0 28 skipped in 2.0s")
+    assert code == 1 and steps["gpu-attention-tests"][0] == "fail"
+    assert "no test ran on the GPU: 28 skipped" in steps["gpu-attention-tests"][1]
+
+
+def test_a_gpu_probe_that_fails_is_a_failure_not_a_machine_without_a_gpu(tmp_path):
+    code, steps, _, _, _ = run_check(tmp_path, SIM_PROBE_FAILS="1")
+    assert code == 1 and steps["gpu-probe"][0] == "fail" and "ImportError: library built wrong" in steps["gpu-probe"][1]
+    assert steps["gpu-tests"][0] == "skip"
+
+
+def test_a_machine_without_a_gpu_skips_the_gpu_steps_and_passes(tmp_path):
+    code, steps, _, _, _ = run_check(tmp_path, SIM_GPU_REASON="no CUDA device is visible")
+    assert code == 0 and steps["gpu-tests"] == ("skip", "no CUDA device is visible")
+    assert steps["host-runner"][0] == "pass"
+
+
+@pytest.mark.parametrize("setting", ["GPU_CHECK_ONLY", "GPU_CHECK_SKIP"])
+def test_a_step_name_the_check_does_not_have_is_refused(tmp_path, setting):
+    code, steps, _, _, stderr = run_check(tmp_path, **{setting: "gpu-tests sanitizer-memchek"})
+    assert code == 2 and not steps and "name sanitizer-memchek, which is no step of this check" in stderr
