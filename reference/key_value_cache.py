@@ -4,7 +4,7 @@ import numpy as np
 
 from .layout import canonical_view
 from .quantize import dequantize, quantize
-from .validate import Attributes, effective_scale, validate_call
+from .validate import Attributes, check_writable, effective_scale, validate_call
 
 
 def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
@@ -23,6 +23,7 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     scale = effective_scale(scale, quant_bit)
     plan = validate_call(*current, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
                          cache, scale, attrs)
+    check_writable(cache=cache, scale=scale)
     # Canonical (L, 2, H, MaxT, last) views of this layer: [kv][h, slot, :] writes into cache / scale.
     layer_cache = canonical_view(cache, cache_layout)[layer_idx]
     layer_scale = None if scale is None else canonical_view(scale, cache_layout)[layer_idx]

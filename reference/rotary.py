@@ -5,7 +5,7 @@ import numpy as np
 from .dtypes import CACHE_TYPE_FOR_QUANT_BIT, T1_TYPES, dtype_name
 from .layout import canonical_view
 from .quantize import dequantize, quantize
-from .validate import Attributes, check_attributes, check_tensors, effective_scale, fail
+from .validate import Attributes, check_attributes, check_tensors, check_writable, effective_scale, fail
 
 
 def rotary_shift_tables(deltas, rotary_dim: int, theta: float = 10000.0) -> tuple:
@@ -88,6 +88,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
         fail(f"cache dtype must be {dtype_name(CACHE_TYPE_FOR_QUANT_BIT[quant_bit])} for quant_bit={quant_bit}, "
              f"got {dtype_name(cache.dtype)}")
     slots, rotary = _check(cache, scale, slots, cos, sin, a, rotary_dim)
+    check_writable(cache=cache, scale=scale)
     keys = canonical_view(cache, cache_layout)[layer_idx, 0]  # (H, MaxT, Dh)
     rows = keys[:, slots, :]
     if quant_bit:

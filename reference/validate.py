@@ -165,6 +165,15 @@ def check_tensors(current_key, current_value, cache, scale, a: Attributes) -> tu
     return heads, head_dim, max_t
 
 
+def check_writable(**arrays) -> None:
+    """Every array an op writes in place can be written: a read-only one (``np.memmap(mode="r")``, a view of
+    bytes, ``setflags(write=False)``) is refused before any write, so the other is not left written either. Checked
+    by the ops after :func:`validate_call` (which plans read-only calls too: the validation kit's)."""
+    for name, array in arrays.items():
+        if isinstance(array, np.ndarray) and not array.flags.writeable:
+            fail(f"{name} is read-only, but the op writes it in place (pass a writable array)")
+
+
 def _offset_slots(b, base, max_t, touched_end, positions):
     """cache_mode 0: slot = cachestarts[b] + position, for every touched position."""
     if touched_end and (base < 0 or base > max_t - touched_end):
