@@ -126,3 +126,16 @@ def test_an_op_asked_for_that_the_backend_lacks_is_refused_by_name(capsys, monke
     assert main(["fuzz", "--backend", "planted_backends:correct", "--op", "kv", "--op", "attention",
                  "--examples", "4"]) == 2
     assert "the backend does not provide MultiHeadAttention" in capsys.readouterr().err
+
+
+def test_fuzz_takes_every_form_of_backend_validate_takes(monkeypatch):
+    """A name, a callable with the reference's KeyValueCache signature and a module path, as validate takes them:
+    the reference and a correct callable show no disagreement, a planted bug given by its path is found."""
+    monkeypatch.chdir(TESTS)
+    monkeypatch.syspath_prepend(str(TESTS))
+    from kvcache_op.reference import key_value_cache
+
+    assert fuzz("reference", examples=6, seed=0).failure is None
+    assert fuzz(key_value_cache, examples=6, seed=0).failure is None
+    found = fuzz("planted_backends:gqa_tiled", examples=EXAMPLES, seed=0, kinds=("valid",))
+    assert found.failure is not None and SIGNS["gqa_tiled"](*found.failure)

@@ -122,10 +122,26 @@ def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, c
 def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid", "invalid"),
          tolerance: str = "exact", out=None, backend_spec=None, backend_options=None) -> FuzzResult:
     """Draws ``examples`` calls of ``ops`` (default: every op ``backend`` provides; ``ValueError`` for an op asked for
-    that it does not provide), shared between the kinds of call in ``kinds``, runs each through ``backend`` (a backend object, kvcache_op.validation.backends) and the
+    that it does not provide), shared between the kinds of call in ``kinds``, runs each through ``backend`` and the
     reference from hypothesis seed ``seed``, and shrinks the first disagreement of each kind; when ``out`` is
     given, writes their reproducer there (``backend_spec`` and ``backend_options`` say how ``reproduce.py``
-    loads the backend again)."""
+    loads the backend again; a backend given by name is loaded again by that name). ``backend`` takes every form
+    :func:`~kvcache_op.validation.validate` takes: a name (``reference``, ``ort``, ``module:function``), a callable
+    with the reference's KeyValueCache signature, an object with the reference's function names, or a backend
+    object (kvcache_op.validation.backends)."""
+    from .validate import as_backend
+
+    runner = as_backend(backend)
+    if backend_spec is None and isinstance(backend, str):
+        backend_spec = backend
+    try:
+        return _fuzz(runner, examples, seed, ops, kinds, tolerance, out, backend_spec, backend_options)
+    finally:
+        if runner is not backend:
+            runner.close()
+
+
+def _fuzz(backend, examples, seed, ops, kinds, tolerance, out, backend_spec, backend_options) -> FuzzResult:
     if examples < 1:
         raise ValueError(f"examples must be >= 1, got {examples}")
     missing = [op for op in (ops or ()) if op not in backend.ops]
