@@ -6,7 +6,7 @@ text (whole characters only; stop strings across token edges).
 It may import ``kvcache_op.manager``, ``kvcache_op.ort_ops``, ``kvcache_op.spec`` and ``kvcache_op.reference``."""
 
 from .engine import Engine
-from .sampling import SamplingParams
+from .sampling import SamplingParams, TokenLogprobs
 from .model_info import ModelInfo
 from .online import EngineBusy, RequestHandle
 from .ort_runner import ModelRunner, default_providers
@@ -14,4 +14,4 @@ from .step_feeds import step_feeds
 from .text import StopMatcher, TextStream
 
 __all__ = ["Engine", "EngineBusy", "ModelInfo", "RequestHandle", "SamplingParams", "ModelRunner", "StopMatcher",
-           "TextStream", "default_providers", "step_feeds"]
+           "TextStream", "TokenLogprobs", "default_providers", "step_feeds"]
