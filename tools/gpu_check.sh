@@ -36,7 +36,7 @@
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
 # where the kernel stalls).
 # A test step passes when pytest passes and ran at least one test (every test skipped proves nothing on a GPU).
-# Exit status: 0 when no step failed.
+# Exit status: 0 when no step failed and none was left out for want of time.
 set -u -o pipefail
 
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -75,16 +75,19 @@ step() {
 }
 
 # limit_for REQUESTED: the seconds a step may take, REQUESTED cut to the time GPU_CHECK_DEADLINE leaves (less the
-# reserve); prints nothing (and fails) when that is under GPU_CHECK_MIN_STEP.
+# reserve); prints nothing (and fails) when the time left, being less than REQUESTED, is under GPU_CHECK_MIN_STEP.
 limit_for() {
   local limit=$1
   if [ -n "$DEADLINE" ]; then
     local left=$(( START + DEADLINE - RESERVE - $(date +%s) ))
-    if [ "$left" -lt "$limit" ]; then limit=$left; fi
-    if [ "$limit" -lt "$MIN_STEP" ]; then return 1; fi
+    if [ "$left" -lt "$limit" ]; then
+      if [ "$left" -lt "$MIN_STEP" ]; then return 1; fi
+      limit=$left
+    fi
   fi
   echo "$limit"
 }
+NO_TIME="no time left (GPU_CHECK_DEADLINE=$DEADLINE)"  # a step not started for want of time: the check fails
 
 # OUTDIR/summary.md, with the seconds since the start in OUTDIR/seconds.txt.
 summarize() { echo $(( $(date +%s) - START )) >"$OUT/seconds.txt"; "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"; }
@@ -105,14 +108,16 @@ run_pytest() {
   local name=$1 requested=$2 limit began
   shift 2
   if skipped "$name"; then return 0; fi
-  if ! limit=$(limit_for "$requested"); then step "$name" skip "no time left (GPU_CHECK_DEADLINE=$DEADLINE)"; return 0; fi
+  if ! limit=$(limit_for "$requested"); then step "$name" skip "$NO_TIME"; return 0; fi
   began=$(date +%s)
   local workers=($(xdist_args "${XDIST:-}"))
   (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
       --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   local tail_line
-  tail_line=$(grep -E '(passed|failed|error|skipped|no tests ran)' "$OUT/logs/$name.log" | tail -1)
+  # pytest's own summary line ("3 passed, 1 skipped in 2.0s"), not a later line of the sanitizer ("ERROR SUMMARY")
+  tail_line=$(grep -E '^(=+ )?([0-9]+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)|no tests ran)' \
+              "$OUT/logs/$name.log" | tail -1)
   if [ $rc -eq 124 ]; then tail_line="timed out after $limit s; $tail_line"; fi
   if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ passed' <<<"$tail_line"; then
     step "$name" fail "no test ran on the GPU: $tail_line (logs/$name.log)" "$began"
@@ -145,7 +150,7 @@ run_benchmark() {
   local name=$1 limit folder=$3 table=$4 module=$5
   local began
   if skipped "$name"; then return 0; fi
-  if ! limit=$(limit_for "$2"); then step "$name" skip "no time left (GPU_CHECK_DEADLINE=$DEADLINE)"; return 0; fi
+  if ! limit=$(limit_for "$2"); then step "$name" skip "$NO_TIME"; return 0; fi
   began=$(date +%s)
   # $module may carry arguments after the module name (split on spaces)
   if timeout "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
@@ -175,7 +180,11 @@ fi
 # every core: the kernels compile in many files (CMakeLists.txt), the largest of them 68-85 s on one core of a 2-core
 # machine; GPU_CHECK_BUILD_LIMIT seconds at most (default 480)
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$CORES}
-BUILD_LIMIT=$(limit_for "${GPU_CHECK_BUILD_LIMIT:-480}") || BUILD_LIMIT=60
+if ! BUILD_LIMIT=$(limit_for "${GPU_CHECK_BUILD_LIMIT:-480}"); then
+  step build fail "$NO_TIME"
+  summarize
+  exit 1
+fi
 timeout "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" \
   "$ROOT" >"$OUT/logs/build.log" 2>&1
 BUILD_RC=$?
@@ -272,7 +281,8 @@ else
     PREFILL_CASE=$(grep -m1 "mha prefill .* float16 packed$" <<<"$LISTED" | cut -d: -f1)
     PREFILL2_CASE=$(grep -m1 "mha prefill .* float16 packed tensor-core kernel in registers$" <<<"$LISTED" | cut -d: -f1)
     for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-} ${PREFILL2_CASE:-}; do
-      if [ -x "$NCU" ] && timeout 180 "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
+      if ! NCU_LIMIT=$(limit_for 180); then step "attention-ncu-$case" skip "$NO_TIME"; continue; fi
+      if [ -x "$NCU" ] && timeout "$NCU_LIMIT" "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
           --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel|MmaKernel|MmaRegKernel" \
           --launch-skip 2 --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case "$case" \
@@ -319,4 +329,4 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
 fi
 
 summarize
-! grep -q $'\tfail\t' "$STEPS"
+! grep -q -e $'\tfail\t' -e $'\tskip\t'"$NO_TIME" "$STEPS"
