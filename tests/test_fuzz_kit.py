@@ -139,3 +139,14 @@ def test_fuzz_takes_every_form_of_backend_validate_takes(monkeypatch):
     assert fuzz(key_value_cache, examples=6, seed=0).failure is None
     found = fuzz("planted_backends:gqa_tiled", examples=EXAMPLES, seed=0, kinds=("valid",))
     assert found.failure is not None and SIGNS["gqa_tiled"](*found.failure)
+
+
+def test_a_named_backend_is_loaded_with_its_options_and_a_reproducer_needs_a_name(tmp_path):
+    """The options reach the backend fuzzed (not only the reproducer): an execution provider ONNX Runtime does not
+    have is refused, not fuzzed on the default one; a function given without its name cannot be reproduced."""
+    from kvcache_op.validation.backends import BackendLoadError
+
+    with pytest.raises(BackendLoadError):
+        fuzz("ort", examples=2, backend_options={"provider": "NoSuchExecutionProvider"})
+    with pytest.raises(ValueError, match="give backend_spec"):
+        fuzz(planted_backends.gqa_tiled, examples=2, out=tmp_path / "repro")

@@ -128,12 +128,17 @@ def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid
     loads the backend again; a backend given by name is loaded again by that name). ``backend`` takes every form
     :func:`~kvcache_op.validation.validate` takes: a name (``reference``, ``ort``, ``module:function``), a callable
     with the reference's KeyValueCache signature, an object with the reference's function names, or a backend
-    object (kvcache_op.validation.backends)."""
+    object (kvcache_op.validation.backends); a name is loaded with ``backend_options`` (``ort_library``,
+    ``provider``, ``provider_options``). A reproducer (``out``) needs a backend reproduce.py can load: a name, or
+    ``backend_spec`` for one given otherwise (``ValueError`` before any fuzzing)."""
     from .validate import as_backend
 
-    runner = as_backend(backend)
-    if backend_spec is None and isinstance(backend, str):
-        backend_spec = backend
+    if isinstance(backend, str):
+        backend_spec = backend_spec or backend
+    elif out is not None and backend_spec is None and not (hasattr(backend, "run") and hasattr(backend, "ops")):
+        raise ValueError("a reproducer loads the backend by name: give backend_spec ('module:function') with out, "
+                         "or pass the backend by that name")
+    runner = as_backend(backend, **(backend_options or {})) if isinstance(backend, str) else as_backend(backend)
     try:
         return _fuzz(runner, examples, seed, ops, kinds, tolerance, out, backend_spec, backend_options)
     finally:
