@@ -14,11 +14,14 @@ import collections
 import contextlib
 import functools
 import itertools
+import logging
 import threading
 import time
 
 from ..manager.identity import salt_bytes
 from .sampling import SamplingParams
+
+log = logging.getLogger("kvcache_op.serving")
 
 
 class EngineBusy(RuntimeError):
@@ -352,12 +355,12 @@ class OnlineEngine:
             try:
                 self.manager.abort(outstanding)
             except Exception:  # noqa: BLE001 - as below: every request still gets its answer
-                pass
+                log.exception("the failed step could not be aborted: the cache manager may refuse later steps")
         for q in self._online_running:
             try:
                 self.manager.finish(q.index)
             except Exception:  # noqa: BLE001 - a manager that failed already: every request still gets its answer
-                pass
+                log.exception("a failed step's request %s could not release its pages", q.index)
         for q in list(self._online_waiting) + self._online_running:
             q.handle._finish("error", error)
         self._online_waiting.clear()

@@ -296,10 +296,11 @@ def test_a_roll_back_that_fails_too_still_finishes_every_request_and_frees_its_p
 
 
 def test_a_failure_readying_a_greedy_run_rolls_its_step_back_and_the_engine_goes_on(path, lone):
-    """The graph of greedy runs fails to load once, after the manager planned the run's steps: the requests of that
-    step fail, the manager is not left with the step outstanding (it refused every later step: no request could run
-    again) and later requests are served as alone, with no page kept."""
-    engine = Engine(path, num_pages=32)
+    """The graph of greedy runs fails to load once, after the manager planned the run's steps: the request of that
+    step fails, the one queued behind it (another caller's, ``max_running=1``) is served as alone (the step was rolled
+    back: only the requests it ran fail), the manager is not left with the step outstanding (it refused every later
+    step: no request could run again) and later requests are served as alone, with no page kept."""
+    engine = Engine(path, num_pages=32, max_running=1)
     greedy_steps, armed = engine.runner.greedy_steps, threading.Event()
 
     def fails_once():
@@ -308,11 +309,15 @@ def test_a_failure_readying_a_greedy_run_rolls_its_step_back_and_the_engine_goes
             raise MemoryError("no memory for the greedy graph, once")
         return greedy_steps()
     engine.runner.greedy_steps = fails_once
-    armed.set()
-    failed = engine.submit(PROMPTS[0], SamplingParams(max_tokens=8))
+    with engine._lock:  # both queued before the engine looks: the second waits for the first's place
+        armed.set()
+        failed = engine.submit(PROMPTS[0], SamplingParams(max_tokens=8))
+        queued = engine.submit(PROMPTS[2], SamplingParams(max_tokens=8))
     with pytest.raises(MemoryError, match="once"):
         failed.result(timeout=60)
-    assert failed.finish_reason == "error" and engine.manager.outstanding_plan is None
+    with engine._lock:  # between two steps (a step's plan is outstanding only while it runs, under the lock)
+        assert failed.finish_reason == "error" and engine.manager.outstanding_plan is None
+    assert queued.result(timeout=60) == lone[2] and queued.finish_reason == "length"
     assert [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)).result(timeout=60) for i in (1, 3)] == \
         [lone[1], lone[3]]
     engine.close(timeout=30)
@@ -337,7 +342,8 @@ def test_a_failure_after_planning_that_no_roll_back_reaches_leaves_no_step_outst
     armed.set()
     with pytest.raises(RuntimeError, match="fell over after the manager planned"):
         handle.result(timeout=60)
-    assert engine.manager.outstanding_plan is None
+    with engine._lock:
+        assert engine.manager.outstanding_plan is None
     assert [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)).result(timeout=60) for i in (1, 3)] == \
         [lone[1], lone[3]]
     engine.close(timeout=30)
