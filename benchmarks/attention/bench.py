@@ -27,7 +27,7 @@ import numpy as np
 from ...arguments import OneLineParser, at_least, out_folder
 
 from ..bound_session import aligned_empty, bound_run
-
+from ..environment import recorded_command
 from ..timing import cpu_device, median_seconds
 
 
@@ -308,7 +308,7 @@ def main(argv=None) -> int:
     if args.probe:  # one memory measurement, in this fresh process
         print(probe_memory(args.probe[0], Shape(**json.loads(args.probe[1])), args.threads))
         return 0
-    command = "python -m kvcache_op.benchmarks.attention.bench " + " ".join(argv)
+    command = recorded_command("kvcache_op.benchmarks.attention.bench", argv)
     rows = bench(args)
     if args.out:
         write_results(rows, args.out, command, cpu_device())

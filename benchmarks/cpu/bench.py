@@ -15,7 +15,6 @@ cuda`` runs it).
 
 import argparse
 import json
-import os
 import pathlib
 import sys
 
@@ -25,6 +24,7 @@ from ...arguments import OneLineParser, at_least, out_folder
 
 from ..bound_session import aligned_empty
 from ..chart import paired_bar_chart
+from ..environment import recorded_command
 from ..kv_shapes import SHAPES, QUICK_SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner, plain_runner
 from ..timing import cpu_device, kernel_build, median_seconds, ort_version
 from .standard_ops import (LAYOUTS, OFFSET_LAYOUTS, baseline_runner, offset_baseline_runner,
@@ -190,9 +190,7 @@ def main(argv=None) -> int:
                              "them, 16 as numpy's large arrays start (the kernel must run as fast at either)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: checks the tool runs, measures nothing")
     args = parser.parse_args(argv)
-    # Settings that change what runs: another build of the library, BLAS threads competing for the cores.
-    env = " ".join(f"{k}={os.environ[k]}" for k in ("KVCACHE_OP_LIBRARY", "KVCACHE_OP_CPU_KERNEL", "OPENBLAS_NUM_THREADS") if k in os.environ)
-    command = (env + " " if env else "") + "python -m kvcache_op.benchmarks.cpu.bench " + " ".join(argv)
+    command = recorded_command("kvcache_op.benchmarks.cpu.bench", argv)
     rows = bench_cpu(args)
     if args.out:
         write_results(rows, args.out, command, cpu_device() + kernel_build(), args.output_offset)

@@ -47,13 +47,12 @@ Figures, per case:
 
 import argparse
 import dataclasses
-import shlex
 import sys
 
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
-from ..environment import environment
+from ..environment import environment, recorded_command
 
 QUANT_GROUP = 8
 SCALE_TYPE = "float16"
@@ -414,7 +413,7 @@ def main(argv=None) -> int:
         return 2
     import torch
 
-    command = "python -m kvcache_op.benchmarks.gpu.attention " + shlex.join(argv)
+    command = recorded_command("kvcache_op.benchmarks.gpu.attention", argv)
     device = torch.cuda.get_device_name()
     print(f"Attention CUDA benchmark on {device} (torch {torch.__version__})", flush=True)
     rows = []

@@ -36,7 +36,6 @@ time / op time (1.0: the op moves its bytes as fast as a plain copy); ``vs torch
 
 import argparse
 import dataclasses
-import shlex
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ from ...arguments import OneLineParser, at_least, out_folder
 
 from ...reference.dtypes import BFLOAT16
 from ...validation.call_slots import call_slots
+from ..environment import recorded_command
 from ..kv_shapes import QUICK_SHAPES, Shape, bytes_moved_parts, make_indices
 
 #: numpy dtype of each T1 the benchmark runs, by name (also torch's name of it).
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
 
     from .report import write_results
 
-    command = "python -m kvcache_op.benchmarks.gpu.bench " + shlex.join(argv)
+    command = recorded_command("kvcache_op.benchmarks.gpu.bench", argv)
     device = torch.cuda.get_device_name()
     print(f"KeyValueCache CUDA benchmark on {device} (torch {torch.__version__})", flush=True)
     print(HEADER, flush=True)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 
+from ..environment import recorded_command
 from . import workloads as work
 
 ARRAYS = "manager, schedule_decode"
@@ -280,7 +281,7 @@ def main(argv=None) -> int:
             baseline = work.load_manager_class(args.baseline)
         except (OSError, ImportError, AttributeError) as error:
             parser.error(f"--baseline {args.baseline}: {error}")
-    command = "python -m kvcache_op.benchmarks.manager.bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = recorded_command("kvcache_op.benchmarks.manager.bench", list(sys.argv[1:] if argv is None else argv))
     load_at_start = load_average()
     from ...manager import KVCacheManager
 

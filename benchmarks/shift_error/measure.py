@@ -15,6 +15,7 @@ import sys
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
+from ..environment import recorded_command
 
 
 def _rope64(raw, positions, theta=10000.0):
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=at_least(1), default=256)
     parser.add_argument("--out", type=out_folder)
     args = parser.parse_args(argv)
-    command = "python -m kvcache_op.benchmarks.shift_error.measure " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = recorded_command("kvcache_op.benchmarks.shift_error.measure", list(sys.argv[1:] if argv is None else argv))
     rows = measure(args.shifts, args.delta, args.tokens)
     lines = [f"# Repeated shift-RoPE-K vs re-evaluation (relative RMS error of the stored keys)", "",
              f"Command: `{command}`", "",
