@@ -3,6 +3,7 @@
 import contextlib
 import os
 import shlex
+import sys
 
 
 @contextlib.contextmanager
@@ -42,8 +43,10 @@ CUDA_SWITCHES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACH
 RECORDED_SETTINGS = frozenset(CPU_SWITCHES) | frozenset(CUDA_SWITCHES) | {"KVCACHE_OP_LIBRARY", "OPENBLAS_NUM_THREADS"}
 
 
-def recorded_command(module: str, argv: list) -> str:
-    """``python -m module ARGV`` as a results file records it, behind the settings in force that change what runs
-    (:data:`RECORDED_SETTINGS`); every word shell-quoted."""
+def recorded_command(module: str, argv=None) -> str:
+    """``python -m module ARGV`` as a results file records it (``argv`` None: the process's own arguments), behind
+    the settings in force that change what runs (:data:`RECORDED_SETTINGS`); every word shell-quoted, so the line
+    can be run again."""
+    argv = sys.argv[1:] if argv is None else argv
     env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k in RECORDED_SETTINGS]
     return " ".join(env + [f"python -m {module}"] + [shlex.quote(a) for a in argv])

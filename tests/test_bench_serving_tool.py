@@ -61,7 +61,7 @@ def test_results_record_a_command_that_runs_again(tmp_path):
     """The command is recorded shell-quoted: a word with a space stays one word."""
     import shlex
 
-    from kvcache_op.benchmarks.serving.report import command_line
+    from kvcache_op.benchmarks.environment import recorded_command
 
-    words = shlex.split(command_line("kvcache_op.benchmarks.serving.peers", ["--rows", "1 x 128", "--out", "a b"]))
+    words = shlex.split(recorded_command("kvcache_op.benchmarks.serving.peers", ["--rows", "1 x 128", "--out", "a b"]))
     assert words[words.index("--rows") + 1] == "1 x 128" and words[-1] == "a b"

@@ -21,12 +21,9 @@ pool would take the cores from the next method); each figure is the median over 
     python -m kvcache_op.benchmarks.attention.fused --out benchmarks/attention/fused
 """
 
-import argparse
 import dataclasses
 import json
-import pathlib
 import statistics
-import sys
 
 import numpy as np
 
@@ -291,7 +288,7 @@ def main(argv=None) -> int:
               + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
                  if args.shared_pages else "")
               + (f"; other build: {args.against}" if args.against else ""))
-    command = recorded_command("kvcache_op.benchmarks.attention.fused", sys.argv[1:] if argv is None else argv)
+    command = recorded_command("kvcache_op.benchmarks.attention.fused", argv)
     text = report(results, header)
     print(text)
     if args.out:

@@ -24,7 +24,8 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 from ..serving.peers import PEER_MODELS, agreement, run_kvcache_op, run_transformers
-from ..serving.report import command_line, publish
+from ..environment import recorded_command
+from ..serving.report import pages_for, publish
 from ..timing import ort_version
 from .bench import missing_requirements
 
@@ -70,7 +71,7 @@ def measure(args, folder: str, progress) -> dict:
     times = {"kvcache-op": [], "transformers": []}
     tokens = {}
     providers = ["CUDAExecutionProvider"] if args.device == "cuda" else ["CPUExecutionProvider"]
-    pages = args.requests * -(-(args.prompt_tokens + args.new_tokens) // 16) + 16
+    pages = args.requests * pages_for(args.prompt_tokens + args.new_tokens) + 16
     for repeat in range(args.repeats):
         progress(f"repeat {repeat + 1}/{args.repeats}")
         tokens["kvcache-op"], t = run_kvcache_op(path, prompts, args.new_tokens, pages, providers)
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
         import torch
 
         device = torch.cuda.get_device_name()
-    result["header"] = (f"Command: `{command_line('kvcache_op.benchmarks.gpu.serving', argv).strip()}` — {device}, "
+    result["header"] = (f"Command: `{recorded_command('kvcache_op.benchmarks.gpu.serving', argv)}` — {device}, "
                         f"onnxruntime {ort_version()}; {args.dtype} Llama {result['model']['hidden_size']}x"
                         f"{result['model']['num_hidden_layers']} with random weights, greedy, medians of "
                         f"{args.repeats}; "

@@ -281,7 +281,7 @@ def main(argv=None) -> int:
             baseline = work.load_manager_class(args.baseline)
         except (OSError, ImportError, AttributeError) as error:
             parser.error(f"--baseline {args.baseline}: {error}")
-    command = recorded_command("kvcache_op.benchmarks.manager.bench", list(sys.argv[1:] if argv is None else argv))
+    command = recorded_command("kvcache_op.benchmarks.manager.bench", argv)
     load_at_start = load_average()
     from ...manager import KVCacheManager
 

@@ -20,7 +20,8 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 from ..timing import cpu_device, ort_version
-from .report import check_fits, command_line, publish
+from ..environment import recorded_command
+from .report import check_fits, pages_for, publish
 
 #: Tokens of each prompt's own after the shared system prompt (or, ``distinct``, its own long part).
 OWN_TOKENS = 16
@@ -46,7 +47,7 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
     system = rng.integers(0, model.config.vocab_size, context - OWN_TOKENS).tolist()
     prompts = [(rng.integers(0, model.config.vocab_size, context - OWN_TOKENS).tolist() if distinct else system) +
                rng.integers(0, model.config.vocab_size, OWN_TOKENS).tolist() for _ in range(requests)]
-    pages_each = -(-(context + decode_steps) // 16)
+    pages_each = pages_for(context + decode_steps)
     engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=2 * context, max_running=requests,
                     intra_op_num_threads=threads, trace_steps=True, decode_steps=1)
     engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1))
@@ -123,7 +124,7 @@ def main(argv=None) -> int:
                       f"~{args.context} keys) ...", file=sys.stderr)
                 rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder, fused,
                                     args.distinct))
-    command = command_line("kvcache_op.benchmarks.serving.bench", argv)
+    command = recorded_command("kvcache_op.benchmarks.serving.bench", argv)
     result = {"command": command, "machine": cpu_device(), "onnxruntime": ort_version(), "requests": args.requests,
               "threads": args.threads, "rows": rows}
     publish(args.out, "Serving: per-step cost", result, table(rows, command, args.requests, args.threads))

@@ -15,23 +15,17 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 from ...arguments import OneLineParser, at_least, out_folder, positive_seconds
+from ..environment import recorded_command
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
-from .report import command_line, ms, publish
+from .report import arrivals, ms, publish
 from .online import percentiles
 
 SYSTEM_PROMPTS = ["You are a careful assistant. Answer briefly and cite the cache page you read. " * 2,
                   "You translate the user's words into French, keeping the accents: café, naïve, résumé. " * 2,
                   "You summarize text about paged attention, prefix caching and quantized keys. " * 2,
                   "You are a tutor. The quick brown fox jumps over the lazy dog; explain each word. " * 2]
-
-
-def arrivals(requests: int, rate: float, seed: int = 1) -> np.ndarray:
-    """The send times (s from the start) of ``requests`` Poisson arrivals at ``rate`` per second."""
-    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, requests))
 
 
 async def drive(url: str, api_key: str, requests: int, rate: float, max_tokens: int, time_limit: float,
@@ -128,8 +122,8 @@ def main(argv=None) -> int:
                            lifetime=3 * args.time_limit + 120) as server:
             print(f"load: {args.requests} requests at {args.rate}/s on {server.url} ...", file=sys.stderr, flush=True)
             load = asyncio.run(drive(server.url, key, args.requests, args.rate, args.max_tokens, args.time_limit))
-    command = command_line("kvcache_op.benchmarks.serving.http_load", argv)
-    result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; server and "
+    command = recorded_command("kvcache_op.benchmarks.serving.http_load", argv)
+    result = {"header": f"Command: `{command}` — {cpu_device()}, onnxruntime {ort_version()}; server and "
                         f"client on one machine (loopback); {args.model} Llama ({model.config.num_hidden_layers} x "
                         f"{model.config.hidden_size}), streamed chat requests over 4 shared system prompts, "
                         f"{args.max_tokens} new tokens each",

@@ -17,7 +17,8 @@ import numpy as np
 from ...arguments import OneLineParser, at_least, out_folder
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
-from .report import command_line, publish
+from ..environment import recorded_command
+from .report import pages_for, publish
 
 
 #: Tokens of each round's prompt.
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
     prompts = [rng.integers(0, model.config.vocab_size, PROMPT_TOKENS).tolist() for _ in range(args.rounds + 1)]
     with tempfile.TemporaryDirectory() as folder:
         path = export_model(model, os.path.join(folder, f"{args.model}.onnx"))
-        pages = 2 * -(-(PROMPT_TOKENS + args.tokens + max(settings)) // 16)  # room for every planned step's pages
+        pages = 2 * pages_for(PROMPT_TOKENS + args.tokens + max(settings))  # room for every planned step's pages
         engines = {k: Engine(path, num_pages=pages, decode_steps=k) for k in settings}
         for engine in engines.values():  # warm: the first step of a session is slow
             engine.generate([prompts[-1]], 8, params=SamplingParams(max_tokens=8, ignore_eos=True))
@@ -85,10 +86,11 @@ def main(argv=None) -> int:
             print(f"round {r + 1} of {args.rounds} ...", file=sys.stderr, flush=True)
             for k, engine in engines.items():
                 rounds[k].append(measure(engine, prompts[r], args.tokens))
-    command = command_line("kvcache_op.benchmarks.serving.one_stream", argv)
-    result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} "
-                        f"Llama ({model.config.num_hidden_layers} x {model.config.hidden_size}), one request: {PROMPT_TOKENS} "
-                        f"prompt tokens (a fresh prompt each round: no prefix cache hits) + {args.tokens} greedy tokens, {args.rounds} interleaved rounds",
+    command = recorded_command("kvcache_op.benchmarks.serving.one_stream", argv)
+    result = {"header": f"Command: `{command}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
+                        f"({model.config.num_hidden_layers} x {model.config.hidden_size}), one request: "
+                        f"{PROMPT_TOKENS} prompt tokens (a fresh prompt each round: no prefix cache hits) + "
+                        f"{args.tokens} greedy tokens, {args.rounds} interleaved rounds",
               "rounds": rounds}
     publish(args.out, "The engine's host work on one stream", result, table(result))
     return 0

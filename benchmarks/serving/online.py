@@ -16,9 +16,10 @@ import time
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
+from ..environment import recorded_command
 from ..timing import cpu_device, ort_version
 from .bench import MODELS
-from .report import check_fits, command_line, ms, publish
+from .report import arrivals, check_fits, ms, publish
 
 
 #: A request's prompt: one of 4 shared system prompts of 64 tokens, then 16 of its own.
@@ -47,13 +48,12 @@ def run_online(engine, prompts: list, rate: float, max_tokens: int, seed: int = 
     an exception of the client is raised here, not left behind in its thread."""
     from ...serving import SamplingParams
 
-    gaps = np.random.default_rng(seed).exponential(1.0 / rate, len(prompts))
     handles, sent, failed = [], [], []
 
     def client():
         try:
             start = time.perf_counter()
-            for prompt, due in zip(prompts, np.cumsum(gaps)):
+            for prompt, due in zip(prompts, arrivals(len(prompts), rate, seed)):
                 delay = start + due - time.perf_counter()
                 if delay > 0:
                     time.sleep(delay)
@@ -138,8 +138,8 @@ def main(argv=None) -> int:
         online_engine.close(timeout=60)
         print("batch: the same requests in one generate call ...", file=sys.stderr, flush=True)
         batch = run_batch(Engine(path, num_pages=args.num_pages, decode_steps=args.decode_steps), prompts, args.max_tokens)
-    command = command_line("kvcache_op.benchmarks.serving.online", argv)
-    result = {"header": f"Command: `{command.strip()}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
+    command = recorded_command("kvcache_op.benchmarks.serving.online", argv)
+    result = {"header": f"Command: `{command}` — {cpu_device()}, onnxruntime {ort_version()}; {args.model} Llama "
                         f"({model.config.num_hidden_layers} x {model.config.hidden_size}), {args.requests} requests of {PROMPT_TOKENS} prompt tokens (4 shared system prompts) + "
                         f"{args.max_tokens} new tokens",
               "online": online, "batch": batch, "online_host_share": host_share(online_engine)}

@@ -19,7 +19,8 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 from ..timing import cpu_device, ort_version
-from .report import command_line, publish
+from ..environment import recorded_command
+from .report import pages_for, publish
 
 PEER_MODELS = {  # name -> Llama sizes (the vocabulary is the tiny checkpoint's tokenizer's)
     "256x4": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
@@ -154,7 +155,7 @@ def measure(name: str, sizes: dict, folder: str, new_tokens: int, repeats: int, 
     for row, prompts in workloads(len(tokenizer)).items():
         if rows and row not in rows:
             continue
-        pages = len(prompts) * -(-(len(prompts[0]) + new_tokens) // 16) + 16
+        pages = len(prompts) * pages_for(len(prompts[0]) + new_tokens) + 16
         times = {"kvcache-op": [], "genai": [], "transformers": []}
         tokens = {}
         for repeat in range(repeats):
@@ -208,7 +209,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for name in args.models:
             rows += measure(name, PEER_MODELS[name], folder, args.new_tokens, args.repeats, args.rows, progress)
-    header = (f"Command: `{command_line('kvcache_op.benchmarks.serving.peers', argv).strip()}` — {cpu_device()}, "
+    header = (f"Command: `{recorded_command('kvcache_op.benchmarks.serving.peers', argv)}` — {cpu_device()}, "
               f"onnxruntime {ort_version()}; fp32 Llamas with random weights (`tiny_checkpoint`), greedy, "
               f"{args.new_tokens} new tokens per request, medians of {args.repeats}; tokens/s = generated tokens / "
               f"wall time including prefill, each system warmed by an untimed {WARM_UP_TOKENS}-token generation first; "

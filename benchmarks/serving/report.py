@@ -1,21 +1,24 @@
-"""What the serving benchmarks share: the command line that made a run, the check that its requests fit the
-engine before anything slow starts, and its table printed and written beside its JSON."""
+"""What the serving benchmarks share: their requests' arrival times and pages, the check that the requests fit the
+engine before anything slow starts, and the table printed and written beside its JSON."""
 
 from __future__ import annotations
 
 import json
-import sys
 
-from ..environment import recorded_command
+import numpy as np
 
 #: The exporter's default page size, which the serving benchmarks' engines take.
 PAGE_SIZE = 16
 
 
-def command_line(module: str, argv) -> str:
-    """``python -m MODULE ARGS`` as it was run (``argv`` None: the process's own arguments), every word
-    shell-quoted behind the kernels' switches in force, so the line can be run again."""
-    return recorded_command(module, list(sys.argv[1:] if argv is None else argv))
+def pages_for(tokens: int) -> int:
+    """The pages of :data:`PAGE_SIZE` that ``tokens`` positions take."""
+    return -(-tokens // PAGE_SIZE)
+
+
+def arrivals(requests: int, rate: float, seed: int = 1) -> np.ndarray:
+    """The send times (s from the start) of ``requests`` Poisson arrivals at ``rate`` per second."""
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, requests))
 
 
 def check_fits(parser, prompt_tokens: int, new_tokens: int, num_pages: int, max_positions: int) -> None:
@@ -25,7 +28,7 @@ def check_fits(parser, prompt_tokens: int, new_tokens: int, num_pages: int, max_
     if prompt_tokens + new_tokens > max_positions:
         parser.error(f"{prompt_tokens} prompt tokens + {new_tokens} new tokens exceed the model's {max_positions} "
                      f"positions")
-    needed = -(-(prompt_tokens + new_tokens - 1) // PAGE_SIZE)
+    needed = pages_for(prompt_tokens + new_tokens - 1)  # the last token is never fed back
     if num_pages is not None and needed > num_pages:
         parser.error(f"{prompt_tokens} prompt tokens + {new_tokens} new tokens need {needed} pages of {PAGE_SIZE}, "
                      f"more than --num-pages {num_pages}")

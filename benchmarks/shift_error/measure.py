@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=at_least(1), default=256)
     parser.add_argument("--out", type=out_folder)
     args = parser.parse_args(argv)
-    command = recorded_command("kvcache_op.benchmarks.shift_error.measure", list(sys.argv[1:] if argv is None else argv))
+    command = recorded_command("kvcache_op.benchmarks.shift_error.measure", argv)
     rows = measure(args.shifts, args.delta, args.tokens)
     lines = [f"# Repeated shift-RoPE-K vs re-evaluation (relative RMS error of the stored keys)", "",
              f"Command: `{command}`", "",
