@@ -154,13 +154,16 @@ def exported(served_checkpoint, tmp_path_factory):
 
 def served_app(exported, tokenizer, api_key=None, engine_options=None, **limits):
     """The server's FastAPI app in this process, over a fresh engine on ``exported`` (64 pages unless
-    ``engine_options`` say otherwise) serving as "tiny"; ``limits``: ServerLimits fields."""
+    ``engine_options`` say otherwise; the tests find it at ``app.state.engine``) serving as "tiny"; ``limits``:
+    ServerLimits fields."""
     from kvcache_op.serving import Engine
     from kvcache_op.serving.server import ServerLimits, create_app
     from kvcache_op.serving.tokenizer import PlainText
 
     engine = Engine(exported, tokenizer=PlainText(tokenizer), **{"num_pages": 64, **(engine_options or {})})
-    return create_app(engine, tokenizer, model_name="tiny", api_key=api_key, limits=ServerLimits(**limits))
+    app = create_app(engine, tokenizer, model_name="tiny", api_key=api_key, limits=ServerLimits(**limits))
+    app.state.engine = engine
+    return app
 
 
 @pytest.fixture(scope="session")

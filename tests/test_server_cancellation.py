@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("transformers")
 
+from conftest import served_app  # noqa: E402
+
 MAX_TOKENS = 900  # far more than the test waits for: a request left running is still running when looked at
 
 
@@ -43,13 +45,8 @@ def _body_then_silence(payload: bytes):
 @pytest.fixture
 def app_and_handles(exported, served_checkpoint):
     """The app over a fresh engine whose submits are recorded (the handles the app holds)."""
-    from kvcache_op.serving import Engine
-    from kvcache_op.serving.server import create_app
-    from kvcache_op.serving.tokenizer import PlainText
-
-    tokenizer = served_checkpoint[2]
-    engine = Engine(exported, tokenizer=PlainText(tokenizer), num_pages=64, decode_steps=1)
-    app, handles = create_app(engine, tokenizer, model_name="tiny"), []
+    app = served_app(exported, served_checkpoint[2], engine_options={"decode_steps": 1})
+    engine, handles = app.state.engine, []
     submit = engine.submit
 
     def recorded(*args, **kwargs):

@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 pytest.importorskip("transformers")
 
-from conftest import wait_for_metrics  # noqa: E402
+from conftest import served_app, wait_for_metrics  # noqa: E402
 
 BODY = {"model": "tiny", "prompt": "hello world", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
 GRACEFUL_TIMEOUT_S = 20
@@ -22,13 +22,10 @@ GRACEFUL_TIMEOUT_S = 20
 def test_a_draining_server_ends_its_requests_as_whole_replies(exported, served_checkpoint):
     import httpx
     import uvicorn
-    from kvcache_op.serving import Engine
-    from kvcache_op.serving.server import DrainingServer, create_app
-    from kvcache_op.serving.tokenizer import PlainText
+    from kvcache_op.serving.server import DrainingServer
 
-    tokenizer = served_checkpoint[2]
-    engine = Engine(exported, tokenizer=PlainText(tokenizer), num_pages=64, max_running=1)
-    app = create_app(engine, tokenizer, model_name="tiny")
+    app = served_app(exported, served_checkpoint[2], engine_options={"max_running": 1})
+    engine = app.state.engine
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
