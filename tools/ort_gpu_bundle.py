@@ -10,8 +10,8 @@ architecture (sm_75, 80, 86, 89, 90, 120) in fat binaries. ``make`` zeroes the p
 runtime loads the one image matching the device, so on that architecture the library behaves as the wheel's; on any
 other it has no kernels (the bundle's name says which architecture it serves). It also leaves out what the Python
 package does not load: the C-API library ``libonnxruntime.so.*`` (the Python module links ONNX Runtime in), the
-TensorRT provider and the tool subpackages (``transformers``, ``quantization``, ``tools``). The result is one ``.tar.xz`` (about 60 MB) beside ``BUNDLE.json`` (its name, SHA-256, the
-wheel's name and the architecture kept). ``unpack`` checks the hash, refuses on a mismatch, and extracts the
+TensorRT provider and the tool subpackages (``transformers``, ``quantization``, ``tools``). The result is one
+``.tar.xz`` (about 60 MB) beside ``BUNDLE.json`` (its name, SHA-256, the wheel's name and the architecture kept). ``unpack`` checks the hash, refuses on a mismatch, and extracts the
 package folder to put first on ``PYTHONPATH``.
 
 Fat-binary layout (as the CUDA toolchain writes it): a header (magic 0xBA55ED50, u16 version 1, u16 header size 16,

@@ -135,10 +135,10 @@ def fuzz(backend, *, examples: int = 200, seed: int = 0, ops=None, kinds=("valid
 
     if isinstance(backend, str):
         backend_spec = backend_spec or backend
-    elif out is not None and backend_spec is None and not (hasattr(backend, "run") and hasattr(backend, "ops")):
+    runner = as_backend(backend, **(backend_options or {}))  # the options load a name; other forms take none
+    if out is not None and backend_spec is None and runner is not backend:  # a function or object wrapped here
         raise ValueError("a reproducer loads the backend by name: give backend_spec ('module:function') with out, "
                          "or pass the backend by that name")
-    runner = as_backend(backend, **(backend_options or {})) if isinstance(backend, str) else as_backend(backend)
     try:
         return _fuzz(runner, examples, seed, ops, kinds, tolerance, out, backend_spec, backend_options)
     finally:
