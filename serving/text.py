@@ -18,7 +18,9 @@ class TextStream:
     decodes to whole characters costs the same however long the reply (a decode of at most ``3 * context +
     SETTLE_AFTER`` tokens); a run of bytes that never completes a character keeps the window from moving until it
     ends. The chunks joined equal ``tokenizer.decode(tokens)``, whatever the tokens, for a decoder whose text of a
-    prefix is a prefix of the text (byte-level BPE; see the tests for byte fallback)."""
+    prefix is a prefix of the text (byte-level BPE; see the tests for byte fallback). A byte-fallback decoder is not
+    one where a run of byte tokens is not UTF-8: it reads every byte of such a run as a replacement character, while
+    the chunks have already given the run's whole characters."""
 
     SETTLE_AFTER = 16  # generated tokens decoded again and again before the window moves past them
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import pathlib
+import weakref
 
 
 def load_tokenizer(folder):
@@ -68,10 +69,49 @@ def _byte_level_alphabet() -> dict:
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
+class _TokenTexts:
+    """One tokenizer's token texts, each read after an anchor (an ordinary token, ``"a"``), kept once read (a
+    vocabulary's worth at most). It holds no reference to the tokenizer, which keys it weakly."""
+
+    def __init__(self, tokenizer):
+        self.anchor = list(tokenizer("a", add_special_tokens=False)["input_ids"])
+        self.lead = _plain_decode(tokenizer, self.anchor) if self.anchor else ""
+        self.texts = {}
+
+    def read(self, tokenizer, token: int) -> str:
+        text = self.texts.get(token)
+        if text is None:
+            pair = _plain_decode(tokenizer, self.anchor + [token]) if self.lead else ""
+            text = pair[len(self.lead):] if self.lead and pair.startswith(self.lead) else _plain_decode(tokenizer, [token])
+            self.texts[token] = text
+        return text
+
+
+def _plain_decode(tokenizer, ids) -> str:
+    return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
+
+
+_TOKEN_TEXTS = weakref.WeakKeyDictionary()  # tokenizer -> its _TokenTexts
+
+
+def token_text(tokenizer, token: int) -> str:
+    """Token ``token``'s own text as it reads inside a text: what it adds after an ordinary token. A word-initial
+    SentencePiece piece (``"▁the"``) keeps the space its decode alone drops, so the texts of a reply's tokens join to
+    the reply; a token holding part of a character reads as the replacement character; a special token as itself.
+    Where the anchor's text is not a prefix of the pair's, the token's decode alone."""
+    try:
+        texts = _TOKEN_TEXTS.get(tokenizer)
+        if texts is None:
+            texts = _TOKEN_TEXTS[tokenizer] = _TokenTexts(tokenizer)
+    except TypeError:  # a tokenizer that takes no weak reference: nothing kept
+        texts = _TokenTexts(tokenizer)
+    return texts.read(tokenizer, int(token))
+
+
 def token_bytes(tokenizer, token: int) -> bytes:
     """The bytes token ``token`` stands for, also where it holds part of a character (its text alone then decodes to
     a replacement character): read from a byte-level token string, or a byte-fallback token ``<0xHH>``; otherwise
-    (special tokens, whole-character vocabularies) its decoded text's UTF-8."""
+    (special tokens, SentencePiece pieces, whole-character vocabularies) the UTF-8 of its :func:`token_text`."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     decoder = getattr(backend, "decoder", None) if backend is not None else None
     if token not in getattr(tokenizer, "all_special_ids", ()):
@@ -85,4 +125,4 @@ def token_bytes(tokenizer, token: int) -> bytes:
                     return bytes([int(piece[3:5], 16)])
                 except ValueError:
                     pass
-    return tokenizer.decode([int(token)]).encode("utf-8", errors="replace")
+    return token_text(tokenizer, token).encode("utf-8", errors="replace")

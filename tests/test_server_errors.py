@@ -54,10 +54,16 @@ def _error(reply, status):
     ("/v1/completions", {**GOOD, "stop_token_ids": [2 ** 70]}, 400, "stop_token_ids"),
     ("/v1/completions", {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {**GOOD, "stream": True, "stream_options": {"include_usage": "no"}}, 400, "stream_options"),
+    ("/v1/completions", {**GOOD, "stream": True, "stream_options": {"include_obfuscation": "no"}}, 400,
+     "stream_options"),
+    ("/v1/completions", {**GOOD, "stream": True, "stream_options": {"continuous_usage_stats": True}}, 400,
+     "stream_options"),
     ("/v1/chat/completions", {**CHAT, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    ("/v1/chat/completions", {**CHAT, "function_call": {"name": "f"}}, 400, "function_call"),
     ("/v1/chat/completions", {**CHAT, "stream": True, "temperature": -1}, 400, "temperature"),
 ])
 def test_bad_fields_are_refused_by_name(api_server, route, body, status, param):

@@ -106,7 +106,8 @@ def client(exported, served_checkpoint):
 COMPLETION_NULLS = ["max_tokens", "temperature", "top_p", "n", "stream", "logprobs", "echo", "stop", "seed",
                     "presence_penalty", "frequency_penalty", "user", "stream_options", "best_of", "suffix"]
 CHAT_NULLS = ["max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream", "logprobs",
-              "top_logprobs", "stop", "seed", "presence_penalty", "frequency_penalty", "user", "stream_options"]
+              "top_logprobs", "stop", "seed", "presence_penalty", "frequency_penalty", "user", "stream_options",
+              "functions", "function_call"]
 
 
 @pytest.mark.parametrize("route, field", [("/v1/completions", f) for f in COMPLETION_NULLS] +
@@ -166,6 +167,22 @@ def test_the_logprobs_bytes_of_a_chat_reply_join_to_its_text(client, served_chec
         for e in entries:
             assert all(bytes(t["bytes"]) == t["token"].encode() or "\ufffd" in t["token"] for t in e["top_logprobs"])
     assert seen_split, "no reply had a token holding part of a character: the test checks nothing"
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", {"prompt": "hello world"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello world"}]}),
+])
+def test_stream_options_as_the_openai_client_types_them(client, route, body):
+    """The client's stream options are include_usage and include_obfuscation (padding a server may leave out): both
+    taken. With include_usage every chunk before the last carries "usage": null, as OpenAI documents it."""
+    body = {"model": "tiny", **body, "max_tokens": 4, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "include_obfuscation": False}}
+    with client.stream("POST", route, json=body) as stream:
+        assert stream.status_code == 200
+        events = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+    assert len(events) >= 3 and all("usage" in e and e["usage"] is None for e in events[:-1])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] >= 1
 
 
 def test_a_tiny_repetition_penalty_still_samples_a_real_distribution():

@@ -233,16 +233,22 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
 
     async def stream(reply: Reply, include_usage: bool):
         g = reply.generation
+
+        def event(chunk: dict) -> bytes:
+            if include_usage:  # OpenAI: every chunk before the last carries "usage": null
+                chunk["usage"] = None
+            return sse(chunk)
+
         try:
             if reply.chat:
-                yield sse(reply.chunk(role=True))
+                yield event(reply.chunk(role=True))
             async for piece in g.pieces():
                 if piece.text or piece.logprobs is not None:
-                    yield sse(reply.chunk(piece.text, [piece] if piece.logprobs is not None else ()))
+                    yield event(reply.chunk(piece.text, [piece] if piece.logprobs is not None else ()))
             tail = g.tail()
             if tail:
-                yield sse(reply.chunk(tail))
-            yield sse(reply.chunk(None if reply.chat else "", finish_reason=g.finish_reason))
+                yield event(reply.chunk(tail))
+            yield event(reply.chunk(None if reply.chat else "", finish_reason=g.finish_reason))
             if include_usage:
                 yield sse(reply.usage_chunk())
         except Exception as error:  # the step failed: say so in the stream, then end it

@@ -8,7 +8,7 @@ import asyncio
 import dataclasses
 
 from ..text import StopMatcher, TextStream
-from ..tokenizer import PlainText, token_bytes
+from ..tokenizer import PlainText, token_bytes, token_text
 
 
 @dataclasses.dataclass
@@ -85,8 +85,8 @@ class Generation:
         return "abort" if self.handle.finish_reason == "cancelled" else "length"
 
     def token_text(self, token: int) -> str:
-        """One token's own text (for logprobs)."""
-        return self.tokenizer.decode([token])
+        """One token's own text as it reads in the reply (for logprobs): see :func:`~..tokenizer.token_text`."""
+        return token_text(self.tokenizer, token)
 
     def token_bytes(self, token: int) -> bytes:
         """One token's own bytes (for chat logprobs): a token holding part of a character has its part."""

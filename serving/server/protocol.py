@@ -2,8 +2,8 @@
 ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids`` and ``cache_salt``), validated strictly (a
 string where a number belongs is refused, not converted), and their mapping to :class:`SamplingParams`.
 
-Fields a client may send that this server cannot honour (``n`` > 1, ``echo``, ``logit_bias``, tools, response
-formats, ``suffix``, ``best_of`` > 1) are refused by name; fields it does not know are ignored, as OpenAI's own
+Fields a client may send that this server cannot honour (``n`` > 1, ``echo``, ``logit_bias``, tools and functions,
+response formats, ``suffix``, ``best_of`` > 1) are refused by name; fields it does not know are ignored, as OpenAI's own
 API and other compatible servers do."""
 
 from __future__ import annotations
@@ -19,6 +19,9 @@ MAX_LOGPROBS = 20  # OpenAI's limit on top logprobs
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched on every token: bounded
 MAX_STOP_TOKEN_IDS = 1024  # looked up on every token (in a set), but a list a client sends is bounded all the same
 SEED_RANGE = (-2**63, 2**63 - 1)  # OpenAI's and vLLM's seed: a signed 64-bit integer
+# OpenAI's stream options; include_obfuscation (random padding against length side channels) is optional for a
+# server to honour: none is added, whatever it says.
+STREAM_OPTIONS = {"include_usage", "include_obfuscation"}
 
 
 class _Request(BaseModel):
@@ -54,9 +57,9 @@ class _Request(BaseModel):
         if self.stream_options is not None:
             if not self.stream:
                 out["stream_options"] = "stream_options needs stream: true"
-            elif set(self.stream_options) - {"include_usage"} or \
-                    not isinstance(self.stream_options.get("include_usage", False), bool):
-                out["stream_options"] = "stream_options takes include_usage: true or false"
+            elif set(self.stream_options) - STREAM_OPTIONS or \
+                    not all(isinstance(v, bool) for v in self.stream_options.values()):
+                out["stream_options"] = "stream_options takes include_usage and include_obfuscation: true or false"
         return out
 
     def include_usage(self) -> bool:
@@ -149,6 +152,8 @@ class ChatRequest(_Request):
     top_logprobs: Optional[int] = None
     tools: Optional[list] = None
     tool_choice: Optional[Union[str, dict]] = None
+    functions: Optional[list] = None  # the older form of tools, which the openai client still sends
+    function_call: Optional[Union[str, dict]] = None
     response_format: Optional[dict] = None
 
     def unsupported(self) -> dict:
@@ -157,6 +162,10 @@ class ChatRequest(_Request):
             out["tools"] = "tools are not supported"
         if self.tool_choice not in (None, "none", "auto"):
             out["tool_choice"] = "tool_choice is not supported"
+        if self.functions:
+            out["functions"] = "functions are not supported"
+        if self.function_call not in (None, "none", "auto"):
+            out["function_call"] = "function_call is not supported"
         if self.response_format and self.response_format.get("type") != "text":
             out["response_format"] = "only the text response format is supported"
         if not self.messages:
