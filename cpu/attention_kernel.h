@@ -22,6 +22,7 @@
 
 #include "kv_cpu.h"
 #include "kv_cpu_rows.h"
+#include "spec_float_mode.h"
 #include "attention_decode_tiles.h"
 #include "attention_tiles.h"
 #include "kv_types.h"
@@ -911,6 +912,7 @@ struct AttentionKernel {
     std::exception_ptr failure;
     auto guarded = [&](auto&& fn) {
       try {
+        const SpecFloatMode spec_mode;  // subnormal scales and scores read as they are, whatever the caller's mode
         fn();
       } catch (...) {
         std::lock_guard<std::mutex> hold(failure_lock);

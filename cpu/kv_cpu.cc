@@ -7,6 +7,7 @@
 
 #include "kv_cpu_quant_rows.h"
 #include "kv_cpu_rows.h"
+#include "spec_float_mode.h"
 #include "kv_cpu_type_dispatch.h"
 #include "kv_interleaved_streams.h"
 #include "kv_line_streams.h"
@@ -618,13 +619,13 @@ struct Kernel {
   void Run(const ParallelFor& parallel_for) const {
     const int64_t store_tasks = (p.tokens + kRowsPerTask - 1) / kRowsPerTask;
     parallel_for(store_tasks, [this](size_t i) {
-      const NearestRounding nearest;
+      const SpecFloatMode spec_mode;
       StoreRows(int64_t(i) * kRowsPerTask, std::min(p.tokens, int64_t(i + 1) * kRowsPerTask));
     });
     if (args.out_key == nullptr) return;  // stores only (MultiHeadCacheAttention reads the cache in place)
     const int64_t gather_tasks = (p.kv_tokens + kRowsPerTask - 1) / kRowsPerTask;
     parallel_for(gather_tasks, [this](size_t i) {
-      const NearestRounding nearest;
+      const SpecFloatMode spec_mode;
       GatherRows(int64_t(i) * kRowsPerTask, std::min(p.kv_tokens, int64_t(i + 1) * kRowsPerTask));
     });
   }

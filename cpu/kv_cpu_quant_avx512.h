@@ -123,7 +123,7 @@ KV_ALWAYS_INLINE __m512i QuantizeCodes16(__m512 x, __m512 s, float qmax) {
 // such a multiple, less than half a step from p), and elsewhere lies strictly between the same two
 // half-integers as q (within 2^-16 + 2^-16 of it, while they are at least 2^-13 away). Its rint, half to even as
 // the conversion rounds, is then rint(q) in both cases: three instructions where comparing h * s with x took
-// seven. All of it rounds to nearest, as the kernel's tasks always do (NearestRounding). float32 inputs or scales
+// seven. All of it rounds to nearest, as the kernel's tasks always do (SpecFloatMode). float32 inputs or scales
 // keep the division: their quotients come closer to half-integers.
 // tests/test_reciprocal_codes.py checks every pair of 16-bit operands this meets against the division.
 KV_ALWAYS_INLINE __m512i QuantizeCodes16ByReciprocal(__m512 x, __m512 r) {

@@ -126,27 +126,5 @@ inline void StoreFence() {
 #endif
 }
 
-// Rounds to nearest even in its scope, whatever rounding mode the caller's MXCSR holds (its other bits, such as
-// denormals-are-zero, kept): the spec's arithmetic rounds so, and the quantizers' fast paths give codes within
-// +-qmax only so (a directed mode took quotients just above 7 to code -8 in int4). The caller's mode comes back
-// at the scope's end. One per task: MXCSR is per thread.
-class NearestRounding {
- public:
-#if KV_SSE2
-  NearestRounding() : saved_(_mm_getcsr()) {
-    if (saved_ & kRoundingBits) _mm_setcsr(saved_ & ~kRoundingBits);
-  }
-  ~NearestRounding() {
-    if (saved_ & kRoundingBits) _mm_setcsr(saved_);
-  }
-
- private:
-  static constexpr unsigned kRoundingBits = 0x6000u;  // MXCSR bits 13-14: 00 is to nearest
-  unsigned saved_;
-#else
-  NearestRounding() {}
-#endif
-};
-
 }  // namespace KV_CPU_ISA
 }  // namespace kvcache

@@ -6,6 +6,7 @@
 #include "byte_ranges.h"
 #include "kv_quant.h"
 #include "kv_types.h"
+#include "spec_float_mode.h"
 
 namespace kvcache {
 namespace {
@@ -119,6 +120,7 @@ void RotaryShiftCpu(const RotaryAttrs& ra, const RotaryPlan& p, const TensorArg*
   const bool int4 = a.quant_bit == 4;
   const float qmax = int4 ? 7.0f : 127.0f;
   parallel_for(static_cast<size_t>(n), [&](size_t i) {
+    const SpecFloatMode spec_mode;  // the products, the requantization and the T2 conversion as the spec rounds them
     std::vector<float> x(head_dim), y(head_dim);
     std::vector<int32_t> codes(head_dim);
     for (int64_t h = 0; h < heads; ++h) {

@@ -1,7 +1,9 @@
 """The CPU kernel builds tests run one by one: AVX-512, AVX2 (with F16C and FMA) and generic. A build the processor cannot run
 is skipped with the reason (the library would otherwise quietly run a lower one)."""
 
+import ctypes
 import os
+import pathlib
 import platform
 import subprocess
 
@@ -122,3 +124,21 @@ def expected_prefetch_heads(quant_bit: int, heads: int, head_dim: int) -> int:
     head_bytes = max(1, head_dim * quant_bit // 8)
     asked = c_api.cpu_token_prefetch_bytes(heads * head_bytes)
     return heads if asked == 0 else min(max(asked // head_bytes, 1), heads)
+
+
+@pytest.fixture(scope="module")
+def mxcsr(tmp_path_factory):
+    """tests/mxcsr.cc built once: kv_test_set_flush_modes(bits: 1 denormals-are-zero, 2 flush-to-zero) and
+    kv_test_set_rounding(mode: 0 nearest, 1 down, 2 up, 3 toward zero), each -> the previous MXCSR. x86-64 only."""
+    from native_build import build_library
+
+    source = pathlib.Path(__file__).with_name("mxcsr.cc")
+    lib = ctypes.CDLL(str(build_library("mxcsr", [source], [], ["-O1", "-fPIC", "-shared"],
+                                        tmp_path_factory.mktemp("mxcsr"))))
+    for name in ("kv_test_set_flush_modes", "kv_test_set_rounding"):
+        getattr(lib, name).argtypes = [ctypes.c_uint]
+        getattr(lib, name).restype = ctypes.c_uint
+    return lib
+
+
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")

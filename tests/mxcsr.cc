@@ -1,10 +1,12 @@
-// Sets or clears the calling thread's denormals-are-zero flag (MXCSR bit 6), or sets its rounding mode, for tests of
-// how the CPU kernel behaves when a caller runs it so. Each returns the previous MXCSR value.
+// Sets the calling thread's denormals-are-zero and flush-to-zero flags (MXCSR bits 6 and 15), or its rounding mode,
+// for tests of how the CPU kernels behave when a caller runs them so. Each returns the previous MXCSR value.
 #include <xmmintrin.h>
 
-extern "C" unsigned kv_test_set_denormals_are_zero(int on) {
+// modes: bit 0 denormals-are-zero, bit 1 flush-to-zero; each flag set or cleared as asked.
+extern "C" unsigned kv_test_set_flush_modes(unsigned modes) {
   const unsigned before = _mm_getcsr();
-  _mm_setcsr(on ? (before | 0x0040u) : (before & ~0x0040u));
+  const unsigned wanted = ((modes & 1u) ? 0x0040u : 0u) | ((modes & 2u) ? 0x8000u : 0u);
+  _mm_setcsr((before & ~0x8040u) | wanted);
   return before;
 }
 

@@ -5,7 +5,6 @@ groups), rows with exact ties, zeros, subnormals, overflowing scales, infinities
 already in the cache, and outputs large enough for streaming stores, at every offset from a cache line."""
 
 import ctypes
-import pathlib
 import platform
 
 import numpy as np
@@ -13,7 +12,7 @@ import pytest
 
 from cpu_kernels import (CPU_KERNELS, CPU_VENDORS, amd_processor, call_reports, expected_prefetch_heads, use_cpu_kernel,
                          use_cpu_vendor)
-from native_build import build_library
+from cpu_kernels import mxcsr  # noqa: F401 - a fixture
 from ort_helpers import assert_same_bits, copies, reference_result
 
 from kvcache_op.benchmarks.bound_session import aligned_copy
@@ -671,27 +670,14 @@ def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(mo
     assert c_api.cpu_cached_gather() == ("head-runs" if amd else "tokens")
 
 
-@pytest.fixture(scope="module")
-def mxcsr(tmp_path_factory):
-    """tests/mxcsr.cc built once: kv_test_set_denormals_are_zero(on), kv_test_set_rounding(mode) -> the previous
-    MXCSR."""
-    source = pathlib.Path(__file__).with_name("mxcsr.cc")
-    lib = ctypes.CDLL(str(build_library("mxcsr", [source], [], ["-O1", "-fPIC", "-shared"],
-                                        tmp_path_factory.mktemp("mxcsr"))))
-    lib.kv_test_set_denormals_are_zero.argtypes = [ctypes.c_int]
-    lib.kv_test_set_denormals_are_zero.restype = ctypes.c_uint
-    lib.kv_test_set_rounding.argtypes = [ctypes.c_uint]
-    lib.kv_test_set_rounding.restype = ctypes.c_uint
-    return lib
-
-
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
-def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, mxcsr):
-    """A caller may run the op with denormals treated as zero (DAZ, e.g. ONNX Runtime's
-    session.set_denormal_as_zero). The spec does not cover that mode, but codes must stay within +-qmax:
-    the generic build reads a float16 scale below 2^-14 back as 0 there, and its groups must then take the
-    clamped path rather than convert an infinite or NaN quotient (-128)."""
+def test_denormals_as_zero_change_no_bit(kernel, monkeypatch, mxcsr):
+    """A caller may run the op with denormals read as zero and results flushed to zero (DAZ and FTZ, e.g. ONNX
+    Runtime's session.set_denormal_as_zero). The spec's arithmetic flushes no subnormal, so the op's tasks clear both
+    and give them back: all four outputs bit for bit as the reference gives them. Without that, the generic build read
+    a float16 scale below 2^-14 back as 0 and stored sign-only codes (+-qmax) beside the right scale, a cache
+    corrupted for every later call. Every group's scale amax / qmax is a float16 subnormal, some groups all zero."""
     use_cpu_kernel(monkeypatch, kernel)
     for quant_bit in (8, 4):
         seqs = [Seq(0, 64), Seq(3, 5)]
@@ -701,21 +687,20 @@ def test_denormals_as_zero_keep_codes_within_qmax(kernel, monkeypatch, mxcsr):
         qmax = QMAX[quant_bit]
         for name in ("current_key", "current_value"):
             x = case.inputs[name]
-            # every group's scale amax / qmax a float16 subnormal, some groups all zero (0 / 0)
             amax = rng.uniform(2e-5, 5e-5, x.size // 8).astype(np.float32) * qmax
             values = rng.uniform(-1, 1, (x.size // 8, 8)).astype(np.float32) * amax[:, None]
             values[::5] = 0
             case.inputs[name] = values.reshape(x.shape).astype(np.float16)
+        want = reference_result(case.inputs, case.attributes)
         fresh = copies(case.inputs)
-        fresh["cache"][...] = 0  # only the codes this call writes can then be out of range
-        before = mxcsr.kv_test_set_denormals_are_zero(1)
+        before = mxcsr.kv_test_set_flush_modes(3)
         try:
-            c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
+            key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
+            after = mxcsr.kv_test_set_flush_modes(3)
         finally:
-            mxcsr.kv_test_set_denormals_are_zero(before & 0x0040)
-        cache = fresh["cache"].view(np.uint8 if quant_bit == 4 else np.int8).astype(np.int32)
-        codes = cache if quant_bit == 8 else np.concatenate([(cache << 28) >> 28, (cache << 24) >> 28])
-        assert codes.min() >= -qmax and codes.max() <= qmax
+            mxcsr.kv_test_set_flush_modes(((before >> 6) & 1) | ((before >> 14) & 2))
+        assert after & 0x8040 == 0x8040, "the op did not give the caller's DAZ and FTZ back"
+        assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
