@@ -5,6 +5,8 @@ float64 oracle (and the cache bit for bit the naive KeyValueCache's), with no ou
 of shared memory nothing wrote; keys staged in chunks across a rising max, split key ranges merged, every cache
 layout and quantization read in place, and the one-by-one path for value rows holding inf or NaN."""
 
+import types
+
 import numpy as np
 import pytest
 
@@ -100,6 +102,35 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan(runner, form):
     assert result.code == 0 and result.report.mma_tiles > 0, result.message
     assert np.isnan(result.output).any(axis=-1).all()
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)).any(axis=-1).all()
+
+
+@pytest.mark.parametrize("route", ["chunk", "mma-decode", "draft-tokens", "cache-attention"])
+def test_outputs_at_the_float16_maximum_saturate_instead_of_overflowing(runner, form, route):
+    """Every value 65504 (float16's largest), so the exact output is 65504. The weights exp(-0.69265) = 0.500249 of
+    all keys but the first round to 0.5005 in float16 while the weight sum stays unrounded, so O / sum reaches
+    65504 (1 + ~2^-11), which float16 rounds to inf: the spec saturates it to 65504. A causal chunk at the end of 64
+    keys, a decode row through the tensor-core kernel, a decoding sequence of two draft tokens, and a causal prefill
+    of 64 tokens through MultiHeadCacheAttention (its float16 cache)."""
+    n, head_dim = 64, 16
+    queries = {"chunk": 4, "mma-decode": 1, "draft-tokens": 2, "cache-attention": n}[route]
+    query = np.zeros((queries, 1, head_dim), np.float16)
+    query[:, 0, 0] = 1
+    key = np.zeros((n, 1, head_dim), np.float16)
+    key[1:, 0, 0] = -1  # key 0 scores 0, the others -0.69265
+    value = np.full((n, 1, head_dim), 65504, np.float16)
+    attributes = dict(num_heads=1, head_dim=head_dim, is_causal=1, softmax_scale=0.69265)
+    options = dict(min_blocks=1, mma_form=form, mma_decode=route == "mma-decode")
+    if route == "cache-attention":
+        case = build_cache_attention("mma-saturate", [Seq(0, n)], group=1, heads=1, head_dim=head_dim, t1="float16")
+        inputs = dict(case.inputs, query=query, current_key=key, current_value=value)
+        result = check_mhca(runner, inputs, {**case.attributes, **attributes}, **options)
+    else:
+        inputs = dict(query=query, key=key, value=value, attn_mask=None, seqstarts=np.array([0, queries]),
+                      kvstarts=np.array([0, n]), decoding_batches=np.array(int(route != "chunk")),
+                      max_seqlen=np.array(queries), max_kvlen=np.array(n))
+        result = check_mha(runner, types.SimpleNamespace(inputs=inputs, attributes=attributes), **options)
+    assert result.report.mma_tiles > 0
+    assert np.all(result.output == np.float16(65504)), result.output[:, 0, :2]
 
 
 @pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (4, 16, 32), (8, 16, 16)])

@@ -51,3 +51,22 @@ def test_own_scale_quotients_round_within_qmax(t1, t3, quant_bit):
     # the bound is near tight: float16 scales do push the quotient past qmax, only never to qmax + 1/2
     if t3 == "float16" and t1 != "bfloat16":
         assert quotients.max() > qmax * 1.002
+
+
+@pytest.mark.parametrize("quant_bit", [8, 4])
+def test_a_float16_scale_overflows_from_a_quotient_of_65520_as_the_spec_says(quant_bit):
+    """The spec's limit: a group's float16 scale is inf once the float32 quotient amax / qmax reaches 65520 (float16
+    rounds it up to 65536, past its largest finite value); just below, the scale is 65504 and the codes normal."""
+    from kvcache_op.reference.quantize import quantize
+
+    qmax = QMAX[quant_bit]
+    below = np.nextafter(np.float32(65520), np.float32(0))
+    for quotient, finite in ((np.float32(65504), True), (below, True), (np.float32(65520), False)):
+        amax = np.float32(quotient * np.float32(qmax))
+        assert np.float32(amax / np.float32(qmax)) == quotient  # the quotient the group's scale rounds
+        x = np.array([[amax, -amax / 2] + [0] * 6], np.float32)
+        codes, scale = quantize(x, quant_bit, 8, np.float16)
+        if finite:
+            assert scale[0, 0] == np.float16(65504) and codes[0, 0] == qmax
+        else:
+            assert np.isinf(scale[0, 0]) and not codes.any()
