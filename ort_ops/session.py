@@ -20,6 +20,7 @@ In-place semantics (what the op needs from its caller):
 
 import ctypes
 import os
+import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -127,6 +128,24 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
 
 _SESSIONS = {}  # model bytes + threads -> (session, in-place input names), the most recent few only
 _MAX_CACHED_SESSIONS = 8
+_SESSIONS_LOCK = threading.Lock()  # callers in several threads: lookup, eviction and insertion are one step
+
+
+def _cached_session(model, intra_op_num_threads: int) -> tuple:
+    """(session, in-place input names) of ``model``, made once and kept among the last few; safe from any thread
+    (a session is made outside the lock, so two threads may each make one; the first kept is the one used)."""
+    key = (model.SerializeToString(), intra_op_num_threads)
+    with _SESSIONS_LOCK:
+        cached = _SESSIONS.get(key)
+    if cached is None:  # the graph is checked once per cached session, not per run
+        made = (make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model))
+        with _SESSIONS_LOCK:
+            cached = _SESSIONS.get(key)
+            if cached is None:
+                while len(_SESSIONS) >= _MAX_CACHED_SESSIONS:
+                    del _SESSIONS[next(iter(_SESSIONS))]
+                cached = _SESSIONS[key] = made
+    return cached
 
 
 def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
@@ -139,15 +158,10 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     C-contiguous; other inputs (only read) are copied when they are read-only or not C-contiguous (a
     Fortran-ordered MultiHeadAttention key, a transposed view). When only a ``session`` is given its graph
     cannot be checked, and every input is held to the in-place rule. The sessions of the last few models are kept
-    for repeated calls.
+    for repeated calls; callers in several threads may share them.
     """
     if session is None:
-        key = (model.SerializeToString(), intra_op_num_threads)
-        if key not in _SESSIONS:  # the graph is checked once per cached session, not per run
-            if len(_SESSIONS) >= _MAX_CACHED_SESSIONS:
-                del _SESSIONS[next(iter(_SESSIONS))]
-            _SESSIONS[key] = (make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model))
-        session, written = _SESSIONS[key]
+        session, written = _cached_session(model, intra_op_num_threads)
     else:
         written = in_place_inputs(model) if model is not None else None
     binding = session.io_binding()

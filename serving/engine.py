@@ -121,7 +121,7 @@ class Engine(OnlineEngine):
         self._times = collections.Counter()
         self._peak_pages = 0
         self.step_trace = [] if trace_steps else None
-        self.last_logits = None
+        self.last_logits = self.last_logprobs = None
         self._init_online()
 
     # ---- public API ------------------------------------------------------------------------------------
@@ -180,8 +180,9 @@ class Engine(OnlineEngine):
             for handle in handles:  # gone at the engine's next step boundary: the call leaves no page behind it
                 handle._finished.wait()
             raise
-        self.last_logits = [q.logits for q in sequences] if record_logits else None
-        self.last_logprobs = [q.logprobs for q in sequences]
+        with self._lock:  # the two of one call, whatever other callers finish meanwhile
+            self.last_logits = [q.logits for q in sequences] if record_logits else None
+            self.last_logprobs = [q.logprobs for q in sequences]
         return [q.generated for q in sequences]
 
     def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,

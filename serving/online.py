@@ -130,7 +130,10 @@ class RequestHandle:
 
     def cancel(self) -> None:
         """Asks the engine to stop the request at the next step boundary (its pages are released then); the
-        tokens chosen so far stay. Does nothing to a finished request. Safe from any thread."""
+        tokens chosen so far stay. Does nothing to a finished request (nor to the decode run of the others). Safe from
+        any thread."""
+        if self._finished.is_set():
+            return
         self._cancelled.set()
         if self._on_cancel is not None:
             self._on_cancel()

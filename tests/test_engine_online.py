@@ -419,6 +419,21 @@ def test_submit_takes_a_list_of_one_sampling_params_as_generate_does(path, lone)
     engine.close(timeout=30)
 
 
+def test_cancelling_a_finished_request_leaves_the_others_decode_run_alone(path, lone):
+    """A finished request's cancel does nothing: no knock that would end the running requests' run of decode steps
+    early. And an engine's last_logprobs and last_logits read None before any generate."""
+    engine = Engine(path, num_pages=16)
+    try:
+        assert engine.last_logprobs is None and engine.last_logits is None
+        handle = engine.submit(PROMPTS[1], SamplingParams(max_tokens=8))
+        assert handle.result(timeout=60) == lone[1]
+        knocks = len(engine._cancelling)
+        handle.cancel()
+        assert len(engine._cancelling) == knocks and handle.finish_reason != "cancelled"
+    finally:
+        engine.close(timeout=30)
+
+
 def test_a_raising_on_token_fails_its_own_call_alone(path, lone):
     """generate's callback raising fails that call (its exception, its other requests cancelled); the requests of
     other callers, running beside it or queued behind it, finish as they would alone, and no page is kept."""

@@ -12,11 +12,27 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import threading
+import weakref
 
 from .. import torch as kt
 
 ATTENTION = "kvcache_op_packed"  # the attention implementation's registered name
 _STEP = contextvars.ContextVar("kvcache_op_packed_step", default=None)
+_LOCKS = weakref.WeakKeyDictionary()  # model -> the lock its switched settings are held under
+_LOCKS_LOCK = threading.Lock()
+
+
+def model_lock(model) -> threading.RLock:
+    """The lock that serializes what switches settings of ``model`` for a block and switches them back (its attention
+    and experts implementations while :func:`stepping`, its dtypes while probed widened): those settings are the
+    shared model's, so two such blocks overlapping in two threads would restore each other's and run layers of one
+    under the other's settings. Re-entrant: a probe steps inside its widening."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
 
 
 class Unexpressible(ValueError):
@@ -39,24 +55,26 @@ class PackedStep:
 def stepping(model, step: PackedStep):
     """Runs the block with every attention of ``model`` routed to the ops for ``step`` (its config's attention
     implementation switched, and switched back after; the experts of mixture-of-experts blocks computed by
-    transformers' export-friendly ``batched_mm`` implementation)."""
+    transformers' export-friendly ``batched_mm`` implementation). Blocks on one model run one at a time, whatever
+    the threads (:func:`model_lock`); a plain forward of the model in another thread meanwhile is not supported."""
     register()
-    configs = list(_configs(model.config))
-    saved = [c._attn_implementation for c in configs]
-    experts = model.get_experts_implementation() if _has_experts(model) else None
-    token = _STEP.set(step)
-    try:
-        for config in configs:
-            config._attn_implementation = ATTENTION
-        if experts is not None:
-            model.set_experts_implementation("batched_mm")
-        yield step
-    finally:
-        _STEP.reset(token)
-        for config, name in zip(configs, saved):
-            config._attn_implementation = name
-        if experts is not None:
-            model.set_experts_implementation(experts)
+    with model_lock(model):
+        configs = list(_configs(model.config))
+        saved = [c._attn_implementation for c in configs]
+        experts = model.get_experts_implementation() if _has_experts(model) else None
+        token = _STEP.set(step)
+        try:
+            for config in configs:
+                config._attn_implementation = ATTENTION
+            if experts is not None:
+                model.set_experts_implementation("batched_mm")
+            yield step
+        finally:
+            _STEP.reset(token)
+            for config, name in zip(configs, saved):
+                config._attn_implementation = name
+            if experts is not None:
+                model.set_experts_implementation(experts)
 
 
 def _configs(config):

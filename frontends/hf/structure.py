@@ -15,7 +15,7 @@ import torch
 from ..reference.rotary import rotate
 from ..serving.model_info import DecoderSizes
 from .cache_settings import CacheSettings
-from .packed_attention import PackedStep, Unexpressible, stepping
+from .packed_attention import PackedStep, Unexpressible, model_lock, stepping
 
 # Rotary types whose inverse frequencies depend on the sequence length at run time: they cannot be one static
 # graph, and a cache of keys rotated under one length would be wrong under another.
@@ -55,17 +55,19 @@ def _routed_forward(model, arguments: dict):
 @contextlib.contextmanager
 def _widened(model):
     """The model's float16 and bfloat16 parameters and buffers as float32 inside; each back to its own dtype after
-    (they widen exactly, so the round trip changes no value; tensors of other dtypes are not touched)."""
-    narrow = [t for t in itertools.chain(model.parameters(), model.buffers())
-              if t.dtype in (torch.float16, torch.bfloat16)]
-    dtypes = [t.dtype for t in narrow]
-    for t in narrow:
-        t.data = t.data.float()
-    try:
-        yield
-    finally:
-        for t, dtype in zip(narrow, dtypes):
-            t.data = t.data.to(dtype)
+    (they widen exactly, so the round trip changes no value; tensors of other dtypes are not touched). Under the
+    model's lock (:func:`~.packed_attention.model_lock`): no packed forward of it in another thread sees it widened."""
+    with model_lock(model):
+        narrow = [t for t in itertools.chain(model.parameters(), model.buffers())
+                  if t.dtype in (torch.float16, torch.bfloat16)]
+        dtypes = [t.dtype for t in narrow]
+        for t in narrow:
+            t.data = t.data.float()
+        try:
+            yield
+        finally:
+            for t, dtype in zip(narrow, dtypes):
+                t.data = t.data.to(dtype)
 
 
 def check_routing(model, sizes: DecoderSizes, tokens: int = 64) -> float:
