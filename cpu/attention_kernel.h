@@ -512,7 +512,7 @@ struct AttentionKernel {
         for (int64_t k = 0; k < nh; ++k)
           if (top[r * nh + k] != minus_inf)
             for (int64_t d = 0; d < D; ++d)
-              out_rows[r * H * D + k * D + d] = T1::FromFloat(acc[(r * nh + k) * D + d] / sum[r * nh + k]);
+              out_rows[r * H * D + k * D + d] = SaturatingFromFloat<T1>(acc[(r * nh + k) * D + d] / sum[r * nh + k]);
     }
   }
 
@@ -588,7 +588,7 @@ struct AttentionKernel {
         const float* w = &scores[r * ldk];
         for (int64_t j = lo[r]; j < std::min(hi[r], g0); ++j) Axpy(o, w[j - first], &values[(j - first) * ldv], D);
         for (int64_t j = std::max(lo[r], g1); j < hi[r]; ++j) Axpy(o, w[j - first], &values[(j - first) * ldv], D);
-        for (int64_t d = 0; d < D; ++d) out_rows[r * H * D + d] = T1::FromFloat(o[d] / sum[r]);
+        for (int64_t d = 0; d < D; ++d) out_rows[r * H * D + d] = SaturatingFromFloat<T1>(o[d] / sum[r]);
       }
     }
   }
@@ -726,7 +726,7 @@ struct AttentionKernel {
     T* out_row = static_cast<T*>(out) + (row * H + h0) * D;
     for (int64_t k = 0; k < nh; ++k)
       for (int64_t d = 0; d < D; ++d)
-        out_row[k * D + d] = top[k] == minus_inf ? T1::FromFloat(0.0f) : T1::FromFloat(acc[k * D + d] / sum[k]);
+        out_row[k * D + d] = top[k] == minus_inf ? T1::FromFloat(0.0f) : SaturatingFromFloat<T1>(acc[k * D + d] / sum[k]);
   }
 
 #if KV_DECODE_TILES
@@ -851,7 +851,7 @@ struct AttentionKernel {
           total += f * c[1];
           for (int64_t d = 0; d < D; ++d) acc[d] += f * c[2 + d];
         }
-        for (int64_t d = 0; d < D; ++d) o[d] = T1::FromFloat(acc[d] / total);
+        for (int64_t d = 0; d < D; ++d) o[d] = SaturatingFromFloat<T1>(acc[d] / total);
       }
   }
 

@@ -228,9 +228,8 @@ KV_SSE2_INLINE void QuantizeFourGroupsOf8(const typename T1::Storage* src, typen
     _mm_storel_epi64(reinterpret_cast<__m128i*>(scales), h);
     s = sse2::FloatsFromHalves4(_mm_unpacklo_epi16(h, _mm_setzero_si128()));
   }
-  // Own finite scales take the unclamped path. They are > 0 too, except where the thread treats denormals as
-  // zero (an MXCSR setting the spec does not cover): a float16 scale below 2^-14 then reads back as 0, and its
-  // groups take the clamped path so their codes stay within +-qmax.
+  // Own finite scales take the unclamped path. They are > 0 too (the tasks run with denormals read as they are,
+  // SpecFloatMode); a scale that read back as 0 would take the clamped path, its codes still within +-qmax.
   const __m128 own = _mm_and_ps(_mm_cmplt_ps(s, _mm_set1_ps(INFINITY)), _mm_cmpgt_ps(s, _mm_setzero_ps()));
   if (_mm_movemask_ps(own) == 0xf) {
     QuantizeCodesOf4Groups<QBits, true>(x, s, codes);

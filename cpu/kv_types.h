@@ -108,6 +108,20 @@ struct BF16 {
   KV_HD static uint16_t FromFloat(float v) { return FloatToBFloat16(v); }
 };
 
+// An attention output as T1. The exact output is a convex combination of values of T1, so within T1's finite range;
+// a finite float32 result past it comes only from rounding (weights rounded to T1 sum to up to 1 + u_T: 65504
+// (1 + 2^-11) rounds to inf in float16) and saturates to T1's largest finite value of its sign
+// (spec/MultiHeadAttention.md). In float16 and bfloat16 that value's bits are the infinity's less one.
+template <class T1>
+KV_HD typename T1::Storage SaturatingFromFloat(float o) {
+  typename T1::Storage stored = T1::FromFloat(o);
+  if constexpr (T1::kElem != Elem::kFloat32) {
+    const float back = T1::ToFloat(stored);
+    if (o - o == 0.0f && back - back != 0.0f) --stored;  // o finite, stored +-inf
+  }
+  return stored;
+}
+
 // Signed nibbles of one packed int4 byte (ONNX INT4: element 2i low nibble, 2i+1 high nibble).
 KV_HD int32_t Int4Low(uint8_t byte) { return static_cast<int32_t>(static_cast<int8_t>(byte << 4)) >> 4; }
 KV_HD int32_t Int4High(uint8_t byte) { return static_cast<int32_t>(static_cast<int8_t>(byte)) >> 4; }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "kv_types.h"
+#include "spec_float_mode.h"
 
 namespace kvcache {
 namespace {
@@ -100,7 +101,12 @@ MhaPlan ValidateAttention(const MhaAttrs& a, const TensorArg* in) {
   const TensorArg& mask = in[kMhaMaskInput];
   p.mask_rank = mask.present ? int64_t(mask.shape.size()) : 0;
   p.mask_cols = mask.present ? mask.shape.back() : 0;
-  p.scale = a.softmax_scale != 0.0f ? a.softmax_scale : static_cast<float>(1.0 / std::sqrt(double(a.head_dim)));
+  if (a.softmax_scale != 0.0f) {
+    p.scale = a.softmax_scale;
+  } else {
+    const SpecFloatMode spec_mode;  // the spec's rounding, not the caller's (float64 division and sqrt, one rounding)
+    p.scale = static_cast<float>(1.0 / std::sqrt(double(a.head_dim)));
+  }
   return p;
 }
 

@@ -11,6 +11,11 @@
 #endif
 
 namespace kvcache {
+// In the instruction-set builds' namespace where there is one (kv_cpu.cc and the attention kernels are compiled
+// generic, AVX2 and AVX-512): each build's inline copy stays its own, never merged with another build's.
+#if defined(KV_CPU_ISA)
+namespace KV_CPU_ISA {
+#endif
 
 class SpecFloatMode {
  public:
@@ -33,4 +38,7 @@ class SpecFloatMode {
 #endif
 };
 
+#if defined(KV_CPU_ISA)
+}  // namespace KV_CPU_ISA
+#endif
 }  // namespace kvcache

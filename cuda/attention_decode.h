@@ -157,7 +157,7 @@ KV_HD void DecodeFinish(const AttnParams& p, Mem& mem, Team& team, const DecodeB
         continue;
       }
       const int64_t at = (d.token * p.num_heads + d.tile.head0 + qi) * D + dd;
-      mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), OutputToT1<T1>(c.Output()));
+      mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), SaturatingFromFloat<T1>(c.Output()));
     }
   });
 }

@@ -22,7 +22,7 @@
 // weights one by one instead, skipping the keys each query does not see, as the tile kernel does. The weights enter
 // the product rounded to T1 and the weight sum unrounded: the output moves by at most u_T times the largest value,
 // which the spec's tolerance allows (spec/MultiHeadAttention.md: the weights may be rounded to T); an output that
-// this carries past T1's largest finite value saturates to it (OutputToT1) rather than rounding to inf.
+// this carries past T1's largest finite value saturates to it (SaturatingFromFloat) rather than rounding to inf.
 //
 // Cooperation beyond Each, Sync and Butterfly: team.SyncOr(get) is a barrier that answers whether get(state) is
 // non-zero in any thread (on the GPU __syncthreads_or); team.MatMul<T1, BCols, Accumulate>(mem, product) is one
@@ -288,7 +288,7 @@ KV_HD void MmaTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& tea
     const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D;
     for (int64_t d = d0; d < d0 + half_d; ++d) {
       const float o = s.max == MinusInf() ? 0.0f : SharedAt(mem, out_word(qi, d)) / s.sum[0];
-      mem.template Store<T>(kAOut, (at + d) * int64_t(sizeof(T)), OutputToT1<T1>(o));
+      mem.template Store<T>(kAOut, (at + d) * int64_t(sizeof(T)), SaturatingFromFloat<T1>(o));
     }
   });
 }

@@ -268,7 +268,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
         }
         const float out = s.max[r] == MinusInf() ? 0.0f : s.o[d][e] / s.sum[r];
         mem.template Store<T>(kAOut, (((seq0 + row_of(qi)) * H + head_of(qi)) * D + dim) * int64_t(sizeof(T)),
-                              OutputToT1<T1>(out));
+                              SaturatingFromFloat<T1>(out));
       }
     }
   });

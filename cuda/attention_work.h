@@ -90,20 +90,6 @@ KV_HD float RoundToT1(float x) {
   return T1::ToFloat(T1::FromFloat(x));
 }
 
-// An output element stored as T1. The exact output is a convex combination of values of T1, so within T1's finite
-// range; a finite result past it comes only from rounding (the tensor-core path's weights rounded to T1 sum to up
-// to 1 + u_T: 65504 (1 + 2^-11) in float32 rounds to inf in float16), and saturates to T1's largest finite value of
-// its sign (spec/MultiHeadAttention.md). In float16 and bfloat16 that value's bits are the infinity's less one.
-template <class T1>
-KV_HD typename T1::Storage OutputToT1(float o) {
-  typename T1::Storage stored = T1::FromFloat(o);
-  if constexpr (T1::kElem != Elem::kFloat32) {
-    const float back = T1::ToFloat(stored);
-    if (o - o == 0.0f && back - back != 0.0f) --stored;  // o finite, stored +-inf
-  }
-  return stored;
-}
-
 // numpy's max step: NaN sticks.
 KV_HD float MaxStep(float m, float x) { return (x > m || x != x) && m == m ? x : m; }
 
@@ -510,7 +496,7 @@ KV_HD void AttentionTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Tea
       const int64_t at = ((seq0 + row_of(qi)) * H + head_of(qi)) * D + d0;
       for (int64_t e = 0; e < kSliceElems && d0 + e < D; ++e) {
         const float o = m == MinusInf() ? 0.0f : s.acc[c][e] / s.weights[c];
-        mem.template Store<T>(kAOut, (at + e) * int64_t(sizeof(T)), OutputToT1<T1>(o));
+        mem.template Store<T>(kAOut, (at + e) * int64_t(sizeof(T)), SaturatingFromFloat<T1>(o));
       }
     }
   });
@@ -560,7 +546,7 @@ KV_HD void MergeThread(const AttnParams& p, Mem& mem, int64_t merge_index, int64
     const int64_t qi = i / D, d = i % D;
     const Combined c = CombineParts(parts, [&](int64_t k, int64_t field) { return rec(k, qi, field < 2 ? field : 2 + d); });
     const int64_t at = ((seq0 + row0 + qi / heads) * H + head0 + qi % heads) * D + d;
-    mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), OutputToT1<T1>(c.Output()));
+    mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), SaturatingFromFloat<T1>(c.Output()));
   }
 }
 

@@ -25,3 +25,17 @@ SCALE_EPS = np.float32(1e-5)
 def dtype_name(dtype) -> str:
     """Short readable name of a numpy dtype (``float16``, ``bfloat16``, ``int4``...)."""
     return np.dtype(dtype).name
+
+
+def saturating_cast(values: np.ndarray, dtype) -> np.ndarray:
+    """float32 ``values`` rounded to ``dtype`` (to nearest even), a finite value past its largest finite value given
+    that value of its sign rather than an infinity (an attention output: spec/MultiHeadAttention.md); inf and NaN
+    kept."""
+    values = np.asarray(values, np.float32)
+    with np.errstate(over="ignore"):
+        out = values.astype(dtype)
+    if np.dtype(dtype) != np.float32:
+        past = np.isfinite(values) & ~np.isfinite(out.astype(np.float32))
+        if past.any():
+            out[past] = (np.sign(values[past]) * np.float32(ml_dtypes.finfo(dtype).max)).astype(dtype)
+    return out

@@ -2,6 +2,7 @@
 
 import numpy as np
 
+from .dtypes import saturating_cast
 from .mha_validate import prepare_attention
 
 
@@ -111,5 +112,6 @@ def multi_head_attention(query, key, value, seqstarts, kvstarts, decoding_batche
             q = query[rows, h, :].astype(np.float32)
             k = key[cols, h // group, :].astype(np.float32)
             v = value[cols, h // group, :].astype(np.float32)
-            out[rows, h, :] = attention_rows(q, k, v, plan.scale, biases, visible, a.softcap).astype(query.dtype)
+            out[rows, h, :] = saturating_cast(attention_rows(q, k, v, plan.scale, biases, visible, a.softcap),
+                                              query.dtype)
     return out

@@ -180,9 +180,8 @@ class Engine(OnlineEngine):
             for handle in handles:  # gone at the engine's next step boundary: the call leaves no page behind it
                 handle._finished.wait()
             raise
-        with self._lock:  # the two of one call, whatever other callers finish meanwhile
-            self.last_logits = [q.logits for q in sequences] if record_logits else None
-            self.last_logprobs = [q.logprobs for q in sequences]
+        self.last_logits = [q.logits for q in sequences] if record_logits else None
+        self.last_logprobs = [q.logprobs for q in sequences]
         return [q.generated for q in sequences]
 
     def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,

@@ -88,7 +88,7 @@ class _TokenTexts:
 
 
 def _plain_decode(tokenizer, ids) -> str:
-    return tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
+    return tokenizer.decode(list(ids))  # the tokenizer's own clean-up setting, as the reply's decode has it
 
 
 _TOKEN_TEXTS = weakref.WeakKeyDictionary()  # tokenizer -> its _TokenTexts

@@ -142,3 +142,12 @@ def mxcsr(tmp_path_factory):
 
 
 X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+#: The tests that set MXCSR skip elsewhere.
+NEEDS_MXCSR = pytest.mark.skipif(not X86_64, reason="MXCSR is x86-64's")
+
+
+def give_back_mxcsr(mxcsr, before: int) -> None:
+    """Sets the thread's rounding mode, denormals-are-zero and flush-to-zero back as ``before`` (an MXCSR value)
+    holds them."""
+    mxcsr.kv_test_set_rounding((before >> 13) & 3)
+    mxcsr.kv_test_set_flush_modes(((before >> 6) & 1) | ((before >> 14) & 2))

@@ -10,8 +10,8 @@ import platform
 import numpy as np
 import pytest
 
-from cpu_kernels import (CPU_KERNELS, CPU_VENDORS, amd_processor, call_reports, expected_prefetch_heads, use_cpu_kernel,
-                         use_cpu_vendor)
+from cpu_kernels import (CPU_KERNELS, CPU_VENDORS, NEEDS_MXCSR, amd_processor, call_reports, expected_prefetch_heads,
+                         give_back_mxcsr, use_cpu_kernel, use_cpu_vendor)
 from cpu_kernels import mxcsr  # noqa: F401 - a fixture
 from ort_helpers import assert_same_bits, copies, reference_result
 
@@ -670,7 +670,31 @@ def test_the_cached_gather_order_follows_the_override_and_else_the_cpu_vendor(mo
     assert c_api.cpu_cached_gather() == ("head-runs" if amd else "tokens")
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("quant_bit", [8, 4])
+def test_a_float16_scale_overflows_from_a_quotient_of_65520_in_every_build(kernel, quant_bit, monkeypatch):
+    """The spec's limit, as every build quantizes: a group whose float32 quotient amax / qmax is 65504, just below
+    65520 (scale 65504, codes normal) or 65520 (scale inf, codes 0); all four outputs as the reference's."""
+    use_cpu_kernel(monkeypatch, kernel)
+    qmax = np.float32(QMAX[quant_bit])
+    quotients = [np.float32(65504), np.nextafter(np.float32(65520), np.float32(0)), np.float32(65520)]
+    case = build(f"scale-edge-{quant_bit}", [Seq(0, 3)], heads=2, head_dim=16, quant_bit=quant_bit, quant_group=8,
+                 num_repeat=1, cache_mode=1, cache_layout=0, page_size=4, t1="float32", t3="float16")
+    for name in ("current_key", "current_value"):
+        groups = case.inputs[name].reshape(-1, 8)
+        for g in range(len(groups)):
+            groups[g, :] = np.linspace(-0.5, 0.25, 8, dtype=np.float32) * (quotients[g % 3] * qmax)
+            groups[g, g % 8] = quotients[g % 3] * qmax
+    amaxes = np.abs(case.inputs["current_key"].reshape(-1, 8)).max(axis=1)
+    assert {float(a / qmax) for a in amaxes} == {float(q) for q in quotients}
+    want = reference_result(case.inputs, case.attributes)
+    assert np.isinf(want[3]).any() and np.isfinite(want[3]).any()  # both sides of the edge were stored
+    fresh = copies(case.inputs)
+    key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
+    assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
+
+
+@NEEDS_MXCSR
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 def test_denormals_as_zero_change_no_bit(kernel, monkeypatch, mxcsr):
     """A caller may run the op with denormals read as zero and results flushed to zero (DAZ and FTZ, e.g. ONNX
@@ -698,12 +722,12 @@ def test_denormals_as_zero_change_no_bit(kernel, monkeypatch, mxcsr):
             key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
             after = mxcsr.kv_test_set_flush_modes(3)
         finally:
-            mxcsr.kv_test_set_flush_modes(((before >> 6) & 1) | ((before >> 14) & 2))
+            give_back_mxcsr(mxcsr, before)
         assert after & 0x8040 == 0x8040, "the op did not give the caller's DAZ and FTZ back"
         assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)
 
 
-@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="MXCSR is x86-64's")
+@NEEDS_MXCSR
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("mode", [1, 2, 3], ids=["down", "up", "toward-zero"])
 def test_every_build_rounds_to_nearest_in_any_rounding_mode(kernel, mode, monkeypatch, mxcsr):
@@ -732,6 +756,6 @@ def test_every_build_rounds_to_nearest_in_any_rounding_mode(kernel, mode, monkey
                     key, value = c_api.key_value_cache(**fresh, **case.attributes, num_threads=1)
                     after = mxcsr.kv_test_set_rounding(mode)
                 finally:
-                    mxcsr.kv_test_set_rounding((before >> 13) & 3)
+                    give_back_mxcsr(mxcsr, before)
                 assert (after >> 13) & 3 == mode, "the op did not give the caller's rounding mode back"
                 assert_same_bits((key, value, fresh["cache"], fresh["scale"]), want)

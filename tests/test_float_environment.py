@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cpu_kernels import CPU_KERNELS, X86_64, use_cpu_kernel
+from cpu_kernels import CPU_KERNELS, NEEDS_MXCSR, give_back_mxcsr, use_cpu_kernel
 from cpu_kernels import mxcsr  # noqa: F401 - a fixture
 from ort_helpers import copies
 from test_mha_reference import assert_within
@@ -18,7 +18,7 @@ from kvcache_op.reference import cache_shape, key_cache_rotary_shift, rotary_shi
 from kvcache_op.reference.dtypes import CACHE_TYPE_FOR_QUANT_BIT
 from kvcache_op.reference.quantize import quantize
 
-pytestmark = pytest.mark.skipif(not X86_64, reason="MXCSR is x86-64's")
+pytestmark = NEEDS_MXCSR
 
 # (name, how to set it, how to read it back from MXCSR, how to give the caller's back)
 MODES = [
@@ -29,11 +29,6 @@ MODES = [
 ]
 
 
-def _restore(mxcsr, before: int) -> None:
-    mxcsr.kv_test_set_rounding((before >> 13) & 3)
-    mxcsr.kv_test_set_flush_modes(((before >> 6) & 1) | ((before >> 14) & 2))
-
-
 def _in_mode(mxcsr, mode, call):
     """``call()`` with the thread in ``mode``; asserts the mode is still there after it; the caller's back after."""
     _, enter, holds = mode
@@ -42,7 +37,7 @@ def _in_mode(mxcsr, mode, call):
         result = call()
         after = enter(mxcsr)
     finally:
-        _restore(mxcsr, before)
+        give_back_mxcsr(mxcsr, before)
     assert holds(after), "the op did not give the caller's floating-point environment back"
     return result
 

@@ -179,3 +179,19 @@ def test_the_bound_still_catches_wrong_outputs_next_to_a_padding_key():
     dropped.inputs["value"][0::6] = 0  # the first (real, weighted) key of every sequence contributes nothing
     wrong = multi_head_attention(**dropped.inputs, **dropped.attributes)
     assert np.any(np.abs(wrong.astype(np.float64) - exact) > bound), "a kernel dropping a key would pass"
+
+
+def test_outputs_past_the_largest_finite_value_saturate():
+    """The spec's output rounding: a finite float32 result past T's largest finite value gives that value of its sign
+    (65520 and 1e6 would round to inf in float16; 3.4e38 in bfloat16), infinities and NaN stay, float32 unchanged."""
+    from kvcache_op.reference.dtypes import saturating_cast
+
+    values = np.array([65519.0, 65520.0, 1e6, -1e6, np.inf, -np.inf, np.nan, 1.5], np.float32)
+    half = saturating_cast(values, np.float16)
+    assert half.dtype == np.float16
+    np.testing.assert_array_equal(half[:4], np.float16([65504, 65504, 65504, -65504]))
+    assert np.isposinf(half[4]) and np.isneginf(half[5]) and np.isnan(half[6]) and half[7] == 1.5
+    wide = saturating_cast(np.array([3.4e38, -3.4e38, 1.0], np.float32), BFLOAT16).astype(np.float32)
+    big = np.float32(float.fromhex("0x1.fep127"))  # bfloat16's largest finite value
+    np.testing.assert_array_equal(wide, np.float32([big, -big, 1.0]))
+    np.testing.assert_array_equal(saturating_cast(values, np.float32), values)

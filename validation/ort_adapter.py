@@ -8,6 +8,7 @@ EP, the session refuses to fall back to the CPU silently.
 """
 
 import pathlib
+import threading
 
 import numpy as np
 import onnxruntime as ort
@@ -48,6 +49,7 @@ class OrtBackend:
         self.copy_inputs = self.device != "cpu"
         self.name = f"ort ({pathlib.Path(self.library).name}, {self.provider})"
         self._sessions = {}
+        self._sessions_lock = threading.Lock()
         self._options()  # loads the library now, so a bad one is reported before any case runs
 
     def _options(self) -> ort.SessionOptions:
@@ -63,12 +65,14 @@ class OrtBackend:
 
     def _session(self, model) -> ort.InferenceSession:
         key = model.SerializeToString()
-        if key not in self._sessions:
-            if len(self._sessions) >= _MAX_SESSIONS:
-                del self._sessions[next(iter(self._sessions))]
-            self._sessions[key] = ort.InferenceSession(key, self._options(),
-                                                       providers=[(self.provider, self.provider_options)])
-        return self._sessions[key]
+        with self._sessions_lock:  # a backend run from several threads: lookup, eviction and insertion as one
+            session = self._sessions.get(key)
+            if session is None:
+                while len(self._sessions) >= _MAX_SESSIONS:
+                    del self._sessions[next(iter(self._sessions))]
+                session = self._sessions[key] = ort.InferenceSession(
+                    key, self._options(), providers=[(self.provider, self.provider_options)])
+        return session
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
         """Runs the call (``model``: its one-node model, built from the call when None); the in-place inputs

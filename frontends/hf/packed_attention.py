@@ -19,20 +19,31 @@ from .. import torch as kt
 
 ATTENTION = "kvcache_op_packed"  # the attention implementation's registered name
 _STEP = contextvars.ContextVar("kvcache_op_packed_step", default=None)
-_LOCKS = weakref.WeakKeyDictionary()  # model -> the lock its switched settings are held under
-_LOCKS_LOCK = threading.Lock()
+_LOCKS = {}  # id of a model's config -> (a weak reference to it, the lock its switched settings are held under)
+_LOCKS_LOCK = threading.RLock()  # re-entrant: a collection inside it may run a config's callback, which takes it
 
 
 def model_lock(model) -> threading.RLock:
     """The lock that serializes what switches settings of ``model`` for a block and switches them back (its attention
     and experts implementations while :func:`stepping`, its dtypes while probed widened): those settings are the
     shared model's, so two such blocks overlapping in two threads would restore each other's and run layers of one
-    under the other's settings. Re-entrant: a probe steps inside its widening."""
+    under the other's settings. Keyed by the model's config, which a wrapper (``torch.compile``'s) and its model
+    share. Re-entrant: a probe steps inside its widening."""
+    key = getattr(model, "config", model)  # configs compare by value and have no hash: kept by identity
     with _LOCKS_LOCK:
-        lock = _LOCKS.get(model)
-        if lock is None:
-            lock = _LOCKS[model] = threading.RLock()
-        return lock
+        entry = _LOCKS.get(id(key))
+        if entry is None or entry[0]() is not key:
+            entry = _LOCKS[id(key)] = (weakref.ref(key, _forget(id(key))), threading.RLock())
+        return entry[1]
+
+
+def _forget(key_id: int):
+    """The callback that drops a collected config's lock (its id may be reused by another object)."""
+    def forget(ref):
+        with _LOCKS_LOCK:
+            if _LOCKS.get(key_id, (None,))[0] is ref:
+                del _LOCKS[key_id]
+    return forget
 
 
 class Unexpressible(ValueError):
