@@ -7,8 +7,10 @@
 
 #if defined(__CUDACC__)
 #define KV_HD __host__ __device__ __forceinline__
+#define KV_HD_ALWAYS KV_HD
 #else
 #define KV_HD inline
+#define KV_HD_ALWAYS inline __attribute__((always_inline))
 #endif
 
 namespace kvcache {
@@ -108,12 +110,18 @@ struct BF16 {
   KV_HD static uint16_t FromFloat(float v) { return FloatToBFloat16(v); }
 };
 
+// In the instruction-set builds' namespace where there is one (the attention kernels are compiled generic, AVX2 and
+// AVX-512), and always inlined on the host: no build's copy is merged with another's, and no output element pays a
+// call.
+#if defined(KV_CPU_ISA)
+namespace KV_CPU_ISA {
+#endif
 // An attention output as T1. The exact output is a convex combination of values of T1, so within T1's finite range;
 // a finite float32 result past it comes only from rounding (weights rounded to T1 sum to up to 1 + u_T: 65504
 // (1 + 2^-11) rounds to inf in float16) and saturates to T1's largest finite value of its sign
 // (spec/MultiHeadAttention.md). In float16 and bfloat16 that value's bits are the infinity's less one.
 template <class T1>
-KV_HD typename T1::Storage SaturatingFromFloat(float o) {
+KV_HD_ALWAYS typename T1::Storage SaturatingFromFloat(float o) {
   typename T1::Storage stored = T1::FromFloat(o);
   if constexpr (T1::kElem != Elem::kFloat32) {
     const float back = T1::ToFloat(stored);
@@ -121,6 +129,9 @@ KV_HD typename T1::Storage SaturatingFromFloat(float o) {
   }
   return stored;
 }
+#if defined(KV_CPU_ISA)
+}  // namespace KV_CPU_ISA
+#endif
 
 // Signed nibbles of one packed int4 byte (ONNX INT4: element 2i low nibble, 2i+1 high nibble).
 KV_HD int32_t Int4Low(uint8_t byte) { return static_cast<int32_t>(static_cast<int8_t>(byte << 4)) >> 4; }

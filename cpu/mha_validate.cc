@@ -61,6 +61,7 @@ void CheckMhaAttrs(const MhaAttrs& a) {
 }
 
 float AlibiSlope(int64_t h, int64_t num_heads) {
+  const SpecFloatMode spec_mode;  // the CUDA plan computes the slopes on the caller's thread, in its mode
   int64_t p = 1;
   while (p <= num_heads / 2) p *= 2;
   // Exact dyadic exponents (p is a power of two); one rounding of the float64 power to float32.
@@ -104,7 +105,7 @@ MhaPlan ValidateAttention(const MhaAttrs& a, const TensorArg* in) {
   if (a.softmax_scale != 0.0f) {
     p.scale = a.softmax_scale;
   } else {
-    const SpecFloatMode spec_mode;  // the spec's rounding, not the caller's (float64 division and sqrt, one rounding)
+    const SpecFloatMode spec_mode;  // the spec's rounding, not the caller's (float64 sqrt and division, then float32)
     p.scale = static_cast<float>(1.0 / std::sqrt(double(a.head_dim)));
   }
   return p;

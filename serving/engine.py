@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import functools
 import queue
+import threading
 import time
 
 import numpy as np
@@ -122,6 +123,7 @@ class Engine(OnlineEngine):
         self._peak_pages = 0
         self.step_trace = [] if trace_steps else None
         self.last_logits = self.last_logprobs = None
+        self._last_call_lock = threading.Lock()  # a call's two written together, whatever others finish then
         self._init_online()
 
     # ---- public API ------------------------------------------------------------------------------------
@@ -180,8 +182,9 @@ class Engine(OnlineEngine):
             for handle in handles:  # gone at the engine's next step boundary: the call leaves no page behind it
                 handle._finished.wait()
             raise
-        self.last_logits = [q.logits for q in sequences] if record_logits else None
-        self.last_logprobs = [q.logprobs for q in sequences]
+        with self._last_call_lock:  # not the stepping lock: that one would wait out others' decode runs
+            self.last_logits = [q.logits for q in sequences] if record_logits else None
+            self.last_logprobs = [q.logprobs for q in sequences]
         return [q.generated for q in sequences]
 
     def _new_sequence(self, index, prompt: list, max_new_tokens: int, salt, arrival: int,

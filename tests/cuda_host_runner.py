@@ -23,7 +23,7 @@ HEADERS = [ROOT / "cuda/kv_cache_work.h", ROOT / "cuda/kv_cache_access.h", ROOT 
            ROOT / "cpu/kv_quant.h", ROOT / "cpu/kv_validate.h", ROOT / "cpu/kv_checked.h",
            ROOT / "capi/c_tensors.h", ROOT / "capi/kvcache_op.h", ROOT / "cuda/rotary_work.h",
            ROOT / "cuda/rotary_params.h", ROOT / "cpu/rotary_shift.h", ROOT / "capi/rotary_c_args.h",
-           ROOT / "cpu/byte_ranges.h"]
+           ROOT / "cpu/byte_ranges.h", ROOT / "cpu/spec_float_mode.h"]
 # The spec's arithmetic, as in the library build: no contraction, no fast math.
 FLAGS = ["-std=c++17", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wextra", "-Werror", "-ffp-contract=off",
          "-fno-fast-math", f"-I{ROOT / 'cuda'}", f"-I{ROOT / 'cpu'}", f"-I{ROOT / 'capi'}"]

@@ -109,3 +109,18 @@ def test_cache_attention_reads_subnormal_scales_in_any_environment(mxcsr, monkey
     out = _in_mode(mxcsr, mode, lambda: c_api.multi_head_cache_attention(**fresh, **case.attributes, num_threads=1))
     assert fresh["cache"].tobytes() == cache_after.tobytes() and fresh["scale"].tobytes() == scale_after.tobytes()
     assert_within(out, exact, bound, f"{kernel} in {mode[0]}")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m[0] for m in MODES])
+def test_attention_gives_the_same_bits_in_any_environment(mxcsr, mode):
+    """Every task of the attention kernel runs in the spec's environment, and so do the values computed before them
+    (the default scale 1/sqrt(128) and the ALiBi slopes of 12 heads, both inexact): the output in any mode is the
+    round-to-nearest output, bit for bit."""
+    from kvcache_op.validation.mha_cases import build_attention
+
+    case = build_attention("environment", [(1, 40), (9, 30)], heads=12, kv_heads=4, head_dim=128, t="float32",
+                           decoding=1, is_alibi=1)
+    want = c_api.multi_head_attention(**copies(case.inputs), **case.attributes, num_threads=1)
+    got = _in_mode(mxcsr, mode, lambda: c_api.multi_head_attention(**copies(case.inputs), **case.attributes,
+                                                                   num_threads=1))
+    assert got.tobytes() == want.tobytes()
