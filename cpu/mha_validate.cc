@@ -61,7 +61,6 @@ void CheckMhaAttrs(const MhaAttrs& a) {
 }
 
 float AlibiSlope(int64_t h, int64_t num_heads) {
-  const SpecFloatMode spec_mode;  // the CUDA plan computes the slopes on the caller's thread, in its mode
   int64_t p = 1;
   while (p <= num_heads / 2) p *= 2;
   // Exact dyadic exponents (p is a power of two); one rounding of the float64 power to float32.

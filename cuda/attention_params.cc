@@ -6,6 +6,7 @@
 #include "attention_work.h"
 #include "kv_checked.h"
 #include "kv_cuda_params.h"
+#include "spec_float_mode.h"
 
 namespace kvcache {
 namespace cuda {
@@ -43,13 +44,15 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
     index.insert(index.end(), cache->plan->cachestarts.begin(), cache->plan->cachestarts.end());
   else
     index.insert(index.end(), static_cast<size_t>(B), int64_t{0});
-  if (a.is_alibi)  // H is bounded here: the query holds tokens * H * Dh elements, tokens >= 1
+  if (a.is_alibi) {  // H is bounded here: the query holds tokens * H * Dh elements, tokens >= 1
+    const SpecFloatMode spec_mode;  // on the caller's thread: the slopes as the spec rounds them, not in its mode
     for (int64_t h = 0; h < H; ++h) {
       const float slope = AlibiSlope(h, H);
       uint32_t bits;
       std::memcpy(&bits, &slope, 4);
       index.push_back(bits);
     }
+  }
 
   // Tiles: per sequence and kv head, up to TileQueries() query vectors (its heads first, then rows). A sequence of
   // one token goes to the decode kernel where its head_dim fits it, kDecodeHeads heads of one kv head per tile.

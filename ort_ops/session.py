@@ -126,26 +126,39 @@ def to_numpy(value: ort.OrtValue) -> np.ndarray:
     return value.numpy()
 
 
-_SESSIONS = {}  # model bytes + threads -> (session, in-place input names), the most recent few only
+class KeptSessions:
+    """The sessions of the last few models (first made, first dropped), each made once: ``get(key, make)`` returns
+    the one kept under ``key`` or keeps what ``make()`` returns. Safe from any thread: ``make`` runs outside the lock,
+    so two threads may each make one, and the first kept is the one both use."""
+
+    def __init__(self, size: int):
+        self.size, self._kept, self._lock = size, {}, threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def clear(self) -> None:
+        """Drops every kept session."""
+        with self._lock:
+            self._kept.clear()
+
+    def get(self, key, make):
+        with self._lock:
+            kept = self._kept.get(key)
+        if kept is None:
+            made = make()
+            with self._lock:
+                kept = self._kept.get(key)
+                if kept is None:
+                    while len(self._kept) >= self.size:
+                        del self._kept[next(iter(self._kept))]
+                    kept = self._kept[key] = made
+        return kept
+
+
 _MAX_CACHED_SESSIONS = 8
-_SESSIONS_LOCK = threading.Lock()  # callers in several threads: lookup, eviction and insertion are one step
-
-
-def _cached_session(model, intra_op_num_threads: int) -> tuple:
-    """(session, in-place input names) of ``model``, made once and kept among the last few; safe from any thread
-    (a session is made outside the lock, so two threads may each make one; the first kept is the one used)."""
-    key = (model.SerializeToString(), intra_op_num_threads)
-    with _SESSIONS_LOCK:
-        cached = _SESSIONS.get(key)
-    if cached is None:  # the graph is checked once per cached session, not per run
-        made = (make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model))
-        with _SESSIONS_LOCK:
-            cached = _SESSIONS.get(key)
-            if cached is None:
-                while len(_SESSIONS) >= _MAX_CACHED_SESSIONS:
-                    del _SESSIONS[next(iter(_SESSIONS))]
-                cached = _SESSIONS[key] = made
-    return cached
+# model bytes + threads -> (session, in-place input names); the graph is checked once per kept session, not per run
+_SESSIONS = KeptSessions(_MAX_CACHED_SESSIONS)
 
 
 def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
@@ -161,7 +174,8 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     for repeated calls; callers in several threads may share them.
     """
     if session is None:
-        session, written = _cached_session(model, intra_op_num_threads)
+        session, written = _SESSIONS.get((model.SerializeToString(), intra_op_num_threads), lambda: (
+            make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model)))
     else:
         written = in_place_inputs(model) if model is not None else None
     binding = session.io_binding()

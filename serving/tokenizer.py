@@ -69,29 +69,65 @@ def _byte_level_alphabet() -> dict:
     return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
-class _TokenTexts:
-    """One tokenizer's token texts, each read after an anchor (an ordinary token, ``"a"``), kept once read (a
-    vocabulary's worth at most). It holds no reference to the tokenizer, which keys it weakly."""
+class _TokenPieces:
+    """One tokenizer's token texts and bytes, each read once and kept (a vocabulary's worth at most): a text read
+    after an anchor (an ordinary token, ``"a"``); bytes from the token string where it spells them. It holds no
+    reference to the tokenizer, which keys it weakly."""
 
     def __init__(self, tokenizer):
         self.anchor = list(tokenizer("a", add_special_tokens=False)["input_ids"])
         self.lead = _plain_decode(tokenizer, self.anchor) if self.anchor else ""
-        self.texts = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self.alphabet = _byte_level_alphabet() if byte_level else {}
+        self.special = set(getattr(tokenizer, "all_special_ids", ()))
+        self.texts, self.bytes = {}, {}
 
-    def read(self, tokenizer, token: int) -> str:
-        text = self.texts.get(token)
-        if text is None:
+    def text(self, tokenizer, token: int) -> str:
+        if token not in self.texts:
             pair = _plain_decode(tokenizer, self.anchor + [token]) if self.lead else ""
-            text = pair[len(self.lead):] if self.lead and pair.startswith(self.lead) else _plain_decode(tokenizer, [token])
-            self.texts[token] = text
-        return text
+            self.texts[token] = pair[len(self.lead):] if self.lead and pair.startswith(self.lead) else \
+                _plain_decode(tokenizer, [token])
+        return self.texts[token]
+
+    def bytes_of(self, tokenizer, token: int) -> bytes:
+        if token not in self.bytes:
+            self.bytes[token] = self._spelled(tokenizer, token) or \
+                self.text(tokenizer, token).encode("utf-8", errors="replace")
+        return self.bytes[token]
+
+    def _spelled(self, tokenizer, token: int):
+        """The bytes a byte-level token string or a byte-fallback ``<0xHH>`` token spells; None for other tokens."""
+        if token in self.special or not hasattr(tokenizer, "convert_ids_to_tokens"):
+            return None
+        piece = tokenizer.convert_ids_to_tokens(token)
+        if not isinstance(piece, str) or not piece:
+            return None
+        if self.alphabet and all(c in self.alphabet for c in piece):
+            return bytes(self.alphabet[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                pass
+        return None
 
 
 def _plain_decode(tokenizer, ids) -> str:
     return tokenizer.decode(list(ids))  # the tokenizer's own clean-up setting, as the reply's decode has it
 
 
-_TOKEN_TEXTS = weakref.WeakKeyDictionary()  # tokenizer -> its _TokenTexts
+_TOKEN_PIECES = weakref.WeakKeyDictionary()  # tokenizer -> its _TokenPieces
+
+
+def _pieces(tokenizer) -> _TokenPieces:
+    try:
+        pieces = _TOKEN_PIECES.get(tokenizer)
+        if pieces is None:
+            pieces = _TOKEN_PIECES[tokenizer] = _TokenPieces(tokenizer)
+        return pieces
+    except TypeError:  # a tokenizer that takes no weak reference: nothing kept
+        return _TokenPieces(tokenizer)
 
 
 def token_text(tokenizer, token: int) -> str:
@@ -99,30 +135,11 @@ def token_text(tokenizer, token: int) -> str:
     SentencePiece piece (``"▁the"``) keeps the space its decode alone drops, so the texts of a reply's tokens join to
     the reply; a token holding part of a character reads as the replacement character; a special token as itself.
     Where the anchor's text is not a prefix of the pair's, the token's decode alone."""
-    try:
-        texts = _TOKEN_TEXTS.get(tokenizer)
-        if texts is None:
-            texts = _TOKEN_TEXTS[tokenizer] = _TokenTexts(tokenizer)
-    except TypeError:  # a tokenizer that takes no weak reference: nothing kept
-        texts = _TokenTexts(tokenizer)
-    return texts.read(tokenizer, int(token))
+    return _pieces(tokenizer).text(tokenizer, int(token))
 
 
 def token_bytes(tokenizer, token: int) -> bytes:
     """The bytes token ``token`` stands for, also where it holds part of a character (its text alone then decodes to
     a replacement character): read from a byte-level token string, or a byte-fallback token ``<0xHH>``; otherwise
     (special tokens, SentencePiece pieces, whole-character vocabularies) the UTF-8 of its :func:`token_text`."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None) if backend is not None else None
-    if token not in getattr(tokenizer, "all_special_ids", ()):
-        piece = tokenizer.convert_ids_to_tokens(int(token)) if hasattr(tokenizer, "convert_ids_to_tokens") else None
-        if isinstance(piece, str) and piece:
-            alphabet = _byte_level_alphabet() if type(decoder).__name__ == "ByteLevel" else {}
-            if alphabet and all(c in alphabet for c in piece):
-                return bytes(alphabet[c] for c in piece)
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                try:
-                    return bytes([int(piece[3:5], 16)])
-                except ValueError:
-                    pass
-    return token_text(tokenizer, token).encode("utf-8", errors="replace")
+    return _pieces(tokenizer).bytes_of(tokenizer, int(token))

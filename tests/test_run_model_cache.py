@@ -14,7 +14,7 @@ def test_two_callers_making_sessions_at_once_keep_the_cache_within_its_size(monk
     names = list(CASES)[:ort_session._MAX_CACHED_SESSIONS + 2]
     cases = [CASES[name]() for name in names]
     models = [spec.make_model(copies(c.inputs), **c.attributes) for c in cases]
-    monkeypatch.setattr(ort_session, "_SESSIONS", {})
+    monkeypatch.setattr(ort_session, "_SESSIONS", ort_session.KeptSessions(ort_session._MAX_CACHED_SESSIONS))
     for case, model in zip(cases[:-2], models[:-2]):  # a full cache
         run_model(model, {k: v for k, v in copies(case.inputs).items() if v is not None}, intra_op_num_threads=1)
     assert len(ort_session._SESSIONS) == ort_session._MAX_CACHED_SESSIONS

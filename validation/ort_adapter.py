@@ -8,12 +8,12 @@ EP, the session refuses to fall back to the CPU silently.
 """
 
 import pathlib
-import threading
 
 import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
+from ..ort_ops.session import KeptSessions
 from .outcome import OUTPUTS, Outcome, in_place_after
 from .adapters import ALL_OPS, BackendLoadError, error_text, graph_feeds
 
@@ -48,8 +48,7 @@ class OrtBackend:
         # CPU, this is how the device path is tested without a device).
         self.copy_inputs = self.device != "cpu"
         self.name = f"ort ({pathlib.Path(self.library).name}, {self.provider})"
-        self._sessions = {}
-        self._sessions_lock = threading.Lock()
+        self._sessions = KeptSessions(_MAX_SESSIONS)  # a backend run from several threads shares them
         self._options()  # loads the library now, so a bad one is reported before any case runs
 
     def _options(self) -> ort.SessionOptions:
@@ -65,14 +64,8 @@ class OrtBackend:
 
     def _session(self, model) -> ort.InferenceSession:
         key = model.SerializeToString()
-        with self._sessions_lock:  # a backend run from several threads: lookup, eviction and insertion as one
-            session = self._sessions.get(key)
-            if session is None:
-                while len(self._sessions) >= _MAX_SESSIONS:
-                    del self._sessions[next(iter(self._sessions))]
-                session = self._sessions[key] = ort.InferenceSession(
-                    key, self._options(), providers=[(self.provider, self.provider_options)])
-        return session
+        return self._sessions.get(key, lambda: ort.InferenceSession(
+            key, self._options(), providers=[(self.provider, self.provider_options)]))
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
         """Runs the call (``model``: its one-node model, built from the call when None); the in-place inputs
