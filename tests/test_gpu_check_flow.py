@@ -1,11 +1,14 @@
 """tools/gpu_check.sh's control flow, walked on this machine with a stand-in python (no GPU needed): a deadline that
 cuts every step's limit and skips what no longer fits (the summary still written), a test step in which no test ran
 counted as failed, a GPU probe that fails counted as failed (not as "no GPU"), unknown step names refused, and the
-float16 serving benchmark in the summary."""
+float16 serving benchmark in the summary, and the ONNX Runtime headers taken from their packed form."""
 
+import io
 import pathlib
+import shutil
 import subprocess
 import sys
+import tarfile
 import time
 
 import pytest
@@ -55,8 +58,8 @@ exit $code
 """
 
 
-def run_check(tmp_path, **env) -> tuple:
-    """(exit status, steps.tsv as {step: (verdict, detail)}, summary.md or '', seconds) of the script run with the
+def run_check(tmp_path, script=ROOT / "tools/gpu_check.sh", **env) -> tuple:
+    """(exit status, steps.tsv as {step: (verdict, detail)}, summary.md or '', seconds) of ``script`` run with the
     stand-in python under ``env``."""
     bin_folder = tmp_path / "bin"
     bin_folder.mkdir()
@@ -65,7 +68,7 @@ def run_check(tmp_path, **env) -> tuple:
         (bin_folder / name).chmod(0o755)
     out = tmp_path / "out"
     began = time.monotonic()
-    done = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh"), str(out)], capture_output=True, text=True,
+    done = subprocess.run(["bash", str(script), str(out)], capture_output=True, text=True,
                           timeout=120, env={"PATH": f"{bin_folder}:/usr/bin:/bin", "PYTHON": str(bin_folder / "python"),
                                             "REAL_PYTHON": sys.executable,
                                             "GPU_CHECK_WORKERS": "1", **env})
@@ -139,3 +142,35 @@ def test_a_machine_without_a_gpu_skips_the_gpu_steps_and_passes(tmp_path):
 def test_a_step_name_the_check_does_not_have_is_refused(tmp_path, setting):
     code, steps, _, _, stderr = run_check(tmp_path, **{setting: "gpu-tests sanitizer-memchek"})
     assert code == 2 and not steps and "name sanitizer-memchek, which is no step of this check" in stderr
+
+
+def checkout_with_packed_headers(tmp_path, members: dict) -> pathlib.Path:
+    """A checkout holding the script, its summary writer and a .ort-headers.tar.xz of ``members`` (name: bytes), and
+    no .ort-headers/ folder."""
+    checkout = tmp_path / "checkout"
+    (checkout / "tools").mkdir(parents=True)
+    for tool in ("gpu_check.sh", "gpu_check_summary.py"):
+        shutil.copy(ROOT / "tools" / tool, checkout / "tools" / tool)
+    with tarfile.open(checkout / ".ort-headers.tar.xz", "w:xz") as archive:
+        for name, data in members.items():
+            entry = tarfile.TarInfo(f"./{name}")
+            entry.size = len(data)
+            archive.addfile(entry, io.BytesIO(data))
+    return checkout / "tools/gpu_check.sh"
+
+
+def test_the_packed_headers_are_unpacked_and_built_with(tmp_path):
+    header = b"/* the C API */\n"
+    script = checkout_with_packed_headers(tmp_path, {"onnxruntime_c_api.h": header, "onnxruntime_cxx_api.h": b""})
+    # (the copied checkout has no tests: only the build step's verdict counts here)
+    _, steps, _, _, _ = run_check(tmp_path, script=script, GPU_CHECK_ONLY="host-runner")
+    unpacked = tmp_path / "out/ort-headers"
+    assert steps["build"][0] == "pass" and steps["build"][1].endswith(f"headers: {unpacked}"), steps["build"]
+    assert (unpacked / "onnxruntime_c_api.h").read_bytes() == header
+
+
+def test_packed_headers_without_the_c_api_stop_the_check_before_the_build(tmp_path):
+    script = checkout_with_packed_headers(tmp_path, {"onnxruntime_cxx_api.h": b""})
+    code, steps, summary, _, _ = run_check(tmp_path, script=script)
+    assert code == 1 and steps["build"][0] == "fail" and "onnxruntime_c_api.h" in steps["build"][1], steps
+    assert set(steps) == {"build"} and "| build | fail |" in summary

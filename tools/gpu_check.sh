@@ -3,8 +3,9 @@
 #
 #   tools/gpu_check.sh OUTDIR
 #
-# 1. builds the library from this checkout (CUDA on; ONNX Runtime headers from $KVCACHE_OP_ORT_INCLUDE_DIR
-#    or the git-ignored folder .ort-headers/ of the checkout) into OUTDIR/site, without network;
+# 1. builds the library from this checkout (CUDA on; ONNX Runtime headers from $KVCACHE_OP_ORT_INCLUDE_DIR,
+#    the git-ignored folder .ort-headers/ of the checkout, or its packed form .ort-headers.tar.xz, made by
+#    `tar -cJf .ort-headers.tar.xz -C .ort-headers .`) into OUTDIR/site, without network;
 # 2. runs the tests that need no GPU: the CUDA host runner and the C entry points on the CPU;
 # 3. runs the GPU tests (C entry point, device memory from torch or CuPy; the attention kernels too);
 # 4. runs them again, fewer examples, under compute-sanitizer memcheck, racecheck, initcheck, synccheck (the
@@ -162,8 +163,21 @@ run_benchmark() {
 }
 
 # 1. Build ------------------------------------------------------------------------------------------
-if [ -z "${KVCACHE_OP_ORT_INCLUDE_DIR:-}" ] && [ -f "$ROOT/.ort-headers/onnxruntime_c_api.h" ]; then
-  export KVCACHE_OP_ORT_INCLUDE_DIR=$ROOT/.ort-headers
+if [ -z "${KVCACHE_OP_ORT_INCLUDE_DIR:-}" ]; then
+  if [ -f "$ROOT/.ort-headers/onnxruntime_c_api.h" ]; then
+    export KVCACHE_OP_ORT_INCLUDE_DIR=$ROOT/.ort-headers
+  elif [ -f "$ROOT/.ort-headers.tar.xz" ]; then
+    # the same headers packed (about 130 kB instead of 0.9 MB): room under a device's 64 MiB transfer limit
+    rm -rf "$OUT/ort-headers"
+    mkdir -p "$OUT/ort-headers"
+    if ! tar -xJf "$ROOT/.ort-headers.tar.xz" -C "$OUT/ort-headers" >"$OUT/logs/ort-headers.log" 2>&1 \
+       || [ ! -f "$OUT/ort-headers/onnxruntime_c_api.h" ]; then
+      step build fail ".ort-headers.tar.xz does not unpack to a folder holding onnxruntime_c_api.h: see logs/ort-headers.log"
+      summarize
+      exit 1
+    fi
+    export KVCACHE_OP_ORT_INCLUDE_DIR=$OUT/ort-headers
+  fi
 fi
 if command -v nvcc >/dev/null 2>&1 || [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH=$PATH:/usr/local/cuda/bin KVCACHE_OP_CUDA=1
