@@ -5,6 +5,9 @@ One lock serializes everything that touches the engine's state: a step of the ba
 a ``submit`` or of a :meth:`Engine.generate` batch (whose requests then run in the continuous batch like submitted
 ones), and ``metrics()``. A step never runs concurrently with another, so the cache manager needs no locking of
 its own.
+
+The background thread holds the engine only while work is pending: an engine dropped without :meth:`close` is
+collected once its requests are done (its cache, session and thread with it), as any Python object would be.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 
 from ..manager.identity import salt_bytes
 from .sampling import SamplingParams
 
 log = logging.getLogger("kvcache_op.serving")
+
+_IDLE_LOOK_SECONDS = 5.0  # an idle background thread looks whether its engine is still referenced this often
 
 
 class EngineBusy(RuntimeError):
@@ -217,6 +223,8 @@ class OnlineEngine:
         self._rolled_back = None  # the request ids of the step the engine last rolled back (while it steps)
         self._thread = None
         self._closed = False
+        # Collected while idle (the thread holds it only while work is pending): wake the thread so that it ends.
+        weakref.finalize(self, _wake, self._work)
         # A run of decode steps planned at once holds the lock for many steps: it ends at its next step while a
         # caller waits for the lock (one entry each, taken back once it has it; the background thread lets such
         # callers take the lock before its next step) or a request was cancelled since the engine last looked
@@ -281,7 +289,8 @@ class OnlineEngine:
                     place -= 1
                 self._online_waiting.insert(place, q)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="kvcache-op-engine", daemon=True)
+                self._thread = threading.Thread(target=_serve_while_referenced, args=(weakref.ref(self),),
+                                                name="kvcache-op-engine", daemon=True)
                 self._thread.start()
             self._work.notify()
         return [q.handle for q in sequences]
@@ -315,8 +324,16 @@ class OnlineEngine:
         if thread is not None:
             thread.join(timeout)
 
-    def _serve(self) -> None:
-        """The background thread: one step at a time while submitted requests are pending."""
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        """Leaving a ``with Engine(...) as engine:`` block closes it (:meth:`close`)."""
+        self.close()
+
+    def _serve_until_idle(self) -> bool:
+        """The background thread's work: one step at a time while submitted requests are pending. Returns when none
+        is: True to wait for more, False when the engine is closed (the thread then ends)."""
         while True:
             # Callers waiting for the lock take it first: a lock is not fair, and this thread, which just let it
             # go, would otherwise take it back at once, run one more step (the knock ends the run) and again, for
@@ -325,12 +342,11 @@ class OnlineEngine:
                 time.sleep(50e-6)
             with self._lock:
                 self._drop_cancelled()
-                while not (self._online_waiting or self._online_running):
+                if not (self._online_waiting or self._online_running):
                     if self._closed:
                         self._thread = None
-                        return
-                    self._work.wait()
-                    self._drop_cancelled()
+                        return False
+                    return True
                 if not self._online_running and self._online_waiting[0].arrival > self._online_step:
                     self._online_step = self._online_waiting[0].arrival  # nothing to run before the next arrival
                 began, ran, self._rolled_back = time.perf_counter(), 1, None
@@ -379,3 +395,33 @@ class OnlineEngine:
         for q in [q for q in self._online_waiting if q.handle._cancelled.is_set()]:
             self._online_waiting.remove(q)
             q.handle._finish("cancelled")
+
+
+def _wake(work: threading.Condition) -> None:
+    """An engine was collected: its background thread, waiting on ``work``, looks again (and ends)."""
+    with work:
+        work.notify_all()
+
+
+def _serve_while_referenced(engine_ref: weakref.ref) -> None:
+    """The background thread's body. It holds the engine while requests are pending (so they finish though the
+    caller dropped it) and waits for more through a weak reference alone: a thread that held an idle engine would
+    keep it, its cache and its ONNX Runtime session alive for as long as the process runs."""
+    while True:
+        engine = engine_ref()
+        if engine is None or not engine._serve_until_idle():
+            return
+        work, waiting, running = engine._work, engine._online_waiting, engine._online_running
+        del engine
+        with work:
+            while not (waiting or running):
+                engine = engine_ref()
+                if engine is None or engine._closed:
+                    break
+                del engine  # not held while waiting: the engine's finalizer wakes this wait
+                if engine_ref() is None:  # that was the last reference (its finalizer ran here, before any wait)
+                    break
+                # A finalizer run by a garbage collection inside wait() itself, before it listens, would go unheard:
+                # look again now and then whatever happens.
+                work.wait(_IDLE_LOOK_SECONDS)
+            engine = None

@@ -99,15 +99,16 @@ def _run(folder: str, kept: bool, family: str, requests: int, new_tokens: int, n
           f"prompts, 2 arrivals per step) x {new_tokens} new tokens on {', '.join(engine.runner.providers)}, "
           f"{num_pages} pages of {info.page_size} slots")
     bar = Progress(requests * new_tokens, "tokens")
-    try:
-        tokens = engine.generate(workload.prompts, new_tokens, salts=workload.salts,
-                                 arrival_steps=workload.arrival_steps, on_token=lambda i, token: bar.advance())
-    except (RuntimeError, ValueError) as error:  # e.g. too few pages for one request: a line, not a traceback
+    with engine:
+        try:
+            tokens = engine.generate(workload.prompts, new_tokens, salts=workload.salts,
+                                     arrival_steps=workload.arrival_steps, on_token=lambda i, token: bar.advance())
+        except (RuntimeError, ValueError) as error:  # e.g. too few pages for one request: a line, not a traceback
+            bar.close()
+            print(f"kvcache-op demo: error: {error}", file=sys.stderr)
+            return 2
         bar.close()
-        print(f"kvcache-op demo: error: {error}", file=sys.stderr)
-        return 2
-    bar.close()
-    m = engine.metrics()
+        m = engine.metrics()
     print(f"   throughput  {m['tokens_per_s']:.0f} generated tokens/s ({m['generated_tokens']} tokens, "
           f"{m['fed_tokens']} fed, {m['steps']} steps, {m['wall_s']:.2f} s)")
     print(f"   prefix hits {m['prefix_hit_rate']:.1%} of prompt tokens looked up ({m['prefix_hit_tokens']} of "

@@ -17,7 +17,8 @@ import time
 
 import onnx
 
-from .export_command import SOURCE_KEY, export_checkpoint, tokenizer_folder
+from .export_command import SOURCE_KEY, tokenizer_folder
+from .export_process import export_in_child
 
 API_KEY_VARIABLE = "KVCACHE_OP_API_KEY"  # the API key when --api-key is not given
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -44,8 +45,8 @@ def _checkpoint_key(folder: pathlib.Path, settings: dict) -> str:
 def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progress=print) -> tuple:
     """(ONNX file, tokenizer folder) for ``model``: an exported file (its tokenizer from ``tokenizer``, else the
     ``OUT.tokenizer`` folder beside it, else the checkpoint its metadata names) or a checkpoint folder (exported with
-    ``settings`` into ``cache_dir`` unless already there). ``FileNotFoundError``/``ValueError`` naming what is
-    missing."""
+    ``settings`` into ``cache_dir`` unless already there, in a process of its own: what exporting leaves in memory
+    is not kept by a server for its whole life). ``FileNotFoundError``/``ValueError`` naming what is missing."""
     model = pathlib.Path(model)
     if model.is_dir():
         from .serving.tokenizer import check_tokenizer_folder
@@ -59,7 +60,7 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
             exported_model(out)  # a cache entry damaged since is refused here, in one line
         else:
             out.parent.mkdir(parents=True, exist_ok=True)
-            export_checkpoint(model, out, progress=progress, **settings)
+            export_in_child(model, out, settings=settings, progress=progress)
             complete.write_text(str(model.resolve()))
         return out, pathlib.Path(tokenizer) if tokenizer else model
     if not model.is_file():
