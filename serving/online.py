@@ -223,8 +223,9 @@ class OnlineEngine:
         self._rolled_back = None  # the request ids of the step the engine last rolled back (while it steps)
         self._thread = None
         self._closed = False
-        # Collected while idle (the thread holds it only while work is pending): wake the thread so that it ends.
-        weakref.finalize(self, _wake, self._work)
+        # Collected while idle (the thread holds it only while work is pending): wake the thread so that it ends. Not
+        # at the interpreter's exit, where a daemon thread in a step may hold the lock it would wait for.
+        weakref.finalize(self, _wake, self._work).atexit = False
         # A run of decode steps planned at once holds the lock for many steps: it ends at its next step while a
         # caller waits for the lock (one entry each, taken back once it has it; the background thread lets such
         # callers take the lock before its next step) or a request was cancelled since the engine last looked
