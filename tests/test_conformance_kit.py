@@ -135,6 +135,14 @@ def test_printed_report_ends_with_the_summary_table(all_vectors):
     assert table[5] == "skipped: the backend provides no multi_head_attention"
 
 
+def test_a_run_whose_every_case_was_skipped_has_not_passed(all_vectors):
+    """report.passed means something was checked: a backend with none of the selected cases' ops skips them all
+    and has not passed."""
+    report = validate(all_vectors, planted_backends.correct, cases=["mha_*"])
+    assert report.results and report.count("skip") == len(report.results)
+    assert not report.passed
+
+
 def test_every_op_of_a_module_object_backend_is_validated(all_vectors, monkeypatch):
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, "planted_backends:ALL_OPS", isolate=False)

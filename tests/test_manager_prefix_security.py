@@ -1,5 +1,5 @@
-"""Prefix caching under attack: nobody can block another tenant's chain, and a stream's host memory stays
-bounded."""
+"""Prefix caching under attack: nobody can block another tenant's chain or be served another prompt's or
+tenant's pages (not even through a weak hash function), and a stream's host memory stays bounded."""
 
 import tracemalloc
 
@@ -46,6 +46,36 @@ def test_other_tenants_cannot_touch_a_salted_chain():
     m.commit(m.schedule({"squat": SYSTEM + [7], "owner": SYSTEM + [1]}))
     assert serve(m, "alice-2", SYSTEM + [2], salt="alice") == 16
     assert serve(m, "bob", SYSTEM + [3], salt="bob") == 0
+
+
+def test_a_prefix_hit_ends_at_the_first_page_that_misses():
+    """Keys depend on every token before them: B shares A's first page only, so A's page [5, 6] (computed after
+    [1, 2]) is not B's third page [5, 6] (computed after [1, 2, 3, 4])."""
+    m = KVCacheManager(16, 2, 8)
+    serve(m, "a", [1, 2, 5, 6, 7])
+    assert m.add_request("b", [1, 2, 3, 4, 5, 6, 9]) == 2
+    assert m.page_table("b") == m.page_table("a")[:1]
+    m.check()
+
+
+def test_a_hash_that_ignores_the_tenant_still_never_shares_across_tenants():
+    """hash_fn is replaceable; whatever it ignores, a page is matched only with its own tenant's identity."""
+    m = KVCacheManager(16, 2, 8, hash_fn=lambda parent, tokens, identity: hash((parent, tokens)))
+    serve(m, "a", [1, 2, 3, 4, 5], salt="tenant-a")
+    assert m.add_request("b", [1, 2, 3, 4, 5], salt="tenant-b") == 0
+    assert m.add_request("a-2", [1, 2, 3, 4, 5], salt="tenant-a") == 4
+    m.check()
+
+
+def test_a_hash_that_ignores_the_parent_does_not_unpublish_a_live_chains_page():
+    """With a hash that ignores the parent, B's page [3, 4] (after [9, 9]) collides with A's (after [1, 2]). A's
+    entry has a registered parent: it is not stale, it stays, and A's whole prompt is still served."""
+    m = KVCacheManager(16, 2, 8, hash_fn=lambda parent, tokens, identity: hash((tokens, identity)))
+    serve(m, "a", [1, 2, 3, 4, 5])
+    serve(m, "b", [9, 9, 3, 4, 5])
+    assert m.add_request("c", [1, 2, 3, 4, 5]) == 4
+    assert m.page_table("c")[:2] == m.page_table("a")[:2]
+    m.check()
 
 
 def test_the_page_hash_is_keyed_per_manager():

@@ -192,3 +192,23 @@ def test_a_batch_is_matched_again_only_by_ids_that_name_the_same_requests(arrays
             m.schedule_decode([np.array(a)], [7])
         assert manager_state(m) == before
     m.check()
+
+
+@pytest.mark.parametrize("page_size, window", [(2, 3), (2, 4), (4, 5), (4, 6), (1, 2)])
+def test_each_decode_step_loads_from_the_page_where_its_window_begins(page_size, window):
+    """A one-token decode at position p attends to [p - window + 1, p]: the step loads keys from the first position
+    of that position's page on, and the request holds no page before it (each step is a plain append or one that
+    releases a page as the window moves on)."""
+    m = KVCacheManager(64, page_size, 16, sliding_window=window)
+    prompt = [1, 2, 3]
+    m.add_request("a", prompt)
+    m.commit(m.schedule({"a": prompt}))
+    for end in range(len(prompt) + 1, len(prompt) + 13):
+        plan = m.schedule({"a": [end]})
+        first = max(0, end - window) // page_size * page_size
+        assert plan.kvstarts.tolist() == [0, end - first], end
+        assert plan.key_positions.tolist() == list(range(first, end)), end
+        m.commit(plan)
+        held = -(-end // page_size) - first // page_size
+        assert len(m.page_table("a")) == m.metrics()["pages_in_use"] == held, end
+    m.check()

@@ -67,6 +67,18 @@ def test_reset_prefix_cache_forgets_every_published_page():
     m.check()
 
 
+def test_pages_a_live_request_computes_after_a_reset_are_not_published_either():
+    """A reset ends every live request's chain: pages it computes afterwards follow pages nobody can find, so
+    they are not offered to others."""
+    m = KVCacheManager(16, 2, 8)
+    prompt = [1, 2, 3, 4, 5]
+    m.add_request("a", prompt)
+    m.reset_prefix_cache()
+    m.commit(m.schedule({"a": prompt}))
+    assert m.add_request("b", prompt) == 0
+    m.check()
+
+
 @pytest.mark.parametrize("bad", [
     {"salt": 1}, {"salt": True}, {"salt": 1.0}, {"salt": ["unhashable"]}, {"salt": {"a": 1}},
     {"prompt": [1.9, 2]}, {"prompt": "123"}, {"prompt": [True, 2]}, {"prompt": [2**63]}, {"prompt": [-1]},

@@ -165,6 +165,19 @@ def test_unknown_requests_and_bad_feeds_are_clear_errors():
         m.schedule({"a": [1, 2, 3] + [0] * 6})
 
 
+def test_a_request_id_already_active_is_refused_and_changes_nothing():
+    """Admitting an active id again would orphan the first admission's pages: refused, and finishing the request
+    frees every page."""
+    m = KVCacheManager(8, 4, 4)
+    run_prompt(m, "a", [1, 2, 3, 4, 5])
+    with pytest.raises(ValueError, match="request 'a' is already active"):
+        m.add_request("a", [1, 2, 3, 4, 5, 6])
+    assert m.computed("a") == 5
+    m.finish("a")
+    assert m.metrics()["pages_in_use"] == 0
+    m.check()
+
+
 def test_sliding_window_bounds_memory_and_reports_absolute_positions():
     m = KVCacheManager(8, 4, 3, sliding_window=5)
     m.add_request("a", [1] * 3)

@@ -195,3 +195,26 @@ def test_outputs_past_the_largest_finite_value_saturate():
     big = np.float32(float.fromhex("0x1.fep127"))  # bfloat16's largest finite value
     np.testing.assert_array_equal(wide, np.float32([big, -big, 1.0]))
     np.testing.assert_array_equal(saturating_cast(values, np.float32), values)
+
+
+def test_the_default_score_scale_is_one_over_sqrt_head_dim_in_float64_rounded_once():
+    """softmax_scale 0 means float32(1 / sqrt(head_dim)) with the division and the root in float64: for these
+    head_dims that differs by one ulp from dividing in float32, and the outputs equal, bit for bit, those of the
+    float64-rounded scale given explicitly."""
+    from kvcache_op.reference.mha_validate import AttentionAttributes, score_scale
+
+    rounded_once = {6: 0x3ED105EC, 7: 0x3EC1848F, 17: 0x3E785B42, 96: 0x3DD105EC}  # float32 bits of 1/sqrt(d)
+    rng = np.random.default_rng(0)
+    for head_dim, bits in rounded_once.items():
+        want = np.uint32(bits).view(np.float32)
+        assert score_scale(AttentionAttributes(num_heads=1, head_dim=head_dim)) == want
+        in_float32 = np.float32(1) / np.float32(np.sqrt(np.float32(head_dim)))
+        assert in_float32 != want
+        q = rng.standard_normal((4, 2, head_dim)).astype(np.float32) * 4
+        k = rng.standard_normal((16, 2, head_dim)).astype(np.float32) * 4
+        v = rng.standard_normal((16, 2, head_dim)).astype(np.float32)
+        args = dict(seqstarts=np.array([0, 4]), kvstarts=np.array([0, 16]), decoding_batches=np.array(0),
+                    max_seqlen=np.array(4), max_kvlen=np.array(16), num_heads=2, head_dim=head_dim)
+        default = multi_head_attention(q, k, v, **args)
+        np.testing.assert_array_equal(default, multi_head_attention(q, k, v, softmax_scale=float(want), **args))
+        assert np.any(default != multi_head_attention(q, k, v, softmax_scale=float(in_float32), **args))

@@ -1,4 +1,5 @@
-"""Every validity condition through ONNX Runtime: a clear error, and the cache byte-for-byte unchanged."""
+"""Every validity condition through ONNX Runtime: a clear error, and the cache byte-for-byte unchanged; and a
+valid call the conditions must not refuse (junk in pages it does not touch)."""
 
 import numpy as np
 import pytest
@@ -6,6 +7,7 @@ import pytest
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, run_model
 from invalid_calls import INVALID, make_invalid
+from ort_helpers import assert_same_bits, ort_result, reference_result
 
 # Wrong dtypes of the index inputs never reach the kernel: the op declares them int64, so ONNX Runtime
 # refuses the model when the session is created. Attribute values are refused there too, by the kernel.
@@ -86,3 +88,16 @@ def test_constant_cache_is_refused_at_session_creation():
         ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"])
     with pytest.raises(ValueError, match="is an initializer"):
         make_session(model)
+
+
+def test_a_minus_one_in_a_page_the_call_does_not_touch_runs_as_the_reference_says():
+    """Storing position 4 (page 1) with kvlen 0 never reads page 0's entry: ORT accepts the call and writes
+    what the reference writes (slot 0)."""
+    current = np.array([[[5, 6]]], np.float32)
+    inputs = dict(current_key=current, current_value=-current, seqstarts=np.array([0, 1]), kvstarts=np.array([0, 0]),
+                  cachestarts=np.array([[-1, 0]]), start_pos=np.array([4]), max_seqlen=np.array(1),
+                  max_kvlen=np.array(0), cache=np.arange(32, dtype=np.float32).reshape(8, 1, 2, 1, 2), scale=None)
+    attrs = dict(cache_mode=1, page_size=4)
+    want = reference_result(inputs, attrs)
+    assert want[2][0, 0, :, 0].tolist() == [[5, 6], [-5, -6]]
+    assert_same_bits(ort_result(inputs, attrs), want)

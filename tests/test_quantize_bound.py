@@ -3,7 +3,7 @@ s = T3(max(amax / qmax, eps)) has |x / s| < qmax + 1/2 for every element (|x| <=
 quotient needs no clamp. Checked with numpy's IEEE arithmetic (not the kernel's code) for every float16 and
 bfloat16 amax, and for float32 amax on every bit pattern where a float16 scale is coarsest (float16
 subnormal scales, just above eps, for int8's and int4's qmax) and on a stride of patterns over the whole
-finite range."""
+finite range. Also: int4 codes survive their nibble packing, the range's ends included."""
 
 import numpy as np
 import pytest
@@ -70,3 +70,16 @@ def test_a_float16_scale_overflows_from_a_quotient_of_65520_as_the_spec_says(qua
             assert scale[0, 0] == np.float16(65504) and codes[0, 0] == qmax
         else:
             assert np.isinf(scale[0, 0]) and not codes.any()
+
+
+def test_int4_codes_round_trip_through_the_packing_at_both_ends_of_the_range():
+    """Every int4 code, 7 and -8 included, comes back as itself from its nibble (two per byte, low one first)."""
+    from kvcache_op.reference.quantize import pack_int4, unpack_int4
+
+    codes = np.array([7, -8, 1, -1, 0, 6, -7], np.int8)
+    packed = pack_int4(codes)
+    assert packed.tolist() == [0x87, 0xF1, 0x60, 0x09]
+    unpacked = unpack_int4(packed, codes.size)
+    assert unpacked.dtype == np.int8 and unpacked.tolist() == codes.tolist()
+    every = np.arange(-8, 8, dtype=np.int8)
+    assert unpack_int4(pack_int4(every), every.size).tolist() == every.tolist()

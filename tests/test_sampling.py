@@ -197,3 +197,26 @@ def test_top_k_keeps_every_token_tied_with_the_kth():
     probs = distributions(logits, [SamplingParams(temperature=1.0, top_k=2)])[0]
     want = _softmax(np.array([2.0, 1.0, 1.0, -np.inf]))
     assert np.allclose(probs, want, rtol=1e-12, atol=0) and probs[3] == 0
+
+
+def test_presence_penalty_is_subtracted_once_however_often_a_token_came():
+    """Presence is per token seen, frequency per occurrence: three 1s cost token 1 one presence penalty but
+    three frequency penalties."""
+    logits = np.array([[1.0, 2.5, 0.0]], np.float32)
+    thrice = [((), (1, 1, 1))]
+    assert choose_tokens(logits, [SamplingParams(presence_penalty=1.0)], thrice, [None])[0] == [1]  # 2.5 - 1
+    assert choose_tokens(logits, [SamplingParams(frequency_penalty=0.6)], thrice, [None])[0] == [0]  # 2.5 - 1.8
+
+
+def test_a_token_that_alone_reaches_top_p_exactly_is_the_whole_support():
+    """top_p keeps the smallest prefix whose mass reaches top_p: 0.5 reaches 0.5, so nothing after it is kept."""
+    logits = np.log(np.array([[0.5, 0.25, 0.25]]))
+    probs = distributions(logits, [SamplingParams(temperature=1.0, top_p=0.5)])[0]
+    np.testing.assert_allclose(probs, [1.0, 0.0, 0.0], rtol=0, atol=1e-12)
+
+
+def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_top_one():
+    """min_p keeps every token at least min_p times the largest probability: 0.25 is 0.5 x 0.5, kept."""
+    logits = np.log(np.array([[0.5, 0.25, 0.25]]))
+    probs = distributions(logits, [SamplingParams(temperature=1.0, min_p=0.5)])[0]
+    np.testing.assert_allclose(probs, [0.5, 0.25, 0.25], rtol=1e-12, atol=0)

@@ -244,6 +244,24 @@ def test_stop_ids_come_from_the_generation_config_too_and_its_sampling_defaults_
     assert tokens == free[:free.index(free[4]) + 1] == reference_generate(model, prompt, 12)
 
 
+def test_ignore_eos_generates_past_the_models_end_of_sequence_id_and_stop_token_ids_still_end_it(tmp_path):
+    """ignore_eos drops the model's end-of-sequence ids from a request's ends, not the request's own
+    stop_token_ids."""
+    from kvcache_op.hf import export_model, tiny_model
+    from kvcache_op.serving import SamplingParams
+
+    model = tiny_model("llama", seed=5)
+    prompt = list(range(10, 40))
+    free = reference_generate(model, prompt, 12)
+    eos, stop = free[4], free[9]
+    assert free.index(eos) < free.index(stop)
+    model.generation_config.eos_token_id = [eos]
+    engine = Engine(export_model(model, tmp_path / "stops.onnx"), num_pages=8)
+    assert engine.generate([prompt], 12, params=SamplingParams(ignore_eos=True))[0] == free
+    assert engine.generate([prompt], 12, params=SamplingParams(ignore_eos=True, stop_token_ids=[stop]))[0] == \
+        free[:free.index(stop) + 1]
+
+
 def test_a_window_model_takes_a_long_prompt_on_few_pages():
     """Only the window and one chunk are held: a 300-token prompt fits 6 pages once its chunks shrink."""
     model = hf_models.model("mistral")

@@ -157,6 +157,37 @@ def test_a_stored_scale_within_half_a_float16_ulp_plus_one_float32_ulp(factor, s
     assert result["exact"] and (result["spec"] == []) == spec_accepts, result["spec"]
 
 
+def test_a_history_scale_moved_by_one_float32_step_fails_spec():
+    """Scales the call does not store are history: the table allows them no difference at all."""
+    def change(got, slots):
+        index = np.unravel_index(int(np.flatnonzero(~slots.stored(scale=True))[-1]), got.after["scale"].shape)
+        got.after["scale"][index] = np.nextafter(got.after["scale"][index], np.float32(np.inf))
+
+    result = _perturbed(CASES["int8_layout0"](), change)
+    assert result["exact"] and len(result["spec"]) == 1 and result["spec"][0].startswith("scale: 1 of "), result
+
+
+def test_a_code_stored_below_minus_qmax_fails_spec_in_every_quantized_case_that_stores_minus_qmax():
+    """-qmax - 1 is never a rounding to nearest of a clipped quotient, whatever T1: a bfloat16 quotient's coarse
+    rounding puts it near enough to -qmax, yet it is outside."""
+    bug = "minus_qmax_stored_one_below"
+    backend = CallableBackend({"KeyValueCache": planted_backends._backend(bug)}, bug)
+    passed, moved = [], set()
+    for name, make in CASES.items():
+        case = make()
+        if not case.attributes["quant_bit"]:
+            continue
+        got = backend.run("KeyValueCache", copies(case.inputs), case.attributes)
+        want = reference_outcome("KeyValueCache", case.inputs, case.attributes)
+        if np.array_equal(got.after["cache"].astype(np.int8), want.after["cache"].astype(np.int8)):
+            continue
+        moved.add(str(case.inputs["current_key"].dtype))
+        lines = compare("KeyValueCache", case.inputs, case.attributes, want, got, "spec")
+        if not any("stored codes are not their input over the backend's own scale" in line for line in lines):
+            passed.append(name)
+    assert moved == {"float16", "float32", "bfloat16"} and passed == []
+
+
 def test_an_unquantized_output_one_ulp_off_fails_both_modes():
     def change(got, slots):
         key = got.outputs["key"]

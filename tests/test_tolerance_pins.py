@@ -12,7 +12,7 @@ from kvcache_op.validation.compare import compare
 from kvcache_op.validation.mha_cases import ATTENTION_CASES
 from kvcache_op.validation.outcome import Outcome, reference_outcome
 from kvcache_op.validation.slot_map import SlotMap
-from kvcache_op.validation.tolerance import ulp
+from kvcache_op.validation.tolerance import codes_outside, ulp
 
 ATTENTION = ["mha_sliding_window1_float32", "mha_alibi_heads6_gqa", "mha_sliding_window3"]
 
@@ -88,3 +88,11 @@ def test_a_code_half_a_step_plus_the_float16_quotient_rounding_off_passes_and_pa
     lines = _one_code_moved_to(10.5098, 10)
     assert len(lines) == 1 and lines[0].startswith("cache: 1 of "), lines
 
+
+def test_a_stored_code_one_from_the_spec_passes_the_code_rule_and_two_fail_it_and_history_codes_allow_none():
+    """The table's code rule alone (the own-scale rule aside): within +-1 in the slots the call stores, equal
+    elsewhere."""
+    want = np.array([-74, -74, -74, 5, 5, 5], np.int8)
+    got = np.array([-75, -76, -72, 5, 6, 4], np.int8)
+    stored = np.array([True, True, True, False, False, False])
+    assert codes_outside(got, want, stored).tolist() == [False, True, True, False, True, True]

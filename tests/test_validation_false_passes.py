@@ -1,13 +1,15 @@
-"""A backend cannot pass the validation kit by ending the process, by reshaping what it was given, or by
-writing its read-only inputs; a backend whose import hangs cannot hang the run."""
+"""A backend cannot pass the validation kit by ending the process, by reshaping what it was given, by writing
+its read-only inputs, or by returning NaN everywhere; a backend whose import hangs cannot hang the run."""
 
 import pathlib
 import time
 
+import numpy as np
 import pytest
 
 import planted_backends
 from kvcache_op.cli import main
+from kvcache_op.reference import key_value_cache
 from kvcache_op.validation import BackendLoadError, fuzz, load_backend, validate
 from kvcache_op.validation.adapters import CallableBackend
 
@@ -114,6 +116,27 @@ def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, 
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, f"planted_backends:{bug}", isolate=False)
     assert set(_failed(report)) == cases
+
+
+def _nan_everywhere(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
+                    cache, scale=None, **attributes):
+    """The reference's call, then NaN in every float element it returns or holds (outputs, cache, scale)."""
+    outputs = key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                              max_kvlen, cache, scale, **attributes)
+    for array in (*outputs, cache, scale):
+        if array is not None and array.dtype.kind in "fV" and array.dtype.itemsize > 1:
+            array.fill(np.nan)
+    return outputs
+
+
+@pytest.mark.parametrize("tolerance", ["exact", "spec"])
+def test_a_backend_whose_outputs_and_cache_are_all_nan_fails_every_mode(all_vectors, tolerance):
+    """NaN matches NaN only where the spec's own result is NaN: a backend answering NaN for finite keys, values,
+    cache and scales fails, plain and quantized."""
+    backend = CallableBackend({"KeyValueCache": _nan_everywhere}, "nan_everywhere")
+    names = ["offset_layout0", "paged_layout3", "int8_layout0"]
+    report = validate(all_vectors, backend, tolerance=tolerance, cases=names)
+    assert set(_failed(report)) == set(names), [(r.name, r.status) for r in report.results]
 
 
 def test_attention_writing_its_query_fails(all_vectors, monkeypatch):
