@@ -79,6 +79,26 @@ def test_an_exported_decoder_has_fused_norms_and_merged_projections(tmp_path):
     assert count(rewritten, "Pow") == 0
 
 
+def _unused_initializers(proto: onnx.ModelProto) -> list:
+    """Names of the initializers no node (nor subgraph) reads and no graph output names."""
+    read = {name for node in proto.graph.node for name in node.input}
+    read |= {name for node in proto.graph.node for attr in node.attribute if attr.g.node
+             for inner in attr.g.node for name in inner.input}
+    read |= {output.name for output in proto.graph.output}
+    return [init.name for init in proto.graph.initializer if init.name not in read]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_an_exported_decoder_keeps_no_weight_that_its_rewrites_replaced(family):
+    """The merged projections' and the fused rotary's sources leave the file with the nodes that read them: every
+    initializer is read (so ONNX Runtime removes none at load, nor warns of it)."""
+    pytest.importorskip("transformers")
+    import hf_models
+
+    rewritten = onnx.load(hf_models.exported(family), load_external_data=False)
+    assert rewritten.graph.initializer and _unused_initializers(rewritten) == []
+
+
 def test_an_onnxscript_without_the_fusions_still_exports_with_a_warning(tmp_path, monkeypatch):
     """The fusions are onnxscript's private names: where a version lacks one, the graph keeps its norms unfused,
     the sibling MatMuls still merge, and a warning names what is missing."""
