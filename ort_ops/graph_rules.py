@@ -30,10 +30,24 @@ def _quant_bit(node) -> int:
     return 0
 
 
+# An ONNX Runtime format model is a flatbuffer whose file identifier, at bytes 4-8, is this.
+ORT_FORMAT_IDENTIFIER = b"ORTM"
+
+
 def load_model(model) -> onnx.ModelProto:
-    """A ModelProto from a ModelProto, serialized bytes or a path (external data is not loaded)."""
+    """A ModelProto from a ModelProto, serialized bytes or a path (external data is not loaded). ``ValueError`` for
+    an ONNX Runtime format (``.ort``) model, whose graph this package cannot read to check."""
     if isinstance(model, onnx.ModelProto):
         return model
+    if isinstance(model, (bytes, bytearray)):
+        head, what = bytes(model[:8]), "the model bytes"
+    else:
+        with open(model, "rb") as stream:
+            head, what = stream.read(8), str(model)
+    if head[4:8] == ORT_FORMAT_IDENTIFIER:
+        raise ValueError(f"{what} hold an ONNX Runtime format (.ort) model: the package checks the ONNX graph of a "
+                         "model before running it and cannot read this format; pass the .onnx file it was converted "
+                         "from (a plain onnxruntime.InferenceSession runs .ort files unchecked)")
     if isinstance(model, (bytes, bytearray)):
         return onnx.load_from_string(bytes(model))
     return onnx.load(str(model), load_external_data=False)

@@ -7,8 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-import onnx
-
+from ..ort_ops.graph_rules import load_model
 from .model_check import check_graph, check_values
 
 PREFIX = "kvcache_op."
@@ -88,8 +87,7 @@ class ModelInfo(DecoderSizes):
     def of_model(cls, model) -> "ModelInfo":
         """The info of a ``ModelProto`` or of the ONNX file at a path (weights not loaded), checked against the
         graph: ``ValueError`` naming every value the graph contradicts (:mod:`.model_check`)."""
-        if not isinstance(model, onnx.ModelProto):
-            model = onnx.load(str(model), load_external_data=False)
+        model = load_model(model)
         info = cls.from_metadata({p.key: p.value for p in model.metadata_props})
         check_graph(info, model)
         return info

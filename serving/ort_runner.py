@@ -13,6 +13,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from ..ort_ops.graph_rules import load_model
 from ..ort_ops.session import make_session
 from ..reference.layout import cache_shape
 from ..spec import rotary_schema
@@ -95,7 +96,7 @@ class ModelRunner:
     """Runs steps of the exported decoder at ``model_path`` over a cache of ``num_pages`` pages."""
 
     def __init__(self, model_path, num_pages: int, providers=None, intra_op_num_threads: int = 0):
-        model = onnx.load(str(model_path), load_external_data=False)
+        model = load_model(model_path)
         self.info = ModelInfo.of_model(model)
         self.providers = exact_float32(list(providers) if providers is not None else default_providers(),
                                        self.info.cache_dtype)
