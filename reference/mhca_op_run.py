@@ -3,9 +3,7 @@
 from onnx.reference.op_run import OpRun
 
 from .multi_head_cache_attention import multi_head_cache_attention
-
-_INT_ATTRIBUTES = ("num_kv_heads", "is_causal", "is_alibi", "sliding_window", "num_layer", "layer_idx", "quant_bit",
-                   "quant_group", "cache_mode", "cache_layout", "page_size")
+from .op_attributes import node_attributes
 
 
 class MultiHeadCacheAttention(OpRun):
@@ -15,12 +13,8 @@ class MultiHeadCacheAttention(OpRun):
     op_domain = "opmx.dynamic_batching"
 
     def _run(self, query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches,
-             max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, num_heads=None, head_dim=None, softmax_scale=None,
-             softcap=None, **given):
-        attrs = {k: int(v) for k, v in given.items() if k in _INT_ATTRIBUTES and v is not None}
-        for name, value in (("softmax_scale", softmax_scale), ("softcap", softcap)):
-            if value is not None:
-                attrs[name] = float(value)
+             max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, **given):
+        attrs = node_attributes(multi_head_cache_attention, "MultiHeadCacheAttention", given)
         return (multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts,
                                            start_pos, decoding_batches, max_seqlen, max_kvlen, cache, scale, attn_mask,
-                                           num_heads=num_heads, head_dim=head_dim, **attrs),)
+                                           **attrs),)

@@ -3,6 +3,7 @@
 from onnx.reference.op_run import OpRun
 
 from .key_value_cache import key_value_cache
+from .op_attributes import node_attributes
 
 
 class KeyValueCache(OpRun):
@@ -11,11 +12,7 @@ class KeyValueCache(OpRun):
     op_domain = "opmx.dynamic_batching"
 
     def _run(self, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-             max_kvlen, cache, scale=None, num_layer=None, layer_idx=None, quant_bit=None, quant_group=None,
-             num_repeat=None, cache_mode=None, cache_layout=None, page_size=None):
-        given = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
-                     num_repeat=num_repeat, cache_mode=cache_mode, cache_layout=cache_layout,
-                     page_size=page_size)
-        attrs = {k: int(v) for k, v in given.items() if v is not None}
+             max_kvlen, cache, scale=None, **given):
         return key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
-                               max_seqlen, max_kvlen, cache, scale, **attrs)
+                               max_seqlen, max_kvlen, cache, scale,
+                               **node_attributes(key_value_cache, "KeyValueCache", given))

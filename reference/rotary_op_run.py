@@ -2,6 +2,7 @@
 
 from onnx.reference.op_run import OpRun
 
+from .op_attributes import node_attributes
 from .rotary import key_cache_rotary_shift
 
 
@@ -10,9 +11,6 @@ class KeyCacheRotaryShift(OpRun):
 
     op_domain = "opmx.dynamic_batching"
 
-    def _run(self, cache, scale, slots, cos, sin, num_layer=None, layer_idx=None, cache_layout=None, quant_bit=None,
-             quant_group=None, rotary_dim=None, rotary_interleaved=None):
-        given = dict(num_layer=num_layer, layer_idx=layer_idx, cache_layout=cache_layout, quant_bit=quant_bit,
-                     quant_group=quant_group, rotary_dim=rotary_dim, rotary_interleaved=rotary_interleaved)
+    def _run(self, cache, scale, slots, cos, sin, **given):
         return (key_cache_rotary_shift(cache, scale, slots, cos, sin,
-                                       **{k: int(v) for k, v in given.items() if v is not None}),)
+                                       **node_attributes(key_cache_rotary_shift, "KeyCacheRotaryShift", given)),)

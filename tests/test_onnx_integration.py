@@ -119,3 +119,62 @@ def test_shape_inference_gives_dtype_heads_and_constant_kv_tokens(num_repeat):
 def test_make_node_rejects_unknown_attributes():
     with pytest.raises(ValueError, match="unknown KeyValueCache attribute"):
         spec.make_node(num_layers=2)
+
+
+def _evaluated_case(op: str, name: str, edit):
+    """Runs case ``name`` of ``op`` in ReferenceEvaluator with its node edited by ``edit(node)``."""
+    from kvcache_op.reference import KeyCacheRotaryShift, MultiHeadAttention, MultiHeadCacheAttention
+    from kvcache_op.validation.vectors import ALL_CASES, node_model
+
+    case = ALL_CASES[name]()
+    model = node_model(op, case.inputs, case.attributes)
+    edit(model.graph.node[0])
+    feeds = {k: v.copy() for k, v in case.inputs.items() if v is not None}
+    ops = [KeyValueCache, MultiHeadAttention, MultiHeadCacheAttention, KeyCacheRotaryShift]
+    return ReferenceEvaluator(model, new_ops=ops).run(None, feeds)
+
+
+OP_CASES = [("KeyValueCache", "paged_layout3", "page_size"), ("MultiHeadCacheAttention", "mhca_paged_gqa2", "page_size"),
+            ("MultiHeadAttention", "mha_prefill_causal", "is_causal"),
+            ("KeyCacheRotaryShift", "rotary_float16_half_split", "rotary_dim")]
+
+
+@pytest.mark.parametrize("op, name, attribute", OP_CASES)
+def test_reference_evaluator_refuses_an_attribute_the_op_does_not_have(op, name, attribute):
+    """A misspelled attribute is an error, as in ONNX Runtime, not the default of the one meant."""
+    def misspell(node):
+        for attr in node.attribute:
+            if attr.name == attribute:
+                attr.name = attribute.replace("_", "")
+                return
+        node.attribute.append(helper.make_attribute(attribute.replace("_", ""), 1))
+
+    from kvcache_op.reference import KeyValueCacheError
+
+    with pytest.raises(KeyValueCacheError, match=rf"{op}: unknown attribute\(s\) \['{attribute.replace('_', '')}'\]"):
+        _evaluated_case(op, name, misspell)
+
+
+@pytest.mark.parametrize("op, name, attribute", OP_CASES)
+def test_reference_evaluator_refuses_an_int_attribute_written_as_a_float(op, name, attribute):
+    def as_float(node):
+        value = next((helper.get_attribute_value(a) for a in node.attribute if a.name == attribute), 1)
+        kept = [a for a in node.attribute if a.name != attribute]
+        del node.attribute[:]
+        node.attribute.extend(kept + [helper.make_attribute(attribute, float(value))])
+
+    from kvcache_op.reference import KeyValueCacheError
+
+    with pytest.raises(KeyValueCacheError, match=f"the attribute {attribute} must be of type INT, the node gives it "
+                                                 "as FLOAT"):
+        _evaluated_case(op, name, as_float)
+
+
+def test_reference_evaluator_refuses_a_float_attribute_written_as_an_int():
+    def scale_as_int(node):
+        node.attribute.append(helper.make_attribute("softmax_scale", 1))
+
+    from kvcache_op.reference import KeyValueCacheError
+
+    with pytest.raises(KeyValueCacheError, match="softmax_scale must be of type FLOAT, the node gives it as INT"):
+        _evaluated_case("MultiHeadAttention", "mha_prefill_causal", scale_as_int)
