@@ -114,6 +114,11 @@ def test_shape_inference_gives_dtype_heads_and_constant_kv_tokens(num_repeat):
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0, 4, 11], np.int64), "kvstarts"))
     inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     assert inferred.graph.output[1].type.tensor_type.shape.dim[0].dim_value == 11
+    # A constant kvstarts ending below 0 is an invalid call (refused when run): the count stays unknown, never < 0.
+    model.graph.initializer[-1].CopyFrom(onnx.numpy_helper.from_array(np.array([0, 3, -5], np.int64), "kvstarts"))
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    first = inferred.graph.output[1].type.tensor_type.shape.dim[0]
+    assert not first.HasField("dim_value") or first.dim_value >= 0, first
 
 
 def test_make_node_rejects_unknown_attributes():
