@@ -44,7 +44,7 @@ def library_available() -> bool:
 def __getattr__(name):
     # The session helpers import onnxruntime; load them on first use only.
     if name in ("session_options", "make_session", "run_model", "ortvalue_for", "int4_ortvalue", "packed_view",
-                "to_numpy"):
+                "to_numpy", "DISABLED_OPTIMIZERS"):
         from . import session
 
         return getattr(session, name)
