@@ -20,6 +20,7 @@ import itertools
 import logging
 import threading
 import time
+import traceback
 import weakref
 
 from ..manager.identity import salt_bytes
@@ -223,6 +224,10 @@ class OnlineEngine:
         self._rolled_back = None  # the request ids of the step the engine last rolled back (while it steps)
         self._thread = None
         self._closed = False
+        # The engine itself while queued work waits for the background thread to take it up (which then holds the
+        # engine as it steps), else empty: queued requests keep a dropped engine alive until they are done. A list
+        # the thread holds too, not a reference from the engine to itself, which the garbage collector would free.
+        self._held_for_work = []
         # Collected while idle (the thread holds it only while work is pending): wake the thread so that it ends. Not
         # at the interpreter's exit, where a daemon thread in a step may hold the lock it would wait for.
         weakref.finalize(self, _wake, self._work).atexit = False
@@ -289,8 +294,10 @@ class OnlineEngine:
                 while place and self._online_waiting[place - 1].arrival > q.arrival:
                     place -= 1
                 self._online_waiting.insert(place, q)
+            self._held_for_work[:] = [self]
             if self._thread is None:
-                self._thread = threading.Thread(target=_serve_while_referenced, args=(weakref.ref(self),),
+                self._thread = threading.Thread(target=_serve_while_referenced,
+                                                args=(weakref.ref(self), self._held_for_work),
                                                 name="kvcache-op-engine", daemon=True)
                 self._thread.start()
             self._work.notify()
@@ -344,6 +351,7 @@ class OnlineEngine:
             with self._lock:
                 self._drop_cancelled()
                 if not (self._online_waiting or self._online_running):
+                    self._held_for_work.clear()  # under the lock: work queued after this holds the engine again
                     if self._closed:
                         self._thread = None
                         return False
@@ -354,7 +362,7 @@ class OnlineEngine:
                 try:
                     ran = self._step(self._online_step, self._online_waiting, self._online_running)
                 except BaseException as error:
-                    self._fail_step(error)
+                    self._fail_step(_without_engine_frames(error))
                 self._online_step += ran
                 self._times["wall"] += time.perf_counter() - began  # metrics(): busy time, as generate counts it
 
@@ -404,10 +412,30 @@ def _wake(work: threading.Condition) -> None:
         work.notify_all()
 
 
-def _serve_while_referenced(engine_ref: weakref.ref) -> None:
+def _without_engine_frames(error: BaseException) -> BaseException:
+    """``error``, which the failed requests' handles keep, without its traceback and those of the errors it chains
+    (their frames reach the engine, as each frame holds its caller): a handle kept after its engine was dropped
+    would keep the engine alive. The traceback goes into the error's notes as text (Python 3.11 on), so that where
+    it was raised is still told wherever it is raised again."""
+    if error.__traceback__ is not None and hasattr(error, "add_note"):
+        error.add_note("The engine's step raised it here:\n" +
+                       "".join(traceback.format_tb(error.__traceback__.tb_next)).rstrip())
+    seen, chain = set(), [error]
+    while chain:
+        link = chain.pop()
+        if link is None or id(link) in seen:
+            continue
+        seen.add(id(link))
+        link.__traceback__ = None
+        chain += [link.__cause__, link.__context__]
+    return error
+
+
+def _serve_while_referenced(engine_ref: weakref.ref, held_for_work: list) -> None:
     """The background thread's body. It holds the engine while requests are pending (so they finish though the
-    caller dropped it) and waits for more through a weak reference alone: a thread that held an idle engine would
-    keep it, its cache and its ONNX Runtime session alive for as long as the process runs."""
+    caller dropped it: ``held_for_work`` holds it from their queueing until this thread takes them up) and waits
+    for more through a weak reference alone: a thread that held an idle engine would keep it, its cache and its
+    ONNX Runtime session alive for as long as the process runs."""
     while True:
         engine = engine_ref()
         if engine is None or not engine._serve_until_idle():

@@ -1,10 +1,13 @@
 """An Engine's lifetime: one dropped without close() is collected (its background thread ends with it) once its
-requests are done, whether it served generate or submit; a request still running when its engine is dropped
-finishes with the tokens it would have had; ``with Engine(...)`` closes it."""
+requests are done, whether it served generate or submit; a request queued or running when its engine is dropped
+finishes with the tokens it would have had; a failed request's handle does not keep its engine; ``with
+Engine(...)`` closes it."""
 
 import gc
+import sys
 import threading
 import time
+import traceback
 import weakref
 
 import pytest
@@ -74,6 +77,36 @@ def test_a_request_running_when_its_engine_is_dropped_finishes_then_the_engine_g
         del engine
     assert handle.result(timeout=60) == lone
     assert _collected(ref, thread)
+
+
+def test_a_request_submitted_to_an_idle_engine_then_dropped_still_finishes(path, lone):
+    """The engine's thread waits, idle, when the request is queued and the caller lets the engine go."""
+    engine = Engine(path, num_pages=8)
+    engine.generate([PROMPT], 2)
+    handle = engine.submit(PROMPT, SamplingParams(max_tokens=6))
+    ref, thread = weakref.ref(engine), engine._thread
+    del engine
+    assert handle.result(timeout=60) == lone
+    assert _collected(ref, thread)
+
+
+def test_a_failed_requests_handle_does_not_keep_its_dropped_engine(path):
+    """The handle keeps the step's error, whose printed form still names where it was raised."""
+    engine = Engine(path, num_pages=8)
+
+    def broken(*args):
+        raise RuntimeError("the device fell over")
+
+    engine.runner.run = engine.runner.greedy_steps().step = broken
+    handle = engine.submit(PROMPT, SamplingParams(max_tokens=4))
+    with pytest.raises(RuntimeError, match="the device fell over"):
+        handle.result(timeout=60)
+    ref, thread = weakref.ref(engine), engine._thread
+    del engine
+    assert _collected(ref, thread)
+    assert handle.finish_reason == "error"
+    if sys.version_info >= (3, 11):  # exception notes
+        assert "in broken" in "".join(traceback.format_exception(handle._error))
 
 
 def test_many_engines_dropped_in_turn_leave_no_threads_behind(path):
