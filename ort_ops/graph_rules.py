@@ -30,27 +30,27 @@ def _quant_bit(node) -> int:
     return 0
 
 
-# An ONNX Runtime format model is a flatbuffer whose file identifier, at bytes 4-8, is this.
+# An ONNX Runtime format model is a flatbuffer: a little-endian root offset, then this file identifier (bytes 4-8).
+# An ONNX file is a protobuf whose first byte is 0x08 (ir_version's tag), where "ORTM" can also stand at bytes 4-8
+# (a producer name "ORTModule").
 ORT_FORMAT_IDENTIFIER = b"ORTM"
 
 
 def load_model(model) -> onnx.ModelProto:
-    """A ModelProto from a ModelProto, serialized bytes or a path (external data is not loaded). ``ValueError`` for
-    an ONNX Runtime format (``.ort``) model, whose graph this package cannot read to check."""
+    """A ModelProto from a ModelProto, serialized bytes or a path (read once; external data is not loaded).
+    ``ValueError`` for an ONNX Runtime format (``.ort``) model, whose graph this package cannot read to check."""
     if isinstance(model, onnx.ModelProto):
         return model
     if isinstance(model, (bytes, bytearray)):
-        head, what = bytes(model[:8]), "the model bytes"
+        data, what = bytes(model), "the model bytes"
     else:
         with open(model, "rb") as stream:
-            head, what = stream.read(8), str(model)
-    if head[4:8] == ORT_FORMAT_IDENTIFIER:
-        raise ValueError(f"{what} hold an ONNX Runtime format (.ort) model: the package checks the ONNX graph of a "
-                         "model before running it and cannot read this format; pass the .onnx file it was converted "
-                         "from (a plain onnxruntime.InferenceSession runs .ort files unchecked)")
-    if isinstance(model, (bytes, bytearray)):
-        return onnx.load_from_string(bytes(model))
-    return onnx.load(str(model), load_external_data=False)
+            data, what = stream.read(), str(model)
+    if data[4:8] == ORT_FORMAT_IDENTIFIER and data[:1] != b"\x08":
+        raise ValueError(f"{what}: an ONNX Runtime format (.ort) model, which the package cannot read to check its "
+                         "graph before running it; pass the .onnx file it was converted from (a plain "
+                         "onnxruntime.InferenceSession runs .ort files unchecked)")
+    return onnx.load_from_string(data)
 
 
 def _nodes(graph):

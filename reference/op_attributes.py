@@ -1,5 +1,7 @@
-"""A node's attributes as the reference ops' ``onnx.reference`` runners take them: checked the way the ONNX Runtime
-kernels check them, so a misspelled or mistyped attribute is an error here too, never a silent default."""
+"""A node's attributes as the reference ops' ``onnx.reference`` runners take them: checked as the package's ONNX Runtime
+sessions check them (an attribute the op does not have is refused by ``make_session``, which checks each node against
+the op's schema; one of the wrong type by the kernel itself), so a misspelled or mistyped attribute is an error here
+too, never a silent default."""
 
 import inspect
 
@@ -21,7 +23,7 @@ def _onnx_type(value) -> str:
 def node_attributes(function, op_type: str, given: dict) -> dict:
     """The keyword arguments of ``function`` (the op's reference) that a node's attributes ``given`` set, absent
     ones (None) left out. ``KeyValueCacheError`` naming an attribute the op does not have, or one of another type
-    than its default's (an INT attribute written as a FLOAT, or the other way round): ONNX Runtime refuses both."""
+    than its default's (an INT attribute written as a FLOAT, or the other way round)."""
     params = {p.name: p for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
     unknown = sorted(set(given) - set(params))
     if unknown:

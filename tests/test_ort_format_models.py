@@ -1,5 +1,6 @@
 """A model converted to ONNX Runtime's own format (.ort) runs in a plain InferenceSession, but the package cannot
-read its graph to check it: the package's sessions and the engine refuse it by name, not with a parse error."""
+read its graph to check it: the package's sessions, the engine and ``kvcache-op serve`` refuse it by name, not with a
+parse error; an ONNX file that merely holds the format's identifier where it looks is no .ort model."""
 
 import subprocess
 import sys
@@ -50,3 +51,25 @@ def test_the_engine_refuses_it_by_name(converted):
 
     with pytest.raises(ValueError, match=REFUSAL):
         Engine(converted[0], num_pages=4)
+
+
+def test_serve_refuses_it_by_name(converted):
+    pytest.importorskip("transformers")
+    from kvcache_op.serve_command import exported_model
+
+    with pytest.raises(ValueError, match=REFUSAL):
+        exported_model(converted[0])
+
+
+def test_an_onnx_file_produced_by_ortmodule_is_no_ort_model(tmp_path):
+    """An ONNX file starts with ir_version's tag; a producer name of "ORTModule" puts "ORTM" at bytes 4-8."""
+    from kvcache_op.ort_ops.graph_rules import load_model
+
+    case = CASES["offset_layout0"]()
+    model = spec.make_model(case.inputs, **case.attributes)
+    model.producer_name = "ORTModule"
+    data = model.SerializeToString()
+    assert data[4:8] == b"ORTM"
+    onnx.save(model, tmp_path / "kv.onnx")
+    assert load_model(data) == model == load_model(tmp_path / "kv.onnx")
+    make_session(tmp_path / "kv.onnx")

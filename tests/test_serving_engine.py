@@ -257,6 +257,7 @@ def test_ignore_eos_generates_past_the_models_end_of_sequence_id_and_stop_token_
     assert free.index(eos) < free.index(stop)
     model.generation_config.eos_token_id = [eos]
     engine = Engine(export_model(model, tmp_path / "stops.onnx"), num_pages=8)
+    assert engine.generate([prompt], 12)[0] == free[:free.index(eos) + 1]  # without it: ends at the model's id
     assert engine.generate([prompt], 12, params=SamplingParams(ignore_eos=True))[0] == free
     assert engine.generate([prompt], 12, params=SamplingParams(ignore_eos=True, stop_token_ids=[stop]))[0] == \
         free[:free.index(stop) + 1]

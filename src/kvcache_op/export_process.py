@@ -10,28 +10,50 @@ child ends.
 from __future__ import annotations
 
 import multiprocessing
+import os
+import signal
+import threading
+import time
 import traceback
 
-# Errors the export raises for what the caller can fix (a missing folder, a refused setting), raised again in the
-# parent as the same type and text; any other is raised as RuntimeError naming its type (its traceback printed by
-# the child).
-_EXPECTED = {error.__name__: error for error in (FileNotFoundError, NotADirectoryError, PermissionError, ValueError,
-                                                 TypeError, NotImplementedError, OSError)}
+# Errors the export raises for what the caller can fix (a missing folder, a refused setting), most specific first:
+# raised again in the parent as the first of these the error is an instance of, with its text; any other is raised
+# as RuntimeError naming its type (its traceback printed by the child).
+_EXPECTED = (FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError, OSError,
+             ValueError, TypeError, NotImplementedError)
+_BY_NAME = {error.__name__: error for error in _EXPECTED}
+_ENDING_SECONDS = 30  # what a child that has answered may take to end before it is killed
 
 
-def _export_child(checkpoint: str, out: str, settings: dict, sender) -> None:
+def _expected_name(error: BaseException) -> str | None:
+    """The name of the first of :data:`_EXPECTED` that ``error`` is an instance of, else None."""
+    return next((kind.__name__ for kind in _EXPECTED if isinstance(error, kind)), None)
+
+
+def _end_with_parent(parent: int) -> None:
+    """Ends this process once its parent is gone (killed, say): an orphan would go on writing the export where a
+    restarted server exports again."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def _export_child(checkpoint: str, out: str, settings: dict, sender, parent: int) -> None:
     """The child's work: exports, sending ``("progress", line)`` for each line, then ``("done", result)`` or
-    ``("error", (type name, text))``."""
+    ``("error", (type name, text))``. Ctrl-C is the parent's to handle (it ends the child)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_end_with_parent, args=(parent,), name="kvcache-op-export-watch", daemon=True).start()
     from .export_command import export_checkpoint
 
     try:
         result = export_checkpoint(checkpoint, out, progress=lambda line: sender.send(("progress", line)),
                                    **settings)
         sender.send(("done", result))
-    except BaseException as error:  # noqa: BLE001 - every failure reaches the parent, which raises it
-        if type(error).__name__ not in _EXPECTED:
+    except Exception as error:  # noqa: BLE001 - every failure reaches the parent, which raises it
+        name = _expected_name(error)
+        if name is None:
             traceback.print_exc()
-        sender.send(("error", (type(error).__name__, str(error))))
+        sender.send(("error", (name or type(error).__name__, str(error))))
     finally:
         sender.close()
 
@@ -39,11 +61,14 @@ def _export_child(checkpoint: str, out: str, settings: dict, sender) -> None:
 def export_in_child(checkpoint, out, *, settings: dict | None = None, progress=print) -> dict:
     """:func:`~kvcache_op.export_command.export_checkpoint` (``settings`` its keywords) run in a fresh process, each
     of its progress lines passed to ``progress`` here as it comes; returns what it returns. Its errors are raised
-    here: those a caller can fix as the same type and text, any other as ``RuntimeError``; a child that ends without
-    an answer (killed, out of memory) is a ``RuntimeError`` naming its exit code."""
+    here: those a caller can fix as the same type (or the nearest of :data:`_EXPECTED` above it) and text, any other
+    as ``RuntimeError``; a child that ends without an answer (killed, out of memory) is a ``RuntimeError`` naming its
+    exit code. Interrupted (Ctrl-C), the child is ended. The child is started by ``multiprocessing``'s spawn, which
+    imports the caller's main script again: a script calling this needs an ``if __name__ == "__main__":`` guard."""
     context = multiprocessing.get_context("spawn")  # not fork: the caller may hold threads and an ONNX Runtime session
     receiver, sender = context.Pipe(duplex=False)
-    child = context.Process(target=_export_child, args=(str(checkpoint), str(out), dict(settings or {}), sender),
+    child = context.Process(target=_export_child,
+                            args=(str(checkpoint), str(out), dict(settings or {}), sender, os.getpid()),
                             name="kvcache-op-export", daemon=True)
     child.start()
     sender.close()  # the child holds the only sender: its end is this end's EOF
@@ -60,7 +85,8 @@ def export_in_child(checkpoint, out, *, settings: dict | None = None, progress=p
                 answer = (kind, payload)
     finally:
         receiver.close()
-        child.join(None if answer is not None else 5)  # without an answer: ended (EOF) or the caller was interrupted
+        # With an answer the child is ending; without one it has ended (EOF) or this caller was interrupted.
+        child.join(_ENDING_SECONDS if answer is not None else 5)
         if child.is_alive():
             child.kill()
             child.join()
@@ -73,8 +99,8 @@ def export_in_child(checkpoint, out, *, settings: dict | None = None, progress=p
 
 
 def child_error(checkpoint, name: str, text: str) -> Exception:
-    """The exception to raise for the child's error of type ``name`` with ``text``: the same type where the caller
-    can fix its cause, else a ``RuntimeError`` naming the type."""
-    if name in _EXPECTED:
-        return _EXPECTED[name](text)
+    """The exception to raise for the child's error of type ``name`` with ``text``: that type where it is one of
+    :data:`_EXPECTED` (a caller can fix its cause), else a ``RuntimeError`` naming the type."""
+    if name in _BY_NAME:
+        return _BY_NAME[name](text)
     return RuntimeError(f"the export of {checkpoint} failed: {name}: {text}")

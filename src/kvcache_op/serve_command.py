@@ -91,14 +91,16 @@ def exported_model(path) -> onnx.ModelProto:
     decoder."""
     from google.protobuf.message import DecodeError
 
+    from .ort_ops.graph_rules import load_model
     from .serving.model_info import ModelInfo
 
     try:
-        proto = onnx.load(str(path), load_external_data=False)
-        ModelInfo.of_model(proto)
-        return proto
+        proto = load_model(path)
     except DecodeError:
         raise ValueError(f"{path} is not a readable ONNX file (truncated, or not ONNX)") from None
+    try:
+        ModelInfo.of_model(proto)
+        return proto
     except ValueError as error:
         raise ValueError(f"{path}: {error}") from None
 
