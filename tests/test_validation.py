@@ -5,14 +5,14 @@ import numpy as np
 import pytest
 
 from kvcache_op.reference import KeyValueCacheError, key_value_cache
-from invalid_calls import INVALID, base, make_invalid
+from invalid_calls import INVALID, MORE_INVALID, base, make_invalid
 
 
 def snapshot(inputs):
     return {k: inputs[k].tobytes() for k in ("cache", "scale") if isinstance(inputs.get(k), np.ndarray)}
 
 
-@pytest.mark.parametrize("row", INVALID, ids=[r[0] for r in INVALID])
+@pytest.mark.parametrize("row", INVALID + MORE_INVALID, ids=[r[0] for r in INVALID + MORE_INVALID])
 def test_invalid_input_raises_and_writes_nothing(row):
     inputs, attrs = make_invalid(row)
     before = snapshot(inputs)
