@@ -78,13 +78,21 @@ def _written_inputs(node):
 def check_attribute_names(model) -> None:
     """``ValueError`` naming the node when an op of this package carries an attribute its schema does not know
     (``pagesize`` for ``page_size``): ONNX Runtime offers kernels no way to list a node's attributes, so the op
-    itself cannot see it, and would run with the default of the attribute meant."""
+    itself cannot see it, and would run with the default of the attribute meant. Also when the model does not
+    import the op's domain at a version of at least 1 (which onnx's checker refuses or skips the schema at)."""
     from onnx import defs
 
     model = load_model(model)
+    imported = {entry.domain: entry.version for entry in model.opset_import}
     for node in _nodes(model.graph):
         if not node.domain == "opmx.dynamic_batching" or not defs.has(node.op_type, node.domain):
             continue
+        if imported.get(node.domain, 0) < 1:
+            # ONNX Runtime runs a node whose domain is not imported, and at version 0 says only "KeyValueCache(-1) is
+            # not a registered function/op"; onnx's checker refuses the first and skips the schema at the second.
+            said = f"gives {node.domain} version 0" if node.domain in imported else f"lacks {node.domain}"
+            raise ValueError(f"{node.op_type} node {node.name or '(unnamed)'}: the model's opset_import {said}; import "
+                             f"it at version 1 (onnx.helper.make_opsetid({node.domain!r}, 1))")
         known = set(defs.get_schema(node.op_type, node.domain).attributes)
         unknown = sorted(a.name for a in node.attribute if a.name not in known)
         if unknown:

@@ -72,7 +72,8 @@ def test_any_other_error_is_a_runtime_error_naming_its_type():
 
 @pytest.mark.parametrize("error, name", [
     (IsADirectoryError("x"), "IsADirectoryError"), (shutil.SameFileError("x"), "OSError"),
-    (json.JSONDecodeError("bad", "{", 0), "ValueError"), (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), "ValueError"),
+    (json.JSONDecodeError("bad", "{", 0), "ValueError"),
+    (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), "ValueError"),
     (NotImplementedError("x"), "NotImplementedError"), (KeyError("x"), None), (RuntimeError("x"), None),
 ])
 def test_an_error_is_sent_as_the_nearest_type_a_caller_can_fix(error, name):

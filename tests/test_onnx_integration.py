@@ -139,7 +139,8 @@ def _evaluated_case(op: str, name: str, edit):
     return ReferenceEvaluator(model, new_ops=ops).run(None, feeds)
 
 
-OP_CASES = [("KeyValueCache", "paged_layout3", "page_size"), ("MultiHeadCacheAttention", "mhca_paged_gqa2", "page_size"),
+OP_CASES = [("KeyValueCache", "paged_layout3", "page_size"),
+            ("MultiHeadCacheAttention", "mhca_paged_gqa2", "page_size"),
             ("MultiHeadAttention", "mha_prefill_causal", "is_causal"),
             ("KeyCacheRotaryShift", "rotary_float16_half_split", "rotary_dim")]
 

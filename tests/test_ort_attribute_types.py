@@ -79,3 +79,16 @@ def test_a_misspelt_attribute_is_refused_by_name(op, name):
     model, _ = _model(op)
     with pytest.raises(ValueError, match=rf"{op} node .*: unknown attribute\(s\) \['{name}'\]"):
         make_session(_with_attribute(model, name, 4))
+
+
+@pytest.mark.parametrize("version", [None, 0])
+def test_a_model_that_does_not_import_the_ops_domain_is_refused_by_name(version):
+    """Without the import ONNX Runtime would run it (onnx's checker refuses it); at version 0 it would fail with
+    "KeyValueCache(-1) is not a registered function/op"."""
+    model, _ = _model("KeyValueCache")
+    kept = [entry for entry in model.opset_import if entry.domain != "opmx.dynamic_batching"]
+    del model.opset_import[:]
+    model.opset_import.extend(kept + ([helper.make_opsetid("opmx.dynamic_batching", version)] if version == 0 else []))
+    said = "gives opmx.dynamic_batching version 0" if version == 0 else "lacks opmx.dynamic_batching"
+    with pytest.raises(ValueError, match=f"the model's opset_import {said}; import it at version 1"):
+        make_session(model)
