@@ -29,7 +29,7 @@ from onnx import TensorProto
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
 from . import library_path
-from .graph_rules import check_attribute_names, in_place_inputs
+from .graph_rules import check_attribute_names, in_place_inputs, load_model
 
 
 #: Environment variable: ONNX Runtime's log severity in this package's sessions (0 verbose .. 4 fatal).
@@ -65,8 +65,9 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
     a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`)."""
     from .. import spec  # noqa: F401 - registers the schemas the attribute names are checked against
 
-    in_place_inputs(model)
-    check_attribute_names(model)
+    graph = load_model(model)  # read once for both checks (ONNX Runtime reads a path itself: its external data)
+    in_place_inputs(graph)
+    check_attribute_names(graph)
     options = session_options(intra_op_num_threads, library)
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")

@@ -3,6 +3,7 @@ sessions check them (an attribute the op does not have is refused by ``make_sess
 the op's schema; one of the wrong type by the kernel itself), so a misspelled or mistyped attribute is an error here
 too, never a silent default."""
 
+import functools
 import inspect
 
 import numpy as np
@@ -20,11 +21,17 @@ def _onnx_type(value) -> str:
     return type(value).__name__
 
 
+@functools.lru_cache(maxsize=None)
+def _keyword_parameters(function) -> dict:
+    """{name: parameter} of ``function``'s keyword-only parameters (an op's attributes), read once per function."""
+    return {p.name: p for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+
+
 def node_attributes(function, op_type: str, given: dict) -> dict:
     """The keyword arguments of ``function`` (the op's reference) that a node's attributes ``given`` set, absent
     ones (None) left out. ``KeyValueCacheError`` naming an attribute the op does not have, or one of another type
     than its default's (an INT attribute written as a FLOAT, or the other way round)."""
-    params = {p.name: p for p in inspect.signature(function).parameters.values() if p.kind is p.KEYWORD_ONLY}
+    params = _keyword_parameters(function)
     unknown = sorted(set(given) - set(params))
     if unknown:
         raise KeyValueCacheError(f"{op_type}: unknown attribute(s) {unknown}; its attributes are {sorted(params)}")

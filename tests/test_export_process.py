@@ -118,10 +118,7 @@ def test_a_child_whose_parent_is_killed_ends_too(served_checkpoint, tmp_path):
     (tmp_path / "parent.py").write_text(script)
     done = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120)
     (pid,) = map(int, done.stdout.split())
-    deadline = time.monotonic() + 30
-    while _running(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(pid), f"the orphaned export {pid} is still running"
+    assert _ended_within(pid, 30), f"the orphaned export {pid} is still running"
 
 
 def test_the_childs_watch_ends_it_when_its_parent_is_gone(tmp_path):
@@ -139,10 +136,15 @@ def test_the_childs_watch_ends_it_when_its_parent_is_gone(tmp_path):
     (tmp_path / "parent.py").write_text(script)
     done = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120)
     pid = int(done.stdout)
-    deadline = time.monotonic() + 30
+    assert _ended_within(pid, 30), f"the orphaned child {pid} is still running"
+
+
+def _ended_within(pid: int, seconds: float) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within ``seconds``."""
+    deadline = time.monotonic() + seconds
     while _running(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _running(pid), f"the orphaned child {pid} is still running"
+    return not _running(pid)
 
 
 def _running(pid: int) -> bool:
