@@ -2,9 +2,11 @@
 validation and fuzzing of backends, benchmarks."""
 
 import argparse
+import os
 import sys
 
 from . import __version__
+from .extras import install_hint, missing_optional_module
 from .arguments import (MAX_PAGE_SIZE, OneLineParser, absolute_path, at_least, positive_seconds,
                         writable_folder_problem)
 
@@ -52,10 +54,8 @@ def _export(args) -> int:
 
 
 def _serve(args) -> int:
-    try:
-        from .serve_command import serve
-    except ImportError as error:
-        return _fail("serve", f"{error.name or error} is not installed: pip install 'kvcache-op[serve]'")
+    from .serve_command import serve
+
     try:
         return serve(args)
     except (FileNotFoundError, ValueError, OSError) as error:
@@ -317,9 +317,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Entry point of ``kvcache-op`` and ``python -m kvcache_op``; returns the exit status."""
+    """Entry point of ``kvcache-op`` and ``python -m kvcache_op``; returns the exit status. A command that misses
+    an optional module says in one line which extra brings it (exit status 2); one whose reader has gone (``| head``)
+    ends quietly with status 1."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        status = args.func(args)
+        sys.stdout.flush()  # here, where a reader that has gone is handled, not at exit
+        return status
+    except ImportError as error:
+        missing = missing_optional_module(error)
+        if missing is None:
+            raise
+        return _fail(args.command, install_hint(missing, args.command))
+    except BrokenPipeError:
+        # Python's advice for a closed pipe: point stdout at /dev/null, or the flush at exit fails again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

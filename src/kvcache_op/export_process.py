@@ -16,6 +16,8 @@ import threading
 import time
 import traceback
 
+from .extras import missing_optional_module
+
 # Errors the export raises for what the caller can fix (a missing folder, a refused setting), most specific first:
 # raised again in the parent as the first of these the error is an instance of, with its text; any other is raised
 # as RuntimeError naming its type (its traceback printed by the child).
@@ -50,6 +52,10 @@ def _export_child(checkpoint: str, out: str, settings: dict, sender, parent: int
                                    **settings)
         sender.send(("done", result))
     except Exception as error:  # noqa: BLE001 - every failure reaches the parent, which raises it
+        missing = missing_optional_module(error)
+        if missing is not None:  # the parent names the extra that brings it
+            sender.send(("error", ("ModuleNotFoundError", str(error), missing)))
+            return
         name = _expected_name(error)
         if name is None:
             traceback.print_exc()
@@ -98,9 +104,12 @@ def export_in_child(checkpoint, out, *, settings: dict | None = None, progress=p
     raise child_error(checkpoint, *payload)
 
 
-def child_error(checkpoint, name: str, text: str) -> Exception:
+def child_error(checkpoint, name: str, text: str, module: str | None = None) -> Exception:
     """The exception to raise for the child's error of type ``name`` with ``text``: that type where it is one of
-    :data:`_EXPECTED` (a caller can fix its cause), else a ``RuntimeError`` naming the type."""
+    :data:`_EXPECTED` (a caller can fix its cause), a ``ModuleNotFoundError`` naming ``module`` where the child
+    missed that optional module, else a ``RuntimeError`` naming the type."""
+    if name == "ModuleNotFoundError" and module is not None:
+        return ModuleNotFoundError(text, name=module)
     if name in _BY_NAME:
         return _BY_NAME[name](text)
     return RuntimeError(f"the export of {checkpoint} failed: {name}: {text}")
