@@ -77,7 +77,10 @@ def test_async_iteration_streams_the_same_tokens(path, lone):
 
     async def collect():
         handles = [engine.submit(PROMPTS[i], SamplingParams(max_tokens=8)) for i in (0, 2)]
-        return [[token async for token in h] for h in handles]
+        streams = []
+        for handle in handles:  # one loop per handle: an async comprehension inside a plain one needs Python 3.11
+            streams.append([token async for token in handle])
+        return streams
 
     assert asyncio.run(collect()) == [lone[0], lone[2]]
     engine.close(timeout=30)

@@ -6,12 +6,12 @@ import collections
 
 import numpy as np
 import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("onnxscript")
+import onnx_ir as ir  # noqa: E402 - onnxscript brings it
 
 from kvcache_op.hf.graph_rewrites import fuse_sibling_matmuls  # noqa: E402
 

@@ -7,8 +7,8 @@ import os
 
 import onnx
 import pytest
-import torch
 
+torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
