@@ -31,6 +31,7 @@ def _one_line_error(capsys, argv) -> str:
     (["demo", "--page-size", "100000000"], "--page-size: must be <= 4096, got 100000000"),
     (["export", "ckpt", "out.onnx", "--page-size", "1000000000000"], "--page-size: must be <= 4096"),
     (["serve", "m.onnx", "--port", "70000"], "--port: must be <= 65535, got 70000"),
+    (["serve", "m.onnx", "--replicas", "100000"], "--replicas 100000: more than this machine's"),
     (["demo", "--new-tokens", "0"], "--new-tokens: must be >= 1, got 0"),
     (["demo", "--requests", "0"], "--requests: must be >= 1, got 0"),
     (["demo", "--requests", "many"], "--requests: 'many' is not an integer"),

@@ -60,3 +60,71 @@ def _assert_listens_on_loopback(server):
     replicas_wildcard = [s for s in exposed if s[1].startswith("ray::ServeRepli") and s[2].is_unspecified]
     assert len({s[0] for s in replicas_wildcard}) == len(replicas_wildcard) <= 2, sockets
     assert exposed == replicas_wildcard, f"listening beyond loopback: {sorted(set(exposed) - set(replicas_wildcard))}"
+
+
+def test_replicas_keep_the_servers_limits_and_end_their_requests_whole_at_a_stop(exported):
+    """With --max-running 6 --max-queue 0 on each of two replicas, a burst beyond their 12 running slots gets the
+    server's own 503 (Ray Serve's default of 5 requests per replica queued the rest in its router, unlimited, and
+    ran fewer at once); then SIGTERM ends every request running as a single server's shutdown does: each reply
+    whole (finish_reason "abort", a stream with its last chunk and [DONE]), exit status 0, the signal named in the
+    last line."""
+    import json
+    import signal
+    import threading
+    import time
+
+    body = {"model": "tiny", "prompt": "hello world", "max_tokens": 900, "temperature": 0, "ignore_eos": True}
+    outcomes, lock = [], threading.Lock()
+
+    def plain(url):
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        with lock:
+            outcomes.append(reply)
+
+    def refused():
+        with lock:
+            return [r for r in outcomes if r.status_code == 503]
+
+    with ServerProcess(exported, "--replicas", 2, "--max-running", 6, "--max-queue", 0, "--num-pages", 400,
+                       "--max-tokens-limit", 1000, "--model-name", "tiny", lifetime=300, start_timeout=240) as server:
+        with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
+            lines = reply.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))  # running on one replica
+            burst = [threading.Thread(target=plain, args=(server.url,)) for _ in range(20)]
+            for t in burst:
+                t.start()
+            deadline = time.monotonic() + 60
+            while len(refused()) < 21 - 12 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert len(refused()) >= 21 - 12, [r.status_code for r in outcomes]
+            server.process.send_signal(signal.SIGTERM)
+            tail = [line for line in lines if line.startswith("data: ")]
+        code = server.wait(60)
+        for t in burst:
+            t.join(120)
+    for reply in refused():
+        assert reply.json()["error"]["type"] == "server_overloaded", reply.text
+    answered = [r for r in outcomes if r.status_code != 503]
+    assert all(r.status_code == 200 for r in answered), [(r.status_code, r.text[:200]) for r in answered]
+    assert tail[-1] == "data: [DONE]", tail[-3:]
+    reasons = [json.loads(tail[-2][6:])["choices"][0]["finish_reason"]]
+    reasons += [r.json()["choices"][0]["finish_reason"] for r in answered]
+    assert set(reasons) <= {"abort", "length"} and "abort" in reasons, reasons
+    assert code == 0 and "SIGTERM received" not in server.output, server.output[-2000:]
+    assert server.output.splitlines()[-1].startswith("stopped by SIGTERM after "), server.output[-500:]
+
+
+def test_a_taken_port_is_refused_in_one_line_before_ray_starts(exported, capsys):
+    import socket
+    import time
+
+    from kvcache_op.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        start = time.monotonic()
+        code = main(["serve", str(exported), "--replicas", "1", "--port", str(taken.getsockname()[1])])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Address already in use" in err, err
+    assert time.monotonic() - start < 30, "refused only after Ray had started"

@@ -9,9 +9,12 @@ import json
 import os
 import pathlib
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -111,12 +114,17 @@ def api_key_of(given) -> str:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: a free one, read back from the socket)."""
+    """A bound, listening TCP socket (port 0: a free one, read back from the socket); ``OSError`` if it cannot be
+    had (the port taken), the socket closed."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
@@ -128,6 +136,10 @@ def serve(args) -> int:
     if args.host not in LOOPBACK and not args.allow_remote:
         raise ValueError(f"--host {args.host} is not loopback: pass --allow-remote to listen on other interfaces "
                          "(and set an API key)")
+    cores = os.cpu_count() or 1
+    if args.replicas and args.replicas > cores:
+        raise ValueError(f"--replicas {args.replicas}: more than this machine's {cores} cores (each replica runs its "
+                         "own engine and holds its own copy of the model)")
     api_key = api_key_of(args.api_key)
     export_flags = {"--page-size": args.page_size, "--quant-bit": args.quant_bit, "--dtype": args.dtype,
                     "--cache-dir": args.cache_dir}
@@ -145,8 +157,7 @@ def serve(args) -> int:
     engine_options = engine_options_of(args)
     began = time.perf_counter()
     if args.replicas:
-        _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
-        stop_signal = None
+        stop_signal = _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
     else:
         stop_signal = _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options)
     print(f"stopped {f'by {stop_signal} ' if stop_signal else ''}after {time.perf_counter() - began:.1f} s", flush=True)
@@ -163,8 +174,6 @@ def _draining_server():
     """:class:`~kvcache_op.serving.server.DrainingServer` (the engine's requests end first when it shuts down: a
     signal, or ``--stop-after``), with the command's signal handling. ``stop_signal``: the name of the signal that
     stopped it, if one did."""
-    import signal
-
     from .serving.server import DrainingServer
 
     class CommandServer(DrainingServer):
@@ -209,8 +218,13 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
     return server.stop_signal
 
 
-def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> None:
-    """``args.replicas`` replicas on a local Ray instance, behind Ray Serve's proxy on ``host:port``."""
+def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> str:
+    """``args.replicas`` replicas on a local Ray instance, behind Ray Serve's proxy on ``host:port``, until a signal
+    or ``--stop-after``: the signal's name, or None. A stop ends the replicas' requests first, as a single server's
+    does (finish_reason "abort", each reply whole), then shuts Serve down."""
+    cores = os.cpu_count() or 1
+    if args.port:  # refused now, in one line, not by Ray Serve's proxy once Ray has started
+        listening_socket(args.host, args.port).close()
     port = args.port or _free_port(args.host)  # Ray Serve's proxy needs the number up front
     ray = _start_local_ray()
     from ray import serve
@@ -218,24 +232,65 @@ def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_optio
     from .serving.ray import deployment
 
     if not engine_options["intra_op_num_threads"]:  # replicas share the machine's cores
-        engine_options["intra_op_num_threads"] = max(1, (os.cpu_count() or 1) // args.replicas)
+        engine_options["intra_op_num_threads"] = max(1, cores // args.replicas)
+    drain_folder = pathlib.Path(tempfile.mkdtemp(prefix="kvcache-op-drain-"))
     try:
         serve.start(http_options={"host": args.host, "port": port})
         app = deployment(path, tokenizer_dir, replicas=args.replicas, model_name=name, api_key=api_key,
-                         limits=limits, **engine_options)
+                         limits=limits, drain_file=drain_folder / "drain", **engine_options)
         print(f"serving {name!r} ({path}) as {args.replicas} Ray Serve replicas, {args.num_pages} pages each, "
               f"{'with' if api_key else 'without'} an API key", flush=True)
         serve.run(app, route_prefix="/", name="kvcache-op")
-        print(f"listening on {_url(args.host, port)}", flush=True)
-        deadline = time.monotonic() + args.stop_after if args.stop_after else None
+        stop = _StopSignals()  # from here on: Ray's own SIGTERM handler would exit at once, skipping the drain
         try:
-            while deadline is None or time.monotonic() < deadline:
+            print(f"listening on {_url(args.host, port)}", flush=True)
+            deadline = time.monotonic() + args.stop_after if args.stop_after else None
+            while stop.name is None and (deadline is None or time.monotonic() < deadline):
                 time.sleep(0.2)
-        except KeyboardInterrupt:
-            pass
-        serve.shutdown()
+            _drain_replicas(drain_folder / "drain", args.replicas, stop)
+            serve.shutdown()
+        finally:
+            stop.restore()
+        return stop.name
     finally:
         ray.shutdown()
+        shutil.rmtree(drain_folder, ignore_errors=True)
+
+
+_DRAIN_SECONDS = 15.0  # what the replicas may take to close their engines (each waits up to 10 s for its thread)
+_REPLY_SECONDS = 1.0  # then what their last replies may take to pass Ray Serve's proxy
+
+
+def _drain_replicas(drain_file: pathlib.Path, replicas: int, stop) -> None:
+    """Has every replica end its requests (:func:`~kvcache_op.serving.ray.deployment`'s ``drain_file``), waiting
+    until all have, for at most :data:`_DRAIN_SECONDS`, or until a second Ctrl-C."""
+    from .serving.ray import drained_replicas
+
+    drain_file.touch()
+    until = time.monotonic() + _DRAIN_SECONDS
+    while drained_replicas(drain_file) < replicas and time.monotonic() < until and not stop.forced:
+        time.sleep(0.05)
+    end = time.monotonic() + _REPLY_SECONDS
+    while time.monotonic() < end and not stop.forced:
+        time.sleep(0.05)
+
+
+class _StopSignals:
+    """SIGINT and SIGTERM while installed: the first asks for a stop (``name``, the signal's name); a second Ctrl-C
+    stops waiting for the replies (``forced``). :meth:`restore` puts the handlers before back."""
+
+    def __init__(self):
+        self.name, self.forced = None, False
+        self._before = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def _handle(self, sig, frame) -> None:
+        if self.name is not None and sig == signal.SIGINT:
+            self.forced = True
+        self.name = self.name or signal.Signals(sig).name
+
+    def restore(self) -> None:
+        for sig, handler in self._before.items():
+            signal.signal(sig, handler)
 
 
 def _start_local_ray():
