@@ -98,3 +98,20 @@ def test_every_extra_named_is_one_the_package_declares():
         requirements = " ".join(declared[extra]).replace("-", "_")
         brought_by_onnxscript = module == "onnx_ir" and "onnxscript" in requirements
         assert module in requirements or brought_by_onnxscript, (module, extra)
+
+
+@pytest.mark.parametrize("missing", ["ray", "starlette"])
+def test_replicas_without_ray_serve_say_why_in_one_line(exported, tmp_path, missing):
+    """Ray missing, or Ray present without a package Ray Serve imports: one line naming what failed and the extra."""
+    folder = tmp_path / "without" / "ray"
+    (folder / "serve").mkdir(parents=True)
+    failing = f"raise ModuleNotFoundError(\"No module named '{missing}'\", name={missing!r})\n"
+    (folder / "__init__.py").write_text(failing if missing == "ray" else "")
+    (folder / "serve" / "__init__.py").write_text(failing)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder.parent), env.get("PYTHONPATH")]))
+    result = _run(["serve", str(exported), "--replicas", "1"], env, tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"No module named '{missing}'" in errors[0], result.stderr
+    assert errors[0].endswith("pip install 'kvcache-op[ray]'"), errors

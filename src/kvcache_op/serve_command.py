@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pathlib
 import re
@@ -233,14 +234,18 @@ def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_optio
 
     if not engine_options["intra_op_num_threads"]:  # replicas share the machine's cores
         engine_options["intra_op_num_threads"] = max(1, cores // args.replicas)
+    # --log-level for Ray Serve's own lines too: this process's, and the controller's, proxy's and replicas' (their
+    # access log is INFO, off at the default "warning" as uvicorn's is in one process).
+    logging.getLogger("ray.serve").setLevel(args.log_level.upper())
+    logs = {"log_level": args.log_level.upper()}
     drain_folder = pathlib.Path(tempfile.mkdtemp(prefix="kvcache-op-drain-"))
     try:
-        serve.start(http_options={"host": args.host, "port": port})
+        serve.start(http_options={"host": args.host, "port": port}, logging_config=logs)
         app = deployment(path, tokenizer_dir, replicas=args.replicas, model_name=name, api_key=api_key,
                          limits=limits, drain_file=drain_folder / "drain", **engine_options)
         print(f"serving {name!r} ({path}) as {args.replicas} Ray Serve replicas, {args.num_pages} pages each, "
               f"{'with' if api_key else 'without'} an API key", flush=True)
-        serve.run(app, route_prefix="/", name="kvcache-op")
+        serve.run(app, route_prefix="/", name="kvcache-op", logging_config=logs)
         stop = _StopSignals()  # from here on: Ray's own SIGTERM handler would exit at once, skipping the drain
         try:
             print(f"listening on {_url(args.host, port)}", flush=True)
@@ -309,8 +314,9 @@ def _start_local_ray():
     try:
         import ray
         import ray.serve  # noqa: F401
-    except ImportError:
-        raise ValueError("--replicas needs Ray Serve: pip install 'kvcache-op[ray]'") from None
+    except ImportError as error:  # ray missing, or present without what Ray Serve needs: say which
+        raise ValueError(f"--replicas needs Ray Serve, which does not import ({error}): pip install "
+                         "'kvcache-op[ray]'") from None
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     node = ray.util.get_node_ip_address()
     if node not in LOOPBACK:
