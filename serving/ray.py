@@ -19,7 +19,10 @@ from ray import serve
 from .engine import DEFAULT_RUNNING
 from .server import ServerLimits
 
-_DRAIN_POLL_SECONDS = 0.1
+_DRAIN_POLL_SECONDS = 0.05
+# Requests a replica takes beyond its running and waiting ones: those that hold no slot (/health, /metrics, a
+# reply still streaming to a slow client) and those past the limit, which reach the engine to be refused (503).
+_HEADROOM = 64
 _DRAIN_CLOSE_SECONDS = 10.0  # what the engine's close waits for its thread, as a single server's shutdown does
 
 
@@ -80,7 +83,6 @@ def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str,
     limits = limits or ServerLimits()
     running = engine_options.get("max_running") or DEFAULT_RUNNING
     return EngineReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": cpus_per_replica},
-                                 # + 1: the request past the limit reaches the engine, which refuses it (503)
-                                 max_ongoing_requests=running + limits.max_queue + 1).bind(
+                                 max_ongoing_requests=running + limits.max_queue + _HEADROOM).bind(
         str(model_path), str(tokenizer_dir), model_name, api_key, dataclasses.asdict(limits), engine_options,
         None if drain_file is None else str(drain_file))

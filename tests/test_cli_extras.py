@@ -65,12 +65,32 @@ def test_a_broken_install_is_reported_in_full_not_as_missing(tmp_path):
     assert result.returncode == 1 and "Traceback" in result.stderr and "not installed" not in result.stderr, result
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
-    process = subprocess.Popen([sys.executable, "-m", "kvcache_op", "conformance", "--list"], cwd=tmp_path,
+@pytest.mark.parametrize("argv", [["conformance", "--list"],
+                                  # prints progress inside a command that reports a write it cannot do (OSError)
+                                  ["conformance", "--out", "vectors", "--case", "paged_layout0"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path, argv):
+    process = subprocess.Popen([sys.executable, "-m", "kvcache_op", *argv], cwd=tmp_path,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     process.stdout.close()  # before the command has printed (it is still starting): every write finds no reader
     _, stderr = process.communicate(timeout=120)
     assert process.returncode == 1 and stderr == "", (process.returncode, stderr)
+
+
+def test_a_command_started_with_stdout_closed_still_succeeds(tmp_path):
+    result = subprocess.run(f'exec "{sys.executable}" -m kvcache_op conformance --list >&-', shell=True,
+                            cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stderr == "", result
+
+
+def test_a_closed_pipe_in_process_leaves_the_callers_stdout_alone(monkeypatch, capsys):
+    from kvcache_op import cli
+
+    def closed_pipe(args):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(cli, "_conformance", closed_pipe)
+    assert cli.main(["conformance", "--list"]) == 1
+    print("still printing")
+    assert capsys.readouterr().out == "still printing\n"
 
 
 def test_the_missing_module_is_found_behind_the_errors_raised_from_it():
@@ -82,6 +102,13 @@ def test_the_missing_module_is_found_behind_the_errors_raised_from_it():
     except ImportError as wrapped:
         assert missing_optional_module(wrapped) == "onnxscript"
     assert missing_optional_module(ModuleNotFoundError("x", name="numpy")) is None  # not optional: a real failure
+    try:
+        try:
+            raise ModuleNotFoundError("No module named 'torch'", name="torch")
+        except ImportError:
+            raise ValueError("a bad argument, found while torch was missing") from None
+    except ValueError as hidden:
+        assert missing_optional_module(hidden) is None  # the context was hidden: not the cause
     assert missing_optional_module(ValueError("x")) is None
 
 
@@ -110,7 +137,7 @@ def test_replicas_without_ray_serve_say_why_in_one_line(exported, tmp_path, miss
     (folder / "serve" / "__init__.py").write_text(failing)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder.parent), env.get("PYTHONPATH")]))
-    result = _run(["serve", str(exported), "--replicas", "1"], env, tmp_path)
+    result = _run(["serve", str(exported), "--replicas", "1", "--port", "0"], env, tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and f"No module named '{missing}'" in errors[0], result.stderr

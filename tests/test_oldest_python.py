@@ -51,10 +51,10 @@ def test_every_python_file_compiles_on_the_oldest_python_claimed():
     interpreter = _interpreter(version)
     if interpreter is None:
         pytest.skip(f"no Python {version} interpreter here (python{version} on PATH, or pyenv's)")
-    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    tracked = subprocess.run(["git", "ls-files", "-z", "*.py"], cwd=ROOT, capture_output=True, text=True)
     if tracked.returncode != 0:
         pytest.skip("not a git checkout: the files to compile are git's tracked ones")
-    files = [str(ROOT / name) for name in tracked.stdout.split()]
+    files = [str(ROOT / name) for name in tracked.stdout.split("\0") if name]
     assert len(files) > 100, files
     result = subprocess.run([interpreter, "-c", _COMPILE_ALL, *files], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"these do not compile on Python {version}:\n{result.stdout}{result.stderr}"

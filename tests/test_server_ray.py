@@ -14,9 +14,12 @@ from conftest import SERVER_API_KEY  # noqa: E402
 from listening_sockets import is_loopback, listening_sockets, self_check  # noqa: E402
 
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
-from kvcache_op.serve_command import ServerProcess  # noqa: E402
+from kvcache_op.serve_command import ServerProcess, usable_cores  # noqa: E402
+
+two_cores = pytest.mark.skipif(usable_cores() < 2, reason="two replicas need two cores (one replica per core)")
 
 
+@two_cores
 def test_two_replicas_answer_with_the_models_own_text(served_checkpoint, tmp_path):
     folder, model, tokenizer = served_checkpoint
     prompts = [f"hello world {i}" for i in range(16)]
@@ -62,6 +65,7 @@ def _assert_listens_on_loopback(server):
     assert exposed == replicas_wildcard, f"listening beyond loopback: {sorted(set(exposed) - set(replicas_wildcard))}"
 
 
+@two_cores
 def test_replicas_keep_the_servers_limits_and_end_their_requests_whole_at_a_stop(exported):
     """With --max-running 6 --max-queue 0 on each of two replicas, a burst beyond their 12 running slots gets the
     server's own 503 (Ray Serve's default of 5 requests per replica queued the rest in its router, unlimited, and
@@ -85,8 +89,10 @@ def test_replicas_keep_the_servers_limits_and_end_their_requests_whole_at_a_stop
         with lock:
             return [r for r in outcomes if r.status_code == 503]
 
+    # --decode-steps 1: a step per token, so that the requests outlast the burst's refusals and the stop's delivery
     with ServerProcess(exported, "--replicas", 2, "--max-running", 6, "--max-queue", 0, "--num-pages", 400,
-                       "--max-tokens-limit", 1000, "--model-name", "tiny", lifetime=300, start_timeout=240) as server:
+                       "--max-tokens-limit", 1000, "--decode-steps", 1, "--model-name", "tiny", lifetime=300,
+                       start_timeout=240) as server:
         with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as reply:
             lines = reply.iter_lines()
             next(line for line in lines if line.startswith("data: {"))  # running on one replica
@@ -128,3 +134,30 @@ def test_a_taken_port_is_refused_in_one_line_before_ray_starts(exported, capsys)
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "Address already in use" in err, err
     assert time.monotonic() - start < 30, "refused only after Ray had started"
+
+
+def test_a_stop_while_ray_serve_starts_ends_the_start_with_status_0(exported):
+    """SIGTERM once the replicas are being deployed (Ray's own handler exited with status 15 there): the start
+    ends, the command's last line names the signal, exit status 0, no traceback."""
+    import signal
+    import subprocess
+    import sys
+
+    process = subprocess.Popen([sys.executable, "-m", "kvcache_op", "serve", str(exported), "--replicas", "1",
+                                "--port", "0", "--model-name", "tiny", "--stop-after", "300"],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in process.stdout:
+            lines.append(line)
+            if "Ray Serve replicas" in line:  # printed just before the replicas are deployed
+                process.send_signal(signal.SIGTERM)
+                break
+        lines += process.stdout.readlines()
+        code = process.wait(120)
+    finally:
+        process.kill()
+    output = "".join(lines)
+    assert code == 0 and "Traceback" not in output and "SIGTERM received" not in output, output[-2000:]
+    assert "listening on" not in output, output[-2000:]
+    assert lines[-1].startswith("stopped by SIGTERM after "), output[-500:]

@@ -35,6 +35,8 @@ def _conformance(args) -> int:
         folders = vectors.write_conformance(args.out, args.case or None, progress=None if args.quiet else print)
     except ValueError as error:
         return _fail("conformance", str(error))
+    except BrokenPipeError:
+        raise  # the reader of its progress went away, not the folder: main ends quietly
     except OSError as error:
         return _fail("conformance", f"cannot write {args.out}: {error.strerror or error}")
     print(f"wrote {len(folders)} conformance case(s) to {args.out}")
@@ -48,6 +50,8 @@ def _export(args) -> int:
         export_checkpoint(args.checkpoint, args.out, page_size=args.page_size, quant_bit=args.quant_bit,
                           dtype=args.dtype, cache_layout=args.cache_layout,
                           fused_attention=not args.split_attention)
+    except BrokenPipeError:
+        raise  # the reader of its progress went away: main ends quietly
     except (OSError, ValueError) as error:  # OSError: transformers' word for a checkpoint it cannot load, or a write
         return _fail("export", str(error))
     return 0
@@ -58,6 +62,8 @@ def _serve(args) -> int:
 
     try:
         return serve(args)
+    except BrokenPipeError:
+        raise  # the reader of its output went away: main ends quietly
     except (FileNotFoundError, ValueError, OSError) as error:
         return _fail("serve", str(error))
 
@@ -323,7 +329,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
         status = args.func(args)
-        sys.stdout.flush()  # here, where a reader that has gone is handled, not at exit
+        if sys.stdout is not None:  # None: started with stdout closed
+            sys.stdout.flush()  # here, where a reader that has gone is handled, not at exit
         return status
     except ImportError as error:
         missing = missing_optional_module(error)
@@ -331,11 +338,24 @@ def main(argv=None) -> int:
             raise
         return _fail(args.command, install_hint(missing, args.command))
     except BrokenPipeError:
-        # Python's advice for a closed pipe: point stdout at /dev/null, or the flush at exit fails again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _silence_stdout()
         return 1
 
+
+def _silence_stdout() -> None:
+    """Points the process's own stdout at /dev/null after its reader has gone (Python's advice), or the flush at
+    exit fails again; a stdout that is not the process's (a caller's capture) is left as it is."""
+    if sys.stdout is None or sys.stdout is not sys.__stdout__:
+        return
+    try:
+        fd = sys.stdout.fileno()
+    except (OSError, ValueError):
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
 
 if __name__ == "__main__":
     sys.exit(main())

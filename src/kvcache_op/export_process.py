@@ -42,7 +42,8 @@ def _end_with_parent(parent: int) -> None:
 
 def _export_child(checkpoint: str, out: str, settings: dict, sender, parent: int) -> None:
     """The child's work: exports, sending ``("progress", line)`` for each line, then ``("done", result)`` or
-    ``("error", (type name, text))``. Ctrl-C is the parent's to handle (it ends the child)."""
+    ``("error", (type name, text))``, or ``("error", ("ModuleNotFoundError", text, module))`` for a missing optional
+    module. Ctrl-C is the parent's to handle (it ends the child)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_end_with_parent, args=(parent,), name="kvcache-op-export-watch", daemon=True).start()
     from .export_command import export_checkpoint
@@ -52,7 +53,7 @@ def _export_child(checkpoint: str, out: str, settings: dict, sender, parent: int
                                    **settings)
         sender.send(("done", result))
     except Exception as error:  # noqa: BLE001 - every failure reaches the parent, which raises it
-        missing = missing_optional_module(error)
+        missing = missing_optional_module(error) if isinstance(error, ImportError) else None
         if missing is not None:  # the parent names the extra that brings it
             sender.send(("error", ("ModuleNotFoundError", str(error), missing)))
             return

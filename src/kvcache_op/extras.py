@@ -27,7 +27,8 @@ def missing_optional_module(error: BaseException) -> str | None:
         # Only the package itself missing: "No module named 'torch._C'" is an install of torch that is broken.
         if isinstance(error, ModuleNotFoundError) and error.name in EXTRA_OF_MODULE:
             return error.name
-        error = error.__cause__ or error.__context__
+        # The error it was raised from, else the one being handled unless hidden (``raise ... from None``).
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return None
 
 

@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import pathlib
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
@@ -115,18 +112,25 @@ def api_key_of(given) -> str:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: a free one, read back from the socket); ``OSError`` if it cannot be
-    had (the port taken), the socket closed."""
+    """A bound, listening TCP socket (port 0: a free one, read back from the socket); ``OSError`` naming the address
+    if it cannot be had (the port taken), the socket closed."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         sock.listen(128)
-    except OSError:
+    except OSError as error:
         sock.close()
-        raise
+        raise OSError(error.errno, f"cannot listen on {address_of(host, port)}: {error.strerror}") from None
     return sock
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells it), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
 
 
 def serve(args) -> int:
@@ -137,7 +141,7 @@ def serve(args) -> int:
     if args.host not in LOOPBACK and not args.allow_remote:
         raise ValueError(f"--host {args.host} is not loopback: pass --allow-remote to listen on other interfaces "
                          "(and set an API key)")
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if args.replicas and args.replicas > cores:
         raise ValueError(f"--replicas {args.replicas}: more than this machine's {cores} cores (each replica runs its "
                          "own engine and holds its own copy of the model)")
@@ -158,7 +162,9 @@ def serve(args) -> int:
     engine_options = engine_options_of(args)
     began = time.perf_counter()
     if args.replicas:
-        stop_signal = _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
+        from .ray_command import serve_on_ray
+
+        stop_signal = serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options)
     else:
         stop_signal = _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options)
     print(f"stopped {f'by {stop_signal} ' if stop_signal else ''}after {time.perf_counter() - began:.1f} s", flush=True)
@@ -214,126 +220,25 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
         timer.start()
     print(f"serving {name!r} ({path}, {engine.info.num_layers} layers, {args.num_pages} pages) "
           f"{'with' if api_key else 'without'} an API key", flush=True)
-    _announce_when_started(server, f"listening on {_url(host, port)}")
+    _announce_when_started(server, f"listening on {url_of(host, port)}")
     server.run(sockets=[sock])
     return server.stop_signal
 
 
-def _serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_options) -> str:
-    """``args.replicas`` replicas on a local Ray instance, behind Ray Serve's proxy on ``host:port``, until a signal
-    or ``--stop-after``: the signal's name, or None. A stop ends the replicas' requests first, as a single server's
-    does (finish_reason "abort", each reply whole), then shuts Serve down."""
-    cores = os.cpu_count() or 1
-    if args.port:  # refused now, in one line, not by Ray Serve's proxy once Ray has started
-        listening_socket(args.host, args.port).close()
-    port = args.port or _free_port(args.host)  # Ray Serve's proxy needs the number up front
-    ray = _start_local_ray()
-    from ray import serve
-
-    from .serving.ray import deployment
-
-    if not engine_options["intra_op_num_threads"]:  # replicas share the machine's cores
-        engine_options["intra_op_num_threads"] = max(1, cores // args.replicas)
-    # --log-level for Ray Serve's own lines too: this process's, and the controller's, proxy's and replicas' (their
-    # access log is INFO, off at the default "warning" as uvicorn's is in one process).
-    logging.getLogger("ray.serve").setLevel(args.log_level.upper())
-    logs = {"log_level": args.log_level.upper()}
-    drain_folder = pathlib.Path(tempfile.mkdtemp(prefix="kvcache-op-drain-"))
-    try:
-        serve.start(http_options={"host": args.host, "port": port}, logging_config=logs)
-        app = deployment(path, tokenizer_dir, replicas=args.replicas, model_name=name, api_key=api_key,
-                         limits=limits, drain_file=drain_folder / "drain", **engine_options)
-        print(f"serving {name!r} ({path}) as {args.replicas} Ray Serve replicas, {args.num_pages} pages each, "
-              f"{'with' if api_key else 'without'} an API key", flush=True)
-        serve.run(app, route_prefix="/", name="kvcache-op", logging_config=logs)
-        stop = _StopSignals()  # from here on: Ray's own SIGTERM handler would exit at once, skipping the drain
-        try:
-            print(f"listening on {_url(args.host, port)}", flush=True)
-            deadline = time.monotonic() + args.stop_after if args.stop_after else None
-            while stop.name is None and (deadline is None or time.monotonic() < deadline):
-                time.sleep(0.2)
-            _drain_replicas(drain_folder / "drain", args.replicas, stop)
-            serve.shutdown()
-        finally:
-            stop.restore()
-        return stop.name
-    finally:
-        ray.shutdown()
-        shutil.rmtree(drain_folder, ignore_errors=True)
-
-
-_DRAIN_SECONDS = 15.0  # what the replicas may take to close their engines (each waits up to 10 s for its thread)
-_REPLY_SECONDS = 1.0  # then what their last replies may take to pass Ray Serve's proxy
-
-
-def _drain_replicas(drain_file: pathlib.Path, replicas: int, stop) -> None:
-    """Has every replica end its requests (:func:`~kvcache_op.serving.ray.deployment`'s ``drain_file``), waiting
-    until all have, for at most :data:`_DRAIN_SECONDS`, or until a second Ctrl-C."""
-    from .serving.ray import drained_replicas
-
-    drain_file.touch()
-    until = time.monotonic() + _DRAIN_SECONDS
-    while drained_replicas(drain_file) < replicas and time.monotonic() < until and not stop.forced:
-        time.sleep(0.05)
-    end = time.monotonic() + _REPLY_SECONDS
-    while time.monotonic() < end and not stop.forced:
-        time.sleep(0.05)
-
-
-class _StopSignals:
-    """SIGINT and SIGTERM while installed: the first asks for a stop (``name``, the signal's name); a second Ctrl-C
-    stops waiting for the replies (``forced``). :meth:`restore` puts the handlers before back."""
-
-    def __init__(self):
-        self.name, self.forced = None, False
-        self._before = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def _handle(self, sig, frame) -> None:
-        if self.name is not None and sig == signal.SIGINT:
-            self.forced = True
-        self.name = self.name or signal.Signals(sig).name
-
-    def restore(self) -> None:
-        for sig, handler in self._before.items():
-            signal.signal(sig, handler)
-
-
-def _start_local_ray():
-    """A new Ray instance on this machine alone, its own servers (GCS, raylet, agents, actors) on loopback; the
-    ``ray`` module. Never joins a running cluster (``RAY_ADDRESS`` is ignored): ``serve.shutdown`` at the end would
-    tear down that cluster's Serve applications.
-
-    On Linux Ray replaces a loopback node address with the machine's outward one (``ray.init(_node_ip_address=
-    "127.0.0.1")`` included) and then binds its servers to every interface; with
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (read when ``ray`` is imported; named for the platforms where it is the
-    default) its node address stays loopback, and the servers bind there. Ray Serve's replicas still open their
-    inter-deployment gRPC port on every interface (Ray binds it to ``[::]`` itself; Ray's token authentication,
-    on in the Ray the tests run, guards it)."""
-    if "ray" not in sys.modules:
-        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-    try:
-        import ray
-        import ray.serve  # noqa: F401
-    except ImportError as error:  # ray missing, or present without what Ray Serve needs: say which
-        raise ValueError(f"--replicas needs Ray Serve, which does not import ({error}): pip install "
-                         "'kvcache-op[ray]'") from None
-    ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
-    node = ray.util.get_node_ip_address()
-    if node not in LOOPBACK:
-        ray.shutdown()
-        raise ValueError(f"the local Ray instance took the node address {node}, not loopback, and would listen "
-                           "on it: start the server in a fresh process (ray was imported before "
-                           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 could be set)")
-    return ray
-
-
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (another process may take it before it is bound again)."""
     with listening_socket(host, 0) as sock:
         return sock.getsockname()[1]
 
 
-def _url(host: str, port: int) -> str:
-    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+def address_of(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def url_of(host: str, port: int) -> str:
+    """The server's base URL."""
+    return f"http://{address_of(host, port)}"
 
 
 def _announce_when_started(server, line: str) -> None:
