@@ -14,7 +14,8 @@ from conftest import SERVER_API_KEY  # noqa: E402
 from listening_sockets import is_loopback, listening_sockets, self_check  # noqa: E402
 
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
-from kvcache_op.serve_command import ServerProcess, usable_cores  # noqa: E402
+from kvcache_op.listening import usable_cores  # noqa: E402
+from kvcache_op.serve_command import ServerProcess  # noqa: E402
 
 two_cores = pytest.mark.skipif(usable_cores() < 2, reason="two replicas need two cores (one replica per core)")
 

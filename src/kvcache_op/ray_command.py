@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from .serve_command import LOOPBACK, free_port, listening_socket, url_of, usable_cores
+from .listening import LOOPBACK, free_port, listening_socket, url_of, usable_cores
 
 _POLL_SECONDS = 0.05
 _DRAIN_SECONDS = 12.0  # what the replicas may take to close their engines (each waits up to 10 s for its thread)

@@ -10,7 +10,6 @@ import os
 import pathlib
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,9 +19,10 @@ import onnx
 
 from .export_command import SOURCE_KEY, tokenizer_folder
 from .export_process import export_in_child
+from .listening import LOOPBACK, listening_socket, url_of, usable_cores
 
 API_KEY_VARIABLE = "KVCACHE_OP_API_KEY"  # the API key when --api-key is not given
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -109,28 +109,6 @@ def exported_model(path) -> onnx.ModelProto:
 def api_key_of(given) -> str:
     """The API key the server requires: ``--api-key``, else ``$KVCACHE_OP_API_KEY``, else None (no key)."""
     return given or os.environ.get(API_KEY_VARIABLE) or None
-
-
-def listening_socket(host: str, port: int) -> socket.socket:
-    """A bound, listening TCP socket (port 0: a free one, read back from the socket); ``OSError`` naming the address
-    if it cannot be had (the port taken), the socket closed."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError as error:
-        sock.close()
-        raise OSError(error.errno, f"cannot listen on {address_of(host, port)}: {error.strerror}") from None
-    return sock
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity, where the platform tells it), at least 1."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
 
 
 def serve(args) -> int:
@@ -223,22 +201,6 @@ def _serve_here(args, path, tokenizer_dir, name, api_key, limits, engine_options
     _announce_when_started(server, f"listening on {url_of(host, port)}")
     server.run(sockets=[sock])
     return server.stop_signal
-
-
-def free_port(host: str) -> int:
-    """A port free on ``host`` now (another process may take it before it is bound again)."""
-    with listening_socket(host, 0) as sock:
-        return sock.getsockname()[1]
-
-
-def address_of(host: str, port: int) -> str:
-    """``host:port``, an IPv6 host in brackets."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def url_of(host: str, port: int) -> str:
-    """The server's base URL."""
-    return f"http://{address_of(host, port)}"
 
 
 def _announce_when_started(server, line: str) -> None:

@@ -1,0 +1,47 @@
+"""Where a server listens: loopback names, a listening socket, a free port, the address and URL it prints, and the
+cores its replicas may share."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket (port 0: a free one, read back from the socket); ``OSError`` naming the address
+    if it cannot be had (the port taken), the socket closed."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError as error:
+        sock.close()
+        raise OSError(error.errno, f"cannot listen on {address_of(host, port)}: {error.strerror}") from None
+    return sock
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, where the platform tells it), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def free_port(host: str) -> int:
+    """A port free on ``host`` now (another process may take it before it is bound again)."""
+    with listening_socket(host, 0) as sock:
+        return sock.getsockname()[1]
+
+
+def address_of(host: str, port: int) -> str:
+    """``host:port``, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def url_of(host: str, port: int) -> str:
+    """The server's base URL."""
+    return f"http://{address_of(host, port)}"
