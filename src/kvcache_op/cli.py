@@ -357,5 +357,6 @@ def _silence_stdout() -> None:
     finally:
         os.close(devnull)
 
+
 if __name__ == "__main__":
     sys.exit(main())

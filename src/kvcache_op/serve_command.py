@@ -24,7 +24,6 @@ from .listening import LOOPBACK, listening_socket, url_of, usable_cores
 API_KEY_VARIABLE = "KVCACHE_OP_API_KEY"  # the API key when --api-key is not given
 
 
-
 def default_cache_dir() -> pathlib.Path:
     """Where checkpoint folders are exported to: ``$KVCACHE_OP_CACHE`` or ``~/.cache/kvcache-op``."""
     return pathlib.Path(os.environ.get("KVCACHE_OP_CACHE") or pathlib.Path.home() / ".cache" / "kvcache-op")
