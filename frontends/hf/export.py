@@ -11,6 +11,7 @@ import onnx
 import torch
 
 from .. import torch as kt
+from ..torch.large_models import PROTO_LIMIT, save, weight_bytes
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
@@ -23,7 +24,6 @@ _EXAMPLE_PAGES, _EXAMPLE_TABLE = 7, 5
 #: The largest page an export takes: its tracing step holds a cache of _EXAMPLE_PAGES pages (a page of 4,096 slots of
 #: a 32-layer model with 8 heads of 128 in float32: 1 GiB each), and serving engines page in tens of slots.
 MAX_PAGE_SIZE = 4096
-_PROTO_LIMIT = 1 << 30  # above this, weights go to an external data file (protobuf stops at 2 GiB)
 
 
 def _torch_dtype(dtype, model) -> torch.dtype:
@@ -134,7 +134,7 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **(metadata or {}),
                                         **info.to_metadata()})
     path = os.fspath(path)
-    large = proto.ByteSize() > _PROTO_LIMIT
+    large = weight_bytes(proto) > PROTO_LIMIT
     _save_whole(proto, path, large)
     return path
 
@@ -151,7 +151,7 @@ def _save_whole(proto, path: str, large: bool) -> None:
     partial, data = os.path.join(folder, f"{name}.partial-{tag}"), f"{name}.{tag}.data"
     earlier = _data_files(path)
     try:
-        onnx.save(proto, partial, save_as_external_data=large, location=data if large else None)
+        save(proto, partial, data if large else None)
         os.replace(partial, path)
     except BaseException:
         for leftover in (partial, os.path.join(folder, data)):

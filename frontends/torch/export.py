@@ -6,12 +6,14 @@ import collections
 import contextlib
 import io
 import logging
+import os
 import warnings
 
 import onnx
 import torch
 
 from ..ort_ops.graph_rules import in_place_inputs
+from .large_models import PROTO_LIMIT, save, weight_bytes, without_large_weights
 from ..spec import rotary_schema, schema
 from . import onnx_export
 
@@ -22,7 +24,8 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     calls), int4 cache inputs retyped (:func:`~kvcache_op.torch.int4_cache_inputs`),
     ``onnx.checker.check_model(full_check=True)`` with the ops' schemas, and the graph rules for in-place
     inputs (``ValueError`` when a cache is an initializer or computed, or when writes of one cache layer
-    are not ordered by data). Saves to ``path`` when given; returns the model.
+    are not ordered by data). Saves to ``path`` when given (weights over 1 GiB in
+    ``<file name>.data`` beside it); returns the model.
 
     The dynamo exporter's onnxscript optimizer merges identical calls (two equal rotations become one), so
     it is off unless ``optimize=True`` is passed: ONNX Runtime optimizes the graph when it loads it.
@@ -42,10 +45,11 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     onnx_export.int4_cache_inputs(model)
     schema.register()
     rotary_schema.register()
-    onnx.checker.check_model(model, full_check=True)
+    onnx.checker.check_model(without_large_weights(model), full_check=True)
     in_place_inputs(model)
     if path is not None:
-        onnx.save(model, str(path))
+        large = weight_bytes(model) > PROTO_LIMIT
+        save(model, os.fspath(path), f"{os.path.basename(path)}.data" if large else None)
     return model
 
 
