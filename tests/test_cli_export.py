@@ -98,7 +98,7 @@ def test_exporting_again_over_an_earlier_export_keeps_nothing_of_it(checkpoint, 
     other.mkdir()
     tiny_model("llama").save_pretrained(other)  # no tokenizer files
     out = tmp_path / "model.onnx"
-    monkeypatch.setattr(hf_export, "_PROTO_LIMIT", 1000)  # the weights go to a data file beside it
+    monkeypatch.setattr(hf_export, "PROTO_LIMIT", 1000)  # the weights go to a data file beside it
     assert main(["export", str(folder), str(out)]) == 0
     first = _data_files(tmp_path)
     assert len(first) == 1 and (tokenizer_folder(out) / "tokenizer.json").is_file()
@@ -128,22 +128,24 @@ def test_a_failed_export_leaves_the_earlier_file_and_its_weights_as_they_were(ch
     folder, model = checkpoint
     out = tmp_path / "model.onnx"
     if external:
-        monkeypatch.setattr(hf_export, "_PROTO_LIMIT", 1000)
-    save = onnx.save
+        monkeypatch.setattr(hf_export, "PROTO_LIMIT", 1000)
+    import onnx_ir
 
-    def broken(proto, path, **kwargs):
-        save(proto, path, **kwargs)  # the whole export written (its weights too), then the disk filled
+    save = onnx_ir.save
+
+    def broken(model, path, **kwargs):
+        save(model, path, **kwargs)  # the whole export written (its weights too), then the disk filled
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(onnx, "save", broken)
+    monkeypatch.setattr(onnx_ir, "save", broken)
     assert main(["export", str(folder), str(out)]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == []
-    monkeypatch.setattr(onnx, "save", save)
+    monkeypatch.setattr(onnx_ir, "save", save)
     assert main(["export", str(folder), str(out)]) == 0
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()}
     other = tmp_path.parent / f"{tmp_path.name}-other"
     other.mkdir()
     tiny_model("llama").save_pretrained(other)
-    monkeypatch.setattr(onnx, "save", broken)
+    monkeypatch.setattr(onnx_ir, "save", broken)
     assert main(["export", str(other), str(out)]) == 2
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     prompt = [5, 6, 7]

@@ -8,14 +8,15 @@ import re
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import torch
 
 from .. import torch as kt
-from ..torch.large_models import PROTO_LIMIT, save, weight_bytes
+from ..torch.large_models import PROTO_LIMIT, ir_weight_bytes, readable_as
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
-from .graph_rewrites import optimize_decoder
+from .graph_rewrites import optimized_ir
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # Example sizes for tracing, pairwise different so no two dynamic axes are taken for one another:
@@ -128,19 +129,17 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
             raise ValueError(f"the model computes {unconverted.group(1).rstrip('.,:')}, which torch's ONNX exporter "
                              f"has no function for: it cannot be exported (switch the feature that uses it off in "
                              f"the config where it has a switch)") from None
-    if optimize:
-        proto, _ = optimize_decoder(proto, max_positions=decoder.shape.max_positions)
-    info = model_info(decoder)
-    onnx.helper.set_model_props(proto, {**{p.key: p.value for p in proto.metadata_props}, **(metadata or {}),
-                                        **info.to_metadata()})
+    # In onnx_ir from here on: its tensors share the exported proto's weights, and ir.save writes them out one by
+    # one, where ir.to_proto would first copy every weight (a model's peak memory is several times its weights).
+    graph, _ = optimized_ir(proto, decoder.shape.max_positions) if optimize else (ir.from_proto(proto), None)
+    graph.metadata_props.update({**(metadata or {}), **model_info(decoder).to_metadata()})
     path = os.fspath(path)
-    large = weight_bytes(proto) > PROTO_LIMIT
-    _save_whole(proto, path, large)
+    _save_whole(graph, path, large=ir_weight_bytes(graph) > PROTO_LIMIT)
     return path
 
 
-def _save_whole(proto, path: str, large: bool) -> None:
-    """Writes ``proto`` to ``path`` so that it appears whole or not at all, with its weights (``large``) in a data
+def _save_whole(model: ir.Model, path: str, large: bool) -> None:
+    """Writes ``model`` to ``path`` so that it appears whole or not at all, with its weights (``large``) in a data
     file of this export's own name beside it: a failed or interrupted export leaves the earlier file and its
     weights as they were, never a file that looks complete; an export over an earlier one removes that one's data
     once it has replaced it (onnx appends to a data file that exists); two exports to one path write apart."""
@@ -151,7 +150,9 @@ def _save_whole(proto, path: str, large: bool) -> None:
     partial, data = os.path.join(folder, f"{name}.partial-{tag}"), f"{name}.{tag}.data"
     earlier = _data_files(path)
     try:
-        save(proto, partial, data if large else None)
+        ir.save(model, partial, external_data=data if large else None)
+        if large:
+            readable_as(os.path.join(folder, data), partial)
         os.replace(partial, path)
     except BaseException:
         for leftover in (partial, os.path.join(folder, data)):

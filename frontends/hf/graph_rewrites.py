@@ -136,6 +136,13 @@ def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
     ONNX Runtime's RotaryEmbedding (:func:`~kvcache_op.hf.rotary_fusion.fuse_rotary_embeddings`), and
     :func:`squeeze_unit_gathers` applied, and how many of each were made. The graph's inputs, outputs, custom ops
     and metadata are kept; every op it holds runs on ONNX Runtime's CPU and CUDA EPs."""
+    model, counts = optimized_ir(proto, max_positions)
+    return ir.to_proto(model), counts
+
+
+def optimized_ir(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
+    """:func:`optimize_decoder`'s ``(model, counts)`` with the model in onnx_ir, whose tensors still share
+    ``proto``'s weights: saved with ``ir.save``, no second copy of every weight is made in memory."""
     import warnings
 
     import onnxscript
@@ -166,7 +173,7 @@ def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
         counts["rotary_embeddings"] = fuse_rotary_embeddings(model, max_positions)
     counts["unit_gathers"] = squeeze_unit_gathers(model)
     counts["unused_initializers"] = drop_unused_initializers(model)
-    return ir.to_proto(model), counts
+    return model, counts
 
 
 def drop_unused_initializers(model: ir.Model) -> int:

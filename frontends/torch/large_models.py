@@ -44,7 +44,18 @@ def save(model: onnx.ModelProto, path: str, data: str | None = None) -> None:
         os.remove(data_path)
     onnx.save(model, path, save_as_external_data=data is not None, location=data)
     if data_path is not None:
-        os.chmod(data_path, stat.S_IMODE(os.stat(path).st_mode))
+        readable_as(data_path, path)
+
+
+def readable_as(data_path: str, model_path: str) -> None:
+    """Gives the weights' data file at ``data_path`` the permissions of the model file at ``model_path`` (onnx and
+    onnx_ir create it for its owner alone, as a temporary file)."""
+    os.chmod(data_path, stat.S_IMODE(os.stat(model_path).st_mode))
+
+
+def ir_weight_bytes(model) -> int:
+    """:func:`weight_bytes` of an ``onnx_ir`` model."""
+    return sum(value.const_value.nbytes for value in model.graph.initializers.values() if value.const_value is not None)
 
 
 def without_large_weights(model: onnx.ModelProto) -> onnx.ModelProto:
