@@ -2,6 +2,7 @@
 external data, and a transformers decoder of over 2 GiB exported and served token for token."""
 
 import os
+import shutil
 import stat
 
 import numpy as np
@@ -80,11 +81,12 @@ def _available_bytes() -> int:
 
 
 def test_decoder_over_two_gib_exports_and_serves_its_own_tokens(tmp_path):
-    """A Llama of 2.2 GB of float32 weights (a 540,000-token vocabulary, untied): onnx's checker and ``ByteSize``
-    serialize a model whose weights pass 2 GiB, so the export failed. About 10 GB of memory at its peak."""
+    """A Llama of 2.2 GB of float32 weights (a 540,000-token vocabulary, untied), with either exporter: onnx's
+    checker and ``ByteSize`` serialize a model whose weights pass 2 GiB, and torch's TorchScript exporter refuses to
+    write one to memory, so the export failed."""
     pytest.importorskip("transformers")
-    if _available_bytes() < 12 << 30:
-        pytest.skip(f"needs 12 GiB of memory available, {_available_bytes() / 2**30:.1f} GiB are")
+    if _available_bytes() < 14 << 30:
+        pytest.skip(f"needs 14 GiB of memory available, {_available_bytes() / 2**30:.1f} GiB are")
     from kvcache_op.hf import export_model, tiny_model
     from kvcache_op.hf.verify import reference_generate
     from kvcache_op.serving import Engine
@@ -92,12 +94,16 @@ def test_decoder_over_two_gib_exports_and_serves_its_own_tokens(tmp_path):
     model = tiny_model("llama", vocab_size=540_000, hidden_size=512, intermediate_size=1024, num_hidden_layers=1,
                        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
     assert sum(p.numel() for p in model.parameters()) * 4 > 2**31
-    path = export_model(model, tmp_path / "big.onnx")
-    data = [n for n in os.listdir(tmp_path) if n.endswith(".data")]
-    assert len(data) == 1 and (tmp_path / data[0]).stat().st_size > 2**31
-    assert stat.S_IMODE((tmp_path / data[0]).stat().st_mode) == stat.S_IMODE(os.stat(path).st_mode)
     prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
     expected = [reference_generate(model, p, 6) for p in prompts]
-    del model
-    with Engine(path, num_pages=16) as engine:
-        assert engine.generate(prompts, 6) == expected
+    # Both exporters in one test, one after the other: each export's peak is about 8 GB.
+    for dynamo in (True, False):
+        folder = tmp_path / f"dynamo{dynamo}"
+        folder.mkdir()
+        path = export_model(model, folder / "big.onnx", dynamo=dynamo)
+        data = [n for n in os.listdir(folder) if n.endswith(".data")]
+        assert len(data) == 1 and (folder / data[0]).stat().st_size > 2**31
+        assert stat.S_IMODE((folder / data[0]).stat().st_mode) == stat.S_IMODE(os.stat(path).st_mode)
+        with Engine(path, num_pages=16) as engine:
+            assert engine.generate(prompts, 6) == expected, dynamo
+        shutil.rmtree(folder)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import io
 import logging
 import os
+import tempfile
 import warnings
 
 import onnx
@@ -59,9 +59,11 @@ def _export(module, args, dynamo: bool, export_kwargs: dict) -> onnx.ModelProto:
         _refuse_repeated_tensors(args)
         export_kwargs.setdefault("optimize", False)
         return torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
-    buffer = io.BytesIO()
-    torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
-    return onnx.load_from_string(buffer.getvalue())
+    # To a file, not to memory: torch's TorchScript exporter refuses to serialize a model over 2 GiB to memory.
+    with tempfile.TemporaryDirectory(prefix="kvcache-op-export-") as folder:
+        path = os.path.join(folder, "model.onnx")
+        torch.onnx.export(module, args, path, dynamo=False, **export_kwargs)
+        return onnx.load(path)  # its weights too, wherever the exporter put them
 
 
 def _refuse_repeated_tensors(args) -> None:
