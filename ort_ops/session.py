@@ -23,6 +23,7 @@ import os
 import threading
 
 import numpy as np
+import onnx
 import onnxruntime as ort
 from onnx import TensorProto
 
@@ -30,6 +31,7 @@ from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
 from . import library_path
 from .graph_rules import check_attribute_names, in_place_inputs, load_model
+from .large_models import serialized
 
 
 #: Environment variable: ONNX Runtime's log severity in this package's sessions (0 verbose .. 4 fatal).
@@ -73,7 +75,7 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
-    source = model.SerializeToString() if hasattr(model, "SerializeToString") else model
+    source = serialized(model) if isinstance(model, onnx.ModelProto) else model
     # ONNX Runtime's NCHWc layout transformer crashes the process while loading some float16 decoders (an exported
     # GPT-NeoX in float16, onnxruntime 1.32); it only rewrites NCHW convolutions and pooling, which decoders have none
     # of, so leaving it out costs nothing.
@@ -175,7 +177,7 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     for repeated calls; callers in several threads may share them.
     """
     if session is None:
-        session, written = _SESSIONS.get((model.SerializeToString(), intra_op_num_threads), lambda: (
+        session, written = _SESSIONS.get((serialized(model), intra_op_num_threads), lambda: (
             make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model)))
     else:
         written = in_place_inputs(model) if model is not None else None

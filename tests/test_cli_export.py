@@ -91,14 +91,14 @@ def test_a_checkpoint_without_weights_is_refused_in_one_line(checkpoint, tmp_pat
 def test_exporting_again_over_an_earlier_export_keeps_nothing_of_it(checkpoint, tmp_path, monkeypatch):
     """Another checkpoint exported to the same file: no tokenizer file of the first is left to be read as the
     second's; external weights are rewritten, not appended to; no partial file is left."""
-    from kvcache_op.hf import export as hf_export
+    from kvcache_op.ort_ops import large_models
 
     folder, _ = checkpoint
     other = tmp_path / "other"
     other.mkdir()
     tiny_model("llama").save_pretrained(other)  # no tokenizer files
     out = tmp_path / "model.onnx"
-    monkeypatch.setattr(hf_export, "PROTO_LIMIT", 1000)  # the weights go to a data file beside it
+    monkeypatch.setattr(large_models, "EXTERNAL_DATA_BYTES", 1000)  # the weights go to a data file beside it
     assert main(["export", str(folder), str(out)]) == 0
     first = _data_files(tmp_path)
     assert len(first) == 1 and (tokenizer_folder(out) / "tokenizer.json").is_file()
@@ -123,12 +123,12 @@ def test_a_failed_export_leaves_the_earlier_file_and_its_weights_as_they_were(ch
                                                                             external):
     """Over nothing: no file. Over an earlier export: that export, whole, still serving its own model's tokens
     (with its weights in a data file too: the new weights never go where the old file reads them)."""
-    from kvcache_op.hf import export as hf_export
+    from kvcache_op.ort_ops import large_models
 
     folder, model = checkpoint
     out = tmp_path / "model.onnx"
     if external:
-        monkeypatch.setattr(hf_export, "PROTO_LIMIT", 1000)
+        monkeypatch.setattr(large_models, "EXTERNAL_DATA_BYTES", 1000)
     import onnx_ir
 
     save = onnx_ir.save

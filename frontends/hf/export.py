@@ -7,12 +7,11 @@ import os
 import re
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import torch
 
 from .. import torch as kt
-from ..torch.large_models import PROTO_LIMIT, ir_weight_bytes, readable_as
+from ..torch.model_files import save_whole
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
@@ -97,8 +96,9 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     :class:`~kvcache_op.serving.ModelInfo` as metadata. ``dynamo`` picks torch's exporter (``False``: the TorchScript one); ``verbose`` shows its
     progress; ``metadata``: more ``metadata_props`` to write (e.g. where the checkpoint came from). ``optimize``
     applies :func:`~kvcache_op.hf.graph_rewrites.optimize_decoder` (fused norms, sibling MatMuls and rotary
-    embeddings, for every family). ``ValueError``
-    for a model or setting the graph cannot express."""
+    embeddings, for every family). The file appears whole or not at all, its weights in a data file beside it when
+    they pass 1 GiB (:func:`~kvcache_op.torch.model_files.save_whole`). ``ValueError`` for a model or setting the
+    graph cannot express."""
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
@@ -131,50 +131,11 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
                              f"the config where it has a switch)") from None
     # In onnx_ir from here on: its tensors share the exported proto's weights, and ir.save writes them out one by
     # one, where ir.to_proto would first copy every weight (a model's peak memory is several times its weights).
-    graph, _ = optimized_ir(proto, decoder.shape.max_positions) if optimize else (ir.from_proto(proto), None)
-    graph.metadata_props.update({**(metadata or {}), **model_info(decoder).to_metadata()})
+    exported, _ = optimized_ir(proto, decoder.shape.max_positions) if optimize else (ir.from_proto(proto), None)
+    exported.metadata_props.update({**(metadata or {}), **model_info(decoder).to_metadata()})
     path = os.fspath(path)
-    _save_whole(graph, path, large=ir_weight_bytes(graph) > PROTO_LIMIT)
+    save_whole(exported, path)
     return path
-
-
-def _save_whole(model: ir.Model, path: str, large: bool) -> None:
-    """Writes ``model`` to ``path`` so that it appears whole or not at all, with its weights (``large``) in a data
-    file of this export's own name beside it: a failed or interrupted export leaves the earlier file and its
-    weights as they were, never a file that looks complete; an export over an earlier one removes that one's data
-    once it has replaced it (onnx appends to a data file that exists); two exports to one path write apart."""
-    import uuid
-
-    folder, name = os.path.split(os.path.abspath(path))
-    tag = uuid.uuid4().hex[:12]
-    partial, data = os.path.join(folder, f"{name}.partial-{tag}"), f"{name}.{tag}.data"
-    earlier = _data_files(path)
-    try:
-        ir.save(model, partial, external_data=data if large else None)
-        if large:
-            readable_as(os.path.join(folder, data), partial)
-        os.replace(partial, path)
-    except BaseException:
-        for leftover in (partial, os.path.join(folder, data)):
-            if os.path.exists(leftover):
-                os.remove(leftover)
-        raise
-    for old in earlier:
-        os.remove(old)
-
-
-def _data_files(path: str) -> list:
-    """The external data files the ONNX file at ``path`` (if any) names beside it."""
-    if not os.path.isfile(path):
-        return []
-    try:
-        model = onnx.load(path, load_external_data=False)
-    except Exception:  # noqa: BLE001 - not a readable model: nothing of it to remove
-        return []
-    folder = os.path.dirname(os.path.abspath(path))
-    names = {entry.value for tensor in model.graph.initializer  # where an export keeps its weights
-             for entry in tensor.external_data if entry.key == "location"}
-    return [os.path.join(folder, n) for n in sorted(names) if os.path.isfile(os.path.join(folder, n))]
 
 
 def model_info(decoder: PackedDecoder) -> ModelInfo:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import io
 import logging
 import os
 import tempfile
 import warnings
 
 import onnx
+import onnx_ir as ir
 import torch
 
 from ..ort_ops.graph_rules import in_place_inputs
-from .large_models import PROTO_LIMIT, save, weight_bytes, without_large_weights
+from ..ort_ops import large_models
 from ..spec import rotary_schema, schema
 from . import onnx_export
+from .model_files import save_whole
 
 
 def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool = True, **export_kwargs) -> onnx.ModelProto:
@@ -24,8 +27,8 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     calls), int4 cache inputs retyped (:func:`~kvcache_op.torch.int4_cache_inputs`),
     ``onnx.checker.check_model(full_check=True)`` with the ops' schemas, and the graph rules for in-place
     inputs (``ValueError`` when a cache is an initializer or computed, or when writes of one cache layer
-    are not ordered by data). Saves to ``path`` when given (weights over 1 GiB in
-    ``<file name>.data`` beside it); returns the model.
+    are not ordered by data). Saves to ``path`` when given, whole or not at all
+    (weights over 1 GiB in ``<file name>.<tag>.data`` beside it); returns the model, unchanged by the save.
 
     The dynamo exporter's onnxscript optimizer merges identical calls (two equal rotations become one), so
     it is off unless ``optimize=True`` is passed: ONNX Runtime optimizes the graph when it loads it.
@@ -35,7 +38,8 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     onnx_export.start_recording()
     try:
         with _exporter_quiet(export_kwargs.get("verbose")):
-            model = _export(module, args, dynamo, export_kwargs)
+            model = _export(module, args, dynamo, export_kwargs, None if path is None else os.path.dirname(
+                os.path.abspath(path)))
     except Exception as error:
         if onnx_export.first_error() is None:
             raise
@@ -45,25 +49,34 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     onnx_export.int4_cache_inputs(model)
     schema.register()
     rotary_schema.register()
-    onnx.checker.check_model(without_large_weights(model), full_check=True)
+    large_models.check_model(model)
     in_place_inputs(model)
     if path is not None:
-        large = weight_bytes(model) > PROTO_LIMIT
-        save(model, os.fspath(path), f"{os.path.basename(path)}.data" if large else None)
+        save_whole(ir.from_proto(model), os.fspath(path))  # leaves ``model`` whole: onnx.save would empty its weights
     return model
 
 
-def _export(module, args, dynamo: bool, export_kwargs: dict) -> onnx.ModelProto:
+def _export(module, args, dynamo: bool, export_kwargs: dict, work_folder: str | None) -> onnx.ModelProto:
     export_kwargs.setdefault("verbose", False)  # torch's dynamo exporter prints its progress for None
     if dynamo:
         _refuse_repeated_tensors(args)
         export_kwargs.setdefault("optimize", False)
         return torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
-    # To a file, not to memory: torch's TorchScript exporter refuses to serialize a model over 2 GiB to memory.
-    with tempfile.TemporaryDirectory(prefix="kvcache-op-export-") as folder:
+    if _tensor_bytes(module) <= large_models.EXTERNAL_DATA_BYTES:
+        buffer = io.BytesIO()
+        torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
+        return onnx.load_from_string(buffer.getvalue())
+    # Through a file: torch's TorchScript exporter refuses to write a model over 2 GiB to memory. Beside the
+    # destination where there is one: the system's temporary folder may be small, or in memory (tmpfs).
+    with tempfile.TemporaryDirectory(prefix="kvcache-op-export-", dir=work_folder) as folder:
         path = os.path.join(folder, "model.onnx")
         torch.onnx.export(module, args, path, dynamo=False, **export_kwargs)
         return onnx.load(path)  # its weights too, wherever the exporter put them
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    """The bytes of ``module``'s parameters and buffers."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _refuse_repeated_tensors(args) -> None:
