@@ -104,6 +104,7 @@ def all_vectors(tmp_path_factory):
 @pytest.fixture(scope="session")
 def served_checkpoint(tmp_path_factory):
     """(folder, model, tokenizer): the checkpoint folder the server tests serve (made once for the session)."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     from kvcache_op.hf import tiny_checkpoint
 

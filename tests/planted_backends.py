@@ -262,7 +262,8 @@ def _then(change):
     return key_value_cache
 
 
-reshapes_cache = _then(lambda a: setattr(a["cache"], "shape", (a["cache"].size,)))
+# resize to the same size reshapes the caller's array in place (setting .shape is deprecated from NumPy 2.5)
+reshapes_cache = _then(lambda a: a["cache"].resize((a["cache"].size,), refcheck=False))
 zeroes_current_key = _then(lambda a: a["current_key"].fill(0))
 shifts_start_pos = _then(lambda a: np.add(a["start_pos"], 1, out=a["start_pos"]))
 

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 from kvcache_op.benchmarks.gpu import serving  # noqa: E402

@@ -5,6 +5,7 @@ tokenizer files are copied beside it; bad folders are refused in one line before
 import onnx
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 

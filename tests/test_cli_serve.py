@@ -8,6 +8,7 @@ import pathlib
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 from kvcache_op.cli import build_parser, main  # noqa: E402

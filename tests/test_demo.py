@@ -2,6 +2,7 @@
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 from kvcache_op import demo  # noqa: E402

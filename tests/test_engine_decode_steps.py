@@ -6,6 +6,7 @@ that end early for a caller queueing requests or a cancellation."""
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

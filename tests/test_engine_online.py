@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

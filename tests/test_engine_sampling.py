@@ -3,6 +3,7 @@ alone and in a busy batch (preempted or not), stop_token_ids end a request, logp
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

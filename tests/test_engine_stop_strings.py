@@ -3,6 +3,7 @@ spans tokens), through generate and submit; without a tokenizer they are refused
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

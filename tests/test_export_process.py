@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 from kvcache_op.export_command import tokenizer_folder  # noqa: E402

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

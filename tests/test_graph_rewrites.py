@@ -64,6 +64,7 @@ def test_a_lone_matmul_and_graph_outputs_are_left_alone():
 
 
 def test_an_exported_decoder_has_fused_norms_and_merged_projections(tmp_path):
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from kvcache_op.hf import export_model
@@ -92,6 +93,7 @@ def _unused_initializers(proto: onnx.ModelProto) -> list:
 def test_an_exported_decoder_keeps_no_weight_that_its_rewrites_replaced(family):
     """The merged projections' and the fused rotary's sources leave the file with the nodes that read them: every
     initializer is read (so ONNX Runtime removes none at load, nor warns of it)."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
 
@@ -102,6 +104,7 @@ def test_an_exported_decoder_keeps_no_weight_that_its_rewrites_replaced(family):
 def test_an_onnxscript_without_the_fusions_still_exports_with_a_warning(tmp_path, monkeypatch):
     """The fusions are onnxscript's private names: where a version lacks one, the graph keeps its norms unfused,
     the sibling MatMuls still merge, and a warning names what is missing."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from onnxscript.rewriter.ort_fusions import _core

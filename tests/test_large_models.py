@@ -157,6 +157,7 @@ def test_decoder_over_two_gib_exports_and_serves_its_own_tokens(tmp_path):
     """A Llama of 2.2 GB of float32 weights (a 540,000-token vocabulary, untied), with either exporter: onnx's
     checker and ``ByteSize`` serialize a model whose weights pass 2 GiB, and torch's TorchScript exporter refuses to
     write one to memory, so the export failed. One export at a time: each peaks at about 8 to 11 GB."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     if _available_bytes() < 14 << 30:
         pytest.skip(f"needs 14 GiB of memory available (read from /proc/meminfo), {_available_bytes() / 2**30:.1f} "

@@ -360,6 +360,7 @@ def test_leading_runs_in_a_tight_pool_never_read_or_share_an_unwritten_key(seed,
 def engine_run(steps: int, prompts, new_tokens: int, *, params=None, arrivals=None, salts=None, **settings):
     """(tokens, (steps, fed tokens, generated tokens, preemptions), how many runs a prompt's last chunk led, each
     step's traced (sequences, decodes, tokens, keys))."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from kvcache_op.serving import Engine
@@ -384,6 +385,7 @@ def engine_run(steps: int, prompts, new_tokens: int, *, params=None, arrivals=No
 
 
 def page_size() -> int:
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from kvcache_op.serving import Engine
@@ -522,6 +524,7 @@ def test_streams_of_led_runs_from_many_threads_and_event_loops_with_cancels_agre
     each request read by a thread iterator and an ``async for`` at once, some cancelled mid-stream, ``metrics()``
     read while runs go: every stream is its handle's result, a finished request equals its lone run, a cancelled one
     a prefix of it, nothing hangs (timeouts), and every page comes back."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from kvcache_op.serving import Engine, SamplingParams

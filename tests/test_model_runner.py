@@ -6,6 +6,7 @@ inputs must be bound afresh (a refill would leave the device reading the first s
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

@@ -165,6 +165,7 @@ def test_positions_past_the_tables_are_refused_by_onnx_runtime():
 
 
 def test_every_exported_decoder_rotates_with_the_fused_node():
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
 
@@ -180,6 +181,7 @@ def test_every_exported_decoder_rotates_with_the_fused_node():
 def test_scaled_rotaries_fuse_and_give_the_models_own_tokens(rope, tmp_path):
     """YaRN scales cos/sin by its attention factor (a constant folded into the traced subgraph) and Llama 3 bends
     the frequencies: the tables come from the graph's own subgraph, so both fuse and stay exact."""
+    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     from kvcache_op.hf import export_model, tiny_model
     from kvcache_op.hf.verify import reference_generate

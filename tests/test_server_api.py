@@ -7,6 +7,8 @@ import asyncio
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
+pytest.importorskip("transformers")
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")

@@ -11,6 +11,7 @@ import time
 import pytest
 
 pytest.importorskip("fastapi")
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 from conftest import served_app  # noqa: E402

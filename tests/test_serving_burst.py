@@ -5,6 +5,7 @@ came), with the same tokens; requests with different first pages, or salts, are 
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

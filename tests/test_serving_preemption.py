@@ -5,6 +5,7 @@ their cache had already discarded pages."""
 import numpy as np
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402

@@ -6,6 +6,7 @@ oracle's."""
 
 import pytest
 
+pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
