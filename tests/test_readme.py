@@ -26,7 +26,8 @@ def test_readme_attention_example_runs():
 
 
 def test_readme_serving_example_runs(tmp_path, monkeypatch):
-    pytest.importorskip("transformers", reason="the serving example needs the 'hf' extra: pip install '.[hf]'")
+    for module in ("torch", "transformers"):
+        pytest.importorskip(module, reason="the serving example needs the 'hf' extra: pip install '.[hf]'")
     text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     block = re.search(r"## Serving a Hugging Face decoder\n.*?```python\n(.*?)```", text, re.S).group(1)
     monkeypatch.chdir(tmp_path)
