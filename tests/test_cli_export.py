@@ -34,6 +34,9 @@ def test_export_writes_a_servable_graph_with_its_source_and_tokenizer(checkpoint
     assert main(["export", str(folder), str(out), "--page-size", "8"]) == 0
     printed = capsys.readouterr().out
     assert "[1/3] loading" in printed and "[3/3] copying" in printed and f"wrote {out}" in printed
+    stages = ["routed forward", "tracing it", "rewriting the graph", "GB of weights", "[3/3]"]
+    at = [printed.find(text) for text in stages]
+    assert -1 not in at and at == sorted(at), printed  # the export's own stages, in order, before the copying
     proto = onnx.load(str(out), load_external_data=False)
     props = {p.key: p.value for p in proto.metadata_props}
     assert props[SOURCE_KEY] == str(folder.resolve())

@@ -11,7 +11,7 @@ import onnx_ir as ir
 import torch
 
 from .. import torch as kt
-from ..torch.model_files import save_whole
+from ..torch.model_files import save_whole, weight_bytes
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
@@ -82,7 +82,7 @@ def _cache_axis(settings: CacheSettings) -> int:
 
 def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 1, dtype=None,
                  quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False,
-                 metadata: dict = None, optimize: bool = True) -> str:
+                 metadata: dict = None, optimize: bool = True, progress=None) -> str:
     """Exports a causal LM (a ``transformers`` model or a local checkpoint folder) to ``path`` through its own
     forward, with its attention routed to the ops, and returns the path. The graph runs one step of a dynamic batch (see
     :class:`~kvcache_op.hf.decoder.PackedDecoder` for its inputs); each layer's attention is one
@@ -98,7 +98,9 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     applies :func:`~kvcache_op.hf.graph_rewrites.optimize_decoder` (fused norms, sibling MatMuls and rotary
     embeddings, for every family). The file appears whole or not at all, its weights in a data file beside it when
     they pass 1 GiB (:func:`~kvcache_op.torch.model_files.save_whole`). ``ValueError`` for a model or setting the
-    graph cannot express."""
+    graph cannot express. ``progress(text)``, when given, is told each stage as it begins (a large model's export
+    takes minutes)."""
+    tell = progress or (lambda text: None)
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
@@ -107,6 +109,7 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
         raise ValueError(f"page_size must be 1 to {MAX_PAGE_SIZE}, got {page_size}")
     if settings.quant_bit not in (0, 4, 8) or settings.cache_layout not in (0, 1, 2, 3):
         raise ValueError(f"quant_bit must be 0, 4 or 8 and cache_layout 0..3, got {quant_bit}, {cache_layout}")
+    tell("probing the model's sizes and checking its routed forward against its own")
     decoder = PackedDecoder(model, settings).eval()
     feeds = example_inputs(decoder)
     names = [n for n in INPUT_NAMES if n in feeds]
@@ -119,6 +122,7 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     else:
         kwargs = dict(input_names=names, output_names=[OUTPUT_NAME], verbose=verbose,
                       dynamic_axes={**{n: axes[n] for n in names if n in axes}, OUTPUT_NAME: {0: "batch"}})
+    tell(f"tracing it with torch's {'dynamo' if dynamo else 'TorchScript'} ONNX exporter and checking the graph")
     with torch.no_grad():
         try:
             proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
@@ -131,9 +135,12 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
                              f"the config where it has a switch)") from None
     # In onnx_ir from here on: its tensors share the exported proto's weights, and ir.save writes them out one by
     # one, where ir.to_proto would first copy every weight (a model's peak memory is several times its weights).
+    if optimize:
+        tell("rewriting the graph (fused norms, merged MatMuls, rotary tables)")
     exported, _ = optimized_ir(proto, decoder.shape.max_positions) if optimize else (ir.from_proto(proto), None)
     exported.metadata_props.update({**(metadata or {}), **model_info(decoder).to_metadata()})
     path = os.fspath(path)
+    tell(f"writing the graph and {weight_bytes(exported) / 1e9:.2f} GB of weights")
     save_whole(exported, path)
     return path
 

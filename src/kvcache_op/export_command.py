@@ -48,7 +48,8 @@ def export_checkpoint(checkpoint, out, *, page_size: int = 16, quant_bit: int = 
     model = load_model(checkpoint)
     stage(f"[2/3] exporting {model.config.num_hidden_layers} layers ({type(model).__name__}) to {out} ...")
     export_model(model, out, page_size=page_size, quant_bit=quant_bit, dtype=dtype, cache_layout=cache_layout,
-                 fused_attention=fused_attention, metadata={SOURCE_KEY: str(checkpoint.resolve())})
+                 fused_attention=fused_attention, metadata={SOURCE_KEY: str(checkpoint.resolve())},
+                 progress=lambda text: stage(f"      {text} ..."))
     folder = tokenizer_folder(out)
     present = [name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
     stage(f"[3/3] copying {len(present)} tokenizer and config file(s) to {folder} ...")
