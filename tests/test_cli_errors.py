@@ -87,6 +87,7 @@ def test_benchmark_arguments_are_checked_as_one_line(capsys, argv, message):
 
 def test_the_page_size_bound_is_the_exporters():
     pytest.importorskip("torch")
+    pytest.importorskip("transformers")
     from kvcache_op.arguments import MAX_PAGE_SIZE
     from kvcache_op.hf.export import MAX_PAGE_SIZE as exporters
 

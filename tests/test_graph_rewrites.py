@@ -11,6 +11,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("onnxscript")
+pytest.importorskip("torch")  # kvcache_op.hf's package imports torch and transformers
+pytest.importorskip("transformers")
 import onnx_ir as ir  # noqa: E402 - onnxscript brings it
 
 from kvcache_op.hf.graph_rewrites import fuse_sibling_matmuls  # noqa: E402
@@ -64,7 +66,6 @@ def test_a_lone_matmul_and_graph_outputs_are_left_alone():
 
 
 def test_an_exported_decoder_has_fused_norms_and_merged_projections(tmp_path):
-    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from kvcache_op.hf import export_model
@@ -93,7 +94,6 @@ def _unused_initializers(proto: onnx.ModelProto) -> list:
 def test_an_exported_decoder_keeps_no_weight_that_its_rewrites_replaced(family):
     """The merged projections' and the fused rotary's sources leave the file with the nodes that read them: every
     initializer is read (so ONNX Runtime removes none at load, nor warns of it)."""
-    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
 
@@ -104,7 +104,6 @@ def test_an_exported_decoder_keeps_no_weight_that_its_rewrites_replaced(family):
 def test_an_onnxscript_without_the_fusions_still_exports_with_a_warning(tmp_path, monkeypatch):
     """The fusions are onnxscript's private names: where a version lacks one, the graph keeps its norms unfused,
     the sibling MatMuls still merge, and a warning names what is missing."""
-    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
     from onnxscript.rewriter.ort_fusions import _core

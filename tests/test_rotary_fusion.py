@@ -12,6 +12,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 pytest.importorskip("onnxscript")
+pytest.importorskip("torch")  # kvcache_op.hf's package imports torch and transformers
+pytest.importorskip("transformers")
 import onnx_ir as ir  # noqa: E402 - onnxscript brings it
 
 from kvcache_op.hf.rotary_fusion import fuse_rotary_embeddings  # noqa: E402
@@ -165,7 +167,6 @@ def test_positions_past_the_tables_are_refused_by_onnx_runtime():
 
 
 def test_every_exported_decoder_rotates_with_the_fused_node():
-    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     import hf_models
 
@@ -181,7 +182,6 @@ def test_every_exported_decoder_rotates_with_the_fused_node():
 def test_scaled_rotaries_fuse_and_give_the_models_own_tokens(rope, tmp_path):
     """YaRN scales cos/sin by its attention factor (a constant folded into the traced subgraph) and Llama 3 bends
     the frequencies: the tables come from the graph's own subgraph, so both fuse and stay exact."""
-    pytest.importorskip("torch")  # kvcache_op.hf imports it
     pytest.importorskip("transformers")
     from kvcache_op.hf import export_model, tiny_model
     from kvcache_op.hf.verify import reference_generate

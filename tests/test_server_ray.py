@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("ray.serve", reason="the Ray Serve deployment needs the 'ray' extra: pip install '.[ray]'")
 httpx = pytest.importorskip("httpx")
+pytest.importorskip("torch")  # kvcache_op.hf imports it
+pytest.importorskip("transformers")
 
 from conftest import SERVER_API_KEY  # noqa: E402
 from listening_sockets import is_loopback, listening_sockets, self_check  # noqa: E402
