@@ -4,6 +4,7 @@ cores its replicas may share."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -32,9 +33,29 @@ def usable_cores() -> int:
 
 
 def free_port(host: str) -> int:
-    """A port free on ``host`` now (another process may take it before it is bound again)."""
+    """A port free on ``host`` now, below the kernel's ephemeral range where it names one. Another process may still
+    take it before it is bound again, but no outgoing connection will: those take ephemeral ports, as bind(0) does,
+    and Ray Serve's proxy binds the number seconds after it is chosen (one was taken in between)."""
+    low = _ephemeral_low()
+    if low > 2048:
+        for _ in range(64):
+            port = random.randrange(max(1024, low - 16384), low)
+            try:
+                with listening_socket(host, port):
+                    return port
+            except OSError:
+                continue
     with listening_socket(host, 0) as sock:
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux), else 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as stream:
+            return int(stream.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def address_of(host: str, port: int) -> str:
