@@ -3,7 +3,8 @@
 The folder holds the ONNX Runtime glue only: the C++ ``*_ort_op`` classes and ``register.cc`` (the kernels
 they call live in ``cpu/`` and ``cuda/``), and the Python side: where the one built library lies
 (:func:`library_path`, also the C entry points' library) and sessions with it registered (``session``,
-``graph_rules``, ``write_order``, ``large_models`` for models whose weights pass 2 GiB). It may import ``kvcache_op.reference``."""
+``graph_rules``, ``write_order``, ``large_models`` for models whose weights pass 2 GiB). It may import
+``kvcache_op.reference``."""
 
 import os
 import pathlib

@@ -415,9 +415,9 @@ def _wake(work: threading.Condition) -> None:
 def _without_engine_frames(error: BaseException) -> BaseException:
     """``error``, which the failed requests' handles keep, without its traceback and those of the errors it chains
     (their frames reach the engine, as each frame holds its caller): a handle kept after its engine was dropped
-    would keep the engine alive. The traceback goes into the error's notes as text (Python 3.11 on), so that where
+    would keep the engine alive. The traceback goes into the error's notes as text, so that where
     it was raised is still told wherever it is raised again."""
-    if error.__traceback__ is not None and hasattr(error, "add_note"):
+    if error.__traceback__ is not None:
         error.add_note("The engine's step raised it here:\n" +
                        "".join(traceback.format_tb(error.__traceback__.tb_next)).rstrip())
     seen, chain = set(), [error]
