@@ -51,16 +51,18 @@ def check_model(model: onnx.ModelProto) -> None:
     onnx.checker.check_model(without_large_weights(model), full_check=True)
 
 
-def without_large_weights(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` whose main-graph initializers of more than :data:`CONSTANT_BYTES` are graph inputs of the
-    same element type and shape (or, where one is already a graph input, that input alone): shape inference infers
-    the same types and shapes on it at any size of weights. The left-out tensors themselves are not checked on it
-    (:func:`check_model` checks them). ``model`` is not changed, and no large weight is copied."""
+def without_large_weights(model: onnx.ModelProto, large=None) -> onnx.ModelProto:
+    """A copy of ``model`` whose main-graph initializers of more than :data:`CONSTANT_BYTES` (or those for which
+    ``large(tensor)`` is true, when given) are graph inputs of the same element type and shape (or, where one is
+    already a graph input, that input alone): shape inference infers the same types and shapes on it at any size of
+    weights. The left-out tensors themselves are not checked on it (:func:`check_model` checks them). ``model`` is not
+    changed, and no large weight is copied."""
+    large = large or (lambda tensor: tensor_bytes(tensor) > CONSTANT_BYTES)
     light = _copy_fields(model, onnx.ModelProto(), skip={"graph"})
     graph = _copy_fields(model.graph, light.graph, skip={"initializer"})
     inputs = {value.name for value in graph.input}
     for tensor in model.graph.initializer:
-        if tensor_bytes(tensor) <= CONSTANT_BYTES:
+        if not large(tensor):
             graph.initializer.append(tensor)
         elif tensor.name not in inputs:
             graph.input.append(onnx.helper.make_tensor_value_info(tensor.name, tensor.data_type, list(tensor.dims)))

@@ -166,7 +166,7 @@ def test_an_op_the_onnx_exporter_cannot_convert_is_a_clear_error(tmp_path, monke
 
     def unconvertible(*args, **kwargs):
         raise RuntimeError("ConversionError: No ONNX function found for prims.erf_inv.default. Failure ...")
-    monkeypatch.setattr(kt, "export_onnx", unconvertible)
+    monkeypatch.setattr(kt.export, "checked_export", unconvertible)
     with pytest.raises(ValueError, match=r"computes prims\.erf_inv\.default, which torch's ONNX exporter has no "
                                          r"function for"):
         export_model(tiny_model("llama", seed=1), tmp_path / "x.onnx")

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import re
 
 import numpy as np
-import onnx_ir as ir
 import torch
 
 from .. import torch as kt
+from ..torch import export as torch_export
 from ..torch.model_files import save_whole, weight_bytes
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
@@ -101,6 +102,7 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     graph cannot express. ``progress(text)``, when given, is told each stage as it begins (a large model's export
     takes minutes)."""
     tell = progress or (lambda text: None)
+    loaded = not isinstance(model, torch.nn.Module)  # the module is this call's own: freed as its weights are replaced
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
@@ -122,10 +124,12 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     else:
         kwargs = dict(input_names=names, output_names=[OUTPUT_NAME], verbose=verbose,
                       dynamic_axes={**{n: axes[n] for n in names if n in axes}, OUTPUT_NAME: {0: "batch"}})
+    path = os.fspath(path)
     tell(f"tracing it with torch's {'dynamo' if dynamo else 'TorchScript'} ONNX exporter and checking the graph")
     with torch.no_grad():
         try:
-            proto = kt.export_onnx(decoder, tuple(feeds[n] for n in names), dynamo=dynamo, **kwargs)
+            exported = torch_export.checked_export(decoder, tuple(feeds[n] for n in names), dynamo=dynamo,
+                                                   work_folder=os.path.dirname(os.path.abspath(path)), **kwargs)
         except Exception as error:
             unconverted = re.search(r"No ONNX function found for (\S+)", str(error))
             if unconverted is None:
@@ -133,13 +137,18 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
             raise ValueError(f"the model computes {unconverted.group(1).rstrip('.,:')}, which torch's ONNX exporter "
                              f"has no function for: it cannot be exported (switch the feature that uses it off in "
                              f"the config where it has a switch)") from None
-    # In onnx_ir from here on: its tensors share the exported proto's weights, and ir.save writes them out one by
-    # one, where ir.to_proto would first copy every weight (a model's peak memory is several times its weights).
+    info, max_positions = model_info(decoder), decoder.shape.max_positions
+    # In onnx_ir from here on. A dynamo export's tensors are the module's own: where this call loaded the module, only
+    # the graph holds them once it is dropped, and a weight a rewrite replaces (a transposed or merged MatMul weight)
+    # is freed as it goes; the caller's own module keeps its weights. ir.save writes them out one by one.
+    del decoder, feeds
+    if loaded:
+        del model
+        gc.collect()  # the exporter's reference cycles hold the module
     if optimize:
         tell("rewriting the graph (fused norms, merged MatMuls, rotary tables)")
-    exported, _ = optimized_ir(proto, decoder.shape.max_positions) if optimize else (ir.from_proto(proto), None)
-    exported.metadata_props.update({**(metadata or {}), **model_info(decoder).to_metadata()})
-    path = os.fspath(path)
+        exported, _ = optimized_ir(exported, max_positions)
+    exported.metadata_props.update({**(metadata or {}), **info.to_metadata()})
     tell(f"writing the graph and {weight_bytes(exported) / 1e9:.2f} GB of weights")
     save_whole(exported, path)
     return path

@@ -13,23 +13,24 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from ..torch.model_files import forget_removed_inputs
 from .graph_values import new_initializer
 from .rotary_fusion import fuse_rotary_embeddings
 
 
 def _constant_matrix(value):
-    """The 2-D constant a MatMul multiplies by, or None."""
+    """The 2-D constant tensor a MatMul multiplies by, or None."""
     tensor = value.const_value if value is not None else None
-    if tensor is None:
-        return None
-    array = tensor.numpy()
-    return array if array.ndim == 2 else None
+    return tensor if tensor is not None and len(tensor.shape) == 2 else None
 
 
 def fuse_sibling_matmuls(model: ir.Model) -> int:
     """Replaces each group of 2+ MatMuls sharing their first input and multiplying it by constant ``[K, N_i]``
     weights of one dtype by one MatMul over ``[K, sum N_i]`` and a Split on the last axis (a MatMul whose output is a
-    graph output keeps its name, and stays); returns how many groups were fused. The outputs are the same numbers (each output column is the same dot product)."""
+    graph output keeps its name, and stays); returns how many groups were fused. The outputs are the same numbers
+    (each output column is the same dot product). A weight no node reads any more leaves the initializers as soon as
+    its group is fused, so that, where nothing else holds it, its memory is freed before the next group's copy is
+    made."""
     graph = model.graph
     groups = collections.defaultdict(list)
     for node in graph:
@@ -43,15 +44,16 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
     for x, members in groups.items():
         by_kind = collections.defaultdict(list)  # only weights that concatenate: one K, one dtype
         for node, weights in members:
-            by_kind[(weights.shape[0], weights.dtype.str)].append((node, weights))
-        for group in by_kind.values():
-            group = [(node, weights) for node, weights in group if node.outputs[0] not in outputs]  # names kept
-            if len(group) < 2:
+            by_kind[(weights.shape[0], weights.dtype)].append(node)
+        del members
+        for nodes in by_kind.values():
+            nodes = [node for node in nodes if node.outputs[0] not in outputs]  # names kept
+            if len(nodes) < 2:
                 continue
-            nodes = [node for node, _ in group]
-            widths = [weights.shape[1] for _, weights in group]
+            replaced = [node.inputs[1] for node in nodes]
+            widths = [value.const_value.shape[1] for value in replaced]
             combined = new_initializer(graph, f"{nodes[0].name or 'matmul'}_fused_weight",
-                                       np.concatenate([w for _, w in group], axis=1))
+                                       np.concatenate([value.const_value.numpy() for value in replaced], axis=1))
             sizes = new_initializer(graph, f"{nodes[0].name or 'matmul'}_fused_split", np.array(widths, np.int64))
             matmul = ir.Node("", "MatMul", inputs=[x, combined], name=f"{nodes[0].name}_fused")
             split = ir.Node("", "Split", inputs=[matmul.outputs[0], sizes], attributes=[ir.AttrInt64("axis", -1)],
@@ -62,6 +64,7 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
                 out.shape, out.type = node.outputs[0].shape, node.outputs[0].type
                 ir.convenience.replace_all_uses_with(node.outputs[0], out)
             graph.remove(nodes, safe=True)
+            _drop_unused(graph, replaced)
             fused += 1
     return fused
 
@@ -109,10 +112,10 @@ FUSIONS = ("fuse_erfgelu", "fuse_rms_normalization", "fuse_skip_layer_normalizat
 SKIP_NORMS = ("SkipLayerNormalization", "SkipSimplifiedLayerNormalization")
 
 
-def _fused(proto: onnx.ModelProto, fusions, core) -> tuple:
-    """``(model, counts)``: onnxscript's ONNX Runtime fusions named in ``fusions`` applied to a fresh IR of ``proto``
-    (its pre-optimization first and its optimization after, as its own pipeline runs them)."""
-    model, counts = core._pre_optimize(ir.from_proto(proto)), {}
+def _fused(model: ir.Model, fusions, core) -> tuple:
+    """``(model, counts)``: onnxscript's ONNX Runtime fusions named in ``fusions`` applied to ``model`` in place (its
+    pre-optimization first and its optimization after, as its own pipeline runs them)."""
+    model, counts = core._pre_optimize(model), {}
     # The fusions only: optimize_for_ort's FusedMatMul rules also fold transposes into batched MatMuls that ONNX
     # Runtime's CPU kernel then refuses for these graphs (and ONNX Runtime folds them itself at load).
     for name in fusions:
@@ -140,9 +143,11 @@ def optimize_decoder(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
     return ir.to_proto(model), counts
 
 
-def optimized_ir(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
-    """:func:`optimize_decoder`'s ``(model, counts)`` with the model in onnx_ir, whose tensors still share
-    ``proto``'s weights: saved with ``ir.save``, no second copy of every weight is made in memory."""
+def optimized_ir(model, max_positions: int = 0) -> tuple:
+    """:func:`optimize_decoder`'s ``(model, counts)`` with the model in onnx_ir. ``model`` is a ModelProto (the result
+    shares its weights: saved with ``ir.save``, no second copy of every weight is made in memory) or an onnx_ir model,
+    which the rewrite takes over (use the returned one): the weights a rewrite replaces leave it as it goes, so that
+    where nothing else holds them they are freed."""
     import warnings
 
     import onnxscript
@@ -151,23 +156,28 @@ def optimized_ir(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
 
     from .. import spec  # noqa: F401 - our ops' schemas, for the shape inference the fusions run
 
+    if isinstance(model, onnx.ModelProto):
+        model = ir.from_proto(model)
     # The fusion functions are onnxscript's own module-level names (0.7.x); another version may name them otherwise.
     # They only make the graph faster, so without them the export goes on with a warning naming what is missing.
     missing = [name for name in ("_pre_optimize", "optimize", *FUSIONS) if not hasattr(_core, name)]
     if missing:
         warnings.warn(f"onnxscript {onnxscript.__version__} has no {', '.join(missing)} in its ONNX Runtime fusions: "
                       f"the exported graph keeps its norms unfused", stacklevel=2)
-        model, counts = ir.from_proto(proto), {}
+        counts = {}
         onnxscript.optimizer.optimize(model)  # constants folded: the weights the sibling MatMuls multiply by
     else:
-        model, counts = _fused(proto, FUSIONS, _core)
+        unfused = model.clone()  # sharing its tensors: for a second try, below
+        model, counts = _fused(model, FUSIONS, _core)
         mixed = _mixed_skip_norms(model)
         if mixed:
             # A norm computed in float32 over a float16 residual (Gemma's, OLMo 2's, in a float16 model) fuses into a
             # Skip*Normalization whose inputs differ in type, which ONNX Runtime refuses: those models keep their
             # residual adds apart from their norms.
-            model, counts = _fused(proto, [n for n in FUSIONS if "skip" not in n], _core)
+            model, counts = _fused(unfused, [n for n in FUSIONS if "skip" not in n], _core)
             counts["skip_norms_left_unfused"] = mixed
+        del unfused  # it holds the weights the optimization replaced (folded transposes)
+    forget_removed_inputs(model)  # the shape inference the optimizer ran
     counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
     if max_positions:
         counts["rotary_embeddings"] = fuse_rotary_embeddings(model, max_positions)
@@ -178,12 +188,18 @@ def optimized_ir(proto: onnx.ModelProto, max_positions: int = 0) -> tuple:
 
 def drop_unused_initializers(model: ir.Model) -> int:
     """Removes the initializers no node reads that are neither graph inputs nor outputs (the weights a rewrite
-    replaced: the sibling MatMuls' before their merge, the rotary inverse frequencies before their tables), and
-    returns how many. Left in, they made the file larger (about 30% of a tiny Llama's bytes) and ONNX Runtime warn
-    of each at load. Only initializers: a node whose outputs nothing reads may still write a cache in place."""
-    graph = model.graph
+    replaced: the rotary inverse frequencies before their tables, constants folding left behind), and returns how
+    many. Left in, they made the file larger (about 30% of a tiny Llama's bytes) and ONNX Runtime warn of each at
+    load. Only initializers: a node whose outputs nothing reads may still write a cache in place."""
+    return _drop_unused(model.graph, list(model.graph.initializers.values()))
+
+
+def _drop_unused(graph: ir.Graph, values: list) -> int:
+    """Removes those of ``values`` that are initializers no node reads and neither graph inputs nor outputs; returns
+    how many."""
     kept = frozenset(graph.inputs) | frozenset(graph.outputs)
-    unused = [name for name, value in graph.initializers.items() if not value.uses() and value not in kept]
+    unused = [value.name for value in values if value.is_initializer() and not value.uses() and value not in kept
+              and graph.initializers.get(value.name) is value]
     for name in unused:
         del graph.initializers[name]
     return len(unused)

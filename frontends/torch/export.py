@@ -17,8 +17,8 @@ import torch
 from ..ort_ops.graph_rules import in_place_inputs
 from ..ort_ops import large_models
 from ..spec import rotary_schema, schema
-from . import onnx_export
-from .model_files import save_whole
+from . import onnx_export, weightless
+from .model_files import forget_removed_inputs, save_whole
 
 
 def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool = True, **export_kwargs) -> onnx.ModelProto:
@@ -28,50 +28,64 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     ``onnx.checker.check_model(full_check=True)`` with the ops' schemas, and the graph rules for in-place
     inputs (``ValueError`` when a cache is an initializer or computed, or when writes of one cache layer
     are not ordered by data). Saves to ``path`` when given, whole or not at all
-    (weights over 1 GiB in ``<file name>.<tag>.data`` beside it); returns the model, unchanged by the save.
+    (weights over 1 GiB in ``<file name>.<tag>.data`` beside it); returns the model.
 
     The dynamo exporter's onnxscript optimizer merges identical calls (two equal rotations become one), so
     it is off unless ``optimize=True`` is passed: ONNX Runtime optimizes the graph when it loads it.
     Pass the cache (and scale) as forward arguments, not module buffers: a buffer is exported as a
     constant initializer and the in-place writes would be lost. The TorchScript exporter
     (``dynamo=False``) runs the module once on ``args``, so it writes their cache."""
+    work_folder = None if path is None else os.path.dirname(os.path.abspath(path))
+    model = checked_export(module, args, dynamo=dynamo, work_folder=work_folder, **export_kwargs)
+    if path is not None:
+        save_whole(model, os.fspath(path))
+    return ir.to_proto(model)
+
+
+def checked_export(module: torch.nn.Module, args: tuple, *, dynamo: bool = True, work_folder: str = None,
+                   **export_kwargs) -> ir.Model:
+    """:func:`export_onnx`'s export and checks, the model in onnx_ir and not saved. A dynamo export's weights are the
+    module's own tensors, not copies, and the checks copy none (:mod:`~kvcache_op.torch.weightless`): a large model
+    is held once. ``work_folder``: where the TorchScript exporter writes a model of over 1 GiB of tensors (the
+    system's temporary folder by default)."""
     onnx_export.start_recording()
     try:
         with _exporter_quiet(export_kwargs.get("verbose")):
-            model = _export(module, args, dynamo, export_kwargs, None if path is None else os.path.dirname(
-                os.path.abspath(path)))
+            model = _export(module, args, dynamo, export_kwargs, work_folder)
     except Exception as error:
         if onnx_export.first_error() is None:
             raise
         raise onnx_export.first_error() from error  # the op's own message, not the exporter's retries'
 
     _check_one_node_per_call(model, onnx_export.calls_of_last_trace())
-    onnx_export.int4_cache_inputs(model)
+    light = weightless.weightless_proto(model)
+    onnx_export.int4_cache_inputs(light)
+    weightless.copy_input_types(light, model)
     schema.register()
     rotary_schema.register()
-    large_models.check_model(model)
-    in_place_inputs(model)
-    if path is not None:
-        save_whole(ir.from_proto(model), os.fspath(path))  # leaves ``model`` whole: onnx.save would empty its weights
+    weightless.check_model(model, light)
+    in_place_inputs(light)
     return model
 
 
-def _export(module, args, dynamo: bool, export_kwargs: dict, work_folder: str | None) -> onnx.ModelProto:
+def _export(module, args, dynamo: bool, export_kwargs: dict, work_folder: str | None) -> ir.Model:
     export_kwargs.setdefault("verbose", False)  # torch's dynamo exporter prints its progress for None
     if dynamo:
         _refuse_repeated_tensors(args)
         export_kwargs.setdefault("optimize", False)
-        return torch.onnx.export(module, args, dynamo=True, **export_kwargs).model_proto
+        model = torch.onnx.export(module, args, dynamo=True, **export_kwargs).model
+        forget_removed_inputs(model)
+        return model
     if _tensor_bytes(module) <= large_models.EXTERNAL_DATA_BYTES:
         buffer = io.BytesIO()
         torch.onnx.export(module, args, buffer, dynamo=False, **export_kwargs)
-        return onnx.load_from_string(buffer.getvalue())
+        return ir.from_proto(onnx.load_from_string(buffer.getvalue()))
     # Through a file: torch's TorchScript exporter refuses to write a model over 2 GiB to memory. Beside the
     # destination where there is one: the system's temporary folder may be small, or in memory (tmpfs).
     with tempfile.TemporaryDirectory(prefix="kvcache-op-export-", dir=work_folder) as folder:
         path = os.path.join(folder, "model.onnx")
         torch.onnx.export(module, args, path, dynamo=False, **export_kwargs)
-        return onnx.load(path)  # its weights too, wherever the exporter put them
+        return ir.from_proto(onnx.load(path))  # its weights too, wherever the exporter put them
 
 
 def _tensor_bytes(module: torch.nn.Module) -> int:
@@ -112,8 +126,8 @@ def _exporter_quiet(verbose):
         logger.setLevel(level)
 
 
-def _check_one_node_per_call(model: onnx.ModelProto, calls: collections.Counter) -> None:
-    nodes = collections.Counter(n.op_type for n in model.graph.node if n.domain == schema.DOMAIN)
+def _check_one_node_per_call(model: ir.Model, calls: collections.Counter) -> None:
+    nodes = collections.Counter(n.op_type for n in model.graph if n.domain == schema.DOMAIN)
     for op_type, count in calls.items():
         if nodes[op_type] < count:
             raise ValueError(

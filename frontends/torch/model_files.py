@@ -7,6 +7,7 @@ unchanged (``onnx.save`` moves the weights of the ModelProto it is given out to 
 
 from __future__ import annotations
 
+import collections
 import os
 import stat
 import uuid
@@ -20,6 +21,16 @@ from ..ort_ops import large_models
 def weight_bytes(model: ir.Model) -> int:
     """The bytes of the initializers of ``model``'s main graph."""
     return sum(value.const_value.nbytes for value in model.graph.initializers.values() if value.const_value is not None)
+
+
+def forget_removed_inputs(model: ir.Model) -> None:
+    """Drops the graph's references to values that were its inputs and are no longer. onnx_ir's input list counts its
+    values and keeps a removed one's entry at zero; torch's exporter lifts the weights out of the inputs, and onnx_ir's
+    shape inference makes every initializer an input for a while, so without this every weight a rewrite replaces
+    stays in memory as long as the graph does."""
+    counter = getattr(model.graph.inputs, "_ref_counter", None)
+    if isinstance(counter, collections.Counter):
+        counter += collections.Counter()  # in place: keeps the positive counts only
 
 
 def save_whole(model: ir.Model, path: str) -> None:
