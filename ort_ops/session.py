@@ -20,6 +20,7 @@ In-place semantics (what the op needs from its caller):
 
 import ctypes
 import os
+import re
 import threading
 
 import numpy as np
@@ -38,11 +39,34 @@ from .large_models import serialized
 LOG_SEVERITY_ENV = "KVCACHE_OP_ORT_LOG_SEVERITY"
 
 
+#: The oldest onnxruntime the Python package runs on. pip holds the ``onnxruntime`` distribution to it, but
+#: ``onnxruntime-gpu`` (another distribution, the same module) is not held to it.
+OLDEST_ONNXRUNTIME = (1, 26)
+
+
+def check_onnxruntime(version: str = None) -> None:
+    """``RuntimeError`` naming the release needed when the onnxruntime imported (or ``version``) is older than
+    :data:`OLDEST_ONNXRUNTIME`: 1.22 and 1.23 crash the process creating a session of a MultiHeadCacheAttention node
+    given an ``attn_mask`` but no ``scale``, and before 1.26 ``OrtValue.update_inplace`` takes no OrtValue (the
+    conformance kit's device path copies with it)."""
+    version = ort.__version__ if version is None else version
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None or tuple(map(int, found.groups())) >= OLDEST_ONNXRUNTIME:
+        return
+    oldest = ".".join(map(str, OLDEST_ONNXRUNTIME))
+    raise RuntimeError(f"onnxruntime {version} is older than {oldest}, the oldest this package runs on (1.22 and 1.23 "
+                       f"crash creating some MultiHeadCacheAttention sessions; before {oldest} OrtValue.update_inplace "
+                       f"takes no OrtValue): pip install 'onnxruntime>={oldest}', or 'onnxruntime-gpu>={oldest}' for "
+                       "the CUDA execution provider")
+
+
 def session_options(intra_op_num_threads: int = 0, library: str | None = None) -> ort.SessionOptions:
     """SessionOptions with the custom-op library registered (0 threads: ORT's default; ``library``: the path of
     another build of it, default :func:`library_path`). ONNX Runtime's own log lines are off (severity 4, fatal
     only): an op's error reaches the caller as the exception ORT raises, with the same text, and ORT would print
-    it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them back for debugging."""
+    it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them back for debugging. An onnxruntime older
+    than the package runs on is refused (:func:`check_onnxruntime`)."""
+    check_onnxruntime()
     options = ort.SessionOptions()
     options.register_custom_ops_library(library or library_path())
     options.intra_op_num_threads = intra_op_num_threads

@@ -13,7 +13,7 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
-from ..ort_ops.session import KeptSessions
+from ..ort_ops.session import KeptSessions, check_onnxruntime
 from .outcome import OUTPUTS, Outcome, in_place_after
 from .adapters import ALL_OPS, BackendLoadError, error_text, graph_feeds
 
@@ -26,7 +26,8 @@ class OrtBackend:
     """Runs each call's one-node model in an ``InferenceSession`` with ``library`` registered (the project's
     library by default) on ``provider`` (default CPU) with ``provider_options``; ``device`` is where inputs
     are bound (default: the provider's device, ``cpu`` for providers not in :data:`DEVICE_OF_PROVIDER`).
-    :class:`BackendLoadError` (one line) when the library cannot be loaded or the provider is unknown."""
+    :class:`BackendLoadError` (one line) when the library cannot be loaded, the provider is unknown or onnxruntime is
+    older than the package runs on."""
 
     #: The ops the library registers in ONNX Runtime: all of them.
     ops = ALL_OPS
@@ -34,6 +35,10 @@ class OrtBackend:
     def __init__(self, ort_library=None, provider=None, provider_options=None, device=None):
         from ..ort_ops import library_path
 
+        try:
+            check_onnxruntime()
+        except RuntimeError as error:
+            raise BackendLoadError(str(error)) from None
         self.library = str(ort_library) if ort_library else library_path()
         if not pathlib.Path(self.library).is_file():
             raise BackendLoadError(f"--ort-library {self.library}: no such file")
