@@ -125,3 +125,38 @@ def in_place_inputs(model) -> set:
             writers.setdefault(name, []).append(index)
     check_write_order(graph, writers)
     return names
+
+
+def onnxruntime_release(version: str = None) -> tuple:
+    """``(major, minor)`` of ``version`` (default: the onnxruntime imported), or None where it does not start so."""
+    import re
+
+    if version is None:
+        import onnxruntime
+
+        version = onnxruntime.__version__
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return tuple(map(int, found.groups())) if found else None
+
+
+#: onnxruntime before this crashes the process creating a session of a MultiHeadCacheAttention node given an
+#: ``attn_mask`` but no ``scale`` (an optional input left empty before one that is given): seen in 1.22 and 1.23.
+_EMPTY_SCALE_BEFORE_MASK_LOADS = (1, 24)
+
+
+def refuse_crashing_nodes(model, version: str = None) -> None:
+    """``RuntimeError`` naming the node and the release needed where the onnxruntime imported (or ``version``) would
+    crash the process creating a session of ``model``. pip holds the ``onnxruntime`` distribution to the package's
+    floor, not ``onnxruntime-gpu`` (another distribution of the same module)."""
+    release = onnxruntime_release(version)
+    if release is None or release >= _EMPTY_SCALE_BEFORE_MASK_LOADS:
+        return
+    for node in _nodes(load_model(model).graph):
+        if node.domain == "opmx.dynamic_batching" and node.op_type == "MultiHeadCacheAttention" and \
+                len(node.input) > 12 and not node.input[11] and node.input[12]:
+            needed = ".".join(map(str, _EMPTY_SCALE_BEFORE_MASK_LOADS))
+            raise RuntimeError(
+                f"MultiHeadCacheAttention node {node.name or '(unnamed)'}: onnxruntime "
+                f"{'.'.join(map(str, release))} crashes creating a session of this node (an attn_mask given, no "
+                f"scale): it needs onnxruntime >= {needed} (pip install 'onnxruntime>=1.26', or "
+                "'onnxruntime-gpu>=1.26' for the CUDA execution provider)")

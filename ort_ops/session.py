@@ -20,7 +20,6 @@ In-place semantics (what the op needs from its caller):
 
 import ctypes
 import os
-import re
 import threading
 
 import numpy as np
@@ -31,7 +30,7 @@ from onnx import TensorProto
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
 from . import library_path
-from .graph_rules import check_attribute_names, in_place_inputs, load_model
+from .graph_rules import check_attribute_names, in_place_inputs, load_model, refuse_crashing_nodes
 from .large_models import serialized
 
 
@@ -39,34 +38,11 @@ from .large_models import serialized
 LOG_SEVERITY_ENV = "KVCACHE_OP_ORT_LOG_SEVERITY"
 
 
-#: The oldest onnxruntime the Python package runs on. pip holds the ``onnxruntime`` distribution to it, but
-#: ``onnxruntime-gpu`` (another distribution, the same module) is not held to it.
-OLDEST_ONNXRUNTIME = (1, 26)
-
-
-def check_onnxruntime(version: str = None) -> None:
-    """``RuntimeError`` naming the release needed when the onnxruntime imported (or ``version``) is older than
-    :data:`OLDEST_ONNXRUNTIME`: 1.22 and 1.23 crash the process creating a session of a MultiHeadCacheAttention node
-    given an ``attn_mask`` but no ``scale``, and before 1.26 ``OrtValue.update_inplace`` takes no OrtValue (the
-    conformance kit's device path copies with it)."""
-    version = ort.__version__ if version is None else version
-    found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None or tuple(map(int, found.groups())) >= OLDEST_ONNXRUNTIME:
-        return
-    oldest = ".".join(map(str, OLDEST_ONNXRUNTIME))
-    raise RuntimeError(f"onnxruntime {version} is older than {oldest}, the oldest this package runs on (1.22 and 1.23 "
-                       f"crash creating some MultiHeadCacheAttention sessions; before {oldest} OrtValue.update_inplace "
-                       f"takes no OrtValue): pip install 'onnxruntime>={oldest}', or 'onnxruntime-gpu>={oldest}' for "
-                       "the CUDA execution provider")
-
-
 def session_options(intra_op_num_threads: int = 0, library: str | None = None) -> ort.SessionOptions:
     """SessionOptions with the custom-op library registered (0 threads: ORT's default; ``library``: the path of
     another build of it, default :func:`library_path`). ONNX Runtime's own log lines are off (severity 4, fatal
     only): an op's error reaches the caller as the exception ORT raises, with the same text, and ORT would print
-    it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them back for debugging. An onnxruntime older
-    than the package runs on is refused (:func:`check_onnxruntime`)."""
-    check_onnxruntime()
+    it a second time; ``$KVCACHE_OP_ORT_LOG_SEVERITY`` (0-4) brings them back for debugging."""
     options = ort.SessionOptions()
     options.register_custom_ops_library(library or library_path())
     options.intra_op_num_threads = intra_op_num_threads
@@ -88,12 +64,14 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
     ``{"session.intra_op.allow_spinning": "0"}``). ONNX Runtime's :data:`DISABLED_OPTIMIZERS` are off.
 
     ``ValueError`` when an in-place input (``cache``/``scale``) is not fed directly by a graph input, or when
-    a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`)."""
+    a node of the package's ops carries an attribute its schema does not know (see :mod:`.graph_rules`);
+    ``RuntimeError`` for a node the onnxruntime imported would crash the process on."""
     from .. import spec  # noqa: F401 - registers the schemas the attribute names are checked against
 
     graph = load_model(model)  # read once for both checks (ONNX Runtime reads a path itself: its external data)
     in_place_inputs(graph)
     check_attribute_names(graph)
+    refuse_crashing_nodes(graph)
     options = session_options(intra_op_num_threads, library)
     if disable_cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")

@@ -13,7 +13,8 @@ import numpy as np
 import onnxruntime as ort
 from onnx import helper
 
-from ..ort_ops.session import KeptSessions, check_onnxruntime
+from ..ort_ops.graph_rules import onnxruntime_release, refuse_crashing_nodes
+from ..ort_ops.session import KeptSessions
 from .outcome import OUTPUTS, Outcome, in_place_after
 from .adapters import ALL_OPS, BackendLoadError, error_text, graph_feeds
 
@@ -26,8 +27,8 @@ class OrtBackend:
     """Runs each call's one-node model in an ``InferenceSession`` with ``library`` registered (the project's
     library by default) on ``provider`` (default CPU) with ``provider_options``; ``device`` is where inputs
     are bound (default: the provider's device, ``cpu`` for providers not in :data:`DEVICE_OF_PROVIDER`).
-    :class:`BackendLoadError` (one line) when the library cannot be loaded, the provider is unknown or onnxruntime is
-    older than the package runs on."""
+    :class:`BackendLoadError` (one line) when the library cannot be loaded, the provider is unknown or, for a device,
+    onnxruntime is older than 1.26 (which copies to and from devices as the kit does)."""
 
     #: The ops the library registers in ONNX Runtime: all of them.
     ops = ALL_OPS
@@ -35,10 +36,6 @@ class OrtBackend:
     def __init__(self, ort_library=None, provider=None, provider_options=None, device=None):
         from ..ort_ops import library_path
 
-        try:
-            check_onnxruntime()
-        except RuntimeError as error:
-            raise BackendLoadError(str(error)) from None
         self.library = str(ort_library) if ort_library else library_path()
         if not pathlib.Path(self.library).is_file():
             raise BackendLoadError(f"--ort-library {self.library}: no such file")
@@ -52,6 +49,10 @@ class OrtBackend:
         # Inputs go to separate OrtValues on the device, in-place ones copied back after the run (forced on the
         # CPU, this is how the device path is tested without a device).
         self.copy_inputs = self.device != "cpu"
+        if self.copy_inputs and (onnxruntime_release() or (1, 26)) < (1, 26):
+            raise BackendLoadError(f"onnxruntime {ort.__version__}: its OrtValue.update_inplace takes no OrtValue, "
+                                   "which inputs on a device are copied with (1.26 takes one): pip install "
+                                   "'onnxruntime-gpu>=1.26'")
         self.name = f"ort ({pathlib.Path(self.library).name}, {self.provider})"
         self._sessions = KeptSessions(_MAX_SESSIONS)  # a backend run from several threads shares them
         self._options()  # loads the library now, so a bad one is reported before any case runs
@@ -69,6 +70,7 @@ class OrtBackend:
 
     def _session(self, model) -> ort.InferenceSession:
         key = model.SerializeToString()
+        refuse_crashing_nodes(model)
         return self._sessions.get(key, lambda: ort.InferenceSession(
             key, self._options(), providers=[(self.provider, self.provider_options)]))
 
