@@ -9,6 +9,7 @@ starts (Ray Serve's late-bound ingress), so nothing heavy is pickled.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import pathlib
 import threading
@@ -24,6 +25,30 @@ _DRAIN_POLL_SECONDS = 0.05
 # reply still streaming to a slow client) and those past the limit, which reach the engine to be refused (503).
 _HEADROOM = 64
 _DRAIN_CLOSE_SECONDS = 10.0  # what the engine's close waits for its thread, as a single server's shutdown does
+#: How often each replica leaves its /metrics series for the others to answer, and after how long without news a
+#: replica's are left out (it is gone: Ray Serve starts another, with an id of its own).
+_METRICS_PUSH_SECONDS = 1.0
+_METRICS_STALE_SECONDS = 30.0
+_METRICS_CALL_SECONDS = 5.0
+log = logging.getLogger("kvcache_op.server")
+
+
+@serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
+class MetricsHub:
+    """Where the replicas leave their ``/metrics`` series (each every :data:`_METRICS_PUSH_SECONDS`), so that any
+    replica's ``/metrics`` answers them all: Ray Serve's router sends a scrape to one replica of its choosing."""
+
+    def __init__(self):
+        self.texts = {}  # replica -> (time left, its exposition text)
+
+    def put(self, replica: str, text: bytes) -> None:
+        self.texts[replica] = (time.monotonic(), text)
+
+    def others(self, replica: str) -> list:
+        """The texts of the replicas other than ``replica`` left in the last :data:`_METRICS_STALE_SECONDS` (a
+        replica gone since is left out)."""
+        now = time.monotonic()
+        return [text for key, (at, text) in self.texts.items() if key != replica and now - at < _METRICS_STALE_SECONDS]
 
 
 @serve.deployment
@@ -32,13 +57,24 @@ class EngineReplica:
     """One replica: an :class:`~kvcache_op.serving.Engine` on the exported model and the app over it."""
 
     def __init__(self, model_path: str, tokenizer_dir: str, model_name: str, api_key, limits: dict,
-                 engine_options: dict, drain_file: str = None):
+                 engine_options: dict, drain_file: str = None, metrics_hub=None):
         from .engine import Engine
+        from .server.metrics import ServerMetrics
         from .tokenizer import PlainText, load_tokenizer
 
         self.tokenizer = load_tokenizer(tokenizer_dir)
         self.engine = Engine(model_path, tokenizer=PlainText(self.tokenizer), **engine_options)
         self.model_name, self.api_key, self.limits = model_name, api_key, ServerLimits(**limits)
+        self.metrics = None
+        if metrics_hub is not None:
+            # Labelled with Ray's replica id (unique in the cluster) and the engine's process (the
+            # x-kvcache-op-engine header of the replica's answers).
+            replica = _replica_id()
+            self.metrics = ServerMetrics(self.engine, labels={"replica": replica, "engine": str(os.getpid())},
+                                         peers=lambda: metrics_hub.others.remote(replica).result(
+                                             timeout_s=_METRICS_CALL_SECONDS))
+            threading.Thread(target=_push_metrics, args=(metrics_hub, replica, self.metrics),
+                             name="kvcache-op-metrics", daemon=True).start()
         if drain_file:
             threading.Thread(target=_close_when_drained, args=(self.engine, drain_file), name="kvcache-op-drain",
                              daemon=True).start()
@@ -47,7 +83,27 @@ class EngineReplica:
         from .server import create_app
 
         return create_app(self.engine, self.tokenizer, model_name=self.model_name, api_key=self.api_key,
-                          limits=self.limits)
+                          limits=self.limits, metrics=self.metrics)
+
+
+def _replica_id() -> str:
+    """Ray Serve's id of the replica this runs in."""
+    replica = serve.get_replica_context().replica_id
+    return str(getattr(replica, "unique_id", replica))
+
+
+def _push_metrics(hub, replica: str, metrics) -> None:
+    """Leaves ``metrics``' series at ``hub`` every :data:`_METRICS_PUSH_SECONDS` while the replica lives."""
+    warned = False
+    while True:
+        try:
+            hub.put.remote(replica, metrics.own_text()).result(timeout_s=_METRICS_CALL_SECONDS)
+            warned = False
+        except Exception:  # noqa: BLE001 - the hub is restarting, or the engine closing: the next round tries again
+            if not warned:
+                log.warning("replica %s could not leave its metrics for the others to answer", replica, exc_info=True)
+                warned = True
+        time.sleep(_METRICS_PUSH_SECONDS)
 
 
 def _close_when_drained(engine, drain_file: str) -> None:
@@ -75,6 +131,10 @@ def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str,
     server lets wait (``limits.max_queue``): the engine's admission and the server's 503 apply, not Ray Serve's
     default of 5 requests per replica, which would queue the rest in its router with no limit.
 
+    ``GET /metrics``, which Ray Serve sends to one replica, answers every replica's series, each labelled with its
+    ``replica`` (Ray Serve's id) and ``engine`` (the ``x-kvcache-op-engine`` of its answers), as each left them at a
+    :class:`MetricsHub` deployment within the last second, and ``kvcache_op_replicas_reporting``.
+
     ``drain_file`` (replicas on this machine): once that path exists, each replica closes its engine, ending its
     requests with finish_reason "abort" as a single server's shutdown does, and then writes ``<drain_file>.<pid>``
     (:func:`drained_replicas` counts them); shut Serve down after that."""
@@ -85,4 +145,4 @@ def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str,
     return EngineReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": cpus_per_replica},
                                  max_ongoing_requests=running + limits.max_queue + _HEADROOM).bind(
         str(model_path), str(tokenizer_dir), model_name, api_key, dataclasses.asdict(limits), engine_options,
-        None if drain_file is None else str(drain_file))
+        None if drain_file is None else str(drain_file), MetricsHub.bind())

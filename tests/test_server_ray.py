@@ -41,7 +41,7 @@ def test_two_replicas_answer_with_the_models_own_text(served_checkpoint, tmp_pat
         engines = set()
         # Ray's router learns of the replicas on its own schedule: rounds of the same requests until both have
         # answered (a bounded number), each round's texts the model's own.
-        for _ in range(10):
+        for round_index in range(10):
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 answers = list(pool.map(ask, prompts))
             assert [text for text, _ in answers] == want
@@ -49,22 +49,46 @@ def test_two_replicas_answer_with_the_models_own_text(served_checkpoint, tmp_pat
             if len(engines) == 2:
                 break
         assert len(engines) == 2, "both replicas should have answered within 10 rounds of 16 requests"
+        _assert_metrics_hold_every_replica(server, engines, answered=(round_index + 1) * len(prompts))
         _assert_listens_on_loopback(server)
         unauthorized = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=60)
         assert unauthorized.status_code == 401
 
 
+def _assert_metrics_hold_every_replica(server, engines, answered):
+    """Whichever replica Ray's router sends a scrape to, /metrics holds both replicas' series, each labelled with its
+    replica and its engine (the x-kvcache-op-engine of its answers): the completions they count add up to those
+    answered. Each replica leaves its series every second: a few scrapes until they are all in."""
+    import time
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(40):
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(server.url + "/metrics", timeout=60).text)}
+        completions = [s for s in families["kvcache_op_requests"].samples if s.name == "kvcache_op_requests_total"
+                       and s.labels["route"] == "/v1/completions" and s.labels["status"] == "200"]
+        if sum(s.value for s in completions) == answered:
+            break
+        time.sleep(0.5)
+    assert sum(s.value for s in completions) == answered, completions
+    assert {s.labels["engine"] for s in completions} == engines
+    assert len({s.labels["replica"] for s in completions}) == 2
+    assert [s.value for s in families["kvcache_op_replicas_reporting"].samples] == [2]
+    running = families["kvcache_op_running_requests"].samples
+    assert sorted(s.labels["engine"] for s in running) == sorted(engines)  # each replica's engine state, once
+
+
 def _assert_listens_on_loopback(server):
     """Every socket the server's process tree listens on is loopback (Ray's GCS, raylet, agents and actors, and
-    the proxy), except each replica's inter-deployment gRPC port, which Ray Serve binds to ``[::]`` itself (behind
-    Ray's cluster token; README, Replicas)."""
+    the proxy), except each Serve replica's inter-deployment gRPC port, which Ray Serve binds to ``[::]`` itself
+    (behind Ray's cluster token; README, Replicas): the two engines' and the metrics hub's."""
     self_check()
     sockets = listening_sockets(server.process.pid)
     port = int(server.url.rsplit(":", 1)[1])
     assert any(p == port for *_, p in sockets), (port, sockets)  # the tree was read: the proxy is in it
     exposed = [s for s in sockets if not is_loopback(s[2])]
     replicas_wildcard = [s for s in exposed if s[1].startswith("ray::ServeRepli") and s[2].is_unspecified]
-    assert len({s[0] for s in replicas_wildcard}) == len(replicas_wildcard) <= 2, sockets
+    assert len({s[0] for s in replicas_wildcard}) == len(replicas_wildcard) <= 3, sockets
     assert exposed == replicas_wildcard, f"listening beyond loopback: {sorted(set(exposed) - set(replicas_wildcard))}"
 
 

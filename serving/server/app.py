@@ -106,12 +106,15 @@ class _Gate:
             self.metrics.observe_request(route, status[0])
 
 
-def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None) -> FastAPI:
+def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None,
+               metrics: ServerMetrics = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
     (``ValueError`` otherwise), so that it ends a request at a stop string in the same text the reply holds, which
     leaves special tokens out. With ``api_key``, every route but ``/health`` and ``/metrics`` needs
     ``Authorization: Bearer <api_key>`` (compared in constant time). The engine is closed when the app shuts down.
-    A tokenizer with more tokens than the model's vocabulary is refused (``ValueError``)."""
+    A tokenizer with more tokens than the model's vocabulary is refused (``ValueError``). ``metrics``: what
+    ``/metrics`` answers and the requests are counted in (default: a :class:`ServerMetrics` of ``engine``'s own; a
+    replica's also answers the other replicas')."""
     if not (isinstance(engine.tokenizer, PlainText) and engine.tokenizer.tokenizer is tokenizer):
         raise ValueError("the engine must find stop strings in the reply's text: make it with "
                          "Engine(..., tokenizer=PlainText(tokenizer)) for the tokenizer the app is given")
@@ -121,7 +124,7 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
     limits = limits or ServerLimits()
     context = engine.usable_context  # what /v1/models reports as max_model_len
     max_prompt = min(limits.max_prompt_tokens or context, context)
-    metrics = ServerMetrics(engine)
+    metrics = metrics or ServerMetrics(engine)
     expected = api_key.encode() if api_key else None
 
     async def lifespan(app):

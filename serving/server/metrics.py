@@ -1,12 +1,17 @@
 """``GET /metrics``: Prometheus text from prometheus-client, one registry per server (so several apps in one
 process do not collide). Request, token and latency figures are counted as requests finish; the engine's state
-(pages, queue, prefix hits) is read from :meth:`Engine.metrics` at each scrape."""
+(pages, queue, prefix hits) is read from :meth:`Engine.metrics` at each scrape. Replicas behind one address (Ray
+Serve) answer every replica's series, each labelled with its replica (:func:`merged_text`)."""
 
 from __future__ import annotations
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.parser import text_string_to_metric_families
 
+log = logging.getLogger("kvcache_op.server")
 PREFIX = "kvcache_op_"
 # Latency buckets (seconds) from a fast CPU decode step to a long queue wait.
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -37,11 +42,41 @@ class _EngineState:
             yield CounterMetricFamily(PREFIX + name, text, value=value)
 
 
+class _Families:
+    """A registry-like source of already built metric families, for ``generate_latest``."""
+
+    def __init__(self, families):
+        self.families = families
+
+    def collect(self):
+        return self.families
+
+
+def merged_text(texts, labels: list = None, reporting: bool = False) -> bytes:
+    """One exposition of the series of several exposition ``texts`` (each family once, every text's samples in it),
+    the samples of ``texts[i]`` labelled with ``labels[i]`` where given; with ``reporting``, also the gauge
+    ``kvcache_op_replicas_reporting``: how many texts there are."""
+    families = {}
+    for index, text in enumerate(texts):
+        extra = labels[index] if labels else {}
+        for family in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
+            merged = families.setdefault(family.name, family)
+            samples = [sample._replace(labels={**sample.labels, **extra}) for sample in family.samples]
+            merged.samples = samples if merged is family else merged.samples + samples
+    if reporting:
+        families[PREFIX + "replicas_reporting"] = GaugeMetricFamily(
+            PREFIX + "replicas_reporting", "replicas whose series this answer holds", value=len(texts))
+    return generate_latest(_Families(list(families.values())))
+
+
 class ServerMetrics:
     """The server's Prometheus registry: what :meth:`observe_request` and :meth:`observe_finish` count, and the
-    engine's state."""
+    engine's state. A replica gives ``labels`` (which replica it is: on each of its samples) and ``peers``, which
+    returns the other replicas' :meth:`own_text` (where it cannot, it raises: the answer then holds this replica's
+    series alone, and ``kvcache_op_replicas_reporting`` says so)."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, labels: dict = None, peers=None):
+        self.labels, self.peers = dict(labels or {}), peers
         self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -71,6 +106,20 @@ class ServerMetrics:
         for before, after in zip(times, times[1:]):
             self.itl.observe(after - before)
 
+    def own_text(self) -> bytes:
+        """This server's exposition text, its samples labelled with ``labels``."""
+        text = generate_latest(self.registry)
+        return merged_text([text], [self.labels]) if self.labels else text
+
     def text(self) -> bytes:
-        """The exposition text."""
-        return generate_latest(self.registry)
+        """The exposition text: this server's, and with ``peers`` every replica's."""
+        if self.peers is None:
+            return self.own_text()
+        own = self.own_text()
+        try:
+            others = list(self.peers())
+        except Exception:  # noqa: BLE001 - the others' series are missing from this answer, and it says so
+            log.warning("the other replicas' metrics could not be read: this answer holds this replica's alone",
+                        exc_info=True)
+            others = []
+        return merged_text([own, *others], reporting=True)
