@@ -144,3 +144,42 @@ def test_taking_the_one_row_of_a_batch_squeezes_instead_of_gathering():
     for name, value in before.items():
         np.testing.assert_array_equal(after[name], value)
         assert after[name].shape == value.shape
+
+
+def test_a_merged_groups_weights_are_let_go_before_the_next_groups_copy(monkeypatch):
+    """Three layers' sibling pairs whose weights only the graph holds: when each pair's merged copy is made, the pairs
+    merged before are freed (a decoder's export then holds its weights once, not the originals beside the copies)."""
+    import weakref
+
+    from kvcache_op.hf import graph_rewrites
+
+    x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 8]))
+    graph = ir.Graph([x], [], nodes=[], opset_imports={"": 18})
+    alive, layer_input = [], x
+    for layer in range(3):
+        pair = []
+        for j in range(2):
+            weight = np.full((8, 8), layer * 10 + j, np.float32)
+            alive.append((layer, weakref.ref(weight)))
+            value = ir.Value(name=f"w{layer}_{j}", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([8, 8]),
+                             const_value=ir.Tensor(weight))
+            del weight
+            graph.register_initializer(value)
+            pair.append(ir.Node("", "MatMul", inputs=[layer_input, value], name=f"mm{layer}_{j}"))
+            graph.append(pair[-1])
+        add = ir.Node("", "Add", inputs=[pair[0].outputs[0], pair[1].outputs[0]], name=f"add{layer}")
+        graph.append(add)
+        layer_input = add.outputs[0]
+    graph.outputs.append(layer_input)
+    model = ir.Model(graph, ir_version=10)
+
+    concatenate, held = np.concatenate, []
+
+    def noting_what_is_held(arrays, axis):
+        held.append(sorted({layer for layer, weight in alive if weight() is not None}))
+        return concatenate(arrays, axis=axis)
+    monkeypatch.setattr(graph_rewrites.np, "concatenate", noting_what_is_held)
+    assert fuse_sibling_matmuls(model) == 3
+    assert held == [[0, 1, 2], [1, 2], [2]]
+    assert sorted(model.graph.initializers) == [f"mm{layer}_0_fused_{kind}" for layer in range(3)
+                                                for kind in ("split", "weight")]

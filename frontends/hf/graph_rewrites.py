@@ -8,6 +8,7 @@ one row taken with a Squeeze rather than a copying Gather."""
 from __future__ import annotations
 
 import collections
+import gc
 
 import numpy as np
 import onnx
@@ -32,20 +33,17 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
     its group is fused, so that, where nothing else holds it, its memory is freed before the next group's copy is
     made."""
     graph = model.graph
-    groups = collections.defaultdict(list)
+    groups = collections.defaultdict(lambda: collections.defaultdict(list))  # x -> (K, dtype) -> MatMuls
     for node in graph:
         if node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2:
             weights = _constant_matrix(node.inputs[1])
-            if weights is not None:
-                groups[node.inputs[0]].append((node, weights))
+            if weights is not None:  # only weights that concatenate: one K, one dtype (the nodes alone are kept)
+                groups[node.inputs[0]][(weights.shape[0], weights.dtype)].append(node)
+            del weights
     outputs = set(graph.outputs)
     order = {node: i for i, node in enumerate(graph)}  # insertions below keep the order of the nodes already there
     fused = 0
-    for x, members in groups.items():
-        by_kind = collections.defaultdict(list)  # only weights that concatenate: one K, one dtype
-        for node, weights in members:
-            by_kind[(weights.shape[0], weights.dtype)].append(node)
-        del members
+    for x, by_kind in groups.items():
         for nodes in by_kind.values():
             nodes = [node for node in nodes if node.outputs[0] not in outputs]  # names kept
             if len(nodes) < 2:
@@ -178,6 +176,7 @@ def optimized_ir(model, max_positions: int = 0) -> tuple:
             counts["skip_norms_left_unfused"] = mixed
         del unfused  # it holds the weights the optimization replaced (folded transposes)
     forget_removed_inputs(model)  # the shape inference the optimizer ran
+    gc.collect()  # the optimizer's removed values and nodes hold the weights it replaced, in reference cycles
     counts["sibling_matmuls"] = fuse_sibling_matmuls(model)
     if max_positions:
         counts["rotary_embeddings"] = fuse_rotary_embeddings(model, max_positions)
