@@ -163,6 +163,36 @@ def test_a_taken_port_is_refused_in_one_line_before_ray_starts(exported, capsys)
     assert time.monotonic() - start < 30, "refused only after Ray had started"
 
 
+_TAKEN_AFTER_THE_CHECK = """
+import socket, sys
+taken = socket.socket()
+taken.bind(("127.0.0.1", 0))
+taken.listen(1)
+from kvcache_op import ray_command
+ray_command.free_port = lambda host: taken.getsockname()[1]  # free when checked, taken when Ray Serve binds it
+from kvcache_op.cli import main
+print(taken.getsockname()[1], flush=True)
+sys.exit(main(["serve", sys.argv[1], "--replicas", "1", "--port", "0"]))
+"""
+
+
+def test_a_port_taken_after_the_check_is_refused_in_one_line(exported):
+    """--port 0 picks a free port and Ray Serve's proxy binds it seconds later: another process may take it in
+    between. One line and status 2, not Ray's traceback of its proxy actor (in a process of its own: Ray must be
+    imported after the server sets its environment)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _TAKEN_AFTER_THE_CHECK, str(exported)], capture_output=True,
+                          text=True, timeout=300)
+    port = done.stdout.split()[0]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"kvcache-op serve: error: Ray Serve's proxy could not listen on http://127.0.0.1:{port}: the port was free "
+        "when checked and another process took it since; start again (or pass another --port)"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
 def test_a_stop_while_ray_serve_starts_ends_the_start_with_status_0(exported):
     """SIGTERM once the replicas are being deployed (Ray's own handler exited with status 15 there): the start
     ends, the command's last line names the signal, exit status 0, no traceback."""

@@ -47,7 +47,7 @@ def serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_option
 
         from .serving.ray import deployment
 
-        serve.start(http_options={"host": args.host, "port": port}, logging_config=logs)
+        _start_serve(serve, args.host, port, logs)
         app = deployment(path, tokenizer_dir, replicas=args.replicas, model_name=name, api_key=api_key,
                          limits=limits, drain_file=drain_folder / "drain", **engine_options)
         print(f"serving {name!r} ({path}) as {args.replicas} Ray Serve replicas, {args.num_pages} pages each, "
@@ -112,6 +112,18 @@ class _StopSignals:
     def restore(self) -> None:
         for sig, handler in self._before.items():
             signal.signal(sig, handler)
+
+
+def _start_serve(serve, host: str, port: int, logs: dict) -> None:
+    """``serve.start`` with its proxy on ``host:port``; ``OSError`` in one line where the proxy cannot bind it (the
+    port was free when checked: another process took it since), not Ray's traceback of its proxy actor."""
+    try:
+        serve.start(http_options={"host": host, "port": port}, logging_config=logs)
+    except Exception as error:  # noqa: BLE001 - Ray wraps the proxy's error in its own task error
+        if "Failed to bind to address" not in str(error):
+            raise
+        raise OSError(f"Ray Serve's proxy could not listen on {url_of(host, port)}: the port was free when checked "
+                      f"and another process took it since; start again (or pass another --port)") from None
 
 
 def _import_ray():
