@@ -151,7 +151,8 @@ def refuse_crashing_nodes(model, version: str = None) -> None:
     release = onnxruntime_release(version)
     if release is None or release >= _EMPTY_SCALE_BEFORE_MASK_LOADS:
         return
-    for node in _nodes(load_model(model).graph):
+    model = load_model(model)
+    for node in (node for body in (model.graph, *model.functions) for node in _nodes(body)):  # functions' too
         if node.domain == "opmx.dynamic_batching" and node.op_type == "MultiHeadCacheAttention" and \
                 len(node.input) > 12 and not node.input[11] and node.input[12]:
             needed = ".".join(map(str, _EMPTY_SCALE_BEFORE_MASK_LOADS))

@@ -8,6 +8,7 @@ starts (Ray Serve's late-bound ingress), so nothing heavy is pickled.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -30,13 +31,15 @@ _DRAIN_CLOSE_SECONDS = 10.0  # what the engine's close waits for its thread, as 
 _METRICS_PUSH_SECONDS = 1.0
 _METRICS_STALE_SECONDS = 30.0
 _METRICS_CALL_SECONDS = 5.0
+_METRICS_GATHER_SECONDS = 2.0  # a scrape waits this long for the hub at most, then answers 503
 log = logging.getLogger("kvcache_op.server")
 
 
 @serve.deployment(num_replicas=1, ray_actor_options={"num_cpus": 0})
 class MetricsHub:
     """Where the replicas leave their ``/metrics`` series (each every :data:`_METRICS_PUSH_SECONDS`), so that any
-    replica's ``/metrics`` answers them all: Ray Serve's router sends a scrape to one replica of its choosing."""
+    replica's ``/metrics`` answers them all from here: Ray Serve's router sends a scrape to one replica of its choosing,
+    and series answered from one place only move forward from one scrape to the next."""
 
     def __init__(self):
         self.texts = {}  # replica -> (time left, its exposition text)
@@ -44,11 +47,12 @@ class MetricsHub:
     def put(self, replica: str, text: bytes) -> None:
         self.texts[replica] = (time.monotonic(), text)
 
-    def others(self, replica: str) -> list:
-        """The texts of the replicas other than ``replica`` left in the last :data:`_METRICS_STALE_SECONDS` (a
-        replica gone since is left out)."""
+    def all(self) -> list:
+        """The texts of the replicas that left theirs in the last :data:`_METRICS_STALE_SECONDS` (a replica gone since
+        is forgotten)."""
         now = time.monotonic()
-        return [text for key, (at, text) in self.texts.items() if key != replica and now - at < _METRICS_STALE_SECONDS]
+        self.texts = {key: (at, text) for key, (at, text) in self.texts.items() if now - at < _METRICS_STALE_SECONDS}
+        return [text for _, text in self.texts.values()]
 
 
 @serve.deployment
@@ -71,8 +75,8 @@ class EngineReplica:
             # x-kvcache-op-engine header of the replica's answers).
             replica = _replica_id()
             self.metrics = ServerMetrics(self.engine, labels={"replica": replica, "engine": str(os.getpid())},
-                                         peers=lambda: metrics_hub.others.remote(replica).result(
-                                             timeout_s=_METRICS_CALL_SECONDS))
+                                         gather=lambda: asyncio.wait_for(_awaited(metrics_hub.all.remote()),
+                                                                         _METRICS_GATHER_SECONDS))
             threading.Thread(target=_push_metrics, args=(metrics_hub, replica, self.metrics),
                              name="kvcache-op-metrics", daemon=True).start()
         if drain_file:
@@ -86,6 +90,11 @@ class EngineReplica:
                           limits=self.limits, metrics=self.metrics)
 
 
+async def _awaited(response):
+    """``await response`` (a Ray Serve DeploymentResponse) as a coroutine, for ``asyncio.wait_for``."""
+    return await response
+
+
 def _replica_id() -> str:
     """Ray Serve's id of the replica this runs in."""
     replica = serve.get_replica_context().replica_id
@@ -97,7 +106,12 @@ def _push_metrics(hub, replica: str, metrics) -> None:
     warned = False
     while True:
         try:
-            hub.put.remote(replica, metrics.own_text()).result(timeout_s=_METRICS_CALL_SECONDS)
+            response = hub.put.remote(replica, metrics.own_text())
+            try:
+                response.result(timeout_s=_METRICS_CALL_SECONDS)
+            except TimeoutError:
+                response.cancel()  # not left queued at a stalled hub
+                raise
             warned = False
         except Exception:  # noqa: BLE001 - the hub is restarting, or the engine closing: the next round tries again
             if not warned:
@@ -132,8 +146,9 @@ def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str,
     default of 5 requests per replica, which would queue the rest in its router with no limit.
 
     ``GET /metrics``, which Ray Serve sends to one replica, answers every replica's series, each labelled with its
-    ``replica`` (Ray Serve's id) and ``engine`` (the ``x-kvcache-op-engine`` of its answers), as each left them at a
-    :class:`MetricsHub` deployment within the last second, and ``kvcache_op_replicas_reporting``.
+    ``replica`` (Ray Serve's id) and ``engine`` (the ``x-kvcache-op-engine`` of its answers), as each last left them
+    at a :class:`MetricsHub` deployment (every second), and ``kvcache_op_replicas_reporting``; 503 where the hub does
+    not answer within 2 s.
 
     ``drain_file`` (replicas on this machine): once that path exists, each replica closes its engine, ending its
     requests with finish_reason "abort" as a single server's shutdown does, and then writes ``<drain_file>.<pid>``

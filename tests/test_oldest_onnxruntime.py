@@ -53,6 +53,19 @@ def test_a_crashing_node_is_refused_on_the_releases_that_crash(version):
         graph_rules.refuse_crashing_nodes(_cache_attention(scale=False, mask=True), version)
 
 
+def test_a_crashing_node_inside_a_model_local_function_is_refused():
+    model = _cache_attention(scale=False, mask=True)
+    node = model.graph.node[0]
+    function = helper.make_function("local", "attend", list(filter(None, node.input)), ["out"], [node],
+                                    [helper.make_opsetid(schema.DOMAIN, 1)])
+    model.graph.ClearField("node")
+    model.graph.node.append(helper.make_node("attend", list(filter(None, node.input)), ["out"], domain="local"))
+    model.functions.append(function)
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    with pytest.raises(RuntimeError, match=r"MultiHeadCacheAttention node attn0: onnxruntime 1\.23 crashes"):
+        graph_rules.refuse_crashing_nodes(model, "1.23.2")
+
+
 @pytest.mark.parametrize("version, scale, mask", [("1.24.0", False, True), ("1.31.1", False, True),
                                                   ("1.23.2", True, True), ("1.23.2", False, False),
                                                   ("1.23.2", True, False)])

@@ -24,7 +24,7 @@ from ..online import EngineBusy
 from ..tokenizer import PlainText, chat_prompt_ids, text_prompt_ids
 from .errors import APIError, bad_request
 from .generation import Generation
-from .metrics import ServerMetrics
+from .metrics import MetricsUnavailable, ServerMetrics
 from .protocol import ChatRequest, CompletionRequest, parse
 from .responses import Reply, sse
 
@@ -313,7 +313,10 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
 
     @app.get("/metrics")
     async def prometheus():
-        text = await asyncio.to_thread(metrics.text)  # the engine's metrics wait for the step in progress
+        try:
+            text = await metrics.answer()
+        except MetricsUnavailable as error:
+            raise APIError(503, str(error), type="server_error") from None
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

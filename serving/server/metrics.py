@@ -5,6 +5,7 @@ Serve) answer every replica's series, each labelled with its replica (:func:`mer
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -69,14 +70,19 @@ def merged_text(texts, labels: list = None, reporting: bool = False) -> bytes:
     return generate_latest(_Families(list(families.values())))
 
 
+class MetricsUnavailable(Exception):
+    """The replicas' series could not be gathered for this answer."""
+
+
 class ServerMetrics:
     """The server's Prometheus registry: what :meth:`observe_request` and :meth:`observe_finish` count, and the
-    engine's state. A replica gives ``labels`` (which replica it is: on each of its samples) and ``peers``, which
-    returns the other replicas' :meth:`own_text` (where it cannot, it raises: the answer then holds this replica's
-    series alone, and ``kvcache_op_replicas_reporting`` says so)."""
+    engine's state. A replica gives ``labels`` (which replica it is: on each of its samples) and ``gather``, an async
+    callable returning the :meth:`own_text` every replica (this one included) last left in one place: a replica's
+    answer is built from those alone, so that whichever replica answers a scrape, each series only moves forward."""
 
-    def __init__(self, engine, labels: dict = None, peers=None):
-        self.labels, self.peers = dict(labels or {}), peers
+    def __init__(self, engine, labels: dict = None, gather=None):
+        self.labels, self.gather = dict(labels or {}), gather
+        self._gather_failing = False
         self.registry = CollectorRegistry()
         self.requests = Counter(PREFIX + "requests", "HTTP requests answered, by route and status",
                                 ["route", "status"], registry=self.registry)
@@ -112,14 +118,25 @@ class ServerMetrics:
         return merged_text([text], [self.labels]) if self.labels else text
 
     def text(self) -> bytes:
-        """The exposition text: this server's, and with ``peers`` every replica's."""
-        if self.peers is None:
-            return self.own_text()
-        own = self.own_text()
+        """This server's exposition text (a single server's answer)."""
+        return self.own_text()
+
+    async def answer(self) -> bytes:
+        """What ``/metrics`` answers: :meth:`text`, or with ``gather`` every replica's series (``replica`` labels
+        tell them apart) and ``kvcache_op_replicas_reporting``. :class:`MetricsUnavailable` where they cannot be
+        gathered (a partial answer would make another replica's counters seem to go back)."""
+        if self.gather is None:
+            return await asyncio.to_thread(self.text)  # the engine's metrics wait for the step in progress
         try:
-            others = list(self.peers())
-        except Exception:  # noqa: BLE001 - the others' series are missing from this answer, and it says so
-            log.warning("the other replicas' metrics could not be read: this answer holds this replica's alone",
-                        exc_info=True)
-            others = []
-        return merged_text([own, *others], reporting=True)
+            texts = list(await self.gather())
+        except Exception as error:  # noqa: BLE001 - the hub restarting or stalled: this scrape fails, said once
+            if not self._gather_failing:
+                log.warning("the replicas' metrics could not be gathered (%s: %s); /metrics answers 503 until they "
+                            "can", type(error).__name__, error)
+                self._gather_failing = True
+            raise MetricsUnavailable(f"the replicas' metrics could not be gathered ({type(error).__name__})") \
+                from None
+        if self._gather_failing:
+            log.warning("the replicas' metrics are gathered again")
+            self._gather_failing = False
+        return merged_text(texts, reporting=True)
