@@ -70,9 +70,11 @@ class OrtBackend:
 
     def _session(self, model) -> ort.InferenceSession:
         key = model.SerializeToString()
-        refuse_crashing_nodes(model)
-        return self._sessions.get(key, lambda: ort.InferenceSession(
-            key, self._options(), providers=[(self.provider, self.provider_options)]))
+
+        def new_session():
+            refuse_crashing_nodes(model)  # where the session is made; a kept one has passed
+            return ort.InferenceSession(key, self._options(), providers=[(self.provider, self.provider_options)])
+        return self._sessions.get(key, new_session)
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
         """Runs the call (``model``: its one-node model, built from the call when None); the in-place inputs

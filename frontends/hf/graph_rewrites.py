@@ -19,10 +19,11 @@ from .graph_values import new_initializer
 from .rotary_fusion import fuse_rotary_embeddings
 
 
-def _constant_matrix(value):
-    """The 2-D constant tensor a MatMul multiplies by, or None."""
+def _matrix_kind(value):
+    """``(K, dtype)`` of the 2-D constant ``[K, N]`` a MatMul multiplies by (weights of one kind concatenate), or
+    None."""
     tensor = value.const_value if value is not None else None
-    return tensor if tensor is not None and len(tensor.shape) == 2 else None
+    return (tensor.shape[0], tensor.dtype) if tensor is not None and len(tensor.shape) == 2 else None
 
 
 def fuse_sibling_matmuls(model: ir.Model) -> int:
@@ -36,10 +37,9 @@ def fuse_sibling_matmuls(model: ir.Model) -> int:
     groups = collections.defaultdict(lambda: collections.defaultdict(list))  # x -> (K, dtype) -> MatMuls
     for node in graph:
         if node.op_type == "MatMul" and node.domain == "" and len(node.inputs) == 2:
-            weights = _constant_matrix(node.inputs[1])
-            if weights is not None:  # only weights that concatenate: one K, one dtype (the nodes alone are kept)
-                groups[node.inputs[0]][(weights.shape[0], weights.dtype)].append(node)
-            del weights
+            kind = _matrix_kind(node.inputs[1])
+            if kind is not None:  # the nodes alone are kept: a weight is held by the graph only
+                groups[node.inputs[0]][kind].append(node)
     outputs = set(graph.outputs)
     order = {node: i for i, node in enumerate(graph)}  # insertions below keep the order of the nodes already there
     fused = 0
@@ -197,8 +197,8 @@ def _drop_unused(graph: ir.Graph, values: list) -> int:
     """Removes those of ``values`` that are initializers no node reads and neither graph inputs nor outputs; returns
     how many."""
     kept = frozenset(graph.inputs) | frozenset(graph.outputs)
-    unused = [value.name for value in values if value.is_initializer() and not value.uses() and value not in kept
-              and graph.initializers.get(value.name) is value]
+    unused = [value.name for value in values
+              if graph.initializers.get(value.name) is value and not value.uses() and value not in kept]
     for name in unused:
         del graph.initializers[name]
     return len(unused)

@@ -117,16 +117,12 @@ class ServerMetrics:
         text = generate_latest(self.registry)
         return merged_text([text], [self.labels]) if self.labels else text
 
-    def text(self) -> bytes:
-        """This server's exposition text (a single server's answer)."""
-        return self.own_text()
-
     async def answer(self) -> bytes:
-        """What ``/metrics`` answers: :meth:`text`, or with ``gather`` every replica's series (``replica`` labels
+        """What ``/metrics`` answers: :meth:`own_text`, or with ``gather`` every replica's series (``replica`` labels
         tell them apart) and ``kvcache_op_replicas_reporting``. :class:`MetricsUnavailable` where they cannot be
         gathered (a partial answer would make another replica's counters seem to go back)."""
         if self.gather is None:
-            return await asyncio.to_thread(self.text)  # the engine's metrics wait for the step in progress
+            return await asyncio.to_thread(self.own_text)  # the engine's metrics wait for the step in progress
         try:
             texts = list(await self.gather())
         except Exception as error:  # noqa: BLE001 - the hub restarting or stalled: this scrape fails, said once
