@@ -8,10 +8,12 @@ Runtime keeps such a node, and the "constant" then keeps the previous run's writ
 that is also a graph input (its default), or any other node's output — is refused. With
 ``quant_bit`` 0 the ops never write ``scale`` (an empty one is ppl.pmx's placeholder for "no scale"), so
 whatever feeds it is let be: the op itself refuses a non-empty one. The write-order rule
-(:mod:`.write_order`) is checked with it.
+(:mod:`.write_order`) is checked with it. A node inside a model-local function is checked as ONNX Runtime runs it:
+inlined where the function is called (:func:`as_run`), its cache the call's argument.
 """
 
 import onnx
+import onnx.inliner
 
 from .write_order import check_write_order
 
@@ -53,6 +55,28 @@ def load_model(model) -> onnx.ModelProto:
     return onnx.load_from_string(data)
 
 
+def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` as ONNX Runtime runs it: each call of a model-local function replaced by the function's body, its
+    attribute references resolved (onnx's inliner; ONNX Runtime inlines them when it loads a model), so the rules see
+    the nodes that run and what feeds them: a cache written inside a function is the call's argument. The model
+    itself where it has no functions. The initializers keep only their names, types and shapes (the rules read no
+    values), so a large model's weights are not copied."""
+    if not model.functions:
+        return model
+    shell = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    graph = shell.graph
+    graph.name = model.graph.name
+    graph.node.extend(model.graph.node)
+    graph.input.extend(model.graph.input)
+    graph.output.extend(model.graph.output)
+    for initializer in model.graph.initializer:
+        graph.initializer.add(name=initializer.name, data_type=initializer.data_type, dims=initializer.dims)
+    for sparse in model.graph.sparse_initializer:  # its values' name is the initializer's
+        graph.sparse_initializer.add().values.CopyFrom(onnx.TensorProto(name=sparse.values.name,
+                                                                        data_type=sparse.values.data_type))
+    return onnx.inliner.inline_local_functions(shell)
+
+
 def _nodes(graph):
     """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
     for node in graph.node:
@@ -79,10 +103,11 @@ def check_attribute_names(model) -> None:
     """``ValueError`` naming the node when an op of this package carries an attribute its schema does not know
     (``pagesize`` for ``page_size``): ONNX Runtime offers kernels no way to list a node's attributes, so the op
     itself cannot see it, and would run with the default of the attribute meant. Also when the model does not
-    import the op's domain at a version of at least 1 (which onnx's checker refuses or skips the schema at)."""
+    import the op's domain at a version of at least 1 (which onnx's checker refuses or skips the schema at). Nodes
+    inside model-local functions are checked where they are called (:func:`as_run`)."""
     from onnx import defs
 
-    model = load_model(model)
+    model = as_run(load_model(model))
     imported = {entry.domain: entry.version for entry in model.opset_import}
     for node in _nodes(model.graph):
         if not node.domain == "opmx.dynamic_batching" or not defs.has(node.op_type, node.domain):
@@ -103,8 +128,9 @@ def check_attribute_names(model) -> None:
 def in_place_inputs(model) -> set:
     """Names of the graph inputs the model's ops write in place. Raises ``ValueError`` naming the node
     and input when one of those inputs is not fed directly by a graph input without an initializer, or
-    when the order of the writes (or of a read of a written input) is left to the runtime."""
-    model = load_model(model)
+    when the order of the writes (or of a read of a written input) is left to the runtime. Nodes inside model-local
+    functions are checked where they are called (:func:`as_run`)."""
+    model = as_run(load_model(model))
     graph = model.graph
     initializers = {init.name for init in graph.initializer} | {init.name for init in graph.sparse_initializer}
     graph_inputs = {value.name for value in graph.input}

@@ -150,3 +150,58 @@ def test_the_fused_ops_cache_and_scale_follow_the_same_rule():
     model.graph.initializer.append(onnx.numpy_helper.from_array(inputs["cache"], "cache"))
     with pytest.raises(ValueError, match="is an initializer"):
         make_session(model)
+
+
+def in_a_function(model, calls=1):
+    """``model`` (one op node) with that node moved into a model-local function the graph calls ``calls`` times
+    (each call's outputs renamed after the first): ONNX Runtime inlines such functions when it loads the model."""
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    (node,) = model.graph.node
+    inputs = [name for name in node.input if name]
+    body = onnx.NodeProto.FromString(node.SerializeToString())
+    model.functions.append(helper.make_function("local", "store", inputs, list(node.output), [body],
+                                                list(model.opset_import)))
+    model.graph.ClearField("node")
+    for call in range(calls):
+        outputs = [o if call == 0 else f"{o}_{call}" for o in node.output]
+        model.graph.node.append(helper.make_node("store", inputs, outputs, domain="local", name=f"call{call}"))
+        if call:
+            model.graph.output.extend(helper.make_value_info(o, onnx.TypeProto()) for o in outputs)
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    return model
+
+
+def test_a_cache_written_inside_a_model_local_function_follows_the_rule_where_the_function_is_called():
+    """The rule looks through the call: a graph input passed as the cache is written in place, as without the
+    function; a read-only array fed to it is refused, not run on a copy whose writes are lost; an initializer passed
+    as the cache is refused, as it is at the top level (the writes would land in a constant)."""
+    case, model = kv_case()
+    wrapped = in_a_function(model)
+    assert in_place_inputs(wrapped) == {"cache"}
+    feeds, plain = feeds_of(case), feeds_of(case)
+    assert all(np.array_equal(a, b) for a, b in zip(run_model(wrapped, feeds), run_model(model, plain)))
+    assert np.array_equal(feeds["cache"], plain["cache"]) and not np.array_equal(feeds["cache"], case.inputs["cache"])
+    frozen = bytes(case.inputs["cache"].tobytes())  # read-only: refused, not copied (the writes would be lost)
+    feeds["cache"] = np.frombuffer(frozen, feeds["cache"].dtype).reshape(feeds["cache"].shape)
+    with pytest.raises(ValueError, match="read-only"):
+        run_model(wrapped, feeds)
+    graph = wrapped.graph
+    graph.input.remove(next(v for v in graph.input if v.name == "cache"))
+    graph.initializer.append(onnx.numpy_helper.from_array(case.inputs["cache"], "cache"))
+    with pytest.raises(ValueError, match="KeyValueCache node .* is an initializer"):
+        make_session(wrapped)
+
+
+def test_two_calls_writing_one_layer_with_no_order_between_them_are_refused():
+    case, model = kv_case()
+    with pytest.raises(ValueError, match="both write layer 0 of 'cache' and no data path orders them"):
+        in_place_inputs(in_a_function(model, calls=2))
+
+
+def test_an_unknown_attribute_inside_a_model_local_function_is_refused():
+    from kvcache_op.ort_ops.graph_rules import check_attribute_names
+
+    case, model = kv_case()
+    model.graph.node[0].attribute.append(helper.make_attribute("pagesize", 8))
+    with pytest.raises(ValueError, match=r"KeyValueCache node .*unknown attribute\(s\) \['pagesize'\]"):
+        check_attribute_names(in_a_function(model))
