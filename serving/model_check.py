@@ -173,3 +173,15 @@ def _cache_shape_problems(info, dims: list, last: int, name: str) -> list:
     want = cache_shape(info.cache_layout, info.num_layers, -1, info.num_kv_heads, last)
     return [f"the {name} input's axis {axis} is {have}, the metadata (layout {info.cache_layout}) says {size}"
             for axis, (have, size) in enumerate(zip(dims, want)) if size != -1 and have is not None and have != size]
+
+
+def rotary_table_rows(model: onnx.ModelProto):
+    """The fewest rows (positions) in the cos table of any ``com.microsoft::RotaryEmbedding`` node of ``model``, or
+    None where it has none with a constant table. The exported decoder feeds each such node a step's tokens as one
+    sequence, and ONNX Runtime's RotaryEmbedding refuses a sequence longer than its table ("Updating cos_cache and
+    sin_cache in RotaryEmbedding is not currently supported"): so no step may feed more tokens than this."""
+    rows = {init.name: int(init.dims[0]) for init in model.graph.initializer if len(init.dims) == 2}
+    found = [rows[node.input[2]] for node in model.graph.node
+             if node.domain == "com.microsoft" and node.op_type == "RotaryEmbedding" and len(node.input) > 2
+             and node.input[2] in rows]
+    return min(found) if found else None

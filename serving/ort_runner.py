@@ -20,6 +20,7 @@ from ..spec import rotary_schema
 from ..spec.model import DEFAULT_OPSET, IR_VERSION
 from .decoder_io import OUTPUT_NAME
 from .greedy_steps import GreedySteps
+from .model_check import rotary_table_rows
 from .model_info import ModelInfo
 from .next_decode_graph import with_next_decode
 
@@ -93,11 +94,20 @@ def _host_dtype(element_type: int):
 
 
 class ModelRunner:
-    """Runs steps of the exported decoder at ``model_path`` over a cache of ``num_pages`` pages."""
+    """Runs steps of the exported decoder at ``model_path`` over a cache of ``num_pages`` pages. ``step_tokens``: the
+    most tokens a step will feed, checked against :attr:`step_token_limit` before anything is allocated."""
 
-    def __init__(self, model_path, num_pages: int, providers=None, intra_op_num_threads: int = 0):
+    def __init__(self, model_path, num_pages: int, providers=None, intra_op_num_threads: int = 0,
+                 step_tokens: int = None):
         model = load_model(model_path)
         self.info = ModelInfo.of_model(model)
+        #: The most tokens one step may feed (the rows of the graph's rotary tables: ONNX Runtime's RotaryEmbedding
+        #: refuses a longer sequence), or None where the graph sets no such limit.
+        self.step_token_limit = rotary_table_rows(model)
+        if step_tokens is not None and self.step_token_limit is not None and step_tokens > self.step_token_limit:
+            raise ValueError(f"max_batch_tokens={step_tokens} is more than the {self.step_token_limit} positions the "
+                             "model's rotary tables hold, and ONNX Runtime's RotaryEmbedding refuses a step of more "
+                             f"tokens than that: give at most {self.step_token_limit}")
         self.providers = exact_float32(list(providers) if providers is not None else default_providers(),
                                        self.info.cache_dtype)
         self.device = provider_device(self.providers)

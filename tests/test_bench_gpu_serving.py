@@ -22,6 +22,26 @@ def test_a_cpu_smoke_run_serves_transformers_tokens_and_writes_its_table(tmp_pat
     readme = (tmp_path / "README.md").read_text()
     assert "| 3 x 24 + 6 |" in readme and "--device cpu --quick" in readme
     assert "| 3 x 24 + 6 |" in capsys.readouterr().out
+    (budget,) = result["budgets"]  # the CPU EP's default alone
+    assert budget["max_batch_tokens"] == result["max_batch_tokens"] == 256 and budget["steps"] >= 6
+    assert 0 < budget["ort_run_s"] and budget["ort_run_s"] + budget["host_s"] == pytest.approx(6 * 3 / budget[
+        "tokens_per_s"], rel=1e-6)
+
+
+def test_budgets_run_side_by_side_with_where_the_engine_spent_its_time(tmp_path):
+    """--max-batch-tokens 8 64: the same tokens at both budgets; feeding the 72 prompt tokens alone takes 9 steps of 8
+    tokens, and the larger budget fewer steps in all; each row says how many steps it took."""
+    argv = ["--device", "cpu", "--quick", "--requests", "3", "--prompt-tokens", "24", "--new-tokens", "6",
+            "--repeats", "1", "--max-batch-tokens", "8", "64", "--out", str(tmp_path)]
+    assert serving.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    small, large = result["budgets"]
+    assert (small["max_batch_tokens"], large["max_batch_tokens"], result["max_batch_tokens"]) == (8, 64, 8)
+    assert small["agreement"] == large["agreement"] == 1.0
+    assert small["steps"] >= 72 // 8 and large["steps"] < small["steps"]
+    assert result["tokens_per_s"]["kvcache-op"] == small["tokens_per_s"]
+    readme = (tmp_path / "README.md").read_text()
+    assert "| max_batch_tokens | tok/s |" in readme and f"| 64 | {large['tokens_per_s']:.0f} |" in readme
 
 
 def test_without_the_cuda_ep_it_says_what_is_missing_in_one_line(monkeypatch, capsys):

@@ -47,10 +47,21 @@ def test_salts_are_one_per_prompt_and_checked_before_any_step(engine):
     (dict(num_pages=8, providers=[]), ValueError, "providers must be a non-empty list"),
     (dict(num_pages=8, max_context=5000), ValueError, r"max_context must be in \[1, the model's max_positions = 1024\]"),
     (dict(num_pages=8, max_batch_tokens=1.5), TypeError, "max_batch_tokens must be an integer"),
+    (dict(num_pages=8, max_batch_tokens=0), ValueError, "num_pages, max_batch_tokens and max_running must be >= 1"),
 ])
 def test_engine_settings_are_checked_before_anything_is_allocated(settings, error, message):
     with pytest.raises(error, match=message):
         Engine(hf_models.exported("llama"), **settings)
+
+
+def test_the_token_budget_defaults_by_device_and_a_given_one_stands(engine):
+    """256 tokens a step on the CPU EP; 8192 on a GPU, where a step's host work costs about the same for 256 tokens as
+    for thousands (a 64 x 1,000-token prefill was 250 steps of 256)."""
+    from kvcache_op.serving.engine import default_batch_tokens
+
+    assert engine.runner.device == ("cpu", 0) and engine.max_batch_tokens == 256
+    assert default_batch_tokens("cpu") == 256 and default_batch_tokens("cuda") == 8192
+    assert Engine(hf_models.exported("llama"), num_pages=8, max_batch_tokens=40).max_batch_tokens == 40
 
 
 def test_a_request_that_cannot_fit_the_pool_is_refused_before_any_token():

@@ -48,17 +48,25 @@ def workloads(vocab: int, seed: int = 0) -> dict:
     }
 
 
-def run_kvcache_op(path: str, prompts: list, new_tokens: int, num_pages: int, providers=None) -> tuple:
-    """(tokens, seconds) of the engine serving every prompt at once (``providers``: the engine's default)."""
+def run_kvcache_op(path: str, prompts: list, new_tokens: int, num_pages: int, providers=None,
+                   max_batch_tokens: int = None) -> tuple:
+    """(tokens, seconds, where the time went) of the engine serving every prompt at once (``providers``,
+    ``max_batch_tokens``: the engine's defaults where None). The last is the timed call's share of
+    :meth:`Engine.metrics`: the ``max_batch_tokens`` it ran with, ``steps``, ``ort_run_s`` (the graph's runs: on a GPU its device time too, as each run
+    ends with the logits on the host) and ``host_s`` (the rest of the wall time: scheduling, feeds, sampling)."""
     from ...serving import Engine, SamplingParams
 
-    engine = Engine(path, num_pages=num_pages, providers=providers)
+    engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=max_batch_tokens)
     engine.generate([prompts[0][:WARM_UP_TOKENS]], 2)  # warm, as each peer is (see WARM_UP_TOKENS)
+    before = engine.metrics()
     began = time.perf_counter()
     tokens = engine.generate(prompts, new_tokens, params=SamplingParams(max_tokens=new_tokens, ignore_eos=True))
     seconds = time.perf_counter() - began
+    after = engine.metrics()
     engine.close()
-    return tokens, seconds
+    ort_run = after["time_ort_run_s"] - before["time_ort_run_s"]
+    return tokens, seconds, {"max_batch_tokens": engine.max_batch_tokens, "steps": after["steps"] - before["steps"],
+                             "ort_run_s": ort_run, "host_s": max(0.0, seconds - ort_run)}
 
 
 def run_genai(folder: str, prompts: list, new_tokens: int) -> tuple:
@@ -160,7 +168,7 @@ def measure(name: str, sizes: dict, folder: str, new_tokens: int, repeats: int, 
         tokens = {}
         for repeat in range(repeats):
             progress(f"{name} {row}: repeat {repeat + 1}/{repeats}")
-            tokens["kvcache-op"], t = run_kvcache_op(path, prompts, new_tokens, pages)
+            tokens["kvcache-op"], t, _ = run_kvcache_op(path, prompts, new_tokens, pages)
             times["kvcache-op"].append(t)
             tokens["genai"], t = run_genai(genai, prompts, new_tokens)
             times["genai"].append(t)

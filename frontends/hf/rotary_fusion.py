@@ -12,7 +12,9 @@ and repeats its first half in its second (rotation by halves). Interleaved rotar
 and stay unfused.
 
 ONNX Runtime's RotaryEmbedding looks its rows up by position, so the fused graph takes positions in
-``[0, max_positions)`` (the CPU kernel refuses others with an error; the engine never feeds them).
+``[0, max_positions)`` (the CPU kernel refuses others with an error; the engine never feeds them), and it reads a
+run's tokens as one sequence, which it refuses when longer than its tables: at most ``max_positions`` tokens a run
+(the engine's token budget stays within them).
 """
 
 from __future__ import annotations
