@@ -97,6 +97,33 @@ struct DeviceTeam {
     __trap();
 #endif
   }
+  // The warp's ldmatrix: Count (2 or 4) 8 x 8 matrices of 16-bit elements read from shared memory. Lane l gives
+  // row_byte(thread, state), the shared byte of row l % 8 of matrix l / 8 (16-byte aligned; lanes from 8 Count on
+  // give none that is read), and receives in get_r(state)[m] its word of matrix m: row l / 4, columns 2 (l % 4) and
+  // 2 (l % 4) + 1 (lower first), or with Trans the same of the matrix transposed (column l / 4, rows 2 (l % 4) and
+  // 2 (l % 4) + 1): the words mma.sync's fragments hold.
+  template <int Count, bool Trans, class RowByte, class GetR>
+  __device__ __forceinline__ void LoadMatrix(AttnDeviceMem& mem, RowByte&& row_byte, GetR&& get_r) {
+    static_assert(Count == 2 || Count == 4, "ldmatrix takes 2 or 4 matrices here");
+#if __CUDA_ARCH__ >= 750
+    uint32_t(&r)[4] = get_r(state);
+    const unsigned at =
+        static_cast<unsigned>(__cvta_generic_to_shared(mem.Base(kAShared) + row_byte(thread, state)));
+    if constexpr (Count == 4 && Trans)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at) : "memory");
+    else if constexpr (Count == 4)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                   : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at) : "memory");
+    else if constexpr (Trans)
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                   : "=r"(r[0]), "=r"(r[1]) : "r"(at) : "memory");
+    else
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(at) : "memory");
+#else
+    __trap();
+#endif
+  }
   // This thread's asynchronous copy of 16 bytes at `byte` of `buf` to `shared_byte` of shared memory (both 16-byte
   // aligned); Commit closes this thread's group of copies; WaitSync<N> waits until at most its N latest groups are
   // in flight, then is the block's barrier (so every thread's landed copies are seen). Below sm_80 (no cp.async)

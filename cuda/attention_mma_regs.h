@@ -6,21 +6,26 @@
 // warp w owns query vectors [16 w, 16 w + 16) of the tile as the row blocks of m16n8k16 products (team.Mma): lane l
 // of the warp holds, of every 16 x 8 accumulator tile, rows g = l / 4 and g + 8, columns 2 (l % 4) and 2 (l % 4) + 1
 // (the products' documented fragment layout). Per chunk of kMmaKeys keys:
-//   stage   the key and value rows into shared memory as T1 (as the first form);
-//   scores  S = Q K^T: the queries' A fragments loaded once per tile, each key row's B fragment read from shared
-//           memory with 32-bit loads, eight accumulator tiles of 8 keys per warp;
+//   stage   the key and value rows copied as stored (the form runs rows stored as T1 only) into one of two stages of
+//           shared memory with cp.async (team.CopyAsync16): the next chunk's copies are issued as soon as this
+//           chunk's have landed (team.WaitSync<0>), so they fly while this chunk is computed; rows past the chunk
+//           are zeroed;
+//   scores  S = Q K^T: the queries' A fragments loaded once per tile, the key rows' B fragments four at a time by
+//           team.LoadMatrix (ldmatrix), eight accumulator tiles of 8 keys per warp;
 //   softmax each lane finishes its 32 scores (scale, softcap, mask, ALiBi, visibility), the four lanes of a row
 //           exchange their maxima (team.Butterfly), the output sums and weight sums are rescaled in registers, and
 //           the weights, exp(score - max), become the A fragments of the next product without leaving registers;
 //   values  O += P V: each 16 x 8 output tile from four products over the chunk's keys, the value rows' B
-//           fragments read from shared memory two elements at a time.
-// A chunk whose value rows hold inf or NaN (team.SyncOr) adds its weights one by one through shared memory instead,
-// skipping the keys each query does not see, as the first form does. At the end the four lanes of a row add their
-// weight sums and write the output (or the split part's record).
+//           fragments four at a time by team.LoadMatrix<.., Trans> (ldmatrix.trans).
+// A chunk whose value rows hold inf or NaN (each thread looks at the value slices it copied, then team.SyncOr) adds
+// its weights one by one through shared memory instead, skipping the keys each query does not see, as the first form
+// does. At the end the four lanes of a row add their weight sums and write the output (or the split part's record).
 //
 // team.Mma<T1>(a, b, c) is one m16n8k16 product per warp: c += a b, a, b, c each thread's fragment registers
 // (get(state) arrays of 4 words, 2 words, 4 floats); on the GPU mma.sync, on the host runner the same layout
-// gathered from every lane's saved registers and multiplied in float.
+// gathered from every lane's saved registers and multiplied in float. team.LoadMatrix<Count, Trans>(mem, row_byte,
+// get) is the warp's ldmatrix of Count 8 x 8 matrices: on the host runner each row is read as the lane that gives
+// its address (checked as any shared read) and dealt out in the same layout.
 #pragma once
 
 #include <cmath>
@@ -32,19 +37,25 @@ namespace kvcache {
 namespace cuda {
 
 // Shared memory of a block (byte offsets): the queries (then, for the one-by-one path, the float weights
-// [64][kMmaLdScores], the same bytes), the chunk's key and value rows.
+// [64][kMmaLdScores], the same bytes), then two stages of the chunk's key and value rows.
 constexpr int64_t kMmaRegSmemQ = 0;
 constexpr int64_t kMmaRegSmemS = 0;
-constexpr int64_t kMmaRegSmemK = kMmaQueries * kMmaLdRows * 2;
-constexpr int64_t kMmaRegSmemV = kMmaRegSmemK + kMmaKeys * kMmaLdRows * 2;
-constexpr int64_t kMmaRegSharedBytes = kMmaRegSmemV + kMmaKeys * kMmaLdRows * 2;
+constexpr int64_t kMmaRegRowsBytes = kMmaKeys * kMmaLdRows * 2;  // a chunk's key (or value) rows
+constexpr int64_t kMmaRegSmemStages = kMmaQueries * kMmaLdRows * 2;
+constexpr int64_t kMmaRegSharedBytes = kMmaRegSmemStages + 2 * 2 * kMmaRegRowsBytes;
 constexpr int64_t kMmaRegSharedWords = kMmaRegSharedBytes / 4;
-static_assert(kMmaQueries * kMmaLdScores * 4 <= kMmaRegSmemK, "the float weights fit where the queries were");
+static_assert(kMmaQueries * kMmaLdScores * 4 <= kMmaRegSmemStages, "the float weights fit where the queries were");
+static_assert(kMmaRegSmemStages % 128 == 0 && kMmaRegRowsBytes % 128 == 0, "stages start 128-byte aligned");
+// Where stage `stage`'s key (kv 0) or value (kv 1) rows start.
+KV_HD constexpr int64_t MmaRegRowsAt(int64_t stage, int kv) {
+  return kMmaRegSmemStages + (2 * stage + kv) * kMmaRegRowsBytes;
+}
 
 constexpr int kMmaKSteps = static_cast<int>(kMmaMaxHeadDim / 16);  // query fragments (16 dims each)
 constexpr int kMmaKeyTiles = static_cast<int>(kMmaKeys / 8);       // score tiles (8 keys each)
 constexpr int kMmaDimTiles = static_cast<int>(kMmaMaxHeadDim / 8);  // output tiles (8 dims each)
 constexpr int kMmaKeySteps = static_cast<int>(kMmaKeys / 16);      // weight fragments (16 keys each)
+static_assert(kMmaKSteps % 2 == 0 && kMmaKeySteps % 2 == 0, "fragments are loaded two k-steps at a time");
 
 // A lane's registers.
 struct MmaRegThread {
@@ -53,14 +64,13 @@ struct MmaRegThread {
   float o[kMmaDimTiles][4];     // output sums
   uint32_t pa[kMmaKeySteps][4];  // the weights as A fragments
   uint32_t kb[kMmaKSteps][2];   // B fragments of one key tile (scores) or one output tile (values)
+  uint32_t frag[4];             // what one team.LoadMatrix gave
   float max[2], sum[2], chunk_max[2];  // rows g and g + 8
   uint32_t hidden;              // bit 4 j + c: element c of score tile j is a key its query does not see
   int64_t lo[2], hi[2];         // the rows' visible keys
   int32_t nonfinite;
 };
 
-// Two T1 elements packed in a word (the lower one first, as the fragments hold them).
-KV_HD uint32_t PackPair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; }
 
 // Everything block `tile_index` of the tensor-core launch does, in the second form.
 template <class T1, class Rows, class Team, class Mem>
@@ -82,13 +92,38 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   // Lane geometry: thread t is lane t % 32 of warp t / 32; its rows (query vectors) and its column pair.
   auto vector_of = [](int64_t t, int r) { return t / kWarp * kMmaWarpRows + t % kWarp / 4 + 8 * r; };
   auto pair_of = [](int64_t t) { return 2 * (t % 4); };
-  auto half_at = [&](int64_t base, int64_t row, int64_t col) {
-    return mem.template Load<uint16_t>(kAShared, base + (row * kMmaLdRows + col) * 2);
-  };
   auto word_at = [&](int64_t base, int64_t row, int64_t col) {  // two T1 elements, col even
     return mem.template Load<uint32_t>(kAShared, base + (row * kMmaLdRows + col) * 2);
   };
 
+  // Whether a score is the dot product times the scale alone (ScoreOf's first step) where the key is seen.
+  const bool scale_only = p.softcap == 0.0f && p.mask_rank == 0 && !p.alibi;
+  // Thread t's slices of a chunk's rows: slice u = t + i kMmaThreads is 8 elements at d0 of row (key) kk.
+  const int64_t slices = D / kVec;
+  // Copies chunk c0's key and value rows into stage `stage` (rows past the chunk's n keys zeroed: the value product
+  // reads them with weight 0, and 0 x NaN would be NaN), or does nothing past the tile's keys.
+  auto issue = [&](int64_t c0, int64_t stage) {
+    if (c0 >= key1) return;
+    const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
+    team.Each([&](int64_t t, MmaRegThread&) {
+      for (int64_t u = t; u < NK * slices; u += kMmaThreads) {
+        const int64_t kk = u / slices, d0 = u % slices * kVec, at = (kk * kMmaLdRows + d0) * 2;
+        if (kk >= n) {
+          mem.template Store<Vec16>(kAShared, MmaRegRowsAt(stage, 0) + at, Vec16{});
+          mem.template Store<Vec16>(kAShared, MmaRegRowsAt(stage, 1) + at, Vec16{});
+          continue;
+        }
+        const int64_t where = rows_of.Where(p, mem, b, col0, c0 + kk);
+        KV_UNROLL
+        for (int kv = 0; kv < 2; ++kv)
+          team.CopyAsync16(mem, MmaRegRowsAt(stage, kv) + at, rows_of.BufferOf(kv),
+                           (rows_of.At(p, kv, g, where).elem + d0) * int64_t(sizeof(T)));
+      }
+    });
+  };
+
+  issue(key0, 0);  // the first chunk's copies fly while the queries are staged
+  team.Commit();
   team.Each([&](int64_t t, MmaRegThread&) {  // the tile's query vectors as T1 (vectors past Q zero)
     StageQueries<T1>(p, mem, t, Q, seq0, row_of, head_of, kMmaRegSmemQ);
   });
@@ -117,22 +152,49 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     }
   });
 
-  for (int64_t c0 = key0; c0 < key1; c0 += NK) {
+  int64_t stage = 0;
+  for (int64_t c0 = key0; c0 < key1; c0 += NK, stage ^= 1) {
     const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
-    // StageChunk's first barrier also orders the query fragments' loads before the one-by-one path's writes there.
-    const bool nonfinite_values =
-        StageChunk<T1>(p, rows_of, mem, team, b, col0, g, c0, n, kMmaRegSmemK, kMmaRegSmemV);
+    const int64_t k_rows = MmaRegRowsAt(stage, 0), v_rows = MmaRegRowsAt(stage, 1);
+    // This chunk's rows landed, and every thread is past the previous chunk (which read the other stage, and the
+    // one-by-one path's weights where the queries were; the query fragments were loaded before the first).
+    team.template WaitSync<0>();
+    issue(c0 + NK, stage ^ 1);
+    team.Commit();
+    team.Each([&](int64_t t, MmaRegThread& s) {  // the value slices this thread copied: any inf or NaN?
+      bool any = false;
+      for (int64_t u = t; u < n * slices; u += kMmaThreads)
+        any = any || AnyNonFinite<T1>(mem.template Load<Vec16>(
+                         kAShared, v_rows + (u / slices * kMmaLdRows + u % slices * kVec) * 2));
+      s.nonfinite = any;
+    });
+    const bool nonfinite_values = team.SyncOr([](MmaRegThread& s) -> int32_t& { return s.nonfinite; });
 
     KV_UNROLL
     for (int j = 0; j < kMmaKeyTiles; ++j) {  // S = Q K^T, one tile of 8 keys at a time
-      team.Each([&](int64_t t, MmaRegThread& s) {
-        const int64_t key = 8 * j + t % kWarp / 4, c = pair_of(t);
-        KV_UNROLL
-        for (int i = 0; i < kMmaKSteps; ++i) {
-          if (i >= ksteps) continue;
-          s.kb[i][0] = word_at(kMmaRegSmemK, key, 16 * i + c);
-          s.kb[i][1] = word_at(kMmaRegSmemK, key, 16 * i + c + 8);
-        }
+      // Lane l gives row 8 j + l % 8, columns 16 i + 8 (l / 8): the B fragments of k-steps i and i + 1.
+      auto key_row = [&](int i) {
+        return [&, i](int64_t t, MmaRegThread&) {
+          return k_rows + ((8 * j + t % 8) * kMmaLdRows + 16 * i + 8 * (t % kWarp / 8)) * 2;
+        };
+      };
+      KV_UNROLL
+      for (int i = 0; i < kMmaKSteps; i += 2) {
+        if (i >= ksteps) continue;
+        if (i + 1 < ksteps)
+          team.template LoadMatrix<4, false>(mem, key_row(i), [](MmaRegThread& s) -> auto& { return s.frag; });
+        else
+          team.template LoadMatrix<2, false>(mem, key_row(i), [](MmaRegThread& s) -> auto& { return s.frag; });
+        team.Each([&](int64_t, MmaRegThread& s) {
+          s.kb[i][0] = s.frag[0];
+          s.kb[i][1] = s.frag[1];
+          if (i + 1 < ksteps) {  // (and so < kMmaKSteps)
+            s.kb[i + 1][0] = s.frag[2];
+            s.kb[i + 1][1] = s.frag[3];
+          }
+        });
+      }
+      team.Each([&](int64_t, MmaRegThread& s) {
         KV_UNROLL
         for (int e = 0; e < 4; ++e) s.s[j][e] = 0.0f;
       });
@@ -147,12 +209,27 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     team.Each([&](int64_t t, MmaRegThread& s) {  // the scores finished, each row's max over this lane's keys
       s.hidden = 0;
       float m[2] = {MinusInf(), MinusInf()};
+      const int64_t q0 = vector_of(t, 0), q1 = vector_of(t, 1);
+      if (scale_only && n == NK && q1 < Q && s.lo[0] <= c0 && c0 + NK <= s.hi[0] && s.lo[1] <= c0 &&
+          c0 + NK <= s.hi[1]) {  // (q0 < q1) both rows see every key of the chunk: ScoreOf is the scale alone
+        KV_UNROLL
+        for (int j = 0; j < kMmaKeyTiles; ++j) {
+          KV_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            s.s[j][e] = p.scale * s.s[j][e];
+            m[e / 2] = MaxStep(m[e / 2], s.s[j][e]);
+          }
+        }
+        s.chunk_max[0] = m[0];
+        s.chunk_max[1] = m[1];
+        return;
+      }
       KV_UNROLL
       for (int j = 0; j < kMmaKeyTiles; ++j) {
         KV_UNROLL
         for (int e = 0; e < 4; ++e) {
           const int r = e / 2;
-          const int64_t qi = vector_of(t, r), kk = 8 * j + pair_of(t) + e % 2, key = c0 + kk;
+          const int64_t qi = r == 0 ? q0 : q1, kk = 8 * j + pair_of(t) + e % 2, key = c0 + kk;
           if (qi >= Q || kk >= n || key < s.lo[r] || key >= s.hi[r]) {
             s.hidden |= 1u << (4 * j + e);
             s.s[j][e] = MinusInf();
@@ -211,16 +288,24 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
       KV_UNROLL
       for (int d = 0; d < kMmaDimTiles; ++d) {  // O += P V, one tile of 8 output dims at a time
         if (d >= dtiles) continue;
-        team.Each([&](int64_t t, MmaRegThread& s) {
-          const int64_t dim = 8 * d + t % kWarp / 4, c = pair_of(t);
-          KV_UNROLL
-          for (int kk = 0; kk < kMmaKeySteps; ++kk) {
-            s.kb[kk][0] = PackPair(half_at(kMmaRegSmemV, 16 * kk + c, dim),
-                                   half_at(kMmaRegSmemV, 16 * kk + c + 1, dim));
-            s.kb[kk][1] = PackPair(half_at(kMmaRegSmemV, 16 * kk + c + 8, dim),
-                                   half_at(kMmaRegSmemV, 16 * kk + c + 9, dim));
-          }
-        });
+        KV_UNROLL
+        for (int kk = 0; kk < kMmaKeySteps; kk += 2) {
+          // Lane l gives row 16 (kk + m / 2) + 8 (m % 2) + l % 8 of matrix m = l / 8 at column 8 d, transposed: the
+          // B fragments of key steps kk and kk + 1.
+          team.template LoadMatrix<4, true>(
+              mem,
+              [&](int64_t t, MmaRegThread&) {
+                const int64_t m = t % kWarp / 8;
+                return v_rows + ((16 * (kk + m / 2) + 8 * (m % 2) + t % 8) * kMmaLdRows + 8 * d) * 2;
+              },
+              [](MmaRegThread& s) -> auto& { return s.frag; });
+          team.Each([&](int64_t, MmaRegThread& s) {
+            s.kb[kk][0] = s.frag[0];
+            s.kb[kk][1] = s.frag[1];
+            s.kb[kk + 1][0] = s.frag[2];
+            s.kb[kk + 1][1] = s.frag[3];
+          });
+        }
         KV_UNROLL
         for (int kk = 0; kk < kMmaKeySteps; ++kk)
           team.template Mma<T1>([kk](MmaRegThread& s) -> auto& { return s.pa[kk]; },
@@ -230,17 +315,25 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     } else {
       team.Sync();
       // Weights one by one: 0 x inf must not reach a query that does not see the key.
+      // Keys in the outer loop, not unrolled, so this rare path stays one short loop in the kernel's code.
       team.Each([&](int64_t t, MmaRegThread& s) {
-        KV_UNROLL
-        for (int d = 0; d < kMmaDimTiles; ++d) {
-          if (d >= dtiles) continue;
+        const int64_t q0 = vector_of(t, 0), q1 = vector_of(t, 1), c = pair_of(t);
+        for (int64_t kk = 0; kk < n; ++kk) {
+          const float w0 = q0 < Q ? SharedAt(mem, kMmaRegSmemS / 4 + q0 * kMmaLdScores + kk) : kHidden;
+          const float w1 = q1 < Q ? SharedAt(mem, kMmaRegSmemS / 4 + q1 * kMmaLdScores + kk) : kHidden;
           KV_UNROLL
-          for (int e = 0; e < 4; ++e) {
-            const int64_t qi = vector_of(t, e / 2), dim = 8 * d + pair_of(t) + e % 2;
-            if (qi >= Q) continue;
-            for (int64_t kk = 0; kk < n; ++kk) {
-              const float w = SharedAt(mem, kMmaRegSmemS / 4 + qi * kMmaLdScores + kk);
-              if (w != kHidden) s.o[d][e] += w * ElemToFloat<T1>(half_at(kMmaRegSmemV, kk, dim));
+          for (int d = 0; d < kMmaDimTiles; ++d) {
+            if (d >= dtiles) continue;
+            const uint32_t v = word_at(v_rows, kk, 8 * d + c);  // this lane's two columns of the value row
+            const float lo = ElemToFloat<T1>(static_cast<uint16_t>(v & 0xffffu));
+            const float hi = ElemToFloat<T1>(static_cast<uint16_t>(v >> 16));
+            if (w0 != kHidden) {
+              s.o[d][0] += w0 * lo;
+              s.o[d][1] += w0 * hi;
+            }
+            if (w1 != kHidden) {
+              s.o[d][2] += w1 * lo;
+              s.o[d][3] += w1 * hi;
             }
           }
         }

@@ -154,3 +154,13 @@ def test_a_missing_barrier_in_the_tensor_core_kernel_is_a_race_the_runner_report
     case = build_attention("mma-no-sync", [(20, 20)], heads=2, head_dim=16, t="float16")
     result = runner.run(copies(case.inputs), case.attributes, skip_sync=True, mma_form=form)
     assert result.code == 4 and result.report.read_write > 0, result.message
+
+
+def test_a_wait_that_leaves_copies_in_flight_in_the_register_form_is_a_race_the_runner_reports(runner):
+    """The register form copies each chunk's rows with cp.async and reads them only after waiting for them. With the
+    wait leaving one more group in flight than the kernel asks, it reads rows a copy still writes: flagged."""
+    case = build_attention("mma-short-wait", [(40, 200)], heads=4, kv_heads=2, head_dim=64, t="float16")
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, mma_form=2, short_wait=1)
+    assert result.code == 4 and result.report.read_write > 0, result.message
+    assert "asynchronous copy in flight" in result.message
+    check_mha(runner, case, min_blocks=1, mma_form=2)

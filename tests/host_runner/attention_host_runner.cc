@@ -320,6 +320,36 @@ struct HostTeam {
       }
     }
   }
+  // Each warp's ldmatrix (the GPU's: attention_kernels.cuh's DeviceTeam::LoadMatrix): row r of matrix m is read, as
+  // lane 8 m + r's 16-byte load of the shared byte it gives (checked: in bounds, aligned, written, no race), and
+  // lane l receives row l / 4, columns 2 (l % 4), + 1 of each matrix (with Trans: column l / 4, rows 2 (l % 4), + 1).
+  template <int Count, bool Trans, class RowByte, class GetR>
+  void LoadMatrix(CheckingMem& m, RowByte&& row_byte, GetR&& get_r) {
+    static_assert(Count == 2 || Count == 4, "ldmatrix takes 2 or 4 matrices here");
+    for (int64_t w = 0; w < Threads / cuda::kWarp; ++w) {
+      uint16_t e[Count][8][8];
+      for (int mat = 0; mat < Count; ++mat)
+        for (int r = 0; r < 8; ++r) {
+          const int64_t t = w * cuda::kWarp + 8 * mat + r;
+          m.thread = t;
+          const cuda::Vec16 v = m.Load<cuda::Vec16>(cuda::kAShared, row_byte(t, state[static_cast<size_t>(t)]));
+          for (int i = 0; i < 4; ++i) {
+            e[mat][r][2 * i] = static_cast<uint16_t>(v.w[i] & 0xffffu);
+            e[mat][r][2 * i + 1] = static_cast<uint16_t>(v.w[i] >> 16);
+          }
+        }
+      for (int64_t l = 0; l < cuda::kWarp; ++l) {
+        auto& r = get_r(state[static_cast<size_t>(w * cuda::kWarp + l)]);
+        const int row = static_cast<int>(l / 4), col = static_cast<int>(2 * (l % 4));
+        for (int mat = 0; mat < Count; ++mat) {
+          const uint16_t lo = Trans ? e[mat][col][row] : e[mat][row][col];
+          const uint16_t hi = Trans ? e[mat][col + 1][row] : e[mat][row][col + 1];
+          r[mat] = uint32_t(lo) | uint32_t(hi) << 16;
+        }
+      }
+    }
+    m.thread = -1;
+  }
   // Each warp's matrix product (attention_mma.h's WarpProduct), in float over the checked shared memory: the warp's
   // accesses are its lane 0's. Each element of A and B is read once, as the fragments load them.
   template <class T1, bool BCols, bool Accumulate>
