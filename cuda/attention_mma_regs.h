@@ -259,19 +259,33 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
           KV_UNROLL
           for (int e = 0; e < 4; ++e) s.o[d][e] *= f[e / 2];
       }
-      KV_UNROLL
-      for (int j = 0; j < kMmaKeyTiles; ++j) {
+      if (s.hidden == 0 && !nonfinite_values) {  // every key seen by both rows, the weights kept in registers
+        const bool none[2] = {s.max[0] == MinusInf(), s.max[1] == MinusInf()};
         KV_UNROLL
-        for (int e = 0; e < 4; ++e) {
-          const int r = e / 2;
-          const bool hidden = (s.hidden >> (4 * j + e)) & 1u;
-          // Nothing but -inf so far: weight 0, which still lets a non-finite value through (the one-by-one path).
-          const float w = hidden ? kHidden : s.max[r] == MinusInf() ? 0.0f : expf(s.s[j][e] - s.max[r]);
-          if (!hidden) s.sum[r] += w;
-          s.s[j][e] = w;
-          if (nonfinite_values) {
-            const int64_t qi = vector_of(t, r), kk = 8 * j + pair_of(t) + e % 2;
-            SharedPut(mem, kMmaRegSmemS / 4 + qi * kMmaLdScores + kk, w);
+        for (int j = 0; j < kMmaKeyTiles; ++j) {
+          KV_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            const float w = none[r] ? 0.0f : expf(s.s[j][e] - s.max[r]);  // as below, without the hidden keys
+            s.sum[r] += w;
+            s.s[j][e] = w;
+          }
+        }
+      } else {
+        KV_UNROLL
+        for (int j = 0; j < kMmaKeyTiles; ++j) {
+          KV_UNROLL
+          for (int e = 0; e < 4; ++e) {
+            const int r = e / 2;
+            const bool hidden = (s.hidden >> (4 * j + e)) & 1u;
+            // Nothing but -inf so far: weight 0, which still lets a non-finite value through (the one-by-one path).
+            const float w = hidden ? kHidden : s.max[r] == MinusInf() ? 0.0f : expf(s.s[j][e] - s.max[r]);
+            if (!hidden) s.sum[r] += w;
+            s.s[j][e] = w;
+            if (nonfinite_values) {
+              const int64_t qi = vector_of(t, r), kk = 8 * j + pair_of(t) + e % 2;
+              SharedPut(mem, kMmaRegSmemS / 4 + qi * kMmaLdScores + kk, w);
+            }
           }
         }
       }
