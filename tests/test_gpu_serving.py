@@ -32,7 +32,8 @@ def test_the_engine_on_the_cuda_ep_serves_the_models_own_greedy_tokens(settings)
     path = hf_models.exported("llama", **settings)
     engine = Engine(path, num_pages=16, providers=["CUDAExecutionProvider"])
     assert engine.runner.device == ("cuda", 0)
-    assert engine.max_batch_tokens == 8192  # a GPU's default budget: every prompt in one step
+    # a GPU's default budget (8192), within the 1024 positions of the model's rotary tables: every prompt in one step
+    assert engine.runner.step_token_limit == 1024 and engine.max_batch_tokens == 1024
     tokens = engine.generate(PROMPTS, 10)
     model = copy.deepcopy(hf_models.model("llama")).to("cuda")  # the same GPU, float32 (the cached model stays put)
     assert tokens == [reference_generate(model, p, 10) for p in PROMPTS]
