@@ -17,11 +17,12 @@ import onnx.inliner
 
 from .write_order import check_write_order
 
+DOMAIN = "opmx.dynamic_batching"
 #: (domain, op type) -> positions of the inputs the op writes in place.
 IN_PLACE_INPUTS = {
-    ("opmx.dynamic_batching", "KeyValueCache"): {8: "cache", 9: "scale"},
-    ("opmx.dynamic_batching", "MultiHeadCacheAttention"): {10: "cache", 11: "scale"},
-    ("opmx.dynamic_batching", "KeyCacheRotaryShift"): {0: "cache", 1: "scale"},
+    (DOMAIN, "KeyValueCache"): {8: "cache", 9: "scale"},
+    (DOMAIN, "MultiHeadCacheAttention"): {10: "cache", 11: "scale"},
+    (DOMAIN, "KeyCacheRotaryShift"): {0: "cache", 1: "scale"},
 }
 
 
@@ -57,13 +58,20 @@ def load_model(model) -> onnx.ModelProto:
 
 def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` as ONNX Runtime runs it: each call of a model-local function replaced by the function's body, its
-    attribute references resolved (onnx's inliner; ONNX Runtime inlines them when it loads a model), so the rules see
-    the nodes that run and what feeds them: a cache written inside a function is the call's argument. The model
-    itself where it has no functions. The initializers keep only their names, types and shapes (the rules read no
-    values), so a large model's weights are not copied."""
+    attribute references resolved and its opset converted to the model's (onnx's inliner; ONNX Runtime inlines them
+    when it loads a model), so the rules see the nodes that run and what feeds them: a cache written inside a
+    function is the call's argument. The model itself where it has no functions. The initializers keep only their
+    names, types and shapes (the rules read no values), so a large model's weights are not copied. ``ValueError``
+    where a function that reaches an op of this package could not be inlined (its writes could not be checked)."""
     if not model.functions:
         return model
     shell = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
+    imported = {entry.domain for entry in model.opset_import}
+    for function in model.functions:  # a domain only a function imports (ONNX Runtime takes it from there)
+        for entry in function.opset_import:
+            if entry.domain not in imported:
+                shell.opset_import.append(entry)
+                imported.add(entry.domain)
     graph = shell.graph
     graph.name = model.graph.name
     graph.node.extend(model.graph.node)
@@ -74,7 +82,31 @@ def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
     for sparse in model.graph.sparse_initializer:  # its values' name is the initializer's
         graph.sparse_initializer.add().values.CopyFrom(onnx.TensorProto(name=sparse.values.name,
                                                                         data_type=sparse.values.data_type))
-    return onnx.inliner.inline_local_functions(shell)
+    try:
+        inlined, failure = onnx.inliner.inline_local_functions(shell, convert_version=True), "it was left as a call"
+    except Exception as error:  # noqa: BLE001 - whatever the inliner's C++ raises, the check below decides
+        inlined, failure = None, f"onnx's inliner: {error}"
+    functions = {(f.domain, f.name): f for f in model.functions}
+    left = {(n.domain, n.op_type) for n in _nodes((inlined if inlined is not None else model).graph)} & set(functions)
+    for key in sorted(left):
+        if _reaches_our_ops(functions[key], functions, set()):
+            raise ValueError(f"model-local function {key[0]}::{key[1]} reaches an op of this package, and could not be "
+                             f"inlined as ONNX Runtime runs it ({failure}), so what its ops write in place cannot be "
+                             "checked: inline it before saving (onnx.inliner.inline_local_functions(model, "
+                             "convert_version=True))")
+    return inlined if inlined is not None else model
+
+
+def _reaches_our_ops(function, functions: dict, seen: set) -> bool:
+    """Whether ``function`` (or a model-local function it calls) has a node of this package's domain."""
+    seen.add((function.domain, function.name))
+    for node in _nodes(function):
+        if node.domain == DOMAIN:
+            return True
+        callee = functions.get((node.domain, node.op_type))
+        if callee is not None and (callee.domain, callee.name) not in seen and _reaches_our_ops(callee, functions, seen):
+            return True
+    return False
 
 
 def _nodes(graph):
@@ -110,7 +142,7 @@ def check_attribute_names(model) -> None:
     model = as_run(load_model(model))
     imported = {entry.domain: entry.version for entry in model.opset_import}
     for node in _nodes(model.graph):
-        if not node.domain == "opmx.dynamic_batching" or not defs.has(node.op_type, node.domain):
+        if not node.domain == DOMAIN or not defs.has(node.op_type, node.domain):
             continue
         if imported.get(node.domain, 0) < 1:
             # ONNX Runtime runs a node whose domain is not imported, and at version 0 says only "KeyValueCache(-1) is
@@ -179,7 +211,7 @@ def refuse_crashing_nodes(model, version: str = None) -> None:
         return
     model = load_model(model)
     for node in (node for body in (model.graph, *model.functions) for node in _nodes(body)):  # functions' too
-        if node.domain == "opmx.dynamic_batching" and node.op_type == "MultiHeadCacheAttention" and \
+        if node.domain == DOMAIN and node.op_type == "MultiHeadCacheAttention" and \
                 len(node.input) > 12 and not node.input[11] and node.input[12]:
             needed = ".".join(map(str, _EMPTY_SCALE_BEFORE_MASK_LOADS))
             raise RuntimeError(

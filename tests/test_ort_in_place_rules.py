@@ -152,15 +152,16 @@ def test_the_fused_ops_cache_and_scale_follow_the_same_rule():
         make_session(model)
 
 
-def in_a_function(model, calls=1):
+def in_a_function(model, calls=1, imports=None):
     """``model`` (one op node) with that node moved into a model-local function the graph calls ``calls`` times
-    (each call's outputs renamed after the first): ONNX Runtime inlines such functions when it loads the model."""
+    (each call's outputs renamed after the first): ONNX Runtime inlines such functions when it loads the model.
+    ``imports``: the function's opset imports (default the model's)."""
     model = onnx.ModelProto.FromString(model.SerializeToString())
     (node,) = model.graph.node
     inputs = [name for name in node.input if name]
     body = onnx.NodeProto.FromString(node.SerializeToString())
     model.functions.append(helper.make_function("local", "store", inputs, list(node.output), [body],
-                                                list(model.opset_import)))
+                                                list(model.opset_import) if imports is None else imports))
     model.graph.ClearField("node")
     for call in range(calls):
         outputs = [o if call == 0 else f"{o}_{call}" for o in node.output]
@@ -205,3 +206,47 @@ def test_an_unknown_attribute_inside_a_model_local_function_is_refused():
     model.graph.node[0].attribute.append(helper.make_attribute("pagesize", 8))
     with pytest.raises(ValueError, match=r"KeyValueCache node .*unknown attribute\(s\) \['pagesize'\]"):
         check_attribute_names(in_a_function(model))
+
+
+def test_a_function_of_another_standard_opset_is_inlined_and_checked():
+    """A function importing ai.onnx at another version than the model is inlined with its opset converted, as ONNX
+    Runtime takes it: a read-only cache written inside it is refused (left uninlined, it ran on a copy whose writes
+    were lost)."""
+    case, model = kv_case()
+    wrapped = in_a_function(model, imports=[helper.make_opsetid(spec.DOMAIN, 1), helper.make_opsetid("", 13)])
+    assert in_place_inputs(wrapped) == {"cache"}
+    feeds = feeds_of(case)
+    feeds["cache"] = np.frombuffer(case.inputs["cache"].tobytes(), feeds["cache"].dtype).reshape(feeds["cache"].shape)
+    with pytest.raises(ValueError, match="read-only"):
+        run_model(wrapped, feeds)
+
+
+def test_a_domain_only_the_function_imports_is_imported_for_the_checks():
+    """ONNX Runtime runs a model whose function alone imports the op's domain; the checks take the import from the
+    function, and the writes land in the caller's cache."""
+    case, model = kv_case()
+    wrapped = in_a_function(model, imports=[helper.make_opsetid(spec.DOMAIN, 1)])
+    kept = [entry for entry in wrapped.opset_import if entry.domain != spec.DOMAIN]
+    wrapped.ClearField("opset_import")
+    wrapped.opset_import.extend(kept)
+    feeds, plain = feeds_of(case), feeds_of(case)
+    run_model(wrapped, feeds)
+    run_model(model, plain)
+    assert np.array_equal(feeds["cache"], plain["cache"]) and not np.array_equal(feeds["cache"], case.inputs["cache"])
+
+
+def test_a_function_the_inliner_cannot_take_is_refused_only_where_it_reaches_the_ops(monkeypatch):
+    from kvcache_op.ort_ops import graph_rules
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no conversion")
+
+    case, model = kv_case()
+    monkeypatch.setattr(graph_rules.onnx.inliner, "inline_local_functions", fails)
+    with pytest.raises(ValueError, match=r"model-local function local::store reaches an op of this package, and "
+                                         r"could not be inlined .*no conversion"):
+        in_place_inputs(in_a_function(model))
+    plain = onnx.ModelProto.FromString(model.SerializeToString())  # a function of standard ops only: let be
+    plain.functions.append(helper.make_function("local", "same", ["x"], ["y"], [helper.make_node("Identity", ["x"], ["y"])],
+                                                [helper.make_opsetid("", 21)]))
+    assert in_place_inputs(plain) == {"cache"}
