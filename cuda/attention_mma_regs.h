@@ -36,20 +36,19 @@
 namespace kvcache {
 namespace cuda {
 
-// Shared memory of a block (byte offsets): the queries (then, for the one-by-one path, the float weights
-// [64][kMmaLdScores], the same bytes), then two stages of the chunk's key and value rows.
-constexpr int64_t kMmaRegSmemQ = 0;
-constexpr int64_t kMmaRegSmemS = 0;
+// Shared memory of a block (byte offsets): two stages of a chunk's key and value rows, 68 KB (two blocks fit an
+// A100's multiprocessor). The queries are staged where stage 1's keys go (their fragments are loaded before the first
+// wait, after which the second chunk's copies may land there), and the one-by-one path's float weights
+// [64][kMmaLdScores] where the chunk's own keys are (read by then: a barrier comes between).
 constexpr int64_t kMmaRegRowsBytes = kMmaKeys * kMmaLdRows * 2;  // a chunk's key (or value) rows
-constexpr int64_t kMmaRegSmemStages = kMmaQueries * kMmaLdRows * 2;
-constexpr int64_t kMmaRegSharedBytes = kMmaRegSmemStages + 2 * 2 * kMmaRegRowsBytes;
+constexpr int64_t kMmaRegSharedBytes = 2 * 2 * kMmaRegRowsBytes;
 constexpr int64_t kMmaRegSharedWords = kMmaRegSharedBytes / 4;
-static_assert(kMmaQueries * kMmaLdScores * 4 <= kMmaRegSmemStages, "the float weights fit where the queries were");
-static_assert(kMmaRegSmemStages % 128 == 0 && kMmaRegRowsBytes % 128 == 0, "stages start 128-byte aligned");
 // Where stage `stage`'s key (kv 0) or value (kv 1) rows start.
-KV_HD constexpr int64_t MmaRegRowsAt(int64_t stage, int kv) {
-  return kMmaRegSmemStages + (2 * stage + kv) * kMmaRegRowsBytes;
-}
+KV_HD constexpr int64_t MmaRegRowsAt(int64_t stage, int kv) { return (2 * stage + kv) * kMmaRegRowsBytes; }
+constexpr int64_t kMmaRegSmemQ = MmaRegRowsAt(1, 0);
+static_assert(kMmaQueries * kMmaLdRows * 2 <= kMmaRegRowsBytes, "the queries fit where a chunk's keys go");
+static_assert(kMmaQueries * kMmaLdScores * 4 <= kMmaRegRowsBytes, "the float weights fit where a chunk's keys are");
+static_assert(kMmaRegRowsBytes % 128 == 0, "stages start 128-byte aligned");
 
 constexpr int kMmaKSteps = static_cast<int>(kMmaMaxHeadDim / 16);  // query fragments (16 dims each)
 constexpr int kMmaKeyTiles = static_cast<int>(kMmaKeys / 8);       // score tiles (8 keys each)
@@ -156,8 +155,8 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   for (int64_t c0 = key0; c0 < key1; c0 += NK, stage ^= 1) {
     const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
     const int64_t k_rows = MmaRegRowsAt(stage, 0), v_rows = MmaRegRowsAt(stage, 1);
-    // This chunk's rows landed, and every thread is past the previous chunk (which read the other stage, and the
-    // one-by-one path's weights where the queries were; the query fragments were loaded before the first).
+    // This chunk's rows landed, and every thread is past the previous chunk (which read the other stage: its rows and
+    // the one-by-one path's weights there), and, before the first, has loaded its query fragments from stage 1.
     team.template WaitSync<0>();
     issue(c0 + NK, stage ^ 1);
     team.Commit();
@@ -244,6 +243,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
       s.chunk_max[1] = m[1];
     });
     team.Butterfly(1, 4, [](MmaRegThread& s) -> auto& { return s.chunk_max; }, MaxOp{});
+    if (nonfinite_values) team.Sync();  // every warp's key fragments read before the weights go where the keys are
     team.Each([&](int64_t t, MmaRegThread& s) {  // running max, rescaled sums, weights as A fragments
       float f[2];
       KV_UNROLL
@@ -284,7 +284,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
             s.s[j][e] = w;
             if (nonfinite_values) {
               const int64_t qi = vector_of(t, r), kk = 8 * j + pair_of(t) + e % 2;
-              SharedPut(mem, kMmaRegSmemS / 4 + qi * kMmaLdScores + kk, w);
+              SharedPut(mem, k_rows / 4 + qi * kMmaLdScores + kk, w);
             }
           }
         }
@@ -333,8 +333,8 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
       team.Each([&](int64_t t, MmaRegThread& s) {
         const int64_t q0 = vector_of(t, 0), q1 = vector_of(t, 1), c = pair_of(t);
         for (int64_t kk = 0; kk < n; ++kk) {
-          const float w0 = q0 < Q ? SharedAt(mem, kMmaRegSmemS / 4 + q0 * kMmaLdScores + kk) : kHidden;
-          const float w1 = q1 < Q ? SharedAt(mem, kMmaRegSmemS / 4 + q1 * kMmaLdScores + kk) : kHidden;
+          const float w0 = q0 < Q ? SharedAt(mem, k_rows / 4 + q0 * kMmaLdScores + kk) : kHidden;
+          const float w1 = q1 < Q ? SharedAt(mem, k_rows / 4 + q1 * kMmaLdScores + kk) : kHidden;
           KV_UNROLL
           for (int d = 0; d < kMmaDimTiles; ++d) {
             if (d >= dtiles) continue;

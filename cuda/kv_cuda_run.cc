@@ -60,7 +60,7 @@ int CachedAttribute(int device, const char* what) {
 
 // Whether the tensor-core kernels can run on the device in `form` (1 or 2): products compiled for sm_80 or newer
 // (a build without sm_80 code would reach their trap), and their shared memory within the device's per-block limit
-// (form 1's 113 KB exceeds the 99 KB of sm_86, sm_89 and sm_120; form 2's 52 KB fits every sm_80 GPU).
+// (form 1's 113 KB exceeds the 99 KB of sm_86, sm_89 and sm_120; form 2's fits every sm_80 GPU).
 bool MmaKernelRuns(int device, int form) {
   static std::array<std::atomic<int>, 64> versions{};
   const int major = CachedAttribute<cudaDevAttrComputeCapabilityMajor>(device, "reading the compute capability");

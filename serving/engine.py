@@ -91,8 +91,9 @@ class Engine(OnlineEngine):
             max_context = check_int("max_context", max_context)
         self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads, max_batch_tokens)
         if max_batch_tokens is None:
-            max_batch_tokens = min(default_batch_tokens(self.runner.device[0]),
-                                   self.runner.step_token_limit or DEFAULT_DEVICE_BATCH_TOKENS)
+            max_batch_tokens = default_batch_tokens(self.runner.device[0])
+            if self.runner.step_token_limit is not None:
+                max_batch_tokens = min(max_batch_tokens, self.runner.step_token_limit)
         info = self.info = self.runner.info
         ps = info.page_size
         window = info.uniform_window

@@ -48,7 +48,9 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
     prompts = [(rng.integers(0, model.config.vocab_size, context - OWN_TOKENS).tolist() if distinct else system) +
                rng.integers(0, model.config.vocab_size, OWN_TOKENS).tolist() for _ in range(requests)]
     pages_each = pages_for(context + decode_steps)
-    engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=2 * context, max_running=requests,
+    # Two prompts a step, within the positions a step may feed (the rotary tables' rows).
+    budget = min(2 * context, MODELS[model_name]["max_position_embeddings"])
+    engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=budget, max_running=requests,
                     intra_op_num_threads=threads, trace_steps=True, decode_steps=1)
     engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1))
     params = sum(p.numel() for p in model.parameters())
