@@ -119,7 +119,8 @@ struct DeviceTeam {
       asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
                    : "=r"(r[0]), "=r"(r[1]) : "r"(at) : "memory");
     else
-      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];" : "=r"(r[0]), "=r"(r[1]) : "r"(at) : "memory");
+      asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                   : "=r"(r[0]), "=r"(r[1]) : "r"(at) : "memory");
 #else
     __trap();
 #endif

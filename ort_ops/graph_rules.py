@@ -104,7 +104,8 @@ def _reaches_our_ops(function, functions: dict, seen: set) -> bool:
         if node.domain == DOMAIN:
             return True
         callee = functions.get((node.domain, node.op_type))
-        if callee is not None and (callee.domain, callee.name) not in seen and _reaches_our_ops(callee, functions, seen):
+        if callee is not None and (callee.domain, callee.name) not in seen and \
+                _reaches_our_ops(callee, functions, seen):
             return True
     return False
 

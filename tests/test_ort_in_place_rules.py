@@ -247,6 +247,6 @@ def test_a_function_the_inliner_cannot_take_is_refused_only_where_it_reaches_the
                                          r"could not be inlined .*no conversion"):
         in_place_inputs(in_a_function(model))
     plain = onnx.ModelProto.FromString(model.SerializeToString())  # a function of standard ops only: let be
-    plain.functions.append(helper.make_function("local", "same", ["x"], ["y"], [helper.make_node("Identity", ["x"], ["y"])],
-                                                [helper.make_opsetid("", 21)]))
+    identity = helper.make_node("Identity", ["x"], ["y"])
+    plain.functions.append(helper.make_function("local", "same", ["x"], ["y"], [identity], [helper.make_opsetid("", 21)]))
     assert in_place_inputs(plain) == {"cache"}

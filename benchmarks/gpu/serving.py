@@ -11,8 +11,8 @@ sizes), exported by ``kvcache_op.hf.export_model`` (fused MultiHeadCacheAttentio
 prompts of ``--prompt-tokens`` random tokens each, ``--new-tokens`` tokens generated for each (end-of-sequence
 ignored by the engine, banned by ``min_new_tokens`` in transformers). tokens/s = generated tokens / wall time,
 prefill included. The engine runs at each ``--max-batch-tokens`` budget (default: its own default on the device, and
-on the GPU 256, the CPU's, beside it), side by side, with where its time went (steps; the graph's runs, device time included; the host's
-work between them). The target: 2x transformers on the GPU. Needs the ``hf`` extra; on the GPU,
+on the GPU 256, the CPU's, beside it), side by side, with where its time went (steps; the graph's runs, device time
+included; the host's work between them). The target: 2x transformers on the GPU. Needs the ``hf`` extra; on the GPU,
 onnxruntime-gpu, torch with CUDA and a CUDA build of the library.
 """
 
