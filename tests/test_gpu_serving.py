@@ -39,6 +39,20 @@ def test_the_engine_on_the_cuda_ep_serves_the_models_own_greedy_tokens(settings)
     assert tokens == [reference_generate(model, p, 10) for p in PROMPTS]
 
 
+def test_prompts_longer_than_a_step_are_chunked_at_the_gpu_budget():
+    """Three prompts of 500 tokens, 1,500 together: more than a GPU step takes here (8192 lowered to the model's 1,024
+    positions), so the prompts are fed in 1,024-token steps, one prompt split across two, and the tokens are still
+    the model's own on the same GPU."""
+    import numpy as np
+
+    prompts = np.random.default_rng(7).integers(1, 384, (3, 500)).tolist()
+    engine = Engine(hf_models.exported("llama"), num_pages=112, providers=["CUDAExecutionProvider"])
+    tokens = engine.generate(prompts, 8)
+    assert engine.metrics()["steps"] >= 2 + 7  # at least two steps to feed the prompts, then seven decode steps
+    model = copy.deepcopy(hf_models.model("llama")).to("cuda")
+    assert tokens == [reference_generate(model, p, 8) for p in prompts]
+
+
 def test_float16_agreement_with_transformers_on_the_same_gpu(tmp_path, record_property):
     """A float16 export on the CUDA EP against the float16 model's own greedy generation on the same GPU: the share of
     positions where both chose the same token (recorded in the junit report as float16_agreement)."""
