@@ -99,6 +99,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   const bool scale_only = p.softcap == 0.0f && p.mask_rank == 0 && !p.alibi;
   // Thread t's slices of a chunk's rows: slice u = t + i kMmaThreads is 8 elements at d0 of row (key) kk.
   const int64_t slices = D / kVec;
+  auto slice_at = [&](int64_t u) { return (u / slices * kMmaLdRows + u % slices * kVec) * 2; };  // within a row block
   // Copies chunk c0's key and value rows into stage `stage` (rows past the chunk's n keys zeroed: the value product
   // reads them with weight 0, and 0 x NaN would be NaN), or does nothing past the tile's keys.
   auto issue = [&](int64_t c0, int64_t stage) {
@@ -106,7 +107,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
     team.Each([&](int64_t t, MmaRegThread&) {
       for (int64_t u = t; u < NK * slices; u += kMmaThreads) {
-        const int64_t kk = u / slices, d0 = u % slices * kVec, at = (kk * kMmaLdRows + d0) * 2;
+        const int64_t kk = u / slices, d0 = u % slices * kVec, at = slice_at(u);
         if (kk >= n) {
           mem.template Store<Vec16>(kAShared, MmaRegRowsAt(stage, 0) + at, Vec16{});
           mem.template Store<Vec16>(kAShared, MmaRegRowsAt(stage, 1) + at, Vec16{});
@@ -163,8 +164,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     team.Each([&](int64_t t, MmaRegThread& s) {  // the value slices this thread copied: any inf or NaN?
       bool any = false;
       for (int64_t u = t; u < n * slices; u += kMmaThreads)
-        any = any || AnyNonFinite<T1>(mem.template Load<Vec16>(
-                         kAShared, v_rows + (u / slices * kMmaLdRows + u % slices * kVec) * 2));
+        any = any || AnyNonFinite<T1>(mem.template Load<Vec16>(kAShared, v_rows + slice_at(u)));
       s.nonfinite = any;
     });
     const bool nonfinite_values = team.SyncOr([](MmaRegThread& s) -> int32_t& { return s.nonfinite; });

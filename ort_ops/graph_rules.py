@@ -15,9 +15,9 @@ inlined where the function is called (:func:`as_run`), its cache the call's argu
 import onnx
 import onnx.inliner
 
+from ..spec.schema import DOMAIN
 from .write_order import check_write_order
 
-DOMAIN = "opmx.dynamic_batching"
 #: (domain, op type) -> positions of the inputs the op writes in place.
 IN_PLACE_INPUTS = {
     (DOMAIN, "KeyValueCache"): {8: "cache", 9: "scale"},
@@ -85,16 +85,16 @@ def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
     try:
         inlined, failure = onnx.inliner.inline_local_functions(shell, convert_version=True), "it was left as a call"
     except Exception as error:  # noqa: BLE001 - whatever the inliner's C++ raises, the check below decides
-        inlined, failure = None, f"onnx's inliner: {error}"
+        inlined, failure = model, f"onnx's inliner: {error}"
     functions = {(f.domain, f.name): f for f in model.functions}
-    left = {(n.domain, n.op_type) for n in _nodes((inlined if inlined is not None else model).graph)} & set(functions)
+    left = {(n.domain, n.op_type) for n in _nodes(inlined.graph)} & set(functions)
     for key in sorted(left):
         if _reaches_our_ops(functions[key], functions, set()):
             raise ValueError(f"model-local function {key[0]}::{key[1]} reaches an op of this package, and could not be "
                              f"inlined as ONNX Runtime runs it ({failure}), so what its ops write in place cannot be "
                              "checked: inline it before saving (onnx.inliner.inline_local_functions(model, "
                              "convert_version=True))")
-    return inlined if inlined is not None else model
+    return inlined
 
 
 def _reaches_our_ops(function, functions: dict, seen: set) -> bool:

@@ -30,7 +30,7 @@ from onnx import TensorProto
 from ..reference.dtypes import BFLOAT16, INT4
 from ..reference.quantize import pack_int4, unpack_int4
 from . import library_path
-from .graph_rules import check_attribute_names, in_place_inputs, load_model, refuse_crashing_nodes
+from .graph_rules import as_run, check_attribute_names, in_place_inputs, load_model, refuse_crashing_nodes
 from .large_models import serialized
 
 
@@ -68,7 +68,9 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
     ``RuntimeError`` for a node the onnxruntime imported would crash the process on."""
     from .. import spec  # noqa: F401 - registers the schemas the attribute names are checked against
 
-    graph = load_model(model)  # read once for both checks (ONNX Runtime reads a path itself: its external data)
+    # Read once, model-local functions inlined once, for the three checks (ONNX Runtime reads a path itself: its
+    # external data).
+    graph = as_run(load_model(model))
     in_place_inputs(graph)
     check_attribute_names(graph)
     refuse_crashing_nodes(graph)

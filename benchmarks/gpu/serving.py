@@ -25,9 +25,9 @@ import tempfile
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
-from ..serving.peers import PEER_MODELS, agreement, run_kvcache_op, run_transformers
 from ...serving.engine import DEFAULT_BATCH_TOKENS, default_batch_tokens
 from ..environment import recorded_command
+from ..serving.peers import PEER_MODELS, agreement, run_kvcache_op, run_transformers
 from ..serving.report import pages_for, publish
 from ..timing import ort_version
 from .bench import missing_requirements
