@@ -1,23 +1,27 @@
 // The staged decode kernel: the decode tiles (one query row, up to kDecodeHeads heads of one kv head, a range of
 // keys) where the key and value rows are stored as T1 of two bytes (float16 / bfloat16: packed, or an
-// unquantized cache) and 16-byte aligned.
+// unquantized cache), or as int8 / int4 codes with a scale per quant_group elements, in rows of whole 16-byte chunks,
+// 16-byte aligned.
 //
 // Decode reads every key and value row once: its speed is the bytes it keeps in flight per multiprocessor. The first
 // form (attention_decode.h) holds its reads in registers (four key and four value slices per lane), so the bytes in
 // flight are bounded by registers, and each of the tile's head rows finds the same rows again (where they lie, the
 // loads). Here the block copies its keys' rows into shared memory with asynchronous copies (cp.async: the copy in
-// flight holds no register), kStagedStages stages of a ring in flight at once, and every head row reads the staged
-// rows from shared memory (lanes of a row contiguous, the tile's head rows the same bytes: broadcasts).
+// flight holds no register), S - 1 stages of a ring of S in flight at once, and every head row reads the staged
+// rows from shared memory (lanes of a row contiguous, the tile's head rows the same bytes: broadcasts). Codes are
+// dequantized where they are read, in registers: a stage of codes is a half (int8) or a quarter (int4) of a stage of
+// float16 rows, so the ring of the same shared memory has more stages (S = StagedStages(QBits): 4, 5 or 8).
 //
 // A stage holds C = kStagedStageBytes / (2 Dh) consecutive keys of the tile: their key rows, then their value rows,
-// each row Dh / kVec chunks of 16 bytes. The block's threads are head rows as in the first form (lane x of head y in
+// then (quantized) the key rows' scales and the value rows' scales, each row whole chunks of 16 bytes. The block's threads are head rows as in the first form (lane x of head y in
 // key group z); key group z takes the stage's keys u groups + z (u < kStagedKeysPerGroup). A stage:
-//   wait    the stage's copies landed (team.WaitSync<kStagedStages - 2>: this thread's older copy groups done,
+//   wait    the stage's copies landed (team.WaitSync<S - 2>: this thread's older copy groups done,
 //           then the block's barrier, so every thread's copies are seen);
-//   issue   the copies of the stage kStagedStages - 1 ahead, into the slot the previous stage read (every thread
+//   issue   the copies of the stage S - 1 ahead, into the slot the previous stage read (every thread
 //           passed the barrier, so none reads it any more), then team.Commit() closes the group (one per stage,
 //           empty past the last, so the count of groups stays the same for every thread);
-//   dots    each lane dots its query slice with its slices of its group's staged key rows; the row's lanes add
+//   dots    each lane dots its query slice with its slices of its group's staged key rows (codes times their
+//           group's scale, rounded to T1 exactly as KeyValueCache's gather gives them); the row's lanes add
 //           their parts (team.Butterfly);
 //   values  as the first form (DecodeAddKeys): scores, the running max, each key's weight times its staged value
 //           slice added.
@@ -47,42 +51,110 @@ struct StagedThread {
   int32_t enters;  // bit u: the stage's key u of the group is one the query sees
 };
 
+// Whether the staged decode kernel is built for these rows: float16 / bfloat16 as stored, or codes (StagedRowsFit
+// then says whether a call's rows fit it).
+template <class T1, class Rows>
+constexpr bool kStagedRows = Rows::kQBits != 0 || (sizeof(typename T1::Storage) == 2 && Rows::kStoredAsT1);
+
+// Lane x's eight elements of a staged row, each given to each(e, value) in element order: float16 / bfloat16 as
+// stored (16 bytes at x 16), or codes (8 or 4 bytes at x times that) times their group's staged scale, rounded to
+// T1 exactly as KeyValueCache's gather gives them. Staged rows are whole 16-byte chunks, so every read is aligned for
+// its width. (Each element is handed on as it is made: a caller's sums then hold no converted row in registers.)
+template <class T1, class Rows, class Mem, class Each>
+KV_HD void StagedRow(const AttnParams& p, Mem& mem, int64_t row_byte, int64_t scale_byte, int64_t x, Each&& each) {
+  constexpr int QBits = Rows::kQBits;
+  if constexpr (QBits == 0) {
+    using T = typename T1::Storage;
+    const Vec16 w = mem.template Load<Vec16>(kAShared, row_byte + 16 * x);
+    KV_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      each(2 * i, ElemToFloat<T1>(static_cast<T>(w.w[i] & 0xffffu)));
+      each(2 * i + 1, ElemToFloat<T1>(static_cast<T>(w.w[i] >> 16)));
+    }
+  } else {
+    using S = typename Rows::Scale::Storage;
+    // Element x kVec's group (head_dim and quant_group fit 32 bits: the cheaper division).
+    const int32_t group = static_cast<int32_t>(x * kVec) / static_cast<int32_t>(p.quant_group);
+    const float scale = Rows::Scale::ToFloat(mem.template Load<S>(kAShared, scale_byte + group * int64_t(sizeof(S))));
+    const int64_t at = row_byte + x * kVec * QBits / 8;
+    uint64_t word;
+    if constexpr (QBits == 8)
+      word = mem.template Load<uint64_t>(kAShared, at);
+    else
+      word = mem.template Load<uint32_t>(kAShared, at);
+    float v[kVec];
+    DequantizeEight<QBits, T1>(word, scale, v);
+    KV_UNROLL
+    for (int e = 0; e < kVec; ++e) each(e, v[e]);
+  }
+}
+
 // Everything staged decode block `tile_index` (tile p.tiles + tile_index of kATiles) does, over its
-// kStagedThreads threads. Rows must be stored as T1 of two bytes, 16-byte aligned (the planner's StagedRowsFit).
+// kStagedThreads threads. Rows must fit the kernel (the planner's StagedRowsFit): float16 / bfloat16 as stored, or
+// codes whose rows and scale rows are whole 16-byte chunks, all 16-byte aligned.
 template <class T1, class Rows, class Team, class Mem>
 KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
-  using T = typename T1::Storage;
-  static_assert(sizeof(T) == 2 && Rows::kStoredAsT1, "staged rows are float16 / bfloat16 as stored");
-  constexpr int64_t U = kStagedKeysPerGroup, S = kStagedStages;
+  constexpr int QBits = Rows::kQBits;
+  static_assert(kStagedRows<T1, Rows>, "staged rows are float16 / bfloat16 as stored, or codes");
+  constexpr int64_t U = kStagedKeysPerGroup, S = StagedStages(QBits);
   const DecodeBlock d = DecodeBlockAt(p, mem, tile_index, kStagedThreads);
-  const int64_t D = p.head_dim, row_bytes = D * int64_t(sizeof(T)), C = kStagedStageBytes / row_bytes;
+  const int64_t D = p.head_dim, C = kStagedStageBytes / (2 * D);
+  // A row's bytes (D x 16 or QBits bits), a stage's rows of one kind (C rows: a constant, C x D being) and their
+  // 16-byte chunks; the same of the scales (none unquantized). Chunk counts are powers of two: shifts and masks.
+  constexpr int64_t kRowsBytes = StagedRowBytes(QBits), kRowsChunks = kRowsBytes / 16;
+  const int64_t row_bytes = D * (QBits ? QBits : 16) / 8;
+  const int64_t scale_row_bytes = QBits ? D / p.quant_group * int64_t(sizeof(typename Rows::Scale::Storage)) : 0;
+  const int64_t stage_bytes = 2 * (kRowsBytes + (QBits ? C * scale_row_bytes : 0));
+  // A row's chunks (1 << row_bits): a lane's 16 bytes of float16, or 16 bytes of codes for 2 (int8) or 4 (int4) lanes.
+  constexpr int kLanesPerChunkBits = QBits == 8 ? 1 : QBits == 4 ? 2 : 0;
+  int lane_bits = 0, scale_bits = 0;
+  while ((int64_t{1} << lane_bits) < d.lanes) ++lane_bits;
+  const int row_bits = lane_bits - kLanesPerChunkBits;
+  while (QBits && (int64_t{16} << scale_bits) < scale_row_bytes) ++scale_bits;
   // The keys a block reads: the tile's, within what the query sees (lo <= key0 and key1 <= hi for planned tiles;
   // kept as a bound, not assumed).
   const int64_t first = d.tile.key0 > d.lo ? d.tile.key0 : d.lo, last = d.tile.key1 < d.hi ? d.tile.key1 : d.hi;
   const int64_t stages = last > first ? (last - first + C - 1) / C : 0;
-  // Byte offset in shared memory of stage `stage`'s row `k` (key or value: kv) chunk x.
-  auto staged_at = [&](int64_t stage, int kv, int64_t k, int64_t x) {
-    return ((stage % S) * 2 + kv) * kStagedStageBytes + k * row_bytes + x * 16;
+  // Byte offsets in shared memory of stage `stage`'s row `k` (key or value: kv) and of its scales.
+  auto row_at = [&](int64_t stage, int kv, int64_t k) { return (stage % S) * stage_bytes + kv * kRowsBytes + k * row_bytes; };
+  auto scales_at = [&](int64_t stage, int kv, int64_t k) {
+    return (stage % S) * stage_bytes + 2 * kRowsBytes + (kv * C + k) * scale_row_bytes;
   };
-  // This thread's copies of stage `stage`: of its 2 kStagedStageBytes / 16 chunks, chunk i is (kv, key, lane) in
-  // that order. Lanes and C are powers of two, so shifts and masks (no division on the GPU's long path).
-  int lane_bits = 0;
-  while ((int64_t{1} << lane_bits) < d.lanes) ++lane_bits;
-  constexpr int64_t kChunksPerKv = kStagedStageBytes / 16;
+  // This thread's copies of stage `stage`: of its chunks, chunk i is (rows before scales, kv, key, chunk) in that
+  // order.
+  const int32_t scale_chunks = QBits ? int32_t(2 * C) << scale_bits : 0;
+  constexpr int64_t kMostChunks = 2 * (kRowsBytes + StagedScaleBytesMost(QBits)) / 16;
   auto issue = [&](int64_t stage) {
     if (stage >= stages) return;
     team.Each([&](int64_t t, StagedThread&) {
       KV_UNROLL
-      for (int64_t n = 0; n < 2 * kChunksPerKv / kStagedThreads; ++n) {
+      for (int64_t n = 0; n < (kMostChunks + kStagedThreads - 1) / kStagedThreads; ++n) {
         const int32_t i = static_cast<int32_t>(t + n * kStagedThreads);
-        const int kv = i >= kChunksPerKv ? 1 : 0;
-        const int32_t within = i & int32_t(kChunksPerKv - 1), k = within >> lane_bits,
-                      x = within & int32_t(d.lanes - 1);
+        const bool scales = QBits != 0 && i >= 2 * kRowsChunks;
+        if (scales && i - 2 * kRowsChunks >= scale_chunks) continue;
+        int kv;
+        int32_t k, x;
+        if (!scales) {
+          kv = i >= kRowsChunks ? 1 : 0;
+          const int32_t within = i & int32_t(kRowsChunks - 1);
+          k = within >> row_bits;
+          x = within & int32_t((d.lanes >> kLanesPerChunkBits) - 1);  // (kept so: ptxas spilled other forms)
+        } else {
+          const int32_t key = (i - int32_t(2 * kRowsChunks)) >> scale_bits;
+          kv = key >= C ? 1 : 0;
+          k = key - kv * int32_t(C);
+          x = (i - int32_t(2 * kRowsChunks)) & ((1 << scale_bits) - 1);
+        }
         const int64_t j = first + stage * C + k;
         if (j >= last) continue;
         const RowAt r = rows_of.At(p, kv, d.g, rows_of.Where(p, mem, d.tile.b, d.seq.col0, j));
-        team.CopyAsync16(mem, staged_at(stage, kv, k, x), rows_of.BufferOf(kv),
-                         (r.elem + x * kVec) * int64_t(sizeof(T)));
+        if (scales) {
+          team.CopyAsync16(mem, scales_at(stage, kv, k) + 16 * x, kAScale,
+                           r.scale * int64_t(sizeof(typename Rows::Scale::Storage)) + 16 * x);
+        } else {
+          const int64_t byte = QBits ? r.elem * QBits / 8 : r.elem * int64_t(sizeof(typename T1::Storage));
+          team.CopyAsync16(mem, row_at(stage, kv, k) + 16 * x, rows_of.BufferOf(kv), byte + 16 * x);
+        }
       }
     });
   };
@@ -108,12 +180,8 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
         float dot = 0.0f;
         if (d.HeadOf(t) < d.tile.heads && k < C && j < last) {
           s.enters |= 1 << u;
-          const Vec16 w = mem.template Load<Vec16>(kAShared, staged_at(stage, 0, k, x));
-          KV_UNROLL
-          for (int i = 0; i < 4; ++i) {
-            dot += s.q[2 * i] * ElemToFloat<T1>(static_cast<T>(w.w[i] & 0xffffu));
-            dot += s.q[2 * i + 1] * ElemToFloat<T1>(static_cast<T>(w.w[i] >> 16));
-          }
+          StagedRow<T1, Rows>(p, mem, row_at(stage, 0, k), scales_at(stage, 0, k), x,
+                              [&](int e, float key) { dot += s.q[e] * key; });
         }
         s.dots[u] = dot;
       }
@@ -124,12 +192,9 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
       DecodeAddKeys<U, T1>(
           p, mem, d, t, s, [&](int64_t u) { return first + stage * C + key_in_stage(t, u); },
           [&](int64_t u, float w, float(&acc)[kVec]) {
-            const Vec16 v = mem.template Load<Vec16>(kAShared, staged_at(stage, 1, key_in_stage(t, u), x));
-            KV_UNROLL
-            for (int i = 0; i < 4; ++i) {
-              acc[2 * i] += w * ElemToFloat<T1>(static_cast<T>(v.w[i] & 0xffffu));
-              acc[2 * i + 1] += w * ElemToFloat<T1>(static_cast<T>(v.w[i] >> 16));
-            }
+            const int64_t k = key_in_stage(t, u);
+            StagedRow<T1, Rows>(p, mem, row_at(stage, 1, k), scales_at(stage, 1, k), x,
+                                [&](int e, float value) { acc[e] += w * value; });
           });
     });
   }

@@ -210,8 +210,10 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) DecodeKernel(AttnParams p) 
   DecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
 }
 
+// Six blocks a multiprocessor for float16 rows (80 registers); codes take four (dequantizing needs up to 128
+// registers: at five blocks' 96, int8 rows spill 64 bytes, checked with -Xptxas -v for sm_90).
 template <class T1, class Rows>
-__global__ void __launch_bounds__(kStagedThreads, 6) StagedDecodeKernel(AttnParams p) {
+__global__ void __launch_bounds__(kStagedThreads, Rows::kQBits ? 4 : 6) StagedDecodeKernel(AttnParams p) {
   __shared__ __align__(16) float shared[kStagedSharedWords];
   AttnDeviceMem mem{p, shared};
   DeviceTeam<StagedThread> team{threadIdx.x, {}};
@@ -283,7 +285,7 @@ cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream, AttnStep step) 
         e != cudaSuccess)
       return e;
   if (p.decode_tiles > 0 && p.decode_form == 2) {
-    if constexpr (sizeof(typename T1::Storage) == 2 && Rows::kStoredAsT1) {
+    if constexpr (kStagedRows<T1, Rows>) {
       if (cudaError_t e = Launched([&] {
             StagedDecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kStagedThreads, 0, stream>>>(p);
           });

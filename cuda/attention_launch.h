@@ -53,16 +53,26 @@ KV_HD bool DecodeKernelFits(int64_t head_dim) {
 }
 
 // The staged decode kernel (attention_decode_staged.h) takes the same tiles where the key and value rows are
-// float16 / bfloat16 as stored (packed, or an unquantized cache) and 16-byte aligned: the block copies its keys' rows
-// into a ring of kStagedStages stages in shared memory (cp.async: the copies in flight hold no registers), each stage
-// kStagedStageBytes of key rows then as many of value rows, kStagedStageBytes / (2 Dh) keys, so every key group of
-// the block takes kStagedKeysPerGroup keys of a stage whatever Dh is.
+// float16 / bfloat16 as stored (packed, or an unquantized cache), or int8 / int4 codes with their scales, in rows of
+// whole 16-byte chunks, 16-byte aligned: the block copies its keys' rows into a ring of stages in shared memory
+// (cp.async: the copies in flight hold no registers). A stage holds kStagedStageBytes / (2 Dh) keys whatever Dh is
+// (so every key group of the block takes kStagedKeysPerGroup keys of a stage): their key rows, their value rows and,
+// quantized, the key rows' scales and the value rows' scales. Float16 rows fill kStagedStageBytes a kind; codes a
+// half or a quarter of that, so a quantized ring has more stages in the same shared memory (StagedStages).
 constexpr int64_t kStagedThreads = 128;
-constexpr int64_t kStagedStages = 4;
-constexpr int64_t kStagedStageBytes = 4096;  // one stage's key rows (its value rows as many again)
+constexpr int64_t kStagedStageBytes = 4096;  // one stage's key rows of float16 (its value rows as many again)
 constexpr int64_t kStagedKeysPerGroup = kStagedStageBytes / 2 / kVec * kDecodeHeads / kStagedThreads;
-constexpr int64_t kStagedSharedWords = kStagedStages * 2 * kStagedStageBytes / 4;
+constexpr int64_t kStagedSharedWords = 4 * 2 * kStagedStageBytes / 4;  // four stages of float16 rows
 static_assert(kStagedKeysPerGroup == 8, "a key group's keys of a stage: the dots each lane sums in one butterfly");
+// The bytes of one stage's rows of one kind (key or value): codes of `qbits` (0: float16 / bfloat16 as stored), and
+// at most of their scales (one float32 a group of kVec elements, the smallest group the kernel takes).
+KV_HD constexpr int64_t StagedRowBytes(int qbits) { return qbits ? kStagedStageBytes * qbits / 16 : kStagedStageBytes; }
+KV_HD constexpr int64_t StagedScaleBytesMost(int qbits) { return qbits ? kStagedStageBytes / 2 / kVec * 4 : 0; }
+// The stages of the ring: as many as the shared memory holds (4 of float16 rows, 5 of int8, 8 of int4).
+KV_HD constexpr int64_t StagedStages(int qbits) {
+  return kStagedSharedWords * 4 / (2 * (StagedRowBytes(qbits) + StagedScaleBytesMost(qbits)));
+}
+static_assert(StagedStages(0) == 4 && StagedStages(8) == 5 && StagedStages(4) == 8, "the rings as documented");
 
 // The tensor-core tile kernel (attention_mma.h) takes the tiles of longer sequences (prefill, chunks) where T1 is
 // float16 or bfloat16: kMmaQueries query vectors (rows x heads of one kv head) per block of kMmaThreads threads, a

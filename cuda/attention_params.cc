@@ -169,7 +169,12 @@ bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
 }
 
 bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
-  return TwoByteT1(t1) && (!cache || cache->attrs->quant_bit == 0) && RowsAligned16(t, cache);
+  if (!RowsAligned16(t, cache)) return false;
+  if (!cache || cache->attrs->quant_bit == 0) return TwoByteT1(t1);
+  // Codes: a lane's eight elements in one quantization group, the code rows and the scale rows whole 16-byte chunks
+  // (the scales counted at two bytes, the narrower scale type, so either type's rows are).
+  const int64_t D = cache->plan->head_dim, group = cache->attrs->quant_group;
+  return Aligned16(t.scale) && group % kVec == 0 && D * cache->attrs->quant_bit / 8 % 16 == 0 && D / group * 2 % 16 == 0;
 }
 
 int MmaFormFor(int asked, const CacheSide* cache) {

@@ -209,6 +209,8 @@ struct RowAt {
 template <class T1>
 struct PackedRows {
   static constexpr bool kStoredAsT1 = true;  // LoadVec16 copies eight elements as they are
+  static constexpr int kQBits = 0;
+  using Scale = T1;  // no scales (named so the kernels compile one body for every kind of rows)
   // Where key (and value) j of the sequence whose first key is col0 lies: its token.
   template <class Mem>
   KV_HD int64_t Where(const AttnParams&, Mem&, int64_t, int64_t col0, int64_t j) const {
@@ -230,11 +232,22 @@ struct PackedRows {
   }
 };
 
+// Eight elements of a quantized row from their codes (a word of LoadEightCodes) and their group's scale, exactly as
+// KeyValueCache's gather gives them: each code times the scale, rounded once to float, then to T1.
+template <int QBits, class T1>
+KV_HD void DequantizeEight(uint64_t word, float scale, float (&v)[kVec]) {
+  int32_t code[kVec];
+  UnpackEightCodes<QBits>(word, code);
+  for (int e = 0; e < kVec; ++e) v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(code[e]), scale));
+}
+
 // MultiHeadCacheAttention's keys and values, read in place from the cache: key j of sequence b is position j, at
 // its slot (offset or paged); quantized rows dequantized exactly as KeyValueCache's gather gives them.
 template <class T1, class T3, int QBits>
 struct CacheRows {
   static constexpr bool kStoredAsT1 = QBits == 0;
+  static constexpr int kQBits = QBits;  // 0: rows of T1; 8 or 4: codes, with a scale of T3 per quant_group elements
+  using Scale = T3;
   // Where key (and value) j of sequence b lies: its slot.
   template <class Mem>
   KV_HD int64_t Where(const AttnParams& p, Mem& mem, int64_t b, int64_t, int64_t j) const {
@@ -263,9 +276,7 @@ struct CacheRows {
       if (p.vector_rows && n == kSliceElems) {  // 8 codes of one group: one load, one scale
         const int64_t group = static_cast<int32_t>(d0) / group_size;
         const float s = T3::ToFloat(mem.template Load<S>(kAScale, (r.scale + group) * int64_t(sizeof(S))));
-        int32_t code[kVec];
-        UnpackEightCodes<QBits>(LoadEightCodes<QBits>(mem, r.elem + d0, kACache), code);
-        for (int e = 0; e < kSliceElems; ++e) v[e] = RoundToT1<T1>(ProductRn(static_cast<float>(code[e]), s));
+        DequantizeEight<QBits, T1>(LoadEightCodes<QBits>(mem, r.elem + d0, kACache), s, v);
         return;
       }
       for (int64_t e = 0; e < kSliceElems; ++e) {

@@ -91,13 +91,17 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   // call): the staged decode kernel beats the tile kernel on every shape measured, 1.09-1.32x (B=64 x 1,024 keys 8/2
   // heads: 0.079 against 0.087 ms; B=32 x 2,048 32/8: 0.272 against 0.347; MultiHeadAttention's packed B=64: 0.062
   // against 0.081), and the first decode kernel and the tensor-core kernel lose to both. So decodes take the staged
-  // kernel where the rows fit it (StagedRowsFit: float16 / bfloat16 as stored, 16-byte aligned), else the tile
-  // kernel; KVCACHE_OP_CUDA_DECODE_KERNEL=0 sends every decode to the tile kernel, =1 to the first decode kernel, and
-  // KVCACHE_OP_CUDA_MMA_DECODE=1 to the tensor-core kernel. Longer float16 / bfloat16 sequences take the tensor-core
-  // kernel (a B=8 x 1,024-row prefill, 32/8 heads, on an H100: 3.57 ms against 9.48 in the tile kernel) unless
-  // KVCACHE_OP_CUDA_MMA=0. All are read on every call: tests and benchmarks switch them.
+  // kernel where float16 / bfloat16 rows as stored fit it (16-byte aligned), else the tile kernel. Its quantized
+  // form (int8 / int4 codes staged with their scales) is not measured on a GPU yet, so a quantized cache takes it
+  // only with KVCACHE_OP_CUDA_DECODE_KERNEL=2 (where StagedRowsFit). KVCACHE_OP_CUDA_DECODE_KERNEL=0 sends every
+  // decode to the tile kernel, =1 to the first decode kernel, and KVCACHE_OP_CUDA_MMA_DECODE=1 to the tensor-core
+  // kernel. Longer float16 / bfloat16 sequences take the tensor-core kernel (a B=8 x 1,024-row prefill, 32/8 heads,
+  // on an H100: 3.57 ms against 9.48 in the tile kernel) unless KVCACHE_OP_CUDA_MMA=0. All are read on every call:
+  // tests and benchmarks switch them.
   const bool first_form = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
-  const bool staged = !first_form && !EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "0") && StagedRowsFit(t1, tensors, cache);
+  const bool quantized = cache != nullptr && cache->attrs->quant_bit != 0;
+  const bool staged = !first_form && !EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "0") &&
+                      (!quantized || EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2")) && StagedRowsFit(t1, tensors, cache);
   policy.decode_kernel = first_form || staged;
   policy.decode_form = staged ? 2 : 1;
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");

@@ -94,14 +94,20 @@ def test_prefill_tiles_and_split_decodes(runner, head_dim, t, heads, kv_heads):
     assert result.report.split_tiles > 0 and result.report.merges > 0
 
 
+def staged_fits(quant_bit, group, head_dim):
+    """Whether the staged decode kernel takes a cache of these rows (float16 / bfloat16 T1): unquantized, or codes
+    in groups of 8 or more whose rows and scale rows (at two bytes a scale) are whole 16-byte chunks."""
+    return quant_bit == 0 or (group % 8 == 0 and head_dim * quant_bit // 8 % 16 == 0 and head_dim // group * 2 % 16 == 0)
+
+
 @pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (8, 3, 24), (4, 8, 32), (4, 5, 10),
-                                                      (8, 4, 16)])
+                                                      (8, 4, 16), (4, 8, 64), (8, 16, 128)])
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
 @pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
 def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size, kernel):
     """The decode row (a sequence of one token) goes to the decode kernel where its head_dim fits it (8 x a power of
-    two), in its staged form where the cache is unquantized, or to the tile kernel: each reads every layout, page size
-    and quantization in place."""
+    two), in its staged form where the rows fit it (staged_fits), or to the tile kernel: each reads every layout, page
+    size and quantization in place."""
     seqs = [Seq(70, 1), Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(33, 1)]
     case = build_cache_attention(f"mhca-{quant_bit}-{group}-{layout}", seqs, group=4, decoding=1, is_alibi=1,
                                  sliding_window=50, softcap=3.0, mask=True, heads=2, head_dim=head_dim,
@@ -111,7 +117,7 @@ def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim
                         **decode_route(kernel))
     assert (result.report.decode_tiles > 0) == (kernel != "tile" and head_dim in (16, 32, 64, 128))
     if result.report.decode_tiles:
-        assert result.report.decode_form == (2 if kernel == "staged" and quant_bit == 0 else 1)
+        assert result.report.decode_form == (2 if kernel == "staged" and staged_fits(quant_bit, group, head_dim) else 1)
 
 
 @pytest.mark.parametrize("head_dim,t", [(8, "float32"), (16, "bfloat16"), (32, "float16"), (64, "float32"),
@@ -215,6 +221,31 @@ def test_a_wait_that_leaves_copies_in_flight_is_a_race_the_runner_reports(runner
     assert result.code == 4 and result.report.read_write > 0, result.message
     assert "asynchronous copy in flight" in result.message
     assert_clean(runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2))
+
+
+@pytest.mark.parametrize("quant_bit,t3", [(8, "float16"), (8, "float32"), (4, "float16"), (4, "float32")])
+@pytest.mark.parametrize("t1", ["float16", "bfloat16", "float32"])
+def test_staged_decode_dequantizes_codes_and_scales_it_copied(runner, quant_bit, t3, t1):
+    """Codes and their scales staged together: int8 / int4 rows with float16 or float32 scales, for every query type
+    (the codes are read as stored, whatever T1 is); decode rows of 4 heads per kv head split into parts of several
+    stages (the ring of 5 or 8 stages wraps), one cut short by a sliding window, in head-major pages."""
+    seqs = [Seq(700, 1), Seq(333, 1), Seq(1, 1), Seq(4, 9)]
+    case = build_cache_attention(f"staged-q{quant_bit}-{t3}-{t1}", seqs, group=4, decoding=3, heads=2, head_dim=64,
+                                 quant_bit=quant_bit, quant_group=8, cache_mode=1, cache_layout=3, page_size=16,
+                                 sliding_window=300, t1=t1, t3=t3)
+    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=10**6, min_split_keys=128, decode_form=2)
+    assert result.report.decode_form == 2 and result.report.decode_tiles > 0 and result.report.split_tiles > 0
+
+
+def test_a_short_wait_on_staged_codes_is_a_race_the_runner_reports(runner):
+    """The copies of a stage's scales are waited for as its codes are: with every wait one group short, a scale or
+    code read before its copy landed must be flagged."""
+    case = build_cache_attention("short-wait-codes", [Seq(300, 1)], group=4, heads=1, head_dim=128, quant_bit=8,
+                                 quant_group=8, cache_mode=1, page_size=16, t1="float16", t3="float16")
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2, short_wait=1)
+    assert result.code == 4 and result.report.read_write > 0, result.message
+    assert "asynchronous copy in flight" in result.message
+    check_mhca(runner, case.inputs, case.attributes, min_blocks=1, decode_form=2)
 
 
 def test_split_parts_of_several_chunks_merge_within_the_bound(runner):

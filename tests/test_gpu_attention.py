@@ -119,7 +119,8 @@ class AttentionCall:
 
 
 #: KVCACHE_OP_CUDA_DECODE_KERNEL of a decode route: the tile kernel, the first decode kernel, the staged decode
-#: kernel (the default where the rows fit it: float16 / bfloat16 as stored; other rows to the tile kernel).
+#: kernel (the default where float16 / bfloat16 rows as stored fit it; "2" sends quantized rows that fit it too,
+#: e.g. int8 and int4 of head_dim 128 in groups of 8; other rows to the tile kernel).
 DECODE_ROUTES = {"tile": "0", "decode": "1", "staged": "2"}
 
 

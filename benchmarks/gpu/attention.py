@@ -38,7 +38,9 @@ Figures, per case:
   default (rows copied into shared memory with cp.async), others the tile kernel; rows ending **decode kernel** /
   **tile kernel** / **tensor-core kernel** on a decode: sequences of one token through the first decode kernel
   (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``), the tile kernel (``=0``) or the tensor-core kernel
-  (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the default, on shapes measured above; **tile kernel** on a
+  (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the default, on shapes measured above; **staged decode kernel** on
+  an int8 decode: its codes and scales staged (``KVCACHE_OP_CUDA_DECODE_KERNEL=2``), beside the default tile
+  kernel's row of the same shape; **tile kernel** on a
   prefill: through the tile kernel
   (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16; **tensor-core
   kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``; built for unquantized rows only, so int8 and
@@ -102,7 +104,8 @@ def cases(quick: bool) -> list:
     """The measured cases (the module's notes); ``quick``: the same mix, tiny (a smoke run, measures nothing)."""
     if quick:
         return ([Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, layout=layout) for layout in (0, 3)]
-                + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3)]
+                + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3, kernel=k)
+                   for k in ("", "staged")]
                 + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k) for k in ("decode", "tile-decode", "mma")]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64),
@@ -121,6 +124,9 @@ def cases(quick: bool) -> list:
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, layout=layout, kernel="tile-decode") for layout in (0, 3)]
     out += [Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="tile-decode")]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, kernel=k) for k in ("decode", "mma")]
+    # the staged decode kernel on the int8 decodes (codes and scales staged; not the default until measured)
+    out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, layout=layout, kernel="staged")
+            for layout in (0, 3)]
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
     # the tensor-core kernel's second form (products in registers) on the prefills
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2"),
@@ -135,6 +141,7 @@ KERNELS = {
     "": ("", {}),
     "decode": ("decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "1"}),
     "tile-decode": ("tile kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "0"}),
+    "staged": ("staged decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "2"}),
     "mma": ("tensor-core kernel", {"KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
     "tile": ("tile kernel", {"KVCACHE_OP_CUDA_MMA": "0"}),
     "mma2": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2"}),

@@ -447,14 +447,14 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                     cuda::AttentionTile<T1>(p, Rows{}, mem, team, b);
                                                   });
   if (p.decode_form == 2) {
-    if constexpr (sizeof(typename T1::Storage) == 2 && Rows::kStoredAsT1) {
+    if constexpr (cuda::kStagedRows<T1, Rows>) {
       if (p.decode_tiles > 0) mem.report->decode_form = 2;
       RunBlocks<cuda::StagedThread, cuda::kStagedThreads>(mem, skip_sync, "staged decode launch", p.decode_tiles,
                                                           cuda::kStagedSharedWords, [&](auto& team, int64_t b) {
                                                             cuda::StagedDecodeTile<T1>(p, Rows{}, mem, team, b);
                                                           });
     } else if (p.decode_tiles > 0) {  // the library builds the staged form for these rows only
-      mem.Note(mem.report->out_of_bounds, "the staged decode kernel planned for rows it cannot copy as stored");
+      mem.Note(mem.report->out_of_bounds, "the staged decode kernel planned for rows it is not built for");
     }
   } else {
     if (p.decode_tiles > 0) mem.report->decode_form = 1;
