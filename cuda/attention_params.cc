@@ -168,13 +168,16 @@ bool MmaRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
   return TwoByteT1(t1) && Aligned16(t.query) && RowsAligned16(t, cache) && groups;
 }
 
-bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache) {
+bool StagedRowsFit(int32_t t1, int32_t scale_type, const AttnTensors& t, const CacheSide* cache) {
   if (!RowsAligned16(t, cache)) return false;
   if (!cache || cache->attrs->quant_bit == 0) return TwoByteT1(t1);
-  // Codes: a lane's eight elements in one quantization group, the code rows and the scale rows whole 16-byte chunks
-  // (the scales counted at two bytes, the narrower scale type, so either type's rows are).
+  // Codes: a lane's eight elements in one quantization group, the code rows and the scale rows whole 16-byte chunks;
+  // and a head_dim of 8 x a power of two (the planner's decode tiles have it), whose chunk counts the kernel finds
+  // by shifts and masks.
   const int64_t D = cache->plan->head_dim, group = cache->attrs->quant_group;
-  return Aligned16(t.scale) && group % kVec == 0 && D * cache->attrs->quant_bit / 8 % 16 == 0 && D / group * 2 % 16 == 0;
+  const int64_t scale_bytes = scale_type == int32_t(Elem::kFloat32) ? 4 : 2;
+  return Aligned16(t.scale) && DecodeKernelFits(D) && group % kVec == 0 && D * cache->attrs->quant_bit / 8 % 16 == 0 &&
+         D / group * scale_bytes % 16 == 0;
 }
 
 int MmaFormFor(int asked, const CacheSide* cache) {

@@ -73,9 +73,9 @@ int MmaFormFor(int asked, const CacheSide* cache);
 
 // Whether the staged decode kernel can read this call (it copies rows 16 bytes at a time): T1 float16 or bfloat16
 // with the key and value rows stored as T1 (packed, or an unquantized cache), or a quantized cache (any T1) whose
-// quant_group is a multiple of 8 and whose code rows and scale rows (counted at two bytes a scale) are multiples of
-// 16 bytes; the rows' buffers 16-byte aligned.
-bool StagedRowsFit(int32_t t1, const AttnTensors& t, const CacheSide* cache);
+// quant_group is a multiple of 8 and whose code rows and scale rows (of scale_type, the scale's ONNX type) are
+// multiples of 16 bytes; the rows' buffers 16-byte aligned.
+bool StagedRowsFit(int32_t t1, int32_t scale_type, const AttnTensors& t, const CacheSide* cache);
 
 // Params for a planned call whose words (launch.words) and partial records are at the given device addresses.
 AttnParams MakeAttnParams(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const AttnLaunchPlan& launch,

@@ -78,9 +78,10 @@ bool EnvIs(const char* name, const char* value) {
   return set != nullptr && std::string(set) == value;
 }
 
-// The planner's policy on the current device for a call of element type t1 over these tensors: about four tile
-// blocks (eight decode blocks) per multiprocessor.
-TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide* cache) {
+// The planner's policy on the current device for a call of element type t1 (and scale_type, the ONNX type of a
+// quantized cache's scale; 0 without) over these tensors: about four tile blocks (eight decode blocks) per
+// multiprocessor.
+TilePolicy DevicePolicy(int32_t t1, int32_t scale_type, const AttnTensors& tensors, const CacheSide* cache) {
   int device = 0;
   Check(cudaGetDevice(&device), "reading the current device");
   const int sms = CachedAttribute<cudaDevAttrMultiProcessorCount>(device, "reading the multiprocessor count");
@@ -101,7 +102,8 @@ TilePolicy DevicePolicy(int32_t t1, const AttnTensors& tensors, const CacheSide*
   const bool first_form = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
   const bool quantized = cache != nullptr && cache->attrs->quant_bit != 0;
   const bool staged = !first_form && !EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "0") &&
-                      (!quantized || EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2")) && StagedRowsFit(t1, tensors, cache);
+                      (!quantized || EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2")) &&
+                      StagedRowsFit(t1, scale_type, tensors, cache);
   policy.decode_kernel = first_form || staged;
   policy.decode_form = staged ? 2 : 1;
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
@@ -185,7 +187,7 @@ void RunAttentionValidated(const MhaAttrs& a, const MhaPlan& plan, int32_t t, co
                            cudaStream_t stream, DeviceScratch& scratch) {
   CheckAttentionAligned(tensors, t);
   RefuseGraphCapture(stream, "MultiHeadAttention");
-  const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy(t, tensors, nullptr));  // throws first
+  const AttnLaunchPlan launch = PlanAttention(a, plan, nullptr, DevicePolicy(t, 0, tensors, nullptr));  // throws first
   PlannedScratch planned(scratch, launch, a.head_dim);
   LaunchStaged(StagePlanned(a, plan, nullptr, launch, t, 0, 0, tensors, stream, planned), stream);
 }
@@ -202,7 +204,7 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   if (a.cache.quant_bit) CheckAligned("scale", tensors.scale, scale_type);  // read only when quantized
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
   RefuseGraphCapture(stream, "MultiHeadCacheAttention");
-  const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, tensors, &side));
+  const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, scale_type, tensors, &side));
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
   const StagedAttention attention = StagePlanned(a.attention, plan.attention, &side, launch, t1, scale_type,
                                                  static_cast<int>(a.cache.quant_bit), tensors, stream, planned);

@@ -22,6 +22,8 @@ from test_mhca_ort_cpu import naive_oracle
 from test_mhca_reference import cache_attention_calls
 
 from kvcache_op.reference import multi_head_attention
+from kvcache_op.reference.layout import canonical_view
+from kvcache_op.reference.quantize import dequantize
 from kvcache_op.validation.cases import Seq
 from kvcache_op.validation.mha_cases import build_attention
 from kvcache_op.validation.mhca_cases import build_cache_attention
@@ -94,19 +96,19 @@ def test_prefill_tiles_and_split_decodes(runner, head_dim, t, heads, kv_heads):
     assert result.report.split_tiles > 0 and result.report.merges > 0
 
 
-def staged_fits(quant_bit, group, head_dim):
-    """Whether the staged decode kernel takes a cache of these rows (float16 / bfloat16 T1): unquantized, or codes
-    in groups of 8 or more whose rows and scale rows (at two bytes a scale) are whole 16-byte chunks."""
-    return quant_bit == 0 or (group % 8 == 0 and head_dim * quant_bit // 8 % 16 == 0 and head_dim // group * 2 % 16 == 0)
+#: (quant_bit, quant_group, head_dim, whether the staged decode kernel takes the rows): unquantized float16, or
+#: codes in groups of 8 or more whose code rows and scale rows (at two bytes a scale) are whole 16-byte chunks.
+CACHE_ROWS = [(0, 8, 128, True), (8, 8, 64, True), (8, 3, 24, False), (4, 8, 32, False), (4, 5, 10, False),
+              (8, 4, 16, False), (4, 8, 64, True), (8, 16, 128, True)]
 
 
-@pytest.mark.parametrize("quant_bit,group,head_dim", [(0, 8, 128), (8, 8, 64), (8, 3, 24), (4, 8, 32), (4, 5, 10),
-                                                      (8, 4, 16), (4, 8, 64), (8, 16, 128)])
+@pytest.mark.parametrize("quant_bit,group,head_dim,staged_fits", CACHE_ROWS)
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
 @pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
-def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, mode, layout, page_size, kernel):
+def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, staged_fits, mode, layout, page_size,
+                                              kernel):
     """The decode row (a sequence of one token) goes to the decode kernel where its head_dim fits it (8 x a power of
-    two), in its staged form where the rows fit it (staged_fits), or to the tile kernel: each reads every layout, page
+    two), in its staged form where the rows fit it (CACHE_ROWS), or to the tile kernel: each reads every layout, page
     size and quantization in place."""
     seqs = [Seq(70, 1), Seq(1, 70), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(33, 1)]
     case = build_cache_attention(f"mhca-{quant_bit}-{group}-{layout}", seqs, group=4, decoding=1, is_alibi=1,
@@ -117,7 +119,7 @@ def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim
                         **decode_route(kernel))
     assert (result.report.decode_tiles > 0) == (kernel != "tile" and head_dim in (16, 32, 64, 128))
     if result.report.decode_tiles:
-        assert result.report.decode_form == (2 if kernel == "staged" and staged_fits(quant_bit, group, head_dim) else 1)
+        assert result.report.decode_form == (2 if kernel == "staged" and staged_fits else 1)
 
 
 @pytest.mark.parametrize("head_dim,t", [(8, "float32"), (16, "bfloat16"), (32, "float16"), (64, "float32"),
@@ -235,6 +237,55 @@ def test_staged_decode_dequantizes_codes_and_scales_it_copied(runner, quant_bit,
                                  sliding_window=300, t1=t1, t3=t3)
     result = check_mhca(runner, case.inputs, case.attributes, min_blocks=10**6, min_split_keys=128, decode_form=2)
     assert result.report.decode_form == 2 and result.report.decode_tiles > 0 and result.report.split_tiles > 0
+
+
+def _dequantized(cache, scale, quant_group, dtype):
+    """An unquantized cache of `dtype` holding what KeyValueCache's gather gives of every row of (cache, scale) (int8,
+    or ml_dtypes' int4: one code an element)."""
+    return dequantize(cache.astype(np.int8), scale, quant_group, dtype)
+
+
+@pytest.mark.parametrize("quant_bit,group,head_dim,t3,t1,layout,layers", [
+    (8, 8, 128, "float16", "float16", 3, 1), (4, 16, 256, "float32", "bfloat16", 0, 2),
+    (4, 8, 64, "float16", "bfloat16", 1, 3), (8, 32, 128, "float32", "float16", 2, 2)])
+def test_staged_codes_give_bit_for_bit_what_staged_dequantized_rows_give(runner, quant_bit, group, head_dim, t3, t1,
+                                                                          layout, layers):
+    """Independent of any tolerance: the staged kernel over a quantized cache and over an unquantized cache holding
+    the gather's dequantized rows (the same tiles, the same order of sums) give the same bytes, so every element is
+    dequantized exactly as KeyValueCache gives it (code times scale rounded once, then to T1). Decodes of 4 heads per
+    kv head split into parts, a sliding window, pages of 16, the last of `layers` layers."""
+    case = build_cache_attention(f"staged-exact-q{quant_bit}-{head_dim}", [Seq(200, 1), Seq(77, 1), Seq(1, 1)],
+                                 group=4, decoding=3, heads=2, head_dim=head_dim, quant_bit=quant_bit,
+                                 quant_group=group, cache_mode=1, cache_layout=layout, page_size=16, t1=t1, t3=t3,
+                                 num_layer=layers, layer_idx=layers - 1, sliding_window=150)
+    inputs, attributes = case.inputs, case.attributes
+    _, _, cache_after, scale_after = naive_oracle(inputs, attributes)
+    rows = _dequantized(cache_after, scale_after, group, inputs["query"].dtype)
+    # The unquantized call stores its current rows first: those the quantized call's store left (dequantized).
+    table, start = inputs["cachestarts"], inputs["start_pos"]
+    slots = [table[b, start[b] // 16] + start[b] % 16 for b in range(len(start))]
+    canonical = canonical_view(rows, layout)[layers - 1]  # [2, H, MaxT, Dh]
+    plain = dict(inputs, cache=rows, scale=None, current_key=np.stack([canonical[0, :, t] for t in slots]),
+                 current_value=np.stack([canonical[1, :, t] for t in slots]))
+    options = dict(min_blocks=10**6, min_split_keys=64, decode_form=2)
+    quantized = runner.run(copies(inputs), attributes, **options)
+    unquantized = runner.run(copies(plain), dict(attributes, quant_bit=0), **options)
+    assert_clean(quantized)
+    assert_clean(unquantized)
+    assert quantized.report.decode_form == unquantized.report.decode_form == 2
+    assert quantized.report.split_tiles > 0
+    assert quantized.output.tobytes() == unquantized.output.tobytes()
+
+
+@pytest.mark.parametrize("t3,staged", [("float16", False), ("float32", True)])
+def test_staged_decode_takes_scale_rows_of_whole_chunks_only(runner, t3, staged):
+    """head_dim 128 in groups of 32: four scales a row, 8 bytes of float16 (the kernel copies 16-byte chunks: the
+    first decode form reads them) or 16 of float32 (staged)."""
+    case = build_cache_attention(f"scale-rows-{t3}", [Seq(90, 1), Seq(3, 4)], group=2, decoding=1, heads=2,
+                                 head_dim=128, quant_bit=8, quant_group=32, cache_mode=1, page_size=16, t1="float16",
+                                 t3=t3)
+    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=1, decode_form=2)
+    assert result.report.decode_tiles > 0 and result.report.decode_form == (2 if staged else 1)
 
 
 def test_a_short_wait_on_staged_codes_is_a_race_the_runner_reports(runner):

@@ -538,7 +538,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   policy.mma_kernel = o.tile_kernel_only == 0 && cuda::MmaRowsFit(in[0].type, t, cache);
   policy.mma_decode = o.mma_decode != 0;
   policy.mma_form = cuda::MmaFormFor(o.mma_form == 2 ? 2 : 1, cache);
-  policy.decode_form = o.decode_form == 2 && cuda::StagedRowsFit(in[0].type, t, cache) ? 2 : 1;
+  policy.decode_form = o.decode_form == 2 && cuda::StagedRowsFit(in[0].type, scale_type, t, cache) ? 2 : 1;
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
