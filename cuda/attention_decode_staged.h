@@ -13,8 +13,9 @@
 // float16 rows, so the ring of the same shared memory has more stages (S = StagedStages(QBits): 4, 5 or 8).
 //
 // A stage holds C = kStagedStageBytes / (2 Dh) consecutive keys of the tile: their key rows, then their value rows,
-// then (quantized) the key rows' scales and the value rows' scales, each row whole chunks of 16 bytes. The block's threads are head rows as in the first form (lane x of head y in
-// key group z); key group z takes the stage's keys u groups + z (u < kStagedKeysPerGroup). A stage:
+// then (quantized) the key rows' scales and the value rows' scales, each row whole chunks of 16 bytes. The block's
+// threads are head rows as in the first form (lane x of head y in key group z); key group z takes the stage's keys
+// u groups + z (u < kStagedKeysPerGroup). A stage:
 //   wait    the stage's copies landed (team.WaitSync<S - 2>: this thread's older copy groups done,
 //           then the block's barrier, so every thread's copies are seen);
 //   issue   the copies of the stage S - 1 ahead, into the slot the previous stage read (every thread
@@ -116,7 +117,9 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
   const int64_t first = d.tile.key0 > d.lo ? d.tile.key0 : d.lo, last = d.tile.key1 < d.hi ? d.tile.key1 : d.hi;
   const int64_t stages = last > first ? (last - first + C - 1) / C : 0;
   // Byte offsets in shared memory of stage `stage`'s row `k` (key or value: kv) and of its scales.
-  auto row_at = [&](int64_t stage, int kv, int64_t k) { return (stage % S) * stage_bytes + kv * kRowsBytes + k * row_bytes; };
+  auto row_at = [&](int64_t stage, int kv, int64_t k) {
+    return (stage % S) * stage_bytes + kv * kRowsBytes + k * row_bytes;
+  };
   auto scales_at = [&](int64_t stage, int kv, int64_t k) {
     return (stage % S) * stage_bytes + 2 * kRowsBytes + (kv * C + k) * scale_row_bytes;
   };
@@ -138,7 +141,8 @@ KV_HD void StagedDecodeTile(const AttnParams& p, const Rows& rows_of, Mem& mem, 
           kv = i >= kRowsChunks ? 1 : 0;
           const int32_t within = i & int32_t(kRowsChunks - 1);
           k = within >> row_bits;
-          x = within & int32_t((d.lanes >> kLanesPerChunkBits) - 1);  // (kept so: ptxas spilled other forms)
+          // (The mask from d.lanes: written from row_bits, the float16 kernel spilled 16-36 bytes at 80 registers.)
+          x = within & int32_t((d.lanes >> kLanesPerChunkBits) - 1);
         } else {
           const int32_t key = (i - int32_t(2 * kRowsChunks)) >> scale_bits;
           kv = key >= C ? 1 : 0;
