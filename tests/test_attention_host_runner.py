@@ -334,6 +334,45 @@ def test_a_misaligned_element_access_is_reported(runner):
     assert result.code == 4 and result.report.misaligned > 0, result.message
 
 
+#: Routes over the same call: the staged and first decode forms, the tile kernel, split key ranges and their merges.
+FAR_ROUTES = {"staged": dict(decode_form=2), "decode": dict(decode_form=1), "tile": dict(tile_kernel_only=True),
+              "split": dict(min_blocks=10**6, min_split_keys=8, decode_form=2)}
+
+
+@pytest.mark.parametrize("route", sorted(FAR_ROUTES))
+def test_rows_past_2_to_the_31_elements_are_read_and_written_where_they_are(runner, route):
+    """A cache's rows past 2^31 elements (a 2.2 GB int8 cache, layout 0: a slot's rows are 512 elements): the call's
+    page table moved past them gives bit for bit the output and the stored rows the same call gives on a small cache.
+    A 32-bit element offset anywhere (the rows' offsets, the slots, the scales') would read or write other rows. The
+    large cache is allocated lazily (np.zeros): only the rows the call touches take memory."""
+    seqs = [Seq(5, 1), Seq(0, 20), Seq(9, 3, 12), Seq(30, 1)]  # decodes, a prefill, a chunk reading earlier rows
+    case = build_cache_attention("far-rows", seqs, group=2, decoding=1, heads=2, head_dim=128, quant_bit=8,
+                                 quant_group=8, cache_mode=1, cache_layout=0, page_size=4, t1="float16", t3="float16")
+    inputs, attributes = case.inputs, case.attributes
+    options = FAR_ROUTES[route]
+    near = copies(inputs)
+    small = runner.run(near, attributes, **options)
+    assert_clean(small)
+    slots = inputs["cache"].shape[0]
+    row = inputs["cache"][0].size  # elements a slot (layout 0: [MaxT, L, 2, H, Dh])
+    moved = 2**31 // row + 1000
+    assert moved * row > 2**31
+    cache = np.zeros((moved + slots, *inputs["cache"].shape[1:]), np.int8)
+    scale = np.zeros((moved + slots, *inputs["scale"].shape[1:]), inputs["scale"].dtype)
+    cache[moved:], scale[moved:] = inputs["cache"], inputs["scale"]
+    table = inputs["cachestarts"].copy()
+    table[table >= 0] += moved
+    far = dict(copies({k: v for k, v in inputs.items() if k not in ("cache", "scale")}), cache=cache, scale=scale,
+               cachestarts=table)
+    result = runner.run(far, attributes, **options)
+    assert_clean(result)
+    assert result.output.tobytes() == small.output.tobytes()
+    assert cache[moved:].tobytes() == near["cache"].tobytes() and scale[moved:].tobytes() == near["scale"].tobytes()
+    assert not cache[:moved].any()  # nothing stored below the moved rows (untouched pages read as the zero page)
+    assert result.report.decode_form == {"staged": 2, "decode": 1, "tile": 0, "split": 2}[route]
+    assert (result.report.split_tiles > 0) == (route == "split")
+
+
 # A call of 2^31 one-token sequences x kv heads: its query (65,536 tokens x 32,768 heads x 8 float16, 32 GiB on a
 # GPU) and output are addresses never touched, since validation and planning read shapes and the index inputs only.
 # The process may hold 3 GiB: building the 2^31 tiles first (128 GiB) would fail for want of memory, or, without
