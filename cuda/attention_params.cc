@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "attention_work.h"
+#include "byte_ranges.h"
 #include "kv_checked.h"
 #include "kv_cuda_params.h"
 #include "spec_float_mode.h"
@@ -175,7 +176,7 @@ bool StagedRowsFit(int32_t t1, int32_t scale_type, const AttnTensors& t, const C
   // and a head_dim of 8 x a power of two (the planner's decode tiles have it), whose chunk counts the kernel finds
   // by shifts and masks.
   const int64_t D = cache->plan->head_dim, group = cache->attrs->quant_group;
-  const int64_t scale_bytes = scale_type == int32_t(Elem::kFloat32) ? 4 : 2;
+  const int64_t scale_bytes = TensorBytes(scale_type, {1});
   return Aligned16(t.scale) && DecodeKernelFits(D) && group % kVec == 0 && D * cache->attrs->quant_bit / 8 % 16 == 0 &&
          D / group * scale_bytes % 16 == 0;
 }

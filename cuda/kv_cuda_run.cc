@@ -204,7 +204,8 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   if (a.cache.quant_bit) CheckAligned("scale", tensors.scale, scale_type);  // read only when quantized
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
   RefuseGraphCapture(stream, "MultiHeadCacheAttention");
-  const AttnLaunchPlan launch = PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, scale_type, tensors, &side));
+  const AttnLaunchPlan launch =
+      PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, scale_type, tensors, &side));
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
   const StagedAttention attention = StagePlanned(a.attention, plan.attention, &side, launch, t1, scale_type,
                                                  static_cast<int>(a.cache.quant_bit), tensors, stream, planned);

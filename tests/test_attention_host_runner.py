@@ -16,6 +16,7 @@ from hypothesis import given, settings
 
 from attention_host_runner import AttentionHostRunner, assert_clean, build
 from attention_strategies import attention_calls
+from far_rows import moved_call, slots_past_2_to_the_31
 from ort_helpers import copies
 from test_mha_reference import assert_within, oracle
 from test_mhca_ort_cpu import naive_oracle
@@ -353,17 +354,8 @@ def test_rows_past_2_to_the_31_elements_are_read_and_written_where_they_are(runn
     near = copies(inputs)
     small = runner.run(near, attributes, **options)
     assert_clean(small)
-    slots = inputs["cache"].shape[0]
-    row = inputs["cache"][0].size  # elements a slot (layout 0: [MaxT, L, 2, H, Dh])
-    moved = 2**31 // row + 1000
-    assert moved * row > 2**31
-    cache = np.zeros((moved + slots, *inputs["cache"].shape[1:]), np.int8)
-    scale = np.zeros((moved + slots, *inputs["scale"].shape[1:]), inputs["scale"].dtype)
-    cache[moved:], scale[moved:] = inputs["cache"], inputs["scale"]
-    table = inputs["cachestarts"].copy()
-    table[table >= 0] += moved
-    far = dict(copies({k: v for k, v in inputs.items() if k not in ("cache", "scale")}), cache=cache, scale=scale,
-               cachestarts=table)
+    moved = slots_past_2_to_the_31(inputs["cache"])
+    far, cache, scale = moved_call(inputs, moved)
     result = runner.run(far, attributes, **options)
     assert_clean(result)
     assert result.output.tobytes() == small.output.tobytes()

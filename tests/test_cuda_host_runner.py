@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 
 from cuda_host_runner import HostRunner, assert_clean, build
+from far_rows import moved_cache, moved_call, slots_past_2_to_the_31
 from ort_helpers import assert_same_bits, copies, reference_result
 from strategies import COMBINATIONS, calls, calls_for, shift_calls
 
@@ -224,36 +225,20 @@ def test_rotary_host_runner_refuses_a_quantized_row_longer_than_the_kernel_buffe
     assert inputs["cache"].tobytes() == before
 
 
-# Rows past 2^31 elements: a call whose slots are moved past them must store, gather and rotate the rows it would
-# near slot 0. A 2.2 GB int8 cache in layout 0 ([MaxT, L, 2, H, Dh]: a slot's rows are 512 codes), allocated lazily
-# (np.zeros): only the rows a call touches take memory.
-
-def _moved_cache(inputs: dict, moved: int) -> tuple:
-    """The case's cache and scale with their slots s at s + moved (layout 0), zeros below."""
-    cache = np.zeros((moved + inputs["cache"].shape[0], *inputs["cache"].shape[1:]), inputs["cache"].dtype)
-    scale = np.zeros((moved + inputs["scale"].shape[0], *inputs["scale"].shape[1:]), inputs["scale"].dtype)
-    cache[moved:], scale[moved:] = inputs["cache"], inputs["scale"]
-    return cache, scale
-
+# Rows past 2^31 elements (far_rows): a call whose slots are moved past them must store, gather and rotate the rows
+# it would near slot 0. A 2.2 GB int8 cache in layout 0 (a slot's rows are 512 codes), allocated lazily.
 
 def _far_case():
     case = build_case("far-rows", [Seq(5, 1), Seq(0, 20), Seq(9, 3, 12), Seq(30, 1)], heads=2, head_dim=128,
                       quant_bit=8, quant_group=8, cache_mode=1, cache_layout=0, page_size=4, t1="float16",
                       t3="float16")
-    row = case.inputs["cache"][0].size
-    moved = 2**31 // row + 1000
-    assert moved * row > 2**31
-    return case, moved
+    return case, slots_past_2_to_the_31(case.inputs["cache"])
 
 
 def test_rows_past_2_to_the_31_elements_are_stored_and_gathered_where_they_are(runner):
     case, moved = _far_case()
     want = reference_result(case.inputs, case.attributes)
-    cache, scale = _moved_cache(case.inputs, moved)
-    table = case.inputs["cachestarts"].copy()
-    table[table >= 0] += moved
-    far = dict(copies({k: v for k, v in case.inputs.items() if k not in ("cache", "scale")}), cache=cache,
-               scale=scale, cachestarts=table)
+    far, cache, scale = moved_call(case.inputs, moved)
     result = runner.run(far, case.attributes)
     assert_clean(result)
     assert_same_bits((result.key, result.value, cache[moved:], scale[moved:]), want)
@@ -267,7 +252,7 @@ def test_rows_past_2_to_the_31_elements_are_rotated_where_they_are(runner):
     attrs = dict(quant_bit=8, quant_group=8)
     want = dict(cache=case.inputs["cache"].copy(), scale=case.inputs["scale"].copy(), slots=slots, cos=cos, sin=sin)
     key_cache_rotary_shift(**want, **attrs)
-    cache, scale = _moved_cache(case.inputs, moved)
+    cache, scale = moved_cache(case.inputs, moved)
     result = runner.run_rotary(dict(cache=cache, scale=scale, slots=slots + moved, cos=cos, sin=sin), attrs)
     assert_clean(result)
     assert_same_bits((cache[moved:], scale[moved:]), (want["cache"], want["scale"]), names=("cache", "scale"))
