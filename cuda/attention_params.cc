@@ -31,6 +31,7 @@ bool TwoByteT1(int32_t t1) { return t1 == int32_t(Elem::kFloat16) || t1 == int32
 }  // namespace
 
 AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const TilePolicy& policy) {
+  static_assert(kMergeWords == kTileWords, "merges follow the tiles in records of the same size");
   AttnLaunchPlan out;
   if (plan.batch == 0 || plan.tokens == 0) return out;
   const int64_t D = a.head_dim, H = a.num_heads, G = plan.group, Hkv = plan.kv_heads, B = plan.batch;
@@ -65,102 +66,143 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
   // Whether sequence b (S queries) runs in the tensor-core kernel, else (one query) in the decode kernel.
   auto mma_takes = [&](int64_t S) { return mma_kernel && (S > 1 || (S == 1 && policy.mma_decode)); };
   auto decode_takes = [&](int64_t S) { return S == 1 && decode_kernel; };
-  // The tiles counted before any is built: a call needing more blocks than one launch runs is refused before the
-  // host holds them (at 64 bytes a tile, 2^31 tiles would be 128 GiB). Splitting adds fewer tiles than the GPU has
-  // blocks to fill (`want` below), so only the unsplit count can be out of range.
+  // Each kind's tiles (the tile kernel's, the decode kernel's, the tensor-core kernel's) are counted, then written
+  // straight into the words, sized once, in a second pass of the same walk (a kind that splits nothing is counted
+  // without one): a prefill's tiles run to megabytes, and lists of them grown beside the words, then copied, took
+  // 1.4x as long (tools/attention_host_cost.py), and up to 2 ms where the lists' memory was mapped fresh each call.
+  enum Kind { kTileKernel, kDecodeKernel, kMmaKernel, kKinds };
+  auto kind_of = [&](int64_t S) { return mma_takes(S) ? kMmaKernel : decode_takes(S) ? kDecodeKernel : kTileKernel; };
+  // The unsplit tiles, counted before any is built: a call needing more blocks than one launch runs is refused
+  // before the host holds them (at 64 bytes a tile, 2^31 tiles would be 128 GiB). Splitting adds fewer tiles than
+  // the GPU has blocks to fill (`most` below), so only the unsplit count can be out of range.
   auto ceil_div = [](int64_t n, int64_t d) { return (n + d - 1) / d; };
+  int64_t unsplit[kKinds] = {0, 0, 0};
   int64_t counted = 0;  // <= 2^31 + one sequence's tiles (<= H * S, within the query's elements): fits
   for (int64_t b = 0; b < B && counted <= 0x7fffffff; ++b) {
     const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
     if (S == 0) continue;
-    counted += Hkv * (mma_takes(S)      ? ceil_div(G, mma_heads) * ceil_div(S, mma_rows)
-                      : decode_takes(S) ? ceil_div(G, kDecodeHeads)
-                                        : ceil_div(G, tile_heads) * ceil_div(S, tile_rows));
+    const Kind kind = kind_of(S);
+    const int64_t n = Hkv * (kind == kMmaKernel      ? ceil_div(G, mma_heads) * ceil_div(S, mma_rows)
+                             : kind == kDecodeKernel ? ceil_div(G, kDecodeHeads)
+                                                     : ceil_div(G, tile_heads) * ceil_div(S, tile_rows));
+    unsplit[kind] += n;
+    counted += n;
   }
   if (counted > 0x7fffffff)
     Fail("attention on CUDA: the call needs at least ", counted, " blocks, more than one launch runs");
-  std::vector<Tile> base, decode_base, mma_base;
-  // Sequence b's tiles of up to `heads` heads (of one kv head) x `tile_rows` rows, each over the keys its rows see.
-  auto row_tiles = [&](int64_t b, int64_t S, int64_t heads, int64_t tile_rows, std::vector<Tile>& into) {
-    for (int64_t g = 0; g < Hkv && S > 0; ++g)
-      for (int64_t hh = 0; hh < G; hh += heads)
-        for (int64_t r0 = 0; r0 < S; r0 += tile_rows) {
-          const int64_t rows = std::min(tile_rows, S - r0);
-          int64_t lo, hi, lo_last, hi_last;
-          Visible(a, plan, b, r0, &lo, &hi);
-          Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
-          into.push_back(Tile{b, r0, rows, g * G + hh, std::min(heads, G - hh), lo, std::max(lo, hi_last), -1});
-        }
-  };
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
-    if (mma_takes(S)) {
-      row_tiles(b, S, mma_heads, mma_rows, mma_base);
-      continue;
-    }
-    if (decode_takes(S)) {
-      int64_t lo, hi;
-      Visible(a, plan, b, 0, &lo, &hi);
-      for (int64_t g = 0; g < Hkv; ++g)
-        for (int64_t hh = 0; hh < G; hh += kDecodeHeads)
-          decode_base.push_back(Tile{b, 0, 1, g * G + hh, std::min(kDecodeHeads, G - hh), lo, hi, -1});
-      continue;
-    }
-    row_tiles(b, S, tile_heads, tile_rows, base);
-  }
   // Too few blocks for the GPU: long key ranges split, each part a block of its own, merged after. The tile and
-  // decode launches run one after the other: each fills the GPU by itself.
-  auto want = [](size_t tiles, int64_t blocks) {
-    const int64_t count = std::max<int64_t>(1, static_cast<int64_t>(tiles));
-    return count < blocks ? (blocks + count - 1) / count : 1;
+  // decode launches run one after the other: each fills the GPU by itself. A kind splits a tile into at most
+  // `most` parts of at least `min_keys` keys.
+  auto want = [](int64_t tiles, int64_t blocks) {
+    const int64_t count = std::max<int64_t>(1, tiles);
+    return count < blocks ? (blocks + count - 1) / count : int64_t{1};
   };
-  std::vector<Tile> tiles, decode_tiles, mma_tiles;
-  std::vector<Merge> merges;
-  auto split = [&](const std::vector<Tile>& from, int64_t min_keys, int64_t most, std::vector<Tile>& into) {
-    for (const Tile& t : from) {
+  const int64_t min_keys[kKinds] = {policy.min_split_keys, policy.min_decode_split_keys, policy.min_split_keys};
+  const int64_t most[kKinds] = {want(unsplit[kTileKernel], policy.min_blocks),
+                                want(unsplit[kDecodeKernel], policy.min_decode_blocks),
+                                want(unsplit[kMmaKernel], policy.min_blocks)};
+  // Kind `kind`'s tiles in launch order (its sequences in order; per kv head, head group and rows), split:
+  // on_tile(tile) for each, on_merge(merge) for each split one. Records are numbered in the walk's order.
+  int64_t records = 0;
+  auto walk = [&](Kind kind, auto&& on_tile, auto&& on_merge) {
+    auto split = [&](const Tile& t) {
+      if (most[kind] == 1) {  // (a prefill's many tiles: no division)
+        on_tile(t);
+        return;
+      }
       const int64_t span = t.key1 - t.key0;
-      const int64_t parts = std::clamp<int64_t>(span / std::max<int64_t>(1, min_keys), 1, most);
+      const int64_t parts = std::clamp<int64_t>(span / std::max<int64_t>(1, min_keys[kind]), 1, most[kind]);
       const int64_t part_keys = parts > 1 ? (span + parts - 1) / parts : span;
       if (parts == 1 || part_keys >= span) {
-        into.push_back(t);
-        continue;
+        on_tile(t);
+        return;
       }
       const int64_t q = t.rows * t.heads;
-      Merge m{t.b, t.row0, t.rows, t.head0, t.heads, out.records, 0, 0};
+      Merge m{t.b, t.row0, t.rows, t.head0, t.heads, records, 0, 0};
       for (int64_t k0 = t.key0; k0 < t.key1; k0 += part_keys) {
         Tile part = t;
         part.key0 = k0;
         part.key1 = std::min(t.key1, k0 + part_keys);
-        part.partial = out.records;
-        out.records += q;
+        part.partial = records;
+        records += q;
         ++m.parts;
-        into.push_back(part);
+        on_tile(part);
       }
-      merges.push_back(m);
+      on_merge(m);
+    };
+    // Sequence b's tiles of up to `heads` heads (of one kv head) x `rows_most` rows, each over the keys its rows see.
+    auto row_tiles = [&](int64_t b, int64_t S, int64_t heads, int64_t rows_most) {
+      for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t hh = 0; hh < G; hh += heads)
+          for (int64_t r0 = 0; r0 < S; r0 += rows_most) {
+            const int64_t rows = std::min(rows_most, S - r0);
+            int64_t lo, hi, lo_last, hi_last;
+            Visible(a, plan, b, r0, &lo, &hi);
+            Visible(a, plan, b, r0 + rows - 1, &lo_last, &hi_last);
+            split(Tile{b, r0, rows, g * G + hh, std::min(heads, G - hh), lo, std::max(lo, hi_last), -1});
+          }
+    };
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t S = plan.seqstarts[b + 1] - plan.seqstarts[b];
+      if (S == 0 || kind_of(S) != kind) continue;
+      if (kind == kMmaKernel) {
+        row_tiles(b, S, mma_heads, mma_rows);
+      } else if (kind == kDecodeKernel) {
+        int64_t lo, hi;
+        Visible(a, plan, b, 0, &lo, &hi);
+        for (int64_t g = 0; g < Hkv; ++g)
+          for (int64_t hh = 0; hh < G; hh += kDecodeHeads)
+            split(Tile{b, 0, 1, g * G + hh, std::min(kDecodeHeads, G - hh), lo, hi, -1});
+      } else {
+        row_tiles(b, S, tile_heads, tile_rows);
+      }
     }
   };
-  split(base, policy.min_split_keys, want(base.size(), policy.min_blocks), tiles);
-  split(decode_base, policy.min_decode_split_keys, want(decode_base.size(), policy.min_decode_blocks), decode_tiles);
-  split(mma_base, policy.min_split_keys, want(mma_base.size(), policy.min_blocks), mma_tiles);
-  out.tiles = static_cast<int64_t>(tiles.size());
-  out.decode_tiles = static_cast<int64_t>(decode_tiles.size());
-  out.mma_tiles = static_cast<int64_t>(mma_tiles.size());
+  int64_t tiles[kKinds] = {0, 0, 0}, merges = 0;
+  for (const Kind kind : {kTileKernel, kDecodeKernel, kMmaKernel}) {
+    if (most[kind] == 1)  // nothing split: the unsplit count
+      tiles[kind] = unsplit[kind];
+    else
+      walk(kind, [&](const Tile&) { ++tiles[kind]; }, [&](const Merge&) { ++merges; });
+  }
+  out.tiles = tiles[kTileKernel];
+  out.decode_tiles = tiles[kDecodeKernel];
+  out.mma_tiles = tiles[kMmaKernel];
   out.mma_form = policy.mma_form;
   out.decode_form = policy.decode_form;
-  out.merges = static_cast<int64_t>(merges.size());
+  out.merges = merges;
+  out.records = records;
   int64_t floats = 0;
   if (out.tiles > 0x7fffffff || out.decode_tiles > 0x7fffffff || out.mma_tiles > 0x7fffffff ||
       out.merges > 0x7fffffff || !MulFits(out.records, D + 2, &floats) || !MulFits(floats, 4, &floats))
     Fail("attention on CUDA: the call needs ", out.tiles + out.decode_tiles + out.mma_tiles, " blocks and ",
          out.records, " partial records, more than one launch runs");
   out.index_words = static_cast<int64_t>(index.size());
-  index.reserve(index.size() +
-                static_cast<size_t>((out.tiles + out.decode_tiles + out.mma_tiles + out.merges) * kTileWords));
-  for (const auto* list : {&tiles, &decode_tiles, &mma_tiles})
-    for (const Tile& t : *list)
-      index.insert(index.end(), {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial});
-  for (const Merge& m : merges)
-    index.insert(index.end(), {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}});
+  const int64_t all_tiles = out.tiles + out.decode_tiles + out.mma_tiles;
+  index.resize(static_cast<size_t>(out.index_words + (all_tiles + out.merges) * kTileWords));
+  int64_t* tile_at = index.data() + out.index_words;
+  int64_t* const tiles_end = tile_at + all_tiles * kTileWords;
+  int64_t* merge_at = tiles_end;
+  int64_t* const merges_end = index.data() + index.size();
+  // The second walk writes what the first counted; the cursors are checked all the same, so that a count and a walk
+  // that ever disagree are refused instead of writing past the words.
+  bool disagree = false;
+  records = 0;
+  for (const Kind kind : {kTileKernel, kDecodeKernel, kMmaKernel})
+    walk(
+        kind,
+        [&](const Tile& t) {
+          if (tile_at == tiles_end) return void(disagree = true);
+          const int64_t w[kTileWords] = {t.b, t.row0, t.rows, t.head0, t.heads, t.key0, t.key1, t.partial};
+          tile_at = std::copy(w, w + kTileWords, tile_at);
+        },
+        [&](const Merge& m) {
+          if (merge_at == merges_end) return void(disagree = true);
+          const int64_t w[kMergeWords] = {m.b, m.row0, m.rows, m.head0, m.heads, m.first, m.parts, int64_t{0}};
+          merge_at = std::copy(w, w + kMergeWords, merge_at);
+        });
+  if (disagree || tile_at != tiles_end || merge_at != merges_end || records != out.records)
+    Fail("attention on CUDA: the planner's tile count and its tiles disagree (a defect; the call is refused)");
   return out;
 }
 
