@@ -266,7 +266,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
           KV_UNROLL
           for (int e = 0; e < 4; ++e) {
             const int r = e / 2;
-            const float w = none[r] ? 0.0f : expf(s.s[j][e] - s.max[r]);  // as below, without the hidden keys
+            const float w = none[r] ? 0.0f : WeightExp(s.s[j][e] - s.max[r]);  // as below, without the hidden keys
             s.sum[r] += w;
             s.s[j][e] = w;
           }
@@ -279,7 +279,7 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
             const int r = e / 2;
             const bool hidden = (s.hidden >> (4 * j + e)) & 1u;
             // Nothing but -inf so far: weight 0, which still lets a non-finite value through (the one-by-one path).
-            const float w = hidden ? kHidden : s.max[r] == MinusInf() ? 0.0f : expf(s.s[j][e] - s.max[r]);
+            const float w = hidden ? kHidden : s.max[r] == MinusInf() ? 0.0f : WeightExp(s.s[j][e] - s.max[r]);
             if (!hidden) s.sum[r] += w;
             s.s[j][e] = w;
             if (nonfinite_values) {
