@@ -101,7 +101,7 @@ KV_HD Vec16 StageEight(const AttnParams& p, const Rows& rows_of, Mem& mem, int k
 // relative error (the unit's 2^-22 and a few 2^-24 |x| from rounding x log2 e) is far below the rounding each weight
 // then takes to T1 as a factor of the value product (2^-11 for float16, 2^-8 for bfloat16). -inf gives 0 and NaN
 // NaN, as expf does; a weight below 2^-126 is 0 (so small a weight moves the output by under 2^-126 of the largest
-// value's magnitude).
+// value's magnitude, though an inf value under it now gives NaN, not inf: the spec leaves the weights' underflow open).
 KV_HD float WeightExp(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
 #if defined(__CUDA_ARCH__)
@@ -109,7 +109,8 @@ KV_HD float WeightExp(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(w) : "f"(x * kLog2e));
   return w;
 #else
-  return std::exp2(x * kLog2e);
+  const float w = std::exp2(x * kLog2e);  // flushed as the unit flushes, so the host runner shows what the GPU gives
+  return w < 1.17549435e-38f ? 0.0f : w;  // (NaN stays NaN)
 #endif
 }
 

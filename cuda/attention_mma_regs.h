@@ -71,6 +71,29 @@ struct MmaRegThread {
 };
 
 
+// A thread's walk over its slices of a chunk's rows, u = t, t + kMmaThreads, ...: slice u is kVec elements from
+// column (u % slices) kVec of row (key) u / slices. Stepped by a quotient and a remainder found once per tile, so a
+// chunk's copies and checks divide once per thread, not once per slice (a division takes about twenty instructions,
+// and a lane walks up to 16 slices twice a chunk).
+struct SliceSteps {
+  int64_t slices, rows, cols;  // a step of kMmaThreads slices: `rows` rows and `cols` columns more
+  KV_HD explicit SliceSteps(int64_t slices_per_row)
+      : slices(slices_per_row), rows(kMmaThreads / slices_per_row), cols(kMmaThreads % slices_per_row) {}
+};
+struct SliceWalk {
+  int64_t kk, col;
+  KV_HD SliceWalk(int64_t t, const SliceSteps& s) : kk(t / s.slices), col(t % s.slices) {}
+  KV_HD void Next(const SliceSteps& s) {
+    kk += s.rows;
+    col += s.cols;
+    if (col >= s.slices) {
+      col -= s.slices;
+      ++kk;
+    }
+  }
+  KV_HD int64_t At() const { return (kk * kMmaLdRows + col * kVec) * 2; }  // bytes within a chunk's row block
+};
+
 // Everything block `tile_index` of the tensor-core launch does, in the second form.
 template <class T1, class Rows, class Team, class Mem>
 KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& team, int64_t tile_index) {
@@ -99,15 +122,15 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
   const bool scale_only = p.softcap == 0.0f && p.mask_rank == 0 && !p.alibi;
   // Thread t's slices of a chunk's rows: slice u = t + i kMmaThreads is 8 elements at d0 of row (key) kk.
   const int64_t slices = D / kVec;
-  auto slice_at = [&](int64_t u) { return (u / slices * kMmaLdRows + u % slices * kVec) * 2; };  // within a row block
+  const SliceSteps steps_of(slices);
   // Copies chunk c0's key and value rows into stage `stage` (rows past the chunk's n keys zeroed: the value product
   // reads them with weight 0, and 0 x NaN would be NaN), or does nothing past the tile's keys.
   auto issue = [&](int64_t c0, int64_t stage) {
     if (c0 >= key1) return;
     const int64_t n = key1 - c0 < NK ? key1 - c0 : NK;
     team.Each([&](int64_t t, MmaRegThread&) {
-      for (int64_t u = t; u < NK * slices; u += kMmaThreads) {
-        const int64_t kk = u / slices, d0 = u % slices * kVec, at = slice_at(u);
+      for (SliceWalk u(t, steps_of); u.kk < NK; u.Next(steps_of)) {
+        const int64_t kk = u.kk, d0 = u.col * kVec, at = u.At();
         if (kk >= n) {
           mem.template Store<Vec16>(kAShared, MmaRegRowsAt(stage, 0) + at, Vec16{});
           mem.template Store<Vec16>(kAShared, MmaRegRowsAt(stage, 1) + at, Vec16{});
@@ -163,8 +186,8 @@ KV_HD void MmaRegTile(const AttnParams& p, const Rows& rows_of, Mem& mem, Team& 
     team.Commit();
     team.Each([&](int64_t t, MmaRegThread& s) {  // the value slices this thread copied: any inf or NaN?
       bool any = false;
-      for (int64_t u = t; u < n * slices; u += kMmaThreads)
-        any = any || AnyNonFinite<T1>(mem.template Load<Vec16>(kAShared, v_rows + slice_at(u)));
+      for (SliceWalk u(t, steps_of); u.kk < n; u.Next(steps_of))
+        any = any || AnyNonFinite<T1>(mem.template Load<Vec16>(kAShared, v_rows + u.At()));
       s.nonfinite = any;
     });
     const bool nonfinite_values = team.SyncOr([](MmaRegThread& s) -> int32_t& { return s.nonfinite; });

@@ -33,8 +33,8 @@ struct TilePolicy {
 };
 
 // The host side of one launch, copied to the device as one block of words: kAIndex's words (the first
-// index_words), then the tile kernel's tiles, the decode kernel's and the merges (kATiles's words); and how many partial records the split tiles
-// write.
+// index_words), then the tile kernel's tiles, the decode kernel's, the tensor-core kernel's and the merges
+// (kATiles's words); and how many partial records the split tiles write.
 struct AttnLaunchPlan {
   std::vector<int64_t> words;
   int64_t index_words = 0, tiles = 0, decode_tiles = 0, mma_tiles = 0, merges = 0, records = 0;

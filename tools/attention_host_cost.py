@@ -5,8 +5,8 @@ the plan's words to the device and the launches (the GPU attention benchmark's "
 
     python tools/attention_host_cost.py            # from a checkout, with kvcache_op installed
 
-Builds tools/attention_host_cost.cc with the planner's sources (c++, -O3 as the library's release build) into a temporary folder. Medians of 7
-rounds, each the mean of its calls.
+Builds tools/attention_host_cost.cc with the planner's sources (c++, -O3 as the library's release build) into a
+temporary folder. Medians of 7 rounds, each the mean of its calls.
 """
 
 import ctypes
@@ -40,9 +40,10 @@ def build(folder: pathlib.Path) -> ctypes.CDLL:
     """The timing library, compiled from this checkout."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
-        sys.exit("no C++ compiler (c++ / g++ / $CXX)")
+        raise RuntimeError("no C++ compiler (c++ / g++ / $CXX) to build the timing library")
     target = folder / "attention_host_cost.so"
-    flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"] + [f"-I{ROOT / d}" for d in ("cuda", "cpu", "capi")]
+    flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared"]
+    flags += [f"-I{ROOT / d}" for d in ("cuda", "cpu", "capi")]
     subprocess.run([cxx, *flags, *(str(ROOT / s) for s in SOURCES), "-o", str(target)], check=True)
     lib = ctypes.CDLL(str(target))
     lib.attention_host_cost.argtypes = [ctypes.POINTER(c_api.CMultiHeadCacheAttentionAttrs),
