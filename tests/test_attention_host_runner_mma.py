@@ -104,6 +104,31 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan(runner, form):
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)).any(axis=-1).all()
 
 
+@pytest.mark.parametrize("below,want", [(80.0, np.inf), (90.0, np.nan)])
+def test_an_inf_value_under_a_weight_below_2_to_the_126_is_nan(runner, form, below, want):
+    """The weights come from the GPU's exp2 unit, which flushes results below 2^-126 to 0 (the host runner flushes as
+    it does): an inf value whose key scores 80 below the max still gives inf (weight e^-80 = 1.8e-35), but 90 below
+    (e^-90 = 8.2e-40) its weight is 0 and 0 x inf is NaN. The spec leaves the weights' underflow open: the naive
+    oracle gives inf for both. The other columns are exactly 1."""
+    head_dim = 16
+    query = np.zeros((2, 1, head_dim), np.float16)
+    query[:, 0, 0] = 1
+    key = np.zeros((2, 1, head_dim), np.float16)
+    key[1, 0, 0] = -1  # key 0 scores 0, key 1 -below
+    value = np.ones((2, 1, head_dim), np.float16)
+    value[1, 0, 3] = np.inf
+    inputs = dict(query=query, key=key, value=value, attn_mask=None, seqstarts=np.array([0, 2]),
+                  kvstarts=np.array([0, 2]), decoding_batches=np.array(0), max_seqlen=np.array(2),
+                  max_kvlen=np.array(2))
+    attributes = dict(num_heads=1, head_dim=head_dim, is_causal=0, softmax_scale=below)
+    result = runner.run(copies(inputs), attributes, min_blocks=1, mma_form=form)
+    assert result.code == 0 and result.report.faults() == 0 and result.report.mma_tiles > 0, result.message
+    assert np.isposinf(multi_head_attention(**inputs, **attributes)[:, 0, 3]).all()
+    column = result.output[:, 0, 3]
+    assert (np.isnan(column) if np.isnan(want) else np.isposinf(column)).all(), column
+    assert np.all(np.delete(result.output, 3, axis=-1) == 1)
+
+
 @pytest.mark.parametrize("route", ["chunk", "mma-decode", "draft-tokens", "cache-attention"])
 def test_outputs_at_the_float16_maximum_saturate_instead_of_overflowing(runner, form, route):
     """Every value 65504 (float16's largest), so the exact output is 65504. The weights exp(-0.69265) = 0.500249 of
