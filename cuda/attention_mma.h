@@ -32,6 +32,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "attention_work.h"
 
@@ -110,7 +111,7 @@ KV_HD float WeightExp(float x) {
   return w;
 #else
   const float w = std::exp2(x * kLog2e);  // flushed as the unit flushes, so the host runner shows what the GPU gives
-  return w < 1.17549435e-38f ? 0.0f : w;  // (NaN stays NaN)
+  return w < std::numeric_limits<float>::min() ? 0.0f : w;  // (NaN stays NaN)
 #endif
 }
 

@@ -28,8 +28,8 @@ double Median(std::vector<double> v) {
 }  // namespace
 
 // out[0..2]: median ns per call of the validation, the store's index words and the plan; out[3]: the plan's words,
-// out[4]: its tiles. The policy
-// is the GPU path's defaults, with the tensor-core kernel for sequences longer than one token when `mma` is set.
+// out[4]: its tiles. The policy is the GPU path's defaults, with the tensor-core kernel for sequences longer than one
+// token when `mma` is set.
 // Returns 0, or -1 when the call is refused (out[0] then unset).
 extern "C" __attribute__((visibility("default"))) int attention_host_cost(
     const KvcacheMultiHeadCacheAttentionAttrs* attrs, const KvcacheTensor inputs[13], const KvcacheTensor* output,

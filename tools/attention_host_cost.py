@@ -20,6 +20,7 @@ import tempfile
 
 import numpy as np
 
+from kvcache_op.benchmarks.gpu.attention import Case, index_arrays
 from kvcache_op.capi import c_api
 from kvcache_op.reference import cache_shape
 
@@ -33,7 +34,6 @@ SHAPES = [("decode B=64 kvlen=1024 8/2 heads", 64, 1, 1024, 8, 2, 0, False),
           ("decode B=32 kvlen=2048 32/8 heads", 32, 1, 2048, 32, 8, 0, False),
           ("prefill B=8 S=1024 32/8 heads, tensor-core tiles", 8, 1024, 1024, 32, 8, 0, True),
           ("prefill B=8 S=1024 32/8 heads, tile-kernel tiles (float32's route)", 8, 1024, 1024, 32, 8, 0, False)]
-HEAD_DIM, PAGE = 128, 16
 
 
 def build(folder: pathlib.Path) -> ctypes.CDLL:
@@ -53,34 +53,24 @@ def build(folder: pathlib.Path) -> ctypes.CDLL:
 
 
 def measure(lib: ctypes.CDLL, batch, rows, keys, heads, kv_heads, layout, mma) -> list:
-    """[validate, index words, plan] in microseconds, the plan's words, its tiles."""
-    rng = np.random.default_rng(0)
-    pages = -(-keys // PAGE)
-    table = (rng.permutation(batch * pages) * PAGE).astype(np.int64).reshape(batch, pages)
-    cache = np.zeros(cache_shape(layout, 1, batch * pages * PAGE, kv_heads, HEAD_DIM), np.float16)
-    query = np.zeros((batch * rows, heads, HEAD_DIM), np.float16)
-    current = np.zeros((batch * rows, kv_heads, HEAD_DIM), np.float16)
-    output = np.zeros_like(query)
-    index = {"seqstarts": np.arange(batch + 1, dtype=np.int64) * rows,
-             "kvstarts": np.arange(batch + 1, dtype=np.int64) * keys, "cachestarts": table,
-             "start_pos": np.full(batch, keys - rows, np.int64),
-             "decoding_batches": np.array(batch if rows == 1 else 0, np.int64),
-             "max_seqlen": np.array(rows, np.int64), "max_kvlen": np.array(keys, np.int64)}
+    """[validate, index words, plan] in microseconds, the plan's words, its tiles: the GPU attention benchmark's
+    float16 MultiHeadCacheAttention call of these sizes (head_dim 128, pages of 16 slots), zero-filled."""
+    case = Case("mhca", "decode" if rows == 1 else "prefill", batch, rows, keys, heads, kv_heads, layout=layout)
+    index, slots = index_arrays(case, np.random.default_rng(0))
+    query = np.zeros((batch * rows, heads, case.head_dim), np.float16)
+    current = np.zeros((batch * rows, kv_heads, case.head_dim), np.float16)
+    arrays = dict(index, query=query, current_key=current, current_value=current, scale=None, attn_mask=None,
+                  cache=np.zeros(cache_shape(layout, 1, slots, kv_heads, case.head_dim), np.float16))
     host = c_api.HostBuffers()
-
-    def tensor(a):
-        return c_api.Tensor(c_api.onnx_type(a.dtype), a.shape, a.ctypes.data)
-
-    given = {"query": tensor(query), "current_key": tensor(current), "current_value": tensor(current),
-             "cache": tensor(cache), "scale": c_api.ABSENT, "attn_mask": c_api.ABSENT}
-    inputs = [given[n] if n in given else host.tensor(n, index[n]) for n in c_api.MHCA_INPUTS]
+    inputs = [host.tensor(name, arrays[name]) for name in c_api.MHCA_INPUTS]
+    output = host.tensor("output", np.zeros_like(query))
     attrs = c_api.multi_head_cache_attention_attributes(
-        num_heads=heads, head_dim=HEAD_DIM, num_kv_heads=kv_heads, is_causal=1, quant_bit=0, cache_mode=1,
-        cache_layout=layout, page_size=PAGE)
+        num_heads=heads, head_dim=case.head_dim, num_kv_heads=kv_heads, is_causal=1, quant_bit=0, cache_mode=1,
+        cache_layout=layout, page_size=case.page_size)
     out = (ctypes.c_double * 5)()
     calls = 20 if rows > 1 else 200
-    if lib.attention_host_cost(ctypes.byref(attrs), c_api.c_array(inputs), ctypes.byref(tensor(output).to_c()),
-                               int(mma), 7, calls, out) != 0:
+    if lib.attention_host_cost(ctypes.byref(attrs), c_api.c_array(inputs), ctypes.byref(output.to_c()), int(mma), 7,
+                               calls, out) != 0:
         raise RuntimeError("the call was refused")
     return [x / 1e3 for x in out[:3]] + [int(out[3]), int(out[4])]
 

@@ -161,6 +161,22 @@ def missing_requirements() -> list:
     return kv_missing()
 
 
+def index_arrays(case: Case, rng) -> tuple:
+    """A case's host index inputs (int64 numpy arrays by input name) and, MultiHeadCacheAttention, the slots its cache
+    holds (0 for MultiHeadAttention): every sequence ``seqlen`` queries over ``kvlen`` keys, and a cache's pages
+    handed out in a random order from one more page than the sequences need."""
+    B, S, K = case.batch, case.seqlen, case.kvlen
+    index = {"seqstarts": np.arange(B + 1, dtype=np.int64) * S, "kvstarts": np.arange(B + 1, dtype=np.int64) * K,
+             "decoding_batches": np.array(B if case.phase == "decode" else 0, np.int64),
+             "max_seqlen": np.array(S, np.int64), "max_kvlen": np.array(K, np.int64)}
+    if case.op != "mhca":
+        return index, 0
+    pages = -(-K // case.page_size)
+    table = rng.permutation(B * pages + 1)[:B * pages].reshape(B, pages).astype(np.int64) * case.page_size
+    index.update(cachestarts=table, start_pos=np.full(B, K - S, np.int64))
+    return index, (B * pages + 1) * case.page_size
+
+
 class AttentionCall:
     """One case's op call on torch device memory (seeded): its tensors, their C descriptions, the host index
     arrays (kept alive here), and the same shapes padded for torch's SDPA."""
@@ -189,15 +205,9 @@ class AttentionCall:
         self.host = c_api.HostBuffers()
         self.query = randn(tokens, H, D)
         self.out = torch.empty_like(self.query)
-        index = {"seqstarts": np.arange(B + 1, dtype=np.int64) * S, "kvstarts": np.arange(B + 1, dtype=np.int64) * K,
-                 "decoding_batches": np.array(B if case.phase == "decode" else 0, np.int64),
-                 "max_seqlen": np.array(S, np.int64), "max_kvlen": np.array(K, np.int64)}
+        index, max_t = index_arrays(case, rng)
         self.attributes = dict(num_heads=H, head_dim=D, num_kv_heads=Hkv, is_causal=1)
         if case.op == "mhca":
-            pages = -(-K // case.page_size)
-            table = rng.permutation(B * pages + 1)[:B * pages].reshape(B, pages).astype(np.int64) * case.page_size
-            max_t = (B * pages + 1) * case.page_size
-            index.update(cachestarts=table, start_pos=np.full(B, K - S, np.int64))
             self.current = [randn(tokens, Hkv, D) for _ in range(2)]
             dims = cache_shape(case.layout, 1, max_t, Hkv, D)
             if case.quant_bit:
