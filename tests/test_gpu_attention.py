@@ -372,6 +372,10 @@ QUANTIZED = {
     "int4-g3-d24-offset": (4, 3, 24, 0, 128, "float16", "float32"),
     "int4-g3-d24-page5": (4, 3, 24, 1, 5, "float32", "float16"),
     "int8-g3-d24-page16": (8, 3, 24, 1, 16, "bfloat16", "float32"),
+    # the staged decode kernel's other admitted scale rows: float32 scales in groups of 32 (four to a 16-byte
+    # chunk) under float32 queries, float16 scales in groups of 16 (eight to a chunk)
+    "int8-g32-d128-offset": (8, 32, 128, 0, 128, "float32", "float32"),
+    "int4-g16-d128-page16": (4, 16, 128, 1, 16, "float16", "float16"),
 }
 
 
