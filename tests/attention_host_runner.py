@@ -43,10 +43,12 @@ class Options(ctypes.Structure):
 class Report(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "launches", "blocks", "threads", "tiles", "merges", "split_tiles", "out_of_bounds", "misaligned",
-        "write_write", "read_write", "uninitialized", "decode_tiles", "mma_tiles", "mma_form", "decode_form")]
+        "write_write", "read_write", "uninitialized", "decode_tiles", "mma_tiles", "mma_form", "decode_form",
+        "divergent")]
 
     def faults(self) -> int:
-        return self.out_of_bounds + self.misaligned + self.write_write + self.read_write + self.uninitialized
+        return (self.out_of_bounds + self.misaligned + self.write_write + self.read_write + self.uninitialized
+                + self.divergent)
 
 
 @dataclasses.dataclass
@@ -72,6 +74,8 @@ class AttentionHostRunner:
         self.lib.mha_host_run.argtypes = [ctypes.POINTER(c_api.CMultiHeadAttentionAttrs)] + common
         self.lib.mhca_host_run.argtypes = [ctypes.POINTER(c_api.CMultiHeadCacheAttentionAttrs)] + common
         self.lib.mha_host_run.restype = self.lib.mhca_host_run.restype = ctypes.c_int32
+        self.lib.attn_host_team_misuse.argtypes = [ctypes.c_int64]
+        self.lib.attn_host_team_misuse.restype = ctypes.c_int64
 
     def run(self, inputs: dict, attributes: dict, *, min_blocks=0, min_split_keys=0, skip_sync=False,
             views=None, buffer_bytes=None, tile_kernel_only=False, mma_decode=False, mma_form=1, decode_form=1,
@@ -131,6 +135,14 @@ class AttentionHostRunner:
             CHECKED["blocks"] += report.blocks
             CHECKED["split_tiles"] += report.split_tiles
         return Result(code, message.value.decode(), report, out if code in (0, 4) else None)
+
+    #: The block-wide operations of the kernels' team, in the runner's order (TeamMisuse).
+    TEAM_OPERATIONS = ("Each", "Sync", "Commit", "WaitSync", "Butterfly", "SyncOr", "Mma", "LoadMatrix", "MatMul")
+
+    def team_misuse(self, operation: str | None) -> int:
+        """How many calls the runner flags when every thread calls ``operation`` inside its part of a phase
+        (team.Each); with None, every operation called as the kernels call them, outside team.Each."""
+        return self.lib.attn_host_team_misuse(0 if operation is None else 1 + self.TEAM_OPERATIONS.index(operation))
 
 
 def assert_clean(result: Result) -> None:

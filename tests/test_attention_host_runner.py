@@ -164,6 +164,15 @@ def test_a_missing_barrier_is_a_race_the_runner_reports(runner):
     assert "in the same phase" in result.message  # the first faults reach the caller, to say what raced
 
 
+@pytest.mark.parametrize("operation", AttentionHostRunner.TEAM_OPERATIONS)
+def test_a_block_wide_operation_inside_a_threads_phase_is_flagged(runner, operation):
+    """A barrier, a copy group's commit or wait, a shuffle, a warp's product or ldmatrix reached from inside
+    team.Each is one thread's part of a phase reaching it: divergent on the GPU, and run mid-loop here. The runner
+    flags each such call (one per thread of the block), and nothing when the same operations are called outside."""
+    assert runner.team_misuse(operation) == 256
+    assert runner.team_misuse(None) == 0
+
+
 def test_head_dim_above_the_kernels_limit_is_refused_before_anything_runs(runner):
     case = build_attention("wide", [(1, 2)], heads=1, head_dim=2056, t="float16")
     result = runner.run(copies(case.inputs), case.attributes)

@@ -8,7 +8,10 @@
 //       shared byte within one phase (races on the GPU);
 //   (c) a thread reads a byte another thread writes in the same launch (global) or phase (shared): the reader
 //       could see either value on the GPU — a missing barrier;
-//   (d) a thread reads shared memory no thread of its block has written (garbage on the GPU).
+//   (d) a thread reads shared memory no thread of its block has written (garbage on the GPU);
+//   (e) a block-wide operation (a barrier, a copy group's commit or wait, a shuffle, a warp's product or ldmatrix,
+//       team.Each itself) is called inside team.Each: on the GPU one thread's part of a phase reaching it is a
+//       divergent barrier or shuffle, and here the runner would end a phase in the middle of the threads' loop.
 // MultiHeadCacheAttention's stores are KeyValueCache's store kernel, checked by its own host runner; here they run
 // unchecked before the attention, so the attention reads the cache the GPU would.
 #include <algorithm>
@@ -50,6 +53,7 @@ struct AttnHostRunReport {
   int64_t decode_tiles, mma_tiles;
   int64_t mma_form;     // the tensor-core kernel's form that ran (0: no tensor-core tiles)
   int64_t decode_form;  // the decode kernel's form that ran (0: no decode tiles)
+  int64_t divergent;    // block-wide operations called inside team.Each, (e)
 };
 }  // extern "C"
 
@@ -187,8 +191,15 @@ struct HostTeam {
   CheckingMem& mem;
   bool skip_sync;
   std::vector<State> state = std::vector<State>(Threads);
+  // (e): a block-wide operation must be reached by the whole block at once, outside any thread's part of a phase.
+  void Uniform(const char* op) {
+    if (mem.thread >= 0)
+      mem.Note(mem.report->divergent, "thread " + std::to_string(mem.thread) + " calls team." + op +
+                                          " inside team.Each (a block-wide operation in one thread's part of a phase)");
+  }
   template <class F>
   void Each(F&& f) {
+    Uniform("Each");
     for (int64_t t = 0; t < Threads; ++t) {
       mem.thread = t;
       f(t, state[static_cast<size_t>(t)]);
@@ -196,6 +207,10 @@ struct HostTeam {
     mem.thread = -1;
   }
   void Sync() {
+    Uniform("Sync");
+    Barrier();
+  }
+  void Barrier() {
     if (!skip_sync) mem.EndPhase();
   }
   // Asynchronous copies (the GPU's cp.async): a copy is checked where it is issued (both ends in bounds and 16-byte
@@ -230,11 +245,13 @@ struct HostTeam {
     open.push_back(PendingCopy{m.thread, shared_byte, buf, byte});
   }
   void Commit() {
+    Uniform("Commit");
     groups.push_back(std::move(open));
     open.clear();
   }
   template <int N>
   void WaitSync() {
+    Uniform("WaitSync");
     while (groups.size() > static_cast<size_t>(N + mem.short_wait)) {
       for (const PendingCopy& c : groups.front()) {
         mem.thread = c.thread;
@@ -244,7 +261,7 @@ struct HostTeam {
       mem.thread = -1;
       groups.erase(groups.begin());
     }
-    Sync();
+    Barrier();
   }
   // A block that ends with copies in flight: reported, and dropped (its shared memory is gone). Without any, every
   // count of in_flight is back at 0 already.
@@ -261,6 +278,7 @@ struct HostTeam {
   // (t ^ mask) held before the exchange. A mask must stay within a warp.
   template <class Get, class Op>
   void Butterfly(int64_t lo, int64_t hi, Get&& get, Op&& op) {
+    Uniform("Butterfly");
     for (int64_t mask = lo; mask < hi; mask *= 2) {
       if (mask >= cuda::kWarp) {
         mem.Note(mem.report->out_of_bounds, "a butterfly mask of " + std::to_string(mask) + " leaves the warp");
@@ -278,7 +296,8 @@ struct HostTeam {
   // __syncthreads_or: the barrier, and whether get(state) is non-zero in any thread.
   template <class Get>
   bool SyncOr(Get&& get) {
-    Sync();
+    Uniform("SyncOr");
+    Barrier();
     bool any = false;
     for (State& s : state) any = any || get(s) != 0;
     return any;
@@ -289,6 +308,7 @@ struct HostTeam {
   // column g; C rows g (elements 0, 1) and g + 8 (2, 3), columns c, c + 1. Sums in float, in k order.
   template <class T1, class GetA, class GetB, class GetC>
   void Mma(GetA&& get_a, GetB&& get_b, GetC&& get_c) {
+    Uniform("Mma");
     auto lo = [](uint32_t w) { return T1::ToFloat(static_cast<uint16_t>(w & 0xffffu)); };
     auto hi = [](uint32_t w) { return T1::ToFloat(static_cast<uint16_t>(w >> 16)); };
     for (int64_t w = 0; w < Threads / cuda::kWarp; ++w) {
@@ -326,6 +346,7 @@ struct HostTeam {
   template <int Count, bool Trans, class RowByte, class GetR>
   void LoadMatrix(CheckingMem& m, RowByte&& row_byte, GetR&& get_r) {
     static_assert(Count == 2 || Count == 4, "ldmatrix takes 2 or 4 matrices here");
+    Uniform("LoadMatrix");
     for (int64_t w = 0; w < Threads / cuda::kWarp; ++w) {
       uint16_t e[Count][8][8];
       for (int mat = 0; mat < Count; ++mat)
@@ -355,6 +376,7 @@ struct HostTeam {
   template <class T1, bool BCols, bool Accumulate>
   void MatMul(CheckingMem&, const cuda::WarpProduct& m) {
     using T = typename T1::Storage;
+    Uniform("MatMul");
     const int64_t F = cuda::kMmaFrag;
     if (m.n % F != 0 || m.k % F != 0 || m.k > cuda::kMmaMaxProductDepth) {
       mem.Note(mem.report->out_of_bounds, "a product of " + std::to_string(m.n) + " columns and depth " +
@@ -575,7 +597,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
     report->split_tiles += launch.words[size_t(launch.index_words + i * cuda::kTileWords + 7)] >= 0;
   RunAll(p, mem, in[0].type, scale_type, quant_bit, cache != nullptr, o.skip_sync != 0);
   const int64_t counted = report->out_of_bounds + report->misaligned + report->write_write + report->read_write +
-                          report->uninitialized;
+                          report->uninitialized + report->divergent;
   if (counted == 0) return 0;
   for (const std::string& f : mem.first) *faults += f + "\n";
   return 4;
@@ -592,6 +614,49 @@ int32_t HostEntry(AttnHostRunReport* report, char* message, size_t message_size,
   if (code != KVCACHE_OP_OK) return code;
   WriteMessage(faults, message, message_size);
   return result;
+}
+
+// The runner's own check (e), tested: block-wide operation `op` (1 Each, 2 Sync, 3 Commit, 4 WaitSync, 5 Butterfly,
+// 6 SyncOr, 7 Mma, 8 LoadMatrix, 9 MatMul) called inside team.Each, or with op 0 every one of them called as the
+// kernels call them, outside it. Returns how many calls (e) flagged.
+struct MisuseState {
+  uint32_t a[4], b[2];
+  float c[4], v[1];
+};
+int64_t TeamMisuse(int64_t op) {
+  AttnHostRunReport report{};
+  CheckingMem mem;
+  mem.report = &report;
+  std::vector<float> shared(static_cast<size_t>(kSharedWordsMost), 0.0f);
+  mem.base[cuda::kAShared] = reinterpret_cast<char*>(shared.data());
+  mem.bytes[cuda::kAShared] = kSharedWordsMost * 4;
+  mem.shadow[cuda::kAShared].assign(shared.size() * 4, Shadow{kNobody, kNobody, true});
+  mem.in_flight.assign(shared.size() * 4, 0);
+  HostTeam<MisuseState, cuda::kAttnThreads> team{mem, false, std::vector<MisuseState>(cuda::kAttnThreads), {}, {}};
+  auto a = [](MisuseState& s) -> auto& { return s.a; };
+  auto b = [](MisuseState& s) -> auto& { return s.b; };
+  auto c = [](MisuseState& s) -> auto& { return s.c; };
+  auto call = [&](int64_t which) {
+    switch (which) {
+      case 1: team.Each([](int64_t, MisuseState&) {}); break;
+      case 2: team.Sync(); break;
+      case 3: team.Commit(); break;
+      case 4: team.template WaitSync<0>(); break;
+      case 5:
+        team.Butterfly(1, 2, [](MisuseState& s) -> auto& { return s.v; }, [](float x, float y) { return x + y; });
+        break;
+      case 6: team.SyncOr([](MisuseState& s) { return s.v[0] != 0.0f; }); break;
+      case 7: team.template Mma<F16>(a, b, c); break;
+      case 8: team.template LoadMatrix<2, false>(mem, [](int64_t, MisuseState&) { return int64_t{0}; }, a); break;
+      case 9: team.template MatMul<F16, false, false>(mem, cuda::WarpProduct{}); break;
+      default: break;
+    }
+  };
+  if (op == 0)
+    for (int64_t which = 1; which <= 9; ++which) call(which);
+  else
+    team.Each([&](int64_t, MisuseState&) { call(op); });
+  return report.divergent;
 }
 
 }  // namespace
@@ -645,5 +710,8 @@ __attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiH
                       *options, report, faults);
   });
 }
+
+// The runner's check of block-wide operations inside team.Each (TeamMisuse), for the tests.
+__attribute__((visibility("default"))) int64_t attn_host_team_misuse(int64_t op) { return TeamMisuse(op); }
 
 }  // extern "C"
