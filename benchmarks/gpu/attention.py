@@ -44,7 +44,10 @@ Figures, per case:
   prefill: through the tile kernel
   (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16; **tensor-core
   kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``; built for unquantized rows only, so int8 and
-  int4 caches keep the first).
+  int4 caches keep the first), on a decode with ``KVCACHE_OP_CUDA_MMA_DECODE=1`` too: each tile's query heads of one
+  kv head (4 of warp 0's 16 rows at GQA 4) through m16n8k16 products over chunks of 64 keys. Its lanes' loop over a
+  chunk is 5,300 PTX instructions (sm_90, rare paths included) where the staged decode kernel's over the same 64 keys
+  is 6,100, at half the warps per multiprocessor: the row says whether tensor cores pay on a decode.
 """
 
 import argparse
@@ -106,7 +109,8 @@ def cases(quick: bool) -> list:
         return ([Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, layout=layout) for layout in (0, 3)]
                 + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3, kernel=k)
                    for k in ("", "staged")]
-                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k) for k in ("decode", "tile-decode", "mma")]
+                + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k)
+                   for k in ("decode", "tile-decode", "mma", "mma2-decode")]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="tile"),
@@ -131,6 +135,10 @@ def cases(quick: bool) -> list:
     # the tensor-core kernel's second form (products in registers) on the prefills
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2"),
             Case("mhca", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2")]
+    # ... and on the unquantized decodes (with the staged decode kernel's default rows above)
+    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, kernel="mma2-decode"),
+            Case("mhca", "decode", 32, 1, 2048, 32, 8, kernel="mma2-decode"),
+            Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="mma2-decode")]
     return out
 
 
@@ -145,6 +153,7 @@ KERNELS = {
     "mma": ("tensor-core kernel", {"KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
     "tile": ("tile kernel", {"KVCACHE_OP_CUDA_MMA": "0"}),
     "mma2": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2"}),
+    "mma2-decode": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2", "KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
 }
 ROUTE_VARIABLES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACHE_OP_CUDA_MMA_DECODE")
 
