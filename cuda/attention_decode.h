@@ -122,30 +122,23 @@ KV_HD void DecodeAddKeys(const AttnParams& p, Mem& mem, const DecodeBlock& d, in
   }
 }
 
-// The block's end: each head row leaves its part in shared memory from word 0, [group][head][max, weight sum,
-// output sums], and the groups combined by log-sum-exp give the output rows or, for a split key range, the part's
-// records. Shared memory from word 0 must be free for it (no copy in flight to it).
+// The block's parts in shared memory from word 0, [group][head][max, weight sum, output sums]: word k (0 max,
+// 1 weight sum, 2 + e output sum e) of group z's part of head qi.
+KV_HD int64_t DecodePartWord(int64_t head_dim, int64_t z, int64_t qi, int64_t k) {
+  return (z * kDecodeHeads + qi) * (head_dim + 2) + k;
+}
+
+// The block's end, once every group's parts are in shared memory (DecodePartWord): the groups combined by
+// log-sum-exp give the output rows or, for a split key range, the part's records.
 template <class T1, int64_t Threads, class Team, class Mem>
-KV_HD void DecodeFinish(const AttnParams& p, Mem& mem, Team& team, const DecodeBlock& d) {
+KV_HD void DecodeCombine(const AttnParams& p, Mem& mem, Team& team, const DecodeBlock& d) {
   using T = typename T1::Storage;
   const int64_t D = p.head_dim, Q = d.tile.heads, groups = d.groups;
-  auto part_word = [&](int64_t z, int64_t qi, int64_t k) { return (z * kDecodeHeads + qi) * (D + 2) + k; };
-  team.Each([&](int64_t t, auto& s) {
-    const int64_t x = d.LaneOf(t), qi = d.HeadOf(t), z = d.GroupOf(t);
-    if (qi >= Q) return;
-    if (x == 0) {
-      SharedPut(mem, part_word(z, qi, 0), s.max);
-      SharedPut(mem, part_word(z, qi, 1), s.sum);
-    }
-    KV_UNROLL
-    for (int64_t e = 0; e < kVec; ++e) SharedPut(mem, part_word(z, qi, 2 + x * kVec + e), s.acc[e]);
-  });
-  team.Sync();
   team.Each([&](int64_t t, auto&) {  // the groups combined: the output rows, or the part's records
     for (int64_t i = t; i < Q * D; i += Threads) {
       const int64_t qi = i / D, dd = i % D;
       const Combined c = CombineParts(groups, [&](int64_t k, int64_t field) {
-        return SharedAt(mem, part_word(k, qi, field < 2 ? field : 2 + dd));
+        return SharedAt(mem, DecodePartWord(D, k, qi, field < 2 ? field : 2 + dd));
       });
       if (d.tile.partial >= 0) {
         const int64_t record = (d.tile.partial + qi) * (D + 2);
@@ -160,6 +153,26 @@ KV_HD void DecodeFinish(const AttnParams& p, Mem& mem, Team& team, const DecodeB
       mem.template Store<T>(kAOut, at * int64_t(sizeof(T)), SaturatingFromFloat<T1>(c.Output()));
     }
   });
+}
+
+// The block's end: each head row leaves its part in shared memory (DecodePartWord), and the groups combined by
+// log-sum-exp give the output rows or, for a split key range, the part's records. Shared memory from word 0 must be
+// free for it (no copy in flight to it).
+template <class T1, int64_t Threads, class Team, class Mem>
+KV_HD void DecodeFinish(const AttnParams& p, Mem& mem, Team& team, const DecodeBlock& d) {
+  const int64_t D = p.head_dim, Q = d.tile.heads;
+  team.Each([&](int64_t t, auto& s) {
+    const int64_t x = d.LaneOf(t), qi = d.HeadOf(t), z = d.GroupOf(t);
+    if (qi >= Q) return;
+    if (x == 0) {
+      SharedPut(mem, DecodePartWord(D, z, qi, 0), s.max);
+      SharedPut(mem, DecodePartWord(D, z, qi, 1), s.sum);
+    }
+    KV_UNROLL
+    for (int64_t e = 0; e < kVec; ++e) SharedPut(mem, DecodePartWord(D, z, qi, 2 + x * kVec + e), s.acc[e]);
+  });
+  team.Sync();
+  DecodeCombine<T1, Threads>(p, mem, team, d);
 }
 
 // Everything decode block `tile_index` (tile p.tiles + tile_index of kATiles) does, over its kDecodeThreads threads.

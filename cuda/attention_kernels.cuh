@@ -220,6 +220,15 @@ __global__ void __launch_bounds__(kStagedThreads, Rows::kQBits ? 4 : 6) StagedDe
   StagedDecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
 }
 
+// The second form holds every head's query slice and sums (up to 128 registers: four blocks a multiprocessor).
+template <class T1, class Rows>
+__global__ void __launch_bounds__(kStagedThreads, 4) StagedHeadsKernel(AttnParams p) {
+  __shared__ __align__(16) float shared[kStagedSharedWords];
+  AttnDeviceMem mem{p, shared};
+  DeviceTeam<StagedHeadsThread> team{threadIdx.x, {}};
+  StagedHeadsTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+}
+
 template <class T1, class Rows>
 __global__ void __launch_bounds__(kMmaThreads, 2) MmaKernel(AttnParams p) {
   extern __shared__ __align__(128) float mma_shared[];  // kMmaSharedBytes, above the 48 KB of a static array
@@ -284,10 +293,14 @@ cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream, AttnStep step) 
         });
         e != cudaSuccess)
       return e;
-  if (p.decode_tiles > 0 && p.decode_form == 2) {
+  if (p.decode_tiles > 0 && (p.decode_form == 2 || p.decode_form == 3)) {
     if constexpr (kStagedRows<T1, Rows>) {
       if (cudaError_t e = Launched([&] {
-            StagedDecodeKernel<T1, Rows><<<static_cast<unsigned>(p.decode_tiles), kStagedThreads, 0, stream>>>(p);
+            const unsigned blocks = static_cast<unsigned>(p.decode_tiles);
+            if (p.decode_form == 3)
+              StagedHeadsKernel<T1, Rows><<<blocks, kStagedThreads, 0, stream>>>(p);
+            else
+              StagedDecodeKernel<T1, Rows><<<blocks, kStagedThreads, 0, stream>>>(p);
           });
           e != cudaSuccess)
         return e;

@@ -114,7 +114,8 @@ struct AttnParams {
                                                     // tensor-core kernel's, the merges
   int64_t slices;         // ceil(head_dim / kSliceElems)
   int64_t mma_form;       // the tensor-core tiles' kernel: 1 attention_mma.h, 2 attention_mma_regs.h
-  int64_t decode_form;    // the decode tiles' kernel: 1 attention_decode.h, 2 attention_decode_staged.h
+  int64_t decode_form;    // the decode tiles' kernel: 1 attention_decode.h, 2 attention_decode_staged.h (3: its
+                          // second form, every head in a thread's registers)
   // MultiHeadCacheAttention's cache (unused by MultiHeadAttention)
   int64_t layer_idx, quant_group, cache_mode, page_size, max_p;
   Rows cache_rows, scale_rows;

@@ -27,8 +27,8 @@ struct TilePolicy {
   bool mma_kernel = false;
   bool mma_decode = false;  // sequences of one token too (instead of the tile or decode kernel)
   int mma_form = 1;  // 1: products through shared memory (attention_mma.h); 2: in registers (attention_mma_regs.h)
-  // The decode kernel's form: 1 (reads in registers, attention_decode.h) or 2 (rows staged in shared memory,
-  // attention_decode_staged.h: only where StagedRowsFit).
+  // The decode kernel's form: 1 (reads in registers, attention_decode.h), 2 (rows staged in shared memory,
+  // attention_decode_staged.h: only where StagedRowsFit) or 3 (the same, every head of a tile in each thread).
   int decode_form = 1;
 };
 

@@ -99,13 +99,16 @@ TilePolicy DevicePolicy(int32_t t1, int32_t scale_type, const AttnTensors& tenso
   // kernel. Longer float16 / bfloat16 sequences take the tensor-core kernel (a B=8 x 1,024-row prefill, 32/8 heads,
   // on an H100: 3.57 ms against 9.48 in the tile kernel) unless KVCACHE_OP_CUDA_MMA=0. All are read on every call:
   // tests and benchmarks switch them.
+  // KVCACHE_OP_CUDA_DECODE_KERNEL=3 sends them (quantized too) to the staged kernel's second form, every head of a
+  // tile in each thread's registers (attention_decode_staged.h), not measured on a GPU yet.
   const bool first_form = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "1");
+  const bool heads_form = EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "3");
   const bool quantized = cache != nullptr && cache->attrs->quant_bit != 0;
   const bool staged = !first_form && !EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "0") &&
-                      (!quantized || EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2")) &&
+                      (!quantized || heads_form || EnvIs("KVCACHE_OP_CUDA_DECODE_KERNEL", "2")) &&
                       StagedRowsFit(t1, scale_type, tensors, cache);
   policy.decode_kernel = first_form || staged;
-  policy.decode_form = staged ? 2 : 1;
+  policy.decode_form = staged ? (heads_form ? 3 : 2) : 1;
   policy.mma_decode = EnvIs("KVCACHE_OP_CUDA_MMA_DECODE", "1");
   // The second form is not measured on a GPU yet. A quantized call asking for it takes the first (MmaFormFor), and
   // the shared memory checked below is that form's.

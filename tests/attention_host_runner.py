@@ -87,8 +87,9 @@ class AttentionHostRunner:
         it must be flagged). ``tile_kernel_only``: every tile goes to the tile kernel (sequences of one token not to
         the decode kernel, float16 / bfloat16 prefills not to the tensor-core kernel). ``mma_decode``: sequences of one
         token go to the tensor-core kernel too (where it takes the call). ``mma_form``: that kernel's form, 1 (products
-        through shared memory) or 2 (in registers). ``decode_form``: the decode kernel's, 1 (reads in registers) or 2
-        (rows staged in shared memory, where the rows are float16 / bfloat16 as stored and 16-byte aligned; else 1).
+        through shared memory) or 2 (in registers). ``decode_form``: the decode kernel's, 1 (reads in registers), 2
+        (rows staged in shared memory, where the rows are float16 / bfloat16 as stored and 16-byte aligned; else 1) or 3
+        (the same, every head of a tile in a thread's registers).
         ``short_wait``: a wait for asynchronous copies leaves that many more groups in flight than the kernel asks
         (reads of copies not yet made must be flagged)."""
         cache = "cache" in inputs

@@ -38,12 +38,13 @@ def runner(request, tmp_path_factory):
 
 
 #: The decode form each decode route runs (0: no decode kernel).
-DECODE_FORM = {"decode": 1, "staged": 2, "tile": 0}
+DECODE_FORM = {"decode": 1, "staged": 2, "heads": 3, "tile": 0}
 
 
 def decode_route(kernel):
-    """The runner's options that send decodes to `kernel`: the tile kernel, the first decode kernel or the staged one."""
-    return {"tile_kernel_only": kernel == "tile", "decode_form": 2 if kernel == "staged" else 1}
+    """The runner's options that send decodes to `kernel`: the tile kernel, the first decode kernel or the staged one
+    (heads: its second form, every head of a tile in a thread's registers)."""
+    return {"tile_kernel_only": kernel == "tile", "decode_form": max(DECODE_FORM[kernel], 1)}
 
 
 def check_mha(runner, case, **options):
@@ -105,7 +106,7 @@ CACHE_ROWS = [(0, 8, 128, True), (8, 8, 64, True), (8, 3, 24, False), (4, 8, 32,
 
 @pytest.mark.parametrize("quant_bit,group,head_dim,staged_fits", CACHE_ROWS)
 @pytest.mark.parametrize("mode,layout,page_size", [(0, 0, 0), (1, 3, 5), (1, 1, 16), (1, 2, 4)])
-@pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
+@pytest.mark.parametrize("kernel", ["decode", "staged", "heads", "tile"])
 def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim, staged_fits, mode, layout, page_size,
                                               kernel):
     """The decode row (a sequence of one token) goes to the decode kernel where its head_dim fits it (8 x a power of
@@ -120,24 +121,25 @@ def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim
                         **decode_route(kernel))
     assert (result.report.decode_tiles > 0) == (kernel != "tile" and head_dim in (16, 32, 64, 128))
     if result.report.decode_tiles:
-        assert result.report.decode_form == (2 if kernel == "staged" and staged_fits else 1)
+        assert result.report.decode_form == (DECODE_FORM[kernel] if kernel in ("staged", "heads") and staged_fits
+                                             else 1)
 
 
 @pytest.mark.parametrize("head_dim,t", [(8, "float32"), (16, "bfloat16"), (32, "float16"), (64, "float32"),
                                         (128, "float16"), (256, "bfloat16")])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 1), (6, 2), (2, 2)])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("form", [1, 2])
+@pytest.mark.parametrize("form", [1, 2, 3])
 def test_decode_kernel_lanes_head_groups_and_splits(runner, head_dim, t, heads, kv_heads, split, form):
     """Decode rows of every lane count (1 to 32 lanes per key row), GQA groups of 4, 6 (tiles of 4 and 2 heads), 3
     and 1, key ranges not a multiple of a step or a stage (warps with no keys in the last step, stages part empty),
-    with and without splits, through both forms (the staged one for float16 / bfloat16 rows; float32 rows take the
+    with and without splits, through every form (the staged ones for float16 / bfloat16 rows; float32 rows take the
     first); a decoding chunk and a prefill row beside them go to the tile kernel."""
     case = build_attention(f"decode-{head_dim}-{heads}-{kv_heads}", [(1, 300), (1, 1), (1, 37), (3, 9)], heads=heads,
                            kv_heads=kv_heads, head_dim=head_dim, t=t, decoding=3, mask=3 if split else 2,
                            is_alibi=int(split), softcap=3.0 if split else 0.0, sliding_window=0 if split else 20)
     result = check_mha(runner, case, min_blocks=10**6 if split else 1, min_split_keys=16, decode_form=form)
-    assert result.report.decode_form == (2 if form == 2 and t != "float32" else 1)
+    assert result.report.decode_form == (form if form >= 2 and t != "float32" else 1)
     tiles = 3 * kv_heads * -(-(heads // kv_heads) // 4)  # three decode rows, tiles of up to four heads
     assert result.report.decode_tiles >= tiles if split else result.report.decode_tiles == tiles
     assert (result.report.split_tiles > 0) == split
@@ -194,12 +196,12 @@ def test_a_rising_max_rescales_what_was_summed(runner, t, form):
 
 
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
+@pytest.mark.parametrize("kernel", ["decode", "staged", "heads", "tile"])
 def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runner, split, kernel):
     """Spec, non-finite values: a key masked to -inf keeps weight 0 but stays in the sums. When the decode is split,
     the part seeing only -inf scores still carries its NaN into the merge (in the decode kernel, the warp seeing
     only -inf scores carries it into the block's combination too)."""
-    t = "float16" if kernel == "staged" else "float32"  # the staged form copies rows of two-byte elements
+    t = "float16" if kernel in ("staged", "heads") else "float32"  # the staged forms copy rows of two-byte elements
     case = build_attention("nan-under-mask", [(1, 1024)], heads=1, head_dim=8, t=t, mask=2)
     case.inputs["attn_mask"][0, :512] = -np.inf
     case.inputs["value"][0, 0, 0] = np.nan
@@ -213,11 +215,11 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runn
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)[0]).any()  # the reference agrees
 
 
-@pytest.mark.parametrize("kernel", ["decode", "staged", "tile"])
+@pytest.mark.parametrize("kernel", ["decode", "staged", "heads", "tile"])
 def test_keys_masked_to_minus_inf_before_finite_ones_leave_the_row_finite(runner, kernel):
     """A warp (or chunk, or stage) whose first scores are all -inf weights them 0 until a finite score raises the
     max; exp(-inf - -inf) would be NaN."""
-    t = "bfloat16" if kernel == "staged" else "float32"
+    t = "bfloat16" if kernel in ("staged", "heads") else "float32"
     case = build_attention("minus-inf-first", [(1, 600)], heads=4, kv_heads=1, head_dim=16, t=t, mask=2)
     case.inputs["attn_mask"][0, :300] = -np.inf
     result = check_mha(runner, case, min_blocks=1, **decode_route(kernel))
@@ -225,19 +227,22 @@ def test_keys_masked_to_minus_inf_before_finite_ones_leave_the_row_finite(runner
     assert result.report.decode_form == DECODE_FORM[kernel]
 
 
-def test_a_wait_that_leaves_copies_in_flight_is_a_race_the_runner_reports(runner):
-    """The staged decode kernel reads a stage only after waiting for its copies. With every wait leaving one more
-    group of copies in flight than the kernel asks, it reads rows a copy still writes: the runner must flag it."""
+@pytest.mark.parametrize("form", [2, 3])
+def test_a_wait_that_leaves_copies_in_flight_is_a_race_the_runner_reports(runner, form):
+    """The staged decode kernel (either form) reads a stage only after waiting for its copies. With every wait leaving
+    one more group of copies in flight than the kernel asks, it reads rows a copy still writes: the runner must flag
+    it."""
     case = build_attention("short-wait", [(1, 300)], heads=4, kv_heads=1, head_dim=128, t="float16")
-    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2, short_wait=1)
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=form, short_wait=1)
     assert result.code == 4 and result.report.read_write > 0, result.message
     assert "asynchronous copy in flight" in result.message
-    assert_clean(runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2))
+    assert_clean(runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=form))
 
 
 @pytest.mark.parametrize("quant_bit,t3", [(8, "float16"), (8, "float32"), (4, "float16"), (4, "float32")])
 @pytest.mark.parametrize("t1", ["float16", "bfloat16", "float32"])
-def test_staged_decode_dequantizes_codes_and_scales_it_copied(runner, quant_bit, t3, t1):
+@pytest.mark.parametrize("form", [2, 3])
+def test_staged_decode_dequantizes_codes_and_scales_it_copied(runner, quant_bit, t3, t1, form):
     """Codes and their scales staged together: int8 / int4 rows with float16 or float32 scales, for every query type
     (the codes are read as stored, whatever T1 is); decode rows of 4 heads per kv head split into parts of several
     stages (the ring of 5 or 8 stages wraps), one cut short by a sliding window, in head-major pages."""
@@ -245,8 +250,8 @@ def test_staged_decode_dequantizes_codes_and_scales_it_copied(runner, quant_bit,
     case = build_cache_attention(f"staged-q{quant_bit}-{t3}-{t1}", seqs, group=4, decoding=3, heads=2, head_dim=64,
                                  quant_bit=quant_bit, quant_group=8, cache_mode=1, cache_layout=3, page_size=16,
                                  sliding_window=300, t1=t1, t3=t3)
-    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=10**6, min_split_keys=128, decode_form=2)
-    assert result.report.decode_form == 2 and result.report.decode_tiles > 0 and result.report.split_tiles > 0
+    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=10**6, min_split_keys=128, decode_form=form)
+    assert result.report.decode_form == form and result.report.decode_tiles > 0 and result.report.split_tiles > 0
 
 
 def _dequantized(cache, scale, quant_group, dtype):
@@ -258,8 +263,9 @@ def _dequantized(cache, scale, quant_group, dtype):
 @pytest.mark.parametrize("quant_bit,group,head_dim,t3,t1,layout,layers", [
     (8, 8, 128, "float16", "float16", 3, 1), (4, 16, 256, "float32", "bfloat16", 0, 2),
     (4, 8, 64, "float16", "bfloat16", 1, 3), (8, 32, 128, "float32", "float16", 2, 2)])
+@pytest.mark.parametrize("form", [2, 3])
 def test_staged_codes_give_bit_for_bit_what_staged_dequantized_rows_give(runner, quant_bit, group, head_dim, t3, t1,
-                                                                          layout, layers):
+                                                                          layout, layers, form):
     """Independent of any tolerance: the staged kernel over a quantized cache and over an unquantized cache holding
     the gather's dequantized rows (the same tiles, the same order of sums) give the same bytes, so every element is
     dequantized exactly as KeyValueCache gives it (code times scale rounded once, then to T1). Decodes of 4 heads per
@@ -277,12 +283,12 @@ def test_staged_codes_give_bit_for_bit_what_staged_dequantized_rows_give(runner,
     canonical = canonical_view(rows, layout)[layers - 1]  # [2, H, MaxT, Dh]
     plain = dict(inputs, cache=rows, scale=None, current_key=np.stack([canonical[0, :, t] for t in slots]),
                  current_value=np.stack([canonical[1, :, t] for t in slots]))
-    options = dict(min_blocks=10**6, min_split_keys=64, decode_form=2)
+    options = dict(min_blocks=10**6, min_split_keys=64, decode_form=form)
     quantized = runner.run(copies(inputs), attributes, **options)
     unquantized = runner.run(copies(plain), dict(attributes, quant_bit=0), **options)
     assert_clean(quantized)
     assert_clean(unquantized)
-    assert quantized.report.decode_form == unquantized.report.decode_form == 2
+    assert quantized.report.decode_form == unquantized.report.decode_form == form
     assert quantized.report.split_tiles > 0
     assert quantized.output.tobytes() == unquantized.output.tobytes()
 
@@ -345,8 +351,8 @@ def test_a_misaligned_element_access_is_reported(runner):
 
 
 #: Routes over the same call: the staged and first decode forms, the tile kernel, split key ranges and their merges.
-FAR_ROUTES = {"staged": dict(decode_form=2), "decode": dict(decode_form=1), "tile": dict(tile_kernel_only=True),
-              "split": dict(min_blocks=10**6, min_split_keys=8, decode_form=2)}
+FAR_ROUTES = {"staged": dict(decode_form=2), "heads": dict(decode_form=3), "decode": dict(decode_form=1),
+              "tile": dict(tile_kernel_only=True), "split": dict(min_blocks=10**6, min_split_keys=8, decode_form=2)}
 
 
 @pytest.mark.parametrize("route", sorted(FAR_ROUTES))
@@ -370,7 +376,7 @@ def test_rows_past_2_to_the_31_elements_are_read_and_written_where_they_are(runn
     assert result.output.tobytes() == small.output.tobytes()
     assert cache[moved:].tobytes() == near["cache"].tobytes() and scale[moved:].tobytes() == near["scale"].tobytes()
     assert not cache[:moved].any()  # nothing stored below the moved rows (untouched pages read as the zero page)
-    assert result.report.decode_form == {"staged": 2, "decode": 1, "tile": 0, "split": 2}[route]
+    assert result.report.decode_form == {"staged": 2, "heads": 3, "decode": 1, "tile": 0, "split": 2}[route]
     assert (result.report.split_tiles > 0) == (route == "split")
 
 

@@ -120,8 +120,9 @@ class AttentionCall:
 
 #: KVCACHE_OP_CUDA_DECODE_KERNEL of a decode route: the tile kernel, the first decode kernel, the staged decode
 #: kernel (the default where float16 / bfloat16 rows as stored fit it; "2" sends quantized rows that fit it too,
-#: e.g. int8 and int4 of head_dim 128 in groups of 8; other rows to the tile kernel).
-DECODE_ROUTES = {"tile": "0", "decode": "1", "staged": "2"}
+#: e.g. int8 and int4 of head_dim 128 in groups of 8; other rows to the tile kernel), its second form (every head of a
+#: tile in each thread's registers; rows as the staged kernel's, quantized too).
+DECODE_ROUTES = {"tile": "0", "decode": "1", "staged": "2", "heads": "3"}
 
 
 @pytest.fixture(params=list(DECODE_ROUTES))
@@ -141,7 +142,7 @@ def prefill_kernel(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["tile+mma", "decode+mma2", "staged+mma", "tile+tile"])
+@pytest.fixture(params=["tile+mma", "decode+mma2", "staged+mma", "heads+mma2", "tile+tile"])
 def routes(request, monkeypatch):
     """Both routes at once (fewer calls than every pairing): decodes through the tile or the decode kernel, longer
     float16 / bfloat16 sequences through either form of the tensor-core kernel or the tile kernel. Returns the
@@ -333,7 +334,7 @@ def test_mha_prefill(variant, head_dim, prefill_kernel):
 @pytest.mark.parametrize("group", [1, 4, 8])
 @pytest.mark.parametrize("head_dim", [128, 64, 24, 5, 256])
 def test_mha_head_dims_and_groups(head_dim, group, routes):
-    if routes in ("decode", "staged") and head_dim not in (8, 16, 32, 64, 128, 256):
+    if routes in ("decode", "staged", "heads") and head_dim not in (8, 16, 32, 64, 128, 256):
         pytest.skip("the decode kernel takes head_dim 8 x a power of two, at most 256 (the tile kernel runs this one)")
     case = build_attention(f"dims-{head_dim}-{group}", [(1, 700), (19, 19), (4, 30), (1, 1)], heads=2 * group,
                            kv_heads=2, head_dim=head_dim, decoding=1, t="float16", mask=2)

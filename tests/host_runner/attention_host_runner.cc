@@ -43,7 +43,7 @@ struct AttnHostRunOptions {
   int64_t tile_kernel_only;                          // 1: every tile to the tile kernel (no decode, no tensor-core)
   int64_t mma_decode;                                // 1: sequences of one token to the tensor-core kernel too
   int64_t mma_form;                                  // the tensor-core kernel's form (1 or 2; 0: 1)
-  int64_t decode_form;                               // 2: the staged decode kernel where the rows fit it
+  int64_t decode_form;  // 2: the staged decode kernel where the rows fit it, 3: its second form (heads in registers)
   int64_t short_wait;  // > 0: team.WaitSync<N> leaves N + short_wait groups of copies in flight (shows it is caught)
 };
 
@@ -468,13 +468,18 @@ void RunLaunches(const cuda::AttnParams& p, CheckingMem& mem, bool skip_sync) {
                                                   [&](auto& team, int64_t b) {
                                                     cuda::AttentionTile<T1>(p, Rows{}, mem, team, b);
                                                   });
-  if (p.decode_form == 2) {
+  if (p.decode_form == 2 || p.decode_form == 3) {
     if constexpr (cuda::kStagedRows<T1, Rows>) {
-      if (p.decode_tiles > 0) mem.report->decode_form = 2;
-      RunBlocks<cuda::StagedThread, cuda::kStagedThreads>(mem, skip_sync, "staged decode launch", p.decode_tiles,
-                                                          cuda::kStagedSharedWords, [&](auto& team, int64_t b) {
-                                                            cuda::StagedDecodeTile<T1>(p, Rows{}, mem, team, b);
-                                                          });
+      if (p.decode_tiles > 0) mem.report->decode_form = p.decode_form;
+      if (p.decode_form == 3)
+        RunBlocks<cuda::StagedHeadsThread, cuda::kStagedThreads>(
+            mem, skip_sync, "staged decode launch, heads in registers", p.decode_tiles, cuda::kStagedSharedWords,
+            [&](auto& team, int64_t b) { cuda::StagedHeadsTile<T1>(p, Rows{}, mem, team, b); });
+      else
+        RunBlocks<cuda::StagedThread, cuda::kStagedThreads>(mem, skip_sync, "staged decode launch", p.decode_tiles,
+                                                            cuda::kStagedSharedWords, [&](auto& team, int64_t b) {
+                                                              cuda::StagedDecodeTile<T1>(p, Rows{}, mem, team, b);
+                                                            });
     } else if (p.decode_tiles > 0) {  // the library builds the staged form for these rows only
       mem.Note(mem.report->out_of_bounds, "the staged decode kernel planned for rows it is not built for");
     }
@@ -560,7 +565,9 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   policy.mma_kernel = o.tile_kernel_only == 0 && cuda::MmaRowsFit(in[0].type, t, cache);
   policy.mma_decode = o.mma_decode != 0;
   policy.mma_form = cuda::MmaFormFor(o.mma_form == 2 ? 2 : 1, cache);
-  policy.decode_form = o.decode_form == 2 && cuda::StagedRowsFit(in[0].type, scale_type, t, cache) ? 2 : 1;
+  const bool staged =
+      (o.decode_form == 2 || o.decode_form == 3) && cuda::StagedRowsFit(in[0].type, scale_type, t, cache);
+  policy.decode_form = staged ? static_cast<int>(o.decode_form) : 1;
   const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
