@@ -40,7 +40,9 @@ Figures, per case:
   (``KVCACHE_OP_CUDA_DECODE_KERNEL=1``), the tile kernel (``=0``) or the tensor-core kernel
   (``KVCACHE_OP_CUDA_MMA_DECODE=1``) instead of the default, on shapes measured above; **staged decode kernel** on
   an int8 decode: its codes and scales staged (``KVCACHE_OP_CUDA_DECODE_KERNEL=2``), beside the default tile
-  kernel's row of the same shape; **tile kernel** on a
+  kernel's row of the same shape; **staged decode kernel, heads in registers**: its second form
+  (``KVCACHE_OP_CUDA_DECODE_KERNEL=3``: each thread holds every head of its tile, so a staged row is converted once
+  for the tile's four heads), on float16 and int8 decodes; **tile kernel** on a
   prefill: through the tile kernel
   (``KVCACHE_OP_CUDA_MMA=0``) instead of the tensor-core kernel, the default for float16 and bfloat16; **tensor-core
   kernel in registers**: its second form (``KVCACHE_OP_CUDA_MMA=2``; built for unquantized rows only, so int8 and
@@ -110,7 +112,7 @@ def cases(quick: bool) -> list:
                 + [Case("mhca", "decode", 4, 1, 96, 4, 2, head_dim=64, quant_bit=8, layout=3, kernel=k)
                    for k in ("", "staged")]
                 + [Case("mhca", "decode", 4, 1, 64, 4, 2, head_dim=64, kernel=k)
-                   for k in ("decode", "tile-decode", "mma", "mma2-decode")]
+                   for k in ("decode", "tile-decode", "mma", "mma2-decode", "heads")]
                 + [Case("mha", "decode", 4, 1, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64),
                    Case("mha", "prefill", 2, 64, 64, 4, 2, head_dim=64, kernel="tile"),
@@ -135,7 +137,12 @@ def cases(quick: bool) -> list:
     # the tensor-core kernel's second form (products in registers) on the prefills
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2"),
             Case("mhca", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2")]
-    # ... and on the unquantized decodes (with the staged decode kernel's default rows above)
+    # the staged decode kernel's second form (every head of a tile in a thread's registers), float16 and int8
+    out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, kernel="heads"),
+            Case("mhca", "decode", 32, 1, 2048, 32, 8, kernel="heads"),
+            Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, kernel="heads"),
+            Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="heads")]
+    # the tensor-core kernel's second form on the unquantized decodes (with the staged decode kernel's default rows)
     out += [Case("mhca", "decode", 64, 1, 1024, 8, 2, kernel="mma2-decode"),
             Case("mhca", "decode", 32, 1, 2048, 32, 8, kernel="mma2-decode"),
             Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="mma2-decode")]
@@ -150,6 +157,7 @@ KERNELS = {
     "decode": ("decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "1"}),
     "tile-decode": ("tile kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "0"}),
     "staged": ("staged decode kernel", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "2"}),
+    "heads": ("staged decode kernel, heads in registers", {"KVCACHE_OP_CUDA_DECODE_KERNEL": "3"}),
     "mma": ("tensor-core kernel", {"KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
     "tile": ("tile kernel", {"KVCACHE_OP_CUDA_MMA": "0"}),
     "mma2": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2"}),
