@@ -211,22 +211,19 @@ __global__ void __launch_bounds__(kDecodeThreads, 4) DecodeKernel(AttnParams p) 
 }
 
 // Six blocks a multiprocessor for float16 rows (80 registers); codes take four (dequantizing needs up to 128
-// registers: at five blocks' 96, int8 rows spill 64 bytes, checked with -Xptxas -v for sm_90).
-template <class T1, class Rows>
-__global__ void __launch_bounds__(kStagedThreads, Rows::kQBits ? 4 : 6) StagedDecodeKernel(AttnParams p) {
+// registers: at five blocks' 96, int8 rows spill 64 bytes, checked with -Xptxas -v for sm_90). The second form
+// (Heads: every head's query slice and sums in each thread) takes four too, up to 128 registers.
+template <class T1, class Rows, bool Heads>
+__global__ void __launch_bounds__(kStagedThreads, Heads || Rows::kQBits ? 4 : 6) StagedDecodeKernel(AttnParams p) {
   __shared__ __align__(16) float shared[kStagedSharedWords];
   AttnDeviceMem mem{p, shared};
-  DeviceTeam<StagedThread> team{threadIdx.x, {}};
-  StagedDecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
-}
-
-// The second form holds every head's query slice and sums (up to 128 registers: four blocks a multiprocessor).
-template <class T1, class Rows>
-__global__ void __launch_bounds__(kStagedThreads, 4) StagedHeadsKernel(AttnParams p) {
-  __shared__ __align__(16) float shared[kStagedSharedWords];
-  AttnDeviceMem mem{p, shared};
-  DeviceTeam<StagedHeadsThread> team{threadIdx.x, {}};
-  StagedHeadsTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+  if constexpr (Heads) {
+    DeviceTeam<StagedHeadsThread> team{threadIdx.x, {}};
+    StagedHeadsTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+  } else {
+    DeviceTeam<StagedThread> team{threadIdx.x, {}};
+    StagedDecodeTile<T1>(p, Rows{}, mem, team, blockIdx.x);
+  }
 }
 
 template <class T1, class Rows>
@@ -298,9 +295,9 @@ cudaError_t LaunchRows(const AttnParams& p, cudaStream_t stream, AttnStep step) 
       if (cudaError_t e = Launched([&] {
             const unsigned blocks = static_cast<unsigned>(p.decode_tiles);
             if (p.decode_form == 3)
-              StagedHeadsKernel<T1, Rows><<<blocks, kStagedThreads, 0, stream>>>(p);
+              StagedDecodeKernel<T1, Rows, true><<<blocks, kStagedThreads, 0, stream>>>(p);
             else
-              StagedDecodeKernel<T1, Rows><<<blocks, kStagedThreads, 0, stream>>>(p);
+              StagedDecodeKernel<T1, Rows, false><<<blocks, kStagedThreads, 0, stream>>>(p);
           });
           e != cudaSuccess)
         return e;
