@@ -158,6 +158,9 @@ static_assert(kSmemRows % 2 == 0 && kSmemScores % 4 == 0, "shared rows 8-byte, q
 // most at the narrowest head (Dh = kVec).
 constexpr int64_t kDecodeSharedWords = kDecodeThreads * (kVec + 2);
 static_assert(kDecodeSharedWords <= kSharedWords, "one shared array serves both kernels");
+// The staged kernel's second form leaves a part per row of lanes, of all kDecodeHeads heads: most at one lane a row.
+static_assert(kStagedThreads * kDecodeHeads * (kVec + 2) <= kStagedSharedWords,
+              "the second staged form's parts fit where its stages were");
 static_assert(kDecodeThreads == kStagedThreads && kDecodeSharedWords <= kStagedSharedWords,
               "the staged form leaves its groups' parts where its stages were, as the first form does");
 

@@ -181,7 +181,7 @@ def test_head_dim_above_the_kernels_limit_is_refused_before_anything_runs(runner
     assert result.code not in (0, 4) and "head_dim <= 2048" in result.message and result.report.blocks == 0
 
 
-@pytest.mark.parametrize("t,form", [("float32", 1), ("bfloat16", 1), ("bfloat16", 2)])
+@pytest.mark.parametrize("t,form", [("float32", 1), ("bfloat16", 1), ("bfloat16", 2), ("float16", 3)])
 def test_a_rising_max_rescales_what_was_summed(runner, t, form):
     """One block walks three chunks of keys whose scores rise from chunk to chunk (no split): each raised max must
     rescale the sums of the chunks before it (the decode row's steps or stages too)."""
@@ -294,25 +294,27 @@ def test_staged_codes_give_bit_for_bit_what_staged_dequantized_rows_give(runner,
 
 
 @pytest.mark.parametrize("t3,staged", [("float16", False), ("float32", True)])
-def test_staged_decode_takes_scale_rows_of_whole_chunks_only(runner, t3, staged):
+@pytest.mark.parametrize("form", [2, 3])
+def test_staged_decode_takes_scale_rows_of_whole_chunks_only(runner, t3, staged, form):
     """head_dim 128 in groups of 32: four scales a row, 8 bytes of float16 (the kernel copies 16-byte chunks: the
     first decode form reads them) or 16 of float32 (staged)."""
     case = build_cache_attention(f"scale-rows-{t3}", [Seq(90, 1), Seq(3, 4)], group=2, decoding=1, heads=2,
                                  head_dim=128, quant_bit=8, quant_group=32, cache_mode=1, page_size=16, t1="float16",
                                  t3=t3)
-    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=1, decode_form=2)
-    assert result.report.decode_tiles > 0 and result.report.decode_form == (2 if staged else 1)
+    result = check_mhca(runner, case.inputs, case.attributes, min_blocks=1, decode_form=form)
+    assert result.report.decode_tiles > 0 and result.report.decode_form == (form if staged else 1)
 
 
-def test_a_short_wait_on_staged_codes_is_a_race_the_runner_reports(runner):
+@pytest.mark.parametrize("form", [2, 3])
+def test_a_short_wait_on_staged_codes_is_a_race_the_runner_reports(runner, form):
     """The copies of a stage's scales are waited for as its codes are: with every wait one group short, a scale or
     code read before its copy landed must be flagged."""
     case = build_cache_attention("short-wait-codes", [Seq(300, 1)], group=4, heads=1, head_dim=128, quant_bit=8,
                                  quant_group=8, cache_mode=1, page_size=16, t1="float16", t3="float16")
-    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=2, short_wait=1)
+    result = runner.run(copies(case.inputs), case.attributes, min_blocks=1, decode_form=form, short_wait=1)
     assert result.code == 4 and result.report.read_write > 0, result.message
     assert "asynchronous copy in flight" in result.message
-    check_mhca(runner, case.inputs, case.attributes, min_blocks=1, decode_form=2)
+    check_mhca(runner, case.inputs, case.attributes, min_blocks=1, decode_form=form)
 
 
 def test_split_parts_of_several_chunks_merge_within_the_bound(runner):
@@ -352,7 +354,8 @@ def test_a_misaligned_element_access_is_reported(runner):
 
 #: Routes over the same call: the staged and first decode forms, the tile kernel, split key ranges and their merges.
 FAR_ROUTES = {"staged": dict(decode_form=2), "heads": dict(decode_form=3), "decode": dict(decode_form=1),
-              "tile": dict(tile_kernel_only=True), "split": dict(min_blocks=10**6, min_split_keys=8, decode_form=2)}
+              "tile": dict(tile_kernel_only=True), "split": dict(min_blocks=10**6, min_split_keys=8, decode_form=2),
+              "split-heads": dict(min_blocks=10**6, min_split_keys=8, decode_form=3)}
 
 
 @pytest.mark.parametrize("route", sorted(FAR_ROUTES))
@@ -376,8 +379,9 @@ def test_rows_past_2_to_the_31_elements_are_read_and_written_where_they_are(runn
     assert result.output.tobytes() == small.output.tobytes()
     assert cache[moved:].tobytes() == near["cache"].tobytes() and scale[moved:].tobytes() == near["scale"].tobytes()
     assert not cache[:moved].any()  # nothing stored below the moved rows (untouched pages read as the zero page)
-    assert result.report.decode_form == {"staged": 2, "heads": 3, "decode": 1, "tile": 0, "split": 2}[route]
-    assert (result.report.split_tiles > 0) == (route == "split")
+    assert result.report.decode_form == {"staged": 2, "heads": 3, "decode": 1, "tile": 0, "split": 2,
+                                         "split-heads": 3}[route]
+    assert (result.report.split_tiles > 0) == route.startswith("split")
 
 
 # A call of 2^31 one-token sequences x kv heads: its query (65,536 tokens x 32,768 heads x 8 float16, 32 GiB on a
