@@ -252,7 +252,7 @@ struct StagedHeadsThread {
   float q[kDecodeHeads][kVec];
   float acc[kDecodeHeads][kVec];
   float max[kDecodeHeads], sum[kDecodeHeads];
-  float dots[kDecodeHeads * kStagedHeadsKeys];  // [head][key]: dot products, then scores
+  float dots[kDecodeHeads * kStagedHeadsKeys];  // [head][key]: dot products, then scores, then weights
   int32_t enters;                                // bit u: the stage's key u of the group is one the query sees
 };
 
