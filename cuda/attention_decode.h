@@ -88,35 +88,47 @@ KV_HD void DecodeStart(const AttnParams& p, Mem& mem, const DecodeBlock& d, int6
   s.sum = 0.0f;
 }
 
-// The values step of thread t for the U keys of its step whose bits are set in s.enters (key_of(u): the key's index
-// in the sequence) and whose dot products s.dots holds: the scores finished, the running max raised once and the
-// sums rescaled, each key's weight times its value slice added (add_value(u, w, s.acc): acc[e] += w x element e of
-// key u's value slice, one key's slice at a time in registers).
+// One head's scores and running max for the U keys whose bits are set in `enters` (key_of(u): the key's index in the
+// sequence) and whose dot products dots[0..U) holds: the scores finished in place (tile head qi), the running max
+// raised once and the sums rescaled to it. Returns the new max; each key's weight is then KeyWeight(score, max).
+template <int64_t U, class T1, class Mem, class KeyOf>
+KV_HD float DecodeRaiseMax(const AttnParams& p, Mem& mem, const DecodeBlock& d, int64_t qi, int32_t enters,
+                           float* dots, float& max, float& sum, float (&acc)[kVec], KeyOf&& key_of) {
+  float top = MinusInf();
+  KV_UNROLL
+  for (int64_t u = 0; u < U; ++u) {
+    if (!(enters >> u & 1)) continue;
+    const int64_t j = key_of(u);
+    dots[u] = ScoreOf<T1>(p, mem, dots[u], d.tile.head0 + qi, d.token, d.seq.col0 + j, j - d.position);
+    top = MaxStep(top, dots[u]);
+  }
+  const float m = MaxStep(max, top);
+  const float f = RescaleFactor(max, m);  // 0 after -inf; NaN for a NaN max
+  if (f != 1.0f) {
+    KV_UNROLL
+    for (int64_t e = 0; e < kVec; ++e) acc[e] *= f;
+    sum *= f;
+  }
+  max = m;
+  return m;
+}
+
+// A key's weight under the running max m: nothing but -inf so far gives weight 0, which still lets a non-finite
+// value through.
+KV_HD float KeyWeight(float score, float m) { return m == MinusInf() ? 0.0f : expf(score - m); }
+
+// The values step of thread t for the U keys of its step whose bits are set in s.enters and whose dot products s.dots
+// holds: the scores and running max (DecodeRaiseMax), then each key's weight times its value slice added
+// (add_value(u, w, s.acc): acc[e] += w x element e of key u's value slice, one key's slice at a time in registers).
 template <int64_t U, class T1, class Mem, class State, class KeyOf, class AddValue>
 KV_HD void DecodeAddKeys(const AttnParams& p, Mem& mem, const DecodeBlock& d, int64_t t, State& s, KeyOf&& key_of,
                          AddValue&& add_value) {
   if (s.enters == 0) return;  // no key this step (or a head past the tile's): nothing changes
-  float top = MinusInf();
+  const float m = DecodeRaiseMax<U, T1>(p, mem, d, d.HeadOf(t), s.enters, s.dots, s.max, s.sum, s.acc, key_of);
   KV_UNROLL
   for (int64_t u = 0; u < U; ++u) {
     if (!(s.enters >> u & 1)) continue;
-    const int64_t j = key_of(u);
-    s.dots[u] = ScoreOf<T1>(p, mem, s.dots[u], d.tile.head0 + d.HeadOf(t), d.token, d.seq.col0 + j, j - d.position);
-    top = MaxStep(top, s.dots[u]);
-  }
-  const float m = MaxStep(s.max, top);
-  const float f = RescaleFactor(s.max, m);  // 0 after -inf; NaN for a NaN max
-  if (f != 1.0f) {
-    KV_UNROLL
-    for (int64_t e = 0; e < kVec; ++e) s.acc[e] *= f;
-    s.sum *= f;
-  }
-  s.max = m;
-  KV_UNROLL
-  for (int64_t u = 0; u < U; ++u) {
-    if (!(s.enters >> u & 1)) continue;
-    // Nothing but -inf so far: weight 0, which still lets a non-finite value through.
-    const float w = m == MinusInf() ? 0.0f : expf(s.dots[u] - m);
+    const float w = KeyWeight(s.dots[u], m);
     add_value(u, w, s.acc);
     s.sum += w;
   }

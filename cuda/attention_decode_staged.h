@@ -310,31 +310,15 @@ KV_HD void StagedHeadsTile(const AttnParams& p, const Rows& rows_of, Mem& mem, T
       const int64_t x = d.LaneOf(t);
       KV_UNROLL
       for (int64_t h = 0; h < HQ; ++h) {
-        float top = MinusInf();
-        KV_UNROLL
-        for (int64_t u = 0; u < U; ++u) {
-          if (h >= Q || !(s.enters >> u & 1)) continue;
-          const int64_t j = first + stage * C + key_in_stage(t, u);
-          float& score = s.dots[h * U + u];
-          score = ScoreOf<T1>(p, mem, score, d.tile.head0 + h, d.token, d.seq.col0 + j, j - d.position);
-          top = MaxStep(top, score);
-        }
         if (h >= Q) continue;
-        const float m = MaxStep(s.max[h], top);
-        const float f = RescaleFactor(s.max[h], m);  // 0 after -inf; NaN for a NaN max
-        if (f != 1.0f) {
-          KV_UNROLL
-          for (int64_t e = 0; e < kVec; ++e) s.acc[h][e] *= f;
-          s.sum[h] *= f;
-        }
-        s.max[h] = m;
+        float* dots = s.dots + h * U;
+        const float m = DecodeRaiseMax<U, T1>(p, mem, d, h, s.enters, dots, s.max[h], s.sum[h], s.acc[h],
+                                              [&](int64_t u) { return first + stage * C + key_in_stage(t, u); });
         KV_UNROLL
         for (int64_t u = 0; u < U; ++u) {
           if (!(s.enters >> u & 1)) continue;
-          // Nothing but -inf so far: weight 0, which still lets a non-finite value through.
-          float& weight = s.dots[h * U + u];
-          weight = m == MinusInf() ? 0.0f : expf(weight - m);
-          s.sum[h] += weight;
+          dots[u] = KeyWeight(dots[u], m);  // the weight in place of the score
+          s.sum[h] += dots[u];
         }
       }
       KV_UNROLL
