@@ -138,6 +138,58 @@ def test_every_build_is_within_the_bound(monkeypatch, kernel, quant_bit, layout)
     assert_within(ort_call(case.inputs, case.attributes)[0], want, tolerance, f"{kernel} build")
 
 
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("t1, quant_bit, layout", [("float16", 0, 0), ("float32", 8, 3)])
+def test_short_chunks_over_long_caches_split_over_their_keys_match_the_reference(monkeypatch, kernel, t1, quant_bit,
+                                                                                  layout):
+    """Sequences of 2-4 queries (speculative decoding, short chunks) over thousands of cached keys are split over
+    their keys as decodes are, each query row with partial results of its own: causal, so each row sees a different
+    last key, and the merge must keep the rows' partial softmaxes apart."""
+    use_cpu_kernel(monkeypatch, kernel)
+    case = build_cache_attention("split-chunks", [Seq(2000, 3), Seq(1500, 2), Seq(700, 4)], heads=2, head_dim=64,
+                                 group=4, cache_mode=1, page_size=64, t1=t1, quant_bit=quant_bit,
+                                 cache_layout=layout, sliding_window=1800 if layout else 0)
+    want = multi_head_cache_attention(**copies(case.inputs), **case.attributes).astype(np.float64)
+    tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
+    one = ort_call(case.inputs, case.attributes, 1)[0]
+    assert_within(one, want, tolerance, f"{kernel} build, 1 thread")
+    assert ort_call(case.inputs, case.attributes, 2)[0].tobytes() == one.tobytes()
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("quant_bit", [8, 4])
+@pytest.mark.parametrize("quant_group", [16, 32])
+def test_decodes_over_caches_quantized_in_groups_of_16_and_32_match_the_reference(monkeypatch, kernel, quant_bit,
+                                                                                    quant_group):
+    """The decode tiles dequantize codes in registers for groups of 8 only; a cache quantized in larger groups
+    (whole vectors of a head of 64 or 128) must take the row-by-row dequantization, each group its own scale."""
+    use_cpu_kernel(monkeypatch, kernel)
+    for head_dim in (64, 128):
+        case = build_cache_attention(f"group{quant_group}", [Seq(700, 1), Seq(40, 1), Seq(9, 3)], heads=2,
+                                     head_dim=head_dim, group=2, cache_mode=1, page_size=16, t1="float16",
+                                     quant_bit=quant_bit, quant_group=quant_group)
+        want = multi_head_cache_attention(**copies(case.inputs), **case.attributes).astype(np.float64)
+        tolerance = 2 * cache_attention_tolerance(**case.inputs, **case.attributes)
+        got = ort_call(case.inputs, case.attributes, 2)[0]
+        assert_within(got, want, tolerance, f"{kernel} build, int{quant_bit} in groups of {quant_group}, "
+                                            f"head_dim {head_dim}")
+
+
+@pytest.mark.parametrize("seqs", [[Seq(5, 1), Seq(2, 1), Seq(0, 7), Seq(3, 3)], [Seq(900, 1), Seq(600, 1)]])
+def test_a_per_head_attn_mask_under_gqa_matches_the_reference(seqs):
+    """A rank-3 attn_mask (num_heads, tokens, >= kv_tokens) under GQA: each query head reads its own plane, not
+    its key head's. Decodes, a prefill of 7 and a chunk of 3; the long decodes split over their keys."""
+    case = build_cache_attention("mask3-gqa", seqs, heads=2, head_dim=32, group=4, cache_mode=1, page_size=16,
+                                 decoding=2, mask=True)
+    inputs = copies(case.inputs)
+    tokens, columns = inputs["attn_mask"].shape
+    planes = np.random.default_rng(7).standard_normal((case.attributes["num_heads"], tokens, columns)) * 2
+    inputs["attn_mask"] = planes.astype(inputs["query"].dtype)
+    want = multi_head_cache_attention(**copies(inputs), **case.attributes).astype(np.float64)
+    tolerance = 2 * cache_attention_tolerance(**inputs, **case.attributes)
+    assert_within(ort_call(inputs, case.attributes, 2)[0], want, tolerance, "ORT, a mask plane per head")
+
+
 @pytest.mark.parametrize("target", ["cache", "query"])
 def test_an_output_bound_onto_an_input_is_refused_and_the_cache_kept(target):
     case = CASES["mhca_paged_gqa2"]()
@@ -165,6 +217,26 @@ def test_a_query_sharing_the_caches_memory_is_refused_before_the_store():
     with pytest.raises(Exception, match="cache overlaps query"):
         session.run_with_iobinding(binding)
     assert feeds["cache"].tobytes() == before
+    del keep
+
+
+@pytest.mark.parametrize("name, target", [("mhca_empty_scale_mask", "cache"), ("mhca_mask_minus_inf", "scale")])
+def test_an_attn_mask_sharing_the_caches_or_scales_memory_is_refused_before_the_store(name, target):
+    """The stores come first: an attn_mask inside the cache (or the scale) would be overwritten before the
+    attention reads it."""
+    case = CASES[name]()
+    feeds = {k: v for k, v in copies(case.inputs).items() if v is not None}
+    mask = feeds["attn_mask"]
+    flat = feeds[target].reshape(-1).view(np.uint8).view(mask.dtype)
+    assert flat.size >= mask.size
+    feeds["attn_mask"] = flat[:mask.size].reshape(mask.shape)  # a view into the cache / scale
+    session = make_session(spec.make_cache_attention_model(case.inputs, **case.attributes))
+    out = np.empty(feeds["query"].shape, feeds["query"].dtype)
+    before = feeds["cache"].tobytes(), feeds["scale"].tobytes()
+    binding, keep = bind(session, feeds, {"output": (out, out.shape, out.dtype)})
+    with pytest.raises(Exception, match=f"{target} overlaps attn_mask"):
+        session.run_with_iobinding(binding)
+    assert (feeds["cache"].tobytes(), feeds["scale"].tobytes()) == before
     del keep
 
 
@@ -210,6 +282,26 @@ def test_a_constant_cache_is_refused_when_the_session_is_made():
 
     with pytest.raises(Exception, match="cache is a constant initializer"):  # the kernel's own, without the helpers
         ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+
+
+def test_a_node_with_num_repeat_other_than_1_is_refused_by_the_kernel_itself():
+    """MultiHeadCacheAttention stores as KeyValueCache with num_repeat 1 and has no such attribute: the session
+    helpers refuse it by name, and a plain onnxruntime session with the library registered is refused by the
+    kernel itself rather than run as if it were 1."""
+    import onnx
+    import onnxruntime as ort
+
+    from kvcache_op.ort_ops import session_options
+
+    case = CASES["mhca_paged_gqa2"]()
+    model = spec.make_cache_attention_model(copies(case.inputs), **case.attributes)
+    (node,) = model.graph.node
+    node.attribute.append(onnx.helper.make_attribute("num_repeat", 2))
+    feeds = {k: v for k, v in copies(case.inputs).items() if v is not None}
+    with pytest.raises(Exception, match="num_repeat must be 1"):
+        session = ort.InferenceSession(model.SerializeToString(), session_options(1),
+                                       providers=["CPUExecutionProvider"])
+        session.run(None, feeds)
 
 
 @pytest.mark.parametrize("form", ["11 inputs", "12 inputs, int8 scale", "13 inputs, empty scale and a mask"])

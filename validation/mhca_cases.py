@@ -62,6 +62,16 @@ def _minus_inf_mask(case):
     return case
 
 
+def _mask_per_head(case):
+    """The rank-2 mask replaced by a seeded rank-3 one, (num_heads, tokens, kv_tokens + 1): a plane per query head,
+    which under GQA is not its key head's."""
+    rng = np.random.default_rng(zlib.crc32(("mask planes " + case.name).encode()))
+    mask = case.inputs["attn_mask"]
+    planes = rng.standard_normal((case.attributes["num_heads"],) + mask.shape) * 0.5
+    case.inputs["attn_mask"] = planes.astype(mask.dtype)
+    return case
+
+
 def _num_kv_heads_zero(case):
     """num_kv_heads 0, the default: as many kv heads as query heads (the call's group is 1)."""
     assert case.attributes["num_heads"] == case.attributes["num_kv_heads"]
@@ -94,6 +104,9 @@ def _registry():
     case("mhca_unaligned_pages_int8", MIXED, cache_mode=1, page_size=3, aligned_pages=False, quant_bit=8)
     case("mhca_mask_minus_inf", DECODES_FIRST, then=_minus_inf_mask, cache_mode=1, page_size=4, decoding=2, mask=True,
          quant_bit=8)
+    case("mhca_mask_per_head_gqa4", DECODES_FIRST, then=_mask_per_head, cache_mode=1, page_size=4, decoding=2,
+         group=4, mask=True)
+    case("mhca_int4_group16", MIXED, cache_mode=1, page_size=4, quant_bit=4, quant_group=16, head_dim=32)
     return cases
 
 
