@@ -378,10 +378,12 @@ cache_attention_loads_first = types.SimpleNamespace(multi_head_cache_attention=_
 
 
 def _cache_attention_nan_when_all_masked(*args, attn_mask=None, **attributes):
-    """The fused op, but a query row whose mask entries are all -inf gets NaN (0 / 0) instead of zeros."""
+    """The fused op, but a query row whose mask entries are all -inf gets NaN (0 / 0) instead of zeros (every head's
+    under a rank-2 mask, that head's under a rank-3 one)."""
     output = multi_head_cache_attention(*args, attn_mask=attn_mask, **attributes)
     if attn_mask is not None:
-        output[np.all(np.isneginf(np.asarray(attn_mask, np.float32)), axis=1)] = np.nan
+        hidden = np.all(np.isneginf(np.asarray(attn_mask, np.float32)), axis=-1)  # (tokens,) or (heads, tokens)
+        output[hidden.T if hidden.ndim == 2 else hidden] = np.nan
     return output
 
 

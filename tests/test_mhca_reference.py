@@ -25,7 +25,8 @@ INDEX = ("seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen", "max
 @st.composite
 def cache_attention_calls(draw):
     """A valid call: a KeyValueCache call (num_repeat 1), query heads a multiple of its kv heads, attention
-    attributes drawn; returns (inputs, attributes)."""
+    attributes and an additive mask (none, shared by the heads or a plane per query head; some entries -inf, at
+    times a whole row) drawn; returns (inputs, attributes)."""
     case = draw(calls())
     assume(case.attributes.get("num_repeat", 1) == 1)
     i = dict(case.inputs)
@@ -46,6 +47,12 @@ def cache_attention_calls(draw):
     inputs = dict(query=query, current_key=i["current_key"], current_value=i["current_value"],
                   **{k: i[k] for k in INDEX[:4]}, decoding_batches=np.array(decoding, np.int64),
                   **{k: i[k] for k in INDEX[4:]}, cache=i["cache"], scale=i["scale"])
+    rank = draw(st.sampled_from((0, 0, 2, 3)))
+    if rank:
+        planes = (kv_heads * group,) if rank == 3 else ()
+        mask = rng.standard_normal(planes + (tokens, int(i["kvstarts"][-1]) + draw(st.integers(0, 2))))
+        mask[rng.random(mask.shape) < draw(st.sampled_from((0.0, 0.2, 0.9)))] = -np.inf
+        inputs["attn_mask"] = mask.astype(query.dtype)
     return inputs, attributes
 
 
@@ -64,7 +71,7 @@ def test_the_reference_is_the_naive_cache_then_the_exact_attention_within_its_bo
         inputs["current_key"], inputs["current_value"], inputs["seqstarts"], inputs["kvstarts"],
         inputs["cachestarts"], inputs["start_pos"], inputs["cache"], inputs["scale"], **cache_attrs)
     exact, n, v_max, a_mean = naive_attention(inputs["query"], key, value, inputs["seqstarts"], inputs["kvstarts"],
-                                              inputs["decoding_batches"], **attention)
+                                              inputs["decoding_batches"], inputs.get("attn_mask"), **attention)
     bound = np.where(n > 0, attention_error_bound(n, v_max, a_mean, attention["head_dim"], inputs["query"].dtype), 0.0)
     given_inputs = {k: (None if v is None else v.copy()) for k, v in inputs.items()}
     out = multi_head_cache_attention(**given_inputs, **attributes)

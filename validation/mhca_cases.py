@@ -22,7 +22,8 @@ def with_query(name, cache_inputs: dict, cache_attributes: dict, *, group=2, dec
                sliding_window=0, softmax_scale=0.0, softcap=0.0, mask=False) -> Case:
     """The MultiHeadCacheAttention call of a KeyValueCache call: a seeded query of ``group`` heads per kv head
     (current_key's type and sizes; float16 where current_key is not a 3-D float tensor), ``decoding_batches``,
-    a rank-2 additive mask when ``mask``, and the attention attributes."""
+    an additive mask when ``mask`` (rank 2, shared by the heads; ``mask=3``: rank 3, a plane per query head), and
+    the attention attributes."""
     rng = np.random.default_rng(zlib.crc32(("query " + name).encode()))
     key = np.asarray(cache_inputs["current_key"])
     tokens, kv_heads, head_dim = key.shape if key.ndim == 3 else (0, 1, 8)
@@ -31,7 +32,8 @@ def with_query(name, cache_inputs: dict, cache_attributes: dict, *, group=2, dec
                   decoding_batches=np.array(decoding, np.int64), attn_mask=None)
     if mask:
         kv_tokens = int(np.asarray(cache_inputs["kvstarts"])[-1])
-        inputs["attn_mask"] = (rng.standard_normal((tokens, kv_tokens + 1)) * 0.5).astype(dtype)
+        planes = (kv_heads * group,) if mask == 3 else ()
+        inputs["attn_mask"] = (rng.standard_normal(planes + (tokens, kv_tokens + 1)) * 0.5).astype(dtype)
     attributes = {**{k: v for k, v in cache_attributes.items() if k != "num_repeat"},
                   "num_heads": kv_heads * group, "head_dim": head_dim, "num_kv_heads": kv_heads, "is_causal": is_causal,
                   "is_alibi": is_alibi, "sliding_window": sliding_window, "softmax_scale": softmax_scale}
@@ -59,16 +61,6 @@ def _minus_inf_mask(case):
     mask = case.inputs["attn_mask"]
     mask[0, :] = -np.inf
     mask[1:, ::3] = -np.inf
-    return case
-
-
-def _mask_per_head(case):
-    """The rank-2 mask replaced by a seeded rank-3 one, (num_heads, tokens, kv_tokens + 1): a plane per query head,
-    which under GQA is not its key head's."""
-    rng = np.random.default_rng(zlib.crc32(("mask planes " + case.name).encode()))
-    mask = case.inputs["attn_mask"]
-    planes = rng.standard_normal((case.attributes["num_heads"],) + mask.shape) * 0.5
-    case.inputs["attn_mask"] = planes.astype(mask.dtype)
     return case
 
 
@@ -104,8 +96,7 @@ def _registry():
     case("mhca_unaligned_pages_int8", MIXED, cache_mode=1, page_size=3, aligned_pages=False, quant_bit=8)
     case("mhca_mask_minus_inf", DECODES_FIRST, then=_minus_inf_mask, cache_mode=1, page_size=4, decoding=2, mask=True,
          quant_bit=8)
-    case("mhca_mask_per_head_gqa4", DECODES_FIRST, then=_mask_per_head, cache_mode=1, page_size=4, decoding=2,
-         group=4, mask=True)
+    case("mhca_mask_per_head_gqa4", DECODES_FIRST, cache_mode=1, page_size=4, decoding=2, group=4, mask=3)
     case("mhca_int4_group16", MIXED, cache_mode=1, page_size=4, quant_bit=4, quant_group=16, head_dim=32)
     return cases
 

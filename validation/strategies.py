@@ -142,7 +142,8 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
 def cache_attention_calls(draw, kv_calls=None):
     """A valid MultiHeadCacheAttention call: a KeyValueCache call drawn from ``kv_calls`` (default :func:`calls`;
     num_repeat set to 1) with a query of 1-3 heads per kv head, decoding sequences, causal on/off (off where a causal
-    sequence would have fewer keys than queries), ALiBi, windows and an additive mask: a spec.cases.Case."""
+    sequence would have fewer keys than queries), ALiBi, windows and an additive mask (shared by the heads, or a plane
+    per query head): a spec.cases.Case."""
     from .mhca_cases import with_query
 
     case = draw(kv_calls if kv_calls is not None else calls())
@@ -157,4 +158,4 @@ def cache_attention_calls(draw, kv_calls=None):
                       is_causal=causal, is_alibi=draw(st.integers(0, 1)),
                       sliding_window=draw(st.sampled_from((0, 0, 1, 3))),
                       softmax_scale=draw(st.sampled_from((0.0, 0.0, 0.3))),
-                      softcap=draw(st.sampled_from((0.0, 0.0, 0.5, 5.0))), mask=draw(st.booleans()))
+                      softcap=draw(st.sampled_from((0.0, 0.0, 0.5, 5.0))), mask=draw(st.sampled_from((0, 0, 2, 3))))
