@@ -46,3 +46,26 @@ def test_stop_strings_without_a_tokenizer_are_refused_up_front():
         engine.submit(PROMPT, SamplingParams(stop=("x",)))
     with pytest.raises(TypeError, match="decode"):
         Engine(hf_models.exported("llama"), num_pages=16, tokenizer=object())
+
+
+def test_a_stop_token_that_is_also_the_last_allowed_token_finishes_as_stop(lone):
+    """Both limits reached by the same token: the model stopped, so the finish reason is "stop" (as OpenAI's and
+    vLLM's); one token short of the stop token, "length"."""
+    engine = Engine(hf_models.exported("llama"), num_pages=16)
+    first = lone.index(lone[3])
+    handle = engine.submit(PROMPT, SamplingParams(max_tokens=first + 1, stop_token_ids=[lone[3]]))
+    assert handle.result(timeout=60) == lone[:first + 1] and handle.finish_reason == "stop"
+    if first:
+        short = engine.submit(PROMPT, SamplingParams(max_tokens=first, stop_token_ids=[lone[3]]))
+        assert short.result(timeout=60) == lone[:first] and short.finish_reason == "length"
+    engine.close(timeout=30)
+
+
+def test_a_request_with_stop_strings_still_ends_at_its_stop_token(lone):
+    """Stop strings add to the stop token ids (and the model's end-of-sequence ids, which go the same way); strings
+    that never match leave them in force."""
+    engine = Engine(hf_models.exported("llama"), num_pages=16, tokenizer=AngleTokenizer())
+    first = lone.index(lone[3])
+    handle = engine.submit(PROMPT, SamplingParams(max_tokens=10, stop=("<no such token>",), stop_token_ids=[lone[3]]))
+    assert handle.result(timeout=60) == lone[:first + 1] and handle.finish_reason == "stop"
+    engine.close(timeout=30)

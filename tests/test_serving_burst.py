@@ -39,3 +39,23 @@ def test_salted_requests_do_not_wait_for_each_other():
     _, metrics = served([0] * 4, salts=["a", "b", "c", "d"], prompts=PROMPTS[:4])
     assert metrics["prefix_hit_tokens"] == 0
     assert metrics["fed_tokens"] >= 4 * len(PROMPTS[0])
+
+
+@pytest.mark.parametrize("system_tokens", [128, 144])  # leaders of 8 and 9 chunks: an even and an odd number of waits
+def test_requests_waiting_for_a_leaders_prefix_are_admitted_in_arrival_order(system_tokens):
+    """Requests held back while the first computes their shared prefix go back first in line in their own order;
+    reversed at every step they wait, one that came later would run first. One running place beside the leader, so
+    admissions come one by one."""
+    system = SYSTEM[:system_tokens] + list(np.random.default_rng(4).integers(0, 300, max(0, system_tokens - 128)))
+    prompts = [system + list(np.random.default_rng(10 + i).integers(0, 300, 8)) for i in range(4)]
+    engine = Engine(hf_models.exported("llama"), num_pages=64, max_running=2, max_batch_tokens=16)
+    admitted, add = [], engine.manager.add_request
+
+    def recording_add(index, *args):
+        admitted.append(index)
+        return add(index, *args)
+
+    engine.manager.add_request = recording_add
+    engine.generate(prompts, 3, arrival_steps=[0] * len(prompts))
+    first_admissions = list(dict.fromkeys(admitted))
+    assert len(first_admissions) == len(prompts) and first_admissions == sorted(first_admissions), admitted

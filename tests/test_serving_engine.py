@@ -311,3 +311,21 @@ def test_qwen2_with_sliding_and_full_layers_and_no_prefix_caching(tmp_path):
         tokens = engine.generate(workload.prompts, 10, arrival_steps=workload.arrival_steps)
         assert tokens == [reference_generate(model, p, 10) for p in workload.prompts]
         assert (engine.metrics()["prefix_hit_tokens"] > 0) == caching
+
+
+def test_recorded_logits_are_the_choosing_requests_own_rows_beside_an_unfinished_prompt_chunk():
+    """Under StreamingLLM a prompt's chunk is cut at its page budget: a long prompt admitted first feeds a chunk that
+    chooses no token (the step's first row) while a short prompt ends in the same step (the second). The short
+    request's recorded logits are its own: those of its lone run."""
+    from kvcache_op.manager import StreamingPolicy
+
+    path = hf_models.exported("llama", page_size=4)
+    policy = StreamingPolicy(sinks=4, budget_pages=6)  # chunks of at most (6 - 1) * 4 = 20 tokens
+    long_prompt, short_prompt = list(range(10, 70)), [5, 6, 7, 8, 9]
+    together = Engine(path, num_pages=64, streaming=policy)
+    tokens = together.generate([long_prompt, short_prompt], 3, record_logits=True)
+    alone = Engine(path, num_pages=64, streaming=policy)
+    assert alone.generate([short_prompt], 3, record_logits=True)[0] == tokens[1]
+    got, want = np.array(together.last_logits[1]), np.array(alone.last_logits[0])
+    assert got.shape == want.shape == (3, got.shape[-1])
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)

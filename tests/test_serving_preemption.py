@@ -49,3 +49,64 @@ def test_tokens_do_not_depend_on_the_pool_or_the_step_budget(mode, tight_pages):
     if mode is not None:  # at least one request was preempted after its cache had discarded pages
         assert max(preempted_at) > POLICY["budget_pages"] * PAGE, preempted_at
     assert tight == ample
+
+
+@pytest.fixture(scope="module")
+def tight_run():
+    """One run on a tight pool, recording each admission ("admit", index) and each preemption ("preempt", index,
+    the indices still running, those waiting, whether it had run a step), and the engine's metrics after."""
+    engine = Engine(hf_models.exported("llama", page_size=PAGE), num_pages=20, max_batch_tokens=8,
+                    intra_op_num_threads=1)
+    events, add, preempt = [], engine.manager.add_request, engine._preempt
+
+    def recording_add(index, *args):
+        events.append(("admit", index))
+        return add(index, *args)
+
+    def recording_preempt(q, waiting):
+        events.append(("preempt", q.index, [r.index for r in engine._online_running],
+                       [w.index for w in waiting], q.ran))
+        preempt(q, waiting)
+
+    engine.manager.add_request, engine._preempt = recording_add, recording_preempt
+    engine.generate(_prompts(), 40)
+    preemptions = [e for e in events if e[0] == "preempt"]
+    assert preemptions, "nothing was preempted: the tests would prove nothing"
+    return events, preemptions, engine.metrics()
+
+
+def test_the_most_recently_admitted_request_is_preempted(tight_run):
+    """The oldest requests, furthest along, keep their pages; the one admitted last goes back (vLLM's recompute
+    policy too)."""
+    events, preemptions, _ = tight_run
+    assert any(p[2] for p in preemptions), "no preemption left others running: the test would prove nothing"
+    for preemption in preemptions:
+        at = events.index(preemption)
+        last = {e[1]: i for i, e in enumerate(events[:at]) if e[0] == "admit"}
+        victim, others = preemption[1], preemption[2]
+        assert all(last[victim] > last[o] for o in others), (victim, others)
+
+
+def test_the_preemption_count_is_of_requests_that_had_run(tight_run):
+    """A request sent back before it ran a step (admitted, then out of pages when the step is planned) lost nothing:
+    no preemption in metrics()."""
+    _, preemptions, metrics = tight_run
+    ran = sum(e[4] for e in preemptions)
+    assert ran and ran < len(preemptions), "the run needs both kinds of preemption to prove anything"
+    assert metrics["preemptions"] == ran
+
+
+def test_a_preempted_request_goes_back_first_in_line(tight_run):
+    """A preempted request is recomputed before the requests that were waiting when it was preempted (they arrived
+    later); at the back of the line it would wait behind all of them."""
+    events, preemptions, _ = tight_run
+    checked = 0
+    for preemption in preemptions:
+        victim, behind = preemption[1], set(preemption[3])
+        if not behind:
+            continue
+        later = [e[1] for e in events[events.index(preemption) + 1:]
+                 if e[0] == "admit" and (e[1] == victim or e[1] in behind)]
+        assert later and later[0] == victim, (victim, sorted(behind), later[:3])
+        checked += 1
+    assert checked, "no request was preempted while others waited: the test would prove nothing"
