@@ -515,3 +515,17 @@ def test_close_reads_the_engine_thread_once_under_its_lock(path):
     assert engine.generate([[1, 2, 3]], 2)
     engine.close(timeout=30)
     assert engine.__dict__["_thread_value"] is None
+
+
+def test_a_request_submitted_to_an_idle_engine_wakes_its_thread(path, monkeypatch):
+    """The idle background thread waits on the engine's condition and is woken by the submission itself, not by its
+    periodic look (made an hour here, so a missed wake-up fails the wait below rather than passing late)."""
+    from kvcache_op.serving import online
+
+    monkeypatch.setattr(online, "_IDLE_LOOK_SECONDS", 3600.0)
+    engine = Engine(path, num_pages=16)
+    engine.submit([5, 6, 7], SamplingParams(max_tokens=2)).result(timeout=60)  # the thread now exists
+    for _ in range(3):
+        time.sleep(0.2)  # the thread has gone idle: waiting on the condition
+        assert len(engine.submit([5, 6, 7], SamplingParams(max_tokens=1)).result(timeout=60)) == 1
+    engine.close(timeout=30)
