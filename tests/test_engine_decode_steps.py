@@ -3,6 +3,8 @@ transformers, runs that really span several steps (and pages), through the host'
 through the graph's own greedy choice (plain greedy requests), failures inside a run that lose nothing, and runs
 that end early for a caller queueing requests or a cancellation."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -206,8 +208,6 @@ def hold_until_interrupted(engine, runs, at_step, timeout=30.0):
     lock or cancels), at most ``timeout`` seconds: a tiny model's steps take a fraction of a millisecond, so without it the
     run could end before the test's thread, woken by the OS, gets to interrupt it. ``runs``: what
     :func:`counting_graph_steps` counts."""
-    import time
-
     stepper = engine.runner.greedy_steps()
     step = stepper.step
 
@@ -310,3 +310,43 @@ def test_a_raising_callback_in_planned_steps_fails_its_call_at_once_and_no_other
     engine.close(timeout=30)
     engine.manager.check()
     assert not engine.manager.requests and engine.metrics()["pages_in_use"] == 0
+
+
+@pytest.mark.parametrize("interruption", ["submit", "cancel"])
+def test_a_host_run_of_decode_steps_ends_at_its_next_step_when_interrupted(interruption):
+    """Requests that are not plain greedy (here: logprobs) run their decode steps in the host's loop, one session
+    run a step; a request submitted or a cancellation while such a run goes on ends it at its next step too. The
+    run's fifth session run waits until the engine sees the interruption (or the test has made it already, should
+    the run have ended before), so the test does not race the run."""
+    import threading
+
+    engine = Engine(hf_models.exported("llama"), num_pages=64, decode_steps=200)
+    total, runs, run, acted = engine.decode_steps, [0], engine.runner.run, threading.Event()
+
+    def held_run(*args):
+        runs[0] += 1
+        if runs[0] == 5:
+            deadline = time.monotonic() + 60
+            while not (engine._interrupted() or acted.is_set()) and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return run(*args)
+
+    engine.runner.run = held_run
+    host = SamplingParams(max_tokens=total, ignore_eos=True, logprobs=1)
+    first = engine.submit([5, 6, 7, 8], host)
+    tokens = iter(first)
+    for _ in range(3):  # the run has begun
+        next(tokens)
+    if interruption == "submit":
+        second = engine.submit([9, 10, 11], SamplingParams(max_tokens=2, ignore_eos=True, logprobs=1))
+        acted.set()
+        second.result(timeout=60)
+        first.result(timeout=60)
+        assert second.token_times[0] < first.token_times[total // 2], "the newcomer waited for the long run"
+    else:
+        first.cancel()
+        acted.set()
+        first.result(timeout=60)
+        assert first.finish_reason == "cancelled" and len(first.tokens) < total // 2, len(first.tokens)
+    engine.close(timeout=60)
+    assert engine.metrics()["pages_in_use"] == 0
