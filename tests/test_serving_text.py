@@ -137,6 +137,7 @@ def test_random_token_sequences_still_join_to_their_decode(tokenizer):
     (["ab", "c<", "/s", ">tail"], ["</s>"], "abc"),
     (["a<", "b"], ["</s>"], "a<b"),  # a held prefix that never became a stop is released
     (["xx", "yy"], ["yy", "xy"], "x"),  # the earliest stop wins
+    (["ab", "cd"], ["", "zz"], "abcd"),  # an empty stop string is no stop (it would match before any text)
 ])
 def test_stop_strings_are_found_across_chunks_and_never_emitted(chunks, stops, want):
     matcher = StopMatcher(stops)
@@ -148,4 +149,4 @@ def test_stop_strings_are_found_across_chunks_and_never_emitted(chunks, stops, w
             break
     out.append(matcher.flush())
     assert "".join(out) == want
-    assert not any(s in "".join(out) for s in stops)
+    assert not any(s and s in "".join(out) for s in stops)
