@@ -71,6 +71,31 @@ def test_a_page_whose_parent_was_evicted_does_not_keep_its_content_from_being_pu
     assert m.metrics()["pages_in_use"] == 0
 
 
+def test_a_cached_page_whose_parent_was_evicted_is_freed_when_its_content_is_published_again():
+    """As above, but B finishes before C comes: B's third page is cached with nobody holding it, after a parent no
+    lookup can reach. When C publishes the same content, that page leaves the index and must become free (it was in
+    no state at all: neither free, nor cached, nor held, a page lost to the pool for good)."""
+    m = KVCacheManager(num_pages=10, page_size=2, max_pages=8)
+    system, prompt = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7]
+    m.add_request("A", system + [0])
+    m.add_request("B", prompt)
+    m.commit(m.schedule({"A": system + [0], "B": prompt}))
+    m.finish("A")
+    run_prompt(m, "X", list(range(50, 60)))  # evicts A's page [3, 4] (the least recently used)
+    m.finish("X")
+    stale = m.page_table("B")[2]  # B's page [5, 6], registered after the evicted [3, 4]
+    m.finish("B")
+    assert m.index.is_cached(stale) and stale in m.pool.cached
+    assert run_prompt(m, "C", prompt) == 2
+    m.check()
+    assert not m.index.is_cached(stale) and stale in m.pool.free
+    counts = m.metrics()
+    assert counts["pages_free"] + counts["pages_cached"] + counts["pages_in_use"] == 10
+    m.finish("C")
+    assert run_prompt(m, "D", prompt) == 6  # C's pages serve the whole prompt now
+    m.check()
+
+
 def test_a_page_two_windows_release_in_one_step_counts_as_freed():
     """Two windowed requests share a page and both release it in the step being planned: the step fits once it runs
     (it was refused with OutOfPages, the page counted as freed only where one request held it)."""
