@@ -229,6 +229,22 @@ def test_cli_a_bare_library_file_name_means_the_file_in_the_current_folder(all_v
     assert status == 0 and err == "" and out.startswith("ok"), err
 
 
+def test_cli_a_backend_module_in_the_current_folder_is_imported_though_it_is_on_no_import_path(
+        all_vectors, capsys, monkeypatch, tmp_path):
+    """The installed ``kvcache-op`` script's import path has neither the current folder nor this folder (pytest's
+    and ``python -m``'s have); ``--backend my_backend:run`` still finds ``my_backend.py`` where the user stands."""
+    import sys
+
+    (tmp_path / "my_backend_in_cwd.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(TESTS)!r})\nfrom planted_backends import correct as run\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", os.getcwd(), str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "my_backend_in_cwd", raising=False)
+    status, out, err = _cli(capsys, "validate", str(all_vectors), "--backend", "my_backend_in_cwd:run", "--in-process",
+                            "--case", "paged_layout0")
+    assert status == 0 and err == "" and out.startswith("ok"), err
+
+
 def test_cli_conformance_list_takes_its_cases_and_refuses_an_out_folder(tmp_path, capsys):
     status, out, _ = _cli(capsys, "conformance", "--list", "--case", "paged_layout0", "--case", "batch0")
     assert status == 0 and [line.split()[0] for line in out.splitlines()] == ["paged_layout0", "batch0"]
