@@ -301,12 +301,11 @@ def compare(op: str, inputs: dict, attributes: dict, expected: Outcome, got: Out
     for name, want in outputs.items():
         found = _tensor_lines(ctx, name, got.outputs.get(name), want, tolerance)
         if found and alternative is not None and name == "output":
-            primary = ctx.attention_tolerance, ctx.over_backend_cache
+            primary = ctx.attention_tolerance
             in_t3, ctx.attention_tolerance = _attention_over_backend_cache(ctx, alternative)
-            ctx.over_backend_cache = True
-            if not _tensor_lines(ctx, name, got.outputs.get(name), in_t3, tolerance):
+            if not _tensor_lines(ctx, name, got.outputs.get(name), in_t3, tolerance):  # only whether it passes
                 found = []  # the attention over its keys dequantized in T3, which the table allows
-            ctx.attention_tolerance, ctx.over_backend_cache = primary
+            ctx.attention_tolerance = primary
         lines += found
     for name, want in expected.after.items():
         problems = after_lines[name]
