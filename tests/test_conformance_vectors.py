@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
-from kvcache_op.validation import vectors
+from kvcache_op.validation import fingerprints, vectors
 from kvcache_op.validation.cases import CASES
 from kvcache_op.validation.error_cases import INVALID, MORE_INVALID
 from kvcache_op.validation.mha_cases import ATTENTION_CASES
@@ -59,6 +59,29 @@ def test_committed_vectors_are_regenerated_unchanged(tmp_path):
             assert json.loads(old.read_text()) == pytest.approx(json.loads(new.read_text()), rel=1e-9), f"{rel} differs"
             continue
         assert _same_within(old, new, vectors.load_tensor(data / "tolerance_0.pb")), f"{rel} differs"
+
+
+def test_every_case_is_defined_as_committed():
+    """Beyond the committed sample, a case changes only on purpose: its op, attributes, input dtypes and shapes, index
+    values and non-finite counts match spec/conformance_cases.json (rewrite it with
+    ``python -m kvcache_op.validation.fingerprints`` after a deliberate change)."""
+    changed = fingerprints.differences(fingerprints.committed(), fingerprints.fingerprints())
+    assert not changed, "conformance cases differ from spec/conformance_cases.json:\n" + "\n".join(changed)
+
+
+@pytest.mark.parametrize("name, change", [
+    ("max_len_shape1", lambda c: c.inputs.update(max_seqlen=c.inputs["max_seqlen"].reshape(()))),
+    ("quant_special_values", lambda c: c.inputs["current_key"].__setitem__((1, 0, 0), 0)),  # its NaN gone
+    ("paged_layout0", lambda c: c.inputs["cachestarts"].__setitem__((0, 0), c.inputs["cachestarts"][0, 0] + 4)),
+    ("paged_layout0", lambda c: c.attributes.update(page_size=8)),
+    ("error_paged_sentinel_minus_one", lambda c: setattr(c, "expect_error", False)),
+])
+def test_a_fingerprint_changes_with_what_it_covers(name, change):
+    case = vectors.ALL_CASES[name]()
+    before = fingerprints.case_fingerprint(case)
+    assert before == fingerprints.committed()[name]
+    change(case)
+    assert fingerprints.case_fingerprint(case) != before
 
 
 def test_every_case_passes_through_reference_evaluator(all_vectors):

@@ -1,0 +1,82 @@
+"""Fingerprints of the conformance cases' definitions, committed in ``spec/conformance_cases.json``, so that a case
+changes only on purpose: only a sample of the cases is committed as vectors (``spec/conformance/``), and a case that
+quietly stopped being what its name says (a scalar ``max_seqlen`` in ``max_len_shape1``, a special value gone from
+``quant_special_values``) would still pass every backend.
+
+A fingerprint covers what is the same on every machine: the op, its attributes, whether the call is invalid, every
+input's dtype and shape, the values of the index inputs, and how many NaN, +inf and -inf each floating input holds.
+Floating values themselves are left out (a case may derive them through ``sin``/``cos``, whose last bits differ
+between numpy's vector paths); the committed vectors and the cross-backend tests check values.
+
+``python -m kvcache_op.validation.fingerprints`` rewrites the committed file after a deliberate change and names the
+cases that changed.
+"""
+
+import hashlib
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+COMMITTED_FILE = pathlib.Path(__file__).resolve().parent.parent / "spec" / "conformance_cases.json"
+INDEX_INPUTS = ("seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen", "max_kvlen", "decoding_batches",
+                "slots")
+
+
+def _floating(array) -> bool:
+    return array.dtype.kind == "f" or array.dtype.name == "bfloat16"
+
+
+def case_fingerprint(case) -> str:
+    """A hex digest of ``case``'s definition as the module docstring says: equal on every machine for the same
+    definition, different when an attribute, an input's dtype or shape, an index value, or the count of non-finite
+    values of a floating input changes."""
+    parts = [case.op, sorted((k, repr(v)) for k, v in case.attributes.items()), bool(case.expect_error)]
+    for name, array in case.inputs.items():
+        if array is None:
+            parts.append((name, None))
+            continue
+        array = np.asarray(array)
+        entry = [name, array.dtype.name, list(array.shape)]
+        if name in INDEX_INPUTS:
+            entry.append(hashlib.sha256(np.ascontiguousarray(array).tobytes()).hexdigest())
+        elif _floating(array):
+            values = array.astype(np.float64)
+            entry.append([int(np.isnan(values).sum()), int((values == np.inf).sum()), int((values == -np.inf).sum())])
+        parts.append(entry)
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+
+def fingerprints() -> dict:
+    """Every conformance case's fingerprint, by name, in the kit's order."""
+    from .vectors import ALL_CASES
+
+    return {name: case_fingerprint(make()) for name, make in ALL_CASES.items()}
+
+
+def committed() -> dict:
+    """The fingerprints committed in ``spec/conformance_cases.json``."""
+    return json.loads(COMMITTED_FILE.read_text())
+
+
+def differences(want: dict, got: dict) -> list:
+    """One line per case added, removed or changed between two fingerprint maps (empty: the same)."""
+    lines = [f"added: {name}" for name in got if name not in want]
+    lines += [f"removed: {name}" for name in want if name not in got]
+    lines += [f"changed: {name}" for name in got if name in want and got[name] != want[name]]
+    return lines
+
+
+def main() -> int:
+    """Rewrites the committed file from the cases as they are now; prints what changed."""
+    old = committed() if COMMITTED_FILE.exists() else {}
+    new = fingerprints()
+    COMMITTED_FILE.write_text(json.dumps(new, indent=0) + "\n")
+    for line in differences(old, new) or ["no case changed"]:
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
