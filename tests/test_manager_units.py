@@ -190,6 +190,19 @@ def test_unknown_requests_and_bad_feeds_are_clear_errors():
         m.schedule({"a": [1, 2, 3] + [0] * 6})
 
 
+def test_a_batch_with_two_bad_requests_names_the_first():
+    """A contradicted prompt first in the batch, a feed no page table can hold after it: the error is the first's,
+    whatever the plan met first."""
+    m = KVCacheManager(8, 4, 2)
+    m.add_request("a", [1, 2, 3])
+    m.add_request("b", [4, 5, 6])
+    with pytest.raises(ValueError, match="request 'a': fed tokens differ from the prompt"):
+        m.schedule({"a": [1, 9], "b": [4, 5, 6] + [0] * 6})
+    with pytest.raises(ValueError, match="request 'b': 3 pages exceed max_pages=2"):
+        m.schedule({"b": [4, 5, 6] + [0] * 6, "a": [1, 9]})
+    m.check()
+
+
 def test_a_request_id_already_active_is_refused_and_changes_nothing():
     """Admitting an active id again would orphan the first admission's pages: refused, and finishing the request
     frees every page."""
@@ -215,6 +228,20 @@ def test_sliding_window_bounds_memory_and_reports_absolute_positions():
     assert q == 42 and plan.key_positions[-1] == 42
     assert plan.key_positions[0] <= q - 4  # everything inside the window is still gathered
     assert plan.start_pos[0] == q - plan.key_positions[0]  # the op's view starts at the first kept page
+
+
+def test_a_windowed_admission_holds_only_the_hit_pages_its_first_query_sees():
+    """The first query (position 6, window 3) sees keys 4..6: of the three hit pages (keys 0-1, 2-3, 4-5) only the
+    last is held; keys 3..6 would need the middle one too, a page held for nothing."""
+    m = KVCacheManager(8, 2, 4, sliding_window=3)
+    run_prompt(m, "a", [1, 2, 3, 4, 5, 6, 7])  # one step: all three full pages published
+    hits = m.page_table("a")[:3]
+    m.finish("a")
+    assert m.add_request("b", [1, 2, 3, 4, 5, 6, 7]) == 6
+    assert m.page_table("b") == [hits[2]]
+    m.check()
+    plan = m.schedule({"b": [7]})
+    assert list(plan.key_positions) == [4, 5, 6]
 
 
 def test_block_diagonal_causal_mask_with_window():
