@@ -1,0 +1,111 @@
+"""The manager's refusals say exactly what is wrong: the token id outside the vocabulary (the negative one, the one
+past the end, an unsigned id past int64 as itself), the vocabulary sizes allowed at their bounds, rows of tokens that
+are not rows, and how many pages a step lacked; and its own consistency check catches each kind of damage."""
+
+import numpy as np
+import pytest
+
+from kvcache_op.manager import KVCacheManager, OutOfPages
+
+
+def _decoding(vocab_size=10, steps=1):
+    """A manager with requests "a" and "b" past their prompts, and a decode step of both planned."""
+    m = KVCacheManager(16, 4, 8, vocab_size=vocab_size)
+    for rid in ("a", "b"):
+        m.add_request(rid, [1, 2, 3])
+    m.commit(m.schedule({"a": [1, 2, 3], "b": [1, 2, 3]}))
+    return m, m.schedule_decode(["a", "b"], [4, 5], steps=steps)
+
+
+@pytest.mark.parametrize("tokens, named", [
+    (np.array([-1, 5]), "-1"),                       # a negative id beside a valid one
+    (np.array([5, -3]), "-3"),
+    (np.array([0, 13]), "13"),                       # past the end beside 0
+    (np.array([13, 4]), "13"),
+    (np.array([2**63, 1], np.uint64), str(2**63)),   # an unsigned id int64 cannot hold, as itself
+    (np.array([2**64 - 1, 1], np.uint64), str(2**64 - 1)),
+    ([0, 10], "10"),
+    ([-2, 0], "-2"),
+])
+def test_a_token_outside_the_vocabulary_is_named_as_given(tokens, named):
+    m, plan = _decoding()
+    m.abort(plan)
+    with pytest.raises(ValueError, match=rf"token id {named} is outside \[0, vocab_size=10\)"):
+        m.schedule_decode(["a", "b"], tokens)
+    if isinstance(tokens, list):
+        with pytest.raises(ValueError, match=rf"request 'a': fed tokens: token id {named} is outside"):
+            m.schedule({"a": tokens})
+
+
+@pytest.mark.parametrize("rows, named", [
+    (np.array([[0, 13]]), "13"),
+    (np.array([[-1, 5]]), "-1"),
+    (np.array([[2**63, 1]], np.uint64), str(2**63)),
+])
+def test_a_row_of_tokens_outside_the_vocabulary_is_named_as_given(rows, named):
+    m, plan = _decoding(steps=3)
+    with pytest.raises(ValueError, match=rf"advance: tokens: token id {named} is outside"):
+        m.advance(plan, rows)
+    m.advance(plan, np.array([[6, 7]]))  # nothing changed: the plan is still the outstanding one
+
+
+@pytest.mark.parametrize("rows", [np.zeros((0, 2), np.int64), [np.array([[1, 2]])], np.zeros((1, 3), np.int64)])
+def test_rows_of_tokens_that_are_not_rows_of_one_token_a_request_are_refused(rows):
+    m, plan = _decoding(steps=3)
+    with pytest.raises(ValueError, match=r"advance: tokens: expected rows of 2 token ids, got shape"):
+        m.advance(plan, rows)
+    m.commit(m.advance(plan, [[6, 7]]))
+    m.check()
+
+
+@pytest.mark.parametrize("size, allowed", [(1, True), (0, False), (2**63, True), (2**63 + 1, False)])
+def test_the_vocabulary_size_is_taken_at_its_bounds(size, allowed):
+    if not allowed:
+        with pytest.raises(ValueError, match=r"vocab_size must be in \[1, 2\*\*63\]"):
+            KVCacheManager(4, 4, 2, vocab_size=size)
+        return
+    m = KVCacheManager(4, 4, 2, vocab_size=size)
+    assert m.add_request("a", [0, 0, size - 1]) == 0
+    with pytest.raises(ValueError, match="outside"):
+        m.add_request("b", [size])
+
+
+def test_out_of_pages_says_how_many_pages_the_step_needs_and_has():
+    m = KVCacheManager(4, 4, 8)
+    m.add_request("a", list(range(20)))
+    with pytest.raises(OutOfPages, match=r"^the step needs 5 new page\(s\) but only 4 are free or evictable$"):
+        m.schedule({"a": list(range(20))})
+
+
+def _corrupt_free_list_twice(m):
+    m.pool.free.append(m.pool.free[0])
+
+
+def _corrupt_table_slot(m):
+    m.rows.table[m._row_of["a"], 0] += 1  # a slot that is not a page's first
+
+
+def _corrupt_token_history(m):
+    m.requests["a"].token_base = 8  # past what was computed: tokens the next step needs are gone
+
+
+def _corrupt_cached_page_freed(m):
+    page = next(iter(m.pool.cached))
+    del m.pool.cached[page]
+    m.pool.free.append(page)  # published, yet free: the next request could overwrite what the index serves
+
+
+@pytest.mark.parametrize("corrupt", [_corrupt_free_list_twice, _corrupt_table_slot, _corrupt_token_history,
+                                     _corrupt_cached_page_freed])
+def test_the_consistency_check_catches_each_kind_of_damage(corrupt):
+    """``check()`` is the oracle of the manager's stateful tests: each damage it exists for must fail it."""
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("done", list(range(9)))
+    m.commit(m.schedule({"done": list(range(9))}))
+    m.finish("done")  # its two full pages stay cached
+    m.add_request("a", [7] * 6)
+    m.commit(m.schedule({"a": [7] * 6}))
+    m.check()
+    corrupt(m)
+    with pytest.raises(AssertionError):
+        m.check()
