@@ -25,3 +25,21 @@ def test_a_read_only_cache_or_scale_is_refused_before_any_write(op, registry, na
     with pytest.raises(KeyValueCacheError, match=f"{read_only} is read-only"):
         op(**inputs, **case.attributes)
     assert {k: inputs[k].tobytes() for k in ("cache", "scale")} == before
+
+
+def test_the_reference_functions_that_only_read_leave_their_inputs_as_given():
+    """apply_rope of float32 keys returns the rotated keys and leaves the given ones (numpy would hand back the same
+    memory for a float32 array); the fused op's tolerance stores into copies of the cache and scale."""
+    from kvcache_op.reference import apply_rope, cache_attention_tolerance
+
+    keys = np.random.default_rng(3).standard_normal((5, 2, 8)).astype(np.float32)
+    given = keys.copy()
+    rotated = apply_rope(keys, np.arange(5) + 7)
+    assert keys.tobytes() == given.tobytes() and not np.array_equal(rotated, given)
+
+    for name in ("mhca_paged_int8_layout3", "mhca_offset_float16"):
+        case = mhca_cases.CASES[name]()
+        before = {k: case.inputs[k].tobytes() for k in ("cache", "scale") if case.inputs.get(k) is not None}
+        bound = cache_attention_tolerance(**case.inputs, **case.attributes)
+        assert bound.shape == case.inputs["query"].shape and (bound > 0).any()
+        assert {k: case.inputs[k].tobytes() for k in before} == before, name
