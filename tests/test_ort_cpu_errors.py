@@ -101,3 +101,17 @@ def test_a_minus_one_in_a_page_the_call_does_not_touch_runs_as_the_reference_say
     want = reference_result(inputs, attrs)
     assert want[2][0, 0, :, 0].tolist() == [[5, 6], [-5, -6]]
     assert_same_bits(ort_result(inputs, attrs), want)
+
+
+def test_a_minus_one_in_a_page_between_the_loaded_and_the_stored_ones_runs_as_the_reference_says():
+    """kvlen 4 loads page 0 and position 8 stores into page 2: page 1, between them, is never read (a loaded page
+    count one too many would refuse the call). ORT accepts it and matches the reference."""
+    current = np.array([[[5, 6]]], np.float32)
+    inputs = dict(current_key=current, current_value=-current, seqstarts=np.array([0, 1]), kvstarts=np.array([0, 4]),
+                  cachestarts=np.array([[0, -1, 4]]), start_pos=np.array([8]), max_seqlen=np.array(1),
+                  max_kvlen=np.array(4), cache=np.arange(32, dtype=np.float32).reshape(8, 1, 2, 1, 2), scale=None)
+    attrs = dict(cache_mode=1, page_size=4)
+    want = reference_result(inputs, attrs)
+    assert want[2][4, 0, :, 0].tolist() == [[5, 6], [-5, -6]]  # stored at page 2's first slot
+    assert want[0][:, 0].tolist() == [[0, 1], [4, 5], [8, 9], [12, 13]]  # keys of slots 0..3
+    assert_same_bits(ort_result(inputs, attrs), want)
