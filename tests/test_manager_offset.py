@@ -78,3 +78,24 @@ def test_sizes_must_be_integers_and_nothing_is_truncated():
     assert [r.computed for r in m.regions.values()] == [0, 0]
     plan = m.schedule({"a": np.int64(2)})
     assert plan.seqstarts.tolist() == [0, 2]
+
+
+def test_a_full_cache_frees_its_last_region_and_out_of_slots_names_the_largest_run():
+    """Regions filling every slot (no free run after the last one to merge); then two free runs of 2 and 3 slots:
+    a request for 4 is refused naming 3, the largest, and its plan's positions start where each request stands."""
+    m = OffsetCacheManager(10)
+    starts = [m.add_request(rid, n) for rid, n in (("a", 2), ("b", 3), ("c", 2), ("d", 3))]
+    assert starts == [0, 2, 5, 7]
+    m.finish("d")  # the last region, nothing free after it
+    m.check()
+    assert m.add_request("d", 3) == 7
+    m.finish("a")
+    m.finish("d")
+    m.check()
+    with pytest.raises(OutOfSlots, match="need 4 contiguous slots, the largest free run has 3") as error:
+        m.add_request("e", 4)
+    assert (error.value.needed, error.value.largest) == (4, 3)
+    m.schedule({"b": 2})
+    plan = m.schedule({"b": 1, "c": 2})
+    assert plan.query_positions.tolist() == [2, 0, 1] and plan.key_positions.tolist() == [0, 1, 2, 0, 1]
+    assert plan.cachestarts.tolist() == [2, 5] and plan.start_pos.tolist() == [2, 0]

@@ -109,3 +109,24 @@ def test_the_consistency_check_catches_each_kind_of_damage(corrupt):
     corrupt(m)
     with pytest.raises(AssertionError):
         m.check()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(page_size=0), r"page_size and max_pages must be >= 1, got 0, 8"),
+    (dict(max_pages=0), r"page_size and max_pages must be >= 1, got 4, 0"),
+    (dict(sliding_window=0), r"sliding_window must be >= 1, got 0"),
+])
+def test_settings_below_their_bounds_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        KVCacheManager(**{"num_pages": 16, "page_size": 4, "max_pages": 8, **settings})
+
+
+def test_a_window_of_one_token_holds_one_page():
+    """sliding_window 1 (each query sees only itself) is the smallest window, not a refused one."""
+    m = KVCacheManager(16, 4, 8, sliding_window=1)
+    m.add_request("a", list(range(10)))
+    m.commit(m.schedule({"a": list(range(10))}))
+    plan = m.schedule({"a": [3]})
+    assert list(plan.key_positions) == [8, 9, 10] and len(m.page_table("a")) == 1  # the page of position 10
+    m.commit(plan)
+    m.check()

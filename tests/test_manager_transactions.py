@@ -61,8 +61,13 @@ def test_reset_prefix_cache_forgets_every_published_page():
     m.add_request("live", list(range(13)))
     m.commit(m.schedule({"live": list(range(8, 13))}))
     m.finish("a")
+    m.add_request("c", list(range(50, 59)))
+    m.commit(m.schedule({"c": list(range(50, 59))}))
+    m.finish("c")  # two full pages nobody holds: cached
+    assert m.metrics()["pages_cached"] == 2
     m.reset_prefix_cache()
     assert not m.index.by_hash and not m.pool.cached
+    assert m.metrics()["pages_free"] == 16 - m.metrics()["pages_in_use"]
     assert m.add_request("b", list(range(9))) == 0
     m.check()
 
