@@ -27,7 +27,7 @@ def _failed(report, op="KeyValueCache"):
 def test_the_correct_planted_backend_passes_every_kv_case(all_vectors):
     """The planted bugs are the only thing wrong with their backends."""
     report = validate(all_vectors, planted_backends.correct)
-    assert _failed(report) == set() and report.count("ok") == 63 + 78  # valid + invalid KeyValueCache cases
+    assert _failed(report) == set() and report.count("ok") == 63 + 79  # valid + invalid KeyValueCache cases
 
 
 #: bug -> cases it must fail (at least), and the kind of every case it fails

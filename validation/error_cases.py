@@ -19,8 +19,8 @@ I64_MAX = np.iinfo(np.int64).max
 def base(name, kw=None):
     """Small valid calls the mutations start from: offset or paged, plain or int8/int4; ``paged_long`` is one
     sequence storing six tokens across two pages; in ``paged_partial`` the first sequence loads two pages and stores
-    nothing, the second stores two pages and loads only the first (a last page checked as a load alone, and as a
-    store alone)."""
+    nothing, the second stores pages 1 and 2 and loads page 0 (a last page checked as a load alone, a first and a
+    last page as a store alone)."""
     presets = {
         "offset": dict(cache_mode=0),
         "paged": dict(cache_mode=1, page_size=4),
@@ -29,7 +29,7 @@ def base(name, kw=None):
         "paged_long": dict(cache_mode=1, page_size=4),
         "paged_partial": dict(cache_mode=1, page_size=4),
     }
-    seqs = {"paged_long": [Seq(0, 6)], "paged_partial": [Seq(5, 0), Seq(0, 6, kvlen=4)]}.get(
+    seqs = {"paged_long": [Seq(0, 6)], "paged_partial": [Seq(5, 0), Seq(4, 6, kvlen=4)]}.get(
         name, [Seq(0, 3), Seq(5, 1), Seq(2, 2)])
     return build(f"invalid-{name}", seqs, **{**presets[name], **(kw or {})})
 
@@ -142,8 +142,10 @@ INVALID = [
     ("paged_int64_max_page", "paged", _item("cachestarts", (0, 0), I64_MAX), r"cachestarts\[0, 0\] = 9223372036854775807"),
     ("paged_load_only_last_page_minus_one", "paged_partial", _item("cachestarts", (0, 1), -1),
      r"cachestarts\[0, 1\] = -1"),
-    ("paged_store_only_last_page_minus_one", "paged_partial", _item("cachestarts", (1, 1), -1),
+    ("paged_store_only_first_page_minus_one", "paged_partial", _item("cachestarts", (1, 1), -1),
      r"cachestarts\[1, 1\] = -1"),
+    ("paged_store_only_last_page_minus_one", "paged_partial", _item("cachestarts", (1, 2), -1),
+     r"cachestarts\[1, 2\] = -1"),
     ("paged_page_past_end", "paged", _apply(lambda i, a: i["cachestarts"].__setitem__((2, 0), i["cache"].shape[0] - 2)),
      "page_size \\(4\\) <= MaxT"),
     ("paged_start_pos_int64_max", "paged", _item("start_pos", 1, I64_MAX), "but cachestarts has MaxP"),
