@@ -99,3 +99,16 @@ def test_a_full_cache_frees_its_last_region_and_out_of_slots_names_the_largest_r
     plan = m.schedule({"b": 1, "c": 2})
     assert plan.query_positions.tolist() == [2, 0, 1] and plan.key_positions.tolist() == [0, 1, 2, 0, 1]
     assert plan.cachestarts.tolist() == [2, 5] and plan.start_pos.tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("count", [0, -1, 3])
+def test_a_step_past_the_reservation_or_of_no_tokens_is_refused_and_changes_nothing(count):
+    """Request "a" owns slots 0..3 and has computed 2: three more would write slot 4, "b"'s first."""
+    m = OffsetCacheManager(8)
+    m.add_request("a", 4)
+    m.add_request("b", 4)
+    m.schedule({"a": 2})
+    with pytest.raises(ValueError, match=rf"request 'a': {count} tokens at position 2 overflow its reservation of 4"):
+        m.schedule({"b": 1, "a": count})
+    assert [r.computed for r in m.regions.values()] == [2, 0]
+    assert m.schedule({"a": 2}).start_pos.tolist() == [2]  # exactly up to the end is allowed
