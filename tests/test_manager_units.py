@@ -46,23 +46,32 @@ def test_a_re_inserted_parent_does_not_adopt_stale_children():
     m.check()
 
 
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+
+
+def _b_running_after_an_evicted_parent():
+    """A (the system prompt [1, 2, 3, 4] then 0) and B (``PROMPT``) prefilled together, so B's third page is
+    registered after A's second; A finished and its second page evicted by X while B still runs."""
+    m = KVCacheManager(num_pages=10, page_size=2, max_pages=8)
+    m.add_request("A", [1, 2, 3, 4, 0])
+    m.add_request("B", PROMPT)
+    m.commit(m.schedule({"A": [1, 2, 3, 4, 0], "B": PROMPT}))
+    m.finish("A")
+    run_prompt(m, "X", list(range(50, 60)))  # evicts A's page [3, 4] (the least recently used)
+    m.finish("X")
+    return m
+
+
 def test_a_page_whose_parent_was_evicted_does_not_keep_its_content_from_being_published():
     """A and B prefill one system prompt together: B's third page is registered after A's second. A finishes and its
     second page is evicted while B still runs, which leaves B's entry after a parent no lookup can reach. C computes
     the prompt again: its third page takes the hash's place (it was refused as a collision, closing C's chain), so D
     and E find all three pages."""
-    m = KVCacheManager(num_pages=10, page_size=2, max_pages=8)
-    system, prompt = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7]
-    m.add_request("A", system + [0])
-    m.add_request("B", prompt)
-    m.commit(m.schedule({"A": system + [0], "B": prompt}))
-    m.finish("A")
-    run_prompt(m, "X", list(range(50, 60)))  # evicts A's page [3, 4] (the least recently used)
-    m.finish("X")
+    m = _b_running_after_an_evicted_parent()
     assert m.metrics()["evictions"] >= 1
     hits = []
     for rid in ("C", "D", "E"):
-        hits.append(run_prompt(m, rid, prompt))
+        hits.append(run_prompt(m, rid, PROMPT))
         m.check()
         m.finish(rid)
     assert hits == [2, 6, 6]
@@ -75,24 +84,17 @@ def test_a_cached_page_whose_parent_was_evicted_is_freed_when_its_content_is_pub
     """As above, but B finishes before C comes: B's third page is cached with nobody holding it, after a parent no
     lookup can reach. When C publishes the same content, that page leaves the index and must become free (it was in
     no state at all: neither free, nor cached, nor held, a page lost to the pool for good)."""
-    m = KVCacheManager(num_pages=10, page_size=2, max_pages=8)
-    system, prompt = [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7]
-    m.add_request("A", system + [0])
-    m.add_request("B", prompt)
-    m.commit(m.schedule({"A": system + [0], "B": prompt}))
-    m.finish("A")
-    run_prompt(m, "X", list(range(50, 60)))  # evicts A's page [3, 4] (the least recently used)
-    m.finish("X")
+    m = _b_running_after_an_evicted_parent()
     stale = m.page_table("B")[2]  # B's page [5, 6], registered after the evicted [3, 4]
     m.finish("B")
     assert m.index.is_cached(stale) and stale in m.pool.cached
-    assert run_prompt(m, "C", prompt) == 2
+    assert run_prompt(m, "C", PROMPT) == 2
     m.check()
     assert not m.index.is_cached(stale) and stale in m.pool.free
     counts = m.metrics()
     assert counts["pages_free"] + counts["pages_cached"] + counts["pages_in_use"] == 10
     m.finish("C")
-    assert run_prompt(m, "D", prompt) == 6  # C's pages serve the whole prompt now
+    assert run_prompt(m, "D", PROMPT) == 6  # C's pages serve the whole prompt now
     m.check()
 
 
