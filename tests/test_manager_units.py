@@ -117,6 +117,11 @@ def test_tenants_with_different_salts_never_share():
     run_prompt(m, "a", list(range(9)), salt="tenant-a")
     assert m.add_request("b", list(range(9)), salt="tenant-b") == 0
     assert m.add_request("c", list(range(9)), salt="tenant-a") == 8
+    m.commit(m.schedule({"b": list(range(9))}))
+    # each tenant's pages hash apart (not only compare apart): b's are published too, and serve its tenant
+    assert m.add_request("d", list(range(9)), salt="tenant-b") == 8
+    assert m.page_table("d")[:2] == m.page_table("b")[:2] != m.page_table("c")[:2]
+    m.check()
 
 
 def test_cache_settings_are_part_of_the_page_identity():
