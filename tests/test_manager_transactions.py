@@ -192,3 +192,17 @@ def test_the_outstanding_plan_is_the_one_commit_or_abort_takes_next():
     m.abort(m.outstanding_plan)
     assert m.outstanding_plan is None
     m.check()
+
+
+def test_a_plans_input_ids_cannot_be_edited_under_its_fed_tokens():
+    """fed_tokens is read from the plan's input_ids when asked: an edit of input_ids (the op's feed, which a caller
+    may be tempted to reuse as a buffer) fails instead of changing what the manager says was fed."""
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", [1, 2, 3])
+    m.add_request("b", [4, 5])
+    plan = m.schedule({"a": [1, 2, 3], "b": [4, 5]})
+    with pytest.raises(ValueError, match="read-only"):
+        plan.input_ids[0] = 9
+    assert plan.fed_tokens == {"a": [1, 2, 3], "b": [4, 5]}
+    m.commit(plan)
+    m.check()
