@@ -130,3 +130,42 @@ def test_a_window_of_one_token_holds_one_page():
     assert list(plan.key_positions) == [8, 9, 10] and len(m.page_table("a")) == 1  # the page of position 10
     m.commit(plan)
     m.check()
+
+
+@pytest.mark.parametrize("steps", [1, 2, 3, 5])
+def test_decode_steps_may_fill_max_pages_exactly_and_not_one_page_more(steps):
+    """page_size 2, max_pages 3: a request past a 3-token prompt holds 2 pages; decode steps reaching position 5
+    hold 3 (allowed), one step more would need a fourth (refused, the request named, nothing changed). Planned one
+    step at a time or several (more steps than a page: counted, not flagged, pages)."""
+    m = KVCacheManager(16, 2, 3)
+    m.add_request("a", [1, 2, 3])
+    m.add_request("b", [1])
+    m.commit(m.schedule({"a": [1, 2, 3], "b": [1]}))
+    assert len(m.page_table("a")) == 2
+    if steps == 5:  # positions 3..7: pages 1 to 3 from position 4 on
+        with pytest.raises(ValueError, match=r"request 'a': 5 decode steps need more than max_pages=3 pages"):
+            m.schedule_decode(["b", "a"], [0, 0], steps=5)
+        plan = m.schedule_decode(["b", "a"], [0, 0], steps=3)  # positions 3..5: three pages exactly
+        m.commit(plan, [[0, 0], [0, 0]])
+    else:
+        for chunk in {1: (1, 1, 1), 2: (2, 1), 3: (3,)}[steps]:
+            plan = m.schedule_decode(["b", "a"], [0, 0], steps=chunk)
+            m.commit(plan, [[0, 0]] * (chunk - 1) or None)
+    assert m.computed("a") == 6 and len(m.page_table("a")) == 3
+    m.check()
+    with pytest.raises(ValueError, match="exceed max_pages=3|more than max_pages=3"):
+        m.schedule_decode(["b", "a"], [0, 0])
+    assert m.computed("a") == 6
+    m.check()
+
+
+def test_a_request_at_max_pages_with_room_in_its_last_page_decodes_beside_one_taking_a_page():
+    """page_size 2, max_pages 3: "a" holds 3 pages with room for position 5; "b" takes its third page for position 4.
+    Both end at max_pages exactly: the step is allowed (holding max_pages is not needing more)."""
+    m = KVCacheManager(16, 2, 3)
+    m.add_request("a", [1, 2, 3, 4, 5])
+    m.add_request("b", [1, 2, 3, 4])
+    m.commit(m.schedule({"a": [1, 2, 3, 4, 5], "b": [1, 2, 3, 4]}))
+    m.commit(m.schedule_decode(["a", "b"], [6, 5]))
+    assert [len(m.page_table(r)) for r in ("a", "b")] == [3, 3] and m.computed("a") == 6
+    m.check()
