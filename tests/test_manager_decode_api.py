@@ -360,3 +360,31 @@ def test_a_step_with_prompt_tokens_left_plans_no_decode_steps_and_an_abort_resto
     a.abort(plan)
     assert manager_state(a) == before
     a.commit(a.schedule(short))  # as one step it is fine
+
+
+def test_advancing_by_one_row_then_several_then_one_goes_on_from_the_right_step():
+    """Five decode steps planned at once, advanced by one row, then by two (the caller ran two steps itself), then by
+    one: each plan is the twin's plan of that step (the plans' positions also stay as they were given once later
+    steps are planned and committed)."""
+    a, b = twins()
+    rids = [0, 1, 2, 3]
+    tokens = np.random.default_rng(7).integers(0, 50, (5, len(rids)))
+    twin_plans = []
+    for j in range(5):
+        twin_plans.append(b.schedule_decode(rids, tokens[j]))
+        b.commit(twin_plans[-1])
+    plan = first = a.schedule_decode(rids, tokens[0], steps=5)
+    assert_same_decode_plans(plan, twin_plans[0])
+    positions = first.query_positions.copy()
+    plan = a.advance(plan, tokens[1])
+    assert_same_decode_plans(plan, twin_plans[1])
+    plan = a.advance(plan, tokens[2:4])
+    assert_same_decode_plans(plan, twin_plans[3])
+    plan = a.advance(plan, tokens[4])
+    assert_same_decode_plans(plan, twin_plans[4])
+    a.commit(plan)
+    a.commit(a.schedule_decode(rids, tokens[0]))
+    assert a.computed(0) == b.computed(0) + 1
+    a.check()
+    assert a.schedule_decode(rids, tokens[1]).query_positions.tolist() == (positions + 6).tolist()
+    assert first.query_positions.tolist() == positions.tolist()  # the first plan's, as given
