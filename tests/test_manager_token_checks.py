@@ -5,7 +5,7 @@ are not rows, and how many pages a step lacked; and its own consistency check ca
 import numpy as np
 import pytest
 
-from kvcache_op.manager import KVCacheManager, OutOfPages
+from kvcache_op.manager import KVCacheManager, OffsetCacheManager, OutOfPages, StreamingPolicy, keyed_page_hash
 
 
 def _decoding(vocab_size=10, steps=1):
@@ -169,3 +169,71 @@ def test_a_request_at_max_pages_with_room_in_its_last_page_decodes_beside_one_ta
     m.commit(m.schedule_decode(["a", "b"], [6, 5]))
     assert [len(m.page_table(r)) for r in ("a", "b")] == [3, 3] and m.computed("a") == 6
     m.check()
+
+
+def test_a_batch_with_one_empty_feed_is_refused_and_changes_nothing():
+    m = KVCacheManager(16, 4, 8)
+    m.add_request("a", [1, 2, 3])
+    m.add_request("b", [4, 5])
+    with pytest.raises(ValueError, match="request 'b': a step must feed at least one token"):
+        m.schedule({"a": [1, 2, 3], "b": []})
+    assert m.computed("a") == 0
+    m.check()
+
+
+def test_unsigned_token_arrays_in_the_vocabulary_are_taken():
+    m, plan = _decoding()
+    m.abort(plan)
+    for dtype in (np.uint8, np.uint32, np.uint64):
+        plan = m.schedule_decode(["a", "b"], np.array([4, 9], dtype))
+        assert plan.input_ids.tolist() == [4, 9]
+        m.abort(plan)
+    plan = m.schedule_decode(["a", "b"], [4, 5], steps=3)
+    m.commit(m.advance(plan, np.array([[6, 7]], np.uint16)))
+    assert m.computed("a") == 5
+
+
+@pytest.mark.parametrize("make", [
+    lambda: KVCacheManager(num_pages=1, page_size=4, max_pages=1),  # the smallest pool and table
+    lambda: KVCacheManager(8, 4, 4, streaming=StreamingPolicy(sinks=0, budget_pages=2)),  # no sinks
+    lambda: KVCacheManager(8, 4, 4, streaming=StreamingPolicy(sinks=4, budget_pages=4)),  # the whole table
+])
+def test_settings_at_their_bounds_are_taken(make):
+    m = make()
+    m.add_request("a", [1, 2, 3])
+    m.commit(m.schedule({"a": [1, 2, 3]}))
+    m.commit(m.schedule_decode(["a"], [4]))
+    assert m.computed("a") == 4
+    m.check()
+
+
+def test_the_smallest_offset_cache_holds_one_token():
+    m = OffsetCacheManager(1)
+    assert m.add_request("a", 1) == 0
+    assert m.schedule({"a": 1}).cachestarts.tolist() == [0]
+    m.finish("a")
+    m.check()
+
+
+def test_a_page_repeating_under_another_parent_is_published_under_each():
+    """Pages hash their parent: the same second page after two different first pages is two entries, so each
+    prompt is served whole (without the parent in the hash the second registration collides and closes its
+    chain)."""
+    m = KVCacheManager(16, 4, 8)
+    for rid, first in (("a", [1, 2, 3, 4]), ("b", [9, 9, 9, 9])):
+        prompt = first + [5, 6, 7, 8, 0]
+        m.add_request(rid, prompt)
+        m.commit(m.schedule({rid: prompt}))
+    assert m.add_request("c", [9, 9, 9, 9, 5, 6, 7, 8, 0]) == 8
+    assert m.page_table("c")[:2] == m.page_table("b")[:2]
+    m.check()
+
+
+@pytest.mark.parametrize("size, allowed", [(16, True), (64, True), (15, False), (65, False)])
+def test_the_page_hash_key_is_taken_at_its_bounds(size, allowed):
+    if not allowed:
+        with pytest.raises(ValueError, match=rf"the page hash key must have 16..64 bytes, got {size}"):
+            keyed_page_hash(b"k" * size)
+        return
+    page_hash = keyed_page_hash(b"k" * size)
+    assert page_hash(None, (1, 2), b"") == keyed_page_hash(b"k" * size)(None, (1, 2), b"") != page_hash(None, (1, 3), b"")
