@@ -258,3 +258,18 @@ def test_the_cache_a_stream_leaves_does_not_depend_on_its_chunking(mode, length,
     another step budget, relies on)."""
     stream = list(range(1, length + 1))
     assert _feed_in_chunks(mode, stream, chunks) == _feed_in_chunks(mode, stream, [])
+
+
+@pytest.mark.parametrize("budget_pages, room_pages", [(6, 3), (5, 2)])
+def test_a_full_cache_may_take_as_many_tokens_as_one_discard_frees(budget_pages, room_pages):
+    """From a full cache, step_room is what the standard discard frees, (pages after the sinks + 1) // 2 pages (5
+    pages after one sink page: 3, rounded up; 4: 2); a step of that many tokens fills the budget again exactly."""
+    ps = 4
+    m = KVCacheManager(64, ps, 8, streaming=StreamingPolicy(sinks=4, budget_pages=budget_pages, mode="shift"))
+    stream = list(range(1, 200))
+    m.add_request("r", stream)
+    m.commit(m.schedule({"r": stream[:budget_pages * ps]}))
+    assert m.step_room("r") == room_pages * ps
+    m.commit(m.schedule({"r": m.pending_tokens("r")[:room_pages * ps]}))
+    assert m.computed("r") == budget_pages * ps and len(m.page_table("r")) == budget_pages
+    m.check()
