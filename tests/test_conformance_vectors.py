@@ -64,9 +64,22 @@ def test_committed_vectors_are_regenerated_unchanged(tmp_path):
 def test_every_case_is_defined_as_committed():
     """Beyond the committed sample, a case changes only on purpose: its op, attributes, input dtypes and shapes, index
     values and non-finite counts match spec/conformance_cases.json (rewrite it with
-    ``python -m kvcache_op.validation.fingerprints`` after a deliberate change)."""
+    ``python -m kvcache_op.validation.fingerprints spec/conformance_cases.json`` after a deliberate change)."""
     changed = fingerprints.differences(fingerprints.committed(), fingerprints.fingerprints())
     assert not changed, "conformance cases differ from spec/conformance_cases.json:\n" + "\n".join(changed)
+
+
+def test_the_fingerprint_command_rewrites_the_file_it_is_given_and_names_what_changed(tmp_path, capsys):
+    path = tmp_path / "conformance_cases.json"
+    stale = dict(fingerprints.committed(), batch0="0" * 16)
+    del stale["int8_layout0"]
+    path.write_text(json.dumps(stale))
+    assert fingerprints.main([str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:-1] == ["added: int8_layout0", "changed: batch0"] and out[-1] == f"wrote {len(vectors.ALL_CASES)} fingerprints to {path}"
+    assert json.loads(path.read_text()) == fingerprints.committed()
+    assert fingerprints.main([str(path)]) == 0 and capsys.readouterr().out.splitlines()[0] == "no case changed"
+    assert fingerprints.main(["a", "b"]) == 2
 
 
 @pytest.mark.parametrize("name, change", [

@@ -8,8 +8,9 @@ input's dtype and shape, the values of the index inputs, and how many NaN, +inf 
 Floating values themselves are left out (a case may derive them through ``sin``/``cos``, whose last bits differ
 between numpy's vector paths); the committed vectors and the cross-backend tests check values.
 
-``python -m kvcache_op.validation.fingerprints`` rewrites the committed file after a deliberate change and names the
-cases that changed.
+``python -m kvcache_op.validation.fingerprints spec/conformance_cases.json``, from the repository's root, rewrites
+the committed file after a deliberate change and names the cases that changed (without a path: the installed
+package's copy, which is what the tests read).
 """
 
 import hashlib
@@ -68,13 +69,20 @@ def differences(want: dict, got: dict) -> list:
     return lines
 
 
-def main() -> int:
-    """Rewrites the committed file from the cases as they are now; prints what changed."""
-    old = committed() if COMMITTED_FILE.exists() else {}
+def main(argv=None) -> int:
+    """Rewrites the fingerprint file (``argv[0]``, default the installed package's) from the cases as they are now;
+    prints what changed and where it wrote."""
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) > 1:
+        print("usage: python -m kvcache_op.validation.fingerprints [spec/conformance_cases.json]", file=sys.stderr)
+        return 2
+    path = pathlib.Path(argv[0]) if argv else COMMITTED_FILE
+    old = json.loads(path.read_text()) if path.exists() else {}
     new = fingerprints()
-    COMMITTED_FILE.write_text(json.dumps(new, indent=0) + "\n")
+    path.write_text(json.dumps(new, indent=0) + "\n")
     for line in differences(old, new) or ["no case changed"]:
         print(line)
+    print(f"wrote {len(new)} fingerprints to {path}")
     return 0
 
 
