@@ -76,7 +76,8 @@ def test_the_fingerprint_command_rewrites_the_file_it_is_given_and_names_what_ch
     path.write_text(json.dumps(stale))
     assert fingerprints.main([str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[:-1] == ["added: int8_layout0", "changed: batch0"] and out[-1] == f"wrote {len(vectors.ALL_CASES)} fingerprints to {path}"
+    assert out[:-1] == ["added: int8_layout0", "changed: batch0"]
+    assert out[-1] == f"wrote {len(vectors.ALL_CASES)} fingerprints to {path}"
     assert json.loads(path.read_text()) == fingerprints.committed()
     assert fingerprints.main([str(path)]) == 0 and capsys.readouterr().out.splitlines()[0] == "no case changed"
     assert fingerprints.main(["a", "b"]) == 2
@@ -141,7 +142,8 @@ def test_layout_is_what_onnx_backend_test_loads(all_vectors):
 
 
 def test_validator_fails_an_attention_output_outside_the_tolerance(all_vectors, tmp_path):
-    """One element moved by just over its recorded tolerance fails the case; by just under, passes."""
+    """One element moved by just over its recorded tolerance fails the case, the line naming it and its tolerance; by
+    just under, passes."""
     from onnx import numpy_helper
 
     folder_name = vectors.folder_name("mha_mixed_decode_chunk_prefill")
@@ -159,6 +161,13 @@ def test_validator_fails_an_attention_output_outside_the_tolerance(all_vectors, 
         (data / "output_0.pb").write_bytes(numpy_helper.from_array(moved, "attention_output").SerializeToString())
         lines = []
         assert validate_folder(folder.parent, "reference", progress=lines.append) == verdict, lines
+        if verdict:  # the line says which element, by how much it may differ, and nothing else differs
+            detail = [line.strip() for line in "\n".join(lines).splitlines()
+                      if line.strip().startswith("attention_output:")]
+            assert len(detail) == 1 and detail[0].startswith(
+                f"attention_output: 1 of {original.size} elements outside the tolerance; first at "
+                f"[{', '.join(map(str, index))}]: got "), lines
+            assert detail[0].endswith(f"(tolerance {float(tolerance[index]):.3g})"), detail
 
 
 def test_validator_reports_a_corrupted_expected_cache(all_vectors, tmp_path):
