@@ -22,7 +22,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
 * ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise;
 * ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise (``os_exits_on_layers3``:
-  ``os._exit(0)``; ``base_exception_on_layers3``: raises a ``BaseException`` that is not an ``Exception``);
+  ``os._exit(0)``; ``posix_exits_on_layers3``: ``posix._exit(0)``; ``base_exception_on_layers3``: raises a
+  ``BaseException`` that is not an ``Exception``);
 * ``wrong_on_third_call``: correct, except the third call of its process flips one bit of ``key`` (a bug that
   does not come back when the call is replayed);
 * ``reshapes_cache``: correct, then reshapes its ``cache`` argument in place (to one flat axis);
@@ -43,6 +44,7 @@ providing the other ops too (the reference's, or one with a planted bug).
 """
 
 import os
+import posix
 import sys
 import time
 import types
@@ -222,6 +224,12 @@ def exits_on_layers3(*args, num_layer=1, **attributes):
 def os_exits_on_layers3(*args, num_layer=1, **attributes):
     if num_layer == 3:
         os._exit(0)
+    return correct(*args, num_layer=num_layer, **attributes)
+
+
+def posix_exits_on_layers3(*args, num_layer=1, **attributes):
+    if num_layer == 3:
+        posix._exit(0)
     return correct(*args, num_layer=num_layer, **attributes)
 
 

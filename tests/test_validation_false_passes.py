@@ -1,7 +1,9 @@
 """A backend cannot pass the validation kit by ending the process, by reshaping what it was given, by writing
 its read-only inputs, or by returning NaN everywhere; a backend whose import hangs cannot hang the run."""
 
+import os
 import pathlib
+import posix
 import time
 
 import numpy as np
@@ -40,11 +42,25 @@ def test_sys_exit_in_process_from_the_command_line_is_a_failure(all_vectors, cap
     assert "FAIL layers3_layer_idx2" in out and "ok   paged_layout0" in out
 
 
+@pytest.fixture
+def process_exit_trapped(monkeypatch):
+    """``os._exit`` and ``posix._exit`` replaced, for the test, by a function that raises: a kit that let a backend
+    reach the real one would end the test process with status 0, a run that looks passed. Returns the trap."""
+    def trap(code):
+        raise AssertionError(f"the process would have ended with status {code}")
+
+    monkeypatch.setattr(os, "_exit", trap)
+    monkeypatch.setattr(posix, "_exit", trap)
+    return trap
+
+
 @pytest.mark.parametrize("backend, message", [
     ("os_exits_on_layers3", "the backend called os._exit(0): a backend must return or raise"),
+    ("posix_exits_on_layers3", "the backend called os._exit(0): a backend must return or raise"),
     ("base_exception_on_layers3", "the backend raised BackendAbort: unsupported, which is not an Exception"),
 ])
-def test_other_ways_out_of_an_in_process_run_fail_only_their_case(all_vectors, capsys, monkeypatch, backend, message):
+def test_other_ways_out_of_an_in_process_run_fail_only_their_case(all_vectors, capsys, monkeypatch,
+                                                                 process_exit_trapped, backend, message):
     monkeypatch.chdir(TESTS)
     status = main(["validate", str(all_vectors), "--backend", f"planted_backends:{backend}", "--in-process",
                    "--case", "layers3_*", "--case", "paged_layout0"])
@@ -52,6 +68,24 @@ def test_other_ways_out_of_an_in_process_run_fail_only_their_case(all_vectors, c
     assert status == 1 and "FAIL layers3_layer_idx2" in out and "ok   paged_layout0" in out
     assert message in out
     assert any(line.split()[:1] == ["total"] for line in out.splitlines())  # the run ended with its summary
+    assert os._exit is process_exit_trapped and posix._exit is process_exit_trapped  # put back after the run
+
+
+@pytest.mark.parametrize("backend", ["exits_on_layers3", "os_exits_on_layers3", "base_exception_on_layers3"])
+def test_ending_the_process_on_an_invalid_call_is_a_crash_not_the_error_expected(all_vectors, monkeypatch,
+                                                                                 process_exit_trapped, backend):
+    """An invalid call expects an error, but a backend that ends the process (or raises a BaseException) did not
+    refuse it: the case fails with that one line, whatever the cache then holds."""
+    monkeypatch.chdir(TESTS)
+
+    def always(*args, **attributes):
+        return getattr(planted_backends, backend)(*args, **dict(attributes, num_layer=3))
+
+    report = validate(all_vectors, always, cases=["error_offset_beyond_max_t", "int8_layout0"], isolate=False)
+    failed = _failed(report)
+    assert set(failed) == {"error_offset_beyond_max_t", "int8_layout0"}
+    for lines in failed.values():
+        assert len(lines) == 1 and lines[0].startswith(("the backend called ", "the backend raised BackendAbort")), lines
 
 
 def test_a_finding_that_does_not_replay_is_still_reported():
