@@ -209,6 +209,9 @@ def test_cli_tolerance_spec_passes_ppl_arithmetic(all_vectors, capsys, monkeypat
     (["--backend", "planted_backends:ppl_style", "--in-process", "--timeout", "1"], "--timeout needs the backend in "
                                                                                     "a worker process"),
     (["--timeout", "1"], "--timeout needs the backend in a worker process"),  # the reference runs in this process
+    (["--provider", "CPUExecutionProvider"], "apply to --backend ort only"),
+    (["--provider-option", "device_id=0"], "apply to --backend ort only"),
+    (["--backend", "planted_backends:ppl_style", "--ort-library", __file__], "apply to --backend ort only"),
 ])
 def test_cli_bad_arguments_get_one_line(all_vectors, capsys, monkeypatch, argv, message):
     monkeypatch.chdir(TESTS)
