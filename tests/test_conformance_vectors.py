@@ -8,6 +8,7 @@ import shutil
 import numpy as np
 import pytest
 
+from kvcache_op.reference.dtypes import SCALE_EPS
 from kvcache_op.validation import fingerprints, vectors
 from kvcache_op.validation.cases import CASES
 from kvcache_op.validation.error_cases import INVALID, MORE_INVALID
@@ -96,6 +97,24 @@ def test_a_fingerprint_changes_with_what_it_covers(name, change):
     assert before == fingerprints.committed()[name]
     change(case)
     assert fingerprints.case_fingerprint(case) != before
+
+
+@pytest.mark.parametrize("name", ["quant_special_values", "quant_special_values_scale_float16", "quant_ties_int4"])
+def test_the_special_value_cases_hold_their_special_values(name):
+    """What these cases exist for lies in floating values, which fingerprints leave out: groups whose quotients are
+    exact ties (amax / qmax = 2, rounded to even), and for the special-value cases an all-zero group and a group
+    whose scale is below the floor (both quantized with the floor)."""
+    case = vectors.ALL_CASES[name]()
+    qmax = {8: 127, 4: 7}[case.attributes["quant_bit"]]
+    key = case.inputs["current_key"].astype(np.float64)
+    groups = key.reshape(key.shape[:-1] + (-1, case.attributes["quant_group"]))
+    with np.errstate(invalid="ignore"):
+        amax = np.abs(groups).max(axis=-1)
+        ties = (amax == 2 * qmax)[..., None] & (np.abs(groups / 2) % 1 == 0.5)
+    assert ties.any(axis=-1).sum() >= 2, "two groups of exact ties"
+    if name.startswith("quant_special_values"):
+        assert (amax == 0).any(), "an all-zero group"
+        assert ((amax > 0) & (amax / qmax < SCALE_EPS)).any(), "a group whose scale is below the floor"
 
 
 def test_every_case_passes_through_reference_evaluator(all_vectors):
