@@ -5,7 +5,9 @@ import pathlib
 
 import planted_backends
 from kvcache_op.cli import main
-from kvcache_op.validation import fuzz, validate
+from kvcache_op.validation import fuzz, validate, vectors
+from kvcache_op.validation.compare import compare
+from kvcache_op.validation.outcome import Outcome, reference_outcome
 from kvcache_op.validation.adapters import CallableBackend
 
 TESTS = pathlib.Path(__file__).parent
@@ -22,6 +24,20 @@ def test_a_read_from_another_slot_is_named_as_such(all_vectors):
     assert "loaded from cache slot" in key
     assert key.endswith("the backend's cache holds the expected contents there: its load is wrong (another slot "
                         "read, or the stored value decoded otherwise)")
+
+
+def test_a_load_is_not_blamed_when_the_scale_behind_it_differs():
+    """The hint that a backend's load is wrong needs both the code and the scale behind the element to be the
+    expected ones: scales stored twice as large explain keys twice as large without any wrong load."""
+    case = vectors.ALL_CASES["int8_layout0"]()
+    expected = reference_outcome(case.op, case.inputs, case.attributes)
+    after = {name: array.copy() for name, array in expected.after.items()}
+    after["scale"] *= 2
+    got = Outcome({name: array * 2 for name, array in expected.outputs.items()}, after)
+    lines = compare(case.op, case.inputs, case.attributes, expected, got)
+    key = next(line for line in lines if line.startswith("key:"))
+    assert "loaded from cache slot" in key and "; scale got " in key, key
+    assert "holds the expected contents" not in key, key
 
 
 def test_a_cache_the_backend_never_wrote_gets_the_hint(all_vectors):
