@@ -3,12 +3,15 @@ such, a cache the backend never wrote in place, one finding per kind of call, an
 
 import pathlib
 
+import pytest
+
 import planted_backends
 from kvcache_op.cli import main
 from kvcache_op.validation import fuzz, validate, vectors
+from kvcache_op.validation.adapters import CallableBackend
 from kvcache_op.validation.compare import compare
 from kvcache_op.validation.outcome import Outcome, reference_outcome
-from kvcache_op.validation.adapters import CallableBackend
+from kvcache_op.validation.slot_map import SlotMap
 
 TESTS = pathlib.Path(__file__).parent
 
@@ -38,6 +41,24 @@ def test_a_load_is_not_blamed_when_the_scale_behind_it_differs():
     key = next(line for line in lines if line.startswith("key:"))
     assert "loaded from cache slot" in key and "; scale got " in key, key
     assert "holds the expected contents" not in key, key
+
+
+@pytest.mark.parametrize("output, other", [("key", "value"), ("value", "key")])
+def test_a_wrong_load_is_described_from_its_own_half_of_the_cache(output, other):
+    """The detail of a ``key`` element reads the key half of the cache (``value``: the value half): a key whose slot
+    holds a wrong key is the store's fault, not the load's, although the value half there is right."""
+    case = vectors.ALL_CASES["paged_layout0"]()
+    expected = reference_outcome(case.op, case.inputs, case.attributes)
+    kv = 0 if output == "key" else 1
+    flat = int(SlotMap(case.inputs, case.attributes).source(kv)[0, 0, 0])
+    after = {name: array.copy() for name, array in expected.after.items()}
+    outputs = {name: array.copy() for name, array in expected.outputs.items()}
+    after["cache"].reshape(-1)[flat] += 1
+    outputs[output][0, 0, 0] = after["cache"].reshape(-1)[flat]
+    lines = compare(case.op, case.inputs, case.attributes, expected, Outcome(outputs, after))
+    assert not any(line.startswith(f"{other}:") for line in lines), lines
+    line = next(line for line in lines if line.startswith(f"{output}:"))
+    assert "loaded from cache slot" in line and "holds the expected contents" not in line, line
 
 
 def test_a_cache_the_backend_never_wrote_gets_the_hint(all_vectors):
