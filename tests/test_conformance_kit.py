@@ -269,3 +269,27 @@ def test_readme_kit_example_runs():
     text = (TESTS.parent / "README.md").read_text()
     block = re.search(r"## Validating a backend: the conformance kit\n.*?```python\n(.*?)```", text, re.S).group(1)
     exec(compile(block, "README.md", "exec"), {"__name__": "readme_kit_example"})
+
+
+def test_validate_tells_backend_objects_function_holders_and_callables_apart():
+    """A backend object has both ``run`` and ``ops`` (used as it is); an object holding the reference's function
+    names runs those ops, even when it is also callable; a bare callable is KeyValueCache; anything else, an object
+    with only one of ``run`` and ``ops`` included, is refused."""
+    import types
+
+    from kvcache_op.validation.validate import as_backend
+
+    class Both:
+        def __call__(self, **inputs):
+            raise AssertionError("not called")
+
+        def multi_head_attention(self, **inputs):
+            raise AssertionError("not called")
+
+    assert as_backend(Both()).ops == {"MultiHeadAttention"}
+    assert as_backend(planted_backends.correct).ops == {"KeyValueCache"}
+    backend = CallableBackend({"KeyValueCache": planted_backends.correct}, "correct")
+    assert as_backend(backend) is backend
+    for half in (types.SimpleNamespace(run=backend.run), types.SimpleNamespace(ops=backend.ops), object()):
+        with pytest.raises(TypeError, match="not a backend"):
+            as_backend(half)
