@@ -23,7 +23,7 @@ module-level function below is one variant with the reference's signature, loada
 * ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise;
 * ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise (``os_exits_on_layers3``:
   ``os._exit(0)``; ``posix_exits_on_layers3``: ``posix._exit(0)``; ``base_exception_on_layers3``: raises a
-  ``BaseException`` that is not an ``Exception``);
+  ``BaseException`` that is not an ``Exception``; ``libc_exits_on_layers3``: the C library's ``_exit(0)``);
 * ``wrong_on_third_call``: correct, except the third call of its process flips one bit of ``key`` (a bug that
   does not come back when the call is replayed);
 * ``reshapes_cache``: correct, then reshapes its ``cache`` argument in place (to one flat axis);
@@ -43,6 +43,7 @@ the cache held before this step's stores) are ``module:object`` backends
 providing the other ops too (the reference's, or one with a planted bug).
 """
 
+import ctypes
 import os
 import posix
 import sys
@@ -230,6 +231,12 @@ def os_exits_on_layers3(*args, num_layer=1, **attributes):
 def posix_exits_on_layers3(*args, num_layer=1, **attributes):
     if num_layer == 3:
         posix._exit(0)
+    return correct(*args, num_layer=num_layer, **attributes)
+
+
+def libc_exits_on_layers3(*args, num_layer=1, **attributes):
+    if num_layer == 3:
+        ctypes.CDLL(None)._exit(0)  # what a compiled library's error path may do: no Python code sees it
     return correct(*args, num_layer=num_layer, **attributes)
 
 

@@ -86,6 +86,16 @@ def test_a_crashing_backend_fails_only_the_case_it_crashed_on(all_vectors, monke
     assert "planted_backends.py" in crash[0]  # where it crashed
 
 
+def test_a_worker_ended_with_status_0_mid_call_fails_the_case_saying_so(all_vectors, monkeypatch):
+    """A compiled library may end the process with status 0 (its ``_exit``, which no Python code can trap): the
+    worker's exit is a crash of that case, named as an exit with its status, not as a signal."""
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, "planted_backends:libc_exits_on_layers3", cases=["layers3_layer_idx2", "batch0"])
+    assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("batch0", "ok")]
+    (line,) = report.results[0].lines
+    assert line.startswith("the backend crashed: its process exited with status 0"), line
+
+
 def test_a_hanging_call_times_out_and_the_run_goes_on(all_vectors, monkeypatch):
     """The timeout also bounds each start of the worker (a fresh Python importing numpy, onnx and the kit, twice
     here): 8 s leaves a loaded machine room for that, and is still far below the planted hang's 600 s."""

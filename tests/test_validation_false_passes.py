@@ -201,12 +201,16 @@ def test_a_slow_import_on_the_command_line_is_one_line(all_vectors, monkeypatch,
     assert len(err) == 1 and "did not load within 1 s" in err[0]
 
 
-def test_a_read_only_input_removed_or_added_is_named_as_such():
-    """A worker's or a binding's outcome can lose an input or gain one the call did not have: the line says which,
-    and an input absent on both sides is no change."""
+def test_a_read_only_input_removed_added_retyped_or_reshaped_is_named_as_such():
+    """A worker's or a binding's outcome can lose an input, gain one the call did not have, or give it another
+    dtype or shape with the same bytes: the line says which, and an input absent on both sides is no change."""
     from kvcache_op.validation.outcome import read_only_changes
 
     start_pos = np.zeros(2, np.int64)
+    assert read_only_changes("KeyValueCache", {"start_pos": start_pos}, {"start_pos": start_pos.view(np.uint64)}) == (
+        "start_pos: the backend changed this read-only input to uint64[2] (was int64[2])",)
+    assert read_only_changes("KeyValueCache", {"start_pos": start_pos}, {"start_pos": start_pos.reshape(2, 1)}) == (
+        "start_pos: the backend changed this read-only input to int64[2, 1] (was int64[2])",)
     assert read_only_changes("KeyValueCache", {"start_pos": start_pos}, {"start_pos": None}) == (
         "start_pos: the backend changed this read-only input (removed)",)
     assert read_only_changes("KeyValueCache", {"start_pos": None}, {"start_pos": start_pos}) == (
