@@ -303,3 +303,25 @@ def test_validate_tells_backend_objects_function_holders_and_callables_apart():
     for half in (types.SimpleNamespace(run=backend.run), types.SimpleNamespace(ops=backend.ops), object()):
         with pytest.raises(TypeError, match="not a backend"):
             as_backend(half)
+
+
+def test_a_worker_backend_writes_the_callers_arrays_in_place(monkeypatch):
+    """A backend in a worker process writes into copies there; ``run`` puts what it left into the caller's own
+    ``cache`` and ``scale`` arrays (what the op promises: in place), and the outcome holds those arrays."""
+    from kvcache_op.validation import load_backend
+    from kvcache_op.validation.outcome import reference_outcome
+
+    monkeypatch.chdir(TESTS)
+    case = vectors.ALL_CASES["int8_layout0"]()
+    expected = reference_outcome(case.op, case.inputs, case.attributes)
+    inputs = copies(case.inputs)
+    backend = load_backend("planted_backends:correct")
+    try:
+        outcome = backend.run(case.op, inputs, case.attributes)
+    finally:
+        backend.close()
+    assert outcome.error is None and not outcome.crashed
+    for name in ("cache", "scale"):
+        assert outcome.after[name] is inputs[name], name
+        assert inputs[name].tobytes() == expected.after[name].tobytes(), name
+        assert inputs[name].tobytes() != case.inputs[name].tobytes(), name  # the call did write it
