@@ -157,6 +157,27 @@ def test_a_stored_scale_within_half_a_float16_ulp_plus_one_float32_ulp(factor, s
     assert result["exact"] and (result["spec"] == []) == spec_accepts, result["spec"]
 
 
+@pytest.mark.parametrize("past, spec_accepts", [(0, True), (1, False)])
+def test_a_stored_scale_exactly_at_the_bound_passes_and_one_float32_step_past_it_fails(past, spec_accepts):
+    """The bound is inclusive: a stored scale exactly ulp_fp16/2 + ulp_fp32 above the expected one passes (both
+    terms are powers of two, so the sum is a float32), the next float32 up does not."""
+    def change(got, slots):
+        index = np.unravel_index(int(np.flatnonzero(slots.stored(scale=True))[0]), got.after["scale"].shape)
+        value = np.float64(got.after["scale"][index])
+        bound = 0.5 * ulp(value, np.float16) + ulp(value, np.float32)
+        moved = np.float32(value + bound)
+        assert np.float64(moved) == value + bound and ulp(moved, np.float16) == ulp(value, np.float16)
+        for _ in range(past):
+            moved = np.nextafter(moved, np.float32(np.inf))
+        got.after["scale"][index] = moved
+        planted_backends.decode_outputs(case, got)
+
+    case = CASES["int8_layout0"]()
+    result = _perturbed(case, change)
+    assert result["exact"] and (result["spec"] == []) == spec_accepts, result["spec"]
+    assert spec_accepts or result["spec"][0].startswith("scale: 1 of "), result["spec"]
+
+
 def test_a_history_scale_moved_by_one_float32_step_fails_spec():
     """Scales the call does not store are history: the table allows them no difference at all."""
     def change(got, slots):
