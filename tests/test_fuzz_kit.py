@@ -150,3 +150,43 @@ def test_a_named_backend_is_loaded_with_its_options_and_a_reproducer_needs_a_nam
         fuzz("ort", examples=2, backend_options={"provider": "NoSuchExecutionProvider"})
     with pytest.raises(ValueError, match="give backend_spec"):
         fuzz(planted_backends.gqa_tiled, examples=2, out=tmp_path / "repro")
+
+
+def test_a_disagreement_of_the_other_kind_is_reported_once_and_only_where_that_kind_found_none():
+    """Invalid calls drawn may turn out valid: a valid call the backend gets wrong, met while searching invalid
+    calls, is reported (as a valid call) when the valid calls' own search did not run; where it ran and found its
+    own, that one alone is reported."""
+    backend = import_callables("planted_backends:gqa_tiled")
+    aside = fuzz(backend, examples=EXAMPLES, seed=0, ops=["KeyValueCache"], kinds=("invalid",))
+    assert [case.expect_error for case, _ in aside.failures] == [False]
+    assert SIGNS["gqa_tiled"](*aside.failure)
+    both = fuzz(backend, examples=2 * EXAMPLES, seed=0, ops=["KeyValueCache"])
+    assert [case.expect_error for case, _ in both.failures] == [False]
+
+
+def test_a_backend_fuzzed_by_name_is_reproduced_by_that_name_in_a_new_or_reused_folder(tmp_path, monkeypatch):
+    """Given by name, a backend needs no ``backend_spec``: reproduce.py loads that name. The folder is made, its
+    parents too; a second run there replaces the first run's cases."""
+    monkeypatch.chdir(TESTS)
+    out = tmp_path / "new" / "repro"
+    first = fuzz("planted_backends:kvlen_ignored", examples=EXAMPLES, seed=0, kinds=("valid",), out=out,
+                 backend_options={"isolate": False})
+    assert first.reproducer == out and "'planted_backends:kvlen_ignored'" in (out / "reproduce.py").read_text()
+    second = fuzz("planted_backends:no_bounds_checks", examples=EXAMPLES, seed=0, kinds=("invalid",), out=out,
+                  backend_options={"isolate": False})
+    assert second.failure is not None and second.failure[0].expect_error
+    assert sorted(p.name for p in out.iterdir()) == ["reproduce.py", "test_fuzz_KeyValueCache_invalid"]
+    assert "'planted_backends:no_bounds_checks'" in (out / "reproduce.py").read_text()
+
+
+def test_a_described_call_shows_the_values_of_index_inputs_of_up_to_64_elements():
+    from types import SimpleNamespace
+
+    from kvcache_op.validation.fuzz import describe
+
+    call = SimpleNamespace(op="KeyValueCache", attributes={"num_layer": 1}, inputs={
+        "seqstarts": np.arange(64, dtype=np.int64), "start_pos": np.arange(65, dtype=np.int64),
+        "cache": np.zeros(4, np.int8), "scale": None})
+    line, attributes = describe(call)
+    assert line.startswith("KeyValueCache(seqstarts=int64[64] [ 0,  1,  2, ") and "62, 63], start_pos=int64[65], " in line
+    assert line.endswith("cache=int8[4], scale=absent)") and attributes == "attributes: num_layer=1"
