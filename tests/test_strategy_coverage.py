@@ -1,0 +1,84 @@
+"""The shared hypothesis strategies draw what their docstrings promise: every property test (and ``kvcache-op
+fuzz``) is only as strong as the calls it is given, and a strategy that quietly stopped drawing a feature (shared
+prefix pages, pages off page boundaries, the -1 offset of an empty sequence, the empty placeholder scale) would
+leave every test passing."""
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+
+from strategies import calls
+from kvcache_op.validation.strategies import attention_calls
+
+EXAMPLES = 300  # derandomized: the same calls every run
+
+
+def _draw_features(strategy, features) -> set:
+    seen = set()
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def collect(case):
+        seen.update(name for name, present in features(case).items() if present)
+
+    collect()
+    return seen
+
+
+def _cache_call_features(case) -> dict:
+    inputs, attributes = case.inputs, case.attributes
+    table, paged = np.asarray(inputs["cachestarts"]), attributes["cache_mode"] == 1
+    pages = table[table >= 0]
+    seqlen = np.diff(inputs["seqstarts"])
+    kvlen = np.diff(inputs["kvstarts"])
+    return {
+        "shared prefix page": paged and bool(np.any(np.unique(pages, return_counts=True)[1] > 1)),
+        "page off a page boundary": paged and bool(np.any(pages % attributes["page_size"])),
+        "offset -1 of an empty sequence": not paged and bool(np.any(table == -1)),
+        "empty placeholder scale": inputs["scale"] is not None and inputs["scale"].size == 0,
+        "empty batch": len(seqlen) == 0,
+        "empty sequence": bool(np.any(seqlen == 0)),
+        "partial load": bool(np.any(kvlen < inputs["start_pos"] + seqlen)),
+        "scalar max_seqlen": np.ndim(inputs["max_seqlen"]) == 0,
+        "max_seqlen of shape [1]": np.ndim(inputs["max_seqlen"]) == 1,
+        "grouped query heads": attributes["num_repeat"] > 1,
+        "a layer past the first": attributes["layer_idx"] > 0,
+        **{f"quant_bit {q}": attributes["quant_bit"] == q for q in (0, 4, 8)},
+        **{f"layout {lay}": attributes["cache_layout"] == lay for lay in range(4)},
+    }
+
+
+def test_cache_calls_draw_every_feature_they_promise():
+    features = _draw_features(calls(), _cache_call_features)
+    assert features == {
+        "shared prefix page", "page off a page boundary", "offset -1 of an empty sequence", "empty placeholder scale",
+        "empty batch", "empty sequence", "partial load", "scalar max_seqlen", "max_seqlen of shape [1]",
+        "grouped query heads", "a layer past the first", "quant_bit 0", "quant_bit 4", "quant_bit 8", "layout 0",
+        "layout 1", "layout 2", "layout 3"}
+
+
+def _attention_features(case) -> dict:
+    attributes = case.attributes
+    mask = case.inputs.get("attn_mask")
+    return {
+        "shared kv heads (GQA)": attributes.get("num_kv_heads", 0) not in (0, attributes["num_heads"]),
+        "num_kv_heads 0": attributes.get("num_kv_heads", 0) == 0,
+        "causal": attributes.get("is_causal", 0) == 1,
+        "not causal": attributes.get("is_causal", 0) == 0,
+        "decoding sequences": int(np.asarray(case.inputs["decoding_batches"]).reshape(-1)[0]) > 0,
+        "ALiBi": attributes.get("is_alibi", 0) == 1,
+        "sliding window": attributes.get("sliding_window", 0) > 0,
+        "softcap": attributes.get("softcap", 0.0) > 0,
+        "mask of rank 2": mask is not None and mask.ndim == 2,
+        "mask of rank 3": mask is not None and mask.ndim == 3,
+        "-inf in the mask": mask is not None and bool(np.any(np.isneginf(mask))),
+        **{f"dtype {t}": case.inputs["query"].dtype.name == t for t in ("float32", "float16", "bfloat16")},
+    }
+
+
+def test_attention_calls_draw_every_feature_they_promise():
+    features = _draw_features(attention_calls(), _attention_features)
+    assert features == {
+        "shared kv heads (GQA)", "num_kv_heads 0", "causal", "not causal", "decoding sequences", "ALiBi",
+        "sliding window", "softcap", "mask of rank 2", "mask of rank 3", "-inf in the mask", "dtype float32",
+        "dtype float16", "dtype bfloat16"}
