@@ -190,3 +190,16 @@ def test_a_described_call_shows_the_values_of_index_inputs_of_up_to_64_elements(
     line, attributes = describe(call)
     assert line.startswith("KeyValueCache(seqstarts=int64[64] [ 0,  1,  2, ") and "62, 63], start_pos=int64[65], " in line
     assert line.endswith("cache=int8[4], scale=absent)") and attributes == "attributes: num_layer=1"
+
+
+@pytest.mark.parametrize("examples", [1, 2, 3])
+def test_fuzz_runs_exactly_the_calls_asked_for_shared_between_the_kinds(examples):
+    """One call is enough to fuzz (zero is refused); an odd count gives the valid calls' search the extra one."""
+    result = fuzz("reference", examples=examples, seed=0)
+    assert result.failure is None and result.examples == examples
+    assert sum(result.by_op.values()) == examples
+
+
+def test_fuzzing_zero_calls_is_refused():
+    with pytest.raises(ValueError, match="examples must be >= 1, got 0"):
+        fuzz("reference", examples=0)

@@ -34,6 +34,8 @@ def _cache_call_features(case) -> dict:
     return {
         "shared prefix page": paged and bool(np.any(np.unique(pages, return_counts=True)[1] > 1)),
         "page off a page boundary": paged and bool(np.any(pages % attributes["page_size"])),
+        "paged, every page on a boundary": paged and attributes["page_size"] > 1 and pages.size > 0 and not np.any(
+            pages % attributes["page_size"]),
         "offset -1 of an empty sequence": not paged and bool(np.any(table == -1)),
         "empty placeholder scale": inputs["scale"] is not None and inputs["scale"].size == 0,
         "empty batch": len(seqlen) == 0,
@@ -51,7 +53,7 @@ def _cache_call_features(case) -> dict:
 def test_cache_calls_draw_every_feature_they_promise():
     features = _draw_features(calls(), _cache_call_features)
     assert features == {
-        "shared prefix page", "page off a page boundary", "offset -1 of an empty sequence", "empty placeholder scale",
+        "shared prefix page", "page off a page boundary", "paged, every page on a boundary", "offset -1 of an empty sequence", "empty placeholder scale",
         "empty batch", "empty sequence", "partial load", "scalar max_seqlen", "max_seqlen of shape [1]",
         "grouped query heads", "a layer past the first", "quant_bit 0", "quant_bit 4", "quant_bit 8", "layout 0",
         "layout 1", "layout 2", "layout 3"}
