@@ -1,12 +1,17 @@
 """The shared hypothesis strategies draw what their docstrings promise: every property test (and ``kvcache-op
 fuzz``) is only as strong as the calls it is given, and a strategy that quietly stopped drawing a feature (shared
 prefix pages, pages off page boundaries, the -1 offset of an empty sequence, the empty placeholder scale) would
-leave every test passing."""
+leave every test passing. The invalid calls' strategies, likewise, break every rule they aim at."""
+
+import re
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 
 from strategies import calls
+from kvcache_op.validation import invalid_strategies
+from kvcache_op.validation.outcome import reference_outcome
 from kvcache_op.validation.strategies import attention_calls
 
 EXAMPLES = 300  # derandomized: the same calls every run
@@ -84,3 +89,37 @@ def test_attention_calls_draw_every_feature_they_promise():
         "shared kv heads (GQA)", "num_kv_heads 0", "causal", "not causal", "decoding sequences", "ALiBi",
         "sliding window", "softcap", "mask of rank 2", "mask of rank 3", "-inf in the mask", "dtype float32",
         "dtype float16", "dtype bfloat16"}
+
+
+#: Per strategy of mutated valid calls: the reference's refusal each kind of mutation must show at least once.
+MUTATION_REFUSALS = {
+    "_mutated_kv": [r"^layer_idx must be in", r"^scale is required", r"^scale must be absent", r"^scale dtype must be",
+                    r"^(start_pos\[\d+\] = -1 must be|cachestarts: sequence \d+ touches position 92233720368547758)",
+                    r"^cachestarts\[\d+\] = ", r"^cachestarts\[\d+, \d+\] = ",
+                    r"^cachestarts: sequence \d+ touches position \d+, which is in page", r"^cachestarts: slot \d+ is stored",
+                    r"^kvstarts: kvlen of sequence", r"^max_seqlen = \d+ is smaller", r"^max_kvlen = -?\d+ "],
+    "_mutated_rotary": [r"^layer_idx must be in", r"^slots\[\d+\] = -?\d+ must be in", r"^rotary_dim must be",
+                        r"^slots: slot \d+ appears more than once"],
+    "_mutated_attention": [r"^decoding_batches = -?\d+ must be in", r"^kvstarts\[B=\d+\] = \d+ must equal",
+                           r"^num_kv_heads must be", r"^max_kvlen = ", r"^max_seqlen = "],
+}
+
+
+@pytest.mark.parametrize("name", sorted(MUTATION_REFUSALS))
+def test_mutated_calls_are_mostly_invalid_and_break_every_rule_they_aim_at(name):
+    """A mutation may leave a call valid (the users ask the reference), but most must not, and each kind of
+    mutation (a layer past the last, a scale of the wrong kind, a slot, page or start past the cache, a page used
+    twice, a kvlen past what was stored, a launch bound too small, ...) must break its rule in some draw."""
+    errors = []
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(getattr(invalid_strategies, name)())
+    def collect(case):
+        errors.append(reference_outcome(case.op, case.inputs, case.attributes).error)
+
+    collect()
+    refused = [error for error in errors if error is not None]
+    assert len(refused) >= 0.8 * len(errors), f"{len(errors) - len(refused)} of {len(errors)} draws are valid"
+    missing = [rule for rule in MUTATION_REFUSALS[name] if not any(re.search(rule, error) for error in refused)]
+    assert not missing, f"no draw broke: {missing}"
