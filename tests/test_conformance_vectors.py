@@ -72,12 +72,12 @@ def test_every_case_is_defined_as_committed():
 
 def test_the_fingerprint_command_rewrites_the_file_it_is_given_and_names_what_changed(tmp_path, capsys):
     path = tmp_path / "conformance_cases.json"
-    stale = dict(fingerprints.committed(), batch0="0" * 16)
+    stale = dict(fingerprints.committed(), batch0="0" * 16, no_such_case="1" * 16)
     del stale["int8_layout0"]
     path.write_text(json.dumps(stale))
     assert fingerprints.main([str(path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[:-1] == ["added: int8_layout0", "changed: batch0"]
+    assert out[:-1] == ["added: int8_layout0", "removed: no_such_case", "changed: batch0"]
     assert out[-1] == f"wrote {len(vectors.ALL_CASES)} fingerprints to {path}"
     assert json.loads(path.read_text()) == fingerprints.committed()
     assert fingerprints.main([str(path)]) == 0 and capsys.readouterr().out.splitlines()[0] == "no case changed"
