@@ -117,6 +117,18 @@ def test_the_special_value_cases_hold_their_special_values(name):
         assert ((amax > 0) & (amax / qmax < SCALE_EPS)).any(), "a group whose scale is below the floor"
 
 
+def test_the_rotary_ties_case_rounds_its_two_ties_to_even():
+    """rotary_ties_int8 rotates codes [127, 125, 0, 0] at scale 1 by cos 1, sin 0.5 (half split): 127, 125, 63.5,
+    62.5 at the new scale 1, worked by hand; round half to even stores 64 and 62 (half away from zero: 64, 63)."""
+    from kvcache_op.reference import key_cache_rotary_shift
+
+    case = vectors.ALL_CASES["rotary_ties_int8"]()
+    inputs = {name: None if array is None else array.copy() for name, array in case.inputs.items()}
+    key_cache_rotary_shift(**inputs, **case.attributes)
+    assert inputs["cache"][2, 0, 0, 0].tolist() == [127, 125, 64, 62]
+    assert inputs["scale"][2, 0, 0, 0] == 1.0
+
+
 def test_every_case_passes_through_reference_evaluator(all_vectors):
     lines = []
     assert validate_folder(all_vectors, "reference", progress=lines.append) == 0, "\n".join(lines)
