@@ -4,15 +4,14 @@ prefix pages, pages off page boundaries, the -1 offset of an empty sequence, the
 leave every test passing. The invalid calls' strategies, likewise, break every rule they aim at."""
 
 import re
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from strategies import calls
-from kvcache_op.validation import invalid_strategies
+from kvcache_op.validation import invalid_strategies, strategies
 from kvcache_op.validation.outcome import reference_outcome
-from kvcache_op.validation.strategies import attention_calls
 
 EXAMPLES = 300  # derandomized: the same calls every run
 
@@ -56,7 +55,7 @@ def _cache_call_features(case) -> dict:
 
 
 def test_cache_calls_draw_every_feature_they_promise():
-    features = _draw_features(calls(), _cache_call_features)
+    features = _draw_features(strategies.calls(), _cache_call_features)
     assert features == {
         "shared prefix page", "page off a page boundary", "paged, every page on a boundary", "offset -1 of an empty sequence", "empty placeholder scale",
         "empty batch", "empty sequence", "partial load", "scalar max_seqlen", "max_seqlen of shape [1]",
@@ -84,7 +83,7 @@ def _attention_features(case) -> dict:
 
 
 def test_attention_calls_draw_every_feature_they_promise():
-    features = _draw_features(attention_calls(), _attention_features)
+    features = _draw_features(strategies.attention_calls(), _attention_features)
     assert features == {
         "shared kv heads (GQA)", "num_kv_heads 0", "causal", "not causal", "decoding sequences", "ALiBi",
         "sliding window", "softcap", "mask of rank 2", "mask of rank 3", "-inf in the mask", "dtype float32",
@@ -128,3 +127,29 @@ def test_mutated_calls_are_mostly_invalid_and_break_every_rule_they_aim_at(name)
     missing = [rule for rule in MUTATION_REFUSALS[name]
                if not any(re.search(rule, error) or re.search(rule, error.split(": ", 1)[-1]) for error in refused)]
     assert not missing, f"no draw broke: {missing}"
+
+
+def _shift_case(call):
+    inputs, attributes = call
+    return SimpleNamespace(op="KeyCacheRotaryShift", inputs=inputs, attributes=attributes)
+
+
+@pytest.mark.parametrize("name", ["calls", "shift_calls", "attention_calls", "cache_attention_calls"])
+def test_every_call_a_valid_strategy_draws_is_valid(name):
+    """The valid calls' strategies feed every property test and ``kvcache-op fuzz --calls valid``: the reference
+    accepts every call they draw (one it refused would be compared as an error on both sides and pass)."""
+    strategy = getattr(strategies, name)()
+    if name == "shift_calls":
+        strategy = strategy.map(_shift_case)
+    refused = []
+
+    @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(strategy)
+    def check(case):
+        error = reference_outcome(case.op, case.inputs, case.attributes).error
+        if error is not None:
+            refused.append(error)
+
+    check()
+    assert not refused, f"{len(refused)} of {EXAMPLES} draws refused, first: {refused[0]}"
