@@ -82,6 +82,7 @@ def test_the_fingerprint_command_rewrites_the_file_it_is_given_and_names_what_ch
     assert json.loads(path.read_text()) == fingerprints.committed()
     assert fingerprints.main([str(path)]) == 0 and capsys.readouterr().out.splitlines()[0] == "no case changed"
     assert fingerprints.main(["a", "b"]) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m kvcache_op.validation.fingerprints ")
 
 
 @pytest.mark.parametrize("name, change", [
