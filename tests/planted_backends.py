@@ -215,39 +215,32 @@ clobbers_last_slot = _backend("clobbers_last_slot")
 hangs_on_layers3 = _backend("hangs_on_layers3")
 
 
+def _on_layers3(name, way_out):
+    """``correct``, except that a call with three layers first calls ``way_out`` (which does not return)."""
+    def backend(*args, num_layer=1, **attributes):
+        if num_layer == 3:
+            way_out()
+        return correct(*args, num_layer=num_layer, **attributes)
 
-def exits_on_layers3(*args, num_layer=1, **attributes):
-    if num_layer == 3:
-        sys.exit(0)
-    return correct(*args, num_layer=num_layer, **attributes)
-
-
-def os_exits_on_layers3(*args, num_layer=1, **attributes):
-    if num_layer == 3:
-        os._exit(0)
-    return correct(*args, num_layer=num_layer, **attributes)
-
-
-def posix_exits_on_layers3(*args, num_layer=1, **attributes):
-    if num_layer == 3:
-        posix._exit(0)
-    return correct(*args, num_layer=num_layer, **attributes)
-
-
-def libc_exits_on_layers3(*args, num_layer=1, **attributes):
-    if num_layer == 3:
-        ctypes.CDLL(None)._exit(0)  # what a compiled library's error path may do: no Python code sees it
-    return correct(*args, num_layer=num_layer, **attributes)
+    backend.__name__ = backend.__qualname__ = name
+    return backend
 
 
 class BackendAbort(BaseException):
     """What a binding or a test helper may raise: a BaseException, not an Exception."""
 
 
-def base_exception_on_layers3(*args, num_layer=1, **attributes):
-    if num_layer == 3:
-        raise BackendAbort("unsupported")
-    return correct(*args, num_layer=num_layer, **attributes)
+def _raise_backend_abort():
+    raise BackendAbort("unsupported")
+
+
+# Each way out is looked up when it is taken: a test may have replaced os._exit and posix._exit by then.
+exits_on_layers3 = _on_layers3("exits_on_layers3", lambda: sys.exit(0))
+os_exits_on_layers3 = _on_layers3("os_exits_on_layers3", lambda: os._exit(0))
+posix_exits_on_layers3 = _on_layers3("posix_exits_on_layers3", lambda: posix._exit(0))
+# What a compiled library's error path may do: no Python code sees it.
+libc_exits_on_layers3 = _on_layers3("libc_exits_on_layers3", lambda: ctypes.CDLL(None)._exit(0))
+base_exception_on_layers3 = _on_layers3("base_exception_on_layers3", _raise_backend_abort)
 
 
 _CALLS = [0]
