@@ -215,3 +215,14 @@ def test_validator_reports_a_corrupted_expected_cache(all_vectors, tmp_path):
     head, detail = lines[0].splitlines()
     assert head == "FAIL paged_layout0" and detail.startswith("    cache: 1 of ") and "first at [" in detail
     assert compare_case(folder, "reference") == [detail.strip()]
+
+
+def test_vectors_written_again_into_the_same_folder_overwrite_it_and_say_where_they_are(tmp_path):
+    """Writing the vectors again (after a change, say) reuses the folder; each case written is one progress line."""
+    names = ["paged_layout0", "mha_batch0"]
+    lines = []
+    vectors.write_conformance(tmp_path, names, progress=lines.append)
+    first = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    vectors.write_conformance(tmp_path, names, progress=lines.append)
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == first
+    assert lines == ["[1/2] paged_layout0", "[2/2] mha_batch0"] * 2
