@@ -188,7 +188,8 @@ def test_a_described_call_shows_the_values_of_index_inputs_of_up_to_64_elements(
         "seqstarts": np.arange(64, dtype=np.int64), "start_pos": np.arange(65, dtype=np.int64),
         "cache": np.zeros(4, np.int8), "scale": None})
     line, attributes = describe(call)
-    assert line.startswith("KeyValueCache(seqstarts=int64[64] [ 0,  1,  2, ") and "62, 63], start_pos=int64[65], " in line
+    assert line.startswith("KeyValueCache(seqstarts=int64[64] [ 0,  1,  2, ")
+    assert "62, 63], start_pos=int64[65], " in line
     assert line.endswith("cache=int8[4], scale=absent)") and attributes == "attributes: num_layer=1"
 
 

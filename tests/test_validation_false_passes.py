@@ -85,7 +85,8 @@ def test_ending_the_process_on_an_invalid_call_is_a_crash_not_the_error_expected
     failed = _failed(report)
     assert set(failed) == {"error_offset_beyond_max_t", "int8_layout0"}
     for lines in failed.values():
-        assert len(lines) == 1 and lines[0].startswith(("the backend called ", "the backend raised BackendAbort")), lines
+        assert len(lines) == 1, lines
+        assert lines[0].startswith(("the backend called ", "the backend raised BackendAbort")), lines
 
 
 def test_a_finding_that_does_not_replay_is_still_reported():
