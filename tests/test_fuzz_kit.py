@@ -180,6 +180,8 @@ def test_a_backend_fuzzed_by_name_is_reproduced_by_that_name_in_a_new_or_reused_
 
 
 def test_a_described_call_shows_the_values_of_index_inputs_of_up_to_64_elements():
+    """The shrunk call is printed with the values of its small integer inputs (what decides what it stores and
+    loads), up to 64 elements; larger ones and the cache by dtype and shape only."""
     from types import SimpleNamespace
 
     from kvcache_op.validation.fuzz import describe
@@ -195,7 +197,8 @@ def test_a_described_call_shows_the_values_of_index_inputs_of_up_to_64_elements(
 
 @pytest.mark.parametrize("examples", [1, 2, 3])
 def test_fuzz_runs_exactly_the_calls_asked_for_shared_between_the_kinds(examples):
-    """One call is enough to fuzz (zero is refused); an odd count gives the valid calls' search the extra one."""
+    """One call is enough to fuzz (zero is refused), and an odd count shared between the two kinds' searches is run
+    whole: no call is lost to the split, none added."""
     result = fuzz("reference", examples=examples, seed=0)
     assert result.failure is None and result.examples == examples
     assert sum(result.by_op.values()) == examples
