@@ -16,7 +16,7 @@ from kvcache_op.validation.mha_cases import ATTENTION_CASES
 from kvcache_op.validation.mha_error_cases import INVALID as ATTENTION_INVALID
 from kvcache_op.validation.mhca_cases import ATTENTION_INVALID as CACHE_ATTENTION_INVALID
 from kvcache_op.validation.mhca_cases import CASES as CACHE_ATTENTION_CASES
-from kvcache_op.validation.outcome import reference_outcome
+from kvcache_op.validation.outcome import copies, reference_outcome
 from kvcache_op.validation.rotary_cases import CASES as ROTARY_CASES
 from kvcache_op.validation.rotary_cases import ERROR_CASES as ROTARY_ERROR_CASES
 from kvcache_op.validation.validate import compare_case, validate_folder
@@ -124,7 +124,7 @@ def test_the_rotary_ties_case_rounds_its_two_ties_to_even():
     from kvcache_op.reference import key_cache_rotary_shift
 
     case = vectors.ALL_CASES["rotary_ties_int8"]()
-    inputs = {name: None if array is None else array.copy() for name, array in case.inputs.items()}
+    inputs = copies(case.inputs)
     key_cache_rotary_shift(**inputs, **case.attributes)
     assert inputs["cache"][2, 0, 0, 0].tolist() == [127, 125, 64, 62]
     assert inputs["scale"][2, 0, 0, 0] == 1.0

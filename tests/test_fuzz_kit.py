@@ -182,13 +182,11 @@ def test_a_backend_fuzzed_by_name_is_reproduced_by_that_name_in_a_new_or_reused_
 def test_a_described_call_shows_the_values_of_index_inputs_of_up_to_64_elements():
     """The shrunk call is printed with the values of its small integer inputs (what decides what it stores and
     loads), up to 64 elements; larger ones and the cache by dtype and shape only."""
-    from types import SimpleNamespace
-
+    from kvcache_op.validation.cases import Case
     from kvcache_op.validation.fuzz import describe
 
-    call = SimpleNamespace(op="KeyValueCache", attributes={"num_layer": 1}, inputs={
-        "seqstarts": np.arange(64, dtype=np.int64), "start_pos": np.arange(65, dtype=np.int64),
-        "cache": np.zeros(4, np.int8), "scale": None})
+    call = Case("call", {"seqstarts": np.arange(64, dtype=np.int64), "start_pos": np.arange(65, dtype=np.int64),
+                         "cache": np.zeros(4, np.int8), "scale": None}, {"num_layer": 1})
     line, attributes = describe(call)
     assert line.startswith("KeyValueCache(seqstarts=int64[64] [ 0,  1,  2, ")
     assert "62, 63], start_pos=int64[65], " in line

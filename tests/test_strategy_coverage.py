@@ -7,13 +7,13 @@ left to the named case ``offset_empty_sequence_minus_one``. The invalid calls' s
 they aim at."""
 
 import re
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from kvcache_op.validation import invalid_strategies, strategies
+from kvcache_op.validation.cases import Case
 from kvcache_op.validation.outcome import reference_outcome
 
 EXAMPLES = 300  # derandomized: the same calls every run
@@ -128,18 +128,13 @@ def test_mutated_calls_are_mostly_invalid_and_break_every_rule_they_aim_at(name)
     assert not missing, f"no draw broke: {missing}"
 
 
-def _shift_case(call):
-    inputs, attributes = call
-    return SimpleNamespace(op="KeyCacheRotaryShift", inputs=inputs, attributes=attributes)
-
-
 @pytest.mark.parametrize("name", ["calls", "shift_calls", "attention_calls", "cache_attention_calls"])
 def test_every_call_a_valid_strategy_draws_is_valid(name):
     """The valid calls' strategies feed every property test and ``kvcache-op fuzz --calls valid``: the reference
     accepts every call they draw (one it refused would be compared as an error on both sides and pass)."""
     strategy = getattr(strategies, name)()
     if name == "shift_calls":
-        strategy = strategy.map(_shift_case)
+        strategy = strategy.map(lambda call: Case("shift", *call))
     refused = []
 
     def check(case):

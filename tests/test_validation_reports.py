@@ -10,7 +10,7 @@ from kvcache_op.cli import main
 from kvcache_op.validation import fuzz, validate, vectors
 from kvcache_op.validation.adapters import CallableBackend
 from kvcache_op.validation.compare import compare
-from kvcache_op.validation.outcome import Outcome, reference_outcome
+from kvcache_op.validation.outcome import Outcome, copies, reference_outcome
 from kvcache_op.validation.slot_map import SlotMap
 
 TESTS = pathlib.Path(__file__).parent
@@ -34,7 +34,7 @@ def test_a_load_is_not_blamed_when_the_scale_behind_it_differs():
     expected ones: scales stored twice as large explain keys twice as large without any wrong load."""
     case = vectors.ALL_CASES["int8_layout0"]()
     expected = reference_outcome(case.op, case.inputs, case.attributes)
-    after = {name: array.copy() for name, array in expected.after.items()}
+    after = copies(expected.after)
     after["scale"] *= 2
     got = Outcome({name: array * 2 for name, array in expected.outputs.items()}, after)
     lines = compare(case.op, case.inputs, case.attributes, expected, got)
@@ -51,8 +51,7 @@ def test_a_wrong_load_is_described_from_its_own_half_of_the_cache(output, other)
     expected = reference_outcome(case.op, case.inputs, case.attributes)
     kv = 0 if output == "key" else 1
     flat = int(SlotMap(case.inputs, case.attributes).source(kv)[0, 0, 0])
-    after = {name: array.copy() for name, array in expected.after.items()}
-    outputs = {name: array.copy() for name, array in expected.outputs.items()}
+    after, outputs = copies(expected.after), copies(expected.outputs)
     after["cache"].reshape(-1)[flat] += 1
     outputs[output][0, 0, 0] = after["cache"].reshape(-1)[flat]
     lines = compare(case.op, case.inputs, case.attributes, expected, Outcome(outputs, after))
