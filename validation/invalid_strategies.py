@@ -1,8 +1,9 @@
 """Hypothesis strategies for invalid calls of the ops: every named validity row (validation/error_cases.py,
 validation/mha_error_cases.py, validation/rotary_cases.py), and valid calls (validation/strategies.py) with one index or
 attribute pushed out of range — a slot past the cache, a negative or sentinel page, a start position or a
-kvlen beyond what was stored, a launch bound too small, a layer that does not exist, a page or slot used
-twice. A mutation may happen to leave a call valid; whoever uses these asks the reference which it is.
+kvlen beyond what was stored, a launch bound too small, a layer that does not exist, a stored position moved onto a
+slot another position stores or loads (always refused by the aliasing rule), a rotary slot listed twice. A mutation
+may happen to leave a call valid; whoever uses these asks the reference which it is.
 Each strategy yields :class:`~kvcache_op.validation.cases.Case` objects."""
 
 import numpy as np
@@ -43,15 +44,45 @@ def _partly_used_last_pages(inputs, attrs) -> list:
     return found
 
 
+def _slot(inputs, attrs, b, position) -> int:
+    table = inputs["cachestarts"]
+    if attrs["cache_mode"] == 0:
+        return int(table[b]) + position
+    return int(table[b, position // attrs["page_size"]]) + position % attrs["page_size"]
+
+
+def _aliasing_entries(inputs, attrs) -> list:
+    """(cachestarts index, value) pairs that move one position sequence b stores onto a slot another sequence (or,
+    paged, b itself through another page) stores or loads, every range or page b touches still inside the cache:
+    setting one breaks the aliasing rule and no earlier one."""
+    start_pos, seqlen = inputs["start_pos"].tolist(), np.diff(inputs["seqstarts"]).tolist()
+    kvlen, page_size = np.diff(inputs["kvstarts"]).tolist(), attrs["page_size"]
+    max_t = inputs["cache"].shape[attrs["cache_layout"]]
+    touched = [{p: _slot(inputs, attrs, b, p) for p in [*range(start_pos[b], start_pos[b] + seqlen[b]),
+                                                        *range(kvlen[b])]} for b in range(len(seqlen))]
+    found = set()
+    for b in range(len(seqlen)):
+        others = {slot for a, slots in enumerate(touched) if a != b for slot in slots.values()}
+        for p in range(start_pos[b], start_pos[b] + seqlen[b]):
+            if attrs["cache_mode"] == 0:  # b's whole range moves: it must stay inside (b loads no more than it stores)
+                low, high, entry = p, max_t - (start_pos[b] + seqlen[b]) + p, b
+                targets = others
+            else:  # only p's page moves: it must stay inside
+                low, high, entry = p % page_size, max_t - page_size + p % page_size, (b, p // page_size)
+                targets = others | {slot for q, slot in touched[b].items() if q // page_size != p // page_size}
+            found.update((entry, t - low) for t in targets if low <= t <= high)
+    return sorted(found)
+
+
 @st.composite
 def _mutated_kv(draw):
     case = draw(calls())
     inputs, attrs = copies(case.inputs), dict(case.attributes)
     batch = len(inputs["start_pos"])
     max_t = inputs["cache"].shape[attrs["cache_layout"]]
-    kinds = ["layer_idx", "max_len", "scale"] + (["cachestarts", "start_pos", "kvstarts", "alias"] if batch else [])
-    partly_used = _partly_used_last_pages(inputs, attrs)
-    kinds += ["page_past_end"] * bool(partly_used)
+    kinds = ["layer_idx", "max_len", "scale"] + (["cachestarts", "start_pos", "kvstarts"] if batch else [])
+    partly_used, aliasing = _partly_used_last_pages(inputs, attrs), _aliasing_entries(inputs, attrs)
+    kinds += ["page_past_end"] * bool(partly_used) + ["alias"] * bool(aliasing)
     kind = draw(st.sampled_from(kinds))
     if kind == "page_past_end":  # the touched slots inside the cache and nobody else's, the page's end past it
         b, column, used = draw(st.sampled_from(partly_used))
@@ -80,13 +111,8 @@ def _mutated_kv(draw):
         inputs[name] = inputs[name] - draw(st.integers(1, 3))
     elif kind == "layer_idx":
         attrs["layer_idx"] = attrs["num_layer"] + draw(st.integers(0, 2))
-    elif kind == "alias":  # one sequence's first slot or page reused by another
-        a, b = draw(st.integers(0, batch - 1)), draw(st.integers(0, batch - 1))
-        table = inputs["cachestarts"]
-        if table.ndim == 2 and table.shape[1]:
-            _set_entry(inputs, "cachestarts", (b, draw(st.integers(0, table.shape[1] - 1))), table[a, 0])
-        elif table.ndim == 1:
-            _set_entry(inputs, "cachestarts", b, table[a] + draw(st.integers(-1, 1)))
+    elif kind == "alias":  # a stored position moved onto a slot another position stores or loads
+        _set_entry(inputs, "cachestarts", *draw(st.sampled_from(aliasing)))
     elif attrs["quant_bit"]:
         inputs["scale"] = None if draw(st.booleans()) else inputs["scale"].astype(np.float64)
     else:
