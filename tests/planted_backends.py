@@ -34,6 +34,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``layer_ignored_in_layouts_0_and_2``: the same in layouts 0 and 2 only;
 * ``pages_assumed_aligned``: rounds each page's start down to a multiple of ``page_size``;
 * ``page_bounds_of_touched_slots_only``: accepts a page running past the cache when the slots it touches are in it;
+* ``aliasing_unchecked``: checks every bound but accepts a slot stored twice, or stored by one sequence and loaded by
+  another, in one call;
 * ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
   ``scale`` with ``quant_bit`` 0).
 
@@ -336,9 +338,21 @@ def page_bounds_of_touched_slots_only(*args, **attributes):
         return no_bounds_checks(*args, **attributes)  # numpy refuses a slot past the end (IndexError)
 
 
+def aliasing_unchecked(*args, **attributes):
+    """Checks every bound but not aliasing: a slot stored twice in one call, or stored by one sequence and loaded by
+    another, is accepted (the later store wins)."""
+    try:
+        return correct(*args, **attributes)
+    except KeyValueCacheError as error:
+        if not str(error).startswith("cachestarts: slot "):
+            raise
+        return no_bounds_checks(*args, **attributes)
+
+
 #: The KV variants above that are bugs the kit must catch.
 BUGS = ["no_bounds_checks", "gqa_tiled", "kvlen_ignored", "int4_nibbles_swapped", "scale_not_rounded",
-        "pages_assumed_aligned", "layer_ignored_in_layouts_0_and_2", "page_bounds_of_touched_slots_only"]
+        "pages_assumed_aligned", "layer_ignored_in_layouts_0_and_2", "page_bounds_of_touched_slots_only",
+        "aliasing_unchecked"]
 
 
 def _rotary_sin_negated(cache, scale, slots, cos, sin, **attributes):

@@ -42,6 +42,9 @@ CAUGHT_BY = {
     "layer_ignored_in_layouts_0_and_2": ({"layers2_layer_idx1_layout0", "layers4_layer_idx3_paged_int8_layout2"},
                                          "valid"),
     "page_bounds_of_touched_slots_only": ({"error_paged_page_past_end_touched_inside"}, "invalid"),
+    "aliasing_unchecked": ({"error_slot_stored_twice", "error_int4_slot_stored_twice",
+                            "error_paged_page_repeated_in_one_table", "error_stored_slot_loaded_by_other_sequence",
+                            "error_stored_slot_loaded_at_other_position"}, "invalid"),
 }
 
 

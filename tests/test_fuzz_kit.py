@@ -17,7 +17,8 @@ from kvcache_op.validation.validate import validate
 
 TESTS = pathlib.Path(__file__).parent
 EXAMPLES = 120  # each bug is found within this many calls (and shrunk) from seed 0
-MORE_EXAMPLES = {"layer_ignored_in_layouts_0_and_2": 200}  # a second layer in two of four layouts: found at 200
+MORE_EXAMPLES = {"layer_ignored_in_layouts_0_and_2": 200,  # a second layer in two of four layouts: found at 200
+                 "aliasing_unchecked": 300}  # one rule of 80 named ones, and of 8 kinds of mutation: found at 300
 
 
 def _kvlens_short(case):
@@ -39,6 +40,7 @@ SIGNS = {
     "layer_ignored_in_layouts_0_and_2": lambda case, lines: case.attributes["layer_idx"] > 0 and
     case.attributes["cache_layout"] in (0, 2),
     "page_bounds_of_touched_slots_only": lambda case, lines: case.expect_error and case.attributes["cache_mode"] == 1,
+    "aliasing_unchecked": lambda case, lines: case.expect_error and lines[0].startswith("accepted an invalid call"),
 }
 
 
