@@ -178,11 +178,7 @@ def in_place_inputs(model) -> set:
                 raise ValueError(f"{where} is computed by another node, but the op writes it in place: feed it "
                                  "directly from a graph input (the writes would land in an intermediate tensor)")
             names.add(name)
-    writers = {}  # name -> indices of the top-level nodes writing it (subgraph bodies are not ordered here)
-    for index, node in enumerate(graph.node):
-        for _, name in _written_inputs(node):
-            writers.setdefault(name, []).append(index)
-    check_write_order(graph, writers)
+    check_write_order(graph, lambda node: [name for _, name in _written_inputs(node)])
     return names
 
 

@@ -5,12 +5,13 @@ import copy
 
 import numpy as np
 import pytest
-from onnx import helper
+from onnx import TensorProto, helper
 
 from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
 from kvcache_op.validation.cases import Seq, build
+from kvcache_op.validation.outcome import reference_outcome
 
 
 def two_layer_case():
@@ -115,3 +116,125 @@ def test_the_fused_op_is_a_writer_of_its_layer(op_type):
     assert in_place_inputs(fused_with_second_writer(op_type, layer_idx=0)) == {"cache"}
     with pytest.raises(ValueError, match="both write layer 1 of 'cache' and no data path orders them"):
         in_place_inputs(fused_with_second_writer(op_type, layer_idx=1))
+
+
+def store_node(template, name, layer_idx, current_key="current_key"):
+    """A copy of the KeyValueCache node ``template``, named ``name``, writing layer ``layer_idx``, its outputs
+    ``{name}_key`` and ``{name}_value``."""
+    node = copy.deepcopy(template)
+    node.name, node.input[0] = name, current_key
+    del node.output[:]
+    node.output.extend([f"{name}_key", f"{name}_value"])
+    for attribute in node.attribute:
+        if attribute.name == "layer_idx":
+            attribute.i = layer_idx
+    return node
+
+
+def branch(name, nodes, outputs):
+    """An If branch holding ``nodes`` (reading the graph around it by name), giving ``outputs`` as float tensors."""
+    ends = [helper.make_node("Identity", [output], [f"{name}_{k}"]) for k, output in enumerate(outputs)]
+    return helper.make_graph([*nodes, *ends], name, [], [
+        helper.make_tensor_value_info(f"{name}_{k}", TensorProto.FLOAT, None) for k in range(len(outputs))])
+
+
+def with_if(model, name, then_nodes, then_outputs, else_nodes, else_outputs):
+    """``model`` plus an If node on a new boolean input ``cond`` giving ``{name}_0``, ``{name}_1``, ... as outputs."""
+    outputs = [f"{name}_{k}" for k in range(len(then_outputs))]
+    model.graph.node.append(helper.make_node("If", ["cond"], outputs, name=name,
+                                             then_branch=branch(f"{name}_then", then_nodes, then_outputs),
+                                             else_branch=branch(f"{name}_else", else_nodes, else_outputs)))
+    if not any(value.name == "cond" for value in model.graph.input):
+        model.graph.input.append(helper.make_tensor_value_info("cond", TensorProto.BOOL, []))
+    model.graph.output.extend(helper.make_tensor_value_info(output, TensorProto.FLOAT, None) for output in outputs)
+    return model
+
+
+def without_nodes():
+    """The two-layer case, its model with no node and no output, and the KeyValueCache node it had."""
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    template = copy.deepcopy(model.graph.node[0])
+    del model.graph.node[:], model.graph.output[:]
+    return case, model, template
+
+
+def branch_stores(then_layer, else_layer):
+    """The two-layer case and a model holding one If node, ``choose``, whose branches each store the case's tokens,
+    into layer ``then_layer`` and ``else_layer`` of the cache."""
+    case, model, template = without_nodes()
+    then_store, else_store = store_node(template, "choose_a", then_layer), store_node(template, "choose_b", else_layer)
+    return case, with_if(model, "choose", [then_store], list(then_store.output), [else_store], list(else_store.output))
+
+
+@pytest.mark.parametrize("cond, layer_idx", [(True, 0), (False, 1)])
+def test_a_store_inside_an_if_branch_lands_in_the_callers_cache(cond, layer_idx):
+    """ONNX Runtime hands a branch the caller's buffers: the branch taken stores into the caller's cache, as the
+    reference does on that layer, so the rule must see writes inside bodies."""
+    case, model = branch_stores(then_layer=0, else_layer=1)
+    assert in_place_inputs(model) == {"cache"}
+    feeds = {k: np.array(v, copy=True) for k, v in case.inputs.items() if v is not None}
+    key, value = run_model(model, dict(feeds, cond=np.array(cond)))
+    expected = reference_outcome("KeyValueCache", case.inputs, dict(case.attributes, num_layer=2, layer_idx=layer_idx))
+    np.testing.assert_array_equal(feeds["cache"], expected.after["cache"])
+    np.testing.assert_array_equal(key, expected.outputs["key"])
+    np.testing.assert_array_equal(value, expected.outputs["value"])
+
+
+def test_a_read_beside_an_if_that_writes_the_cache_is_refused():
+    case, model = branch_stores(then_layer=0, else_layer=1)
+    model.graph.node.append(helper.make_node("Identity", ["cache"], ["cache_seen"], name="peek"))
+    with pytest.raises(ValueError, match=r"Identity node peek reads 'cache', which If node choose \(layer_idx 0, 1 "
+                                         r"inside it\) writes in place"):
+        in_place_inputs(model)
+
+
+def test_a_read_inside_an_if_beside_a_writer_is_refused():
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    peek = [helper.make_node("ReduceMax", ["cache"], ["cache_max"])]
+    model = with_if(model, "look", peek, ["cache_max"], [helper.make_node("Identity", ["current_key"], ["k"])], ["k"])
+    with pytest.raises(ValueError, match=r"If node look reads 'cache' inside it, which KeyValueCache node .* writes"):
+        in_place_inputs(model)
+
+
+@pytest.mark.parametrize("layers, refused", [((0, 0), True), ((0, 1), False), ((1, 1), True)])
+def test_two_ifs_writing_one_layer_with_no_order_between_them_are_refused(layers, refused):
+    """Two If nodes each storing in one branch: refused where the layers they may write meet, as two plain stores."""
+    _, model, template = without_nodes()
+    for name, layer in zip(("first", "second"), layers):
+        store = store_node(template, f"{name}_store", layer)
+        keep = helper.make_node("Identity", ["current_key"], [f"{name}_k"])
+        model = with_if(model, name, [store], [store.output[0]], [keep], [f"{name}_k"])
+    if refused:
+        with pytest.raises(ValueError, match=f"If node first .* and If node second .* both write layer {layers[0]} "
+                                             "of 'cache' and no data path orders them"):
+            in_place_inputs(model)
+    else:
+        assert in_place_inputs(model) == {"cache"}
+
+
+def test_a_read_and_a_write_inside_one_branch_are_refused():
+    """Each body is held to the rule among its own nodes."""
+    _, model, template = without_nodes()
+    store = store_node(template, "inner", 0)
+    peek = helper.make_node("Identity", ["cache"], ["cache_seen"], name="inner_peek")
+    model = with_if(model, "choose", [store, peek], [store.output[0], "cache_seen"],
+                    [helper.make_node("Identity", ["current_key"], [f"k{k}"]) for k in range(2)], ["k0", "k1"])
+    with pytest.raises(ValueError, match="Identity node inner_peek reads 'cache', which KeyValueCache node inner"):
+        in_place_inputs(model)
+
+
+def test_an_outer_value_used_inside_a_branch_orders_the_branch_after_its_producer():
+    """The branch's store reads the first store's key (an outer value, not an input of the If node): the If node
+    runs after the first store, so the two writes of layer 0 are ordered, and accepted."""
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    first_key = model.graph.node[0].output[0]
+    tokens = case.inputs["current_key"].shape[0]
+    model.graph.initializer.extend([helper.make_tensor("zero", 7, [1], [0]), helper.make_tensor("tokens", 7, [1], [tokens])])
+    ordered = helper.make_node("Slice", [first_key, "zero", "tokens"], ["ordered_key"])
+    store = store_node(model.graph.node[0], "later", 0, current_key="ordered_key")
+    model = with_if(model, "then_store", [ordered, store], [store.output[0]],
+                    [helper.make_node("Identity", ["current_key"], ["k"])], ["k"])
+    assert in_place_inputs(model) == {"cache"}
