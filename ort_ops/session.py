@@ -177,12 +177,19 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
     (an int4 cache through a packed ORT tensor, copied back after the run) and must be writable and
     C-contiguous; other inputs (only read) are copied when they are read-only or not C-contiguous (a
     Fortran-ordered MultiHeadAttention key, a transposed view). When only a ``session`` is given its graph
-    cannot be checked, and every input is held to the in-place rule. The sessions of the last few models are kept
-    for repeated calls; callers in several threads may share them.
+    cannot be checked, and every input is held to the in-place rule. ``model``: a ModelProto, its bytes or a path.
+    The sessions of the last few models given as a ModelProto or bytes are kept for repeated calls (callers in several
+    threads may share them); a path's session is made on each call, as its file (and external data) may change
+    between calls: pass ``session=make_session(path)`` to run one repeatedly.
     """
-    if session is None:
-        session, written = _SESSIONS.get((serialized(model), intra_op_num_threads), lambda: (
-            make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model)))
+    def make():
+        return make_session(model, intra_op_num_threads=intra_op_num_threads), in_place_inputs(model)
+
+    if session is None and isinstance(model, (onnx.ModelProto, bytes, bytearray)):
+        source = serialized(model) if isinstance(model, onnx.ModelProto) else bytes(model)
+        session, written = _SESSIONS.get((source, intra_op_num_threads), make)
+    elif session is None:
+        session, written = make()
     else:
         written = in_place_inputs(model) if model is not None else None
     binding = session.io_binding()

@@ -1,7 +1,10 @@
 """``run_model``'s kept sessions under callers in several threads: two callers making sessions at once (held
-together while they make them) keep the cache within its size, and each gets its own model's answer."""
+together while they make them) keep the cache within its size, and each gets its own model's answer. A model given as
+bytes or a path runs too, and a path rewritten between calls runs as it is now."""
 
 import threading
+
+import onnx
 
 from ort_helpers import assert_same_bits, copies, reference_result
 
@@ -47,3 +50,18 @@ def test_two_callers_making_sessions_at_once_keep_the_cache_within_its_size(monk
     for i, got in results.items():
         assert_same_bits(got, reference_result(cases[i].inputs, cases[i].attributes))
     assert len(results) == 2
+
+
+def test_a_model_given_as_bytes_or_a_path_runs_and_a_rewritten_path_is_not_served_stale(tmp_path, monkeypatch):
+    monkeypatch.setattr(ort_session, "_SESSIONS", ort_session.KeptSessions(ort_session._MAX_CACHED_SESSIONS))
+    case = CASES["layers2_layer_idx1_layout0"]()
+    path = tmp_path / "model.onnx"
+    for layer_idx in (1, 0):  # the same file rewritten: the second call must store into layer 0
+        attributes = dict(case.attributes, layer_idx=layer_idx)
+        model = spec.make_model(copies(case.inputs), **attributes)
+        onnx.save(model, path)
+        for given in (model.SerializeToString(), path, str(path)):
+            fresh = copies(case.inputs)
+            key, value = run_model(given, {k: v for k, v in fresh.items() if v is not None})
+            assert_same_bits((key, value, fresh["cache"], fresh["scale"]), reference_result(case.inputs, attributes))
+    assert len(ort_session._SESSIONS) == 2  # the two models' bytes; no path is kept
