@@ -94,6 +94,8 @@ REFUSED = {
                                          onnx.checker.ValidationError),
     "input declared with another shape": (lambda: _identity_of_input_weight(TensorProto.FLOAT, [300, 300]),
                                           onnx.checker.ValidationError),
+    "input declared without a shape": (lambda: _identity_of_input_weight(TensorProto.FLOAT, None),
+                                       onnx.checker.ValidationError),
     "ir_version 3, initializer not an input": (lambda: _matmul_reshape([200, 300], [600], ir_version=3),
                                                onnx.checker.ValidationError),
     "raw data short of its shape": (lambda: _short_raw_data(_matmul_reshape([200, 300], [600])),
@@ -110,6 +112,19 @@ def test_the_stand_in_path_refuses_what_the_checker_refuses(case, stand_in_alway
         onnx.checker.check_model(make(), full_check=True)
     with pytest.raises(error):
         large_models.check_model(make())
+
+
+# Each model onnx's checker accepts; the stand-in path must accept it too.
+ACCEPTED = {
+    "input declared with its own type and shape": lambda: _identity_of_input_weight(TensorProto.FLOAT, [200, 300]),
+    "input declared with a named dimension": lambda: _identity_of_input_weight(TensorProto.FLOAT, ["rows", 300]),
+}
+
+
+@pytest.mark.parametrize("case", ACCEPTED)
+def test_the_stand_in_path_accepts_what_the_checker_accepts(case, stand_in_always):
+    onnx.checker.check_model(ACCEPTED[case](), full_check=True)
+    large_models.check_model(ACCEPTED[case]())
 
 
 def test_a_small_model_is_checked_itself(monkeypatch):

@@ -73,6 +73,13 @@ def test_other_releases_and_node_forms_pass(version, scale, mask):
     graph_rules.refuse_crashing_nodes(_cache_attention(scale, mask), version)
 
 
+def test_an_empty_scale_named_last_without_a_mask_passes():
+    """Twelve inputs, the last an empty scale: no mask is given, so the node does not crash the old releases."""
+    model = _cache_attention(scale=False, mask=False)
+    model.graph.node[0].input.append("")
+    graph_rules.refuse_crashing_nodes(model, "1.23.2")
+
+
 def test_make_session_and_the_conformance_backend_refuse_it(monkeypatch):
     monkeypatch.setattr(ort, "__version__", "1.23.2")
     model = _cache_attention(scale=False, mask=True)

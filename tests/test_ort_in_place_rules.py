@@ -15,6 +15,7 @@ from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, ortvalue_for, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
 from kvcache_op.validation.cases import CASES
+from if_models import branch_stores, store_node, with_if, without_nodes
 
 
 def kv_case(name="offset_layout0"):
@@ -250,3 +251,65 @@ def test_a_function_the_inliner_cannot_take_is_refused_only_where_it_reaches_the
     identity = helper.make_node("Identity", ["x"], ["y"])
     plain.functions.append(helper.make_function("local", "same", ["x"], ["y"], [identity], [helper.make_opsetid("", 21)]))
     assert in_place_inputs(plain) == {"cache"}
+
+
+def test_functions_calling_each_other_in_a_cycle_are_followed_once(monkeypatch):
+    """Where the inliner cannot take the functions, the check follows each call once: two functions calling each other
+    (and reaching no op of the package) are let be, not followed without end."""
+    from kvcache_op.ort_ops import graph_rules
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("recursive")
+
+    monkeypatch.setattr(graph_rules.onnx.inliner, "inline_local_functions", fails)
+    case, model = kv_case()
+    for name, callee in (("ping", "pong"), ("pong", "ping")):
+        call = helper.make_node(callee, ["x"], ["y"], domain="local")
+        model.functions.append(helper.make_function("local", name, ["x"], ["y"], [call],
+                                                    [helper.make_opsetid("local", 1)]))
+    model.graph.node.append(helper.make_node("ping", ["current_key"], ["pinged"], domain="local"))
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    assert in_place_inputs(model) == {"cache"}
+
+
+def copy_of(name):
+    """An Identity node giving ``name`` from the step's current_key (a branch that stores nothing)."""
+    return helper.make_node("Identity", ["current_key"], [name])
+
+
+def test_a_cache_written_inside_an_if_branch_follows_the_rule():
+    """A store inside a branch writes the caller's buffer as one outside does: its cache must be a graph input of the
+    model, not an initializer (the writes would land in a constant) nor a value computed inside the branch."""
+    from kvcache_op.ort_ops.graph_rules import check_attribute_names
+
+    case, model = branch_stores(then_layer=0, else_layer=1)
+    assert in_place_inputs(model) == {"cache"}
+    constant = onnx.ModelProto.FromString(model.SerializeToString())
+    constant.graph.input.remove(next(v for v in constant.graph.input if v.name == "cache"))
+    constant.graph.initializer.append(onnx.numpy_helper.from_array(case.inputs["cache"], "cache"))
+    with pytest.raises(ValueError, match="KeyValueCache node choose_[ab]: cache 'cache' is an initializer"):
+        make_session(constant)
+    _, computed, template = without_nodes()
+    copied = helper.make_node("Identity", ["cache"], ["cache_copy"])
+    store = store_node(template, "inner", 0)
+    store.input[8] = "cache_copy"
+    computed = with_if(computed, "choose", [copied, store], list(store.output), [copy_of("k0"), copy_of("k1")],
+                       ["k0", "k1"])
+    with pytest.raises(ValueError, match="KeyValueCache node inner: cache 'cache_copy' is computed by another node"):
+        in_place_inputs(computed)
+    misspelt = onnx.ModelProto.FromString(model.SerializeToString())
+    misspelt.graph.node[0].attribute[0].g.node[0].attribute.append(helper.make_attribute("pagesize", 8))
+    with pytest.raises(ValueError, match=r"KeyValueCache node choose_[ab]: unknown attribute\(s\) \['pagesize'\]"):
+        check_attribute_names(misspelt)
+
+
+def test_a_node_of_the_ops_domain_the_package_lacks_is_left_to_onnx_runtime():
+    """The attribute check knows the package's ops only: a misspelt op type is ONNX Runtime's to report (it has no
+    kernel of that name), not an error of the check."""
+    from kvcache_op.ort_ops.graph_rules import check_attribute_names
+
+    case, model = kv_case()
+    model.graph.node[0].op_type = "KeyValueCach"
+    check_attribute_names(model)
+    with pytest.raises(Exception, match="KeyValueCach"):
+        make_session(model)
