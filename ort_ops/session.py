@@ -104,13 +104,14 @@ def ortvalue_for(array: np.ndarray) -> ort.OrtValue:
     """An OrtValue on ``array``'s memory (bfloat16 reinterpreted without a copy); int4 is copied.
 
     The OrtValue shares the array's memory, so ONNX Runtime may write it (the ops' caches): a
-    read-only array is refused with ``ValueError`` (pass a copy for an input that is only read)."""
-    if array.dtype == INT4:
-        return int4_ortvalue(array)
+    read-only array is refused with ``ValueError`` (pass a copy for an input that is only read), int4 too (its
+    writes are copied back into it: :func:`run_model`)."""
     if not array.flags.writeable:
         raise ValueError("this array is read-only (e.g. np.memmap(mode='r') or np.frombuffer of bytes), but an "
                          "OrtValue on its memory can be written in place (KeyValueCache writes its cache and "
                          "scale): pass a writable array, or a copy (np.array(x)) for an input that is only read")
+    if array.dtype == INT4:
+        return int4_ortvalue(array)
     if not array.flags.c_contiguous:
         raise ValueError("this array is not C-contiguous: an OrtValue needs C order, and the in-place writes to an "
                          "op's cache or scale must land in the caller's array, so no copy is made here "

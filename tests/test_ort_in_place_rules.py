@@ -39,6 +39,18 @@ def test_a_read_only_cache_is_refused_and_stays_intact():
         ortvalue_for(feeds["cache"])
 
 
+def test_a_read_only_int4_cache_is_refused_before_the_run_and_stays_intact():
+    """An int4 cache runs on a packed copy whose writes are copied back: a read-only one is refused before the run
+    (not after it, by numpy, with the outputs lost)."""
+    case, model = kv_case("int4_layout0")
+    feeds = feeds_of(case)
+    frozen = feeds["cache"].copy()
+    feeds["cache"].flags.writeable = False
+    with pytest.raises(ValueError, match="this array is read-only"):
+        run_model(model, feeds)
+    assert feeds["cache"].view(np.uint8).tobytes() == frozen.view(np.uint8).tobytes()
+
+
 def test_a_read_only_memmap_cache_is_a_clear_error_not_a_crash(tmp_path):
     """np.memmap(mode="r") maps the file read-only: a write through it is a SIGSEGV. Run in a child so
     a crash fails this test instead of the whole session."""
