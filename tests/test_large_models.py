@@ -118,6 +118,7 @@ def test_the_stand_in_path_refuses_what_the_checker_refuses(case, stand_in_alway
 ACCEPTED = {
     "input declared with its own type and shape": lambda: _identity_of_input_weight(TensorProto.FLOAT, [200, 300]),
     "input declared with a named dimension": lambda: _identity_of_input_weight(TensorProto.FLOAT, ["rows", 300]),
+    "ir_version 4, initializer not an input": lambda: _matmul_reshape([200, 300], [600], ir_version=4),
 }
 
 
@@ -125,6 +126,13 @@ ACCEPTED = {
 def test_the_stand_in_path_accepts_what_the_checker_accepts(case, stand_in_always):
     onnx.checker.check_model(ACCEPTED[case](), full_check=True)
     large_models.check_model(ACCEPTED[case]())
+
+
+def test_a_small_model_gets_the_full_check():
+    """Below the stand-in path, onnx's checker with shape inference: a weight of the wrong shape is refused."""
+    make, error = REFUSED["weight of the wrong shape"]
+    with pytest.raises(error):
+        large_models.check_model(make())
 
 
 def test_a_small_model_is_checked_itself(monkeypatch):

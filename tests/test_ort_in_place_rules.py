@@ -259,6 +259,14 @@ def test_a_function_the_inliner_cannot_take_is_refused_only_where_it_reaches_the
     with pytest.raises(ValueError, match=r"model-local function local::store reaches an op of this package, and "
                                          r"could not be inlined .*no conversion"):
         in_place_inputs(in_a_function(model))
+    wrapped = in_a_function(model)  # the op one call further down: reached all the same
+    (call,) = wrapped.graph.node
+    wrapped.functions.append(helper.make_function("local", "outer", list(call.input), list(call.output),
+                                                  [onnx.NodeProto.FromString(call.SerializeToString())],
+                                                  [helper.make_opsetid("local", 1)]))
+    call.op_type = "outer"
+    with pytest.raises(ValueError, match=r"model-local function local::outer reaches an op of this package"):
+        in_place_inputs(wrapped)
     plain = onnx.ModelProto.FromString(model.SerializeToString())  # a function of standard ops only: let be
     identity = helper.make_node("Identity", ["x"], ["y"])
     plain.functions.append(helper.make_function("local", "same", ["x"], ["y"], [identity], [helper.make_opsetid("", 21)]))

@@ -43,6 +43,15 @@ def test_two_unordered_writes_of_one_layer_are_refused():
         make_session(model)
 
 
+def test_two_unordered_writes_whose_outputs_are_read_are_refused():
+    """Each write's outputs feed other nodes, none of which leads to the other write: still unordered."""
+    _, model = with_second_node(layer_idx=0)
+    for k, output in enumerate([*model.graph.node[0].output, "key2", "value2"]):
+        model.graph.node.append(helper.make_node("Identity", [output], [f"read{k}"]))
+    with pytest.raises(ValueError, match="both write layer 0 of 'cache' and no data path orders them"):
+        in_place_inputs(model)
+
+
 def test_a_data_path_orders_two_writes_of_one_layer():
     """The second node's key input is computed from the first node's output: it must run after."""
     case, model = with_second_node(layer_idx=0, current_key="ordered_key")
