@@ -16,7 +16,7 @@ import onnx
 import onnx.inliner
 
 from ..spec.schema import DOMAIN
-from .write_order import check_write_order
+from .write_order import check_write_order, defined, subgraphs
 
 #: (domain, op type) -> positions of the inputs the op writes in place.
 IN_PLACE_INPUTS = {
@@ -112,13 +112,17 @@ def _reaches_our_ops(function, functions: dict, seen: set) -> bool:
 
 def _nodes(graph):
     """Every node of ``graph`` and of its subgraphs (If/Loop/Scan bodies)."""
-    for node in graph.node:
+    for node, _ in _scoped_nodes(graph):
         yield node
-        for attribute in node.attribute:
-            if attribute.type == onnx.AttributeProto.GRAPH:
-                yield from _nodes(attribute.g)
-            for sub in attribute.graphs:
-                yield from _nodes(sub)
+
+
+def _scoped_nodes(graph, hidden=frozenset()):
+    """(node, the names the bodies around it define) for every node of ``graph`` and of its subgraphs: inside a body,
+    those names are the body's own values, not the model's values of the same name."""
+    for node in graph.node:
+        yield node, hidden
+        for body in subgraphs(node):
+            yield from _scoped_nodes(body, hidden | defined(body))
 
 
 def _written_inputs(node):
@@ -168,9 +172,13 @@ def in_place_inputs(model) -> set:
     initializers = {init.name for init in graph.initializer} | {init.name for init in graph.sparse_initializer}
     graph_inputs = {value.name for value in graph.input}
     names = set()
-    for node in _nodes(graph):
+    for node, hidden in _scoped_nodes(graph):
         for role, name in _written_inputs(node):
             where = f"{node.op_type} node {node.name or '(unnamed)'}: {role} {name!r}"
+            if name in hidden and (name in graph_inputs or name in initializers):
+                raise ValueError(f"{where} is a value of the subgraph around it (a body input, initializer or node "
+                                 "output), not the graph input of that name, but the op writes it in place: the writes "
+                                 "would land in the body's value; give it another name and write the graph input")
             if name in initializers:
                 raise ValueError(f"{where} is an initializer, but the op writes it in place: make it a graph input "
                                  "without an initializer and bind your own buffer")

@@ -15,7 +15,7 @@ from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, ortvalue_for, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
 from kvcache_op.validation.cases import CASES
-from if_models import branch_stores, store_node, with_if, without_nodes
+from control_flow_models import branch_stores, store_node, with_if, without_nodes
 
 
 def kv_case(name="offset_layout0"):

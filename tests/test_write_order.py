@@ -11,7 +11,7 @@ from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
 from kvcache_op.validation.outcome import reference_outcome
-from if_models import branch_stores, store_node, two_layer_case, with_if, without_nodes
+from control_flow_models import branch_stores, store_node, two_layer_case, with_if, with_loop, without_nodes
 
 
 def with_second_node(layer_idx, current_key="current_key", outputs=("key2", "value2")):
@@ -193,4 +193,64 @@ def test_an_outer_value_used_inside_a_branch_orders_the_branch_after_its_produce
     store = store_node(model.graph.node[0], "later", 0, current_key="ordered_key")
     model = with_if(model, "then_store", [ordered, store], [store.output[0]],
                     [helper.make_node("Identity", ["current_key"], ["k"])], ["k"])
+    assert in_place_inputs(model) == {"cache"}
+
+
+def test_an_empty_optional_name_is_no_data_path():
+    """An output left empty (Dropout's mask) and an input left empty (the second store's scale) are no value: they do
+    not order the second store after the first."""
+    _, model, template = without_nodes()
+    first, second = store_node(template, "first", 0), store_node(template, "second", 0)
+    del second.input[9:]
+    second.input.append("")
+    dropout = helper.make_node("Dropout", ["first_key"], ["dropped", ""], name="drop")
+    model.graph.node.extend([first, dropout, second])
+    with pytest.raises(ValueError, match="node first .* and KeyValueCache node second .* both write layer 0"):
+        in_place_inputs(model)
+
+
+def test_writers_of_one_cache_in_different_layouts_are_refused():
+    """In two layouts the layers of one cache overlap (layer 1 of layout 1 holds slots of layer 0 of layout 0), so
+    writing different layers is no longer independent."""
+    _, model = with_second_node(layer_idx=1)
+    next(a for a in model.graph.node[1].attribute if a.name == "cache_layout").i = 1
+    with pytest.raises(ValueError, match=r"write 'cache' in different layouts \(cache_layout 0 and 1\)"):
+        in_place_inputs(model)
+
+
+def test_a_loop_passing_the_cache_its_body_writes_as_its_carried_value_is_refused():
+    """The body gets the caller's cache buffer as its carried value: its reads of that value are unordered against
+    the store inside it."""
+    _, model, template = without_nodes()
+    model = with_loop(model, "again", [store_node(template, "inner", 0)], carried=("cache", "carried"))
+    with pytest.raises(ValueError, match="Loop node again passes 'cache' into its body as an input, and a node "
+                                         "inside writes it in place"):
+        in_place_inputs(model)
+
+
+def test_a_body_input_named_as_an_outer_value_is_the_bodys_own():
+    """The Loop body names its iteration number like the first store's key: that is the body's value, so nothing
+    orders the Loop's store after the first store."""
+    _, model, template = without_nodes()
+    model.graph.node.append(store_node(template, "first", 0))
+    model = with_loop(model, "again", [store_node(template, "inner", 0)], iteration="first_key")
+    with pytest.raises(ValueError, match="node first .* and Loop node again .* both write layer 0 of 'cache' and no "
+                                         "data path orders them"):
+        in_place_inputs(model)
+
+
+def test_a_store_into_a_body_value_named_as_the_graph_input_is_refused():
+    """The Loop body's carried value is named ``cache``, like the graph input: a store inside writes the body's
+    value (a copy of what the Loop was given), never the caller's cache."""
+    _, model, template = without_nodes()
+    model = with_loop(model, "again", [store_node(template, "inner", 0)], carried=("current_key", "cache"))
+    with pytest.raises(ValueError, match="KeyValueCache node inner: cache 'cache' is a value of the subgraph around "
+                                         "it"):
+        in_place_inputs(model)
+
+
+def test_shape_in_the_default_domains_other_name_reads_no_data():
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    model.graph.node.append(helper.make_node("Shape", ["cache"], ["cache_shape"], domain="ai.onnx"))
     assert in_place_inputs(model) == {"cache"}

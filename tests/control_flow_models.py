@@ -1,5 +1,5 @@
-"""Models with an ``If`` node whose branches hold the ops: ONNX Runtime hands a branch the caller's buffers, so the
-graph rules must see inside it."""
+"""Models with an ``If`` or ``Loop`` node whose bodies hold the ops: ONNX Runtime hands a body the caller's buffers,
+so the graph rules must see inside it."""
 
 import copy
 
@@ -61,3 +61,28 @@ def branch_stores(then_layer, else_layer):
     case, model, template = without_nodes()
     then_store, else_store = store_node(template, "choose_a", then_layer), store_node(template, "choose_b", else_layer)
     return case, with_if(model, "choose", [then_store], list(then_store.output), [else_store], list(else_store.output))
+
+
+def with_loop(model, name, nodes, carried=None, iteration="iteration"):
+    """``model`` plus a Loop node ``name`` run once, its body holding ``nodes``. ``carried``: (the outer value passed
+    as the loop-carried value, the body's name for it), or None; ``iteration``: the body's name for its iteration
+    number. The Loop gives the carried value's final state (if any) and the iteration numbers."""
+    inputs = [helper.make_tensor_value_info(iteration, TensorProto.INT64, []),
+              helper.make_tensor_value_info(f"{name}_cond_in", TensorProto.BOOL, [])]
+    ends = [helper.make_node("Identity", [f"{name}_cond_in"], [f"{name}_cond_out"])]
+    finals, loop_inputs = [], [f"{name}_trip", ""]
+    if carried:
+        outer, inner = carried
+        inputs.append(helper.make_tensor_value_info(inner, TensorProto.FLOAT, None))
+        ends.append(helper.make_node("Identity", [inner], [f"{name}_carried_out"]))
+        finals, loop_inputs = [f"{name}_final"], [*loop_inputs, outer]
+    ends.append(helper.make_node("Identity", [iteration], [f"{name}_it"]))
+    outputs = [helper.make_tensor_value_info(f"{name}_cond_out", TensorProto.BOOL, [])]
+    outputs += [helper.make_tensor_value_info(f"{name}_carried_out", TensorProto.FLOAT, None)] * bool(carried)
+    outputs.append(helper.make_tensor_value_info(f"{name}_it", TensorProto.INT64, []))
+    body = helper.make_graph([*nodes, *ends], f"{name}_body", inputs, outputs)
+    model.graph.initializer.append(helper.make_tensor(f"{name}_trip", TensorProto.INT64, [], [1]))
+    model.graph.node.append(helper.make_node("Loop", loop_inputs, [*finals, f"{name}_its"], name=name, body=body))
+    model.graph.output.extend(helper.make_tensor_value_info(output, TensorProto.FLOAT if output in finals else
+                                                            TensorProto.INT64, None) for output in [*finals, f"{name}_its"])
+    return model
