@@ -15,8 +15,13 @@ inlined where the function is called (:func:`as_run`), its cache the call's argu
 import onnx
 import onnx.inliner
 
+from ..spec import mha_schema, mhca_schema, rotary_schema, schema
 from ..spec.schema import DOMAIN
 from .write_order import check_write_order, defined, subgraphs
+
+#: The package's op types (in :data:`DOMAIN`): ONNX Runtime runs their kernels whatever a model-local function of the
+#: same name says.
+OP_TYPES = {schema.OP_TYPE, rotary_schema.OP_TYPE, mha_schema.OP_TYPE, mhca_schema.OP_TYPE}
 
 #: (domain, op type) -> positions of the inputs the op writes in place.
 IN_PLACE_INPUTS = {
@@ -62,9 +67,15 @@ def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
     when it loads a model), so the rules see the nodes that run and what feeds them: a cache written inside a
     function is the call's argument. The model itself where it has no functions. The initializers keep only their
     names, types and shapes (the rules read no values), so a large model's weights are not copied. ``ValueError``
-    where a function that reaches an op of this package could not be inlined (its writes could not be checked)."""
+    where a function that reaches an op of this package could not be inlined (its writes could not be checked), or
+    where one has the name of an op of this package (ONNX Runtime runs the op's kernel, not the function)."""
     if not model.functions:
         return model
+    for function in model.functions:
+        if function.domain == DOMAIN and function.name in OP_TYPES:
+            raise ValueError(f"model-local function {DOMAIN}::{function.name} has the name of an op of this package: "
+                             "ONNX Runtime runs the op's kernel, not the function, so the checks cannot take the "
+                             "function's body for what runs; rename the function")
     shell = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import, functions=model.functions)
     imported = {entry.domain for entry in model.opset_import}
     for function in model.functions:  # a domain only a function imports (ONNX Runtime takes it from there)
@@ -82,6 +93,7 @@ def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
     for sparse in model.graph.sparse_initializer:  # its values' name is the initializer's
         graph.sparse_initializer.add().values.CopyFrom(onnx.TensorProto(name=sparse.values.name,
                                                                         data_type=sparse.values.data_type))
+    _given_defaults(shell)
     try:
         inlined, failure = onnx.inliner.inline_local_functions(shell, convert_version=True), "it was left as a call"
     except Exception as error:  # noqa: BLE001 - whatever the inliner's C++ raises, the check below decides
@@ -95,6 +107,21 @@ def as_run(model: onnx.ModelProto) -> onnx.ModelProto:
                              "checked: inline it before saving (onnx.inliner.inline_local_functions(model, "
                              "convert_version=True))")
     return inlined
+
+
+def _given_defaults(model: onnx.ModelProto) -> None:
+    """Gives each call of a model-local function the function's default attribute values (``attribute_proto``) it
+    does not set, as ONNX Runtime applies them: onnx's inliner drops an attribute reference to an unset attribute, so
+    a ``layer_idx`` or ``quant_bit`` taken from a default would be checked as the op's own default."""
+    defaults = {(f.domain, f.name, f.overload): f.attribute_proto for f in model.functions if f.attribute_proto}
+    if not defaults:
+        return
+    for body in (model.graph, *model.functions):
+        for node in _nodes(body):
+            given = {attribute.name for attribute in node.attribute}
+            for default in defaults.get((node.domain, node.op_type, node.overload), ()):
+                if default.name not in given:
+                    node.attribute.append(default)
 
 
 def _reaches_our_ops(function, functions: dict, seen: set) -> bool:
@@ -169,7 +196,7 @@ def in_place_inputs(model) -> set:
     functions are checked where they are called (:func:`as_run`)."""
     model = as_run(load_model(model))
     graph = model.graph
-    initializers = {init.name for init in graph.initializer} | {init.name for init in graph.sparse_initializer}
+    initializers = {init.name for init in graph.initializer} | {init.values.name for init in graph.sparse_initializer}
     graph_inputs = {value.name for value in graph.input}
     names = set()
     for node, hidden in _scoped_nodes(graph):

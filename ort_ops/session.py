@@ -19,6 +19,7 @@ In-place semantics (what the op needs from its caller):
 """
 
 import ctypes
+import itertools
 import os
 import threading
 
@@ -79,7 +80,8 @@ def make_session(model, providers=("CPUExecutionProvider",), intra_op_num_thread
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     for key, value in (config or {}).items():
         options.add_session_config_entry(key, value)
-    source = serialized(model) if isinstance(model, onnx.ModelProto) else model
+    source = serialized(model) if isinstance(model, onnx.ModelProto) else bytes(model) if isinstance(
+        model, bytearray) else model  # ONNX Runtime takes bytes or a path, not a bytearray
     # ONNX Runtime's NCHWc layout transformer crashes the process while loading some float16 decoders (an exported
     # GPT-NeoX in float16, onnxruntime 1.32); it only rewrites NCHW convolutions and pooling, which decoders have none
     # of, so leaving it out costs nothing.
@@ -169,6 +171,16 @@ _MAX_CACHED_SESSIONS = 8
 _SESSIONS = KeptSessions(_MAX_CACHED_SESSIONS)
 
 
+def _refuse_shared_written(inputs: dict, written) -> None:
+    """``ValueError`` where two inputs the model writes in place (two caches, a cache and a scale) share memory: the
+    graph rules order writes per input, so writes into one buffer through two names would be unordered."""
+    arrays = [(name, inputs[name]) for name in sorted(written or ()) if isinstance(inputs.get(name), np.ndarray)]
+    for (a, first), (b, second) in itertools.combinations(arrays, 2):
+        if np.may_share_memory(first, second):
+            raise ValueError(f"inputs {a!r} and {b!r} share memory, and the model writes both in place: their writes "
+                             "would land in one buffer, in no set order; pass separate arrays")
+
+
 def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) -> tuple:
     """Runs a model using the ops on the CPU EP through IOBinding; returns its outputs in graph order as
     numpy arrays (``(key, value)`` for a single KeyValueCache node, ``(attention_output,)`` for
@@ -193,6 +205,7 @@ def run_model(model, inputs: dict, intra_op_num_threads: int = 0, session=None) 
         session, written = make()
     else:
         written = in_place_inputs(model) if model is not None else None
+    _refuse_shared_written(inputs, written)
     binding = session.io_binding()
     values = {}
     for info in session.get_inputs():

@@ -15,7 +15,8 @@ from kvcache_op import spec
 from kvcache_op.ort_ops import make_session, ortvalue_for, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
 from kvcache_op.validation.cases import CASES
-from control_flow_models import branch_stores, store_node, with_if, without_nodes
+from kvcache_op.validation.outcome import reference_outcome
+from control_flow_models import branch_stores, store_node, two_layer_case, with_if, without_nodes
 
 
 def kv_case(name="offset_layout0"):
@@ -290,6 +291,95 @@ def test_functions_calling_each_other_in_a_cycle_are_followed_once(monkeypatch):
     model.graph.node.append(helper.make_node("ping", ["current_key"], ["pinged"], domain="local"))
     model.opset_import.append(helper.make_opsetid("local", 1))
     assert in_place_inputs(model) == {"cache"}
+
+
+def with_attribute_from_default(model, name, default):
+    """``model`` (one op node) with the node moved into a model-local function ``local::store`` whose attribute
+    ``name`` comes from the function attribute ``given`` of default ``default``; the call sets none."""
+    (node,) = model.graph.node
+    body = onnx.NodeProto.FromString(node.SerializeToString())
+    body.attribute.remove(next(a for a in body.attribute if a.name == name))
+    body.attribute.append(onnx.AttributeProto(name=name, ref_attr_name="given", type=onnx.AttributeProto.INT))
+    inputs = [n for n in node.input if n]
+    function = helper.make_function("local", "store", inputs, list(node.output), [body], list(model.opset_import))
+    function.attribute_proto.append(helper.make_attribute("given", default))
+    model.functions.append(function)
+    model.opset_import.append(helper.make_opsetid("local", 1))
+    model.graph.ClearField("node")
+    model.graph.node.append(helper.make_node("store", inputs, list(node.output), domain="local", name="call"))
+    return model
+
+
+def test_an_attribute_from_a_functions_default_is_checked_as_onnx_runtime_runs_it():
+    """ONNX Runtime gives a call the function's default attribute values; onnx's inliner drops an unset reference.
+    Checked with the default: two unordered calls both on layer 1 (the default), and a quant_bit of 8 from the
+    default, whose scale is then written and may not come from a node."""
+    case = two_layer_case()
+    model = with_attribute_from_default(spec.make_model(case.inputs, **dict(case.attributes, num_layer=2)),
+                                        "layer_idx", 1)
+    second = onnx.NodeProto.FromString(model.graph.node[0].SerializeToString())
+    second.name, second.input[0] = "second_call", "other_key"
+    del second.output[:]
+    second.output.extend(["key2", "value2"])
+    model.graph.node.extend([helper.make_node("Neg", ["current_key"], ["other_key"]), second])
+    with pytest.raises(ValueError, match=r"\(layer_idx 1\) and KeyValueCache node \S+ \(layer_idx 1\) both write layer 1"):
+        in_place_inputs(model)
+    case, model = kv_case("int8_layout0")
+    model = with_attribute_from_default(model, "quant_bit", 8)
+    next(v for v in model.graph.input if v.name == "scale").name = "scale_in"
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.zeros((), case.inputs["scale"].dtype), "zero"))
+    model.graph.node.insert(0, helper.make_node("Add", ["scale_in", "zero"], ["scale"]))
+    with pytest.raises(ValueError, match="scale 'scale' is computed by another node"):
+        in_place_inputs(model)
+
+
+def test_a_function_with_the_name_of_an_op_of_the_package_is_refused():
+    """ONNX Runtime runs the op's kernel, not such a function: its body (here, two Identity nodes) says nothing of
+    what runs, and taking it for the op would hide the op's writes from every check."""
+    case, model = kv_case()
+    (node,) = model.graph.node
+    body = [helper.make_node("Identity", [node.input[i]], [output]) for i, output in enumerate(node.output)]
+    model.functions.append(helper.make_function(spec.DOMAIN, "KeyValueCache", [n for n in node.input if n],
+                                                list(node.output), body, [helper.make_opsetid("", 17)]))
+    with pytest.raises(ValueError, match=r"function opmx\.dynamic_batching::KeyValueCache has the name of an op of "
+                                         r"this package"):
+        make_session(model)
+
+
+def test_sparse_initializers_are_initializers():
+    """A model holding a sparse initializer is checked (its name is its values'), and a cache fed by one refused."""
+    case, model = kv_case()
+    values = helper.make_tensor("unused", onnx.TensorProto.FLOAT, [1], [1.0])
+    indices = helper.make_tensor("unused_indices", onnx.TensorProto.INT64, [1], [0])
+    model.graph.sparse_initializer.append(helper.make_sparse_tensor(values, indices, [4]))
+    assert in_place_inputs(model) == {"cache"}
+    values = helper.make_tensor("cache", onnx.TensorProto.FLOAT, [1], [1.0])
+    model.graph.sparse_initializer.append(helper.make_sparse_tensor(values, indices, list(case.inputs["cache"].shape)))
+    with pytest.raises(ValueError, match="cache 'cache' is an initializer"):
+        in_place_inputs(model)
+
+
+def test_two_written_inputs_sharing_memory_are_refused_and_left_intact():
+    """Two caches, each written by its own node: one array fed to both would take both writes, unordered."""
+    case = two_layer_case()
+    model = spec.make_model(case.inputs, **dict(case.attributes, num_layer=2))
+    second = onnx.NodeProto.FromString(model.graph.node[0].SerializeToString())
+    second.input[8], second.name = "cache2", "second"
+    del second.output[:]
+    second.output.extend(["key2", "value2"])
+    model.graph.node.append(second)
+    model.graph.input.append(onnx.ValueInfoProto.FromString(
+        next(v for v in model.graph.input if v.name == "cache").SerializeToString()))
+    model.graph.input[-1].name = "cache2"
+    feeds = feeds_of(case)
+    feeds["cache2"] = feeds["cache"][:]  # a view of the same memory
+    with pytest.raises(ValueError, match="inputs 'cache' and 'cache2' share memory"):
+        run_model(model, feeds)
+    assert np.array_equal(feeds["cache"], case.inputs["cache"])
+    feeds["cache2"] = feeds["cache"].copy()
+    run_model(model, feeds)
+    expected = reference_outcome("KeyValueCache", case.inputs, dict(case.attributes, num_layer=2)).after["cache"]
+    assert np.array_equal(feeds["cache"], expected) and np.array_equal(feeds["cache2"], expected)
 
 
 def copy_of(name):

@@ -1,6 +1,6 @@
 """``run_model``'s kept sessions under callers in several threads: two callers making sessions at once (held
 together while they make them) keep the cache within its size, and each gets its own model's answer. A model given as
-bytes or a path runs too, and a path rewritten between calls runs as it is now."""
+bytes, a bytearray or a path runs too, and a path rewritten between calls runs as it is now."""
 
 import threading
 
@@ -60,8 +60,8 @@ def test_a_model_given_as_bytes_or_a_path_runs_and_a_rewritten_path_is_not_serve
         attributes = dict(case.attributes, layer_idx=layer_idx)
         model = spec.make_model(copies(case.inputs), **attributes)
         onnx.save(model, path)
-        for given in (model.SerializeToString(), path, str(path)):
+        for given in (bytearray(model.SerializeToString()), model.SerializeToString(), path, str(path)):
             fresh = copies(case.inputs)
             key, value = run_model(given, {k: v for k, v in fresh.items() if v is not None})
             assert_same_bits((key, value, fresh["cache"], fresh["scale"]), reference_result(case.inputs, attributes))
-    assert len(ort_session._SESSIONS) == 2  # the two models' bytes; no path is kept
+    assert len(ort_session._SESSIONS) == 2  # the two models' bytes (a bytearray is kept as bytes); no path is kept
