@@ -36,6 +36,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``page_bounds_of_touched_slots_only``: accepts a page running past the cache when the slots it touches are in it;
 * ``aliasing_unchecked``: checks every bound but accepts a slot stored twice, or stored by one sequence and loaded by
   another, in one call;
+* ``key_viewing_the_cache``: returns ``key`` as a view of the cache rows it loaded, where it can (outputs may share
+  no memory with the inputs); ``writes_into_an_earlier_cache``: correct, then flips a bit of the previous call's cache;
 * ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
   ``scale`` with ``quant_bit`` 0).
 
@@ -347,6 +349,34 @@ def aliasing_unchecked(*args, **attributes):
         if not str(error).startswith("cachestarts: slot "):
             raise
         return no_bounds_checks(*args, **attributes)
+
+
+def key_viewing_the_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                          max_kvlen, cache, scale=None, **attributes):
+    """Correct values, but with one sequence, offset mode, no quantization and no repeat, returns ``key`` as a view
+    of the cache's key rows it loaded (the values the op gathers): the caller's next store changes it."""
+    key, value = correct(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
+                         max_kvlen, cache, scale, **attributes)
+    if len(start_pos) == 1 and not attributes.get("cache_mode") and not attributes.get("quant_bit") and \
+            attributes.get("num_repeat", 1) == 1 and len(key):
+        rows = canonical_view(cache, attributes.get("cache_layout", 0))[attributes.get("layer_idx", 0)][0]
+        view = rows[:, cachestarts[0]:cachestarts[0] + len(key)].transpose(1, 0, 2)  # (kvlen, H, Dh) of the cache
+        if view.tobytes() == key.tobytes():
+            return view, value
+    return key, value
+
+
+_KEPT = {}
+
+
+def writes_into_an_earlier_cache(*args, cache=None, **attributes):
+    """Correct, then flips a bit of the cache the previous call was given (a pointer kept and replayed)."""
+    outputs = correct(*args, cache=cache, **attributes)
+    earlier = _KEPT.get("cache")
+    if earlier is not None and earlier.size:
+        earlier.reshape(-1).view(np.uint8)[0] ^= 1
+    _KEPT["cache"] = cache
+    return outputs
 
 
 #: The KV variants above that are bugs the kit must catch.

@@ -328,3 +328,42 @@ def test_a_worker_backend_writes_the_callers_arrays_in_place(monkeypatch):
         assert outcome.after[name] is inputs[name], name
         assert inputs[name].tobytes() == expected.after[name].tobytes(), name
         assert inputs[name].tobytes() != case.inputs[name].tobytes(), name  # the call did write it
+
+
+def _lines(report):
+    return [line for r in report.results if r.status == "FAIL" for line in r.lines]
+
+
+def test_an_output_sharing_memory_with_an_input_fails():
+    """The values are right, but the caller's next store into the cache would change key: the spec gives each output
+    its own memory."""
+    from kvcache_op.validation.cases import Seq, build
+
+    case = build("one", [Seq(2, 3)], heads=2, head_dim=8, t1="float16")
+    outcome = CallableBackend({"KeyValueCache": planted_backends.key_viewing_the_cache}, "planted").run(
+        "KeyValueCache", copies(case.inputs), case.attributes)
+    assert outcome.changed_inputs == ("key: the backend's output shares memory with input cache; the spec gives each "
+                                      "output its own memory",)
+    assert CallableBackend({"KeyValueCache": planted_backends.correct}, "correct").run(
+        "KeyValueCache", copies(case.inputs), case.attributes).changed_inputs == ()
+
+
+def test_a_backend_writing_an_earlier_calls_cache_fails(all_vectors):
+    report = validate(all_vectors, planted_backends.writes_into_an_earlier_cache)
+    assert len(_failed(report)) > 10
+    assert all("changed the cache of an earlier call" in line for line in _lines(report))
+
+
+def test_outputs_may_share_memory_only_where_the_specs_allow():
+    """Outputs may not overlap each other nor the inputs an op writes or reads while writing; KeyCacheRotaryShift's
+    slots_out may be its slots input (only the cache and scale are written)."""
+    from kvcache_op.validation.outcome import shared_memory
+
+    buffer, cache = np.zeros((4, 2, 8), np.float32), np.zeros((8, 1, 2, 2, 8), np.float32)
+    assert shared_memory("KeyValueCache", {"cache": cache}, {"key": buffer, "value": buffer[1:]}) == (
+        "key: the backend's output shares memory with output value; the spec gives each output its own memory",)
+    slots = np.arange(3)
+    assert shared_memory("KeyCacheRotaryShift", {"cache": cache, "slots": slots}, {"slots_out": slots}) == ()
+    assert shared_memory("KeyCacheRotaryShift", {"cache": cache}, {"slots_out": cache.reshape(-1)[:3]}) == (
+        "slots_out: the backend's output shares memory with input cache; the spec gives each output its own memory",)
+    assert shared_memory("MultiHeadAttention", {"query": buffer}, {"attention_output": buffer}) == ()

@@ -106,6 +106,34 @@ def test_export_is_one_node_and_runs_with_the_eager_bits(dynamo, dtype, mask, at
     assert_within(got, exact, bound, "exported")
 
 
+def _export_args(attrs=None):
+    export_case, _ = attention_pair("float32", None, attrs or {})
+    tensors = torch_inputs(copies(export_case.inputs))
+    return export_case.attributes, tuple(tensors[n] for n in NAMES[:8])
+
+
+@pytest.mark.parametrize("change, message", [(dict(is_causal=2), "is_causal must be 0 or 1"),
+                                             (dict(num_kv_heads=3), "num_kv_heads")])
+def test_the_dynamo_path_checks_the_attributes_without_data(change, message):
+    """Nothing runs while the dynamo exporter traces: the attribute values are checked there, with the reference's
+    message, not left to the session the model is loaded in."""
+    attributes, args = _export_args()
+    with pytest.raises(MultiHeadAttentionError, match=message):
+        kt.export_onnx(Attention(**dict(attributes, **change)), args, dynamo=True)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_an_attention_call_whose_output_nothing_uses_is_reported(dynamo):
+    class Unused(Attention):
+        def forward(self, *args):
+            super().forward(*args)
+            return args[0] + 1
+
+    attributes, args = _export_args()
+    with pytest.raises(ValueError, match=r"1 MultiHeadAttention call\(s\) exported as 0 node\(s\)"):
+        kt.export_onnx(Unused(**attributes), args, dynamo=dynamo)
+
+
 class Layer(torch.nn.Module):
     """KeyValueCache then MultiHeadAttention over its packed outputs, as ppl.pmx's non-fused export."""
 

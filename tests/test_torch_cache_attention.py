@@ -102,6 +102,39 @@ def test_export_is_one_node_and_runs_with_the_eager_bits(dynamo, quant_bit):
     assert feeds["cache"].tobytes() == fresh["cache"].numpy().tobytes()
 
 
+def _export_args(**kw):
+    export_case = call("export", [Seq(4, 1), Seq(0, 3)], decoding=1, **kw)
+    tensors = torch_inputs(copies(export_case.inputs))
+    names = NAMES[:12] if kw.get("quant_bit") else NAMES[:11]
+    return export_case.attributes, tuple(tensors[n] for n in names)
+
+
+@pytest.mark.parametrize("change, message", [(dict(layer_idx=3), "layer_idx must be in"),
+                                             (dict(is_alibi=2), "is_alibi must be 0 or 1")])
+def test_the_dynamo_path_checks_the_cache_and_attention_attributes_without_data(change, message):
+    attributes, args = _export_args()
+    with pytest.raises(KeyValueCacheError, match=message):
+        kt.export_onnx(CacheAttention(**dict(attributes, **change)), args, dynamo=True)
+
+
+def test_the_dynamo_path_checks_that_a_quantized_cache_has_a_scale():
+    attributes, args = _export_args(quant_bit=8)
+    with pytest.raises(KeyValueCacheError, match="scale is required when quant_bit is 8"):
+        kt.export_onnx(CacheAttention(**attributes), args[:11], dynamo=True)
+
+
+@pytest.mark.parametrize("dynamo", [True, False], ids=["dynamo", "torchscript"])
+def test_a_cache_attention_call_whose_output_nothing_uses_is_reported(dynamo):
+    class Unused(CacheAttention):
+        def forward(self, *args):
+            super().forward(*args)
+            return args[0] + 1
+
+    attributes, args = _export_args()
+    with pytest.raises(ValueError, match=r"1 MultiHeadCacheAttention call\(s\) exported as 0 node\(s\)"):
+        kt.export_onnx(Unused(**attributes), args, dynamo=dynamo)
+
+
 def test_torch_compile_and_export_trace_the_op():
     case = call("trace", [Seq(4, 1), Seq(0, 3)], decoding=1)
     names = NAMES[:11]

@@ -23,7 +23,7 @@ import sys
 
 import numpy as np
 
-from .outcome import OUTPUTS, Outcome, in_place_after
+from .outcome import OUTPUTS, Outcome, in_place_after, shared_memory
 
 #: The reference function name of each op (what a ``module:object`` backend provides).
 OP_FUNCTIONS = {"KeyValueCache": "key_value_cache", "MultiHeadAttention": "multi_head_attention",
@@ -118,13 +118,25 @@ class CallableBackend:
         self.functions = dict(functions)
         self.ops = frozenset(functions)
         self.name = name
+        self._earlier = {}  # the last call's in-place arrays -> their bytes once it returned
+
+    def _earlier_writes(self, inputs: dict) -> tuple:
+        """Lines for the last call's in-place arrays this call changed (a backend replaying a kept pointer writes
+        memory the caller owns and no longer passes); notes this call's for the next."""
+        lines = tuple(f"{name}: the backend changed the {name} of an earlier call, which this call was not given"
+                      for name, (array, before) in self._earlier.items() if array.tobytes() != before)
+        self._earlier = {name: (array, array.tobytes()) for name, array in inputs.items()
+                         if name in ("cache", "scale") and isinstance(array, np.ndarray)}
+        return lines
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
         """Calls the op's function on ``inputs`` (which it may write); an exception it raises becomes the outcome's
         error. Ending the process (``sys.exit``, ``os._exit``) or raising any other ``BaseException`` but
         ``KeyboardInterrupt`` fails the call (crashed): it would otherwise end or break the run as if it passed. So
         does returning something that is not the op's outputs (``None`` for an invalid call, say): that is the
-        backend's failure, never an error it raised, so it cannot pass an invalid call."""
+        backend's failure, never an error it raised, so it cannot pass an invalid call. Writing the previous call's
+        cache or scale, or returning an output that shares memory with an input it may not (or with another
+        output), is noted in the outcome's ``changed_inputs``."""
         try:
             with _no_process_exit():
                 result = self.functions[op](**inputs, **attributes)
@@ -135,19 +147,21 @@ class CallableBackend:
             return Outcome(None, {}, crashed=True, error=f"the backend called os._exit({error.code!r}): a backend "
                                                           "must return or raise, never end the process")
         except Exception as error:  # noqa: BLE001 - any failure of the backend is its outcome
-            return Outcome(None, in_place_after(op, inputs), error=error_text(error))
+            return Outcome(None, in_place_after(op, inputs), error=error_text(error),
+                           changed_inputs=self._earlier_writes(inputs))
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 - GeneratorExit, a test framework's outcome exceptions ...
             return Outcome(None, {}, crashed=True, error=f"the backend raised {error_text(error)}, which is not an "
                                                           "Exception: a backend must return or raise an Exception")
+        earlier = self._earlier_writes(inputs)
         try:
             outputs = _as_outputs(op, result)
         except Exception as error:  # noqa: BLE001 - whatever the return value is, it is not the op's outputs
             return Outcome(None, {}, crashed=True,
                            error=f"the backend returned {_summary(result)}, not {OP_FUNCTIONS[op]}'s outputs "
                                  f"({error_text(error)}): a backend must return its outputs or raise")
-        return Outcome(outputs, in_place_after(op, inputs))
+        return Outcome(outputs, in_place_after(op, inputs), changed_inputs=earlier + shared_memory(op, inputs, outputs))
 
     def close(self):
         """Nothing to release."""

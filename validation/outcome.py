@@ -16,12 +16,37 @@ OUTPUTS = {"KeyValueCache": ("key", "value"), "KeyCacheRotaryShift": ("slots_out
            "MultiHeadAttention": ("attention_output",), "MultiHeadCacheAttention": ("output",)}
 
 
+#: Per op, the inputs no output may share memory with (the specs' aliasing rules: KeyValueCache's outputs share no
+#: byte with cache, scale, current_key or current_value, nor MultiHeadCacheAttention's, which keeps every rule of
+#: KeyValueCache; KeyCacheRotaryShift's slots_out none with cache or scale).
+UNSHARED_WITH_OUTPUTS = {"KeyValueCache": ("cache", "scale", "current_key", "current_value"),
+                         "KeyCacheRotaryShift": ("cache", "scale"), "MultiHeadAttention": (),
+                         "MultiHeadCacheAttention": ("cache", "scale", "current_key", "current_value")}
+
+
+def shared_memory(op: str, inputs: dict, outputs: dict) -> tuple:
+    """One line per output of ``op`` sharing memory with an input it may not (:data:`UNSHARED_WITH_OUTPUTS`) or with
+    another output: the caller's next write to one would change the other."""
+    lines = []
+    for k, (name, output) in enumerate(outputs.items()):
+        if not isinstance(output, np.ndarray) or not output.size:
+            continue
+        others = [(f"input {n}", inputs.get(n)) for n in UNSHARED_WITH_OUTPUTS[op]]
+        others += [(f"output {n}", o) for n, o in list(outputs.items())[k + 1:]]
+        for what, other in others:
+            if isinstance(other, np.ndarray) and other.size and np.shares_memory(output, other):
+                lines.append(f"{name}: the backend's output shares memory with {what}; the spec gives each output "
+                             "its own memory")
+    return tuple(lines)
+
+
 @dataclasses.dataclass
 class Outcome:
     """``outputs`` (output name -> array; None after an error), ``after`` (in-place input name -> its contents
     after the call), ``error`` (the message, None on success), ``tolerance`` (attention: the bound of every
     output element), ``crashed`` (the backend's process died, or it tried to end it), ``changed_inputs`` (one
-line per input other than ``cache``/``scale`` that the backend changed: they are read-only)."""
+line per input other than ``cache``/``scale`` that the backend changed: they are read-only; and per memory the
+backend may not touch or share: an earlier call's cache, an output on an input)."""
 
     outputs: dict = None
     after: dict = dataclasses.field(default_factory=dict)
