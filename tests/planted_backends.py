@@ -36,6 +36,7 @@ module-level function below is one variant with the reference's signature, loada
 * ``page_bounds_of_touched_slots_only``: accepts a page running past the cache when the slots it touches are in it;
 * ``aliasing_unchecked``: checks every bound but accepts a slot stored twice, or stored by one sequence and loaded by
   another, in one call;
+* ``zeroes_unquantized_specials``: stores an unquantized call's NaNs, infinities, -0.0 and subnormals as +0.0;
 * ``key_viewing_the_cache``: returns ``key`` as a view of the cache rows it loaded, where it can (outputs may share
   no memory with the inputs); ``writes_into_an_earlier_cache``: correct, then flips a bit of the previous call's cache;
 * ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
@@ -364,6 +365,16 @@ def key_viewing_the_cache(current_key, current_value, seqstarts, kvstarts, cache
         if view.tobytes() == key.tobytes():
             return view, value
     return key, value
+
+
+def zeroes_unquantized_specials(current_key, current_value, *args, quant_bit=0, **attributes):
+    """Stores an unquantized call's NaNs, infinities, -0.0 and subnormals as +0.0 (an exact data movement changed)."""
+    if not quant_bit:
+        current_key, current_value = (np.where(np.isfinite(x.astype(np.float32)) &
+                                               (np.abs(x.astype(np.float32)) >= np.finfo(x.dtype).tiny), x,
+                                               np.zeros((), x.dtype)).astype(x.dtype)
+                                      for x in (current_key, current_value))
+    return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
 
 
 _KEPT = {}

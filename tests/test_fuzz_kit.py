@@ -207,3 +207,13 @@ def test_fuzz_runs_exactly_the_calls_asked_for_shared_between_the_kinds(examples
 def test_fuzzing_zero_calls_is_refused():
     with pytest.raises(ValueError, match="examples must be >= 1, got 0"):
         fuzz("reference", examples=0)
+
+
+def test_fuzz_finds_special_values_not_stored_as_they_are():
+    """Unquantized data movement is exact: the strategies plant NaN payloads, infinities, -0.0 and subnormals, so a
+    backend that stores them as zeros disagrees."""
+    result = fuzz(import_callables("planted_backends:zeroes_unquantized_specials"), examples=EXAMPLES, seed=0,
+                  ops=["KeyValueCache"], kinds=("valid",))
+    assert result.failure is not None
+    case, lines = result.failure
+    assert case.attributes["quant_bit"] == 0 and lines

@@ -48,6 +48,8 @@ def _cache_call_features(case) -> dict:
         "paged, every page on a boundary": paged and attributes["page_size"] > 1 and pages.size > 0 and not np.any(
             pages % attributes["page_size"]),
         "empty placeholder scale": inputs["scale"] is not None and inputs["scale"].size == 0,
+        "special values": not attributes["quant_bit"] and any(
+            np.any(np.isnan(np.asarray(inputs[n], np.float32))) for n in ("current_key", "current_value", "cache")),
         "empty batch": len(seqlen) == 0,
         "empty sequence": bool(np.any(seqlen == 0)),
         "partial load": bool(np.any(kvlen < inputs["start_pos"] + seqlen)),
@@ -64,7 +66,7 @@ def test_cache_calls_draw_every_feature_they_promise():
     features = _draw_features(strategies.calls(), _cache_call_features)
     assert features == {
         "shared prefix page", "page off a page boundary", "paged, every page on a boundary",
-        "empty placeholder scale", "empty batch", "empty sequence", "partial load",
+        "empty placeholder scale", "special values", "empty batch", "empty sequence", "partial load",
         "scalar max_seqlen", "max_seqlen of shape [1]", "grouped query heads", "a layer past the first", "quant_bit 0",
         "quant_bit 4", "quant_bit 8", "layout 0", "layout 1", "layout 2", "layout 3"}
 

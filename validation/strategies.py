@@ -29,11 +29,32 @@ def sequences(draw, max_batch=4, max_pos=12, max_len=6, min_batch=0, min_len=0):
     return seqs
 
 
+#: Bits of special values per float dtype: -0.0, +inf, -inf, the smallest subnormal, a quiet NaN with a payload and
+#: a negative one. Unquantized data movement is exact, so a backend must store and load these bits as they are.
+SPECIAL_BITS = {np.dtype(np.float32): np.array([0x80000000, 0x7F800000, 0xFF800000, 0x1, 0x7FC00123, 0xFFC00001],
+                                               np.uint32),
+                np.dtype(np.float16): np.array([0x8000, 0x7C00, 0xFC00, 0x1, 0x7E01, 0xFE01], np.uint16),
+                BFLOAT16: np.array([0x8000, 0x7F80, 0xFF80, 0x1, 0x7FC1, 0xFFC1], np.uint16)}
+
+
+def with_special_values(case, seed: int):
+    """``case`` (unquantized) with each of :data:`SPECIAL_BITS` planted in ``current_key``, ``current_value`` and
+    the cache at random elements (where they have any)."""
+    rng = np.random.default_rng(seed)
+    for name in ("current_key", "current_value", "cache"):
+        array = case.inputs[name] = np.array(case.inputs[name], copy=True)
+        if array.size:
+            bits = SPECIAL_BITS[array.dtype]
+            array.reshape(-1)[rng.integers(0, array.size, bits.size)] = bits.view(array.dtype)
+    return case
+
+
 @st.composite
 def calls(draw, quant_bits=(0, 4, 8), modes=(0, 1), layouts=(0, 1, 2, 3), t1s=("float32", "float16", "bfloat16"),
-          max_batch=4, head_dims=(1, 2, 3, 4, 6, 8, 16), min_batch=0, min_len=0):
+          max_batch=4, head_dims=(1, 2, 3, 4, 6, 8, 16), min_batch=0, min_len=0, special_values=True):
     """A valid KeyValueCache call: returns a spec.cases.Case (inputs + attributes). ``head_dims``, ``min_batch``
-    and ``min_len`` narrow it (e.g. to calls that quantize many elements per group)."""
+    and ``min_len`` narrow it (e.g. to calls that quantize many elements per group). An unquantized call holds
+    special values (:func:`with_special_values`) one time in three unless ``special_values`` is False."""
     quant_bit = draw(st.sampled_from(quant_bits))
     head_dim = draw(st.sampled_from([d for d in head_dims if d in (2, 4, 8, 16)] if quant_bit == 4 else head_dims))
     quant_group = draw(st.sampled_from([g for g in (1, 2, 3, 4, 8, 16) if head_dim % g == 0]))
@@ -57,6 +78,8 @@ def calls(draw, quant_bits=(0, 4, 8), modes=(0, 1), layouts=(0, 1, 2, 3), t1s=("
         tail_slots=draw(st.integers(0, 3)), spare_pages=draw(st.integers(0, 2)),
         empty_offsets_minus_one=draw(st.booleans()), aligned_pages=mode == 0 or draw(st.booleans()),
     )
+    if not quant_bit and special_values and draw(st.integers(0, 2)) == 0:
+        case = with_special_values(case, draw(st.integers(0, 2**32 - 1)))
     if not quant_bit and draw(st.booleans()):  # the empty placeholder scale of ppl.pmx's export: absent
         case = with_empty_scale(case, DTYPES[draw(st.sampled_from(sorted(DTYPES)))])
     return case
@@ -140,13 +163,13 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
 
 @st.composite
 def cache_attention_calls(draw, kv_calls=None):
-    """A valid MultiHeadCacheAttention call: a KeyValueCache call drawn from ``kv_calls`` (default :func:`calls`;
-    num_repeat set to 1) with a query of 1-3 heads per kv head, decoding sequences, causal on/off (off where a causal
+    """A valid MultiHeadCacheAttention call: a KeyValueCache call drawn from ``kv_calls`` (default :func:`calls`
+    without special values, which the attention bound does not cover; num_repeat set to 1) with a query of 1-3 heads per kv head, decoding sequences, causal on/off (off where a causal
     sequence would have fewer keys than queries), ALiBi, windows and an additive mask (shared by the heads, or a plane
     per query head): a spec.cases.Case."""
     from .mhca_cases import with_query
 
-    case = draw(kv_calls if kv_calls is not None else calls())
+    case = draw(kv_calls if kv_calls is not None else calls(special_values=False))
     seq_len, kv_len = np.diff(case.inputs["seqstarts"]), np.diff(case.inputs["kvstarts"])
     batch = len(seq_len)
     decoding = draw(st.integers(0, batch))
