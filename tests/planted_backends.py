@@ -42,7 +42,7 @@ module-level function below is one variant with the reference's signature, loada
 * ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
   ``scale`` with ``quant_bit`` 0).
 
-``ALL_OPS`` (and ``rotary_sin_negated``, ``attention_window_ignored``, ``attention_query_nan``: correct, then
+``ALL_OPS`` (and ``rotary_sin_negated``, ``rotary_flushing_subnormals``, ``attention_window_ignored``, ``attention_query_nan``: correct, then
 sets its ``query`` argument to NaN, ``cache_attention_loads_first``: MultiHeadCacheAttention attending over the keys
 the cache held before this step's stores) are ``module:object`` backends
 providing the other ops too (the reference's, or one with a planted bug).
@@ -55,6 +55,7 @@ import sys
 import time
 import types
 
+import ml_dtypes
 import numpy as np
 
 from kvcache_op.reference import (canonical_view, key_cache_rotary_shift, multi_head_attention,
@@ -420,6 +421,19 @@ def _rotary_slots_sorted(cache, scale, slots, cos, sin, **attributes):
 
 rotary_sin_negated = types.SimpleNamespace(key_cache_rotary_shift=_rotary_sin_negated)
 rotary_slots_sorted = types.SimpleNamespace(key_cache_rotary_shift=_rotary_slots_sorted)
+
+
+def _rotary_flushing_subnormals(cache, scale, slots, cos, sin, **attributes):
+    """The rotation, then every subnormal value of an unquantized cache flushed to zero (as a kernel built to flush
+    subnormals would)."""
+    out = key_cache_rotary_shift(cache, scale, slots, cos, sin, **attributes)
+    if not attributes.get("quant_bit"):
+        wide = cache.astype(np.float32)
+        cache[(wide != 0) & (np.abs(wide) < float(ml_dtypes.finfo(cache.dtype).tiny))] = 0
+    return out
+
+
+rotary_flushing_subnormals = types.SimpleNamespace(key_cache_rotary_shift=_rotary_flushing_subnormals)
 attention_window_ignored = types.SimpleNamespace(multi_head_attention=_attention_window_ignored)
 attention_query_nan = types.SimpleNamespace(multi_head_attention=_attention_query_nan)
 

@@ -63,6 +63,7 @@ def test_a_correct_backend_of_every_op_shows_no_disagreement():
 
 @pytest.mark.parametrize("backend, op, sign", [
     ("rotary_sin_negated", "KeyCacheRotaryShift", "cache: "),
+    ("rotary_flushing_subnormals", "KeyCacheRotaryShift", "cache: "),
     ("attention_window_ignored", "MultiHeadAttention", "attention_output: "),
 ])
 def test_fuzz_covers_the_other_ops(backend, op, sign):

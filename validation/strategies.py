@@ -4,6 +4,7 @@ One copy shared by the project's tests and ``kvcache-op fuzz`` (which runs them 
 Importing this module needs ``hypothesis``; nothing else in the package does.
 """
 
+import ml_dtypes
 import numpy as np
 from hypothesis import strategies as st
 
@@ -114,8 +115,11 @@ def shift_calls(draw):
         scale = rng.uniform(0.01, 0.1, cache_shape(layout, layers, max_t, heads, head_dim // group)).astype(
             draw(st.sampled_from((np.float32, np.float16))))
     else:
-        cache = (rng.standard_normal(cache_shape(layout, layers, max_t, heads, head_dim)) * 2).astype(
-            DTYPES[draw(st.sampled_from(list(DTYPES)))])
+        dtype = DTYPES[draw(st.sampled_from(list(DTYPES)))]
+        values = rng.standard_normal(cache_shape(layout, layers, max_t, heads, head_dim)) * 2
+        if draw(st.integers(0, 2)) == 0:  # subnormal keys (a tenth of the smallest normal): none of their rotations
+            values *= float(ml_dtypes.finfo(dtype).tiny) / 10  # may be flushed to zero
+        cache = values.astype(dtype)
         scale = None
     n = draw(st.integers(0, max_t))
     slots = rng.permutation(max_t)[:n].astype(np.int64)
