@@ -37,6 +37,7 @@ module-level function below is one variant with the reference's signature, loada
 * ``aliasing_unchecked``: checks every bound but accepts a slot stored twice, or stored by one sequence and loaded by
   another, in one call;
 * ``zeroes_unquantized_specials``: stores an unquantized call's NaNs, infinities, -0.0 and subnormals as +0.0;
+  ``canonical_nans``: stores its NaNs as the dtype's default NaN;
 * ``key_viewing_the_cache``: returns ``key`` as a view of the cache rows it loaded, where it can (outputs may share
   no memory with the inputs); ``writes_into_an_earlier_cache``: correct, then flips a bit of the previous call's cache;
 * ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
@@ -374,6 +375,14 @@ def zeroes_unquantized_specials(current_key, current_value, *args, quant_bit=0, 
         current_key, current_value = (np.where(np.isfinite(x.astype(np.float32)) &
                                                (np.abs(x.astype(np.float32)) >= np.finfo(x.dtype).tiny), x,
                                                np.zeros((), x.dtype)).astype(x.dtype)
+                                      for x in (current_key, current_value))
+    return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
+
+
+def canonical_nans(current_key, current_value, *args, quant_bit=0, **attributes):
+    """Stores an unquantized call's NaNs as the dtype's default NaN (sign and payload lost)."""
+    if not quant_bit:
+        current_key, current_value = (np.where(np.isnan(x.astype(np.float32)), np.array(np.nan, x.dtype), x)
                                       for x in (current_key, current_value))
     return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
 

@@ -210,10 +210,12 @@ def test_fuzzing_zero_calls_is_refused():
         fuzz("reference", examples=0)
 
 
-def test_fuzz_finds_special_values_not_stored_as_they_are():
-    """Unquantized data movement is exact: the strategies plant NaN payloads, infinities, -0.0 and subnormals, so a
-    backend that stores them as zeros disagrees."""
-    result = fuzz(import_callables("planted_backends:zeroes_unquantized_specials"), examples=EXAMPLES, seed=0,
+@pytest.mark.parametrize("bug", ["zeroes_unquantized_specials", "canonical_nans"])
+def test_fuzz_finds_special_values_not_stored_as_they_are(bug):
+    """Unquantized data movement is exact, a NaN's sign and payload included: the strategies plant NaN payloads,
+    infinities, -0.0 and subnormals, so a backend that stores them as zeros, or its NaNs as the default NaN,
+    disagrees."""
+    result = fuzz(import_callables(f"planted_backends:{bug}"), examples=EXAMPLES, seed=0,
                   ops=["KeyValueCache"], kinds=("valid",))
     assert result.failure is not None
     case, lines = result.failure

@@ -223,6 +223,8 @@ def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolera
         both_nan = np.isnan(g) & np.isnan(w)
         with np.errstate(invalid="ignore"):
             return ~(np.abs(g - w) <= bound) & ~both_nan
+    if ctx.op in CACHE_OPS and not ctx.quantized and name in ("cache", "key", "value"):
+        return bits_differ(got, want, nan_payloads=True)  # unquantized data movement is exact, a NaN's bits too
     if tolerance == "exact" or not ctx.quantized or ctx.slots is None:
         return bits_differ(got, want)
     if name in ("cache", "scale"):
@@ -243,7 +245,8 @@ def _tensor_lines(ctx: _Context, name: str, got, want, tolerance: str, unchanged
     got = np.asarray(got)
     if got.dtype != want.dtype or got.shape != want.shape:
         return [f"{name}: got {got.dtype.name}{list(got.shape)}, expected {want.dtype.name}{list(want.shape)}"]
-    mask = bits_differ(got, want) if unchanged else _outside(ctx, name, got, want, tolerance)
+    # byte for byte after an error (nothing may be written)
+    mask = bits_differ(got, want, nan_payloads=True) if unchanged else _outside(ctx, name, got, want, tolerance)
     count = int(np.count_nonzero(mask))
     if not count:
         return []

@@ -28,14 +28,16 @@ from ..reference.dtypes import BFLOAT16
 _FORMATS = {np.dtype(np.float32): (23, -126), np.dtype(np.float16): (10, -14), BFLOAT16: (7, -126)}
 
 
-def bits_differ(got, want) -> np.ndarray:
-    """Elements whose bits differ (floats: any NaN matches any NaN, whose payload the spec leaves open;
-    int4 compares values)."""
+def bits_differ(got, want, nan_payloads: bool = False) -> np.ndarray:
+    """Elements whose bits differ (floats: any NaN matches any NaN, whose payload the spec leaves open where values
+    are computed, unless ``nan_payloads``: where they are only moved, every bit; int4 compares values)."""
     got, want = np.asarray(got), np.asarray(want)
     if got.dtype in _FORMATS:
-        both_nan = np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32))
         unsigned = f"u{got.dtype.itemsize}"
-        return (got.view(unsigned) != want.view(unsigned)) & ~both_nan
+        differ = got.view(unsigned) != want.view(unsigned)
+        if nan_payloads:
+            return differ
+        return differ & ~(np.isnan(got.astype(np.float32)) & np.isnan(want.astype(np.float32)))
     if got.dtype.kind == "V" or got.dtype.name == "int4":
         return got.astype(np.int8) != want.astype(np.int8)
     return got != want
