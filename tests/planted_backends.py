@@ -37,7 +37,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``aliasing_unchecked``: checks every bound but accepts a slot stored twice, or stored by one sequence and loaded by
   another, in one call;
 * ``zeroes_unquantized_specials``: stores an unquantized call's NaNs, infinities, -0.0 and subnormals as +0.0;
-  ``canonical_nans``: stores its NaNs as the dtype's default NaN;
+  ``canonical_nans``: stores its NaNs as the dtype's default NaN; ``reuses_its_output_buffers``: returns its
+  outputs in buffers it reuses on the next call of the same shape;
 * ``key_viewing_the_cache``: returns ``key`` as a view of the cache rows it loaded, where it can (outputs may share
   no memory with the inputs); ``writes_into_an_earlier_cache``: correct, then flips a bit of the previous call's cache;
 * ``cache_attention_kv_heads_required``, ``empty_scale_refused``: refuse valid calls (``num_kv_heads`` 0; an empty
@@ -387,7 +388,19 @@ def canonical_nans(current_key, current_value, *args, quant_bit=0, **attributes)
     return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
 
 
-_KEPT = {}
+_KEPT = {}  # what the planted backends below keep between calls
+
+
+def reuses_its_output_buffers(*args, **attributes):
+    """Correct values, returned in two buffers it keeps and reuses when the next call's outputs have the same shape:
+    the caller's earlier outputs change under it."""
+    key, value = correct(*args, **attributes)
+    kept = _KEPT.get("outputs")
+    if kept is not None and kept[0].shape == key.shape and kept[0].dtype == key.dtype:
+        kept[0][...], kept[1][...] = key, value
+        return kept
+    _KEPT["outputs"] = (key, value)
+    return key, value
 
 
 def writes_into_an_earlier_cache(*args, cache=None, **attributes):

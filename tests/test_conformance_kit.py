@@ -354,6 +354,18 @@ def test_a_backend_writing_an_earlier_calls_cache_fails(all_vectors):
     assert all("changed the cache of an earlier call" in line for line in _lines(report))
 
 
+def test_a_backend_reusing_its_output_buffers_fails():
+    """Two calls of one shape: the second rewrites the first's outputs, which the caller still holds."""
+    from kvcache_op.validation.cases import Seq, build
+
+    backend = CallableBackend({"KeyValueCache": planted_backends.reuses_its_output_buffers}, "planted")
+    first, second = (build(name, [Seq(2, 3), Seq(0, 1)], heads=2, head_dim=8, t1="float32") for name in "ab")
+    assert backend.run("KeyValueCache", copies(first.inputs), first.attributes).changed_inputs == ()
+    assert backend.run("KeyValueCache", copies(second.inputs), second.attributes).changed_inputs == (
+        "key: the backend changed the output key of an earlier call, which this call was not given",
+        "value: the backend changed the output value of an earlier call, which this call was not given")
+
+
 def test_outputs_may_share_memory_only_where_the_specs_allow():
     """Outputs may not overlap each other nor the inputs an op writes or reads while writing; KeyCacheRotaryShift's
     slots_out may be its slots input (only the cache and scale are written)."""
