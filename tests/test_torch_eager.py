@@ -124,6 +124,11 @@ def test_pack_int4_matches_the_reference_packing_and_round_trips():
         kt.pack_int4(torch.tensor([8, 0]))
     with pytest.raises(ValueError, match="even last dim"):
         kt.pack_int4(torch.zeros(3, dtype=torch.int8))
+    with pytest.raises(ValueError, match=r"\[-8, 7\], got \[-9, 0\]"):
+        kt.pack_int4(torch.tensor([-9, 0]))
+    for dtype in (torch.float32, torch.bool, torch.complex64):
+        with pytest.raises(TypeError, match="int4 codes must be an integer tensor"):
+            kt.pack_int4(torch.zeros(2, dtype=dtype))
 
 
 @pytest.mark.parametrize("quant_bit,layout", [(0, 0), (8, 3), (4, 1), (4, 2)])
@@ -206,6 +211,8 @@ def test_torch_export_traces_the_op_and_its_program_runs():
     ("max_seqlen", 3.7, "max_seqlen must be a torch.Tensor or an int, got float"),
     ("max_kvlen", True, "max_kvlen must be a torch.Tensor or an int, got bool"),
     ("max_kvlen", 2**70, "does not fit in int64"),
+    ("max_kvlen", 2**63, "max_kvlen = 9223372036854775808 does not fit in int64"),
+    ("max_seqlen", -(2**63), "max_seqlen = -9223372036854775808 is smaller than seqlen"),  # fits: the op refuses it
     ("seqstarts", np.array([0, 3]), "seqstarts must be a torch.Tensor, got ndarray"),
 ])
 def test_index_inputs_are_tensors_or_int_bounds_never_coerced(name, value, message):
@@ -225,6 +232,10 @@ def test_numpy_int_attributes_are_taken_and_huge_ones_refused():
     assert_same_bits(torch_result(case.inputs, numpy_attrs), want)
     with pytest.raises(KeyValueCacheError, match="does not fit in int64"):
         kt.key_value_cache(**torch_inputs(copies(case.inputs)), **dict(case.attributes, page_size=2**64))
+    with pytest.raises(KeyValueCacheError, match="page_size = 9223372036854775808 does not fit in int64"):
+        kt.key_value_cache(**torch_inputs(copies(case.inputs)), **dict(case.attributes, page_size=2**63))
+    with pytest.raises(KeyValueCacheError, match="layer_idx must be in"):  # fits int64: the op's own rule refuses it
+        kt.key_value_cache(**torch_inputs(copies(case.inputs)), **dict(case.attributes, layer_idx=-(2**63)))
 
 
 @pytest.mark.parametrize("scale", [torch.empty(0, dtype=torch.bfloat16), torch.empty(0, 3, dtype=torch.complex64),
@@ -249,10 +260,20 @@ def test_an_int4_shape_error_says_the_shapes_are_unpacked():
 
 
 @pytest.mark.parametrize("kw,message", [(dict(cache_layout=7), "cache_layout must be"),
-                                        (dict(quant_bit=8, quant_group=0), "quant_group must be >= 1")])
+                                        (dict(quant_bit=8, quant_group=0), "quant_group must be >= 1"),
+                                        (dict(quant_bit=8, quant_group=3), "must be a multiple of quant_group=3"),
+                                        (dict(quant_bit=4, quant_group=1, head_dim=3), "and even for int4")])
 def test_new_cache_refuses_impossible_settings(kw, message):
     with pytest.raises(ValueError, match=message):
-        kt.new_cache(num_layer=1, max_tokens=4, heads=1, head_dim=8, **kw)
+        kt.new_cache(**{"num_layer": 1, "max_tokens": 4, "heads": 1, "head_dim": 8, **kw})
+
+
+@pytest.mark.parametrize("quant_bit, head_dim", [(8, 3), (4, 2)])
+def test_new_cache_takes_groups_of_one(quant_bit, head_dim):
+    """quant_group 1 (one scale per element) is valid, and int8 takes an odd head_dim."""
+    cache, scale = kt.new_cache(num_layer=1, max_tokens=4, heads=1, head_dim=head_dim, quant_bit=quant_bit,
+                                quant_group=1)
+    assert tuple(scale.shape) == (4, 1, 2, 1, head_dim) and cache.shape[-1] == head_dim // (2 if quant_bit == 4 else 1)
 
 
 def _small_calls(k, cache):
