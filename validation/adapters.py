@@ -119,21 +119,26 @@ class CallableBackend:
         self.ops = frozenset(functions)
         self.name = name
         self._earlier = {}  # the last call's in-place arrays -> their bytes once it returned
+        self._outputs = {}  # the last call's outputs
 
     def _earlier_writes(self, inputs: dict) -> tuple:
-        """Lines for the last call's in-place arrays and outputs this call changed (a backend replaying a kept
-        pointer writes memory the caller owns and no longer passes; one returning a scratch buffer it reuses changes
-        the caller's earlier outputs); notes this call's in-place arrays for the next (:meth:`_note_outputs` its
-        outputs)."""
-        lines = tuple(f"{name.split()[-1]}: the backend changed the {name} of an earlier call, which this call was "
-                      "not given" for name, (array, before) in self._earlier.items() if array.tobytes() != before)
+        """Lines for the last call's in-place arrays this call changed (a backend replaying a kept pointer writes
+        memory the caller owns and no longer passes); notes this call's for the next."""
+        lines = tuple(f"{name}: the backend changed the {name} of an earlier call, which this call was not given"
+                      for name, (array, before) in self._earlier.items() if array.tobytes() != before)
         self._earlier = {name: (array, array.tobytes()) for name, array in inputs.items()
                          if name in ("cache", "scale") and isinstance(array, np.ndarray)}
         return lines
 
-    def _note_outputs(self, outputs: dict) -> None:
-        self._earlier.update({f"output {name}": (array, array.tobytes()) for name, array in outputs.items()
-                              if isinstance(array, np.ndarray)})
+    def _reused_outputs(self, outputs: dict) -> tuple:
+        """Lines for this call's outputs in memory the last call's outputs still hold (a scratch buffer reused: the
+        caller's earlier outputs change under it); keeps this call's outputs for the next (alive, so their memory is
+        never another's)."""
+        lines = tuple(f"{name}: the backend returned memory that an earlier call's output {earlier} still holds"
+                      for name, output in outputs.items() for earlier, kept in self._outputs.items()
+                      if isinstance(output, np.ndarray) and output.size and kept.size and np.shares_memory(output, kept))
+        self._outputs = {name: output for name, output in outputs.items() if isinstance(output, np.ndarray)}
+        return lines
 
     def run(self, op: str, inputs: dict, attributes: dict, model=None) -> Outcome:
         """Calls the op's function on ``inputs`` (which it may write); an exception it raises becomes the outcome's
@@ -141,8 +146,8 @@ class CallableBackend:
         ``KeyboardInterrupt`` fails the call (crashed): it would otherwise end or break the run as if it passed. So
         does returning something that is not the op's outputs (``None`` for an invalid call, say): that is the
         backend's failure, never an error it raised, so it cannot pass an invalid call. Changing the previous call's
-        cache, scale or outputs, or returning an output that shares memory with an input it may not (or with another
-        output), is noted in the outcome's ``changed_inputs``."""
+        cache or scale, returning memory the previous call's outputs hold, or an output that shares memory with an
+        input it may not (or with another output), is noted in the outcome's ``changed_inputs``."""
         try:
             with _no_process_exit():
                 result = self.functions[op](**inputs, **attributes)
@@ -167,8 +172,8 @@ class CallableBackend:
             return Outcome(None, {}, crashed=True,
                            error=f"the backend returned {_summary(result)}, not {OP_FUNCTIONS[op]}'s outputs "
                                  f"({error_text(error)}): a backend must return its outputs or raise")
-        self._note_outputs(outputs)
-        return Outcome(outputs, in_place_after(op, inputs), changed_inputs=earlier + shared_memory(op, inputs, outputs))
+        return Outcome(outputs, in_place_after(op, inputs),
+                       changed_inputs=earlier + self._reused_outputs(outputs) + shared_memory(op, inputs, outputs))
 
     def close(self):
         """Nothing to release."""
