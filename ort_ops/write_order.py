@@ -40,6 +40,10 @@ def subgraphs(node):
         yield from attribute.graphs
 
 
+def _has_bodies(node) -> bool:
+    return any(True for _ in subgraphs(node))
+
+
 def defined(graph) -> set:
     """The names ``graph`` defines itself: its inputs, initializers and node outputs (inside a body, these hide the
     values of the same name around it)."""
@@ -74,7 +78,7 @@ def _name(node) -> str:
 
 
 def _describe(node, places) -> str:
-    inside = " inside it" if any(True for _ in subgraphs(node)) else ""
+    inside = " inside it" if _has_bodies(node) else ""
     return f"{_name(node)} (layer_idx {', '.join(str(layer) for layer in sorted({p[1] for p in places}))}{inside})"
 
 
@@ -95,7 +99,7 @@ def _reaches(graph, start: int, goal: int, consumers) -> bool:
 def _check_reads(graph, effects, writers) -> None:
     for index, (writes, reads, _) in enumerate(effects):
         node = graph.node[index]
-        passed = sorted(set(node.input) & set(writes)) if any(True for _ in subgraphs(node)) else []
+        passed = sorted(set(node.input) & set(writes)) if _has_bodies(node) else []
         if passed:
             name = passed[0]
             raise ValueError(

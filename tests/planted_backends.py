@@ -370,22 +370,27 @@ def key_viewing_the_cache(current_key, current_value, seqstarts, kvstarts, cache
     return key, value
 
 
-def zeroes_unquantized_specials(current_key, current_value, *args, quant_bit=0, **attributes):
-    """Stores an unquantized call's NaNs, infinities, -0.0 and subnormals as +0.0 (an exact data movement changed)."""
-    if not quant_bit:
-        current_key, current_value = (np.where(np.isfinite(x.astype(np.float32)) &
-                                               (np.abs(x.astype(np.float32)) >= np.finfo(x.dtype).tiny), x,
-                                               np.zeros((), x.dtype)).astype(x.dtype)
-                                      for x in (current_key, current_value))
-    return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
+def _unquantized_inputs_changed(change):
+    """A backend storing ``change(x)`` for an unquantized call's current_key and current_value (correct otherwise)."""
+    def backend(current_key, current_value, *args, quant_bit=0, **attributes):
+        if not quant_bit:
+            current_key, current_value = change(current_key), change(current_value)
+        return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
+
+    return backend
 
 
-def canonical_nans(current_key, current_value, *args, quant_bit=0, **attributes):
-    """Stores an unquantized call's NaNs as the dtype's default NaN (sign and payload lost)."""
-    if not quant_bit:
-        current_key, current_value = (np.where(np.isnan(x.astype(np.float32)), np.array(np.nan, x.dtype), x)
-                                      for x in (current_key, current_value))
-    return correct(current_key, current_value, *args, quant_bit=quant_bit, **attributes)
+def _zeroed_specials(x):
+    wide = x.astype(np.float32)
+    normal = np.isfinite(wide) & (np.abs(wide) >= np.finfo(x.dtype).tiny)
+    return np.where(normal, x, np.zeros((), x.dtype)).astype(x.dtype)
+
+
+#: Stores an unquantized call's NaNs, infinities, -0.0 and subnormals as +0.0 (an exact data movement changed).
+zeroes_unquantized_specials = _unquantized_inputs_changed(_zeroed_specials)
+#: Stores an unquantized call's NaNs as the dtype's default NaN (sign and payload lost).
+canonical_nans = _unquantized_inputs_changed(
+    lambda x: np.where(np.isnan(x.astype(np.float32)), np.array(np.nan, x.dtype), x))
 
 
 _KEPT = {}  # what the planted backends below keep between calls

@@ -121,13 +121,13 @@ class CallableBackend:
         self._earlier = {}  # the last call's in-place arrays -> their bytes once it returned
         self._outputs = {}  # the last call's outputs
 
-    def _earlier_writes(self, inputs: dict) -> tuple:
+    def _earlier_writes(self, op: str, inputs: dict) -> tuple:
         """Lines for the last call's in-place arrays this call changed (a backend replaying a kept pointer writes
         memory the caller owns and no longer passes); notes this call's for the next."""
         lines = tuple(f"{name}: the backend changed the {name} of an earlier call, which this call was not given"
                       for name, (array, before) in self._earlier.items() if array.tobytes() != before)
-        self._earlier = {name: (array, array.tobytes()) for name, array in inputs.items()
-                         if name in ("cache", "scale") and isinstance(array, np.ndarray)}
+        self._earlier = {name: (array, array.tobytes()) for name, array in in_place_after(op, inputs).items()
+                         if isinstance(array, np.ndarray)}
         return lines
 
     def _reused_outputs(self, outputs: dict) -> tuple:
@@ -159,13 +159,13 @@ class CallableBackend:
                                                           "must return or raise, never end the process")
         except Exception as error:  # noqa: BLE001 - any failure of the backend is its outcome
             return Outcome(None, in_place_after(op, inputs), error=error_text(error),
-                           changed_inputs=self._earlier_writes(inputs))
+                           changed_inputs=self._earlier_writes(op, inputs))
         except KeyboardInterrupt:
             raise
         except BaseException as error:  # noqa: BLE001 - GeneratorExit, a test framework's outcome exceptions ...
             return Outcome(None, {}, crashed=True, error=f"the backend raised {error_text(error)}, which is not an "
                                                           "Exception: a backend must return or raise an Exception")
-        earlier = self._earlier_writes(inputs)
+        earlier = self._earlier_writes(op, inputs)
         try:
             outputs = _as_outputs(op, result)
         except Exception as error:  # noqa: BLE001 - whatever the return value is, it is not the op's outputs

@@ -9,6 +9,7 @@ Each strategy yields :class:`~kvcache_op.validation.cases.Case` objects."""
 import numpy as np
 from hypothesis import strategies as st
 
+from .call_slots import call_slots
 from .cases import Case
 from .error_cases import INVALID, MORE_INVALID, make_invalid, with_slots_appended
 from .mha_error_cases import INVALID as ATTENTION_INVALID
@@ -44,13 +45,6 @@ def _partly_used_last_pages(inputs, attrs) -> list:
     return found
 
 
-def _slot(inputs, attrs, b, position) -> int:
-    table = inputs["cachestarts"]
-    if attrs["cache_mode"] == 0:
-        return int(table[b]) + position
-    return int(table[b, position // attrs["page_size"]]) + position % attrs["page_size"]
-
-
 def _aliasing_entries(inputs, attrs) -> list:
     """(cachestarts index, value) pairs that move one position sequence b stores onto a slot another sequence (or,
     paged, b itself through another page) stores or loads, every range or page b touches still inside the cache:
@@ -58,8 +52,11 @@ def _aliasing_entries(inputs, attrs) -> list:
     start_pos, seqlen = inputs["start_pos"].tolist(), np.diff(inputs["seqstarts"]).tolist()
     kvlen, page_size = np.diff(inputs["kvstarts"]).tolist(), attrs["page_size"]
     max_t = inputs["cache"].shape[attrs["cache_layout"]]
-    touched = [{p: _slot(inputs, attrs, b, p) for p in [*range(start_pos[b], start_pos[b] + seqlen[b]),
-                                                        *range(kvlen[b])]} for b in range(len(seqlen))]
+    store, load = call_slots(inputs["seqstarts"], inputs["kvstarts"], inputs["cachestarts"], inputs["start_pos"],
+                             cache_mode=attrs["cache_mode"], page_size=page_size)
+    seq, kv = inputs["seqstarts"].tolist(), inputs["kvstarts"].tolist()
+    touched = [{**{start_pos[b] + i: int(store[seq[b] + i]) for i in range(seqlen[b])},
+                **{t: int(load[kv[b] + t]) for t in range(kvlen[b])}} for b in range(len(seqlen))]
     found = set()
     for b in range(len(seqlen)):
         others = {slot for a, slots in enumerate(touched) if a != b for slot in slots.values()}
