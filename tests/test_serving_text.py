@@ -118,6 +118,34 @@ def test_a_prompt_cut_inside_a_long_run_of_byte_tokens_is_completed_by_the_reply
         assert not any(REPLACEMENT in c for c in chunks), cut
 
 
+def _byte_token_ids(tokenizer, data: bytes) -> list:
+    """One token per byte: byte-level's byte characters (GPT-2's table, written out here), or byte fallback's
+    ``<0xNN>``."""
+    if tokenizer.decoder.__class__.__name__ != "ByteLevel":
+        return [tokenizer.token_to_id(f"<0x{b:02X}>") for b in data]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    return [tokenizer.token_to_id(char[b]) for b in data]
+
+
+@pytest.mark.parametrize("ending", [b"\x90", b"\xe6", b"\xe6\x97", b"\xf0\x9f\x99"])
+def test_a_prompt_ending_in_a_broken_character_keeps_its_replacement_characters(tokenizer, ending):
+    """A prompt of token ids may end in bytes that are no whole character (a lone continuation byte, or a character's
+    first bytes the reply does not go on with): the replacement characters they decode to are the prompt's, so the
+    prompt's own decode and the chunks join to the decode of all the tokens, and no chunk holds one; byte-level, the
+    reply is its own tokens' decode."""
+    prompt = tokenizer.encode("hello world").ids + _byte_token_ids(tokenizer, ending)
+    assert tokenizer.decode(prompt).endswith(REPLACEMENT)
+    reply = tokenizer.encode("the quick café 你好").ids  # its first byte is ASCII: it completes nothing
+    stream = TextStream(tokenizer, prompt_ids=prompt)
+    chunks = [stream.push(t) for t in reply] + [stream.finish()]
+    assert tokenizer.decode(prompt) + "".join(chunks) == tokenizer.decode(prompt + reply)
+    assert not any(REPLACEMENT in c for c in chunks)
+    if tokenizer.decoder.__class__.__name__ == "ByteLevel":  # byte fallback's decode alone drops the reply's space
+        assert "".join(chunks) == tokenizer.decode(reply)
+
+
 def test_random_token_sequences_still_join_to_their_decode(tokenizer):
     """Any tokens, where the decode of a prefix is a prefix of the decode (byte-level). A byte-fallback decoder is not
     so: a run of byte tokens that is not UTF-8 decodes byte by byte to replacement characters, so a byte token that
