@@ -68,6 +68,7 @@ class RequestHandle:
         self._finished = threading.Event()
         self._changed = threading.Condition(threading.Lock())  # a plain lock: cheaper to take than an RLock
         self._watchers = []  # callables told of every change (the asyncio face's wake-ups)
+        self._done_callbacks = []  # add_done_callback's, each called once when the request finishes
         self._waiting = 0  # threads waiting on _changed for a token (iteration)
 
     # ---- the engine's side ---------------------------------------------------------------------------------
@@ -98,8 +99,11 @@ class RequestHandle:
             self._finished.set()
             self._changed.notify_all()
             watchers = list(self._watchers)
+            callbacks, self._done_callbacks = self._done_callbacks, []
         for watcher in watchers:
             watcher()
+        for callback in callbacks:
+            _call_quietly(callback, self)
         if first and self._on_finish is not None:
             self._on_finish(self)
 
@@ -144,6 +148,16 @@ class RequestHandle:
         self._cancelled.set()
         if self._on_cancel is not None:
             self._on_cancel()
+
+    def add_done_callback(self, callback) -> None:
+        """Calls ``callback(handle)`` once the request has finished (its ``finish_reason`` and every token set): at
+        once, in this thread, if it has; else in the engine's thread as the request finishes, so it must be quick
+        and thread-safe. What it raises is logged and goes no further (the engine's step goes on)."""
+        with self._changed:
+            if self.finish_reason is None:
+                self._done_callbacks.append(callback)
+                return
+        _call_quietly(callback, self)
 
     def _wait_beyond(self, count: int, timeout: float = None) -> tuple:
         """(tokens after the first ``count``, finished) once there are more tokens or the request is done."""
@@ -404,6 +418,14 @@ class OnlineEngine:
         for q in [q for q in self._online_waiting if q.handle._cancelled.is_set()]:
             self._online_waiting.remove(q)
             q.handle._finish("cancelled")
+
+
+def _call_quietly(callback, handle: RequestHandle) -> None:
+    """A done callback's call: its failure is logged, not raised into the engine's step."""
+    try:
+        callback(handle)
+    except Exception:  # noqa: BLE001 - a caller's callback; the step that finished the request goes on
+        log.exception("a done callback of request %r failed", handle.request_id)
 
 
 def _wake(work: threading.Condition) -> None:

@@ -5,6 +5,7 @@ ASGI interface in this process; the engine's request is watched through its hand
 
 import asyncio
 import json
+import logging
 import threading
 import time
 
@@ -19,11 +20,26 @@ from conftest import served_app  # noqa: E402
 MAX_TOKENS = 900  # far more than the test waits for: a request left running is still running when looked at
 
 
-def _scope(payload: bytes) -> dict:
-    return {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "http_version": "1.1",
-            "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+def _scope(payload: bytes, spec_version: str = "2.4", method: str = "POST", path: str = "/v1/completions") -> dict:
+    """An HTTP call's scope (uvicorn's spec_version is 2.3: a streamed reply then listens for the disconnect)."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version}, "http_version": "1.1",
+            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 2),
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]}
+
+
+async def _metrics(app) -> str:
+    """What ``GET /metrics`` answers, through the app's ASGI interface."""
+    body = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            body.append(message.get("body", b""))
+    await app(_scope(b"", method="GET", path="/metrics"), receive, send)
+    return b"".join(body).decode()
 
 
 def _payload(stream: bool) -> bytes:
@@ -124,5 +140,97 @@ def test_a_stream_cancelled_while_its_headers_are_sent_cancels_its_request(app_a
             await task
 
     asyncio.run(call())
+    (handle,) = handles
+    _finished_as_cancelled(engine, handle)
+
+
+def test_a_client_leaving_before_its_body_arrived_is_no_server_error(app_and_handles, caplog):
+    """Half a body, then the client goes: counted as 499 (nginx's "client closed request"), nothing logged as an
+    error, nothing submitted (it was a 500 with two tracebacks, one raised out of the app)."""
+    app, _, handles = app_and_handles
+    payload, statuses = _payload(stream=False), []
+
+    async def call():
+        parts = [{"type": "http.request", "body": payload[:20], "more_body": True}, {"type": "http.disconnect"}]
+
+        async def receive():
+            if parts:
+                return parts.pop(0)
+            await asyncio.sleep(3600)
+
+        async def send(message):
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+        await app(_scope(payload), receive, send)
+        return await _metrics(app)
+
+    with caplog.at_level(logging.ERROR):
+        text = asyncio.run(call())
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert statuses == [499] and not handles
+    assert 'kvcache_op_requests_total{route="/v1/completions",status="499"} 1.0' in text
+    assert 'status="500"' not in text
+
+
+def test_a_stream_left_during_its_last_step_is_counted_as_that_step_ended_it(app_and_handles):
+    """The client goes after the first of two tokens, while the step choosing the second runs: the engine ends the
+    request as "length" with both tokens, and the metrics say so once it has (they counted it as cancelled with one
+    token when the reply ended, before the engine had)."""
+    app, engine, handles = app_and_handles
+    payload = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
+                          "ignore_eos": True, "stream": True}).encode()
+    second_step, left = threading.Event(), threading.Event()
+    run = engine.runner.run
+
+    def second_step_waits_for_the_client_to_leave(*args, **kwargs):
+        if handles and handles[0].tokens:
+            second_step.set()
+            left.wait(30)
+        return run(*args, **kwargs)
+    engine.runner.run = second_step_waits_for_the_client_to_leave
+
+    async def call():
+        sent = []
+
+        async def receive():
+            if not sent:
+                sent.append(True)
+                return {"type": "http.request", "body": payload, "more_body": False}
+            await asyncio.to_thread(second_step.wait, 30)  # the client leaves once the second step is under way
+            return {"type": "http.disconnect"}
+
+        async def send(message):
+            pass
+        await app(_scope(payload, spec_version="2.3"), receive, send)  # the reply ends: its client left
+        assert second_step.is_set() and not handles[0].done, "the request ended before the step: the test checks nothing"
+        left.set()
+        deadline = time.monotonic() + 60
+        while "kvcache_op_finished_requests_total{" not in await _metrics(app) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return await _metrics(app)
+
+    text = asyncio.run(call())
+    (handle,) = handles
+    assert handle.finish_reason == "length" and len(handle.tokens) == 2
+    assert 'kvcache_op_finished_requests_total{reason="length"} 1.0' in text
+    assert 'reason="cancelled"' not in text
+    assert "kvcache_op_generation_tokens_total 2.0" in text
+
+
+def test_a_stream_whose_client_left_under_an_asgi_2_4_server_ends_quietly(app_and_handles, caplog):
+    """An ASGI 2.4 server reports a client gone mid-stream by failing ``send`` (OSError; starlette raises
+    ClientDisconnect): the call ends without an error raised out of the app or logged, and the request is cancelled."""
+    app, engine, handles = app_and_handles
+    payload = _payload(stream=True)
+
+    async def call():
+        async def send(message):
+            if message["type"] == "http.response.body" and message.get("body"):
+                raise OSError("the connection was closed")
+        await app(_scope(payload, spec_version="2.4"), _body_then_silence(payload), send)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(call())
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     (handle,) = handles
     _finished_as_cancelled(engine, handle)

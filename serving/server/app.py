@@ -5,7 +5,8 @@
 Every refusal is an OpenAI-style JSON error with a 4xx status (5xx only for the server's own failures), decided
 before a stream starts: malformed JSON, a wrong type or range, an unknown model, a prompt or ``max_tokens`` over the
 limits, a request that can never fit the cache (400); a missing or wrong API key on ``/v1`` routes (401); a body over
-the size limit (413); a full queue (503, with ``Retry-After``). A client that disconnects cancels its request."""
+the size limit (413); a full queue (503, with ``Retry-After``). A client that disconnects cancels its request; one
+that leaves before its body arrived is counted as 499 (nginx's "client closed request"), not as the server's error."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..online import EngineBusy
 from ..tokenizer import PlainText, chat_prompt_ids, text_prompt_ids
@@ -31,24 +33,26 @@ from .responses import Reply, sse
 log = logging.getLogger("kvcache_op.server")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 OPEN_ROUTES = ("/health", "/metrics")  # everything else needs the API key when there is one (docs included)
+CLIENT_CLOSED = 499  # the status counted for a request whose client left before sending it whole (nginx's)
 DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is still there
 
 
 class GenerationStream(StreamingResponse):
-    """A streamed reply that ends its generation however the response ends, and then calls ``finished()`` once:
-    also when the call is cancelled before the body starts (while the headers are sent: a proxy such as Ray Serve's
-    cancels the call when its client goes away), where the body's own ``finally`` never runs."""
+    """A streamed reply that ends its generation however the response ends: also when the call is cancelled before
+    the body starts (while the headers are sent: a proxy such as Ray Serve's cancels the call when its client goes
+    away), where the body's own ``finally`` never runs. A client gone mid-stream is no error (nothing is logged)."""
 
-    def __init__(self, generation: Generation, finished, content, **kwargs):
+    def __init__(self, generation: Generation, content, **kwargs):
         super().__init__(content, **kwargs)
-        self.generation, self.finished = generation, finished
+        self.generation = generation
 
     async def __call__(self, scope, receive, send):
         try:
             await super().__call__(scope, receive, send)
+        except ClientDisconnect:  # an ASGI 2.4 server's send failed: the client left mid-stream, no server error
+            pass
         finally:
             self.generation.close()
-            self.finished()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,10 +161,14 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
             raise APIError(413, f"the body is {declared} bytes, over the limit of {limits.max_body_bytes}")
         body = bytearray()
-        async for part in request.stream():
-            body += part
-            if len(body) > limits.max_body_bytes:
-                raise APIError(413, f"the body is over the limit of {limits.max_body_bytes} bytes")
+        try:
+            async for part in request.stream():
+                body += part
+                if len(body) > limits.max_body_bytes:
+                    raise APIError(413, f"the body is over the limit of {limits.max_body_bytes} bytes")
+        except ClientDisconnect:  # the client's own doing, not the server's failure: no 5xx, no error logged
+            raise APIError(CLIENT_CLOSED, "the client closed the connection before its request's body arrived") \
+                from None
         try:
             return json.loads(body)
         except (ValueError, RecursionError) as error:
@@ -215,10 +223,9 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
 
     async def respond(request: Request, req, generation: Generation, chat: bool):
         reply = Reply(generation, model_name, chat)
+        metrics.observe_when_finished(generation.handle, len(generation.prompt_ids))
         if req.stream:
-            return GenerationStream(generation, lambda: metrics.observe_finish(generation.handle,
-                                                                               len(generation.prompt_ids)),
-                                    stream(reply, req.include_usage()), media_type="text/event-stream",
+            return GenerationStream(generation, stream(reply, req.include_usage()), media_type="text/event-stream",
                                     headers={"Cache-Control": "no-cache"})
         watcher = asyncio.create_task(cancel_on_disconnect(request, generation))
         pieces, text = [], []
@@ -230,7 +237,6 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
             raise APIError(500, f"generation failed: {error}", type="server_error") from None
         finally:
             watcher.cancel()
-            metrics.observe_finish(generation.handle, len(generation.prompt_ids))
         text.append(generation.tail())
         return JSONResponse(reply.body("".join(text), pieces))
 

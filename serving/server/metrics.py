@@ -100,11 +100,24 @@ class ServerMetrics:
         """One HTTP answer on ``route``."""
         self.requests.labels(route, str(status)).inc()
 
+    def observe_when_finished(self, handle, prompt_tokens: int) -> None:
+        """Observes ``handle``'s generation (:meth:`observe_finish`) once the engine has finished it, on the running
+        event loop: a request whose client went away is counted as it ended, which may be a step later, as cancelled
+        or, where the step in progress ended it, as that step did, with that step's token."""
+        loop = asyncio.get_running_loop()
+
+        def finished(done) -> None:  # in the engine's thread: the work goes to the loop
+            try:
+                loop.call_soon_threadsafe(self.observe_finish, done, prompt_tokens)
+            except RuntimeError:  # the loop has closed (the server stopped): observed here
+                self.observe_finish(done, prompt_tokens)
+        handle.add_done_callback(finished)
+
     def observe_finish(self, handle, prompt_tokens: int) -> None:
-        """A finished generation: its tokens, time to first token and inter-token latencies. One the server stopped
-        reading before it finished (its client went away) counts as cancelled: it is, at the next step."""
+        """A finished generation (``handle.done``): its reason, tokens, time to first token and inter-token
+        latencies."""
         times = handle.token_times
-        self.finished.labels(handle.finish_reason or "cancelled").inc()
+        self.finished.labels(handle.finish_reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(len(times))
         if times:
