@@ -49,8 +49,9 @@ def _integer(name, value, low, none_ok=False):
 class SamplingParams:
     """How one request's tokens are chosen. ``temperature`` 0 is greedy; ``seed`` (an integer) makes a sampled
     request reproducible whatever runs beside it; ``stop_token_ids`` end it like the model's end-of-sequence ids
-    (which ``ignore_eos`` disregards); ``logprobs`` n keeps, per chosen token, the n most likely tokens of the
-    distribution it was drawn from and their log-probabilities. Every field is checked when it is made
+    (which ``ignore_eos`` disregards); ``logprobs`` n keeps, per chosen token, its log-probability and the n most
+    likely tokens with theirs, in the model's own distribution (before penalties, temperature and filters: vLLM's
+    raw logprobs). Every field is checked when it is made
     (``TypeError``/``ValueError`` naming it)."""
 
     max_tokens: int = 16
@@ -107,9 +108,9 @@ class SamplingParams:
 
 
 class TokenLogprobs(typing.NamedTuple):
-    """What ``SamplingParams.logprobs`` keeps per chosen token: its log-probability in the distribution it was
-    chosen from, and that distribution's ``logprobs`` most likely tokens as (token, log-probability), most
-    likely first (the chosen token need not be among them)."""
+    """What ``SamplingParams.logprobs`` keeps per chosen token: its log-probability in the model's own distribution
+    (the logits' softmax, before penalties, temperature and filters), and that distribution's ``logprobs`` most
+    likely tokens as (token, log-probability), most likely first (the chosen token need not be among them)."""
 
     logprob: float
     top: list
@@ -181,6 +182,15 @@ def _draw(probs: np.ndarray, generators: list) -> np.ndarray:
     return np.minimum((cumulative <= u).sum(axis=1), probs.shape[1] - 1)
 
 
+def model_logprobs(row: np.ndarray) -> np.ndarray:
+    """The model's own log-probabilities of one row of logits (float64 log-softmax, logits within +-FINITE): before
+    penalties, temperature and filters, as vLLM reports them by default (its raw logprobs) and as OpenAI's do not
+    change with the temperature."""
+    z = np.clip(np.asarray(row, np.float64), -FINITE, FINITE)
+    shifted = z - z.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
 def choose_tokens(logits: np.ndarray, params: list, histories: list, generators: list) -> tuple:
     """(tokens, logprobs): one token per row of ``logits`` ``[rows, vocab]``; ``params[r]``, ``histories[r]``
     (prompt ids, generated ids) and ``generators[r]`` (a numpy Generator) are row r's. ``logprobs[r]``: None, or
@@ -198,12 +208,7 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
         if p.logprobs is None:
             logprobs.append(None)
             continue
-        if p.greedy:
-            shifted = scores[r] - scores[r].max()
-            log_q = shifted - np.log(np.exp(shifted).sum())
-        else:
-            with np.errstate(divide="ignore"):
-                log_q = np.log(probs[r])
+        log_q = model_logprobs(logits[r])
         top = np.argsort(-log_q, kind="stable")[:p.logprobs]
         logprobs.append(TokenLogprobs(float(log_q[tokens[r]]), [(int(t), float(log_q[t])) for t in top]))
     return tokens.tolist(), logprobs

@@ -108,6 +108,21 @@ def test_logprobs_are_the_top_n_of_the_chosen_distribution():
     assert math.isclose(entry.logprob, want[0], rel_tol=1e-9)
 
 
+def test_logprobs_are_the_models_whatever_the_temperature_filters_and_penalties():
+    """Logprobs are the model's own distribution (vLLM's raw logprobs; OpenAI's do not move with the temperature):
+    a tempered, filtered, penalized request reports the logits' log-softmax, its filtered-out tokens included
+    (they read -inf, reported as -9999, when logprobs were the sampling distribution's)."""
+    want = np.log(_softmax(LOGITS.astype(np.float64)))
+    n = LOGITS.size
+    for fields in (dict(temperature=0.3), dict(temperature=2.0, top_k=1), dict(temperature=0.7, top_p=0.2),
+                   dict(temperature=0.0, repetition_penalty=3.0, presence_penalty=1.5), dict(min_p=0.9, temperature=1)):
+        params = SamplingParams(logprobs=n, seed=0, **fields)
+        (token,), (entry,) = choose_tokens(LOGITS[None], [params], [((0, 1), (0,))], [np.random.default_rng(0)])
+        assert [t for t, _ in entry.top] == list(np.argsort(-want, kind="stable")), fields
+        assert all(math.isclose(lp, want[t], rel_tol=1e-9) for t, lp in entry.top), fields
+        assert math.isclose(entry.logprob, want[token], rel_tol=1e-9), fields
+
+
 def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
     params = [SamplingParams(temperature=0.7, top_k=k) for k in (0, LOGITS.size, 2 ** 70)]
     probs = distributions(np.stack([LOGITS] * 3), params)

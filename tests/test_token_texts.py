@@ -119,3 +119,30 @@ def test_the_logprobs_of_a_reply_join_to_its_text(sentencepiece_client):
         assert plain["logprobs"]["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
         spaced += sum(t.startswith(" ") for t in tokens) + sum(e["token"].startswith(" ") for e in entries)
     assert spaced > 0, "no reply held a word-initial piece: the test checks nothing"
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_completions_list_a_token_holding_part_of_a_character_by_its_bytes(decoder):
+    """Completions' logprobs carry no bytes: a token that is part of a character is listed as OpenAI lists one,
+    ``bytes:\\xNN``, so the top alternatives of one place are as many as asked for (byte tokens all read U+FFFD and
+    collapsed into one key); whole tokens keep their text, and text_offset indexes the tokens as listed."""
+    import types
+
+    from kvcache_op.serving.sampling import TokenLogprobs
+    from kvcache_op.serving.server.generation import Piece
+    from kvcache_op.serving.server.responses import Reply
+    from kvcache_op.serving.tokenizer import token_bytes, token_text
+
+    tokenizer = sentencepiece_tokenizer(decoder, byte_fallback=True)
+    generation = types.SimpleNamespace(params=types.SimpleNamespace(logprobs=4),
+                                       token_text=lambda t: token_text(tokenizer, t),
+                                       token_bytes=lambda t: token_bytes(tokenizer, t))
+    e6, e7, b1 = (tokenizer.convert_tokens_to_ids(f"<0x{b:02X}>") for b in (0xE6, 0xE7, 0xB1))
+    hello = tokenizer.convert_tokens_to_ids(SPACE + "hello")
+    pieces = [Piece("", e6, TokenLogprobs(-0.5, [(e6, -0.5), (e7, -1.0), (b1, -2.0), (hello, -3.0)])),
+              Piece(" hello", hello, TokenLogprobs(-0.1, [(hello, -0.1)]))]
+    logprobs = Reply(generation, "tiny", chat=False).logprobs(pieces)
+    assert logprobs["tokens"] == ["bytes:\\xe6", " hello"]
+    assert logprobs["top_logprobs"][0] == {"bytes:\\xe6": -0.5, "bytes:\\xe7": -1.0, "bytes:\\xb1": -2.0,
+                                           " hello": -3.0}
+    assert logprobs["text_offset"] == [0, len("bytes:\\xe6")]

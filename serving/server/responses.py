@@ -13,11 +13,12 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-FLOOR_LOGPROB = -9999.0  # what OpenAI reports for a token the distribution excludes (JSON has no -inf)
+FLOOR_LOGPROB = -9999.0  # what OpenAI reports for a token of no probability (JSON has no -inf)
 
 
 def _finite(logprob: float) -> float:
-    """A log-probability JSON can carry: -inf (a token filtered out by top-k/top-p/min-p) as :data:`FLOOR_LOGPROB`."""
+    """A log-probability JSON can carry: -inf (a logit of -inf: the model rules the token out) and NaN as
+    :data:`FLOOR_LOGPROB`."""
     return logprob if logprob >= FLOOR_LOGPROB else FLOOR_LOGPROB  # NaN too (comparisons false)
 
 
@@ -32,11 +33,25 @@ def sse(payload) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-def _by_text(text, top) -> dict:
-    """Completions' {token text: logprob}: tokens whose texts coincide (bytes of one character) keep the most likely."""
+def listed_token(generation, token: int) -> str:
+    """A token as completions' logprobs list it (they carry no bytes): its text, or where its bytes are no UTF-8 text
+    (part of a character, which reads as U+FFFD) OpenAI's ``bytes:\\xNN...`` of them, so that such tokens are told
+    apart."""
+    text = generation.token_text(token)
+    if "\ufffd" in text:
+        data = generation.token_bytes(token)
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
+    return text
+
+
+def _by_text(listed, top) -> dict:
+    """Completions' {listed token: logprob}: tokens listed alike (two tokens of one text) keep the most likely."""
     out = {}
     for token, logprob in top:
-        out.setdefault(text(token), _finite(logprob))
+        out.setdefault(listed(token), _finite(logprob))
     return out
 
 
@@ -61,15 +76,17 @@ class Reply:
                         "bytes": list(self.generation.token_bytes(token))}
             return {"content": [dict(entry(p.token, p.logprobs.logprob),
                                      top_logprobs=[entry(t, lp) for t, lp in p.logprobs.top]) for p in pieces]}
-        # OpenAI's text_offset: where each token starts in its tokens' text joined (each token's own text, as
-        # "tokens" lists it), not in the reply's, which holds a character's bytes back and leaves stop strings out.
-        tokens, offsets = [text(p.token) for p in pieces], []
+        # OpenAI's text_offset: where each token starts in its tokens' text joined (each token as "tokens" lists
+        # it), not in the reply's, which holds a character's bytes back and leaves stop strings out.
+        def listed(token):
+            return listed_token(self.generation, token)
+        tokens, offsets = [listed(p.token) for p in pieces], []
         for token in tokens:
             offsets.append(self._offset)
             self._offset += len(token)
         return {"tokens": tokens,
                 "token_logprobs": [_finite(p.logprobs.logprob) for p in pieces],
-                "top_logprobs": [_by_text(text, p.logprobs.top) for p in pieces],
+                "top_logprobs": [_by_text(listed, p.logprobs.top) for p in pieces],
                 "text_offset": offsets}
 
     # ---- whole -------------------------------------------------------------------------------------------
