@@ -133,6 +133,17 @@ def test_unsupported_settings_and_length_dependent_rotary_are_refused_clearly(tm
     dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ValueError, match=r"rope type 'dynamic' \(model.rotary_emb\) changes its frequencies"):
         export_model(dynamic, tmp_path / "x.onnx")
+    # A rotary module keeping a type per layer type (Gemma 3's): its full-attention layers' longrope switches to its
+    # long factors past 100 positions, which the 64-token routing check does not reach (it exported, served wrong)
+    half = 8  # head_dim 16: 8 frequencies
+    longrope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 100,
+                "factor": 4.0, "short_factor": [1.0] * half, "long_factor": [1.0 + 3.0 * i for i in range(half)]}
+    per_layer_type = tiny_model("gemma3_text", head_dim=16, max_position_embeddings=400, rope_parameters={
+        "full_attention": longrope, "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})
+    with pytest.raises(ValueError, match=r"rope type 'longrope' \(model.rotary_emb, full_attention layers\) "):
+        export_model(per_layer_type, tmp_path / "x.onnx")
+    with pytest.raises(ValueError, match="the model has 12 positions"):  # the probes' position, not "ALiBi"
+        export_model(tiny_model("llama", max_position_embeddings=12), tmp_path / "x.onnx")
     model = hf_models.model("llama")
     with pytest.raises(ValueError, match="dtype must be one of float32, float16, bfloat16, got 'int8'"):
         export_model(model, tmp_path / "x.onnx", dtype="int8")
@@ -189,3 +200,16 @@ def test_one_prefill_step_gives_the_models_logits():
     with torch.no_grad():
         want = hf_models.model("llama")(torch.tensor([prompt])).logits[0, -1].numpy()
     np.testing.assert_allclose(logits[0], want, atol=1e-4, rtol=1e-4)
+
+
+def test_layers_of_different_softmax_scales_are_refused_for_what_the_export_records(tmp_path):
+    """GPT-2 scaling each layer's scores by 1/(layer+1) (scale_attn_by_inverse_layer_idx): the metadata holds one softmax
+    scale, and the refusal says so (it said the cache needed one shape)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128,
+                                  scale_attn_by_inverse_layer_idx=True)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with pytest.raises(ValueError, match=r"layers differ in softmax scale \(\[0\.125, 0\.25\]\): the exported model "
+                                         r"records one softmax scale for all its layers"):
+        export_model(model, tmp_path / "x.onnx")

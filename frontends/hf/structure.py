@@ -141,17 +141,25 @@ def _refuse_unexpressible(model, config) -> None:
                          f"paged cache (linear, recurrent or chunked attention does not)")
     for name, module in model.named_modules():
         rope_type = getattr(module, "rope_type", None)
-        if isinstance(rope_type, str) and rope_type in LENGTH_DEPENDENT_ROPE:
-            raise ValueError(f"rope type {rope_type!r} ({name}) changes its frequencies with the sequence length; the "
-                             f"packed graph needs static frequencies (default, linear, llama3, yarn, ...)")
-    if getattr(config, "max_position_embeddings", None) is None:
+        # One type, or one per layer type (a rotary module serving several: Gemma 3's, OLMo 3's)
+        for where, kind in (rope_type.items() if isinstance(rope_type, dict) else [(None, rope_type)]):
+            if isinstance(kind, str) and kind in LENGTH_DEPENDENT_ROPE:
+                layers = f", {where} layers" if where is not None else ""
+                raise ValueError(f"rope type {kind!r} ({name}{layers}) changes its frequencies with the sequence "
+                                 f"length; the packed graph needs static frequencies (default, linear, llama3, yarn, "
+                                 f"...)")
+    positions = getattr(config, "max_position_embeddings", None)
+    if positions is None:
         raise ValueError("the config names no max_position_embeddings: the engine needs the longest context")
+    if positions <= _PROBE_POSITION + _PROBE_SHIFT:
+        raise ValueError(f"the model has {positions} positions (max_position_embeddings): the export probes its "
+                         f"forward at position {_PROBE_POSITION + _PROBE_SHIFT}, so it needs more")
 
 
-def _uniform(seen: dict, field: str, what: str):
+def _uniform(seen: dict, field: str, what: str, why: str = "one paged cache needs one shape for all"):
     values = {s[field] for s in seen.values()}
     if len(values) != 1:
-        raise ValueError(f"layers differ in {what} ({sorted(values)}): one paged cache needs one shape for all")
+        raise ValueError(f"layers differ in {what} ({sorted(values)}): {why}")
     return values.pop()
 
 
@@ -214,7 +222,8 @@ def _decoder_sizes(model, config) -> DecoderSizes:
                          f"keys and values of one head size")
     if heads % kv_heads:
         raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
-    scaling = _uniform(seen, "scaling", "softmax scale")
+    scaling = _uniform(seen, "scaling", "softmax scale", "the exported model records one softmax scale for all "
+                       "its layers")
     windows = tuple(seen[i]["sliding_window"] for i in range(num_layers))
     for i, expected in enumerate(_expected_windows(config, num_layers)):
         if expected and not windows[i]:
