@@ -39,6 +39,15 @@ def apply_rope(x: np.ndarray, positions, rotary_dim: int = 0, theta: float = 100
     return rotated.transpose(1, 0, 2).astype(x.dtype)
 
 
+def check_rotary_dim(rotary_dim: int, head_dim: int) -> None:
+    """``KeyValueCacheError`` unless ``rotary_dim`` (0: the whole head) names an even number of dims in [2, Dh]."""
+    rotary = rotary_dim or head_dim
+    if rotary % 2 or rotary < 2 or rotary > head_dim:
+        if not rotary_dim:  # the default rotates the whole head, which cannot be split in pairs
+            fail(f"rotary_dim = 0 rotates the whole head, R = Dh = {head_dim}, which must be even and >= 2")
+        fail(f"rotary_dim must be 0 or even in [2, Dh={head_dim}], got {rotary_dim}")
+
+
 def _check(cache, scale, slots, cos, sin, a: Attributes, rotary_dim: int) -> tuple:
     t1 = T1_TYPES[0] if a.quant_bit else cache.dtype  # a float cache is its own T1
     if not a.quant_bit and cache.dtype not in T1_TYPES:
@@ -50,11 +59,8 @@ def _check(cache, scale, slots, cos, sin, a: Attributes, rotary_dim: int) -> tup
         fail(f"cache must have H >= 1 and Dh >= 1, got shape {cache.shape}")
     dummy = np.zeros((0, heads, head_dim), t1)
     _, _, max_t = check_tensors(dummy, dummy, cache, scale, a)
+    check_rotary_dim(rotary_dim, head_dim)
     rotary = rotary_dim or head_dim
-    if rotary % 2 or rotary < 2 or rotary > head_dim:
-        if not rotary_dim:  # the default rotates the whole head, which cannot be split in pairs
-            fail(f"rotary_dim = 0 rotates the whole head, R = Dh = {head_dim}, which must be even and >= 2")
-        fail(f"rotary_dim must be 0 or even in [2, Dh={head_dim}], got {rotary_dim}")
     slots = np.asarray(slots)
     if slots.dtype != np.int64 or slots.ndim != 1:
         fail(f"slots must be a 1-D int64 tensor, got {dtype_name(slots.dtype)}{slots.shape}")

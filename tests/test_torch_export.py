@@ -325,6 +325,54 @@ def test_one_tensor_passed_twice_is_refused_by_the_dynamo_path():
     assert node.input[0] != node.input[1]
 
 
+def test_one_tensor_passed_twice_inside_nested_arguments_is_refused_by_the_dynamo_path():
+    """Inside a tuple (k as both halves of a pair), a dict (seqstarts as kvstarts in a batch dict: a prefill from
+    position 0 has them equal) or once in args and once in the export's kwargs: each exported one graph input feeding
+    both places, and ONNX Runtime then read the value as the key, or seqstarts from kvstarts."""
+    args = _plain_args()
+
+    class Pair(torch.nn.Module):
+        def forward(self, kv, *rest):
+            return kt.key_value_cache(kv[0], kv[1], *rest)
+
+    class Batch(torch.nn.Module):
+        def forward(self, batch):
+            return kt.key_value_cache(**batch)
+
+    class Keyword(torch.nn.Module):
+        def forward(self, k, *rest, v=None):
+            return kt.key_value_cache(k, v, *rest)
+
+    names = ("current_key", "current_value", "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen",
+             "max_kvlen", "cache")
+    with pytest.raises(ValueError, match=r"args\[0\]\[0\] and args\[0\]\[1\] are the same tensor"):
+        kt.export_onnx(Pair(), ((args[0], args[0]), *args[2:9]), dynamo=True)
+    batch = dict(zip(names, args[:9]))
+    batch["kvstarts"] = batch["seqstarts"]
+    with pytest.raises(ValueError, match=r"args\[0\]\['seqstarts'\] and args\[0\]\['kvstarts'\] are the same"):
+        kt.export_onnx(Batch(), (batch,), dynamo=True)
+    with pytest.raises(ValueError, match=r"args\[0\] and kwargs\['v'\] are the same tensor"):
+        kt.export_onnx(Keyword(), (args[0], *args[2:9]), dynamo=True, kwargs=dict(v=args[0]))
+    model = kt.export_onnx(Pair(), ((args[0], args[1]), *args[2:9]), dynamo=True)  # distinct tensors: two inputs
+    node = next(n for n in model.graph.node if n.op_type == "KeyValueCache")
+    assert node.input[0] != node.input[1]
+
+
+@pytest.mark.parametrize("rotary_dim, message", [(3, r"rotary_dim must be 0 or even in \[2, Dh=8\], got 3"),
+                                                 (-2, r"rotary_dim must be 0 or even in \[2, Dh=8\], got -2"),
+                                                 (10, r"rotary_dim must be 0 or even in \[2, Dh=8\], got 10")])
+def test_the_dynamo_path_checks_rotary_dim_against_the_traced_head_size(rotary_dim, message):
+    """Known without data (the cache's static last dim): it exported and failed only when ONNX Runtime ran the
+    node."""
+    from kvcache_op.reference import KeyValueCacheError
+
+    cache, pairs = torch.zeros(16, 1, 2, 2, 8), max(rotary_dim // 2, 1)
+    cos, sin = torch.ones(2, pairs), torch.zeros(2, pairs)
+    with pytest.raises(KeyValueCacheError, match=message):
+        kt.export_onnx(RotaryShiftModule(rotary_dim=rotary_dim), (cache, None, torch.tensor([1, 3]), cos, sin),
+                       dynamo=True)
+
+
 def test_the_dynamo_export_prints_nothing(capfd):
     kt.export_onnx(KeyValueCacheModule(), _plain_args(), dynamo=True)
     assert capfd.readouterr().out == ""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import io
+import itertools
 import logging
 import os
 import tempfile
@@ -71,7 +72,7 @@ def checked_export(module: torch.nn.Module, args: tuple, *, dynamo: bool = True,
 def _export(module, args, dynamo: bool, export_kwargs: dict, work_folder: str | None) -> ir.Model:
     export_kwargs.setdefault("verbose", False)  # torch's dynamo exporter prints its progress for None
     if dynamo:
-        _refuse_repeated_tensors(args)
+        _refuse_repeated_tensors(args, export_kwargs.get("kwargs"))
         export_kwargs.setdefault("optimize", False)
         model = torch.onnx.export(module, args, dynamo=True, **export_kwargs).model
         forget_removed_inputs(model)
@@ -93,17 +94,29 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
-def _refuse_repeated_tensors(args) -> None:
+def _refuse_repeated_tensors(args, kwargs=None) -> None:
     """torch.export makes one graph input of a tensor passed twice (k as both current_key and current_value), and
-    the one input then feeds both: a graph that ignores what is fed for the other at run time."""
+    the one input then feeds both: a graph that ignores what is fed for the other at run time. Found wherever the
+    inputs hold it: in ``args`` and the export's ``kwargs``, inside tuples, lists and dicts (a batch dict)."""
     seen = {}
-    for position, arg in enumerate(args if isinstance(args, tuple) else (args,)):
-        if isinstance(arg, torch.Tensor):
-            if id(arg) in seen:
-                raise ValueError(f"args[{seen[id(arg)]}] and args[{position}] are the same tensor: torch.export (dynamo=True) "
-                                 "exports them as one graph input feeding both places. Pass distinct tensors "
-                                 "(e.g. a clone)")
-            seen[id(arg)] = position
+    for where, tensor in itertools.chain(_tensors_in(args if isinstance(args, tuple) else (args,), "args"),
+                                         _tensors_in(kwargs or {}, "kwargs")):
+        if id(tensor) in seen:
+            raise ValueError(f"{seen[id(tensor)]} and {where} are the same tensor: torch.export (dynamo=True) exports "
+                             f"them as one graph input feeding both places. Pass distinct tensors (e.g. a clone)")
+        seen[id(tensor)] = where
+
+
+def _tensors_in(value, where: str):
+    """(path, tensor) of every tensor in ``value``, through tuples, lists and dicts (as torch.export flattens them)."""
+    if isinstance(value, torch.Tensor):
+        yield where, value
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            yield from _tensors_in(item, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _tensors_in(item, f"{where}[{key!r}]")
 
 
 @contextlib.contextmanager

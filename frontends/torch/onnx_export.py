@@ -22,6 +22,7 @@ import torch
 from torch.onnx import symbolic_helper
 
 from ..reference.mha_validate import AttentionAttributes, check_attention_attributes
+from ..reference.rotary import check_rotary_dim
 from ..reference.validate import Attributes, KeyValueCacheError, check_attributes
 from ..spec import mha_schema, mhca_schema, rotary_schema, schema
 from . import custom_ops
@@ -82,6 +83,19 @@ def check_exported_call(attributes: dict, scale) -> None:
     except KeyValueCacheError as error:
         _ERRORS.append(error)
         raise
+
+
+def check_exported_rotary(attributes: dict, scale, cache) -> None:
+    """The dynamo path's check of KeyCacheRotaryShift's attributes: :func:`check_exported_call`'s, then
+    ``rotary_dim`` against the head size the cache's traced shape gives (a packed int4 cache holds two per byte)."""
+    check_exported_call(attributes, scale)
+    head_dim = cache.shape[-1] * (2 if attributes["quant_bit"] == 4 else 1) if cache.dim() else 0
+    if isinstance(head_dim, int):  # a symbolic head size is checked where the node runs
+        try:
+            check_rotary_dim(attributes["rotary_dim"], head_dim)
+        except KeyValueCacheError as error:
+            _ERRORS.append(error)
+            raise
 
 
 def check_exported_attention(attributes: dict) -> None:
