@@ -359,3 +359,51 @@ def test_a_scale_that_requires_grad_is_refused():
     with pytest.raises(KeyValueCacheError, match="^scale requires grad"):
         kt.key_value_cache(**tensors, **case.attributes)
     assert torch.equal(tensors["cache"], cache) and torch.equal(tensors["scale"].detach(), scale)
+
+
+def _store_two_rows():
+    """A store of 2 tokens at slots 0-1 of a layout-0 cache of 8 slots, 2 heads of 8 dims."""
+    idx = dict(seqstarts=torch.tensor([0, 2]), kvstarts=torch.tensor([0, 2]), cachestarts=torch.tensor([0]),
+               start_pos=torch.tensor([0]), max_seqlen=torch.tensor(2), max_kvlen=torch.tensor(2))
+    return torch.randn(8, 1, 2, 2, 8), idx
+
+
+@pytest.mark.parametrize("op", ["kv", "mhca"])
+def test_a_strided_input_viewing_the_cache_is_refused_untouched(op):
+    """The spec refuses a cache sharing memory with what the op reads (the numpy binding and the C entry points do);
+    a strided view of it was copied before the C check and went through, the op writing the cache it read."""
+    cache, idx = _store_two_rows()
+    before = cache.clone()
+    view, other = cache[4:6, 0, 0], torch.randn(2, 2, 8)  # slots 4-5's keys: strided, inside the cache
+    assert not view.is_contiguous()
+    name = "current_key" if op == "kv" else "query"
+    with pytest.raises(KeyValueCacheError, match=f"cache overlaps {name}: the op writes cache while it reads"):
+        if op == "kv":
+            kt.key_value_cache(view, other, **idx, cache=cache)
+        else:
+            kt.multi_head_cache_attention(view, other, other.clone(), **idx, decoding_batches=torch.tensor(0),
+                                          cache=cache, num_heads=2, head_dim=8)
+    assert torch.equal(cache, before)
+    kt.key_value_cache(view.clone(), other, **idx, cache=cache)  # its copy is fine
+
+
+def test_a_cache_that_is_a_lazily_negated_view_is_refused_untouched():
+    """torch._neg_view's memory holds the values negated: the op's write hit PyTorch's internal assert."""
+    cache, idx = _store_two_rows()
+    negated = torch._neg_view(cache)
+    with pytest.raises(KeyValueCacheError, match="cache is a lazily negated or conjugated view"):
+        kt.key_value_cache(torch.randn(2, 2, 8), torch.randn(2, 2, 8), **idx, cache=negated)
+
+
+def test_an_inference_cache_is_written_inside_inference_mode_only():
+    """torch refuses an in-place write to an inference tensor outside inference mode; the op wrote it anyway."""
+    with torch.inference_mode():
+        cache, idx = _store_two_rows()
+    before = cache.clone()
+    key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    with pytest.raises(KeyValueCacheError, match="cache is an inference tensor"):
+        kt.key_value_cache(key, value, **idx, cache=cache)
+    assert torch.equal(cache, before)
+    with torch.inference_mode():
+        kt.key_value_cache(key, value, **idx, cache=cache)
+    assert torch.equal(cache[0:2, 0, 0], key)

@@ -46,6 +46,7 @@ def key_value_cache_op(current_key: torch.Tensor, current_value: torch.Tensor, s
     attrs = _kv_attributes(num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_mode, cache_layout,
                            page_size)
     device = tt.data_device(current_key=current_key, current_value=current_value, cache=cache, scale=scale)
+    tt.refuse_overlaps(c_api.KV_APART, current_key=current_key, current_value=current_value, cache=cache, scale=scale)
     key_in, value_in = current_key.contiguous(), current_value.contiguous()
     index = [tt.on_host(name, t) for name, t in zip(c_api.KV_INDEX_INPUTS, (
         seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen))]
@@ -148,6 +149,8 @@ def multi_head_cache_attention_op(query: torch.Tensor, current_key: torch.Tensor
                  cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size, num_heads=num_heads,
                  head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi, num_kv_heads=num_kv_heads,
                  sliding_window=sliding_window, softmax_scale=softmax_scale, softcap=softcap)
+    tt.refuse_overlaps(c_api.MHCA_APART, query=query, current_key=current_key, current_value=current_value,
+                       cache=cache, scale=scale, attn_mask=attn_mask)
     data = [t.contiguous() for t in (query, current_key, current_value)]
     index = [tt.on_host(name, t) for name, t in zip(c_api.MHCA_INPUTS[3:10], (
         seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen, max_kvlen))]

@@ -52,13 +52,28 @@ def _index_inputs(names, given: dict, device, error=KeyValueCacheError) -> list:
     return tensors
 
 
+WRITTEN = ("cache", "scale")  # the inputs the ops write in place
+
+
 def _data_tensors(required: dict, optional: dict, error=KeyValueCacheError) -> None:
     """Each ``required`` data input a torch.Tensor, each ``optional`` one a torch.Tensor or None: the op's own
-    error for anything else (None where a tensor is needed reached the kernels as an AttributeError)."""
+    error for anything else (None where a tensor is needed reached the kernels as an AttributeError); a written one
+    (cache, scale) not a lazily negated or conjugated view, nor an inference tensor outside inference mode (torch's
+    own rule for in-place writes)."""
     for name, value in [*required.items(), *optional.items()]:
         if not isinstance(value, torch.Tensor) and (name in required or value is not None):
             kind = "a torch.Tensor" if name in required else "a torch.Tensor or None"
             raise error(f"{name} must be {kind}, got {type(value).__name__}")
+        if name not in WRITTEN or value is None or torch.compiler.is_compiling():  # tracing: no memory to check
+            continue
+        if value.is_neg() or value.is_conj():
+            # A lazy view's memory does not hold the values it reads as; torch's fallback for it copies, and the
+            # op's in-place write then failed torch's internal assert
+            raise error(f"{name} is a lazily negated or conjugated view (torch._neg_view, .conj()): the op writes "
+                        f"its memory in place; pass a resolved tensor ({name}.resolve_neg().resolve_conj())")
+        if value.is_inference() and not torch.is_inference_mode_enabled():
+            raise error(f"{name} is an inference tensor, which torch lets no in-place write change outside "
+                        f"torch.inference_mode(): call the op inside it, or make {name} outside it")
 
 
 def _no_empty_scale(scale, quant_bit: int):
@@ -116,7 +131,7 @@ def key_cache_rotary_shift(cache, scale, slots, cos, sin, *, num_layer=1, layer_
     if torch.onnx.is_in_onnx_export():
         onnx_export.record_call(rotary_schema.OP_TYPE, cache)
         if onnx_export.exporting_with_dynamo():
-            onnx_export.check_exported_call(attrs, scale)
+            onnx_export.check_exported_rotary(attrs, scale, cache)
             return onnx_export.rotary_shift_node(inputs, attrs)
     return custom_ops.key_cache_rotary_shift_op(*inputs, **attrs)
 

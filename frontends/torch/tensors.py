@@ -54,6 +54,30 @@ def _writable(name: str, tensor: torch.Tensor) -> None:
                                  f"track: pass {name}.detach() (the same memory) or a tensor made without grad")
 
 
+def _extent(tensor: torch.Tensor):
+    """(device, first byte, end byte) of the memory ``tensor``'s elements span; None when it has none."""
+    if tensor.numel() == 0:
+        return None
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
+    start = tensor.data_ptr()
+    return tensor.device, start, start + span * tensor.element_size()
+
+
+def refuse_overlaps(rules, **tensors) -> None:
+    """Refuses (``KeyValueCacheError``), for each ``(written, others)`` of ``rules`` (the C entry points' pairs,
+    ``c_api.KV_APART``...), ``written`` spanning memory that one of ``others`` spans, before any input is copied:
+    the C entry points check the buffers they are handed, and a strided input is handed over as a contiguous copy,
+    which would hide its overlap (the numpy binding's check, ``np.may_share_memory``, is by extent too)."""
+    for written, others in rules:
+        target = tensors.get(written)
+        extent = None if target is None else _extent(target)
+        for name in () if extent is None else others:
+            other = None if tensors.get(name) is None else _extent(tensors[name])
+            if other is not None and other[0] == extent[0] and other[1] < extent[2] and extent[1] < other[2]:
+                raise KeyValueCacheError(f"{written} overlaps {name}: the op writes {written} while it reads or "
+                                         f"writes {name}, so they must not share memory")
+
+
 def describe_cache(name: str, cache: torch.Tensor, quant_bit: int) -> Tensor:
     """A cache (written in place: see :func:`_writable`) as a C description; a ``quant_bit=4`` cache must be the
     packed ``uint8`` form and is handed over as INT4."""
