@@ -139,3 +139,23 @@ def test_running_out_of_threads_is_not_a_crash():
     """)
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])
+
+
+def test_the_kit_accepts_an_attention_output_of_the_same_infinity_and_no_other():
+    """An infinite value every query reads gives infinite output rows: the reference checked against itself passes
+    (|inf - inf| is NaN, which no bound admits: the kit failed it), and an infinity of the other sign or a finite
+    number in its place fails (the bound there is infinite too, which admitted them)."""
+    from kvcache_op.validation.compare import compare
+    from kvcache_op.validation.outcome import Outcome, reference_outcome
+
+    case = causal_chunk()
+    case.inputs["value"][0, 0, 0] = -np.inf  # key/value 0: seen by every query
+    want = reference_outcome("MultiHeadAttention", case.inputs, case.attributes)
+    out = want.outputs["attention_output"]
+    assert np.isneginf(out[:, 0, 0]).all()
+    assert compare("MultiHeadAttention", case.inputs, case.attributes, want, want, "spec") == []
+    for wrong in (np.inf, 0.0):
+        changed = out.copy()
+        changed[2, 0, 0] = wrong
+        got = Outcome(outputs={"attention_output": changed}, tolerance=want.tolerance)
+        assert compare("MultiHeadAttention", case.inputs, case.attributes, want, got, "spec"), wrong

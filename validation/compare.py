@@ -220,9 +220,12 @@ def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolera
     if ctx.op in ATTENTION_OUTPUTS and name == ATTENTION_OUTPUTS[ctx.op]:
         bound = ctx.attention_tolerance
         g, w = got.astype(np.float64), want.astype(np.float64)
-        both_nan = np.isnan(g) & np.isnan(w)
+        # A non-finite element on either side must be the same on both (NaN any NaN): inf - inf is NaN, which no
+        # bound admits, and where the reference is infinite its bound is too, which would admit any value
+        special = ~np.isfinite(g) | ~np.isfinite(w)
+        alike = (np.isnan(g) & np.isnan(w)) | (g == w)
         with np.errstate(invalid="ignore"):
-            return ~(np.abs(g - w) <= bound) & ~both_nan
+            return np.where(special, ~alike, ~(np.abs(g - w) <= bound))
     if ctx.op in CACHE_OPS and not ctx.quantized and name in ("cache", "key", "value"):
         return bits_differ(got, want, nan_payloads=True)  # unquantized data movement is exact, a NaN's bits too
     if tolerance == "exact" or not ctx.quantized or ctx.slots is None:
