@@ -1,7 +1,7 @@
 """Reading a manager's state: page tables, positions, pending prompt tokens, metrics, and the bookkeeping
 invariants the tests assert: part of :class:`~.kv_manager.KVCacheManager`."""
 
-from .streaming import streaming_room
+from .streaming import streaming_discard, streaming_room
 
 
 class Inspection:
@@ -21,6 +21,21 @@ class Inspection:
         if self.streaming is None:
             return None
         return streaming_room(self.streaming, self.sink_pages, self.page_size, self.computed(rid))
+
+    def refed_tokens(self, rid, n_new: int) -> int:
+        """How many kept tokens a step feeding ``n_new`` tokens to ``rid`` feeds again besides them (StreamingLLM's
+        "reevaluate" discard re-feeds what it keeps); 0 where it discards nothing, in another mode, or where the step
+        cannot fit (the schedule says why)."""
+        if self.streaming is None or self.streaming.mode != "reevaluate":
+            return 0
+        row = self._get(rid).row
+        computed, held = int(self.rows.computed[row]), int(self.rows.npages[row])
+        try:
+            discard, dropped = streaming_discard(self.streaming, self.sink_pages, self.page_size, rid, computed, held,
+                                                 n_new)
+        except ValueError:
+            return 0
+        return computed - self.sink_pages * self.page_size - dropped if discard else 0
 
     def pending_tokens(self, rid) -> list:
         """Prompt token ids not yet fed."""

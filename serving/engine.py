@@ -113,6 +113,10 @@ class Engine(OnlineEngine):
                 raise ValueError(f"a StreamingLLM budget of {streaming.budget_pages} pages of {ps} holds {held} "
                                  f"positions, more than the model's max_positions = {info.max_positions}: give at "
                                  f"most {info.max_positions // ps} pages")
+        # A "reevaluate" discard re-feeds what it keeps, at most half the budget's positions after the sinks: the
+        # step's budget counts them (_feeds), and a step's first request fed over it stays within the budget's
+        # positions, which the model's positions (its rotary tables) hold.
+        self._reevaluates = streaming is not None and streaming.mode == "reevaluate"
         self.max_context = limit
         # A StreamingLLM step must fit the budget after dropping every page but the sinks.
         self._chunk_limit = ((streaming.budget_pages - -(-streaming.sinks // ps)) * ps if streaming is not None
@@ -122,6 +126,11 @@ class Engine(OnlineEngine):
             vocab_size=info.vocab_size,
             cache_key=(info.cache_dtype, info.quant_bit, info.quant_group, info.cache_layout))
         self._held_pages = self.manager.max_pages  # the most pages one request ever holds
+        # The fewest pages a request past its window or StreamingLLM budget must hold at once to go on, one token a
+        # step (chunks halve down to one token while pages are short): the budget, or the pages a window's keys and
+        # the token fed straddle (the manager keeps from page (computed - window + 1) // page_size on).
+        self._steady_pages = (streaming.budget_pages if streaming is not None else
+                              -(-(window - 1) // ps) + 1 if window is not None else None)
         self.num_pages = num_pages
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -156,6 +165,10 @@ class Engine(OnlineEngine):
         token). The batch call over :meth:`submit`: its requests join the continuous batch with whatever else runs
         (submitted requests, other threads' ``generate`` calls) and the call returns when all are done; safe from
         any thread. ``last_logprobs``/``last_logits`` are those of the call that finished last."""
+        if threading.current_thread() is self._thread:  # an on_token callback: it would wait for steps only it runs
+            raise RuntimeError("generate was called from the engine's own thread (an on_token callback, or another "
+                               "callback of a step): it would wait for steps that only this thread runs; submit() "
+                               "a request there instead, or call generate from another thread")
         count = len(prompts)
         for name, given in (("salts", salts), ("arrival_steps", arrival_steps)):
             if given is not None and (isinstance(given, (str, bytes)) or not hasattr(given, "__len__")):
@@ -235,18 +248,21 @@ class Engine(OnlineEngine):
         return context
 
     def _check_fits(self, q: Sequence, max_new_tokens: int, name: str) -> None:
-        """``ValueError`` for a request that could never run: past the context limit, or (without a window or
-        StreamingLLM, where a request holds every page of its context) more pages than the pool has. Refused
-        before any of its tokens, not after some were streamed."""
+        """``ValueError`` for a request that could never run: past the context limit, or needing more pages than the
+        pool has (every page of its context; with a window or StreamingLLM, no more than the pages it must hold at
+        once). Refused before any of its tokens, not after some were streamed."""
         if self.max_context is not None and len(q.prompt) + max_new_tokens > self.max_context:
             raise ValueError(f"{name}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} exceed the context "
                              f"limit of {self.max_context} positions (max_context, at most the model's maximum "
                              f"positions)")
         ps = self.info.page_size
         needed = -(-(len(q.prompt) + max_new_tokens - 1) // ps)
-        if self._holds_whole_contexts and needed > self.num_pages:
+        held = "" if self._holds_whole_contexts else " at once"
+        if not self._holds_whole_contexts:
+            needed = min(needed, self._steady_pages)
+        if needed > self.num_pages:
             raise ValueError(f"{name}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} need {needed} pages "
-                             f"of {ps}, more than num_pages={self.num_pages}: give the engine more pages")
+                             f"of {ps}{held}, more than num_pages={self.num_pages}: give the engine more pages")
 
     def _token_ids(self, prompt, index: int) -> list:
         """``prompt`` as a list of ints in ``[0, vocab)``; ``ValueError``/``TypeError`` naming prompt ``index``
@@ -599,20 +615,31 @@ class Engine(OnlineEngine):
 
     def _feeds(self, running: list, chunk_limit: int) -> dict:
         """Decodes first (so ``decoding_batches`` counts them), then prefill chunks of at most ``chunk_limit``
-        tokens, within the token budget."""
-        budget, feeds = self.max_batch_tokens, {}
+        tokens, within the token budget. The budget counts every token the step runs: those a StreamingLLM
+        "reevaluate" discard feeds again too (a request they leave no room for waits for the next step; the step's
+        first request is fed whatever it re-feeds, within the StreamingLLM budget's positions)."""
+        budget, feeds, refed = self.max_batch_tokens, {}, self.manager.refed_tokens
         for q in running:
             if q.next_input is not None and budget > 0:
+                cost = 1 + refed(q.index, 1)
+                if cost > budget and feeds:
+                    continue
                 feeds[q.index] = q.next_input
-                budget -= 1
+                budget -= cost
         for q in running:
             if q.next_input is None and budget > 0:
                 limit = min(budget, chunk_limit)
                 if self.manager.streaming is not None:  # StreamingLLM discards at stream positions, not chunk edges
                     limit = min(limit, self.manager.step_room(q.index))
+                again = refed(q.index, limit)
+                if again:  # what the discard re-feeds comes out of the chunk
+                    if again + 1 > budget and feeds:
+                        continue
+                    limit = max(1, min(limit, budget - again))
+                    again = refed(q.index, limit)
                 chunk = self.manager.pending_tokens(q.index)[:limit]
                 feeds[q.index] = chunk
-                budget -= len(chunk)
+                budget -= len(chunk) + again
         return feeds
 
     def _plan(self, step: int, waiting, running: list):
@@ -625,6 +652,9 @@ class Engine(OnlineEngine):
         chunk_limit, steps, leading = self._chunk_limit, None, None
         while running:
             decodes_only = len(running) <= self.max_batch_tokens and all(q.next_input is not None for q in running)
+            if decodes_only and self._reevaluates:  # discards re-feed kept tokens: the budget may not hold them all
+                refed = self.manager.refed_tokens
+                decodes_only = sum(1 + refed(q.index, 1) for q in running) <= self.max_batch_tokens
             if decodes_only and steps is None:  # only a step of decodes alone plans several
                 steps = self._steps_ahead(step, waiting, running)
             feeds = None if decodes_only else self._feeds(running, chunk_limit)

@@ -229,6 +229,53 @@ def test_streaming_takes_a_prompt_longer_than_its_budget(mode):
     assert not engine.manager.requests
 
 
+def test_reevaluate_discards_of_many_requests_in_one_step_stay_within_the_graphs_steps(tmp_path):
+    """A "reevaluate" discard feeds the kept tokens again: three requests overflowing their budget in one step fed
+    3 x 21 tokens to a graph whose rotary tables hold 48 positions, and ONNX Runtime failed the step. The budget
+    counts what is re-fed now (a request left without room waits a step): every step fits, and each request's tokens
+    are what it gets alone (its cache is a function of its tokens, however its steps are chunked)."""
+    from kvcache_op.hf import export_model, tiny_model
+    from kvcache_op.manager import StreamingPolicy
+
+    path = export_model(tiny_model("llama", max_position_embeddings=48), tmp_path / "short.onnx", page_size=4)
+    policy = StreamingPolicy(sinks=4, budget_pages=12, mode="reevaluate")
+    prompts = [list(range(10, 26)), list(range(50, 66)), list(range(90, 106))]  # one prefill, decodes in lockstep
+    engine = Engine(path, num_pages=64, streaming=policy)
+    assert engine.runner.step_token_limit == engine.max_batch_tokens == 48
+    run, fed = engine.runner.run, []
+
+    def counted(feeds, *changed):
+        fed.append(len(feeds["seqstarts"]) and int(feeds["seqstarts"][-1]))
+        return run(feeds, *changed)
+    engine.runner.run = counted
+    together = engine.generate(prompts, 40)
+    alone = [Engine(path, num_pages=64, streaming=policy).generate([p], 40)[0] for p in prompts]
+    assert together == alone and max(fed) <= 48
+    assert max(fed) > 21, "no step re-fed kept tokens beside others: the test checks nothing"
+
+
+def test_a_pool_that_cannot_hold_a_window_or_a_streaming_budget_is_refused_before_any_token():
+    """A request past its window (24, pages of 4) must hold 7 pages at once, one under StreamingLLM its budget: a
+    smaller pool accepted the request and failed it mid-stream. Refused up front now, naming the pages; the
+    smallest pool that holds them serves the tokens a large pool does."""
+    from kvcache_op.manager import StreamingPolicy
+    from kvcache_op.serving import SamplingParams
+
+    prompt, windowed = list(range(1, 40)), hf_models.exported("mistral", page_size=4)
+    assert Engine(windowed, num_pages=7).info.uniform_window == 24
+    want = Engine(windowed, num_pages=64).generate([prompt], 60)
+    with pytest.raises(ValueError, match=r"need 7 pages of 4 at once, more than num_pages=6"):
+        Engine(windowed, num_pages=6).submit(prompt, SamplingParams(max_tokens=60))
+    assert Engine(windowed, num_pages=6).generate([[1, 2, 3]], 5)  # a request that stays within 6 pages runs
+    assert Engine(windowed, num_pages=7).generate([prompt], 60) == want
+    policy = StreamingPolicy(sinks=4, budget_pages=6, mode="shift")
+    rotary = hf_models.exported("llama", page_size=4)
+    with pytest.raises(ValueError, match=r"need 6 pages of 4 at once, more than num_pages=5"):
+        Engine(rotary, num_pages=5, streaming=policy).generate([prompt], 60)
+    assert Engine(rotary, num_pages=6, streaming=policy).generate([prompt], 60) == \
+        Engine(rotary, num_pages=64, streaming=policy).generate([prompt], 60)
+
+
 def test_stop_ids_come_from_the_generation_config_too_and_its_sampling_defaults_are_ignored(tmp_path):
     """Chat checkpoints keep their end-of-turn id in the generation config; the engine stops there, and the
     oracle is plain greedy search whatever penalties the checkpoint's generation defaults carry."""
