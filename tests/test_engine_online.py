@@ -471,6 +471,32 @@ def test_a_raising_on_token_fails_its_own_call_alone(path, lone):
     assert engine.metrics()["pages_in_use"] == 0
 
 
+def test_generate_from_an_on_token_callback_is_refused_not_a_deadlock(path, lone):
+    """A callback runs in the engine's thread: a generate there waited for steps only that thread runs, forever. It
+    raises now, and as any on_token exception fails its own call alone; the engine goes on."""
+    engine = Engine(path, num_pages=32)
+    inner = []
+
+    def callback(i, token):
+        try:
+            engine.generate([PROMPTS[0]], 2)
+        except RuntimeError as error:
+            inner.append(str(error))
+            raise
+
+    outer = []
+    caller = threading.Thread(target=lambda: outer.append(pytest.raises(
+        RuntimeError, engine.generate, [PROMPTS[1]], 4, on_token=callback)), daemon=True)
+    caller.start()
+    caller.join(timeout=60)
+    assert not caller.is_alive(), "generate inside on_token deadlocked the engine"
+    assert outer and "generate was called from the engine's own thread" in str(outer[0].value)
+    assert len(inner) == 1
+    assert engine.generate([PROMPTS[3]], 8)[0] == lone[3]
+    engine.close(timeout=30)
+    assert engine.metrics()["pages_in_use"] == 0
+
+
 def test_close_during_generate_raises_in_it_rather_than_returning_short_answers(path):
     engine = Engine(path, num_pages=80)
     run = engine.runner.run
