@@ -616,14 +616,14 @@ class Engine(OnlineEngine):
     def _feeds(self, running: list, chunk_limit: int) -> dict:
         """Decodes first (so ``decoding_batches`` counts them), then prefill chunks of at most ``chunk_limit``
         tokens, within the token budget. The budget counts every token the step runs: those a StreamingLLM
-        "reevaluate" discard feeds again too (a request they leave no room for waits for the next step; the step's
-        first request is fed whatever it re-feeds, within the StreamingLLM budget's positions)."""
+        "reevaluate" discard feeds again too (decodes that re-feed go first, and the step's first request is fed
+        whatever it re-feeds, within the StreamingLLM budget's positions; a request left without room waits a
+        step)."""
         budget, feeds, refed = self.max_batch_tokens, {}, self.manager.refed_tokens
-        for q in running:
-            if q.next_input is not None and budget > 0:
-                cost = 1 + refed(q.index, 1)
-                if cost > budget and feeds:
-                    continue
+        decoding = [(1 + refed(q.index, 1), q) for q in running if q.next_input is not None]
+        decoding.sort(key=lambda entry: entry[0] == 1)  # re-feeding ones first: never left out for others' decodes
+        for cost, q in decoding:
+            if budget > 0 and (cost <= budget or not feeds):
                 feeds[q.index] = q.next_input
                 budget -= cost
         for q in running:
