@@ -203,8 +203,8 @@ def test_one_prefill_step_gives_the_models_logits():
 
 
 def test_layers_of_different_softmax_scales_are_refused_for_what_the_export_records(tmp_path):
-    """GPT-2 scaling each layer's scores by 1/(layer+1) (scale_attn_by_inverse_layer_idx): the metadata holds one softmax
-    scale, and the refusal says so (it said the cache needed one shape)."""
+    """GPT-2 scaling each layer's scores by 1/(layer+1) (scale_attn_by_inverse_layer_idx): the metadata holds one
+    softmax scale, and the refusal says so (it said the cache needed one shape)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=128,

@@ -202,7 +202,7 @@ def test_a_stream_left_during_its_last_step_is_counted_as_that_step_ended_it(app
         async def send(message):
             pass
         await app(_scope(payload, spec_version="2.3"), receive, send)  # the reply ends: its client left
-        assert second_step.is_set() and not handles[0].done, "the request ended before the step: the test checks nothing"
+        assert second_step.is_set() and not handles[0].done, "the request ended first: the test checks nothing"
         left.set()
         deadline = time.monotonic() + 60
         while "kvcache_op_finished_requests_total{" not in await _metrics(app) and time.monotonic() < deadline:
