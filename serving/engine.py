@@ -40,6 +40,11 @@ DEFAULT_RUNNING = 64  # requests in flight at once
 DEFAULT_DECODE_STEPS = 64  # decode steps planned at once while every running request only decodes
 
 
+def _nothing_refed(rid, n_new: int) -> int:
+    """No StreamingLLM "reevaluate": a step feeds nothing again."""
+    return 0
+
+
 def default_batch_tokens(device: str) -> int:
     """Tokens an engine feeds per step unless told: 256 on the CPU (``device`` ``"cpu"``), 8192 on a GPU."""
     return DEFAULT_BATCH_TOKENS if device == "cpu" else DEFAULT_DEVICE_BATCH_TOKENS
@@ -619,9 +624,11 @@ class Engine(OnlineEngine):
         "reevaluate" discard feeds again too (decodes that re-feed go first, and the step's first request is fed
         whatever it re-feeds, within the StreamingLLM budget's positions; a request left without room waits a
         step)."""
-        budget, feeds, refed = self.max_batch_tokens, {}, self.manager.refed_tokens
+        budget, feeds = self.max_batch_tokens, {}
+        refed = self.manager.refed_tokens if self._reevaluates else _nothing_refed
         decoding = [(1 + refed(q.index, 1), q) for q in running if q.next_input is not None]
-        decoding.sort(key=lambda entry: entry[0] == 1)  # re-feeding ones first: never left out for others' decodes
+        if self._reevaluates:  # re-feeding ones first: never left out for others' decodes
+            decoding.sort(key=lambda entry: entry[0] == 1)
         for cost, q in decoding:
             if budget > 0 and (cost <= budget or not feeds):
                 feeds[q.index] = q.next_input
@@ -653,8 +660,7 @@ class Engine(OnlineEngine):
         while running:
             decodes_only = len(running) <= self.max_batch_tokens and all(q.next_input is not None for q in running)
             if decodes_only and self._reevaluates:  # discards re-feed kept tokens: the budget may not hold them all
-                refed = self.manager.refed_tokens
-                decodes_only = sum(1 + refed(q.index, 1) for q in running) <= self.max_batch_tokens
+                decodes_only = sum(1 + self.manager.refed_tokens(q.index, 1) for q in running) <= self.max_batch_tokens
             if decodes_only and steps is None:  # only a step of decodes alone plans several
                 steps = self._steps_ahead(step, waiting, running)
             feeds = None if decodes_only else self._feeds(running, chunk_limit)

@@ -23,7 +23,7 @@ from ..spec.schema import ATTRIBUTE_DEFAULTS as CACHE_ATTRIBUTES
 from ..spec.schema import INPUTS as CACHE_INPUTS
 from . import tolerance as spec_tolerance
 from .outcome import Outcome
-from .tolerance import bits_differ
+from .tolerance import bits_differ, special_values
 
 TOLERANCES = ("exact", "spec")
 
@@ -222,10 +222,9 @@ def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolera
         g, w = got.astype(np.float64), want.astype(np.float64)
         # A non-finite element on either side must be the same on both (NaN any NaN): inf - inf is NaN, which no
         # bound admits, and where the reference is infinite its bound is too, which would admit any value
-        special = ~np.isfinite(g) | ~np.isfinite(w)
-        alike = (np.isnan(g) & np.isnan(w)) | (g == w)
+        special, differs = special_values(g, w)
         with np.errstate(invalid="ignore"):
-            return np.where(special, ~alike, ~(np.abs(g - w) <= bound))
+            return np.where(special, differs, ~(np.abs(g - w) <= bound))
     if ctx.op in CACHE_OPS and not ctx.quantized and name in ("cache", "key", "value"):
         return bits_differ(got, want, nan_payloads=True)  # unquantized data movement is exact, a NaN's bits too
     if tolerance == "exact" or not ctx.quantized or ctx.slots is None:

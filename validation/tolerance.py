@@ -52,7 +52,7 @@ def ulp(x, dtype) -> np.ndarray:
     return np.ldexp(1.0, exponent - mantissa)
 
 
-def _special(got, want) -> tuple:
+def special_values(got, want) -> tuple:
     """(a non-finite value on either side, and such an element that is not the same on both: NaN matches
     any NaN, an infinity only itself)."""
     special = ~np.isfinite(got) | ~np.isfinite(want)
@@ -69,7 +69,7 @@ def codes_outside(got_codes, want_codes, stored) -> np.ndarray:
 def scales_outside(got, want, stored, t1) -> np.ndarray:
     """Scales beyond half an ulp of T1 plus one ulp of T3 in stored elements, or differing elsewhere (bits)."""
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    special, bad_special = _special(g, w)
+    special, bad_special = special_values(g, w)
     with np.errstate(invalid="ignore"):
         magnitude = np.maximum(np.abs(g), np.abs(w))  # the larger binade, should the two straddle one
         outside = ~(np.abs(g - w) <= 0.5 * ulp(magnitude, t1) + ulp(magnitude, want.dtype))
@@ -81,7 +81,7 @@ def outputs_outside(got, want, got_pair, want_pair, t3, own=True) -> np.ndarray:
     not the backend's own ``c' s'`` within those two ulps (the pairs: (code, scale) arrays of the output's shape,
     from the backend's cache and the expected one)."""
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    special, bad_special = _special(g, w)
+    special, bad_special = special_values(g, w)
     with np.errstate(invalid="ignore"):  # a code times an infinite (or NaN) scale: the special values' rule decides
         dequantized = [np.asarray(c, np.float64) * np.asarray(s, np.float64) for c, s in (got_pair, want_pair)]
         magnitude = np.maximum.reduce([np.abs(g), np.abs(w), np.abs(dequantized[0]), np.abs(dequantized[1])])
