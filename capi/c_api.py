@@ -34,7 +34,7 @@ from ..reference.quantize import pack_int4, unpack_int4
 from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError, effective_scale
 
-C_API_VERSION = 11
+C_API_VERSION = 12
 MAX_RANK = 8
 OK, INVALID_ARGUMENT, RUNTIME_ERROR, UNAVAILABLE = 0, 1, 2, 3
 
@@ -143,7 +143,7 @@ def library(path: str | None = None) -> ctypes.CDLL:
         "kvcache_op_cpu_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_cached_gather": ((), ctypes.c_char_p),
         "kvcache_op_cpu_streamed_heads": ((ctypes.c_int64,), ctypes.c_int64),
-        "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64,), ctypes.c_int64),
+        "kvcache_op_cpu_gather_tile_bytes": ((ctypes.c_int64, ctypes.c_int64), ctypes.c_int64),
         "kvcache_op_cpu_code_stores": ((), ctypes.c_char_p),
         "kvcache_op_cpu_token_streams": ((), ctypes.c_int64),
         "kvcache_op_cpu_token_prefetch_bytes": ((ctypes.c_int64,), ctypes.c_int64),
@@ -217,16 +217,19 @@ def cpu_streamed_heads(quant_bit: int, path: str | None = None) -> int:
     return int(library(path).kvcache_op_cpu_streamed_heads(quant_bit))
 
 
-def cpu_gather_tile_bytes(cache_layout: int, path: str | None = None) -> int:
-    """How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of ``cache_layout`` write
-    to each output in turn in token order (one token where that is less than a token's row): chosen per layout by
-    measurement (a token where a token's key and value rows lie together, layouts 0 and 1; tiles where they lie
-    apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes); quantized layout-3 gathers in token order go a
-    token at a time whatever it says, and streamed gathers that read runs side by side (:func:`cpu_token_streams`)
-    take no tiles; the same bits whatever the size. Raises ValueError for a layout outside 0-3."""
+def cpu_gather_tile_bytes(cache_layout: int, quant_bit: int, path: str | None = None) -> int:
+    """How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of ``cache_layout`` and ``quant_bit``
+    write to each output in turn in token order (one token where that is less than a token's row): chosen by
+    measurement (a token where a token's key and value rows lie together, layouts 0 and 1, and for quantized rows
+    on Intel processors; tiles where they lie apart), overridden by ``$KVCACHE_OP_GATHER_TILE`` (bytes, for all);
+    quantized layout-3 gathers in token order go a token at a time whatever it says, and streamed gathers that read
+    runs side by side (:func:`cpu_token_streams`) take no tiles; the same bits whatever the size. Raises ValueError
+    for a layout outside 0-3 or a quant_bit other than 0, 4 and 8."""
     if type(cache_layout) is not int or cache_layout not in (0, 1, 2, 3):  # not 1.0, not True
         raise ValueError(f"cache_layout must be 0, 1, 2 or 3, not {cache_layout!r}")
-    return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout))
+    if type(quant_bit) is not int or quant_bit not in (0, 4, 8):  # not 8.0, not True
+        raise ValueError(f"quant_bit must be 0, 4 or 8, not {quant_bit!r}")
+    return int(library(path).kvcache_op_cpu_gather_tile_bytes(cache_layout, quant_bit))
 
 
 def cpu_code_stores(path: str | None = None) -> str:
@@ -264,8 +267,9 @@ def cpu_head_prefetch(path: str | None = None) -> str:
     """Where KeyValueCache's CPU gathers of an unquantized layout-3 cache ask for head rows ahead of their use:
     "l2" (the second-level cache) on AMD processors, in every build (measured on an AMD EPYC of Zen 4: a slot's
     head rows, a multiple of 4 KiB apart, share a set of the first level, whose ways the rows asked for ahead
-    fill), "l1" (the first) elsewhere (Intel processors not measured); overridden by ``$KVCACHE_OP_HEAD_PREFETCH``
-    ("l2" or "l1"); quantized rows go to the first level whatever it says; the same bits either way."""
+    fill), "l1" (the first) elsewhere (level with "l2" on an Intel Xeon of model 207); overridden by
+    ``$KVCACHE_OP_HEAD_PREFETCH`` ("l2" or "l1"); quantized rows go to the first level whatever it says; the same
+    bits either way."""
     return library(path).kvcache_op_cpu_head_prefetch().decode()
 
 

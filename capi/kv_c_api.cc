@@ -54,11 +54,12 @@ int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit) {
   return kvcache::StreamedGatherHeads(quant_bit != 0);
 }
 
-int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout) {
-  if (cache_layout < 0 || cache_layout > 3) return -1;
+int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout, int64_t quant_bit) {
+  if (cache_layout < 0 || cache_layout > 3 || (quant_bit != 0 && quant_bit != 4 && quant_bit != 8)) return -1;
   // The layout's row strides for one layer of two slots of one head tell whether a slot's key and value rows lie
   // together, as the kernel reads them from the call's strides.
-  return kvcache::GatherTileBytes(kvcache::LayoutRowStrides(cache_layout, 1, 2, 1, 1).KeyValueTogether());
+  return kvcache::GatherTileBytes(kvcache::LayoutRowStrides(cache_layout, 1, 2, 1, 1).KeyValueTogether(),
+                                  quant_bit != 0);
 }
 
 const char* kvcache_op_cpu_code_stores(void) { return kvcache::StreamedCodeStores() ? "stream" : "cached"; }

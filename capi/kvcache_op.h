@@ -32,7 +32,7 @@
 extern "C" {
 #endif
 
-#define KVCACHE_OP_C_API_VERSION 11
+#define KVCACHE_OP_C_API_VERSION 12
 
 #if defined(__GNUC__)
 #define KVCACHE_OP_EXPORT __attribute__((visibility("default")))
@@ -123,13 +123,13 @@ KVCACHE_OP_EXPORT const char* kvcache_op_cpu_cached_gather(void);
    argument.) */
 KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_streamed_heads(int64_t quant_bit);
 
-/* How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of `cache_layout` write to
-   each output in turn in token order (a tile's keys, then its values; one token where that is less than a token's
-   row), chosen per layout by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes); -1 for a layout outside 0-3.
-   Quantized layout-3 gathers in token order go a token at a time whatever it says, and streamed gathers that read
-   runs side by side (kvcache_op_cpu_token_streams) take no tiles. Every size gives the same bits. (C API version
-   5: the layout argument.) */
-KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout);
+/* How many bytes of whole tokens KeyValueCache's CPU gathers of a cache of `cache_layout` and `quant_bit` (0, 4 or
+   8) write to each output in turn in token order (a tile's keys, then its values; one token where that is less
+   than a token's row), chosen per layout and quantization by measurement (or by $KVCACHE_OP_GATHER_TILE, bytes, for
+   all); -1 for a layout outside 0-3 or another quant_bit. Quantized layout-3 gathers in token order go a token at a
+   time whatever it says, and streamed gathers that read runs side by side (kvcache_op_cpu_token_streams) take no
+   tiles. Every size gives the same bits. (C API version 12: the quant_bit argument; 5: the layout argument.) */
+KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_gather_tile_bytes(int64_t cache_layout, int64_t quant_bit);
 
 /* How KeyValueCache's CPU stores write quantized codes whose output rows are not read back from the cache, where
    the AVX-512 build's blocks of 16 groups cover them and they start on a line, chosen by measurement (streamed
@@ -158,9 +158,9 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes)
 /* Where KeyValueCache's CPU gathers of an unquantized layout-3 cache ask for head rows ahead of their use: "l2"
    (the second-level cache, prefetcht1) or "l1" (the first). Chosen by measurement: "l2" on AMD processors, in
    every build (measured on an AMD EPYC of Zen 4: a slot's head rows share a set of the first level, whose ways the
-   rows asked for ahead fill), "l1" elsewhere (Intel processors not measured); or by $KVCACHE_OP_HEAD_PREFETCH
-   ("l2" or "l1"). Quantized rows go to the first level whatever it says. Both give the same bits. (C API version
-   11.) */
+   rows asked for ahead fill), "l1" elsewhere (level with "l2" on an Intel Xeon of model 207); or by
+   $KVCACHE_OP_HEAD_PREFETCH ("l2" or "l1"). Quantized rows go to the first level whatever it says. Both give the
+   same bits. (C API version 11.) */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_head_prefetch(void);
 
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);

@@ -54,10 +54,10 @@ int64_t StreamedGatherHeads(bool quantized);
 // How many bytes of whole tokens gathers in token order (not side by side) write to each output in
 // turn (a tile's keys, then its values), one token where that is less than a token's row, from a cache whose
 // slots hold a token's key and value rows together or not (RowStrides::KeyValueTogether): chosen by measurement
-// (a token where they lie together, tiles where they lie apart), or by $KVCACHE_OP_GATHER_TILE (bytes, a
-// non-negative integer). Streamed gathers that read runs side by side (TokenStreams) take no tiles. The same bits
-// whatever the size.
-int64_t GatherTileBytes(bool key_value_together);
+// (a token where they lie together, and for quantized rows on Intel processors; tiles where they lie apart), or by
+// $KVCACHE_OP_GATHER_TILE (bytes, a non-negative integer). Streamed gathers that read runs side by side
+// (TokenStreams) take no tiles. The same bits whatever the size.
+int64_t GatherTileBytes(bool key_value_together, bool quantized);
 // How many runs of a gather task's rows streamed unquantized gathers read side by side where a token's heads are one
 // row in the cache and in the output (layouts 0-2 without repeats; one stream, not side by side, in the store plan;
 // rows of whole 64-byte vectors at even addresses, in the AVX-512 build: RowsGoSideBySide):
@@ -86,8 +86,8 @@ bool StreamedCodeStores();
 // Whether gathers of an unquantized layout-3 cache ask for head rows ahead of their use into the second-level cache
 // (prefetcht1) rather than the first: on AMD processors, in every build (measured on an AMD EPYC of Zen 4; the
 // first level's sets cannot hold a token's heads, which lie a multiple of 4 KiB apart, kv_cpu_dispatch.cc), into
-// the first elsewhere (Intel processors not measured), or as $KVCACHE_OP_HEAD_PREFETCH says ("l2" or "l1").
-// Quantized rows are asked for into the first (measured mixed). The same bits either way.
+// the first elsewhere (level with the second on an Intel Xeon of model 207), or as $KVCACHE_OP_HEAD_PREFETCH says
+// ("l2" or "l1"). Quantized rows are asked for into the first (measured mixed). The same bits either way.
 bool HeadPrefetchToL2();
 // Whether each KeyValueCache call on the CPU prints its plan, one line on stderr ($KVCACHE_OP_CPU_VERBOSE=1, read each
 // call): the build running it, the call's shape, whether its outputs are streamed (a call's own size decides it,

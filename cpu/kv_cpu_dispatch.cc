@@ -119,7 +119,9 @@ bool CachedGatherHeadRuns() {
   // now write a stored token's outputs, so this orders the gathers of what a call loads without storing it: a
   // chunked prefill's earlier tokens, a small decode's.) On an Intel Xeon of family 6 model 167, side by side in
   // one process (9 rounds), the chunk of a chunked prefill, int8 layout 3: token by token 3.72 ms (0.61x a copy)
-  // against 4.81 ms (0.48x) a head's page runs; float16 and layout 0 within noise.
+  // against 4.81 ms (0.48x) a head's page runs; float16 and layout 0 within noise. On an Intel Xeon of family 6
+  // model 207 (11 rounds, op / copy on lines / 16 bytes past), the same chunk: token by token 0.71x / 0.70x against
+  // 0.72x / 0.62x, offset 0.79x / 0.67x against 0.70x / 0.65x; float16 and int8 prefill level.
   return AmdProcessor();
 }
 
@@ -156,14 +158,16 @@ int64_t StreamedGatherHeads(bool quantized) {
   // 16 bytes past): decode B=64 x 1,024 keys, paged, 0.80x / 0.68x against 0.82x / 0.76x, offset 0.79x / 0.69x
   // against 0.86x / 0.76x; 32 heads of 128 (B=16) 0.75x / 0.67x against 0.81x / 0.66x, offset 0.82x / 0.76x against
   // 0.94x / 0.75x; pages of 16 slots 0.61x / 0.49x against 0.62x / 0.65x, offset 0.80x / 0.71x against 0.82x / 0.79x:
-  // eight ahead or level everywhere, so Intel processors running the AVX-512 build read eight (the Intel Xeon of model
-  // 207 measured four and eight level, with an earlier kernel; int4 not measured, it follows int8). AMD processors
-  // and the other builds keep four.
+  // eight ahead or level everywhere, so Intel processors running the AVX-512 build read eight (int4 not measured, it
+  // follows int8). On an Intel Xeon of family 6 model 207 (11 rounds, on lines / 16 bytes past), eight against four:
+  // int8 decode, paged, 0.80x / 0.85x against 0.79x / 0.74x; 32 heads 0.85x / 0.78x against 0.81x / 0.75x; pages of
+  // 16 slots 0.77x / 0.75x against 0.84x / 0.61x; values (float16) with four, eight and sixteen level (0.92-1.03x).
+  // AMD processors and the other builds keep four.
   if (quantized && (ChosenKernel() != CpuKernel::kAvx512 || AmdProcessor())) return 4;
   return 8;
 }
 
-int64_t GatherTileBytes(bool key_value_together) {
+int64_t GatherTileBytes(bool key_value_together, bool quantized) {
   const long long bytes = EnvInteger("KVCACHE_OP_GATHER_TILE", 0);
   if (bytes >= 0) return bytes;
   // Measured on one core, float16 decode B=64 with 1,024 keys, 8 heads of 128 (benchmarks/cpu), tiles of 32 KiB
@@ -190,10 +194,20 @@ int64_t GatherTileBytes(bool key_value_together) {
   // rounds, on lines / 16 bytes past), a token, 32 KiB and 512 KiB: float16 decode 0.91x / 0.85x, 0.81x / 0.85x,
   // 0.76x / 0.87x; with 32 heads of 128 0.76x / 0.73x, 0.75x / 0.75x, 0.79x / 0.79x; int8 decode 0.96x / 0.86x,
   // 0.92x / 0.86x, 0.91x / 0.89x; int8 with 32 heads 0.77x / 0.74x, 0.79x / 0.73x, 0.77x / 0.74x: all within
-  // that machine's noise, so Intel processors keep 32 KiB. Where token streams run (TokenStreams, below, above 1) the
-  // streamed unquantized gathers of layouts 0-2 read runs of a task's rows side by side instead of tiles; the
-  // tiles serve the rest.
-  if (key_value_together) return 0;
+  // that machine's noise, so Intel processors keep 32 KiB. On an Intel Xeon of family 6 model 207, two runs (11
+  // and 15 rounds), a token against 32 KiB: int8 decode 0.96x / 0.95x and 0.98x / 0.98x against 0.92x / 0.96x and
+  // 0.89x / 0.94x; 32 heads 0.87x / 0.83x either run against 0.86-0.87x / 0.79-0.84x; the float16 chunk 1.03x /
+  // 0.97x and 1.00x / 1.02x against 0.93x / 0.94x and 1.04x / 1.01x (512 KiB 0.80-0.95x); layout 3's chunk level
+  // (float16 0.93x / 0.91x against 0.94x / 0.92x): within noise, 32 KiB kept for unquantized rows. int8 decode with
+  // 8 heads in layout 2 was the exception, a token at a time ahead in each run, and in a third (21 rounds): 0.98x /
+  // 0.97x against 0.95x / 0.92x, pages of 16 slots 0.98x / 0.97x against 0.95x / 0.93x (the time 0.96-0.97x the
+  // tiles'), 32 heads and the int8 chunk level (0.97-1.00x); on model 167 too (0.96x against 0.92x on lines, level
+  // past one). So on Intel processors quantized gathers go a token at a time in every layout (they went so before
+  // AMD's tiles reached them unmeasured; layout 3's always do), and side by side after the change 32 KiB took
+  // 1.02-1.10x its time on int8 decode there; unquantized ones keep 32 KiB, level there. Where
+  // token streams run (TokenStreams, below, above 1) the streamed unquantized gathers of layouts 0-2 read runs of a
+  // task's rows side by side instead of tiles; the tiles serve the rest.
+  if (key_value_together || (quantized && !AmdProcessor())) return 0;
   return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
 }
 
@@ -226,6 +240,11 @@ int64_t TokenStreams() {
   // 1.35x / 1.21x. Four there: 2 ahead of it in four of those five rows but behind in layout 2 with 8 heads (the
   // benchmark's decode); four ahead of one row after another everywhere but there 16 bytes past a line, where one
   // row after another in 512 KiB tiles stays a little ahead (1.07-1.08x against 0.99-1.00x).
+  // On an Intel Xeon of family 6 model 207 (11 rounds, on lines / 16 bytes past), 8 runs against one and 16, layouts
+  // 0-2: decode 0.95-1.01x / 0.86-0.97x against 0.82-0.88x / 0.85-0.87x and 0.92-0.99x / 0.88-0.95x; 32 heads of 128
+  // 1.04x / 0.92-0.97x against 0.81-0.84x / 0.76-0.81x and 1.01-1.02x / 0.92-0.93x; pages of 16 slots 0.96-0.99x /
+  // 0.86-0.96x against 0.84-0.87x / 0.83-0.84x and 0.93-0.98x / 0.85-0.90x. The traffic alone there: one row after
+  // another 0.87-0.93x a memcpy, 8 runs 1.00-1.05x.
   if (ChosenKernel() != CpuKernel::kAvx512) return 1;
   return AmdProcessor() ? 4 : 8;
 }
@@ -256,6 +275,10 @@ int64_t TokenPrefetchBytes(int64_t row_bytes) {
   // 1.01x / 0.92x (512 B); layout 1 1.13x / 1.02x against 1.04x / 0.96x (512 B); layout 2 1.13x / 1.03x against
   // 1.02x / 0.95x (512 B); pages of 16 slots, layout 0, 1.05x / 0.93x against 0.89x / 0.84x (512 B). There a row of
   // a kilobyte or less is asked for whole, a longer one its first 512 bytes.
+  // On an Intel Xeon of family 6 model 207 (11 rounds, on lines / 16 bytes past), 1 KiB against the whole row, int8
+  // with 32 heads of 128, layouts 0-2: decode B=16 0.83-0.89x / 0.77-0.82x against 0.76-0.77x / 0.70-0.72x; the chunk
+  // (4 x 256 tokens after 768) 1.06-1.41x / 1.00-1.22x against 0.98-1.19x / 1.06-1.10x, the whole row's time
+  // 1.05-1.18x 1 KiB's throughout.
   if (!AmdProcessor()) return 1024;
   return row_bytes > 1024 ? 512 : 0;
 }
@@ -277,8 +300,12 @@ bool StreamedCodeStores() {
   // not measured then. On an Intel Xeon of family 6 model 167 (side by side in one process, 13 rounds, int8 prefill,
   // on lines / 16 bytes past, ms): layout 3 1.46 / 1.44 against 2.02 / 1.78 (op / copy 0.82x against 0.61-0.65x),
   // layout 2 1.49 / 1.60 against 1.64 / 1.65, layout 0 1.59 / 1.60 against 1.70 / 1.84, offset mode level; the
-  // chunk, layout 3, 2.83 / 3.04 against 3.03 / 3.27; decode level. Streamed on every processor running the
-  // AVX-512 build; the other builds never stream codes.
+  // chunk, layout 3, 2.83 / 3.04 against 3.03 / 3.27; decode level. On an Intel Xeon of family 6 model 207 (11
+  // rounds, op / copy on lines / 16 bytes past): prefill and the chunk level in every layout (plain stores' time
+  // 0.97-1.03x the streamed ones'; layout 3's prefill 0.86x / 0.87x against 0.84x / 0.86x), and the store traffic
+  // alone (benchmarks/cpu/bound/scale_rows.cc) has layout 3's scattered half-line scale stores at 1.06-1.08x layout
+  // 0's time whichever way they go (2x on the Zen 4). Streamed on every processor running the AVX-512 build; the
+  // other builds never stream codes.
   return ChosenKernel() == CpuKernel::kAvx512;
 }
 
@@ -304,10 +331,12 @@ bool HeadPrefetchToL2() {
   // against 0.92x / 0.79x, offset 0.93x / 0.86x against 0.93x / 0.81x, 32 heads 1.03x / 0.97x against 1.07x / 0.90x; 9
   // rounds, pages of 16 0.70x / 0.63x against 0.76x / 0.64x, pages of 16 offset 1.16x / 0.82x against 0.97x / 0.82x,
   // decode 0.89x / 0.80x against 0.95x / 0.85x: ahead in pages of 16, behind or level elsewhere, so quantized rows keep
-  // the first level. Intel processors were not measured with this: they keep the first level (the Intel Xeons measured
-  // elsewhere are of the Sapphire Rapids generation or later, whose cores have a first level of 12 ways of 48 KiB,
-  // where eight heads do not fill a set: inferred from the generation, not measured). Other AMD kinds take the
-  // second unmeasured (Zen 5's first level has 12 ways of 48 KiB too: there the reason is weaker).
+  // the first level. Intel processors keep the first level: on an Intel Xeon of family 6 model 207 (11 rounds, on
+  // lines / 16 bytes past) the second level took 1.01x / 1.05x the first's time on decode, 1.02x / 1.01x with 32
+  // heads of 128, 0.99x / 0.99x in pages of 16 slots, level (its cores' first level has 12 ways of 48 KiB, where
+  // eight heads do not fill a set). On an AMD EPYC of family 25 model 1 (Zen 3) the first level took 0.95-1.12x the
+  // second's time: the second kept. Zen 5 takes it unmeasured (its first level has 12 ways of 48 KiB too: there the
+  // reason is weaker).
   return AmdProcessor();
 }
 

@@ -74,7 +74,8 @@ def test_a_call_reports_its_shape_and_the_measured_choices(kernel, quant_bit, la
         "kv_tokens": int(case.inputs["kvstarts"][-1]), "heads": 3, "head_dim": 64, "outputs": 1,
         "out_bytes": got[0].nbytes,
         "stream_outputs": 0, "side_by_side": 0, "cached_gather": c_api.cpu_cached_gather(),
-        "streamed_heads": c_api.cpu_streamed_heads(quant_bit), "tile_bytes": c_api.cpu_gather_tile_bytes(layout),
+        "streamed_heads": c_api.cpu_streamed_heads(quant_bit),
+        "tile_bytes": c_api.cpu_gather_tile_bytes(layout, quant_bit),
         "token_streams": c_api.cpu_token_streams(), "prefetch_heads": expected_prefetch_heads(quant_bit, 3, 64),
         "code_stores": c_api.cpu_code_stores() if quant_bit else "cached",
         "head_prefetch": c_api.cpu_head_prefetch() if quant_bit == 0 else "l1"}

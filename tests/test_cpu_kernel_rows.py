@@ -203,7 +203,7 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", str(streamed_heads))
             assert c_api.cpu_streamed_heads(quant_bit) == streamed_heads
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", str(tile))
-        assert tile_bytes_by_layout() == [tile] * 4
+        assert tile_bytes_by_layout(quant_bit) == [tile] * 4
         if token_streams is None:
             monkeypatch.delenv("KVCACHE_OP_TOKEN_STREAMS", raising=False)
         else:
@@ -227,9 +227,9 @@ def test_streamed_outputs_give_the_references_bits(quant_bit, layout, num_repeat
             level, expected_prefetch_heads(quant_bit, heads, head_dim)), plan
 
 
-def tile_bytes_by_layout() -> list:
-    """c_api.cpu_gather_tile_bytes of cache layouts 0-3, in order."""
-    return [c_api.cpu_gather_tile_bytes(layout) for layout in range(4)]
+def tile_bytes_by_layout(quant_bit: int) -> list:
+    """c_api.cpu_gather_tile_bytes of cache layouts 0-3, in order, for ``quant_bit``."""
+    return [c_api.cpu_gather_tile_bytes(layout, quant_bit) for layout in range(4)]
 
 
 def guarded_outputs(given, attributes, offset=0, guard=256):
@@ -544,35 +544,45 @@ def test_the_cpu_vendor_override_names_amd_or_intel_and_else_leaves_the_processo
                        ("", this_kind_amd)):
         monkeypatch.setenv("KVCACHE_OP_CPU_VENDOR", given)
         assert amd_processor() == amd, given
-        assert c_api.cpu_gather_tile_bytes(2) == (512 << 10 if amd else 32 << 10), given
+        assert c_api.cpu_gather_tile_bytes(2, 0) == (512 << 10 if amd else 32 << 10), given
 
 
+@pytest.mark.parametrize("quant_bit", [0, 4, 8])
 @pytest.mark.parametrize("vendor", CPU_VENDORS)
-def test_the_gather_tile_follows_the_override_and_else_the_layout(monkeypatch, vendor):
-    """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright, in every layout (a non-negative integer; anything
-    else leaves the measured choice). Unset: a token at a time where a token's key and value rows lie together
-    (layouts 0 and 1), as measured on the Intel Xeon of model 207 and on an AMD EPYC of Zen 4; tiles where they
-    lie apart (layouts 2 and 3), of 512 KiB on AMD processors (measured on that AMD EPYC) and of 32 KiB on others.
-    A layout the op does not have is refused, by the binding and by the C function (-1)."""
+def test_the_gather_tile_follows_the_override_and_else_the_layout_and_quantization(monkeypatch, vendor, quant_bit):
+    """$KVCACHE_OP_GATHER_TILE names the tile's bytes outright, in every layout and quantization (a non-negative
+    integer; anything else leaves the measured choice). Unset: a token at a time where a token's key and value rows
+    lie together (layouts 0 and 1), as measured on the Intel Xeon of model 207 and on an AMD EPYC of Zen 4; where
+    they lie apart (layouts 2 and 3), tiles of 512 KiB on AMD processors (measured on that AMD EPYC), and on others
+    tiles of 32 KiB for unquantized rows and a token at a time for quantized ones (measured on the Intel Xeons of
+    models 207 and 167). A layout the op does not have, or another quant_bit, is refused, by the binding and by the
+    C function (-1)."""
     use_cpu_vendor(monkeypatch, vendor)
-    default = default_gather_tiles()
+    default = default_gather_tiles(quant_bit)
+    assert default == ([0, 0, 512 << 10, 512 << 10] if vendor == "amd" else
+                       [0, 0, 32 << 10, 32 << 10] if vendor == "intel" and quant_bit == 0 else
+                       [0, 0, 0, 0] if vendor == "intel" else default)
     for given, want in (("0", [0] * 4), ("5000", [5000] * 4), ("32768", [32768] * 4), ("-1", default),
                         ("32k", default), ("", default)):
         monkeypatch.setenv("KVCACHE_OP_GATHER_TILE", given)
-        assert tile_bytes_by_layout() == want, given
+        assert tile_bytes_by_layout(quant_bit) == want, given
     monkeypatch.delenv("KVCACHE_OP_GATHER_TILE")
-    assert tile_bytes_by_layout() == default
+    assert tile_bytes_by_layout(quant_bit) == default
     for layout in (-1, 4, 1.0, True):
         with pytest.raises(ValueError, match="cache_layout must be 0, 1, 2 or 3"):
-            c_api.cpu_gather_tile_bytes(layout)
-    for layout in (-1, 4, 1 << 40):
-        assert c_api.library().kvcache_op_cpu_gather_tile_bytes(layout) == -1
+            c_api.cpu_gather_tile_bytes(layout, quant_bit)
+    for bits in (1, 2, 16, 8.0, True, None):
+        with pytest.raises(ValueError, match="quant_bit must be 0, 4 or 8"):
+            c_api.cpu_gather_tile_bytes(2, bits)
+    for layout, bits in ((-1, quant_bit), (4, quant_bit), (1 << 40, quant_bit), (2, 1), (2, 16), (2, -8)):
+        assert c_api.library().kvcache_op_cpu_gather_tile_bytes(layout, bits) == -1
 
 
-def default_gather_tiles() -> list:
-    """The gather tiles measured best for layouts 0-3 on this processor: a token where a token's key and value rows
-    lie together, else 512 KiB on AMD processors and 32 KiB on others."""
-    apart = 512 << 10 if amd_processor() else 32 << 10
+def default_gather_tiles(quant_bit: int) -> list:
+    """The gather tiles measured best for layouts 0-3 of ``quant_bit`` on this processor: a token where a token's
+    key and value rows lie together; else 512 KiB on AMD processors, and on others 32 KiB for unquantized rows and
+    a token at a time for quantized ones."""
+    apart = 512 << 10 if amd_processor() else 0 if quant_bit else 32 << 10
     return [0, 0, apart, apart]
 
 
@@ -588,10 +598,11 @@ def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_lay
         monkeypatch.delenv(name, raising=False)
     codes = default_code_stores()
     other = "cached" if codes == "stream" else "stream"
-    tiles = "/".join(map(str, default_gather_tiles()))
+    tiles = " and ".join("/".join(map(str, default_gather_tiles(quant_bit))) for quant_bit in (8, 0))
     prefetch = "whole rows/512 B" if amd_processor() else "1024 B/1024 B"
     assert (f"{default_streamed_heads(8)}/8 streamed heads a row (quantized/values), {default_token_streams()} token"
-            f" streams, quantized token prefetch of {prefetch} (rows of 1/4 KiB), gather tiles of {tiles} B,"
+            f" streams, quantized token prefetch of {prefetch} (rows of 1/4 KiB), gather tiles of {tiles} B (quantized"
+            f" and values),"
             f" {codes} code stores, layout-3 value prefetch into {default_head_prefetch()}" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_STREAMED_HEADS", "3")
     monkeypatch.setenv("KVCACHE_OP_TOKEN_STREAMS", "5")
@@ -601,7 +612,8 @@ def test_benchmark_titles_name_the_heads_the_token_streams_the_tiles_of_each_lay
     other_level = "l1" if default_head_prefetch() == "l2" else "l2"
     monkeypatch.setenv("KVCACHE_OP_HEAD_PREFETCH", other_level)
     assert (f"3/3 streamed heads a row (quantized/values), 5 token streams, quantized token prefetch of 300 B/300 B"
-            f" (rows of 1/4 KiB), gather tiles of 5000/5000/5000/5000 B, {other} code stores, layout-3 value prefetch"
+            f" (rows of 1/4 KiB), gather tiles of 5000/5000/5000/5000 and 5000/5000/5000/5000 B (quantized and values),"
+            f" {other} code stores, layout-3 value prefetch"
             f" into {other_level}" in kernel_build())
     monkeypatch.setenv("KVCACHE_OP_TOKEN_PREFETCH", "0")
     assert "quantized token prefetch of whole rows/whole rows (rows of 1/4 KiB)," in kernel_build()
@@ -635,8 +647,8 @@ def test_the_code_stores_follow_the_override_and_else_the_kernel_build(monkeypat
 def test_the_head_prefetch_follows_the_override_and_else_the_cpu_vendor(monkeypatch, vendor):
     """$KVCACHE_OP_HEAD_PREFETCH names where layout 3's unquantized head rows are asked for ahead outright ("l2" or
     "l1"; any other word leaves the measured choice); unset, AMD processors ask for them into the second-level cache
-    (measured ahead on an AMD EPYC of Zen 4) and others into the first (Intel processors not measured), whichever
-    kernel build runs (every build prefetches)."""
+    (measured ahead on an AMD EPYC of Zen 4) and others into the first (level with the second on an Intel Xeon of
+    model 207), whichever kernel build runs (every build prefetches)."""
     use_cpu_vendor(monkeypatch, vendor)
     default = default_head_prefetch()
     for build in (None, "avx2", "generic"):
