@@ -267,7 +267,7 @@ def cpu_head_prefetch(path: str | None = None) -> str:
     """Where KeyValueCache's CPU gathers of an unquantized layout-3 cache ask for head rows ahead of their use:
     "l2" (the second-level cache) on AMD processors, in every build (measured on an AMD EPYC of Zen 4: a slot's
     head rows, a multiple of 4 KiB apart, share a set of the first level, whose ways the rows asked for ahead
-    fill), "l1" (the first) elsewhere (level with "l2" on an Intel Xeon of model 207); overridden by
+    fill), "l1" (the first) elsewhere ("l2" no faster on an Intel Xeon of model 207); overridden by
     ``$KVCACHE_OP_HEAD_PREFETCH`` ("l2" or "l1"); quantized rows go to the first level whatever it says; the same
     bits either way."""
     return library(path).kvcache_op_cpu_head_prefetch().decode()

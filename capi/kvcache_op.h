@@ -158,7 +158,7 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes)
 /* Where KeyValueCache's CPU gathers of an unquantized layout-3 cache ask for head rows ahead of their use: "l2"
    (the second-level cache, prefetcht1) or "l1" (the first). Chosen by measurement: "l2" on AMD processors, in
    every build (measured on an AMD EPYC of Zen 4: a slot's head rows share a set of the first level, whose ways the
-   rows asked for ahead fill), "l1" elsewhere (level with "l2" on an Intel Xeon of model 207); or by
+   rows asked for ahead fill), "l1" elsewhere ("l2" no faster on an Intel Xeon of model 207); or by
    $KVCACHE_OP_HEAD_PREFETCH ("l2" or "l1"). Quantized rows go to the first level whatever it says. Both give the
    same bits. (C API version 11.) */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_head_prefetch(void);

@@ -86,7 +86,7 @@ bool StreamedCodeStores();
 // Whether gathers of an unquantized layout-3 cache ask for head rows ahead of their use into the second-level cache
 // (prefetcht1) rather than the first: on AMD processors, in every build (measured on an AMD EPYC of Zen 4; the
 // first level's sets cannot hold a token's heads, which lie a multiple of 4 KiB apart, kv_cpu_dispatch.cc), into
-// the first elsewhere (level with the second on an Intel Xeon of model 207), or as $KVCACHE_OP_HEAD_PREFETCH says
+// the first elsewhere (the second no faster on an Intel Xeon of model 207), or as $KVCACHE_OP_HEAD_PREFETCH says
 // ("l2" or "l1"). Quantized rows are asked for into the first (measured mixed). The same bits either way.
 bool HeadPrefetchToL2();
 // Whether each KeyValueCache call on the CPU prints its plan, one line on stderr ($KVCACHE_OP_CPU_VERBOSE=1, read each

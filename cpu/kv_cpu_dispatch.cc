@@ -161,7 +161,8 @@ int64_t StreamedGatherHeads(bool quantized) {
   // eight ahead or level everywhere, so Intel processors running the AVX-512 build read eight (int4 not measured, it
   // follows int8). On an Intel Xeon of family 6 model 207 (11 rounds, on lines / 16 bytes past), eight against four:
   // int8 decode, paged, 0.80x / 0.85x against 0.79x / 0.74x; 32 heads 0.85x / 0.78x against 0.81x / 0.75x; pages of
-  // 16 slots 0.77x / 0.75x against 0.84x / 0.61x; values (float16) with four, eight and sixteen level (0.92-1.03x).
+  // 16 slots 0.77x / 0.75x against 0.84x / 0.61x; values (float16): four level on lines, 1.08x eight's time 16
+  // bytes past one (decode), sixteen 1.06x / 1.09x with 32 heads of 128.
   // AMD processors and the other builds keep four.
   if (quantized && (ChosenKernel() != CpuKernel::kAvx512 || AmdProcessor())) return 4;
   return 8;
@@ -197,7 +198,8 @@ int64_t GatherTileBytes(bool key_value_together, bool quantized) {
   // that machine's noise, so Intel processors keep 32 KiB. On an Intel Xeon of family 6 model 207, two runs (11
   // and 15 rounds), a token against 32 KiB: int8 decode 0.96x / 0.95x and 0.98x / 0.98x against 0.92x / 0.96x and
   // 0.89x / 0.94x; 32 heads 0.87x / 0.83x either run against 0.86-0.87x / 0.79-0.84x; the float16 chunk 1.03x /
-  // 0.97x and 1.00x / 1.02x against 0.93x / 0.94x and 1.04x / 1.01x (512 KiB 0.80-0.95x); layout 3's chunk level
+  // 0.97x and 1.00x / 1.02x against 0.93x / 0.94x and 1.04x / 1.01x (512 KiB 0.94-0.95x there, 0.80-0.95x over
+  // every case); layout 3's chunk level
   // (float16 0.93x / 0.91x against 0.94x / 0.92x): within noise, 32 KiB kept for unquantized rows. int8 decode with
   // 8 heads in layout 2 was the exception, a token at a time ahead in each run, and in a third (21 rounds): 0.98x /
   // 0.97x against 0.95x / 0.92x, pages of 16 slots 0.98x / 0.97x against 0.95x / 0.93x (the time 0.96-0.97x the
@@ -333,10 +335,10 @@ bool HeadPrefetchToL2() {
   // decode 0.89x / 0.80x against 0.95x / 0.85x: ahead in pages of 16, behind or level elsewhere, so quantized rows keep
   // the first level. Intel processors keep the first level: on an Intel Xeon of family 6 model 207 (11 rounds, on
   // lines / 16 bytes past) the second level took 1.01x / 1.05x the first's time on decode, 1.02x / 1.01x with 32
-  // heads of 128, 0.99x / 0.99x in pages of 16 slots, level (its cores' first level has 12 ways of 48 KiB, where
-  // eight heads do not fill a set). On an AMD EPYC of family 25 model 1 (Zen 3) the first level took 0.95-1.12x the
-  // second's time: the second kept. Zen 5 takes it unmeasured (its first level has 12 ways of 48 KiB too: there the
-  // reason is weaker).
+  // heads of 128, 0.99x / 0.99x in pages of 16 slots: level or slower (its cores' first level has 12 ways of 48
+  // KiB, where eight heads do not fill a set: the likely reason, not measured). On an AMD EPYC of family 25 model 1
+  // (Zen 3) the first level took 0.95-1.12x the second's time: the second kept. Zen 5 takes it unmeasured (its first
+  // level has 12 ways of 48 KiB too: there the reason is weaker).
   return AmdProcessor();
 }
 

@@ -647,7 +647,7 @@ def test_the_code_stores_follow_the_override_and_else_the_kernel_build(monkeypat
 def test_the_head_prefetch_follows_the_override_and_else_the_cpu_vendor(monkeypatch, vendor):
     """$KVCACHE_OP_HEAD_PREFETCH names where layout 3's unquantized head rows are asked for ahead outright ("l2" or
     "l1"; any other word leaves the measured choice); unset, AMD processors ask for them into the second-level cache
-    (measured ahead on an AMD EPYC of Zen 4) and others into the first (level with the second on an Intel Xeon of
+    (measured ahead on an AMD EPYC of Zen 4) and others into the first (the second no faster on an Intel Xeon of
     model 207), whichever kernel build runs (every build prefetches)."""
     use_cpu_vendor(monkeypatch, vendor)
     default = default_head_prefetch()

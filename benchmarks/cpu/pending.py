@@ -103,7 +103,8 @@ CHECKS = (
           ("own", "token:KVCACHE_OP_GATHER_TILE=0", "32k:KVCACHE_OP_GATHER_TILE=32768",
            "512k:KVCACHE_OP_GATHER_TILE=524288"),
           "layout 2's token-order gathers on Intel processors write 32 KiB tiles of unquantized rows (AMD's 512 KiB) "
-          "and quantized rows a token at a time (int8 decode 0.89-0.95x -> 0.96-0.98x a copy on models 207 and 167; "
+          "and quantized rows a token at a time (int8 decode on lines 0.89-0.95x -> 0.96-0.98x a copy on models 207 "
+          "and 167; "
           "on the Zen 4 int8 decode-32h 0.84x a token at a time, 0.98x in 512 KiB tiles); float16 decode reads token "
           "streams instead, so float16 is timed on the chunk, whose outputs stay cached"),
 )
