@@ -67,19 +67,17 @@ def token_prefetch(size: int) -> str:
 
 
 def kernel_build(library: str | None = None) -> str:
-    """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row
-    (quantized/values), <n> token streams, quantized token prefetch of <p1>/<p4> (rows of 1/4 KiB; <p> B or whole
-    rows), gather tiles of <q0>/<q1>/<q2>/<q3> and <b0>/<b1>/<b2>/<b3> B (quantized and values), <stream|cached>
-    code stores, layout-3 value prefetch into
-    <l1|l2>": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout 3's quantized
-    gathers walk outputs that stay cached, how many heads its layout-3 gathers read side by side into a streamed
-    output (quantized caches, unquantized), how many runs of a task's rows its token-order gathers read side by side
-    into one, the bytes of a quantized token its token-order gathers ask for ahead, the bytes of the tiles its
-    token-order gathers write in layouts 0-3 (quantized caches, unquantized; below a token's row: a token at a
-    time), how its stores write
-    quantized codes and which cache level its layout-3 gathers of unquantized rows ask for head rows into
-    (``library``: of that build; default the loaded one). Empty for a library of another C API version, which the
-    binding refuses."""
+    """", <name> kernel build, <plan> stores, <order> cached gathers, <q>/<v> streamed heads a row (quantized/values),
+    <n> token streams, quantized token prefetch of <p1>/<p4> (rows of 1/4 KiB; <p> B or whole rows), gather tiles of
+    <q0>/<q1>/<q2>/<q3> and <b0>/<b1>/<b2>/<b3> B (quantized and values), <stream|cached> code stores, layout-3 value
+    prefetch into <l1|l2>": the KeyValueCache CPU kernel build that runs, how it writes large outputs, how layout 3's
+    quantized gathers walk outputs that stay cached, how many heads its layout-3 gathers read side by side into a
+    streamed output (quantized caches, unquantized), how many runs of a task's rows its token-order gathers read side
+    by side into one, the bytes of a quantized token its token-order gathers ask for ahead, the bytes of the tiles
+    its token-order gathers write in layouts 0-3 (quantized caches, unquantized; below a token's row: a token at a
+    time), how its stores write quantized codes and which cache level its layout-3 gathers of unquantized rows ask
+    for head rows into (``library``: of that build; default the loaded one). Empty for a library of another C API
+    version, which the binding refuses."""
     from ..capi import c_api
 
     def ask(query, *args):
@@ -93,7 +91,7 @@ def kernel_build(library: str | None = None) -> str:
                 f" {ask(c_api.cpu_cached_gather)} cached gathers, {ask(c_api.cpu_streamed_heads, 8)}/"
                 f"{ask(c_api.cpu_streamed_heads, 0)} streamed heads a row (quantized/values),"
                 f" {ask(c_api.cpu_token_streams)} token streams, quantized token prefetch of {prefetch} (rows of 1/4"
-                f" KiB), gather tiles of {tiles} B (quantized and values), {ask(c_api.cpu_code_stores)} code stores, layout-3 value prefetch"
-                f" into {ask(c_api.cpu_head_prefetch)}")
+                f" KiB), gather tiles of {tiles} B (quantized and values), {ask(c_api.cpu_code_stores)} code stores,"
+                f" layout-3 value prefetch into {ask(c_api.cpu_head_prefetch)}")
     except RuntimeError:
         return ""

@@ -561,9 +561,8 @@ struct Kernel {
       // together (measured faster than tiles: int8 decode layout 0 0.72-0.75x a copy -> 0.85-0.90x), long tiles
       // where they lie apart (on an AMD EPYC of Zen 4, int8 decode with 32 heads of 128 in layout 2: 0.84x a token
       // at a time, 0.98x in 512 KiB tiles; 0.80x and 0.93x 16 bytes past a line; 8 heads level; on Intel processors
-      // a token at a time, kv_cpu_dispatch.cc: GatherTileBytes). Quantized layout 3
-      // here (outputs that stay cached, on kinds that do not walk head runs for them) keeps a token at a time, as
-      // measured on the Intel Xeon.
+      // a token at a time, kv_cpu_dispatch.cc: GatherTileBytes). Quantized layout 3 here (outputs that stay cached,
+      // on kinds that do not walk head runs for them) keeps a token at a time, as measured on the Intel Xeon.
       const bool side_by_side = SideBySideStreams();
 #if KV_AVX512
       const size_t row_bytes = static_cast<size_t>(H * D) * sizeof(T);
@@ -661,8 +660,8 @@ struct Launch {
     const bool large = p.out_bytes > kStreamOutputBytes / 2;
     const Kernel<T1, T3, QBits> kernel{
         args, *args.attrs, p, large && stores.stream, large && stores.side_by_side, CachedGatherHeadRuns(),
-        std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads), GatherTileBytes(p.cache_rows.KeyValueTogether(), QBits != 0),
-        TokenStreams(), PrefetchHeadsOfToken<QBits>(p),
+        std::min(StreamedGatherHeads(QBits != 0), kMaxStreamedHeads),
+        GatherTileBytes(p.cache_rows.KeyValueTogether(), QBits != 0), TokenStreams(), PrefetchHeadsOfToken<QBits>(p),
         KV_AVX512 && QBits != 0 && args.out_key != nullptr && StreamedCodeStores(), QBits == 0 && HeadPrefetchToL2()};
     if (CallReportWanted()) Report(kernel);
     kernel.Run(parallel_for);

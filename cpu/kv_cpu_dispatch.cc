@@ -209,8 +209,9 @@ int64_t GatherTileBytes(bool key_value_together, bool quantized) {
   // 1.02-1.10x its time on int8 decode there; unquantized ones keep 32 KiB, level there. Where
   // token streams run (TokenStreams, below, above 1) the streamed unquantized gathers of layouts 0-2 read runs of a
   // task's rows side by side instead of tiles; the tiles serve the rest.
-  if (key_value_together || (quantized && !AmdProcessor())) return 0;
-  return AmdProcessor() ? int64_t{512} << 10 : int64_t{32} << 10;
+  const bool amd = AmdProcessor();
+  if (key_value_together || (quantized && !amd)) return 0;
+  return amd ? int64_t{512} << 10 : int64_t{32} << 10;
 }
 
 int64_t TokenStreams() {
