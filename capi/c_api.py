@@ -308,9 +308,24 @@ def _check(code: int, message: ctypes.Array, error=KeyValueCacheError) -> None:
     raise RuntimeError(text)
 
 
-def c_array(tensors) -> ctypes.Array:
-    """A C array of :class:`Tensor` s."""
-    return (CTensor * len(tensors))(*(t.to_c() for t in tensors))
+def c_array(tensors, count: int = None, what: str = "the tensors", error=KeyValueCacheError) -> ctypes.Array:
+    """A C array of :class:`Tensor` s, exactly ``count`` of them where given (``what`` names them in the error). The C
+    entry points read every one of the op's tensors, so a shorter list would have them read past its end: ``error``
+    instead."""
+    tensors = list(tensors)
+    count = len(tensors) if count is None else count
+    if len(tensors) != count or not all(isinstance(t, Tensor) for t in tensors):
+        kinds = ", ".join(sorted({type(t).__name__ for t in tensors if not isinstance(t, Tensor)}))
+        raise error(f"{what} must be {count} Tensor objects (ABSENT for an optional one left out), got "
+                    f"{len(tensors)}" + (f", among them {kinds}" if kinds else ""))
+    return (CTensor * count)(*(t.to_c() for t in tensors))
+
+
+def c_tensor(tensor, what: str, error=KeyValueCacheError) -> CTensor:
+    """``tensor`` (one :class:`Tensor`) as the C struct; ``error`` naming ``what`` for anything else."""
+    if not isinstance(tensor, Tensor):
+        raise error(f"{what} must be a Tensor, got {type(tensor).__name__}")
+    return tensor.to_c()
 
 
 def key_value_cache_attributes(library_file: str | None = None, **attributes) -> CKeyValueCacheAttrs:
@@ -328,7 +343,7 @@ def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0
     lib = library(library_file)
     attrs = key_value_cache_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
-    c_in, c_out = c_array(inputs), c_array(outputs)
+    c_in, c_out = c_array(inputs, 10, "KeyValueCache's inputs"), c_array(outputs, 2, "KeyValueCache's outputs")
     if device == "cpu":
         code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
                                                   len(message))
@@ -346,7 +361,8 @@ def output_shape(inputs, *, library_file: str | None = None, **attributes) -> tu
     attrs = key_value_cache_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
     shape = (ctypes.c_int64 * 3)()
-    _check(lib.kvcache_op_key_value_cache_output_shape(ctypes.byref(attrs), c_array(inputs), shape, message,
+    _check(lib.kvcache_op_key_value_cache_output_shape(ctypes.byref(attrs),
+                                                        c_array(inputs, 10, "KeyValueCache's inputs"), shape, message,
                                                         len(message)), message)
     return tuple(shape)
 
@@ -454,13 +470,13 @@ def run_key_cache_rotary_shift(inputs, output, *, device: str = "cpu", stream: i
     lib = library(library_file)
     attrs = rotary_shift_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
+    c_in = c_array(inputs, 5, "KeyCacheRotaryShift's inputs")
+    c_out = ctypes.byref(c_tensor(output, "KeyCacheRotaryShift's output"))
     if device == "cpu":
-        code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_array(inputs),
-                                                         ctypes.byref(output.to_c()), int(num_threads), message,
+        code = lib.kvcache_op_key_cache_rotary_shift_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
                                                          len(message))
     elif device == "cuda":
-        code = lib.kvcache_op_key_cache_rotary_shift_cuda(ctypes.byref(attrs), c_array(inputs),
-                                                          ctypes.byref(output.to_c()), stream or None, message,
+        code = lib.kvcache_op_key_cache_rotary_shift_cuda(ctypes.byref(attrs), c_in, c_out, stream or None, message,
                                                           len(message))
     else:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
@@ -502,13 +518,13 @@ def run_multi_head_attention(inputs, output, *, device: str = "cpu", stream: int
     lib = library(library_file)
     attrs = multi_head_attention_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
+    c_in = c_array(inputs, 9, "MultiHeadAttention's inputs", MultiHeadAttentionError)
+    c_out = ctypes.byref(c_tensor(output, "MultiHeadAttention's output", MultiHeadAttentionError))
     if device == "cuda":
-        code = lib.kvcache_op_multi_head_attention_cuda(ctypes.byref(attrs), c_array(inputs),
-                                                        ctypes.byref(output.to_c()), ctypes.c_void_p(stream),
+        code = lib.kvcache_op_multi_head_attention_cuda(ctypes.byref(attrs), c_in, c_out, ctypes.c_void_p(stream),
                                                         message, len(message))
     else:
-        code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_array(inputs),
-                                                       ctypes.byref(output.to_c()), int(num_threads), message,
+        code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
                                                        len(message))
     _check(code, message, MultiHeadAttentionError)
 
@@ -552,14 +568,14 @@ def run_multi_head_cache_attention(inputs, output, *, device: str = "cpu", strea
     lib = library(library_file)
     attrs = multi_head_cache_attention_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
+    c_in = c_array(inputs, 13, "MultiHeadCacheAttention's inputs", KeyValueCacheError)
+    c_out = ctypes.byref(c_tensor(output, "MultiHeadCacheAttention's output", KeyValueCacheError))
     if device == "cuda":
-        code = lib.kvcache_op_multi_head_cache_attention_cuda(ctypes.byref(attrs), c_array(inputs),
-                                                              ctypes.byref(output.to_c()), ctypes.c_void_p(stream),
-                                                              message, len(message))
+        code = lib.kvcache_op_multi_head_cache_attention_cuda(ctypes.byref(attrs), c_in, c_out,
+                                                              ctypes.c_void_p(stream), message, len(message))
     else:
-        code = lib.kvcache_op_multi_head_cache_attention_cpu(ctypes.byref(attrs), c_array(inputs),
-                                                             ctypes.byref(output.to_c()), int(num_threads), message,
-                                                             len(message))
+        code = lib.kvcache_op_multi_head_cache_attention_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads),
+                                                             message, len(message))
     _check(code, message)
 
 

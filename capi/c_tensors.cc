@@ -16,7 +16,7 @@ namespace kvcache {
 void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const* names, const bool* optional,
                   TensorArg* out) {
   for (size_t i = 0; i < count; ++i) {
-    const KvcacheTensor& t = tensors[i];
+    const KvcacheTensor t = tensors[i];  // one read of the caller's descriptor: its rank and shape checked as used
     out[i] = TensorArg{};
     if (t.type == 0) {
       if (!optional[i]) Fail(names[i], " is required (its tensor has type 0)");

@@ -20,6 +20,24 @@ void ToTensorArgs(const KvcacheTensor* tensors, size_t count, const char* const*
                   TensorArg* out);
 
 
+// A caller's `N` output descriptors, copied once at entry (null stays null): validation and the writes then use the
+// same pointers and shapes, which a caller's thread changing its descriptors meanwhile cannot move past what was
+// checked. (Inputs are copied by ToTensorArgs, once each.)
+template <size_t N>
+class DescriptorSnapshot {
+ public:
+  explicit DescriptorSnapshot(const KvcacheTensor* given) {
+    if (given == nullptr) return;
+    for (size_t i = 0; i < N; ++i) copies_[i] = given[i];
+    at_ = copies_;
+  }
+  const KvcacheTensor* get() const { return at_; }
+
+ private:
+  KvcacheTensor copies_[N] = {};
+  const KvcacheTensor* at_ = nullptr;
+};
+
 // Throws KvError unless `t` has this type and shape and non-NULL data when it holds any byte.
 void CheckOutput(const KvcacheTensor& t, const char* name, int32_t type, const std::vector<int64_t>& shape);
 

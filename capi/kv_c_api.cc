@@ -73,12 +73,14 @@ int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes) {
 const char* kvcache_op_cpu_head_prefetch(void) { return kvcache::HeadPrefetchToL2() ? "l2" : "l1"; }
 
 void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs) {
+  if (attrs == nullptr) return;  // nothing to fill; every other entry point refuses a null pointer too
   const Attrs a;  // the spec's defaults
   *attrs = KvcacheKeyValueCacheAttrs{a.num_layer, a.layer_idx, a.quant_bit, a.quant_group,
                                      a.num_repeat, a.cache_mode, a.cache_layout, a.page_size};
 }
 
 void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs) {
+  if (attrs == nullptr) return;  // nothing to fill; every other entry point refuses a null pointer too
   const RotaryAttrs a;
   *attrs = KvcacheRotaryShiftAttrs{a.base.num_layer, a.base.layer_idx, a.base.quant_bit, a.base.quant_group,
                                    a.base.cache_layout, a.rotary_dim, a.rotary_interleaved};
@@ -106,10 +108,11 @@ int32_t kvcache_op_key_value_cache_cpu(const KvcacheKeyValueCacheAttrs* attrs, c
       [&] {
         Attrs a;
         TensorArg in[10];
-        const CallPlan plan = ValidateWithOutputs(attrs, inputs, outputs, &a, in);  // nothing written before
+        const DescriptorSnapshot<2> out(outputs);
+        const CallPlan plan = ValidateWithOutputs(attrs, inputs, out.get(), &a, in);  // nothing written before
         ComputeArgs args{&a, &plan, in[0].type, in[9].type, in[0].data, in[1].data,
                          const_cast<void*>(in[8].data), in[9].present ? const_cast<void*>(in[9].data) : nullptr,
-                         outputs[0].data, outputs[1].data};
+                         out.get()[0].data, out.get()[1].data};
         ComputeCpu(args, [num_threads](size_t n, const std::function<void(size_t)>& fn) {
           ParallelOnThreads(num_threads, n, fn);
         });
@@ -124,11 +127,12 @@ int32_t kvcache_op_key_cache_rotary_shift_cpu(const KvcacheRotaryShiftAttrs* att
       [&] {
         RotaryAttrs a;
         TensorArg in[5];
-        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const DescriptorSnapshot<1> out(output);
+        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, out.get(), &a, in);  // nothing written before
         RotaryShiftCpu(a, plan, in, [num_threads](size_t count, const std::function<void(size_t)>& fn) {
           ParallelOnThreads(num_threads, count, fn);
         });
-        WriteSlots(plan, output);
+        WriteSlots(plan, out.get());
       },
       message, message_size);
 }

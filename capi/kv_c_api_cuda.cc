@@ -25,11 +25,12 @@ int32_t kvcache_op_key_value_cache_cuda(const KvcacheKeyValueCacheAttrs* attrs, 
       [&] {
         Attrs a;
         TensorArg in[10];
-        const CallPlan plan = ValidateWithOutputs(attrs, inputs, outputs, &a, in);  // nothing written before
+        const DescriptorSnapshot<2> out(outputs);
+        const CallPlan plan = ValidateWithOutputs(attrs, inputs, out.get(), &a, in);  // nothing written before
         StreamScratch scratch(static_cast<cudaStream_t>(stream));
         const cuda::DeviceTensors tensors{in[0].data, in[1].data, const_cast<void*>(in[8].data),
-                                          in[9].present ? const_cast<void*>(in[9].data) : nullptr, outputs[0].data,
-                                          outputs[1].data};
+                                          in[9].present ? const_cast<void*>(in[9].data) : nullptr, out.get()[0].data,
+                                          out.get()[1].data};
         cuda::RunValidated(a, plan, in[0].type, in[9].type, tensors, static_cast<cudaStream_t>(stream), scratch);
       },
       message, message_size);
@@ -47,12 +48,13 @@ int32_t kvcache_op_key_cache_rotary_shift_cuda(const KvcacheRotaryShiftAttrs* at
       [&] {
         RotaryAttrs a;
         TensorArg in[5];
-        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const DescriptorSnapshot<1> out(output);
+        const RotaryPlan plan = ValidateRotaryWithOutput(attrs, inputs, out.get(), &a, in);  // nothing written before
         StreamScratch scratch(static_cast<cudaStream_t>(stream));
         cuda::RunRotaryValidated(a, plan, in[0].type, in[1].type, const_cast<void*>(in[0].data),
                                  in[1].present ? const_cast<void*>(in[1].data) : nullptr,
                                  static_cast<cudaStream_t>(stream), scratch);
-        WriteSlots(plan, output);
+        WriteSlots(plan, out.get());
       },
       message, message_size);
 #else

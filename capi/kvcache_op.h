@@ -163,6 +163,7 @@ KVCACHE_OP_EXPORT int64_t kvcache_op_cpu_token_prefetch_bytes(int64_t row_bytes)
    same bits. (C API version 11.) */
 KVCACHE_OP_EXPORT const char* kvcache_op_cpu_head_prefetch(void);
 
+/* Each fills *attrs with its op's spec defaults; a null attrs is ignored (nothing is written). */
 KVCACHE_OP_EXPORT void kvcache_op_key_value_cache_defaults(KvcacheKeyValueCacheAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_key_cache_rotary_shift_defaults(KvcacheRotaryShiftAttrs* attrs);
 KVCACHE_OP_EXPORT void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs);

@@ -11,6 +11,7 @@ using namespace kvcache;
 extern "C" {
 
 void kvcache_op_multi_head_attention_defaults(KvcacheMultiHeadAttentionAttrs* attrs) {
+  if (attrs == nullptr) return;  // nothing to fill; every other entry point refuses a null pointer too
   const MhaAttrs a;  // the spec's defaults; num_heads and head_dim 0 (required)
   *attrs = KvcacheMultiHeadAttentionAttrs{a.num_heads, a.head_dim, a.is_causal, a.is_alibi, a.num_kv_heads,
                                           a.sliding_window, a.softmax_scale, a.softcap};
@@ -23,9 +24,10 @@ int32_t kvcache_op_multi_head_attention_cpu(const KvcacheMultiHeadAttentionAttrs
       [&] {
         MhaAttrs a;
         TensorArg in[kMhaNumInputs];
-        const MhaPlan plan = ValidateMhaWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const DescriptorSnapshot<1> out(output);
+        const MhaPlan plan = ValidateMhaWithOutput(attrs, inputs, out.get(), &a, in);  // nothing written before
         const MhaArgs args{&a, &plan, in[0].type, in[0].data, in[1].data, in[2].data,
-                           in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
+                           in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, out.get()->data};
         MhaComputeCpu(args, [num_threads](size_t n, const std::function<void(size_t)>& fn) {
           ParallelOnThreads(num_threads, n, fn);
         });
@@ -41,10 +43,11 @@ int32_t kvcache_op_multi_head_attention_cuda(const KvcacheMultiHeadAttentionAttr
       [&] {
         MhaAttrs a;
         TensorArg in[kMhaNumInputs];
-        const MhaPlan plan = ValidateMhaWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const DescriptorSnapshot<1> out(output);
+        const MhaPlan plan = ValidateMhaWithOutput(attrs, inputs, out.get(), &a, in);  // nothing written before
         StreamScratch scratch(static_cast<cudaStream_t>(stream));
         const cuda::AttnTensors tensors{in[0].data, in[1].data, in[2].data, nullptr, nullptr,
-                                        in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, output->data};
+                                        in[kMhaMaskInput].present ? in[kMhaMaskInput].data : nullptr, out.get()->data};
         cuda::RunAttentionValidated(a, plan, in[0].type, tensors, static_cast<cudaStream_t>(stream), scratch);
       },
       message, message_size);

@@ -11,6 +11,7 @@ using namespace kvcache;
 extern "C" {
 
 void kvcache_op_multi_head_cache_attention_defaults(KvcacheMultiHeadCacheAttentionAttrs* attrs) {
+  if (attrs == nullptr) return;  // nothing to fill; every other entry point refuses a null pointer too
   const MhcaAttrs a;  // the spec's defaults; num_heads and head_dim 0 (required)
   const Attrs& c = a.cache;
   const MhaAttrs& m = a.attention;
@@ -27,12 +28,13 @@ int32_t kvcache_op_multi_head_cache_attention_cpu(const KvcacheMultiHeadCacheAtt
       [&] {
         MhcaAttrs a;
         TensorArg in[kMhcaNumInputs];
-        const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const DescriptorSnapshot<1> out(output);
+        const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, out.get(), &a, in);  // nothing written before
         const TensorArg& scale = in[kMhcaScaleInput];
         const MhcaArgs args{&a, &plan, in[0].type, scale.type, in[0].data, in[1].data, in[2].data,
                             const_cast<void*>(in[kMhcaCacheInput].data),
                             scale.present ? const_cast<void*>(scale.data) : nullptr,
-                            in[kMhcaMaskInput].present ? in[kMhcaMaskInput].data : nullptr, output->data};
+                            in[kMhcaMaskInput].present ? in[kMhcaMaskInput].data : nullptr, out.get()->data};
         MhcaComputeCpu(args, [num_threads](size_t n, const std::function<void(size_t)>& fn) {
           ParallelOnThreads(num_threads, n, fn);
         });
@@ -48,12 +50,13 @@ int32_t kvcache_op_multi_head_cache_attention_cuda(const KvcacheMultiHeadCacheAt
       [&] {
         MhcaAttrs a;
         TensorArg in[kMhcaNumInputs];
-        const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // nothing written before
+        const DescriptorSnapshot<1> out(output);
+        const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, out.get(), &a, in);  // nothing written before
         StreamScratch scratch(static_cast<cudaStream_t>(stream));
         const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
         const cuda::AttnTensors tensors{in[0].data, nullptr, nullptr, in[kMhcaCacheInput].data,
                                         scale.present ? scale.data : nullptr, mask.present ? mask.data : nullptr,
-                                        output->data};
+                                        out.get()->data};
         cuda::RunCacheAttentionValidated(a, plan, in[0].type, scale.type, in[1].data, in[2].data, tensors,
                                          static_cast<cudaStream_t>(stream), scratch);
       },

@@ -1,5 +1,7 @@
 #include "kv_ort_op.h"
 
+#include <atomic>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <string>
@@ -128,6 +130,19 @@ OrtStatusPtr CpuKernel::ComputeV2(OrtKernelContext* context) {
   }
 }
 
+namespace {
+
+// A name for an output dim whose size no other value's dim is known to share. ONNX Runtime's memory planner takes
+// values whose dims carry the same name as the same size and reuses one's buffer for the other, so two KeyValueCache
+// nodes of a graph (a draft and a target model, say) whose outputs shared "kv_tokens" would have the larger one's
+// output refused at run time ("Shape mismatch attempting to re-use buffer").
+std::string UnsharedDimName(const char* what) {
+  static std::atomic<uint64_t> next{0};
+  return std::string("KeyValueCache_") + what + "_" + std::to_string(next.fetch_add(1));
+}
+
+}  // namespace
+
 OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   const OrtApi& api = Ort::GetApi();
   OrtTensorTypeAndShapeInfo* key_info = nullptr;  // owned by the context
@@ -136,11 +151,24 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   size_t rank = 0;
   if (OrtStatus* s = api.GetTensorElementType(key_info, &type)) return s;
   if (OrtStatus* s = api.GetDimensionsCount(key_info, &rank)) return s;
-  std::vector<int64_t> dims(rank);
-  if (rank && (api.GetDimensions(key_info, dims.data(), rank) != nullptr)) dims.assign(rank, -1);
+  std::vector<int64_t> dims(rank, -1);
+  std::vector<const char*> names(rank, "");
+  if (rank) {
+    if (OrtStatus* s = api.GetDimensions(key_info, dims.data(), rank)) {
+      api.ReleaseStatus(s);
+      dims.assign(rank, -1);
+    }
+    if (OrtStatus* s = api.GetSymbolicDimensions(key_info, names.data(), rank)) {
+      api.ReleaseStatus(s);
+      names.assign(rank, "");
+    }
+  }
   int64_t repeat = 1;
   const OrtOpAttr* attr = nullptr;
-  if (api.ShapeInferContext_GetAttribute(ctx, "num_repeat", &attr) == nullptr && attr != nullptr) {
+  // An absent num_repeat (the spec's default, 1) comes back as an error status, released here.
+  if (OrtStatus* s = api.ShapeInferContext_GetAttribute(ctx, "num_repeat", &attr)) {
+    api.ReleaseStatus(s);
+  } else if (attr != nullptr) {
     size_t size = 0;
     if (OrtStatus* s = api.ReadOpAttr(attr, ORT_OP_ATTR_INT, &repeat, sizeof(repeat), &size)) api.ReleaseStatus(s);
   }
@@ -150,13 +178,20 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
     if (dims[1] < 0 || repeat < 1 || !MulFits(dims[1], repeat, &out[1]))
       out[1] = -1;  // a bad num_repeat, or a product that would wrap: reported by the kernel (CheckStaticHeads)
   }
+  // Unknown dims get names (a bare -1 would be taken as a fixed, and then mismatching, size): current_key's own where
+  // the output's dim is that very dim (its head_dim; its heads when not repeated), else one no other value shares.
+  const bool named_heads = rank == 3 && repeat == 1 && names[1] != nullptr && names[1][0] != '\0';
+  const bool named_dim = rank == 3 && names[2] != nullptr && names[2][0] != '\0';
+  const std::string symbols[3] = {
+      UnsharedDimName("kv_tokens"),
+      out[1] >= 0 ? "" : named_heads ? names[1] : UnsharedDimName("kv_heads"),
+      out[2] >= 0 ? "" : named_dim ? names[2] : UnsharedDimName("head_dim")};
+  const char* symbol_ptrs[3] = {symbols[0].c_str(), symbols[1].c_str(), symbols[2].c_str()};
   OrtTensorTypeAndShapeInfo* info = nullptr;
   if (OrtStatus* s = api.CreateTensorTypeAndShapeInfo(&info)) return s;
   OrtStatus* status = api.SetTensorElementType(info, type);
   if (!status) status = api.SetDimensions(info, out.data(), out.size());
-  // Unknown dims get names: a bare -1 would be taken as a fixed (and then mismatching) size.
-  const char* symbols[3] = {"kv_tokens", out[1] < 0 ? "kv_heads" : "", out[2] < 0 ? "head_dim" : ""};
-  if (!status) status = api.SetSymbolicDimensions(info, symbols, 3);
+  if (!status) status = api.SetSymbolicDimensions(info, symbol_ptrs, 3);
   if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, 0, info);
   if (!status) status = api.ShapeInferContext_SetOutputTypeShape(ctx, 1, info);
   api.ReleaseTensorTypeAndShapeInfo(info);

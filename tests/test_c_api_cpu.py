@@ -506,3 +506,53 @@ def test_a_cache_attention_call_breaking_a_cache_rule_and_an_attention_attribute
     assert want.startswith("cache dtype must be int8")
     with pytest.raises(KeyValueCacheError, match="^cache dtype must be int8"):
         c_api.multi_head_cache_attention(**copies(inputs), **attributes)
+
+
+@pytest.mark.parametrize("change", ["one short", "one more", "an array for a Tensor"])
+def test_a_list_of_the_wrong_length_is_refused_before_the_library_reads_it(change):
+    """The C entry points read every one of the op's 10 input and 2 output descriptors: a list one short would have
+    them read past its end (a descriptor of whatever bytes lie there). The wrapper refuses it, nothing written."""
+    case = small_case()
+    buffers, inputs, outputs, outs = raw_call(case)
+    cache_before = case.inputs["cache"].tobytes()
+    if change == "one short":
+        inputs = inputs[:9]  # scale left out instead of passed as ABSENT: the natural slip
+    elif change == "one more":
+        outputs = outputs + [c_api.ABSENT]
+    else:
+        inputs = inputs[:8] + [case.inputs["cache"]] + inputs[9:]
+    with pytest.raises(KeyValueCacheError, match="must be (10|2) Tensor objects"):
+        c_api.run_key_value_cache(inputs, outputs, **case.attributes)
+    if change == "one short":
+        with pytest.raises(KeyValueCacheError, match="KeyValueCache's inputs must be 10 Tensor objects.*got 9"):
+            c_api.output_shape(inputs, **case.attributes)
+    assert case.inputs["cache"].tobytes() == cache_before
+    assert all(not o.any() for o in outs)
+    del buffers
+
+
+def test_rotary_shift_lists_are_counted_too():
+    cache = np.zeros((4, 1, 2, 1, 4), np.float32)
+    buffers = c_api.HostBuffers()
+    inputs = [buffers.tensor("cache", cache, written=True), c_api.ABSENT,
+              buffers.tensor("slots", np.array([1], np.int64)), buffers.tensor("cos", np.ones((1, 2), np.float32))]
+    out = np.zeros(1, np.int64)
+    with pytest.raises(KeyValueCacheError, match="KeyCacheRotaryShift's inputs must be 5 Tensor objects.*got 4"):
+        c_api.run_key_cache_rotary_shift(inputs, c_api.Tensor(c_api.ONNX_TYPES[np.dtype(np.int64)], (1,),
+                                                                 out.ctypes.data))
+    with pytest.raises(KeyValueCacheError, match="KeyCacheRotaryShift's output must be a Tensor, got ndarray"):
+        c_api.run_key_cache_rotary_shift(inputs + [buffers.tensor("sin", np.zeros((1, 2), np.float32))], out)
+    del buffers
+
+
+def test_the_defaults_functions_ignore_a_null_struct():
+    """Every other entry point refuses a NULL pointer with a message; these have no message to give, so they write
+    nothing (in a process of its own: before, a NULL crashed it)."""
+    import subprocess
+    import sys
+
+    code = ("from kvcache_op.capi import c_api\nlib = c_api.library()\n"
+            "for name in ('key_value_cache', 'key_cache_rotary_shift', 'multi_head_attention',"
+            " 'multi_head_cache_attention'):\n    getattr(lib, f'kvcache_op_{name}_defaults')(None)\nprint('done')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]

@@ -115,3 +115,70 @@ def test_layers_share_one_cache_tensor_through_layer_idx():
     for g, w in zip(got, want):
         assert g.tobytes() == w.tobytes()
     assert feeds["cache"].tobytes() == ref_cache.tobytes()
+
+
+
+def _two_caches_graph(first: dict, second: dict, second_repeat: int, symbolic_heads: bool) -> onnx.ModelProto:
+    """Two KeyValueCache nodes over two caches (a draft and a target model, say), the second's current_key made to
+    depend on the first's outputs (their sum times 0), so that the first's outputs are freed before the second's are
+    allocated: ONNX Runtime's planner then hands the second the first's buffers where it takes their dims for the
+    same. The second's outputs reach the graph's through Identity nodes, so they too are values it may plan.
+    ``symbolic_heads``: the current keys' and values' heads given as the dim "H"."""
+    from onnx import TensorProto, numpy_helper
+
+    def value(name, array):
+        dims = list(array.shape)
+        if symbolic_heads and name.endswith(("current_key", "current_value")):
+            dims[1] = "H"
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), dims)
+
+    names = [n for n in spec.INPUTS if first.get(n) is not None]
+    inputs = [value(f"a_{n}", first[n]) for n in names] + [value(f"b_{n}", second[n]) for n in names]
+    nodes = [
+        helper.make_node("KeyValueCache", [f"a_{n}" for n in names], ["a_key", "a_value"], domain=spec.DOMAIN),
+        helper.make_node("ReduceSum", ["a_key"], ["a_sum"], keepdims=0),
+        helper.make_node("ReduceSum", ["a_value"], ["a_value_sum"], keepdims=0),
+        helper.make_node("Add", ["a_sum", "a_value_sum"], ["a_sums"]),
+        helper.make_node("Mul", ["a_sums", "zero"], ["a_zero"]),
+        helper.make_node("Add", ["b_current_key", "a_zero"], ["b_key_after_a"]),
+        helper.make_node("KeyValueCache", ["b_key_after_a"] + [f"b_{n}" for n in names[1:]], ["b_key", "b_value"],
+                         domain=spec.DOMAIN, num_repeat=second_repeat),
+        helper.make_node("Identity", ["b_key"], ["second_key"]),
+        helper.make_node("Identity", ["b_value"], ["second_value"]),
+    ]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("second_key", "second_value", "a_sums")]
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    graph = helper.make_graph(nodes, "two_caches", inputs, outputs, initializer=[zero])
+    return onnx.helper.make_model(graph, ir_version=spec.IR_VERSION, opset_imports=[
+        helper.make_opsetid("", 17), helper.make_opsetid(spec.DOMAIN, spec.VERSION)])
+
+
+@pytest.mark.parametrize("second_seq,second_repeat,symbolic_heads", [((1, 4), 1, False), ((0, 2), 2, True)],
+                         ids=["more-keys", "repeated-heads"])
+@pytest.mark.parametrize("optimized", [True, False], ids=["optimized", "not-optimized"])
+def test_two_cache_nodes_of_different_sizes_in_one_graph(second_seq, second_repeat, symbolic_heads, optimized):
+    """Each node's outputs get dims of their own: a graph whose two KeyValueCache nodes gather different numbers of
+    keys (and heads) runs, the second node giving the reference's bits (where every node's outputs shared the dim
+    names "kv_tokens" and "kv_heads", ONNX Runtime refused the second's: "Shape mismatch attempting to re-use
+    buffer")."""
+    import onnxruntime as ort
+
+    from kvcache_op.ort_ops import session_options
+    from kvcache_op.validation.cases import Seq, build
+
+    first = build("a", [Seq(0, 2)], head_dim=4, t1="float32").inputs
+    second = build("b", [Seq(*second_seq)], head_dim=4, t1="float32", num_repeat=second_repeat).inputs
+    model = _two_caches_graph(first, second, second_repeat, symbolic_heads)
+    options = session_options()
+    if not optimized:  # the Identity nodes kept as they are
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {f"{p}_{n}": v.copy() for p, case in (("a", first), ("b", second)) for n, v in case.items() if v is not None}
+    got_key, got_value, sums = session.run(None, feeds)
+    want_first = key_value_cache(**{n: None if v is None else v.copy() for n, v in first.items()})
+    want_key, want_value = key_value_cache(**{n: None if v is None else v.copy() for n, v in second.items()},
+                                           num_repeat=second_repeat)
+    assert got_key.shape == want_key.shape and got_key.tobytes() == want_key.tobytes()
+    assert got_value.tobytes() == want_value.tobytes()
+    # the first node's outputs, as their sums (summed in another order than numpy's)
+    assert np.isclose(sums, want_first[0].sum(dtype=np.float64) + want_first[1].sum(dtype=np.float64), rtol=1e-5)
