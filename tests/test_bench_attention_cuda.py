@@ -114,3 +114,64 @@ def test_the_profiling_driver_lists_the_cases_and_refuses_without_a_gpu(monkeypa
     assert attention_profile.main(["--case", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("attention profile: cannot run: ")
+
+
+def test_kernel_names_tell_the_staged_kernels_two_forms_apart():
+    staged = ("void kvcache::cuda::(anonymous namespace)::StagedDecodeKernel<__half, "
+              "kvcache::cuda::(anonymous namespace)::QuantRows<8, true>, {}>(kvcache::cuda::AttnParams)")
+    assert attention.short_name(staged.format("true")) == "StagedDecodeKernel, heads in registers"
+    assert attention.short_name(staged.format("false")) == "StagedDecodeKernel"
+    assert attention.short_name("void kvcache::cuda::TileKernel<__nv_bfloat16, kvcache::cuda::PackedRows>("
+                                "kvcache::cuda::AttnParams)") == "TileKernel"
+    assert attention.short_name("Memcpy HtoD (Pageable -> Device)") == "Memcpy HtoD (Pageable -> Device)"
+
+
+def test_a_route_is_checked_against_the_kernels_that_ran():
+    routed = dataclasses.replace(attention.cases(quick=True)[0], kernel="staged")
+    assert attention.route_check(routed, {"StagedDecodeKernel": 0.08, "Memcpy HtoD": 0.01}) == {
+        "ran": ["StagedDecodeKernel"], "route_ok": True}
+    assert attention.route_check(routed, {"TileKernel": 0.09, "MergeKernel": 0.01}) == {
+        "ran": ["TileKernel"], "route_ok": False}
+    assert attention.route_check(routed, {"error": "the profiler cannot run"})["route_ok"] is None
+    default = attention.cases(quick=True)[0]
+    assert attention.route_check(default, {"TileKernel": 0.09})["route_ok"] is None  # the library's choice
+
+
+def _row(case, **changes):
+    row = {"label": case.label(), "op": case.op, "bytes_read": case.bytes_read(), "op_ms": 0.2, "copy_ms": 0.1,
+           "sdpa_ms": 0.05, "read_GBps": 1.0, "copy_GBps": 2.0, "vs_copy": 0.5, "copy_bandwidth_fraction": 0.25,
+           "vs_sdpa": 0.25, "sdpa_backend": "default", "copy_target": 0.7, "sdpa_target": None,
+           "max_abs_diff_vs_sdpa": None, "host_ms": 0.1, "device_breakdown": {"TileKernel": 0.09},
+           "ran": ["TileKernel"], "route_ok": None}
+    return {**row, **changes}
+
+
+def test_a_failed_case_and_a_case_off_its_route_keep_their_rows_and_fail_the_run(monkeypatch, tmp_path, capsys):
+    """One case raising (a route never run on this GPU) is its row's error, the cases after it are measured, the
+    tables are written after every case, and the run exits 1; so does a row whose kernel was not its route's."""
+    import contextlib
+
+    quick = attention.cases(quick=True)
+    fake_cuda = types.SimpleNamespace(get_device_name=lambda: "Stand-in GPU", Stream=lambda: None,
+                                      stream=lambda _: contextlib.nullcontext(), empty_cache=lambda: None)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="0.0-fake", cuda=fake_cuda))
+    monkeypatch.setattr(attention, "missing_requirements", lambda: [])
+    written = []
+
+    def measure(case, warmup, repeats):
+        written.append(len(json.loads((tmp_path / "results.json").read_text())["rows"])
+                       if (tmp_path / "results.json").exists() else 0)
+        if case == quick[1]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+        return _row(case, route_ok=False, ran=["TileKernel"]) if case == quick[2] else _row(case)
+
+    monkeypatch.setattr(attention, "measure", measure)
+    assert attention.main(["--quick", "--out", str(tmp_path)]) == 1
+    assert written == list(range(len(quick)))  # the tables rewritten after every case
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert len(rows) == len(quick)
+    assert rows[1]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    md = (tmp_path / "results.md").read_text()
+    assert f"| {quick[1].label()} | failed: RuntimeError: CUDA error" in md
+    assert f"| {quick[2].label()} (but ran TileKernel) |" in md
+    assert "2 case(s) failed or ran another kernel" in capsys.readouterr().err

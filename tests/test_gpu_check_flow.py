@@ -36,11 +36,14 @@ case "$1" in
       pytest)
         xml=""; for a in "$@"; do case "$a" in --junitxml=*) xml=${a#--junitxml=} ;; esac; done
         name=$(basename "$xml" .xml); var="SIM_PYTEST_${name//-/_}"; setting=${!var:-"0 3 passed in 1.0s"}
+        echo "guard bytes: ${KVCACHE_OP_TEST_GUARD_BYTES:-unset}"
+        [ -n "${SIM_IGNORE_TERM:-}" ] && trap '' TERM  # (sleep inherits it) a step only SIGKILL stops
         sleep "${setting%% *}"
         echo "${setting#* }" ;;
       kvcache_op.benchmarks.gpu.*)
         out=""; prev=""; for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
-        mkdir -p "$out"; echo "| table of $module $* |" | tee "$out/results.md" > "$out/README.md" ;;
+        mkdir -p "$out"; [ -n "${SIM_NO_TABLE:-}" ] && exit 0
+        echo "| table of $module $* |" | tee "$out/results.md" > "$out/README.md" ;;
     esac ;;
   *) exec "$REAL_PYTHON" "$@" ;;
 esac
@@ -62,7 +65,7 @@ def run_check(tmp_path, script=ROOT / "tools/gpu_check.sh", **env) -> tuple:
     """(exit status, steps.tsv as {step: (verdict, detail)}, summary.md or '', seconds) of ``script`` run with the
     stand-in python under ``env``."""
     bin_folder = tmp_path / "bin"
-    bin_folder.mkdir()
+    bin_folder.mkdir(exist_ok=True)
     for name, text in (("python", FAKE_PYTHON), ("compute-sanitizer", FAKE_SANITIZER)):
         (bin_folder / name).write_text(text)
         (bin_folder / name).chmod(0o755)
@@ -174,3 +177,54 @@ def test_packed_headers_without_the_c_api_stop_the_check_before_the_build(tmp_pa
     code, steps, summary, _, _ = run_check(tmp_path, script=script)
     assert code == 1 and steps["build"][0] == "fail" and "onnxruntime_c_api.h" in steps["build"][1], steps
     assert set(steps) == {"build"} and "| build | fail |" in summary
+
+
+def test_a_step_the_check_was_asked_for_that_did_not_run_fails_it(tmp_path):
+    """A lease's command names the steps it came to prove: one skipped (here, no GPU seen) fails the check."""
+    code, steps, summary, _, _ = run_check(tmp_path, GPU_CHECK_ONLY="gpu-tests ort-cuda-ep",
+                                           SIM_GPU_REASON="no CUDA device is visible")
+    assert code == 1 and steps["gpu-tests"] == ("skip", "no CUDA device is visible")
+    assert steps["named-steps"] == ("fail", "named in GPU_CHECK_ONLY but skipped: gpu-tests ort-cuda-ep")
+    assert "| named-steps | fail |" in summary
+
+
+def test_what_an_earlier_check_left_in_the_folder_is_not_read_as_this_ones(tmp_path):
+    """A rerun into the same folder in which a step is skipped: its earlier report and table are gone, not summarized
+    beside this run's verdict."""
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs/gpu-attention-tests.xml").write_text('<testsuite tests="337" failures="0" errors="0" skipped="0"/>')
+    (out / "attention-bench").mkdir()
+    (out / "attention-bench/results.md").write_text("| an earlier run's row |\n")
+    code, steps, summary, _, _ = run_check(tmp_path, GPU_CHECK_SKIP="gpu-attention-tests attention-benchmark")
+    assert code == 0 and steps["gpu-attention-tests"][0] == steps["attention-benchmark"][0] == "skip"
+    assert "337 passed" not in summary and "an earlier run's row" not in summary
+    assert not (out / "logs/gpu-attention-tests.xml").exists()
+
+
+def test_a_benchmark_that_writes_no_table_fails(tmp_path):
+    code, steps, _, _, _ = run_check(tmp_path, GPU_CHECK_ONLY="attention-benchmark", SIM_NO_TABLE="1")
+    assert code == 1 and steps["attention-benchmark"][0] == "fail"
+    assert "no attention-bench/results.md written" in steps["attention-benchmark"][1]
+
+
+def test_a_step_that_ignores_its_limit_is_killed_and_the_summary_still_written(tmp_path):
+    """A step that ignores SIGTERM (a hung kernel's process, say) gets SIGKILL 15 s later, within the reserve: the
+    check ends by its deadline with its summary, not cut off by an outer timeout."""
+    code, steps, summary, seconds, _ = run_check(
+        tmp_path, GPU_CHECK_DEADLINE="30", GPU_CHECK_RESERVE="19", GPU_CHECK_MIN_STEP="3", GPU_CHECK_ONLY="gpu-tests",
+        SIM_PYTEST_gpu_tests="90 3 passed in 90.0s", SIM_IGNORE_TERM="1")
+    assert code == 1 and seconds < 30, seconds
+    assert steps["gpu-tests"][0] == "fail" and "timed out after" in steps["gpu-tests"][1]
+    assert "| gpu-tests | fail |" in summary
+
+
+def test_the_sanitizer_steps_run_the_tests_without_their_guard_bytes(tmp_path):
+    """Under compute-sanitizer a read of a buffer's guard would lie inside its allocation, unseen: the sanitizer
+    steps set the tests' guards to 0 bytes; the other steps keep them (they check no write lands outside)."""
+    code, _, _, _, _ = run_check(tmp_path, GPU_CHECK_ONLY="gpu-tests sanitizer-memcheck sanitizer-attention-racecheck")
+    logs = tmp_path / "out/logs"
+    assert code == 0
+    assert "guard bytes: unset" in (logs / "gpu-tests.log").read_text()
+    for name in ("sanitizer-memcheck", "sanitizer-attention-racecheck"):
+        assert "guard bytes: 0" in (logs / f"{name}.log").read_text(), name

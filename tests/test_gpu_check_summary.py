@@ -26,6 +26,24 @@ def test_summary_lists_counts_verdicts_and_skip_reasons(tmp_path):
     assert "The check took 63 s from its start to this summary." in summary
 
 
+def test_summary_gives_each_sanitizer_steps_own_verdict_lines(tmp_path):
+    """The tool's summary lines from each sanitizer step's log (the step's verdict is pytest's; these say what the tool
+    itself saw), and "none" where it printed none: it never attached."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "steps.tsv").write_text("sanitizer-memcheck\tpass\t3 passed\t9\n")
+    (tmp_path / "logs/sanitizer-memcheck.log").write_text(
+        "3 passed in 8.0s\n========= ERROR SUMMARY: 0 errors\n========= ERROR SUMMARY: 0 errors\n")
+    (tmp_path / "logs/sanitizer-attention-racecheck.log").write_text(
+        "========= RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings)\n")
+    (tmp_path / "logs/sanitizer-initcheck.log").write_text("3 passed in 8.0s\n")
+    subprocess.run([sys.executable, str(ROOT / "tools/gpu_check_summary.py"), str(tmp_path)], check=True,
+                   capture_output=True)
+    summary = (tmp_path / "summary.md").read_text()
+    assert "| sanitizer-memcheck | ERROR SUMMARY: 0 errors (x2) |" in summary
+    assert "| sanitizer-attention-racecheck | RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings) |" in summary
+    assert "| sanitizer-initcheck | none |" in summary
+
+
 def test_gpu_check_needs_an_output_folder():
     done = subprocess.run(["bash", str(ROOT / "tools/gpu_check.sh")], capture_output=True, text=True)
     assert done.returncode != 0 and "usage: tools/gpu_check.sh OUTDIR" in done.stderr

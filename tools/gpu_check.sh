@@ -18,12 +18,14 @@
 #    outside the checkout lets the parts arrive in several transfers);
 # 7. writes OUTDIR/summary.md: device, pass/fail counts, sanitizer verdicts, the benchmark table, and
 #    every step that was skipped, with the reason.
-# Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass.
+# Without a GPU it runs steps 1-2, says what it skipped, and exits 0 when those pass (1 where GPU_CHECK_ONLY names a
+# step that needs the GPU).
 # GPU_CHECK_SKIP="step step ..." skips the named steps (recorded as skipped, with that reason), GPU_CHECK_ONLY="step
 # ..." runs only those (the build always runs): for a short device lease that re-checks only what changed.
 # GPU_CHECK_BUILD_LIMIT=S gives the build S seconds (default 480).
 # GPU_CHECK_DEADLINE=S: the whole check ends within S seconds of its start (a device lease's limit): every step's
-# limit is cut to the time left less GPU_CHECK_RESERVE seconds (default 20, for the summary), and a step that would
+# limit is cut to the time left less GPU_CHECK_RESERVE seconds (default 35: a step's 15 s from its limit's SIGTERM to
+# a SIGKILL, and the summary), and a step that would
 # get less than GPU_CHECK_MIN_STEP seconds (default 60) is recorded as skipped ("no time left") instead of starting;
 # without it, each step's own limit alone. An outer `timeout` alone stops this script but not the step it runs, and
 # loses the summary.
@@ -37,19 +39,25 @@
 # (logs/attention-ncu-CASE.log: speed of light, occupancy, memory workload, warp states, the instruction mix and
 # where the kernel stalls).
 # A test step passes when pytest passes and ran at least one test (every test skipped proves nothing on a GPU).
-# Exit status: 0 when no step failed and none was left out for want of time.
+# Exit status: 0 when no step failed, none was left out for want of time, and every step GPU_CHECK_ONLY names ran.
+# OUTDIR may be reused: what an earlier check wrote there (logs, tables, summary) is removed first.
 set -u -o pipefail
 
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-mkdir -p "$OUT/logs" && OUT=$(cd "$OUT" && pwd)
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+# What an earlier check left in OUTDIR goes first: the summary reads every report and table it finds there, and a
+# step skipped or killed this time writes none, so an old one would read as this run's.
+rm -rf "$OUT"/{logs,bench,attention-bench,serving-bench,serving-bench-float16,summary.md,seconds.txt,device.txt}
+mkdir -p "$OUT/logs"
 STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail <TAB> seconds (of the steps that ran)
 # step NAME STATUS DETAIL [BEGAN]: records a step; BEGAN, the date +%s it started at, gives its seconds.
 : >"$STEPS"
 PY=${PYTHON:-python3}
 START=$(date +%s)
 DEADLINE=${GPU_CHECK_DEADLINE:-}
-RESERVE=${GPU_CHECK_RESERVE:-20}
+RESERVE=${GPU_CHECK_RESERVE:-35}
+KILL_AFTER=15  # a step still running this long after its limit's SIGTERM gets SIGKILL (within the reserve)
 MIN_STEP=${GPU_CHECK_MIN_STEP:-60}  # a step given less than this is not started
 for setting in DEADLINE RESERVE MIN_STEP; do
   if [ -n "${!setting}" ] && ! [[ "${!setting}" =~ ^[0-9]+$ ]]; then
@@ -112,14 +120,14 @@ run_pytest() {
   if ! limit=$(limit_for "$requested"); then step "$name" skip "$NO_TIME"; return 0; fi
   began=$(date +%s)
   local workers=($(xdist_args "${XDIST:-}"))
-  (cd "$ROOT/tests" && timeout "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
+  (cd "$ROOT/tests" && timeout -k "$KILL_AFTER" "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
       --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   local tail_line
   # pytest's own summary line ("3 passed, 1 skipped in 2.0s"), not a later line of the sanitizer ("ERROR SUMMARY")
   tail_line=$(grep -E '^(=+ )?([0-9]+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)|no tests ran)' \
               "$OUT/logs/$name.log" | tail -1)
-  if [ $rc -eq 124 ]; then tail_line="timed out after $limit s; $tail_line"; fi
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then tail_line="timed out after $limit s; $tail_line"; fi
   if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ passed' <<<"$tail_line"; then
     step "$name" fail "no test ran on the GPU: $tail_line (logs/$name.log)" "$began"
     return 1
@@ -154,8 +162,12 @@ run_benchmark() {
   if ! limit=$(limit_for "$2"); then step "$name" skip "$NO_TIME"; return 0; fi
   began=$(date +%s)
   # $module may carry arguments after the module name (split on spaces)
-  if timeout "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
-    step "$name" pass "$folder/$table" "$began"
+  if timeout -k "$KILL_AFTER" "$limit" "$PY" -m $module --out "$OUT/$folder" >"$OUT/logs/$name.log" 2>&1; then
+    if [ -s "$OUT/$folder/$table" ]; then
+      step "$name" pass "$folder/$table" "$began"
+    else
+      step "$name" fail "exit 0 but no $folder/$table written: see logs/$name.log" "$began"
+    fi
   else
     local rc=$?
     step "$name" fail "exit $rc$([ $rc -eq 124 ] && echo ": timed out after $limit s"): see logs/$name.log" "$began"
@@ -199,7 +211,7 @@ if ! BUILD_LIMIT=$(limit_for "${GPU_CHECK_BUILD_LIMIT:-480}"); then
   summarize
   exit 1
 fi
-timeout "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" \
+timeout -k "$KILL_AFTER" "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" \
   "$ROOT" >"$OUT/logs/build.log" 2>&1
 BUILD_RC=$?
 if [ $BUILD_RC -eq 0 ]; then
@@ -249,7 +261,10 @@ else
   sanitize() {  # the two steps of one tool ($1): KeyValueCache's kernels, then the attention kernels; $2 scales the limits
     # torch's caching allocator off: each tensor its own allocation, so memcheck sees a read past its end and
     # initcheck a read of memory nothing wrote (in a cached pool block both look valid)
-    PREFIX=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$SANITIZER" --tool "$1" --error-exitcode 86 --print-limit 20)
+    # (and the tests' device buffers without their sentinel guards, KVCACHE_OP_TEST_GUARD_BYTES=0: a read of a guard
+    # lies inside the allocation, which the tool cannot tell from a read of the buffer)
+    PREFIX=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1 KVCACHE_OP_TEST_GUARD_BYTES=0 "$SANITIZER" --tool "$1" \
+            --error-exitcode 86 --print-limit 20)
     HYPOTHESIS_PROFILE=gpu-sanitize run_pytest "sanitizer-$1" $(( 150 * $2 )) test_gpu_c_entry.py \
       -k "matches_reference or decode_and_prefill or off_a_16 or invalid_call_on_gpu and (start_pos or cachestarts)"
     # the attention kernels: a split decode with its merges (mask, ALiBi, softcap), a cache-attention split decode,
@@ -294,7 +309,7 @@ else
     PREFILL2_CASE=$(grep -m1 "mha prefill .* float16 packed tensor-core kernel in registers$" <<<"$LISTED" | cut -d: -f1)
     for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-} ${PREFILL2_CASE:-}; do
       if ! NCU_LIMIT=$(limit_for 180); then step "attention-ncu-$case" skip "$NO_TIME"; continue; fi
-      if [ -x "$NCU" ] && timeout "$NCU_LIMIT" "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
+      if [ -x "$NCU" ] && timeout -k "$KILL_AFTER" "$NCU_LIMIT" "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
           --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel|MmaKernel|MmaRegKernel" \
           --launch-skip 2 --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case "$case" \
@@ -339,6 +354,16 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     done
   fi
 fi
+
+# A step GPU_CHECK_ONLY names that did not run (no GPU seen, no compute-sanitizer, no onnxruntime-gpu) fails the
+# check: a lease's command names what it came to prove.
+NOT_RUN=""
+for name in ${GPU_CHECK_ONLY:-}; do
+  if awk -F'\t' -v n="$name" '$1 == n && $2 == "skip" { found = 1 } END { exit !found }' "$STEPS"; then
+    NOT_RUN+=" $name"
+  fi
+done
+if [ -n "$NOT_RUN" ]; then step named-steps fail "named in GPU_CHECK_ONLY but skipped:$NOT_RUN"; fi
 
 summarize
 ! grep -q -e $'\tfail\t' -e $'\tskip\t'"$NO_TIME" "$STEPS"

@@ -27,7 +27,9 @@ Figures, per case:
 * **copy ms**: ``copy_`` of a tensor of that many bytes, device to device (it reads those bytes and writes as
   many); measured before and after the op, the faster kept. **op / copy** = copy ms / op ms (decode targets:
   0.7, int8 0.6; a prefill is bound by arithmetic, not by these bytes). **read GB/s** = bytes read / op ms;
-  **copy GB/s** = 2 x bytes / copy ms (read and written);
+  **copy GB/s** = 2 x bytes / copy ms (read and written); **of copy bandwidth** = read GB/s / copy GB/s, half of
+  op / copy: the op only reads its bytes where the copy reads and writes them, so an op reading at the copy's rate
+  shows 2.0x op / copy and 1.0 of its bandwidth;
 * **sdpa ms**: ``torch.nn.functional.scaled_dot_product_attention`` on contiguous padded tensors of the same
   shapes (decode: query [B, H, 1, Dh], keys and values [B, Hkv, kvlen, Dh]; prefill: [B, H|Hkv, S, Dh],
   ``is_causal=True``, the flash backend through ``torch.nn.attention.sdpa_kernel`` when it runs), GQA by
@@ -49,7 +51,11 @@ Figures, per case:
   int4 caches keep the first), on a decode with ``KVCACHE_OP_CUDA_MMA_DECODE=1`` too: each tile's query heads of one
   kv head (4 of warp 0's 16 rows at GQA 4) through m16n8k16 products over chunks of 64 keys. Its lanes' loop over a
   chunk is 5,300 PTX instructions (sm_90, rare paths included) where the staged decode kernel's over the same 64 keys
-  is 6,100, at half the warps per multiprocessor: the row says whether tensor cores pay on a decode.
+  is 6,100, at half the warps per multiprocessor: the row says whether tensor cores pay on a decode;
+* **ran**: a row naming a route is checked against the attention kernels torch's profiler saw it launch: a row whose
+  kernel did not run (the library took another route) says so, and the run exits 1. A case that fails (a route never
+  run on this GPU, say) has its error as its row, the others are measured, and the run exits 1. results.md and
+  results.json are rewritten after every case, so a run stopped part way keeps the rows before.
 """
 
 import argparse
@@ -130,10 +136,11 @@ def cases(quick: bool) -> list:
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, layout=layout, kernel="tile-decode") for layout in (0, 3)]
     out += [Case("mha", "decode", 64, 1, 1024, 8, 2, kernel="tile-decode")]
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, kernel=k) for k in ("decode", "mma")]
-    # the staged decode kernel on the int8 decodes (codes and scales staged; not the default until measured)
+    out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
+    # the routes not yet run on a GPU come last, so that a failing one cannot cost the rows above: the staged decode
+    # kernel on the int8 decodes (codes and scales staged; not the default until measured)
     out += [Case("mhca", "decode", 32, 1, 2048, 32, 8, quant_bit=8, layout=layout, kernel="staged")
             for layout in (0, 3)]
-    out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="tile")]
     # the tensor-core kernel's second form (products in registers) on the prefills
     out += [Case("mha", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2"),
             Case("mhca", "prefill", 8, 1024, 1024, 32, 8, kernel="mma2")]
@@ -163,6 +170,13 @@ KERNELS = {
     "mma2": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2"}),
     "mma2-decode": ("tensor-core kernel in registers", {"KVCACHE_OP_CUDA_MMA": "2", "KVCACHE_OP_CUDA_MMA_DECODE": "1"}),
 }
+#: The attention kernel a route's rows must launch (as :func:`short_name` names it); the default route is the library's
+#: choice, not checked.
+ROUTE_KERNELS = {"decode": "DecodeKernel", "tile-decode": "TileKernel", "staged": "StagedDecodeKernel",
+                 "heads": "StagedDecodeKernel, heads in registers", "mma": "MmaKernel", "tile": "TileKernel",
+                 "mma2": "MmaRegKernel", "mma2-decode": "MmaRegKernel"}
+ATTENTION_KERNELS = {"TileKernel", "DecodeKernel", "StagedDecodeKernel", "StagedDecodeKernel, heads in registers",
+                     "MmaKernel", "MmaRegKernel"}
 ROUTE_VARIABLES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACHE_OP_CUDA_MMA_DECODE")
 
 
@@ -339,14 +353,31 @@ def _measure(case: Case, warmup: int, repeats: int) -> dict:
     return {
         "op": case.op, "phase": case.phase, "B": case.batch, "seqlen": case.seqlen, "kvlen": case.kvlen,
         "H": case.heads, "Hkv": case.kv_heads, "Dh": case.head_dim, "dtype": case.dtype, "quant_bit": case.quant_bit,
-        "layout": case.layout if case.op == "mhca" else None, "page_size": case.page_size if case.op == "mhca" else None,
+        "layout": case.layout if case.op == "mhca" else None,
+        "page_size": case.page_size if case.op == "mhca" else None,
         "label": case.label(), "bytes_read": nbytes, "op_ms": op_ms, "copy_ms": copy_ms, "sdpa_ms": sdpa_ms,
         "sdpa_backend": backend, "read_GBps": nbytes / op_ms / 1e6, "copy_GBps": 2 * nbytes / copy_ms / 1e6,
-        "vs_copy": copy_ms / op_ms, "vs_sdpa": sdpa_ms / op_ms,
+        "vs_copy": copy_ms / op_ms, "copy_bandwidth_fraction": copy_ms / op_ms / 2, "vs_sdpa": sdpa_ms / op_ms,
         "copy_target": COPY_TARGET.get(case.quant_bit) if case.phase == "decode" else None,
         "sdpa_target": SDPA_TARGET.get(case.phase),
         "max_abs_diff_vs_sdpa": diff, "host_ms": host, "device_breakdown": breakdown,
+        **route_check(case, breakdown),
     }
+
+
+def route_check(case: Case, breakdown: dict) -> dict:
+    """``ran``: the attention kernels the profiler saw the case launch; ``route_ok``: whether a route's row ran its
+    kernel (None: the default route, or no attention kernel named by the profiler, so nothing to check)."""
+    ran = sorted(name for name in breakdown if name in ATTENTION_KERNELS)
+    expected = ROUTE_KERNELS.get(case.kernel)
+    return {"ran": ran, "route_ok": None if expected is None or not ran else expected in ran}
+
+
+def error_row(case: Case, error: BaseException) -> dict:
+    """The row of a case that failed: its label and the error's first line."""
+    text = str(error).strip().splitlines()
+    return {"label": case.label(), "op": case.op, "phase": case.phase, "kernel": case.kernel,
+            "error": f"{type(error).__name__}: {text[0] if text else ''}"}
 
 
 def device_breakdown(fn, calls: int = 10) -> dict:
@@ -377,16 +408,47 @@ def device_breakdown(fn, calls: int = 10) -> dict:
 
 
 def short_name(kernel: str) -> str:
-    """A profiler event's name without return type, namespaces and template arguments ("TileKernel")."""
+    """A profiler event's name without return type, namespaces and template arguments ("TileKernel"); the staged
+    decode kernel's second form (its last template argument true) is "StagedDecodeKernel, heads in registers"."""
     import re
 
     name = re.sub(r"^void |[A-Za-z_]+::|\(anonymous namespace\)::", "", kernel)
-    return name.split("<", 1)[0].split("(", 1)[0] if not name.startswith("Memcpy") else name
+    if name.startswith("Memcpy"):
+        return name
+    base = name.split("<", 1)[0].split("(", 1)[0]
+    if base == "StagedDecodeKernel" and _last_template_argument(name) == "true":
+        return base + ", heads in registers"
+    return base
+
+
+def _last_template_argument(name: str) -> str:
+    """The last top-level template argument of a demangled ``name`` ("" where it has none)."""
+    start = name.find("<")
+    if start < 0:
+        return ""
+    depth, argument = 0, []
+    for char in name[start:]:
+        if char == "<":
+            depth += 1
+            if depth == 1:
+                continue
+        elif char == ">":
+            depth -= 1
+            if depth == 0:
+                break
+        elif char == "," and depth == 1:
+            argument = []
+            continue
+        argument.append(char)
+    return "".join(argument).strip()
 
 
 def breakdown_table(rows) -> str:
     lines = ["| case | host ms per call | device ms per call, by kernel or copy |", "| --- | --- | --- |"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | | failed: {r['error']} |")
+            continue
         parts = r.get("device_breakdown") or {}
         text = parts["error"] if "error" in parts else "; ".join(f"{k}: {v:.4f}" for k, v in parts.items())
         lines.append(f"| {r['label']} | {r['host_ms']:.3f} | {text} |")
@@ -400,13 +462,18 @@ def _verdict(value, target) -> str:
 
 
 def markdown_table(rows) -> str:
-    lines = ["| case | MB read | op ms | read GB/s | copy GB/s | op / copy | sdpa ms | vs sdpa | sdpa backend "
-             "| max abs diff vs sdpa |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| case | MB read | op ms | read GB/s | copy GB/s | op / copy | of copy bandwidth | sdpa ms | vs sdpa "
+             "| sdpa backend | max abs diff vs sdpa |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error']} | | | | | | | | | |")
+            continue
         diff = "" if r["max_abs_diff_vs_sdpa"] is None else f"{r['max_abs_diff_vs_sdpa']:.3g}"
-        lines.append(f"| {r['label']} | {r['bytes_read'] / 1e6:.1f} | {r['op_ms']:.3f} | {r['read_GBps']:.1f} | "
-                     f"{r['copy_GBps']:.1f} | {_verdict(r['vs_copy'], r['copy_target'])} | {r['sdpa_ms']:.3f} | "
+        label = r["label"] if r.get("route_ok") is not False else f"{r['label']} (but ran {', '.join(r['ran'])})"
+        lines.append(f"| {label} | {r['bytes_read'] / 1e6:.1f} | {r['op_ms']:.3f} | {r['read_GBps']:.1f} | "
+                     f"{r['copy_GBps']:.1f} | {_verdict(r['vs_copy'], r['copy_target'])} | "
+                     f"{r['copy_bandwidth_fraction']:.2f} | {r['sdpa_ms']:.3f} | "
                      f"{_verdict(r['vs_sdpa'], r['sdpa_target'])} | {r['sdpa_backend']} | {diff} |")
     return "\n".join(lines) + "\n"
 
@@ -437,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """Runs the attention CUDA benchmark; 0 when every case ran, 2 (one line on stderr) when the machine lacks what
-    it needs."""
+    """Runs the attention CUDA benchmark; 0 when every case ran its route, 1 when a case failed or ran another kernel
+    (the table keeps every row), 2 (one line on stderr) when the machine lacks what it needs."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     missing = missing_requirements()
@@ -453,18 +520,27 @@ def main(argv=None) -> int:
     rows = []
     with torch.cuda.stream(torch.cuda.Stream()):  # one stream, not the legacy default one
         for case in cases(args.quick):
-            rows.append(measure(case, args.warmup, args.repeats))
-            r = rows[-1]
-            print(f"{case.label()}: op {r['op_ms']:.3f} ms, op/copy {r['vs_copy']:.2f}x, "
-                  f"vs sdpa ({r['sdpa_backend']}) {r['vs_sdpa']:.2f}x", flush=True)
+            try:
+                r = measure(case, args.warmup, args.repeats)
+                route = "" if r["route_ok"] is not False else f"; NOT ITS ROUTE: ran {', '.join(r['ran'])}"
+                print(f"{case.label()}: op {r['op_ms']:.3f} ms, op/copy {r['vs_copy']:.2f}x, "
+                      f"vs sdpa ({r['sdpa_backend']}) {r['vs_sdpa']:.2f}x{route}", flush=True)
+            except Exception as error:  # noqa: BLE001 - one case's failure is its row; the others are still measured
+                r = error_row(case, error)
+                print(f"{case.label()}: failed: {r['error']}", flush=True)
+            rows.append(r)
+            if args.out:  # after every case: a run stopped later keeps these rows
+                write_results(rows, args.out, command, device, torch.__version__)
             torch.cuda.empty_cache()  # the next case allocates its own buffers
     if args.out:
-        write_results(rows, args.out, command, device, torch.__version__)
         print(f"wrote {args.out}/results.md")
     print()
     print(markdown_table(rows), end="")
     print(breakdown_table(rows), end="")
-    return 0
+    bad = [r["label"] for r in rows if "error" in r or r.get("route_ok") is False]
+    if bad:
+        print(f"{len(bad)} case(s) failed or ran another kernel than their route's: {'; '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     import torch
 
     case = every[args.case]
-    call = AttentionCall(case)
     with kernel_route(case.kernel), torch.cuda.stream(torch.cuda.Stream()):
+        call = AttentionCall(case)  # made on the stream it enqueues on (the one current at construction)
         for _ in range(args.calls):
             call.run_op()
         torch.cuda.current_stream().synchronize()
