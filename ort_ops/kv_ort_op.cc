@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -15,13 +16,33 @@ namespace kvcache {
 
 namespace {
 
-void Trampoline(void* data, size_t i) { (*static_cast<const std::function<void(size_t)>*>(data))(i); }
+// One ParallelFor's work and the first exception a task threw: an exception (an allocation failure) must not unwind
+// through ONNX Runtime's thread pool, whose workers do not catch it (std::terminate); it is rethrown on the calling
+// thread once every task has returned.
+struct GuardedTasks {
+  const std::function<void(size_t)>& fn;
+  std::mutex lock;
+  std::exception_ptr failure;
+};
+
+void Trampoline(void* data, size_t i) {
+  auto* tasks = static_cast<GuardedTasks*>(data);
+  try {
+    tasks->fn(i);
+  } catch (...) {
+    std::lock_guard<std::mutex> hold(tasks->lock);
+    if (!tasks->failure) tasks->failure = std::current_exception();
+  }
+}
 
 }  // namespace
 
 void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn) {
   if (n == 1) return fn(0);
-  if (n > 1) ctx.ParallelFor(Trampoline, n, 0, const_cast<std::function<void(size_t)>*>(&fn));
+  if (n < 1) return;
+  GuardedTasks tasks{fn, {}, {}};
+  ctx.ParallelFor(Trampoline, n, 0, &tasks);
+  if (tasks.failure) std::rethrow_exception(tasks.failure);
 }
 
 Attrs ReadAttrs(const OrtKernelInfo* info) {
