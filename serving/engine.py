@@ -193,7 +193,7 @@ class Engine(OnlineEngine):
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         per_request = self._sampling(params, count)
-        sequences = [self._new_sequence(None, self._token_ids(p, i), max_new_tokens, s, a, per_request[i])
+        sequences = [self._new_sequence(None, self._token_ids(p, f"prompt {i}"), max_new_tokens, s, a, per_request[i])
                      for i, (p, s, a) in enumerate(zip(prompts, salts, arrivals))]
         for i, q in enumerate(sequences):
             self._check_fits(q, max_new_tokens, f"prompt {i}")
@@ -269,17 +269,22 @@ class Engine(OnlineEngine):
             raise ValueError(f"{name}: {len(q.prompt)} tokens + max_new_tokens={max_new_tokens} need {needed} pages "
                              f"of {ps}{held}, more than num_pages={self.num_pages}: give the engine more pages")
 
-    def _token_ids(self, prompt, index: int) -> list:
-        """``prompt`` as a list of ints in ``[0, vocab)``; ``ValueError``/``TypeError`` naming prompt ``index``
+    def _token_ids(self, prompt, name: str) -> list:
+        """``prompt`` as a list of ints in ``[0, vocab)``; ``ValueError``/``TypeError`` naming the prompt (``name``)
         before any work (a float or bool id is refused, not truncated)."""
         ids = np.asarray(prompt)
+        if ids.dtype == object and ids.ndim == 1 and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            # Python ints beyond int64 (numpy keeps them as objects): outside every vocabulary
+            first = next(i for i, t in enumerate(ids) if not -2**63 <= t < 2**63)
+            raise ValueError(f"{name}: token {ids[first]} at index {first} is outside the vocabulary "
+                             f"[0, {self.info.vocab_size})")
         if ids.ndim != 1 or ids.size == 0:
-            raise ValueError(f"prompt {index} must be a non-empty list of token ids, got shape {ids.shape}")
+            raise ValueError(f"{name} must be a non-empty list of token ids, got shape {ids.shape}")
         if ids.dtype.kind not in "iu":
-            raise TypeError(f"prompt {index}: token ids must be integers, got {ids.dtype}")
+            raise TypeError(f"{name}: token ids must be integers, got {ids.dtype}")
         bad = np.flatnonzero((ids < 0) | (ids >= self.info.vocab_size))
         if bad.size:
-            raise ValueError(f"prompt {index}: token {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
+            raise ValueError(f"{name}: token {int(ids[bad[0]])} at index {int(bad[0])} is outside the "
                              f"vocabulary [0, {self.info.vocab_size})")
         return ids.astype(np.int64).tolist()
 

@@ -285,7 +285,7 @@ class OnlineEngine:
             raise ValueError(f"max_waiting must be None or an int >= 0, got {max_waiting!r}")
         params = self._sampling(params, 1)[0]  # its type and what this engine supports (a list of one is one)
         salt_bytes(salt)
-        q = self._new_sequence(None, self._token_ids(prompt, "submitted"), params.max_tokens, salt, 0, params)
+        q = self._new_sequence(None, self._token_ids(prompt, "the prompt"), params.max_tokens, salt, 0, params)
         self._check_fits(q, params.max_tokens, "submitted request")
         with self._lock_soon():
             if self._closed:

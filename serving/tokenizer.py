@@ -16,7 +16,12 @@ def load_tokenizer(folder):
     check_tokenizer_folder(folder)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    except ImportError:
+        raise  # a missing optional module (sentencepiece, say): the command names what brings it
+    except Exception as error:  # noqa: BLE001 - a damaged tokenizer file: one line naming the folder, not a traceback
+        raise ValueError(f"cannot load the tokenizer in {folder}: {type(error).__name__}: {error}") from error
 
 
 def check_tokenizer_folder(folder) -> None:

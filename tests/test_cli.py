@@ -30,3 +30,34 @@ def test_bench_subcommand_dispatches(tmp_path, capsys):
     assert main(["bench", "op", "--quick", "--repeats", "1", "--warmup", "0", "--reference-repeats", "1",
                  "--threads", "1"]) == 0
     assert "op/copy" in capsys.readouterr().out
+
+
+def test_an_interrupted_command_says_so_in_one_line(monkeypatch, capsys):
+    from kvcache_op import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_conformance", interrupted)
+    assert main(["conformance", "--list"]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "kvcache-op conformance: interrupted\n"
+
+
+def test_slots_demo_on_ort_without_the_library_is_one_line(monkeypatch, capsys):
+    from kvcache_op import ort_ops
+
+    monkeypatch.setattr(ort_ops, "library_available", lambda: False)
+    assert main(["slots-demo", "--backend", "ort"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache-op slots-demo: error: --backend ort: the custom-op library is not built")
+    assert err.count("\n") == 1
+
+
+def test_bench_op_refuses_a_device_it_does_not_have(capsys):
+    for argv, message in ((["bench", "op", "--device", "gpu"], "--device must be cpu or cuda, got 'gpu'"),
+                          (["bench", "op", "--device=tpu"], "--device must be cpu or cuda, got 'tpu'"),
+                          (["bench", "op", "--device"], "--device needs a value: cpu or cuda")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == f"kvcache-op bench op: error: {message}\n", err

@@ -154,3 +154,37 @@ def test_a_failed_export_leaves_the_earlier_file_and_its_weights_as_they_were(ch
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == before
     prompt = [5, 6, 7]
     assert Engine(out, num_pages=8).generate([prompt], 3)[0] == reference_generate(model, prompt, 3)
+
+
+def test_an_out_path_that_is_a_file_of_the_checkpoint_is_refused(checkpoint, tmp_path, capsys):
+    """Writing the export over the checkpoint's own config (or weights) would ruin the checkpoint it reads."""
+    folder, _ = checkpoint
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            (copy / path.name).write_bytes(path.read_bytes())
+    config = (copy / "config.json").read_bytes()
+    for target in ("config.json", "model.safetensors"):
+        assert main(["export", str(copy), str(copy / target)]) == 2
+        err = capsys.readouterr().err
+        assert f"is {target} of the checkpoint being exported" in err and err.count("\n") == 1
+    assert (copy / "config.json").read_bytes() == config
+    # a checkpoint folder named as the tokenizer folder of OUT: the copied files would land on its own
+    named = copy.rename(tmp_path / "model.tokenizer")
+    assert main(["export", str(named), str(tmp_path / "model.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "which is the checkpoint folder being exported" in err and err.count("\n") == 1
+
+
+def test_a_checkpoint_whose_weights_cannot_be_read_is_refused_in_one_line(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    copy = tmp_path / "damaged"
+    copy.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            data = path.read_bytes()
+            (copy / path.name).write_bytes(data[:1000] if path.name == "model.safetensors" else data)
+    assert main(["export", str(copy), str(tmp_path / "out.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load the checkpoint {copy}" in err and "Traceback" not in err and err.count("\n") == 1

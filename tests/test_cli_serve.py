@@ -141,3 +141,75 @@ def test_the_engine_flags_reach_the_engine():
     engine = Engine(path, **options)
     assert (engine.decode_steps, engine.max_running, engine.num_pages) == (3, 5, 40)
     assert engine_options_of(build_parser().parse_args(["serve", "model.onnx"]))["decode_steps"] is None  # default
+
+
+def test_an_empty_api_key_is_refused_not_taken_for_none(monkeypatch, capsys):
+    """``--api-key "$KEY"`` with KEY unset would otherwise serve with no key (or with the environment's)."""
+    monkeypatch.setenv(API_KEY_VARIABLE, "from-env")
+    for empty in ("", "  "):
+        with pytest.raises(ValueError, match="--api-key is empty"):
+            api_key_of(empty)
+    assert main(["serve", "/nonexistent/model.onnx", "--api-key", ""]) == 2
+    err = capsys.readouterr().err
+    assert "--api-key is empty" in err and err.count("\n") == 1
+
+
+def test_every_loopback_address_is_loopback():
+    from kvcache_op.listening import is_loopback
+
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.0.0.2", "127.255.0.9", "::1", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "10.0.0.1", "::", "example.com", "128.0.0.1"))
+
+
+def test_a_loopback_host_beyond_127_0_0_1_needs_no_allow_remote(capsys):
+    assert main(["serve", "/nonexistent/model.onnx", "--host", "127.0.0.2"]) == 2
+    assert "no exported model or checkpoint folder" in capsys.readouterr().err  # refused for the model, not the host
+
+
+def test_threads_far_beyond_the_cores_are_refused(capsys):
+    from kvcache_op.listening import usable_cores
+
+    assert main(["serve", "/nonexistent/model.onnx", "--threads", str(4 * usable_cores() + 1)]) == 2
+    err = capsys.readouterr().err
+    assert "--threads" in err and "more than four times" in err and err.count("\n") == 1
+
+
+def test_a_cache_folder_that_cannot_be_written_is_named_before_the_export(served_checkpoint, tmp_path, capsys):
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("x")
+    assert main(["serve", str(served_checkpoint[0]), "--cache-dir", str(not_a_folder), "--port", "0"]) == 2
+    captured = capsys.readouterr()
+    assert f"--cache-dir {not_a_folder}: {not_a_folder} exists and is not a folder" in captured.err
+    assert captured.err.count("\n") == 1 and "exporting" not in captured.out
+
+
+def _copy_checkpoint(source, target):
+    target.mkdir()
+    for path in source.iterdir():
+        if path.is_file():
+            (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def test_a_damaged_tokenizer_is_refused_before_the_export(served_checkpoint, tmp_path, capsys):
+    folder = _copy_checkpoint(served_checkpoint[0], tmp_path / "bad-tokenizer")
+    (folder / "tokenizer.json").write_text("{not json")
+    cache = tmp_path / "cache"
+    assert main(["serve", str(folder), "--cache-dir", str(cache), "--port", "0"]) == 2
+    captured = capsys.readouterr()
+    assert f"cannot load the tokenizer in {folder}" in captured.err and captured.err.count("\n") == 1
+    assert "loading" not in captured.out and not cache.exists()
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_one_line_and_leaves_no_cache_entry(served_checkpoint, tmp_path,
+                                                                                     capsys):
+    """A truncated weight file: the export's child fails, the command says why in one line (no traceback), and the
+    cache folder keeps nothing of the attempt."""
+    folder = _copy_checkpoint(served_checkpoint[0], tmp_path / "bad-weights")
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    cache = tmp_path / "cache"
+    assert main(["serve", str(folder), "--cache-dir", str(cache), "--port", "0"]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot load the checkpoint {folder}" in err and "Traceback" not in err, err
+    assert err.count("\n") == 1 and list(cache.iterdir()) == []

@@ -39,3 +39,10 @@ def test_without_out_the_export_is_removed_at_the_end(tmp_path, capsys, monkeypa
     out = capsys.readouterr().out
     assert f"exported to {tmp_path}" in out and "removed at the end" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_more_pages_than_memory_holds_is_one_line(tmp_path, capsys):
+    assert main(["demo", "--requests", "1", "--new-tokens", "1", "--num-pages", "100000000000",
+                 "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcache-op demo: error: num_pages=100000000000 pages") and err.count("\n") == 1, err

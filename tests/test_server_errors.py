@@ -39,7 +39,7 @@ def _error(reply, status):
     ("/v1/completions", {**GOOD, "logit_bias": {"3": 1}}, 400, "logit_bias"),
     ("/v1/completions", {**GOOD, "prompt": []}, 400, "prompt"),
     ("/v1/completions", {**GOOD, "prompt": ["a", "b"]}, 400, "prompt"),
-    ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, 400, None),  # outside the vocabulary
+    ("/v1/completions", {**GOOD, "prompt": [1, 99999]}, 400, "prompt"),  # outside the vocabulary
     ("/v1/completions", {**GOOD, "prompt": list(range(1, 300)) * 4}, 400, "prompt"),  # over the context
     ("/v1/completions", {**GOOD, "prompt": [5] * 1000, "max_tokens": 100}, 400, "max_tokens"),
     ("/v1/completions", {**GOOD, "cache_salt": 7}, 400, "cache_salt"),
@@ -74,7 +74,9 @@ def test_bad_fields_are_refused_by_name(api_server, route, body, status, param):
 def test_a_prompt_the_tokenizer_cannot_encode_is_400(api_server):
     raw = b'{"model": "tiny", "prompt": "\\ud800", "max_tokens": 2}'  # a lone surrogate, as a JSON escape
     reply = httpx.post(api_server + "/v1/completions", content=raw, headers={**AUTH, "content-type": "application/json"})
-    assert _error(reply, 400)["param"] == "prompt"
+    error = _error(reply, 400)
+    assert error["param"] == "prompt" and error["message"] == "the prompt is not valid Unicode text (it holds a lone " \
+        "surrogate)"
 
 
 def test_an_unknown_model_is_404(api_server):
@@ -156,7 +158,8 @@ def test_a_burst_within_the_running_slots_is_served_and_the_next_request_answers
     assert running == 4 and [r.json()["choices"][0]["finish_reason"] for r in four] == ["abort"] * 4
     error = _error(fifth, 503)
     assert error["type"] == "server_overloaded" and fifth.headers["retry-after"] == "1"
-    assert error["message"] == "the server is busy (0 requests waiting for a running slot, the limit is 0): retry later"
+    assert error["message"] == ("the server is busy: with this request 1 would wait for a running slot, more than the "
+                                "limit of 0; retry later")
 
 
 def test_the_prompt_limit_is_a_clear_400(exported, served_checkpoint):
@@ -297,8 +300,8 @@ def test_a_request_being_submitted_is_counted_once_against_the_queue_limit(expor
             return await asyncio.gather(a, b, c), d
     (a, b, c), d = asyncio.run(scenario())
     assert c.status_code == 200, c.text
-    assert _error(d, 503)["message"] == "the server is busy (2 requests waiting for a running slot, the limit is 2): " \
-                                        "retry later"
+    assert _error(d, 503)["message"] == ("the server is busy: with this request 3 would wait for a running slot, "
+                                         "more than the limit of 2; retry later")
     assert [r.json()["choices"][0]["finish_reason"] for r in (a, b, c)] == ["abort"] * 3
 
 
@@ -316,7 +319,8 @@ def test_a_refusal_from_the_engines_own_count_is_a_503_with_retry_after(exported
         reply = client.post("/v1/completions", json=GOOD)
         error = _error(reply, 503)
     assert error["type"] == "server_overloaded" and reply.headers["retry-after"] == "1"
-    assert error["message"] == "the server is busy (7 requests waiting for a running slot, the limit is 5): retry later"
+    assert error["message"] == ("the server is busy: with this request 8 would wait for a running slot, more than the "
+                                "limit of 5; retry later")
 
 
 def test_logprobs_of_filtered_tokens_are_finite_json(fuzz_client):
@@ -349,3 +353,15 @@ def test_a_chat_without_max_tokens_fits_a_small_pool(exported, served_checkpoint
                                                           "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200, reply.text
         assert reply.json()["usage"]["total_tokens"] <= 8 * 16 + 1
+
+
+def test_a_prompt_of_token_ids_outside_the_vocabulary_is_a_400_naming_the_prompt(exported, served_checkpoint):
+    """Ids the engine refuses (past the vocabulary, below 0, beyond int64) are the prompt's error, said as such."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(_app(exported, served_checkpoint[2])) as client:
+        for ids in ([10 ** 30], [-1], [5, 10 ** 6]):
+            error = _error(client.post("/v1/completions", json={**GOOD, "prompt": ids}), 400)
+            assert error["param"] == "prompt" and "is outside the vocabulary" in error["message"], error
+            assert error["message"].startswith("the prompt: token"), error
+        assert client.post("/v1/completions", json=GOOD).status_code == 200  # and it serves on

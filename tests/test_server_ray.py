@@ -218,3 +218,19 @@ def test_a_stop_while_ray_serve_starts_ends_the_start_with_status_0(exported):
     assert code == 0 and "Traceback" not in output and "SIGTERM received" not in output, output[-2000:]
     assert "listening on" not in output, output[-2000:]
     assert lines[-1].startswith("stopped by SIGTERM after "), output[-500:]
+
+
+def test_an_engine_setting_a_replica_refuses_is_one_line(exported):
+    """The engine's one-line refusal (here a step budget beyond the model's rotary tables) raised in a replica reaches
+    the command as that line, status 2, not Ray Serve's "Failed to update the deployments" traceback."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "kvcache_op", "serve", str(exported), "--replicas", "1", "--port", "0",
+                           "--max-batch-tokens", "100000000", "--stop-after", "30"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("kvcache-op serve: error: a replica could not start: max_batch_tokens=100000000 is more "
+                           "than the"), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -110,6 +110,16 @@ class _Gate:
             self.metrics.observe_request(route, status[0])
 
 
+
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is Unicode text a tokenizer can take: JSON's escapes can carry lone surrogates, which no UTF-8
+    encoding holds."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
 def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None,
                metrics: ServerMetrics = None) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; ``engine`` must be made with ``tokenizer=PlainText(tokenizer)``
@@ -197,14 +207,15 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         return requested
 
     def busy(waiting: int) -> APIError:
-        return APIError(503, f"the server is busy ({waiting} requests waiting for a running slot, the limit is "
-                             f"{limits.max_queue}): retry later", type="server_overloaded",
+        """``waiting``: the requests that would wait for a running slot with this one."""
+        return APIError(503, f"the server is busy: with this request {waiting} would wait for a running slot, more "
+                             f"than the limit of {limits.max_queue}; retry later", type="server_overloaded",
                         headers={"Retry-After": "1"})
 
     async def start(req, prompt_ids: list, max_tokens, default_max, logprobs,
                     max_tokens_field: str = "max_tokens", prompt_field: str = "prompt") -> Generation:
         if engine.backlog(adding=1) > limits.max_queue:  # early, before any work; submit holds the limit exactly
-            raise busy(engine.backlog())
+            raise busy(engine.backlog(adding=1))
         if not prompt_ids:
             raise bad_request("the prompt encodes to no tokens", prompt_field)
         vocab = engine.info.vocab_size
@@ -215,11 +226,11 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         try:  # the engine checks the prompt and the salt; what it refuses is the client's error
             return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt, limits.max_queue)
         except (TypeError, ValueError) as error:
-            raise bad_request(str(error)) from None
+            raise bad_request(str(error), "cache_salt" if str(error).startswith("salt") else prompt_field) from None
         except EngineBusy as error:
-            raise busy(error.waiting) from None
+            raise busy(error.waiting + 1) from None
         except RuntimeError as error:  # the engine is closed: shutting down
-            raise APIError(503, str(error), type="server_overloaded") from None
+            raise APIError(503, str(error), type="server_overloaded", headers={"Retry-After": "1"}) from None
 
     async def respond(request: Request, req, generation: Generation, chat: bool):
         reply = Reply(generation, model_name, chat)
@@ -277,6 +288,8 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         check_model(req.model)
         prompt = req.the_prompt()
         if isinstance(prompt, str):
+            if not _encodable(prompt):  # the tokenizer's own word for it names its internals
+                raise bad_request("the prompt is not valid Unicode text (it holds a lone surrogate)", "prompt")
             # Tokenized whole, then counted: characters bound no token count (a token may hold any number of them);
             # the body limit bounds the work.
             try:

@@ -178,7 +178,10 @@ def _demo(args) -> int:
 def _slots_demo(args) -> int:
     from .slots_demo import run_slots_demo
 
-    return run_slots_demo(backend=args.backend, steps=args.steps)
+    try:
+        return run_slots_demo(backend=args.backend, steps=args.steps)
+    except ValueError as error:
+        return _fail("slots-demo", str(error))
 
 
 def _bench(args) -> int:
@@ -187,22 +190,33 @@ def _bench(args) -> int:
         from .benchmarks.manager.bench import main as bench_main
     elif args.what == "attention":
         from .benchmarks.attention.bench import main as bench_main
-    elif _take_cuda_device(rest):
-        from .benchmarks.gpu.bench import main as bench_main
     else:
-        from .benchmarks.cpu.bench import main as bench_main
+        try:
+            cuda = _take_cuda_device(rest)
+        except ValueError as error:
+            return _fail("bench op", str(error))
+        if cuda:
+            from .benchmarks.gpu.bench import main as bench_main
+        else:
+            from .benchmarks.cpu.bench import main as bench_main
     return bench_main(rest)
 
 
 def _take_cuda_device(rest: list) -> bool:
     """True when ``rest`` asks for ``--device cuda``. ``--device cpu`` or ``cuda`` is removed from ``rest`` (each
-    benchmark measures one device); any other value is left for the CPU benchmark's parser to refuse."""
+    benchmark measures one device); ``ValueError`` for any other value, or none."""
     for i, arg in enumerate(rest):
-        value, width = (arg.partition("=")[2], 1) if arg.startswith("--device=") else \
-            (rest[i + 1] if arg == "--device" and i + 1 < len(rest) else None, 2)
-        if value in ("cpu", "cuda"):
-            del rest[i:i + width]
-            return value == "cuda"
+        if arg.startswith("--device="):
+            value, width = arg.partition("=")[2], 1
+        elif arg == "--device":
+            value, width = (rest[i + 1] if i + 1 < len(rest) else None), 2
+        else:
+            continue
+        if value not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {value!r}" if value is not None else
+                             "--device needs a value: cpu or cuda")
+        del rest[i:i + width]
+        return value == "cuda"
     return False
 
 
@@ -315,8 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     fuzz.add_argument("--calls", choices=("valid", "invalid", "both"), default="both", help="which calls to draw")
     fuzz.add_argument("--out", default="fuzz-reproducer", help="where a reproducer is written (default ./fuzz-reproducer)")
     fuzz.set_defaults(func=_fuzz)
-    bench = sub.add_parser("bench", help="benchmarks: 'bench op [...]', 'bench attention [...]' or 'bench manager [...]' "
-                                         "(--help for each)")
+    bench = sub.add_parser("bench", help="benchmarks: 'bench op [--device cpu|cuda] [...]', 'bench attention [...]' "
+                                         "or 'bench manager [...]' (--help for each)")
     bench.add_argument("what", choices=("op", "attention", "manager"))
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of the benchmark")
     bench.set_defaults(func=_bench)
@@ -341,6 +355,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line, the status a shell gives an interrupted command
+        print(f"kvcache-op {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 def _silence_stdout() -> None:

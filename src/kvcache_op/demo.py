@@ -94,7 +94,11 @@ def _run(folder: str, kept: bool, family: str, requests: int, new_tokens: int, n
           f"(page {info.page_size}, quant_bit {info.quant_bit})")
 
     workload = shared_prefix_workload(requests, c.vocab_size, seed=seed)
-    engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=128, max_running=16)
+    try:
+        engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=128, max_running=16)
+    except ValueError as error:  # e.g. --num-pages more than this machine's memory holds: a line, not a traceback
+        print(f"kvcache-op demo: error: {error}", file=sys.stderr)
+        return 2
     print(f"3. serving {requests} requests ({sum(map(len, workload.prompts))} prompt tokens, 3 shared system "
           f"prompts, 2 arrivals per step) x {new_tokens} new tokens on {', '.join(engine.runner.providers)}, "
           f"{num_pages} pages of {info.page_size} slots")

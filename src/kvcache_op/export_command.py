@@ -4,7 +4,6 @@ files copied beside it."""
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 import time
@@ -39,13 +38,19 @@ def export_checkpoint(checkpoint, out, *, page_size: int = 16, quant_bit: int = 
     if not (checkpoint / "config.json").is_file():
         raise ValueError(f"{checkpoint} has no config.json: it is not a transformers checkpoint folder")
     _check_writable(out)
+    _check_not_the_checkpoints_own(checkpoint, out)
     began = time.perf_counter()
 
     def stage(text):
         progress(f"{text} ({time.perf_counter() - began:.1f} s)")
 
     progress(f"[1/3] loading {checkpoint} in float32 ...")
-    model = load_model(checkpoint)
+    try:
+        model = load_model(checkpoint)
+    except ImportError:
+        raise  # a missing optional module: the command names the extra that brings it
+    except Exception as error:  # noqa: BLE001 - a damaged weight file, an inconsistent config: one line, not a traceback
+        raise ValueError(f"cannot load the checkpoint {checkpoint}: {type(error).__name__}: {error}") from error
     stage(f"[2/3] exporting {model.config.num_hidden_layers} layers ({type(model).__name__}) to {out} ...")
     export_model(model, out, page_size=page_size, quant_bit=quant_bit, dtype=dtype, cache_layout=cache_layout,
                  fused_attention=fused_attention, metadata={SOURCE_KEY: str(checkpoint.resolve())},
@@ -64,15 +69,32 @@ def export_checkpoint(checkpoint, out, *, page_size: int = 16, quant_bit: int = 
     return {"path": str(out), "tokenizer_folder": str(folder), "copied": present, "seconds": seconds}
 
 
+def _check_not_the_checkpoints_own(checkpoint: pathlib.Path, out: pathlib.Path) -> None:
+    """``ValueError`` where writing ``out`` or its tokenizer folder would overwrite the checkpoint being read: ``out``
+    an existing file of the checkpoint other than an ONNX file (its config, weights, tokenizer), or the tokenizer
+    folder the checkpoint folder itself."""
+    source = checkpoint.resolve()
+    target = out.resolve()
+    if target.is_file() and target.suffix != ".onnx" and target.is_relative_to(source):
+        raise ValueError(f"{out} is {target.relative_to(source)} of the checkpoint being exported: writing the export "
+                         "there would overwrite it; name a new .onnx file")
+    if tokenizer_folder(out).resolve() == source:
+        raise ValueError(f"the tokenizer files of {out} go to {tokenizer_folder(out)}, which is the checkpoint folder "
+                         "being exported: name the ONNX file otherwise")
+
+
 def _check_writable(out: pathlib.Path) -> None:
     """``out`` and its tokenizer folder can be written, checked before the slow export: ``FileNotFoundError`` or
     ``ValueError`` saying why not."""
+    from .arguments import writable_folder_problem
+
     if not out.parent.is_dir():
         raise FileNotFoundError(f"the folder of {out} does not exist")
     if out.is_dir():
         raise ValueError(f"{out} is a folder: name the ONNX file to write")
-    if not os.access(out.parent, os.W_OK):
-        raise ValueError(f"cannot write into {out.parent}")
+    problem = writable_folder_problem(out.parent)  # tried, not asked: a permission check says yes to root anywhere
+    if problem:
+        raise ValueError(f"cannot write {out}: {problem}")
     folder = tokenizer_folder(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file: the tokenizer files go to a folder of that name")

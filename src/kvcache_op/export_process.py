@@ -40,6 +40,18 @@ def _end_with_parent(parent: int) -> None:
     os._exit(1)
 
 
+class _ParentGone(BaseException):
+    """The parent stopped listening (interrupted): nothing is left to tell it. A BaseException, so that the export's
+    own cleanup (its partial file) runs as it unwinds and no handler of errors takes it for one."""
+
+
+def _send(sender, message) -> None:
+    try:
+        sender.send(message)
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        raise _ParentGone from None
+
+
 def _export_child(checkpoint: str, out: str, settings: dict, sender, parent: int) -> None:
     """The child's work: exports, sending ``("progress", line)`` for each line, then ``("done", result)`` or
     ``("error", (type name, text))``, or ``("error", ("ModuleNotFoundError", text, module))`` for a missing optional
@@ -49,18 +61,21 @@ def _export_child(checkpoint: str, out: str, settings: dict, sender, parent: int
     from .export_command import export_checkpoint
 
     try:
-        result = export_checkpoint(checkpoint, out, progress=lambda line: sender.send(("progress", line)),
-                                   **settings)
-        sender.send(("done", result))
-    except Exception as error:  # noqa: BLE001 - every failure reaches the parent, which raises it
-        missing = missing_optional_module(error) if isinstance(error, ImportError) else None
-        if missing is not None:  # the parent names the extra that brings it
-            sender.send(("error", ("ModuleNotFoundError", str(error), missing)))
-            return
-        name = _expected_name(error)
-        if name is None:
-            traceback.print_exc()
-        sender.send(("error", (name or type(error).__name__, str(error))))
+        try:
+            result = export_checkpoint(checkpoint, out, progress=lambda line: _send(sender, ("progress", line)),
+                                       **settings)
+            _send(sender, ("done", result))
+        except Exception as error:  # noqa: BLE001 - every failure reaches the parent, which raises it
+            missing = missing_optional_module(error) if isinstance(error, ImportError) else None
+            if missing is not None:  # the parent names the extra that brings it
+                _send(sender, ("error", ("ModuleNotFoundError", str(error), missing)))
+                return
+            name = _expected_name(error)
+            if name is None:
+                traceback.print_exc()
+            _send(sender, ("error", (name or type(error).__name__, str(error))))
+    except _ParentGone:
+        pass  # the parent was interrupted and is ending this export: it says so itself
     finally:
         sender.close()
 

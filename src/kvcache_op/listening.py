@@ -1,5 +1,5 @@
-"""Where a server listens: loopback names, a listening socket, a free port, the address and URL it prints, and the
-cores its replicas may share."""
+"""Where a server listens: which hosts are loopback, a listening socket, a free port, the address and URL it prints,
+and the cores its replicas may share."""
 
 from __future__ import annotations
 
@@ -7,7 +7,16 @@ import os
 import random
 import socket
 
-LOOPBACK = ("127.0.0.1", "::1", "localhost")
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address (all of 127.0.0.0/8, ``::1``) or ``localhost``."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a name other than localhost: not judged loopback (it may resolve anywhere)
+        return False
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import time
 
-from .listening import LOOPBACK, free_port, listening_socket, url_of, usable_cores
+from .listening import free_port, is_loopback, listening_socket, url_of, usable_cores
 
 _POLL_SECONDS = 0.05
 _DRAIN_SECONDS = 12.0  # what the replicas may take to close their engines (each waits up to 10 s for its thread)
@@ -52,7 +52,10 @@ def serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_option
                          limits=limits, drain_file=drain_folder / "drain", **engine_options)
         print(f"serving {name!r} ({path}) as {args.replicas} Ray Serve replicas, {args.num_pages} pages each, "
               f"{'with' if api_key else 'without'} an API key", flush=True)
-        serve.run(app, route_prefix="/", name="kvcache-op", logging_config=logs)
+        try:
+            serve.run(app, route_prefix="/", name="kvcache-op", logging_config=logs)
+        except RuntimeError as error:  # a replica that could not start: its own error, in one line
+            raise ValueError(_replica_error(serve) or str(error).strip().splitlines()[0]) from None
         stop.serving = True
         print(f"listening on {url_of(args.host, port)}", flush=True)
         deadline = time.monotonic() + args.stop_after if args.stop_after else None
@@ -68,6 +71,23 @@ def serve_on_ray(args, path, tokenizer_dir, name, api_key, limits, engine_option
         ray.shutdown()
         shutil.rmtree(drain_folder, ignore_errors=True)
     return stop.name
+
+
+def _replica_error(serve) -> str | None:
+    """What stopped the replicas from starting, as the engine said it (``a replica could not start: ...``, the last
+    ``...Error: message`` line of the deployment's status), or None where Ray Serve's status says none."""
+    import re
+
+    try:
+        application = serve.status().applications.get("kvcache-op")
+        messages = [d.message for d in application.deployments.values() if d.message] if application else []
+    except Exception:  # noqa: BLE001 - no status to be had: the caller says what serve.run said
+        return None
+    for message in messages:
+        errors = re.findall(r"^\s*(?:\w+\.)*(\w*Error): (.+)$", message, re.M)
+        if errors:
+            return f"a replica could not start: {errors[-1][1]}"
+    return None
 
 
 def _drain_replicas(drain_file: pathlib.Path, replicas: int, stop) -> None:
@@ -153,7 +173,7 @@ def _start_local_ray(ray) -> None:
     on in the Ray the tests run, guards it)."""
     ray.init(address="local", include_dashboard=False, log_to_driver=False, configure_logging=False)
     node = ray.util.get_node_ip_address()
-    if node not in LOOPBACK:
+    if not is_loopback(node):
         ray.shutdown()
         raise ValueError(f"the local Ray instance took the node address {node}, not loopback, and would listen "
                            "on it: start the server in a fresh process (ray was imported before "

@@ -9,6 +9,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import onnx
 
 from .export_command import SOURCE_KEY, tokenizer_folder
 from .export_process import export_in_child
-from .listening import LOOPBACK, listening_socket, url_of, usable_cores
+from .listening import is_loopback, listening_socket, url_of, usable_cores
 
 API_KEY_VARIABLE = "KVCACHE_OP_API_KEY"  # the API key when --api-key is not given
 
@@ -49,9 +50,9 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
     is not kept by a server for its whole life). ``FileNotFoundError``/``ValueError`` naming what is missing."""
     model = pathlib.Path(model)
     if model.is_dir():
-        from .serving.tokenizer import check_tokenizer_folder
+        from .serving.tokenizer import load_tokenizer
 
-        check_tokenizer_folder(tokenizer or model)  # before the export: a folder without one is refused at once
+        load_tokenizer(tokenizer or model)  # before the export: a folder without a usable one is refused at once
         settings = dict(settings or {})
         out = pathlib.Path(cache_dir or default_cache_dir()) / _checkpoint_key(model, settings) / "model.onnx"
         complete = out.with_name("complete")  # written last: an interrupted export is redone, not reused
@@ -59,8 +60,16 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
             progress(f"using the export of {model} cached at {out}")
             exported_model(out)  # a cache entry damaged since is refused here, in one line
         else:
+            made = not out.parent.exists()
             out.parent.mkdir(parents=True, exist_ok=True)
-            export_in_child(model, out, settings=settings, progress=progress)
+            try:
+                export_in_child(model, out, settings=settings, progress=progress)
+            except BaseException as error:
+                if made:  # nothing of a failed or interrupted export is left to look like a cache entry
+                    shutil.rmtree(out.parent, ignore_errors=True)
+                if isinstance(error, RuntimeError):  # the child failed in a way it did not name: one line all the same
+                    raise ValueError(str(error)) from error
+                raise
             complete.write_text(str(model.resolve()))
         return out, pathlib.Path(tokenizer) if tokenizer else model
     if not model.is_file():
@@ -106,7 +115,12 @@ def exported_model(path) -> onnx.ModelProto:
 
 
 def api_key_of(given) -> str:
-    """The API key the server requires: ``--api-key``, else ``$KVCACHE_OP_API_KEY``, else None (no key)."""
+    """The API key the server requires: ``--api-key``, else ``$KVCACHE_OP_API_KEY``, else None (no key).
+    ``ValueError`` for an empty ``--api-key`` (a script's unset variable, say), which would otherwise serve with no key
+    or with another one."""
+    if given is not None and not given.strip():
+        raise ValueError("--api-key is empty: give the key, or leave the flag out to serve without one "
+                         f"(or with ${API_KEY_VARIABLE})")
     return given or os.environ.get(API_KEY_VARIABLE) or None
 
 
@@ -115,10 +129,12 @@ def serve(args) -> int:
     With ``--replicas N`` the app runs as N Ray Serve replicas, each with its own engine."""
     from .serving.server import ServerLimits
 
-    if args.host not in LOOPBACK and not args.allow_remote:
+    if not is_loopback(args.host) and not args.allow_remote:
         raise ValueError(f"--host {args.host} is not loopback: pass --allow-remote to listen on other interfaces "
                          "(and set an API key)")
     cores = usable_cores()
+    if args.threads > 4 * cores:  # ONNX Runtime starts them all; tens of thousands stall the start for minutes
+        raise ValueError(f"--threads {args.threads}: more than four times this machine's {cores} cores")
     if args.replicas and args.replicas > cores:
         raise ValueError(f"--replicas {args.replicas}: more than this machine's {cores} cores (each replica runs its "
                          "own engine and holds its own copy of the model)")
@@ -129,6 +145,14 @@ def serve(args) -> int:
     if given and pathlib.Path(args.model).is_file():  # (a path that is neither is refused as such below)
         raise ValueError(f"{', '.join(given)} set how a checkpoint folder is exported; {args.model} is not one (an "
                          "exported file keeps the settings it was exported with)")
+    if pathlib.Path(args.model).is_dir():  # its export goes to the cache folder: one that cannot take it, said now
+        from .arguments import writable_folder_problem
+
+        cache_dir = args.cache_dir or default_cache_dir()
+        problem = writable_folder_problem(cache_dir)
+        if problem:
+            where = "--cache-dir" if args.cache_dir else "the cache folder ($KVCACHE_OP_CACHE or --cache-dir)"
+            raise ValueError(f"{where} {cache_dir}: {problem}")
     settings = {"page_size": 16 if args.page_size is None else args.page_size,
                 "quant_bit": args.quant_bit or 0, "dtype": args.dtype}
     path, tokenizer_dir = resolve_model(args.model, tokenizer=args.tokenizer, cache_dir=args.cache_dir,

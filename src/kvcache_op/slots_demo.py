@@ -26,7 +26,8 @@ def _runner(backend: str):
     if library_available():
         return "ONNX Runtime CPU EP + kvcache-op custom-op library", run_ort
     if backend == "ort":
-        raise SystemExit("the custom-op library is not built in this install; reinstall with 'pip install .'")
+        raise ValueError("--backend ort: the custom-op library is not built in this install; reinstall with "
+                         "'pip install .', or pass --backend reference")
     return "onnx ReferenceEvaluator (the ONNX Runtime library is not built in this install)", run_reference
 
 
