@@ -308,16 +308,17 @@ def _check(code: int, message: ctypes.Array, error=KeyValueCacheError) -> None:
     raise RuntimeError(text)
 
 
-def c_array(tensors, count: int = None, what: str = "the tensors", error=KeyValueCacheError) -> ctypes.Array:
-    """A C array of :class:`Tensor` s, exactly ``count`` of them where given (``what`` names them in the error). The C
-    entry points read every one of the op's tensors, so a shorter list would have them read past its end: ``error``
-    instead."""
+def c_array(tensors, count: int, what: str, error=KeyValueCacheError, optional: bool = True) -> ctypes.Array:
+    """A C array of exactly ``count`` :class:`Tensor` s (``what`` names them in the error; ``optional``: some may be
+    left out as ``ABSENT``). The C entry points read every one of an op's tensors, so a shorter list would have them
+    read past its end: ``error`` instead."""
     tensors = list(tensors)
-    count = len(tensors) if count is None else count
-    if len(tensors) != count or not all(isinstance(t, Tensor) for t in tensors):
-        kinds = ", ".join(sorted({type(t).__name__ for t in tensors if not isinstance(t, Tensor)}))
-        raise error(f"{what} must be {count} Tensor objects (ABSENT for an optional one left out), got "
-                    f"{len(tensors)}" + (f", among them {kinds}" if kinds else ""))
+    if len(tensors) != count:
+        hint = " (ABSENT for an optional one left out)" if optional else ""
+        raise error(f"{what} must be {count} Tensor objects{hint}, got {len(tensors)}")
+    others = sorted({type(t).__name__ for t in tensors if not isinstance(t, Tensor)})
+    if others:
+        raise error(f"{what} must be Tensor objects, got {', '.join(others)} among them")
     return (CTensor * count)(*(t.to_c() for t in tensors))
 
 
@@ -343,7 +344,8 @@ def run_key_value_cache(inputs, outputs, *, device: str = "cpu", stream: int = 0
     lib = library(library_file)
     attrs = key_value_cache_attributes(library_file, **attributes)
     message = ctypes.create_string_buffer(4096)
-    c_in, c_out = c_array(inputs, 10, "KeyValueCache's inputs"), c_array(outputs, 2, "KeyValueCache's outputs")
+    c_in = c_array(inputs, 10, "KeyValueCache's inputs")
+    c_out = c_array(outputs, 2, "KeyValueCache's outputs", optional=False)
     if device == "cpu":
         code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, int(num_threads), message,
                                                   len(message))

@@ -34,7 +34,9 @@ constexpr size_t kScaleInput = 9;
 // Reads the attributes (spec defaults for absent ones) and rejects invalid values (KvError).
 Attrs ReadAttrs(const OrtKernelInfo* info);
 
-// Runs fn(i), i in [0, n), on ORT's intra-op thread pool.
+// Runs fn(i), i in [0, n), on ORT's intra-op thread pool. A task's exception (an allocation failure) is kept and
+// rethrown here once every task has returned (the pool's workers would std::terminate); the other tasks still run, so
+// a call failing this way may have written part of its outputs and cache.
 void ParallelForOnOrt(Ort::KernelContext& ctx, size_t n, const std::function<void(size_t)>& fn);
 
 // Rejects a cache or scale (inputs `cache_input`, `cache_input + 1` of op `op`) that is a constant

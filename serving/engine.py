@@ -274,10 +274,12 @@ class Engine(OnlineEngine):
         before any work (a float or bool id is refused, not truncated)."""
         ids = np.asarray(prompt)
         if ids.dtype == object and ids.ndim == 1 and all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            # Python ints beyond int64 (numpy keeps them as objects): outside every vocabulary
-            first = next(i for i, t in enumerate(ids) if not -2**63 <= t < 2**63)
-            raise ValueError(f"{name}: token {ids[first]} at index {first} is outside the vocabulary "
-                             f"[0, {self.info.vocab_size})")
+            # Python ints (numpy keeps them as objects when one is beyond int64): judged as ints
+            first = next((i for i, t in enumerate(ids) if not 0 <= t < self.info.vocab_size), None)
+            if first is not None:
+                raise ValueError(f"{name}: token {ids[first]} at index {first} is outside the vocabulary "
+                                 f"[0, {self.info.vocab_size})")
+            ids = ids.astype(np.int64)
         if ids.ndim != 1 or ids.size == 0:
             raise ValueError(f"{name} must be a non-empty list of token ids, got shape {ids.shape}")
         if ids.dtype.kind not in "iu":

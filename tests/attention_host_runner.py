@@ -124,7 +124,8 @@ class AttentionHostRunner:
         options.short_wait = int(short_wait)
         for i, name in enumerate(BUFFERS):
             options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
-        code = fn(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()), ctypes.byref(options),
+        code = fn(ctypes.byref(attrs), c_api.c_array(tensors, len(names), "inputs"), ctypes.byref(output.to_c()),
+                  ctypes.byref(options),
                   ctypes.byref(report), message, len(message))
         if code in (0, 4):
             buffers.finish()

@@ -101,8 +101,9 @@ class HostRunner:
         for i, name in enumerate(BUFFERS):
             options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
         report, message = Report(), ctypes.create_string_buffer(8192)
-        code = self.lib.kv_host_run(ctypes.byref(attrs), c_api.c_array(c_in), c_api.c_array(c_out),
-                                    ctypes.byref(options), ctypes.byref(report), message, len(message))
+        code = self.lib.kv_host_run(ctypes.byref(attrs), c_api.c_array(c_in, 10, "inputs"),
+                                    c_api.c_array(c_out, 2, "outputs"), ctypes.byref(options), ctypes.byref(report),
+                                    message, len(message))
         return self._finish(code, buffers, report, message, outs)
 
     @staticmethod
@@ -126,7 +127,7 @@ class HostRunner:
         for i, name in enumerate(BUFFERS):
             options.buffer_bytes[i] = (buffer_bytes or {}).get(name, -1)
         report, message = Report(), ctypes.create_string_buffer(8192)
-        code = self.lib.rotary_host_run(ctypes.byref(attrs), c_api.c_array(c_in), ctypes.byref(options),
+        code = self.lib.rotary_host_run(ctypes.byref(attrs), c_api.c_array(c_in, 5, "inputs"), ctypes.byref(options),
                                         ctypes.byref(report), message, len(message))
         return self._finish(code, buffers, report, message, (None, None))
 

@@ -414,7 +414,7 @@ options = Options(0, 0, 0)
 options.tile_kernel_only = 1
 for i in range(len(options.buffer_bytes)):
     options.buffer_bytes[i] = -1
-code = lib.mha_host_run(ctypes.byref(attrs), c_api.c_array(tensors), ctypes.byref(output.to_c()),
+code = lib.mha_host_run(ctypes.byref(attrs), c_api.c_array(tensors, 9, "inputs"), ctypes.byref(output.to_c()),
                         ctypes.byref(options), ctypes.byref(report), message, len(message))
 print(code, report.blocks, message.value.decode())
 '''

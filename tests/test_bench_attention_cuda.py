@@ -133,6 +133,8 @@ def test_a_route_is_checked_against_the_kernels_that_ran():
     assert attention.route_check(routed, {"TileKernel": 0.09, "MergeKernel": 0.01}) == {
         "ran": ["TileKernel"], "route_ok": False}
     assert attention.route_check(routed, {"error": "the profiler cannot run"})["route_ok"] is None
+    # the profiler ran and saw no attention kernel it knows (a kernel renamed, say): not the route's either
+    assert attention.route_check(routed, {"Memcpy HtoD": 0.01}) == {"ran": [], "route_ok": False}
     default = attention.cases(quick=True)[0]
     assert attention.route_check(default, {"TileKernel": 0.09})["route_ok"] is None  # the library's choice
 
@@ -146,23 +148,34 @@ def _row(case, **changes):
     return {**row, **changes}
 
 
+def _stand_in_torch(monkeypatch, context_lost: bool):
+    """A torch module with what the benchmark's loop calls; ``context_lost``: its synchronize fails, as after an
+    illegal address."""
+    import contextlib
+
+    def synchronize():
+        if context_lost:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    fake_cuda = types.SimpleNamespace(get_device_name=lambda: "Stand-in GPU", Stream=lambda: None,
+                                      stream=lambda _: contextlib.nullcontext(), empty_cache=lambda: None,
+                                      synchronize=synchronize)
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="0.0-fake", cuda=fake_cuda))
+    monkeypatch.setattr(attention, "missing_requirements", lambda: [])
+
+
 def test_a_failed_case_and_a_case_off_its_route_keep_their_rows_and_fail_the_run(monkeypatch, tmp_path, capsys):
     """One case raising (a route never run on this GPU) is its row's error, the cases after it are measured, the
     tables are written after every case, and the run exits 1; so does a row whose kernel was not its route's."""
-    import contextlib
-
     quick = attention.cases(quick=True)
-    fake_cuda = types.SimpleNamespace(get_device_name=lambda: "Stand-in GPU", Stream=lambda: None,
-                                      stream=lambda _: contextlib.nullcontext(), empty_cache=lambda: None)
-    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(__version__="0.0-fake", cuda=fake_cuda))
-    monkeypatch.setattr(attention, "missing_requirements", lambda: [])
+    _stand_in_torch(monkeypatch, context_lost=False)
     written = []
 
     def measure(case, warmup, repeats):
         written.append(len(json.loads((tmp_path / "results.json").read_text())["rows"])
                        if (tmp_path / "results.json").exists() else 0)
         if case == quick[1]:
-            raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+            raise RuntimeError("CUDA error: an | unknown error\nmore")
         return _row(case, route_ok=False, ran=["TileKernel"]) if case == quick[2] else _row(case)
 
     monkeypatch.setattr(attention, "measure", measure)
@@ -170,8 +183,27 @@ def test_a_failed_case_and_a_case_off_its_route_keep_their_rows_and_fail_the_run
     assert written == list(range(len(quick)))  # the tables rewritten after every case
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert len(rows) == len(quick)
-    assert rows[1]["error"] == "RuntimeError: CUDA error: an illegal memory access was encountered"
+    assert rows[1]["error"] == "RuntimeError: CUDA error: an | unknown error"
     md = (tmp_path / "results.md").read_text()
-    assert f"| {quick[1].label()} | failed: RuntimeError: CUDA error" in md
+    assert f"| {quick[1].label()} | failed: RuntimeError: CUDA error: an \\| unknown error |" in md
     assert f"| {quick[2].label()} (but ran TileKernel) |" in md
     assert "2 case(s) failed or ran another kernel" in capsys.readouterr().err
+
+
+def test_after_a_case_loses_the_cuda_context_the_rest_are_listed_as_not_run(monkeypatch, tmp_path):
+    quick = attention.cases(quick=True)
+    _stand_in_torch(monkeypatch, context_lost=True)
+    measured = []
+
+    def measure(case, warmup, repeats):
+        measured.append(case)
+        if case == quick[1]:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return _row(case)
+
+    monkeypatch.setattr(attention, "measure", measure)
+    assert attention.main(["--quick", "--out", str(tmp_path)]) == 1
+    assert measured == quick[:2]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [r.get("error") for r in rows[2:]] == [f"not run: the CUDA context was lost in {quick[1].label()}"] * (
+        len(quick) - 2)

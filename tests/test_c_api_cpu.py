@@ -186,11 +186,10 @@ def test_message_is_truncated_safely():
     buffers, inputs, outputs, _ = raw_call(case)
     attrs = c_api.key_value_cache_attributes(quant_bit=5)
     small = ctypes.create_string_buffer(8)
-    code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_api.c_array(inputs), c_api.c_array(outputs), 1,
-                                              small, len(small))
+    c_in, c_out = c_api.c_array(inputs, 10, "inputs"), c_api.c_array(outputs, 2, "outputs")
+    code = lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, 1, small, len(small))
     assert code == c_api.INVALID_ARGUMENT and small.value == b"quant_b"
-    assert lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_api.c_array(inputs), c_api.c_array(outputs), 1,
-                                              None, 0) == c_api.INVALID_ARGUMENT
+    assert lib.kvcache_op_key_value_cache_cpu(ctypes.byref(attrs), c_in, c_out, 1, None, 0) == c_api.INVALID_ARGUMENT
     del buffers
 
 
@@ -205,8 +204,8 @@ def test_cuda_entry_without_a_usable_gpu_fails_cleanly():
         lib = c_api.library()
         attrs = c_api.key_value_cache_attributes(**case.attributes)
         message = ctypes.create_string_buffer(256)
-        code = lib.kvcache_op_key_value_cache_cuda(ctypes.byref(attrs), c_api.c_array(inputs), c_api.c_array(outputs),
-                                                   None, message, len(message))
+        c_in, c_out = c_api.c_array(inputs, 10, "inputs"), c_api.c_array(outputs, 2, "outputs")
+        code = lib.kvcache_op_key_value_cache_cuda(ctypes.byref(attrs), c_in, c_out, None, message, len(message))
         assert code == c_api.UNAVAILABLE and b"no CUDA kernels" in message.value
     else:
         import gpu_support
@@ -521,7 +520,7 @@ def test_a_list_of_the_wrong_length_is_refused_before_the_library_reads_it(chang
         outputs = outputs + [c_api.ABSENT]
     else:
         inputs = inputs[:8] + [case.inputs["cache"]] + inputs[9:]
-    with pytest.raises(KeyValueCacheError, match="must be (10|2) Tensor objects"):
+    with pytest.raises(KeyValueCacheError, match="must be (10 |2 )?Tensor objects"):
         c_api.run_key_value_cache(inputs, outputs, **case.attributes)
     if change == "one short":
         with pytest.raises(KeyValueCacheError, match="KeyValueCache's inputs must be 10 Tensor objects.*got 9"):

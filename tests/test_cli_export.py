@@ -188,3 +188,21 @@ def test_a_checkpoint_whose_weights_cannot_be_read_is_refused_in_one_line(checkp
     assert main(["export", str(copy), str(tmp_path / "out.onnx")]) == 2
     err = capsys.readouterr().err
     assert f"cannot load the checkpoint {copy}" in err and "Traceback" not in err and err.count("\n") == 1
+
+
+def test_a_checkpoint_file_that_is_a_link_is_not_written_over_either(checkpoint, tmp_path, capsys):
+    """The Hugging Face cache keeps a snapshot's files as links into its blobs: the link is what a save would
+    replace, so it counts as the checkpoint's file wherever it points."""
+    folder, _ = checkpoint
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    blobs.mkdir()
+    snapshot.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            (blobs / path.name).write_bytes(path.read_bytes())
+            (snapshot / path.name).symlink_to(blobs / path.name)
+    config = (blobs / "config.json").read_bytes()
+    assert main(["export", str(snapshot), str(snapshot / "config.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is config.json of the checkpoint being exported" in err and err.count("\n") == 1
+    assert (snapshot / "config.json").is_symlink() and (blobs / "config.json").read_bytes() == config

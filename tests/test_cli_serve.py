@@ -179,7 +179,7 @@ def test_a_cache_folder_that_cannot_be_written_is_named_before_the_export(served
     not_a_folder.write_text("x")
     assert main(["serve", str(served_checkpoint[0]), "--cache-dir", str(not_a_folder), "--port", "0"]) == 2
     captured = capsys.readouterr()
-    assert f"--cache-dir {not_a_folder}: {not_a_folder} exists and is not a folder" in captured.err
+    assert f"the cache folder {not_a_folder} (--cache-dir, $KVCACHE_OP_CACHE) cannot take the export: " in captured.err
     assert captured.err.count("\n") == 1 and "exporting" not in captured.out
 
 

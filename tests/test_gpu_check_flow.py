@@ -42,7 +42,7 @@ case "$1" in
         echo "${setting#* }" ;;
       kvcache_op.benchmarks.gpu.*)
         out=""; prev=""; for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
-        mkdir -p "$out"; [ -n "${SIM_NO_TABLE:-}" ] && exit 0
+        mkdir -p "$out"; [ -n "${SIM_NO_TABLE:-}" ] && exit 0; [ -n "${SIM_BENCH_EXIT:-}" ] && exit "$SIM_BENCH_EXIT"
         echo "| table of $module $* |" | tee "$out/results.md" > "$out/README.md" ;;
     esac ;;
   *) exec "$REAL_PYTHON" "$@" ;;
@@ -193,6 +193,7 @@ def test_what_an_earlier_check_left_in_the_folder_is_not_read_as_this_ones(tmp_p
     beside this run's verdict."""
     out = tmp_path / "out"
     (out / "logs").mkdir(parents=True)
+    (out / ".gpu_check").write_text("")  # an earlier check's folder
     (out / "logs/gpu-attention-tests.xml").write_text('<testsuite tests="337" failures="0" errors="0" skipped="0"/>')
     (out / "attention-bench").mkdir()
     (out / "attention-bench/results.md").write_text("| an earlier run's row |\n")
@@ -228,3 +229,20 @@ def test_the_sanitizer_steps_run_the_tests_without_their_guard_bytes(tmp_path):
     assert "guard bytes: unset" in (logs / "gpu-tests.log").read_text()
     for name in ("sanitizer-memcheck", "sanitizer-attention-racecheck"):
         assert "guard bytes: 0" in (logs / f"{name}.log").read_text(), name
+
+
+def test_a_folder_no_earlier_check_wrote_is_refused_and_left_as_it_is(tmp_path):
+    """The cleanup removes common names (logs, bench): only in a folder the check made, or an empty one."""
+    out = tmp_path / "out"
+    (out / "logs").mkdir(parents=True)
+    (out / "logs/mine.txt").write_text("a user's file")
+    code, steps, _, _, stderr = run_check(tmp_path)
+    assert code == 2 and not steps and "holds files no earlier gpu_check wrote" in stderr
+    assert (out / "logs/mine.txt").read_text() == "a user's file"
+
+
+def test_a_step_killed_before_its_limit_is_not_said_to_have_timed_out(tmp_path):
+    """Exit 137 before the limit is the out-of-memory killer's, not the limit's SIGKILL."""
+    code, steps, _, _, _ = run_check(tmp_path, GPU_CHECK_ONLY="attention-benchmark", SIM_BENCH_EXIT="137")
+    assert code == 1 and steps["attention-benchmark"] == (
+        "fail", "killed before its limit (exit 137: out of memory?): see logs/attention-benchmark.log")

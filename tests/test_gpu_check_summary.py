@@ -40,7 +40,8 @@ def test_summary_gives_each_sanitizer_steps_own_verdict_lines(tmp_path):
                    capture_output=True)
     summary = (tmp_path / "summary.md").read_text()
     assert "| sanitizer-memcheck | ERROR SUMMARY: 0 errors (x2) |" in summary
-    assert "| sanitizer-attention-racecheck | RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings) |" in summary
+    assert ("| sanitizer-attention-racecheck | RACECHECK SUMMARY: 2 hazards displayed (2 errors, 0 warnings) |"
+            in summary)
     assert "| sanitizer-initcheck | none |" in summary
 
 

@@ -99,12 +99,12 @@ def test_message_is_truncated_safely_and_null_attrs_refused():
     buffers, inputs, output, _ = raw_call(small_case())
     attrs = c_api.multi_head_attention_attributes(num_heads=4, head_dim=8, is_causal=7)
     small = ctypes.create_string_buffer(6)
-    code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_api.c_array(inputs),
+    code = lib.kvcache_op_multi_head_attention_cpu(ctypes.byref(attrs), c_api.c_array(inputs, 9, "inputs"),
                                                    ctypes.byref(output.to_c()), 1, small, len(small))
     assert code == c_api.INVALID_ARGUMENT and small.value == b"is_ca"
     message = ctypes.create_string_buffer(256)
-    assert lib.kvcache_op_multi_head_attention_cpu(None, c_api.c_array(inputs), ctypes.byref(output.to_c()), 1,
-                                                   message, 256) == c_api.INVALID_ARGUMENT
+    assert lib.kvcache_op_multi_head_attention_cpu(None, c_api.c_array(inputs, 9, "inputs"),
+                                                   ctypes.byref(output.to_c()), 1, message, 256) == c_api.INVALID_ARGUMENT
     assert b"attrs and inputs must not be NULL" in message.value
     del buffers
 

@@ -117,7 +117,6 @@ def test_layers_share_one_cache_tensor_through_layer_idx():
     assert feeds["cache"].tobytes() == ref_cache.tobytes()
 
 
-
 def _two_caches_graph(first: dict, second: dict, second_repeat: int, symbolic_heads: bool) -> onnx.ModelProto:
     """Two KeyValueCache nodes over two caches (a draft and a target model, say), the second's current_key made to
     depend on the first's outputs (their sum times 0), so that the first's outputs are freed before the second's are
@@ -146,7 +145,8 @@ def _two_caches_graph(first: dict, second: dict, second_repeat: int, symbolic_he
         helper.make_node("Identity", ["b_key"], ["second_key"]),
         helper.make_node("Identity", ["b_value"], ["second_value"]),
     ]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("second_key", "second_value", "a_sums")]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+               for n in ("second_key", "second_value", "a_sums")]
     zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
     graph = helper.make_graph(nodes, "two_caches", inputs, outputs, initializer=[zero])
     return onnx.helper.make_model(graph, ir_version=spec.IR_VERSION, opset_imports=[
@@ -173,7 +173,8 @@ def test_two_cache_nodes_of_different_sizes_in_one_graph(second_seq, second_repe
     if not optimized:  # the Identity nodes kept as they are
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    feeds = {f"{p}_{n}": v.copy() for p, case in (("a", first), ("b", second)) for n, v in case.items() if v is not None}
+    feeds = {f"{prefix}_{n}": v.copy() for prefix, case in (("a", first), ("b", second))
+             for n, v in case.items() if v is not None}
     got_key, got_value, sums = session.run(None, feeds)
     want_first = key_value_cache(**{n: None if v is None else v.copy() for n, v in first.items()})
     want_key, want_value = key_value_cache(**{n: None if v is None else v.copy() for n, v in second.items()},

@@ -77,6 +77,12 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_400(api_server):
     error = _error(reply, 400)
     assert error["param"] == "prompt" and error["message"] == "the prompt is not valid Unicode text (it holds a lone " \
         "surrogate)"
+    raw = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\udc00"}]}'
+    reply = httpx.post(api_server + "/v1/chat/completions", content=raw,
+                       headers={**AUTH, "content-type": "application/json"})
+    error = _error(reply, 400)
+    assert error["param"] == "messages.1.content" and error["message"] == "message 1 is not valid Unicode text (it " \
+        "holds a lone surrogate)"
 
 
 def test_an_unknown_model_is_404(api_server):

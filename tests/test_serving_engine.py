@@ -335,7 +335,14 @@ def test_bad_prompts_are_refused_before_any_work():
         engine.generate([[1, 2], [3, 4, 384]], 2, arrival_steps=[0, 3])
     with pytest.raises(TypeError, match="prompt 0: token ids must be integers, got float64"):
         engine.generate([[1.7, 2.2]], 2)
+    # Python ints beyond int64 (numpy keeps such a list as objects): the first outside the vocabulary is named
+    with pytest.raises(ValueError, match=r"prompt 0: token 500 at index 0 is outside the vocabulary \[0, 384\)"):
+        engine.generate([[500, 10 ** 30]], 2)
+    with pytest.raises(ValueError, match=r"prompt 0: token -1 at index 1 is outside the vocabulary"):
+        engine.generate([np.array([5, -1, 2 ** 64], dtype=object)], 2)
     assert engine.metrics()["steps"] == 0 and not engine.manager.requests
+    # in-range ids held as objects are ids like any others
+    assert engine.generate([np.array([5, 6, 7], dtype=object)], 2) == engine.generate([[5, 6, 7]], 2)
 
 
 def test_a_late_arrival_does_not_spin_empty_steps():

@@ -69,7 +69,8 @@ def measure(lib: ctypes.CDLL, batch, rows, keys, heads, kv_heads, layout, mma) -
         cache_layout=layout, page_size=case.page_size)
     out = (ctypes.c_double * 5)()
     calls = 20 if rows > 1 else 200
-    if lib.attention_host_cost(ctypes.byref(attrs), c_api.c_array(inputs), ctypes.byref(output.to_c()), int(mma), 7,
+    if lib.attention_host_cost(ctypes.byref(attrs), c_api.c_array(inputs, 13, "inputs"), ctypes.byref(output.to_c()),
+                               int(mma), 7,
                                calls, out) != 0:
         raise RuntimeError("the call was refused")
     return [x / 1e3 for x in out[:3]] + [int(out[3]), int(out[4])]

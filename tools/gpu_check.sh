@@ -47,7 +47,13 @@ OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 # What an earlier check left in OUTDIR goes first: the summary reads every report and table it finds there, and a
-# step skipped or killed this time writes none, so an old one would read as this run's.
+# step skipped or killed this time writes none, so an old one would read as this run's. Only in a folder this check
+# made (its mark, .gpu_check) or an empty one: the names are common ones, and OUTDIR may be any folder.
+if [ ! -e "$OUT/.gpu_check" ] && [ -n "$(ls -A "$OUT")" ]; then
+  echo "OUTDIR $OUT holds files no earlier gpu_check wrote: name a new or empty folder" >&2
+  exit 2
+fi
+touch "$OUT/.gpu_check"
 rm -rf "$OUT"/{logs,bench,attention-bench,serving-bench,serving-bench-float16,summary.md,seconds.txt,device.txt}
 mkdir -p "$OUT/logs"
 STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail <TAB> seconds (of the steps that ran)
@@ -98,6 +104,19 @@ limit_for() {
 }
 NO_TIME="no time left (GPU_CHECK_DEADLINE=$DEADLINE)"  # a step not started for want of time: the check fails
 
+# ended RC LIMIT BEGAN: how a step that exited with RC ended, given its limit and the date +%s it began: "timed out
+# after LIMIT s" (timeout's 124, or its SIGKILL's 137 once the limit had passed), "killed before its limit" (137
+# sooner: the kernel's out-of-memory killer, say), else "exit RC".
+ended() {
+  if [ "$1" -eq 124 ] || { [ "$1" -eq 137 ] && [ $(( $(date +%s) - $3 )) -ge "$2" ]; }; then
+    echo "timed out after $2 s"
+  elif [ "$1" -eq 137 ]; then
+    echo "killed before its limit (exit 137: out of memory?)"
+  else
+    echo "exit $1"
+  fi
+}
+
 # OUTDIR/summary.md, with the seconds since the start in OUTDIR/seconds.txt.
 summarize() { echo $(( $(date +%s) - START )) >"$OUT/seconds.txt"; "$PY" "$ROOT/tools/gpu_check_summary.py" "$OUT"; }
 
@@ -120,19 +139,23 @@ run_pytest() {
   if ! limit=$(limit_for "$requested"); then step "$name" skip "$NO_TIME"; return 0; fi
   began=$(date +%s)
   local workers=($(xdist_args "${XDIST:-}"))
-  (cd "$ROOT/tests" && timeout -k "$KILL_AFTER" "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider "${workers[@]}" \
-      --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
+  (cd "$ROOT/tests" && timeout -k "$KILL_AFTER" "$limit" "${PREFIX[@]}" "$PY" -m pytest -q -rs -p no:cacheprovider \
+      "${workers[@]}" --junitxml="$OUT/logs/$name.xml" "$@") >"$OUT/logs/$name.log" 2>&1
   local rc=$?
   local tail_line
   # pytest's own summary line ("3 passed, 1 skipped in 2.0s"), not a later line of the sanitizer ("ERROR SUMMARY")
   tail_line=$(grep -E '^(=+ )?([0-9]+ (passed|failed|skipped|errors?|deselected|xfailed|xpassed|warnings?)|no tests ran)' \
               "$OUT/logs/$name.log" | tail -1)
-  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then tail_line="timed out after $limit s; $tail_line"; fi
+  if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then tail_line="$(ended $rc "$limit" "$began"); $tail_line"; fi
   if [ $rc -eq 0 ] && ! grep -qE '[0-9]+ passed' <<<"$tail_line"; then
     step "$name" fail "no test ran on the GPU: $tail_line (logs/$name.log)" "$began"
     return 1
   fi
-  if [ $rc -eq 0 ]; then step "$name" pass "$tail_line" "$began"; else step "$name" fail "exit $rc: $tail_line (logs/$name.log)" "$began"; fi
+  if [ $rc -eq 0 ]; then
+    step "$name" pass "$tail_line" "$began"
+  else
+    step "$name" fail "exit $rc: $tail_line (logs/$name.log)" "$began"
+  fi
   return $rc
 }
 PREFIX=()
@@ -170,7 +193,7 @@ run_benchmark() {
     fi
   else
     local rc=$?
-    step "$name" fail "exit $rc$([ $rc -eq 124 ] && echo ": timed out after $limit s"): see logs/$name.log" "$began"
+    step "$name" fail "$(ended $rc "$limit" "$began"): see logs/$name.log" "$began"
   fi
 }
 
@@ -211,13 +234,14 @@ if ! BUILD_LIMIT=$(limit_for "${GPU_CHECK_BUILD_LIMIT:-480}"); then
   summarize
   exit 1
 fi
-timeout -k "$KILL_AFTER" "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir --target "$OUT/site" \
-  "$ROOT" >"$OUT/logs/build.log" 2>&1
+timeout -k "$KILL_AFTER" "$BUILD_LIMIT" "$PY" -m pip install -v --no-deps --no-build-isolation --no-cache-dir \
+  --target "$OUT/site" "$ROOT" >"$OUT/logs/build.log" 2>&1
 BUILD_RC=$?
 if [ $BUILD_RC -eq 0 ]; then
   step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}" "$BUILD_BEGAN"
 else
-  if [ $BUILD_RC -eq 124 ]; then why="timed out after $BUILD_LIMIT s (GPU_CHECK_BUILD_LIMIT)"; else why="exit $BUILD_RC"; fi
+  why=$(ended $BUILD_RC "$BUILD_LIMIT" "$BUILD_BEGAN")
+  if [ $BUILD_RC -eq 124 ] || [ $BUILD_RC -eq 137 ]; then why+=" (GPU_CHECK_BUILD_LIMIT)"; fi
   step build fail "$why: see logs/build.log" "$BUILD_BEGAN"
   summarize
   exit 1
@@ -309,7 +333,8 @@ else
     PREFILL2_CASE=$(grep -m1 "mha prefill .* float16 packed tensor-core kernel in registers$" <<<"$LISTED" | cut -d: -f1)
     for case in 0 ${DECODE_CASE:-} ${PREFILL_CASE:-} ${PREFILL2_CASE:-}; do
       if ! NCU_LIMIT=$(limit_for 180); then step "attention-ncu-$case" skip "$NO_TIME"; continue; fi
-      if [ -x "$NCU" ] && timeout -k "$KILL_AFTER" "$NCU_LIMIT" "$NCU" --clock-control none --section SpeedOfLight --section Occupancy \
+      if [ -x "$NCU" ] && timeout -k "$KILL_AFTER" "$NCU_LIMIT" "$NCU" --clock-control none --section SpeedOfLight \
+          --section Occupancy \
           --section WarpStateStats --section SchedulerStats --section InstructionStats --section SourceCounters \
           --section LaunchStats --section MemoryWorkloadAnalysis --kernel-name regex:"TileKernel|DecodeKernel|MmaKernel|MmaRegKernel" \
           --launch-skip 2 --launch-count 1 "$PY" -m kvcache_op.benchmarks.gpu.attention_profile --case "$case" \

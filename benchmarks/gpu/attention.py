@@ -54,8 +54,9 @@ Figures, per case:
   is 6,100, at half the warps per multiprocessor: the row says whether tensor cores pay on a decode;
 * **ran**: a row naming a route is checked against the attention kernels torch's profiler saw it launch: a row whose
   kernel did not run (the library took another route) says so, and the run exits 1. A case that fails (a route never
-  run on this GPU, say) has its error as its row, the others are measured, and the run exits 1. results.md and
-  results.json are rewritten after every case, so a run stopped part way keeps the rows before.
+  run on this GPU, say) has its error as its row, the others are measured, and the run exits 1; after an error that
+  loses the CUDA context (an illegal address: every later call would fail) the remaining cases are listed as not
+  run. results.md and results.json are rewritten after every case, so a run stopped part way keeps the rows before.
 """
 
 import argparse
@@ -370,14 +371,35 @@ def route_check(case: Case, breakdown: dict) -> dict:
     kernel (None: the default route, or no attention kernel named by the profiler, so nothing to check)."""
     ran = sorted(name for name in breakdown if name in ATTENTION_KERNELS)
     expected = ROUTE_KERNELS.get(case.kernel)
-    return {"ran": ran, "route_ok": None if expected is None or not ran else expected in ran}
+    if expected is None or "error" in breakdown:  # the library's own choice, or a profiler that could not run
+        return {"ran": ran, "route_ok": None}
+    return {"ran": ran, "route_ok": expected in ran}  # no attention kernel it knows: not the route's either
 
 
-def error_row(case: Case, error: BaseException) -> dict:
-    """The row of a case that failed: its label and the error's first line."""
-    text = str(error).strip().splitlines()
-    return {"label": case.label(), "op": case.op, "phase": case.phase, "kernel": case.kernel,
-            "error": f"{type(error).__name__}: {text[0] if text else ''}"}
+def error_row(case: Case, error) -> dict:
+    """The row of a case that failed (``error``: the exception, or a sentence): its label and the error's first
+    line."""
+    if isinstance(error, BaseException):
+        text = str(error).strip().splitlines()
+        error = f"{type(error).__name__}: {text[0] if text else ''}"
+    return {"label": case.label(), "op": case.op, "phase": case.phase, "kernel": case.kernel, "error": error}
+
+
+def _device_usable() -> bool:
+    """Whether the CUDA context still works after a case failed: an illegal address or a kernel fault is sticky, and
+    every later call in this process would fail with it."""
+    import torch
+
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001 - the context is lost
+        return False
+
+
+def _cell(text: str) -> str:
+    """``text`` safe in a markdown table cell."""
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def device_breakdown(fn, calls: int = 10) -> dict:
@@ -447,12 +469,16 @@ def breakdown_table(rows) -> str:
     lines = ["| case | host ms per call | device ms per call, by kernel or copy |", "| --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['label']} | | failed: {r['error']} |")
+            lines.append(f"| {r['label']} | | failed: {_cell(r['error'])} |")
             continue
         parts = r.get("device_breakdown") or {}
         text = parts["error"] if "error" in parts else "; ".join(f"{k}: {v:.4f}" for k, v in parts.items())
         lines.append(f"| {r['label']} | {r['host_ms']:.3f} | {text} |")
     return "\n".join(lines) + "\n"
+
+
+def _ran(row) -> str:
+    return ", ".join(row["ran"]) or "no attention kernel this benchmark knows"
 
 
 def _verdict(value, target) -> str:
@@ -467,10 +493,10 @@ def markdown_table(rows) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} | | | | | | | | | |")
+            lines.append(f"| {r['label']} | failed: {_cell(r['error'])} | | | | | | | | | |")
             continue
         diff = "" if r["max_abs_diff_vs_sdpa"] is None else f"{r['max_abs_diff_vs_sdpa']:.3g}"
-        label = r["label"] if r.get("route_ok") is not False else f"{r['label']} (but ran {', '.join(r['ran'])})"
+        label = r["label"] if r.get("route_ok") is not False else f"{r['label']} (but ran {_ran(r)})"
         lines.append(f"| {label} | {r['bytes_read'] / 1e6:.1f} | {r['op_ms']:.3f} | {r['read_GBps']:.1f} | "
                      f"{r['copy_GBps']:.1f} | {_verdict(r['vs_copy'], r['copy_target'])} | "
                      f"{r['copy_bandwidth_fraction']:.2f} | {r['sdpa_ms']:.3f} | "
@@ -517,21 +543,26 @@ def main(argv=None) -> int:
     command = recorded_command("kvcache_op.benchmarks.gpu.attention", argv)
     device = torch.cuda.get_device_name()
     print(f"Attention CUDA benchmark on {device} (torch {torch.__version__})", flush=True)
-    rows = []
+    rows, lost = [], None
     with torch.cuda.stream(torch.cuda.Stream()):  # one stream, not the legacy default one
         for case in cases(args.quick):
-            try:
-                r = measure(case, args.warmup, args.repeats)
-                route = "" if r["route_ok"] is not False else f"; NOT ITS ROUTE: ran {', '.join(r['ran'])}"
-                print(f"{case.label()}: op {r['op_ms']:.3f} ms, op/copy {r['vs_copy']:.2f}x, "
-                      f"vs sdpa ({r['sdpa_backend']}) {r['vs_sdpa']:.2f}x{route}", flush=True)
-            except Exception as error:  # noqa: BLE001 - one case's failure is its row; the others are still measured
-                r = error_row(case, error)
-                print(f"{case.label()}: failed: {r['error']}", flush=True)
+            if lost is not None:
+                r = error_row(case, f"not run: the CUDA context was lost in {lost}")
+            else:
+                try:
+                    r = measure(case, args.warmup, args.repeats)
+                    route = "" if r["route_ok"] is not False else f"; NOT ITS ROUTE: ran {_ran(r)}"
+                    print(f"{case.label()}: op {r['op_ms']:.3f} ms, op/copy {r['vs_copy']:.2f}x, "
+                          f"vs sdpa ({r['sdpa_backend']}) {r['vs_sdpa']:.2f}x{route}", flush=True)
+                    torch.cuda.empty_cache()  # the next case allocates its own buffers
+                except Exception as error:  # noqa: BLE001 - one case's failure is its row; the others still run
+                    r = error_row(case, error)
+                    print(f"{case.label()}: failed: {r['error']}", flush=True)
+                    if not _device_usable():  # a sticky error: every later case would fail with it
+                        lost = case.label()
             rows.append(r)
             if args.out:  # after every case: a run stopped later keeps these rows
                 write_results(rows, args.out, command, device, torch.__version__)
-            torch.cuda.empty_cache()  # the next case allocates its own buffers
     if args.out:
         print(f"wrote {args.out}/results.md")
     print()

@@ -110,7 +110,6 @@ class _Gate:
             self.metrics.observe_request(route, status[0])
 
 
-
 def _encodable(text: str) -> bool:
     """Whether ``text`` is Unicode text a tokenizer can take: JSON's escapes can carry lone surrogates, which no UTF-8
     encoding holds."""
@@ -119,6 +118,7 @@ def _encodable(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
 
 def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limits: ServerLimits = None,
                metrics: ServerMetrics = None) -> FastAPI:
@@ -226,7 +226,9 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
         try:  # the engine checks the prompt and the salt; what it refuses is the client's error
             return await Generation.start(engine, tokenizer, prompt_ids, params, req.cache_salt, limits.max_queue)
         except (TypeError, ValueError) as error:
-            raise bad_request(str(error), "cache_salt" if str(error).startswith("salt") else prompt_field) from None
+            text = str(error)  # the prompt's ids, the salt, or the pages the prompt and max_tokens need together
+            param = "cache_salt" if text.startswith("salt") else prompt_field if text.startswith("the prompt") else None
+            raise bad_request(text, param) from None
         except EngineBusy as error:
             raise busy(error.waiting + 1) from None
         except RuntimeError as error:  # the engine is closed: shutting down
@@ -305,8 +307,13 @@ def create_app(engine, tokenizer, *, model_name: str, api_key: str = None, limit
     async def chat_completions(request: Request):
         req = parse(ChatRequest, await read_json(request))
         check_model(req.model)
+        messages = [m.as_template_input() for m in req.messages]
+        unencodable = next((i for i, m in enumerate(messages) if not _encodable(m["content"])), None)
+        if unencodable is not None:
+            raise bad_request(f"message {unencodable} is not valid Unicode text (it holds a lone surrogate)",
+                              f"messages.{unencodable}.content")
         try:
-            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, [m.as_template_input() for m in req.messages])
+            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, messages)
         except ValueError as error:
             raise bad_request(str(error), "messages") from None
         except Exception as error:  # the template itself refused the conversation (e.g. roles out of order)

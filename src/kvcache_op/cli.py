@@ -279,7 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-tokens", type=at_least(1), help="tokens fed per engine step (default 256 on the CPU, "
                                                                    "8192 on a GPU)")
     serve.add_argument("--max-running", type=at_least(1), help="requests in flight at once (default 64)")
-    serve.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    serve.add_argument("--threads", type=at_least(0), default=0, help="ONNX Runtime intra-op threads (0: its default; "
+                                                                      "at most four per core)")
     serve.add_argument("--decode-steps", type=at_least(1), help="decode steps planned at once while every running "
                                                                  "request only decodes (default 64; a new request or "
                                                                  "a cancellation ends a run at its next step; 1: one "

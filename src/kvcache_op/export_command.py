@@ -49,7 +49,7 @@ def export_checkpoint(checkpoint, out, *, page_size: int = 16, quant_bit: int = 
         model = load_model(checkpoint)
     except ImportError:
         raise  # a missing optional module: the command names the extra that brings it
-    except Exception as error:  # noqa: BLE001 - a damaged weight file, an inconsistent config: one line, not a traceback
+    except Exception as error:  # noqa: BLE001 - a damaged weight file, an inconsistent config: a line, not a traceback
         raise ValueError(f"cannot load the checkpoint {checkpoint}: {type(error).__name__}: {error}") from error
     stage(f"[2/3] exporting {model.config.num_hidden_layers} layers ({type(model).__name__}) to {out} ...")
     export_model(model, out, page_size=page_size, quant_bit=quant_bit, dtype=dtype, cache_layout=cache_layout,
@@ -74,8 +74,8 @@ def _check_not_the_checkpoints_own(checkpoint: pathlib.Path, out: pathlib.Path) 
     an existing file of the checkpoint other than an ONNX file (its config, weights, tokenizer), or the tokenizer
     folder the checkpoint folder itself."""
     source = checkpoint.resolve()
-    target = out.resolve()
-    if target.is_file() and target.suffix != ".onnx" and target.is_relative_to(source):
+    target = out.parent.resolve() / out.name  # the last link not followed: the save replaces the link itself
+    if (target.exists() or target.is_symlink()) and target.suffix != ".onnx" and target.is_relative_to(source):
         raise ValueError(f"{out} is {target.relative_to(source)} of the checkpoint being exported: writing the export "
                          "there would overwrite it; name a new .onnx file")
     if tokenizer_folder(out).resolve() == source:

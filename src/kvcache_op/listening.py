@@ -7,6 +7,7 @@ import os
 import random
 import socket
 
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is a loopback address (all of 127.0.0.0/8, ``::1``) or ``localhost``."""
     import ipaddress

@@ -60,6 +60,12 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
             progress(f"using the export of {model} cached at {out}")
             exported_model(out)  # a cache entry damaged since is refused here, in one line
         else:
+            from .arguments import writable_folder_problem
+
+            problem = writable_folder_problem(out.parent)  # tried before the export, not found after it
+            if problem:
+                raise ValueError(f"the cache folder {out.parent.parent} (--cache-dir, $KVCACHE_OP_CACHE) cannot take "
+                                 f"the export: {problem}")
             made = not out.parent.exists()
             out.parent.mkdir(parents=True, exist_ok=True)
             try:
@@ -145,14 +151,6 @@ def serve(args) -> int:
     if given and pathlib.Path(args.model).is_file():  # (a path that is neither is refused as such below)
         raise ValueError(f"{', '.join(given)} set how a checkpoint folder is exported; {args.model} is not one (an "
                          "exported file keeps the settings it was exported with)")
-    if pathlib.Path(args.model).is_dir():  # its export goes to the cache folder: one that cannot take it, said now
-        from .arguments import writable_folder_problem
-
-        cache_dir = args.cache_dir or default_cache_dir()
-        problem = writable_folder_problem(cache_dir)
-        if problem:
-            where = "--cache-dir" if args.cache_dir else "the cache folder ($KVCACHE_OP_CACHE or --cache-dir)"
-            raise ValueError(f"{where} {cache_dir}: {problem}")
     settings = {"page_size": 16 if args.page_size is None else args.page_size,
                 "quant_bit": args.quant_bit or 0, "dtype": args.dtype}
     path, tokenizer_dir = resolve_model(args.model, tokenizer=args.tokenizer, cache_dir=args.cache_dir,
