@@ -154,7 +154,29 @@ def test_unsupported_settings_and_length_dependent_rotary_are_refused_clearly(tm
             export_model(model, tmp_path / "x.onnx", page_size=page_size)
     with pytest.raises(FileNotFoundError, match="no checkpoint folder"):
         export_model(str(tmp_path / "missing"), tmp_path / "x.onnx")
+    # settings that are not what they would be coerced into: page_size 2.7 exported as 2, "false" as fused
+    for name, value in (("page_size", 2.7), ("quant_bit", True), ("cache_layout", "1"), ("quant_group", 8.0)):
+        with pytest.raises(ValueError, match=f"{name} must be an integer, got {value!r}"):
+            export_model(model, tmp_path / "x.onnx", **{name: value})
+    with pytest.raises(ValueError, match="fused_attention must be True or False, got 'false'"):
+        export_model(model, tmp_path / "x.onnx", fused_attention="false")
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_a_path_that_cannot_be_written_is_refused_before_the_export(tmp_path, monkeypatch):
+    """Found before minutes of probing and tracing, not after them (and named as given, not as its temporary file)."""
+    from kvcache_op.hf import decoder
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("the export began")
+
+    monkeypatch.setattr(decoder.PackedDecoder, "__init__", no_work)
+    model = hf_models.model("llama")
+    with pytest.raises(FileNotFoundError, match=f"the folder of {tmp_path / 'no' / 'x.onnx'} does not exist"):
+        export_model(model, tmp_path / "no" / "x.onnx")
+    (tmp_path / "folder.onnx").mkdir()
+    with pytest.raises(ValueError, match="folder.onnx is a folder: name the ONNX file to write"):
+        export_model(model, tmp_path / "folder.onnx")
 
 
 def test_the_engine_refuses_a_model_without_metadata_and_a_request_too_big(tmp_path):
@@ -213,3 +235,9 @@ def test_layers_of_different_softmax_scales_are_refused_for_what_the_export_reco
     with pytest.raises(ValueError, match=r"layers differ in softmax scale \(\[0\.125, 0\.25\]\): the exported model "
                                          r"records one softmax scale for all its layers"):
         export_model(model, tmp_path / "x.onnx")
+
+
+def test_the_callers_model_keeps_its_training_mode(tmp_path):
+    model = tiny_model("llama", seed=3).train()
+    export_model(model, tmp_path / "x.onnx")
+    assert model.training and all(m.training for m in model.modules())

@@ -103,6 +103,14 @@ class _OwnAttention(torch.nn.Module):
     (lambda: _tiny("bloom", n_layer=2, n_head=4), r"layers \[0, 1\] of 2 do not attend through"),
     (lambda: tiny_model("llama", sliding_window=24, layer_types=["sliding_attention"] * 3),
      "layer 0 has a sliding window in its config that its attention does not pass"),
+    # A window the layers pass to the attention but the model's own mask never applies (OLMoE builds a plain causal
+    # mask whatever its config says): exported, the ops would apply it and serve other tokens past the window.
+    (lambda: _tiny("olmoe", num_experts=4, num_experts_per_tok=2, sliding_window=100),
+     "pass a sliding window of 100 to the attention interface, but over 102 tokens its own forward does not attend"),
+    # Attention sinks passed to the interface: named, not only found by the routed logits differing
+    (lambda: _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                   layer_types=["full_attention"] * 2),
+     r"layer 0 \(GptOssAttention\) passes attention sinks \(s_aux\) to its attention"),
     # Two attentions a layer (differential attention): their values would share one cache layer.
     (lambda: _tiny("diffllama"), r"layer 0 \(DiffLlamaAttention\) calls attention more than once in a forward"),
     # Llama 4's attention temperature takes positions from arange(T) plus the cache's length, not position_ids:
@@ -194,3 +202,12 @@ def test_the_demo_offers_every_tested_family():
     from kvcache_op.cli import DEMO_FAMILIES
 
     assert DEMO_FAMILIES == tuple(sorted(FAMILY_DEFAULTS))
+
+
+def test_a_window_the_model_applies_passes_the_longer_check(tmp_path):
+    """The other side of OLMoE's refusal: Mistral's mask applies the window it passes, so the check over window + 2
+    tokens finds the routed forward equal to its own and the window is exported."""
+    from kvcache_op.serving import ModelInfo
+
+    export_model(_tiny("mistral", sliding_window=100), tmp_path / "x.onnx")
+    assert ModelInfo.of_model(tmp_path / "x.onnx").sliding_windows == (100, 100)

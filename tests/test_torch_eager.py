@@ -407,3 +407,41 @@ def test_an_inference_cache_is_written_inside_inference_mode_only():
     with torch.inference_mode():
         kt.key_value_cache(key, value, **idx, cache=cache)
     assert torch.equal(cache[0:2, 0, 0], key)
+
+
+def _registered_store(key, value, idx, cache):
+    return torch.ops.kvcache_op.key_value_cache(key, value, *(idx[n] for n in (
+        "seqstarts", "kvstarts", "cachestarts", "start_pos", "max_seqlen", "max_kvlen")), cache, None, 1, 0, 0, 8, 1,
+        0, 0, 128)
+
+
+@pytest.mark.parametrize("route", ["registered op", "torch.compile"])
+def test_the_kernel_itself_refuses_an_inference_cache_outside_inference_mode(route):
+    """The Python API's check is not on every path: the registered op called directly, and a compiled call (whose
+    Python API traces fake tensors), reach the kernel, which now refuses before writing (it wrote the cache)."""
+    with torch.inference_mode():
+        cache, idx = _store_two_rows()
+    before = cache.clone()
+    key, value = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    if route == "registered op":
+        call = _registered_store
+    else:
+        call = torch.compile(lambda k, v, i, c: kt.key_value_cache(k, v, **i, cache=c), backend="eager",
+                             fullgraph=True)
+    with pytest.raises(Exception, match="cache is an inference tensor") as raised:
+        call(key, value, idx, cache)
+    assert isinstance(raised.value, KeyValueCacheError) or "KeyValueCacheError" in repr(raised.value)
+    assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
+def test_a_tensor_with_no_dense_memory_is_refused_by_name(layout):
+    cache, idx = _store_two_rows()
+    before = cache.clone()
+    key = torch.randn(2, 2, 8)
+    key = key.to_sparse() if layout == "sparse" else key.to_mkldnn()
+    with pytest.raises(KeyValueCacheError, match="current_key must be a dense \\(strided\\) tensor, got a torch"):
+        kt.key_value_cache(key, torch.randn(2, 2, 8), **idx, cache=cache)
+    with pytest.raises(KeyValueCacheError, match="the ops take dense \\(strided\\) tensors"):
+        _registered_store(key, torch.randn(2, 2, 8), idx, cache)
+    assert torch.equal(cache, before)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
+import numbers
 import os
 import re
 
@@ -12,7 +14,7 @@ import torch
 
 from .. import torch as kt
 from ..torch import export as torch_export
-from ..torch.model_files import save_whole, weight_bytes
+from ..torch.model_files import check_writable, save_whole, weight_bytes
 from ..serving.decoder_io import INPUT_NAMES, OUTPUT_NAME
 from ..serving.model_info import ModelInfo
 from .decoder import CacheSettings, PackedDecoder
@@ -81,6 +83,20 @@ def _cache_axis(settings: CacheSettings) -> int:
     return LAYOUT_AXES[settings.cache_layout].index("MaxT")
 
 
+def _keeps_training_mode(export):
+    """``export`` leaving a caller's module in the training mode it was given in (the export runs it in eval mode)."""
+    @functools.wraps(export)
+    def wrapper(model, *args, **kwargs):
+        training = model.training if isinstance(model, torch.nn.Module) else None
+        try:
+            return export(model, *args, **kwargs)
+        finally:
+            if training is not None:
+                model.train(training)
+    return wrapper
+
+
+@_keeps_training_mode
 def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_layout: int = 1, dtype=None,
                  quant_group: int = 8, fused_attention: bool = True, dynamo: bool = True, verbose: bool = False,
                  metadata: dict = None, optimize: bool = True, progress=None) -> str:
@@ -102,11 +118,18 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     graph cannot express. ``progress(text)``, when given, is told each stage as it begins (a large model's export
     takes minutes)."""
     tell = progress or (lambda text: None)
+    for name, value in (("page_size", page_size), ("quant_bit", quant_bit), ("quant_group", quant_group),
+                        ("cache_layout", cache_layout)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # 2.7 is no page size, True no bit
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not isinstance(fused_attention, bool):  # bool("false") is True
+        raise ValueError(f"fused_attention must be True or False, got {fused_attention!r}")
+    check_writable(path)  # before minutes of export, not after them
     loaded = not isinstance(model, torch.nn.Module)  # the module is this call's own: freed as its weights are replaced
     model = load_model(model)
     settings = CacheSettings(page_size=int(page_size), quant_bit=int(quant_bit), quant_group=int(quant_group),
                              cache_layout=int(cache_layout), dtype=_torch_dtype(dtype, model),
-                             fused_attention=bool(fused_attention))
+                             fused_attention=fused_attention)
     if not 1 <= settings.page_size <= MAX_PAGE_SIZE:
         raise ValueError(f"page_size must be 1 to {MAX_PAGE_SIZE}, got {page_size}")
     if settings.quant_bit not in (0, 4, 8) or settings.cache_layout not in (0, 1, 2, 3):

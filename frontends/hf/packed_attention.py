@@ -106,6 +106,11 @@ def _has_experts(model) -> bool:
         return False
 
 
+#: Keywords a layer may pass to the attention interface that change what it computes in ways the ops do not express,
+#: with what they are (refused by name, where the routing check would only see logits differ).
+UNEXPRESSIBLE_KEYWORDS = {"s_aux": "attention sinks", "sinks": "attention sinks", "position_bias": "a position bias"}
+
+
 def packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None,
                      softcap=None, **kwargs):
     """The attention interface's function: ``query`` ``[1, H, T, Dh]``, ``key``/``value`` ``[1, Hkv, T, Dh]`` of the
@@ -116,6 +121,11 @@ def packed_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise RuntimeError("the packed attention runs only inside kvcache_op.hf's export (no step is set)")
     heads, kv_heads, head_dim = query.shape[1], key.shape[1], query.shape[-1]
     layer = getattr(module, "layer_idx", None)
+    passed = [name for name in UNEXPRESSIBLE_KEYWORDS if kwargs.get(name) is not None]
+    if passed:
+        what = ", ".join(f"{UNEXPRESSIBLE_KEYWORDS[name]} ({name})" for name in passed)
+        raise Unexpressible(f"layer {layer} ({type(module).__name__}) passes {what} to its attention, which the ops "
+                            f"do not express")
     if layer in step.seen:  # e.g. differential attention: two attentions whose values would share one cache layer
         raise Unexpressible(f"layer {layer} ({type(module).__name__}) calls attention more than once in a forward: "
                             f"the cache holds one key and one value per layer and position")

@@ -22,6 +22,9 @@ from .packed_attention import PackedStep, Unexpressible, model_lock, stepping
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
 _PROBE_TOKEN, _PROBE_POSITION, _PROBE_SHIFT = 3, 5, 7
+#: The longest sequence the routing check runs to see a sliding window act (a window it passes to the attention is
+#: checked against the model's own forward where window + 2 tokens fit in this; a longer one is trusted as passed).
+_WINDOW_CHECK_TOKENS = 512
 
 
 def text_config(model):
@@ -234,7 +237,25 @@ def _decoder_sizes(model, config) -> DecoderSizes:
                          config.max_position_embeddings, windows, _shift_frequencies(model, seen, shifted),
                          scaling if scaling else head_dim ** -0.5, eos_token_ids(model))
     check_routing(model, sizes)
+    _check_windows_act(model, sizes)
     return sizes
+
+
+def _check_windows_act(model, sizes: DecoderSizes) -> None:
+    """Where a layer passes a sliding window to the attention interface that the 64-token routing check cannot see
+    act, runs the check on a sequence longer than the window (up to :data:`_WINDOW_CHECK_TOKENS`): a model whose own
+    mask ignores the window it passes (OLMoE with a ``sliding_window`` in its config) is refused, not exported with a
+    window it does not apply."""
+    window = max((w for w in sizes.sliding_windows if w), default=0)
+    tokens = window + 2
+    if not window or tokens <= 64 or tokens > min(_WINDOW_CHECK_TOKENS, sizes.max_positions):
+        return
+    try:
+        check_routing(model, sizes, tokens=tokens)
+    except ValueError as error:
+        raise ValueError(f"its layers pass a sliding window of {window} to the attention interface, but over "
+                         f"{tokens} tokens its own forward does not attend as that window says (its mask may ignore "
+                         f"it): {error}") from None
 
 
 def eos_token_ids(model) -> tuple:

@@ -19,7 +19,7 @@ from ..ort_ops.graph_rules import in_place_inputs
 from ..ort_ops import large_models
 from ..spec import rotary_schema, schema
 from . import onnx_export, weightless
-from .model_files import forget_removed_inputs, save_whole
+from .model_files import check_writable, forget_removed_inputs, save_whole
 
 
 def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool = True, **export_kwargs) -> onnx.ModelProto:
@@ -36,6 +36,8 @@ def export_onnx(module: torch.nn.Module, args: tuple, path=None, *, dynamo: bool
     Pass the cache (and scale) as forward arguments, not module buffers: a buffer is exported as a
     constant initializer and the in-place writes would be lost. The TorchScript exporter
     (``dynamo=False``) runs the module once on ``args``, so it writes their cache."""
+    if path is not None:
+        check_writable(path)  # before the export, not after it
     work_folder = None if path is None else os.path.dirname(os.path.abspath(path))
     model = checked_export(module, args, dynamo=dynamo, work_folder=work_folder, **export_kwargs)
     if path is not None:

@@ -10,6 +10,7 @@ from ..reference.mha_validate import MultiHeadAttentionError
 from ..reference.validate import KeyValueCacheError
 from ..spec import mha_schema, mhca_schema, rotary_schema, schema
 from . import custom_ops, onnx_export
+from . import tensors as tt
 
 KV_DEFAULTS = schema.ATTRIBUTE_DEFAULTS
 ROTARY_DEFAULTS = rotary_schema.ATTRIBUTE_DEFAULTS
@@ -57,23 +58,19 @@ WRITTEN = ("cache", "scale")  # the inputs the ops write in place
 
 def _data_tensors(required: dict, optional: dict, error=KeyValueCacheError) -> None:
     """Each ``required`` data input a torch.Tensor, each ``optional`` one a torch.Tensor or None: the op's own
-    error for anything else (None where a tensor is needed reached the kernels as an AttributeError); a written one
-    (cache, scale) not a lazily negated or conjugated view, nor an inference tensor outside inference mode (torch's
-    own rule for in-place writes)."""
+    error for anything else (None where a tensor is needed reached the kernels as an AttributeError); each a dense
+    (strided) one; a written one (cache, scale) one torch lets be written in place (:func:`~.tensors.refuse_unwritable`:
+    the kernels check it again, for calls that do not come through here)."""
     for name, value in [*required.items(), *optional.items()]:
         if not isinstance(value, torch.Tensor) and (name in required or value is not None):
             kind = "a torch.Tensor" if name in required else "a torch.Tensor or None"
             raise error(f"{name} must be {kind}, got {type(value).__name__}")
-        if name not in WRITTEN or value is None or torch.compiler.is_compiling():  # tracing: no memory to check
+        if value is None or torch.compiler.is_compiling():  # tracing: no memory to check
             continue
-        if value.is_neg() or value.is_conj():
-            # A lazy view's memory does not hold the values it reads as; torch's fallback for it copies, and the
-            # op's in-place write then failed torch's internal assert
-            raise error(f"{name} is a lazily negated or conjugated view (torch._neg_view, .conj()): the op writes "
-                        f"its memory in place; pass a resolved tensor ({name}.resolve_neg().resolve_conj())")
-        if value.is_inference() and not torch.is_inference_mode_enabled():
-            raise error(f"{name} is an inference tensor, which torch lets no in-place write change outside "
-                        f"torch.inference_mode(): call the op inside it, or make {name} outside it")
+        if value.layout != torch.strided:  # sparse, mkldnn: no memory of its elements to hand over
+            raise error(f"{name} must be a dense (strided) tensor, got a {value.layout} one")
+        if name in WRITTEN:
+            tt.refuse_unwritable(name, value, error)
 
 
 def _no_empty_scale(scale, quant_bit: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import stat
+import tempfile
 import uuid
 
 import onnx
@@ -31,6 +32,22 @@ def forget_removed_inputs(model: ir.Model) -> None:
     counter = getattr(model.graph.inputs, "_ref_counter", None)
     if isinstance(counter, collections.Counter):
         counter += collections.Counter()  # in place: keeps the positive counts only
+
+
+def check_writable(path) -> None:
+    """``FileNotFoundError``/``ValueError`` naming ``path`` where :func:`save_whole` could not write it, found before
+    an export's slow work rather than after it: its folder missing, a folder at ``path``, a folder that refuses a new
+    file (tried: a permission check says yes to root anywhere)."""
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"the folder of {path} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"{path} is a folder: name the ONNX file to write")
+    try:
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise ValueError(f"cannot write {path}: {error.strerror or error}") from None
 
 
 def save_whole(model: ir.Model, path: str) -> None:

@@ -40,13 +40,35 @@ def describe(tensor: torch.Tensor | None) -> Tensor:
     stay alive until the call returns."""
     if tensor is None:
         return ABSENT
+    _refuse_not_dense(tensor)
     return Tensor(onnx_type(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
 
 
+def _refuse_not_dense(tensor: torch.Tensor) -> None:
+    if tensor.layout != torch.strided:  # sparse, mkldnn: no memory of its elements to hand over
+        raise KeyValueCacheError(f"the ops take dense (strided) tensors, got a {tensor.layout} tensor of shape "
+                                 f"{tuple(tensor.shape)}")
+
+
+def refuse_unwritable(name: str, tensor: torch.Tensor, error=KeyValueCacheError) -> None:
+    """``error`` where torch forbids or defeats an in-place write to ``tensor``: a lazily negated or conjugated view,
+    or an inference tensor outside inference mode. Checked by the ops' Python API and again by their kernels (under
+    ``torch.compile`` and through ``torch.ops.kvcache_op`` only the kernels see real tensors), before any write."""
+    if tensor.is_neg() or tensor.is_conj():
+        # A lazy view's memory does not hold the values it reads as; torch's fallback for it copies, and the
+        # op's in-place write then failed torch's internal assert
+        raise error(f"{name} is a lazily negated or conjugated view (torch._neg_view, .conj()): the op writes "
+                    f"its memory in place; pass a resolved tensor ({name}.resolve_neg().resolve_conj())")
+    if tensor.is_inference() and not torch.is_inference_mode_enabled():
+        raise error(f"{name} is an inference tensor, which torch lets no in-place write change outside "
+                    f"torch.inference_mode(): call the op inside it, or make {name} outside it")
+
+
 def _writable(name: str, tensor: torch.Tensor) -> None:
-    """A tensor the kernels write in place: contiguous (not a view the write could miss), and not one autograd
-    tracks (the writes are invisible to it: torch refuses an in-place write to a leaf that requires grad, and one
-    to a graph's tensor would give wrong gradients)."""
+    """A tensor the kernels write in place: contiguous (not a view the write could miss), not one autograd tracks (the
+    writes are invisible to it: torch refuses an in-place write to a leaf that requires grad, and one to a graph's
+    tensor would give wrong gradients), and one torch lets be written (:func:`refuse_unwritable`)."""
+    refuse_unwritable(name, tensor)
     if not tensor.is_contiguous():
         raise KeyValueCacheError(f"{name} must be contiguous: the op writes it in place")
     if tensor.requires_grad:
@@ -56,6 +78,7 @@ def _writable(name: str, tensor: torch.Tensor) -> None:
 
 def _extent(tensor: torch.Tensor):
     """(device, first byte, end byte) of the memory ``tensor``'s elements span; None when it has none."""
+    _refuse_not_dense(tensor)
     if tensor.numel() == 0:
         return None
     span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
@@ -111,6 +134,8 @@ def on_host(name: str, value) -> torch.Tensor:
         if isinstance(value, bool) or not isinstance(value, int):
             raise KeyValueCacheError(f"{name} must be a torch.Tensor or an int, got {type(value).__name__}")
         return torch.tensor(value, dtype=torch.int64)
+    if value.layout != torch.strided:
+        raise KeyValueCacheError(f"{name} must be a dense (strided) tensor, got a {value.layout} one")
     return value.detach().to("cpu").contiguous()
 
 

@@ -86,15 +86,9 @@ def _check_not_the_checkpoints_own(checkpoint: pathlib.Path, out: pathlib.Path) 
 def _check_writable(out: pathlib.Path) -> None:
     """``out`` and its tokenizer folder can be written, checked before the slow export: ``FileNotFoundError`` or
     ``ValueError`` saying why not."""
-    from .arguments import writable_folder_problem
+    from .torch.model_files import check_writable
 
-    if not out.parent.is_dir():
-        raise FileNotFoundError(f"the folder of {out} does not exist")
-    if out.is_dir():
-        raise ValueError(f"{out} is a folder: name the ONNX file to write")
-    problem = writable_folder_problem(out.parent)  # tried, not asked: a permission check says yes to root anywhere
-    if problem:
-        raise ValueError(f"cannot write {out}: {problem}")
+    check_writable(out)
     folder = tokenizer_folder(out)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{folder} is a file: the tokenizer files go to a folder of that name")
