@@ -133,6 +133,7 @@ def test_a_route_is_checked_against_the_kernels_that_ran():
     assert attention.route_check(routed, {"TileKernel": 0.09, "MergeKernel": 0.01}) == {
         "ran": ["TileKernel"], "route_ok": False}
     assert attention.route_check(routed, {"error": "the profiler cannot run"})["route_ok"] is None
+    assert attention.route_check(routed, {})["route_ok"] is None  # it saw no device activity at all
     # the profiler ran and saw no attention kernel it knows (a kernel renamed, say): not the route's either
     assert attention.route_check(routed, {"Memcpy HtoD": 0.01}) == {"ran": [], "route_ok": False}
     default = attention.cases(quick=True)[0]
@@ -191,6 +192,8 @@ def test_a_failed_case_and_a_case_off_its_route_keep_their_rows_and_fail_the_run
 
 
 def test_after_a_case_loses_the_cuda_context_the_rest_are_listed_as_not_run(monkeypatch, tmp_path):
+    """An illegal address is sticky: every later call in the process fails with it, so the later cases are not run
+    (and not each blamed for it)."""
     quick = attention.cases(quick=True)
     _stand_in_torch(monkeypatch, context_lost=True)
     measured = []

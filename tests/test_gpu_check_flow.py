@@ -237,7 +237,7 @@ def test_a_folder_no_earlier_check_wrote_is_refused_and_left_as_it_is(tmp_path):
     (out / "logs").mkdir(parents=True)
     (out / "logs/mine.txt").write_text("a user's file")
     code, steps, _, _, stderr = run_check(tmp_path)
-    assert code == 2 and not steps and "holds files no earlier gpu_check wrote" in stderr
+    assert code == 2 and not steps and "holds files and no .gpu_check mark" in stderr
     assert (out / "logs/mine.txt").read_text() == "a user's file"
 
 
@@ -245,4 +245,4 @@ def test_a_step_killed_before_its_limit_is_not_said_to_have_timed_out(tmp_path):
     """Exit 137 before the limit is the out-of-memory killer's, not the limit's SIGKILL."""
     code, steps, _, _, _ = run_check(tmp_path, GPU_CHECK_ONLY="attention-benchmark", SIM_BENCH_EXIT="137")
     assert code == 1 and steps["attention-benchmark"] == (
-        "fail", "killed before its limit (exit 137: out of memory?): see logs/attention-benchmark.log")
+        "fail", "killed before its limit (SIGKILL: out of memory?): see logs/attention-benchmark.log")

@@ -238,6 +238,11 @@ def test_layers_of_different_softmax_scales_are_refused_for_what_the_export_reco
 
 
 def test_the_callers_model_keeps_its_training_mode(tmp_path):
+    """The export runs the model in eval mode; each module comes back as it was, a fine-tuning setup's frozen parts
+    in eval included."""
     model = tiny_model("llama", seed=3).train()
+    model.model.layers[1].eval()
+    before = {name: m.training for name, m in model.named_modules()}
+    assert not all(before.values())
     export_model(model, tmp_path / "x.onnx")
-    assert model.training and all(m.training for m in model.modules())
+    assert {name: m.training for name, m in model.named_modules()} == before

@@ -106,7 +106,10 @@ class _OwnAttention(torch.nn.Module):
     # A window the layers pass to the attention but the model's own mask never applies (OLMoE builds a plain causal
     # mask whatever its config says): exported, the ops would apply it and serve other tokens past the window.
     (lambda: _tiny("olmoe", num_experts=4, num_experts_per_tok=2, sliding_window=100),
-     "pass a sliding window of 100 to the attention interface, but over 102 tokens its own forward does not attend"),
+     "pass a sliding window of 100 to the attention interface, but over 102 tokens its routed forward differs"),
+    # the same where the model holds 101 positions: the window acts at the last one
+    (lambda: _tiny("olmoe", num_experts=4, num_experts_per_tok=2, sliding_window=100, max_position_embeddings=101),
+     "pass a sliding window of 100 to the attention interface, but over 101 tokens"),
     # Attention sinks passed to the interface: named, not only found by the routed logits differing
     (lambda: _tiny("gpt_oss", num_local_experts=4, num_experts_per_tok=2, head_dim=16,
                    layer_types=["full_attention"] * 2),

@@ -103,8 +103,9 @@ def test_message_is_truncated_safely_and_null_attrs_refused():
                                                    ctypes.byref(output.to_c()), 1, small, len(small))
     assert code == c_api.INVALID_ARGUMENT and small.value == b"is_ca"
     message = ctypes.create_string_buffer(256)
-    assert lib.kvcache_op_multi_head_attention_cpu(None, c_api.c_array(inputs, 9, "inputs"),
-                                                   ctypes.byref(output.to_c()), 1, message, 256) == c_api.INVALID_ARGUMENT
+    c_in = c_api.c_array(inputs, 9, "inputs")
+    code = lib.kvcache_op_multi_head_attention_cpu(None, c_in, ctypes.byref(output.to_c()), 1, message, 256)
+    assert code == c_api.INVALID_ARGUMENT
     assert b"attrs and inputs must not be NULL" in message.value
     del buffers
 

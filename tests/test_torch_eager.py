@@ -436,12 +436,19 @@ def test_the_kernel_itself_refuses_an_inference_cache_outside_inference_mode(rou
 
 @pytest.mark.parametrize("layout", ["sparse", "mkldnn"])
 def test_a_tensor_with_no_dense_memory_is_refused_by_name(layout):
+    """A sparse or mkldnn tensor has no memory of its elements to hand over: refused by name through the Python API
+    and the registered ops (torch's "no storage" error before), the cache untouched."""
     cache, idx = _store_two_rows()
     before = cache.clone()
     key = torch.randn(2, 2, 8)
     key = key.to_sparse() if layout == "sparse" else key.to_mkldnn()
     with pytest.raises(KeyValueCacheError, match="current_key must be a dense \\(strided\\) tensor, got a torch"):
         kt.key_value_cache(key, torch.randn(2, 2, 8), **idx, cache=cache)
-    with pytest.raises(KeyValueCacheError, match="the ops take dense \\(strided\\) tensors"):
+    with pytest.raises(KeyValueCacheError, match="current_key must be a dense \\(strided\\) tensor"):
         _registered_store(key, torch.randn(2, 2, 8), idx, cache)
     assert torch.equal(cache, before)
+    other = torch.randn(2, 2, 8)
+    with pytest.raises(KeyValueCacheError, match="query must be a dense \\(strided\\) tensor"):
+        torch.ops.kvcache_op.multi_head_attention(key, other, other, idx["seqstarts"], idx["kvstarts"],
+                                                  torch.tensor(0), idx["max_seqlen"], idx["max_kvlen"], None, 2, 8, 1,
+                                                  0, 2, 0, 0.0, 0.0)

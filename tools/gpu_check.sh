@@ -40,7 +40,8 @@
 # where the kernel stalls).
 # A test step passes when pytest passes and ran at least one test (every test skipped proves nothing on a GPU).
 # Exit status: 0 when no step failed, none was left out for want of time, and every step GPU_CHECK_ONLY names ran.
-# OUTDIR may be reused: what an earlier check wrote there (logs, tables, summary) is removed first.
+# OUTDIR may be reused: what an earlier check wrote there (logs, tables, summary) is removed first; a folder holding
+# files but no .gpu_check mark (one this check did not make) is refused, not cleaned.
 set -u -o pipefail
 
 OUT=${1:?usage: tools/gpu_check.sh OUTDIR}
@@ -50,7 +51,8 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 # step skipped or killed this time writes none, so an old one would read as this run's. Only in a folder this check
 # made (its mark, .gpu_check) or an empty one: the names are common ones, and OUTDIR may be any folder.
 if [ ! -e "$OUT/.gpu_check" ] && [ -n "$(ls -A "$OUT")" ]; then
-  echo "OUTDIR $OUT holds files no earlier gpu_check wrote: name a new or empty folder" >&2
+  echo "OUTDIR $OUT holds files and no .gpu_check mark (this check cleans only a folder it made): name a new or" \
+       "empty folder" >&2
   exit 2
 fi
 touch "$OUT/.gpu_check"
@@ -111,7 +113,7 @@ ended() {
   if [ "$1" -eq 124 ] || { [ "$1" -eq 137 ] && [ $(( $(date +%s) - $3 )) -ge "$2" ]; }; then
     echo "timed out after $2 s"
   elif [ "$1" -eq 137 ]; then
-    echo "killed before its limit (exit 137: out of memory?)"
+    echo "killed before its limit (SIGKILL: out of memory?)"
   else
     echo "exit $1"
   fi
@@ -241,7 +243,7 @@ if [ $BUILD_RC -eq 0 ]; then
   step build pass "KVCACHE_OP_CUDA=$KVCACHE_OP_CUDA, headers: ${KVCACHE_OP_ORT_INCLUDE_DIR:-cached/fetched}" "$BUILD_BEGAN"
 else
   why=$(ended $BUILD_RC "$BUILD_LIMIT" "$BUILD_BEGAN")
-  if [ $BUILD_RC -eq 124 ] || [ $BUILD_RC -eq 137 ]; then why+=" (GPU_CHECK_BUILD_LIMIT)"; fi
+  if [[ $why == "timed out"* ]]; then why+=" (GPU_CHECK_BUILD_LIMIT)"; fi
   step build fail "$why: see logs/build.log" "$BUILD_BEGAN"
   summarize
   exit 1

@@ -371,7 +371,8 @@ def route_check(case: Case, breakdown: dict) -> dict:
     kernel (None: the default route, or no attention kernel named by the profiler, so nothing to check)."""
     ran = sorted(name for name in breakdown if name in ATTENTION_KERNELS)
     expected = ROUTE_KERNELS.get(case.kernel)
-    if expected is None or "error" in breakdown:  # the library's own choice, or a profiler that could not run
+    if expected is None or "error" in breakdown or not breakdown:
+        # the library's own choice, or a profiler that could not run or saw no device activity: nothing to check
         return {"ran": ran, "route_ok": None}
     return {"ran": ran, "route_ok": expected in ran}  # no attention kernel it knows: not the route's either
 

@@ -84,15 +84,16 @@ def _cache_axis(settings: CacheSettings) -> int:
 
 
 def _keeps_training_mode(export):
-    """``export`` leaving a caller's module in the training mode it was given in (the export runs it in eval mode)."""
+    """``export`` leaving each module of a caller's model in the training mode it was given in (the export runs it in
+    eval mode; a model in training may keep some modules in eval)."""
     @functools.wraps(export)
     def wrapper(model, *args, **kwargs):
-        training = model.training if isinstance(model, torch.nn.Module) else None
+        modes = {m: m.training for m in model.modules()} if isinstance(model, torch.nn.Module) else {}
         try:
             return export(model, *args, **kwargs)
         finally:
-            if training is not None:
-                model.train(training)
+            for module, training in modes.items():
+                module.training = training
     return wrapper
 
 
@@ -115,8 +116,10 @@ def export_model(model, path, *, page_size: int = 16, quant_bit: int = 0, cache_
     applies :func:`~kvcache_op.hf.graph_rewrites.optimize_decoder` (fused norms, sibling MatMuls and rotary
     embeddings, for every family). The file appears whole or not at all, its weights in a data file beside it when
     they pass 1 GiB (:func:`~kvcache_op.torch.model_files.save_whole`). ``ValueError`` for a model or setting the
-    graph cannot express. ``progress(text)``, when given, is told each stage as it begins (a large model's export
-    takes minutes)."""
+    graph cannot express, or a setting not of its type (the integer ones, ``fused_attention`` a bool);
+    ``FileNotFoundError``/``ValueError`` for a ``path`` that cannot be written, before any export work. The caller's
+    model comes back in the training mode it came in. ``progress(text)``, when given, is told each stage as it begins
+    (a large model's export takes minutes)."""
     tell = progress or (lambda text: None)
     for name, value in (("page_size", page_size), ("quant_bit", quant_bit), ("quant_group", quant_group),
                         ("cache_layout", cache_layout)):

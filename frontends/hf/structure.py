@@ -246,16 +246,17 @@ def _check_windows_act(model, sizes: DecoderSizes) -> None:
     act, runs the check on a sequence longer than the window (up to :data:`_WINDOW_CHECK_TOKENS`): a model whose own
     mask ignores the window it passes (OLMoE with a ``sliding_window`` in its config) is refused, not exported with a
     window it does not apply."""
-    window = max((w for w in sizes.sliding_windows if w), default=0)
-    tokens = window + 2
-    if not window or tokens <= 64 or tokens > min(_WINDOW_CHECK_TOKENS, sizes.max_positions):
+    reach = min(_WINDOW_CHECK_TOKENS, sizes.max_positions)  # a window of w acts from w + 1 tokens on
+    window = max((w for w in sizes.sliding_windows if w and w < reach), default=0)  # the largest that acts in reach
+    tokens = min(window + 2, reach)
+    if not window or tokens <= 64:  # none acts within reach, or the 64-token check has seen it act
         return
     try:
         check_routing(model, sizes, tokens=tokens)
     except ValueError as error:
         raise ValueError(f"its layers pass a sliding window of {window} to the attention interface, but over "
-                         f"{tokens} tokens its own forward does not attend as that window says (its mask may ignore "
-                         f"it): {error}") from None
+                         f"{tokens} tokens its routed forward differs from its own (its mask may ignore the window): "
+                         f"{error}") from None
 
 
 def eos_token_ids(model) -> tuple:

@@ -141,7 +141,11 @@ def on_host(name: str, value) -> torch.Tensor:
 
 def data_device(**tensors) -> torch.device:
     """The one device of the data tensors (``None`` entries skipped); ``KeyValueCacheError`` when they
-    differ or the device is neither CPU nor CUDA."""
+    differ or the device is neither CPU nor CUDA, or naming one that is not dense (sparse, mkldnn: no memory of its
+    elements to hand over; checked first, as every kernel calls this before anything else)."""
+    for name, t in tensors.items():
+        if t is not None and t.layout != torch.strided:
+            raise KeyValueCacheError(f"{name} must be a dense (strided) tensor, got a {t.layout} one")
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     distinct = set(devices.values())
     if len(distinct) != 1:
