@@ -14,9 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
 #include <limits>
-#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -906,27 +904,19 @@ struct AttentionKernel {
     }
     std::vector<float> partial_store(static_cast<size_t>(partial_floats));
     partials = partial_store.data();
-    // A task's exception (an allocation failure) must not unwind through the thread pool: the first one is
-    // kept and rethrown here, after every task has returned.
-    std::mutex failure_lock;
-    std::exception_ptr failure;
-    auto guarded = [&](auto&& fn) {
-      try {
-        const SpecFloatMode spec_mode;  // subnormal scales and scores read as they are, whatever the caller's mode
-        fn();
-      } catch (...) {
-        std::lock_guard<std::mutex> hold(failure_lock);
-        if (!failure) failure = std::current_exception();
-      }
-    };
+    // Each task reads subnormal scales and scores as they are, whatever the caller's float mode. A task's exception
+    // (an allocation failure) is the ParallelFor's to keep and rethrow once every task has returned (kv_cpu.h), so a
+    // failed pass ends the call before the merges.
     parallel_for(tasks.size(), [&](size_t t) {
+      const SpecFloatMode spec_mode;
       const TaskRange& task = tasks[t];
       const int64_t queries = p.seqstarts[task.b + 1] - p.seqstarts[task.b];
-      guarded([&] { queries == 1 ? DecodeTask(task) : queries > kStreamQueries ? PrefillTask(task) : Task(task); });
+      queries == 1 ? DecodeTask(task) : queries > kStreamQueries ? PrefillTask(task) : Task(task);
     });
-    if (failure) std::rethrow_exception(failure);
-    parallel_for(merges.size(), [&](size_t m) { guarded([&] { Merge(merges[m], tasks); }); });
-    if (failure) std::rethrow_exception(failure);
+    parallel_for(merges.size(), [&](size_t m) {
+      const SpecFloatMode spec_mode;
+      Merge(merges[m], tasks);
+    });
   }
 };
 

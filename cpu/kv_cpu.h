@@ -21,7 +21,9 @@ struct ComputeArgs {
   void* out_value;      // [kv_tokens, H * num_repeat, Dh]
 };
 
-// Runs fn(i) for i in [0, count), possibly in parallel; returns when all are done.
+// Runs fn(i) for i in [0, count), possibly in parallel; returns when all are done. A task's exception never unwinds
+// through a worker thread: the first is kept and rethrown on the calling thread once the tasks have returned
+// (ParallelForOnOrt, ParallelOnThreads).
 using ParallelFor = std::function<void(size_t count, const std::function<void(size_t)>& fn)>;
 
 // Stores then gathers. The plan must come from ValidateCall on the same inputs. Runs the best build of the

@@ -201,12 +201,11 @@ OrtStatusPtr InferOutputShapes(const OrtCustomOp*, OrtShapeInferContext* ctx) {
   }
   // Unknown dims get names (a bare -1 would be taken as a fixed, and then mismatching, size): current_key's own where
   // the output's dim is that very dim (its head_dim; its heads when not repeated), else one no other value shares.
-  const bool named_heads = rank == 3 && repeat == 1 && names[1] != nullptr && names[1][0] != '\0';
-  const bool named_dim = rank == 3 && names[2] != nullptr && names[2][0] != '\0';
+  auto named = [&](size_t i) { return rank == 3 && names[i] != nullptr && names[i][0] != '\0'; };
   const std::string symbols[3] = {
       UnsharedDimName("kv_tokens"),
-      out[1] >= 0 ? "" : named_heads ? names[1] : UnsharedDimName("kv_heads"),
-      out[2] >= 0 ? "" : named_dim ? names[2] : UnsharedDimName("head_dim")};
+      out[1] >= 0 ? "" : repeat == 1 && named(1) ? names[1] : UnsharedDimName("kv_heads"),
+      out[2] >= 0 ? "" : named(2) ? names[2] : UnsharedDimName("head_dim")};
   const char* symbol_ptrs[3] = {symbols[0].c_str(), symbols[1].c_str(), symbols[2].c_str()};
   OrtTensorTypeAndShapeInfo* info = nullptr;
   if (OrtStatus* s = api.CreateTensorTypeAndShapeInfo(&info)) return s;

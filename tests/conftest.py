@@ -153,6 +153,17 @@ def exported(served_checkpoint, tmp_path_factory):
     return out
 
 
+def copy_checkpoint(folder, target, weights_bytes=None):
+    """A copy of the checkpoint ``folder``'s files at ``target`` (made); ``weights_bytes``: only that many bytes of
+    its ``model.safetensors`` (a damaged weight file)."""
+    target.mkdir()
+    for path in folder.iterdir():
+        if path.is_file():
+            data = path.read_bytes()
+            (target / path.name).write_bytes(data[:weights_bytes] if path.name == "model.safetensors" else data)
+    return target
+
+
 def served_app(exported, tokenizer, api_key=None, engine_options=None, **limits):
     """The server's FastAPI app in this process, over a fresh engine on ``exported`` (64 pages unless
     ``engine_options`` say otherwise; the tests find it at ``app.state.engine``) serving as "tiny"; ``limits``:

@@ -9,6 +9,7 @@ pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
+from conftest import copy_checkpoint  # noqa: E402
 from kvcache_op.cli import main  # noqa: E402
 from kvcache_op.export_command import SOURCE_KEY, tokenizer_folder  # noqa: E402
 from kvcache_op.hf import tiny_model  # noqa: E402
@@ -156,19 +157,9 @@ def test_a_failed_export_leaves_the_earlier_file_and_its_weights_as_they_were(ch
     assert Engine(out, num_pages=8).generate([prompt], 3)[0] == reference_generate(model, prompt, 3)
 
 
-def _copy(folder, target, weights_bytes=None):
-    """A copy of the checkpoint ``folder``'s files at ``target``; ``weights_bytes``: only that many of its weights."""
-    target.mkdir()
-    for path in folder.iterdir():
-        if path.is_file():
-            data = path.read_bytes()
-            (target / path.name).write_bytes(data[:weights_bytes] if path.name == "model.safetensors" else data)
-    return target
-
-
 def test_an_out_path_that_is_a_file_of_the_checkpoint_is_refused(checkpoint, tmp_path, capsys):
     """Writing the export over the checkpoint's own config (or weights) would ruin the checkpoint it reads."""
-    copy = _copy(checkpoint[0], tmp_path / "copy")
+    copy = copy_checkpoint(checkpoint[0], tmp_path / "copy")
     config = (copy / "config.json").read_bytes()
     for target in ("config.json", "model.safetensors"):
         assert main(["export", str(copy), str(copy / target)]) == 2
@@ -183,7 +174,7 @@ def test_an_out_path_that_is_a_file_of_the_checkpoint_is_refused(checkpoint, tmp
 
 
 def test_a_checkpoint_whose_weights_cannot_be_read_is_refused_in_one_line(checkpoint, tmp_path, capsys):
-    copy = _copy(checkpoint[0], tmp_path / "damaged", weights_bytes=1000)
+    copy = copy_checkpoint(checkpoint[0], tmp_path / "damaged", weights_bytes=1000)
     assert main(["export", str(copy), str(tmp_path / "out.onnx")]) == 2
     err = capsys.readouterr().err
     assert f"cannot load the checkpoint {copy}" in err and "Traceback" not in err and err.count("\n") == 1

@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
 
+from conftest import copy_checkpoint  # noqa: E402
 from kvcache_op.cli import build_parser, main  # noqa: E402
 from kvcache_op.export_command import tokenizer_folder  # noqa: E402
 from kvcache_op.serve_command import API_KEY_VARIABLE, api_key_of, resolve_model  # noqa: E402
@@ -183,16 +184,8 @@ def test_a_cache_folder_that_cannot_be_written_is_named_before_the_export(served
     assert captured.err.count("\n") == 1 and "exporting" not in captured.out
 
 
-def _copy_checkpoint(source, target):
-    target.mkdir()
-    for path in source.iterdir():
-        if path.is_file():
-            (target / path.name).write_bytes(path.read_bytes())
-    return target
-
-
 def test_a_damaged_tokenizer_is_refused_before_the_export(served_checkpoint, tmp_path, capsys):
-    folder = _copy_checkpoint(served_checkpoint[0], tmp_path / "bad-tokenizer")
+    folder = copy_checkpoint(served_checkpoint[0], tmp_path / "bad-tokenizer")
     (folder / "tokenizer.json").write_text("{not json")
     cache = tmp_path / "cache"
     assert main(["serve", str(folder), "--cache-dir", str(cache), "--port", "0"]) == 2
@@ -205,9 +198,7 @@ def test_a_checkpoint_that_cannot_be_loaded_is_one_line_and_leaves_no_cache_entr
                                                                                      capsys):
     """A truncated weight file: the export's child fails, the command says why in one line (no traceback), and the
     cache folder keeps nothing of the attempt."""
-    folder = _copy_checkpoint(served_checkpoint[0], tmp_path / "bad-weights")
-    weights = folder / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[:1000])
+    folder = copy_checkpoint(served_checkpoint[0], tmp_path / "bad-weights", weights_bytes=1000)
     cache = tmp_path / "cache"
     assert main(["serve", str(folder), "--cache-dir", str(cache), "--port", "0"]) == 2
     err = capsys.readouterr().err

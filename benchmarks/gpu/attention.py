@@ -176,8 +176,7 @@ KERNELS = {
 ROUTE_KERNELS = {"decode": "DecodeKernel", "tile-decode": "TileKernel", "staged": "StagedDecodeKernel",
                  "heads": "StagedDecodeKernel, heads in registers", "mma": "MmaKernel", "tile": "TileKernel",
                  "mma2": "MmaRegKernel", "mma2-decode": "MmaRegKernel"}
-ATTENTION_KERNELS = {"TileKernel", "DecodeKernel", "StagedDecodeKernel", "StagedDecodeKernel, heads in registers",
-                     "MmaKernel", "MmaRegKernel"}
+ATTENTION_KERNELS = frozenset(ROUTE_KERNELS.values())  # every route names one; together they are all of them
 ROUTE_VARIABLES = ("KVCACHE_OP_CUDA_DECODE_KERNEL", "KVCACHE_OP_CUDA_MMA", "KVCACHE_OP_CUDA_MMA_DECODE")
 
 
@@ -438,32 +437,11 @@ def short_name(kernel: str) -> str:
     name = re.sub(r"^void |[A-Za-z_]+::|\(anonymous namespace\)::", "", kernel)
     if name.startswith("Memcpy"):
         return name
-    base = name.split("<", 1)[0].split("(", 1)[0]
-    if base == "StagedDecodeKernel" and _last_template_argument(name) == "true":
+    signature = name.split("(", 1)[0].rstrip()  # "Kernel<T, Rows, true>": the template arguments end it
+    base = signature.split("<", 1)[0]
+    if base == "StagedDecodeKernel" and signature.endswith(", true>"):  # (a nested argument would end ">>")
         return base + ", heads in registers"
     return base
-
-
-def _last_template_argument(name: str) -> str:
-    """The last top-level template argument of a demangled ``name`` ("" where it has none)."""
-    start = name.find("<")
-    if start < 0:
-        return ""
-    depth, argument = 0, []
-    for char in name[start:]:
-        if char == "<":
-            depth += 1
-            if depth == 1:
-                continue
-        elif char == ">":
-            depth -= 1
-            if depth == 0:
-                break
-        elif char == "," and depth == 1:
-            argument = []
-            continue
-        argument.append(char)
-    return "".join(argument).strip()
 
 
 def breakdown_table(rows) -> str:

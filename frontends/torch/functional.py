@@ -67,8 +67,7 @@ def _data_tensors(required: dict, optional: dict, error=KeyValueCacheError) -> N
             raise error(f"{name} must be {kind}, got {type(value).__name__}")
         if value is None or torch.compiler.is_compiling():  # tracing: no memory to check
             continue
-        if value.layout != torch.strided:  # sparse, mkldnn: no memory of its elements to hand over
-            raise error(f"{name} must be a dense (strided) tensor, got a {value.layout} one")
+        tt.refuse_not_dense(name, value, error)
         if name in WRITTEN:
             tt.refuse_unwritable(name, value, error)
 

@@ -40,14 +40,14 @@ def describe(tensor: torch.Tensor | None) -> Tensor:
     stay alive until the call returns."""
     if tensor is None:
         return ABSENT
-    _refuse_not_dense(tensor)
     return Tensor(onnx_type(tensor.dtype), tuple(tensor.shape), tensor.data_ptr())
 
 
-def _refuse_not_dense(tensor: torch.Tensor) -> None:
-    if tensor.layout != torch.strided:  # sparse, mkldnn: no memory of its elements to hand over
-        raise KeyValueCacheError(f"the ops take dense (strided) tensors, got a {tensor.layout} tensor of shape "
-                                 f"{tuple(tensor.shape)}")
+def refuse_not_dense(name: str, tensor: torch.Tensor, error=KeyValueCacheError) -> None:
+    """``error`` naming ``tensor`` unless it is dense (strided): a sparse or mkldnn one has no memory of its elements
+    to hand over (``data_ptr`` fails)."""
+    if tensor.layout != torch.strided:
+        raise error(f"{name} must be a dense (strided) tensor, got a {tensor.layout} one")
 
 
 def refuse_unwritable(name: str, tensor: torch.Tensor, error=KeyValueCacheError) -> None:
@@ -78,7 +78,6 @@ def _writable(name: str, tensor: torch.Tensor) -> None:
 
 def _extent(tensor: torch.Tensor):
     """(device, first byte, end byte) of the memory ``tensor``'s elements span; None when it has none."""
-    _refuse_not_dense(tensor)
     if tensor.numel() == 0:
         return None
     span = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())) + 1
@@ -134,8 +133,7 @@ def on_host(name: str, value) -> torch.Tensor:
         if isinstance(value, bool) or not isinstance(value, int):
             raise KeyValueCacheError(f"{name} must be a torch.Tensor or an int, got {type(value).__name__}")
         return torch.tensor(value, dtype=torch.int64)
-    if value.layout != torch.strided:
-        raise KeyValueCacheError(f"{name} must be a dense (strided) tensor, got a {value.layout} one")
+    refuse_not_dense(name, value)
     return value.detach().to("cpu").contiguous()
 
 
@@ -144,8 +142,8 @@ def data_device(**tensors) -> torch.device:
     differ or the device is neither CPU nor CUDA, or naming one that is not dense (sparse, mkldnn: no memory of its
     elements to hand over; checked first, as every kernel calls this before anything else)."""
     for name, t in tensors.items():
-        if t is not None and t.layout != torch.strided:
-            raise KeyValueCacheError(f"{name} must be a dense (strided) tensor, got a {t.layout} one")
+        if t is not None:
+            refuse_not_dense(name, t)
     devices = {name: t.device for name, t in tensors.items() if t is not None}
     distinct = set(devices.values())
     if len(distinct) != 1:

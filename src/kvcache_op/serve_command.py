@@ -50,9 +50,9 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
     is not kept by a server for its whole life). ``FileNotFoundError``/``ValueError`` naming what is missing."""
     model = pathlib.Path(model)
     if model.is_dir():
-        from .serving.tokenizer import load_tokenizer
+        from .serving.tokenizer import check_tokenizer_folder, load_tokenizer
 
-        load_tokenizer(tokenizer or model)  # before the export: a folder without a usable one is refused at once
+        check_tokenizer_folder(tokenizer or model)  # before anything: a folder without one is refused at once
         settings = dict(settings or {})
         out = pathlib.Path(cache_dir or default_cache_dir()) / _checkpoint_key(model, settings) / "model.onnx"
         complete = out.with_name("complete")  # written last: an interrupted export is redone, not reused
@@ -62,6 +62,7 @@ def resolve_model(model, *, tokenizer=None, cache_dir=None, settings=None, progr
         else:
             from .arguments import writable_folder_problem
 
+            load_tokenizer(tokenizer or model)  # loaded once before the export: a damaged one is not found after it
             problem = writable_folder_problem(out.parent)  # tried before the export, not found after it
             if problem:
                 raise ValueError(f"the cache folder {out.parent.parent} (--cache-dir, $KVCACHE_OP_CACHE) cannot take "
