@@ -20,10 +20,11 @@ class Admission:
         prompt = token_ids(prompt, self.vocab_size, f"request {rid!r}: prompt")
         if not prompt:
             raise ValueError("a request needs at least one prompt token")
-        if self.sliding_window is None and self.streaming is None and \
-                -(-len(prompt) // self.page_size) > self.max_pages:
+        if not self.window_bounds and self.streaming is None and -(-len(prompt) // self.page_size) > self.max_pages:
+            why = "" if self.sliding_window is None else \
+                f" (the sliding window of {self.sliding_window} tokens is wider than those pages: it frees none)"
             raise ValueError(f"request {rid!r}: a prompt of {len(prompt)} tokens needs more than "
-                             f"max_pages={self.max_pages} pages of {self.page_size}")
+                             f"max_pages={self.max_pages} pages of {self.page_size}{why}")
         r = Request(rid, -1, page_identity(salt, self.cache_key), prompt)
         reusable = (len(prompt) - 1) // self.page_size
         if self.streaming is not None:

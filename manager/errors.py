@@ -12,4 +12,8 @@ class OutOfPages(RuntimeError):
 
 
 class UnknownRequest(KeyError):
-    """A request id that was never added, or was already finished."""
+    """A request id that was never added, or was already finished. ``args[0]`` is the id; the message says what
+    it is (a ``KeyError``'s own message would be the id's repr alone)."""
+
+    def __str__(self) -> str:
+        return f"unknown request {self.args[0]!r}: never added, or already finished" if self.args else "unknown request"

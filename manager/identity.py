@@ -6,6 +6,7 @@ Nothing is coerced: ``1.9``, ``"123"``, ``True`` and integers beyond int64 are r
 ``TypeError``/``ValueError`` instead of becoming other tokens or other tenants.
 """
 
+import collections.abc
 import itertools
 import numbers
 
@@ -35,7 +36,8 @@ def token_ids(tokens, vocab_size: int, what: str) -> list:
     """The token ids of ``tokens`` as a list of Python ints, each ``0 <= t < vocab_size``.
 
     Accepts a sequence of Python/numpy integers or an integer numpy array; a ``str``/``bytes`` (a
-    sequence of characters, not of tokens), floats and bools are ``TypeError``s.
+    sequence of characters, not of tokens), a set or dict (no order), an iterator (read once, so not
+    checkable before use), floats and bools are ``TypeError``s.
     """
     if isinstance(tokens, (str, bytes, bytearray)):
         raise TypeError(f"{what} must be a sequence of integer token ids, got {type(tokens).__name__}")
@@ -47,6 +49,9 @@ def token_ids(tokens, vocab_size: int, what: str) -> list:
         ids = tokens.tolist()
     elif type(tokens) in (list, tuple) and set(map(type, tokens)) <= {int}:  # the common case, in one pass
         ids = list(tokens)
+    elif not isinstance(tokens, collections.abc.Sequence):
+        raise TypeError(f"{what} must be a sequence (list, tuple, range or 1-D integer array) of token ids, "
+                        f"got {type(tokens).__name__}")
     else:
         ids = [check_int(f"{what}[{i}]", t) for i, t in enumerate(tokens)]
     if ids:
@@ -147,8 +152,9 @@ def key_bytes(value) -> bytes:
     if isinstance(value, (bool, np.bool_)):
         return b"T" if value else b"F"
     if isinstance(value, (numbers.Integral, np.integer)):
-        text = str(int(value)).encode()
-        return b"i" + len(text).to_bytes(2, "little") + text
+        number = int(value)  # two's complement, as few bytes as hold it and its sign: any size, one encoding each
+        data = number.to_bytes(number.bit_length() // 8 + 1, "little", signed=True)
+        return b"i" + len(data).to_bytes(8, "little") + data
     if isinstance(value, str):
         value = value.encode("utf-8", "surrogatepass")
         return b"s" + len(value).to_bytes(8, "little") + value

@@ -1,6 +1,7 @@
 """Reading a manager's state: page tables, positions, pending prompt tokens, metrics, and the bookkeeping
 invariants the tests assert: part of :class:`~.kv_manager.KVCacheManager`."""
 
+from .identity import check_int
 from .streaming import streaming_discard, streaming_room
 
 
@@ -17,18 +18,23 @@ class Inspection:
 
     def step_room(self, rid):
         """The most tokens the next step of ``rid`` may feed for its cache to depend on its tokens alone, not on
-        how its steps were chunked (StreamingLLM: see :func:`~.streaming.streaming_room`); ``None``: no limit."""
+        how its steps were chunked (StreamingLLM: see :func:`~.streaming.streaming_room`); ``None``: no limit.
+        :class:`~.errors.UnknownRequest` for an id that is not active, with or without StreamingLLM."""
+        computed = self.computed(rid)
         if self.streaming is None:
             return None
-        return streaming_room(self.streaming, self.sink_pages, self.page_size, self.computed(rid))
+        return streaming_room(self.streaming, self.sink_pages, self.page_size, computed)
 
     def refed_tokens(self, rid, n_new: int) -> int:
         """How many kept tokens a step feeding ``n_new`` tokens to ``rid`` feeds again besides them (StreamingLLM's
         "reevaluate" discard re-feeds what it keeps); 0 where it discards nothing, in another mode, or where the step
-        cannot fit (the schedule says why)."""
+        cannot fit (the schedule says why). ``n_new`` must be an integer >= 1 (a step feeds at least one token)."""
+        row = self._get(rid).row
+        n_new = check_int("n_new", n_new)
+        if n_new < 1:
+            raise ValueError(f"n_new must be >= 1 (a step feeds at least one token), got {n_new}")
         if self.streaming is None or self.streaming.mode != "reevaluate":
             return 0
-        row = self._get(rid).row
         computed, held = int(self.rows.computed[row]), int(self.rows.npages[row])
         try:
             discard, dropped = streaming_discard(self.streaming, self.sink_pages, self.page_size, rid, computed, held,

@@ -66,6 +66,9 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         key_bytes(cache_key)  # a TypeError now rather than at the first request
         self.sink_pages = 0
         if streaming is not None:
+            if not isinstance(streaming, StreamingPolicy):
+                raise TypeError(f"streaming must be a StreamingPolicy(sinks, budget_pages, mode), "
+                                f"got {type(streaming).__name__}")
             if sliding_window is not None:
                 raise ValueError("streaming and sliding_window are alternatives; configure one")
             streaming = StreamingPolicy(check_int("streaming sinks", streaming.sinks),
@@ -83,6 +86,10 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         self.page_size = page_size
         self.max_pages = max_pages
         self.sliding_window = sliding_window
+        # Whether the window bounds what a request holds: a decode step's window spans at most
+        # ceil((W - 1) / page_size) + 1 pages. A wider window never releases a page within max_pages, so a
+        # request is then bounded by max_pages as without one.
+        self.window_bounds = sliding_window is not None and -(-(sliding_window - 1) // page_size) + 1 <= max_pages
         self.cache_key = cache_key
         self.index = PrefixIndex(hash_fn)
         self.pool = PagePool(num_pages, on_evict=self.index.remove_page)

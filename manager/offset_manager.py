@@ -1,6 +1,10 @@
 """Offset-mode (cache_mode 0) allocation: each request owns one contiguous run of slots, reserved at
 admission for its prompt plus the tokens it may generate. No prefix sharing: a shared prefix needs
-pages (cache_mode 1, :class:`KVCacheManager`)."""
+pages (cache_mode 1, :class:`KVCacheManager`).
+
+Its steps are not transactions: ``schedule`` moves each request's position on at once (there is no
+``commit``/``abort``). A caller whose op failed on a step finishes the request, or admits it again and
+feeds it from the start: nothing here was shared, so nothing else is affected."""
 
 import bisect
 import dataclasses
@@ -81,6 +85,8 @@ class OffsetCacheManager:
     def schedule(self, counts: dict) -> StepPlan:
         """``counts`` maps request id -> tokens fed this step; returns the op's inputs for cache_mode 0.
         Every count is checked (an integer that fits the reservation) before anything changes."""
+        if not isinstance(counts, dict):
+            raise TypeError(f"counts must be a dict of request id -> tokens fed, got {type(counts).__name__}")
         plans = []
         for rid, n in counts.items():
             region = self.regions.get(rid)

@@ -8,11 +8,17 @@ used cached page. Every operation is O(1).
 
 import collections
 
+from .identity import check_int
+
 
 class PagePool:
-    """Page ids 0..num_pages-1. ``on_evict(page)`` is called when a cached page is evicted."""
+    """Page ids 0..num_pages-1. ``on_evict(page)`` is called when a cached page is evicted.
+
+    A page id that is not an integer in ``[0, num_pages)`` is a ``TypeError``/``ValueError`` with nothing
+    changed (a negative id would otherwise index another page from the end)."""
 
     def __init__(self, num_pages: int, on_evict=None):
+        num_pages = check_int("num_pages", num_pages)
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.num_pages = num_pages
@@ -43,6 +49,9 @@ class PagePool:
     def take_many(self, n: int) -> list:
         """``n`` pages, exactly as ``n`` calls of ``take`` would hand them out, in that order (the free
         ones without a call each). Raises IndexError, having taken nothing, if fewer are available."""
+        n = check_int("the page count", n)
+        if n < 0:
+            raise ValueError(f"the page count must be >= 0, got {n}")
         if n > self.available():
             raise IndexError(f"{n} pages asked for, {self.available()} free or evictable")
         free, ref_count = self.free, self.ref_count
@@ -55,6 +64,7 @@ class PagePool:
 
     def acquire(self, page: int) -> None:
         """One more reference to a page (a cached page leaves the LRU)."""
+        page = self._page(page)
         if self.ref_count[page] == 0:
             if page not in self.cached:
                 raise ValueError(f"page {page} is free; only referenced or cached pages can be shared")
@@ -63,6 +73,7 @@ class PagePool:
 
     def release(self, page: int, cached: bool) -> None:
         """Drops one reference; at zero the page becomes cached (most recently used) or free."""
+        page = self._page(page)
         if self.ref_count[page] <= 0:
             raise ValueError(f"page {page} released more often than acquired")
         self.ref_count[page] -= 1
@@ -75,6 +86,7 @@ class PagePool:
     def untake(self, page: int) -> None:
         """Undoes ``take``: the page (ref count 1, never registered) goes back to the front of the free
         list, where ``take`` found it (an evicted page is not re-cached: it may have been written)."""
+        page = self._page(page)
         if self.ref_count[page] != 1:
             raise ValueError(f"page {page} has ref count {self.ref_count[page]}; only a page just taken can go back")
         self.ref_count[page] = 0
@@ -83,6 +95,7 @@ class PagePool:
     def reclaim(self, page: int) -> None:
         """One more reference to a page, wherever it is: referenced, cached or free (used to roll a step
         back: a page the step released gets its reference back). O(free pages) for a free page."""
+        page = self._page(page)
         if self.ref_count[page] == 0:
             if page in self.cached:
                 del self.cached[page]
@@ -92,9 +105,18 @@ class PagePool:
 
     def forget_cached(self, page: int) -> None:
         """A cached page becomes free (its prefix entry was removed); a referenced page is left as it is."""
+        page = self._page(page)
         if self.ref_count[page] == 0 and page in self.cached:
             del self.cached[page]
             self.free.append(page)
+
+    def _page(self, page) -> int:
+        """``page`` as a Python int if it is an id of this pool; else ``TypeError``/``ValueError``."""
+        if type(page) is not int:  # the manager's own ids are Python ints: one type test on its path
+            page = check_int("page", page)
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} is not in this pool of {self.num_pages} pages")
+        return page
 
     def drop_cached(self) -> None:
         """Every cached page becomes free (the prefix index was cleared)."""
