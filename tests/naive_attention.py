@@ -49,7 +49,7 @@ def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, at
             for i in range(seqlen):
                 t = int(seqstarts[b]) + i
                 position = kvlen - seqlen + i
-                scores, sizes, keys = [], [], []
+                scores, sizes, keys, masked = [], [], [], []
                 for j in range(kvlen):
                     if causal and j > position:
                         continue
@@ -65,6 +65,7 @@ def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, at
                     if m64 is not None:
                         mask = m64[h, t, col] if m64.ndim == 3 else m64[t, col]
                         if mask == -math.inf:
+                            masked.append(col)  # weight 0, but in the sums: 0 * inf is NaN (spec)
                             continue  # hidden: not an effective key
                         score += mask
                         size += abs(mask)
@@ -82,6 +83,8 @@ def naive_attention(query, key, value, seqstarts, kvstarts, decoding_batches, at
                 total = sum(weights)
                 for d in range(head_dim):
                     exact[t, h, d] = sum(w * v64[c, g, d] for w, c in zip(weights, keys)) / total
+                    if any(not math.isfinite(v64[c, g, d]) for c in masked):
+                        exact[t, h, d] = math.nan
                     v_out[t, h, d] = max(abs(v64[c, g, d]) for c in keys)
                 n_out[t, h, :] = len(keys)
                 a_out[t, h, :] = sum(w * a for w, a in zip(weights, sizes)) / total

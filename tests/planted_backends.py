@@ -20,7 +20,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``raises_on_layers3``: raises on calls with three layers, correct otherwise;
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
-* ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise;
+* ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise (``hangs_on_page_size1``:
+  on paged calls with pages of one slot); ``forks_then_crashes_on_layers3``: forks a sleeping child, then aborts;
 * ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise (``os_exits_on_layers3``:
   ``os._exit(0)``; ``posix_exits_on_layers3``: ``posix._exit(0)``; ``base_exception_on_layers3``: raises a
   ``BaseException`` that is not an ``Exception``; ``libc_exits_on_layers3``: the C library's ``_exit(0)``);
@@ -147,6 +148,8 @@ def _backend(bug=None, arithmetic="spec"):
             os.abort()
         if bug == "hangs_on_layers3" and num_layer == 3:
             time.sleep(600)
+        if bug == "hangs_on_page_size1" and cache_mode == 1 and page_size == 1:
+            time.sleep(600)
         t1 = current_key.dtype
         swapped = bug == "int4_nibbles_swapped" and quant_bit == 4
         codes_view = canonical_view(cache, cache_layout)[layer_idx]  # (2, H, MaxT, Dh)
@@ -221,6 +224,21 @@ raises_on_layers3 = _backend("raises_on_layers3")
 crashes_on_page_size1 = _backend("crashes_on_page_size1")
 clobbers_last_slot = _backend("clobbers_last_slot")
 hangs_on_layers3 = _backend("hangs_on_layers3")
+hangs_on_page_size1 = _backend("hangs_on_page_size1")
+
+
+def forks_then_crashes_on_layers3(*args, num_layer=1, **attributes):
+    """``correct``, except that a call with three layers forks a child that sleeps (it inherits the worker's pipes,
+    its pid written to ``$KVCACHE_TEST_CHILD_PID``), then aborts."""
+    if num_layer == 3:
+        pid = os.fork()
+        if pid == 0:
+            time.sleep(600)
+            os._exit(0)
+        with open(os.environ["KVCACHE_TEST_CHILD_PID"], "w") as f:
+            f.write(str(pid))
+        os.abort()
+    return correct(*args, num_layer=num_layer, **attributes)
 
 
 def _on_layers3(name, way_out):
@@ -393,6 +411,18 @@ canonical_nans = _unquantized_inputs_changed(
     lambda x: np.where(np.isnan(x.astype(np.float32)), np.array(np.nan, x.dtype), x))
 
 
+
+def loads_flush_subnormals(*args, **attributes):
+    """Correct, then the subnormals of an unquantized call's key and value outputs flushed to zero (a kernel built
+    to flush them, as GPU compilers may be told to: its loads of the cache lose them)."""
+    key, value = correct(*args, **attributes)
+    if not attributes.get("quant_bit"):
+        for out in (key, value):
+            wide = out.astype(np.float32)
+            out[(wide != 0) & (np.abs(wide) < float(ml_dtypes.finfo(out.dtype).tiny))] = 0
+    return key, value
+
+
 _KEPT = {}  # what the planted backends below keep between calls
 
 
@@ -436,6 +466,63 @@ def _attention_query_nan(query, *args, **attributes):
 
 def _attention_window_ignored(*args, sliding_window=0, **attributes):
     return multi_head_attention(*args, **attributes)
+
+
+def _attention_not_finite_zeroed(*args, **attributes):
+    """The attention, with every NaN made 0 and every infinity the dtype's largest value (np.nan_to_num): rows an
+    infinity or a NaN reaches come out finite."""
+    with np.errstate(all="ignore"):
+        return np.nan_to_num(multi_head_attention(*args, **attributes))
+
+
+def _attention_in_float32(query, key, value, *args, attn_mask=None, **attributes):
+    """The attention of float32 copies of the query, keys, values and mask: float32 rows, not yet rounded to T."""
+    mask = None if attn_mask is None else attn_mask.astype(np.float32)
+    with np.errstate(all="ignore"):
+        return multi_head_attention(query.astype(np.float32), key.astype(np.float32), value.astype(np.float32),
+                                    *args, attn_mask=mask, **attributes), query.dtype
+
+
+def _attention_weights_rounded_up(saturating):
+    """Float16 attention with weights summing to 1 + 2^-11 (as float16-rounded weights may), rounded to float16 by a
+    plain cast (an infinity past its largest value) or, ``saturating``, as the spec says (to its largest value); the
+    reference for other dtypes."""
+    def attention(*args, **attributes):
+        spec_output = multi_head_attention(*args, **attributes)  # raises for an invalid call
+        if spec_output.dtype != np.float16:
+            return spec_output
+        rows, dtype = _attention_in_float32(*args, **attributes)
+        rows = rows * np.float32(1 + 2**-11)
+        if saturating:
+            largest = float(ml_dtypes.finfo(dtype).max)
+            rows = np.where(np.isfinite(rows), np.clip(rows, -largest, largest), rows)
+        with np.errstate(over="ignore"):
+            return rows.astype(dtype)
+
+    return attention
+
+
+def _attention_non_finite_rows_all_nan(*args, **attributes):
+    """The attention, with every row holding a non-finite element made NaN whole (which elements are non-finite,
+    and whether NaN or an infinity, the spec leaves open)."""
+    with np.errstate(all="ignore"):
+        output = multi_head_attention(*args, **attributes)
+    reached = ~np.isfinite(output.astype(np.float32)).all(axis=-1, keepdims=True)
+    return np.where(reached, np.array(np.nan, output.dtype), output)
+
+
+def _attention_nan_as_infinity(*args, **attributes):
+    """The attention, with +inf where it has NaN (which the spec leaves open)."""
+    with np.errstate(all="ignore"):
+        output = multi_head_attention(*args, **attributes)
+    return np.where(np.isnan(output.astype(np.float32)), np.array(np.inf, output.dtype), output)
+
+
+attention_not_finite_zeroed = types.SimpleNamespace(multi_head_attention=_attention_not_finite_zeroed)
+attention_not_saturating = types.SimpleNamespace(multi_head_attention=_attention_weights_rounded_up(False))
+attention_saturating = types.SimpleNamespace(multi_head_attention=_attention_weights_rounded_up(True))
+attention_non_finite_rows_all_nan = types.SimpleNamespace(multi_head_attention=_attention_non_finite_rows_all_nan)
+attention_nan_as_infinity = types.SimpleNamespace(multi_head_attention=_attention_nan_as_infinity)
 
 
 ALL_OPS = types.SimpleNamespace(key_value_cache=correct, key_cache_rotary_shift=key_cache_rotary_shift,

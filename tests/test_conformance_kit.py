@@ -5,6 +5,8 @@ import os
 import pathlib
 import re
 
+import time
+
 import numpy as np
 import pytest
 
@@ -27,7 +29,7 @@ def _failed(report, op="KeyValueCache"):
 def test_the_correct_planted_backend_passes_every_kv_case(all_vectors):
     """The planted bugs are the only thing wrong with their backends."""
     report = validate(all_vectors, planted_backends.correct)
-    assert _failed(report) == set() and report.count("ok") == 63 + 79  # valid + invalid KeyValueCache cases
+    assert _failed(report) == set() and report.count("ok") == 66 + 79  # valid + invalid KeyValueCache cases
 
 
 #: bug -> cases it must fail (at least), and the kind of every case it fails
@@ -107,6 +109,34 @@ def test_a_hanging_call_times_out_and_the_run_goes_on(all_vectors, monkeypatch):
     report = validate(all_vectors, "planted_backends:hangs_on_layers3", cases=names, timeout=8)
     assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("offset_layout0", "ok")]
     assert report.results[0].lines == ["the backend did not return within 8 s (its process was killed)"]
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_backend_that_forks_then_crashes_is_a_crash_at_once_and_its_child_is_stopped(all_vectors, monkeypatch,
+                                                                                       tmp_path):
+    """The forked child holds the answer pipe open: the kit waited for the timeout (300 s by default), reported a
+    hang instead of the abort, and left the child running."""
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("KVCACHE_TEST_CHILD_PID", str(tmp_path / "child"))
+    start = time.monotonic()
+    report = validate(all_vectors, "planted_backends:forks_then_crashes_on_layers3",
+                      cases=["layers3_layer_idx2", "offset_layout0"], timeout=120)
+    assert time.monotonic() - start < 60
+    assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("offset_layout0", "ok")]
+    assert report.results[0].lines[0].startswith("the backend crashed: its process killed by signal SIGABRT")
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(child)
 
 
 def test_failure_lines_name_tensor_index_values_count_and_the_code_and_scale(all_vectors):

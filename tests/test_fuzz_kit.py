@@ -6,6 +6,8 @@ import pathlib
 import subprocess
 import sys
 
+import time
+
 import numpy as np
 import pytest
 
@@ -103,6 +105,24 @@ def test_a_crash_is_found_in_the_worker_and_shrunk(monkeypatch):
         backend.close()
     case, lines = result.failure
     assert lines[0].startswith("the backend crashed") and case.attributes["page_size"] == 1
+
+
+def test_a_hang_is_reported_as_drawn_without_shrinking(monkeypatch):
+    """Shrinking a hang ran each smaller call to the whole timeout (hours at the default 300 s)."""
+    monkeypatch.chdir(TESTS)
+    from kvcache_op.validation.backends import load_backend
+
+    backend = load_backend("planted_backends:hangs_on_page_size1", timeout=4)
+    start = time.monotonic()
+    try:
+        result = fuzz(backend, examples=EXAMPLES, seed=0, kinds=("valid",))
+    finally:
+        backend.close()
+    case, lines = result.failure
+    assert lines == ["the backend did not return within 4 s (its process was killed)",
+                     "(not shrunk: each smaller call tried would wait the whole timeout)"]
+    assert case.attributes["page_size"] == 1 and result.shrink_calls == 0
+    assert time.monotonic() - start < 120
 
 
 def test_fuzz_command(tmp_path, capsys, monkeypatch):

@@ -17,6 +17,7 @@ from kvcache_op.validation.adapters import CallableBackend
 
 TESTS = pathlib.Path(__file__).parent
 LAYERS3 = {"layers3_layer_idx2", "layers3_layer_idx1_paged_layout3"}
+MOVED_SPECIALS = {"moved_special_values_float16", "moved_special_values_bfloat16", "moved_special_values_float32"}
 SOME = ["paged_layout0", "int8_layout0", "offset_layout0", "error_offset_beyond_max_t"]
 
 
@@ -143,6 +144,12 @@ def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(a
     ("cache_attention_nan_when_all_masked", {"mhca_mask_minus_inf"}),
     ("cache_attention_kv_heads_required", {"mhca_num_kv_heads0"}),
     ("empty_scale_refused", {"empty_scale_placeholder", "mhca_empty_scale_mask", "rotary_empty_scale_placeholder"}),
+    ("loads_flush_subnormals", MOVED_SPECIALS),
+    ("zeroes_unquantized_specials", MOVED_SPECIALS),
+    ("canonical_nans", MOVED_SPECIALS),
+    ("attention_not_finite_zeroed", {"mha_live_values_not_finite", "mha_masked_key_value_infinite",
+                                     "mha_query_infinite"}),
+    ("attention_not_saturating", {"mha_saturating_float16"}),
 ])
 def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, monkeypatch, bug, cases):
     """Each bug shows only at a bound (the last slot of the cache), at a special value (a group of zeros, whose
@@ -151,6 +158,69 @@ def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, 
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, f"planted_backends:{bug}", isolate=False)
     assert set(_failed(report)) == cases
+
+
+@pytest.mark.parametrize("backend", ["attention_saturating", "attention_non_finite_rows_all_nan",
+                                     "attention_nan_as_infinity"])
+def test_what_the_attention_spec_leaves_open_passes(all_vectors, monkeypatch, backend):
+    """Weights that sum past 1 with the output saturated, a row an infinity reaches NaN whole, an infinity where the
+    reference has NaN: each is the spec's (its rounding freedoms; "which elements are non-finite, and whether NaN or
+    an infinity, is not specified"), so no attention case fails."""
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, f"planted_backends:{backend}", cases=["mha_*"], isolate=False)
+    assert report.count("ok") >= 30 and _failed(report) == {}
+
+
+def test_a_function_named_as_an_op_is_that_ops_backend(all_vectors, monkeypatch):
+    """``module:multi_head_attention`` is MultiHeadAttention's backend (it was taken for KeyValueCache's, whose
+    invalid calls it "refused" by a TypeError)."""
+    monkeypatch.chdir(TESTS)
+    report = validate(all_vectors, "planted_backends:multi_head_attention", isolate=False)
+    ran = {r.op for r in report.results if r.status != "skip"}
+    assert ran == {"MultiHeadAttention"} and _failed(report) == {}
+
+
+@pytest.mark.parametrize("isolate", [False, True])
+@pytest.mark.parametrize("how", ["sys", "os"])
+def test_a_module_that_ends_the_process_when_imported_is_refused(monkeypatch, isolate, how, process_exit_trapped):
+    """In process, ``sys.exit(0)`` at import ended the run with status 0 and no output: a pass (``os._exit`` is
+    trapped here, so a kit that let it through fails the test rather than ending it)."""
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("KVCACHE_TEST_IMPORT_EXIT", how)
+    with pytest.raises(BackendLoadError, match="planted_import_exits" if isolate else
+                       r"importing 'planted_import_exits' ended the process \(exit status 0\)"):
+        load_backend("planted_import_exits:key_value_cache", isolate=isolate)
+
+
+def test_a_module_that_ends_the_process_when_imported_fails_the_command(all_vectors, monkeypatch, capsys):
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("KVCACHE_TEST_IMPORT_EXIT", "sys")
+    assert main(["validate", str(all_vectors), "--backend", "planted_import_exits:key_value_cache",
+                 "--in-process"]) == 2
+    assert "ended the process" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", ["planted_backends.py", "./planted_backends", "tests/planted_backends"])
+def test_a_file_path_for_a_backend_says_to_give_the_module_name(monkeypatch, path):
+    monkeypatch.chdir(TESTS)
+    with pytest.raises(BackendLoadError, match="give the module's name"):
+        load_backend(f"{path}:correct", isolate=False)
+
+
+def test_an_attention_case_without_its_bounds_fails_alone(all_vectors, tmp_path):
+    """A case folder that lost tolerance_0.pb (or holds one of another shape) fails with what is missing; the run
+    goes on (compare met a bound of None and the run ended in a TypeError)."""
+    import shutil
+
+    for name in ("mha_softcap", "mha_prefill_causal", "paged_layout0"):
+        shutil.copytree(all_vectors / f"test_{name}", tmp_path / f"test_{name}")
+    (tmp_path / "test_mha_softcap" / "test_data_set_0" / "tolerance_0.pb").unlink()
+    shutil.copy(all_vectors / "test_mha_fully_masked_rows" / "test_data_set_0" / "tolerance_0.pb",
+                tmp_path / "test_mha_prefill_causal" / "test_data_set_0" / "tolerance_0.pb")
+    failed = _failed(validate(tmp_path, "reference"))
+    assert set(failed) == {"mha_softcap", "mha_prefill_causal"}
+    assert "an attention case needs the bound of every element of its attention_output" in failed["mha_softcap"][0]
+    assert "found none" in failed["mha_softcap"][0] and "found one of shape" in failed["mha_prefill_causal"][0]
 
 
 def _nan_everywhere(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,

@@ -91,3 +91,20 @@ def test_the_shrunk_call_shows_its_index_values(tmp_path, capsys, monkeypatch):
     call = next(line for line in out.splitlines() if line.strip().startswith("KeyValueCache("))
     assert "seqstarts=int64[" in call and "] [0, " in call  # the values, not only the shape
     assert "kvstarts=int64[" in call and "cache=" in call
+
+
+def _raises_always(**_):
+    raise ValueError("not implemented")
+
+
+@pytest.mark.parametrize("cases, noted", [(["error_*"], True), (["error_*", "paged_layout0"], False)])
+def test_a_run_of_invalid_calls_alone_says_what_it_cannot_show(all_vectors, cases, noted):
+    """Any exception refuses an invalid call, so a backend raising on everything passes a run of them alone: the run
+    says so (its exit status stays what the cases give)."""
+    from kvcache_op.validation import validate_folder
+
+    lines = []
+    status = validate_folder(all_vectors, CallableBackend({"KeyValueCache": _raises_always}, "raises"),
+                             progress=lines.append, cases=cases)
+    assert status == (0 if noted else 1)
+    assert any(line.startswith("note: only invalid calls ran") for line in lines) == noted

@@ -10,7 +10,8 @@ nothing of the runners (validate, fuzz) that use them.
 
 A ``module:function`` backend is a Python callable with the reference's signature
 (:func:`kvcache_op.reference.key_value_cache`): numpy arrays in, numpy arrays out, ``cache`` and ``scale``
-written in place, an exception for an invalid call. ``module:name`` may instead name an object (a module,
+written in place, an exception for an invalid call; a function named as another op's reference function
+(``mymodule:multi_head_attention``) is that op's. ``module:name`` may instead name an object (a module,
 a class instance, a namespace) with any of the attributes ``key_value_cache``, ``multi_head_attention``,
 ``key_cache_rotary_shift`` and ``multi_head_cache_attention``, each with the reference's signature of that op; cases of the other ops are then
 skipped. The module is imported from the current directory or ``PYTHONPATH``.
@@ -219,9 +220,19 @@ def import_callables(spec: str) -> CallableBackend:
         raise BackendLoadError(f"--backend {spec!r}: expected reference, ort or module:function")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # importable from the current directory, as the command line promises
+    if module_name.endswith(".py") or "/" in module_name or os.sep in module_name:
+        raise BackendLoadError(f"--backend {spec}: give the module's name (mybackend:function), not a file path; "
+                               "run from its folder or put that folder on PYTHONPATH")
     try:
-        target = importlib.import_module(module_name)
-    except Exception as error:  # noqa: BLE001 - whatever the import raises, one line says it
+        with _no_process_exit():
+            target = importlib.import_module(module_name)
+    except KeyboardInterrupt:
+        raise
+    except (SystemExit, _ProcessExit) as error:  # a script without a main guard: the run would end "passed"
+        raise BackendLoadError(f"--backend {spec}: importing {module_name!r} ended the process (exit status "
+                               f"{error.code!r}); a backend module must only define its functions when imported "
+                               "(put a script's work under if __name__ == '__main__')") from None
+    except BaseException as error:  # noqa: BLE001 - whatever the import raises, one line says it
         raise BackendLoadError(f"--backend {spec}: cannot import module {module_name!r} ({error_text(error)})") from None
     for part in attribute.split("."):
         if not hasattr(target, part):
@@ -232,5 +243,7 @@ def import_callables(spec: str) -> CallableBackend:
         if not callable(target):
             raise BackendLoadError(f"--backend {spec}: {attribute!r} is neither callable nor has any of "
                                    f"{', '.join(OP_FUNCTIONS.values())}")
-        functions = {"KeyValueCache": target}
+        # A function named as one op's reference function is that op's (multi_head_attention is not a cache).
+        named = [op for op, name in OP_FUNCTIONS.items() if attribute.split(".")[-1] == name]
+        functions = {named[0] if named else "KeyValueCache": target}
     return CallableBackend(functions, spec)

@@ -179,6 +179,30 @@ def _special_values(case):
     return case
 
 
+#: Bit patterns of values an unquantized store and load must move untouched, per T1 (float16, bfloat16, float32):
+#: the smallest subnormal, the negative subnormal of largest magnitude, -0, a quiet NaN with a payload, a negative
+#: quiet NaN, a signaling NaN, +inf and -inf (a backend that flushes subnormals, loses -0's sign or canonicalizes
+#: NaNs changes them).
+_MOVED_BITS = {
+    "float16": [0x0001, 0x83FF, 0x8000, 0x7E2A, 0xFE01, 0x7C01, 0x7C00, 0xFC00],
+    "bfloat16": [0x0001, 0x807F, 0x8000, 0x7FC5, 0xFFC1, 0x7F81, 0x7F80, 0xFF80],
+    "float32": [0x00000001, 0x807FFFFF, 0x80000000, 0x7FC12345, 0xFFC00001, 0x7F800001, 0x7F800000, 0xFF800000],
+}
+
+
+def _moved_special_values(case):
+    """Special bit patterns (:data:`_MOVED_BITS`) in the stored key and value and in every seventh element of the
+    cache's history: unquantized data movement keeps each one's bits, loads of earlier positions included."""
+    dtype = case.inputs["current_key"].dtype
+    bits = np.array(_MOVED_BITS[dtype.name], f"u{dtype.itemsize}")
+    case.inputs["current_key"].view(bits.dtype)[0, 0, 0:8] = bits
+    case.inputs["current_value"].view(bits.dtype)[1, -1, 0:8] = bits[::-1]
+    history = np.ascontiguousarray(case.inputs["cache"]).view(bits.dtype)
+    history.reshape(-1)[::7] = np.resize(bits, history.reshape(-1)[::7].shape)
+    case.inputs["cache"] = history.view(dtype)
+    return case
+
+
 def _int4_ties(case):
     """Groups whose int4 quotients are exact ties (amax / 7 = 2)."""
     k = case.inputs["current_key"]
@@ -253,6 +277,9 @@ def _registry():
     case("quant_special_values", [Seq(0, 4), Seq(3, 2)], then=_special_values, quant_bit=8, quant_group=4)
     case("quant_special_values_scale_float16", [Seq(0, 4), Seq(3, 2)], then=_special_values, quant_bit=8,
          quant_group=4, t3="float16")
+    for t1, settings in (("float16", {}), ("bfloat16", dict(cache_mode=1, page_size=4, cache_layout=1)),
+                         ("float32", dict(cache_mode=1, page_size=4, cache_layout=3))):
+        case(f"moved_special_values_{t1}", MIXED, then=_moved_special_values, t1=t1, **settings)
     case("quant_ties_int4", [Seq(0, 2)], then=_int4_ties, quant_bit=4, quant_group=4, cache_mode=1, page_size=4)
     return cases
 

@@ -218,13 +218,7 @@ def _same_form(got, want) -> bool:
 def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolerance: str) -> np.ndarray:
     """Mask of the elements of ``name`` outside what the mode accepts."""
     if ctx.op in ATTENTION_OUTPUTS and name == ATTENTION_OUTPUTS[ctx.op]:
-        bound = ctx.attention_tolerance
-        g, w = got.astype(np.float64), want.astype(np.float64)
-        # A non-finite element on either side must be the same on both (NaN any NaN): inf - inf is NaN, which no
-        # bound admits, and where the reference is infinite its bound is too, which would admit any value
-        special, differs = special_values(g, w)
-        with np.errstate(invalid="ignore"):
-            return np.where(special, differs, ~(np.abs(g - w) <= bound))
+        return _attention_outside(got.astype(np.float64), want.astype(np.float64), ctx.attention_tolerance)
     if ctx.op in CACHE_OPS and not ctx.quantized and name in ("cache", "key", "value"):
         return bits_differ(got, want, nan_payloads=True)  # unquantized data movement is exact, a NaN's bits too
     if tolerance == "exact" or not ctx.quantized or ctx.slots is None:
@@ -239,6 +233,27 @@ def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolera
         return spec_tolerance.outputs_outside(got, want, pair, pair, ctx.expected.after["scale"].dtype, own=False)
     got_pair, want_pair = ctx.pairs(0 if name == "key" else 1)
     return spec_tolerance.outputs_outside(got, want, got_pair, want_pair, ctx.expected.after["scale"].dtype)
+
+
+def _attention_outside(g: np.ndarray, w: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """Mask of the attention output's elements outside what the spec accepts (float64 arrays ``[T, H, D]``).
+
+    In a row (one query, one head) the reference holds a non-finite element in, the spec ("Non-finite values")
+    leaves open which elements are non-finite and whether NaN or an infinity: the backend's row must hold one
+    somewhere (else its elements the reference has non-finite are marked), and its elements finite on both sides
+    with a finite bound stay within it. In every other row a non-finite element on either side must be the same
+    on both (NaN any NaN): inf - inf is NaN, which no bound admits, and where the reference is infinite its bound
+    is too, which would admit any value."""
+    special, differs = special_values(g, w)
+    with np.errstate(invalid="ignore"):
+        outside = ~(np.abs(g - w) <= bound)
+    if g.ndim == 0:
+        return np.where(special, differs, outside)
+    open_rows = ~np.isfinite(w).all(axis=-1, keepdims=True)
+    row_reached = ~np.isfinite(g).all(axis=-1, keepdims=True)
+    finite = np.isfinite(g) & np.isfinite(w) & np.isfinite(bound)
+    in_open_rows = (finite & outside) | (~row_reached & ~np.isfinite(w))
+    return np.where(open_rows, in_open_rows, np.where(special, differs, outside))
 
 
 def _tensor_lines(ctx: _Context, name: str, got, want, tolerance: str, unchanged=False) -> list:

@@ -71,16 +71,23 @@ class _Disagreement(Exception):
     pass
 
 
+def _disagree():
+    """Raises :class:`_Disagreement` from one place: hypothesis tells failures apart by where they are raised, and a
+    hang's untried smaller calls must read as the same failure as the hang."""
+    raise _Disagreement
+
+
 def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, counts: dict) -> tuple:
     """One hypothesis search over the strategies of ``kind`` calls: (the minimal disagreeing call of that kind
     and its lines, or None; the first disagreeing call of the other kind, unshrunk, or None; the calls run while
     shrinking). The invalid-call strategies also draw valid calls (an index pushed out of range may still be in
-    range): a disagreement on one of those does not end the search for invalid calls the backend accepts.
-    ``counts`` gains the drawn calls per (op, kind)."""
+    range): a disagreement on one of those does not end the search for invalid calls the backend accepts. A call the
+    backend did not return from within the timeout is reported as drawn, not shrunk (each try would cost the whole
+    timeout). ``counts`` gains the drawn calls per (op, kind)."""
     from hypothesis import HealthCheck, Phase, Verbosity, given, settings
     from hypothesis import seed as hypothesis_seed
 
-    failures, other, shrinking = [], [], [0]
+    failures, other, shrinking, hung = [], [], [0], []
 
     @settings(max_examples=examples, database=None, deadline=None, derandomize=False, verbosity=Verbosity.quiet,
               phases=[Phase.generate, Phase.shrink], suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
@@ -90,6 +97,8 @@ def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, c
         expected = reference_outcome(case.op, case.inputs, case.attributes)
         call_kind = "invalid" if expected.error is not None else "valid"
         if failures:  # past the first disagreement, hypothesis only shrinks
+            if hung:  # each try would wait the whole timeout: the hanging call is reported as drawn
+                _disagree()
             shrinking[0] += 1
         else:
             counts[(case.op, call_kind)] = counts.get((case.op, call_kind), 0) + 1
@@ -100,8 +109,11 @@ def _search(backend, ops, kind: str, examples: int, seed: int, tolerance: str, c
             if call_kind != kind:
                 other[:] = other or [finding]
                 return
+            if got.timed_out:
+                hung.append(True)
+                finding = (finding[0], lines + ["(not shrunk: each smaller call tried would wait the whole timeout)"])
             failures.append(finding)
-            raise _Disagreement
+            _disagree()
 
     from hypothesis.errors import Flaky
 

@@ -53,16 +53,18 @@ class IsolatedBackend:
 
     def _start(self):
         self._stderr = tempfile.TemporaryFile()
+        # A session of its own: what the backend forks is killed with the worker when a call fails.
         self._process = subprocess.Popen([sys.executable, "-m", "kvcache_op.validation.isolated_worker"],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr)
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                         start_new_session=True)
         # The worker sees what this process sees: its sys.path (the current directory, PYTHONPATH, tests' helpers).
         try:
             send(self._process.stdin, (list(sys.path), os.getcwd(), self.spec, self.options))
-            ready = receive(self._process.stdout.fileno(), time.monotonic() + self.timeout)
+            ready = receive(self._process.stdout.fileno(), time.monotonic() + self.timeout, self._alive)
         except (EOFError, BrokenPipeError):
             raise BackendLoadError(f"--backend {self.spec}: the worker process {self._exit_text()}") from None
         except TimeoutError:
-            self._process.kill()
+            self._kill()
             self._exit_text()
             raise BackendLoadError(f"--backend {self.spec}: the backend did not load within {self.timeout:g} s "
                                    "(--timeout; its worker process was killed)") from None
@@ -71,8 +73,23 @@ class IsolatedBackend:
             raise BackendLoadError(ready["error"])
         return frozenset(ready["ops"]), ready["name"]
 
+    def _alive(self) -> bool:
+        return self._process.poll() is None
+
+    def _kill(self) -> None:
+        """Kills the worker and whatever it started (its session's process group)."""
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            self._process.kill()
+
     def _exit_text(self) -> str:
+        """How the worker ended (waited for), with the telling part of its stderr; what it forked is killed."""
         code = self._process.wait()
+        try:
+            os.killpg(self._process.pid, signal.SIGKILL)  # children left holding the answer pipe
+        except (ProcessLookupError, PermissionError):
+            pass
         self._stderr.seek(0)
         text = self._stderr.read().decode(errors="replace")
         self._stderr.close()
@@ -89,13 +106,14 @@ class IsolatedBackend:
         request = (op, inputs, attributes, None if model is None else model.SerializeToString())
         try:
             send(self._process.stdin, request)
-            answer = receive(self._process.stdout.fileno(), time.monotonic() + self.timeout)
+            answer = receive(self._process.stdout.fileno(), time.monotonic() + self.timeout, self._alive)
         except (EOFError, BrokenPipeError):
             return self._crashed(f"the backend crashed: its process {self._exit_text()}")
         except TimeoutError:
-            self._process.kill()
+            self._kill()
             self._exit_text()
-            return self._crashed(f"the backend did not return within {self.timeout:g} s (its process was killed)")
+            return self._crashed(f"the backend did not return within {self.timeout:g} s (its process was killed)",
+                                 timed_out=True)
         for name, array in answer.after.items():
             # What the backend left, in the caller's arrays; one it reshaped or retyped is reported as it is.
             if inputs.get(name) is not None and np.shape(array) == inputs[name].shape and \
@@ -104,9 +122,9 @@ class IsolatedBackend:
                 answer.after[name] = inputs[name]
         return answer
 
-    def _crashed(self, message: str) -> Outcome:
+    def _crashed(self, message: str, timed_out: bool = False) -> Outcome:
         self._process = None
-        return Outcome(None, {}, error=message, crashed=True)
+        return Outcome(None, {}, error=message, crashed=True, timed_out=timed_out)
 
     def close(self):
         """Stops the worker."""
@@ -115,6 +133,6 @@ class IsolatedBackend:
             try:
                 self._process.wait(timeout=10)
             except subprocess.TimeoutExpired:
-                self._process.kill()
+                self._kill()
                 self._process.wait()
         self._process = None

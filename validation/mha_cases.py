@@ -66,6 +66,48 @@ def hidden_keys_not_finite() -> Case:
     return case
 
 
+def live_values_not_finite() -> Case:
+    """An infinity and a NaN in values that live keys read: each reaches its rows (which elements, and whether NaN
+    or an infinity, the spec leaves open; compare holds a backend to "non-finite somewhere in the row")."""
+    case = build_attention("mha_live_values_not_finite", MIXED, decoding=2, t="float32")
+    case.inputs["value"][3, 0, 2] = np.inf  # key 3 of sequence 0 (7 keys): its decode query sees it
+    case.inputs["value"][13, 1, 5] = np.nan  # key 3 of sequence 2 (9 keys): its chunk's queries see it
+    return case
+
+
+def masked_key_value_infinite() -> Case:
+    """A key whose mask entry is -inf has weight 0 but stays in the sums: an infinity in its value makes the row
+    non-finite (0 * inf), where a backend that skips masked keys gives a finite row."""
+    case = build_attention("mha_masked_key_value_infinite", [(1, 5), (2, 4)], decoding=1, mask=2, t="float32")
+    case.inputs["attn_mask"][0, 1] = -np.inf
+    case.inputs["value"][1, 0, 0] = np.inf  # key 1 of sequence 0, masked for its only query
+    return case
+
+
+def query_infinite(softcap=0.0) -> Case:
+    """An infinity in a query: its scores are infinite, so its row is not finite; with a softcap the cap takes an
+    infinite score to +-softcap, and the row is finite."""
+    name = "mha_softcap_query_infinite" if softcap else "mha_query_infinite"
+    case = build_attention(name, [(1, 6), (3, 3)], decoding=1, softcap=softcap, t="float32")
+    case.inputs["query"][0, 1, 4] = np.inf  # the decode query, head 1
+    case.inputs["query"][2, 0, 0] = -np.inf  # the prefill's second query, head 0
+    return case
+
+
+SATURATING_KEYS = 27  # 1/27 rounds up to float16 by 1.25 * 2^-12: 27 weights of float16 sum past 1 + 2^-12
+
+
+def saturating_float16() -> Case:
+    """Values of +-65504 (float16's largest) under equal scores: the output is 65504, and a backend whose normalized
+    weights are rounded to float16 (allowed) reaches 65504 * 1.0003 = 65524 in float32, which must saturate to 65504,
+    not round to an infinity."""
+    case = build_attention("mha_saturating_float16", [(1, SATURATING_KEYS)], decoding=1)
+    case.inputs["query"][:] = 0  # every score 0: equal weights
+    case.inputs["value"][:, 0, :] = np.float16(65504)
+    case.inputs["value"][:, 1, :] = np.float16(-65504)
+    return case
+
+
 def _registry():
     cases = {}
 
@@ -98,6 +140,11 @@ def _registry():
     case("mha_head_dim128", [(1, 40), (6, 30)], heads=4, kv_heads=2, head_dim=128, decoding=1)
     cases["mha_fully_masked_rows"] = fully_masked_rows
     cases["mha_hidden_keys_not_finite"] = hidden_keys_not_finite
+    cases["mha_live_values_not_finite"] = live_values_not_finite
+    cases["mha_masked_key_value_infinite"] = masked_key_value_infinite
+    cases["mha_query_infinite"] = query_infinite
+    cases["mha_softcap_query_infinite"] = lambda: query_infinite(softcap=4.0)
+    cases["mha_saturating_float16"] = saturating_float16
     return cases
 
 

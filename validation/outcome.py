@@ -46,7 +46,8 @@ class Outcome:
     after the call), ``error`` (the message, None on success), ``tolerance`` (attention: the bound of every
     output element), ``crashed`` (the backend's process died, or it tried to end it), ``changed_inputs`` (one
 line per input other than ``cache``/``scale`` that the backend changed: they are read-only; and per memory the
-backend may not touch or share: an earlier call's cache, an output on an input)."""
+backend may not touch or share: an earlier call's cache, an output on an input), ``timed_out`` (crashed: it did
+not return within the worker's timeout)."""
 
     outputs: dict = None
     after: dict = dataclasses.field(default_factory=dict)
@@ -54,6 +55,7 @@ backend may not touch or share: an earlier call's cache, an output on an input).
     tolerance: np.ndarray = None
     crashed: bool = False
     changed_inputs: tuple = ()
+    timed_out: bool = False
 
 
 def copies(inputs: dict) -> dict:

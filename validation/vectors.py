@@ -227,6 +227,11 @@ def read_case(folder) -> VectorCase:
     else:
         outputs = {name: values[name] for name in OUTPUTS[op]}
         tolerance = load_tensor(data / "tolerance_0.pb") if (data / "tolerance_0.pb").exists() else None
+        bounded = {"MultiHeadAttention": "attention_output", "MultiHeadCacheAttention": "output"}.get(op)
+        if bounded and (tolerance is None or tolerance.shape != outputs[bounded].shape):
+            found = "none" if tolerance is None else f"one of shape {list(tolerance.shape)}"
+            raise ValueError(f"{DATA_SET}/tolerance_0.pb: an attention case needs the bound of every element of its "
+                             f"{bounded} {list(outputs[bounded].shape)}, found {found}")
         outcome = Outcome(outputs, after, tolerance=tolerance)
     return VectorCase(case_name(folder), folder, op, inputs, attributes, runnable_model(model), outcome)
 
