@@ -94,6 +94,15 @@ class Engine(OnlineEngine):
             raise ValueError(f"providers must be a non-empty list of ONNX Runtime execution providers, got {providers!r}")
         if max_context is not None:
             max_context = check_int("max_context", max_context)
+        if type(prefix_caching) is not bool:  # "no" would read as True
+            raise TypeError(f"prefix_caching must be True or False, got {type(prefix_caching).__name__} "
+                            f"{prefix_caching!r}")
+        if streaming is not None and not isinstance(streaming, StreamingPolicy):
+            raise TypeError(f"streaming must be a StreamingPolicy(sinks, budget_pages, mode), got "
+                            f"{type(streaming).__name__}")
+        intra_op_num_threads = check_int("intra_op_num_threads", intra_op_num_threads)
+        if intra_op_num_threads < 0:
+            raise ValueError(f"intra_op_num_threads must be >= 0 (0: ONNX Runtime's default), got {intra_op_num_threads}")
         self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads, max_batch_tokens)
         if max_batch_tokens is None:
             max_batch_tokens = default_batch_tokens(self.runner.device[0])
@@ -523,7 +532,8 @@ class Engine(OnlineEngine):
     def _take_tokens(self, choosing: list, tokens: list, logprobs, logits, rows) -> list:
         """Hands each chosen token to its request (its list, handle, callbacks); returns ``(request, reason, error)``
         of the requests that are done: an end-of-sequence or stop token, a stop string, ``max_new_tokens`` reached, or
-        an ``on_token`` that raised (:meth:`_retire` lets them leave once the step is committed)."""
+        an ``on_token`` or a tokenizer decoding its text for stop strings that raised (:meth:`_retire` lets them leave
+        once the step is committed)."""
         stopped = []
         now = time.perf_counter()  # one choice time for the step's tokens
         for i, (q, token, top) in enumerate(zip(choosing, tokens, logprobs)):
@@ -543,7 +553,11 @@ class Engine(OnlineEngine):
                     continue
             stops = token in q.ends
             if q.stop_matcher is not None:  # stop strings: the text this token completes
-                stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
+                try:
+                    stops = q.stop_matcher.feed(q.text_stream.push(token))[1] or stops
+                except Exception as error:  # the tokenizer failed on this request's tokens: it fails, not the batch
+                    stopped.append((q, "error", error))
+                    continue
             if stops or len(q.generated) >= q.max_new_tokens:
                 stopped.append((q, "stop" if stops else "length", None))
         return stopped

@@ -335,15 +335,15 @@ class OnlineEngine:
 
     def close(self, timeout: float = None) -> None:
         """Cancels every submitted request still queued or running and stops the background thread (waiting up
-        to ``timeout`` seconds for it). ``generate`` still works afterwards (it starts the thread again); ``submit``
-        does not."""
+        to ``timeout`` seconds for it; called on that thread, from a request's done callback, it does not wait for
+        itself). ``generate`` still works afterwards (it starts the thread again); ``submit`` does not."""
         with self._lock_soon():
             self._closed = True
             for q in list(self._online_waiting) + self._online_running:
                 q.handle.cancel()
             self._work.notify()
             thread = self._thread  # read once, under the lock: the thread sets it to None as it ends
-        if thread is not None:
+        if thread is not None and thread is not threading.current_thread():  # from a done callback: it ends by itself
             thread.join(timeout)
 
     def __enter__(self):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import glob
+import inspect
 import logging
 import os
 import pathlib
@@ -129,10 +131,26 @@ def _close_when_drained(engine, drain_file: str) -> None:
     pathlib.Path(f"{drain_file}.{os.getpid()}").touch()
 
 
+def _drained_marks(drain_file: pathlib.Path) -> list:
+    """The ``<drain_file>.<pid>`` files replicas wrote once their engines closed."""
+    return [p for p in drain_file.parent.glob(f"{glob.escape(drain_file.name)}.*") if p.name[len(drain_file.name) + 1:].isdigit()]
+
+
 def drained_replicas(drain_file) -> int:
     """How many replicas have closed their engines since ``drain_file`` was made."""
-    drain_file = pathlib.Path(drain_file)
-    return len(list(drain_file.parent.glob(f"{drain_file.name}.*")))
+    return len(_drained_marks(pathlib.Path(drain_file)))
+
+
+def _check_engine_options(model_path, engine_options: dict) -> None:
+    """``TypeError`` naming what is wrong when ``engine_options`` cannot be an :class:`~.engine.Engine`'s settings (a
+    required one missing, one it does not take): said here, not as "Deploying application failed" from Ray Serve
+    once every replica has tried. The values are checked by each replica's engine."""
+    from .engine import Engine
+
+    try:
+        inspect.signature(Engine).bind(str(model_path), tokenizer=None, **engine_options)
+    except TypeError as error:
+        raise TypeError(f"engine options {sorted(engine_options)}: {error} (see kvcache_op.serving.Engine)") from None
 
 
 def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str, api_key: str = None,
@@ -155,6 +173,13 @@ def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str,
     (:func:`drained_replicas` counts them); shut Serve down after that."""
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
+    _check_engine_options(model_path, engine_options)
+    if drain_file is not None:
+        drain_file = pathlib.Path(drain_file)
+        left = [p.name for p in ([drain_file] if drain_file.exists() else []) + _drained_marks(drain_file)]
+        if left:  # replicas would close their engines as they start, and still answer /health
+            raise ValueError(f"drain_file {str(drain_file)!r}: {', '.join(sorted(left))} already exist in its folder; "
+                             "give a path of its own to each deployment")
     limits = limits or ServerLimits()
     running = engine_options.get("max_running") or DEFAULT_RUNNING
     return EngineReplica.options(num_replicas=replicas, ray_actor_options={"num_cpus": cpus_per_replica},

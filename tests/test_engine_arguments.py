@@ -48,6 +48,10 @@ def test_salts_are_one_per_prompt_and_checked_before_any_step(engine):
     (dict(num_pages=8, max_context=5000), ValueError, r"max_context must be in \[1, the model's max_positions = 1024\]"),
     (dict(num_pages=8, max_batch_tokens=1.5), TypeError, "max_batch_tokens must be an integer"),
     (dict(num_pages=8, max_batch_tokens=0), ValueError, "num_pages, max_batch_tokens and max_running must be >= 1"),
+    (dict(num_pages=8, prefix_caching="no"), TypeError, "prefix_caching must be True or False, got str 'no'"),
+    (dict(num_pages=8, intra_op_num_threads="x"), TypeError, "intra_op_num_threads must be an integer, got str"),
+    (dict(num_pages=8, intra_op_num_threads=-1), ValueError, r"intra_op_num_threads must be >= 0 \(0: ONNX Runtime"),
+    (dict(num_pages=8, streaming=(1, 3)), TypeError, r"streaming must be a StreamingPolicy"),
 ])
 def test_engine_settings_are_checked_before_anything_is_allocated(settings, error, message):
     with pytest.raises(error, match=message):

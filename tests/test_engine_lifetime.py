@@ -127,3 +127,26 @@ def test_with_closes_the_engine(path, lone):
     assert not thread.is_alive() and engine._thread is None
     with pytest.raises(RuntimeError, match="closed"):
         engine.submit(PROMPT)
+
+
+def test_close_from_a_done_callback_does_not_wait_for_its_own_thread(path, lone):
+    """A done callback runs on the engine's thread: close() there joined that thread ("cannot join current
+    thread", logged); now it closes the engine and returns."""
+    engine = Engine(path, num_pages=8)
+    errors = []
+
+    def close_engine(handle):
+        try:
+            engine.close()
+        except Exception as error:  # noqa: BLE001 - what the test looks for
+            errors.append(error)
+
+    handle = engine.submit(PROMPT, SamplingParams(max_tokens=6))
+    handle.add_done_callback(close_engine)
+    assert handle.result(timeout=60) == lone
+    deadline = time.monotonic() + 20
+    while engine._thread is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert errors == [] and engine._thread is None
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(PROMPT)

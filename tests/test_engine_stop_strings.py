@@ -69,3 +69,28 @@ def test_a_request_with_stop_strings_still_ends_at_its_stop_token(lone):
     handle = engine.submit(PROMPT, SamplingParams(max_tokens=10, stop=("<no such token>",), stop_token_ids=[lone[3]]))
     assert handle.result(timeout=60) == lone[:first + 1] and handle.finish_reason == "stop"
     engine.close(timeout=30)
+
+
+class FailingOn:
+    """AngleTokenizer that raises on any text holding ``token`` (a slow tokenizer given an id past its vocabulary)."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def decode(self, ids):
+        if self.token in [int(i) for i in ids]:
+            raise IndexError("piece id is out of range")
+        return AngleTokenizer().decode(ids)
+
+
+def test_a_tokenizer_failing_on_one_requests_text_fails_that_request_alone(lone):
+    """The stop-string text of one request raised in the step's bookkeeping, which failed every request in flight."""
+    engine = Engine(hf_models.exported("llama"), num_pages=32, tokenizer=FailingOn(lone[2]))
+    others = [engine.submit(list(PROMPT), SamplingParams(max_tokens=10)) for _ in range(3)]  # no stop strings
+    failing = engine.submit(list(PROMPT), SamplingParams(max_tokens=10, stop=("<no such token>",)))
+    with pytest.raises(IndexError, match="piece id is out of range"):
+        failing.result(timeout=60)
+    assert failing.finish_reason == "error"
+    assert [h.result(timeout=60) for h in others] == [lone] * 3
+    engine.close(timeout=30)
+    assert not engine.manager.requests and engine.manager.metrics()["pages_in_use"] == 0
