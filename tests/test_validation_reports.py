@@ -108,3 +108,37 @@ def test_a_run_of_invalid_calls_alone_says_what_it_cannot_show(all_vectors, case
                              progress=lines.append, cases=cases)
     assert status == (0 if noted else 1)
     assert any(line.startswith("note: only invalid calls ran") for line in lines) == noted
+
+
+def test_case_folders_not_written_from_this_kits_definitions_are_noted(all_vectors, tmp_path):
+    """A folder left by another version of the kit (a case since changed, one no longer defined, one written before
+    folders recorded their definition) is validated as it is, and the run names it."""
+    import shutil
+
+    import onnx
+
+    from kvcache_op.validation import validate_folder
+
+    for name in ("offset_layout0", "paged_layout0", "batch0"):
+        shutil.copytree(all_vectors / f"test_{name}", tmp_path / f"test_{name}")
+    shutil.copytree(all_vectors / "test_paged_layout0", tmp_path / "test_paged_layout_retired")
+    model = onnx.load_model(tmp_path / "test_offset_layout0" / "model.onnx")
+    (entry,) = [p for p in model.metadata_props if p.key == vectors.FINGERPRINT_KEY]
+    entry.value = "0" * 16  # the case as an earlier kit defined it
+    onnx.save_model(model, tmp_path / "test_offset_layout0" / "model.onnx")
+    model = onnx.load_model(tmp_path / "test_batch0" / "model.onnx")
+    del model.metadata_props[:]  # written before folders said what they were written from
+    onnx.save_model(model, tmp_path / "test_batch0" / "model.onnx")
+    lines = []
+    assert validate_folder(tmp_path, "reference", progress=lines.append) == 0
+    (note,) = [line for line in lines if line.startswith("note: ")]
+    assert note.startswith("note: 3 case folder(s) were not written from this kit's definitions")
+    assert "batch0, offset_layout0, paged_layout_retired;" in note
+
+
+def test_folders_the_kit_writes_are_its_own(all_vectors):
+    lines = []
+    from kvcache_op.validation import validate_folder
+
+    assert validate_folder(all_vectors, "reference", progress=lines.append, cases=["mha_softcap", "int8_*"]) == 0
+    assert not [line for line in lines if line.startswith("note: ")]

@@ -17,6 +17,7 @@ from .vectors import list_cases as case_folders
 from .adapters import ALL_OPS, CallableBackend, OP_FUNCTIONS, error_text, run_ort, run_reference
 from .backends import load_backend
 from .compare import compare
+from .fingerprints import committed
 
 
 class CaseSelectionError(ValueError):
@@ -32,6 +33,7 @@ class CaseResult:
     kind: str  # "valid" or "invalid"
     status: str
     lines: list
+    stale: bool = False  # the folder was not written from this kit's definition of the case
 
 
 @dataclasses.dataclass
@@ -119,11 +121,12 @@ def run_case(folder, backend, tolerance: str = "exact") -> CaseResult:
     except Exception as error:  # noqa: BLE001 - a broken folder fails its case, not the run
         return CaseResult(case_name(folder), "?", "?", "FAIL", [f"cannot read the case: {error_text(error)}"])
     kind = "invalid" if case.expected.error is not None else "valid"
+    stale = case.fingerprint is None or committed().get(case.name) != case.fingerprint
     if case.op not in backend.ops:
-        return CaseResult(case.name, case.op, kind, "skip", [f"the backend has no {OP_FUNCTIONS[case.op]}"])
+        return CaseResult(case.name, case.op, kind, "skip", [f"the backend has no {OP_FUNCTIONS[case.op]}"], stale)
     got = run_on_copies(backend, case.op, case.inputs, case.attributes, case.model)
     lines = compare(case.op, case.inputs, case.attributes, case.expected, got, tolerance)
-    return CaseResult(case.name, case.op, kind, "FAIL" if lines else "ok", lines)
+    return CaseResult(case.name, case.op, kind, "FAIL" if lines else "ok", lines, stale)
 
 
 def summary_table(results: list) -> list:
@@ -181,6 +184,11 @@ def validate_folder(directory, backend="reference", progress=print, tolerance: s
     skipped = sorted({OP_FUNCTIONS[r.op] for r in report.results if r.status == "skip"})
     if skipped:
         progress(f"skipped: the backend provides no {', '.join(skipped)}")
+    stale = [r.name for r in report.results if r.stale]
+    if stale:
+        progress(f"note: {len(stale)} case folder(s) were not written from this kit's definitions (another version "
+                 f"of it, or not its cases): {', '.join(stale[:8])}{', ...' if len(stale) > 8 else ''}; "
+                 f"'kvcache-op conformance --out DIR' writes them anew")
     ran = [r for r in report.results if r.status != "skip"]
     if ran and all(r.kind == "invalid" for r in ran):
         progress("note: only invalid calls ran, and any exception refuses one: a backend that raises on every call "

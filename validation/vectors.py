@@ -66,6 +66,9 @@ ALL_CASES = {**CASES, **ATTENTION_CASES, **ROTARY_CASES, **CACHE_ATTENTION_CASES
 PREFIX = "test_"
 DATA_SET = "test_data_set_0"
 EXPECT_KEY, ERROR_KEY = "kvcache_op.expect", "kvcache_op.error"
+#: The metadata key holding the fingerprint of the case's definition the folder was written from
+#: (kvcache_op.validation.fingerprints): a folder from another version of the kit is told apart by it.
+FINGERPRINT_KEY = "kvcache_op.case_fingerprint"
 #: The small set committed under spec/conformance/ (a test regenerates it and checks it is unchanged).
 COMMITTED = ["offset_layout0", "paged_layout3", "int8_layout1", "int4_layout2", "t1_bfloat16_int8_scale_float16",
              "gqa_repeat2", "prefix_shared_pages_int8", "chunked_prefill_paged_int4", "empty_sequence_between",
@@ -146,11 +149,16 @@ def expected(case: Case) -> Outcome:
 
 def write_case(case: Case, out_dir) -> pathlib.Path:
     """Writes one case under ``out_dir/test_<case.name>`` and returns that folder."""
+    from .fingerprints import case_fingerprint
+
     folder = pathlib.Path(out_dir) / folder_name(case.name)
     data = folder / DATA_SET
     data.mkdir(parents=True, exist_ok=True)
+    fingerprint = case_fingerprint(case)
     result = expected(case)
     model = case_model(case.op, case.inputs, case.attributes, result.error)
+    entry = model.metadata_props.add()
+    entry.key, entry.value = FINGERPRINT_KEY, fingerprint
     onnx.save_model(model, folder / "model.onnx")
     for i, info in enumerate(model.graph.input):
         _save(case.inputs[info.name], info.name, data / f"input_{i}.pb")
@@ -197,7 +205,8 @@ def load_tensor(path: pathlib.Path):
 class VectorCase:
     """A case read back from its folder: the call (``op``, ``inputs`` by node input name with None for an
     absent optional input, ``attributes``), the ``model`` to run (:func:`runnable_model`) and the
-    ``expected`` :class:`Outcome` (``error`` holds the reference's message for an invalid call)."""
+    ``expected`` :class:`Outcome` (``error`` holds the reference's message for an invalid call), and the
+    ``fingerprint`` of the definition it was written from (None: written by a kit that did not record it)."""
 
     name: str
     folder: pathlib.Path
@@ -206,6 +215,7 @@ class VectorCase:
     attributes: dict
     model: onnx.ModelProto
     expected: Outcome
+    fingerprint: str = None
 
 
 def read_case(folder) -> VectorCase:
@@ -233,7 +243,8 @@ def read_case(folder) -> VectorCase:
             raise ValueError(f"{DATA_SET}/tolerance_0.pb: an attention case needs the bound of every element of its "
                              f"{bounded} {list(outputs[bounded].shape)}, found {found}")
         outcome = Outcome(outputs, after, tolerance=tolerance)
-    return VectorCase(case_name(folder), folder, op, inputs, attributes, runnable_model(model), outcome)
+    return VectorCase(case_name(folder), folder, op, inputs, attributes, runnable_model(model), outcome,
+                      props.get(FINGERPRINT_KEY))
 
 
 def _signature(node) -> list:
