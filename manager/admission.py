@@ -22,7 +22,8 @@ class Admission:
             raise ValueError("a request needs at least one prompt token")
         if not self.window_bounds and self.streaming is None and -(-len(prompt) // self.page_size) > self.max_pages:
             why = "" if self.sliding_window is None else \
-                f" (the sliding window of {self.sliding_window} tokens is wider than those pages: it frees none)"
+                f" (the sliding window of {self.sliding_window} tokens spans more than those pages: it frees none " \
+                "before the prompt needs more)"
             raise ValueError(f"request {rid!r}: a prompt of {len(prompt)} tokens needs more than "
                              f"max_pages={self.max_pages} pages of {self.page_size}{why}")
         r = Request(rid, -1, page_identity(salt, self.cache_key), prompt)
@@ -43,7 +44,7 @@ class Admission:
         if self.sliding_window is not None:  # hit pages wholly before the first query's window are not held
             first = max(0, computed - self.sliding_window + 1) // self.page_size
         pages = hits[first:]
-        if len(pages) > self.max_pages:  # only a window wider than max_pages pages gets here
+        if len(pages) > self.max_pages:  # a guard: a window wider than max_pages pages is refused above
             raise ValueError(f"request {rid!r}: the sliding window needs {len(pages)} pages of its cached prefix, "
                              f"more than max_pages={self.max_pages}")
         r.row = row = self.rows.allocate()

@@ -170,7 +170,9 @@ def deployment(model_path, tokenizer_dir, *, replicas: int = 2, model_name: str,
 
     ``drain_file`` (replicas on this machine): once that path exists, each replica closes its engine, ending its
     requests with finish_reason "abort" as a single server's shutdown does, and then writes ``<drain_file>.<pid>``
-    (:func:`drained_replicas` counts them); shut Serve down after that."""
+    (:func:`drained_replicas` counts them); shut Serve down after that. That path, and any ``<drain_file>.<pid>``,
+    must not exist yet (``ValueError``: replicas would close their engines as they start); ``engine_options`` an
+    Engine cannot take are a ``TypeError``, before Ray Serve starts anything."""
     if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
         raise ValueError(f"replicas must be an integer >= 1, got {replicas!r}")
     _check_engine_options(model_path, engine_options)

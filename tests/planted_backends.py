@@ -21,7 +21,7 @@ module-level function below is one variant with the reference's signature, loada
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
 * ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise (``hangs_on_page_size1``:
-  on paged calls with pages of one slot); ``forks_then_crashes_on_layers3``: forks a sleeping child, then aborts;
+  on paged calls with pages of one slot); ``forks_then_crashes_on_layers3``: forks a sleeping child, then aborts (``forks_on_layers3``: and returns);
 * ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise (``os_exits_on_layers3``:
   ``os._exit(0)``; ``posix_exits_on_layers3``: ``posix._exit(0)``; ``base_exception_on_layers3``: raises a
   ``BaseException`` that is not an ``Exception``; ``libc_exits_on_layers3``: the C library's ``_exit(0)``);
@@ -227,17 +227,29 @@ hangs_on_layers3 = _backend("hangs_on_layers3")
 hangs_on_page_size1 = _backend("hangs_on_page_size1")
 
 
+def _fork_a_sleeper() -> None:
+    """Forks a child that sleeps ten minutes (it inherits the worker's pipes); its pid goes to
+    ``$KVCACHE_TEST_CHILD_PID``."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(600)
+        os._exit(0)
+    with open(os.environ["KVCACHE_TEST_CHILD_PID"], "w") as f:
+        f.write(str(pid))
+
+
 def forks_then_crashes_on_layers3(*args, num_layer=1, **attributes):
-    """``correct``, except that a call with three layers forks a child that sleeps (it inherits the worker's pipes,
-    its pid written to ``$KVCACHE_TEST_CHILD_PID``), then aborts."""
+    """``correct``, except that a call with three layers forks a sleeping child, then aborts."""
     if num_layer == 3:
-        pid = os.fork()
-        if pid == 0:
-            time.sleep(600)
-            os._exit(0)
-        with open(os.environ["KVCACHE_TEST_CHILD_PID"], "w") as f:
-            f.write(str(pid))
+        _fork_a_sleeper()
         os.abort()
+    return correct(*args, num_layer=num_layer, **attributes)
+
+
+def forks_on_layers3(*args, num_layer=1, **attributes):
+    """``correct``, having forked a sleeping child on a call with three layers."""
+    if num_layer == 3:
+        _fork_a_sleeper()
     return correct(*args, num_layer=num_layer, **attributes)
 
 
@@ -411,7 +423,6 @@ canonical_nans = _unquantized_inputs_changed(
     lambda x: np.where(np.isnan(x.astype(np.float32)), np.array(np.nan, x.dtype), x))
 
 
-
 def loads_flush_subnormals(*args, **attributes):
     """Correct, then the subnormals of an unquantized call's key and value outputs flushed to zero (a kernel built
     to flush them, as GPU compilers may be told to: its loads of the cache lose them)."""
@@ -518,11 +529,23 @@ def _attention_nan_as_infinity(*args, **attributes):
     return np.where(np.isnan(output.astype(np.float32)), np.array(np.inf, output.dtype), output)
 
 
+def _attention_non_finite_moved(*args, **attributes):
+    """The attention, with a row's non-finite elements made finite and its finite ones NaN: every row an infinity or
+    a NaN reaches is still non-finite somewhere, but not where the values or scores put it."""
+    with np.errstate(all="ignore"):
+        output = multi_head_attention(*args, **attributes)
+    wide = output.astype(np.float32)
+    reached = ~np.isfinite(wide).all(axis=-1, keepdims=True)
+    moved = np.where(np.isfinite(wide), np.float32(np.nan), np.float32(12345.0))
+    return np.where(reached, moved, wide).astype(output.dtype)
+
+
 attention_not_finite_zeroed = types.SimpleNamespace(multi_head_attention=_attention_not_finite_zeroed)
 attention_not_saturating = types.SimpleNamespace(multi_head_attention=_attention_weights_rounded_up(False))
 attention_saturating = types.SimpleNamespace(multi_head_attention=_attention_weights_rounded_up(True))
 attention_non_finite_rows_all_nan = types.SimpleNamespace(multi_head_attention=_attention_non_finite_rows_all_nan)
 attention_nan_as_infinity = types.SimpleNamespace(multi_head_attention=_attention_nan_as_infinity)
+attention_non_finite_moved = types.SimpleNamespace(multi_head_attention=_attention_non_finite_moved)
 
 
 ALL_OPS = types.SimpleNamespace(key_value_cache=correct, key_cache_rotary_shift=key_cache_rotary_shift,

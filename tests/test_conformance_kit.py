@@ -4,7 +4,6 @@ raising or crashing case does not stop the run, failures say what differs, and b
 import os
 import pathlib
 import re
-
 import time
 
 import numpy as np
@@ -120,10 +119,18 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _wait_stopped(pid: int) -> bool:
+    """Whether process ``pid`` is gone (or a zombie) within 10 s."""
+    deadline = time.monotonic() + 10
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not _running(pid)
+
+
 def test_a_backend_that_forks_then_crashes_is_a_crash_at_once_and_its_child_is_stopped(all_vectors, monkeypatch,
                                                                                        tmp_path):
-    """The forked child holds the answer pipe open: the kit waited for the timeout (300 s by default), reported a
-    hang instead of the abort, and left the child running."""
+    """The forked child holds the answer pipe open: the crash is reported as the abort at once, not as a hang at
+    the timeout (300 s by default), and the child is stopped with the worker."""
     monkeypatch.chdir(TESTS)
     monkeypatch.setenv("KVCACHE_TEST_CHILD_PID", str(tmp_path / "child"))
     start = time.monotonic()
@@ -132,11 +139,37 @@ def test_a_backend_that_forks_then_crashes_is_a_crash_at_once_and_its_child_is_s
     assert time.monotonic() - start < 60
     assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("offset_layout0", "ok")]
     assert report.results[0].lines[0].startswith("the backend crashed: its process killed by signal SIGABRT")
-    child = int((tmp_path / "child").read_text())
-    deadline = time.monotonic() + 10
-    while _running(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _running(child)
+    assert _wait_stopped(int((tmp_path / "child").read_text()))
+
+
+def test_what_a_backend_forked_is_stopped_with_its_worker_at_the_end(all_vectors, monkeypatch, tmp_path):
+    monkeypatch.chdir(TESTS)
+    monkeypatch.setenv("KVCACHE_TEST_CHILD_PID", str(tmp_path / "child"))
+    report = validate(all_vectors, "planted_backends:forks_on_layers3", cases=["layers3_layer_idx2"], timeout=120)
+    assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "ok")]
+    assert _wait_stopped(int((tmp_path / "child").read_text()))
+
+
+def test_an_interrupt_while_a_call_runs_stops_the_worker_at_once(all_vectors, monkeypatch):
+    """The worker runs in a session of its own, so Ctrl-C does not reach it: the kit stops it at once, and none is
+    left running."""
+    from kvcache_op.validation import isolated
+    from kvcache_op.validation.backends import load_backend
+
+    monkeypatch.chdir(TESTS)
+    backend = load_backend("planted_backends:hangs_on_layers3", timeout=120)
+    pid = backend._process.pid
+    case = vectors.read_case(all_vectors / vectors.folder_name("layers3_layer_idx2"))
+
+    def interrupted(fd, deadline=None, alive=None):
+        time.sleep(0.5)  # the worker is in the hung call
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(isolated, "receive", interrupted)
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        backend.run(case.op, copies(case.inputs), case.attributes)
+    assert time.monotonic() - start < 5 and backend._process is None and not _running(pid)
 
 
 def test_failure_lines_name_tensor_index_values_count_and_the_code_and_scale(all_vectors):

@@ -130,8 +130,8 @@ def test_with_closes_the_engine(path, lone):
 
 
 def test_close_from_a_done_callback_does_not_wait_for_its_own_thread(path, lone):
-    """A done callback runs on the engine's thread: close() there joined that thread ("cannot join current
-    thread", logged); now it closes the engine and returns."""
+    """A done callback runs on the engine's thread: close() there does not join that thread (it cannot join
+    itself); it closes the engine and returns."""
     engine = Engine(path, num_pages=8)
     errors = []
 

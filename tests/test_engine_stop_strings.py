@@ -84,7 +84,7 @@ class FailingOn:
 
 
 def test_a_tokenizer_failing_on_one_requests_text_fails_that_request_alone(lone):
-    """The stop-string text of one request raised in the step's bookkeeping, which failed every request in flight."""
+    """A tokenizer error on one request's stop-string text fails that request; the others in flight go on."""
     engine = Engine(hf_models.exported("llama"), num_pages=32, tokenizer=FailingOn(lone[2]))
     others = [engine.submit(list(PROMPT), SamplingParams(max_tokens=10)) for _ in range(3)]  # no stop strings
     failing = engine.submit(list(PROMPT), SamplingParams(max_tokens=10, stop=("<no such token>",)))

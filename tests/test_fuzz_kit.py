@@ -5,7 +5,6 @@ three ops shows no disagreement."""
 import pathlib
 import subprocess
 import sys
-
 import time
 
 import numpy as np
@@ -108,7 +107,7 @@ def test_a_crash_is_found_in_the_worker_and_shrunk(monkeypatch):
 
 
 def test_a_hang_is_reported_as_drawn_without_shrinking(monkeypatch):
-    """Shrinking a hang ran each smaller call to the whole timeout (hours at the default 300 s)."""
+    """A hang is not shrunk: each smaller call tried would cost the whole timeout (hours at the default 300 s)."""
     monkeypatch.chdir(TESTS)
     from kvcache_op.validation.backends import load_backend
 

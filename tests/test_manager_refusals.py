@@ -22,7 +22,7 @@ def _pool_state(pool):
     (lambda pool: pool.untake(-2), ValueError),
     (lambda pool: pool.reclaim(-1), ValueError),
     (lambda pool: pool.forget_cached(-1), ValueError),
-    (lambda pool: pool.take_many(-1), ValueError),               # took nothing and said nothing
+    (lambda pool: pool.take_many(-1), ValueError),               # a negative count, not an empty list
     (lambda pool: pool.take_many(1.0), TypeError),
 ])
 def test_a_page_id_the_pool_does_not_have_is_refused_and_changes_nothing(call, error):
@@ -51,7 +51,7 @@ def test_a_pool_size_that_is_not_a_count_is_refused(num_pages, error):
 
 @pytest.mark.parametrize("prompt", [{3, 1, 2}, {1: "a", 2: "b"}, (t for t in [1, 2, 3]), iter([1, 2, 3]), None, 5])
 def test_a_prompt_that_is_not_a_sequence_is_refused_by_name(prompt):
-    """A set would be admitted as its sorted elements, a dict as its keys, an iterator read once while checked."""
+    """A set (no order), a dict (its keys) or an iterator (read once, by the check) is no prompt."""
     m = KVCacheManager(8, 4, 4)
     with pytest.raises(TypeError, match=r"request 'a': prompt must be a sequence"):
         m.add_request("a", prompt)
@@ -65,7 +65,7 @@ def test_a_range_is_a_sequence_of_token_ids():
 
 
 def test_a_feed_read_once_is_refused_with_its_own_reason():
-    """A generator was consumed by the first check, and the error named an empty feed instead."""
+    """A feed read once is refused by name before a check reads it (a second check would see it empty)."""
     m = KVCacheManager(16, 4, 8)
     m.add_request("a", [1, 2, 3, 4, 5, 6])
     with pytest.raises(TypeError, match=r"request 'a': fed tokens must be a sequence"):
@@ -99,8 +99,8 @@ def test_streaming_settings_that_are_not_a_policy_are_a_type_error():
 @pytest.mark.parametrize("key", [10**5000, -(10**70000), (2**64, -1), 0], ids=["5001-digits", "-70001-digits",
                                                                                 "tuple", "zero"])
 def test_cache_keys_of_any_integer_size_are_taken(key):
-    """Integers entered the page identity as decimal text with a two-byte length: past 4300 digits Python
-    refused the conversion, past 65535 bytes the length overflowed."""
+    """Integer keys of any size enter the page identity (beyond 4300 digits Python refuses decimal text, beyond
+    65535 bytes a two-byte length would overflow)."""
     a, b = KVCacheManager(8, 2, 4, cache_key=key), KVCacheManager(8, 2, 4, cache_key=(key, 1))
     assert a.add_request("r", [1, 2, 3]) == 0 and b.add_request("r", [1, 2, 3]) == 0
 
@@ -117,7 +117,7 @@ def test_a_window_wider_than_the_page_table_does_not_admit_a_prompt_it_cannot_ho
     without a window, instead of being admitted and stuck at its first step past max_pages."""
     m = KVCacheManager(100, 4, 4, sliding_window=100)
     with pytest.raises(ValueError, match=r"a prompt of 50 tokens needs more than max_pages=4 pages of 4 "
-                                         r"\(the sliding window of 100 tokens is wider than those pages"):
+                                         r"\(the sliding window of 100 tokens spans more than those pages"):
         m.add_request("a", list(range(50)))
     assert m.requests == {}
     m.add_request("b", list(range(16)))  # what the page table holds is still taken

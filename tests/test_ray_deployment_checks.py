@@ -1,6 +1,6 @@
-"""What ``deployment()`` refuses before Ray Serve starts a replica: engine options an Engine cannot take (Ray Serve said
-only "Deploying application failed", after every replica tried), and a drain file that already exists (every replica
-closed its engine as it started and still answered /health)."""
+"""What ``deployment()`` refuses before Ray Serve starts a replica: engine options an Engine cannot take (Ray Serve would
+say only "Deploying application failed", after every replica tried), and a drain file that already exists (every
+replica would close its engine as it started and still answer /health)."""
 
 import pytest
 
@@ -34,7 +34,9 @@ def test_drained_replicas_counts_the_marks_of_replicas_only(tmp_path):
     assert drained_replicas(tmp_path / "drain") == 2
 
 
-def test_a_fresh_drain_file_path_is_taken(tmp_path):
+def test_a_fresh_drain_file_path_is_taken_and_left_to_be_made(tmp_path):
+    from ray.serve import Application
+
     app = deployment(tmp_path / "model.onnx", tmp_path, replicas=1, model_name="m", num_pages=8,
                      drain_file=tmp_path / "drain")
-    assert app is not None
+    assert isinstance(app, Application) and not list(tmp_path.iterdir())

@@ -150,6 +150,8 @@ def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(a
     ("attention_not_finite_zeroed", {"mha_live_values_not_finite", "mha_masked_key_value_infinite",
                                      "mha_query_infinite"}),
     ("attention_not_saturating", {"mha_saturating_float16"}),
+    ("attention_non_finite_moved", {"mha_live_values_not_finite", "mha_masked_key_value_infinite",
+                                    "mha_query_infinite"}),
 ])
 def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, monkeypatch, bug, cases):
     """Each bug shows only at a bound (the last slot of the cache), at a special value (a group of zeros, whose
@@ -172,8 +174,8 @@ def test_what_the_attention_spec_leaves_open_passes(all_vectors, monkeypatch, ba
 
 
 def test_a_function_named_as_an_op_is_that_ops_backend(all_vectors, monkeypatch):
-    """``module:multi_head_attention`` is MultiHeadAttention's backend (it was taken for KeyValueCache's, whose
-    invalid calls it "refused" by a TypeError)."""
+    """``module:multi_head_attention`` is MultiHeadAttention's backend, not KeyValueCache's (whose invalid calls
+    it would "refuse" by a TypeError)."""
     monkeypatch.chdir(TESTS)
     report = validate(all_vectors, "planted_backends:multi_head_attention", isolate=False)
     ran = {r.op for r in report.results if r.status != "skip"}
@@ -183,8 +185,8 @@ def test_a_function_named_as_an_op_is_that_ops_backend(all_vectors, monkeypatch)
 @pytest.mark.parametrize("isolate", [False, True])
 @pytest.mark.parametrize("how", ["sys", "os"])
 def test_a_module_that_ends_the_process_when_imported_is_refused(monkeypatch, isolate, how, process_exit_trapped):
-    """In process, ``sys.exit(0)`` at import ended the run with status 0 and no output: a pass (``os._exit`` is
-    trapped here, so a kit that let it through fails the test rather than ending it)."""
+    """In process, ``sys.exit(0)`` at import would end the run with status 0 and no output, a pass: it is a load
+    error (``os._exit`` is trapped here, so a kit that let it through fails the test rather than ending it)."""
     monkeypatch.chdir(TESTS)
     monkeypatch.setenv("KVCACHE_TEST_IMPORT_EXIT", how)
     with pytest.raises(BackendLoadError, match="planted_import_exits" if isolate else
@@ -209,7 +211,7 @@ def test_a_file_path_for_a_backend_says_to_give_the_module_name(monkeypatch, pat
 
 def test_an_attention_case_without_its_bounds_fails_alone(all_vectors, tmp_path):
     """A case folder that lost tolerance_0.pb (or holds one of another shape) fails with what is missing; the run
-    goes on (compare met a bound of None and the run ended in a TypeError)."""
+    goes on."""
     import shutil
 
     for name in ("mha_softcap", "mha_prefill_causal", "paged_layout0"):

@@ -239,9 +239,9 @@ def _attention_outside(g: np.ndarray, w: np.ndarray, bound: np.ndarray) -> np.nd
     """Mask of the attention output's elements outside what the spec accepts (float64 arrays ``[T, H, D]``).
 
     In a row (one query, one head) the reference holds a non-finite element in, the spec ("Non-finite values")
-    leaves open which elements are non-finite and whether NaN or an infinity: the backend's row must hold one
-    somewhere (else its elements the reference has non-finite are marked), and its elements finite on both sides
-    with a finite bound stay within it. In every other row a non-finite element on either side must be the same
+    leaves open whether each is NaN or an infinity, and whether other elements of the row are non-finite too: the
+    backend's element is non-finite wherever the reference's is, and its elements finite on both sides with a finite
+    bound stay within it. In every other row a non-finite element on either side must be the same
     on both (NaN any NaN): inf - inf is NaN, which no bound admits, and where the reference is infinite its bound
     is too, which would admit any value."""
     special, differs = special_values(g, w)
@@ -250,9 +250,8 @@ def _attention_outside(g: np.ndarray, w: np.ndarray, bound: np.ndarray) -> np.nd
     if g.ndim == 0:
         return np.where(special, differs, outside)
     open_rows = ~np.isfinite(w).all(axis=-1, keepdims=True)
-    row_reached = ~np.isfinite(g).all(axis=-1, keepdims=True)
     finite = np.isfinite(g) & np.isfinite(w) & np.isfinite(bound)
-    in_open_rows = (finite & outside) | (~row_reached & ~np.isfinite(w))
+    in_open_rows = (finite & outside) | (np.isfinite(g) & ~np.isfinite(w))
     return np.where(open_rows, in_open_rows, np.where(special, differs, outside))
 
 

@@ -68,13 +68,21 @@ class IsolatedBackend:
             self._exit_text()
             raise BackendLoadError(f"--backend {self.spec}: the backend did not load within {self.timeout:g} s "
                                    "(--timeout; its worker process was killed)") from None
+        except BaseException:  # Ctrl-C: the worker, in a session of its own, did not get it
+            self._stop()
+            raise
         if "error" in ready:
             self.close()
             raise BackendLoadError(ready["error"])
         return frozenset(ready["ops"]), ready["name"]
 
     def _alive(self) -> bool:
-        return self._process.poll() is None
+        """Whether the worker still runs, without reaping it: its pid, and so its process group's id, stays its own
+        until :meth:`_exit_text` has killed the group."""
+        try:
+            return os.waitid(os.P_PID, self._process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # already reaped
+            return False
 
     def _kill(self) -> None:
         """Kills the worker and whatever it started (its session's process group)."""
@@ -84,12 +92,13 @@ class IsolatedBackend:
             self._process.kill()
 
     def _exit_text(self) -> str:
-        """How the worker ended (waited for), with the telling part of its stderr; what it forked is killed."""
-        code = self._process.wait()
+        """How the worker ended (waited for), with the telling part of its stderr; what it forked is killed first
+        (children left holding the answer pipe), while the unreaped worker still holds the group's id."""
         try:
-            os.killpg(self._process.pid, signal.SIGKILL)  # children left holding the answer pipe
+            os.killpg(self._process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        code = self._process.wait()
         self._stderr.seek(0)
         text = self._stderr.read().decode(errors="replace")
         self._stderr.close()
@@ -114,6 +123,9 @@ class IsolatedBackend:
             self._exit_text()
             return self._crashed(f"the backend did not return within {self.timeout:g} s (its process was killed)",
                                  timed_out=True)
+        except BaseException:  # Ctrl-C: the worker, in a session of its own, did not get it
+            self._stop()
+            raise
         for name, array in answer.after.items():
             # What the backend left, in the caller's arrays; one it reshaped or retyped is reported as it is.
             if inputs.get(name) is not None and np.shape(array) == inputs[name].shape and \
@@ -126,13 +138,22 @@ class IsolatedBackend:
         self._process = None
         return Outcome(None, {}, error=message, crashed=True, timed_out=timed_out)
 
-    def close(self):
-        """Stops the worker."""
-        if self._process is not None and self._process.poll() is None:
-            self._process.stdin.close()
-            try:
-                self._process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._kill()
-                self._process.wait()
+    def _stop(self) -> None:
+        """Kills the worker's process group at once and reaps the worker."""
+        self._kill()
+        self._process.wait()
+        self._stderr.close()
         self._process = None
+
+    def close(self):
+        """Stops the worker: it ends when its stdin closes (within 10 s, else it is killed); then whatever the
+        backend forked is killed with its process group."""
+        if self._process is None:
+            return
+        try:
+            self._process.stdin.close()
+            deadline = time.monotonic() + 10
+            while self._alive() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            self._stop()

@@ -94,7 +94,7 @@ def query_infinite(softcap=0.0) -> Case:
     return case
 
 
-SATURATING_KEYS = 27  # 1/27 rounds up to float16 by 1.25 * 2^-12: 27 weights of float16 sum past 1 + 2^-12
+SATURATING_KEYS = 27  # 1/27 rounded to float16 is above it: 27 such weights sum to 1 + 1.25 * 2^-12
 
 
 def saturating_float16() -> Case:
