@@ -109,23 +109,24 @@ def case_attrs(shape: Shape, quant_bit: int, layout: int, cache_mode: int) -> di
                 page_size=shape.page_size)
 
 
-def plain_runner(inputs, attrs, threads):
+def plain_runner(inputs, attrs, threads, config: dict | None = None):
     """The call as a plain ``session.run`` makes it: ONNX Runtime allocates the key and value outputs afresh
     each call (what a user without IOBinding pays on top of the kernel)."""
     from .. import spec
     from ..ort_ops import make_session
 
-    session = make_session(spec.make_model(inputs, **attrs), intra_op_num_threads=threads)
+    session = make_session(spec.make_model(inputs, **attrs), intra_op_num_threads=threads, config=config)
     return lambda: session.run(None, inputs)
 
 
-def ort_runner(inputs, attrs, threads, output_offset: int = 0, library: str | None = None):
+def ort_runner(inputs, attrs, threads, output_offset: int = 0, library: str | None = None, config: dict | None = None):
     """A zero-overhead call of the op: inputs and outputs bound once, then run_with_iobinding; the outputs start
     ``output_offset`` bytes past a cache line (0: where ONNX Runtime's allocator places them); ``library``: another
-    build of the op's library to run (default: the one :func:`kvcache_op.ort_ops.library_path` names)."""
+    build of the op's library to run (default: the one :func:`kvcache_op.ort_ops.library_path` names); ``config``:
+    session config entries (:data:`~.bound_session.NO_SPINNING` where sessions run side by side)."""
     from .. import spec
 
     kv_tokens = int(inputs["kvstarts"][-1])
     out_shape = (kv_tokens, inputs["current_key"].shape[1], inputs["current_key"].shape[2])
     outputs = {name: aligned_empty(out_shape, np.float16, output_offset) for name in ("key", "value")}
-    return bound_run(spec.make_model(inputs, **attrs), inputs, outputs, threads, library=library)
+    return bound_run(spec.make_model(inputs, **attrs), inputs, outputs, threads, config=config, library=library)

@@ -105,16 +105,42 @@ def test_a_run_writes_each_checks_rounds_through_the_side_by_side_tool(tmp_path,
 
 def test_a_check_for_another_build_is_passed_over_in_words(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(c_api, "cpu_kernel", lambda *a, **k: "generic")
-    assert pending.main(["--check", "token-streams", "--out", str(tmp_path), "--quick"]) == 0
-    out = capsys.readouterr().out
-    assert "passed over: it times the avx512 build, and the generic build is loaded" in out
-    assert "ran 0 of 1 check(s)" in out and not os.listdir(tmp_path)
+    assert pending.main(["--check", "token-streams", "--out", str(tmp_path), "--quick"]) == 1  # named: not a result
+    captured = capsys.readouterr()
+    assert "passed over: it times the avx512 build, and the generic build is loaded" in captured.out
+    assert "ran 0 of 1 check(s)" in captured.out and not os.listdir(tmp_path)
+    assert "not run, though named with --check: token-streams" in captured.err
 
 
 def test_a_kind_that_owes_nothing_says_so_and_times_nothing(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(pending, "cpu_kind", lambda: "amd-epyc-zen4")
+    monkeypatch.setattr(pending, "owing_kind", lambda: "amd-epyc-zen4")
     assert pending.main(["--out", str(tmp_path)]) == 0
     assert "(amd-epyc-zen4) owes no check" in capsys.readouterr().out and not os.listdir(tmp_path)
+
+
+@pytest.mark.parametrize("vendor, family, model, stand_in, checks", [
+    ("GenuineIntel", 19, 1, "intel-xeon-unnamed", "intel-xeon-*"),
+    ("AuthenticAMD", 26, 0xC0, "amd-epyc-unnamed", "amd-epyc*"),
+])
+def test_an_intel_or_amd_processor_of_no_named_kind_owes_every_check_of_its_vendor(vendor, family, model, stand_in,
+                                                                                    checks):
+    """It runs its vendor's kernel choices unmeasured: it told the user it owed nothing."""
+    info = cpuinfo(vendor, family, model)
+    assert pending.cpu_kind(info) == "" and pending.owing_kind(info) == stand_in
+    assert owed(stand_in) == {c.name for c in pending.CHECKS if checks in c.owed_by} != set()
+
+
+def test_a_processor_of_another_vendor_owes_no_check():
+    assert pending.owing_kind(cpuinfo("HygonGenuine", 24, 1)) == ""
+    assert pending.owing_kind("processor\t: 0\nCPU implementer\t: 0x41\n") == ""
+
+
+def test_an_unnamed_kind_is_told_it_owes_its_vendors_checks(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(pending, "owing_kind", lambda: "intel-xeon-unnamed")
+    assert pending.main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert "is no named kind: it owes every check of its vendor" in out
+    assert " (owed by intel-xeon-unnamed;" in out
 
 
 def test_the_list_names_what_a_kind_owes(capsys):
@@ -131,6 +157,8 @@ def test_the_list_names_what_a_kind_owes(capsys):
     ([], {}, "--out is required"),
     (["--check", "no-such-check", "--out", "{tmp}"], {}, "invalid choice"),
     (["--out", "/proc/no/such/folder"], {}, "--out"),
+    (["--list", "--kind", "AMD-EPYC"], {}, "--kind 'AMD-EPYC': a kind is intel-xeon-<model>"),
+    (["--list", "--kind", "amd-epyc-zen5"], {}, "--kind 'amd-epyc-zen5'"),
 ])
 def test_bad_command_lines_are_refused_in_one_line_before_any_work(argv, env, message, tmp_path, monkeypatch,
                                                                     capsys):

@@ -3,8 +3,9 @@ batch with a dense block-diagonal mask, both in ONNX Runtime's CPU EP, side by s
 
 The baseline is what a graph without the op must do: Transpose, MatMul(Q, K^T) over all ``T x sum(KV)``
 query/key pairs of the batch, Mul by the scale, Add a dense ``(T, sum(KV))`` mask (0 / -inf, block
-diagonal, causal inside each block), Softmax, MatMul with V, Transpose. Per shape: warm-up, then the median
-of repeats of each; the op is measured before and after the baseline and its better median is kept.
+diagonal, causal inside each block), Softmax, MatMul with V, Transpose. Per shape: warm-up, then two rounds that
+each take the median of repeats of every method in turn; every method (the op and the baselines alike) keeps its
+better round. The sessions' thread pools do not spin between runs (they take turns).
 
 Peak memory is **measured**: each (shape, method) runs in a fresh subprocess that builds the inputs, resets
 the kernel's peak-RSS counter (``/proc/self/clear_refs``), creates the session, runs it twice, and reports
@@ -26,7 +27,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 
-from ..bound_session import aligned_empty, bound_run
+from ..bound_session import NO_SPINNING, aligned_empty, bound_run
 from ..environment import recorded_command
 from ..timing import cpu_device, median_seconds
 
@@ -181,7 +182,7 @@ def runner(method: str, shape: Shape, feeds: dict, threads: int):
     model = {"op": lambda: spec.make_attention_model(feeds, num_heads=shape.heads, head_dim=shape.head_dim),
              "dense": lambda: dense_model(shape), "batched": lambda: batched_model(shape)}[method]()
     out = aligned_empty(query.shape, query.dtype)
-    return bound_run(model, feeds, {"attention_output": out}, threads), out
+    return bound_run(model, feeds, {"attention_output": out}, threads, NO_SPINNING), out
 
 
 def _proc_status_kib(field: str) -> int:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
 
-from ..bound_session import aligned_empty
+from ..bound_session import NO_SPINNING, aligned_empty
 from ..chart import paired_bar_chart
 from ..environment import recorded_command
 from ..kv_shapes import SHAPES, QUICK_SHAPES, Shape, bytes_moved, case_attrs, make_inputs, ort_runner, plain_runner
@@ -44,9 +44,9 @@ def standard_runner(inputs, shape: Shape, cache_mode: int, quant_bit: int, layou
     if quant_bit:
         return None
     if cache_mode == 1:
-        return baseline_runner(inputs, shape.page_size, layout, threads)[0] if layout in LAYOUTS else None
+        return baseline_runner(inputs, shape.page_size, layout, threads, NO_SPINNING)[0] if layout in LAYOUTS else None
     if layout in OFFSET_LAYOUTS and tensor_scatter_available():
-        return offset_baseline_runner(inputs, threads)[0]
+        return offset_baseline_runner(inputs, threads, NO_SPINNING)[0]
     return None
 
 
@@ -114,9 +114,11 @@ def bench_cpu(args) -> list:
                     ref_s = median_seconds(lambda: key_value_cache(**inputs, **attrs), 1, args.reference_repeats)
                     for threads in args.threads:
                         standard = standard_runner(inputs, shape, cache_mode, quant_bit, layout, threads)
-                        rounds = measure_rounds(ort_runner(feeds, attrs, threads, args.output_offset),
+                        # Three sessions take turns: none may keep its pool spinning through the others' runs.
+                        rounds = measure_rounds(ort_runner(feeds, attrs, threads, args.output_offset,
+                                                           config=NO_SPINNING),
                                                 lambda: np.copyto(dst, src),
-                                                standard, args, plain_runner(feeds, attrs, threads))
+                                                standard, args, plain_runner(feeds, attrs, threads, NO_SPINNING))
                         del standard
                         row = summary(shape, cache_mode, quant_bit, layout, threads, rounds, ref_s)
                         rows.append(row)
@@ -149,7 +151,8 @@ def write_results(rows, out: pathlib.Path, command: str, device: str, output_off
              "one) and the standard-ops step side by side, each once, the median of its repeats. `op / copy` is "
              "the median of the rounds' copy time over op time, with its range over the rounds. `standard ops`: "
              "the same step composed from ONNX Runtime's built-in ops (kvcache_op.benchmarks.cpu.standard_ops), "
-             "unquantized only: paged mode (layouts 0, 3): ScatterND into a copy of the cache, then each output one "
+             "unquantized only: paged mode (layouts 0, 3): ScatterND run in place (its output bound to the cache's "
+             "memory), then each output one "
              f"Gather of the cache read as rows (the rows computed on the host); {offset_note}. `op speed-up` is the median of the rounds' standard-ops time over op "
              "time. Every array (inputs, outputs, the copy's) starts on a 64-byte cache line, where ONNX Runtime's "
              "CPU allocator places its own buffers" + (f", but the op's bound outputs, which start {output_offset} "

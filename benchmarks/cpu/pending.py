@@ -9,7 +9,8 @@ folder:
     python -m kvcache_op.benchmarks.cpu.pending --check head-prefetch-l2 --out /tmp/pending   # one, owed or not
 
 A kind is named as its folder is: intel-xeon-<model> for an Intel processor of family 6, amd-epyc-zen3,
-amd-epyc-zen4 or amd-epyc (Zen 5) for AMD's (other AMD models, Zen 6 among them, are no kind yet). --list also
+amd-epyc-zen4 or amd-epyc (Zen 5) for AMD's; another Intel or AMD processor (Zen 6, an Intel family other than
+6) is no kind yet and owes every check of its vendor, as intel-xeon-unnamed or amd-epyc-unnamed. --list also
 names what a kind's run owes that no check can time (other builds, the standard benchmark, the traffic programs).
 A check owed by a kind is timed on that kind only, with no KVCACHE_OP_ choice switch set in the shell. Once a
 check's figures are in the kind's README (and the kernel's choice is kept or changed by them), the kind goes into
@@ -20,6 +21,7 @@ import argparse
 import dataclasses
 import fnmatch
 import os
+import re
 import sys
 
 from ...arguments import OneLineParser, at_least, out_folder
@@ -142,6 +144,18 @@ def cpu_kind(cpuinfo: str = None) -> str:
     return ""
 
 
+#: The stand-in kind of an Intel or AMD processor no folder names yet: it owes every check of its vendor (the
+#: kernel runs the vendor's choices on it unmeasured) and needs a folder of its own.
+UNNAMED = {"GenuineIntel": "intel-xeon-unnamed", "AuthenticAMD": "amd-epyc-unnamed"}
+KIND_NAMES = re.compile(r"intel-xeon-(\d+|unnamed)|amd-epyc(-zen3|-zen4|-unnamed)?")
+
+
+def owing_kind(cpuinfo: str = None) -> str:
+    """The kind whose checks this processor owes: :func:`cpu_kind`, or for an Intel or AMD processor of no named
+    kind its vendor's stand-in (:data:`UNNAMED`); "" for another vendor or machine (the checks time x86 choices)."""
+    return cpu_kind(cpuinfo) or UNNAMED.get(cpuinfo_fields(cpuinfo).get("vendor_id"), "")
+
+
 def quick_case(case: str) -> str:
     """``case`` with a tiny shape: its own where --quick has one, else the tiny decode."""
     shape, _, rest = case.partition(":")
@@ -181,7 +195,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=at_least(1), default=11)
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round: checks the command runs")
     args = parser.parse_args(argv)
-    kind = args.kind if args.kind is not None else cpu_kind()
+    if args.kind is not None and not KIND_NAMES.fullmatch(args.kind):
+        parser.error(f"--kind {args.kind!r}: a kind is intel-xeon-<model>, amd-epyc-zen3, amd-epyc-zen4, amd-epyc "
+                     "or the vendor's stand-in intel-xeon-unnamed / amd-epyc-unnamed")
+    kind = args.kind if args.kind is not None else owing_kind()
+    if kind in UNNAMED.values():
+        print(f"this processor ({cpu_device()}) is no named kind: it owes every check of its vendor, and its results "
+              "need a folder of their own under benchmarks/cpu (named in pending.cpu_kind)", flush=True)
     if args.list:
         for check in CHECKS:
             print(describe(check, kind))
@@ -216,6 +236,11 @@ def main(argv=None) -> int:
             return status
         ran.append(check.name)
     print(f"ran {len(ran)} of {len(checks)} check(s) into {args.out}: {', '.join(ran) or 'none'}")
+    named_not_run = [name for name in args.check or () if name not in ran]
+    if named_not_run:  # asked for by name: passing it over is not a result
+        print(f"not run, though named with --check: {', '.join(named_not_run)} (another build is loaded)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

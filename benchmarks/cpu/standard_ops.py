@@ -2,9 +2,10 @@
 with the slot indices computed on the host, as a cache manager would hand them over.
 
 * Paged (cache_mode 1), layouts 0 ``(MaxT, L, 2, H, Dh)`` and 3 ``(L, 2, H, MaxT, Dh)``: one ScatterND stores
-  this step's keys and values into the cache, Gather loads every sequence's slots. Standard ops have no in-place
-  update: ScatterND returns a new cache (a copy of the whole cache, then the scatter), which the graph
-  outputs as ``cache_out``.
+  this step's keys and values into the cache, Gather loads every sequence's slots. ScatterND's output
+  ``cache_out`` is bound to the cache's own memory: ONNX Runtime's ScatterND copies its input into its output only
+  where the two differ, so it then updates the cache in place, as the op does (bound to a buffer of its own, it
+  would copy the whole cache every step, a cost a user binding it in place does not pay).
 * Each output is one Gather straight from the cache read as rows (a Reshape, which copies nothing): the row of
   every loaded (slot, head) computed on the host with the slots, so no intermediate tensor is copied (picking
   the layer, then the key or value half, then the slots, would copy the cache's rows up to three times).
@@ -105,8 +106,8 @@ def baseline_model(inputs: dict, layout: int, layer: int = 0):
     elem = helper.np_dtype_to_tensor_dtype(inputs["current_key"].dtype)
     tokens, heads, head_dim = inputs["current_key"].shape
     gathers, row_inputs, row_shape = _gather_outputs("cache_out", _row_shape(inputs["cache"].shape, layout), layout)
-    # One ScatterND for keys and values: ONNX Runtime copies the whole cache into each ScatterND's output (it cannot
-    # write a graph input, or a graph output, in place), so two would copy it twice.
+    # One ScatterND for keys and values: each would copy the whole cache into its output were that not bound to the
+    # cache's memory (baseline_runner binds it there; a second ScatterND's input would be the first's output).
     nodes = [helper.make_node("Concat", ["current_key", "current_value"], ["updates"], axis=0),
              helper.make_node("ScatterND", ["cache", "store_rows", "updates"], ["cache_out"])] + gathers
     index_shape = [2 * tokens, 3] if layout == 0 else [2 * tokens, heads, 4]
@@ -117,17 +118,19 @@ def baseline_model(inputs: dict, layout: int, layer: int = 0):
     return _model(nodes, graph_inputs, inputs, inputs["cache"].shape, row_shape, OPSET)
 
 
-def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int):
-    """(run, outputs): the paged baseline with every input and output bound once (IOBinding); ``outputs``
-    holds key, value and cache_out, written by each run."""
+def baseline_runner(inputs: dict, page_size: int, layout: int, threads: int, config: dict | None = None):
+    """(run, outputs): the paged baseline with every input and output bound once (IOBinding); ``inputs["cache"]``
+    (C-contiguous) is both the graph's cache input and its cache_out output, so each run writes the caller's cache in
+    place, like the op. ``outputs`` holds key and value, and cache_out (that cache)."""
     from ..bound_session import aligned_empty, bound_run
 
+    if not inputs["cache"].flags.c_contiguous:
+        raise ValueError("the paged baseline updates the cache in place: give a C-contiguous cache")
     feeds = baseline_feeds(inputs, page_size, layout)
     kv_shape = (len(feeds["key_rows"]),) + inputs["current_key"].shape[1:]
     outputs = {"key": aligned_empty(kv_shape, inputs["current_key"].dtype),
-               "value": aligned_empty(kv_shape, inputs["current_key"].dtype),
-               "cache_out": aligned_empty(inputs["cache"].shape, inputs["cache"].dtype)}
-    return bound_run(baseline_model(inputs, layout), feeds, outputs, threads), outputs
+               "value": aligned_empty(kv_shape, inputs["current_key"].dtype), "cache_out": inputs["cache"]}
+    return bound_run(baseline_model(inputs, layout), feeds, outputs, threads, config), outputs
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,7 +197,7 @@ def offset_baseline_model(inputs: dict, capacity: int):
     return _model(nodes + gathers, graph_inputs, inputs, view, shapes + row_shape, TENSOR_SCATTER_OPSET)
 
 
-def offset_baseline_runner(inputs: dict, threads: int):
+def offset_baseline_runner(inputs: dict, threads: int, config: dict | None = None):
     """(run, outputs): the offset baseline bound once; ``inputs["cache"]`` is both the graph's cache input and
     its cache_out output (TensorScatter then updates it in place), so each run writes the caller's cache like
     the op. ``outputs`` holds key and value."""
@@ -210,4 +213,4 @@ def offset_baseline_runner(inputs: dict, threads: int):
              **gather_rows(inputs["cache"].shape, 0, 0, gather)}
     outputs = {"key": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype),
                "value": aligned_empty((gather.size, heads, head_dim), inputs["current_key"].dtype), "cache_out": view}
-    return bound_run(offset_baseline_model(inputs, capacity), feeds, outputs, threads), outputs
+    return bound_run(offset_baseline_model(inputs, capacity), feeds, outputs, threads, config), outputs

@@ -19,7 +19,8 @@ Per case, everything on device memory that torch allocates:
   once, before timing.
 
 Times: CUDA events around each call (the op's index upload included), after a warm-up, median of the
-repeats; the GPU is held busy while the calls are enqueued so that, unless a call waits for the stream,
+repeats, in three rounds that time the op, the copy and torch once each, in turn (a row's times are the medians
+over the rounds, its ratios the medians of the rounds' ratios); the GPU is held busy while the calls are enqueued so that, unless a call waits for the stream,
 the events time GPU work and not host gaps.
 ``host`` is the wall-clock time of the ``run_key_value_cache`` Python call itself (binding, validation,
 index snapshot, the index upload's enqueue, launches; not waiting for the kernels), each call on an idle
@@ -223,8 +224,13 @@ def host_ms(fn, warmup: int, repeats: int, *, idle: bool) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(case: Case, warmup: int, repeats: int) -> dict:
-    """One row: op, copy and torch times of ``case`` measured back to back on the current stream."""
+#: Rounds of each row: each times the op, the copy and torch once, in turn (none gets a second chance).
+ROUNDS = 3
+
+
+def measure(case: Case, warmup: int, repeats: int, rounds: int = ROUNDS) -> dict:
+    """One row: op, copy and torch times of ``case`` on the current stream, in ``rounds`` rounds that time each once
+    in turn; times are medians over the rounds, ``vs_copy`` and ``vs_torch`` the medians of the rounds' ratios."""
     import torch
 
     call = DeviceCall(case, device=DEVICE)
@@ -236,10 +242,14 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
     def copy():
         dst.copy_(src)
 
-    copy_ms = kernel_ms(copy, warmup, repeats)
-    op_ms = kernel_ms(call.run_op, warmup, repeats)
-    torch_ms = kernel_ms(call.run_torch, warmup, repeats)
-    copy_ms = min(copy_ms, kernel_ms(copy, warmup, repeats))  # the copy measured around the op, same run
+    timed = {"op": [], "copy": [], "torch": []}
+    for _ in range(rounds):
+        for name, fn in (("op", call.run_op), ("copy", copy), ("torch", call.run_torch)):
+            timed[name].append(kernel_ms(fn, warmup, repeats))
+    op_ms, copy_ms, torch_ms = (statistics.median(timed[name]) for name in ("op", "copy", "torch"))
+    ratio = {name: statistics.median(a / b for a, b in zip(timed[top], timed[bottom]))
+             for name, top, bottom in (("vs_copy", "copy", "op"), ("torch_vs_copy", "copy", "torch"),
+                                       ("vs_torch", "torch", "op"))}
     call_ms = host_ms(call.run_op, warmup, repeats, idle=True)
     queued_ms = host_ms(call.run_op, warmup, repeats, idle=False)
     shape = case.shape
@@ -250,7 +260,7 @@ def measure(case: Case, warmup: int, repeats: int) -> dict:
         "bytes_moved": moved, "op_ms": op_ms, "host_ms": call_ms, "host_queued_ms": queued_ms,
         "copy_ms": copy_ms, "torch_ms": torch_ms,
         "op_GBps": moved / op_ms / 1e6, "copy_GBps": moved / copy_ms / 1e6, "torch_GBps": moved / torch_ms / 1e6,
-        "vs_copy": copy_ms / op_ms, "torch_vs_copy": copy_ms / torch_ms, "vs_torch": torch_ms / op_ms,
+        **ratio, "rounds": rounds,
     }
 
 
