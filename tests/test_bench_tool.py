@@ -43,7 +43,9 @@ def test_bench_quick_run_writes_results(tmp_path, capsys):
                for r in data["rows"])
     assert all(r["vs_standard"] > 0 for r in data["rows"] if r["vs_standard"] is not None)
     assert all(r["plain_ms"] > 0 and len(r["plain_ms_rounds"]) == 2 for r in data["rows"])
-    assert "| op / copy (range) | plain run ms | plain / copy |" in (tmp_path / "results.md").read_text()
+    table = (tmp_path / "results.md").read_text()
+    assert "| op / copy (range) | plain run ms | plain / copy |" in table
+    assert table.splitlines()[0].endswith("— --quick: a smoke run of tiny shapes, not a measurement")
     assert "op/copy" in capsys.readouterr().out
     assert data["output_offset"] == 0
 
@@ -116,6 +118,30 @@ def test_every_contender_is_timed_as_often_as_the_op_in_each_round():
                                       plain=counting("plain"))
     assert calls == dict.fromkeys(calls, 3 * (1 + 4))
     assert {name: len(times) for name, times in rounds.items()} == dict.fromkeys(calls, 3)
+
+
+def test_a_row_is_medians_over_rounds_and_the_medians_of_the_rounds_ratios():
+    """Made-up rounds with known answers: ``op / copy`` is copy time over op time (above 1: the op is faster), the
+    speed-up standard time over op time, each the median of the rounds' ratios with its range."""
+    shape = kv_shapes.QUICK_SHAPES[0]
+    rounds = {"op": [0.002, 0.004, 0.002], "copy": [0.001, 0.001, 0.003], "standard": [0.006, 0.004, 0.010],
+              "plain": [0.004, 0.004, 0.004]}
+    row = cpu_bench.summary(shape, 1, 0, 0, 1, rounds, reference_s=0.02)
+    assert row["op_ms"] == 2.0 and row["copy_ms"] == 1.0 and row["standard_ms"] == 6.0
+    assert row["vs_copy"] == 0.5 and row["vs_copy_range"] == [0.25, 1.5]  # 0.5, 0.25, 1.5
+    assert row["vs_standard"] == 3.0  # 3, 1, 5
+    assert row["plain_vs_copy"] == 0.25 and row["vs_reference"] == 10.0
+    moved = kv_shapes.bytes_moved(shape, 0)
+    assert row["op_GBps"] == moved / 0.002 / 1e9 and row["copy_GBps"] == moved / 0.001 / 1e9
+
+
+def test_the_copy_moves_the_bytes_the_op_moves():
+    """A copy of N bytes reads N and writes N: the copy of half the op's traffic moves as much as the op."""
+    shape = kv_shapes.QUICK_SHAPES[0]
+    moved = kv_shapes.bytes_moved(shape, 8)
+    copy = cpu_bench.copy_runner(moved)
+    copy()
+    assert 2 * copy.nbytes == moved - moved % 2
 
 
 def test_the_standard_ops_baselines_gather_each_output_straight_from_the_cache():

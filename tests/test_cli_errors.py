@@ -82,7 +82,8 @@ def test_version(capsys):
     (["bench", "op", "--no-such-option"], "unrecognized arguments: --no-such-option"),
 ])
 def test_benchmark_arguments_are_checked_as_one_line(capsys, argv, message):
-    assert message in _one_line_error(capsys, argv)
+    line = _one_line_error(capsys, argv)
+    assert message in line and line.startswith(f"kvcache-op bench {argv[1]}: "), line  # the subcommand named
 
 
 def test_the_page_size_bound_is_the_exporters():

@@ -295,9 +295,9 @@ def summary(rows) -> str:
     return "Summary: " + "; ".join(parts) + "."
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=at_least(1), default=2, help="intra_op_num_threads of both sessions")
     parser.add_argument("--warmup", type=at_least(0), default=2)
     parser.add_argument("--repeats", type=at_least(1), default=7)

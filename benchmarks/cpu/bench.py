@@ -50,6 +50,20 @@ def standard_runner(inputs, shape: Shape, cache_mode: int, quant_bit: int, layou
     return None
 
 
+def copy_runner(moved: int):
+    """``run()`` of a plain copy that moves ``moved`` bytes: it reads and writes ``moved // 2`` (its ``nbytes``),
+    between 64-byte-aligned buffers like the op's."""
+    src = aligned_empty(moved // 2, np.uint8)
+    src.fill(1)
+    dst = aligned_empty(moved // 2, np.uint8)
+
+    def run():
+        np.copyto(dst, src)
+
+    run.nbytes = dst.nbytes
+    return run
+
+
 def measure_rounds(run, copy, standard, args, plain=None) -> dict:
     """``args.rounds`` rounds, each timing side by side: the op, the copy, the op through a plain
     ``session.run`` (outputs allocated by ONNX Runtime), and the standard-ops baseline; each figure is the median
@@ -107,9 +121,7 @@ def bench_cpu(args) -> list:
                     attrs = case_attrs(shape, quant_bit, layout, cache_mode)
                     inputs = make_inputs(shape, quant_bit, layout, cache_mode=cache_mode)
                     moved = bytes_moved(shape, quant_bit)
-                    src = aligned_empty(moved // 2, np.uint8)
-                    src.fill(1)
-                    dst = aligned_empty(moved // 2, np.uint8)
+                    copy = copy_runner(moved)
                     feeds = {k: v for k, v in inputs.items() if v is not None}
                     ref_s = median_seconds(lambda: key_value_cache(**inputs, **attrs), 1, args.reference_repeats)
                     for threads in args.threads:
@@ -117,7 +129,7 @@ def bench_cpu(args) -> list:
                         # Three sessions take turns: none may keep its pool spinning through the others' runs.
                         rounds = measure_rounds(ort_runner(feeds, attrs, threads, args.output_offset,
                                                            config=NO_SPINNING),
-                                                lambda: np.copyto(dst, src),
+                                                copy,
                                                 standard, args, plain_runner(feeds, attrs, threads, NO_SPINNING))
                         del standard
                         row = summary(shape, cache_mode, quant_bit, layout, threads, rounds, ref_s)
@@ -133,8 +145,10 @@ def bench_cpu(args) -> list:
     return rows
 
 
-def write_results(rows, out: pathlib.Path, command: str, device: str, output_offset: int = 0) -> None:
-    """Writes results.json, results.md (table + command) and, with matplotlib, chart.png."""
+def write_results(rows, out: pathlib.Path, command: str, device: str, output_offset: int = 0,
+                  quick: bool = False) -> None:
+    """Writes results.json, results.md (table + command; a ``quick`` run's title says it measured nothing) and,
+    with matplotlib, chart.png."""
     out.mkdir(parents=True, exist_ok=True)
     scatter = tensor_scatter_available()
     (out / "results.json").write_text(json.dumps({"command": command, "device": device, "onnxruntime": ort_version(),
@@ -144,7 +158,8 @@ def write_results(rows, out: pathlib.Path, command: str, device: str, output_off
     offset_note = ("offset mode (layout 0, one layer): TensorScatter at `start_pos`, run in place (its output bound "
                    "to the cache's memory), then the same Gathers" if scatter else
                    f"offset mode: none, onnxruntime {ort_version()} has no TensorScatter")
-    lines = [f"# KeyValueCache benchmark ({device})", "", f"Command: `{command}`", "",
+    smoke = " — --quick: a smoke run of tiny shapes, not a measurement" if quick else ""
+    lines = [f"# KeyValueCache benchmark ({device}){smoke}", "", f"Command: `{command}`", "",
              f"onnxruntime {ort_version()}. Bytes moved = bytes read + bytes written by the op. Each figure is the "
              f"median of {rounds} rounds; a round times the op, a plain copy of half as many bytes (a copy reads and "
              "writes each; on one thread, in the two-thread rows too, so there `op / copy` is two threads against "
@@ -179,9 +194,9 @@ def write_results(rows, out: pathlib.Path, command: str, device: str, output_off
                      f"KeyValueCache vs copy bandwidth — {device}")
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=at_least(1), nargs="+", default=[1, 2], help="intra_op_num_threads values")
     parser.add_argument("--warmup", type=at_least(0), default=2)
     parser.add_argument("--repeats", type=at_least(1), default=7, help="timed calls per measurement (their median counts)")
@@ -196,7 +211,7 @@ def main(argv=None) -> int:
     command = recorded_command("kvcache_op.benchmarks.cpu.bench", argv)
     rows = bench_cpu(args)
     if args.out:
-        write_results(rows, args.out, command, cpu_device() + kernel_build(), args.output_offset)
+        write_results(rows, args.out, command, cpu_device() + kernel_build(), args.output_offset, args.quick)
         print(f"wrote {args.out}/results.md")
     return 0
 

@@ -274,9 +274,9 @@ def table_line(case: Case, row: dict) -> str:
             f"{row['vs_copy']:6.2f}x {row['vs_torch']:7.2f}x")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m kvcache_op.benchmarks.gpu.bench",
-                                     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def build_parser(prog: str = None) -> argparse.ArgumentParser:
+    parser = OneLineParser(prog=prog or "python -m kvcache_op.benchmarks.gpu.bench",
+                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--warmup", type=at_least(0), default=3)
     parser.add_argument("--repeats", type=at_least(1), default=20)
     parser.add_argument("--out", type=out_folder, help="folder for results.md/json and chart.png")
@@ -284,11 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv=None) -> int:
+def main(argv=None, prog: str = None) -> int:
     """Runs the CUDA benchmark; 0 when every case ran, 2 (one line on stderr) when the machine lacks what it
     needs."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     missing = missing_requirements()
     if missing:
         print("CUDA benchmark: cannot run: " + "; ".join(missing), file=sys.stderr)

@@ -236,8 +236,8 @@ def load_average() -> str:
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "unknown"
 
 
-def main(argv=None) -> int:
-    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, prog: str = None) -> int:
+    parser = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=at_least(1), default=2000)
     parser.add_argument("--prompt-len", type=at_least(1), default=1024)
     parser.add_argument("--shared", type=at_least(0), default=512, help="shared system-prompt tokens")

@@ -199,7 +199,7 @@ def _bench(args) -> int:
             from .benchmarks.gpu.bench import main as bench_main
         else:
             from .benchmarks.cpu.bench import main as bench_main
-    return bench_main(rest)
+    return bench_main(rest, prog=f"kvcache-op bench {args.what}")  # its errors name the subcommand
 
 
 def _take_cuda_device(rest: list) -> bool:
