@@ -33,6 +33,7 @@ from ..spec.mha_schema import make_attention_model
 from ..spec.mhca_schema import make_cache_attention_model
 from ..spec.model import make_model
 from ..spec.rotary_schema import make_rotary_shift_model
+from .case_fingerprint import case_fingerprint
 from .cases import CASES, Case, op_of
 from .error_cases import INVALID, MORE_INVALID, make_invalid
 from .mha_cases import ATTENTION_CASES
@@ -149,8 +150,6 @@ def expected(case: Case) -> Outcome:
 
 def write_case(case: Case, out_dir) -> pathlib.Path:
     """Writes one case under ``out_dir/test_<case.name>`` and returns that folder."""
-    from .fingerprints import case_fingerprint
-
     folder = pathlib.Path(out_dir) / folder_name(case.name)
     data = folder / DATA_SET
     data.mkdir(parents=True, exist_ok=True)
