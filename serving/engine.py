@@ -102,7 +102,8 @@ class Engine(OnlineEngine):
                             f"{type(streaming).__name__}")
         intra_op_num_threads = check_int("intra_op_num_threads", intra_op_num_threads)
         if intra_op_num_threads < 0:
-            raise ValueError(f"intra_op_num_threads must be >= 0 (0: ONNX Runtime's default), got {intra_op_num_threads}")
+            raise ValueError(f"intra_op_num_threads must be >= 0 (0: ONNX Runtime's default), "
+                             f"got {intra_op_num_threads}")
         self.runner = ModelRunner(model_path, num_pages, providers, intra_op_num_threads, max_batch_tokens)
         if max_batch_tokens is None:
             max_batch_tokens = default_batch_tokens(self.runner.device[0])

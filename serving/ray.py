@@ -133,7 +133,8 @@ def _close_when_drained(engine, drain_file: str) -> None:
 
 def _drained_marks(drain_file: pathlib.Path) -> list:
     """The ``<drain_file>.<pid>`` files replicas wrote once their engines closed."""
-    return [p for p in drain_file.parent.glob(f"{glob.escape(drain_file.name)}.*") if p.name[len(drain_file.name) + 1:].isdigit()]
+    marks = drain_file.parent.glob(f"{glob.escape(drain_file.name)}.*")
+    return [p for p in marks if p.name[len(drain_file.name) + 1:].isdigit()]
 
 
 def drained_replicas(drain_file) -> int:

@@ -21,7 +21,8 @@ module-level function below is one variant with the reference's signature, loada
 * ``crashes_on_page_size1``: kills its process on calls with page_size 1, correct otherwise;
 * ``clobbers_last_slot``: also zeroes the cache's last slot (which the vectors never store nor load);
 * ``hangs_on_layers3``: sleeps ten minutes on calls with three layers, correct otherwise (``hangs_on_page_size1``:
-  on paged calls with pages of one slot); ``forks_then_crashes_on_layers3``: forks a sleeping child, then aborts (``forks_on_layers3``: and returns);
+  on paged calls with pages of one slot); ``forks_then_crashes_on_layers3``: forks a sleeping child, then aborts
+  (``forks_on_layers3``: and returns);
 * ``exits_on_layers3``: calls ``sys.exit(0)`` on calls with three layers, correct otherwise (``os_exits_on_layers3``:
   ``os._exit(0)``; ``posix_exits_on_layers3``: ``posix._exit(0)``; ``base_exception_on_layers3``: raises a
   ``BaseException`` that is not an ``Exception``; ``libc_exits_on_layers3``: the C library's ``_exit(0)``);

@@ -1,6 +1,6 @@
-"""What ``deployment()`` refuses before Ray Serve starts a replica: engine options an Engine cannot take (Ray Serve would
-say only "Deploying application failed", after every replica tried), and a drain file that already exists (every
-replica would close its engine as it started and still answer /health)."""
+"""What ``deployment()`` refuses before Ray Serve starts a replica: engine options an Engine cannot take (Ray Serve
+would say only "Deploying application failed", after every replica tried), and a drain file that already exists
+(every replica would close its engine as it started and still answer /health)."""
 
 import pytest
 

@@ -240,10 +240,10 @@ def _attention_outside(g: np.ndarray, w: np.ndarray, bound: np.ndarray) -> np.nd
 
     In a row (one query, one head) the reference holds a non-finite element in, the spec ("Non-finite values")
     leaves open whether each is NaN or an infinity, and whether other elements of the row are non-finite too: the
-    backend's element is non-finite wherever the reference's is, and its elements finite on both sides with a finite
-    bound stay within it. In every other row a non-finite element on either side must be the same
-    on both (NaN any NaN): inf - inf is NaN, which no bound admits, and where the reference is infinite its bound
-    is too, which would admit any value."""
+    backend's element is non-finite wherever the reference's is (where that is an infinity, NaN or the same infinity),
+    and its elements finite on both sides with a finite bound stay within it. In every other row a non-finite element
+    on either side must be the same on both (NaN any NaN): inf - inf is NaN, which no bound admits, and where the
+    reference is infinite its bound is too, which would admit any value."""
     special, differs = special_values(g, w)
     with np.errstate(invalid="ignore"):
         outside = ~(np.abs(g - w) <= bound)
@@ -251,7 +251,8 @@ def _attention_outside(g: np.ndarray, w: np.ndarray, bound: np.ndarray) -> np.nd
         return np.where(special, differs, outside)
     open_rows = ~np.isfinite(w).all(axis=-1, keepdims=True)
     finite = np.isfinite(g) & np.isfinite(w) & np.isfinite(bound)
-    in_open_rows = (finite & outside) | (np.isfinite(g) & ~np.isfinite(w))
+    # Non-finite where the reference is; an infinity of its sign or NaN (a weight that underflows to 0 makes one NaN)
+    in_open_rows = (finite & outside) | (np.isfinite(g) & ~np.isfinite(w)) | (np.isinf(w) & np.isinf(g) & (g != w))
     return np.where(open_rows, in_open_rows, np.where(special, differs, outside))
 
 

@@ -20,8 +20,8 @@ Per case, everything on device memory that torch allocates:
 
 Times: CUDA events around each call (the op's index upload included), after a warm-up, median of the
 repeats, in three rounds that time the op, the copy and torch once each, in turn (a row's times are the medians
-over the rounds, its ratios the medians of the rounds' ratios); the GPU is held busy while the calls are enqueued so that, unless a call waits for the stream,
-the events time GPU work and not host gaps.
+over the rounds, its ratios the medians of the rounds' ratios); the GPU is held busy while the calls are enqueued
+so that, unless a call waits for the stream, the events time GPU work and not host gaps.
 ``host`` is the wall-clock time of the ``run_key_value_cache`` Python call itself (binding, validation,
 index snapshot, the index upload's enqueue, launches; not waiting for the kernels), each call on an idle
 stream, median; ``queued`` the same for calls issued back to back without waiting (a call that has to wait
