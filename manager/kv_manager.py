@@ -36,7 +36,7 @@ from .step_applier import StepApplier
 from .step_plan import StepPlan
 from .step_planner import StepPlanner
 from .step_records import OutstandingStep, Request
-from .streaming import StreamingPolicy
+from .streaming import StreamingPolicy, check_policy
 
 __all__ = ["KVCacheManager", "StepPlan", "StreamingPolicy"]
 
@@ -65,10 +65,8 @@ class KVCacheManager(Admission, BatchLookup, StepPlanner, StepApplier, PrefixPub
         self.vocab_size = check_vocab_size(vocab_size)
         key_bytes(cache_key)  # a TypeError now rather than at the first request
         self.sink_pages = 0
+        check_policy(streaming)
         if streaming is not None:
-            if not isinstance(streaming, StreamingPolicy):
-                raise TypeError(f"streaming must be a StreamingPolicy(sinks, budget_pages, mode), "
-                                f"got {type(streaming).__name__}")
             if sliding_window is not None:
                 raise ValueError("streaming and sliding_window are alternatives; configure one")
             streaming = StreamingPolicy(check_int("streaming sinks", streaming.sinks),

@@ -28,6 +28,13 @@ class StreamingPolicy:
     mode: str = "shift"
 
 
+def check_policy(streaming) -> None:
+    """``TypeError`` unless ``streaming`` is None or a :class:`StreamingPolicy` (a tuple of its fields is not)."""
+    if streaming is not None and not isinstance(streaming, StreamingPolicy):
+        raise TypeError(f"streaming must be a StreamingPolicy(sinks, budget_pages, mode), "
+                        f"got {type(streaming).__name__}")
+
+
 def streaming_discard(policy: StreamingPolicy, sink_pages: int, page_size: int, rid, computed: int, held: int,
                       n_new: int) -> tuple:
     """(pages after the sinks to drop, positions they hold) before feeding ``n_new`` tokens to request

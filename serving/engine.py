@@ -24,6 +24,7 @@ import numpy as np
 
 from ..manager import KVCacheManager, OutOfPages, StreamingPolicy
 from ..manager.identity import check_int, salt_bytes
+from ..manager.streaming import check_policy
 from .online import OnlineEngine
 from .ort_runner import ModelRunner
 from .sampling import SamplingParams, choose_tokens
@@ -97,9 +98,7 @@ class Engine(OnlineEngine):
         if type(prefix_caching) is not bool:  # "no" would read as True
             raise TypeError(f"prefix_caching must be True or False, got {type(prefix_caching).__name__} "
                             f"{prefix_caching!r}")
-        if streaming is not None and not isinstance(streaming, StreamingPolicy):
-            raise TypeError(f"streaming must be a StreamingPolicy(sinks, budget_pages, mode), got "
-                            f"{type(streaming).__name__}")
+        check_policy(streaming)  # read below before the manager is made
         intra_op_num_threads = check_int("intra_op_num_threads", intra_op_num_threads)
         if intra_op_num_threads < 0:
             raise ValueError(f"intra_op_num_threads must be >= 0 (0: ONNX Runtime's default), "

@@ -11,6 +11,7 @@ import pytest
 
 import planted_backends
 from kvcache_op.cli import main
+from processes import ended_within, running
 from kvcache_op.ort_ops import library_path
 from kvcache_op.validation import vectors
 from kvcache_op.validation.outcome import copies
@@ -110,23 +111,6 @@ def test_a_hanging_call_times_out_and_the_run_goes_on(all_vectors, monkeypatch):
     assert report.results[0].lines == ["the backend did not return within 8 s (its process was killed)"]
 
 
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def _wait_stopped(pid: int) -> bool:
-    """Whether process ``pid`` is gone (or a zombie) within 10 s."""
-    deadline = time.monotonic() + 10
-    while _running(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not _running(pid)
-
-
 def test_a_backend_that_forks_then_crashes_is_a_crash_at_once_and_its_child_is_stopped(all_vectors, monkeypatch,
                                                                                        tmp_path):
     """The forked child holds the answer pipe open: the crash is reported as the abort at once, not as a hang at
@@ -139,7 +123,7 @@ def test_a_backend_that_forks_then_crashes_is_a_crash_at_once_and_its_child_is_s
     assert time.monotonic() - start < 60
     assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "FAIL"), ("offset_layout0", "ok")]
     assert report.results[0].lines[0].startswith("the backend crashed: its process killed by signal SIGABRT")
-    assert _wait_stopped(int((tmp_path / "child").read_text()))
+    assert ended_within(int((tmp_path / "child").read_text()), 10)
 
 
 def test_what_a_backend_forked_is_stopped_with_its_worker_at_the_end(all_vectors, monkeypatch, tmp_path):
@@ -147,7 +131,7 @@ def test_what_a_backend_forked_is_stopped_with_its_worker_at_the_end(all_vectors
     monkeypatch.setenv("KVCACHE_TEST_CHILD_PID", str(tmp_path / "child"))
     report = validate(all_vectors, "planted_backends:forks_on_layers3", cases=["layers3_layer_idx2"], timeout=120)
     assert [(r.name, r.status) for r in report.results] == [("layers3_layer_idx2", "ok")]
-    assert _wait_stopped(int((tmp_path / "child").read_text()))
+    assert ended_within(int((tmp_path / "child").read_text()), 10)
 
 
 def test_an_interrupt_while_a_call_runs_stops_the_worker_at_once(all_vectors, monkeypatch):
@@ -169,7 +153,7 @@ def test_an_interrupt_while_a_call_runs_stops_the_worker_at_once(all_vectors, mo
     start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         backend.run(case.op, copies(case.inputs), case.attributes)
-    assert time.monotonic() - start < 5 and backend._process is None and not _running(pid)
+    assert time.monotonic() - start < 5 and backend._process is None and not running(pid)
 
 
 def test_failure_lines_name_tensor_index_values_count_and_the_code_and_scale(all_vectors):

@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 from kvcache_op.export_command import tokenizer_folder  # noqa: E402
 from kvcache_op.export_process import _expected_name, child_error, export_in_child  # noqa: E402
 from kvcache_op.serve_command import resolve_model  # noqa: E402
+from processes import ended_within  # noqa: E402
 
 
 def _ir_graphs_with_weights() -> dict:
@@ -119,7 +120,7 @@ def test_a_child_whose_parent_is_killed_ends_too(served_checkpoint, tmp_path):
     (tmp_path / "parent.py").write_text(script)
     done = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120)
     (pid,) = map(int, done.stdout.split())
-    assert _ended_within(pid, 30), f"the orphaned export {pid} is still running"
+    assert ended_within(pid, 30), f"the orphaned export {pid} is still running"
 
 
 def test_the_childs_watch_ends_it_when_its_parent_is_gone(tmp_path):
@@ -137,24 +138,7 @@ def test_the_childs_watch_ends_it_when_its_parent_is_gone(tmp_path):
     (tmp_path / "parent.py").write_text(script)
     done = subprocess.run([sys.executable, str(tmp_path / "parent.py")], capture_output=True, text=True, timeout=120)
     pid = int(done.stdout)
-    assert _ended_within(pid, 30), f"the orphaned child {pid} is still running"
-
-
-def _ended_within(pid: int, seconds: float) -> bool:
-    """Whether process ``pid`` is gone (or a zombie) within ``seconds``."""
-    deadline = time.monotonic() + seconds
-    while _running(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return not _running(pid)
-
-
-def _running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is no zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert ended_within(pid, 30), f"the orphaned child {pid} is still running"
 
 
 def test_a_child_that_dies_without_an_answer_is_a_runtime_error_naming_its_exit_code(served_checkpoint, tmp_path):

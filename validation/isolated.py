@@ -64,8 +64,7 @@ class IsolatedBackend:
         except (EOFError, BrokenPipeError):
             raise BackendLoadError(f"--backend {self.spec}: the worker process {self._exit_text()}") from None
         except TimeoutError:
-            self._kill()
-            self._exit_text()
+            self._exit_text()  # kills the worker's group
             raise BackendLoadError(f"--backend {self.spec}: the backend did not load within {self.timeout:g} s "
                                    "(--timeout; its worker process was killed)") from None
         except BaseException:  # Ctrl-C: the worker, in a session of its own, did not get it
@@ -94,10 +93,7 @@ class IsolatedBackend:
     def _exit_text(self) -> str:
         """How the worker ended (waited for), with the telling part of its stderr; what it forked is killed first
         (children left holding the answer pipe), while the unreaped worker still holds the group's id."""
-        try:
-            os.killpg(self._process.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        self._kill()
         code = self._process.wait()
         self._stderr.seek(0)
         text = self._stderr.read().decode(errors="replace")
@@ -119,8 +115,7 @@ class IsolatedBackend:
         except (EOFError, BrokenPipeError):
             return self._crashed(f"the backend crashed: its process {self._exit_text()}")
         except TimeoutError:
-            self._kill()
-            self._exit_text()
+            self._exit_text()  # kills the worker's group
             return self._crashed(f"the backend did not return within {self.timeout:g} s (its process was killed)",
                                  timed_out=True)
         except BaseException:  # Ctrl-C: the worker, in a session of its own, did not get it

@@ -114,14 +114,16 @@ def as_backend(backend, **options):
     return CallableBackend(functions, getattr(backend, "__name__", type(backend).__name__))
 
 
-def run_case(folder, backend, tolerance: str = "exact") -> CaseResult:
-    """Runs one case folder through ``backend`` (a backend object) and compares."""
+def run_case(folder, backend, tolerance: str = "exact", fingerprints: dict = None) -> CaseResult:
+    """Runs one case folder through ``backend`` (a backend object) and compares; ``fingerprints``: the kit's
+    (:func:`~.fingerprints.committed`, read here when None), which tell a stale folder."""
     try:
         case = read_case(folder)
     except Exception as error:  # noqa: BLE001 - a broken folder fails its case, not the run
         return CaseResult(case_name(folder), "?", "?", "FAIL", [f"cannot read the case: {error_text(error)}"])
     kind = "invalid" if case.expected.error is not None else "valid"
-    stale = case.fingerprint is None or committed().get(case.name) != case.fingerprint
+    known = committed() if fingerprints is None else fingerprints
+    stale = case.fingerprint is None or known.get(case.name) != case.fingerprint
     if case.op not in backend.ops:
         return CaseResult(case.name, case.op, kind, "skip", [f"the backend has no {OP_FUNCTIONS[case.op]}"], stale)
     got = run_on_copies(backend, case.op, case.inputs, case.attributes, case.model)
@@ -154,10 +156,10 @@ def validate(directory, backend="reference", *, tolerance: str = "exact", cases=
     ``provider_options``, ``isolate``, ``timeout``) when ``backend`` is a name."""
     folders = select_cases(directory, cases)
     runner = as_backend(backend, **backend_options)
-    results = []
+    results, known = [], committed()  # read once a run
     try:
         for folder in folders:
-            result = run_case(folder, runner, tolerance)
+            result = run_case(folder, runner, tolerance, known)
             results.append(result)
             if progress:
                 progress(_case_line(result))

@@ -34,6 +34,7 @@ from ..spec.mhca_schema import make_cache_attention_model
 from ..spec.model import make_model
 from ..spec.rotary_schema import make_rotary_shift_model
 from .case_fingerprint import case_fingerprint
+from .compare import ATTENTION_OUTPUTS
 from .cases import CASES, Case, op_of
 from .error_cases import INVALID, MORE_INVALID, make_invalid
 from .mha_cases import ATTENTION_CASES
@@ -236,7 +237,7 @@ def read_case(folder) -> VectorCase:
     else:
         outputs = {name: values[name] for name in OUTPUTS[op]}
         tolerance = load_tensor(data / "tolerance_0.pb") if (data / "tolerance_0.pb").exists() else None
-        bounded = {"MultiHeadAttention": "attention_output", "MultiHeadCacheAttention": "output"}.get(op)
+        bounded = ATTENTION_OUTPUTS.get(op)
         if bounded and (tolerance is None or tolerance.shape != outputs[bounded].shape):
             found = "none" if tolerance is None else f"one of shape {list(tolerance.shape)}"
             raise ValueError(f"{DATA_SET}/tolerance_0.pb: an attention case needs the bound of every element of its "
