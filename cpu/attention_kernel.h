@@ -456,7 +456,14 @@ struct AttentionKernel {
           if (j < lo[r] || j >= hi[r] || top[r * nh + k] == minus_inf) return 0.0f;
           return scores[(r * nh + k) * span + (j - first)];
         };
-        auto seen = [&](int r, int64_t k, int64_t j) { return j >= lo[r] && j < hi[r] && top[r * nh + k] != minus_inf; };
+        // Whether key j enters row r's sums. A row whose scores are all -inf is zero when the task holds its whole
+        // key range; in a split task it is one part of a row whose other parts may not be, and its visible keys
+        // still enter with weight 0, so that an infinite or NaN value among them makes the merged row NaN, as in
+        // one pass.
+        const bool split = task.partial >= 0;
+        auto seen = [&](int r, int64_t k, int64_t j) {
+          return j >= lo[r] && j < hi[r] && (split || top[r * nh + k] != minus_inf);
+        };
         for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
           const float* value = values.Row(j);
           for (int64_t k = 0; k < nh;) {

@@ -5,11 +5,14 @@
 // run every build). KeyValueCache's builds compute identical bits; MultiHeadAttention's differ only in the
 // summation order of dot products (within the spec's tolerance); only the speed differs.
 #include "kv_cpu.h"
+#include "kv_types.h"
 #include "mha_cpu.h"
 #include "mhca_cpu.h"
+#include "stored_rows_backup.h"
 
 #include <cstdlib>
 #include <cstring>
+#include <new>
 
 namespace kvcache {
 namespace generic {
@@ -377,7 +380,9 @@ void MhaComputeCpu(const MhaArgs& args, const ParallelFor& parallel_for) {
   }
 }
 
-void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
+namespace {
+
+void MhcaComputeChosen(const MhcaArgs& args, const ParallelFor& parallel_for) {
   switch (ChosenKernel()) {
 #ifdef KVCACHE_CPU_AVX512
     case CpuKernel::kAvx512: return avx512::MhcaComputeCpu(args, parallel_for);
@@ -386,6 +391,27 @@ void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
     case CpuKernel::kAvx2: return avx2::MhcaComputeCpu(args, parallel_for);
 #endif
     default: return generic::MhcaComputeCpu(args, parallel_for);
+  }
+}
+
+}  // namespace
+
+void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
+  // The attention's working memory grows with the keys it reads (a page table may name one shared page any number
+  // of times), and is taken after the stores: the rows they overwrite are saved first and put back if the call
+  // fails after them, so a failed call leaves the cache and scale as they were.
+  const Attrs& a = args.attrs->cache;
+  const int32_t cache_type = a.quant_bit == 8 ? int32_t(Elem::kInt8) : a.quant_bit == 4 ? int32_t(Elem::kInt4) : args.t1;
+  const StoredRowsBackup backup(a, args.plan->cache, cache_type, args.scale_type, args.cache, args.scale);
+  try {
+    MhcaComputeChosen(args, parallel_for);
+  } catch (const std::bad_alloc&) {
+    backup.Restore();
+    Fail("MultiHeadCacheAttention: out of memory for the attention's working memory (", args.plan->cache.kv_tokens,
+         " keys over ", args.plan->cache.batch, " sequences); the cache and scale are unchanged");
+  } catch (...) {
+    backup.Restore();
+    throw;
   }
 }
 

@@ -26,7 +26,7 @@ from kvcache_op.reference import multi_head_attention
 from kvcache_op.reference.layout import canonical_view
 from kvcache_op.reference.quantize import dequantize
 from kvcache_op.validation.cases import Seq
-from kvcache_op.validation.mha_cases import build_attention
+from kvcache_op.validation.mha_cases import ATTENTION_CASES, build_attention
 from kvcache_op.validation.mhca_cases import build_cache_attention
 
 
@@ -213,6 +213,18 @@ def test_a_nan_value_under_a_minus_inf_score_makes_the_row_nan_split_or_not(runn
     assert result.report.decode_form == DECODE_FORM[kernel]
     assert np.isnan(result.output[0]).any(), result.output[0]
     assert np.isnan(multi_head_attention(**case.inputs, **case.attributes)[0]).any()  # the reference agrees
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_a_wholly_masked_key_range_holding_non_finite_values_makes_its_columns_non_finite(runner, split):
+    """The named case: a decode and chunks of 2 and 4 queries whose first 1536 keys are hidden by -inf, one of them
+    with an infinite or NaN value. Split over ranges of 256 keys, the ranges with no finite score still carry it."""
+    case = ATTENTION_CASES["mha_masked_key_range_value_not_finite"]()
+    result = check_mha(runner, case, min_blocks=10**6 if split else 1, min_split_keys=256)
+    assert (result.report.split_tiles > 0) == split
+    want = multi_head_attention(**copies(case.inputs), **case.attributes)
+    assert (~np.isfinite(want)).sum(axis=(1, 2)).tolist() == [1] * 7  # one column of each query row
+    assert not np.isfinite(result.output[~np.isfinite(want)]).any()
 
 
 @pytest.mark.parametrize("kernel", ["decode", "staged", "heads", "tile"])

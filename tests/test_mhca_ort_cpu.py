@@ -4,6 +4,10 @@ spec's bound). Long decodes split over their keys (the log-sum-exp merge) match 
 on the thread count; invalid calls and overlapping buffers are refused with the cache unchanged; ppl.pmx's 11-,
 12- and 13-input nodes run."""
 
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -370,3 +374,61 @@ def test_decode_reads_codes_exactly_as_the_gather_gives_them(monkeypatch, kernel
         want[inputs["seqstarts"][b]] = np.repeat(mean, group, axis=0).astype(want.dtype)
     got = ort_call(inputs, case.attributes)[0]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("queries", [2, 4])
+def test_a_split_chunk_keeps_a_non_finite_value_under_a_wholly_masked_key_range(monkeypatch, kernel, queries):
+    """A chunk of 2-4 queries over a long cache is split over its keys. One key range hidden entirely by -inf mask
+    entries still holds a NaN value, whose key enters the sums with weight 0: the merged row is NaN in that column,
+    as in one pass (the range's part had dropped the value, giving a finite row)."""
+    use_cpu_kernel(monkeypatch, kernel)
+    case = build_cache_attention("split-masked-range", [Seq(1000, queries)], heads=1, head_dim=16, group=1,
+                                 t1="float32", mask=True, cache_mode=0)
+    inputs = copies(case.inputs)
+    inputs["attn_mask"][:, :400] = -np.inf  # more than a whole key range of the split
+    inputs["cache"][5, 0, 1, 0, 3] = np.nan  # layout 0 (MaxT, L, 2, H, Dh): the value row of position 5
+    want = multi_head_cache_attention(**copies(inputs), **case.attributes)
+    got = ort_call(inputs, case.attributes)[0]
+    assert np.isnan(want[:, 0, 3]).all() and np.isnan(got[:, 0, 3]).all(), got[:, 0, 3]
+    tolerance = 2 * cache_attention_tolerance(**inputs, **case.attributes)
+    assert_within(got, want.astype(np.float64), tolerance, f"{kernel} build")
+
+
+def test_a_call_whose_attention_cannot_get_its_memory_leaves_the_cache_unchanged():
+    """A page table may name one read-only page at every position, so a 2-page cache can hold a sequence of 2^40
+    keys: the attention's working memory for them cannot be allocated, which happens after the call's stores. The
+    call fails naming the memory, and the stored rows are put back: the cache is unchanged."""
+    script = textwrap.dedent("""
+        import resource
+        import numpy as np
+        from kvcache_op import spec
+        from kvcache_op.ort_ops import make_session, run_model
+
+        page, keys = 1 << 16, 1 << 40
+        table = np.zeros((1, keys // page), np.int64)  # every page the shared one, but the last
+        table[0, -1] = page  # the page the call stores into
+        cache = np.zeros((2 * page, 1, 2, 1, 2), np.float16)
+        cache[:page] = 1.0
+        one = lambda v: np.array([v], np.int64)
+        inputs = dict(query=np.ones((1, 1, 2), np.float16), current_key=np.full((1, 1, 2), 7, np.float16),
+                      current_value=np.full((1, 1, 2), 9, np.float16), seqstarts=np.array([0, 1], np.int64),
+                      kvstarts=np.array([0, keys], np.int64), cachestarts=table, start_pos=one(keys - 1),
+                      decoding_batches=one(0), max_seqlen=one(1), max_kvlen=one(keys), cache=cache)
+        attributes = dict(num_heads=1, head_dim=2, num_kv_heads=1, cache_mode=1, page_size=page, cache_layout=0)
+        model = spec.make_cache_attention_model(inputs, **attributes)
+        session = make_session(model, intra_op_num_threads=1)
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, 8 << 30))  # the working memory: over 100 GiB
+        before = cache.copy()
+        try:
+            run_model(model, inputs, session=session)
+        except Exception as error:
+            assert "out of memory for the attention's working memory" in str(error), error
+            assert "cache and scale are unchanged" in str(error), error
+        else:
+            raise AssertionError("the call ran")
+        assert cache.tobytes() == before.tobytes(), np.argwhere(cache != before)[:4]
+        print("ok")
+    """)
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])

@@ -84,6 +84,24 @@ def masked_key_value_infinite() -> Case:
     return case
 
 
+SPLIT_KEYS = 2048  # keys enough that a backend splits a short chunk's keys into ranges (the project's CPU kernel
+#                    splits 2-4 queries over 512 keys and more, in ranges of 256 or more)
+HIDDEN_KEYS = 1536  # the first keys of each sequence, hidden by -inf: more than a whole range of such a split
+
+
+def masked_key_range_value_not_finite() -> Case:
+    """A decode, a chunk of 2 and one of 4 queries over long contexts whose first keys are all hidden by a -inf
+    mask, among them a key with an infinite or NaN value: a backend that splits the keys computes a range with no
+    finite score apart, and that range must still carry 0 * inf = NaN into the merged row's column."""
+    case = build_attention("mha_masked_key_range_value_not_finite", [(1, SPLIT_KEYS), (2, SPLIT_KEYS), (4, SPLIT_KEYS)],
+                           heads=1, head_dim=4, decoding=1, mask=2, t="float32")
+    for b, special in enumerate((np.inf, np.nan, -np.inf)):
+        first = b * SPLIT_KEYS
+        case.inputs["attn_mask"][:, first:first + HIDDEN_KEYS] = -np.inf
+        case.inputs["value"][first + 10 + 300 * b, 0, b] = special
+    return case
+
+
 def query_infinite(softcap=0.0) -> Case:
     """An infinity in a query: its scores are infinite, so its row is not finite; with a softcap the cap takes an
     infinite score to +-softcap, and the row is finite."""
@@ -142,6 +160,7 @@ def _registry():
     cases["mha_hidden_keys_not_finite"] = hidden_keys_not_finite
     cases["mha_live_values_not_finite"] = live_values_not_finite
     cases["mha_masked_key_value_infinite"] = masked_key_value_infinite
+    cases["mha_masked_key_range_value_not_finite"] = masked_key_range_value_not_finite
     cases["mha_query_infinite"] = query_infinite
     cases["mha_softcap_query_infinite"] = lambda: query_infinite(softcap=4.0)
     cases["mha_saturating_float16"] = saturating_float16
