@@ -4,7 +4,7 @@ import numpy as np
 
 from .layout import canonical_view
 from .quantize import dequantize, quantize
-from .validate import Attributes, check_writable, effective_scale, validate_call
+from .validate import Attributes, KeyValueCacheError, check_writable, effective_scale, validate_call
 
 
 def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
@@ -19,7 +19,9 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     """
     attrs = Attributes(num_layer, layer_idx, quant_bit, quant_group, num_repeat, cache_mode, cache_layout,
                        page_size)
-    current = (np.asarray(current_key), np.asarray(current_value))
+    # The call on copies (spec: the reference works on values): a current_value that is a view of rows the stores
+    # write must still be what it was when the call began.
+    current = (np.array(current_key, copy=True), np.array(current_value, copy=True))
     scale = effective_scale(scale, quant_bit)
     plan = validate_call(*current, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen, max_kvlen,
                          cache, scale, attrs)
@@ -27,12 +29,17 @@ def key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts
     # Canonical (L, 2, H, MaxT, last) views of this layer: [kv][h, slot, :] writes into cache / scale.
     layer_cache = canonical_view(cache, cache_layout)[layer_idx]
     layer_scale = None if scale is None else canonical_view(scale, cache_layout)[layer_idx]
-    out_dtype = current_key.dtype
+    out_dtype = current[0].dtype
     batch = len(plan.seq_len)
     # The outputs first: an allocation failure must not come after the cache was written.
-    heads, head_dim = current_key.shape[1:]
+    heads, head_dim = current[0].shape[1:]
     total = plan.kv_begin[-1] + plan.kv_len[-1] if batch else 0
-    outputs = [np.empty((total, heads * num_repeat, head_dim), dtype=out_dtype) for _ in (0, 1)]
+    shape = (total, heads * num_repeat, head_dim)
+    try:
+        outputs = [np.empty(shape, dtype=out_dtype) for _ in (0, 1)]
+    except MemoryError:  # spec: an output that fits in int64 but cannot be allocated is an error too
+        raise KeyValueCacheError(f"outputs key and value of shape {list(shape)} {out_dtype} could not be allocated") \
+            from None
 
     # 1. All stores: cache[slot(b, start_pos[b] + i)] = Q(current[seqstarts[b] + i]).
     for b in range(batch):

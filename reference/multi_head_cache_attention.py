@@ -10,6 +10,11 @@ from .multi_head_attention import multi_head_attention
 from .validate import Attributes, effective_scale, validate_call
 
 
+def _copy(x):
+    """An owned copy of an input (None stays None)."""
+    return None if x is None else np.array(x, copy=True)
+
+
 def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos,
                                decoding_batches, max_seqlen, max_kvlen, cache, scale=None, attn_mask=None, *,
                                num_heads, head_dim, num_kv_heads=0, is_causal=1, is_alibi=0, softmax_scale=0.0,
@@ -31,7 +36,11 @@ def multi_head_cache_attention(query, current_key, current_value, seqstarts, kvs
                      softcap=softcap)
     cache_attrs = dict(num_layer=num_layer, layer_idx=layer_idx, quant_bit=quant_bit, quant_group=quant_group,
                        num_repeat=1, cache_mode=cache_mode, cache_layout=cache_layout, page_size=page_size)
-    current_key, current_value = np.asarray(current_key), np.asarray(current_value)
+    # The call on copies (spec: the index inputs are read once, and the reference works on values): the stores below
+    # must not change what the attention then reads, whatever memory the inputs share with the cache.
+    query, current_key, current_value, attn_mask = (_copy(x) for x in (query, current_key, current_value, attn_mask))
+    seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen, max_kvlen = (
+        _copy(x) for x in (seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen, max_kvlen))
     # 1. Every rule of KeyValueCache, then every rule of MultiHeadAttention on keys of the shape and type the
     #    gather would give (not gathered yet: nothing is written before the whole call is known valid).
     plan = validate_call(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
@@ -57,9 +66,8 @@ def cache_attention_tolerance(query, current_key, current_value, seqstarts, kvst
     bound over the keys and values the call gathers. Works on copies: ``cache`` and ``scale`` stay as given."""
     from .attention_tolerance import attention_tolerance
 
-    copy = (lambda x: None if x is None else np.array(x, copy=True))
     key, value = key_value_cache(current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, max_seqlen,
-                                 max_kvlen, copy(cache), copy(scale), num_layer=num_layer, layer_idx=layer_idx,
+                                 max_kvlen, _copy(cache), _copy(scale), num_layer=num_layer, layer_idx=layer_idx,
                                  quant_bit=quant_bit, quant_group=quant_group, num_repeat=1, cache_mode=cache_mode,
                                  cache_layout=cache_layout, page_size=page_size)
     return attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,

@@ -148,10 +148,10 @@ def test_a_backend_returning_none_for_an_invalid_call_fails_every_invalid_case(a
     ("zeroes_unquantized_specials", MOVED_SPECIALS),
     ("canonical_nans", MOVED_SPECIALS),
     ("attention_not_finite_zeroed", {"mha_live_values_not_finite", "mha_masked_key_value_infinite",
-                                     "mha_query_infinite"}),
+                                     "mha_masked_key_range_value_not_finite", "mha_query_infinite"}),
     ("attention_not_saturating", {"mha_saturating_float16"}),
     ("attention_non_finite_moved", {"mha_live_values_not_finite", "mha_masked_key_value_infinite",
-                                    "mha_query_infinite"}),
+                                    "mha_masked_key_range_value_not_finite", "mha_query_infinite"}),
 ])
 def test_bugs_at_the_bounds_and_at_special_values_fail_their_cases(all_vectors, monkeypatch, bug, cases):
     """Each bug shows only at a bound (the last slot of the cache), at a special value (a group of zeros, whose
@@ -289,3 +289,40 @@ def test_a_read_only_input_removed_added_retyped_or_reshaped_is_named_as_such():
     assert read_only_changes("KeyValueCache", {"start_pos": None}, {"start_pos": start_pos}) == (
         "start_pos: the backend changed this read-only input (added)",)
     assert read_only_changes("KeyValueCache", {"start_pos": None}, {}) == ()
+
+
+def _payload(bits: int) -> np.float32:
+    return np.array(bits, np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("tolerance", ["exact", "spec"])
+def test_a_nan_payload_changed_where_the_call_writes_nothing_fails(tolerance):
+    """Every slot a call does not store or rotate keeps every bit, a NaN's payload too (only a NaN the call computes
+    may come back with another payload): a rotary cache's untouched slot and a quantized cache's unstored scale."""
+    from kvcache_op.reference import rotary_shift_tables
+    from kvcache_op.validation.compare import compare
+    from kvcache_op.validation.outcome import Outcome, reference_outcome
+
+    cos, sin = rotary_shift_tables(np.array([1.0]), 4)
+    cache = np.zeros((4, 1, 2, 1, 4), np.float32)
+    cache[1, 0, 0, 0, 1] = cache[3, 0, 0, 0, 0] = _payload(0x7FC00123)  # slot 1 is rotated, slot 3 is not
+    rotary = dict(cache=cache, scale=None, slots=np.array([1]), cos=cos, sin=sin)
+    want = reference_outcome("KeyCacheRotaryShift", rotary, {})
+    for slot, fails in ((1, False), (3, True)):
+        changed = want.after["cache"].copy()
+        changed[slot, 0, 0, 0, int(slot == 1)] = _payload(0x7FC00000)
+        got = Outcome(dict(want.outputs), {"cache": changed})
+        assert bool(compare("KeyCacheRotaryShift", rotary, {}, want, got, tolerance)) == fails, slot
+
+    scale = np.ones((4, 1, 2, 1, 1), np.float32)
+    scale[3, 0, 0, 0, 0] = _payload(0x7FC00123)  # slot 3: not stored
+    one = np.ones((1, 1, 4), np.float32)
+    call = dict(current_key=one, current_value=one, seqstarts=np.array([0, 1]), kvstarts=np.array([0, 1]),
+                cachestarts=np.array([0]), start_pos=np.array([0]), max_seqlen=np.array(1), max_kvlen=np.array(1),
+                cache=np.zeros((4, 1, 2, 1, 4), np.int8), scale=scale)
+    attributes = dict(quant_bit=8, quant_group=4)
+    want = reference_outcome("KeyValueCache", call, attributes)
+    changed = want.after["scale"].copy()
+    changed[3, 0, 0, 0, 0] = _payload(0x7FC00000)
+    got = Outcome(dict(want.outputs), {"cache": want.after["cache"], "scale": changed})
+    assert compare("KeyValueCache", call, attributes, want, got, tolerance)

@@ -222,7 +222,7 @@ def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolera
     if ctx.op in CACHE_OPS and not ctx.quantized and name in ("cache", "key", "value"):
         return bits_differ(got, want, nan_payloads=True)  # unquantized data movement is exact, a NaN's bits too
     if tolerance == "exact" or not ctx.quantized or ctx.slots is None:
-        return bits_differ(got, want)
+        return _bits_outside(ctx, name, got, want)
     if name in ("cache", "scale"):
         stored = ctx.slots.stored(scale=name == "scale")
         if name == "cache":
@@ -233,6 +233,38 @@ def _outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray, tolera
         return spec_tolerance.outputs_outside(got, want, pair, pair, ctx.expected.after["scale"].dtype, own=False)
     got_pair, want_pair = ctx.pairs(0 if name == "key" else 1)
     return spec_tolerance.outputs_outside(got, want, got_pair, want_pair, ctx.expected.after["scale"].dtype)
+
+
+def _written(ctx: _Context, name: str):
+    """Mask of the elements of the in-place tensor ``name`` the call writes (KeyValueCache's stored slots, the rotated
+    slots' key rows); None where that is not known."""
+    if name not in ("cache", "scale") or not _same_form(ctx.got.after.get(name), ctx.expected.after.get(name)):
+        return None
+    if ctx.op in CACHE_OPS:
+        if ctx.slots is None:
+            return None
+        if name == "scale" and ctx.slots.scale_shape is None:  # not quantized: the call writes no scale
+            return np.zeros(ctx.expected.after[name].shape, bool)
+        return ctx.slots.stored(scale=name == "scale")
+    if ctx.op == "KeyCacheRotaryShift":
+        from ..reference.layout import canonical_view
+
+        mask = np.zeros(ctx.expected.after[name].shape, bool)
+        if mask.ndim != 5 or (name == "scale" and not int(ctx.attributes.get("quant_bit", 0))):
+            return mask  # an unquantized call's scale placeholder: never written
+        slots = np.asarray(ctx.inputs["slots"], np.int64)
+        canonical_view(mask, int(ctx.attributes.get("cache_layout", 0)))[int(ctx.attributes.get("layer_idx", 0)), 0][
+            :, slots, :] = True
+        return mask
+    return None
+
+
+def _bits_outside(ctx: _Context, name: str, got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """Elements whose bits differ. A NaN the call computes may have any payload; an element the call leaves (every
+    other slot, head and layer) keeps every bit, a NaN's payload too."""
+    loose = bits_differ(got, want)
+    written = _written(ctx, name)
+    return loose if written is None else np.where(written, loose, bits_differ(got, want, nan_payloads=True))
 
 
 def _attention_outside(g: np.ndarray, w: np.ndarray, bound: np.ndarray) -> np.ndarray:

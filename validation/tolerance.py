@@ -67,13 +67,14 @@ def codes_outside(got_codes, want_codes, stored) -> np.ndarray:
 
 
 def scales_outside(got, want, stored, t1) -> np.ndarray:
-    """Scales beyond half an ulp of T1 plus one ulp of T3 in stored elements, or differing elsewhere (bits)."""
+    """Scales beyond half an ulp of T1 plus one ulp of T3 in stored elements, or differing elsewhere (every bit, a
+    NaN's payload too: those are left as they were)."""
     g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
     special, bad_special = special_values(g, w)
     with np.errstate(invalid="ignore"):
         magnitude = np.maximum(np.abs(g), np.abs(w))  # the larger binade, should the two straddle one
         outside = ~(np.abs(g - w) <= 0.5 * ulp(magnitude, t1) + ulp(magnitude, want.dtype))
-    return np.where(stored, np.where(special, bad_special, outside), bits_differ(got, want))
+    return np.where(stored, np.where(special, bad_special, outside), bits_differ(got, want, nan_payloads=True))
 
 
 def outputs_outside(got, want, got_pair, want_pair, t3, own=True) -> np.ndarray:
