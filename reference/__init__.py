@@ -7,7 +7,7 @@ part of the package may hold itself to it, and it depends on none of them.
 
 from .dtypes import BFLOAT16, INT4
 from .key_value_cache import key_value_cache
-from .attention_tolerance import attention_error_bound, attention_tolerance
+from .attention_tolerance import attention_error_bound, attention_exact, attention_tolerance
 from .layout import cache_shape, canonical_view
 from .mha_op_run import MultiHeadAttention
 from .mhca_op_run import MultiHeadCacheAttention
@@ -22,7 +22,7 @@ from .validate import Attributes, KeyValueCacheError
 
 __all__ = [
     "BFLOAT16", "INT4", "Attributes", "KeyCacheRotaryShift", "KeyValueCache", "KeyValueCacheError", "MultiHeadAttention",
-    "MultiHeadAttentionError", "MultiHeadCacheAttention", "alibi_slope", "alibi_slopes", "apply_rope", "attention_error_bound", "attention_tolerance", "cache_attention_tolerance",
+    "MultiHeadAttentionError", "MultiHeadCacheAttention", "alibi_slope", "alibi_slopes", "apply_rope", "attention_error_bound", "attention_exact", "attention_tolerance", "cache_attention_tolerance",
     "cache_shape", "canonical_view", "dequantize", "key_cache_rotary_shift", "key_value_cache",
     "multi_head_attention", "multi_head_cache_attention", "pack_int4", "quantize", "rotary_shift_tables", "unpack_int4",
 ]

@@ -159,3 +159,75 @@ def test_the_kit_accepts_an_attention_output_of_the_same_infinity_and_no_other()
         changed[2, 0, 0] = wrong
         got = Outcome(outputs={"attention_output": changed}, tolerance=want.tolerance)
         assert compare("MultiHeadAttention", case.inputs, case.attributes, want, got, "spec"), wrong
+
+
+def _judged(inputs, attributes, output) -> list:
+    """The kit's problems with ``output`` as a MultiHeadAttention backend's answer to the call."""
+    from kvcache_op.validation.compare import compare
+    from kvcache_op.validation.outcome import Outcome, reference_outcome
+
+    want = reference_outcome("MultiHeadAttention", inputs, attributes)
+    got = Outcome(outputs={"attention_output": np.asarray(output, np.float32)}, tolerance=want.tolerance)
+    return compare("MultiHeadAttention", inputs, attributes, want, got, "spec")
+
+
+def _one_query(key, value, **attributes):
+    lengths = dict(seqstarts=np.array([0, 1]), kvstarts=np.array([0, len(key)]), decoding_batches=np.array(0),
+                   max_seqlen=np.array(1), max_kvlen=np.array(len(key)))
+    query = np.ones((1, 1, key.shape[-1]), np.float32)
+    return dict(query=query, key=key[:, None, :].astype(np.float32), value=value[:, None, :].astype(np.float32),
+                **lengths), dict(num_heads=1, head_dim=key.shape[-1], softmax_scale=1.0, **attributes)
+
+
+def test_a_row_whose_weighted_sum_overflows_float32_may_be_infinite_or_exact():
+    """Two values of 3e38 under equal scores: the exact output is 3e38. Summing before the division overflows to inf
+    (the reference), dividing first gives 3e38 (allowed: the spec leaves the order open): both pass; a finite wrong
+    answer does not."""
+    inputs, attributes = _one_query(np.zeros((2, 1)), np.full((2, 1), 3e38))
+    assert np.isinf(multi_head_attention(**inputs, **attributes)).all()
+    assert _judged(inputs, attributes, [[[3e38]]]) == []
+    assert _judged(inputs, attributes, [[[np.inf]]]) == []
+    assert _judged(inputs, attributes, [[[1e38]]])
+
+
+def test_a_dot_product_that_overflows_in_one_order_and_not_another_passes_either_way():
+    """q . k = 3e38 + 3e38 - 3e38 - 3e38: the reference's order overflows (a NaN row); another gives 0, exactly, and
+    the row [2.46, ...] of the exact softmax. Both pass (the order is free); a row far from the exact one fails only
+    where its bound, which the overflowing scores make huge, says so."""
+    key = np.array([[3e38, 3e38, -3e38, -3e38], [0, 0, 0, 0]])
+    inputs, attributes = _one_query(key, np.array([[1.0] * 4, [3.0] * 4]))
+    assert np.isnan(multi_head_attention(**inputs, **attributes)).all()
+    assert _judged(inputs, attributes, np.full((1, 1, 4), 2.0)) == []  # the exact row: 1 and 3 equally weighted
+    assert _judged(inputs, attributes, np.full((1, 1, 4), np.nan)) == []
+    assert _judged(inputs, attributes, np.full((1, 1, 4), 1e35))  # the bound here is about 8e33
+
+
+def test_a_fully_masked_row_with_a_nan_score_is_nan_not_zero():
+    """Spec: a NaN score is not -inf, even under a -inf mask entry; a backend that skips masked keys (zero row)
+    fails."""
+    inputs, attributes = _one_query(np.ones((2, 2)), np.ones((2, 2)))
+    inputs["query"][0, 0, 0] = np.nan
+    inputs["attn_mask"] = np.full((1, 2), -np.inf, np.float32)
+    assert np.isnan(multi_head_attention(**inputs, **attributes)).all()
+    assert _judged(inputs, attributes, np.zeros((1, 1, 2)))
+    assert _judged(inputs, attributes, np.full((1, 1, 2), np.nan)) == []
+
+
+def test_the_fused_ops_rows_past_float32_range_are_judged_against_the_exact_value():
+    """MultiHeadCacheAttention: a decode over a history of values 3e38 under equal scores (the exact output 3e38;
+    the reference's sum overflows): a backend dividing first passes, as does inf; a finite wrong answer fails."""
+    from kvcache_op.validation.cases import Seq
+    from kvcache_op.validation.compare import compare
+    from kvcache_op.validation.mhca_cases import build_cache_attention
+    from kvcache_op.validation.outcome import Outcome, reference_outcome
+
+    case = build_cache_attention("range", [Seq(3, 1)], heads=1, head_dim=1, group=1, t1="float32", cache_mode=0)
+    case.inputs["query"][:] = 0.0  # equal scores
+    case.inputs["cache"][:, 0, 1] = 3e38  # layout 0 (MaxT, L, 2, H, Dh): every value row
+    case.inputs["current_value"][:] = 3e38
+    want = reference_outcome("MultiHeadCacheAttention", case.inputs, case.attributes)
+    assert np.isinf(want.outputs["output"]).all()
+    for answer, passes in ((3e38, True), (np.inf, True), (1e38, False)):
+        got = Outcome(outputs={"output": np.full((1, 1, 1), answer, np.float32)}, after=dict(want.after),
+                      tolerance=want.tolerance)
+        assert (compare("MultiHeadCacheAttention", case.inputs, case.attributes, want, got, "spec") == []) == passes

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 
 from attention_strategies import attention_calls
 from kvcache_op.reference import (BFLOAT16, MultiHeadAttentionError, alibi_slopes, attention_error_bound,
-                                  attention_tolerance, multi_head_attention)
+                                  attention_exact, attention_tolerance, multi_head_attention)
 from kvcache_op.validation.mha_cases import ATTENTION_CASES, build_attention
 from naive_attention import naive_attention, paper_slopes
 
@@ -56,6 +56,32 @@ def test_reference_tolerance_is_the_oracles(case):
     """attention_tolerance (the reference's n, V, A) and the oracle's agree."""
     _, bound = oracle(case)
     np.testing.assert_allclose(attention_tolerance(**case.inputs, **case.attributes), bound, rtol=1e-6, atol=0)
+
+
+@given(attention_calls())
+def test_attention_exact_is_the_oracles_exact_result(case):
+    """attention_exact (the kit's float64 evaluation for rows outside float32's range) agrees with the oracle's o*;
+    no drawn call leaves float32's range."""
+    exact, _ = oracle(case)
+    got, out_of_range = attention_exact(**case.inputs, **case.attributes)
+    np.testing.assert_allclose(got, exact, rtol=1e-9, atol=1e-300)
+    assert not out_of_range.any()
+
+
+@pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
+def test_named_cases_are_within_float32_range(name):
+    """The vectors' recorded bound holds in every row of every named case (none outside float32's range)."""
+    case = ATTENTION_CASES[name]()
+    assert not attention_exact(**case.inputs, **case.attributes)[1].any()
+
+
+def test_rows_past_float32_range_are_found():
+    """A value column whose n * V reaches 2^126, or a dot product whose terms do, puts its row outside the range."""
+    case = build_attention("range", [(1, 4), (1, 4)], heads=1, head_dim=2, t="float32", decoding=2)
+    assert not attention_exact(**case.inputs, **case.attributes)[1].any()
+    case.inputs["value"][1, 0, 1] = 2.0**125  # sequence 0: 4 keys, n * V = 2^127
+    case.inputs["query"][1, 0, 0], case.inputs["key"][6, 0, 0] = 1.0, 2.0**126  # sequence 1: a term of 2^126
+    assert attention_exact(**case.inputs, **case.attributes)[1].tolist() == [[True], [True]]
 
 
 @pytest.mark.parametrize("name", sorted(ATTENTION_CASES))
