@@ -75,8 +75,9 @@ def attention_tolerance(query, key, value, seqstarts, kvstarts, decoding_batches
     cap = float(np.float32(call.a.softcap))
     for rows, h, q, k, v, visible, mask, bias in _head_blocks(call):
         v = np.abs(v)
-        score = float(call.plan.scale) * (q @ k.T)
-        size = float(call.plan.scale) * (np.abs(q) @ np.abs(k).T)
+        with np.errstate(invalid="ignore", over="ignore"):  # inf * 0 in a dot product: a NaN score, its row open
+            score = float(call.plan.scale) * (q @ k.T)
+            size = float(call.plan.scale) * (np.abs(q) @ np.abs(k).T)
         if cap:  # spec: the dot-product term counts twice under the cap (its own roundings)
             score = cap * np.tanh(score / cap)
             size = 2 * size

@@ -38,7 +38,7 @@ def call_strategy(ops, kinds=("valid", "invalid")):
     dense = strategies.calls(quant_bits=(8, 4), head_dims=(8, 16), min_batch=1, min_len=1)
     valid = {"KeyValueCache": st.one_of(strategies.calls(), dense),
              "KeyCacheRotaryShift": strategies.shift_calls().map(lambda call: Case("fuzz", *call)),
-             "MultiHeadAttention": strategies.attention_calls(),
+             "MultiHeadAttention": strategies.attention_calls(special_values=True),
              "MultiHeadCacheAttention": strategies.cache_attention_calls()}
     invalid = {"KeyValueCache": invalid_strategies.invalid_kv_calls(),
                "KeyCacheRotaryShift": invalid_strategies.invalid_rotary_calls(),

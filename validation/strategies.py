@@ -133,14 +133,31 @@ def shift_calls(draw):
 
 ATTENTION_DTYPES = ("float32", "float16", "bfloat16")
 
+#: The non-finite values an attention call may hold: each reaches a row by the spec's rules ("Non-finite values").
+ATTENTION_SPECIALS = (np.inf, -np.inf, np.nan)
+
+
+def with_attention_special_values(case, seed: int):
+    """``case`` with one to three of :data:`ATTENTION_SPECIALS` planted at random elements of ``query``, ``key``,
+    ``value`` and ``attn_mask`` (where they have any)."""
+    rng = np.random.default_rng(seed)
+    present = [n for n in ("query", "key", "value", "attn_mask") if case.inputs.get(n) is not None]
+    names = [n for n in present if case.inputs[n].size]
+    for _ in range(int(rng.integers(1, 4)) if names else 0):
+        name = names[int(rng.integers(len(names)))]
+        array = case.inputs[name] = np.array(case.inputs[name], copy=True)
+        array.reshape(-1)[rng.integers(array.size)] = ATTENTION_SPECIALS[int(rng.integers(len(ATTENTION_SPECIALS)))]
+    return case
+
 
 @st.composite
 def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, head_dims=(1, 2, 3, 4, 8, 16),
-                    max_seqlen=5):
+                    max_seqlen=5, special_values=False):
     """A valid MultiHeadAttention call (GQA, causal on/off, decoding sequences, windows, masks of both ranks
     with -inf entries and unread columns, ALiBi, empty sequences, all three dtypes): a spec.cases.Case.
     Sequences hold up to ``max_seqlen`` queries (more than a kernel's tile of query rows reaches its tiled
-    prefill path)."""
+    prefill path). With ``special_values``, one call in three holds infinities or NaNs
+    (:func:`with_attention_special_values`)."""
     heads = draw(st.sampled_from((1, 2, 3, 4, 6)))
     kv_heads = draw(st.sampled_from([0] + [k for k in (1, 2, 3, 6) if heads % k == 0]))
     batch = draw(st.integers(0, max_batch))
@@ -154,7 +171,7 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
             kvlen = seqlen + draw(st.integers(0, 3))  # the causal rule needs seqlen <= kvlen
         seqs.append((seqlen, kvlen))
     mask = draw(st.sampled_from((None, None, 2, 3)))
-    return build_attention(
+    case = build_attention(
         "hypothesis", seqs, heads=heads, kv_heads=kv_heads, head_dim=draw(st.sampled_from(head_dims)),
         t=draw(st.sampled_from(dtypes)), decoding=decoding, is_causal=is_causal, is_alibi=draw(st.integers(0, 1)),
         sliding_window=draw(st.sampled_from((0, 0, 1, 2, 3, 5, 100))),
@@ -163,6 +180,9 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
         mask_extra_cols=draw(st.integers(0, 2)), mask_neg_inf=draw(st.sampled_from((0.0, 0.3, 0.9))),
         scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
     )
+    if special_values and draw(st.integers(0, 2)) == 0:
+        case = with_attention_special_values(case, draw(st.integers(0, 2**32 - 1)))
+    return case
 
 
 @st.composite
