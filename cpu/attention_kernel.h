@@ -310,6 +310,7 @@ struct TaskRange {
   int64_t b, h0, h1;     // sequence b, query heads [h0, h1)
   int64_t j0, j1;        // keys [j0, j1) of the sequence (all of them when not split)
   int64_t partial = -1;  // split tasks: the first float of their partial results; -1 writes the output
+  int64_t hidden = -1;   // split tasks under a mask: the first of their rows' flags "the mask hides every key"
 };
 
 // The tasks of one split (sequence, head chunk): merged into the output once all have run.
@@ -333,6 +334,7 @@ struct AttentionKernel {
   const void* mask;   // nullptr when absent
   void* out;          // [tokens, num_heads, head_dim]
   float* partials = nullptr;
+  const char* hidden_rows = nullptr;  // per split (row, head): the mask hides every key the row sees
 
   // A scaled score under the softcap extension: softcap * tanh(s / softcap) in float32; as it is when off.
   float Capped(float s) const { return a.softcap != 0.0f ? a.softcap * std::tanh(s / a.softcap) : s; }
@@ -367,6 +369,17 @@ struct AttentionKernel {
     if (a.sliding_window) *lo = static_cast<int64_t>(std::clamp<Big>(Big(q) - a.sliding_window + 1, 0, K));
   }
 
+  // Whether the mask hides (-inf) every key query i of sequence b sees for head h.
+  bool MaskHidesRow(int64_t b, int64_t S, int64_t K, int64_t i, int64_t h) const {
+    if (!p.mask_rank) return false;
+    int64_t lo = 0, hi = 0;
+    VisibleRange(b, S, K, i, &lo, &hi);
+    const T* row = MaskRow(h, p.seqstarts[b] + i) + p.kvstarts[b];
+    for (int64_t j = lo; j < hi; ++j)
+      if (T1::ToFloat(row[j]) != -std::numeric_limits<float>::infinity()) return false;
+    return true;
+  }
+
   // Floats of one split task's partial results: per (row, head) its max, its sum, then head_dim of output.
   int64_t PartialFloats(int64_t S, int64_t nh) const { return std::min<int64_t>(kRows, S) * nh * (a.head_dim + 2); }
 
@@ -394,6 +407,7 @@ struct AttentionKernel {
     const int64_t block = std::min<int64_t>(kRows, S);
     std::vector<float> q(kRows * nh * D), acc(kRows * nh * D), scores(block * nh * span), top(kRows * nh),
         sum(kRows * nh), slope(nh);
+    std::vector<char> enters(kRows * nh);
     for (int64_t k = 0; k < nh; ++k) slope[k] = a.is_alibi ? kvcache::AlibiSlope(h0 + k, H) : 0.0f;
     const float minus_inf = -std::numeric_limits<float>::infinity();
     // Heads k .. k + 3 of the chunk read the same kv head (a GQA group of 4 or more): one pass over its key
@@ -456,14 +470,16 @@ struct AttentionKernel {
           if (j < lo[r] || j >= hi[r] || top[r * nh + k] == minus_inf) return 0.0f;
           return scores[(r * nh + k) * span + (j - first)];
         };
-        // Whether key j enters row r's sums. A row whose scores are all -inf is zero when the task holds its whole
+        // Whether row r's keys enter its sums. A row whose scores are all -inf is zero when the task holds its whole
         // key range; in a split task it is one part of a row whose other parts may not be, and its visible keys
         // still enter with weight 0, so that an infinite or NaN value among them makes the merged row NaN, as in
-        // one pass.
-        const bool split = task.partial >= 0;
-        auto seen = [&](int r, int64_t k, int64_t j) {
-          return j >= lo[r] && j < hi[r] && (split || top[r * nh + k] != minus_inf);
-        };
+        // one pass. Unless the mask hides every key the row sees (a padding row): the merge zeroes it whatever its
+        // parts hold (a NaN score elsewhere makes it NaN there), so its values need not be read.
+        for (int r = 0; r < rows; ++r)
+          for (int64_t k = 0; k < nh; ++k)
+            enters[r * nh + k] = top[r * nh + k] != minus_inf ||
+                                 (task.partial >= 0 && !(task.hidden >= 0 && hidden_rows[task.hidden + r * nh + k]));
+        auto seen = [&](int r, int64_t k, int64_t j) { return j >= lo[r] && j < hi[r] && enters[r * nh + k]; };
         for (int64_t j = lo[0]; j < hi[rows - 1]; ++j) {
           const float* value = values.Row(j);
           for (int64_t k = 0; k < nh;) {
@@ -889,6 +905,7 @@ struct AttentionKernel {
     const int64_t want_parts = unsplit > 0 && unsplit < kMinStreamTasks ? (kMinStreamTasks + unsplit - 1) / unsplit : 1;
     std::vector<TaskRange> tasks;
     std::vector<MergeRange> merges;
+    std::vector<char> hidden;  // MaskHidesRow of every split (row, head), once for all the split's tasks
     int64_t partial_floats = 0;
     for (int64_t b = 0; b < p.batch; ++b) {
       const int64_t S = p.seqstarts[b + 1] - p.seqstarts[b], K = p.kvstarts[b + 1] - p.kvstarts[b];
@@ -903,14 +920,19 @@ struct AttentionKernel {
           continue;
         }
         merges.push_back({b, h, h1, static_cast<int64_t>(tasks.size()), split});
+        const int64_t flags = p.mask_rank ? static_cast<int64_t>(hidden.size()) : -1;
+        if (p.mask_rank)  // S <= kStreamQueries rows: a live row's scan stops at its first key not -inf
+          for (int64_t r = 0; r < S; ++r)
+            for (int64_t k = h; k < h1; ++k) hidden.push_back(MaskHidesRow(b, S, K, r, k));
         for (int64_t j = 0; j < K; j += part_keys) {
-          tasks.push_back({b, h, h1, j, std::min(K, j + part_keys), partial_floats});
+          tasks.push_back({b, h, h1, j, std::min(K, j + part_keys), partial_floats, flags});
           partial_floats += PartialFloats(S, h1 - h);
         }
       }
     }
     std::vector<float> partial_store(static_cast<size_t>(partial_floats));
     partials = partial_store.data();
+    hidden_rows = hidden.data();
     // Each task reads subnormal scales and scores as they are, whatever the caller's float mode. A task's exception
     // (an allocation failure) is the ParallelFor's to keep and rethrow once every task has returned (kv_cpu.h), so a
     // failed pass ends the call before the merges.

@@ -16,6 +16,10 @@ StoredRowsBackup::StoredRowsBackup(const Attrs& a, const CallPlan& p, int32_t ca
   auto byte_offset = [&](int64_t elements) { return int4 ? elements / 2 : elements * elem_bytes; };
   const int64_t scale_bytes = scale ? TensorBytes(scale_type, {p.groups}) : 0;
   const int64_t scale_elem = scale ? scale_bytes / p.groups : 0;
+  // One allocation: every stored token's key and value rows of every head (a run per row at most).
+  const auto rows = static_cast<size_t>(p.tokens) * 2 * static_cast<size_t>(p.heads);
+  saved_.reserve(rows * static_cast<size_t>(row_bytes + scale_bytes));
+  runs_.reserve(rows * (scale ? 2 : 1));
   for (int64_t b = 0; b < p.batch; ++b)
     for (int64_t i = 0; i < p.seqstarts[b + 1] - p.seqstarts[b]; ++i) {
       const int64_t slot = SlotOf(p, a, b, static_cast<uint64_t>(p.start_pos[b]) + static_cast<uint64_t>(i));

@@ -102,9 +102,10 @@ def attention_exact(query, key, value, seqstarts, kvstarts, decoding_batches, ma
                     softmax_scale=0.0, softcap=0.0) -> tuple:
     """``(exact, out_of_range)``: the semantics evaluated in float64 (float64 array of the output's shape; non-finite
     inputs give the non-finite elements the spec's rules give), and a boolean ``(T, num_heads)`` of the rows outside
-    float32's range (spec "Tolerance"): for a visible key, ``max(1, scale) * sum_d |q_d k_d| + |mask| + |alibi|``, or
-    for a column ``n * V``, reaches :data:`FLOAT32_RANGE_LIMIT` (finite inputs only). In such a row float32 arithmetic
-    may overflow in one order and not in another."""
+    float32's range (spec "Tolerance"): for a visible key, ``max(1, scale) * sum_d |q_d k_d|`` plus the positive parts
+    of its mask entry and ALiBi bias, or the row's largest score in magnitude, or for a column ``n * V``, reaches
+    :data:`FLOAT32_RANGE_LIMIT` (finite inputs only). In such a row float32 arithmetic may overflow in one order and
+    not in another. A large negative mask entry alone (a padding key's) does not: its score only goes lower."""
     call = prepare_attention(query, key, value, seqstarts, kvstarts, decoding_batches, max_seqlen, max_kvlen,
                              attn_mask, num_heads=num_heads, head_dim=head_dim, is_causal=is_causal, is_alibi=is_alibi,
                              num_kv_heads=num_kv_heads, sliding_window=sliding_window, softmax_scale=softmax_scale,
@@ -123,10 +124,10 @@ def attention_exact(query, key, value, seqstarts, kvstarts, decoding_batches, ma
             if mask is not None:
                 effective &= mask != -np.inf
                 score = score + mask
-                size = size + finite(mask)
+                size = size + np.maximum(np.where(np.isfinite(mask), mask, 0.0), 0.0)
             if bias is not None:
                 score = score + bias
-                size = size + np.abs(bias)
+                size = size + np.maximum(bias, 0.0)
             score = np.where(visible, score, -np.inf)
             top = np.max(score, axis=1, initial=-np.inf)  # NaN propagates: a NaN score keeps its row live
             live = top != -np.inf
@@ -136,6 +137,7 @@ def attention_exact(query, key, value, seqstarts, kvstarts, decoding_batches, ma
             exact[rows, h, :] = np.where(live[:, None], terms.sum(axis=1) / np.where(live, total, 1.0)[:, None], 0.0)
             n = effective.sum(axis=1)
             v_max = np.where(effective[:, :, None], finite(v)[None, :, :], 0.0).max(axis=1, initial=0.0)
-            out_of_range[rows, h] = (np.where(visible, size, 0.0).max(axis=1, initial=0.0) >= FLOAT32_RANGE_LIMIT) | (
+            largest = np.maximum(np.where(visible, size, 0.0).max(axis=1, initial=0.0), finite(top))
+            out_of_range[rows, h] = (largest >= FLOAT32_RANGE_LIMIT) | (
                 (n[:, None] * v_max).max(axis=1, initial=0.0) >= FLOAT32_RANGE_LIMIT)
     return exact, out_of_range

@@ -231,3 +231,18 @@ def test_the_fused_ops_rows_past_float32_range_are_judged_against_the_exact_valu
         got = Outcome(outputs={"output": np.full((1, 1, 1), answer, np.float32)}, after=dict(want.after),
                       tolerance=want.tolerance)
         assert (compare("MultiHeadCacheAttention", case.inputs, case.attributes, want, got, "spec") == []) == passes
+
+
+def test_padding_keys_masked_with_the_lowest_finite_value_keep_the_row_in_range():
+    """torch.finfo(float32).min on padding keys (Hugging Face's mask) does not put a row past float32's range while
+    a key with an ordinary score remains: NaN or inf there fails as in any row. A row whose every key is so masked
+    is past the range (its largest score is -3.4e38, which a backend's rescaling may take to -inf)."""
+    inputs, attributes = _one_query(np.ones((3, 2)), np.arange(6.0).reshape(3, 2))
+    inputs["attn_mask"] = np.array([[0.0, np.finfo(np.float32).min, np.finfo(np.float32).min]], np.float32)
+    want = multi_head_attention(**inputs, **attributes)
+    assert _judged(inputs, attributes, want) == []
+    assert _judged(inputs, attributes, np.full((1, 1, 2), np.nan))
+    inputs["attn_mask"][0, 0] = np.finfo(np.float32).min
+    from kvcache_op.reference import attention_exact
+
+    assert attention_exact(**inputs, **attributes)[1].all()

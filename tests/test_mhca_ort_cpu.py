@@ -378,18 +378,23 @@ def test_decode_reads_codes_exactly_as_the_gather_gives_them(monkeypatch, kernel
 
 @pytest.mark.parametrize("kernel", CPU_KERNELS)
 @pytest.mark.parametrize("queries", [2, 4])
-def test_a_split_chunk_keeps_a_non_finite_value_under_a_wholly_masked_key_range(monkeypatch, kernel, queries):
+@pytest.mark.parametrize("hidden", [400, None])
+def test_a_split_chunk_keeps_a_non_finite_value_under_a_wholly_masked_key_range(monkeypatch, kernel, queries, hidden):
     """A chunk of 2-4 queries over a long cache is split over its keys. One key range hidden entirely by -inf mask
     entries still holds a NaN value, whose key enters the sums with weight 0: the merged row is NaN in that column,
-    as in one pass (the range's part had dropped the value, giving a finite row)."""
+    as in one pass (the range's part had dropped the value, giving a finite row). A row the mask hides everywhere
+    (``hidden`` None: padding) is zero, NaN value or not."""
     use_cpu_kernel(monkeypatch, kernel)
     case = build_cache_attention("split-masked-range", [Seq(1000, queries)], heads=1, head_dim=16, group=1,
                                  t1="float32", mask=True, cache_mode=0)
     inputs = copies(case.inputs)
-    inputs["attn_mask"][:, :400] = -np.inf  # more than a whole key range of the split
+    inputs["attn_mask"][:, :hidden] = -np.inf  # 400: more than a whole key range of the split
     inputs["cache"][5, 0, 1, 0, 3] = np.nan  # layout 0 (MaxT, L, 2, H, Dh): the value row of position 5
     want = multi_head_cache_attention(**copies(inputs), **case.attributes)
     got = ort_call(inputs, case.attributes)[0]
+    if hidden is None:
+        assert np.all(want == 0) and np.all(got == 0), got
+        return
     assert np.isnan(want[:, 0, 3]).all() and np.isnan(got[:, 0, 3]).all(), got[:, 0, 3]
     tolerance = 2 * cache_attention_tolerance(**inputs, **case.attributes)
     assert_within(got, want.astype(np.float64), tolerance, f"{kernel} build")

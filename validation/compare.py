@@ -71,6 +71,7 @@ class _Context:
         # cache (over_backend_cache).
         self.attention_tolerance = expected.tolerance
         self.over_backend_cache = False
+        self.attention_keys = None  # the (key, value) the bound is over, where not the reference's gathered ones
 
     @property
     def slots(self):
@@ -195,7 +196,8 @@ def _attention_over_backend_cache(ctx: "_Context", dequantized_in=np.float32) ->
     """(output, tolerance) of MultiHeadCacheAttention over the keys and values the backend's cache holds: its codes
     and scales at the slots the call reads, dequantized as the spec does (float32 product, one rounding to T1) or,
     with ``dequantized_in`` the scale's dtype, as the tolerance table's ppl torch row does (the product in T3, then
-    T1), then the reference's attention and twice its bound, as for the reference's own cache."""
+    T1), then the reference's attention and twice its bound, as for the reference's own cache; the keys and values
+    are left in ``ctx.attention_keys``."""
     from ..reference import attention_tolerance, multi_head_attention
     from ..reference.quantize import dequantize
 
@@ -208,6 +210,7 @@ def _attention_over_backend_cache(ctx: "_Context", dequantized_in=np.float32) ->
     with np.errstate(all="ignore"):  # non-finite inputs have defined outcomes (the reference's own calls do this)
         output = multi_head_attention(key=key, value=value, **call, **attributes)
         bound = 2 * attention_tolerance(key=key, value=value, **call, **attributes)
+    ctx.attention_keys = (key, value)
     return output, bound
 
 
@@ -276,13 +279,15 @@ def _outside_float32_range(ctx: _Context, g: np.ndarray, outside: np.ndarray) ->
     (an infinity of its sign, or NaN)."""
     from ..reference import attention_exact, key_value_cache
 
-    if ctx.over_backend_cache or g.ndim != 3:
+    if g.ndim != 3:
         return outside
     call = {k: ctx.inputs.get(k) for k in ATTENTION_INPUTS}
     attributes = {k: v for k, v in ctx.attributes.items() if k in ATTENTION_ATTRIBUTES}
     try:
         if ctx.op == "MultiHeadAttention":
             keys = {"key": ctx.inputs["key"], "value": ctx.inputs["value"]}
+        elif ctx.attention_keys is not None:  # the bound is over the backend's own cache
+            keys = dict(zip(("key", "value"), ctx.attention_keys))
         else:  # the keys and values the reference gathers, on copies
             inputs, cache_attributes = cache_call(ctx.op, ctx.inputs, ctx.attributes)
             inputs = {k: None if v is None else np.array(v, copy=True) for k, v in inputs.items()}
@@ -386,11 +391,11 @@ def compare(op: str, inputs: dict, attributes: dict, expected: Outcome, got: Out
     for name, want in outputs.items():
         found = _tensor_lines(ctx, name, got.outputs.get(name), want, tolerance)
         if found and alternative is not None and name == "output":
-            primary = ctx.attention_tolerance
+            primary = ctx.attention_tolerance, ctx.attention_keys
             in_t3, ctx.attention_tolerance = _attention_over_backend_cache(ctx, alternative)
             if not _tensor_lines(ctx, name, got.outputs.get(name), in_t3, tolerance):  # only whether it passes
                 found = []  # the attention over its keys dequantized in T3, which the table allows
-            ctx.attention_tolerance = primary
+            ctx.attention_tolerance, ctx.attention_keys = primary
         lines += found
     for name, want in expected.after.items():
         problems = after_lines[name]

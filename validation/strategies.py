@@ -180,7 +180,7 @@ def attention_calls(draw, dtypes=ATTENTION_DTYPES, max_batch=4, max_kvlen=12, he
         mask_extra_cols=draw(st.integers(0, 2)), mask_neg_inf=draw(st.sampled_from((0.0, 0.3, 0.9))),
         scalar_max=draw(st.booleans()), extra_max=draw(st.integers(0, 2)), seed=draw(st.integers(0, 2**32 - 1)),
     )
-    if special_values and draw(st.integers(0, 2)) == 0:
+    if special_values and draw(st.sampled_from((False, False, True))):  # shrinks to calls without them
         case = with_attention_special_values(case, draw(st.integers(0, 2**32 - 1)))
     return case
 
