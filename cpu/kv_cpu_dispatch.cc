@@ -5,7 +5,6 @@
 // run every build). KeyValueCache's builds compute identical bits; MultiHeadAttention's differ only in the
 // summation order of dot products (within the spec's tolerance); only the speed differs.
 #include "kv_cpu.h"
-#include "kv_types.h"
 #include "mha_cpu.h"
 #include "mhca_cpu.h"
 #include "stored_rows_backup.h"
@@ -401,8 +400,8 @@ void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
   // of times), and is taken after the stores: the rows they overwrite are saved first and put back if the call
   // fails after them, so a failed call leaves the cache and scale as they were.
   const Attrs& a = args.attrs->cache;
-  const int32_t cache_type = a.quant_bit == 8 ? int32_t(Elem::kInt8) : a.quant_bit == 4 ? int32_t(Elem::kInt4) : args.t1;
-  const StoredRowsBackup backup(a, args.plan->cache, cache_type, args.scale_type, args.cache, args.scale);
+  const StoredRowsBackup backup(a, args.plan->cache, CacheElemType(a, args.t1), args.scale_type, args.cache,
+                                args.scale);
   try {
     MhcaComputeChosen(args, parallel_for);
   } catch (const std::bad_alloc&) {

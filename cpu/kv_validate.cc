@@ -56,6 +56,10 @@ std::string ShapeStr(const std::vector<int64_t>& shape) {
   return s.str();
 }
 
+int32_t CacheElemType(const Attrs& a, int32_t t1) {
+  return a.quant_bit == 8 ? int32_t(Elem::kInt8) : a.quant_bit == 4 ? int32_t(Elem::kInt4) : t1;
+}
+
 CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& value, const TensorArg& cache,
                        const TensorArg& scale) {
   for (auto [name, x] : {std::pair<const char*, const TensorArg*>{"current_key", &key}, {"current_value", &value}}) {
@@ -67,7 +71,7 @@ CacheDims CheckTensors(const Attrs& a, const TensorArg& key, const TensorArg& va
          ElemName(key.type), ShapeStr(key.shape), ")");
   const int64_t heads = key.shape[1], head_dim = key.shape[2];
   if (heads < 1 || head_dim < 1) Fail("current_key must have H >= 1 and Dh >= 1, got shape ", ShapeStr(key.shape));
-  const int32_t want = a.quant_bit == 8 ? int32_t(Elem::kInt8) : a.quant_bit == 4 ? int32_t(Elem::kInt4) : key.type;
+  const int32_t want = CacheElemType(a, key.type);
   if (cache.type != want)
     Fail("cache dtype must be ", ElemName(want), " for quant_bit=", a.quant_bit, " and current_key ",
          ElemName(key.type), ", got ", ElemName(cache.type));

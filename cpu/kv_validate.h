@@ -132,6 +132,9 @@ void DropEmptyScale(const Attrs& a, TensorArg* scale);
 // tensor's element count does not fit in int64, so every stride and every in-bounds row offset fits.
 RowStrides LayoutRowStrides(int64_t layout, int64_t num_layer, int64_t max_t, int64_t heads, int64_t last);
 
+// The cache's element type for this quant_bit when current_key is of type t1: int8, int4, or t1 itself.
+int32_t CacheElemType(const Attrs& a, int32_t t1);
+
 // Slot of position pos of sequence b (valid only for positions that ValidateCall bounds-checked).
 // pos is unsigned: start_pos[b] + i may exceed INT64_MAX when start_pos is near it; the page index
 // and the slot (< MaxT) always fit.

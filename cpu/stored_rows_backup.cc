@@ -34,9 +34,7 @@ StoredRowsBackup::StoredRowsBackup(const Attrs& a, const CallPlan& p, int32_t ca
 
 void StoredRowsBackup::Save(uint8_t* base, int64_t byte_offset, int64_t bytes) {
   uint8_t* at = base + byte_offset;
-  const size_t old = saved_.size();
-  saved_.resize(old + static_cast<size_t>(bytes));
-  std::memcpy(saved_.data() + old, at, static_cast<size_t>(bytes));
+  saved_.insert(saved_.end(), at, at + bytes);
   if (!runs_.empty() && runs_.back().at + runs_.back().bytes == at)
     runs_.back().bytes += bytes;  // a slot's heads in layouts 0-2, its key and value rows in layouts 0-1
   else

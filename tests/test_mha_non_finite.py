@@ -3,16 +3,13 @@ keys outside the causal or window range never reach a row (not even their inf/Na
 gives weight 0 but keeps the key in the sums, overflowed scores, the float32 rounding of softmax_scale,
 and declared shapes whose byte counts overflow int64. The reference and the C++ kernel agree on each."""
 
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 
 from kvcache_op.capi import c_api
 from kvcache_op.reference import MultiHeadAttentionError, multi_head_attention
 from kvcache_op.validation.mha_cases import build_attention
+from processes import run_script
 
 BACKENDS = {"reference": multi_head_attention, "kernel": c_api.multi_head_attention}
 # The spec settles these values as IEEE float32 arithmetic gives them: the reference computes them without a
@@ -121,7 +118,7 @@ def test_a_mask_whose_byte_count_overflows_is_refused_with_the_output_untouched(
 
 def test_running_out_of_threads_is_not_a_crash():
     """Asked for far more threads than the address space allows, the entry point uses the threads it got."""
-    script = textwrap.dedent("""
+    script = """
         import resource
         import numpy as np
         from kvcache_op.capi import c_api
@@ -136,8 +133,8 @@ def test_running_out_of_threads_is_not_a_crash():
         got = c_api.multi_head_attention(**case.inputs, **case.attributes, num_threads=300)
         assert got.tobytes() == want.tobytes()
         print("ok")
-    """)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    """
+    child = run_script(script)
     assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])
 
 

@@ -4,10 +4,6 @@ spec's bound). Long decodes split over their keys (the log-sum-exp merge) match 
 on the thread count; invalid calls and overlapping buffers are refused with the cache unchanged; ppl.pmx's 11-,
 12- and 13-input nodes run."""
 
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -21,6 +17,7 @@ from kvcache_op.validation.cases import Seq
 from kvcache_op.validation.mhca_cases import CASES, build_cache_attention
 from naive_attention import naive_attention
 from naive_reference import naive_key_value_cache
+from processes import run_script
 from ort_helpers import copies
 from test_mha_reference import assert_within
 from test_mhca_reference import _split, cache_attention_calls
@@ -404,7 +401,7 @@ def test_a_call_whose_attention_cannot_get_its_memory_leaves_the_cache_unchanged
     """A page table may name one read-only page at every position, so a 2-page cache can hold a sequence of 2^40
     keys: the attention's working memory for them cannot be allocated, which happens after the call's stores. The
     call fails naming the memory, and the stored rows are put back: the cache is unchanged."""
-    script = textwrap.dedent("""
+    script = """
         import resource
         import numpy as np
         from kvcache_op import spec
@@ -434,6 +431,6 @@ def test_a_call_whose_attention_cannot_get_its_memory_leaves_the_cache_unchanged
             raise AssertionError("the call ran")
         assert cache.tobytes() == before.tobytes(), np.argwhere(cache != before)[:4]
         print("ok")
-    """)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    """
+    child = run_script(script)
     assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])

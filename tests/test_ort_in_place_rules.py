@@ -2,10 +2,6 @@
 arrays, and caches that do not come straight from a graph input (constants behind Identity/Reshape,
 initializers that double as graph inputs, computed tensors)."""
 
-import subprocess
-import sys
-import textwrap
-
 import numpy as np
 import onnx
 import pytest
@@ -16,6 +12,7 @@ from kvcache_op.ort_ops import make_session, ortvalue_for, run_model
 from kvcache_op.ort_ops.graph_rules import in_place_inputs
 from kvcache_op.validation.cases import CASES
 from kvcache_op.validation.outcome import reference_outcome
+from processes import run_script
 from control_flow_models import branch_stores, store_node, two_layer_case, with_if, without_nodes
 
 
@@ -55,7 +52,7 @@ def test_a_read_only_int4_cache_is_refused_before_the_run_and_stays_intact():
 def test_a_read_only_memmap_cache_is_a_clear_error_not_a_crash(tmp_path):
     """np.memmap(mode="r") maps the file read-only: a write through it is a SIGSEGV. Run in a child so
     a crash fails this test instead of the whole session."""
-    script = textwrap.dedent(f"""
+    script = f"""
         import numpy as np
         from kvcache_op import spec
         from kvcache_op.ort_ops import run_model
@@ -70,8 +67,8 @@ def test_a_read_only_memmap_cache_is_a_clear_error_not_a_crash(tmp_path):
         except ValueError as error:
             assert "read-only" in str(error), error
             print("refused")
-    """)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    """
+    child = run_script(script)
     assert child.returncode == 0 and "refused" in child.stdout, (child.returncode, child.stderr[-2000:])
 
 

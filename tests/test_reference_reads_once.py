@@ -4,6 +4,7 @@ works on values): an input that is a view of cache rows the call overwrites give
 import numpy as np
 
 from kvcache_op.reference import key_value_cache, multi_head_cache_attention
+from processes import run_script
 
 
 def _cache_attention(view_of_cache: bool, what: str):
@@ -65,11 +66,7 @@ def test_key_value_cache_stores_the_values_it_was_given_when_they_are_a_view_of_
 def test_outputs_that_cannot_be_allocated_are_a_key_value_cache_error_with_the_cache_unchanged():
     """Spec: outputs whose size fits in int64 but cannot be allocated are an error too (the reference's own error,
     which the kit expects of a refused call, not numpy's MemoryError), and nothing is written."""
-    import subprocess
-    import sys
-    import textwrap
-
-    script = textwrap.dedent("""
+    script = """
         import resource
         import numpy as np
         from kvcache_op.reference import KeyValueCacheError, key_value_cache
@@ -86,6 +83,6 @@ def test_outputs_that_cannot_be_allocated_are_a_key_value_cache_error_with_the_c
             raise AssertionError("4 TiB of outputs were allocated")
         assert not cache.any()
         print("ok")
-    """)
-    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    """
+    child = run_script(script)
     assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])
