@@ -227,6 +227,34 @@ void DropEmptyScale(const Attrs& a, TensorArg* scale) {
   if (a.quant_bit == 0 && scale->present && CountFits(scale->shape, &count) && count == 0) *scale = TensorArg{};
 }
 
+namespace {
+
+// The page-table columns a call reads: sequence b touches positions [0, start_pos + seqlen), or [0, kvlen) when it
+// stores nothing (as ValidateCall checks them), so no column past the longest one's last page is read. At most
+// `table_cols`; a sequence the checks refuse (a negative start_pos) counts for nothing, as its pages are not read.
+int64_t ColumnsTouched(const std::vector<int64_t>& start_pos, const std::vector<int64_t>& seq_len,
+                       const std::vector<int64_t>& kv_len, int64_t page_size, int64_t table_cols) {
+  Big most = 0;
+  for (size_t b = 0; b < start_pos.size(); ++b) {
+    if (start_pos[b] < 0) continue;
+    const Big end = seq_len[b] ? Big(start_pos[b]) + seq_len[b] : Big(kv_len[b]);
+    most = std::max(most, (end + page_size - 1) / page_size);
+  }
+  return static_cast<int64_t>(std::min(most, Big(table_cols)));
+}
+
+// The first `cols` columns of each of the `rows` rows of a 2-D int64 table, row after row.
+std::vector<int64_t> SnapshotColumns(const TensorArg& t, int64_t rows, int64_t cols) {
+  const auto* data = static_cast<const int64_t*>(t.data);
+  const int64_t stride = t.shape[1];
+  if (cols == stride) return std::vector<int64_t>(data, data + rows * cols);
+  std::vector<int64_t> out(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(data + r * stride, cols, out.begin() + r * cols);
+  return out;
+}
+
+}  // namespace
+
 CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
   CheckAttrs(a);
   DropEmptyScale(a, &in[9]);
@@ -249,8 +277,10 @@ CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
   if (cs.shape.size() != want_rank || cs.shape[0] != p.batch)
     Fail("cachestarts must have shape ", a.cache_mode == 0 ? "(B,)" : "(B, MaxP)", " with B = ", p.batch,
          " for cache_mode=", a.cache_mode, ", got ", ShapeStr(cs.shape));
-  p.cachestarts = SnapshotInt64(cs);
-  p.max_p = a.cache_mode == 1 ? cs.shape[1] : 0;
+  int64_t table_count = 0;
+  if (!CountFits(cs.shape, &table_count))
+    Fail("an index input has more than 2^63 - 1 elements, shape ", ShapeStr(cs.shape));
+  const int64_t table_cols = a.cache_mode == 1 ? cs.shape[1] : 0;  // the caller's MaxP
   const int64_t max_seqlen = IndexScalar("max_seqlen", in[6]);
   const int64_t max_kvlen = IndexScalar("max_kvlen", in[7]);
   const int64_t tokens = in[0].shape[0];
@@ -258,6 +288,11 @@ CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
   const auto kv_len = Lengths("kvstarts", p.kvstarts, p.batch, "", nullptr);
   CheckMax("max_seqlen", "seqlen", max_seqlen, seq_len);
   CheckMax("max_kvlen", "kvlen", max_kvlen, kv_len);
+  // A page table is copied only as far as the call reads it (none of its values is looked at before): a table
+  // sized for the longest context a model allows, with short sequences in it, costs what the sequences use, here
+  // and in the device copy. The plan's max_p is the copy's row length.
+  p.max_p = a.cache_mode == 1 ? ColumnsTouched(p.start_pos, seq_len, kv_len, a.page_size, table_cols) : 0;
+  p.cachestarts = a.cache_mode == 1 ? SnapshotColumns(cs, p.batch, p.max_p) : SnapshotInt64(cs);
   p.heads = dims.heads;
   p.head_dim = dims.head_dim;
   p.max_t = dims.max_t;
@@ -282,9 +317,9 @@ CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
       continue;
     }
     const Big last_page = (touched_end - 1) / a.page_size;
-    if (last_page >= p.max_p)
+    if (last_page >= table_cols)
       Fail("cachestarts: sequence ", b, " touches position ", BigStr(touched_end - 1), ", which is in page ",
-           BigStr(last_page), ", but cachestarts has MaxP = ", p.max_p, " pages per sequence");
+           BigStr(last_page), ", but cachestarts has MaxP = ", table_cols, " pages per sequence");
     // Touched pages, ascending: store pages [pos/ps, (end-1)/ps] and load pages [0, (kvlen-1)/ps].
     const int64_t store_lo = seq_len[b] ? pos / a.page_size : 1, store_hi = seq_len[b] ? int64_t((end - 1) / a.page_size) : 0;
     const int64_t load_hi = kv_len[b] ? (kv_len[b] - 1) / a.page_size : -1;

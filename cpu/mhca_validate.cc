@@ -25,10 +25,12 @@ MhcaPlan ValidateCacheAttention(const MhcaAttrs& a, TensorArg* in) {
   // an attribute is refused before any call.)
   CheckNumRepeat(a.cache);
   MhcaPlan plan;
-  // Index inputs 3..9: int64 ones are copied once, here (others are refused by the rules below, unread).
+  // Index inputs 3..9: int64 ones are copied once, here (others are refused by the rules below, unread), as both
+  // rule sets read them. Not cachestarts: only the cache's rules read it, and they copy just the page-table columns
+  // the call reads (a table sized for a model's longest context would cost a copy of all of it per layer).
   for (size_t i = 3; i <= 9; ++i) {
     TensorArg& t = in[i];
-    if (!t.present || t.type != int32_t(Elem::kInt64)) continue;
+    if (i == kMhcaCachestartsInput || !t.present || t.type != int32_t(Elem::kInt64)) continue;
     const int64_t bytes = TensorBytes(t.type, t.shape);
     std::vector<int64_t> copy(static_cast<size_t>(bytes / 8));
     if (bytes) std::memcpy(copy.data(), t.data, static_cast<size_t>(bytes));

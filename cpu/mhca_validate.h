@@ -14,7 +14,7 @@ namespace kvcache {
 // query, current_key, current_value, seqstarts, kvstarts, cachestarts, start_pos, decoding_batches, max_seqlen,
 // max_kvlen, cache, scale (optional), attn_mask (optional)
 constexpr size_t kMhcaNumInputs = 13;
-constexpr size_t kMhcaCacheInput = 10, kMhcaScaleInput = 11, kMhcaMaskInput = 12;
+constexpr size_t kMhcaCachestartsInput = 5, kMhcaCacheInput = 10, kMhcaScaleInput = 11, kMhcaMaskInput = 12;
 
 struct MhcaAttrs {
   Attrs cache;  // num_repeat is always 1

@@ -44,7 +44,7 @@ class Report(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int64) for name in (
         "launches", "blocks", "threads", "tiles", "merges", "split_tiles", "out_of_bounds", "misaligned",
         "write_write", "read_write", "uninitialized", "decode_tiles", "mma_tiles", "mma_form", "decode_form",
-        "divergent")]
+        "divergent", "index_words", "store_index_words")]
 
     def faults(self) -> int:
         return (self.out_of_bounds + self.misaligned + self.write_write + self.read_write + self.uninitialized

@@ -125,6 +125,31 @@ def test_cache_layouts_pages_and_quantization(runner, quant_bit, group, head_dim
                                              else 1)
 
 
+@pytest.mark.parametrize("layout,page_size", [(0, 4), (3, 5)])
+def test_a_page_table_reaches_the_device_only_as_far_as_the_call_reads_it(runner, layout, page_size):
+    """A page table sized for the longest context a model allows (MaxP far past the pages of positions
+    [0, start_pos + seqlen), the columns after them -1) gives the same cache, the same output bit for bit and the
+    same index words, for the attention and for the stores, as a table of just the columns read: its unread columns
+    are neither copied nor read."""
+    seqs = [Seq(70, 1), Seq(6, 9), Seq(0, 5), Seq(2, 0), Seq(12, 0, 10)]
+    case = build_cache_attention(f"wide-table-{layout}", seqs, group=2, decoding=1, heads=2, head_dim=16,
+                                 cache_mode=1, cache_layout=layout, page_size=page_size, t1="float16", t3="float16")
+    table = case.inputs["cachestarts"]
+    seqlen, kvlen = np.diff(case.inputs["seqstarts"]), np.diff(case.inputs["kvstarts"])
+    touched = np.where(seqlen > 0, case.inputs["start_pos"] + seqlen, kvlen)
+    read = int(-(-touched.max() // page_size))
+    assert read < table.shape[1], "the built table must have columns the call does not read"
+    narrow, wide = copies(case.inputs), copies(case.inputs)
+    narrow["cachestarts"] = np.ascontiguousarray(table[:, :read])
+    wide["cachestarts"] = np.full((len(seqs), 4096), -1, np.int64)
+    wide["cachestarts"][:, :table.shape[1]] = table
+    results = [check_mhca(runner, inputs, case.attributes) for inputs in (narrow, wide)]
+    assert results[0].output.tobytes() == results[1].output.tobytes()
+    words = [(r.report.index_words, r.report.store_index_words) for r in results]
+    assert words[0] == words[1], f"index words (attention, stores): narrow table {words[0]}, wide {words[1]}"
+    assert words[0][1] == 3 * len(seqs) + 2 + len(seqs) * read  # seqstarts, kvstarts, start_pos, the columns read
+
+
 @pytest.mark.parametrize("head_dim,t", [(8, "float32"), (16, "bfloat16"), (32, "float16"), (64, "float32"),
                                         (128, "float16"), (256, "bfloat16")])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 1), (6, 2), (2, 2)])

@@ -133,6 +133,29 @@ def test_the_fused_benchmark_with_shared_pages_reads_sequence_0s_pages(tmp_path)
         fused.make_call(fused.Shape(2, 8, 8, 4, 2, head_dim=16), shared_pages=True)
 
 
+def test_the_fused_benchmark_sizes_pages_and_page_tables_as_asked(tmp_path):
+    """--page-size and --table-context: pages of that many slots, page tables with room for that many positions
+    (their columns past a sequence's pages -1), named in the header; the op still equals the reference on such a
+    call."""
+    from kvcache_op import spec
+    from kvcache_op.benchmarks.attention import fused
+    from kvcache_op.ort_ops import run_model
+    from kvcache_op.reference import cache_attention_tolerance, multi_head_cache_attention
+
+    assert fused.main(["--quick", "--page-size", "4", "--table-context", "1000", "--out", str(tmp_path)]) == 0
+    header = json.loads((tmp_path / "results.json").read_text())["header"]
+    assert "pages of 4 slots, page tables with room for 1000 positions" in header
+    shape = fused.QUICK_SHAPES[0]
+    inputs, attributes = fused.make_call(shape, page_size=4, table_context=1000)
+    table, pages = inputs["cachestarts"], -(-shape.kvlen // 4)
+    assert table.shape == (shape.batch, 250) and attributes["page_size"] == 4
+    assert (table[:, pages:] == -1).all() and sorted(table[:, :pages].ravel() // 4) == list(range(shape.batch * pages))
+    want = multi_head_cache_attention(**{k: (None if v is None else v.copy()) for k, v in inputs.items()}, **attributes)
+    (got,) = run_model(spec.make_cache_attention_model(inputs, **attributes),
+                       {k: v.copy() for k, v in inputs.items() if v is not None})
+    assert np.all(np.abs(got.astype(np.float64) - want) <= 2 * cache_attention_tolerance(**inputs, **attributes))
+
+
 def test_the_fused_benchmark_runs_another_build_beside_this_one(tmp_path, capsys):
     """--against LIBRARY: the other build's fused op runs in the same rounds, its time and ratio are in the table
     and data, and whether its outputs equal this build's bit for bit (the same build here, so they must)."""

@@ -27,7 +27,7 @@ import statistics
 
 import numpy as np
 
-from ...arguments import OneLineParser, at_least, library_file, out_folder
+from ...arguments import MAX_PAGE_SIZE, OneLineParser, at_least, library_file, out_folder
 from ..bound_session import NO_SPINNING, aligned_copy, aligned_empty, bound_run
 from ..environment import recorded_command
 from ..timing import cpu_device, kernel_build, median_seconds, ort_version
@@ -82,16 +82,19 @@ SHAPES = _shapes()
 QUICK_SHAPES = [Shape(4, 1, 64, 4, 2, head_dim=16), Shape(2, 8, 8, 4, 2, head_dim=16, dtype="float16", quant_bit=8)]
 
 
-def make_call(shape: Shape, seed: int = 0, shared_pages: bool = False) -> tuple:
+def make_call(shape: Shape, seed: int = 0, shared_pages: bool = False, page_size: int = PAGE_SIZE,
+              table_context: int = 0) -> tuple:
     """(inputs, attributes) of one MultiHeadCacheAttention step: sequence b owns pages [b P, (b + 1) P) of a
-    paged cache; its first kvlen - seqlen positions are already stored (random), this step stores seqlen more.
-    ``shared_pages`` (decode shapes): every sequence reads sequence 0's pages but its own last one, where it stores:
-    the same arithmetic over a working set the caches hold (what the step costs without waiting on memory)."""
+    paged cache of ``page_size`` slots a page; its first kvlen - seqlen positions are already stored (random), this
+    step stores seqlen more. ``shared_pages`` (decode shapes): every sequence reads sequence 0's pages but its own
+    last one, where it stores: the same arithmetic over a working set the caches hold (what the step costs without
+    waiting on memory). ``table_context``: each page table has room for that many positions (its columns past the
+    sequence's pages -1), as a runtime sizes the tables for the longest context its model allows."""
     rng = np.random.default_rng(seed)
     dtype = np.dtype(shape.dtype)
     b, s, k = shape.batch, shape.seqlen, shape.kvlen
-    pages = -(-k // PAGE_SIZE)
-    max_t = b * pages * PAGE_SIZE
+    pages = -(-k // page_size)
+    max_t = b * pages * page_size
     dims = {0: (max_t, 1, 2, shape.kv_heads), 1: (1, max_t, 2, shape.kv_heads), 2: (1, 2, max_t, shape.kv_heads),
             3: (1, 2, shape.kv_heads, max_t)}[shape.layout]  # reference/layout.py's axis orders, one layer
 
@@ -107,16 +110,17 @@ def make_call(shape: Shape, seed: int = 0, shared_pages: bool = False) -> tuple:
         "query": aligned_copy(data(b * s, shape.heads)), "current_key": aligned_copy(data(b * s, shape.kv_heads)),
         "current_value": aligned_copy(data(b * s, shape.kv_heads)),
         "seqstarts": np.arange(b + 1, dtype=np.int64) * s, "kvstarts": np.arange(b + 1, dtype=np.int64) * k,
-        "cachestarts": (np.arange(b * pages, dtype=np.int64) * PAGE_SIZE).reshape(b, pages),
+        "cachestarts": np.full((b, max(pages, -(-table_context // page_size))), -1, np.int64),
         "start_pos": np.full(b, k - s, np.int64), "decoding_batches": np.array(b if s == 1 else 0, np.int64),
         "max_seqlen": np.array(s, np.int64), "max_kvlen": np.array(k, np.int64), "cache": cache, "scale": scale,
     }
+    inputs["cachestarts"][:, :pages] = (np.arange(b * pages, dtype=np.int64) * page_size).reshape(b, pages)
     if shared_pages:
         if s != 1:
             raise ValueError("shared pages are for decode shapes: a prefill stores into every page it reads")
-        inputs["cachestarts"][:, :-1] = inputs["cachestarts"][0, :-1]
+        inputs["cachestarts"][:, :pages - 1] = inputs["cachestarts"][0, :pages - 1]
     attributes = dict(num_heads=shape.heads, head_dim=shape.head_dim, num_kv_heads=shape.kv_heads, cache_mode=1,
-                      page_size=PAGE_SIZE, cache_layout=shape.layout, quant_bit=shape.quant_bit)
+                      page_size=page_size, cache_layout=shape.layout, quant_bit=shape.quant_bit)
     return inputs, attributes
 
 
@@ -182,12 +186,15 @@ def gqa_run(shape: Shape, inputs: dict):
     return run
 
 
-def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False, against: str | None = None) -> dict:
-    """Seconds per step of each method (medians) and the derived ratios (``shared_pages``: see make_call;
-    ``against``: the path of another build of the library, whose fused op runs as one more method)."""
+def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False, against: str | None = None,
+            page_size: int = PAGE_SIZE, table_context: int = 0) -> dict:
+    """Seconds per step of each method (medians) and the derived ratios (``shared_pages``, ``page_size``,
+    ``table_context``: see make_call; ``against``: the path of another build of the library, whose fused op runs
+    as one more method)."""
     from ... import spec
 
-    inputs, attributes = make_call(shape, shared_pages=shared_pages)
+    inputs, attributes = make_call(shape, shared_pages=shared_pages, page_size=page_size,
+                                   table_context=table_context)
     feeds = {k: v for k, v in inputs.items() if v is not None}
     out = aligned_empty(inputs["query"].shape, inputs["query"].dtype)
     fused_model = spec.make_cache_attention_model(inputs, **attributes)
@@ -260,6 +267,12 @@ def main(argv=None) -> int:
     parser.add_argument("--against", type=library_file, metavar="LIBRARY",
                         help="another build of the custom-op library (a libkvcache_op_ort.so): its fused op runs in "
                              "the same rounds as this install's, for an A/B of a kernel change")
+    parser.add_argument("--page-size", type=at_least(1, MAX_PAGE_SIZE), default=PAGE_SIZE,
+                        help=f"slots a cache page holds (default {PAGE_SIZE})")
+    parser.add_argument("--table-context", type=at_least(0), default=0, metavar="POSITIONS",
+                        help="page tables with room for this many positions, their columns past a sequence's pages "
+                             "-1, as a runtime sizes them for its model's longest context (default: just the pages "
+                             "used)")
     args = parser.parse_args(argv)
     if args.against:
         from ...ort_ops import session_options
@@ -277,14 +290,17 @@ def main(argv=None) -> int:
     results = []
     for i, shape in enumerate(shapes, 1):
         print(f"[{i}/{len(shapes)}] {shape.label}", flush=True)
-        results.append(measure(shape, rounds, repeats, args.shared_pages, args.against))
+        results.append(measure(shape, rounds, repeats, args.shared_pages, args.against, args.page_size,
+                               args.table_context))
         r = results[-1]
         print(f"    fused/split {r['fused_vs_split']:.2f}x" +
               (f", fused/GQA {r['fused_vs_gqa']:.2f}x" if "fused_vs_gqa" in r else "") +
               f", {r['fused_vs_copy_bandwidth']:.2f}x copy bandwidth" +
               (f", fused/other build {r['fused_vs_against']:.3f}x" if args.against else ""), flush=True)
     header = (f"MultiHeadCacheAttention vs the split pair and GroupQueryAttention — {cpu_device()}, onnxruntime "
-              f"{ort_version()}{kernel_build()}; medians of {rounds} rounds x {repeats} calls"
+              f"{ort_version()}{kernel_build()}; medians of {rounds} rounds x {repeats} calls; pages of "
+              f"{args.page_size} slots"
+              + (f", page tables with room for {args.table_context} positions" if args.table_context else "")
               + ("; every sequence reading sequence 0's pages (--shared-pages: a working set the caches hold)"
                  if args.shared_pages else "")
               + (f"; other build: {args.against}" if args.against else ""))

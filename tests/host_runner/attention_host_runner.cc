@@ -54,6 +54,8 @@ struct AttnHostRunReport {
   int64_t mma_form;     // the tensor-core kernel's form that ran (0: no tensor-core tiles)
   int64_t decode_form;  // the decode kernel's form that ran (0: no decode tiles)
   int64_t divergent;    // block-wide operations called inside team.Each, (e)
+  int64_t index_words;  // int64 words of the attention's index inputs, as copied to the device
+  int64_t store_index_words;  // MultiHeadCacheAttention: those of its stores' index inputs
 };
 }  // extern "C"
 
@@ -597,6 +599,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   for (int b = 0; b < cuda::kABufCount; ++b)
     if (o.buffer_bytes[b] >= 0) mem.bytes[b] = std::min(mem.bytes[b], o.buffer_bytes[b]);
   report->tiles = launch.tiles;
+  report->index_words = launch.index_words;
   report->decode_tiles = launch.decode_tiles;
   report->mma_tiles = launch.mma_tiles;
   report->merges = launch.merges;
@@ -705,6 +708,7 @@ __attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiH
     void* cache = const_cast<void*>(in[kMhcaCacheInput].data);
     if (plan.cache.batch > 0) {
       const std::vector<int64_t> indices = cuda::PackIndices(plan.cache);
+      report->store_index_words = static_cast<int64_t>(indices.size());
       const cuda::DeviceTensors stores{in[1].data, in[2].data, cache,
                                        scale.present ? const_cast<void*>(scale.data) : nullptr, nullptr, nullptr};
       const cuda::Params p = cuda::MakeParams(a.cache, plan.cache, indices.data(), stores);
