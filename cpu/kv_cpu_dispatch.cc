@@ -400,14 +400,21 @@ void MhcaComputeCpu(const MhcaArgs& args, const ParallelFor& parallel_for) {
   // of times), and is taken after the stores: the rows they overwrite are saved first and put back if the call
   // fails after them, so a failed call leaves the cache and scale as they were.
   const Attrs& a = args.attrs->cache;
-  const StoredRowsBackup backup(a, args.plan->cache, CacheElemType(a, args.t1), args.scale_type, args.cache,
-                                args.scale);
+  const CallPlan& p = args.plan->cache;
+  const StoredRowsBackup backup = [&] {
+    try {
+      return StoredRowsBackup(a, p, CacheElemType(a, args.t1), args.scale_type, args.cache, args.scale);
+    } catch (const std::bad_alloc&) {  // before any store
+      Fail("MultiHeadCacheAttention: out of memory for saving the cache rows its ", p.tokens,
+           " stored tokens overwrite (kept until the call succeeds); nothing was written");
+    }
+  }();
   try {
     MhcaComputeChosen(args, parallel_for);
   } catch (const std::bad_alloc&) {
     backup.Restore();
-    Fail("MultiHeadCacheAttention: out of memory for the attention's working memory (", args.plan->cache.kv_tokens,
-         " keys over ", args.plan->cache.batch, " sequences); the cache and scale are unchanged");
+    Fail("MultiHeadCacheAttention: out of memory for the attention's working memory (", p.kv_tokens, " keys over ",
+         p.batch, " sequences); the cache and scale are unchanged");
   } catch (...) {
     backup.Restore();
     throw;

@@ -397,6 +397,51 @@ def test_a_split_chunk_keeps_a_non_finite_value_under_a_wholly_masked_key_range(
     assert_within(got, want.astype(np.float64), tolerance, f"{kernel} build")
 
 
+def test_a_call_that_cannot_save_the_rows_it_overwrites_is_refused_naming_the_memory():
+    """The rows a call's stores overwrite are saved before the stores (put back should the call fail after them).
+    When that copy cannot be allocated, the call fails before any store, naming what it could not get."""
+    script = """
+        import resource
+        import numpy as np
+        from kvcache_op import spec
+        from kvcache_op.ort_ops import make_session, run_model
+
+        tokens, heads, dim = 1 << 14, 16, 128  # 64 MiB of float16 keys and as much of values: 128 MiB of rows to save
+        rng = np.random.default_rng(0)
+        cache = np.zeros((tokens, 1, 2, heads, dim), np.float16)
+        one = lambda v: np.array([v], np.int64)
+        inputs = dict(query=np.ones((tokens, heads, dim), np.float16),
+                      current_key=rng.standard_normal((tokens, heads, dim)).astype(np.float16),
+                      current_value=rng.standard_normal((tokens, heads, dim)).astype(np.float16),
+                      seqstarts=np.array([0, tokens], np.int64), kvstarts=np.array([0, tokens], np.int64),
+                      cachestarts=one(0), start_pos=one(0), decoding_batches=one(0), max_seqlen=one(tokens),
+                      max_kvlen=one(tokens), cache=cache)
+        attributes = dict(num_heads=heads, head_dim=dim, num_kv_heads=heads, cache_mode=0, cache_layout=0)
+        model = spec.make_cache_attention_model(inputs, **attributes)
+        session = make_session(model, intra_op_num_threads=1)
+        before = cache.copy()
+        with open("/proc/self/status") as f:
+            mapped = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize"))
+        # room for the 64 MiB output, not for the 128 MiB of rows to save as well
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        resource.setrlimit(resource.RLIMIT_AS, (mapped + (100 << 20), hard))
+        try:
+            run_model(model, inputs, session=session)
+        except Exception as error:
+            message = str(error)
+        else:
+            raise AssertionError("the call ran")
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        assert "out of memory for saving the cache rows its 16384 stored tokens overwrite" in message, message
+        assert "nothing was written" in message, message
+        assert cache.tobytes() == before.tobytes()
+        print("ok")
+    """
+    child = run_script(script)
+    assert child.returncode == 0 and "ok" in child.stdout, (child.returncode, child.stdout, child.stderr[-2000:])
+
+
 def test_a_call_whose_attention_cannot_get_its_memory_leaves_the_cache_unchanged():
     """A page table may name one read-only page at every position, so a 2-page cache can hold a sequence of 2^40
     keys: the attention's working memory for them cannot be allocated, which happens after the call's stores. The
