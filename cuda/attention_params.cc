@@ -223,6 +223,13 @@ bool StagedRowsFit(int32_t t1, int32_t scale_type, const AttnTensors& t, const C
          D / group * scale_bytes % 16 == 0;
 }
 
+int64_t AppendStoreIndices(const CallPlan& cache, AttnLaunchPlan* launch) {
+  const auto at = static_cast<int64_t>(launch->words.size());
+  const std::vector<int64_t> stores = PackIndices(cache);
+  launch->words.insert(launch->words.end(), stores.begin(), stores.end());
+  return at;
+}
+
 int MmaFormFor(int asked, const CacheSide* cache) {
   return asked == 2 && (cache == nullptr || cache->attrs->quant_bit == 0) ? 2 : 1;
 }

@@ -52,6 +52,11 @@ struct CacheSide {
 // a grid holds, or scratch sizes that do not fit. Called before anything is written.
 AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const CacheSide* cache, const TilePolicy& policy);
 
+// MultiHeadCacheAttention: appends its stores' packed index inputs (PackIndices of `cache`) to a planned launch's
+// words, after its tiles and merges, so that one copy brings both to the device. Returns where the stores' words
+// begin.
+int64_t AppendStoreIndices(const CallPlan& cache, AttnLaunchPlan* launch);
+
 // The device buffers of a call; absent ones null.
 struct AttnTensors {
   const void* query;

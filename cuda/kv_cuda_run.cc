@@ -123,13 +123,12 @@ TilePolicy DevicePolicy(int32_t t1, int32_t scale_type, const AttnTensors& tenso
 struct PlannedScratch {
   ScratchBlock words, partials;
   PlannedScratch(DeviceScratch& scratch, const AttnLaunchPlan& launch, int64_t head_dim)
-      : words(scratch,
-              launch.tiles + launch.decode_tiles + launch.mma_tiles ? launch.words.size() * sizeof(int64_t) : 0),
+      : words(scratch, launch.words.size() * sizeof(int64_t)),
         partials(scratch, static_cast<size_t>(launch.records * (head_dim + 2)) * sizeof(float)) {}
 };
 
-// A planned attention call made ready to launch: its words (index inputs, tiles, merges) copied to the device in
-// one transfer and the tensor-core kernel granted its shared memory. Everything of the call that may fail short of
+// A planned attention call made ready to launch: its words (index inputs, tiles, merges, and MultiHeadCacheAttention's
+// stores' index inputs) copied to the device in one transfer and the tensor-core kernel granted its shared memory. Everything of the call that may fail short of
 // the launches, so MultiHeadCacheAttention does it before its stores are enqueued. Empty for a call with no tiles.
 struct StagedAttention {
   std::optional<AttnParams> params;
@@ -142,10 +141,11 @@ StagedAttention StagePlanned(const MhaAttrs& a, const MhaPlan& plan, const Cache
                              const AttnLaunchPlan& launch, int32_t t1, int32_t scale_type, int quant_bit,
                              const AttnTensors& tensors, cudaStream_t stream, PlannedScratch& scratch) {
   StagedAttention staged{std::nullopt, t1, scale_type, quant_bit, cache != nullptr};
+  if (!launch.words.empty())
+    Check(cudaMemcpyAsync(scratch.words.data, launch.words.data(), launch.words.size() * sizeof(int64_t),
+                          cudaMemcpyHostToDevice, stream),
+          "copying the index inputs and the tiles");
   if (launch.tiles + launch.decode_tiles + launch.mma_tiles == 0) return staged;
-  Check(cudaMemcpyAsync(scratch.words.data, launch.words.data(), launch.words.size() * sizeof(int64_t),
-                        cudaMemcpyHostToDevice, stream),
-        "copying the index inputs and the tiles");
   staged.params = MakeAttnParams(a, plan, cache, launch, tensors, static_cast<const int64_t*>(scratch.words.data),
                                  static_cast<float*>(scratch.partials.data));
   Check(LaunchAttention(*staged.params, t1, scale_type, quant_bit, staged.cache, stream, AttnStep::kPrepare),
@@ -207,19 +207,20 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   if (a.cache.quant_bit) CheckAligned("scale", tensors.scale, scale_type);  // read only when quantized
   if (plan.cache.batch > 0) CheckLaunchable(plan.cache);
   RefuseGraphCapture(stream, "MultiHeadCacheAttention");
-  const AttnLaunchPlan launch =
+  AttnLaunchPlan launch =
       PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, scale_type, tensors, &side));
+  // The stores' index inputs travel with the attention's words: one copy to the device. (A call storing no token
+  // launches no stores.)
+  const bool stores = plan.cache.batch > 0 && plan.cache.tokens > 0;
+  const int64_t stores_at = stores ? AppendStoreIndices(plan.cache, &launch) : 0;
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
   const StagedAttention attention = StagePlanned(a.attention, plan.attention, &side, launch, t1, scale_type,
                                                  static_cast<int>(a.cache.quant_bit), tensors, stream, planned);
-  if (plan.cache.batch > 0) {
-    const std::vector<int64_t> host = PackIndices(plan.cache);
-    ScratchBlock indices(scratch, host.size() * sizeof(int64_t));
-    Check(cudaMemcpyAsync(indices.data, host.data(), host.size() * sizeof(int64_t), cudaMemcpyHostToDevice, stream),
-          "copying the index inputs");
-    const DeviceTensors stores{key, value, const_cast<void*>(tensors.cache), const_cast<void*>(tensors.scale), nullptr,
-                               nullptr};
-    const Params p = MakeParams(a.cache, plan.cache, static_cast<const int64_t*>(indices.data), stores);
+  if (stores) {
+    const DeviceTensors rows{key, value, const_cast<void*>(tensors.cache), const_cast<void*>(tensors.scale), nullptr,
+                             nullptr};
+    const Params p =
+        MakeParams(a.cache, plan.cache, static_cast<const int64_t*>(planned.words.data) + stores_at, rows);
     Check(LaunchKeyValueStores(p, t1, scale_type, static_cast<int>(a.cache.quant_bit), stream), "launching the stores");
   }
   LaunchStaged(attention, stream);

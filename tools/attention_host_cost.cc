@@ -1,5 +1,6 @@
-// The host side of a MultiHeadCacheAttention call on CUDA, timed on the CPU: the validation, the store's index
-// words and the attention's plan (tiles and merges), as cuda/kv_cuda_run.cc does them before anything is enqueued.
+// The host side of a MultiHeadCacheAttention call on CUDA, timed on the CPU: the validation, the attention's plan
+// (tiles and merges) and the stores' index words appended to it, as cuda/kv_cuda_run.cc does them before anything is
+// enqueued.
 // Built and driven by attention_host_cost.py; no GPU or CUDA headers needed.
 #include <algorithm>
 #include <chrono>
@@ -27,7 +28,7 @@ double Median(std::vector<double> v) {
 
 }  // namespace
 
-// out[0..2]: median ns per call of the validation, the store's index words and the plan; out[3]: the plan's words,
+// out[0..2]: median ns per call of the validation, the stores' index words and the plan; out[3]: the plan's words,
 // out[4]: its tiles. The policy is the GPU path's defaults, with the tensor-core kernel for sequences longer than one
 // token when `mma` is set.
 // Returns 0, or -1 when the call is refused (out[0] then unset).
@@ -48,15 +49,16 @@ extern "C" __attribute__((visibility("default"))) int attention_host_cost(
         TensorArg in[kMhcaNumInputs];
         const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);
         const auto t1 = Clock::now();
-        const std::vector<int64_t> words = cuda::PackIndices(plan.cache);
-        const auto t2 = Clock::now();
         const cuda::CacheSide side{&a.cache, &plan.cache};
-        const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a.attention, plan.attention, &side, policy);
+        cuda::AttnLaunchPlan launch = cuda::PlanAttention(a.attention, plan.attention, &side, policy);
+        const auto t2 = Clock::now();
+        const auto planned = static_cast<double>(launch.words.size());
+        if (plan.cache.batch > 0 && plan.cache.tokens > 0) cuda::AppendStoreIndices(plan.cache, &launch);
         const auto t3 = Clock::now();
         v += Nanoseconds(t0, t1);
-        k += Nanoseconds(t1, t2);
-        l += Nanoseconds(t2, t3);
-        out[3] = static_cast<double>(launch.words.size());
+        l += Nanoseconds(t1, t2);
+        k += Nanoseconds(t2, t3);
+        out[3] = planned;
         out[4] = static_cast<double>(launch.tiles + launch.decode_tiles + launch.mma_tiles);
       }
       validate.push_back(v / calls);

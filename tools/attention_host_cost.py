@@ -1,7 +1,7 @@
 """The host side of MultiHeadCacheAttention on CUDA, timed on the CPU (no GPU needed): per call, the validation, the
-store's index words and the attention's plan (its tiles and merges), as the CUDA path does them before it enqueues
-anything, for the GPU attention benchmark's shapes (float16, pages of 16 slots). On a GPU the call adds the copy of
-the plan's words to the device and the launches (the GPU attention benchmark's "host ms").
+attention's plan (its tiles and merges) and the stores' index words appended to it, as the CUDA path does them
+before it enqueues anything, for the GPU attention benchmark's shapes (float16, pages of 16 slots). On a GPU the call
+adds the one copy of those words to the device and the launches (the GPU attention benchmark's "host ms").
 
     python tools/attention_host_cost.py            # from a checkout, with kvcache_op installed
 

@@ -556,10 +556,21 @@ void RunAll(const cuda::AttnParams& p, CheckingMem& mem, int32_t t1, int32_t sca
 
 int64_t BytesOf(const TensorArg& t) { return t.present ? TensorBytes(t.type, t.shape) : 0; }
 
-// Plans, then runs the launches through the checking memory. The output is written in place.
+// MultiHeadCacheAttention's stores (KeyValueCache's store kernel, unchecked), run as the CUDA op runs them: their
+// index inputs after the attention's words (cuda::AppendStoreIndices), before the attention's launches.
+struct StoresCall {
+  const Attrs& attrs;
+  const CallPlan& plan;
+  cuda::DeviceTensors rows;
+  int32_t t1, scale_type;
+  int quant_bit;
+};
+
+// Plans, then runs the stores (`stores`, if any) and the launches through the checking memory. The output is written
+// in place.
 int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide* cache, const TensorArg* in,
                    const cuda::AttnTensors& t, int32_t scale_type, int quant_bit, const AttnHostRunOptions& o,
-                   AttnHostRunReport* report, std::string* faults) {
+                   AttnHostRunReport* report, std::string* faults, const StoresCall* stores = nullptr) {
   cuda::TilePolicy policy;
   if (o.min_blocks > 0) policy.min_blocks = policy.min_decode_blocks = o.min_blocks;
   if (o.min_split_keys > 0) policy.min_split_keys = policy.min_decode_split_keys = o.min_split_keys;
@@ -570,11 +581,18 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   const bool staged =
       (o.decode_form == 2 || o.decode_form == 3) && cuda::StagedRowsFit(in[0].type, scale_type, t, cache);
   policy.decode_form = staged ? static_cast<int>(o.decode_form) : 1;
-  const cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
+  cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
+  const auto attention_words = static_cast<int64_t>(launch.words.size());  // the stores' follow
+  if (stores && stores->plan.batch > 0 && stores->plan.tokens > 0) {
+    const int64_t at = cuda::AppendStoreIndices(stores->plan, &launch);
+    report->store_index_words = static_cast<int64_t>(launch.words.size()) - at;
+    const cuda::Params sp = cuda::MakeParams(stores->attrs, stores->plan, launch.words.data() + at, stores->rows);
+    cuda::DispatchTypes(stores->t1, stores->scale_type, stores->quant_bit, StoreRunner{sp});
+  }
   std::vector<float> partials(static_cast<size_t>(launch.records * (a.head_dim + 2)), std::nanf(""));
   std::vector<float> shared(static_cast<size_t>(kSharedWordsMost));
   const cuda::AttnParams p = cuda::MakeAttnParams(a, plan, cache, launch, t, launch.words.data(), partials.data());
-  const int64_t index_bytes = launch.index_words * 8, work_bytes = int64_t(launch.words.size() * 8) - index_bytes;
+  const int64_t index_bytes = launch.index_words * 8, work_bytes = attention_words * 8 - index_bytes;
   CheckingMem mem;
   mem.report = report;
   const int64_t sizes[cuda::kABufCount] = {
@@ -706,19 +724,18 @@ __attribute__((visibility("default"))) int32_t mhca_host_run(const KvcacheMultiH
     const MhcaPlan plan = ValidateMhcaWithOutput(attrs, inputs, output, &a, in);  // the C entry's checks
     const TensorArg &scale = in[kMhcaScaleInput], &mask = in[kMhcaMaskInput];
     void* cache = const_cast<void*>(in[kMhcaCacheInput].data);
-    if (plan.cache.batch > 0) {
-      const std::vector<int64_t> indices = cuda::PackIndices(plan.cache);
-      report->store_index_words = static_cast<int64_t>(indices.size());
-      const cuda::DeviceTensors stores{in[1].data, in[2].data, cache,
-                                       scale.present ? const_cast<void*>(scale.data) : nullptr, nullptr, nullptr};
-      const cuda::Params p = cuda::MakeParams(a.cache, plan.cache, indices.data(), stores);
-      cuda::DispatchTypes(in[0].type, scale.type, static_cast<int>(a.cache.quant_bit), StoreRunner{p});
-    }
+    const StoresCall stores{a.cache,
+                            plan.cache,
+                            {in[1].data, in[2].data, cache, scale.present ? const_cast<void*>(scale.data) : nullptr,
+                             nullptr, nullptr},
+                            in[0].type,
+                            scale.type,
+                            static_cast<int>(a.cache.quant_bit)};
     const cuda::CacheSide side{&a.cache, &plan.cache};
     const cuda::AttnTensors t{in[0].data, nullptr, nullptr, cache, scale.present ? scale.data : nullptr,
                               mask.present ? mask.data : nullptr, output->data};
     return RunPlanned(a.attention, plan.attention, &side, in, t, scale.type, static_cast<int>(a.cache.quant_bit),
-                      *options, report, faults);
+                      *options, report, faults, &stores);
   });
 }
 
