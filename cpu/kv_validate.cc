@@ -105,9 +105,20 @@ int64_t CheckCacheAndScale(const Attrs& a, const TensorArg& cache, const TensorA
   return max_t;
 }
 
+namespace {
+
+// The element count of an index input, whose bytes are checked to fit in int64 (so are its rows' addresses).
+int64_t IndexCount(const TensorArg& t) {
+  int64_t count = 0, bytes = 0;
+  if (!CountFits(t.shape, &count) || !MulFits(count, int64_t{sizeof(int64_t)}, &bytes))
+    Fail("an index input has more than 2^63 - 1 bytes, shape ", ShapeStr(t.shape));
+  return count;
+}
+
+}  // namespace
+
 std::vector<int64_t> SnapshotInt64(const TensorArg& t) {
-  int64_t count = 0;
-  if (!CountFits(t.shape, &count)) Fail("an index input has more than 2^63 - 1 elements, shape ", ShapeStr(t.shape));
+  const int64_t count = IndexCount(t);
   const auto* data = static_cast<const int64_t*>(t.data);
   return std::vector<int64_t>(data, data + count);
 }
@@ -277,9 +288,7 @@ CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
   if (cs.shape.size() != want_rank || cs.shape[0] != p.batch)
     Fail("cachestarts must have shape ", a.cache_mode == 0 ? "(B,)" : "(B, MaxP)", " with B = ", p.batch,
          " for cache_mode=", a.cache_mode, ", got ", ShapeStr(cs.shape));
-  int64_t table_count = 0;
-  if (!CountFits(cs.shape, &table_count))
-    Fail("an index input has more than 2^63 - 1 elements, shape ", ShapeStr(cs.shape));
+  IndexCount(cs);  // its rows' addresses are computed below, so its bytes must fit
   const int64_t table_cols = a.cache_mode == 1 ? cs.shape[1] : 0;  // the caller's MaxP
   const int64_t max_seqlen = IndexScalar("max_seqlen", in[6]);
   const int64_t max_kvlen = IndexScalar("max_kvlen", in[7]);

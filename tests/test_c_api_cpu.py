@@ -556,3 +556,34 @@ def test_the_defaults_functions_ignore_a_null_struct():
             " 'multi_head_cache_attention'):\n    getattr(lib, f'kvcache_op_{name}_defaults')(None)\nprint('done')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("op", ["KeyValueCache", "MultiHeadCacheAttention"])
+@pytest.mark.parametrize("log2_columns", [60, 61])
+def test_a_page_table_of_more_than_2_to_the_63_bytes_is_refused_by_its_size(op, log2_columns):
+    """A (B, MaxP) table whose element count fits in int64 but whose bytes do not (no memory could hold it, but a
+    C caller can describe it): a row's address would wrap. It is refused by its size, before any of it is read,
+    and the cache is unchanged."""
+    from kvcache_op.validation.mhca_cases import with_query
+
+    case = build("huge-table", [Seq(0, 3), Seq(0, 2)], heads=1, head_dim=8, t1="float32", cache_mode=1, page_size=2,
+                 spare_pages=0)
+    if op == "MultiHeadCacheAttention":
+        case = with_query("huge-table", case.inputs, case.attributes, group=1)
+    names = c_api.MHCA_INPUTS if op == "MultiHeadCacheAttention" else c_api.KV_INPUTS
+    buffers = c_api.HostBuffers()
+    inputs = [buffers.tensor(n, case.inputs.get(n), written=n in ("cache", "scale")) for n in names]
+    table = inputs[names.index("cachestarts")]
+    inputs[names.index("cachestarts")] = c_api.Tensor(table.type, (2, 2 ** log2_columns), table.data)
+    before = case.inputs["cache"].copy()
+    message = rf"an index input has more than 2\^63 - 1 bytes, shape \(2, {2 ** log2_columns}\)"
+    with pytest.raises(KeyValueCacheError, match=message):
+        if op == "MultiHeadCacheAttention":
+            out = np.zeros(case.inputs["query"].shape, np.float32)
+            c_api.run_multi_head_cache_attention(inputs, c_api.Tensor(1, out.shape, out.ctypes.data), **case.attributes)
+        else:
+            shape = (int(case.inputs["kvstarts"][-1]), 1, 8)
+            outs = [np.zeros(shape, np.float32) for _ in range(2)]
+            c_api.run_key_value_cache(inputs, [c_api.Tensor(1, shape, o.ctypes.data) for o in outs], **case.attributes)
+    assert case.inputs["cache"].tobytes() == before.tobytes()
+    del buffers
