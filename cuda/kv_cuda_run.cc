@@ -128,8 +128,9 @@ struct PlannedScratch {
 };
 
 // A planned attention call made ready to launch: its words (index inputs, tiles, merges, and MultiHeadCacheAttention's
-// stores' index inputs) copied to the device in one transfer and the tensor-core kernel granted its shared memory. Everything of the call that may fail short of
-// the launches, so MultiHeadCacheAttention does it before its stores are enqueued. Empty for a call with no tiles.
+// stores' index inputs) copied to the device in one transfer and the tensor-core kernel granted its shared memory.
+// Everything of the call that may fail short of the launches, so MultiHeadCacheAttention does it before its stores
+// are enqueued. Empty for a call with no tiles.
 struct StagedAttention {
   std::optional<AttnParams> params;
   int32_t t1, scale_type;
