@@ -156,6 +156,31 @@ def test_the_fused_benchmark_sizes_pages_and_page_tables_as_asked(tmp_path):
     assert np.all(np.abs(got.astype(np.float64) - want) <= 2 * cache_attention_tolerance(**inputs, **attributes))
 
 
+def test_the_fused_benchmark_runs_each_round_in_an_order_of_its_own(monkeypatch):
+    """A method's place in a round and the method before it tilt its time (one build run twice in a fixed order
+    measured 1.00-1.10x apart), so the rounds do not repeat one order: every method runs once a round, and the
+    rounds' orders differ."""
+    from kvcache_op.benchmarks.attention import fused
+    from kvcache_op.ort_ops import library_path
+
+    calls = []
+    real = fused.median_seconds
+
+    def recording(run, warmup, repeats):
+        calls.append(run)
+        return real(run, warmup=0, repeats=1)
+
+    monkeypatch.setattr(fused, "median_seconds", recording)
+    rounds = 6
+    fused.measure(fused.QUICK_SHAPES[0], rounds, 1, against=library_path())
+    methods = len(calls) // rounds
+    assert methods == 5 and len(calls) == rounds * methods  # fused, split, other build, GQA, copy
+    orders = [tuple(id(run) for run in calls[r * methods:(r + 1) * methods]) for r in range(rounds)]
+    assert all(len(set(order)) == methods for order in orders) and len({frozenset(o) for o in orders}) == 1
+    assert len(set(orders)) > 1, "every round ran the methods in one order"
+    assert len({order[0] for order in orders}) > 1, "one method always ran first"
+
+
 def test_the_fused_benchmark_runs_another_build_beside_this_one(tmp_path, capsys):
     """--against LIBRARY: the other build's fused op runs in the same rounds, its time and ratio are in the table
     and data, and whether its outputs equal this build's bit for bit (the same build here, so they must)."""

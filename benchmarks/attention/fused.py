@@ -15,7 +15,7 @@ would otherwise run, side by side in one run, ONNX Runtime's CPU EP, every input
 Each step stores this step's tokens and attends over ``kvlen`` keys per sequence. Every call reads the same cache,
 so one small enough for the last-level cache is read from there after the first call: B=1 kv16384 (16 MB) is,
 on a 32 MB cache; B=1 kv65536 (64 MB) is read from memory, as a served model's step reads each layer's cache.
-Methods run in interleaved rounds (the machine's noise lands on all alike), their thread pools told not to spin after a run (a spinning
+Methods run in interleaved rounds (the machine's noise lands on all alike), each round in an order of its own (seeded), their thread pools told not to spin after a run (a spinning
 pool would take the cores from the next method); each figure is the median over rounds of per-round medians.
 
     python -m kvcache_op.benchmarks.attention.fused --out benchmarks/attention/fused
@@ -23,6 +23,7 @@ pool would take the cores from the next method); each figure is the median over 
 
 import dataclasses
 import json
+import random
 import statistics
 
 import numpy as np
@@ -216,9 +217,13 @@ def measure(shape: Shape, rounds: int, repeats: int, shared_pages: bool = False,
     target = aligned_empty(source.shape, np.uint8)
     runs["copy"] = lambda: np.copyto(target, source)
     times = {name: [] for name in runs}
+    order = random.Random(0)
     for _ in range(rounds):
-        for name, run in runs.items():
-            times[name].append(median_seconds(run, warmup=1, repeats=repeats))
+        # Each round in an order of its own: a method's place in a round, and the method before it, tilt its time
+        # (two runs of one build, always the first after the copy and the third after the split pair, measured
+        # 1.00-1.10x apart; starting each round one method later, 1.02x).
+        for name in order.sample(list(runs), len(runs)):
+            times[name].append(median_seconds(runs[name], warmup=1, repeats=repeats))
     seconds = {name: statistics.median(t) for name, t in times.items()}
     result = {"shape": dataclasses.asdict(shape), "label": shape.label, "seconds": seconds,
               "fused_vs_split": seconds["fused"] / seconds["split"], "cache_GBps": shape.cache_read_bytes / seconds["fused"] / 1e9,
