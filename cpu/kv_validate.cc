@@ -240,6 +240,12 @@ void DropEmptyScale(const Attrs& a, TensorArg* scale) {
 
 namespace {
 
+// The end of the positions sequence b touches: those it stores, [start_pos, start_pos + seqlen), and those it loads,
+// [0, kvlen), kvlen being at most start_pos + seqlen; only loads when it stores nothing.
+Big TouchedEnd(int64_t start_pos, int64_t seqlen, int64_t kvlen) {
+  return seqlen ? Big(start_pos) + seqlen : Big(kvlen);
+}
+
 // The page-table columns a call reads: sequence b touches positions [0, start_pos + seqlen), or [0, kvlen) when it
 // stores nothing (as ValidateCall checks them), so no column past the longest one's last page is read. At most
 // `table_cols`; a sequence the checks refuse (a negative start_pos) counts for nothing, as its pages are not read.
@@ -248,8 +254,7 @@ int64_t ColumnsTouched(const std::vector<int64_t>& start_pos, const std::vector<
   Big most = 0;
   for (size_t b = 0; b < start_pos.size(); ++b) {
     if (start_pos[b] < 0) continue;
-    const Big end = seq_len[b] ? Big(start_pos[b]) + seq_len[b] : Big(kv_len[b]);
-    most = std::max(most, (end + page_size - 1) / page_size);
+    most = std::max(most, (TouchedEnd(start_pos[b], seq_len[b], kv_len[b]) + page_size - 1) / page_size);
   }
   return static_cast<int64_t>(std::min(most, Big(table_cols)));
 }
@@ -315,7 +320,7 @@ CallPlan ValidateCall(const Attrs& a, TensorArg* in) {
     if (Big(kv_len[b]) > end)
       Fail("kvstarts: kvlen of sequence ", b, " = ", kv_len[b], " exceeds start_pos[", b, "] + seqlen = ", pos,
            " + ", seq_len[b], " = ", BigStr(end), "; only positions stored by this or earlier calls can be loaded");
-    const Big touched_end = seq_len[b] ? end : Big(kv_len[b]);
+    const Big touched_end = TouchedEnd(pos, seq_len[b], kv_len[b]);
     if (touched_end == 0) continue;
     if (a.cache_mode == 0) {
       const int64_t base = p.cachestarts[b];

@@ -224,6 +224,7 @@ bool StagedRowsFit(int32_t t1, int32_t scale_type, const AttnTensors& t, const C
 }
 
 int64_t AppendStoreIndices(const CallPlan& cache, AttnLaunchPlan* launch) {
+  if (cache.tokens == 0) return -1;
   const auto at = static_cast<int64_t>(launch->words.size());
   const std::vector<int64_t> stores = PackIndices(cache);
   launch->words.insert(launch->words.end(), stores.begin(), stores.end());

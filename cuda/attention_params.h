@@ -54,7 +54,7 @@ AttnLaunchPlan PlanAttention(const MhaAttrs& a, const MhaPlan& plan, const Cache
 
 // MultiHeadCacheAttention: appends its stores' packed index inputs (PackIndices of `cache`) to a planned launch's
 // words, after its tiles and merges, so that one copy brings both to the device. Returns where the stores' words
-// begin.
+// begin, or -1 (nothing appended) for a call that stores no token and so launches no stores.
 int64_t AppendStoreIndices(const CallPlan& cache, AttnLaunchPlan* launch);
 
 // The device buffers of a call; absent ones null.

@@ -210,14 +210,12 @@ void RunCacheAttentionValidated(const MhcaAttrs& a, const MhcaPlan& plan, int32_
   RefuseGraphCapture(stream, "MultiHeadCacheAttention");
   AttnLaunchPlan launch =
       PlanAttention(a.attention, plan.attention, &side, DevicePolicy(t1, scale_type, tensors, &side));
-  // The stores' index inputs travel with the attention's words: one copy to the device. (A call storing no token
-  // launches no stores.)
-  const bool stores = plan.cache.batch > 0 && plan.cache.tokens > 0;
-  const int64_t stores_at = stores ? AppendStoreIndices(plan.cache, &launch) : 0;
+  // The stores' index inputs travel with the attention's words: one copy to the device.
+  const int64_t stores_at = AppendStoreIndices(plan.cache, &launch);
   PlannedScratch planned(scratch, launch, a.attention.head_dim);
   const StagedAttention attention = StagePlanned(a.attention, plan.attention, &side, launch, t1, scale_type,
                                                  static_cast<int>(a.cache.quant_bit), tensors, stream, planned);
-  if (stores) {
+  if (stores_at >= 0) {
     const DeviceTensors rows{key, value, const_cast<void*>(tensors.cache), const_cast<void*>(tensors.scale), nullptr,
                              nullptr};
     const Params p =

@@ -46,8 +46,7 @@ SCRIPT = """
         grew = peak_bytes() - start  # the wide call's, as it runs second
         outputs.append(b"".join(a.tobytes() for a in (out if isinstance(out, tuple) else (out,))))
     same = outputs[0] == outputs[1] and narrow_in["cache"].tobytes() == wide_in["cache"].tobytes()
-    report = {"grew": grew, "same": same}
-    print(json.dumps(report))
+    print(json.dumps({"grew": grew, "same": same}))
 """
 
 

@@ -53,7 +53,7 @@ extern "C" __attribute__((visibility("default"))) int attention_host_cost(
         cuda::AttnLaunchPlan launch = cuda::PlanAttention(a.attention, plan.attention, &side, policy);
         const auto t2 = Clock::now();
         const auto planned = static_cast<double>(launch.words.size());
-        if (plan.cache.batch > 0 && plan.cache.tokens > 0) cuda::AppendStoreIndices(plan.cache, &launch);
+        cuda::AppendStoreIndices(plan.cache, &launch);
         const auto t3 = Clock::now();
         v += Nanoseconds(t0, t1);
         l += Nanoseconds(t1, t2);

@@ -583,8 +583,7 @@ int32_t RunPlanned(const MhaAttrs& a, const MhaPlan& plan, const cuda::CacheSide
   policy.decode_form = staged ? static_cast<int>(o.decode_form) : 1;
   cuda::AttnLaunchPlan launch = cuda::PlanAttention(a, plan, cache, policy);
   const auto attention_words = static_cast<int64_t>(launch.words.size());  // the stores' follow
-  if (stores && stores->plan.batch > 0 && stores->plan.tokens > 0) {
-    const int64_t at = cuda::AppendStoreIndices(stores->plan, &launch);
+  if (const int64_t at = stores ? cuda::AppendStoreIndices(stores->plan, &launch) : -1; at >= 0) {
     report->store_index_words = static_cast<int64_t>(launch.words.size()) - at;
     const cuda::Params sp = cuda::MakeParams(stores->attrs, stores->plan, launch.words.data() + at, stores->rows);
     cuda::DispatchTypes(stores->t1, stores->scale_type, stores->quant_bit, StoreRunner{sp});
