@@ -46,6 +46,21 @@ def _nothing_refed(rid, n_new: int) -> int:
     return 0
 
 
+def _plain_greedy(sequences: list) -> bool:
+    """Every one of ``sequences`` takes plain greedy tokens (no penalty, no logprobs) and keeps no logits: the graph
+    can choose their tokens (:meth:`ModelRunner.run_greedy`)."""
+    return all(q.params.plain_greedy and q.logits is None for q in sequences)
+
+
+def _choose(out, greedy: bool, choosing: list) -> tuple:
+    """(tokens, logprobs) of ``choosing``, one per row of ``out``: the graph's greedy tokens where ``greedy``, else
+    logits to choose from (:func:`~.sampling.choose_tokens`)."""
+    if greedy:
+        return out.tolist(), [None] * len(choosing)
+    return choose_tokens(out, [q.params for q in choosing], [(q.prompt, q.generated) for q in choosing],
+                         [q.generator for q in choosing])
+
+
 def default_batch_tokens(device: str) -> int:
     """Tokens an engine feeds per step unless told: 256 on the CPU (``device`` ``"cpu"``), 8192 on a GPU."""
     return DEFAULT_BATCH_TOKENS if device == "cpu" else DEFAULT_DEVICE_BATCH_TOKENS
@@ -346,7 +361,8 @@ class Engine(OnlineEngine):
             self._times["scheduling"] += scheduled - began
             if plan.shift_slots.size:
                 self.runner.shift_keys(plan.shift_slots, plan.shift_deltas)
-            logits = self.runner.run(feeds)
+            greedy = _plain_greedy(sequences)
+            out = self.runner.run_greedy(feeds) if greedy else self.runner.run(feeds)
         except BaseException:
             self._roll_back(plan, waiting, running)
             raise
@@ -354,35 +370,33 @@ class Engine(OnlineEngine):
         self._times["ort_run"] += ran - scheduled
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         if steps > 1:
-            return self._decode_steps(plan, feeds, sequences, steps, logits, waiting, running, (began, scheduled, ran))
+            return self._decode_steps(plan, feeds, sequences, steps, out, greedy, waiting, running,
+                                      (began, scheduled, ran))
         self.manager.commit(plan)
         self._count_step(plan)
         rows, choosing = self._choosers(sequences)
-        chosen = logits if rows is None else logits[rows]  # decode steps: every row, no copy
-        tokens, logprobs = choose_tokens(chosen, [q.params for q in choosing], [(q.prompt, q.generated) for q in choosing],
-                                         [q.generator for q in choosing])
-        self._retire(self._take_tokens(choosing, tokens, logprobs, logits, rows), running)
+        chosen = out if rows is None else out[rows]  # decode steps: every row, no copy
+        tokens, logprobs = _choose(chosen, greedy, choosing)
+        self._retire(self._take_tokens(choosing, tokens, logprobs, None if greedy else out, rows), running)
         self._trace(plan, feeds, (began, scheduled, ran))
         return 1
 
-    def _decode_steps(self, plan, feeds: dict, sequences: list, steps: int, logits, waiting, running: list,
-                      times: tuple) -> int:
-        """Runs up to ``steps`` decode steps the manager planned at once, the first of which just ran (``feeds``,
-        ``logits``):
+    def _decode_steps(self, plan, feeds: dict, sequences: list, steps: int, out, greedy: bool, waiting,
+                      running: list, times: tuple) -> int:
+        """Runs up to ``steps`` decode steps the manager planned at once, the first of which just ran (``feeds``;
+        ``out``: its logits, or its greedy tokens where ``greedy``, every request taking plain greedy tokens):
         each step's tokens are chosen and handed over, then :meth:`KVCacheManager.advance` gives the next step's
         plan; a step that ends a request ends the run. The steps that ran are committed together (also when handing
         tokens over raised), then the requests that are done leave. Returns how many steps ran."""
         for q in sequences:
             q.ran = True
-        params, generators = [q.params for q in sequences], [q.generator for q in sequences]
-        histories = [(q.prompt, q.generated) for q in sequences]
         count, stopped = 0, []
         try:
             while True:
                 count += 1
                 self._count_step(plan)
-                tokens, logprobs = choose_tokens(logits, params, histories, generators)
-                stopped = self._take_tokens(sequences, tokens, logprobs, logits, None)
+                tokens, logprobs = _choose(out, greedy, sequences)
+                stopped = self._take_tokens(sequences, tokens, logprobs, None if greedy else out, None)
                 self._trace(plan, None, times)
                 if stopped or count == steps or self._interrupted():
                     break
@@ -391,7 +405,8 @@ class Engine(OnlineEngine):
                     plan = self.manager.advance(plan, tokens)
                     feeds = next_decode_feeds(feeds, plan)
                     scheduled = time.perf_counter()
-                    logits = self.runner.run(feeds, NEXT_DECODE_CHANGES)
+                    run = self.runner.run_greedy if greedy else self.runner.run
+                    out = run(feeds, NEXT_DECODE_CHANGES)
                 except BaseException:
                     failed, plan = plan, None  # nothing to commit, whatever the roll-back raises
                     self._roll_back(failed, waiting, running)  # every planned step: the requests are recomputed
@@ -411,7 +426,7 @@ class Engine(OnlineEngine):
         """The runner's :class:`~.greedy_steps.GreedySteps` when ``steps`` > 1 decode steps were planned at once for
         ``sequences`` that all take plain greedy tokens (no penalty, no logprobs) and keep no logits; else None (and
         on a device EP)."""
-        if steps < 2 or not all(q.params.plain_greedy and q.logits is None for q in sequences):
+        if steps < 2 or not _plain_greedy(sequences):
             return None
         return self.runner.greedy_steps()
 

@@ -20,6 +20,51 @@ NEXT_DECODE_INPUTS = ("input_ids", "positions", "kvstarts", "start_pos", "max_kv
 NEXT_PREFIX = "next_"
 
 
+#: The graph output holding each row's greedy token (:func:`with_greedy_tokens`, :func:`with_next_decode`).
+GREEDY_TOKENS = NEXT_PREFIX + "input_ids"
+
+
+def _check_free(graph, added: list) -> None:
+    """``ValueError`` when the graph already has a value named as one of ``added``."""
+    taken = ({value.name for value in graph.input} | {value.name for value in graph.output}
+             | {name for node in graph.node for name in node.output})
+    clash = sorted(taken.intersection(added))
+    if clash:
+        raise ValueError(f"the decoder already has values named {clash}: its next decode step cannot be added")
+
+
+def _greedy_nodes(graph) -> list:
+    """The nodes computing :data:`GREEDY_TOKENS` from the logits: ArgMax over the vocabulary (the first of equal
+    maxima), float16/bfloat16 logits widened to float32 first (which keeps their order)."""
+    outputs = {value.name: value for value in graph.output}
+    logits, nodes = OUTPUT_NAME, []
+    if outputs[OUTPUT_NAME].type.tensor_type.elem_type != TensorProto.FLOAT:
+        nodes.append(helper.make_node("Cast", [logits], [NEXT_PREFIX + "logits_f32"], to=TensorProto.FLOAT))
+        logits = NEXT_PREFIX + "logits_f32"
+    return nodes + [helper.make_node("ArgMax", [logits], [GREEDY_TOKENS], axis=1, keepdims=0)]
+
+
+def _extended(model: onnx.ModelProto, nodes: list, outputs: list) -> onnx.ModelProto:
+    """A copy of ``model`` with ``nodes`` appended and ``outputs`` (value infos) added to its graph's outputs."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    result.graph.node.extend(nodes)
+    result.graph.output.extend(outputs)
+    return result
+
+
+def with_greedy_tokens(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of the exported decoder ``model`` with one more output, :data:`GREEDY_TOKENS` (int64, one per row of
+    the logits): each row's ArgMax, as :func:`with_next_decode` computes it, and nothing else. Its nodes (Cast,
+    ArgMax) have kernels in ONNX Runtime's CUDA EP, so on a GPU a greedy step's tokens cross the bus instead of its
+    logits. ``ValueError`` when the graph has no logits or already has a value of the new names."""
+    if OUTPUT_NAME not in {value.name for value in model.graph.output}:
+        raise ValueError(f"not an exported decoder: it has no {OUTPUT_NAME!r}")
+    _check_free(model.graph, [GREEDY_TOKENS, NEXT_PREFIX + "logits_f32"])
+    return _extended(model, _greedy_nodes(model.graph),
+                     [helper.make_tensor_value_info(GREEDY_TOKENS, TensorProto.INT64, None)])
+
+
 def with_next_decode(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the exported decoder ``model`` with one more output per :data:`NEXT_DECODE_INPUTS` (named
     ``next_<input>``, int64, the input's shape): ``next_input_ids`` is each row's ArgMax of the logits (the first
@@ -27,28 +72,17 @@ def with_next_decode(model: onnx.ModelProto) -> onnx.ModelProto:
     order), the others are the following decode step's index inputs. The logits and the graph are unchanged.
     ``ValueError`` when the graph lacks an input this needs or already has a value of one of the new names."""
     graph = model.graph
-    inputs = {value.name for value in graph.input}
+    inputs = {value.name: value for value in graph.input}
     missing = [name for name in NEXT_DECODE_INPUTS if name not in inputs]
-    outputs = {value.name: value for value in graph.output}
-    if missing or OUTPUT_NAME not in outputs:
+    if missing or OUTPUT_NAME not in {value.name for value in graph.output}:
         raise ValueError(f"not an exported decoder: it has no {', '.join(missing) or OUTPUT_NAME!r}")
     prefix = NEXT_PREFIX
-    taken = inputs | set(outputs) | {name for node in graph.node for name in node.output}
-    added = [prefix + name for name in NEXT_DECODE_INPUTS] + [f"{prefix}{part}" for part in
-                                                               ("one", "zero", "rows", "ramp", "logits_f32")]
-    clash = sorted(taken.intersection(added))
-    if clash:
-        raise ValueError(f"the decoder already has values named {clash}: its next decode step cannot be added")
-    logits = OUTPUT_NAME
-    nodes = []
-    if outputs[OUTPUT_NAME].type.tensor_type.elem_type != TensorProto.FLOAT:
-        nodes.append(helper.make_node("Cast", [logits], [prefix + "logits_f32"], to=TensorProto.FLOAT))
-        logits = prefix + "logits_f32"
+    _check_free(graph, [prefix + name for name in NEXT_DECODE_INPUTS] + [f"{prefix}{part}" for part in
+                                                                        ("one", "zero", "rows", "ramp", "logits_f32")])
     scalar = lambda name, value: helper.make_node(  # noqa: E731
         "Constant", [], [prefix + name], value=helper.make_tensor(prefix + name, TensorProto.INT64, [], [value]))
     one = prefix + "one"
-    nodes += [
-        helper.make_node("ArgMax", [logits], [prefix + "input_ids"], axis=1, keepdims=0),
+    nodes = _greedy_nodes(graph) + [
         scalar("one", 1), scalar("zero", 0),
         helper.make_node("Add", ["positions", one], [prefix + "positions"]),
         helper.make_node("Add", ["start_pos", one], [prefix + "start_pos"]),
@@ -58,14 +92,11 @@ def with_next_decode(model: onnx.ModelProto) -> onnx.ModelProto:
         helper.make_node("Range", [prefix + "zero", prefix + "rows", one], [prefix + "ramp"]),
         helper.make_node("Add", ["kvstarts", prefix + "ramp"], [prefix + "kvstarts"]),
     ]
-    result = onnx.ModelProto()
-    result.CopyFrom(model)
-    result.graph.node.extend(nodes)
-    inputs = {value.name: value for value in graph.input}
+    outputs = []
     for name in NEXT_DECODE_INPUTS:
         output = helper.make_tensor_value_info(prefix + name, TensorProto.INT64, None)
         # the input's shape as declared (named, fixed or anonymous dims alike); the tokens' is the logits' rows
         if name != "input_ids" and inputs[name].type.tensor_type.HasField("shape"):
             output.type.tensor_type.shape.CopyFrom(inputs[name].type.tensor_type.shape)
-        result.graph.output.append(output)
-    return result
+        outputs.append(output)
+    return _extended(model, nodes, outputs)

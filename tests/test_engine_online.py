@@ -108,20 +108,21 @@ def test_generate_runs_beside_submitted_requests(path, lone):
 
 
 def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
-    # One decode step per graph run, so that every step goes through runner.run (runs of greedy steps do not), and
-    # steps paced at 5 ms there while the calls run: the long request's 900 steps then outlast the calls however
-    # late the threads are scheduled on a loaded machine (unpaced, a tiny model's 900 steps once ended first).
+    # One decode step per graph run, so that every step of these greedy requests goes through runner.run_greedy
+    # (runs of greedy steps do not), and steps paced at 5 ms there while the calls run: the long request's 900 steps
+    # then outlast the calls however late the threads are scheduled on a loaded machine (unpaced, a tiny model's 900
+    # steps once ended first).
     engine = Engine(path, num_pages=96, trace_steps=True, decode_steps=1)
-    calls_done, run = threading.Event(), engine.runner.run
+    calls_done, run = threading.Event(), engine.runner.run_greedy
 
-    runs = []  # one per call of runner.run: whether it was paced (made while the calls ran)
+    runs = []  # one per call of runner.run_greedy: whether it was paced (made while the calls ran)
 
     def paced(feeds, *changed):
         runs.append(not calls_done.is_set())
         if runs[-1]:
             time.sleep(0.005)
         return run(feeds, *changed)
-    engine.runner.run = paced
+    engine.runner.run_greedy = paced
     long = engine.submit(PROMPTS[1], SamplingParams(max_tokens=900, ignore_eos=True))  # runs through all the calls
     results = {}
 
@@ -135,16 +136,16 @@ def test_generate_calls_from_many_threads_join_one_continuous_batch(path, lone):
     calls_done.set()
     assert results == {k: [lone[k], lone[(k + 1) % len(PROMPTS)]] for k in range(4)}
     # Each call's 8 tokens take 8 graph runs at least (its prompt's, then one per decode step), all made while the
-    # calls ran; so fewer than 8 paced runs means the steps bypassed runner.run. All four calls can share those 8
+    # calls ran; so fewer than 8 paced runs means the steps bypassed runner.run_greedy. All four calls can share those 8
     # runs when they join at once, so no more than 8 can be asked for.
-    assert sum(runs) >= 8, "the steps did not go through the paced runner.run"
+    assert sum(runs) >= 8, "the steps did not go through the paced runner.run_greedy"
     assert not long.done, "the long request should still be running"
     # The calls' requests ran in steps beside the submitted one (and beside each other), not after it.
     assert max(t["sequences"] for t in engine.step_trace) >= 3
     long.cancel()
     engine.close(timeout=30)
     assert long.finish_reason == "cancelled" and engine.metrics()["pages_in_use"] == 0
-    # And every step the engine counted was one call of runner.run: none went round it.
+    # And every step the engine counted was one call of runner.run_greedy: none went round it.
     assert len(runs) == engine.metrics()["steps"]
 
 
@@ -225,6 +226,7 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
         raise RuntimeError("the device fell over")
 
     monkeypatch.setattr(engine.runner, "run", broken)
+    monkeypatch.setattr(engine.runner, "run_greedy", broken)
     monkeypatch.setattr(engine.runner.greedy_steps(), "step", broken)  # a greedy request's run: its prompt leads it
     failing = engine.submit(PROMPTS[2], SamplingParams(max_tokens=4))
     with pytest.raises(RuntimeError, match="the device fell over"):
@@ -238,8 +240,8 @@ def test_a_failing_step_fails_its_requests_and_keeps_no_pages(path, monkeypatch)
 
 def _fail_one_step(engine, message: str, then=None) -> threading.Event:
     """Every step of ``engine`` takes 10 ms at least (long enough for other requests to be queued meanwhile); once
-    the returned event is set, the next one raises ``RuntimeError(message)`` (through either path a step runs:
-    ``runner.run`` or a greedy run's step), clears the event and calls ``then()`` first."""
+    the returned event is set, the next one raises ``RuntimeError(message)`` (through any path a step runs:
+    ``runner.run``, ``runner.run_greedy`` or a greedy run's step), clears the event and calls ``then()`` first."""
     greedy, armed = engine.runner.greedy_steps(), threading.Event()
 
     def once_broken(call):
@@ -252,7 +254,9 @@ def _fail_one_step(engine, message: str, then=None) -> threading.Event:
                 raise RuntimeError(message)
             return call(*args)
         return wrapped
-    engine.runner.run, greedy.step = once_broken(engine.runner.run), once_broken(greedy.step)
+    runner = engine.runner
+    runner.run, runner.run_greedy = once_broken(runner.run), once_broken(runner.run_greedy)
+    greedy.step = once_broken(greedy.step)
     return armed
 
 

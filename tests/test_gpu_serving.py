@@ -1,7 +1,7 @@
 """The exported decoder on ONNX Runtime's CUDA EP: every op of the graph placed on the GPU (no CPU fallback), the
-cache allocated once on the device and written in place, and the engine's greedy tokens equal transformers' own
-greedy generation on the same GPU, for the fused node and the split pair. Skipped centrally without a GPU and
-onnxruntime-gpu."""
+graph's greedy tokens too, the cache allocated once on the device and written in place, and the engine's greedy
+tokens (chosen on the device: no row of logits crosses to the host) equal transformers' own greedy generation on the
+same GPU, for the fused node and the split pair. Skipped centrally without a GPU and onnxruntime-gpu."""
 
 import copy
 
@@ -14,6 +14,7 @@ import hf_models  # noqa: E402
 from kvcache_op.hf.verify import reference_generate  # noqa: E402
 from kvcache_op.ort_ops import make_session  # noqa: E402
 from kvcache_op.serving import Engine  # noqa: E402
+from kvcache_op.serving.next_decode_graph import with_greedy_tokens  # noqa: E402
 
 pytestmark = pytest.mark.ort_gpu
 
@@ -22,9 +23,37 @@ PROMPTS = [[5, 6, 7, 8, 9] * 7, [300, 2, 3], list(range(40, 90))]
 
 @pytest.mark.parametrize("settings", [dict(), dict(fused_attention=False)], ids=["fused", "split"])
 def test_no_node_of_the_exported_decoder_falls_back_to_the_cpu(settings):
-    """session.disable_cpu_ep_fallback: ONNX Runtime refuses the session if any node would run on the CPU EP."""
-    make_session(hf_models.exported("llama", **settings), providers=("CUDAExecutionProvider",),
-                 disable_cpu_fallback=True)
+    """session.disable_cpu_ep_fallback: ONNX Runtime refuses the session if any node would run on the CPU EP; the
+    graph as the engine serves it on a device (its greedy tokens added) too."""
+    import onnx
+
+    path = hf_models.exported("llama", **settings)
+    make_session(path, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
+    make_session(with_greedy_tokens(onnx.load(path)), providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_the_gpus_greedy_tokens_are_numpys_argmax_of_the_logits(dtype):
+    """The device's ArgMax chooses as numpy's: the first of equal maxima (rows of small integers have many), of +0 and
+    -0 the first; a row of -inf gives 0 or a token outside the vocabulary (which the engine's runner replaces)."""
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    element = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
+    graph = helper.make_graph([helper.make_node("Identity", ["scores"], ["logits"])], "logits",
+                              [helper.make_tensor_value_info("scores", element, ["n", "v"])],
+                              [helper.make_tensor_value_info("logits", element, ["n", "v"])])
+    model = with_greedy_tokens(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10))
+    session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
+    rng = np.random.default_rng(0)
+    scores = np.concatenate([rng.integers(-3, 3, (48, 32000)), rng.standard_normal((14, 32000)) * 8]).astype(dtype)
+    scores = np.concatenate([scores, np.full((2, 32000), -np.inf, dtype)])
+    scores[48, :] = -1.0
+    scores[48, [9, 20]] = [-0.0, 0.0]  # equal: the first
+    tokens = session.run(["next_input_ids"], {"scores": scores})[0]
+    expected = np.argmax(scores, axis=1)
+    assert np.array_equal(tokens[:-2], expected[:-2]) and expected[48] == 9
+    assert all(t == 0 or not 0 <= t < scores.shape[1] for t in tokens[-2:]), tokens[-2:]
 
 
 @pytest.mark.parametrize("settings", [dict(), dict(fused_attention=False)], ids=["fused", "split"])
@@ -35,6 +64,7 @@ def test_the_engine_on_the_cuda_ep_serves_the_models_own_greedy_tokens(settings)
     # a GPU's default budget (8192), within the 1024 positions of the model's rotary tables: every prompt in one step
     assert engine.runner.step_token_limit == 1024 and engine.max_batch_tokens == 1024
     tokens = engine.generate(PROMPTS, 10)
+    assert engine.runner.device_logit_rows == 0  # chosen on the device
     model = copy.deepcopy(hf_models.model("llama")).to("cuda")  # the same GPU, float32 (the cached model stays put)
     assert tokens == [reference_generate(model, p, 10) for p in PROMPTS]
 

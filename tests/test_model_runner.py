@@ -1,9 +1,12 @@
 """The engine's ONNX Runtime runner (serving/ort_runner.py): its one binding serves every step. On the CPU EP the
 index inputs are refilled in place and the logits land in a reused buffer; the logits of each step must equal those
 of a session bound afresh. A device session copies an input to the device when it is bound, so there every step's
-inputs must be bound afresh (a refill would leave the device reading the first step's tokens)."""
+inputs must be bound afresh (a refill would leave the device reading the first step's tokens). A greedy step's tokens
+come from the graph (numpy's argmax of the logits), and on a device without its logits crossing to the host, but
+where the graph's token is outside the vocabulary."""
 
 import numpy as np
+import onnxruntime as ort
 import pytest
 
 pytest.importorskip("torch")  # kvcache_op.hf imports it
@@ -13,6 +16,7 @@ import hf_models  # noqa: E402
 from kvcache_op.manager import KVCacheManager  # noqa: E402
 from kvcache_op.serving import ModelRunner  # noqa: E402
 from kvcache_op.serving.decoder_io import OUTPUT_NAME  # noqa: E402
+from kvcache_op.serving.next_decode_graph import GREEDY_TOKENS  # noqa: E402
 from kvcache_op.serving.step_feeds import step_feeds  # noqa: E402
 
 
@@ -66,3 +70,95 @@ def test_a_device_session_binds_every_steps_inputs_afresh(monkeypatch):
         assert set(got) == set(runner.session_inputs) - {"cache", "scale"}
         for name, value in got.items():
             np.testing.assert_array_equal(value, feeds[name])
+
+
+def one_request_step(runner):
+    """The feeds of a one-row step (another manager's prompt): a step of another shape than :func:`steps`'."""
+    m = KVCacheManager(8, runner.info.page_size, 8, vocab_size=runner.info.vocab_size)
+    m.add_request("c", [3, 1, 4, 1, 5])
+    return step_feeds(m.schedule({"c": [3, 1, 4, 1, 5]}))
+
+
+def test_greedy_steps_give_the_argmax_of_the_logits_and_leave_the_same_cache():
+    """Greedy and logits steps interleaved on one runner, rows changing from two to one and back: each greedy step's
+    tokens are numpy's argmax of the logits a second runner makes for the same step, each logits step's logits
+    equal its, and the caches stay equal."""
+    path = hf_models.exported("llama")
+    mixed, plain = ModelRunner(path, 8, ["CPUExecutionProvider"]), ModelRunner(path, 8, ["CPUExecutionProvider"])
+    all_feeds = list(steps(mixed, 3))
+    all_feeds[2:2] = [one_request_step(mixed)]
+    for k, feeds in enumerate(all_feeds + all_feeds[::-1]):
+        logits = plain.run(feeds).copy()
+        if k % 2:
+            np.testing.assert_array_equal(mixed.run(feeds), logits)
+        else:
+            tokens = mixed.run_greedy(feeds)
+            assert tokens.dtype == np.int64 and np.array_equal(tokens, np.argmax(logits, axis=1)), k
+        np.testing.assert_array_equal(mixed.cache.numpy(), plain.cache.numpy())
+    assert mixed.host_chosen_rows == 0 and mixed.device_logit_rows == 0
+
+
+def as_device_session(runner, monkeypatch) -> list:
+    """``runner`` as a device session over its CPU session: outputs it asks for on "cuda" are made on the CPU; returns
+    the list of (output, device kind) it asks for."""
+    runner.device = ("cuda", 0)
+    asked, real = [], runner._binding.bind_output
+
+    def bind_output(name, device_type="cpu", device_id=0, *rest):
+        asked.append((name, device_type))
+        return real(name, "cpu", 0, *rest)
+    monkeypatch.setattr(runner._binding, "bind_output", bind_output)
+    return asked
+
+
+def test_a_device_sessions_greedy_step_brings_back_its_tokens_and_leaves_its_logits(monkeypatch):
+    path = hf_models.exported("llama")
+    runner, plain = ModelRunner(path, 8, ["CPUExecutionProvider"]), ModelRunner(path, 8, ["CPUExecutionProvider"])
+    asked = as_device_session(runner, monkeypatch)
+    for feeds in steps(runner, 3):
+        asked.clear()
+        tokens = runner.run_greedy(feeds)
+        assert asked == [(OUTPUT_NAME, "cuda"), (GREEDY_TOKENS, "cpu")]
+        assert np.array_equal(tokens, np.argmax(plain.run(feeds), axis=1))
+    assert runner.device_logit_rows == 0 and runner.host_chosen_rows == 0
+    asked.clear()
+    np.testing.assert_array_equal(runner.run(feeds), plain.run(feeds))  # a step whose logits are read: they cross
+    assert asked == [(OUTPUT_NAME, "cpu")] and runner.device_logit_rows == 2
+
+
+@pytest.mark.parametrize("sentinel", [2**31 - 1, -1])
+def test_a_token_outside_the_vocabulary_is_chosen_again_from_its_logits(monkeypatch, sentinel):
+    """ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf: such a row's token is the host's argmax of the
+    row's logits (copied from the device for it), the other rows keep the graph's."""
+    path = hf_models.exported("llama")
+    runner, plain = ModelRunner(path, 8, ["CPUExecutionProvider"]), ModelRunner(path, 8, ["CPUExecutionProvider"])
+    as_device_session(runner, monkeypatch)
+    real = runner._binding.get_outputs
+
+    def get_outputs():
+        logits, tokens = real()
+        wrong = tokens.numpy().copy()
+        wrong[1] = sentinel
+        return [logits, ort.OrtValue.ortvalue_from_numpy(wrong)]
+    monkeypatch.setattr(runner._binding, "get_outputs", get_outputs)
+    feeds = next(steps(runner, 0))
+    tokens = runner.run_greedy(feeds)
+    assert np.array_equal(tokens, np.argmax(plain.run(feeds), axis=1))
+    assert runner.host_chosen_rows == 1 and runner.device_logit_rows == 2
+
+
+def test_the_engines_greedy_requests_never_read_logits_and_get_the_same_tokens(monkeypatch):
+    """Plain greedy requests (one step at a time, so every step is a runner call) go through ``run_greedy`` alone;
+    their tokens equal those of requests that read their logits (logprobs asked for, the host's argmax)."""
+    from kvcache_op.serving import Engine, SamplingParams
+
+    path = hf_models.exported("llama")
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16] * 3]
+    host = Engine(path, num_pages=16, decode_steps=1)
+    with_logits = host.generate(prompts, 12, params=SamplingParams(max_tokens=12, logprobs=0))
+    engine = Engine(path, num_pages=16, decode_steps=1)
+
+    def no_logits(*args):
+        raise AssertionError("a greedy step read its logits")
+    monkeypatch.setattr(engine.runner, "run", no_logits)
+    assert engine.generate(prompts, 12) == with_logits

@@ -8,7 +8,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from kvcache_op.serving.next_decode_graph import NEXT_DECODE_INPUTS, with_next_decode
+from kvcache_op.serving.next_decode_graph import GREEDY_TOKENS, NEXT_DECODE_INPUTS, with_greedy_tokens, with_next_decode
 
 VOCAB = 64
 
@@ -45,21 +45,53 @@ def test_next_outputs_are_numpys_argmax_and_the_next_decode_steps_inputs(element
     assert next_ids.dtype == np.int64 and max_kvlen.shape == ()
 
 
+@pytest.mark.parametrize("element_type", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_the_greedy_tokens_alone_are_numpys_argmax_through_nodes_a_gpu_runs(element_type):
+    """A device session's graph: the logits unchanged and each row's token, through Cast and ArgMax only (ONNX
+    Runtime's CUDA EP has kernels for both; the next step's index arithmetic would put shape nodes on the CPU)."""
+    model = logits_graph(element_type)
+    greedy = with_greedy_tokens(model)
+    assert [n.op_type for n in greedy.graph.node[len(model.graph.node):]] == (
+        ["ArgMax"] if element_type == TensorProto.FLOAT else ["Cast", "ArgMax"])
+    assert [o.name for o in greedy.graph.output] == ["logits", GREEDY_TOKENS]
+    session = ort.InferenceSession(greedy.SerializeToString(), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(2).integers(0, VOCAB, 40)
+    feeds = dict(input_ids=ids, positions=ids, kvstarts=ids, start_pos=ids, max_kvlen=np.array(1, np.int64))
+    logits, tokens = session.run(None, feeds)
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert np.array_equal(logits, plain.run(None, feeds)[0])
+    assert np.array_equal(tokens, np.argmax(logits, axis=1)) and tokens.dtype == np.int64
+    assert (np.sort(logits, axis=1)[:, -2] == logits.max(axis=1)).any(), "no row had equal maxima"
+
+
 def test_a_graph_that_is_not_a_decoder_or_already_has_the_names_is_refused():
     model = logits_graph(TensorProto.FLOAT)
-    clash = onnx.ModelProto()
-    clash.CopyFrom(model)
-    clash.graph.node.append(helper.make_node("Identity", ["positions"], ["next_positions"]))
     with pytest.raises(ValueError, match="already has values named"):
-        with_next_decode(clash)
+        with_next_decode(_with_value(model, "next_positions"))
     missing = onnx.ModelProto()
     missing.CopyFrom(model)
     del missing.graph.input[1]  # positions
     with pytest.raises(ValueError, match="not an exported decoder"):
         with_next_decode(missing)
+    with pytest.raises(ValueError, match="already has values named"):
+        with_greedy_tokens(_with_value(model, GREEDY_TOKENS))
+    no_logits = onnx.ModelProto()
+    no_logits.CopyFrom(model)
+    no_logits.graph.output[0].name = "scores"
+    with pytest.raises(ValueError, match="not an exported decoder"):
+        with_greedy_tokens(no_logits)
     before = model.SerializeToString()
     with_next_decode(model)
+    with_greedy_tokens(model)
     assert model.SerializeToString() == before  # a copy: the caller's model is unchanged
+
+
+def _with_value(model: onnx.ModelProto, name: str) -> onnx.ModelProto:
+    """A copy of ``model`` with one more node, whose output is named ``name``."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    copy.graph.node.append(helper.make_node("Identity", ["positions"], [name]))
+    return copy
 
 
 def test_the_engine_serves_a_model_whose_weights_lie_in_an_external_file(tmp_path):

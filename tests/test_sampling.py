@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvcache_op.serving import SamplingParams
-from kvcache_op.serving.sampling import choose_tokens, distributions
+from kvcache_op.serving.sampling import choose_tokens, distributions, greedy_tokens
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0], np.float32)
 
@@ -46,6 +46,29 @@ def _chi_square_p(counts, probs) -> float:
 def test_greedy_is_argmax_and_needs_no_generator():
     tokens, logprobs = choose_tokens(np.stack([LOGITS, LOGITS[::-1]]), [SamplingParams()] * 2, [((), ())] * 2, [None] * 2)
     assert tokens == [0, 7] and logprobs == [None, None]
+
+
+def test_greedy_tokens_of_float16_logits_are_numpys_argmax_of_them_for_every_value():
+    """Widening float16 logits to float32 (the fast path) keeps numpy's own answer: every float16 bit pattern (NaNs,
+    infinities, both zeros, subnormals) in rows of its own order, rows of equal maxima, of +0 and -0 side by side,
+    and of NaN after the maximum."""
+    rng = np.random.default_rng(3)
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    rows = [rng.permutation(every)[:4096] for _ in range(48)]
+    rows += [rng.choice(every[np.isfinite(every)], 4096) for _ in range(16)]  # no NaN: the maximum decides
+    rows += [rng.integers(-3, 3, 4096).astype(np.float16) for _ in range(8)]  # many equal maxima
+    zeros = np.full(4096, -1.0, np.float16)
+    zeros[[7, 9]] = [-0.0, 0.0]  # equal: the first
+    late_nan = np.zeros(4096, np.float16)
+    late_nan[[5, 4000]] = [1.0, np.nan]
+    logits = np.stack(rows + [zeros, late_nan])
+    with np.errstate(invalid="ignore"):
+        expected = np.argmax(logits, axis=1)
+    assert np.array_equal(greedy_tokens(logits), expected)
+    assert expected[-2] == 7 and expected[-1] == 4000
+    for dtype in (np.float32, np.float64):  # other types as they are
+        wide = logits.astype(dtype)
+        assert np.array_equal(greedy_tokens(wide), np.argmax(wide, axis=1))
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])

@@ -180,14 +180,16 @@ def test_a_stream_left_during_its_last_step_is_counted_as_that_step_ended_it(app
     payload = json.dumps({"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0,
                           "ignore_eos": True, "stream": True}).encode()
     second_step, left = threading.Event(), threading.Event()
-    run = engine.runner.run
 
-    def second_step_waits_for_the_client_to_leave(*args, **kwargs):
-        if handles and handles[0].tokens:
-            second_step.set()
-            left.wait(30)
-        return run(*args, **kwargs)
-    engine.runner.run = second_step_waits_for_the_client_to_leave
+    def second_step_waits_for_the_client_to_leave(run):
+        def waiting(*args, **kwargs):
+            if handles and handles[0].tokens:
+                second_step.set()
+                left.wait(30)
+            return run(*args, **kwargs)
+        return waiting
+    runner = engine.runner  # a greedy request's steps: run_greedy
+    runner.run, runner.run_greedy = map(second_step_waits_for_the_client_to_leave, (runner.run, runner.run_greedy))
 
     async def call():
         sent = []

@@ -232,15 +232,17 @@ def _metrics(client) -> dict:
 
 
 def _paced_app(exported, served_checkpoint, pause, **engine_options):
-    """An app whose engine runs every step through runner.run (decode_steps=1), each at least ``pause`` s."""
+    """An app whose engine runs every step through runner.run or runner.run_greedy (decode_steps=1), each at least
+    ``pause`` s."""
     app = served_app(exported, served_checkpoint[2], engine_options={"decode_steps": 1, **engine_options})
     engine = app.state.engine
-    run = engine.runner.run
 
-    def paced(*args):
-        time.sleep(pause)
-        return run(*args)
-    engine.runner.run = paced
+    def paced(run):
+        def slow(*args):
+            time.sleep(pause)
+            return run(*args)
+        return slow
+    engine.runner.run, engine.runner.run_greedy = paced(engine.runner.run), paced(engine.runner.run_greedy)
     return app, engine
 
 

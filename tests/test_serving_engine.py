@@ -126,15 +126,18 @@ def test_a_failed_run_rolls_the_step_back_and_the_engine_recovers(monkeypatch):
     path = hf_models.exported("llama")
     workload = shared_prefix_workload(**WORKLOAD)
     engine = Engine(path, **TIGHT)
-    real_run, calls = engine.runner.run, []
+    calls = []
 
-    def failing_run(feeds, *changed):
-        calls.append(1)
-        if len(calls) == 7:
-            raise RuntimeError("device lost")
-        return real_run(feeds, *changed)
+    def failing(real):
+        def run(feeds, *changed):
+            calls.append(1)
+            if len(calls) == 7:
+                raise RuntimeError("device lost")
+            return real(feeds, *changed)
+        return run
 
-    monkeypatch.setattr(engine.runner, "run", failing_run)
+    for name in ("run", "run_greedy"):  # greedy steps take the second
+        monkeypatch.setattr(engine.runner, name, failing(getattr(engine.runner, name)))
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate(workload.prompts, NEW_TOKENS, arrival_steps=workload.arrival_steps)
     engine.manager.check()
@@ -242,12 +245,12 @@ def test_reevaluate_discards_of_many_requests_in_one_step_stay_within_the_graphs
     prompts = [list(range(10, 26)), list(range(50, 66)), list(range(90, 106))]  # one prefill, decodes in lockstep
     engine = Engine(path, num_pages=64, streaming=policy)
     assert engine.runner.step_token_limit == engine.max_batch_tokens == 48
-    run, fed = engine.runner.run, []
+    run, fed = engine.runner.run_greedy, []  # greedy requests: every step's graph run
 
     def counted(feeds, *changed):
         fed.append(len(feeds["seqstarts"]) and int(feeds["seqstarts"][-1]))
         return run(feeds, *changed)
-    engine.runner.run = counted
+    engine.runner.run_greedy = counted
     together = engine.generate(prompts, 40)
     alone = [Engine(path, num_pages=64, streaming=policy).generate([p], 40)[0] for p in prompts]
     assert together == alone and max(fed) <= 48
