@@ -137,49 +137,98 @@ def _penalized(logits: np.ndarray, params: list, histories: list) -> np.ndarray:
     return np.clip(out, -FINITE, FINITE, out=out)
 
 
+#: How many of a row's most likely tokens are sorted first for top-p (and eight times more each time they do not
+#: reach it): the nucleus is usually far smaller than the vocabulary, and sorting all of it cost 1-2 ms a row.
+NUCLEUS_CANDIDATES = 256
+
+
+def top_in_order(values: np.ndarray, n: int) -> np.ndarray:
+    """The indices of the ``n`` largest of ``values`` (1-D), in the order of ``np.argsort(-values, kind="stable")``
+    (ties by index; NaN last), found without sorting the rest: every value at least the n-th largest is a prefix of
+    that order, and only those are sorted."""
+    count = len(values)
+    if n <= 0:
+        return np.empty(0, np.int64)
+    if n >= count:
+        return np.argsort(-values, kind="stable")
+    nth = -np.partition(-values, n - 1)[n - 1]
+    if np.isnan(nth):  # fewer than n values are numbers: NaNs follow them, by index
+        return np.argsort(-values, kind="stable")[:n]
+    candidates = np.flatnonzero(values >= nth)  # by index: the ties with the n-th keep their order
+    return candidates[np.argsort(-values[candidates], kind="stable")][:n]
+
+
+def _nucleus(kept: np.ndarray, top_p: float) -> np.ndarray:
+    """The tokens of the smallest prefix of ``kept`` (a renormalized row) in descending order (ties by index) whose
+    cumulative mass reaches ``top_p``, as a full stable sort and cumulative sum would find them: the running sum of
+    a prefix is the same whatever follows it, so the most likely tokens are sorted first and more only while their
+    mass stays below ``top_p``."""
+    count = NUCLEUS_CANDIDATES
+    while True:
+        order = top_in_order(kept, count)
+        mass = np.cumsum(kept[order])
+        if count >= len(kept) or (mass.size and mass[-1] >= top_p):
+            return order[:int((mass < top_p).sum()) + 1]
+        count *= 8
+
+
 def distributions(logits: np.ndarray, params: list) -> np.ndarray:
     """Per row, the float64 distribution a sampled token is drawn from: softmax of logits / temperature, then
-    min-p, top-k and top-p applied in vLLM's order and renormalized (rows of greedy requests are left zero). One
-    pass over the sampled rows together: each row's filters are per-row vectors (0 / 1.0 / 0 where a request sets
-    none)."""
+    min-p, top-k and top-p applied in vLLM's order and renormalized (rows of greedy requests are left zero)."""
     probs = np.zeros_like(logits, dtype=np.float64)
-    rows = np.array([r for r, p in enumerate(params) if not p.greedy], np.int64)
-    if not rows.size:
-        return probs
-    chosen = [params[r] for r in rows]
-    temperature = np.array([p.temperature for p in chosen])[:, None]
-    top_k = np.array([min(p.top_k, logits.shape[1]) for p in chosen], np.int64)[:, None]  # any int: no overflow
-    top_p = np.array([p.top_p for p in chosen])[:, None]
-    min_p = np.array([p.min_p for p in chosen])[:, None]
-    with np.errstate(over="ignore"):  # a temperature below 1 may overflow a logit near FINITE: clipped back
-        z = np.clip(np.asarray(logits, np.float64)[rows] / temperature, -FINITE, FINITE)
-    z = np.exp(z - z.max(axis=1, keepdims=True))
-    q = z / z.sum(axis=1, keepdims=True)
-    # min-p over the whole distribution; top-k keeps every token at least as likely as the k-th (ties with it too:
-    # equal logits give equal q); top-p then cuts the distribution those two left, renormalized
-    keep = (min_p == 0) | (q >= min_p * q.max(axis=1, keepdims=True))
-    descending = -np.sort(-q, axis=1)
-    kth = np.take_along_axis(descending, np.maximum(top_k - 1, 0), axis=1)
-    keep &= (top_k == 0) | (q >= kth)
-    kept = np.where(keep, q, 0.0)
-    kept /= kept.sum(axis=1, keepdims=True)
-    order = np.argsort(-kept, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(q.shape[1])[None, :], axis=1)  # each token's place in its row
-    mass = np.cumsum(np.take_along_axis(kept, order, axis=1), axis=1)
-    cut = (mass < top_p).sum(axis=1, keepdims=True) + 1  # the smallest prefix whose mass reaches top_p
-    keep &= (top_p >= 1.0) | (rank < cut)
-    q = np.where(keep, q, 0.0)
-    probs[rows] = q / q.sum(axis=1, keepdims=True)
+    rows = [r for r, p in enumerate(params) if not p.greedy]
+    if rows:
+        probs[rows] = _sampled_distributions(logits, rows, [params[r] for r in rows])
     return probs
 
 
+def _sampled_distributions(logits: np.ndarray, rows: list, chosen: list) -> np.ndarray:
+    """:func:`distributions` of ``logits[rows]`` (``chosen``: their params, none greedy), a new array. The softmax
+    and min-p in one pass over the rows together, in place; top-k and top-p on the rows that ask for them, each
+    sorting only its most likely tokens."""
+    temperature = np.array([p.temperature for p in chosen])[:, None]
+    q = np.asarray(logits, np.float64)[rows]  # a copy (the rows picked), worked on in place
+    with np.errstate(over="ignore"):  # a temperature below 1 may overflow a logit near FINITE: clipped back
+        np.divide(q, temperature, out=q)
+    np.clip(q, -FINITE, FINITE, out=q)
+    np.subtract(q, q.max(axis=1, keepdims=True), out=q)
+    np.exp(q, out=q)
+    np.divide(q, q.sum(axis=1, keepdims=True), out=q)
+    # min-p over the whole distribution; top-k keeps every token at least as likely as the k-th (ties with it too:
+    # equal logits give equal q); top-p then cuts the distribution those two left, renormalized
+    keep = None
+    if any(p.min_p for p in chosen):
+        min_p = np.array([p.min_p for p in chosen])[:, None]
+        keep = (min_p == 0) | (q >= min_p * q.max(axis=1, keepdims=True))
+    width = q.shape[1]
+    for i, p in enumerate(chosen):
+        if not p.top_k and p.top_p >= 1.0:
+            continue
+        if keep is None:
+            keep = np.ones(q.shape, bool)
+        if p.top_k:
+            k = min(p.top_k, width)
+            keep[i] &= q[i] >= -np.partition(-q[i], k - 1)[k - 1]  # the k-th largest
+        if p.top_p < 1.0:
+            kept = np.where(keep[i], q[i], 0.0)
+            kept /= kept.sum()
+            nucleus = np.zeros(width, bool)
+            nucleus[_nucleus(kept, p.top_p)] = True
+            keep[i] &= nucleus
+    if keep is not None:
+        np.copyto(q, 0.0, where=~keep)
+    return np.divide(q, q.sum(axis=1, keepdims=True), out=q)
+
+
 def _draw(probs: np.ndarray, generators: list) -> np.ndarray:
-    """One token per row of ``probs`` from one uniform of the row's own generator (so a request's draws do not
-    depend on what runs beside it): the first token whose cumulative probability exceeds it."""
-    cumulative = np.cumsum(probs, axis=1)
-    u = np.array([g.random() for g in generators])[:, None] * cumulative[:, -1:]
-    return np.minimum((cumulative <= u).sum(axis=1), probs.shape[1] - 1)
+    """One token per row of ``probs`` (consumed: its rows become their running sums) from one uniform of the row's own
+    generator (so a request's draws do not depend on what runs beside it): the first token whose cumulative
+    probability exceeds it."""
+    cumulative = np.cumsum(probs, axis=1, out=probs)
+    last = probs.shape[1] - 1
+    # the running sums never decrease: how many are at most u is where u would be inserted after its equals
+    return np.array([min(int(np.searchsorted(row, g.random() * row[-1], side="right")), last)
+                     for row, g in zip(cumulative, generators)], np.int64)
 
 
 def model_logprobs(row: np.ndarray) -> np.ndarray:
@@ -205,17 +254,20 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
     if all(p.plain_greedy for p in params):  # the common case, on the hot path: one argmax over the batch, no copy
         return greedy_tokens(logits).tolist() if len(params) else [], [None] * len(params)
     scores = _penalized(logits, params, histories)
-    probs = distributions(scores, params)
-    tokens = np.argmax(scores, axis=1)  # greedy rows; sampled rows drawn below, all at once
+    tokens = np.zeros(len(params), np.int64)
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens[greedy] = np.argmax(scores[greedy], axis=1)
     sampled = [r for r, p in enumerate(params) if not p.greedy]
-    if sampled:
-        tokens[sampled] = _draw(probs[sampled], [generators[r] for r in sampled])
+    if sampled:  # drawn all at once
+        chosen = [params[r] for r in sampled]
+        tokens[sampled] = _draw(_sampled_distributions(scores, sampled, chosen), [generators[r] for r in sampled])
     logprobs = []
     for r, p in enumerate(params):
         if p.logprobs is None:
             logprobs.append(None)
             continue
         log_q = model_logprobs(logits[r])
-        top = np.argsort(-log_q, kind="stable")[:p.logprobs]
+        top = top_in_order(log_q, p.logprobs)
         logprobs.append(TokenLogprobs(float(log_q[tokens[r]]), [(int(t), float(log_q[t])) for t in top]))
     return tokens.tolist(), logprobs

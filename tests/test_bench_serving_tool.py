@@ -22,6 +22,26 @@ def test_a_small_run_measures_both_forms(tmp_path, distinct):
     assert [r["attention"] for r in data["rows"]] == ["split", "fused"] and data["requests"] == 3
 
 
+def test_a_sampled_run_samples_every_request_and_says_so(tmp_path, monkeypatch):
+    """--temperature / --top-p: every request is seeded and sampled to the end (end-of-sequence ignored)."""
+    from kvcache_op.serving import Engine
+
+    seen, generate = [], Engine.generate
+
+    def recorded(self, prompts, count, **kwargs):
+        seen.append(kwargs.get("params"))
+        return generate(self, prompts, count, **kwargs)
+    monkeypatch.setattr(Engine, "generate", recorded)
+    argv = ["--model", "tiny", "--requests", "3", "--context", "40", "--decode-steps", "6", "--attention", "fused",
+            "--temperature", "0.8", "--top-p", "0.9", "--out", str(tmp_path)]
+    assert bench.main(argv) == 0
+    (params,) = seen
+    assert [(p.temperature, p.top_p, p.seed, p.ignore_eos, p.max_tokens) for p in params] == [
+        (0.8, 0.9, i, True, 6) for i in range(3)]
+    assert "sampled at temperature 0.8, top_p 0.9" in (tmp_path / "README.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text())["sampling"] == "sampled at temperature 0.8, top_p 0.9"
+
+
 def test_each_measured_step_holds_its_own_host_work(tmp_path):
     """Every decode step measured records the scheduling and feeds it took (planned many at once, the steps
     recorded none and the table read zero host work)."""
@@ -50,6 +70,9 @@ def test_tokens_per_s_is_over_the_median_step():
     (["--context", "8"], "--context must be at least 16"),
     (["--decode-steps", "2"], "--decode-steps must be at least 3"),
     (["--context", "4090", "--decode-steps", "24"], "exceed the model's 4096 positions"),
+    (["--temperature", "-1"], "temperature must be in [0.0, inf], got -1.0"),
+    (["--temperature", "1", "--top-p", "1.5"], "top_p must be in [0.0, 1.0], got 1.5"),
+    (["--top-p", "0.9"], "--top-p samples: give a --temperature above 0 with it"),
 ])
 def test_arguments_no_run_can_use_are_refused_before_the_export(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:

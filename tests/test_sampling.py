@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from kvcache_op.serving import SamplingParams
-from kvcache_op.serving.sampling import choose_tokens, distributions, greedy_tokens
+from kvcache_op.serving.sampling import FINITE, choose_tokens, distributions, greedy_tokens, top_in_order
 
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -0.5, -1.0, -2.0, -3.0], np.float32)
 
@@ -258,3 +258,91 @@ def test_min_p_keeps_a_token_exactly_min_p_times_as_likely_as_the_top_one():
     logits = np.log(np.array([[0.5, 0.25, 0.25]]))
     probs = distributions(logits, [SamplingParams(temperature=1.0, min_p=0.5)])[0]
     np.testing.assert_allclose(probs, [0.5, 0.25, 0.25], rtol=1e-12, atol=0)
+
+
+def _every_row_sorted(logits, params):
+    """The filters as the batch code first computed them: every row's softmax, min-p mask, full descending sort for
+    the k-th largest and full stable argsort and running sum for top-p, whatever the row asks for."""
+    probs = np.zeros_like(logits, dtype=np.float64)
+    rows = np.array([r for r, p in enumerate(params) if not p.greedy], np.int64)
+    if not rows.size:
+        return probs
+    chosen = [params[r] for r in rows]
+    temperature = np.array([p.temperature for p in chosen])[:, None]
+    top_k = np.array([min(p.top_k, logits.shape[1]) for p in chosen], np.int64)[:, None]
+    top_p = np.array([p.top_p for p in chosen])[:, None]
+    min_p = np.array([p.min_p for p in chosen])[:, None]
+    with np.errstate(over="ignore"):
+        z = np.clip(np.asarray(logits, np.float64)[rows] / temperature, -FINITE, FINITE)
+    z = np.exp(z - z.max(axis=1, keepdims=True))
+    q = z / z.sum(axis=1, keepdims=True)
+    keep = (min_p == 0) | (q >= min_p * q.max(axis=1, keepdims=True))
+    descending = -np.sort(-q, axis=1)
+    kth = np.take_along_axis(descending, np.maximum(top_k - 1, 0), axis=1)
+    keep &= (top_k == 0) | (q >= kth)
+    kept = np.where(keep, q, 0.0)
+    kept /= kept.sum(axis=1, keepdims=True)
+    order = np.argsort(-kept, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(q.shape[1])[None, :], axis=1)
+    mass = np.cumsum(np.take_along_axis(kept, order, axis=1), axis=1)
+    cut = (mass < top_p).sum(axis=1, keepdims=True) + 1
+    keep &= (top_p >= 1.0) | (rank < cut)
+    q = np.where(keep, q, 0.0)
+    probs[rows] = q / q.sum(axis=1, keepdims=True)
+    return probs
+
+
+def _counted_draws(probs, generators):
+    """One draw a row as first written: how many running sums are at most the uniform times the total."""
+    cumulative = np.cumsum(probs, axis=1)
+    u = np.array([g.random() for g in generators])[:, None] * cumulative[:, -1:]
+    return np.minimum((cumulative <= u).sum(axis=1), probs.shape[1] - 1)
+
+
+def _mixed_batch(rng, width: int):
+    """Rows of logits (spread, tied small integers, or around +-1e38 to be clipped) and a request for each."""
+    pool = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=0.01),
+            SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, top_k=1),
+            SamplingParams(temperature=1.0, top_k=width + 3), SamplingParams(temperature=1.0, top_p=0.8),
+            SamplingParams(temperature=4.0, top_p=0.999), SamplingParams(temperature=0.9, top_p=0.05),
+            SamplingParams(temperature=0.5, min_p=0.1), SamplingParams(temperature=2.0, top_k=12, top_p=0.6, min_p=0.02),
+            SamplingParams(temperature=3.0, top_k=300, top_p=0.97)]
+    count = int(rng.integers(1, 9))
+    kinds = rng.integers(0, 3, count)
+    logits = np.stack([rng.standard_normal(width) * rng.uniform(0.1, 6) if k == 0 else
+                       rng.integers(-2, 3, width).astype(np.float64) if k == 1 else
+                       rng.choice([-3e38, 3e38, 0.0], width) for k in kinds]).astype(np.float32)
+    return logits, [pool[i] for i in rng.integers(0, len(pool), count)]
+
+
+@pytest.mark.parametrize("width", [7, 300, 5000])
+def test_the_filters_and_draws_equal_every_row_sorted_bit_for_bit(width):
+    """Sorting only a row's most likely tokens, and only for the rows that ask, gives the distributions of sorting
+    every row whole, bit for bit (top-p's nucleus past its first candidates included: high temperatures, top_p
+    0.999), so the seeded draws are the same tokens."""
+    rng = np.random.default_rng(width)
+    for _ in range(40):
+        logits, params = _mixed_batch(rng, width)
+        with np.errstate(invalid="ignore"):
+            want = _every_row_sorted(logits, params)
+        assert np.array_equal(distributions(logits, params), want)
+        histories, seeds = [((), ())] * len(params), rng.integers(0, 2**31, len(params))
+        tokens, _ = choose_tokens(logits, params, histories, [np.random.default_rng(int(x)) for x in seeds])
+        sampled = [r for r, p in enumerate(params) if not p.greedy]
+        expected = np.argmax(logits.astype(np.float64), axis=1)
+        if sampled:
+            expected[sampled] = _counted_draws(want[sampled], [np.random.default_rng(int(seeds[r])) for r in sampled])
+        assert tokens == expected.tolist()
+
+
+def test_the_most_likely_tokens_come_in_the_order_of_a_stable_sort():
+    """``top_in_order`` against the whole stable argsort: ties with the n-th (kept by index), NaN last, n past the
+    row, n of 0."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        values = rng.integers(-3, 4, int(rng.integers(1, 60))).astype(np.float64)
+        values[rng.random(len(values)) < 0.1] = np.nan
+        values[rng.random(len(values)) < 0.1] = -0.0
+        n = int(rng.integers(0, len(values) + 3))
+        assert np.array_equal(top_in_order(values, n), np.argsort(-values, kind="stable")[:n]), (values, n)

@@ -3,8 +3,9 @@ batch at a given context length (``python -m kvcache_op.benchmarks.serving.bench
 
 Every request shares a long system prompt (prefilled once, then prefix hits) plus a short own part, so
 the measured decode steps have the full batch at about ``--context`` keys each. Figures are medians
-over the decode steps in which every request decodes; "after run" is committing the step, greedy
-sampling and retiring finished requests. The engine plans one decode step at a time here, so that each step's
+over the decode steps in which every request decodes; "after run" is committing the step, choosing the
+tokens (greedy, or sampled with ``--temperature`` / ``--top-p``, each request seeded) and retiring finished
+requests. The engine plans one decode step at a time here, so that each step's
 record holds its own host work (planned many at once, as the engine does by default, the planning of a run of steps
 lands on the step before it and the steps themselves record none: ``serving.one_stream`` measures that form).
 """
@@ -34,12 +35,14 @@ MODELS = {  # name -> transformers config overrides of the demo's tiny decoder
 
 
 def measure(model_name: str, requests: int, context: int, decode_steps: int, threads: int, folder: str,
-            fused: bool = True, distinct: bool = False) -> dict:
+            fused: bool = True, distinct: bool = False, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Runs the scenario for one model exported with ``fused`` attention (MultiHeadCacheAttention; False: the
     split pair KeyValueCache + MultiHeadAttention); returns the medians of its full decode steps. ``distinct``:
-    every prompt its own (no shared system prompt, so no page is read by two sequences)."""
+    every prompt its own (no shared system prompt, so no page is read by two sequences). ``temperature`` above 0:
+    the tokens are sampled (``top_p``, request i seeded with i, end-of-sequence ignored so every request decodes
+    every step)."""
     from kvcache_op.hf import export_model, tiny_model
-    from kvcache_op.serving import Engine
+    from kvcache_op.serving import Engine, SamplingParams
 
     model = tiny_model("llama", **MODELS[model_name])
     path = export_model(model, os.path.join(folder, f"{model_name}-{fused}.onnx"), fused_attention=fused)
@@ -52,7 +55,10 @@ def measure(model_name: str, requests: int, context: int, decode_steps: int, thr
     budget = min(2 * context, MODELS[model_name]["max_position_embeddings"])
     engine = Engine(path, num_pages=requests * pages_each + 8, max_batch_tokens=budget, max_running=requests,
                     intra_op_num_threads=threads, trace_steps=True, decode_steps=1)
-    engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1))
+    params = None if not temperature else [
+        SamplingParams(max_tokens=decode_steps, temperature=temperature, top_p=top_p, seed=i, ignore_eos=True)
+        for i in range(requests)]
+    engine.generate(prompts, decode_steps, arrival_steps=[0] + [1] * (requests - 1), params=params)
     params = sum(p.numel() for p in model.parameters())
     return dict(model=model_name, attention="fused" if fused else "split", params=params,
                 layers=model.config.num_hidden_layers, hidden=model.config.hidden_size,
@@ -75,11 +81,12 @@ def full_step_figures(trace: list, requests: int) -> dict:
                 tokens_per_s=requests / step_s)
 
 
-def table(rows: list, command: str, requests: int, threads: int) -> str:
+def table(rows: list, command: str, requests: int, threads: int, sampling: str = "greedy") -> str:
     """A markdown table of the measurements, with the command and machine."""
     lines = [f"Command: `{command}`", "",
              f"Machine: {cpu_device()}, onnxruntime {ort_version()}, CPU EP, {threads or 'default'} "
-             f"intra-op threads, {requests} requests decoding together, one decode step planned at a time.", "",
+             f"intra-op threads, {requests} requests decoding together ({sampling}), one decode step planned at a "
+             "time.", "",
              "| model | attention | parameters | layers x hidden | decode steps | keys attended per step "
              "| scheduling + feeds ms | ONNX Runtime run ms | after run ms | host / run | decode tokens/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -107,8 +114,19 @@ def main(argv=None) -> int:
                         help="the export's attention: MultiHeadCacheAttention, the split pair, or both side by side")
     parser.add_argument("--distinct", action="store_true",
                         help="every prompt its own (default: a shared system prompt plus 16 own tokens)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample each request's tokens at this temperature (default 0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: nucleus sampling's mass")
     parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")
     args = parser.parse_args(argv)
+    try:  # the engine's own checks, before the export
+        from kvcache_op.serving import SamplingParams
+
+        SamplingParams(temperature=args.temperature, top_p=args.top_p)
+    except (TypeError, ValueError) as error:
+        parser.error(str(error))
+    if args.top_p < 1.0 and not args.temperature:
+        parser.error("--top-p samples: give a --temperature above 0 with it")
     if args.context < OWN_TOKENS:
         parser.error(f"--context must be at least {OWN_TOKENS} (each prompt ends in {OWN_TOKENS} tokens of its own), "
                      f"got {args.context}")
@@ -125,11 +143,13 @@ def main(argv=None) -> int:
                 print(f"measuring {name}, {'fused' if fused else 'split'} attention ({args.requests} requests at "
                       f"~{args.context} keys) ...", file=sys.stderr)
                 rows.append(measure(name, args.requests, args.context, args.decode_steps, args.threads, folder, fused,
-                                    args.distinct))
+                                    args.distinct, args.temperature, args.top_p))
     command = recorded_command("kvcache_op.benchmarks.serving.bench", argv)
+    sampling = (f"sampled at temperature {args.temperature:g}" + (f", top_p {args.top_p:g}" if args.top_p < 1 else "")
+                if args.temperature else "greedy")
     result = {"command": command, "machine": cpu_device(), "onnxruntime": ort_version(), "requests": args.requests,
-              "threads": args.threads, "rows": rows}
-    publish(args.out, "Serving: per-step cost", result, table(rows, command, args.requests, args.threads))
+              "threads": args.threads, "sampling": sampling, "rows": rows}
+    publish(args.out, "Serving: per-step cost", result, table(rows, command, args.requests, args.threads, sampling))
     return 0
 
 
