@@ -173,8 +173,8 @@ class ModelRunner:
 
     def run(self, feeds: dict, changed=None) -> np.ndarray:
         """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
-        (host, the graph's float type), in a buffer the next ``run`` may overwrite (copy what must outlive the
-        step). The cache is updated in place. One call at a time: the runner's buffers serve every step.
+        (host, the graph's float type), in a buffer the next step (``run`` or :meth:`run_greedy`) may overwrite (copy
+        what must outlive the step). The cache is updated in place. One call at a time: the runner's buffers serve every step.
         ``changed``: the names of the only inputs that differ from the previous call's (which fed the same shapes):
         on the CPU EP the others are not copied again."""
         binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
@@ -189,7 +189,7 @@ class ModelRunner:
     def run_greedy(self, feeds: dict, changed=None) -> np.ndarray:
         """One step as :meth:`run`, returning each row's greedy token instead of its logits: int64 ``[B]``, the first
         of equal maxima (numpy's ``argmax`` of the logits; of a row holding NaN, whichever ONNX Runtime's ArgMax
-        gives), in a buffer the next step may overwrite. The graph chooses them, so on a device only the tokens cross
+        gives: on the CPU it passes over NaNs, where numpy's takes the first), in a buffer the next step may overwrite. The graph chooses them, so on a device only the tokens cross
         the bus. A row whose token from the graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives
         INT32_MAX for a row of -inf) is chosen on the host from its logits (:attr:`host_chosen_rows` counts them)."""
         binding = self._bind_inputs(feeds, changed)

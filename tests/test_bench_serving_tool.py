@@ -73,6 +73,7 @@ def test_tokens_per_s_is_over_the_median_step():
     (["--temperature", "-1"], "temperature must be in [0.0, inf], got -1.0"),
     (["--temperature", "1", "--top-p", "1.5"], "top_p must be in [0.0, 1.0], got 1.5"),
     (["--top-p", "0.9"], "--top-p samples: give a --temperature above 0 with it"),
+    (["--temperature", "1e-6"], "--temperature 1e-06 is greedy (the engine samples from 1e-05 up)"),
 ])
 def test_arguments_no_run_can_use_are_refused_before_the_export(capsys, argv, message):
     with pytest.raises(SystemExit) as stop:

@@ -301,7 +301,8 @@ def _counted_draws(probs, generators):
 
 
 def _mixed_batch(rng, width: int):
-    """Rows of logits (spread, tied small integers, or around +-1e38 to be clipped) and a request for each."""
+    """Rows of logits (spread, tied small integers, around +-1e38 to be clipped, or holding a NaN) and a request for
+    each."""
     pool = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=0.01),
             SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, top_k=1),
             SamplingParams(temperature=1.0, top_k=width + 3), SamplingParams(temperature=1.0, top_p=0.8),
@@ -309,10 +310,11 @@ def _mixed_batch(rng, width: int):
             SamplingParams(temperature=0.5, min_p=0.1), SamplingParams(temperature=2.0, top_k=12, top_p=0.6, min_p=0.02),
             SamplingParams(temperature=3.0, top_k=300, top_p=0.97)]
     count = int(rng.integers(1, 9))
-    kinds = rng.integers(0, 3, count)
-    logits = np.stack([rng.standard_normal(width) * rng.uniform(0.1, 6) if k == 0 else
+    kinds = rng.integers(0, 4, count)
+    logits = np.stack([rng.standard_normal(width) * rng.uniform(0.1, 6) if k in (0, 3) else
                        rng.integers(-2, 3, width).astype(np.float64) if k == 1 else
                        rng.choice([-3e38, 3e38, 0.0], width) for k in kinds]).astype(np.float32)
+    logits[kinds == 3, rng.integers(0, width)] = np.nan
     return logits, [pool[i] for i in rng.integers(0, len(pool), count)]
 
 
@@ -326,13 +328,14 @@ def test_the_filters_and_draws_equal_every_row_sorted_bit_for_bit(width):
         logits, params = _mixed_batch(rng, width)
         with np.errstate(invalid="ignore"):
             want = _every_row_sorted(logits, params)
-        assert np.array_equal(distributions(logits, params), want)
-        histories, seeds = [((), ())] * len(params), rng.integers(0, 2**31, len(params))
-        tokens, _ = choose_tokens(logits, params, histories, [np.random.default_rng(int(x)) for x in seeds])
-        sampled = [r for r, p in enumerate(params) if not p.greedy]
-        expected = np.argmax(logits.astype(np.float64), axis=1)
-        if sampled:
-            expected[sampled] = _counted_draws(want[sampled], [np.random.default_rng(int(seeds[r])) for r in sampled])
+            assert np.array_equal(distributions(logits, params), want, equal_nan=True)
+            histories, seeds = [((), ())] * len(params), rng.integers(0, 2**31, len(params))
+            tokens, _ = choose_tokens(logits, params, histories, [np.random.default_rng(int(x)) for x in seeds])
+            sampled = [r for r, p in enumerate(params) if not p.greedy]
+            expected = np.argmax(logits.astype(np.float64), axis=1)
+            if sampled:
+                expected[sampled] = _counted_draws(want[sampled],
+                                                   [np.random.default_rng(int(seeds[r])) for r in sampled])
         assert tokens == expected.tolist()
 
 

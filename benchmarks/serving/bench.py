@@ -20,6 +20,7 @@ import tempfile
 import numpy as np
 
 from ...arguments import OneLineParser, at_least, out_folder
+from ...serving.sampling import GREEDY_BELOW
 from ..timing import cpu_device, ort_version
 from ..environment import recorded_command
 from .report import check_fits, pages_for, publish
@@ -122,10 +123,13 @@ def main(argv=None) -> int:
     try:  # the engine's own checks, before the export
         from kvcache_op.serving import SamplingParams
 
-        SamplingParams(temperature=args.temperature, top_p=args.top_p)
+        greedy = SamplingParams(temperature=args.temperature, top_p=args.top_p).greedy
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    if args.top_p < 1.0 and not args.temperature:
+    if greedy and args.temperature:
+        parser.error(f"--temperature {args.temperature:g} is greedy (the engine samples from {GREEDY_BELOW:g} up): "
+                     "give 0 for greedy or a larger one")
+    if args.top_p < 1.0 and greedy:
         parser.error("--top-p samples: give a --temperature above 0 with it")
     if args.context < OWN_TOKENS:
         parser.error(f"--context must be at least {OWN_TOKENS} (each prompt ends in {OWN_TOKENS} tokens of its own), "
