@@ -37,12 +37,13 @@ def test_the_gpus_greedy_tokens_are_numpys_argmax_of_the_logits(dtype):
     """The device's ArgMax chooses as numpy's: the first of equal maxima (rows of small integers have many), of +0 and
     -0 the first; a row of -inf gives 0 or a token outside the vocabulary (which the engine's runner replaces)."""
     import numpy as np
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper, numpy_helper
 
     element = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}[dtype]
-    graph = helper.make_graph([helper.make_node("Identity", ["scores"], ["logits"])], "logits",
+    one = numpy_helper.from_array(np.ones((), dtype), "one")  # logits = scores x 1, exactly, on the device
+    graph = helper.make_graph([helper.make_node("Mul", ["scores", "one"], ["logits"])], "logits",
                               [helper.make_tensor_value_info("scores", element, ["n", "v"])],
-                              [helper.make_tensor_value_info("logits", element, ["n", "v"])])
+                              [helper.make_tensor_value_info("logits", element, ["n", "v"])], [one])
     model = with_greedy_tokens(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10))
     session = make_session(model, providers=("CUDAExecutionProvider",), disable_cpu_fallback=True)
     rng = np.random.default_rng(0)
