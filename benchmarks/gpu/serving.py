@@ -130,7 +130,7 @@ def table(result: dict) -> str:
         f"{s['transformers']:.0f} | {result['vs_transformers']:.2f}x ({verdict} >= {TARGET}x) | "
         f"{result['agreement']:.1%} |"] + baseline + [
         "", "The engine at each token budget (max_batch_tokens; medians; the graph's runs include device time, as each "
-            "run ends with the logits on the host):", "",
+            "run ends with its tokens or logits on the host):", "",
         "| max_batch_tokens | tok/s | vs transformers | steps | in the graph's runs s | host s | same tokens |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"] + [
         f"| {b['max_batch_tokens']} | {b['tokens_per_s']:.0f} | {b['vs_transformers']:.2f}x | {b['steps']:.0f} | "

@@ -53,8 +53,8 @@ def run_kvcache_op(path: str, prompts: list, new_tokens: int, num_pages: int, pr
     """(tokens, seconds, where the time went) of the engine serving every prompt at once (``providers``,
     ``max_batch_tokens``: the engine's defaults where None). The last is the timed call's share of
     :meth:`Engine.metrics`: the ``max_batch_tokens`` it ran with, ``steps``, ``ort_run_s`` (the graph's runs: on a
-    GPU its device time too, as each run ends with the logits on the host) and ``host_s`` (the rest of the wall
-    time: scheduling, feeds, sampling)."""
+    GPU its device time too, as each run ends with its tokens or logits on the host) and ``host_s`` (the rest of the
+    wall time: scheduling, feeds, sampling)."""
     from ...serving import Engine, SamplingParams
 
     engine = Engine(path, num_pages=num_pages, providers=providers, max_batch_tokens=max_batch_tokens)
