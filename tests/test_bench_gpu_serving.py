@@ -28,6 +28,34 @@ def test_a_cpu_smoke_run_serves_transformers_tokens_and_writes_its_table(tmp_pat
         "tokens_per_s"], rel=1e-6)
 
 
+def test_a_wider_vocabulary_is_the_models_and_its_prompts_use_it(tmp_path, monkeypatch):
+    """--vocab 2000: the exported model's logits are 2,000 wide (the tokenizer's 360 and ids past it), the prompts draw
+    from all of it, and the table says so; the tokens are still transformers' own."""
+    from kvcache_op.benchmarks.serving import peers
+
+    prompts, run = [], peers.run_kvcache_op
+
+    def recorded(path, given, *args, **kwargs):
+        prompts.extend(given)
+        return run(path, given, *args, **kwargs)
+    monkeypatch.setattr(serving, "run_kvcache_op", recorded)
+    argv = ["--device", "cpu", "--quick", "--vocab", "2000", "--requests", "2", "--prompt-tokens", "16",
+            "--new-tokens", "4", "--repeats", "1", "--out", str(tmp_path)]
+    assert serving.main(argv) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["vocab_size"] == 2000 and result["agreement"] == 1.0
+    assert max(max(p) for p in prompts) >= 360
+    assert "vocabulary 2000" in (tmp_path / "README.md").read_text()
+
+
+def test_a_checkpoint_narrower_than_its_tokenizer_is_refused_before_anything_is_written(tmp_path):
+    from kvcache_op.hf import tiny_checkpoint
+
+    with pytest.raises(ValueError, match="vocab_size=100 is narrower than the tokenizer's"):
+        tiny_checkpoint(tmp_path / "checkpoint", vocab_size=100)
+    assert not (tmp_path / "checkpoint").exists()
+
+
 def test_budgets_run_side_by_side_with_where_the_engine_spent_its_time(tmp_path):
     """--max-batch-tokens 8 64: the same tokens at both budgets; feeding the 72 prompt tokens alone takes 9 steps of 8
     tokens, and the larger budget fewer steps in all; each row says how many steps it took."""

@@ -61,7 +61,7 @@ def measure(args, folder: str, progress) -> dict:
 
     sizes = QUICK_MODEL if args.quick else PEER_MODELS["1024x8"]
     checkpoint = os.path.join(folder, "model")
-    model, tokenizer = tiny_checkpoint(checkpoint, **sizes)
+    model, tokenizer = tiny_checkpoint(checkpoint, vocab_size=args.vocab, **sizes)
     dtype = getattr(torch, args.dtype)
     progress(f"exporting ({args.dtype}) ...")
     # Both sides load the checkpoint the same way: model.to(float16) would round the rotary frequencies too (a
@@ -70,7 +70,7 @@ def measure(args, folder: str, progress) -> dict:
     path = export_model(exported, os.path.join(folder, "model.onnx"))
     reference = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype).eval().to(args.device)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(2, len(tokenizer), args.prompt_tokens).tolist() for _ in range(args.requests)]
+    prompts = [rng.integers(2, model.config.vocab_size, args.prompt_tokens).tolist() for _ in range(args.requests)]
     budgets = budgets_of(args)
     times = {"transformers": [], **{b: [] for b in budgets}}
     spent = {b: [] for b in budgets}
@@ -89,7 +89,8 @@ def measure(args, folder: str, progress) -> dict:
     speed = {k: generated / float(np.median(v)) for k, v in times.items()}
     eos = {model.config.eos_token_id}
     headline = budgets[0]
-    result = {"model": sizes, "dtype": args.dtype, "requests": args.requests, "prompt_tokens": args.prompt_tokens,
+    result = {"model": sizes, "vocab_size": model.config.vocab_size, "dtype": args.dtype, "requests": args.requests,
+              "prompt_tokens": args.prompt_tokens,
               "new_tokens": args.new_tokens, "max_batch_tokens": spent[headline][0]["max_batch_tokens"],
               "tokens_per_s": {"kvcache-op": speed[headline], "transformers": speed["transformers"]},
               "vs_transformers": speed[headline] / speed["transformers"], "target": TARGET,
@@ -151,6 +152,9 @@ def main(argv=None) -> int:
                         help="the engine's token budgets per step, run side by side, the first in the headline "
                              "(default: the engine's own, on the GPU with "
                              f"{DEFAULT_BATCH_TOKENS} beside it)")
+    parser.add_argument("--vocab", type=at_least(360), default=None,
+                        help="the model's vocabulary (default: its tokenizer's, 360; e.g. 32000 for Llama 2's width: "
+                             "the logits' matrix product and what leaves the device grow with it)")
     parser.add_argument("--quick", action="store_true", help="a 64-wide 2-layer model: checks the tool runs")
     parser.add_argument("--out", type=out_folder, help="folder for results.json and README.md")
     args = parser.parse_args(argv)
@@ -170,7 +174,8 @@ def main(argv=None) -> int:
         device = torch.cuda.get_device_name()
     result["header"] = (f"Command: `{recorded_command('kvcache_op.benchmarks.gpu.serving', argv)}` — {device}, "
                         f"onnxruntime {ort_version()}; {args.dtype} Llama {result['model']['hidden_size']}x"
-                        f"{result['model']['num_hidden_layers']} with random weights, greedy, medians of "
+                        f"{result['model']['num_hidden_layers']}, vocabulary {result['vocab_size']}, with random "
+                        f"weights, greedy, medians of "
                         f"{args.repeats}; "
                         f"same tokens = positions where both chose the same token, to the first end-of-sequence")
     publish(args.out, "The engine on the CUDA EP beside transformers on the same GPU", result, table(result))
