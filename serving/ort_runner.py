@@ -174,39 +174,44 @@ class ModelRunner:
     def run(self, feeds: dict, changed=None) -> np.ndarray:
         """One step: ``feeds`` from :func:`~kvcache_op.serving.step_feeds`; returns the logits ``[B, vocab]``
         (host, the graph's float type), in a buffer the next step (``run`` or :meth:`run_greedy`) may overwrite (copy
-        what must outlive the step). The cache is updated in place. One call at a time: the runner's buffers serve every step.
-        ``changed``: the names of the only inputs that differ from the previous call's (which fed the same shapes):
-        on the CPU EP the others are not copied again."""
+        what must outlive the step). The cache is updated in place. One call at a time: the runner's buffers serve
+        every step. ``changed``: the names of the only inputs that differ from the previous call's (which fed the
+        same shapes): on the CPU EP the others are not copied again."""
         binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
         if self.device[0] == "cpu":
             return self._run_for_host_logits(binding, rows)()
-        binding.clear_binding_outputs()  # a greedy step's (its logits left on the device, its tokens) go
-        binding.bind_output(OUTPUT_NAME, "cpu")
-        self.session.run_with_iobinding(binding)
+        logits = self._run_on_device(binding, ("cpu", 0), tokens=False)[0]
         self.device_logit_rows += rows
-        return binding.get_outputs()[0].numpy()
+        return logits.numpy()
 
     def run_greedy(self, feeds: dict, changed=None) -> np.ndarray:
         """One step as :meth:`run`, returning each row's greedy token instead of its logits: int64 ``[B]``, the first
         of equal maxima (numpy's ``argmax`` of the logits; of a row holding NaN, whichever ONNX Runtime's ArgMax
-        gives: on the CPU it passes over NaNs, where numpy's takes the first), in a buffer the next step may overwrite. The graph chooses them, so on a device only the tokens cross
-        the bus. A row whose token from the graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives
-        INT32_MAX for a row of -inf) is chosen on the host from its logits (:attr:`host_chosen_rows` counts them)."""
-        binding = self._bind_inputs(feeds, changed)
-        rows = len(feeds["seqstarts"]) - 1
+        gives: on the CPU it passes over NaNs, where numpy's takes the first), in a buffer the next step may
+        overwrite. The graph chooses them, so on a device only the tokens cross the bus. A row whose token from the
+        graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf) is chosen on the
+        host from its logits (:attr:`host_chosen_rows` counts them)."""
+        binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
         if self.device[0] == "cpu":
             logits = self._run_for_host_logits(binding, rows)
             return self._in_vocabulary(self._tokens, logits)
-        binding.clear_binding_outputs()
-        binding.bind_output(OUTPUT_NAME, *self.device)  # left where the graph made them
-        binding.bind_output(GREEDY_TOKENS, "cpu")
-        self.session.run_with_iobinding(binding)
-        outputs = binding.get_outputs()
+        outputs = self._run_on_device(binding, self.device, tokens=True)  # the logits left where the graph made them
 
         def logits():
             self.device_logit_rows += rows
             return binding.copy_outputs_to_cpu()[0]
         return self._in_vocabulary(np.array(outputs[1].numpy()), logits)  # owned: the step's OrtValues go
+
+    def _run_on_device(self, binding, logits_to: tuple, tokens: bool) -> list:
+        """Runs a device step with its outputs bound afresh (a step of the other kind may have left its own): the
+        logits to ``logits_to`` (kind, id), the greedy tokens to the host where ``tokens``; returns the outputs in
+        that order."""
+        binding.clear_binding_outputs()
+        binding.bind_output(OUTPUT_NAME, *logits_to)
+        if tokens:
+            binding.bind_output(GREEDY_TOKENS, "cpu")
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()
 
     def _bind_inputs(self, feeds: dict, changed) -> ort.IOBinding:
         """The runner's binding with ``feeds``' index inputs bound (see :meth:`run`)."""

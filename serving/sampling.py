@@ -178,14 +178,15 @@ def distributions(logits: np.ndarray, params: list) -> np.ndarray:
     probs = np.zeros_like(logits, dtype=np.float64)
     rows = [r for r, p in enumerate(params) if not p.greedy]
     if rows:
-        probs[rows] = _sampled_distributions(logits, rows, [params[r] for r in rows])
+        probs[rows] = _sampled_distributions(logits, rows, params)
     return probs
 
 
-def _sampled_distributions(logits: np.ndarray, rows: list, chosen: list) -> np.ndarray:
-    """:func:`distributions` of ``logits[rows]`` (``chosen``: their params, none greedy), a new array. The softmax
-    and min-p in one pass over the rows together, in place; top-k and top-p on the rows that ask for them, each
-    sorting only its most likely tokens."""
+def _sampled_distributions(logits: np.ndarray, rows: list, params: list) -> np.ndarray:
+    """:func:`distributions` of ``logits[rows]`` (``params[r]``: row r's, none of ``rows`` greedy), a new array. The
+    softmax and min-p in one pass over the rows together, in place; top-k and top-p on the rows that ask for them,
+    each sorting only its most likely tokens."""
+    chosen = [params[r] for r in rows]
     temperature = np.array([p.temperature for p in chosen])[:, None]
     q = np.asarray(logits, np.float64)[rows]  # a copy (the rows picked), worked on in place
     with np.errstate(over="ignore"):  # a temperature below 1 may overflow a logit near FINITE: clipped back
@@ -249,8 +250,8 @@ def greedy_tokens(logits: np.ndarray) -> np.ndarray:
     """Each row's most likely token: numpy's ``argmax`` over the last axis (the first of equal maxima; of a row holding
     NaN, its first NaN: ONNX Runtime's ArgMax, which chooses the graph's greedy tokens, passes over NaNs instead, so
     such a row's token depends on which of the two chose it). Float16 rows are widened to float32 first, which keeps
-    their order and NaNs, and is
-    faster: numpy's float16 argmax has no vector loop (B=64 x 32,000 logits on a Xeon: 15 ms, widened 4 ms)."""
+    their order and NaNs, and is faster: numpy's float16 argmax has no vector loop (B=64 x 32,000 logits on a Xeon:
+    15 ms, widened 4 ms)."""
     return np.argmax(logits.astype(np.float32) if logits.dtype == np.float16 else logits, axis=-1)
 
 
@@ -267,8 +268,7 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
         tokens[greedy] = np.argmax(scores[greedy], axis=1)
     sampled = [r for r, p in enumerate(params) if not p.greedy]
     if sampled:  # drawn all at once
-        chosen = [params[r] for r in sampled]
-        tokens[sampled] = _draw(_sampled_distributions(scores, sampled, chosen), [generators[r] for r in sampled])
+        tokens[sampled] = _draw(_sampled_distributions(scores, sampled, params), [generators[r] for r in sampled])
     logprobs = []
     for r, p in enumerate(params):
         if p.logprobs is None:
