@@ -192,7 +192,8 @@ def _sampled_distributions(logits: np.ndarray, rows: list, params: list) -> np.n
     with np.errstate(over="ignore"):  # a temperature below 1 may overflow a logit near FINITE: clipped back
         np.divide(q, temperature, out=q)
     np.clip(q, -FINITE, FINITE, out=q)
-    np.subtract(q, q.max(axis=1, keepdims=True), out=q)
+    with np.errstate(over="ignore"):  # -FINITE less a max near FINITE (a row of infinite logits) is -inf: exp 0
+        np.subtract(q, q.max(axis=1, keepdims=True), out=q)
     np.exp(q, out=q)
     np.divide(q, q.sum(axis=1, keepdims=True), out=q)
     # min-p over the whole distribution; top-k keeps every token at least as likely as the k-th (ties with it too:

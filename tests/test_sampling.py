@@ -349,3 +349,14 @@ def test_the_most_likely_tokens_come_in_the_order_of_a_stable_sort():
         values[rng.random(len(values)) < 0.1] = -0.0
         n = int(rng.integers(0, len(values) + 3))
         assert np.array_equal(top_in_order(values, n), np.argsort(-values, kind="stable")[:n]), (values, n)
+
+
+def test_infinite_logits_are_sampled_without_a_warning():
+    """A model that masks tokens with -inf (and one giving +inf): the tokens of +inf share the draw, and numpy says
+    nothing of the -inf reached on the way."""
+    logits = np.array([[np.inf, 0.0, -np.inf, np.inf], [-np.inf, 2.0, 1.0, -np.inf]], np.float32)
+    params = [SamplingParams(temperature=1.5), SamplingParams(temperature=0.5, top_p=0.8)]
+    with np.errstate(over="raise", invalid="raise", divide="raise"):  # numpy's defaults warn of these, not underflow
+        probs = distributions(logits, params)
+        choose_tokens(logits, params, [((), ())] * 2, [np.random.default_rng(0)] * 2)
+    assert np.array_equal(probs, [[0.5, 0, 0, 0.5], [0, 1, 0, 0]])  # token 1 alone: its 0.88 reaches 0.8
