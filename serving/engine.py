@@ -27,6 +27,7 @@ from ..manager.identity import check_int, salt_bytes
 from ..manager.streaming import check_policy
 from .online import OnlineEngine
 from .ort_runner import ModelRunner
+from .sampler_graph import Draws, graph_samplable, sampler_feeds
 from .sampling import SamplingParams, choose_tokens
 from .sequence import Sequence
 from .step_feeds import NEXT_DECODE_CHANGES, next_decode_feeds, step_feeds
@@ -52,10 +53,10 @@ def _plain_greedy(sequences: list) -> bool:
     return all(q.params.plain_greedy and q.logits is None for q in sequences)
 
 
-def _choose(out, greedy: bool, choosing: list) -> tuple:
-    """(tokens, logprobs) of ``choosing``, one per row of ``out``: the graph's greedy tokens where ``greedy``, else
+def _choose(out, chosen: bool, choosing: list) -> tuple:
+    """(tokens, logprobs) of ``choosing``, one per row of ``out``: the tokens the graph chose where ``chosen``, else
     logits to choose from (:func:`~.sampling.choose_tokens`)."""
-    if greedy:
+    if chosen:
         return out.tolist(), [None] * len(choosing)
     return choose_tokens(out, [q.params for q in choosing], [(q.prompt, q.generated) for q in choosing],
                          [q.generator for q in choosing])
@@ -361,8 +362,8 @@ class Engine(OnlineEngine):
             self._times["scheduling"] += scheduled - began
             if plan.shift_slots.size:
                 self.runner.shift_keys(plan.shift_slots, plan.shift_deltas)
-            greedy = _plain_greedy(sequences)
-            out = self.runner.run_greedy(feeds) if greedy else self.runner.run(feeds)
+            chosen_in_graph, run = self._runner_call(sequences)
+            out, draws = run(feeds)
         except BaseException:
             self._roll_back(plan, waiting, running)
             raise
@@ -370,21 +371,24 @@ class Engine(OnlineEngine):
         self._times["ort_run"] += ran - scheduled
         self._peak_pages = max(self._peak_pages, self.num_pages - self.manager.pool.available())
         if steps > 1:
-            return self._decode_steps(plan, feeds, sequences, steps, out, greedy, waiting, running,
+            return self._decode_steps(plan, feeds, sequences, steps, out, (chosen_in_graph, run), waiting, running,
                                       (began, scheduled, ran))
         self.manager.commit(plan)
         self._count_step(plan)
         rows, choosing = self._choosers(sequences)
+        if draws is not None and rows is not None:  # prompt chunks with more to come: their draws go unused
+            draws.take_back(set(range(len(sequences))).difference(rows))
         chosen = out if rows is None else out[rows]  # decode steps: every row, no copy
-        tokens, logprobs = _choose(chosen, greedy, choosing)
-        self._retire(self._take_tokens(choosing, tokens, logprobs, None if greedy else out, rows), running)
+        tokens, logprobs = _choose(chosen, chosen_in_graph, choosing)
+        self._retire(self._take_tokens(choosing, tokens, logprobs, None if chosen_in_graph else out, rows), running)
         self._trace(plan, feeds, (began, scheduled, ran))
         return 1
 
-    def _decode_steps(self, plan, feeds: dict, sequences: list, steps: int, out, greedy: bool, waiting,
+    def _decode_steps(self, plan, feeds: dict, sequences: list, steps: int, out, call: tuple, waiting,
                       running: list, times: tuple) -> int:
         """Runs up to ``steps`` decode steps the manager planned at once, the first of which just ran (``feeds``;
-        ``out``: its logits, or its greedy tokens where ``greedy``, every request taking plain greedy tokens):
+        ``out``: its logits, or its tokens where the graph chose them; ``call``: :meth:`_runner_call`'s for
+        ``sequences``):
         each step's tokens are chosen and handed over, then :meth:`KVCacheManager.advance` gives the next step's
         plan; a step that ends a request ends the run. The steps that ran are committed together (also when handing
         tokens over raised), then the requests that are done leave. Returns how many steps ran."""
@@ -395,8 +399,8 @@ class Engine(OnlineEngine):
             while True:
                 count += 1
                 self._count_step(plan)
-                tokens, logprobs = _choose(out, greedy, sequences)
-                stopped = self._take_tokens(sequences, tokens, logprobs, None if greedy else out, None)
+                tokens, logprobs = _choose(out, call[0], sequences)
+                stopped = self._take_tokens(sequences, tokens, logprobs, None if call[0] else out, None)
                 self._trace(plan, None, times)
                 if stopped or count == steps or self._interrupted():
                     break
@@ -405,8 +409,7 @@ class Engine(OnlineEngine):
                     plan = self.manager.advance(plan, tokens)
                     feeds = next_decode_feeds(feeds, plan)
                     scheduled = time.perf_counter()
-                    run = self.runner.run_greedy if greedy else self.runner.run
-                    out = run(feeds, NEXT_DECODE_CHANGES)
+                    out, _ = call[1](feeds, NEXT_DECODE_CHANGES)
                 except BaseException:
                     failed, plan = plan, None  # nothing to commit, whatever the roll-back raises
                     self._roll_back(failed, waiting, running)  # every planned step: the requests are recomputed
@@ -421,6 +424,29 @@ class Engine(OnlineEngine):
                 self._times["scheduling"] += time.perf_counter() - began
         self._retire(stopped, running)
         return count
+
+    def _runner_call(self, sequences: list) -> tuple:
+        """(chosen, run) for a step of ``sequences``: ``run(feeds, changed=None)`` runs it and returns ``(out,
+        draws)``, ``out`` the tokens the graph chose where ``chosen`` (every request plain greedy; or, where the
+        runner samples in the graph, none with penalties or logprobs and none keeping logits), else the logits;
+        ``draws``: the step's :class:`~.sampler_graph.Draws` where the graph sampled, else None."""
+        if _plain_greedy(sequences):
+            return True, lambda feeds, changed=None: (self.runner.run_greedy(feeds, changed), None)
+        if self.runner.graph_sampling and all(graph_samplable(q.params) and q.logits is None for q in sequences):
+            return True, functools.partial(self._run_sampled, sequences)
+        return False, lambda feeds, changed=None: (self.runner.run(feeds, changed), None)
+
+    def _run_sampled(self, sequences: list, feeds: dict, changed=None) -> tuple:
+        """(tokens, draws) of a step the sampling graph chooses, each sampled request drawing its uniform from its
+        own generator: a failed run takes the draws back, so a request draws as if the step had not been."""
+        params = [q.params for q in sequences]
+        draws = Draws(params, [q.generator for q in sequences])
+        try:
+            sampling = sampler_feeds(params, draws.uniforms, self.runner.info.vocab_size)
+            return self.runner.run_sampled(feeds, sampling, changed), draws
+        except BaseException:
+            draws.take_back()
+            raise
 
     def _greedy_stepper(self, sequences: list, steps: int):
         """The runner's :class:`~.greedy_steps.GreedySteps` when ``steps`` > 1 decode steps were planned at once for

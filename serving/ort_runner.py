@@ -23,6 +23,7 @@ from .greedy_steps import GreedySteps
 from .model_check import rotary_table_rows
 from .model_info import ModelInfo
 from .next_decode_graph import GREEDY_TOKENS, with_greedy_tokens, with_next_decode
+from .sampler_graph import COMPLETE, LOGITS, PARAMETER_INPUTS, SORT_WIDTH, TOKENS, host_drawn, sampler_model
 from .sampling import greedy_tokens
 
 ELEMENT_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16}
@@ -56,6 +57,12 @@ def provider_device(providers: list) -> tuple:
     if name != "CPUExecutionProvider":
         raise ValueError(f"the engine binds its cache on the CPU or CUDA execution provider, got {name!r} first")
     return "cpu", 0
+
+
+def device_providers(providers: list) -> list:
+    """``providers`` without the CPU EP: those of a session whose every node must run on the device (ONNX Runtime
+    refuses ``session.disable_cpu_ep_fallback`` with the CPU EP named, as :func:`default_providers` names it)."""
+    return [p for p in providers if (p if isinstance(p, str) else p[0]) != "CPUExecutionProvider"]
 
 
 def _zeroed(shape: tuple, element_type: int, device: tuple) -> ort.OrtValue:
@@ -148,6 +155,12 @@ class ModelRunner:
                                for v in (self.cache, self.scale) if v is not None)
         self._shift_session = None
         self._greedy_steps = None
+        self._sampler = None  # the sampling graph's session (:meth:`run_sampled`), made on first use
+        self._intra_op_num_threads = intra_op_num_threads
+        #: Whether the engine should draw sampled tokens with the sampling graph (:meth:`run_sampled`) rather than on
+        #: the host: on a device, where the graph keeps the logits there. The host sampler (:mod:`.sampling`) defines
+        #: the draws; the graph's agree with it to float64 rounding.
+        self.graph_sampling = self.device[0] != "cpu"
         # One binding for every step: the cache (and scale) bound once. On the CPU EP each index input is bound to a
         # host buffer this runner owns, refilled in place while its shape holds (rebound when it changes, e.g. a
         # page-table column more), and the logits to a host buffer per batch size: binding afresh each step cost
@@ -165,6 +178,8 @@ class ModelRunner:
         self.device_logit_rows = 0
         #: Rows of :meth:`run_greedy` whose token the host chose, the graph's being outside the vocabulary.
         self.host_chosen_rows = 0
+        #: Rows of :meth:`run_sampled` whose token the host drew, their nucleus lying past the tokens the graph sorted.
+        self.host_sampled_rows = 0
         # The logits' host buffer's type; None: they stay in a tensor ONNX Runtime allocates, read each step (numpy has
         # no bfloat16, and a device session's copy into a bound host buffer has not been run on a GPU yet).
         output = self.session.get_outputs()[0]
@@ -192,15 +207,62 @@ class ModelRunner:
         graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf) is chosen on the
         host from its logits (:attr:`host_chosen_rows` counts them)."""
         binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
+        logits = self._run_leaving_logits(binding, rows)
+        tokens = self._tokens if self.device[0] == "cpu" else np.array(binding.get_outputs()[1].numpy())  # owned
+        return self._in_vocabulary(tokens, logits)
+
+    def run_sampled(self, feeds: dict, sampling: dict, changed=None) -> np.ndarray:
+        """One step as :meth:`run`, returning each row's token as the sampling graph draws it
+        (:mod:`.sampler_graph`) from ``sampling`` (:func:`~.sampler_graph.sampler_feeds`: per row the temperature,
+        top-k, top-p, min-p and a uniform) instead of its logits: int64 ``[B]``, owned. The graph runs where the
+        logits are, so on a device only the tokens cross the bus; a row the graph leaves incomplete (its nucleus past
+        the tokens it sorted) is drawn on the host from its logits and the same uniform (:attr:`host_sampled_rows`
+        counts them), and a greedy row whose token is not in the vocabulary is chosen there too, as in
+        :meth:`run_greedy`."""
+        binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
+        logits = self._run_leaving_logits(binding, rows)
+        sampler = self._sampler_binding()
+        sampler.bind_ortvalue_input(LOGITS, binding.get_outputs()[0])  # the step's logits, where they were made
+        for name in PARAMETER_INPUTS + (SORT_WIDTH,):
+            sampler.bind_cpu_input(name, sampling[name])
+        sampler.bind_output(TOKENS, "cpu")
+        sampler.bind_output(COMPLETE, "cpu")
+        self._sampler.run_with_iobinding(sampler)
+        tokens, complete = (np.array(value.numpy()) for value in sampler.get_outputs()[:2])  # owned
+        incomplete = np.flatnonzero(~complete)
+        if incomplete.size:  # a nucleus past the sorted tokens: those rows' logits cross, and the host draws
+            tokens[incomplete] = host_drawn(logits()[incomplete], sampling, incomplete)
+            self.host_sampled_rows += int(incomplete.size)
+        return self._in_vocabulary(tokens, logits)
+
+    def _sampler_binding(self) -> ort.IOBinding:
+        """A new binding of the sampling graph's session (made on first use, beside the runner's)."""
+        if self._sampler is None:
+            logits_type = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
+                           "tensor(bfloat16)": TensorProto.BFLOAT16}[self.session.get_outputs()[0].type]
+            self._sampler = self._session_beside(sampler_model(logits_type))
+        return self._sampler.io_binding()
+
+    def _session_beside(self, model: onnx.ModelProto) -> ort.InferenceSession:
+        """A session of ``model`` where this runner's tensors are: on a device EP with every node on the device (a
+        node falling back to the CPU would read a copy of what it should read or write in place)."""
         if self.device[0] == "cpu":
-            logits = self._run_for_host_logits(binding, rows)
-            return self._in_vocabulary(self._tokens, logits)
-        outputs = self._run_on_device(binding, self.device, tokens=True)  # the logits left where the graph made them
+            return make_session(model, self.providers, self._intra_op_num_threads)
+        return make_session(model, device_providers(self.providers), self._intra_op_num_threads,
+                            disable_cpu_fallback=True)
+
+    def _run_leaving_logits(self, binding, rows: int):
+        """Runs a step whose logits stay where the graph makes them (the binding's first output: on a device, there;
+        on the CPU EP, the host buffer) and whose greedy tokens come to the host (its second); returns a function
+        giving the logits on the host (on a device a copy, counted in :attr:`device_logit_rows`)."""
+        if self.device[0] == "cpu":
+            return self._run_for_host_logits(binding, rows)
+        self._run_on_device(binding, self.device, tokens=True)
 
         def logits():
             self.device_logit_rows += rows
             return binding.copy_outputs_to_cpu()[0]
-        return self._in_vocabulary(np.array(outputs[1].numpy()), logits)  # owned: the step's OrtValues go
+        return logits
 
     def _run_on_device(self, binding, logits_to: tuple, tokens: bool) -> list:
         """Runs a device step with its outputs bound afresh (a step of the other kind may have left its own): the
@@ -270,8 +332,7 @@ class ModelRunner:
         """Rotates the keys stored in ``slots`` by ``deltas`` positions in every layer (StreamingLLM's
         shift), with the model's own rotary frequencies: ``angle = delta * inv_freq`` in float64."""
         if self._shift_session is None:
-            self._shift_session = make_session(self._shift_model(), self.providers,
-                                               disable_cpu_fallback=self.device[0] != "cpu")
+            self._shift_session = self._session_beside(self._shift_model())
         angles = np.asarray(deltas, np.float64)[:, None] * np.asarray(self.info.inv_freq, np.float64)[None, :]
         binding = self._shift_session.io_binding()
         binding.bind_ortvalue_input("cache", self.cache)

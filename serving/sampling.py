@@ -224,18 +224,38 @@ def _sampled_distributions(logits: np.ndarray, rows: list, params: list) -> np.n
     return np.divide(q, q.sum(axis=1, keepdims=True), out=q)
 
 
-def _draw(probs: np.ndarray, generators: list) -> np.ndarray:
-    """One token per row of ``probs`` (consumed: its rows become their running sums) from one uniform of the row's own
-    generator (so a request's draws do not depend on what runs beside it): the first token whose cumulative
-    probability exceeds it."""
+def _draw(probs: np.ndarray, uniforms: list) -> np.ndarray:
+    """One token per row of ``probs`` (consumed: its rows become their running sums) from ``uniforms[r]`` in [0, 1),
+    drawn from the row's own generator (so a request's draws do not depend on what runs beside it): the first token
+    whose cumulative probability exceeds it times the total."""
     cumulative = np.cumsum(probs, axis=1, out=probs)
     last = probs.shape[1] - 1
     tokens = np.zeros(len(cumulative), np.int64)  # a row of NaN (its logits held one): no sum is at most u, token 0
-    for r, (row, g) in enumerate(zip(cumulative, generators)):
-        u = g.random() * row[-1]
+    for r, (row, uniform) in enumerate(zip(cumulative, uniforms)):
+        u = uniform * row[-1]
         if not np.isnan(u):  # the running sums never decrease: how many are at most u is where u goes after its equals
             tokens[r] = min(int(np.searchsorted(row, u, side="right")), last)
     return tokens
+
+
+def _tokens(scores: np.ndarray, params: list, uniforms) -> np.ndarray:
+    """One token per row of the float64 ``scores``: a greedy row's argmax; the others drawn all at once, from
+    ``uniforms(rows)`` (those rows' uniforms, in their order)."""
+    tokens = np.zeros(len(params), np.int64)
+    greedy = [r for r, p in enumerate(params) if p.greedy]
+    if greedy:
+        tokens[greedy] = np.argmax(scores[greedy], axis=1)
+    sampled = [r for r, p in enumerate(params) if not p.greedy]
+    if sampled:
+        tokens[sampled] = _draw(_sampled_distributions(scores, sampled, params), uniforms(sampled))
+    return tokens
+
+
+def drawn_tokens(logits: np.ndarray, params: list, uniforms: list) -> np.ndarray:
+    """Each row's token as :func:`choose_tokens` chooses it for requests with no penalty whose generators' next draws
+    are ``uniforms`` (read for sampled rows only): what the sampling graph gives, chosen on the host."""
+    scores = np.clip(np.asarray(logits, np.float64), -FINITE, FINITE)
+    return _tokens(scores, params, lambda rows: [uniforms[r] for r in rows])
 
 
 def model_logprobs(row: np.ndarray) -> np.ndarray:
@@ -262,14 +282,8 @@ def choose_tokens(logits: np.ndarray, params: list, histories: list, generators:
     the :class:`TokenLogprobs` of row r's chosen token (``params[r].logprobs`` most likely tokens)."""
     if all(p.plain_greedy for p in params):  # the common case, on the hot path: one argmax over the batch, no copy
         return greedy_tokens(logits).tolist() if len(params) else [], [None] * len(params)
-    scores = _penalized(logits, params, histories)
-    tokens = np.zeros(len(params), np.int64)
-    greedy = [r for r, p in enumerate(params) if p.greedy]
-    if greedy:
-        tokens[greedy] = np.argmax(scores[greedy], axis=1)
-    sampled = [r for r, p in enumerate(params) if not p.greedy]
-    if sampled:  # drawn all at once
-        tokens[sampled] = _draw(_sampled_distributions(scores, sampled, params), [generators[r] for r in sampled])
+    tokens = _tokens(_penalized(logits, params, histories), params,
+                     lambda rows: [generators[r].random() for r in rows])
     logprobs = []
     for r, p in enumerate(params):
         if p.logprobs is None:

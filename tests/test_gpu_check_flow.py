@@ -1,7 +1,7 @@
 """tools/gpu_check.sh's control flow, walked on this machine with a stand-in python (no GPU needed): a deadline that
 cuts every step's limit and skips what no longer fits (the summary still written), a test step in which no test ran
 counted as failed, a GPU probe that fails counted as failed (not as "no GPU"), unknown step names refused, and the
-float16 serving benchmark in the summary, and the ONNX Runtime headers taken from their packed form."""
+float16 serving benchmark and the sampler's in the summary, and the ONNX Runtime headers taken from their packed form."""
 
 import io
 import pathlib
@@ -40,7 +40,7 @@ case "$1" in
         [ -n "${SIM_IGNORE_TERM:-}" ] && trap '' TERM  # (sleep inherits it) a step only SIGKILL stops
         sleep "${setting%% *}"
         echo "${setting#* }" ;;
-      kvcache_op.benchmarks.gpu.*)
+      kvcache_op.benchmarks.gpu.*|kvcache_op.benchmarks.serving.sampler)
         out=""; prev=""; for a in "$@"; do [ "$prev" = --out ] && out=$a; prev=$a; done
         mkdir -p "$out"; [ -n "${SIM_NO_TABLE:-}" ] && exit 0; [ -n "${SIM_BENCH_EXIT:-}" ] && exit "$SIM_BENCH_EXIT"
         echo "| table of $module $* |" | tee "$out/results.md" > "$out/README.md" ;;
@@ -89,8 +89,10 @@ def test_every_step_runs_and_the_summary_holds_both_serving_benchmarks(tmp_path)
     code, steps, summary, _, _ = run_check(tmp_path)
     assert code == 0 and all(verdict == "pass" for verdict, _ in steps.values()), steps
     assert steps["sanitizer-attention-racecheck"] == ("pass", "3 passed in 1.0s")
-    assert {"gpu-tests", "sanitizer-attention-synccheck", "ort-cuda-ep", "serving-benchmark-float16"} <= set(steps)
+    assert {"gpu-tests", "sanitizer-attention-synccheck", "ort-cuda-ep", "serving-benchmark-float16",
+            "sampler-benchmark"} <= set(steps)
     assert "## Serving benchmark, float16" in summary and "--dtype float16" in summary
+    assert "## The sampling graph against the host's sampler" in summary and "serving.sampler" in summary
 
 
 def test_a_deadline_cuts_the_step_running_and_skips_what_no_longer_fits(tmp_path):
@@ -102,7 +104,7 @@ def test_a_deadline_cuts_the_step_running_and_skips_what_no_longer_fits(tmp_path
     assert seconds < 14 and code == 1
     assert steps["gpu-tests"][0] == "fail" and "timed out after" in steps["gpu-tests"][1]
     for later in ("gpu-attention-tests", "sanitizer-attention-synccheck", "attention-benchmark",
-                  "serving-benchmark-float16"):
+                  "serving-benchmark-float16", "sampler-benchmark"):
         assert steps[later] == ("skip", "no time left (GPU_CHECK_DEADLINE=14)"), later
     assert "| gpu-tests | fail |" in summary
 

@@ -1,7 +1,9 @@
 """The exported decoder on ONNX Runtime's CUDA EP: every op of the graph placed on the GPU (no CPU fallback), the
 graph's greedy tokens too, the cache allocated once on the device and written in place, and the engine's greedy
 tokens (chosen on the device: no row of logits crosses to the host) equal transformers' own greedy generation on the
-same GPU, for the fused node and the split pair. Skipped centrally without a GPU and onnxruntime-gpu."""
+same GPU, for the fused node and the split pair. Sampled tokens are drawn on the device too (the sampling graph,
+every node on the GPU), as the host sampler draws them; the engine's default providers serve StreamingLLM's key
+shift and the sampling graph. Skipped centrally without a GPU and onnxruntime-gpu."""
 
 import copy
 
@@ -97,3 +99,50 @@ def test_float16_agreement_with_transformers_on_the_same_gpu(tmp_path, record_pr
     rate = agreement(tokens, [reference_generate(model, p, 10) for p in PROMPTS])
     record_property("float16_agreement", rate)
     assert rate >= 0.5, rate  # float16 sums in another order may part ways after a near-tie, not at random
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_gpus_sampling_graph_draws_the_host_samplers_tokens(dtype):
+    """The sampling graph with every node on the GPU, over a real vocabulary's width (ONNX Runtime's CUDA TopK sorts
+    32,000 a row: its ties must come in index order, or a tied row's nucleus keeps other tokens than the host's)."""
+    import numpy as np
+
+    from kvcache_op.reference.dtypes import BFLOAT16
+    from sampler_graph_checks import check_against_host
+
+    check_against_host(np.random.default_rng(23), 32000, rounds=12,
+                       dtype=BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype), provider="CUDAExecutionProvider")
+
+
+def test_the_engines_sampled_tokens_are_drawn_on_the_gpu_as_on_the_host():
+    """Seeded sampled requests on the CUDA EP under the default providers (the CUDA EP and the CPU EP named): drawn on
+    the device with no row of logits copied, the same tokens as the host sampler draws from the same GPU's logits."""
+    from kvcache_op.serving import SamplingParams
+
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=1), SamplingParams(temperature=1.2, top_k=8, seed=2),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3)]
+    path = hf_models.exported("llama")
+    on_device = Engine(path, num_pages=16)
+    assert on_device.runner.providers[-1] == "CPUExecutionProvider" and on_device.runner.graph_sampling
+    tokens = on_device.generate(PROMPTS, 12, params=params)
+    assert on_device.runner.device_logit_rows == 0
+    on_host = Engine(path, num_pages=16)
+    on_host.runner.graph_sampling = False
+    assert on_host.generate(PROMPTS, 12, params=params) == tokens
+    assert on_host.runner.device_logit_rows > 0
+
+
+def test_streaming_llm_shifts_keys_on_the_gpu_under_the_default_providers():
+    """The key shift's session keeps every node on the device: with the CPU EP named (the default providers) ONNX
+    Runtime would refuse it unless the runner leaves the CPU EP out. The tokens are those of the CUDA EP alone."""
+    from kvcache_op.manager import StreamingPolicy
+
+    path = hf_models.exported("llama")
+    policy = StreamingPolicy(sinks=4, budget_pages=4, mode="shift")
+    prompts = [list(range(40, 110)), list(range(5, 75))]
+    default = Engine(path, num_pages=16, streaming=policy)
+    shifts, shift_keys = [], default.runner.shift_keys
+    default.runner.shift_keys = lambda slots, deltas: (shifts.append(len(slots)), shift_keys(slots, deltas))
+    tokens = default.generate(prompts, 12)
+    assert sum(shifts) > 0  # 70-token prompts over a 64-token budget
+    assert Engine(path, num_pages=16, streaming=policy, providers=["CUDAExecutionProvider"]).generate(prompts, 12) == tokens

@@ -3,7 +3,8 @@ index inputs are refilled in place and the logits land in a reused buffer; the l
 of a session bound afresh. A device session copies an input to the device when it is bound, so there every step's
 inputs must be bound afresh (a refill would leave the device reading the first step's tokens). A greedy step's tokens
 come from the graph (numpy's argmax of the logits), and on a device without its logits crossing to the host, but
-where the graph's token is outside the vocabulary."""
+where the graph's token is outside the vocabulary. A sampled step's tokens come from the sampling graph over the
+step's logits (the host sampler's tokens for the same uniforms), and on a device its logits stay there too."""
 
 import numpy as np
 import onnxruntime as ort
@@ -14,9 +15,14 @@ pytest.importorskip("transformers")
 
 import hf_models  # noqa: E402
 from kvcache_op.manager import KVCacheManager  # noqa: E402
+from kvcache_op.ort_ops import make_session  # noqa: E402
 from kvcache_op.serving import ModelRunner  # noqa: E402
+from kvcache_op.serving.ort_runner import device_providers  # noqa: E402
 from kvcache_op.serving.decoder_io import OUTPUT_NAME  # noqa: E402
 from kvcache_op.serving.next_decode_graph import GREEDY_TOKENS  # noqa: E402
+from kvcache_op.serving.sampler_graph import SORT_WIDTH, sampler_feeds  # noqa: E402
+from kvcache_op.serving.sampling import SamplingParams  # noqa: E402
+from sampling_batches import host_tokens  # noqa: E402
 from kvcache_op.serving.step_feeds import step_feeds  # noqa: E402
 
 
@@ -102,6 +108,9 @@ def as_device_session(runner, monkeypatch) -> list:
     """``runner`` as a device session over its CPU session: outputs it asks for on "cuda" are made on the CPU; returns
     the list of (output, device kind) it asks for."""
     runner.device = ("cuda", 0)
+    # its other sessions (the sampling graph, the key shift) on the CPU EP too, where a device's would keep every node
+    # on the device
+    monkeypatch.setattr(runner, "_session_beside", lambda model: make_session(model, ["CPUExecutionProvider"]))
     asked, real = [], runner._binding.bind_output
 
     def bind_output(name, device_type="cpu", device_id=0, *rest):
@@ -162,3 +171,44 @@ def test_the_engines_greedy_requests_never_read_logits_and_get_the_same_tokens(m
         raise AssertionError("a greedy step read its logits")
     monkeypatch.setattr(engine.runner, "run", no_logits)
     assert engine.generate(prompts, 12) == with_logits
+
+
+@pytest.mark.parametrize("device", ["cpu", "emulated device"])
+@pytest.mark.parametrize("sort", ["least", "one token"])
+def test_sampled_steps_draw_the_host_samplers_tokens_from_the_steps_logits(monkeypatch, device, sort):
+    """Sampled and greedy rows, the row count changing: each step's tokens are the host sampler's over the logits a
+    second runner makes for the step, from the same uniforms; on a device no row of logits is copied, but those of
+    rows the graph leaves incomplete (a sort of one token: every top-p and top-k row), drawn on the host."""
+    path = hf_models.exported("llama")
+    runner, plain = ModelRunner(path, 8, ["CPUExecutionProvider"]), ModelRunner(path, 8, ["CPUExecutionProvider"])
+    asked = as_device_session(runner, monkeypatch) if device != "cpu" else []
+    assert not plain.graph_sampling  # on the CPU EP the host samples; the graph, where asked, as here
+    all_feeds = list(steps(runner, 4))
+    all_feeds[2:2] = [one_request_step(runner)]
+    pool = [SamplingParams(temperature=0.8, top_p=0.9), SamplingParams(temperature=1.3, top_k=5, min_p=0.05),
+            SamplingParams(), SamplingParams(temperature=2.0)]
+    rng, drawn_on_host = np.random.default_rng(0), 0
+    for k, feeds in enumerate(all_feeds):
+        rows = len(feeds["seqstarts"]) - 1
+        params, uniforms = [pool[(k + r) % len(pool)] for r in range(rows)], rng.random(rows)
+        logits = plain.run(feeds).copy()
+        sampling = sampler_feeds(params, uniforms, runner.info.vocab_size)
+        if sort == "one token":
+            sampling[SORT_WIDTH] = np.array([1])
+            drawn_on_host += sum(p.top_p < 1 or p.top_k > 1 for p in params)
+        asked.clear()
+        tokens = runner.run_sampled(feeds, sampling)
+        assert tokens.dtype == np.int64 and tokens.tolist() == host_tokens(logits, params, uniforms), k
+        assert asked == ([] if device == "cpu" else [(OUTPUT_NAME, "cuda"), (GREEDY_TOKENS, "cpu")])
+        np.testing.assert_array_equal(runner.cache.numpy(), plain.cache.numpy())
+    assert runner.host_sampled_rows == drawn_on_host and runner.host_chosen_rows == 0
+    # a step with a row drawn on the host copies its logits (every row); on the CPU EP nothing is copied
+    assert (runner.device_logit_rows > 0) == (device != "cpu" and sort != "least")
+
+
+def test_a_device_sessions_other_graphs_name_no_cpu_ep():
+    """The sampling graph and the key shift run with every node on the device: ONNX Runtime refuses that with the CPU
+    EP named (as the default providers name it), so their sessions name the device's EPs only, options kept."""
+    cuda = ("CUDAExecutionProvider", {"device_id": "1", "use_tf32": "0"})
+    assert device_providers([cuda, "CPUExecutionProvider"]) == [cuda]
+    assert device_providers(["CUDAExecutionProvider", ("CPUExecutionProvider", {})]) == ["CUDAExecutionProvider"]

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 
+from sampling_batches import counted_draws, mixed_batch
 from kvcache_op.serving import SamplingParams
 from kvcache_op.serving.sampling import FINITE, choose_tokens, distributions, greedy_tokens, top_in_order
 
@@ -293,31 +294,6 @@ def _every_row_sorted(logits, params):
     return probs
 
 
-def _counted_draws(probs, generators):
-    """One draw a row as first written: how many running sums are at most the uniform times the total."""
-    cumulative = np.cumsum(probs, axis=1)
-    u = np.array([g.random() for g in generators])[:, None] * cumulative[:, -1:]
-    return np.minimum((cumulative <= u).sum(axis=1), probs.shape[1] - 1)
-
-
-def _mixed_batch(rng, width: int):
-    """Rows of logits (spread, tied small integers, around +-1e38 to be clipped, or holding a NaN) and a request for
-    each."""
-    pool = [SamplingParams(), SamplingParams(temperature=0.7), SamplingParams(temperature=0.01),
-            SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, top_k=1),
-            SamplingParams(temperature=1.0, top_k=width + 3), SamplingParams(temperature=1.0, top_p=0.8),
-            SamplingParams(temperature=4.0, top_p=0.999), SamplingParams(temperature=0.9, top_p=0.05),
-            SamplingParams(temperature=0.5, min_p=0.1), SamplingParams(temperature=2.0, top_k=12, top_p=0.6, min_p=0.02),
-            SamplingParams(temperature=3.0, top_k=300, top_p=0.97)]
-    count = int(rng.integers(1, 9))
-    kinds = rng.integers(0, 4, count)
-    logits = np.stack([rng.standard_normal(width) * rng.uniform(0.1, 6) if k in (0, 3) else
-                       rng.integers(-2, 3, width).astype(np.float64) if k == 1 else
-                       rng.choice([-3e38, 3e38, 0.0], width) for k in kinds]).astype(np.float32)
-    logits[kinds == 3, rng.integers(0, width)] = np.nan
-    return logits, [pool[i] for i in rng.integers(0, len(pool), count)]
-
-
 @pytest.mark.parametrize("width", [7, 300, 5000])
 def test_the_filters_and_draws_equal_every_row_sorted_bit_for_bit(width):
     """Sorting only a row's most likely tokens, and only for the rows that ask, gives the distributions of sorting
@@ -325,7 +301,7 @@ def test_the_filters_and_draws_equal_every_row_sorted_bit_for_bit(width):
     0.999), so the seeded draws are the same tokens."""
     rng = np.random.default_rng(width)
     for _ in range(40):
-        logits, params = _mixed_batch(rng, width)
+        logits, params = mixed_batch(rng, width)
         with np.errstate(invalid="ignore"):
             want = _every_row_sorted(logits, params)
             assert np.array_equal(distributions(logits, params), want, equal_nan=True)
@@ -334,7 +310,7 @@ def test_the_filters_and_draws_equal_every_row_sorted_bit_for_bit(width):
             sampled = [r for r, p in enumerate(params) if not p.greedy]
             expected = np.argmax(logits.astype(np.float64), axis=1)
             if sampled:
-                expected[sampled] = _counted_draws(want[sampled],
+                expected[sampled] = counted_draws(want[sampled],
                                                    [np.random.default_rng(int(seeds[r])) for r in sampled])
         assert tokens == expected.tolist()
 

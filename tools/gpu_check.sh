@@ -56,7 +56,7 @@ if [ ! -e "$OUT/.gpu_check" ] && [ -n "$(ls -A "$OUT")" ]; then
   exit 2
 fi
 touch "$OUT/.gpu_check"
-rm -rf "$OUT"/{logs,bench,attention-bench,serving-bench,serving-bench-float16,summary.md,seconds.txt,device.txt}
+rm -rf "$OUT"/{logs,bench,attention-bench,serving-bench,serving-bench-float16,sampler-bench,summary.md,seconds.txt,device.txt}
 mkdir -p "$OUT/logs"
 STEPS=$OUT/steps.tsv   # step <TAB> status (pass|fail|skip) <TAB> detail <TAB> seconds (of the steps that ran)
 # step NAME STATUS DETAIL [BEGAN]: records a step; BEGAN, the date +%s it started at, gives its seconds.
@@ -77,7 +77,7 @@ done
 KNOWN_STEPS="host-runner gpu-tests gpu-attention-tests sanitizer-memcheck sanitizer-attention-memcheck
   sanitizer-racecheck sanitizer-attention-racecheck sanitizer-initcheck sanitizer-attention-initcheck
   sanitizer-synccheck sanitizer-attention-synccheck benchmark attention-benchmark ort-cuda-ep serving-benchmark
-  serving-benchmark-float16"
+  serving-benchmark-float16 sampler-benchmark"
 for name in ${GPU_CHECK_ONLY:-} ${GPU_CHECK_SKIP:-}; do
   case " $(echo $KNOWN_STEPS) " in *" $name "*) ;; *)
     echo "GPU_CHECK_ONLY / GPU_CHECK_SKIP name $name, which is no step of this check (steps: $(echo $KNOWN_STEPS))" >&2
@@ -375,8 +375,9 @@ print(":".join(sorted(dirs)))' 2>/dev/null)
     XDIST=loadfile run_pytest ort-cuda-ep 300 test_gpu_cuda_ep.py test_gpu_serving.py
     run_benchmark serving-benchmark 300 serving-bench README.md kvcache_op.benchmarks.gpu.serving
     run_benchmark serving-benchmark-float16 300 serving-bench-float16 README.md "kvcache_op.benchmarks.gpu.serving --dtype float16"
+    run_benchmark sampler-benchmark 120 sampler-bench README.md kvcache_op.benchmarks.serving.sampler
   else
-    for s in ort-cuda-ep serving-benchmark serving-benchmark-float16; do
+    for s in ort-cuda-ep serving-benchmark serving-benchmark-float16 sampler-benchmark; do
       step "$s" skip "onnxruntime-gpu is not importable (put its wheel's parts in .ort-gpu/ or \$ORT_GPU_PARTS: README, GPU)"
     done
   fi

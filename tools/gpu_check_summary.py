@@ -50,7 +50,8 @@ def main(out: pathlib.Path) -> str:
     for folder, title, name in (("bench", "Benchmark", "results.md"),
                                 ("attention-bench", "Attention benchmark", "results.md"),
                                 ("serving-bench", "Serving benchmark", "README.md"),
-                                ("serving-bench-float16", "Serving benchmark, float16", "README.md")):
+                                ("serving-bench-float16", "Serving benchmark, float16", "README.md"),
+                                ("sampler-bench", "The sampling graph against the host's sampler", "README.md")):
         bench = out / folder / name
         if bench.is_file():
             lines += ["", f"## {title}", "", bench.read_text()]
