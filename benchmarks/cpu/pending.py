@@ -64,12 +64,12 @@ def _cases(shapes, quant_bit: int, layouts) -> tuple:
 AVX512 = ("avx512",)
 EVERY_BUILD = ("avx512", "avx2", "generic")
 CHECKS = (
-    Check("head-prefetch-l2", ("intel-xeon-*",), ("intel-xeon-207",), EVERY_BUILD,
+    Check("head-prefetch-l2", ("intel-xeon-*",), ("intel-xeon-167", "intel-xeon-207"), EVERY_BUILD,
           _cases(("decode", "decode-32h", "decode-p16"), 0, (3,)),
           ("own", "l2:KVCACHE_OP_HEAD_PREFETCH=l2"),
           "layout 3's float16 head rows asked for into the second-level cache: on the Zen 4 (amd-epyc-zen4, eight "
           "heads' rows filling an 8-way set) decode 0.99x -> 1.33x a copy, decode-p16 0.84-0.89x -> 1.02-1.17x; "
-          "Intel processors keep the first level (on model 207 the second took 0.99-1.05x its time)"),
+          "Intel processors keep the first level (the second took 0.99-1.05x its time on model 207, 1.01-1.02x on 167)"),
     Check("head-prefetch-l1", ("amd-epyc*",), ("amd-epyc-zen4", "amd-epyc-zen3"), EVERY_BUILD,
           _cases(("decode", "decode-32h", "decode-p16"), 0, (3,)),
           ("own", "l1:KVCACHE_OP_HEAD_PREFETCH=l1"),
