@@ -157,10 +157,6 @@ class ModelRunner:
         self._greedy_steps = None
         self._sampler = None  # the sampling graph's session (:meth:`run_sampled`), made on first use
         self._intra_op_num_threads = intra_op_num_threads
-        #: Whether the engine should draw sampled tokens with the sampling graph (:meth:`run_sampled`) rather than on
-        #: the host: on a device, where the graph keeps the logits there. The host sampler (:mod:`.sampling`) defines
-        #: the draws; the graph's agree with it to float64 rounding.
-        self.graph_sampling = self.device[0] != "cpu"
         # One binding for every step: the cache (and scale) bound once. On the CPU EP each index input is bound to a
         # host buffer this runner owns, refilled in place while its shape holds (rebound when it changes, e.g. a
         # page-table column more), and the logits to a host buffer per batch size: binding afresh each step cost
@@ -180,9 +176,15 @@ class ModelRunner:
         self.host_chosen_rows = 0
         #: Rows of :meth:`run_sampled` whose token the host drew, their nucleus lying past the tokens the graph sorted.
         self.host_sampled_rows = 0
+        output = self.session.get_outputs()[0]
+        self._logits_type = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
+                             "tensor(bfloat16)": TensorProto.BFLOAT16}.get(output.type)  # None: no graph sampling
+        #: Whether the engine should draw sampled tokens with the sampling graph (:meth:`run_sampled`) rather than on
+        #: the host: on a device, where the graph keeps the logits there. The host sampler (:mod:`.sampling`) defines
+        #: the draws; the graph's agree with it to float64 rounding.
+        self.graph_sampling = self.device[0] != "cpu" and self._logits_type is not None
         # The logits' host buffer's type; None: they stay in a tensor ONNX Runtime allocates, read each step (numpy has
         # no bfloat16, and a device session's copy into a bound host buffer has not been run on a GPU yet).
-        output = self.session.get_outputs()[0]
         self._logits_dtype = (None if self.device[0] != "cpu" else
                               {"tensor(float)": np.float32, "tensor(float16)": np.float16}.get(output.type))
 
@@ -223,8 +225,12 @@ class ModelRunner:
         logits = self._run_leaving_logits(binding, rows)
         sampler = self._sampler_binding()
         sampler.bind_ortvalue_input(LOGITS, binding.get_outputs()[0])  # the step's logits, where they were made
-        for name in PARAMETER_INPUTS + (SORT_WIDTH,):
+        for name in PARAMETER_INPUTS:
             sampler.bind_cpu_input(name, sampling[name])
+        # numpy has no bfloat16, so the host could not read such a row to draw it: bfloat16 logits are sorted whole,
+        # which leaves no row incomplete
+        whole = self._logits_type == TensorProto.BFLOAT16 and sampling[SORT_WIDTH][0] > 1
+        sampler.bind_cpu_input(SORT_WIDTH, np.array([self.info.vocab_size]) if whole else sampling[SORT_WIDTH])
         sampler.bind_output(TOKENS, "cpu")
         sampler.bind_output(COMPLETE, "cpu")
         self._sampler.run_with_iobinding(sampler)
@@ -238,9 +244,7 @@ class ModelRunner:
     def _sampler_binding(self) -> ort.IOBinding:
         """A new binding of the sampling graph's session (made on first use, beside the runner's)."""
         if self._sampler is None:
-            logits_type = {"tensor(float)": TensorProto.FLOAT, "tensor(float16)": TensorProto.FLOAT16,
-                           "tensor(bfloat16)": TensorProto.BFLOAT16}[self.session.get_outputs()[0].type]
-            self._sampler = self._session_beside(sampler_model(logits_type))
+            self._sampler = self._session_beside(sampler_model(self._logits_type))
         return self._sampler.io_binding()
 
     def _session_beside(self, model: onnx.ModelProto) -> ort.InferenceSession:

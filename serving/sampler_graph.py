@@ -143,39 +143,52 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     x = g.Cast(LOGITS, to=TensorProto.DOUBLE)
     greedy = g.Less("temperature", g.constant("greedy_below", GREEDY_BELOW, np.float64))
     temperature = column(g.Where(greedy, one, "temperature"))  # a greedy row's softmax is computed, then unused
-    # within +-FINITE after the temperature (the host clips before it too, which changes no probability: an infinite
-    # logit over a temperature above 1 is FINITE / t there and FINITE here, and either is the most likely by far)
-    scaled = g.Clip(g.Div(x, temperature), g.constant("low", -FINITE, np.float64),
-                    g.constant("high", FINITE, np.float64))
+    # within +-FINITE before and after the temperature, as the host (an infinite logit over a temperature near
+    # FINITE is a small number there, and the row's other tokens keep some mass)
+    low, high = g.constant("low", -FINITE, np.float64), g.constant("high", FINITE, np.float64)
+    scaled = g.Clip(g.Div(g.Clip(x, low, high), temperature), low, high)
     q = g.Softmax(scaled, axis=1)
-    shape = g.Shape(q)
     width = g.Squeeze(g.Shape(q, start=1, end=2), first)  # the vocabulary, a scalar
     sort = g.Squeeze(SORT_WIDTH, first)
-    values, order = g.node("TopK", [q, SORT_WIDTH], 2, axis=1, largest=1, sorted=1)  # order: each position's token
+    # Only the sorted values are read, never TopK's indices: ONNX Runtime's CUDA TopK does not give tied values in
+    # index order (its radix selection orders them by thread), where the host's stable sort does.
+    values = g.node("TopK", [q, SORT_WIDTH], 2, axis=1, largest=1, sorted=1)[0]
+    at = lambda position: g.GatherElements(values, column(position), axis=1)  # noqa: E731 - [B] -> [B, 1]
     # min-p and top-k keep the tokens at least as likely as a threshold: min_p times the most likely's probability,
     # and the k-th most likely's (0 where no top-k: every token)
     has_top_k = g.Greater("top_k", i_zero)
-    kth = g.GatherElements(values, column(g.Sub(g.Min(g.Where(has_top_k, "top_k", i_one), sort), i_one)), axis=1)
-    threshold = g.Max(g.Mul(column("min_p"), g.Slice(values, first, g.constant("one_i", [1], np.int64), axis1)),
-                      g.Where(column(has_top_k), kth, zero))
+    kth = at(g.Sub(g.Min(g.Where(has_top_k, "top_k", i_one), sort), i_one))
+    end = g.constant("end", [2**62], np.int64)
+    most_likely = g.Slice(values, first, g.constant("one_i", [1], np.int64), axis1)
+    threshold = g.Max(g.Mul(column("min_p"), most_likely), g.Where(column(has_top_k), kth, zero))
     keep = g.GreaterOrEqual(q, threshold)  # in token order, over the whole vocabulary
     kept_mass = row_sum(g.Where(keep, q, zero))
     # top-p: the sorted positions up to the first whose running mass (of what min-p and top-k left, renormalized)
-    # reaches top_p; a row whose sorted positions do not reach it is incomplete. What those two keep is a prefix of
-    # the sorted tokens, whose mass reaches 1: the cut falls within it (and `keep` drops what follows it anyway)
-    prefix = g.Div(values, kept_mass)
-    cut = count(g.Less(_running_sums(g, prefix, RUNNING_CHUNK), column("top_p")))
-    in_nucleus = g.LessOrEqual(g.Range(i_zero, sort, i_one), column(cut))
-    nucleus = g.ScatterElements(g.ConstantOfShape(shape, value=helper.make_tensor("no", TensorProto.BOOL, [1], [0])),
-                                order, in_nucleus, axis=1)  # back in token order
+    # reaches top_p. What those two keep is a prefix of the sorted tokens, whose mass reaches 1: the cut falls within
+    # it (and `keep` drops what follows it anyway).
+    cut = count(g.Less(_running_sums(g, g.Div(values, kept_mass), RUNNING_CHUNK), column("top_p")))
+    # The nucleus is the first cut + 1 tokens of the stable order: every token more likely than the cut's, and of
+    # those as likely as it, the first ones by index (counted in token order) to make up the number.
+    last_kept = g.Min(cut, g.Sub(sort, i_one))
+    edge = at(last_kept)
+    above = g.Greater(q, edge)
+    tied = g.Equal(q, edge)
+    tie_rank = _running_sums(g, g.Cast(tied, to=TensorProto.DOUBLE), RUNNING_CHUNK)  # 1 at a row's first tie
+    room = g.Cast(column(g.Sub(g.Add(last_kept, i_one), count(above))), to=TensorProto.DOUBLE)
+    nucleus = g.Or(above, g.And(tied, g.LessOrEqual(tie_rank, room)))
     top_p = g.Less("top_p", one)
     keep = g.And(keep, g.Or(g.Not(column(top_p)), nucleus))
-    g.nodes.append(helper.make_node("Not", [g.Or(g.And(top_p, g.GreaterOrEqual(cut, sort)),
+    # Incomplete: a nucleus whose mass the sorted tokens do not reach, where a token past them could join it (kept
+    # and of some mass); a k-th token past them.
+    past = g.Slice(values, last, end, axis1)  # the last sorted token
+    could_join = g.And(g.Less(sort, width), g.Squeeze(g.And(g.GreaterOrEqual(past, threshold), g.Greater(past, zero)),
+                                                      axis1))
+    g.nodes.append(helper.make_node("Not", [g.Or(g.And(top_p, g.And(g.GreaterOrEqual(cut, sort), could_join)),
                                                  g.And(has_top_k, g.Greater("top_k", sort)))], [COMPLETE]))
     chosen = g.Where(keep, q, zero)
     probs = g.Div(chosen, row_sum(chosen))
     running = _running_sums(g, probs, RUNNING_CHUNK)
-    target = g.Mul(column("uniform"), g.Slice(running, last, g.constant("end", [2**62], np.int64), axis1))
+    target = g.Mul(column("uniform"), g.Slice(running, last, end, axis1))
     # how many running sums are at most the target is the drawn token (none for a NaN row: token 0)
     drawn = g.Min(count(g.LessOrEqual(running, target)), g.Sub(width, i_one))
     g.nodes.append(helper.make_node("Where", [greedy, g.ArgMax(x, axis=1, keepdims=0), drawn], [TOKENS]))

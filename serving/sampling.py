@@ -177,8 +177,8 @@ def distributions(logits: np.ndarray, params: list) -> np.ndarray:
     min-p, top-k and top-p applied in vLLM's order and renormalized (rows of greedy requests are left zero)."""
     probs = np.zeros_like(logits, dtype=np.float64)
     rows = [r for r, p in enumerate(params) if not p.greedy]
-    if rows:
-        probs[rows] = _sampled_distributions(logits, rows, params)
+    if rows:  # the logits within +-FINITE first, as choose_tokens takes them
+        probs[rows] = _sampled_distributions(np.clip(np.asarray(logits, np.float64), -FINITE, FINITE), rows, params)
     return probs
 
 

@@ -9,6 +9,7 @@ step's logits (the host sampler's tokens for the same uniforms), and on a device
 import numpy as np
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto
 
 pytest.importorskip("torch")  # kvcache_op.hf imports it
 pytest.importorskip("transformers")
@@ -212,3 +213,30 @@ def test_a_device_sessions_other_graphs_name_no_cpu_ep():
     cuda = ("CUDAExecutionProvider", {"device_id": "1", "use_tf32": "0"})
     assert device_providers([cuda, "CPUExecutionProvider"]) == [cuda]
     assert device_providers(["CUDAExecutionProvider", ("CPUExecutionProvider", {})]) == ["CUDAExecutionProvider"]
+
+
+def test_bfloat16_logits_are_sorted_whole(monkeypatch):
+    """numpy has no bfloat16, so the host could not draw a bfloat16 row the graph left incomplete: a step with such
+    logits sorts its rows whole (none can be incomplete). Here the float32 logits stand in, the runner told they
+    are bfloat16 after its sampling graph was made."""
+    path = hf_models.exported("llama")
+    runner = ModelRunner(path, 8, ["CPUExecutionProvider"])
+    feeds = next(steps(runner, 1))
+    params = [SamplingParams(temperature=1.0, top_k=5), SamplingParams(temperature=1.0)]
+    sampling = sampler_feeds(params, [0.3, 0.6], runner.info.vocab_size)
+    assert sampling[SORT_WIDTH][0] == 5
+    runner.run_sampled(feeds, sampling)  # the graph made for float32 logits
+    sorted_widths, real = [], runner._sampler_binding
+
+    def watched():
+        binding = real()
+        bind = binding.bind_cpu_input
+        binding.bind_cpu_input = lambda name, value: (
+            sorted_widths.append(int(value[0])) if name == SORT_WIDTH else None, bind(name, value))
+        return binding
+    monkeypatch.setattr(runner, "_sampler_binding", watched)
+    monkeypatch.setattr(runner, "_logits_type", TensorProto.BFLOAT16)
+    runner.run_sampled(feeds, sampling)
+    greedy = sampler_feeds([SamplingParams(), SamplingParams(temperature=0.5)], [0.3, 0.6], runner.info.vocab_size)
+    runner.run_sampled(feeds, greedy)  # no top-k or top-p: nothing to sort
+    assert sorted_widths == [runner.info.vocab_size, 1]

@@ -122,3 +122,40 @@ def test_draws_come_from_each_requests_generator_and_can_be_taken_back():
     assert [g.bit_generator.state == s for g, s in zip(generators, states)] == [False, True, True, True]
     draws.take_back()
     assert [g.bit_generator.state for g in generators] == states
+
+
+def test_no_node_reads_the_sorts_token_order():
+    """ONNX Runtime's CUDA TopK does not give tied values in index order (its radix selection orders them by thread),
+    where the host's stable sort does: the graph reads only the sorted values, and finds a nucleus's ties in token
+    order itself."""
+    graph = sampler_model().graph
+    (top_k,) = [node for node in graph.node if node.op_type == "TopK"]
+    readers = [node.op_type for node in graph.node if top_k.output[1] in node.input]
+    assert readers == [] and top_k.output[1] not in {o.name for o in graph.output}
+
+
+def test_huge_temperatures_over_infinite_logits_are_the_hosts():
+    """The logits are clipped to +-FINITE before the temperature, as the host does: over a temperature near FINITE
+    an infinite logit is a small number, and the row's other tokens keep some mass."""
+    logits = np.array([[-np.inf, 0.0, 0.0], [np.inf, 0.0, 0.0]], np.float32)
+    params = [SamplingParams(temperature=1e308)] * 2
+    for u in (0.01, 0.2, 0.5, 0.99):
+        tokens, distribution, _ = run_graph(logits, params, [u, u])
+        assert tokens.tolist() == host_tokens(logits, params, [u, u])
+    assert distribution[0, 0] > 0.05 and distribution[1, 1] > 0.05
+
+
+def test_a_nucleus_short_of_top_p_by_rounding_is_complete_where_no_token_could_join():
+    """top_p just below 1: the running mass of every kept token may fall short of it by rounding. The row is
+    incomplete only where a token past the sorted ones could join the nucleus: not when the sort holds the whole
+    vocabulary, nor when every token past it has no mass."""
+    rng = np.random.default_rng(8)
+    top_p = float(np.nextafter(1.0, 0.0))
+    spread = (rng.standard_normal((16, 300)) * 3).astype(np.float32)
+    masked = np.full((16, 5000), -np.inf, np.float32)
+    masked[:, :10] = rng.standard_normal((16, 10))  # ten tokens of mass, sorted among the first 1,024
+    for logits, sort_width in ((spread, 300), (masked, None)):
+        params, uniforms = [SamplingParams(temperature=1.0, top_p=top_p)] * 16, rng.random(16)
+        tokens, _, complete = run_graph(logits, params, uniforms, sort_width=sort_width)
+        assert complete.all()
+        assert tokens.tolist() == host_tokens(logits, params, uniforms)
