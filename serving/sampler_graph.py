@@ -12,9 +12,9 @@ a token differs only where the uniform falls within that rounding of a boundary 
 (or a nucleus's mass within it of top_p).
 
 Min-p and top-k keep the tokens at least as likely as a threshold, so they need no sort but the k-th most likely;
-top-p needs each row's most likely tokens in order. The graph sorts :data:`SORT_WIDTH` of them (one TopK: ties in
-index order), as few as the step's requests need: one without top-k or top-p, the largest top-k, and
-:data:`NUCLEUS_SORT` with top-p. Sorting whole rows of a real vocabulary would cost a GPU one sort per row (ONNX
+top-p needs each row's most likely values in order. The graph sorts :data:`SORT_WIDTH` of them (one TopK, whose
+values alone it reads: the nucleus's ties with its last token are taken by index in token order), as few as the
+step's requests need: one without top-k or top-p, the largest top-k, and :data:`NUCLEUS_SORT` with top-p. Sorting whole rows of a real vocabulary would cost a GPU one sort per row (ONNX
 Runtime's CUDA TopK sorts more than 4,096 a row one row at a time) and the CPU 180 ms for 64 x 32,000. A row whose
 nucleus the sorted tokens do not reach is marked incomplete (:data:`COMPLETE` false): its token is then chosen on the
 host (:func:`~.sampling.drawn_tokens`, from the same uniform).

@@ -103,8 +103,9 @@ def test_float16_agreement_with_transformers_on_the_same_gpu(tmp_path, record_pr
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_the_gpus_sampling_graph_draws_the_host_samplers_tokens(dtype):
-    """The sampling graph with every node on the GPU, over a real vocabulary's width (ONNX Runtime's CUDA TopK sorts
-    32,000 a row: its ties must come in index order, or a tied row's nucleus keeps other tokens than the host's)."""
+    """The sampling graph with every node on the GPU, over a real vocabulary's width: ONNX Runtime's CUDA TopK gives
+    tied values out of index order (the graph reads its values alone), and its CumSum adds each element's
+    predecessors one by one (the graph adds in chunks)."""
     import numpy as np
 
     from kvcache_op.reference.dtypes import BFLOAT16
