@@ -258,14 +258,18 @@ class ModelRunner:
     def _run_leaving_logits(self, binding, rows: int):
         """Runs a step whose logits stay where the graph makes them (the binding's first output: on a device, there;
         on the CPU EP, the host buffer) and whose greedy tokens come to the host (its second); returns a function
-        giving the logits on the host (on a device a copy, counted in :attr:`device_logit_rows`)."""
+        giving the logits on the host (on a device a copy made on the first call, counted in
+        :attr:`device_logit_rows`)."""
         if self.device[0] == "cpu":
             return self._run_for_host_logits(binding, rows)
         self._run_on_device(binding, self.device, tokens=True)
+        copied = []
 
         def logits():
-            self.device_logit_rows += rows
-            return binding.copy_outputs_to_cpu()[0]
+            if not copied:  # once a step, however many of its rows the host chooses
+                self.device_logit_rows += rows
+                copied.append(binding.copy_outputs_to_cpu()[0])
+            return copied[0]
         return logits
 
     def _run_on_device(self, binding, logits_to: tuple, tokens: bool) -> list:

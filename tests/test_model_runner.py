@@ -240,3 +240,32 @@ def test_bfloat16_logits_are_sorted_whole(monkeypatch):
     greedy = sampler_feeds([SamplingParams(), SamplingParams(temperature=0.5)], [0.3, 0.6], runner.info.vocab_size)
     runner.run_sampled(feeds, greedy)  # no top-k or top-p: nothing to sort
     assert sorted_widths == [runner.info.vocab_size, 1]
+
+
+def test_a_sampled_step_copies_its_logits_once_however_many_rows_the_host_chooses(monkeypatch):
+    """A row past the sort (drawn on the host) and a greedy row whose token from the device is outside the vocabulary
+    (chosen on the host) in one step: the step's logits cross once."""
+    path = hf_models.exported("llama")
+    runner, plain = ModelRunner(path, 8, ["CPUExecutionProvider"]), ModelRunner(path, 8, ["CPUExecutionProvider"])
+    as_device_session(runner, monkeypatch)
+    real = runner._sampler_binding
+
+    def sentinel_for_the_greedy_row():
+        binding = real()
+        outputs = binding.get_outputs
+
+        def get_outputs():
+            tokens, *rest = outputs()
+            wrong = tokens.numpy().copy()
+            wrong[1] = 2**31 - 1
+            return [ort.OrtValue.ortvalue_from_numpy(wrong), *rest]
+        binding.get_outputs = get_outputs
+        return binding
+    monkeypatch.setattr(runner, "_sampler_binding", sentinel_for_the_greedy_row)
+    feeds = next(steps(runner, 1))
+    params, uniforms = [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams()], [0.4, 0.0]
+    sampling = sampler_feeds(params, uniforms, runner.info.vocab_size)
+    sampling[SORT_WIDTH] = np.array([1])
+    logits = plain.run(feeds).copy()
+    assert runner.run_sampled(feeds, sampling).tolist() == host_tokens(logits, params, uniforms)
+    assert runner.host_sampled_rows == 1 and runner.host_chosen_rows == 1 and runner.device_logit_rows == 2
