@@ -50,14 +50,16 @@ def _graph(provider: str, dtype: str):
     return run
 
 
-def measure(rows: int, vocab: int, dtype: str, rounds: int, providers: list) -> dict:
-    """Per setting and provider, the host's and the graph's times (seconds, one per round)."""
+def measure(logits: np.ndarray, rounds: int, providers: list) -> dict:
+    """Per setting and provider, the host's and the graph's times (seconds, one per round) over ``logits`` (float16
+    or float32, ``[rows, vocab]``)."""
     import onnxruntime as ort
 
     from ...serving.sampler_graph import sampler_feeds
     from ...serving.sampling import SamplingParams, choose_tokens
 
-    logits = (np.random.default_rng(0).standard_normal((rows, vocab)) * 4).astype(dtype)
+    rows, vocab = logits.shape
+    dtype = logits.dtype.name
     histories = [((), ())] * rows
     times = {}
     for provider in providers:
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
     providers = ["CPUExecutionProvider"]
     if "CUDAExecutionProvider" in ort.get_available_providers():
         providers.insert(0, "CUDAExecutionProvider")
-    times = measure(args.rows, args.vocab, args.dtype, args.rounds, providers)
+    logits = (np.random.default_rng(0).standard_normal((args.rows, args.vocab)) * 4).astype(args.dtype)
+    times = measure(logits, args.rounds, providers)
     header = (f"{args.rows} rows of {args.vocab:,} {args.dtype} logits; {cpu_device()}; onnxruntime {ort_version()}; "
               f"median of {args.rounds} interleaved rounds.\n\n    {recorded_command('kvcache_op.benchmarks.serving.sampler', argv)}")
     result = {"header": header, "times": times}
