@@ -8,8 +8,8 @@ token tied with the k-th kept) and top-p (the smallest most-likely-first prefix,
 reaches top_p) of what those two left renormalized, then the first token whose running sum in token order exceeds
 ``uniform`` times the total. A row whose temperature is below :data:`~.sampling.GREEDY_BELOW` takes its ArgMax.
 The host's and the graph's sums add in different orders, so the two agree to float64 rounding, not bit for bit:
-a token differs only where the uniform falls within that rounding of a boundary between two tokens' running sums
-(or a nucleus's mass within it of top_p).
+a token differs only where the uniform falls within that rounding of a boundary between two tokens' running sums,
+or where a nucleus's mass is within it of top_p, or a token's probability within it of min-p's threshold.
 
 Min-p and top-k keep the tokens at least as likely as a threshold, so they need no sort but the k-th most likely;
 top-p needs each row's most likely values in order. The graph sorts :data:`SORT_WIDTH` of them (one TopK, whose
@@ -116,12 +116,13 @@ def _running_sums(g: _Graph, x: str, chunk: int) -> str:
     padded = g.Mul(g.Div(g.Add(width, g.constant(f"{x}_chunk_less_one", [chunk - 1], np.int64)), size), size)
     zeros = g.ConstantOfShape(g.Concat(g.Shape(x, start=0, end=1), g.Sub(padded, width), axis=0),
                               value=helper.make_tensor(f"{x}_zero", TensorProto.DOUBLE, [1], [0.0]))
-    chunks = g.Reshape(g.Concat(x, zeros, axis=1), g.Concat(g.constant(f"{x}_rows", [0, -1], np.int64), size, axis=0))
+    count = g.Div(padded, size)  # chunks a row: the shape given whole, so that a batch of no rows reshapes too
+    chunks = g.Reshape(g.Concat(x, zeros, axis=1), g.Concat(g.Shape(x, start=0, end=1), count, size, axis=0))
     inner = g.CumSum(chunks, axis2)  # [B, W / chunk, chunk]
     totals = g.Gather(inner, g.constant(f"{x}_last", chunk - 1, np.int64), axis=2)  # each chunk's sum
     before = g.CumSum(totals, axis1, exclusive=1)
     sums = g.Reshape(g.Add(inner, g.Unsqueeze(before, g.constant(f"{x}_axes2", [2], np.int64))),
-                     g.constant(f"{x}_flat", [0, -1], np.int64))
+                     g.Concat(g.Shape(x, start=0, end=1), padded, axis=0))
     return g.Slice(sums, g.constant(f"{x}_from", [0], np.int64), width, g.constant(f"{x}_axes1", [1], np.int64))
 
 
@@ -146,7 +147,8 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     # within +-FINITE before and after the temperature, as the host (an infinite logit over a temperature near
     # FINITE is a small number there, and the row's other tokens keep some mass)
     low, high = g.constant("low", -FINITE, np.float64), g.constant("high", FINITE, np.float64)
-    scaled = g.Clip(g.Div(g.Clip(x, low, high), temperature), low, high)
+    clipped = g.Clip(x, low, high)
+    scaled = g.Clip(g.Div(clipped, temperature), low, high)
     q = g.Softmax(scaled, axis=1)
     width = g.Squeeze(g.Shape(q, start=1, end=2), first)  # the vocabulary, a scalar
     sort = g.Squeeze(SORT_WIDTH, first)
@@ -161,8 +163,8 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     end = g.constant("end", [2**62], np.int64)
     most_likely = g.Slice(values, first, g.constant("one_i", [1], np.int64), axis1)
     threshold = g.Max(g.Mul(column("min_p"), most_likely), g.Where(column(has_top_k), kth, zero))
-    keep = g.GreaterOrEqual(q, threshold)  # in token order, over the whole vocabulary
-    kept_mass = row_sum(g.Where(keep, q, zero))
+    kept = g.GreaterOrEqual(q, threshold)  # in token order, over the whole vocabulary
+    kept_mass = row_sum(g.Where(kept, q, zero))
     # top-p: the sorted positions up to the first whose running mass (of what min-p and top-k left, renormalized)
     # reaches top_p. What those two keep is a prefix of the sorted tokens, whose mass reaches 1: the cut falls within
     # it (and `keep` drops what follows it anyway).
@@ -177,12 +179,10 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     room = g.Cast(column(g.Sub(g.Add(last_kept, i_one), count(above))), to=TensorProto.DOUBLE)
     nucleus = g.Or(above, g.And(tied, g.LessOrEqual(tie_rank, room)))
     top_p = g.Less("top_p", one)
-    keep = g.And(keep, g.Or(g.Not(column(top_p)), nucleus))
-    # Incomplete: a nucleus whose mass the sorted tokens do not reach, where a token past them could join it (kept
-    # and of some mass); a k-th token past them.
-    past = g.Slice(values, last, end, axis1)  # the last sorted token
-    could_join = g.And(g.Less(sort, width), g.Squeeze(g.And(g.GreaterOrEqual(past, threshold), g.Greater(past, zero)),
-                                                      axis1))
+    keep = g.And(kept, g.Or(g.Not(column(top_p)), nucleus))
+    # Incomplete: a nucleus whose mass the sorted tokens do not reach, where a token past them could join it (more
+    # tokens of mass are kept than were sorted); a k-th token past them.
+    could_join = g.Greater(count(g.And(kept, g.Greater(q, zero))), sort)
     g.nodes.append(helper.make_node("Not", [g.Or(g.And(top_p, g.And(g.GreaterOrEqual(cut, sort), could_join)),
                                                  g.And(has_top_k, g.Greater("top_k", sort)))], [COMPLETE]))
     chosen = g.Where(keep, q, zero)
@@ -191,7 +191,7 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     target = g.Mul(column("uniform"), g.Slice(running, last, end, axis1))
     # how many running sums are at most the target is the drawn token (none for a NaN row: token 0)
     drawn = g.Min(count(g.LessOrEqual(running, target)), g.Sub(width, i_one))
-    g.nodes.append(helper.make_node("Where", [greedy, g.ArgMax(x, axis=1, keepdims=0), drawn], [TOKENS]))
+    g.nodes.append(helper.make_node("Where", [greedy, g.ArgMax(clipped, axis=1, keepdims=0), drawn], [TOKENS]))
     g.nodes.append(helper.make_node("Where", [column(greedy), zero, probs], [DISTRIBUTION]))
 
     rows, columns = "rows", "vocab"

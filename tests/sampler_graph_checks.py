@@ -44,24 +44,34 @@ def run_graph(logits: np.ndarray, params: list, uniforms, provider: str = "CPUEx
     return tuple(value.numpy() for value in binding.get_outputs())
 
 
-def _at_the_top_p_boundary(logits_row, p, support: int, other_support: int) -> bool:
-    """Whether two nuclei of ``support`` and ``other_support`` tokens differ only by rounding: the host's running mass
-    of the smaller one, most likely first, is within rounding of ``p.top_p`` (tied rows: 120 tokens of 1/120 each
-    reach 0.05 after six, give or take an ulp)."""
-    kept = distributions(logits_row[None], [dataclasses.replace(p, top_p=1.0)])[0]
+def _kept(logits_row, p) -> np.ndarray:
+    """The host's distribution of one row after min-p and top-k alone (no top-p)."""
+    return distributions(logits_row[None], [dataclasses.replace(p, top_p=1.0)])[0]
+
+
+def _at_a_rounding_boundary(logits_row, p, support: int, other_support: int) -> bool:
+    """Whether two supports of ``support`` and ``other_support`` tokens differ only by rounding: the host's running
+    mass of the smaller nucleus, most likely first, is within rounding of ``p.top_p`` (tied rows: 120 tokens of 1/120
+    each reach 0.05 after six, give or take an ulp); or a token's probability is within rounding of min-p's threshold
+    (``min_p`` times the most likely's: the two softmaxes differ in their last bits)."""
+    kept = _kept(logits_row, p)
     mass = np.cumsum(np.sort(kept)[::-1])
-    return p.top_p < 1.0 and abs(mass[min(support, other_support) - 1] - p.top_p) < 1e-12
+    if p.top_p < 1.0 and abs(mass[min(support, other_support) - 1] - p.top_p) < 1e-12:
+        return True
+    q = distributions(logits_row[None], [dataclasses.replace(p, top_p=1.0, top_k=0, min_p=0.0)])[0]
+    return p.min_p > 0 and bool(np.any(np.abs(q - p.min_p * q.max()) <= 1e-15 * q.max()))
 
 
 def check_against_host(rng, width: int, rounds: int = 40, dtype=np.float32, provider: str = "CPUExecutionProvider",
                        sort_width: int = None) -> int:
     """``rounds`` mixed batches of ``width`` logits (of ``dtype``) through the graph on ``provider`` and the host's
     sampler. Float64 both, summed in other orders: equal distributions to rounding (the same tokens kept, but where a
-    top-p nucleus's mass is within rounding of top_p), and the same tokens from the same uniforms (but where the
+    top-p nucleus's mass is within rounding of top_p, or a probability within rounding of min-p's threshold), and
+    the same tokens from the same uniforms (but where the
     uniform falls within rounding of the boundary between two tokens' running sums); greedy rows take their ArgMax,
     sampled rows of NaN logits token 0. A row is incomplete only where its nucleus (or its top-k) is wider than the
-    tokens sorted (``sort_width``, or the least the rows need), and the host's draw for it (what the engine takes
-    then) is the host sampler's token. Returns how many rows were incomplete."""
+    tokens sorted (``sort_width``, or the least the rows need) and more tokens of mass are kept than were sorted, and
+    the host's draw for it (what the engine takes then) is the host sampler's token. Returns how many rows were incomplete."""
     near_a_boundary = compared = incomplete = 0
     for _ in range(rounds):
         logits, params = mixed_batch(rng, width)
@@ -83,13 +93,16 @@ def check_against_host(rng, width: int, rounds: int = 40, dtype=np.float32, prov
                 assert complete[r] and tokens[r] == host[r] == np.argmax(logits[r].astype(np.float32))
                 continue
             support, host_support = (distribution[r] > 0).sum(), (want[r] > 0).sum()
-            if not complete[r]:
-                assert (p.top_p < 1.0 and host_support >= sorted_width) or min(p.top_k, width) > sorted_width, (r, p)
+            if not complete[r]:  # only where the sort could not hold the nucleus, or the k-th token
+                past_the_sort = (p.top_p < 1.0 and (_kept(logits[r], p) > 0).sum() > sorted_width
+                                 and (host_support > sorted_width
+                                      or _at_a_rounding_boundary(logits[r], p, sorted_width, sorted_width + 1)))
+                assert past_the_sort or min(p.top_k, width) > sorted_width, (r, p, host_support, sorted_width)
                 assert host_drawn(logits[[r]], sampler_feeds(params, uniforms, width), [r]).tolist() == [host[r]]
                 incomplete += 1
                 continue
             if support != host_support:
-                assert _at_the_top_p_boundary(logits[r], p, support, host_support), (r, p)
+                assert _at_a_rounding_boundary(logits[r], p, support, host_support), (r, p)
                 near_a_boundary += 1
                 continue
             compared += 1

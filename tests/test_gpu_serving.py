@@ -111,8 +111,18 @@ def test_the_gpus_sampling_graph_draws_the_host_samplers_tokens(dtype):
     from kvcache_op.reference.dtypes import BFLOAT16
     from sampler_graph_checks import check_against_host
 
-    check_against_host(np.random.default_rng(23), 32000, rounds=12,
-                       dtype=BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype), provider="CUDAExecutionProvider")
+    from sampler_graph_checks import run_graph
+    from sampling_batches import host_tokens
+    from kvcache_op.serving import SamplingParams
+
+    element = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    check_against_host(np.random.default_rng(23), 32000, rounds=12, dtype=element, provider="CUDAExecutionProvider")
+    # rows of -inf: the graph's ArgMax reads the logits clipped to +-FINITE (ONNX Runtime's CUDA ArgMax gives
+    # INT32_MAX for a row of -inf), and a sampled one draws from the clipped row's uniform distribution, as the host
+    logits = np.full((2, 32000), -np.inf, np.float32).astype(element)
+    params = [SamplingParams(), SamplingParams(temperature=0.7)]
+    tokens, _, complete = run_graph(logits, params, [0.0, 0.30001], "CUDAExecutionProvider")
+    assert complete.all() and tokens.tolist() == host_tokens(logits, params, [0.0, 0.30001]) and tokens[0] == 0
 
 
 def test_the_engines_sampled_tokens_are_drawn_on_the_gpu_as_on_the_host():

@@ -107,6 +107,8 @@ def test_exact_boundaries_are_the_hosts():
     assert np.array_equal(distribution[0], [0, 0, 0.5, 0.5, 0, 0, 0, 0])  # 1/4 + 1/4 reaches 0.5: two tokens
     assert np.array_equal(distribution[1], [0, 0, 0.25, 0.25, 0.25, 0.25, 0, 0])
     assert tokens.tolist() == [3, 2, 4, 5] == host_tokens(logits, params, uniforms)
+    # a uniform of 1 (outside [0, 1)): every running sum is at most it, and both take the last token
+    assert run_graph(logits, params, [1.0] * 4)[0].tolist() == [7] * 4 == host_tokens(logits, params, [1.0] * 4)
 
 
 def test_draws_come_from_each_requests_generator_and_can_be_taken_back():
@@ -154,8 +156,15 @@ def test_a_nucleus_short_of_top_p_by_rounding_is_complete_where_no_token_could_j
     spread = (rng.standard_normal((16, 300)) * 3).astype(np.float32)
     masked = np.full((16, 5000), -np.inf, np.float32)
     masked[:, :10] = rng.standard_normal((16, 10))  # ten tokens of mass, sorted among the first 1,024
-    for logits, sort_width in ((spread, 300), (masked, None)):
-        params, uniforms = [SamplingParams(temperature=1.0, top_p=top_p)] * 16, rng.random(16)
+    wide = (rng.standard_normal((16, 5000)) * 2).astype(np.float32)
+    for logits, sort_width, top_k in ((spread, 300, 0), (masked, None, 0), (wide, None, 1100)):
+        # the last: top-k's 1,100 sorted (the least sort those rows need), and no token past them kept
+        params, uniforms = [SamplingParams(temperature=1.0, top_p=top_p, top_k=top_k)] * 16, rng.random(16)
         tokens, _, complete = run_graph(logits, params, uniforms, sort_width=sort_width)
         assert complete.all()
         assert tokens.tolist() == host_tokens(logits, params, uniforms)
+
+
+def test_a_batch_of_no_rows_gives_no_tokens():
+    tokens, distribution, complete = run_graph(np.zeros((0, 300), np.float32), [], [])
+    assert tokens.shape == complete.shape == (0,) and distribution.shape == (0, 300)
