@@ -10,6 +10,7 @@ whose ``kvstarts`` grow by one per earlier sequence (``kvstarts + arange``): exa
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
@@ -33,14 +34,30 @@ def _check_free(graph, added: list) -> None:
         raise ValueError(f"the decoder already has values named {clash}: its next decode step cannot be added")
 
 
-def _greedy_nodes(graph) -> list:
+#: The largest finite float32.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _greedy_nodes(graph, clipped: bool = False) -> list:
     """The nodes computing :data:`GREEDY_TOKENS` from the logits: ArgMax over the vocabulary (the first of equal
-    maxima), float16/bfloat16 logits widened to float32 first (which keeps their order)."""
+    maxima), float16/bfloat16 logits widened to float32 first (which keeps their order). ``clipped``: the ArgMax
+    reads the logits within +-FLOAT32_MAX (ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf, whose token
+    the host would then choose from a copy of the logits; clipped, such a row's token is 0, numpy's; an infinite
+    logit stays the largest of its row, as float16 and bfloat16 hold no FLOAT32_MAX and a float32 row holding both is
+    no model's)."""
     outputs = {value.name: value for value in graph.output}
     logits, nodes = OUTPUT_NAME, []
     if outputs[OUTPUT_NAME].type.tensor_type.elem_type != TensorProto.FLOAT:
         nodes.append(helper.make_node("Cast", [logits], [NEXT_PREFIX + "logits_f32"], to=TensorProto.FLOAT))
         logits = NEXT_PREFIX + "logits_f32"
+    if clipped:
+        limit = lambda name, value: helper.make_node(  # noqa: E731
+            "Constant", [], [NEXT_PREFIX + name], value=helper.make_tensor(NEXT_PREFIX + name, TensorProto.FLOAT, [],
+                                                                            [value]))
+        nodes += [limit("lowest", -FLOAT32_MAX), limit("highest", FLOAT32_MAX),
+                  helper.make_node("Clip", [logits, NEXT_PREFIX + "lowest", NEXT_PREFIX + "highest"],
+                                   [NEXT_PREFIX + "logits_clipped"])]
+        logits = NEXT_PREFIX + "logits_clipped"
     return nodes + [helper.make_node("ArgMax", [logits], [GREEDY_TOKENS], axis=1, keepdims=0)]
 
 
@@ -55,13 +72,15 @@ def _extended(model: onnx.ModelProto, nodes: list, outputs: list) -> onnx.ModelP
 
 def with_greedy_tokens(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of the exported decoder ``model`` with one more output, :data:`GREEDY_TOKENS` (int64, one per row of
-    the logits): each row's ArgMax, as :func:`with_next_decode` computes it, and nothing else. Its nodes (Cast,
-    ArgMax) have kernels in ONNX Runtime's CUDA EP, so on a GPU a greedy step's tokens cross the bus instead of its
-    logits. ``ValueError`` when the graph has no logits or already has a value of the new names."""
+    the logits): each row's ArgMax, as :func:`with_next_decode` computes it (over the logits clipped to
+    +-FLOAT32_MAX: a row of -inf gives 0), and nothing else. Its nodes (Cast, Clip, ArgMax) have kernels in ONNX
+    Runtime's CUDA EP, so on a GPU a greedy step's tokens cross the bus instead of its logits. ``ValueError`` when the
+    graph has no logits or already has a value of the new names."""
     if OUTPUT_NAME not in {value.name for value in model.graph.output}:
         raise ValueError(f"not an exported decoder: it has no {OUTPUT_NAME!r}")
-    _check_free(model.graph, [GREEDY_TOKENS, NEXT_PREFIX + "logits_f32"])
-    return _extended(model, _greedy_nodes(model.graph),
+    _check_free(model.graph, [GREEDY_TOKENS] + [NEXT_PREFIX + name for name in
+                                                ("logits_f32", "lowest", "highest", "logits_clipped")])
+    return _extended(model, _greedy_nodes(model.graph, clipped=True),
                      [helper.make_tensor_value_info(GREEDY_TOKENS, TensorProto.INT64, None)])
 
 

@@ -206,8 +206,8 @@ class ModelRunner:
         of equal maxima (numpy's ``argmax`` of the logits; of a row holding NaN, whichever ONNX Runtime's ArgMax
         gives: on the CPU it passes over NaNs, where numpy's takes the first), in a buffer the next step may
         overwrite. The graph chooses them, so on a device only the tokens cross the bus. A row whose token from the
-        graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf) is chosen on the
-        host from its logits (:attr:`host_chosen_rows` counts them)."""
+        graph is not in the vocabulary (ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf, which the device
+        graph's clip avoids) is chosen on the host from its logits (:attr:`host_chosen_rows` counts them)."""
         binding, rows = self._bind_inputs(feeds, changed), len(feeds["seqstarts"]) - 1
         logits = self._run_leaving_logits(binding, rows)
         tokens = self._tokens if self.device[0] == "cpu" else np.array(binding.get_outputs()[1].numpy())  # owned

@@ -47,12 +47,12 @@ def test_next_outputs_are_numpys_argmax_and_the_next_decode_steps_inputs(element
 
 @pytest.mark.parametrize("element_type", [TensorProto.FLOAT, TensorProto.FLOAT16])
 def test_the_greedy_tokens_alone_are_numpys_argmax_through_nodes_a_gpu_runs(element_type):
-    """A device session's graph: the logits unchanged and each row's token, through Cast and ArgMax only (ONNX
-    Runtime's CUDA EP has kernels for both; the next step's index arithmetic would put shape nodes on the CPU)."""
+    """A device session's graph: the logits unchanged and each row's token, through Cast, Clip and ArgMax only (ONNX
+    Runtime's CUDA EP has kernels for them; the next step's index arithmetic would put shape nodes on the CPU)."""
     model = logits_graph(element_type)
     greedy = with_greedy_tokens(model)
-    assert [n.op_type for n in greedy.graph.node[len(model.graph.node):]] == (
-        ["ArgMax"] if element_type == TensorProto.FLOAT else ["Cast", "ArgMax"])
+    added = [n.op_type for n in greedy.graph.node[len(model.graph.node):] if n.op_type != "Constant"]
+    assert added == (["Clip", "ArgMax"] if element_type == TensorProto.FLOAT else ["Cast", "Clip", "ArgMax"])
     assert [o.name for o in greedy.graph.output] == ["logits", GREEDY_TOKENS]
     session = ort.InferenceSession(greedy.SerializeToString(), providers=["CPUExecutionProvider"])
     ids = np.random.default_rng(2).integers(0, VOCAB, 40)
@@ -134,3 +134,19 @@ def test_inputs_with_anonymous_dynamic_dims_give_outputs_of_the_same_shapes(tmp_
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     one = Engine(str(path), num_pages=16, decode_steps=1).generate([[1, 2, 3]], 30, params=params)
     assert Engine(str(path), num_pages=16).generate([[1, 2, 3]], 30, params=params) == one
+
+
+@pytest.mark.parametrize("element_type", [TensorProto.FLOAT, TensorProto.FLOAT16])
+def test_the_device_graphs_argmax_reads_clipped_logits(element_type):
+    """ONNX Runtime's CUDA ArgMax gives INT32_MAX for a row of -inf: the device graph's ArgMax reads the logits within
+    +-FLOAT32_MAX, so such a row's token is numpy's 0, and an infinite logit still wins its row."""
+    dtype = np.float32 if element_type == TensorProto.FLOAT else np.float16
+    graph = helper.make_graph([helper.make_node("Identity", ["scores"], ["logits"])], "decoder",
+                              [helper.make_tensor_value_info("scores", element_type, ["n", 4])],
+                              [helper.make_tensor_value_info("logits", element_type, ["n", 4])])
+    model = with_greedy_tokens(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)], ir_version=10))
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    scores = np.array([[-np.inf] * 4, [1.0, np.inf, 3.0, np.inf], [-np.inf, -2.0, -np.inf, -1.0],
+                       [2.0, 5.0, 5.0, -np.inf]], dtype)
+    tokens = session.run([GREEDY_TOKENS], {"scores": scores})[0]
+    assert tokens.tolist() == np.argmax(scores, axis=1).tolist() == [0, 1, 3, 1]
