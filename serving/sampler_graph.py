@@ -13,11 +13,12 @@ or where a nucleus's mass is within it of top_p, or a token's probability within
 
 Min-p and top-k keep the tokens at least as likely as a threshold, so they need no sort but the k-th most likely;
 top-p needs each row's most likely values in order. The graph sorts :data:`SORT_WIDTH` of them (one TopK, whose
-values alone it reads: the nucleus's ties with its last token are taken by index in token order), as few as the
-step's requests need: one without top-k or top-p, the largest top-k, and :data:`NUCLEUS_SORT` with top-p. Sorting whole rows of a real vocabulary would cost a GPU one sort per row (ONNX
-Runtime's CUDA TopK sorts more than 4,096 a row one row at a time) and the CPU 180 ms for 64 x 32,000. A row whose
-nucleus the sorted tokens do not reach is marked incomplete (:data:`COMPLETE` false): its token is then chosen on the
-host (:func:`~.sampling.drawn_tokens`, from the same uniform).
+values alone it reads: the nucleus's ties with its last token are taken by index, counted in token order), as few as
+the step's requests need: one without top-k or top-p, the largest top-k, and :data:`NUCLEUS_SORT` with top-p. Sorting
+whole rows of a real vocabulary would cost a GPU one sort per row (ONNX Runtime's CUDA TopK sorts more than 4,096 a
+row one row at a time) and the CPU 180 ms for 64 x 32,000. A row whose nucleus the sorted tokens do not reach, where
+more tokens of mass are kept than were sorted, is marked incomplete (:data:`COMPLETE` false): its token is then chosen
+on the host (:func:`~.sampling.drawn_tokens`, from the same uniform).
 
 Every node has a float64 kernel in ONNX Runtime's CPU and CUDA EPs, so CI runs the graph the GPU runs.
 """
@@ -131,7 +132,8 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     :data:`LOGITS` ``[B, vocab]``, :data:`PARAMETER_INPUTS` and :data:`SORT_WIDTH`; outputs :data:`TOKENS`,
     :data:`COMPLETE` and :data:`DISTRIBUTION` (a row's where it is complete)."""
     if logits_type not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
-        raise ValueError(f"the sampler takes float, float16 or bfloat16 logits, got {TensorProto.DataType.Name(logits_type)}")
+        raise ValueError("the sampler takes float, float16 or bfloat16 logits, got "
+                         f"{TensorProto.DataType.Name(logits_type)}")
     g = _Graph()
     zero, one = g.constant("zero", 0.0, np.float64), g.constant("one", 1.0, np.float64)
     axis1, first, last = g.constant("axis1", [1], np.int64), g.constant("first", [0], np.int64), \

@@ -71,7 +71,8 @@ def check_against_host(rng, width: int, rounds: int = 40, dtype=np.float32, prov
     uniform falls within rounding of the boundary between two tokens' running sums); greedy rows take their ArgMax,
     sampled rows of NaN logits token 0. A row is incomplete only where its nucleus (or its top-k) is wider than the
     tokens sorted (``sort_width``, or the least the rows need) and more tokens of mass are kept than were sorted, and
-    the host's draw for it (what the engine takes then) is the host sampler's token. Returns how many rows were incomplete."""
+    the host's draw for it (what the engine takes then) is the host sampler's token. Returns how many rows were
+    incomplete."""
     near_a_boundary = compared = incomplete = 0
     for _ in range(rounds):
         logits, params = mixed_batch(rng, width)

@@ -22,8 +22,10 @@ def mixed_batch(rng, width: int):
             SamplingParams(temperature=1.3, top_k=5), SamplingParams(temperature=1.0, top_k=1),
             SamplingParams(temperature=1.0, top_k=width + 3), SamplingParams(temperature=1.0, top_p=0.8),
             SamplingParams(temperature=4.0, top_p=0.999), SamplingParams(temperature=0.9, top_p=0.05),
-            SamplingParams(temperature=0.5, min_p=0.1), SamplingParams(temperature=2.0, top_k=12, top_p=0.6, min_p=0.02),
-            SamplingParams(temperature=3.0, top_k=300, top_p=0.97), SamplingParams(temperature=0.8, top_k=40, min_p=0.3)]
+            SamplingParams(temperature=0.5, min_p=0.1),
+            SamplingParams(temperature=2.0, top_k=12, top_p=0.6, min_p=0.02),
+            SamplingParams(temperature=3.0, top_k=300, top_p=0.97),
+            SamplingParams(temperature=0.8, top_k=40, min_p=0.3)]  # min-p above the k-th
     count = int(rng.integers(1, 9))
     kinds = rng.integers(0, 4, count)
     logits = np.stack([rng.standard_normal(width) * rng.uniform(0.1, 6) if k in (0, 3) else

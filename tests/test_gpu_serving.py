@@ -156,4 +156,5 @@ def test_streaming_llm_shifts_keys_on_the_gpu_under_the_default_providers():
     default.runner.shift_keys = lambda slots, deltas: (shifts.append(len(slots)), shift_keys(slots, deltas))
     tokens = default.generate(prompts, 12)
     assert sum(shifts) > 0  # 70-token prompts over a 64-token budget
-    assert Engine(path, num_pages=16, streaming=policy, providers=["CUDAExecutionProvider"]).generate(prompts, 12) == tokens
+    alone = Engine(path, num_pages=16, streaming=policy, providers=["CUDAExecutionProvider"])
+    assert alone.generate(prompts, 12) == tokens

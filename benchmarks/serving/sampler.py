@@ -45,7 +45,8 @@ def _graph(provider: str, dtype: str):
         session.run_with_iobinding(binding)
         tokens, complete = (value.numpy() for value in binding.get_outputs())
         if not complete.all():  # the engine would draw these rows on the host: not what this times
-            raise RuntimeError(f"{int((~complete).sum())} rows' nuclei lie past the {feeds[SORT_WIDTH][0]} tokens sorted")
+            raise RuntimeError(f"{int((~complete).sum())} rows' nuclei lie past the {feeds[SORT_WIDTH][0]} tokens "
+                               "sorted")
         return tokens
     return run
 
@@ -116,8 +117,9 @@ def main(argv=None) -> int:
         providers.insert(0, "CUDAExecutionProvider")
     logits = (np.random.default_rng(0).standard_normal((args.rows, args.vocab)) * 4).astype(args.dtype)
     times = measure(logits, args.rounds, providers)
+    command = recorded_command("kvcache_op.benchmarks.serving.sampler", argv)
     header = (f"{args.rows} rows of {args.vocab:,} {args.dtype} logits; {cpu_device()}; onnxruntime {ort_version()}; "
-              f"median of {args.rounds} interleaved rounds.\n\n    {recorded_command('kvcache_op.benchmarks.serving.sampler', argv)}")
+              f"median of {args.rounds} interleaved rounds.\n\n    {command}")
     result = {"header": header, "times": times}
     publish(args.out, "The sampling graph against the host's sampler", result, table(result))
     return 0
