@@ -38,8 +38,8 @@ PARAMETER_INPUTS = ("temperature", "top_k", "top_p", "min_p", "uniform")
 #: How many of each row's most likely tokens the graph sorts: int64 ``[1]``, from 1 to the vocabulary.
 SORT_WIDTH = "sort_width"
 #: The graph's outputs: each row's token (int64 ``[B]``); whether its token is the host's (bool ``[B]``: false where
-#: top-p's nucleus or top-k's k-th token lies past the sorted ones); and the float64 distribution it was drawn from
-#: (``[B, vocab]``, a greedy row's zero: :func:`~.sampling.distributions`).
+#: top-p's nucleus or top-k's k-th token lies past the sorted ones); and, where asked for, the float64 distribution it
+#: was drawn from (``[B, vocab]``, a greedy row's zero: :func:`~.sampling.distributions`).
 TOKENS, COMPLETE, DISTRIBUTION = "tokens", "complete", "distribution"
 #: The tokens a step with top-p sorts: a trained model's nucleus at top_p 0.9-0.95 is mostly tens to hundreds of
 #: tokens, and ONNX Runtime's CUDA TopK sorts up to 4,096 a row in one kernel for the whole batch.
@@ -127,10 +127,11 @@ def _running_sums(g: _Graph, x: str, chunk: int) -> str:
     return g.Slice(sums, g.constant(f"{x}_from", [0], np.int64), width, g.constant(f"{x}_axes1", [1], np.int64))
 
 
-def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
+def sampler_model(logits_type: int = TensorProto.FLOAT, distribution: bool = False) -> onnx.ModelProto:
     """The sampling graph (see the module) for logits of ``logits_type`` (float, float16 or bfloat16): inputs
     :data:`LOGITS` ``[B, vocab]``, :data:`PARAMETER_INPUTS` and :data:`SORT_WIDTH`; outputs :data:`TOKENS`,
-    :data:`COMPLETE` and :data:`DISTRIBUTION` (a row's where it is complete)."""
+    :data:`COMPLETE`, and with ``distribution`` :data:`DISTRIBUTION` (a row's where it is complete: for tests; the
+    engine's graph leaves it out, as ONNX Runtime computes an output whether it is read or not)."""
     if logits_type not in (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16):
         raise ValueError("the sampler takes float, float16 or bfloat16 logits, got "
                          f"{TensorProto.DataType.Name(logits_type)}")
@@ -194,7 +195,8 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
     # how many running sums are at most the target is the drawn token (none for a NaN row: token 0)
     drawn = g.Min(count(g.LessOrEqual(running, target)), g.Sub(width, i_one))
     g.nodes.append(helper.make_node("Where", [greedy, g.ArgMax(clipped, axis=1, keepdims=0), drawn], [TOKENS]))
-    g.nodes.append(helper.make_node("Where", [column(greedy), zero, probs], [DISTRIBUTION]))
+    if distribution:
+        g.nodes.append(helper.make_node("Where", [column(greedy), zero, probs], [DISTRIBUTION]))
 
     rows, columns = "rows", "vocab"
     inputs = [helper.make_tensor_value_info(LOGITS, logits_type, [rows, columns])]
@@ -202,8 +204,9 @@ def sampler_model(logits_type: int = TensorProto.FLOAT) -> onnx.ModelProto:
                                              [rows]) for name in PARAMETER_INPUTS]
     inputs.append(helper.make_tensor_value_info(SORT_WIDTH, TensorProto.INT64, [1]))
     outputs = [helper.make_tensor_value_info(TOKENS, TensorProto.INT64, [rows]),
-               helper.make_tensor_value_info(COMPLETE, TensorProto.BOOL, [rows]),
-               helper.make_tensor_value_info(DISTRIBUTION, TensorProto.DOUBLE, [rows, columns])]
+               helper.make_tensor_value_info(COMPLETE, TensorProto.BOOL, [rows])]
+    if distribution:
+        outputs.append(helper.make_tensor_value_info(DISTRIBUTION, TensorProto.DOUBLE, [rows, columns]))
     graph = helper.make_graph(g.nodes, "sampler", inputs, outputs, initializer=g.initializers)
     return helper.make_model(graph, ir_version=IR_VERSION, producer_name="kvcache-op",
                              opset_imports=[helper.make_opsetid("", DEFAULT_OPSET)])

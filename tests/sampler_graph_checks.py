@@ -26,7 +26,7 @@ def run_graph(logits: np.ndarray, params: list, uniforms, provider: str = "CPUEx
     element = ELEMENT[logits.dtype]
     key = element, provider
     if key not in _SESSIONS:
-        _SESSIONS[key] = make_session(sampler_model(element), (provider,),
+        _SESSIONS[key] = make_session(sampler_model(element, distribution=True), (provider,),
                                       disable_cpu_fallback=provider != "CPUExecutionProvider")
     session = _SESSIONS[key]
     binding = session.io_binding()
